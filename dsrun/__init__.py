@@ -1,0 +1,35 @@
+"""dsrun: a launcher and ZeRO training runtime for DeepSpeed-style scripts.
+
+The public runtime API is loaded lazily (PEP 562) so that importing
+``dsrun`` - which the launcher and node agents do - never imports torch.
+``import dsrun as deepspeed`` gives DeepSpeed scripts the names they use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> "module:attribute" it lives in
+_LAZY = {
+    "init_distributed": "dsrun.runtime.dist:init_distributed",
+    "DistEnv": "dsrun.runtime.env:DistEnv",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'dsrun' has no attribute {name!r}")
+    module_name, attr = target.split(":")
+    value = getattr(importlib.import_module(module_name), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

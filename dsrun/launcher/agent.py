@@ -1,0 +1,312 @@
+"""The node agent: starts this host's ranks, streams their output, tears down.
+
+One agent runs per host and attempt (``python -m dsrun.launcher.agent``),
+started by a backend locally, over SSH or through mpirun/srun. It reads its
+part of the plan from the first line of stdin (see protocol.py) and reports
+events on stdout. Guarantees:
+
+- every rank runs in its own session/process group, with the parent-death
+  signal set, so it dies with the agent;
+- the first rank to fail stops the others: SIGTERM to each group, then
+  SIGKILL after ``kill_grace`` seconds;
+- a stop command, end of stdin (launcher or SSH channel gone) or a signal
+  to the agent stops every rank the same way;
+- before ``done`` is sent every process of the job on this host is gone,
+  including descendants that left their group (found by the job marker);
+- if the agent itself is SIGKILLed, its guard process kills the job.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import json
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from dsrun.launcher import procs, protocol
+from dsrun.launcher.devices import usable_cpus
+from dsrun.launcher.plan import host_env
+
+TAIL_LINES = 20
+_PR_SET_PDEATHSIG = 1
+
+
+class Stop(Exception):
+    """Raised by the agent's signal handlers."""
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    raise Stop(signal.Signals(signum).name)
+
+
+def _die_with_parent(parent: int):
+    """preexec_fn: SIGKILL this rank when the agent dies (Linux only)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        libc = None
+
+    def preexec() -> None:
+        if libc is not None:
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the agent died before prctl took effect
+            os._exit(137)
+
+    return preexec
+
+
+@dataclass
+class Rank:
+    rank: int
+    local_rank: int
+    popen: subprocess.Popen
+    error_file: str
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    readers: list[threading.Thread] = field(default_factory=list)
+    log: IO[str] | None = None
+    reported: bool = False
+
+
+class Agent:
+    def __init__(self, payload: dict[str, Any], out: IO[bytes]) -> None:
+        self.payload = payload
+        self.job_id: str = payload["job_id"]
+        self.grace = float(payload.get("kill_grace", 5.0))
+        self.out = out
+        self.lock = threading.Lock()
+        self.events: queue.Queue[str] = queue.Queue()
+        self.ranks: list[Rank] = []
+        self.pgids: list[int] = []
+        self.stopping = False
+        self.hard_killed = False
+        self.deadline = 0.0
+        self.failed = False
+        self.guard: subprocess.Popen | None = None
+        self.tmpdir = tempfile.mkdtemp(prefix=f"dsrun-{self.job_id[:8]}-")
+
+    # -- output -------------------------------------------------------------
+    def emit(self, obj: dict[str, Any]) -> None:
+        with self.lock:
+            try:
+                protocol.write(self.out, obj)
+            except (BrokenPipeError, ValueError, OSError):
+                self.events.put("eof")  # nobody listens any more: stop
+
+    # -- lifecycle ------------------------------------------------------------
+    def run(self) -> int:
+        try:
+            try:
+                self._start()
+                self._loop()
+            except Stop:
+                self._begin_stop()
+                self._loop()
+        finally:
+            killed = self._finish()
+            self.emit({"ev": "done", "killed": killed})
+        return 1 if self.failed else 0
+
+    def _start(self) -> None:
+        self.emit({"ev": "hello", "host": socket.gethostname(), "pid": os.getpid()})
+        self.guard = subprocess.Popen(
+            [sys.executable, "-m", "dsrun.launcher.guard", self.job_id],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True,
+        )
+        specs = self.payload["ranks"]
+        for spec in specs:
+            self._spawn(spec, len(specs))
+        for rank in self.ranks:
+            self._start_readers(rank)
+        threading.Thread(target=self._read_commands, daemon=True).start()
+
+    def _rank_env(self, spec: dict[str, Any], local_world_size: int) -> dict[str, str]:
+        env = dict(os.environ) if self.payload.get("inherit_env", True) else {}
+        env.update(self.payload.get("env", {}))
+        env.update(self.payload.get("host_env", {}))
+        env.update(spec["env"])
+        env.update(host_env(local_world_size, usable_cpus(), env))
+        env["DSRUN_ERROR_FILE"] = os.path.join(self.tmpdir, f"rank_{spec['rank']}.json")
+        return env
+
+    def _spawn(self, spec: dict[str, Any], local_world_size: int) -> None:
+        env = self._rank_env(spec, local_world_size)
+        try:
+            popen = subprocess.Popen(
+                spec["argv"], env=env, cwd=self.payload.get("cwd") or None,
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True, preexec_fn=_die_with_parent(os.getpid()),
+            )
+        except OSError as exc:
+            self.failed = True
+            self.emit({"ev": "exit", "rank": spec["rank"], "code": 127, "signal": None,
+                       "time": time.time(), "during_stop": self.stopping,
+                       "error": {"message": f"cannot start {spec['argv'][0]}: {exc.strerror}"},
+                       "tail": []})
+            self._begin_stop()
+            return
+        self.pgids.append(popen.pid)
+        if self.guard is not None and self.guard.stdin is not None:
+            self.guard.stdin.write(f"{popen.pid}\n".encode())
+            self.guard.stdin.flush()
+        rank = Rank(spec["rank"], spec["local_rank"], popen, env["DSRUN_ERROR_FILE"])
+        rank.log = self._open_log(rank.rank)
+        self.ranks.append(rank)
+        self.emit({"ev": "started", "rank": rank.rank, "pid": popen.pid})
+
+    def _open_log(self, rank: int) -> IO[str] | None:
+        log_dir = self.payload.get("log_dir")
+        if not log_dir:
+            return None
+        os.makedirs(log_dir, exist_ok=True)
+        log = open(os.path.join(log_dir, f"rank_{rank}.log"), "a", encoding="utf-8")
+        log.write(f"# dsrun job {self.job_id} restart {self.payload.get('restart_count', 0)} "
+                  f"host {socket.gethostname()} {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        return log
+
+    def _start_readers(self, rank: Rank) -> None:
+        for fd, stream in ((1, rank.popen.stdout), (2, rank.popen.stderr)):
+            t = threading.Thread(target=self._pump, args=(rank, fd, stream), daemon=True)
+            t.start()
+            rank.readers.append(t)
+
+    def _pump(self, rank: Rank, fd: int, stream: IO[bytes]) -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            rank.tail.append(line)
+            if rank.log is not None:
+                with self.lock:
+                    rank.log.write(line + "\n")
+                    rank.log.flush()
+            self.emit({"ev": "out", "rank": rank.rank, "fd": fd, "line": line})
+        stream.close()
+
+    def _read_commands(self) -> None:
+        # Raw reads on fd 0: a daemon thread blocked inside sys.stdin's
+        # buffered reader would hold its lock at interpreter shutdown.
+        pending = b""
+        while True:
+            try:
+                chunk = os.read(0, 65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                try:
+                    if protocol.decode(line).get("cmd") == "stop":
+                        self.events.put("stop")
+                except ValueError:
+                    continue
+        self.events.put("eof")
+
+    # -- supervision ----------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            try:
+                event = self.events.get(timeout=0.05)
+            except queue.Empty:
+                event = None
+            if event in ("stop", "eof"):
+                self._begin_stop()
+            self._reap()
+            if self.stopping and not self.hard_killed and time.monotonic() >= self.deadline:
+                procs.signal_groups(self._live_pgids(), signal.SIGKILL)
+                self.hard_killed = True
+            if all(r.reported for r in self.ranks):
+                return
+
+    def _live_pgids(self) -> list[int]:
+        return [r.popen.pid for r in self.ranks if r.popen.returncode is None]
+
+    def _begin_stop(self) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        self.deadline = time.monotonic() + self.grace
+        procs.signal_job(self.pgids, self.job_id, signal.SIGTERM)
+
+    def _reap(self) -> None:
+        for rank in self.ranks:
+            if rank.reported or rank.popen.poll() is None:
+                continue
+            rank.reported = True
+            for t in rank.readers:
+                t.join(timeout=0.5)
+            code = rank.popen.returncode
+            failed = code != 0
+            self.emit({
+                "ev": "exit", "rank": rank.rank,
+                "code": code if code >= 0 else None,
+                "signal": -code if code < 0 else None,
+                "time": time.time(), "during_stop": self.stopping,
+                "error": _read_error(rank.error_file), "tail": list(rank.tail),
+            })
+            if failed:
+                self.failed = True
+                self._begin_stop()
+
+    def _finish(self) -> int:
+        """Make sure nothing of the job is left on this host; return #SIGKILLed."""
+        deadline = self.deadline if self.stopping else None
+        killed = procs.stop_job(self.pgids, self.job_id, self.grace,
+                                already_termed=self.stopping, deadline=deadline)
+        for rank in self.ranks:
+            if rank.popen.poll() is None:  # only after a second signal
+                rank.popen.kill()
+                rank.popen.wait()
+            if rank.log is not None:
+                rank.log.close()
+        if self.guard is not None and self.guard.stdin is not None:
+            try:
+                self.guard.stdin.write(b"done\n")
+                self.guard.stdin.close()
+            except OSError:
+                pass
+            self.guard.wait()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        return killed
+
+
+def _read_error(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _read_first_line() -> bytes:
+    """The start payload, read byte-wise so nothing after it is consumed."""
+    buf = bytearray()
+    while True:
+        b = os.read(0, 1)
+        if not b or b == b"\n":
+            return bytes(buf)
+        buf += b
+
+
+def main() -> int:
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, _raise_stop)
+    line = _read_first_line()
+    if not line:
+        return 2
+    payload = protocol.decode(line)
+    return Agent(payload, sys.stdout.buffer).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

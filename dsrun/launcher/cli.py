@@ -1,0 +1,148 @@
+"""The ``dsrun`` command line: parse -> spec -> plan -> launch -> exit code.
+
+``dsrun [OPTIONS] SCRIPT [SCRIPT_ARGS...]`` runs a job; ``dsrun run ...``
+is the same command spelled out (needed when a script is named like a
+subcommand). Everything after SCRIPT goes to the script untouched. Every
+user error ends as one ``dsrun: error: ...`` line and exit status 2, before
+anything is started.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+import click
+
+from dsrun.errors import DsrunError
+from dsrun.launcher import launch
+from dsrun.launcher.spec import DIST_BACKENDS, LaunchSpec
+
+CONTEXT = {"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
+
+
+def _env_pair(ctx: click.Context, param: click.Parameter, values: Sequence[str]):
+    pairs = []
+    for value in values:
+        key, sep, val = value.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected KEY=VALUE, got {value!r}")
+        pairs.append((key, val))
+    return tuple(pairs)
+
+
+@click.command("run", context_settings=CONTEXT)
+@click.option("--num_gpus", "--num-gpus", "num_gpus", type=int, default=None,
+              help="Ranks per host (GPUs; on a host without GPUs, CPU ranks). "
+                   "Default: all GPUs, or 2 CPU ranks on a CPU-only host.")
+@click.option("--num_nodes", "--num-nodes", "num_nodes", type=int, default=None,
+              help="Number of hosts to use.")
+@click.option("--master_addr", "--master-addr", "master_addr", default=None,
+              help="Rendezvous address (default 127.0.0.1 for a local job).")
+@click.option("--master_port", "--master-port", "master_port", type=int, default=None,
+              help="Rendezvous port (default: a free port chosen by dsrun).")
+@click.option("-m", "--module", "module", is_flag=True,
+              help="Run SCRIPT as a module, like python -m.")
+@click.option("--no_python", "--no-python", "no_python", is_flag=True,
+              help="Run SCRIPT as an executable, without python and without the "
+                   "injected runtime.")
+@click.option("--log_dir", "--log-dir", "log_dir", default=None, type=click.Path(),
+              help="Also write each rank's output to LOG_DIR/rank_N.log.")
+@click.option("--dry-run", "--dry_run", "dry_run", is_flag=True,
+              help="Print the rank map and each rank's command and environment, "
+                   "then exit without starting anything.")
+@click.option("--max_restarts", "--max-restarts", "max_restarts", type=int, default=0,
+              show_default=True, help="Restart the whole job up to N times after a failure.")
+@click.option("--kill_grace", "--kill-grace", "kill_grace", type=float, default=5.0,
+              show_default=True,
+              help="Seconds between SIGTERM and SIGKILL when stopping ranks.")
+@click.option("--dist_backend", "--dist-backend", "dist_backend", default=None,
+              type=click.Choice(DIST_BACKENDS),
+              help="torch.distributed backend for the injected runtime "
+                   "(default: nccl on GPU ranks, gloo on CPU ranks; 'none' skips it).")
+@click.option("--env", "env", multiple=True, callback=_env_pair, metavar="KEY=VALUE",
+              help="Set an environment variable for every rank (repeatable).")
+@click.argument("script")
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+def run_command(**params: object) -> int:
+    """Launch SCRIPT on every selected rank."""
+    warn_flags_after_script(params["script_args"])  # type: ignore[arg-type]
+    return launch.run(spec_from_params(params))
+
+
+def spec_from_params(params: dict[str, object]) -> LaunchSpec:
+    params = dict(params)
+    extra_env = params.pop("env")
+    return LaunchSpec(**params, extra_env=extra_env)  # type: ignore[arg-type]
+
+
+def parse_spec(argv: Sequence[str]) -> LaunchSpec:
+    """Parse ``dsrun run`` arguments into a LaunchSpec without running anything."""
+    ctx = run_command.make_context("dsrun", list(argv))
+    return spec_from_params(ctx.params)
+
+
+def _dsrun_flag_names() -> set[str]:
+    names = set()
+    for param in run_command.params:
+        if isinstance(param, click.Option):
+            names.update(o for o in param.opts if o.startswith("--"))
+    return names
+
+
+def warn_flags_after_script(script_args: Sequence[str]) -> list[str]:
+    """Warn (once per flag) about dsrun flags that will go to the script."""
+    known = _dsrun_flag_names()
+    seen = []
+    for arg in script_args:
+        name = arg.split("=", 1)[0]
+        if name in known and name not in seen:
+            seen.append(name)
+            click.echo(f"dsrun: warning: {name} comes after the script, so it is passed to "
+                       f"the script, not to dsrun; put dsrun options before the script",
+                       err=True)
+    return seen
+
+
+def _commands() -> dict[str, click.Command]:
+    """Subcommands other than run, loaded only when named."""
+    commands: dict[str, click.Command] = {"run": run_command}
+    try:
+        from dsrun.launcher.hosts_cli import hosts
+        commands["hosts"] = hosts
+    except ImportError:
+        pass
+    return commands
+
+
+def _dispatch(args: list[str]) -> tuple[click.Command, list[str]]:
+    if args and not args[0].startswith("-") and not os.path.exists(args[0]):
+        command = _commands().get(args[0])
+        if command is not None:
+            return command, args[1:]
+    return run_command, args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    command, rest = _dispatch(args)
+    try:
+        result = command.main(rest, prog_name="dsrun", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except click.exceptions.Abort:
+        return 128 + signal.SIGINT
+    except click.ClickException as exc:
+        hint = " (see dsrun --help)" if isinstance(exc, click.UsageError) else ""
+        click.echo(f"dsrun: error: {exc.format_message()}{hint}", err=True)
+        return exc.exit_code
+    except DsrunError as exc:
+        click.echo(f"dsrun: error: {exc}", err=True)
+        return exc.exit_code
+    return result if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

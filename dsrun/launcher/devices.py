@@ -1,0 +1,65 @@
+"""Count this host's GPUs without importing torch.
+
+The launcher and node agents must stay torch-free, so devices are found the
+way the driver exposes them: ``CUDA_VISIBLE_DEVICES`` when the user set it,
+else the NVIDIA driver's ``/proc`` entries, else ``nvidia-smi -L``.
+``DSRUN_FAKE_GPUS=N`` overrides everything; it exists so that GPU layout
+code paths can be tested on CPU machines and is documented as such.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping
+
+_PROC_GPUS = "/proc/driver/nvidia/gpus"
+
+
+def visible_devices(environ: Mapping[str, str] | None = None) -> tuple[int, ...]:
+    """Device indices usable on this host (empty tuple on a CPU-only host)."""
+    env = os.environ if environ is None else environ
+    fake = env.get("DSRUN_FAKE_GPUS")
+    if fake is not None:
+        return tuple(range(int(fake)))
+    physical = _physical_count()
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        return _parse_cvd(cvd, physical)
+    return tuple(range(physical))
+
+
+def _parse_cvd(value: str, physical: int) -> tuple[int, ...]:
+    """Indices from CUDA_VISIBLE_DEVICES, cut at the first invalid entry as CUDA does."""
+    ids: list[int] = []
+    for part in value.split(","):
+        part = part.strip()
+        if not re.fullmatch(r"\d+", part) or int(part) >= max(physical, 0):
+            break
+        ids.append(int(part))
+    return tuple(ids)
+
+
+def _physical_count() -> int:
+    try:
+        return len(os.listdir(_PROC_GPUS))
+    except OSError:
+        pass
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (affinity-aware)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

@@ -1,0 +1,425 @@
+"""Parse, validate, find and edit DeepSpeed-style hostfiles.
+
+A hostfile lists one host per line as ``hostname slots=N``; ``#`` starts a
+comment (whole-line or trailing) and blank lines are ignored. Hosts are
+RFC 1123 host names, IPv4 or IPv6 addresses. Parsing is strict: every
+problem is reported as ``path:line:col: message`` (1-based line and
+column), and all problems of a file are reported at once.
+
+Everything here except :func:`read_hostfile_text`, :func:`load_hostfile`
+and the path resolution functions is pure. The editing functions
+(:func:`add_host`, :func:`remove_host`, :func:`set_slots`,
+:func:`format_text`) work on the text lines, so comments, blank lines and
+order survive an edit; they refuse to edit an invalid file or to produce
+an invalid one.
+
+Hosts are compared by :func:`host_key`: host names case-insensitively (as
+DNS does) and addresses by value, so ``Worker-0``/``worker-0`` or
+``::1``/``0::1`` are the same host.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import os
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from dsrun.errors import HostfileError
+
+#: Hostfile a scheduler provides to a job; read when ``./hostfile`` is absent.
+#: Looked up at call time, so tests may monkeypatch it.
+DEFAULT_JOB_HOSTFILE = "/job/hostfile"
+#: Name of the hostfile looked for in the working directory.
+LOCAL_HOSTFILE = "hostfile"
+
+_TOKEN = re.compile(r"\S+")
+_DIGITS = re.compile(r"[0-9]+", re.ASCII)
+_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?", re.ASCII)
+_DOTTED_NUMBERS = re.compile(r"[0-9.]+", re.ASCII)
+_SLOTS_PREFIX = "slots="
+
+
+# --------------------------------------------------------------------------
+# data
+
+
+@dataclass(frozen=True)
+class HostfileProblem:
+    """One error in a hostfile; ``str()`` gives ``path:line:col: message``."""
+
+    path: str
+    line: int
+    col: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}:{self.col}: {self.message}"
+
+
+@dataclass(frozen=True)
+class HostEntry:
+    """One host line: the host as written, its slot count, its 1-based line."""
+
+    host: str
+    slots: int
+    line: int
+
+    def __post_init__(self) -> None:
+        reason = host_problem(self.host)
+        if reason is not None:
+            raise HostfileError(f"invalid host {self.host!r}: {reason}")
+        if isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 1:
+            raise HostfileError(
+                f"slots of host {self.host!r} must be a positive integer, got {self.slots!r}"
+            )
+
+
+@dataclass(frozen=True)
+class Hostfile:
+    """The hosts of a hostfile in file order; no host appears twice."""
+
+    path: str
+    entries: tuple[HostEntry, ...]
+
+    def __post_init__(self) -> None:
+        seen: dict[str, HostEntry] = {}
+        for entry in self.entries:
+            first = seen.setdefault(host_key(entry.host), entry)
+            if first is not entry:
+                raise HostfileError(
+                    f"{self.path}: duplicate host {entry.host!r} "
+                    f"(lines {first.line} and {entry.line})"
+                )
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        """Host names in file order, as written."""
+        return tuple(entry.host for entry in self.entries)
+
+    @property
+    def total_slots(self) -> int:
+        return sum(entry.slots for entry in self.entries)
+
+    def get(self, host: str) -> HostEntry | None:
+        """The entry for ``host`` (compared by :func:`host_key`), or None."""
+        key = host_key(host)
+        for entry in self.entries:
+            if host_key(entry.host) == key:
+                return entry
+        return None
+
+    def __contains__(self, host: object) -> bool:
+        return isinstance(host, str) and self.get(host) is not None
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+def local_hostfile(slots: int, host: str = "localhost") -> Hostfile:
+    """A one-host hostfile standing for a local job (no hostfile found)."""
+    return Hostfile("<local>", (HostEntry(host, slots, 0),))
+
+
+# --------------------------------------------------------------------------
+# host names
+
+
+def host_problem(host: str) -> str | None:
+    """Why ``host`` is not a valid host name or IP address, or None if it is."""
+    if host.startswith("[") and host.endswith("]"):
+        return "write IPv6 addresses without brackets"
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return "not a valid IPv6 address"
+        return None
+    if "." in host and _DOTTED_NUMBERS.fullmatch(host):
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            return "not a valid IPv4 address"
+        return None
+    if len(host) > 253:
+        return "longer than 253 characters"
+    for label in host.split("."):
+        if not label:
+            return "empty label (leading, trailing or doubled '.')"
+        if len(label) > 63:
+            return f"label {label!r} is longer than 63 characters"
+        if not _LABEL.fullmatch(label):
+            return (
+                f"label {label!r} may only hold letters, digits and '-', "
+                "and must not start or end with '-'"
+            )
+    return None
+
+
+def host_key(host: str) -> str:
+    """Identity of a host: lower-case name or normalised address."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return host.lower()
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest choice, or an empty string."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# --------------------------------------------------------------------------
+# parsing
+
+
+@dataclass(frozen=True)
+class _Line:
+    """One parsed text line; ``host`` is None for blank and comment lines."""
+
+    number: int
+    text: str
+    host: str | None = None
+    host_col: int = 0
+    slots: int | None = None
+    slots_span: tuple[int, int] = (0, 0)  # 0-based [start, end) of 'slots=N'
+    comment: str = ""
+    problems: tuple[tuple[int, str], ...] = ()  # (column, message)
+
+
+def _split_lines(text: str) -> tuple[list[str], str]:
+    """Text lines without their endings, and the newline style to write."""
+    newline = "\r\n" if "\r\n" in text else "\n"
+    lines = [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
+    if lines and lines[-1] == "":
+        lines.pop()
+    return lines, newline
+
+
+def _join_lines(lines: Sequence[str], newline: str) -> str:
+    return "".join(line + newline for line in lines)
+
+
+def _parse_slots(start: int, token: str) -> tuple[int | None, tuple[int, str] | None]:
+    """Slot count of a ``slots=N`` token starting at 0-based ``start``."""
+    if not token.startswith(_SLOTS_PREFIX):
+        return None, (start + 1, f"expected 'slots=N' after the host, got {token!r}")
+    value = token[len(_SLOTS_PREFIX):]
+    if not _DIGITS.fullmatch(value) or int(value) < 1:
+        col = start + len(_SLOTS_PREFIX) + 1
+        return None, (col, f"slots must be a positive integer, got {value!r}")
+    return int(value), None
+
+
+def _parse_line(number: int, text: str) -> _Line:
+    body, hash_mark, rest = text.partition("#")
+    comment = (hash_mark + rest).strip()
+    tokens = [(m.start(), m.group()) for m in _TOKEN.finditer(body)]
+    if not tokens:
+        return _Line(number, text, comment=comment)
+    problems: list[tuple[int, str]] = []
+    host_start, host = tokens[0]
+    reason = host_problem(host)
+    if reason is not None:
+        problems.append((host_start + 1, f"invalid host {host!r}: {reason}"))
+    slots: int | None = None
+    span = (0, 0)
+    if len(tokens) == 1:
+        col = host_start + len(host) + 1
+        problems.append((col, f"missing 'slots=N' after host {host!r}"))
+    else:
+        start, token = tokens[1]
+        span = (start, start + len(token))
+        slots, problem = _parse_slots(start, token)
+        if problem is not None:
+            problems.append(problem)
+    if len(tokens) > 2:
+        junk_start = tokens[2][0]
+        junk = body[junk_start:].rstrip()
+        problems.append((junk_start + 1, f"unexpected text after slots: {junk!r}"))
+    return _Line(number, text, host, host_start + 1, slots, span, comment, tuple(problems))
+
+
+def _parse_lines(lines: Sequence[str], path: str) -> tuple[list[_Line], list[HostfileProblem]]:
+    """Parse every line; also report hosts that appear twice."""
+    parsed = [_parse_line(number, text) for number, text in enumerate(lines, start=1)]
+    problems: list[HostfileProblem] = []
+    first_seen: dict[str, _Line] = {}
+    for line in parsed:
+        problems.extend(HostfileProblem(path, line.number, col, msg) for col, msg in line.problems)
+        if line.host is None or host_problem(line.host) is not None:
+            continue
+        first = first_seen.setdefault(host_key(line.host), line)
+        if first is not line:
+            spelled = "" if first.host == line.host else f" as {first.host!r}"
+            message = f"duplicate host {line.host!r} (already on line {first.number}{spelled})"
+            problems.append(HostfileProblem(path, line.number, line.host_col, message))
+    problems.sort(key=lambda p: (p.line, p.col))
+    return parsed, problems
+
+
+def hostfile_problems(text: str, path: str) -> list[HostfileProblem]:
+    """Every problem in hostfile ``text``, in file order (empty if valid)."""
+    return _parse_lines(_split_lines(text)[0], path)[1]
+
+
+def _problems_error(problems: Sequence[HostfileProblem], prefix: str = "") -> HostfileError:
+    return HostfileError(prefix + "\n".join(str(p) for p in problems))
+
+
+def parse_hostfile(text: str, path: str) -> Hostfile:
+    """Parse hostfile ``text`` read from ``path`` (used in messages).
+
+    Raises HostfileError listing every problem, one ``path:line:col: msg``
+    per line. A file without hosts parses to a Hostfile with no entries.
+    """
+    parsed, problems = _parse_lines(_split_lines(text)[0], path)
+    if problems:
+        raise _problems_error(problems)
+    entries = tuple(
+        HostEntry(line.host, line.slots, line.number)
+        for line in parsed
+        if line.host is not None and line.slots is not None
+    )
+    return Hostfile(path, entries)
+
+
+# --------------------------------------------------------------------------
+# editing (pure, on text lines)
+
+
+def _checked_lines(text: str, path: str) -> tuple[list[str], str, list[_Line]]:
+    lines, newline = _split_lines(text)
+    parsed, problems = _parse_lines(lines, path)
+    if problems:
+        raise _problems_error(problems, f"refusing to edit {path}, it has problems:\n")
+    return lines, newline, parsed
+
+
+def _find_host(parsed: Sequence[_Line], host: str) -> _Line | None:
+    key = host_key(host)
+    for line in parsed:
+        if line.host is not None and host_key(line.host) == key:
+            return line
+    return None
+
+
+def _require_host(parsed: Sequence[_Line], host: str, path: str) -> _Line:
+    line = _find_host(parsed, host)
+    if line is None:
+        known = [p.host for p in parsed if p.host is not None]
+        raise HostfileError(f"host {host!r} is not in {path}{did_you_mean(host, known)}")
+    return line
+
+
+def _check_new_entry(host: str | None, slots: int) -> None:
+    if host is not None:
+        reason = host_problem(host)
+        if reason is not None:
+            raise HostfileError(f"invalid host {host!r}: {reason}")
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise HostfileError(f"slots must be a positive integer, got {slots!r}")
+
+
+def add_host(text: str, host: str, slots: int, path: str = LOCAL_HOSTFILE) -> str:
+    """``text`` with ``host slots=N`` added after the last non-blank line."""
+    lines, newline, parsed = _checked_lines(text, path)
+    _check_new_entry(host, slots)
+    existing = _find_host(parsed, host)
+    if existing is not None:
+        raise HostfileError(
+            f"{path}:{existing.number}: host {existing.host!r} is already listed "
+            f"(slots={existing.slots}); use set-slots to change it"
+        )
+    end = len(lines)
+    while end > 0 and not lines[end - 1].strip():
+        end -= 1
+    lines.insert(end, f"{host} {_SLOTS_PREFIX}{slots}")
+    return _join_lines(lines, newline)
+
+
+def remove_host(text: str, host: str, path: str = LOCAL_HOSTFILE) -> str:
+    """``text`` without the line of ``host`` (its trailing comment goes too)."""
+    lines, newline, parsed = _checked_lines(text, path)
+    line = _require_host(parsed, host, path)
+    del lines[line.number - 1]
+    return _join_lines(lines, newline)
+
+
+def set_slots(text: str, host: str, slots: int, path: str = LOCAL_HOSTFILE) -> str:
+    """``text`` with the slot count of ``host`` changed in place."""
+    lines, newline, parsed = _checked_lines(text, path)
+    _check_new_entry(None, slots)
+    line = _require_host(parsed, host, path)
+    start, end = line.slots_span
+    lines[line.number - 1] = f"{line.text[:start]}{_SLOTS_PREFIX}{slots}{line.text[end:]}"
+    return _join_lines(lines, newline)
+
+
+def format_text(text: str, path: str = LOCAL_HOSTFILE) -> str:
+    """``text`` normalised: ``host slots=N [# comment]``, comments and blank
+    lines kept in place, trailing whitespace and trailing blank lines dropped."""
+    lines, newline, parsed = _checked_lines(text, path)
+    out: list[str] = []
+    for line in parsed:
+        if line.host is not None:
+            entry = f"{line.host} {_SLOTS_PREFIX}{line.slots}"
+            out.append(f"{entry} {line.comment}" if line.comment else entry)
+        else:
+            out.append(line.comment)
+    while out and not out[-1]:
+        out.pop()
+    return _join_lines(out, newline)
+
+
+# --------------------------------------------------------------------------
+# files (I/O at the edge)
+
+
+def read_hostfile_text(path: str) -> str:
+    """The text of hostfile ``path``; HostfileError if it cannot be read."""
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as handle:
+            return handle.read()
+    except FileNotFoundError:
+        raise HostfileError(f"hostfile {path!r} does not exist") from None
+    except IsADirectoryError:
+        raise HostfileError(f"hostfile {path!r} is a directory, not a file") from None
+    except UnicodeDecodeError as exc:
+        raise HostfileError(
+            f"hostfile {path!r} is not UTF-8 text (bad byte at offset {exc.start})"
+        ) from None
+    except OSError as exc:
+        raise HostfileError(f"cannot read hostfile {path!r}: {exc.strerror or exc}") from None
+
+
+def load_hostfile(path: str) -> Hostfile:
+    """Read and parse the hostfile at ``path``."""
+    return parse_hostfile(read_hostfile_text(path), path)
+
+
+def default_hostfile_path(cwd: str) -> str | None:
+    """``cwd/hostfile`` if it exists, else :data:`DEFAULT_JOB_HOSTFILE` if
+    it exists, else None."""
+    for candidate in (os.path.join(cwd, LOCAL_HOSTFILE), DEFAULT_JOB_HOSTFILE):
+        if os.path.lexists(candidate):
+            return candidate
+    return None
+
+
+def resolve_hostfile(explicit: str | None, cwd: str) -> Hostfile | None:
+    """The hostfile a job uses; None means a local job.
+
+    A hostfile the user named must exist (relative paths are taken from
+    ``cwd``); there is no silent fallback. Otherwise ``cwd/hostfile``, then
+    :data:`DEFAULT_JOB_HOSTFILE`, each only when present.
+    """
+    if explicit is not None:
+        if not explicit:
+            raise HostfileError("the hostfile path is empty")
+        return load_hostfile(os.path.join(cwd, explicit))
+    found = default_hostfile_path(cwd)
+    return None if found is None else load_hostfile(found)

@@ -1,0 +1,255 @@
+"""``dsrun hosts``: list, validate, format and edit a hostfile from the shell.
+
+The hostfile is the one named with ``-H/--hostfile``, else ``./hostfile``,
+else the job hostfile (:data:`hostfile.DEFAULT_JOB_HOSTFILE`); ``add``
+creates ``./hostfile`` when there is none. Edits go through the pure text
+functions of :mod:`dsrun.launcher.hostfile`, so the user's comments, blank
+lines and order survive, and an edit that would make the file invalid is
+refused (exit 2) before anything is written. Files are replaced atomically
+(temporary file in the same directory, then ``os.replace``) keeping their
+mode. ``validate`` exits 1 when the file has problems; every other error
+is printed as ``dsrun: error: <message>`` with the error's exit code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import functools
+import os
+import stat
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NoReturn, TypeVar
+
+import click
+
+from dsrun.errors import DsrunError, DsrunUsageError, HostfileError
+from dsrun.launcher import hostfile as hf
+
+F = TypeVar("F", bound=Callable[..., object])
+
+
+# --------------------------------------------------------------------------
+# helpers (error reporting, paths, atomic write, rendering)
+
+
+def exit_with_error(error: DsrunError) -> NoReturn:
+    """Print ``dsrun: error: <message>`` on stderr and exit with its code."""
+    click.echo(f"dsrun: error: {error}", err=True)
+    raise click.exceptions.Exit(error.exit_code)
+
+
+def reports_errors(func: F) -> F:
+    """Decorate a click callback so that DsrunErrors become clean exits."""
+
+    @functools.wraps(func)
+    def wrapper(*args: object, **kwargs: object) -> object:
+        try:
+            return func(*args, **kwargs)
+        except DsrunError as error:
+            exit_with_error(error)
+
+    return wrapper  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class _HostsOptions:
+    """Options of the ``hosts`` group, found by subcommands via the context."""
+
+    hostfile: str | None
+
+
+def _explicit_path(ctx: click.Context) -> str | None:
+    group = ctx.find_object(_HostsOptions)
+    path = group.hostfile if group is not None else None
+    if path is not None and not path:
+        raise DsrunUsageError("-H/--hostfile: the path is empty")
+    return path
+
+
+def _hostfile_path(ctx: click.Context, create: bool = False) -> str:
+    """The hostfile a command works on (see the module docstring)."""
+    explicit = _explicit_path(ctx)
+    if explicit is not None:
+        return explicit
+    found = hf.default_hostfile_path(os.curdir)
+    if found is not None:
+        return found
+    if create:
+        return os.path.join(os.curdir, hf.LOCAL_HOSTFILE)
+    raise DsrunUsageError(
+        f"no hostfile found: name one with -H/--hostfile, or create ./{hf.LOCAL_HOSTFILE} "
+        f"(neither it nor {hf.DEFAULT_JOB_HOSTFILE} exists)"
+    )
+
+
+def _current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Replace the file at ``path`` (through symlinks) with ``text`` atomically.
+
+    A temporary file in the same directory is written, synced, given the
+    old file's mode (or the umask default for a new file) and renamed over
+    the target, so readers see the old or the new file, never a part.
+    """
+    target = os.path.realpath(path)
+    try:
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        mode = 0o666 & ~_current_umask()
+    directory, name = os.path.split(target)
+    try:
+        fd, temp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    except OSError as exc:
+        raise HostfileError(f"cannot write hostfile {path!r}: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(temp, mode)
+        os.replace(temp, target)
+    except BaseException as exc:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        if isinstance(exc, OSError):
+            raise HostfileError(
+                f"cannot write hostfile {path!r}: {exc.strerror or exc}"
+            ) from None
+        raise
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
+def summary(hostfile: hf.Hostfile) -> str:
+    """``N hosts, M slots``."""
+    return f"{_plural(len(hostfile), 'host')}, {_plural(hostfile.total_slots, 'slot')}"
+
+
+def render_table(hostfile: hf.Hostfile) -> str:
+    """The hosts as a two-column table with a total line."""
+    width = max([len("HOST"), *(len(host) for host in hostfile.hosts)])
+    slot_width = max([len("SLOTS"), *(len(str(e.slots)) for e in hostfile.entries)])
+    rows = [f"{'HOST':<{width}}  {'SLOTS':>{slot_width}}"]
+    rows += [f"{e.host:<{width}}  {e.slots:>{slot_width}}" for e in hostfile.entries]
+    rows.append(f"total: {summary(hostfile)}")
+    return "\n".join(rows)
+
+
+def _edit(ctx: click.Context, change: Callable[[str, str], str], create: bool = False) -> str:
+    """Apply ``change(text, path)`` to the hostfile and write it; its path."""
+    path = _hostfile_path(ctx, create=create)
+    exists = os.path.lexists(path)
+    text = hf.read_hostfile_text(path) if exists or not create else ""
+    write_text_atomic(path, change(text, path))
+    return path if exists else f"{path} (created)"
+
+
+# --------------------------------------------------------------------------
+# commands
+
+
+@click.group("hosts")
+@click.option(
+    "-H",
+    "--hostfile",
+    metavar="PATH",
+    default=None,
+    help=f"Hostfile to use [default: ./{hf.LOCAL_HOSTFILE}, else {hf.DEFAULT_JOB_HOSTFILE}].",
+)
+@click.pass_context
+def hosts(ctx: click.Context, hostfile: str | None) -> None:
+    """List, check, format and edit a hostfile (lines of 'HOST slots=N')."""
+    # Only this group's context (and its subcommands') gets the options.
+    ctx.obj = _HostsOptions(hostfile)
+
+
+@hosts.command("list")
+@click.pass_context
+@reports_errors
+def list_hosts(ctx: click.Context) -> None:
+    """Show the hosts and their slots, and the total."""
+    click.echo(render_table(hf.load_hostfile(_hostfile_path(ctx))))
+
+
+@hosts.command("add")
+@click.argument("host")
+@click.option("--slots", type=int, required=True, help="Number of slots (GPUs) on HOST.")
+@click.pass_context
+@reports_errors
+def add(ctx: click.Context, host: str, slots: int) -> None:
+    """Add HOST with --slots N at the end of the hostfile."""
+    path = _edit(ctx, lambda text, path: hf.add_host(text, host, slots, path), create=True)
+    click.echo(f"added {host} slots={slots} to {path}")
+
+
+@hosts.command("rm")
+@click.argument("host")
+@click.pass_context
+@reports_errors
+def remove(ctx: click.Context, host: str) -> None:
+    """Remove HOST (its line) from the hostfile."""
+    path = _edit(ctx, lambda text, path: hf.remove_host(text, host, path))
+    click.echo(f"removed {host} from {path}")
+
+
+@hosts.command("set-slots")
+@click.argument("host")
+@click.argument("slots", type=int)
+@click.pass_context
+@reports_errors
+def set_slots(ctx: click.Context, host: str, slots: int) -> None:
+    """Set the number of slots of HOST to SLOTS."""
+    path = _edit(ctx, lambda text, path: hf.set_slots(text, host, slots, path))
+    click.echo(f"set {host} slots={slots} in {path}")
+
+
+@hosts.command("validate")
+@click.pass_context
+@reports_errors
+def validate(ctx: click.Context) -> None:
+    """Check the hostfile; list every problem as PATH:LINE:COL: MESSAGE."""
+    path = _hostfile_path(ctx)
+    text = hf.read_hostfile_text(path)
+    problems = hf.hostfile_problems(text, path)
+    for problem in problems:
+        click.echo(str(problem))
+    if problems:
+        click.echo(f"{_plural(len(problems), 'problem')} in {path}", err=True)
+        ctx.exit(1)
+    hostfile = hf.parse_hostfile(text, path)
+    if not hostfile.entries:
+        click.echo(f"{path}: no hosts defined")
+        ctx.exit(1)
+    click.echo(f"ok: {summary(hostfile)}")
+
+
+@hosts.command("fmt")
+@click.option("--check", is_flag=True, help="Only report (and diff); exit 1 if not formatted.")
+@click.pass_context
+@reports_errors
+def fmt(ctx: click.Context, check: bool) -> None:
+    """Normalise lines to 'HOST slots=N', keeping comments, blank lines, order."""
+    path = _hostfile_path(ctx)
+    text = hf.read_hostfile_text(path)
+    formatted = hf.format_text(text, path)
+    if formatted == text:
+        click.echo(f"{path} is already formatted")
+        return
+    if check:
+        diff = difflib.unified_diff(
+            text.splitlines(keepends=True), formatted.splitlines(keepends=True), path, path
+        )
+        click.echo("".join(diff), nl=False)
+        click.echo(f"{path} would be reformatted")
+        ctx.exit(1)
+    write_text_atomic(path, formatted)
+    click.echo(f"formatted {path}")

@@ -1,0 +1,1 @@
+"""The in-rank runtime: environment detection, bootstrap, config and engine."""

@@ -1,0 +1,95 @@
+"""Bringing up torch.distributed from a DistEnv.
+
+``init_distributed()`` is what the bootstrap calls before the user's first
+line, and what scripts started some other way (plain python, torchrun) may
+call themselves; it is a no-op when a default process group exists. World
+size 1 without a rendezvous address uses an in-memory store: no ports.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsrun.errors import DsrunError
+from dsrun.runtime.env import DistEnv
+
+log = logging.getLogger("dsrun.runtime")
+
+_original_init = dist.init_process_group
+_owned_by_dsrun = False
+
+
+def default_backend(env: DistEnv) -> str:
+    """nccl when this rank has a GPU, gloo otherwise (unless the launcher chose)."""
+    if env.backend and env.backend != "none":
+        return env.backend
+    if torch.cuda.is_available() and torch.cuda.device_count() > env.local_rank:
+        return "nccl"
+    return "gloo"
+
+
+def init_distributed(backend: str | None = None, timeout: datetime.timedelta | None = None,
+                     env: DistEnv | None = None, **_compat: Any) -> None:
+    """Initialise the default process group unless one exists.
+
+    Extra keyword arguments DeepSpeed's ``init_distributed`` takes
+    (``dist_backend``, ``auto_mpi_discovery``, ...) are accepted; only
+    ``dist_backend`` has an effect (as ``backend``).
+    """
+    global _owned_by_dsrun
+    if dist.is_initialized():
+        return
+    env = env or DistEnv.detect()
+    backend = backend or _compat.get("dist_backend") or default_backend(env)
+    kwargs: dict[str, Any] = {"backend": backend, "rank": env.rank, "world_size": env.world_size}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    if backend == "nccl":
+        torch.cuda.set_device(env.local_rank)
+    if env.master_addr is None or env.master_port is None:
+        if env.world_size != 1:
+            raise DsrunError(
+                f"world size {env.world_size} (from {env.source}) but MASTER_ADDR/MASTER_PORT "
+                f"are not set: start the job with dsrun, or set them")
+        kwargs["store"] = dist.HashStore()
+    else:
+        host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
+        kwargs["init_method"] = f"tcp://{host}:{env.master_port}"
+    _original_init(**kwargs)
+    _owned_by_dsrun = True
+    log.debug("process group up: rank %d/%d backend %s", env.rank, env.world_size, backend)
+
+
+def tolerant_init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> None:
+    """Stands in for ``torch.distributed.init_process_group`` inside dsrun ranks.
+
+    Scripts written for torchrun call it themselves; the group dsrun already
+    made is kept when it matches, or replaced when the script asks for a
+    different backend, so such scripts run unchanged.
+    """
+    global _owned_by_dsrun
+    if dist.is_initialized() and _owned_by_dsrun:
+        wanted = str(backend).lower() if backend else None
+        if wanted is None or wanted == dist.get_backend():
+            return
+        dist.destroy_process_group()
+        _owned_by_dsrun = False
+    _original_init(backend, *args, **kwargs)
+
+
+def install_compat() -> None:
+    dist.init_process_group = tolerant_init_process_group
+    dist.distributed_c10d.init_process_group = tolerant_init_process_group
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # noqa: BLE001 - exiting anyway; say why
+            log.warning("destroying the process group failed: %s", exc)

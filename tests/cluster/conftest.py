@@ -1,0 +1,57 @@
+"""Fixtures for cluster tests: four simulated hosts with sshd, checked for leftovers.
+
+``sim_cluster`` (session) is a started :class:`simhosts.SimCluster` with hosts
+node1..node4; it is skipped with the reason when this machine cannot build
+one (not root, no ``ip netns``, no sshd). ``cluster_clean`` (function) yields
+the same cluster and, after the test, fails it if any process other than sshd
+is left on any host (after killing them, so one leak does not fail the next
+tests too). Every test that uses ``sim_cluster`` gets that check
+automatically. At the end of the session the cluster is checked once more
+and always torn down.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from simhosts import SimCluster, preflight  # noqa: E402
+
+CLEAN_TIMEOUT_S = 5.0
+
+
+@pytest.fixture(scope="session")
+def sim_cluster() -> Iterator[SimCluster]:
+    reason = preflight()
+    if reason is not None:
+        pytest.skip(reason)
+    cluster = SimCluster(4).start()  # start() tears down what it built if it fails
+    try:
+        yield cluster
+        # Raising here makes pytest report an error at session teardown.
+        cluster.wait_clean(CLEAN_TIMEOUT_S)
+    finally:
+        cluster.teardown()
+
+
+@pytest.fixture
+def cluster_clean(sim_cluster: SimCluster) -> Iterator[SimCluster]:
+    yield sim_cluster
+    try:
+        sim_cluster.wait_clean(CLEAN_TIMEOUT_S)
+    except AssertionError:
+        sim_cluster.kill_strays()
+        raise
+
+
+@pytest.fixture(autouse=True)
+def _cluster_leak_check(request: pytest.FixtureRequest) -> None:
+    # Autouse fixtures are set up first, so cluster_clean's check runs after
+    # every other fixture of the test has torn down (stopped its jobs).
+    if "sim_cluster" in request.fixturenames:
+        request.getfixturevalue("cluster_clean")

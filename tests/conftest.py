@@ -1,0 +1,79 @@
+"""Shared helpers: run dsrun as a real process and check nothing survives."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = ROOT / "tests" / "proc" / "workers"
+
+
+def dsrun_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dsrun.launcher.cli", *args]
+
+
+def run_dsrun(*args: str, timeout: float = 60, env: dict | None = None,
+              cwd: str | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(dsrun_argv(*args), capture_output=True, text=True, timeout=timeout,
+                          env=full_env, cwd=cwd or str(ROOT))
+
+
+def start_dsrun(*args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(dsrun_argv(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, **(env or {})}, cwd=str(ROOT))
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Wait until none of ``pids`` is alive; return the survivors."""
+    end = time.monotonic() + timeout
+    while True:
+        left = [p for p in pids if alive(p)]
+        if not left or time.monotonic() > end:
+            return left
+        time.sleep(0.05)
+
+
+def read_pids(pid_dir: Path) -> dict[str, int]:
+    return {f.name: int(f.read_text()) for f in pid_dir.iterdir() if f.read_text().strip()}
+
+
+def wait_for_pids(pid_dir: Path, count: int, timeout: float = 20) -> dict[str, int]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            pids = read_pids(pid_dir)
+        except (OSError, ValueError):
+            pids = {}
+        if len(pids) >= count:
+            return pids
+        time.sleep(0.05)
+    raise AssertionError(f"only {read_pids(pid_dir)} pid files appeared in {timeout}s")
+
+
+def descendants(pid: int) -> list[int]:
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+@pytest.fixture
+def pid_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "pids"
+    d.mkdir()
+    return d

@@ -1,0 +1,144 @@
+"""Real processes: failures, signals and teardown of a local job.
+
+Workers run with --dist_backend none (no torch import) unless a test is
+about the process group, so each test costs well under a second of CPU.
+Every test checks that no process of the job is left.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import (
+    WORKERS,
+    descendants,
+    run_dsrun,
+    start_dsrun,
+    wait_for_pids,
+    wait_gone,
+)
+
+pytestmark = pytest.mark.proc
+BEHAVE = str(WORKERS / "behave.py")
+
+
+def _behave(*extra: str, n: int = 2, grace: float = 1.0) -> list[str]:
+    return ["--num_gpus", str(n), "--dist_backend", "none", "--kill_grace", str(grace),
+            BEHAVE, *extra]
+
+
+def test_exit_code_of_failing_rank_is_propagated_and_named(pid_dir):
+    start = time.monotonic()
+    res = run_dsrun(*_behave("--pid_dir", str(pid_dir), "--fail_rank", "1", "--code", "3"))
+    elapsed = time.monotonic() - start
+    assert res.returncode == 3, res.stderr
+    assert elapsed < 5
+    assert "rank 1 on host" in res.stderr and "failed first: exit code 3" in res.stderr
+    assert "rank 1 exiting with 3" in res.stderr  # the output tail is in the report
+    assert wait_gone(list(wait_for_pids(pid_dir, 2, 1).values()), 2) == []
+
+
+def test_segfault_reports_the_signal(pid_dir):
+    res = run_dsrun(*_behave("--pid_dir", str(pid_dir), "--segv_rank", "0"))
+    assert res.returncode == 128 + signal.SIGSEGV, res.stderr
+    assert "rank 0 on host" in res.stderr and "killed by signal SIGSEGV" in res.stderr
+    assert wait_gone(list(wait_for_pids(pid_dir, 2, 1).values()), 2) == []
+
+
+def test_python_exception_traceback_in_report(pid_dir):
+    res = run_dsrun(*_behave("--pid_dir", str(pid_dir), "--raise_rank", "1"))
+    assert res.returncode == 1
+    report = res.stderr[res.stderr.index("job failed"):]
+    assert "rank 1 on host" in report
+    assert "ValueError: deliberate failure on rank 1" in report
+    assert "behave.py" in report and "bootstrap.py" not in report
+    assert wait_gone(list(wait_for_pids(pid_dir, 2, 1).values()), 2) == []
+
+
+def test_rank_ignoring_sigterm_is_killed_after_grace(pid_dir):
+    start = time.monotonic()
+    res = run_dsrun(*_behave("--pid_dir", str(pid_dir), "--fail_rank", "0", "--code", "5",
+                             "--ignore_term_rank", "1", grace=1.5))
+    elapsed = time.monotonic() - start
+    assert res.returncode == 5, res.stderr
+    assert 1.5 <= elapsed < 8, elapsed
+    assert "rank 0 on host" in res.stderr  # root cause is not the SIGKILLed rank 1
+    assert wait_gone(list(wait_for_pids(pid_dir, 2, 1).values()), 1) == []
+
+
+@pytest.mark.parametrize("how", ["group", "setsid"])
+def test_grandchild_ignoring_sigterm_is_gone(pid_dir, how):
+    res = run_dsrun(*_behave("--pid_dir", str(pid_dir), "--fail_rank", "1",
+                             "--grandchild", how, "--delay", "0.5"))
+    assert res.returncode == 3, res.stderr
+    pids = wait_for_pids(pid_dir, 4, 1)
+    assert {"grandchild_0.pid", "grandchild_1.pid"} <= set(pids)
+    assert wait_gone(list(pids.values()), 2) == []
+
+
+def test_leftover_background_process_after_success_is_stopped(pid_dir):
+    res = run_dsrun(*_behave("--pid_dir", str(pid_dir), "--grandchild", "setsid",
+                             "--sleep", "0.2"))
+    assert res.returncode == 0, res.stderr
+    assert wait_gone(list(wait_for_pids(pid_dir, 4, 1).values()), 2) == []
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143),
+                                      (signal.SIGHUP, 129)])
+def test_signal_to_dsrun_stops_everything(pid_dir, sig, code):
+    proc = start_dsrun(*_behave("--pid_dir", str(pid_dir), "--grandchild", "group"))
+    try:
+        pids = wait_for_pids(pid_dir, 4)
+        job = set(pids.values()) | set(descendants(proc.pid))
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=15)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, err
+    assert f"stopped by {signal.Signals(sig).name}" in err
+    assert wait_gone(sorted(job), 2) == []
+
+
+def test_sigkill_to_agent_kills_its_ranks(pid_dir):
+    proc = start_dsrun(*_behave("--pid_dir", str(pid_dir), "--grandchild", "setsid"))
+    try:
+        pids = wait_for_pids(pid_dir, 4)
+        agents = [c for c in psutil.Process(proc.pid).children()
+                  if "dsrun.launcher.agent" in " ".join(c.cmdline())]
+        assert len(agents) == 1
+        job = set(pids.values()) | set(descendants(agents[0].pid))
+        agents[0].kill()
+        assert wait_gone(sorted(job), 3) == []
+        out, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert "node agent exited unexpectedly" in err
+
+
+def test_max_restarts_recovers_from_one_failure(pid_dir):
+    res = run_dsrun("--max_restarts", "1", *_behave("--flaky"))
+    assert res.returncode == 0, res.stderr
+    assert "restarting (1/1)" in res.stderr
+    assert "rank 1 attempt 0" in res.stdout and "rank 1 attempt 1" in res.stdout
+
+
+def test_max_restarts_exhausted_reports_last_failure():
+    res = run_dsrun("--max_restarts", "1", *_behave("--fail_rank", "0", "--code", "7",
+                                                    "--delay", "0"))
+    assert res.returncode == 7
+    assert res.stderr.count("restarting") == 1
+
+
+def test_log_dir_gets_one_file_per_rank(tmp_path):
+    logs = tmp_path / "logs"
+    res = run_dsrun("--log_dir", str(logs), *_behave("--sleep", "0", n=3))
+    assert res.returncode == 0, res.stderr
+    for rank in range(3):
+        text = (logs / f"rank_{rank}.log").read_text()
+        assert f"rank {rank} up" in text
+    assert "[" in res.stdout and "] rank 2 up" in res.stdout

@@ -1,0 +1,259 @@
+"""`dsrun hosts` subcommands, run in-process with click's CliRunner."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner, Result
+
+from dsrun.errors import HostfileError
+from dsrun.launcher import hostfile as hf
+from dsrun.launcher import hosts_cli
+from dsrun.launcher.hosts_cli import hosts, write_text_atomic
+
+TEXT = "# rack A\nworker-0 slots=8  # big box\n\n# rack B\nworker-1   slots=4\n"
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty working directory; the job hostfile points into it (absent)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(hf, "DEFAULT_JOB_HOSTFILE", str(tmp_path / "job" / "hostfile"))
+    return work
+
+
+def invoke(*args: str) -> Result:
+    try:  # click < 8.2 mixes stderr into stdout unless told not to
+        runner = CliRunner(mix_stderr=False)  # type: ignore[call-arg]
+    except TypeError:
+        runner = CliRunner()
+    return runner.invoke(hosts, list(args), catch_exceptions=False)
+
+
+def only_files(directory: Path) -> list[str]:
+    return sorted(os.listdir(directory))
+
+
+# --------------------------------------------------------------------------
+# list / validate
+
+
+def test_list_shows_table_and_total(workdir: Path) -> None:
+    (workdir / "hostfile").write_text(TEXT)
+    result = invoke("list")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "HOST      SLOTS",
+        "worker-0      8",
+        "worker-1      4",
+        "total: 2 hosts, 12 slots",
+    ]
+
+
+def test_list_uses_job_hostfile_when_no_local_one(workdir: Path) -> None:
+    job = Path(hf.DEFAULT_JOB_HOSTFILE)
+    job.parent.mkdir()
+    job.write_text("node-7 slots=1\n")
+    result = invoke("list")
+    assert result.exit_code == 0
+    assert "node-7" in result.stdout and "total: 1 host, 1 slot" in result.stdout
+
+
+def test_without_any_hostfile_is_a_usage_error(workdir: Path) -> None:
+    result = invoke("list")
+    assert result.exit_code == 2
+    assert result.stderr.startswith("dsrun: error: no hostfile found")
+    assert result.stdout == ""
+
+
+def test_named_hostfile_must_exist(workdir: Path) -> None:
+    (workdir / "hostfile").write_text(TEXT)
+    result = invoke("-H", "other", "list")
+    assert result.exit_code == 2
+    assert result.stderr == "dsrun: error: hostfile 'other' does not exist\n"
+
+
+def test_list_of_invalid_file_reports_problems(workdir: Path) -> None:
+    (workdir / "hf").write_text("a slots=x\n")
+    result = invoke("--hostfile", "hf", "list")
+    assert result.exit_code == 2
+    assert result.stderr == "dsrun: error: hf:1:9: slots must be a positive integer, got 'x'\n"
+
+
+def test_validate_ok(workdir: Path) -> None:
+    (workdir / "hostfile").write_text(TEXT)
+    result = invoke("validate")
+    assert result.exit_code == 0
+    assert result.stdout == "ok: 2 hosts, 12 slots\n"
+
+
+def test_validate_lists_every_problem(workdir: Path) -> None:
+    (workdir / "hf").write_text(
+        "# hosts\nabcd slots=x\nw1\nw2 slot=2\nw3 slots=0 junk\nabcd slots=1\nok slots=2\n"
+    )
+    result = invoke("-H", "hf", "validate")
+    assert result.exit_code == 1
+    assert result.stdout.splitlines() == [
+        "hf:2:12: slots must be a positive integer, got 'x'",
+        "hf:3:3: missing 'slots=N' after host 'w1'",
+        "hf:4:4: expected 'slots=N' after the host, got 'slot=2'",
+        "hf:5:10: slots must be a positive integer, got '0'",
+        "hf:5:12: unexpected text after slots: 'junk'",
+        "hf:6:1: duplicate host 'abcd' (already on line 2)",
+    ]
+    assert "6 problems in hf" in result.stderr
+
+
+def test_validate_empty_file_fails(workdir: Path) -> None:
+    (workdir / "hostfile").write_text("# nothing yet\n")
+    result = invoke("validate")
+    assert result.exit_code == 1
+    assert "no hosts defined" in result.stdout
+
+
+# --------------------------------------------------------------------------
+# edits
+
+
+def test_add_creates_local_hostfile(workdir: Path) -> None:
+    result = invoke("add", "worker-0", "--slots", "8")
+    assert result.exit_code == 0, result.stderr
+    assert "(created)" in result.stdout
+    assert (workdir / "hostfile").read_text() == "worker-0 slots=8\n"
+    assert only_files(workdir) == ["hostfile"]
+
+
+def test_add_rm_set_slots_keep_comments_and_order(workdir: Path) -> None:
+    path = workdir / "hostfile"
+    path.write_text(TEXT)
+    assert invoke("add", "10.0.0.3", "--slots", "2").exit_code == 0
+    assert invoke("set-slots", "worker-0", "16").exit_code == 0
+    assert invoke("rm", "worker-1").exit_code == 0
+    assert path.read_text() == (
+        "# rack A\nworker-0 slots=16  # big box\n\n# rack B\n10.0.0.3 slots=2\n"
+    )
+    assert only_files(workdir) == ["hostfile"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [(["add", "worker-1", "--slots", "2"], "host 'worker-1' is already listed"),
+     (["add", "new", "--slots", "0"], "slots must be a positive integer, got 0"),
+     (["add", "bad_name", "--slots", "1"], "invalid host 'bad_name'"),
+     (["rm", "worker-7"], "host 'worker-7' is not in ./hostfile"),
+     (["set-slots", "worker-0", "0"], "slots must be a positive integer, got 0"),
+     (["set-slots", "nope", "3"], "host 'nope' is not in")],
+)
+def test_invalid_edits_are_refused_and_write_nothing(
+    workdir: Path, args: list[str], message: str
+) -> None:
+    path = workdir / "hostfile"
+    path.write_text(TEXT)
+    before = path.stat().st_mtime_ns
+    result = invoke(*args)
+    assert result.exit_code == 2
+    assert result.stderr.startswith("dsrun: error: ")
+    assert message in result.stderr
+    assert path.read_text() == TEXT and path.stat().st_mtime_ns == before
+    assert only_files(workdir) == ["hostfile"]
+
+
+def test_edit_of_invalid_file_is_refused(workdir: Path) -> None:
+    path = workdir / "hostfile"
+    path.write_text("a slots=1\nb slots=-2\n")
+    result = invoke("add", "c", "--slots", "1")
+    assert result.exit_code == 2
+    assert "refusing to edit ./hostfile" in result.stderr
+    assert "./hostfile:2:9: slots must be a positive integer, got '-2'" in result.stderr
+    assert path.read_text() == "a slots=1\nb slots=-2\n"
+
+
+def test_edit_named_file_keeps_mode_and_symlink(workdir: Path) -> None:
+    real = workdir / "real"
+    real.write_text(TEXT)
+    real.chmod(0o640)
+    (workdir / "link").symlink_to(real)
+    result = invoke("-H", "link", "set-slots", "worker-1", "2")
+    assert result.exit_code == 0, result.stderr
+    assert (workdir / "link").is_symlink()
+    assert real.read_text() == TEXT.replace("slots=4", "slots=2")
+    assert stat.S_IMODE(real.stat().st_mode) == 0o640
+    assert only_files(workdir) == ["link", "real"]
+
+
+# --------------------------------------------------------------------------
+# fmt
+
+
+MESSY = "# rack A\nworker-0    slots=8   # big\n\n   worker-1\tslots=04\n\n\n"
+TIDY = "# rack A\nworker-0 slots=8 # big\n\nworker-1 slots=4\n"
+
+
+def test_fmt_check_reports_without_writing(workdir: Path) -> None:
+    path = workdir / "hostfile"
+    path.write_text(MESSY)
+    result = invoke("fmt", "--check")
+    assert result.exit_code == 1
+    assert "-worker-0    slots=8   # big" in result.stdout
+    assert "+worker-0 slots=8 # big" in result.stdout
+    assert "would be reformatted" in result.stdout
+    assert path.read_text() == MESSY
+
+
+def test_fmt_rewrites_then_is_stable(workdir: Path) -> None:
+    path = workdir / "hostfile"
+    path.write_text(MESSY)
+    assert invoke("fmt").exit_code == 0
+    assert path.read_text() == TIDY
+    again = invoke("fmt", "--check")
+    assert again.exit_code == 0 and "already formatted" in again.stdout
+    assert only_files(workdir) == ["hostfile"]
+
+
+# --------------------------------------------------------------------------
+# atomic write and error helper
+
+
+def test_failed_write_leaves_old_file_and_no_temp(workdir: Path, monkeypatch) -> None:
+    path = workdir / "hostfile"
+    path.write_text(TEXT)
+
+    def broken_replace(src: str, dst: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(HostfileError, match="cannot write hostfile .*No space left"):
+        write_text_atomic(str(path), "x slots=1\n")
+    assert path.read_text() == TEXT
+    assert only_files(workdir) == ["hostfile"]
+
+
+def test_write_into_missing_directory_is_a_hostfile_error(workdir: Path) -> None:
+    with pytest.raises(HostfileError, match="cannot write hostfile"):
+        write_text_atomic(str(workdir / "no" / "hostfile"), "a slots=1\n")
+
+
+def test_new_file_gets_umask_mode(workdir: Path) -> None:
+    old = os.umask(0o027)
+    try:
+        write_text_atomic(str(workdir / "new"), "a slots=1\n")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((workdir / "new").stat().st_mode) == 0o640
+
+
+def test_reports_errors_exit_code_and_format() -> None:
+    @click.command()
+    @hosts_cli.reports_errors
+    def boom() -> None:
+        raise HostfileError("bad things")
+
+    result = CliRunner().invoke(boom, [])
+    assert result.exit_code == 2
+    assert "dsrun: error: bad things" in result.output

@@ -1,0 +1,114 @@
+"""Rank layout, per-rank environment and dry-run output (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsrun.errors import DsrunUsageError
+from dsrun.launcher import launch
+from dsrun.launcher.backends.local import LocalBackend
+from dsrun.launcher.plan import (
+    NodeSlots,
+    host_env,
+    layout,
+    local_slots,
+    rank_command,
+    rank_env,
+)
+from dsrun.launcher.spec import LaunchSpec
+
+
+def test_layout_assigns_contiguous_global_ranks_per_node():
+    nodes = layout([NodeSlots("a", (0, 1), gpus=True), NodeSlots("b", (2, 3, 5), gpus=True)])
+    assert [(r.rank, r.local_rank, r.device) for r in nodes[0].ranks] == [(0, 0, 0), (1, 1, 1)]
+    assert [(r.rank, r.local_rank, r.device) for r in nodes[1].ranks] == \
+        [(2, 0, 2), (3, 1, 3), (4, 2, 5)]
+    assert nodes[1].devices == (2, 3, 5) and nodes[1].node_rank == 1
+
+
+def test_cpu_nodes_have_no_devices():
+    (node,) = layout([NodeSlots("a", (0, 1, 2), gpus=False)])
+    assert node.devices == () and all(r.device is None for r in node.ranks)
+
+
+@pytest.mark.parametrize("num,devices,cpus,expect_slots,gpus", [
+    (None, (), 8, (0, 1), False),      # CPU default: 2 ranks, not one per core
+    (None, (), 1, (0,), False),        # ... but never more than the CPUs
+    (3, (), 2, (0, 1, 2), False),      # explicit CPU ranks may oversubscribe
+    (None, (0, 1, 2, 3), 8, (0, 1, 2, 3), True),  # all GPUs by default
+    (2, (4, 5, 6), 8, (4, 5), True),
+])
+def test_local_slots(num, devices, cpus, expect_slots, gpus):
+    node = local_slots(num, devices, cpus)
+    assert node.slots == expect_slots and node.gpus is gpus
+
+
+def test_more_gpu_ranks_than_gpus_is_an_error():
+    with pytest.raises(DsrunUsageError, match="more GPUs than this host has \\(2\\)"):
+        local_slots(3, (0, 1), 8)
+
+
+def _plan(**kw):
+    spec = LaunchSpec(script="train.py", script_args=("--lr", "1"), **kw)
+    return launch.make_plan(spec, devices=kw.pop("devices", ()), cpus=4,
+                            port_for=lambda addr: 4242)
+
+
+def test_rank_env_for_each_rank():
+    plan = _plan(num_gpus=3, dist_backend="gloo", extra_env=(("FOO", "bar"),))
+    node = plan.nodes[0]
+    envs = [rank_env(plan, node, s) for s in node.ranks]
+    for i, env in enumerate(envs):
+        assert env["RANK"] == env["LOCAL_RANK"] == str(i)
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "3"
+        assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == "4242"
+        assert env["DSRUN_DIST_BACKEND"] == "gloo" and env["FOO"] == "bar"
+        assert env["DSRUN_JOB_ID"] == plan.job_id and env["DSRUN_RESTART_COUNT"] == "0"
+        assert "CUDA_VISIBLE_DEVICES" not in env
+
+
+def test_gpu_ranks_see_the_nodes_devices():
+    spec = LaunchSpec(script="t.py", num_gpus=2)
+    plan = launch.make_plan(spec, devices=(1, 3, 5), cpus=8, port_for=lambda a: 1)
+    env = rank_env(plan, plan.nodes[0], plan.nodes[0].ranks[1])
+    assert env["CUDA_VISIBLE_DEVICES"] == "1,3" and env["LOCAL_RANK"] == "1"
+
+
+def test_host_env_splits_cpus_and_respects_user_settings():
+    assert host_env(2, 8, {}) == {"OMP_NUM_THREADS": "4", "PYTHONUNBUFFERED": "1"}
+    assert host_env(3, 2, {})["OMP_NUM_THREADS"] == "1"
+    assert host_env(2, 8, {"OMP_NUM_THREADS": "7", "PYTHONUNBUFFERED": "0"}) == {}
+
+
+def test_rank_command_modes():
+    assert rank_command(LaunchSpec(script="a.py", script_args=("x",)), "/py") == \
+        ("/py", "-m", "dsrun.runtime.bootstrap", "--script", "a.py", "x")
+    assert rank_command(LaunchSpec(script="pkg.m", module=True), "/py")[3:5] == \
+        ("--module", "pkg.m")
+    assert rank_command(LaunchSpec(script="./run.sh", script_args=("1",), no_python=True),
+                        "/py") == ("./run.sh", "1")
+
+
+def test_dry_run_shows_rank_map_command_and_environment(tmp_path, capsys, monkeypatch):
+    script = tmp_path / "t.py"
+    script.write_text("")
+    monkeypatch.setattr(launch, "visible_devices", lambda: ())
+    spec = LaunchSpec(script=str(script), script_args=("--num_gpus", "9"), num_gpus=2,
+                      master_port=None, dry_run=True, extra_env=(("SECRETISH", "v"),))
+    assert launch.run(spec) == 0
+    out = capsys.readouterr().out
+    assert "world size 2 on 1 node(s), master 127.0.0.1:" in out
+    assert "ranks [0,1]  local ranks [0,1]  devices [cpu]" in out
+    assert f"--script {script} --num_gpus 9" in out
+    assert "    RANK=1" in out and "    LOCAL_WORLD_SIZE=2" in out
+    assert "    OMP_NUM_THREADS=" in out and "    SECRETISH=v" in out
+
+
+def test_local_backend_prepare_is_printable():
+    plan = _plan(num_gpus=2)
+    request = LocalBackend(python="/py").prepare(plan)
+    assert request.agents[0].argv == ("/py", "-m", "dsrun.launcher.agent")
+    payload = request.agents[0].payload
+    assert [r["rank"] for r in payload["ranks"]] == [0, 1]
+    assert payload["job_id"] == plan.job_id
+    assert payload["host_env"]["OMP_NUM_THREADS"]
