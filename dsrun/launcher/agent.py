@@ -1,9 +1,11 @@
 """The node agent: starts this host's ranks, streams their output, tears down.
 
 One agent runs per host and attempt (``python -m dsrun.launcher.agent``),
-started by a backend locally, over SSH or through mpirun/srun. It reads its
-part of the plan from the first line of stdin (see protocol.py) and reports
-events on stdout. Guarantees:
+started by a backend locally, over SSH or through mpirun/srun. It may first
+answer ``probe`` commands (host facts, master port; see protocol.py), then
+reads its part of the plan from the next line of stdin and reports events on
+stdout. End of stdin before the plan means "exit, nothing was started".
+Guarantees:
 
 - every rank runs in its own session/process group, with the parent-death
   signal set, so it dies with the agent;
@@ -31,10 +33,11 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from dsrun.launcher import procs, protocol
+from dsrun.launcher import netinfo, procs, protocol
 from dsrun.launcher.devices import usable_cpus
 from dsrun.launcher.plan import host_env
 
@@ -76,12 +79,17 @@ class Rank:
     readers: list[threading.Thread] = field(default_factory=list)
     log: IO[str] | None = None
     reported: bool = False
+    exit_time: float = 0.0
 
 
 class Agent:
     def __init__(self, payload: dict[str, Any], out: IO[bytes]) -> None:
         self.payload = payload
         self.job_id: str = payload["job_id"]
+        # Marks this agent's processes for teardown. Per agent, not per job:
+        # hosts may share a PID namespace (containers with host PIDs, the
+        # simulated cluster), and one agent must never stop another's ranks.
+        self.marker = f"{self.job_id}.{uuid.uuid4().hex[:12]}"
         self.grace = float(payload.get("kill_grace", 5.0))
         self.out = out
         self.lock = threading.Lock()
@@ -91,6 +99,7 @@ class Agent:
         self.stopping = False
         self.hard_killed = False
         self.deadline = 0.0
+        self.stop_time = float("inf")  # wall clock when stopping began
         self.failed = False
         self.guard: subprocess.Popen | None = None
         self.tmpdir = tempfile.mkdtemp(prefix=f"dsrun-{self.job_id[:8]}-")
@@ -120,7 +129,7 @@ class Agent:
     def _start(self) -> None:
         self.emit({"ev": "hello", "host": socket.gethostname(), "pid": os.getpid()})
         self.guard = subprocess.Popen(
-            [sys.executable, "-m", "dsrun.launcher.guard", self.job_id],
+            [sys.executable, "-m", "dsrun.launcher.guard", self.marker],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True,
         )
         specs = self.payload["ranks"]
@@ -128,13 +137,26 @@ class Agent:
             self._spawn(spec, len(specs))
         for rank in self.ranks:
             self._start_readers(rank)
+            threading.Thread(target=self._wait_rank, args=(rank,), daemon=True).start()
         threading.Thread(target=self._read_commands, daemon=True).start()
+
+    def _wait_rank(self, rank: Rank) -> None:
+        # A thread per rank gives each exit its own timestamp: which rank
+        # failed *first* decides the root cause, and polling would blur it.
+        rank.popen.wait()
+        rank.exit_time = time.time()
+        self.events.put("exit")
 
     def _rank_env(self, spec: dict[str, Any], local_world_size: int) -> dict[str, str]:
         env = dict(os.environ) if self.payload.get("inherit_env", True) else {}
         env.update(self.payload.get("env", {}))
-        env.update(self.payload.get("host_env", {}))
+        for key, value in self.payload.get("host_env", {}).items():
+            env.setdefault(key, value)  # defaults: the user's settings win
+        prepend = self.payload.get("path_prepend") or []
+        if prepend:
+            env["PATH"] = os.pathsep.join([*prepend, env.get("PATH", os.defpath)])
         env.update(spec["env"])
+        env[procs.JOB_MARKER] = self.marker
         env.update(host_env(local_world_size, usable_cpus(), env))
         env["DSRUN_ERROR_FILE"] = os.path.join(self.tmpdir, f"rank_{spec['rank']}.json")
         return env
@@ -235,24 +257,34 @@ class Agent:
         if self.stopping:
             return
         self.stopping = True
+        self.stop_time = time.time()
         self.deadline = time.monotonic() + self.grace
-        procs.signal_job(self.pgids, self.job_id, signal.SIGTERM)
+        procs.signal_job(self.pgids, self.marker, signal.SIGTERM)
 
     def _reap(self) -> None:
         for rank in self.ranks:
-            if rank.reported or rank.popen.poll() is None:
+            if rank.reported or rank.popen.returncode is None or not rank.exit_time:
                 continue
             rank.reported = True
             for t in rank.readers:
                 t.join(timeout=0.5)
             code = rank.popen.returncode
             failed = code != 0
+            error = _read_error(rank.error_file)
+            # The rank's own record is stamped when the error was raised,
+            # before the process finished exiting: the earliest evidence.
+            when = min(rank.exit_time, float((error or {}).get("time", rank.exit_time)))
+            during_stop = self.stopping and when >= self.stop_time
+            if code < 0 and error is not None and when < self.stop_time:
+                # It was already failing on its own (the record says how) when
+                # our SIGTERM caught it in its exit path: report its own code.
+                code = int(error.get("exit_code", 1))
             self.emit({
                 "ev": "exit", "rank": rank.rank,
                 "code": code if code >= 0 else None,
                 "signal": -code if code < 0 else None,
-                "time": time.time(), "during_stop": self.stopping,
-                "error": _read_error(rank.error_file), "tail": list(rank.tail),
+                "time": when, "during_stop": during_stop,
+                "error": error, "tail": list(rank.tail),
             })
             if failed:
                 self.failed = True
@@ -261,7 +293,7 @@ class Agent:
     def _finish(self) -> int:
         """Make sure nothing of the job is left on this host; return #SIGKILLed."""
         deadline = self.deadline if self.stopping else None
-        killed = procs.stop_job(self.pgids, self.job_id, self.grace,
+        killed = procs.stop_job(self.pgids, self.marker, self.grace,
                                 already_termed=self.stopping, deadline=deadline)
         for rank in self.ranks:
             if rank.popen.poll() is None:  # only after a second signal
@@ -298,13 +330,48 @@ def _read_first_line() -> bytes:
         buf += b
 
 
+def _read_payload() -> dict[str, Any] | None:
+    """Answer probes until the start payload arrives; None: told to exit."""
+    held: netinfo.HeldPort | None = None
+    probed = False
+    try:
+        while True:
+            line = _read_first_line()
+            if not line:
+                return None if probed else {}
+            msg = protocol.decode(line)
+            cmd = msg.get("cmd")
+            if cmd is None:
+                return msg
+            if cmd != "probe":  # "stop" before the start: nothing to stop
+                return None
+            facts, port = netinfo.probe_reply(msg)
+            if port is not None:
+                if held is not None:
+                    held.close()
+                held = port
+            try:
+                protocol.write(sys.stdout.buffer, facts)
+            except OSError:  # the launcher is gone
+                return None
+            probed = True
+    finally:
+        # The master port is held until now: release it for rank 0's store.
+        if held is not None:
+            held.close()
+
+
 def main() -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, _raise_stop)
-    line = _read_first_line()
-    if not line:
+    try:
+        payload = _read_payload()
+    except Stop:
+        return 0
+    if payload is None:
+        return 0
+    if not payload:
         return 2
-    payload = protocol.decode(line)
     return Agent(payload, sys.stdout.buffer).run()
 
 

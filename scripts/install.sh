@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Install everything dsrun needs into ./.venv on a bare Debian machine.
+#
+# - Debian packages (as root only): sshd/ssh for multi-host jobs and the
+#   simulated-cluster tests, Open MPI for mpi4py, iproute2 for namespaces.
+# - torch is pinned to the CPU build that lies on this machine's disk
+#   (TORCH_SPEC overrides it, e.g. TORCH_SPEC=torch for a CUDA machine):
+#   an unpinned torch pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES="openssh-server openssh-client openmpi-bin libopenmpi-dev iproute2"
+if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    missing=""
+    for pkg in $APT_PACKAGES; do
+        dpkg -s "$pkg" >/dev/null 2>&1 || missing="$missing $pkg"
+    done
+    if [ -n "$missing" ]; then
+        echo "install.sh: apt-get install$missing"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing \
+            >/dev/null
+    fi
+fi
+
+PYTHON="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check "${TORCH_SPEC:-torch==2.13.0}" numpy
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+echo "install.sh: dsrun $(.venv/bin/python -c 'import dsrun; print(dsrun.__version__)') installed in .venv"
