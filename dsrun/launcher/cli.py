@@ -18,7 +18,14 @@ import click
 
 from dsrun.errors import DsrunError
 from dsrun.launcher import launch
-from dsrun.launcher.spec import DIST_BACKENDS, LaunchSpec
+from dsrun.launcher.spec import (
+    DEFAULT_SSH_TIMEOUT,
+    DIST_BACKENDS,
+    LAUNCHERS,
+    HostsSpec,
+    LaunchSpec,
+    SshOptions,
+)
 
 CONTEXT = {"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
 
@@ -33,16 +40,56 @@ def _env_pair(ctx: click.Context, param: click.Parameter, values: Sequence[str])
     return tuple(pairs)
 
 
+# Options that say where a job runs; shared by ``run`` and ``doctor``.
+_HOST_OPTIONS = (
+    click.option("-H", "--hostfile", "hostfile", default=None, metavar="PATH",
+                 help="Hostfile of 'HOST slots=N' lines. Default: ./hostfile, else "
+                      "/job/hostfile, when present; without one the job runs on this host."),
+    click.option("-i", "--include", "include", default=None, metavar="NODES",
+                 help="Use only these hosts/slots: HOST[:I,J][@HOST...] (DeepSpeed syntax)."),
+    click.option("-e", "--exclude", "exclude", default=None, metavar="NODES",
+                 help="Use all hosts/slots but these (same syntax as --include)."),
+    click.option("--num_nodes", "--num-nodes", "num_nodes", type=int, default=None,
+                 help="Number of hosts to use (the first N of the selection)."),
+    click.option("--num_gpus", "--num-gpus", "num_gpus", type=int, default=None,
+                 help="Ranks per host (GPUs; on a host without GPUs, CPU ranks). "
+                      "Default: all selected slots; without a hostfile all GPUs, or 2 CPU "
+                      "ranks on a CPU-only host."),
+    click.option("--master_addr", "--master-addr", "master_addr", default=None,
+                 help="Rendezvous address (default: 127.0.0.1 on one host; else the first "
+                      "host's address, found on that host)."),
+    click.option("--master_port", "--master-port", "master_port", type=int, default=None,
+                 help="Rendezvous port (default: a free port chosen on the first host)."),
+    click.option("--launcher", "launcher", default=None, type=click.Choice(LAUNCHERS),
+                 help="How node agents start (default: ssh when a selected host is not "
+                      "this one, else local)."),
+    click.option("--ssh_port", "--ssh-port", "ssh_port", type=int, default=None,
+                 help="SSH port (default: from ssh config, else 22)."),
+    click.option("--ssh_user", "--ssh-user", "ssh_user", default=None,
+                 help="SSH user (default: from ssh config, else the current user)."),
+    click.option("--ssh_key", "--ssh-key", "ssh_key", default=None, metavar="PATH",
+                 help="SSH private key to use (only this one)."),
+    click.option("--ssh_config", "--ssh-config", "ssh_config", default=None, metavar="PATH",
+                 envvar="DSRUN_SSH_CONFIG", show_envvar=True,
+                 help="ssh_config file for HostName, Port, User, IdentityFile, "
+                      "UserKnownHostsFile (default: ~/.ssh/config)."),
+    click.option("--ssh_insecure", "--ssh-insecure", "ssh_insecure", is_flag=True,
+                 help="Accept unknown or changed host keys (never saved). Default: refuse "
+                      "hosts whose key is not in known_hosts."),
+    click.option("--ssh_timeout", "--ssh-timeout", "ssh_timeout", type=float,
+                 default=DEFAULT_SSH_TIMEOUT, show_default=True,
+                 help="Seconds to wait for a host's SSH connection and its agent's answer."),
+)
+
+
+def host_options(func):
+    for option in reversed(_HOST_OPTIONS):
+        func = option(func)
+    return func
+
+
 @click.command("run", context_settings=CONTEXT)
-@click.option("--num_gpus", "--num-gpus", "num_gpus", type=int, default=None,
-              help="Ranks per host (GPUs; on a host without GPUs, CPU ranks). "
-                   "Default: all GPUs, or 2 CPU ranks on a CPU-only host.")
-@click.option("--num_nodes", "--num-nodes", "num_nodes", type=int, default=None,
-              help="Number of hosts to use.")
-@click.option("--master_addr", "--master-addr", "master_addr", default=None,
-              help="Rendezvous address (default 127.0.0.1 for a local job).")
-@click.option("--master_port", "--master-port", "master_port", type=int, default=None,
-              help="Rendezvous port (default: a free port chosen by dsrun).")
+@host_options
 @click.option("-m", "--module", "module", is_flag=True,
               help="Run SCRIPT as a module, like python -m.")
 @click.option("--no_python", "--no-python", "no_python", is_flag=True,
@@ -63,7 +110,16 @@ def _env_pair(ctx: click.Context, param: click.Parameter, values: Sequence[str])
               help="torch.distributed backend for the injected runtime "
                    "(default: nccl on GPU ranks, gloo on CPU ranks; 'none' skips it).")
 @click.option("--env", "env", multiple=True, callback=_env_pair, metavar="KEY=VALUE",
-              help="Set an environment variable for every rank (repeatable).")
+              help="Set an environment variable for every rank (repeatable). The value "
+                   "travels to the hosts on the agents' stdin, never on a command line "
+                   "(but it is on dsrun's own: put secrets in ./.dsrun_env or ~/.dsrun_env).")
+@click.option("--env_prefix", "--env-prefix", "env_prefixes", multiple=True, metavar="PREFIX",
+              help="Also forward the launcher's variables starting with PREFIX to remote "
+                   "ranks (repeatable; NCCL_, CUDA_, OMP_, GLOO_, TORCH_, PYTORCH_, DSRUN_, "
+                   "UCX_, MV2_, PYTHONPATH, ... are forwarded by default).")
+@click.option("--no_preflight", "--no-preflight", "no_preflight", is_flag=True,
+              help="Start a multi-host job even if versions differ between hosts or the "
+                   "master port is not reachable from some host.")
 @click.argument("script")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def run_command(**params: object) -> int:
@@ -72,10 +128,43 @@ def run_command(**params: object) -> int:
     return launch.run(spec_from_params(params))
 
 
+def _ssh_options(params: dict[str, object]) -> SshOptions:
+    return SshOptions(
+        port=params.pop("ssh_port"), user=params.pop("ssh_user"),  # type: ignore[arg-type]
+        key=params.pop("ssh_key"), config=params.pop("ssh_config"),  # type: ignore[arg-type]
+        insecure=bool(params.pop("ssh_insecure")),
+        timeout=params.pop("ssh_timeout"),  # type: ignore[arg-type]
+    )
+
+
 def spec_from_params(params: dict[str, object]) -> LaunchSpec:
     params = dict(params)
     extra_env = params.pop("env")
-    return LaunchSpec(**params, extra_env=extra_env)  # type: ignore[arg-type]
+    ssh = _ssh_options(params)
+    params["backend"] = params.pop("launcher")
+    params["preflight"] = not params.pop("no_preflight")
+    params["env_prefixes"] = tuple(params.pop("env_prefixes"))  # type: ignore[arg-type]
+    return LaunchSpec(**params, extra_env=extra_env, ssh=ssh)  # type: ignore[arg-type]
+
+
+def hosts_spec_from_params(params: dict[str, object]) -> HostsSpec:
+    params = dict(params)
+    ssh = _ssh_options(params)
+    return HostsSpec(**params, ssh=ssh)  # type: ignore[arg-type]
+
+
+@click.command("doctor", context_settings={"help_option_names": ["-h", "--help"]})
+@host_options
+def doctor_command(**params: object) -> int:
+    """Check every selected host before a launch: one line per host.
+
+    Checks SSH reachability, the Python interpreter, dsrun and torch versions
+    (equal to this host's), the working directory, devices >= slots, that
+    the master port is free and that every host reaches it.
+    """
+    from dsrun.launcher import doctor
+
+    return doctor.run_doctor(hosts_spec_from_params(params), os.getcwd())
 
 
 def parse_spec(argv: Sequence[str]) -> LaunchSpec:
@@ -108,7 +197,7 @@ def warn_flags_after_script(script_args: Sequence[str]) -> list[str]:
 
 def _commands() -> dict[str, click.Command]:
     """Subcommands other than run, loaded only when named."""
-    commands: dict[str, click.Command] = {"run": run_command}
+    commands: dict[str, click.Command] = {"run": run_command, "doctor": doctor_command}
     try:
         from dsrun.launcher.hosts_cli import hosts
         commands["hosts"] = hosts
@@ -129,7 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     command, rest = _dispatch(args)
     try:
-        result = command.main(rest, prog_name="dsrun", standalone_mode=False)
+        prog = "dsrun" if command is run_command else f"dsrun {command.name}"
+        result = command.main(rest, prog_name=prog, standalone_mode=False)
     except click.exceptions.Exit as exc:
         return exc.exit_code
     except click.exceptions.Abort:

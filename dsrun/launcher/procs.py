@@ -2,8 +2,10 @@
 
 A job's processes are (a) the members of each rank's process group - every
 rank is a group leader - and (b) any process whose environment carries the
-job's ``DSRUN_JOB_ID`` marker, which catches descendants that left the
-group (``setsid``, daemonising). Stopping is SIGTERM, a deadline, SIGKILL,
+``DSRUN_AGENT_ID`` marker its node agent gave it, which catches descendants
+that left the group (``setsid``, daemonising). The marker is per agent, not
+per job, so that agents of one job whose hosts share a PID namespace never
+stop each other's ranks. Stopping is SIGTERM, a deadline, SIGKILL,
 then a re-scan until nothing is found, since a dying process may fork.
 Only this job's processes are ever touched.
 """
@@ -17,7 +19,7 @@ from collections.abc import Iterable
 
 import psutil
 
-JOB_MARKER = "DSRUN_JOB_ID"
+JOB_MARKER = "DSRUN_AGENT_ID"
 
 
 def job_processes(pgids: Iterable[int], job_id: str | None) -> list[psutil.Process]:

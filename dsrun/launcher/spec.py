@@ -1,6 +1,8 @@
 """LaunchSpec: what the user asked for, validated, independent of click.
 
 cli.py turns argv into a LaunchSpec; nothing below the CLI sees click.
+:class:`HostsSpec` is the part that says where a job runs (hostfile,
+selection, rendezvous, SSH); ``dsrun doctor`` uses it on its own.
 """
 
 from __future__ import annotations
@@ -15,6 +17,55 @@ DIST_BACKENDS = ("nccl", "gloo", "mpi", "none")
 # ranks (fewer if the host has fewer CPUs): enough to exercise data
 # parallelism, few enough not to oversubscribe a laptop.
 DEFAULT_CPU_RANKS = 2
+#: Seconds to wait for an SSH connection (and a remote agent's first answer).
+DEFAULT_SSH_TIMEOUT = 10.0
+LAUNCHERS = ("local", "ssh")
+
+
+@dataclass(frozen=True)
+class SshOptions:
+    """How to reach remote hosts; None means "from ssh_config, else default"."""
+
+    port: int | None = None
+    user: str | None = None
+    key: str | None = None
+    config: str | None = None  # None: ~/.ssh/config when it exists
+    insecure: bool = False  # accept unknown host keys (never saved)
+    timeout: float = DEFAULT_SSH_TIMEOUT
+
+    def __post_init__(self) -> None:
+        if self.port is not None and not 1 <= self.port <= 65535:
+            raise DsrunUsageError(f"--ssh_port must be in 1..65535, got {self.port}")
+        if not self.timeout > 0:
+            raise DsrunUsageError(f"--ssh_timeout must be > 0, got {self.timeout}")
+
+
+@dataclass(frozen=True)
+class HostsSpec:
+    """Where a job runs: hostfile and selection, rendezvous, launcher, SSH."""
+
+    hostfile: str | None = None  # None: ./hostfile, else /job/hostfile, else local
+    include: str | None = None
+    exclude: str | None = None
+    num_nodes: int | None = None
+    num_gpus: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    launcher: str | None = None  # None: ssh when a selected host is not this one
+    ssh: SshOptions = field(default_factory=SshOptions)
+
+    def __post_init__(self) -> None:
+        if self.include is not None and self.exclude is not None:
+            raise DsrunUsageError("--include and --exclude are mutually exclusive")
+        if self.launcher is not None and self.launcher not in LAUNCHERS:
+            raise DsrunUsageError(f"--launcher must be one of {', '.join(LAUNCHERS)}, "
+                                  f"got {self.launcher!r}")
+        if self.num_gpus is not None and self.num_gpus < 1:
+            raise DsrunUsageError(f"--num_gpus must be at least 1, got {self.num_gpus}")
+        if self.num_nodes is not None and self.num_nodes < 1:
+            raise DsrunUsageError(f"--num_nodes must be at least 1, got {self.num_nodes}")
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise DsrunUsageError(f"--master_port must be in 1..65535, got {self.master_port}")
 
 
 @dataclass(frozen=True)
@@ -34,18 +85,19 @@ class LaunchSpec:
     max_restarts: int = 0
     kill_grace: float = 5.0
     dist_backend: str | None = None
-    backend: str = "local"
+    backend: str | None = None  # --launcher; None: chosen from the hosts
     extra_env: tuple[tuple[str, str], ...] = field(default=())
+    hostfile: str | None = None
+    include: str | None = None
+    exclude: str | None = None
+    env_prefixes: tuple[str, ...] = ()
+    preflight: bool = True
+    ssh: SshOptions = field(default_factory=SshOptions)
 
     def __post_init__(self) -> None:
         if self.module and self.no_python:
             raise DsrunUsageError("--module and --no_python cannot be used together")
-        if self.num_gpus is not None and self.num_gpus < 1:
-            raise DsrunUsageError(f"--num_gpus must be at least 1, got {self.num_gpus}")
-        if self.num_nodes is not None and self.num_nodes < 1:
-            raise DsrunUsageError(f"--num_nodes must be at least 1, got {self.num_nodes}")
-        if self.master_port is not None and not 1 <= self.master_port <= 65535:
-            raise DsrunUsageError(f"--master_port must be in 1..65535, got {self.master_port}")
+        self.hosts  # noqa: B018 - validates the host options
         if self.max_restarts < 0:
             raise DsrunUsageError(f"--max_restarts must be >= 0, got {self.max_restarts}")
         if self.kill_grace < 0:
@@ -55,3 +107,9 @@ class LaunchSpec:
                 f"--dist_backend must be one of {', '.join(DIST_BACKENDS)}, "
                 f"got {self.dist_backend!r}"
             )
+
+    @property
+    def hosts(self) -> HostsSpec:
+        return HostsSpec(self.hostfile, self.include, self.exclude, self.num_nodes,
+                         self.num_gpus, self.master_addr, self.master_port, self.backend,
+                         self.ssh)

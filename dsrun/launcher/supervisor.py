@@ -115,8 +115,7 @@ class Supervisor:
                 code = self.handle.channels[index].wait(timeout=1)
                 st.failures.append(RankFailure(
                     host=host, rank=None, code=code, signal=None, time=time.time(),
-                    during_stop=st.stopping,
-                    message=f"node agent exited unexpectedly (status {code})"))
+                    during_stop=st.stopping, message=self.handle.exit_message(index, code)))
                 self._stop()
-        elif ev == "garbage":
+        elif ev in ("garbage", "agent_err"):
             self.sink(host, -1, 2, msg["line"])

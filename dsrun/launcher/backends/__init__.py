@@ -11,6 +11,7 @@ from dsrun.launcher.backends.base import Backend
 # paramiko import costs nothing for local jobs.
 _REGISTRY = {
     "local": "dsrun.launcher.backends.local:LocalBackend",
+    "ssh": "dsrun.launcher.backends.ssh:SshBackend",
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from typing import IO
 
 from dsrun.launcher.backends.base import (
@@ -55,17 +56,21 @@ class LocalBackend(Backend):
     def __init__(self, python: str = sys.executable) -> None:
         self.python = python
 
+    def argv(self) -> tuple[str, ...]:
+        return (self.python, "-m", AGENT_MODULE)
+
     def prepare(self, plan: LaunchPlan) -> Request:
+        forwarded = plan.user_env.as_dict()
         agents = tuple(
-            AgentRequest(node.host, (self.python, "-m", AGENT_MODULE),
-                         agent_payload(plan, node, host_env=host_env(
-                             len(node.ranks), usable_cpus(), os.environ)))
+            AgentRequest(node.host, self.argv(),
+                         agent_payload(plan, node, forwarded, host_env={
+                             **dict(node.env),
+                             **host_env(len(node.ranks), usable_cpus(),
+                                        {**os.environ, **forwarded})}))
             for node in plan.nodes
         )
         return Request(self.name, plan, agents)
 
-    def launch(self, request: Request) -> JobHandle:
-        channels: list[AgentChannel] = [
-            LocalChannel(a.host, a.argv, request.plan.cwd) for a in request.agents
-        ]
-        return JobHandle(channels, [a.payload for a in request.agents])
+    def open(self, hosts: Sequence[str], cwd: str, local: Sequence[bool]) -> JobHandle:
+        channels: list[AgentChannel] = [LocalChannel(h, self.argv(), cwd) for h in hosts]
+        return JobHandle(channels)

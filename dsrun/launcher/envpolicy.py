@@ -1,0 +1,200 @@
+"""Which environment variables a job's ranks get from the launcher (pure).
+
+A local job's node agent inherits dsrun's whole environment. A remote
+agent starts in the SSH login environment of its host, so dsrun forwards a
+documented set of the launcher's variables, plus whatever the user adds.
+Every forwarded value travels inside the agent's start payload (its stdin),
+never on a command line; dry-run output and logs show only the keys.
+
+Sources, lowest precedence first (a later source overrides an earlier one):
+
+1. the remote host's login environment (not handled here);
+2. launcher variables matching :data:`DEFAULT_PREFIXES` or
+   :data:`DEFAULT_NAMES` (remote jobs only; see :func:`forward_defaults`);
+3. launcher variables matching a ``--env_prefix P`` (remote jobs only);
+4. env files: ``~/.deepspeed_env``, ``~/.dsrun_env``, then
+   ``./.deepspeed_env``, ``./.dsrun_env`` (working directory wins over home,
+   dsrun's own name over DeepSpeed's);
+5. ``--env KEY=VALUE`` on the command line.
+
+dsrun's own per-rank variables (RANK, WORLD_SIZE, MASTER_ADDR, ...) are set
+after all of these and cannot be overridden.
+
+:data:`NEVER_FORWARDED` variables describe the launcher's own host or job
+(``CUDA_VISIBLE_DEVICES``, a parent job's ``DSRUN_JOB_ID``) and are not
+forwarded by a prefix match; naming them in a file or ``--env`` still works.
+``PATH`` is not forwarded (the launcher host's directories need not exist
+elsewhere); instead remote ranks get the launcher interpreter's directory in
+front of their login ``PATH``, so ``python`` and the venv's scripts resolve
+as they do locally.
+
+Env file syntax: ``KEY=VALUE`` per line; blank lines and lines starting with
+``#`` are ignored; ``export KEY=VALUE`` is accepted; one pair of matching
+quotes around the whole value is removed; everything else is literal (no
+expansion, no inline comments). A malformed line is an error naming
+``file:line`` (never the value, which may be a secret).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from dsrun.errors import DsrunUsageError
+
+#: Prefixes of launcher variables forwarded to remote ranks by default.
+DEFAULT_PREFIXES = ("NCCL_", "CUDA_", "OMP_", "GLOO_", "TORCH_", "PYTORCH_", "DSRUN_",
+                    "UCX_", "MV2_")
+#: Whole names forwarded to remote ranks by default.
+DEFAULT_NAMES = ("PYTHONPATH", "PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONFAULTHANDLER",
+                 "VIRTUAL_ENV")
+#: Describe the launcher's own host or job: never forwarded by a prefix match.
+NEVER_FORWARDED = frozenset({
+    "CUDA_VISIBLE_DEVICES", "DSRUN_JOB_ID", "DSRUN_AGENT_ID", "DSRUN_ERROR_FILE",
+    "DSRUN_RESTART_COUNT",
+    "DSRUN_FAKE_GPUS", "DSRUN_SSH_CONFIG",
+})
+#: Env file names, in the order they are read within one directory.
+ENV_FILE_NAMES = (".deepspeed_env", ".dsrun_env")
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+@dataclass(frozen=True)
+class EnvEntry:
+    """One variable for the ranks and where it came from (for messages)."""
+
+    key: str
+    value: str
+    source: str
+
+    def __repr__(self) -> str:  # never show the value
+        return f"EnvEntry({self.key!r}, <value>, {self.source!r})"
+
+
+@dataclass(frozen=True)
+class JobEnv:
+    """The user-level variables every rank gets, by key; values are private."""
+
+    entries: tuple[EnvEntry, ...] = ()
+
+    def as_dict(self) -> dict[str, str]:
+        return {e.key: e.value for e in self.entries}
+
+    def keys(self) -> tuple[str, ...]:
+        return tuple(e.key for e in self.entries)
+
+    def describe(self) -> list[str]:
+        """``KEY=<value not shown> (source)`` lines, sorted by key."""
+        return [f"{e.key}=<value not shown> ({e.source})"
+                for e in sorted(self.entries, key=lambda e: e.key)]
+
+
+def check_name(key: str, where: str) -> None:
+    if not _NAME.match(key):
+        raise DsrunUsageError(f"{where}: invalid environment variable name {key!r}")
+
+
+def check_prefix(prefix: str) -> None:
+    if not prefix or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", prefix):
+        raise DsrunUsageError(f"--env_prefix: invalid prefix {prefix!r} "
+                              "(letters, digits and '_', not starting with a digit)")
+
+
+def _unquote(value: str) -> str:
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        return value[1:-1]
+    return value
+
+
+def parse_env_file(text: str, path: str) -> list[EnvEntry]:
+    """The ``KEY=VALUE`` entries of an env file; DsrunUsageError at file:line."""
+    entries = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        where = f"{path}:{number}"
+        if line.startswith("export") and line[6:7] in (" ", "\t"):
+            line = line[6:].lstrip()
+        key, sep, value = line.partition("=")
+        key = key.strip()
+        if not sep:
+            raise DsrunUsageError(f"{where}: expected KEY=VALUE (no '=' on this line)")
+        if not key:
+            raise DsrunUsageError(f"{where}: expected KEY=VALUE (no name before '=')")
+        check_name(key, where)
+        entries.append(EnvEntry(key, _unquote(value.strip()), where))
+    return entries
+
+
+def env_file_paths(cwd: str, home: str) -> list[str]:
+    """Env files in precedence order (later wins): home first, then cwd."""
+    dirs = [home] if os.path.realpath(home) == os.path.realpath(cwd) else [home, cwd]
+    return [os.path.join(d, name) for d in dirs for name in ENV_FILE_NAMES]
+
+
+def read_env_files(paths: Iterable[str]) -> list[EnvEntry]:
+    """Entries of every existing file among ``paths``, in order (I/O)."""
+    entries: list[EnvEntry] = []
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except FileNotFoundError:
+            continue
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = getattr(exc, "strerror", None) or str(exc)
+            raise DsrunUsageError(f"cannot read env file {path}: {reason}") from None
+        entries.extend(parse_env_file(text, path))
+    return entries
+
+
+def forward_defaults(environ: Mapping[str, str],
+                     prefixes: Sequence[str] = DEFAULT_PREFIXES,
+                     names: Sequence[str] = DEFAULT_NAMES) -> list[EnvEntry]:
+    """Launcher variables forwarded by default, sorted by key."""
+    return [EnvEntry(k, environ[k], "forwarded")
+            for k in sorted(environ)
+            if k not in NEVER_FORWARDED and (k in names or k.startswith(tuple(prefixes)))]
+
+
+def forward_prefixes(environ: Mapping[str, str], prefixes: Sequence[str]) -> list[EnvEntry]:
+    """Launcher variables matching a user's ``--env_prefix``, sorted by key."""
+    out = []
+    for key in sorted(environ):
+        for prefix in prefixes:
+            if key.startswith(prefix) and key not in NEVER_FORWARDED:
+                out.append(EnvEntry(key, environ[key], f"--env_prefix {prefix}"))
+                break
+    return out
+
+
+def compose(*layers: Iterable[EnvEntry]) -> JobEnv:
+    """Merge layers, later layers overriding earlier ones; sorted by key."""
+    merged: dict[str, EnvEntry] = {}
+    for layer in layers:
+        for entry in layer:
+            merged[entry.key] = entry
+    return JobEnv(tuple(merged[k] for k in sorted(merged)))
+
+
+def job_env(environ: Mapping[str, str], *, remote: bool, env_prefixes: Sequence[str] = (),
+            file_entries: Sequence[EnvEntry] = (),
+            cli_env: Sequence[tuple[str, str]] = ()) -> JobEnv:
+    """The variables for the ranks, by the precedence in the module docstring.
+
+    ``remote=False`` (a local job, whose agent inherits everything) leaves
+    out the forwarded launcher variables: they are there already.
+    """
+    for prefix in env_prefixes:
+        check_prefix(prefix)
+    for key, _ in cli_env:
+        check_name(key, "--env")
+    forwarded: list[EnvEntry] = []
+    if remote:
+        forwarded = forward_defaults(environ) + forward_prefixes(environ, env_prefixes)
+    cli = [EnvEntry(k, v, "--env") for k, v in cli_env]
+    return compose(forwarded, file_entries, cli)
