@@ -105,6 +105,15 @@ def host_options(func):
 @click.option("--kill_grace", "--kill-grace", "kill_grace", type=float, default=5.0,
               show_default=True,
               help="Seconds between SIGTERM and SIGKILL when stopping ranks.")
+@click.option("--config", "--deepspeed_config", "config", default=None,
+              type=click.Path(exists=True, dir_okay=False),
+              help="A DeepSpeed-style JSON config handed to every rank (DSRUN_CONFIG); "
+                   "dsrun.initialize() uses it when the script passes none.")
+@click.option("--local_rank_arg", "local_rank_arg", flag_value="--local_rank", default=None,
+              help="Also append --local_rank=N to each rank's arguments, as DeepSpeed's "
+                   "launcher does (environment variables are always set).")
+@click.option("--local-rank-arg", "local_rank_arg", flag_value="--local-rank",
+              help="The same with torch.distributed.launch's spelling: --local-rank=N.")
 @click.option("--dist_backend", "--dist-backend", "dist_backend", default=None,
               type=click.Choice(DIST_BACKENDS),
               help="torch.distributed backend for the injected runtime "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import json
 import os
 import shutil
 import signal
@@ -41,11 +42,11 @@ from dsrun.launcher.envpolicy import JobEnv, env_file_paths, job_env, read_env_f
 from dsrun.launcher.netinfo import LOCAL_MASTER
 from dsrun.launcher.plan import (
     LaunchPlan,
+    command_fields,
     describe,
     host_slots,
     layout,
     local_slots,
-    rank_command,
     socket_env,
 )
 from dsrun.launcher.report import JobResult, report_lines
@@ -55,6 +56,23 @@ from dsrun.launcher.supervisor import Interrupted, Supervisor, raise_interrupted
 
 def say(message: str) -> None:
     click.echo(f"dsrun: {message}", err=True)
+
+
+def check_config(spec: LaunchSpec) -> None:
+    """--config must be a readable JSON object (its keys are checked in each rank)."""
+    if spec.config is None:
+        return
+    try:
+        with open(spec.config, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise DsrunUsageError(f"--config {spec.config!r}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise DsrunUsageError(f"--config {spec.config}:{exc.lineno}:{exc.colno}: not valid "
+                              f"JSON: {exc.msg}") from None
+    if not isinstance(data, dict):
+        raise DsrunUsageError(f"--config {spec.config}: expected a JSON object, "
+                              f"got {type(data).__name__}")
 
 
 def check_script(spec: LaunchSpec) -> None:
@@ -115,6 +133,8 @@ def _job_env(spec: LaunchSpec) -> tuple[tuple[str, str], ...]:
     env = {}
     if spec.dist_backend is not None:
         env["DSRUN_DIST_BACKEND"] = spec.dist_backend
+    if spec.config is not None:
+        env["DSRUN_CONFIG"] = os.path.abspath(spec.config)
     return tuple(sorted(env.items()))
 
 
@@ -137,7 +157,7 @@ def make_plan(spec: LaunchSpec, devices: tuple[int, ...], cpus: int,
         nodes=layout([node]),
         master_addr=addr,
         master_port=port,
-        command=rank_command(spec, sys.executable),
+        **command_fields(spec, sys.executable),
         job_env=_job_env(spec),
         user_env=env if env is not None else job_env({}, remote=False,
                                                      cli_env=spec.extra_env),
@@ -174,7 +194,7 @@ def cluster_plan(spec: LaunchSpec, cluster: Cluster, env: JobEnv, job_id: str,
         nodes=layout(nodes),
         master_addr=master.addr if master else spec.master_addr,
         master_port=master.port if master else spec.master_port,
-        command=rank_command(spec, python or sys.executable),
+        **command_fields(spec, python or sys.executable),
         job_env=_job_env(spec),
         user_env=env,
         cwd=os.getcwd(),
@@ -186,6 +206,7 @@ def cluster_plan(spec: LaunchSpec, cluster: Cluster, env: JobEnv, job_id: str,
 
 def run(spec: LaunchSpec) -> int:
     check_script(spec)
+    check_config(spec)
     cwd = os.getcwd()
     resolved = resolve_cluster(spec.hosts, cwd)
     if resolved is None or resolved[0].launcher == "local":

@@ -25,6 +25,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from dsrun.errors import DsrunUsageError
 from dsrun.launcher.envpolicy import JobEnv
@@ -85,6 +86,11 @@ class LaunchPlan:
     kill_grace: float = 5.0
     log_dir: str | None = None
     restart_count: int = 0
+    # DeepSpeed-launcher compatibility: "--local_rank" or "--local-rank",
+    # inserted as FLAG=N right after the script, before its arguments
+    # (at index ``args_at`` of ``command``); None: environment only.
+    local_rank_arg: str | None = None
+    args_at: int = 0
 
     @property
     def world_size(self) -> int:
@@ -162,6 +168,21 @@ def rank_command(spec: LaunchSpec, python: str) -> tuple[str, ...]:
         return (spec.script, *spec.script_args)
     mode = "--module" if spec.module else "--script"
     return (python, "-m", RUNTIME_BOOTSTRAP, mode, spec.script, *spec.script_args)
+
+
+def command_fields(spec: LaunchSpec, python: str) -> dict[str, Any]:
+    """LaunchPlan fields that describe the rank command."""
+    command = rank_command(spec, python)
+    return {"command": command, "local_rank_arg": spec.local_rank_arg,
+            "args_at": len(command) - len(spec.script_args)}
+
+
+def rank_argv(plan: LaunchPlan, slot: RankSlot) -> list[str]:
+    """The exact argv of one rank."""
+    argv = list(plan.command)
+    if plan.local_rank_arg:
+        argv.insert(plan.args_at, f"{plan.local_rank_arg}={slot.local_rank}")
+    return argv
 
 
 def rank_env(plan: LaunchPlan, node: NodePlan, slot: RankSlot) -> dict[str, str]:

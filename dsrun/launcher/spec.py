@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 
 from dsrun.errors import DsrunUsageError
 
+# Spellings of the argument DeepSpeed's launcher (--local_rank) and
+# torch.distributed.launch >= 2.0 (--local-rank) append to a script's argv.
+LOCAL_RANK_FLAGS = (None, "--local_rank", "--local-rank")
+
 DIST_BACKENDS = ("nccl", "gloo", "mpi", "none")
 
 # On a host without GPUs and without --num_gpus, dsrun starts this many CPU
@@ -93,10 +97,15 @@ class LaunchSpec:
     env_prefixes: tuple[str, ...] = ()
     preflight: bool = True
     ssh: SshOptions = field(default_factory=SshOptions)
+    config: str | None = None  # a DeepSpeed-style JSON config handed to every rank
+    local_rank_arg: str | None = None  # "--local_rank" / "--local-rank" appended per rank
 
     def __post_init__(self) -> None:
         if self.module and self.no_python:
             raise DsrunUsageError("--module and --no_python cannot be used together")
+        if self.local_rank_arg not in LOCAL_RANK_FLAGS:
+            raise DsrunUsageError(f"--local_rank_arg must be --local_rank or --local-rank, "
+                                  f"got {self.local_rank_arg!r}")
         self.hosts  # noqa: B018 - validates the host options
         if self.max_restarts < 0:
             raise DsrunUsageError(f"--max_restarts must be >= 0, got {self.max_restarts}")

@@ -142,3 +142,22 @@ def test_log_dir_gets_one_file_per_rank(tmp_path):
         text = (logs / f"rank_{rank}.log").read_text()
         assert f"rank {rank} up" in text
     assert "[" in res.stdout and "] rank 2 up" in res.stdout
+
+
+@pytest.mark.parametrize("flag,spelling", [("--local_rank_arg", "--local_rank"),
+                                           ("--local-rank-arg", "--local-rank")])
+def test_local_rank_argument_for_deepspeed_style_scripts(tmp_path, flag, spelling):
+    script = tmp_path / "ds_style.py"
+    script.write_text(
+        "import argparse, os, sys\n"
+        "p = argparse.ArgumentParser()\n"
+        "p.add_argument('--local_rank', '--local-rank', type=int, required=True)\n"
+        "p.add_argument('--lr')\n"
+        "a = p.parse_args()\n"
+        "assert a.local_rank == int(os.environ['LOCAL_RANK'])\n"
+        "print('argv', sys.argv[1:], flush=True)\n")
+    res = run_dsrun("--num_gpus", "2", "--dist_backend", "none", flag, str(script),
+                    "--lr", "0.1")
+    assert res.returncode == 0, res.stderr
+    assert f"argv ['{spelling}=1', '--lr', '0.1']" in res.stdout
+    assert f"argv ['{spelling}=0', '--lr', '0.1']" in res.stdout

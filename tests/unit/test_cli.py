@@ -84,3 +84,21 @@ def test_subcommand_dispatch_prefers_existing_files(tmp_path, monkeypatch):
     assert cli._dispatch(["run", "x.py"])[1] == ["x.py"]
     (tmp_path / "run").write_text("print(1)\n")
     assert cli._dispatch(["run", "x.py"]) == (cli.run_command, ["run", "x.py"])
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--local_rank_arg", "t.py"], "--local_rank"),
+    (["--local-rank-arg", "t.py"], "--local-rank"),
+    (["t.py"], None),
+])
+def test_local_rank_arg_option(argv, expected):
+    spec = cli.parse_spec(argv)
+    assert spec.local_rank_arg == expected and spec.script == "t.py"
+
+
+def test_config_option_must_exist(tmp_path):
+    with pytest.raises(click.UsageError, match="does not exist"):
+        cli.parse_spec(["--config", str(tmp_path / "nope.json"), "t.py"])
+    cfg = tmp_path / "c.json"
+    cfg.write_text("{}")
+    assert cli.parse_spec(["--deepspeed_config", str(cfg), "t.py"]).config == str(cfg)

@@ -115,3 +115,35 @@ def test_local_backend_prepare_is_printable():
     assert [r["rank"] for r in payload["ranks"]] == [0, 1]
     assert payload["job_id"] == plan.job_id
     assert payload["host_env"]["OMP_NUM_THREADS"]
+
+
+def test_local_rank_arg_is_inserted_after_the_script_per_rank():
+    from dsrun.launcher.plan import rank_argv
+    plan = _plan(num_gpus=2, local_rank_arg="--local_rank")
+    argv = [rank_argv(plan, s) for s in plan.nodes[0].ranks]
+    assert argv[1][-4:] == ["train.py", "--local_rank=1", "--lr", "1"]
+    assert argv[0][-3] == "--local_rank=0"
+    dashed = _plan(num_gpus=1, local_rank_arg="--local-rank", no_python=True)
+    assert rank_argv(dashed, dashed.nodes[0].ranks[0]) == \
+        ["train.py", "--local-rank=0", "--lr", "1"]
+    plain = _plan(num_gpus=1)
+    assert not any("local" in a for a in rank_argv(plain, plain.nodes[0].ranks[0]))
+
+
+def test_config_is_handed_to_every_rank(tmp_path):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text('{"train_batch_size": 8}')
+    plan = _plan(num_gpus=2, config=str(cfg))
+    for slot in plan.nodes[0].ranks:
+        assert rank_env(plan, plan.nodes[0], slot)["DSRUN_CONFIG"] == str(cfg)
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"a": 1,\n  "b": }', ":2:8: not valid JSON"),
+    ("[1, 2]", "expected a JSON object, got list"),
+])
+def test_bad_config_file_is_a_usage_error(tmp_path, text, message):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(text)
+    with pytest.raises(DsrunUsageError, match=message):
+        launch.check_config(LaunchSpec(script="t.py", config=str(cfg)))

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from dsrun.launcher import protocol
-from dsrun.launcher.plan import LaunchPlan, NodePlan, format_command, rank_env
+from dsrun.launcher.plan import LaunchPlan, NodePlan, format_command, rank_argv, rank_env
 
 AGENT_MODULE = "dsrun.launcher.agent"
 STDERR_TAIL = 20
@@ -91,7 +91,7 @@ def agent_payload(plan: LaunchPlan, node: NodePlan, forwarded: dict[str, str] | 
         "host_env": dict(host_env or {}),
         "path_prepend": list(path_prepend),
         "ranks": [
-            {"rank": s.rank, "local_rank": s.local_rank, "argv": list(plan.command),
+            {"rank": s.rank, "local_rank": s.local_rank, "argv": rank_argv(plan, s),
              "env": rank_env(plan, node, s)}
             for s in node.ranks
         ],
