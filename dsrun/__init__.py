@@ -16,6 +16,12 @@ __version__ = "0.1.0"
 _LAZY = {
     "init_distributed": "dsrun.runtime.dist:init_distributed",
     "DistEnv": "dsrun.runtime.env:DistEnv",
+    "initialize": "dsrun.runtime.initialize:initialize",
+    "add_config_arguments": "dsrun.runtime.initialize:add_config_arguments",
+    "DsrunEngine": "dsrun.runtime.engine:DsrunEngine",
+    "DeepSpeedEngine": "dsrun.runtime.engine:DsrunEngine",
+    "DsrunConfigError": "dsrun.errors:DsrunConfigError",
+    "DeepSpeedConfigError": "dsrun.errors:DsrunConfigError",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -105,7 +105,7 @@ def host_options(func):
 @click.option("--kill_grace", "--kill-grace", "kill_grace", type=float, default=5.0,
               show_default=True,
               help="Seconds between SIGTERM and SIGKILL when stopping ranks.")
-@click.option("--config", "--deepspeed_config", "config", default=None,
+@click.option("--config", "config", default=None,
               type=click.Path(exists=True, dir_okay=False),
               help="A DeepSpeed-style JSON config handed to every rank (DSRUN_CONFIG); "
                    "dsrun.initialize() uses it when the script passes none.")

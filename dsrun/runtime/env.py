@@ -4,6 +4,10 @@ Sources, in order: dsrun's (and torchrun's) variables RANK/WORLD_SIZE/...,
 then Open MPI's OMPI_COMM_WORLD_*, then PMI_RANK/PMI_SIZE, then Slurm's
 SLURM_PROCID/SLURM_NTASKS, else a single process. The object is frozen;
 the runtime never writes os.environ.
+
+``config_path`` is ``DSRUN_CONFIG``: the training config (DeepSpeed JSON)
+the launcher hands every rank (``dsrun --config``); ``dsrun.initialize``
+uses it when the script passes none.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class DistEnv:
     job_id: str | None = None
     restart_count: int = 0
     error_file: str | None = None
+    config_path: str | None = None  # DSRUN_CONFIG, a launcher-given training config
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -53,6 +58,7 @@ class DistEnv:
             job_id=env.get("DSRUN_JOB_ID") or None,
             restart_count=_int(env, "DSRUN_RESTART_COUNT", 0) or 0,
             error_file=env.get("DSRUN_ERROR_FILE") or None,
+            config_path=env.get("DSRUN_CONFIG") or None,
         )
         for source, rank, size, lrank, lsize in _SOURCES:
             if rank in env and size in env:

@@ -101,4 +101,4 @@ def test_config_option_must_exist(tmp_path):
         cli.parse_spec(["--config", str(tmp_path / "nope.json"), "t.py"])
     cfg = tmp_path / "c.json"
     cfg.write_text("{}")
-    assert cli.parse_spec(["--deepspeed_config", str(cfg), "t.py"]).config == str(cfg)
+    assert cli.parse_spec(["--config", str(cfg), "t.py"]).config == str(cfg)
