@@ -1,0 +1,276 @@
+"""Training throughput and memory: dsrun's engine vs torch DDP (vs DeepSpeed).
+
+    .venv/bin/python bench/train_throughput.py [--rounds 3] [--steps 5] [--warmup 3]
+        [--runners ddp,dsrun-stage0] [--json results.json]
+
+A fixed GPT-like model (vocab 8192, width 512, 6 layers, 8 heads, sequence
+128, tied embeddings: 23.3M parameters), fp32, AdamW, 4 sequences per rank,
+2 CPU ranks with gloo started by ``dsrun --num_gpus 2`` (so every runner gets
+the same process group, OMP_NUM_THREADS and launch path). Each round runs
+every runner once, in rotating order (interleaved, so machine noise hits all
+alike). A run does ``--warmup`` untimed steps, then ``--steps`` timed ones;
+its speed is 1 / the median of its step times on rank 0 (a median, because
+this machine's cores are shared and single steps can stall). Reported: the
+median over rounds of steps/s (and s/step), the ratio to DDP's s/step, and
+each rank's peak RSS (``ru_maxrss``, the largest over rounds).
+
+Runners are entries of ``RUNNERS``: a function that, inside a rank, wraps the
+model and returns ``step(tokens)``. The ZeRO issue adds ``dsrun-stage1..3``
+(``_dsrun(stage)``), ``zero-redundancy-optimizer`` and ``fsdp2`` here.
+
+DeepSpeed itself (``deepspeed-stage0``) runs only where ``import deepspeed``
+works in the interpreter given by ``--ds-python`` (default
+``bench/.venv-ds/bin/python``; ranks are started with it through
+``python -m dsrun.launcher.cli``, so that venv also needs this checkout on its
+path). How it was set up here (needs PyPI; reuses .venv's torch and click etc.
+through .pth files, so both sides run the same torch)::
+
+    .venv/bin/python -m venv bench/.venv-ds
+    SP=bench/.venv-ds/lib/python3.11/site-packages
+    echo "$PWD" > $SP/dsrun_checkout.pth
+    echo "$PWD/.venv/lib/python3.11/site-packages" > $SP/main_venv.pth
+    bench/.venv-ds/bin/pip install setuptools wheel
+    DS_BUILD_OPS=0 bench/.venv-ds/bin/pip install --no-build-isolation deepspeed==0.19.8
+
+and the runner sets ``DS_ACCELERATOR=cpu``. Without it the table says
+"DeepSpeed not installed".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+DS_PYTHON = HERE / ".venv-ds" / "bin" / "python"
+VOCAB, WIDTH, LAYERS, HEADS, SEQ, BATCH = 8192, 512, 6, 8, 128, 4
+LR = 3e-4
+
+# ----------------------------------------------------------------- the model (rank side)
+
+
+def build_model() -> Any:
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+            self.qkv, self.proj = nn.Linear(WIDTH, 3 * WIDTH), nn.Linear(WIDTH, WIDTH)
+            self.mlp = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(),
+                                     nn.Linear(4 * WIDTH, WIDTH))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, t, _ = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, -1).permute(2, 0, 3, 1, 4)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(y.transpose(1, 2).reshape(b, t, WIDTH))
+            return x + self.mlp(self.ln2(x))
+
+    class GPT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(VOCAB, WIDTH), nn.Embedding(SEQ, WIDTH)
+            self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+            self.ln_f = nn.LayerNorm(WIDTH)
+            self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+            self.head.weight = self.wte.weight  # tied, as GPT-2
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            x = self.wte(tokens[:, :-1]) + self.wpe.weight[: tokens.shape[1] - 1]
+            for block in self.blocks:
+                x = block(x)
+            logits = self.head(self.ln_f(x))
+            return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+    torch.manual_seed(0)
+    return GPT()
+
+
+# ------------------------------------------------------------------- runners (rank side)
+
+Step = Callable[[Any], None]
+
+
+def _ddp(model: Any) -> Step:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.0)
+
+    def step(tokens: Any) -> None:
+        loss = ddp(tokens)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return step
+
+
+def _ds_config(stage: int) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+            "steps_per_print": 10**9, "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0,
+                                                      "torch_adam": True}}}
+
+
+def _engine_step(engine: Any) -> Step:
+    def step(tokens: Any) -> None:
+        loss = engine(tokens)
+        engine.backward(loss)
+        engine.step()
+    return step
+
+
+def _dsrun(stage: int) -> Callable[[Any], Step]:
+    def setup(model: Any) -> Step:
+        import dsrun
+
+        engine, _, _, _ = dsrun.initialize(model=model, config=_ds_config(stage))
+        return _engine_step(engine)
+    return setup
+
+
+def _deepspeed(stage: int) -> Callable[[Any], Step]:
+    def setup(model: Any) -> Step:
+        import deepspeed
+
+        engine, _, _, _ = deepspeed.initialize(model=model, config=_ds_config(stage),
+                                               model_parameters=model.parameters())
+        return _engine_step(engine)
+    return setup
+
+
+RUNNERS: dict[str, Callable[[Any], Step]] = {
+    "ddp": _ddp,
+    "dsrun-stage0": _dsrun(0),
+    "deepspeed-stage0": _deepspeed(0),
+}
+NEEDS_DEEPSPEED = {"deepspeed-stage0"}
+
+
+def worker(runner: str, steps: int, warmup: int, out: str) -> None:
+    """One rank: build, warm up, time ``steps`` steps, write facts to ``out``."""
+    import resource
+
+    import torch
+    import torch.distributed as dist
+
+    import dsrun
+
+    dsrun.init_distributed()
+    rank = dist.get_rank()
+    model = build_model()
+    step = RUNNERS[runner](model)
+    gen = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
+    for _ in range(warmup):
+        step(tokens)
+    dist.barrier()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step(tokens)
+        times.append(time.perf_counter() - start)
+    dist.barrier()
+    facts = {"rank": rank, "times": times, "maxrss_mib": resource.getrusage(
+        resource.RUSAGE_SELF).ru_maxrss / 1024, "params": sum(
+        p.numel() for p in {id(p): p for p in model.parameters()}.values())}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(facts))
+
+
+# -------------------------------------------------------------- orchestration (driver)
+
+
+def deepspeed_python(path: Path) -> str | None:
+    """The interpreter that can import deepspeed, or None."""
+    if not path.exists():
+        return None
+    probe = subprocess.run([str(path), "-c", "import deepspeed, dsrun"], capture_output=True,
+                           env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    return str(path) if probe.returncode == 0 else None
+
+
+def run_once(python: str, runner: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as out:
+        argv = [python, "-m", "dsrun.launcher.cli", "--num_gpus", "2", __file__, "--worker",
+                runner, "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", out]
+        env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+        res = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=str(ROOT))
+        if res.returncode != 0:
+            raise SystemExit(f"{runner} failed ({res.returncode}):\n{res.stderr[-3000:]}")
+        return [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
+
+
+def summarise(runs: dict[str, list[list[dict[str, Any]]]]) -> dict[str, dict[str, Any]]:
+    table = {}
+    for name, rounds in runs.items():
+        rates = [1 / statistics.median(r[0]["times"]) for r in rounds]
+        rss = [max(r[rank]["maxrss_mib"] for r in rounds) for rank in range(len(rounds[0]))]
+        table[name] = {"steps_per_s": statistics.median(rates),
+                       "s_per_step": 1 / statistics.median(rates), "rates": rates,
+                       "peak_rss_mib": rss, "params": rounds[0][0]["params"]}
+    return table
+
+
+def print_table(table: dict[str, dict[str, Any]], missing: list[str], args: Any) -> None:
+    base = table.get("ddp", {}).get("s_per_step")
+    params = next(iter(table.values()))["params"] if table else 0
+    print(f"GPT-like {params / 1e6:.1f}M params, fp32 AdamW, {BATCH}x{SEQ} tokens per rank, "
+          f"2 CPU ranks (gloo); {args.rounds} interleaved round(s) of {args.steps} timed steps")
+    print(f"{'runner':<20}{'steps/s':>9}{'s/step':>9}{'vs DDP':>8}{'peak RSS MiB/rank':>22}")
+    for name, row in table.items():
+        ratio = f"{row['s_per_step'] / base:.3f}x" if base else "-"
+        rss = " / ".join(f"{m:.0f}" for m in row["peak_rss_mib"])
+        print(f"{name:<20}{row['steps_per_s']:>9.3f}{row['s_per_step']:>9.3f}{ratio:>8}{rss:>22}")
+    for name in missing:
+        print(f"{name:<20}  DeepSpeed not installed (see this file's docstring)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--runners", default=",".join(RUNNERS))
+    parser.add_argument("--ds-python", default=str(DS_PYTHON))
+    parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.steps, args.warmup, args.out)
+        return
+    names = [n for n in args.runners.split(",") if n]
+    unknown = [n for n in names if n not in RUNNERS]
+    if unknown:
+        raise SystemExit(f"unknown runner(s) {unknown}; choose from {list(RUNNERS)}")
+    ds_python = deepspeed_python(Path(args.ds_python))
+    missing = [n for n in names if n in NEEDS_DEEPSPEED and ds_python is None]
+    names = [n for n in names if n not in missing]
+    runs: dict[str, list[list[dict[str, Any]]]] = {n: [] for n in names}
+    for i in range(args.rounds):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            python = ds_python if name in NEEDS_DEEPSPEED else sys.executable
+            runs[name].append(run_once(python or sys.executable, name, args))
+            print(f"round {i + 1} {name}: {len(runs[name][-1][0]['times'])} steps in "
+                  f"{sum(runs[name][-1][0]['times']):.1f}s", file=sys.stderr, flush=True)
+    table = summarise(runs)
+    print_table(table, missing, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"table": table, "missing": missing}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

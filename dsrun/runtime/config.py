@@ -1,0 +1,413 @@
+"""DeepSpeed-compatible training config: parse, validate strictly, resolve.
+
+Input is a dict or a path to a JSON file using DeepSpeed's key names.
+:func:`resolve` turns it into one frozen :class:`DsrunConfig` in which every
+value is concrete: the batch triple is solved, every ``"auto"`` is replaced
+and defaults are filled in. Nothing here imports torch.
+
+This module is the public face; the generic checking and key-matching
+machinery lives in :mod:`dsrun.runtime.config_schema` and DeepSpeed's
+sections (ZeRO, offload, fp16, bf16, optimizer, scheduler) in
+:mod:`dsrun.runtime.config_sections`. Their public names are re-exported
+here, so ``from dsrun.runtime.config import ZeroConfig`` keeps working.
+
+Invariants of a resolved :class:`DsrunConfig`:
+
+* ``train_batch_size == train_micro_batch_size_per_gpu *
+  gradient_accumulation_steps * dp_size`` exactly (never floored);
+* fp16 and bf16 are not both enabled; ``zero_optimization.stage`` is 0..3
+  (the engine decides which stages it implements);
+* every section is a frozen dataclass type-checked at construction;
+  mappings inside (optimizer/scheduler params) are read-only.
+
+Strictness: an unknown key anywhere (top level or any nested section) is a
+:class:`DsrunConfigError` with a did-you-mean suggestion. Escape hatch:
+``{"dsrun": {"allow_unknown_keys": true}}`` in the config, or the
+environment variable ``DSRUN_ALLOW_UNKNOWN_CONFIG_KEYS=1``, turns each
+unknown key into a logged warning; such keys are dropped and listed in
+``DsrunConfig.ignored_keys``. Documented DeepSpeed sections that dsrun does
+not act on (``PASSTHROUGH_KEYS``: ``activation_checkpointing``,
+``tensorboard``, ...) are accepted, kept verbatim in ``passthrough`` and
+reported with one warning when they are present and not disabled.
+
+``"auto"`` (as HF Trainer/Accelerate configs write it) is resolved here:
+batch sizes from the data-parallel size and a dataloader batch-size hint;
+optimizer ``lr``/``betas``/``eps``/``weight_decay`` from client hints, else
+DeepSpeed's default for that optimizer (``AUTO_OPTIMIZER_DEFAULTS``);
+scheduler ``warmup_min_lr`` -> 0, ``warmup_max_lr`` -> the optimizer lr,
+``warmup_num_steps`` -> hint or 1000 (DeepSpeed's default),
+``total_num_steps`` -> hint (required); ``gradient_clipping`` -> 1.0 (as HF);
+``fp16/bf16.enabled`` -> false; ZeRO bucket/threshold sizes -> DeepSpeed's
+defaults. ``"auto"`` anywhere else is an error naming the key.
+
+Optimizer ``params`` names depend on the installed torch; they are checked
+by :mod:`dsrun.runtime.optimizers` when the optimizer is built. Scheduler
+``params`` are checked here against DeepSpeed's constructor signatures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any, Optional
+
+from dsrun.errors import DsrunConfigError
+from dsrun.runtime.config_schema import (
+    ALLOW_UNKNOWN_ENV,
+    AUTO,
+    DICT_SOURCE,
+    Check,
+    ConfigInput,
+    Ctx,
+    build,
+    check_value,
+    did_you_mean,
+    is_auto,
+    json_key,
+    log,
+    opt,
+    parse_section,
+    pick,
+    show,
+    subsection,
+    thaw,
+    to_dict,
+    validate_fields,
+)
+from dsrun.runtime.config_sections import (
+    AUTO_OPTIMIZER_DEFAULTS,
+    DEFAULT_WARMUP_NUM_STEPS,
+    OPTIMIZER_NAMES,
+    SCHEDULER_PARAMS,
+    SCHEDULER_REQUIRED,
+    UNSUPPORTED_OPTIMIZERS,
+    ZERO_AUTO_KEYS,
+    BF16Config,
+    DsrunOptions,
+    FP16Config,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    ZeroConfig,
+    canonical_optimizer_type,
+    canonical_scheduler_type,
+    check_scheduler_params,
+    parse_optimizer,
+    parse_scheduler,
+    parse_zero,
+)
+
+__all__ = [
+    "ALLOW_UNKNOWN_ENV", "AUTO", "AUTO_OPTIMIZER_DEFAULTS", "BATCH_KEYS",
+    "DEFAULT_WARMUP_NUM_STEPS", "DICT_SOURCE", "OPTIMIZER_NAMES", "PASSTHROUGH_KEYS",
+    "SCHEDULER_PARAMS", "SCHEDULER_REQUIRED", "UNSUPPORTED_OPTIMIZERS", "ZERO_AUTO_KEYS",
+    "BF16Config", "Check", "ConfigInput", "DsrunConfig", "DsrunOptions", "FP16Config",
+    "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig",
+    "ZeroConfig", "canonical_optimizer_type", "canonical_scheduler_type", "check_scheduler_params",
+    "check_value", "did_you_mean", "is_auto", "load_config", "resolve", "resolve_batch",
+]
+
+# ---------------------------------------------------------------- the config
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+# Documented DeepSpeed sections dsrun accepts but does not act on.
+PASSTHROUGH_KEYS = frozenset({
+    "activation_checkpointing", "aio", "amp", "autotuning", "checkpoint", "comet", "comms_logger",
+    "compile", "compression_training", "csv_monitor", "curriculum_learning", "data_efficiency",
+    "data_types", "eigenvalue", "elasticity", "flops_profiler", "hybrid_engine", "nebula",
+    "pipeline", "progressive_layer_drop", "quantize_training", "sparse_attention",
+    "tensor_parallel", "tensorboard", "timers", "torch_autocast",
+    "use_data_before_expert_parallelism", "wandb", "weight_quantization",
+})
+
+
+def _internal(default: Any) -> Any:
+    if isinstance(default, Mapping):
+        return field(default_factory=lambda: MappingProxyType({}), metadata={"internal": True})
+    return field(default=default, metadata={"internal": True})
+
+
+@dataclass(frozen=True)
+class DsrunConfig:
+    """A fully resolved training config (see the module docstring).
+
+    ``dp_size``/``dp_size_source`` record the data-parallel size the batch
+    triple was solved for and where it came from; ``source`` is the file
+    path or ``"config dict"``.
+    """
+
+    train_batch_size: int = opt("int", 1, low=1)
+    train_micro_batch_size_per_gpu: int = opt("int", 1, low=1)
+    gradient_accumulation_steps: int = opt("int", 1, low=1)
+    optimizer: Optional[OptimizerConfig] = subsection(OptimizerConfig, optional=True)
+    scheduler: Optional[SchedulerConfig] = subsection(SchedulerConfig, optional=True)
+    gradient_clipping: float = opt("float", 0.0, low=0.0)
+    fp16: FP16Config = subsection(FP16Config)
+    bf16: BF16Config = subsection(BF16Config)
+    zero_optimization: ZeroConfig = subsection(ZeroConfig)
+    steps_per_print: int = opt("int", 10, low=1)
+    wall_clock_breakdown: bool = opt("bool", False)
+    memory_breakdown: bool = opt("bool", False)
+    dump_state: bool = opt("bool", False)
+    communication_data_type: Optional[str] = opt("str", None, choices=("fp16", "bf16", "fp32"))
+    seq_parallel_comm_data_type: str = opt("str", "fp32", choices=("fp16", "bf16", "fp32"))
+    prescale_gradients: bool = opt("bool", False)
+    gradient_predivide_factor: float = opt("float", 1.0, low=0.0)
+    sparse_gradients: bool = opt("bool", False)
+    disable_allgather: bool = opt("bool", False)
+    zero_allow_untested_optimizer: bool = opt("bool", False)
+    zero_force_ds_cpu_optimizer: bool = opt("bool", True)
+    dataloader_drop_last: bool = opt("bool", False)
+    graph_harvesting: bool = opt("bool", False)
+    vocabulary_size: Optional[int] = opt("int", None, low=1)
+    dsrun: DsrunOptions = subsection(DsrunOptions)
+    dp_size: int = _internal(1)
+    dp_size_source: str = _internal("data-parallel size 1 (default)")
+    source: str = _internal(DICT_SOURCE)
+    passthrough: Mapping[str, Any] = _internal(MappingProxyType({}))
+    ignored_keys: tuple[str, ...] = _internal(())
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+        if self.fp16.enabled and self.bf16.enabled:
+            raise DsrunConfigError(f"fp16.enabled and bf16.enabled are both true in {self.source}; "
+                                   "enable at most one")
+        resolve_batch(self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                      self.gradient_accumulation_steps, self.dp_size, self.dp_size_source,
+                      source=self.source)
+        if self.gradient_predivide_factor <= 0:
+            raise DsrunConfigError(f"gradient_predivide_factor in {self.source} must be > 0, got "
+                                   f"{self.gradient_predivide_factor:g}")
+        for section, flag in (("fp16", "fp16_master_weights_and_grads"),
+                              ("bf16", "bf16_master_weights_and_grads"),
+                              ("bf16", "bf16_optimizer_states")):
+            if getattr(getattr(self, section), flag) and self.zero_optimization.stage == 0:
+                raise DsrunConfigError(f"{section}.{flag} in {self.source} needs ZeRO stage 1-3 "
+                                       "(zero_optimization.stage is 0)")
+
+    @property
+    def precision(self) -> str:
+        """"fp16", "bf16" or "fp32"."""
+        return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as a DeepSpeed-style dict (JSON-serialisable;
+        feeding it back to :func:`resolve` with the same dp size gives an
+        equal config)."""
+        out = to_dict(self)
+        out.update(thaw(self.passthrough))
+        return out
+
+    def _loss_scale_note(self) -> str:
+        if not self.fp16.enabled:
+            return ""
+        if self.fp16.dynamic_loss_scale:
+            return f" (dynamic loss scale, initial 2^{self.fp16.initial_scale_power})"
+        return f" (static loss scale {self.fp16.loss_scale:g})"
+
+    def summary(self) -> str:
+        """A few human-readable lines for the start-of-run log."""
+        zero = self.zero_optimization
+        lines = [
+            f"config from {self.source}",
+            f"batch: train {self.train_batch_size} = micro {self.train_micro_batch_size_per_gpu}"
+            f" x accumulation {self.gradient_accumulation_steps} x data-parallel {self.dp_size}"
+            f" ({self.dp_size_source})",
+            f"precision: {self.precision}{self._loss_scale_note()}",
+            f"zero: stage {zero.stage}" + (f", offload optimizer to {zero.offload_optimizer.device}"
+                                           if zero.offload_optimizer else "")
+            + (f", offload params to {zero.offload_param.device}" if zero.offload_param else ""),
+            f"gradient clipping: {self.gradient_clipping:g}" if self.gradient_clipping
+            else "gradient clipping: off",
+        ]
+        for name, section in (("optimizer", self.optimizer), ("scheduler", self.scheduler)):
+            if section is not None:
+                params = ", ".join(f"{k}={show(thaw(v))}" for k, v in section.params.items())
+                lines.append(f"{name}: {OPTIMIZER_NAMES.get(section.type, section.type)}({params})")
+        if self.passthrough:
+            lines.append("accepted, not acted on: " + ", ".join(sorted(self.passthrough)))
+        if self.ignored_keys:
+            lines.append("ignored unknown keys: " + ", ".join(self.ignored_keys))
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------ batch triple
+
+
+def resolve_batch(train: Optional[int], micro: Optional[int], accum: Optional[int],
+                  dp_size: int, dp_source: str, *, source: str = DICT_SOURCE
+                  ) -> tuple[int, int, int]:
+    """Solve ``train = micro * accum * dp_size`` exactly; any two give the third.
+
+    Only ``train``: accumulation 1 and micro = train / dp_size. Only
+    ``micro``: accumulation 1. Neither train nor micro: an error. Every
+    error names the three values and where ``dp_size`` came from.
+    """
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise DsrunConfigError(f"data-parallel size must be a positive integer, got {dp_size!r} "
+                               f"({dp_source})")
+    for key, value in zip(BATCH_KEYS, (train, micro, accum)):
+        if value is not None:
+            check_value(value, Check("int", low=1), f'"{key}" in {source}')
+    shown = ", ".join(f"{k}={'not set' if v is None else v}"
+                      for k, v in zip(BATCH_KEYS, (train, micro, accum)))
+    context = f"{shown} in {source} with data-parallel size {dp_size} ({dp_source})"
+    if train is None and micro is None:
+        raise DsrunConfigError(f"{context}: set train_batch_size or train_micro_batch_size_per_gpu"
+                               " (an \"auto\" micro batch needs the dataloader's batch size)")
+    if train is None:
+        accum = accum or 1
+        train = micro * accum * dp_size
+    elif micro is None:
+        accum = accum or 1
+        micro = _exact(train, accum * dp_size, "gradient_accumulation_steps", dp_size, context)
+    elif accum is None:
+        accum = _exact(train, micro * dp_size, "train_micro_batch_size_per_gpu", dp_size, context)
+    if train != micro * accum * dp_size:
+        raise DsrunConfigError(f"{context}: train_batch_size must equal micro x accumulation x "
+                               f"data-parallel size = {micro} x {accum} x {dp_size} = "
+                               f"{micro * accum * dp_size}")
+    return train, micro, accum
+
+
+def _exact(train: int, divisor: int, other: str, dp_size: int, context: str) -> int:
+    if train % divisor:
+        raise DsrunConfigError(f"{context}: train_batch_size {train} is not divisible by {other} "
+                               f"x data-parallel size = {divisor // dp_size} x {dp_size}")
+    return train // divisor
+
+
+# ---------------------------------------------------------- loading, resolve
+
+
+def load_config(config: ConfigInput) -> tuple[dict[str, Any], str]:
+    """(raw dict, source) from a mapping or a JSON file path.
+
+    Bad JSON reports the file, line and column; duplicate keys are errors
+    (as in DeepSpeed).
+    """
+    if isinstance(config, Mapping):
+        return dict(config), DICT_SOURCE
+    if not isinstance(config, (str, os.PathLike)):
+        raise DsrunConfigError(f"config must be a dict or a path to a JSON file, got "
+                               f"{type(config).__name__}")
+    path = os.fspath(config)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError as err:
+        raise DsrunConfigError(f"cannot read config file {path}: {err.strerror}") from None
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise DsrunConfigError(f'duplicate key "{key}" in {path}')
+            out[key] = value
+        return out
+
+    try:
+        raw = json.loads(text, object_pairs_hook=no_duplicates)
+    except json.JSONDecodeError as err:
+        raise DsrunConfigError(f"{path}: line {err.lineno}, column {err.colno}: invalid JSON: "
+                               f"{err.msg}") from None
+    if not isinstance(raw, dict):
+        raise DsrunConfigError(f"{path} must hold a JSON object, got {show(raw)}")
+    return raw, path
+
+
+def _allow_unknown(raw: Mapping[str, Any], environ: Mapping[str, str]) -> bool:
+    section = raw.get("dsrun")
+    if isinstance(section, Mapping) and section.get("allow_unknown_keys") is True:
+        return True
+    return environ.get(ALLOW_UNKNOWN_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _without_auto_enabled(raw: Any) -> Any:
+    if isinstance(raw, Mapping) and is_auto(raw.get("enabled")):
+        return {**raw, "enabled": False}
+    return raw
+
+
+def _passthrough(known: Mapping[str, Any], ctx: Ctx) -> dict[str, Any]:
+    kept = {k: v for k, v in known.items() if k in PASSTHROUGH_KEYS}
+
+    def disabled(value: Any) -> bool:
+        if isinstance(value, Mapping):
+            return value.get("enabled") is False or is_auto(value.get("enabled"))
+        return value is None or value is False
+
+    active = sorted(k for k, v in kept.items() if not disabled(v))
+    if active:
+        log.warning("%s: dsrun accepts but does not implement: %s", ctx.source, ", ".join(active))
+    return kept
+
+
+def resolve(config: ConfigInput, *, dp_size: int, dp_source: str,
+            micro_batch_hint: Optional[int] = None, total_num_steps: Optional[int] = None,
+            warmup_num_steps: Optional[int] = None,
+            optimizer_hints: Optional[Mapping[str, Any]] = None,
+            environ: Optional[Mapping[str, str]] = None) -> DsrunConfig:
+    """Parse, validate and resolve ``config`` for ``dp_size`` data-parallel ranks.
+
+    ``dp_source`` says where ``dp_size`` came from (for error messages).
+    Hints replace ``"auto"`` values: ``micro_batch_hint`` (the dataloader's
+    batch size), ``total_num_steps``/``warmup_num_steps`` (scheduler), and
+    ``optimizer_hints`` (client ``lr``/``betas``/``eps``/``weight_decay``).
+    ``environ`` defaults to ``os.environ`` (read once, here).
+    """
+    raw, source = load_config(config)
+    env = os.environ if environ is None else environ
+    ctx = Ctx(source, allow_unknown=_allow_unknown(raw, env))
+    top = {json_key(f): f for f in fields(DsrunConfig) if not f.metadata.get("internal")}
+    known = pick(raw, (), ctx, {*top, "bfloat16", *PASSTHROUGH_KEYS})
+    if "bf16" in known and "bfloat16" in known:
+        raise DsrunConfigError(f'both "bf16" and its legacy spelling "bfloat16" are in {source}; '
+                               "keep one")
+    hints = dict(optimizer_hints or {})
+    train, micro, accum = _resolve_batch_keys(known, dp_size, dp_source, micro_batch_hint, ctx)
+    optimizer = parse_optimizer(known.get("optimizer"), ctx, hints)
+    lr = optimizer.params.get("lr", AUTO_OPTIMIZER_DEFAULTS[optimizer.type]["lr"]) \
+        if optimizer else hints.get("lr")
+    kwargs: dict[str, Any] = {
+        "train_batch_size": train, "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "optimizer": optimizer,
+        "scheduler": parse_scheduler(known.get("scheduler"), ctx, lr, total_num_steps,
+                                      warmup_num_steps),
+        "fp16": parse_section(FP16Config, _without_auto_enabled(known.get("fp16", {})),
+                               ("fp16",), ctx),
+        "bf16": parse_section(BF16Config, _without_auto_enabled(
+            known.get("bf16", known.get("bfloat16", {}))),
+            ("bf16" if "bf16" in known else "bfloat16",), ctx),
+        "zero_optimization": parse_zero(known.get("zero_optimization", {}), ctx),
+        "dsrun": parse_section(DsrunOptions, known.get("dsrun", {}), ("dsrun",), ctx),
+    }
+    if is_auto(known.get("gradient_clipping")):
+        known["gradient_clipping"] = 1.0  # what HF's integration fills in
+    for key, f in top.items():
+        if key in known and f.name not in kwargs and "check" in f.metadata:
+            kwargs[f.name] = check_value(known[key], f.metadata["check"], ctx.where((key,)))
+    kwargs.update(dp_size=dp_size, dp_size_source=dp_source, source=source,
+                  passthrough=_passthrough(known, ctx), ignored_keys=tuple(ctx.ignored))
+    return build(DsrunConfig, kwargs, ctx)
+
+
+def _resolve_batch_keys(known: Mapping[str, Any], dp_size: int, dp_source: str,
+                        micro_batch_hint: Optional[int], ctx: Ctx) -> tuple[int, int, int]:
+    """The batch triple from the config's values; "auto" means "derive it"
+    except for the micro batch, which takes the dataloader's batch size."""
+    values: list[Optional[int]] = []
+    for key in BATCH_KEYS:
+        value = known.get(key)
+        if is_auto(value):
+            value = micro_batch_hint if key == "train_micro_batch_size_per_gpu" else None
+            where = f"the dataloader batch size given for {ctx.where((key,))}"
+        else:
+            where = ctx.where((key,))
+        values.append(None if value is None else check_value(value, Check("int", low=1), where))
+    return resolve_batch(*values, dp_size, dp_source, source=ctx.source)

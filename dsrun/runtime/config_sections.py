@@ -1,0 +1,417 @@
+"""DeepSpeed's config sections: ZeRO (+ offload), fp16, bf16, optimizer, scheduler.
+
+Each section is a frozen dataclass validated at construction (see
+:mod:`config_schema`); ``parse_*`` build the sections whose JSON needs more
+than key matching (``"auto"`` values, legacy spellings). Names and defaults
+follow DeepSpeed's own config classes. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any, Optional
+
+from dsrun.errors import DsrunConfigError
+from dsrun.runtime.config_schema import (
+    STRICT,
+    Check,
+    Ctx,
+    build,
+    check_value,
+    did_you_mean,
+    freeze,
+    is_auto,
+    json_key,
+    log,
+    opt,
+    parse_section,
+    pick,
+    show,
+    subsection,
+    validate_fields,
+)
+
+# ------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class OffloadParamConfig:
+    """``zero_optimization.offload_param`` (ZeRO-3 parameter offload)."""
+
+    device: str = opt("str", "none", choices=("none", "cpu", "nvme"))
+    nvme_path: Optional[str] = opt("str", None)
+    buffer_count: int = opt("int", 5, low=0)
+    buffer_size: int = opt("int", 100_000_000, low=0)
+    max_in_cpu: int = opt("int", 1_000_000_000, low=0)
+    pin_memory: bool = opt("bool", False)
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
+@dataclass(frozen=True)
+class OffloadOptimizerConfig:
+    """``zero_optimization.offload_optimizer`` (optimizer state offload)."""
+
+    device: str = opt("str", "none", choices=("none", "cpu", "nvme"))
+    nvme_path: Optional[str] = opt("str", None)
+    buffer_count: int = opt("int", 4, low=0)
+    pin_memory: bool = opt("bool", False)
+    pipeline_read: bool = opt("bool", False)
+    pipeline_write: bool = opt("bool", False)
+    fast_init: bool = opt("bool", False)
+    ratio: float = opt("float", 1.0, low=0.0, high=1.0)
+    super_offload: bool = opt("bool", False)
+    convert_grad_on_cpu: bool = opt("bool", True)
+    cpuadam_cores_perc: float = opt("float", 0.8, low=0.0, high=1.0)
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
+# ZeRO sizes that HF configs set to "auto" (they derive them from the model's
+# hidden size, which the config layer does not know): DeepSpeed's defaults.
+ZERO_AUTO_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size",
+                  "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                  "stage3_model_persistence_threshold", "stage3_max_live_parameters",
+                  "stage3_max_reuse_distance")
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """``zero_optimization``: every key DeepSpeed's DeepSpeedZeroConfig accepts.
+
+    Fields named without the ``stage3_`` prefix accept both spellings, as
+    DeepSpeed does. Legacy ``cpu_offload``/``cpu_offload_param`` are folded
+    into ``offload_optimizer``/``offload_param`` (device cpu) at construction.
+    ``overlap_comm`` defaults to ``stage == 3`` like DeepSpeed.
+    """
+
+    stage: int = opt("int", 0, low=0, high=3)
+    contiguous_gradients: bool = opt("bool", True)
+    reduce_scatter: bool = opt("bool", True)
+    reduce_bucket_size: int = opt("int", 500_000_000, low=0)
+    use_multi_rank_bucket_allreduce: bool = opt("bool", True)
+    allgather_partitions: bool = opt("bool", True)
+    allgather_bucket_size: int = opt("int", 500_000_000, low=0)
+    overlap_comm: Optional[bool] = opt("bool", None)
+    load_from_fp32_weights: bool = opt("bool", True)
+    elastic_checkpoint: bool = opt("bool", False)
+    offload_param: Optional[OffloadParamConfig] = subsection(OffloadParamConfig, optional=True)
+    offload_optimizer: Optional[OffloadOptimizerConfig] = subsection(OffloadOptimizerConfig,
+                                                                   optional=True)
+    sub_group_size: int = opt("int", 1_000_000_000, low=0)
+    cpu_offload: Optional[bool] = opt("bool", None)
+    cpu_offload_param: Optional[bool] = opt("bool", None)
+    cpu_offload_use_pin_memory: Optional[bool] = opt("bool", None)
+    prefetch_bucket_size: int = opt("int", 50_000_000, low=0, key="stage3_prefetch_bucket_size",
+                                     aliases=("prefetch_bucket_size",))
+    param_persistence_threshold: int = opt("int", 100_000, low=0,
+                                            key="stage3_param_persistence_threshold",
+                                            aliases=("param_persistence_threshold",))
+    model_persistence_threshold: int = opt("int", sys.maxsize, low=0,
+                                            key="stage3_model_persistence_threshold",
+                                            aliases=("model_persistence_threshold",))
+    max_live_parameters: int = opt("int", 1_000_000_000, low=0, key="stage3_max_live_parameters",
+                                    aliases=("max_live_parameters",))
+    max_reuse_distance: int = opt("int", 1_000_000_000, low=0, key="stage3_max_reuse_distance",
+                                   aliases=("max_reuse_distance",))
+    gather_16bit_weights_on_model_save: bool = opt(
+        "bool", False, key="stage3_gather_16bit_weights_on_model_save",
+        aliases=("gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"))
+    module_granularity_threshold: int = opt("int", 0, key="stage3_module_granularity_threshold",
+                                             aliases=("module_granularity_threshold",))
+    use_all_reduce_for_fetch_params: bool = opt(
+        "bool", False, key="stage3_use_all_reduce_for_fetch_params",
+        aliases=("use_all_reduce_for_fetch_params",))
+    allgather_sequential: bool = opt("bool", False, key="stage3_allgather_sequential",
+                                      aliases=("allgather_sequential",))
+    ignore_unused_parameters: bool = opt("bool", True)
+    legacy_stage1: bool = opt("bool", False)
+    round_robin_gradients: bool = opt("bool", False)
+    zero_hpz_partition_size: int = opt("int", 1, low=0)
+    zero_quantized_weights: bool = opt("bool", False)
+    zero_quantized_nontrainable_weights: bool = opt("bool", False)
+    zero_quantized_gradients: bool = opt("bool", False)
+    zeropp_loco_param: Optional[Mapping[str, Any]] = opt("mapping", None)
+    mics_shard_size: int = opt("int", -1)
+    mics_hierarchical_params_gather: bool = opt("bool", False)
+    memory_efficient_linear: bool = opt("bool", True)
+    pipeline_loading_checkpoint: bool = opt("bool", False)
+    override_module_apply: bool = opt("bool", True)
+    log_trace_cache_warnings: bool = opt("bool", False)
+    enable_sanity_checks: bool = opt("bool", False)
+    leaf_module: Optional[Mapping[str, Any]] = opt("mapping", None)
+    zenflow: Optional[Mapping[str, Any]] = opt("mapping", None)
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+        if self.overlap_comm is None:
+            object.__setattr__(self, "overlap_comm", self.stage == 3)
+        if self.cpu_offload and self.offload_optimizer is None:
+            pin = bool(self.cpu_offload_use_pin_memory)
+            object.__setattr__(self, "offload_optimizer",
+                               OffloadOptimizerConfig(device="cpu", pin_memory=pin))
+        if self.cpu_offload_param and self.offload_param is None:
+            pin = bool(self.cpu_offload_use_pin_memory)
+            object.__setattr__(self, "offload_param",
+                               OffloadParamConfig(device="cpu", pin_memory=pin))
+        for legacy in ("cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory"):
+            object.__setattr__(self, legacy, None)
+        ratio = self.offload_optimizer.ratio if self.offload_optimizer else 1.0
+        if ratio < 1.0 and self.stage != 3:
+            raise DsrunConfigError(f"zero_optimization.offload_optimizer.ratio={ratio:g} (partial "
+                                   f"offload) needs ZeRO stage 3, got stage {self.stage}")
+
+
+@dataclass(frozen=True)
+class FP16Config:
+    """``fp16``: mixed precision with loss scaling (``loss_scale`` 0 = dynamic)."""
+
+    enabled: bool = opt("bool", False)
+    auto_cast: bool = opt("bool", False)
+    loss_scale: float = opt("float", 0.0, low=0.0)
+    initial_scale_power: int = opt("int", 16, low=0)
+    loss_scale_window: int = opt("int", 1000, low=1)
+    hysteresis: int = opt("int", 2, low=1)
+    consecutive_hysteresis: bool = opt("bool", False)
+    min_loss_scale: float = opt("float", 1.0, low=0.0)
+    fp16_master_weights_and_grads: bool = opt("bool", False)
+    fused_mode: bool = opt("bool", True)  # legacy DeepSpeed key, no effect
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self.loss_scale == 0.0
+
+    @property
+    def initial_dynamic_scale(self) -> float:
+        return float(2**self.initial_scale_power)
+
+
+@dataclass(frozen=True)
+class BF16Config:
+    """``bf16`` (legacy spelling ``bfloat16``)."""
+
+    enabled: bool = opt("bool", False)
+    immediate_grad_update: bool = opt("bool", False)
+    check_grad_overflow: bool = opt("bool", False)
+    bf16_master_weights_and_grads: bool = opt("bool", False)
+    bf16_optimizer_states: bool = opt("bool", False)
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
+# ------------------------------------------------------- optimizer, scheduler
+
+# DeepSpeed's optimizer names (it lower-cases them) plus the torch.optim
+# classes DeepSpeed reaches by name; value: the name users see in messages.
+OPTIMIZER_NAMES: Mapping[str, str] = MappingProxyType({
+    "adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "sgd": "SGD", "adagrad": "Adagrad",
+    "rmsprop": "RMSprop", "adamax": "Adamax", "nadam": "NAdam", "radam": "RAdam",
+    "adadelta": "Adadelta",
+})
+# DeepSpeed optimizers built on custom CUDA kernels / compressed communication.
+UNSUPPORTED_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb", "lion", "muon")
+
+_ADAM_AUTO = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+# What "auto" becomes when no client value is given: DeepSpeed's defaults
+# (FusedAdam/FusedLamb: weight_decay 0.0, not torch AdamW's 0.01), else torch's.
+AUTO_OPTIMIZER_DEFAULTS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
+    "adam": _ADAM_AUTO, "adamw": _ADAM_AUTO, "lamb": _ADAM_AUTO, "radam": _ADAM_AUTO,
+    "adamax": {**_ADAM_AUTO, "lr": 2e-3}, "nadam": {**_ADAM_AUTO, "lr": 2e-3},
+    "sgd": {"lr": 1e-3, "weight_decay": 0.0},
+    "adagrad": {"lr": 1e-2, "eps": 1e-10, "weight_decay": 0.0},
+    "rmsprop": {"lr": 1e-2, "eps": 1e-8, "weight_decay": 0.0},
+    "adadelta": {"lr": 1.0, "eps": 1e-6, "weight_decay": 0.0},
+})
+
+_WARMUP_TYPE = Check("str", choices=("log", "linear"))
+_LAST = Check("int", low=-1)
+_WARMUP = {"warmup_min_lr": Check("floats", low=0.0),
+           "warmup_max_lr": Check("floats", low=0.0, optional=True),
+           "warmup_num_steps": Check("int", low=1), "warmup_type": _WARMUP_TYPE,
+           "last_batch_iteration": _LAST}
+# DeepSpeed's scheduler constructor arguments (deepspeed/runtime/lr_schedules.py).
+SCHEDULER_PARAMS: Mapping[str, Mapping[str, Check]] = MappingProxyType({
+    "WarmupLR": _WARMUP,
+    "WarmupDecayLR": {**_WARMUP, "total_num_steps": Check("int", low=1)},
+    "WarmupCosineLR": {
+        "total_num_steps": Check("int", low=1), "warmup_min_ratio": Check("float", 0.0, 1.0),
+        "warmup_num_steps": Check("int", low=1), "cos_min_ratio": Check("float", 0.0, 1.0),
+        "warmup_type": _WARMUP_TYPE, "last_batch_iteration": _LAST},
+    "OneCycle": {
+        "cycle_min_lr": Check("float", low=0.0), "cycle_max_lr": Check("float", low=0.0),
+        "decay_lr_rate": Check("float", low=0.0),
+        "cycle_first_step_size": Check("int", low=1),
+        "cycle_second_step_size": Check("int", low=1, optional=True),
+        "cycle_first_stair_count": Check("int", low=0),
+        "cycle_second_stair_count": Check("int", low=0, optional=True),
+        "decay_step_size": Check("int", low=0), "cycle_momentum": Check("bool"),
+        "cycle_min_mom": Check("float", 0.0, 1.0), "cycle_max_mom": Check("float", 0.0, 1.0),
+        "decay_mom_rate": Check("float"), "last_batch_iteration": _LAST},
+    "LRRangeTest": {
+        "lr_range_test_min_lr": Check("floats", low=0.0),
+        "lr_range_test_step_size": Check("int", low=1),
+        "lr_range_test_step_rate": Check("float", low=0.0),
+        "lr_range_test_staircase": Check("bool"), "last_batch_iteration": _LAST},
+})
+SCHEDULER_REQUIRED: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "WarmupDecayLR": ("total_num_steps",), "WarmupCosineLR": ("total_num_steps",),
+    "OneCycle": ("cycle_min_lr", "cycle_max_lr"),
+})
+DEFAULT_WARMUP_NUM_STEPS = 1000
+
+
+def _choose(value: Any, names: Mapping[str, str], what: str, where: str) -> str:
+    """Case-insensitive lookup of a type name; error lists the valid ones."""
+    if isinstance(value, str) and value.lower() in names:
+        return value.lower() if names is OPTIMIZER_NAMES else names[value.lower()]
+    shown = ", ".join(names.values())
+    extra = did_you_mean(str(value), list(names.values()))
+    if isinstance(value, str) and value.lower() in UNSUPPORTED_OPTIMIZERS:
+        extra = " (a DeepSpeed optimizer that needs its custom CUDA/communication kernels)"
+    raise DsrunConfigError(f"{where}: unknown {what} {show(value)}{extra}; valid: {shown}")
+
+
+def canonical_optimizer_type(value: Any, where: str = "optimizer.type") -> str:
+    """Lower-case optimizer name (``"AdamW"`` -> ``"adamw"``) or an error."""
+    return _choose(value, OPTIMIZER_NAMES, "optimizer type", where)
+
+
+_SCHEDULER_NAMES = MappingProxyType({name.lower(): name for name in SCHEDULER_PARAMS})
+
+
+def canonical_scheduler_type(value: Any, where: str = "scheduler.type") -> str:
+    """DeepSpeed's spelling of a scheduler name (case-insensitive input)."""
+    return _choose(value, _SCHEDULER_NAMES, "scheduler type", where)
+
+
+def check_scheduler_params(kind: str, params: Mapping[str, Any], path: tuple[str, ...] = (
+        "scheduler", "params"), ctx: Ctx = STRICT) -> dict[str, Any]:
+    """Check scheduler ``params`` against DeepSpeed's signature for ``kind``."""
+    specs = SCHEDULER_PARAMS[kind]
+    known = pick(params, path, ctx, specs)
+    out = {key: check_value(value, specs[key], ctx.where((*path, key)))
+           for key, value in known.items()}
+    missing = [key for key in SCHEDULER_REQUIRED.get(kind, ()) if key not in out]
+    if missing:
+        raise DsrunConfigError(f"{ctx.where(path)}: scheduler {kind} needs "
+                               + ", ".join(f'"{m}"' for m in missing))
+    return out
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """``optimizer``: ``type`` (lower-case canonical name) and its ``params``."""
+
+    type: str = "adam"
+    params: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    legacy_fusion: bool = opt("bool", False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "type", canonical_optimizer_type(self.type))
+        check_value(self.params, Check("mapping"), "optimizer.params")
+        if "max_grad_norm" in self.params:
+            raise DsrunConfigError('optimizer.params.max_grad_norm is not supported (as in '
+                                   'DeepSpeed); use the top-level "gradient_clipping"')
+        validate_fields(self)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """``scheduler``: DeepSpeed ``type`` name and its checked ``params``."""
+
+    type: str
+    params: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "type", canonical_scheduler_type(self.type))
+        object.__setattr__(self, "params", freeze(check_scheduler_params(self.type, self.params)))
+
+
+@dataclass(frozen=True)
+class DsrunOptions:
+    """``dsrun``: options of our own, reserved so DeepSpeed keys never clash.
+
+    ``allreduce_bucket_size`` (elements, as DeepSpeed counts bucket sizes):
+    the ZeRO stage 0 gradient all-reduce bucket; unset, an explicit
+    ``zero_optimization.reduce_bucket_size`` is used, else 25 MiB (DDP's).
+    """
+
+    allow_unknown_keys: bool = opt("bool", False)
+    allreduce_bucket_size: Optional[int] = opt("int", None, low=1)
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
+def parse_optimizer(raw: Any, ctx: Ctx, hints: Mapping[str, Any]) -> Optional[OptimizerConfig]:
+    if raw is None:
+        return None
+    path = ("optimizer",)
+    misplaced = ({"lr", "betas", "eps", "weight_decay", "momentum", "adam_w_mode", "torch_adam",
+                  "bias_correction", "amsgrad"}, "optimizer.params")
+    known = pick(raw, path, ctx, ("type", "params", "legacy_fusion"), misplaced)
+    if "type" not in known:
+        raise DsrunConfigError(f'{ctx.where(path)} needs a "type"; valid: '
+                               + ", ".join(OPTIMIZER_NAMES.values()))
+    kind = canonical_optimizer_type(known["type"], ctx.where((*path, "type")))
+    params = dict(check_value(known.get("params") or {}, Check("mapping"),
+                              ctx.where((*path, "params"))))
+    defaults = AUTO_OPTIMIZER_DEFAULTS[kind]
+    for key, value in params.items():
+        if not is_auto(value):
+            continue
+        if key in hints or key in defaults:
+            params[key] = hints[key] if key in hints else defaults[key]
+        else:
+            raise DsrunConfigError(f'{ctx.where((*path, "params", key))} is "auto", which dsrun '
+                                   f"resolves only for {', '.join(defaults)} of "
+                                   f"{OPTIMIZER_NAMES[kind]}")
+    known.update(type=kind, params=params)
+    return build(OptimizerConfig, known, ctx)
+
+
+def parse_scheduler(raw: Any, ctx: Ctx, lr: Any, total_num_steps: Optional[int],
+                     warmup_num_steps: Optional[int]) -> Optional[SchedulerConfig]:
+    if raw is None:
+        return None
+    path = ("scheduler",)
+    known = pick(raw, path, ctx, ("type", "params"),
+                  ({k for specs in SCHEDULER_PARAMS.values() for k in specs}, "scheduler.params"))
+    kind = canonical_scheduler_type(known.get("type"), ctx.where((*path, "type")))
+    params = dict(check_value(known.get("params") or {}, Check("mapping"),
+                              ctx.where((*path, "params"))))
+    autos = {"warmup_min_lr": 0.0, "warmup_max_lr": lr, "total_num_steps": total_num_steps,
+             "warmup_num_steps": DEFAULT_WARMUP_NUM_STEPS if warmup_num_steps is None
+             else warmup_num_steps}
+    why = {"warmup_max_lr": "there is no optimizer lr to take it from",
+           "total_num_steps": "no total step count was given (total_num_steps)"}
+    for key, value in params.items():
+        if is_auto(value) and key in autos and key in SCHEDULER_PARAMS[kind]:
+            if autos[key] is None:
+                raise DsrunConfigError(f'{ctx.where((*path, "params", key))} is "auto" but '
+                                       f"{why[key]}")
+            params[key] = autos[key]
+    params = check_scheduler_params(kind, params, (*path, "params"), ctx)
+    return build(SchedulerConfig, {"type": kind, "params": params}, ctx)
+
+
+def parse_zero(raw: Any, ctx: Ctx) -> ZeroConfig:
+    if isinstance(raw, bool):  # DeepSpeed's deprecated "zero_optimization": true
+        log.warning('"zero_optimization": %s in %s is deprecated; use {"stage": %d}',
+                    show(raw), ctx.source, int(raw))
+        return ZeroConfig(stage=int(raw))
+    if isinstance(raw, Mapping):
+        auto_keys = {key for f in fields(ZeroConfig) if json_key(f) in ZERO_AUTO_KEYS
+                     for key in (json_key(f), *f.metadata["aliases"])}
+        raw = {k: v for k, v in raw.items() if not (k in auto_keys and is_auto(v))}
+    return parse_section(ZeroConfig, raw, ("zero_optimization",), ctx)
+

@@ -1,0 +1,355 @@
+"""The training engine (ZeRO stage 0): DeepSpeed's ``DeepSpeedEngine`` API.
+
+A script drives it one micro-batch at a time::
+
+    loss = engine(batch)        # forward (autocast / fp16 input cast as configured)
+    engine.backward(loss)       # scaled by 1/accumulation (x loss scale in fp16)
+    engine.step()               # acts only at an accumulation boundary
+
+Invariants:
+
+* After construction every data-parallel rank holds rank 0's parameters and
+  buffers (broadcast, as DDP does).
+* ``backward`` at an accumulation boundary (outside ``no_sync()``) leaves
+  every rank with the gradient averaged over the data-parallel group,
+  reduced in buckets overlapped with backward (:mod:`grad_sync`); other
+  micro-steps accumulate locally.
+* ``step`` at a boundary: one optimizer step (clipping, fp16 overflow check
+  and loss scale in :mod:`precision`), then the LR scheduler steps once -
+  unless the step was skipped - then gradients are cleared and
+  ``global_steps``/``global_samples`` advance (skipped steps count in
+  ``global_steps`` and ``skipped_steps``, as in DeepSpeed).
+* Counters advance identically on all ranks: everything they depend on is
+  computed from all-reduced gradients.
+
+Only stage 0 exists so far: the engine refuses a config with
+``zero_optimization.stage > 0`` rather than silently training without ZeRO.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from dsrun.errors import DsrunConfigError, DsrunError
+from dsrun.runtime.config import DsrunConfig
+from dsrun.runtime.env import DistEnv
+from dsrun.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradSync, broadcast_tensors
+from dsrun.runtime.lr_schedules import build_scheduler
+from dsrun.runtime.optimizers import build_optimizer
+from dsrun.runtime.precision import FullPrecision, make_precision
+from dsrun.runtime.progress import Progress
+
+log = logging.getLogger("dsrun.runtime.engine")
+
+DEEPSPEED_DEFAULT_REDUCE_BUCKET = 500_000_000  # elements; one bucket, i.e. no overlap
+OVERFLOW_LOG_INTERVAL_S = 60.0
+_COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def check_zero_stage(config: DsrunConfig) -> None:
+    stage = config.zero_optimization.stage
+    if stage > 0:
+        raise DsrunConfigError(
+            f"ZeRO stage {stage} is not implemented yet (zero_optimization.stage in "
+            f"{config.source}); dsrun implements stage 0 so far: set \"stage\": 0 or remove "
+            "the zero_optimization section")
+
+
+def bucket_elements(config: DsrunConfig) -> Optional[int]:
+    """The all-reduce bucket size in elements the config asks for, or None for
+    the default. DeepSpeed's 5e8-element reduce_bucket_size default (sized for
+    ZeRO-2) would make one bucket and no overlap, so it counts as unset."""
+    if config.dsrun.allreduce_bucket_size is not None:
+        return config.dsrun.allreduce_bucket_size
+    size = config.zero_optimization.reduce_bucket_size
+    return None if size == DEEPSPEED_DEFAULT_REDUCE_BUCKET else size
+
+
+class DsrunEngine(torch.nn.Module):
+    """Wraps the client model for data-parallel training (module docstring).
+
+    Build it with :func:`dsrun.initialize`; ``optimizer``/``lr_scheduler`` are
+    the client's (an instance, or a callable DeepSpeed-style: params ->
+    optimizer, optimizer -> scheduler), else built from the config.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: DsrunConfig, *,
+                 optimizer: Any = None, lr_scheduler: Any = None,
+                 model_parameters: Optional[Iterable[Any]] = None,
+                 env: Optional[DistEnv] = None, mpu: Any = None) -> None:
+        super().__init__()
+        check_zero_stage(config)
+        if not dist.is_initialized():
+            raise DsrunError("the process group is not initialised: build the engine with "
+                             "dsrun.initialize(), or call dsrun.init_distributed() first")
+        env = env or DistEnv.detect()
+        self.config = config
+        self.local_rank = env.local_rank
+        self.dp_group = mpu.get_data_parallel_group() if mpu is not None else None
+        self.dp_world_size = dist.get_world_size(self.dp_group)
+        self.global_rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        if config.dp_size != self.dp_world_size:
+            raise DsrunConfigError(f"the config was resolved for data-parallel size "
+                                   f"{config.dp_size} ({config.dp_size_source}) but the "
+                                   f"data-parallel group has {self.dp_world_size} ranks")
+        self.device = _device()
+        self.module = model.to(self.device)
+        self._broadcast_state()
+        self.precision: FullPrecision = make_precision(config, self.module, self.device)
+        self._grad_sync = self._make_grad_sync()
+        self.optimizer = self._make_optimizer(optimizer, model_parameters)
+        self.lr_scheduler = self._make_scheduler(lr_scheduler)
+        self.training_dataloader: Any = None
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self.micro_steps = 0
+        self._grad_norm: Optional[torch.Tensor] = None
+        self._step_applied = False
+        self._inside_no_sync = False
+        self._boundary_override: Optional[bool] = None
+        self._overflow_log = (float("-inf"), 0)  # (time of the last line, overflows since)
+        self.progress = Progress(config.steps_per_print, config.train_batch_size,
+                                 enabled=self.global_rank == 0)
+
+    # ------------------------------------------------------------ set-up
+
+    def _broadcast_state(self) -> None:
+        """Every data-parallel rank starts from rank 0's parameters and buffers."""
+        if self.dp_world_size == 1:
+            return
+        tensors = [*self.module.parameters(), *self.module.buffers()]
+        broadcast_tensors(tensors, group=self.dp_group)
+
+    def _make_grad_sync(self) -> Optional[GradSync]:
+        if self.dp_world_size == 1:
+            return None
+        comm = self.config.communication_data_type
+        comm_dtype = _COMM_DTYPES[comm] if comm else None
+        elements = bucket_elements(self.config)
+        params = self.precision.params
+        size = (comm_dtype or (params[0].dtype if params else torch.float32)).itemsize
+        bucket_bytes = elements * size if elements else DEFAULT_BUCKET_BYTES
+        predivide = self.config.gradient_predivide_factor
+        return GradSync(params, group=self.dp_group, bucket_bytes=bucket_bytes,
+                        comm_dtype=comm_dtype, predivide=0.0 if predivide == 1.0 else predivide,
+                        names=self.precision.names)
+
+    def _make_optimizer(self, client: Any, model_parameters: Optional[Iterable[Any]]
+                        ) -> Optional[Optimizer]:
+        if client is not None and self.config.optimizer is not None:
+            log.warning("an optimizer was passed to initialize() and the config has an "
+                        "\"optimizer\" section; using the client's (as DeepSpeed does)")
+        if isinstance(client, Optimizer):
+            self.precision.adopt(client)
+            return client
+        source = self.module.parameters() if model_parameters is None else model_parameters
+        params = self.precision.optimizer_params(_trainable(source))
+        if client is not None:
+            if not callable(client):
+                raise DsrunConfigError(f"optimizer= must be a torch.optim.Optimizer or a callable "
+                                       f"taking parameters, got {type(client).__name__}")
+            built = client(params)
+            if not isinstance(built, Optimizer):
+                raise DsrunConfigError("the optimizer callable passed to initialize() returned "
+                                       f"{type(built).__name__}, not a torch.optim.Optimizer")
+            return built
+        if self.config.optimizer is None:
+            return None
+        return build_optimizer(self.config.optimizer, params)
+
+    def _make_scheduler(self, client: Any) -> Any:
+        if client is not None:
+            if self.config.scheduler is not None:
+                log.warning("an lr_scheduler was passed to initialize() and the config has a "
+                            "\"scheduler\" section; using the client's (as DeepSpeed does)")
+            if callable(client) and not hasattr(client, "step"):
+                return client(self.optimizer)
+            return client
+        if self.config.scheduler is None:
+            return None
+        if self.optimizer is None:
+            raise DsrunConfigError(f"the config ({self.config.source}) has a scheduler but no "
+                                   "optimizer: add an \"optimizer\" section or pass optimizer=")
+        return build_scheduler(self.config.scheduler, self.optimizer)
+
+    # --------------------------------------------------------- training
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self.precision.cast_inputs((args, kwargs))
+        with self.precision.autocast():
+            return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False,
+                 scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of ``loss`` / accumulation steps (x loss scale); returns ``loss``."""
+        self.progress.record_loss(loss)
+        scaled = loss
+        gas = self.config.gradient_accumulation_steps
+        if scale_wrt_gas and gas > 1:
+            scaled = scaled / gas
+        scaled = self.precision.scale_loss(scaled)
+        sync = (self._grad_sync is not None and not self._inside_no_sync
+                and self.is_gradient_accumulation_boundary())
+        if sync:
+            self._grad_sync.arm()
+        try:
+            scaled.backward(retain_graph=retain_graph)
+        except BaseException:
+            if sync:
+                self._grad_sync.disarm()
+            raise
+        if sync:
+            self._grad_sync.finish()
+        return loss
+
+    def step(self, lr_kwargs: Optional[dict[str, Any]] = None) -> None:
+        """Optimizer step at an accumulation boundary; always counts a micro-step."""
+        if self._inside_no_sync:
+            raise DsrunError("engine.step() inside engine.no_sync(): gradients were not "
+                             "all-reduced; leave the no_sync() block before stepping")
+        self._step_applied = False
+        if self.is_gradient_accumulation_boundary():
+            self._take_model_step(lr_kwargs)
+        self.micro_steps += 1
+        self._boundary_override = None
+
+    def _take_model_step(self, lr_kwargs: Optional[dict[str, Any]]) -> None:
+        if self.optimizer is None:
+            raise DsrunConfigError("engine.step() needs an optimizer: add an \"optimizer\" "
+                                   "section to the config or pass optimizer= to initialize()")
+        scale_before = self.precision.loss_scale
+        result = self.precision.step(self.optimizer, self.config.gradient_clipping)
+        self._grad_norm = result.grad_norm
+        self._step_applied = result.applied
+        if result.applied:
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        else:
+            self.skipped_steps += 1
+            if result.overflow:
+                self._log_overflow(scale_before)
+        self.zero_grad()
+        self.global_steps += 1
+        self.global_samples += self.config.train_batch_size
+        extra = f"loss_scale={self.precision.loss_scale:g}" if self.precision.name == "fp16" \
+            else None
+        self.progress.step(self.global_steps, self.skipped_steps, self.get_lr(), extra)
+
+    def _log_overflow(self, scale_before: float) -> None:
+        """One line per OVERFLOW_LOG_INTERVAL_S at most, counting the ones in between."""
+        last, since = self._overflow_log
+        now = time.monotonic()
+        if now - last < OVERFLOW_LOG_INTERVAL_S:
+            self._overflow_log = (last, since + 1)
+            return
+        self._overflow_log = (now, 0)
+        if self.global_rank != 0:
+            return
+        name = self.precision.first_bad_param() or "(none found)"
+        more = f"; {since} more overflow(s) since the last such line" if since else ""
+        log.info("fp16 gradient overflow at step %d: skipping it (first non-finite gradient: "
+                 "%s); loss scale %g -> %g; %d step(s) skipped so far%s", self.global_steps + 1,
+                 name, scale_before, self.precision.loss_scale, self.skipped_steps, more)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Override the boundary for the current micro-step (DeepSpeed API)."""
+        self._boundary_override = bool(is_boundary)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients without all-reducing them."""
+        previous, self._inside_no_sync = self._inside_no_sync, True
+        try:
+            yield
+        finally:
+            self._inside_no_sync = previous
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
+        """Clear gradients (model and fp16 master weights)."""
+        self.precision.zero_grad()
+        for param in self.module.parameters():
+            param.grad = None
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------ information
+
+    def get_lr(self) -> list[float]:
+        if self.optimizer is None:
+            return []
+        return [float(group["lr"]) for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """Global gradient norm of the last step, before clipping (None unless
+        clipping or fp16 computed it, as in DeepSpeed)."""
+        return None if self._grad_norm is None else float(self._grad_norm)
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    @property
+    def loss_scale(self) -> float:
+        return self.precision.loss_scale
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("engine.save_checkpoint() is not implemented in dsrun yet "
+                                  "(it comes with the checkpoint issue); save "
+                                  "engine.module.state_dict() with torch.save meanwhile")
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("engine.load_checkpoint() is not implemented in dsrun yet "
+                                  "(it comes with the checkpoint issue)")
+
+    def destroy(self) -> None:
+        """Remove the gradient hooks (the module can then be trained by other means)."""
+        if self._grad_sync is not None:
+            self._grad_sync.close()
+            self._grad_sync = None
+
+
+DeepSpeedEngine = DsrunEngine
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _trainable(source: Iterable[Any]) -> list[Any]:
+    """model_parameters without frozen tensors (param-group dicts pass through)."""
+    return [p for p in source if isinstance(p, dict) or getattr(p, "requires_grad", True)]
+

@@ -1,0 +1,243 @@
+"""Data-parallel collectives of ZeRO stage 0: the initial parameter broadcast
+and the bucketed gradient all-reduce, overlapped with backward (as DDP).
+
+Data-parallel ranks must end every synchronising backward with the same
+gradients: the mean over the group of each rank's gradient. :class:`GradSync`
+gets there the way torch DDP's reducer does:
+
+* **Buckets** (:func:`assign_buckets`, pure): trainable parameters, in
+  reverse registration order (roughly the order backward produces their
+  gradients), are packed into flat buffers of at most ``bucket_bytes``; a
+  parameter larger than that gets a bucket of its own; a bucket holds one
+  dtype.
+* **Overlap**: a post-accumulate-grad hook on every parameter copies its
+  gradient, pre-multiplied by ``1/world_size`` (exactly DDP's fused
+  ``mul_out``), into its bucket slot. When a bucket is complete *and every
+  bucket before it has been launched*, it is all-reduced with
+  ``async_op=True``; gloo runs the reduction on its own worker threads
+  while autograd keeps computing earlier layers' gradients (NCCL on its
+  stream). Launching strictly in bucket order keeps the sequence of
+  collectives identical on all ranks even if hooks fire in different orders.
+* **Finish** (after ``loss.backward()`` returns): buckets not yet launched
+  (parameters that got no gradient this backward are filled with zeros, as
+  DeepSpeed does) are launched in order, every handle is waited on, and each
+  parameter's ``.grad`` becomes a view of its slot (no copy back) - or is
+  copied from it when the communication dtype differs from the gradient's.
+
+Hooks act only between :meth:`GradSync.arm` and :meth:`GradSync.finish`;
+backward passes outside (gradient accumulation micro-steps, ``no_sync()``,
+user code calling ``loss.backward()`` directly) only accumulate locally.
+
+With 2 ranks the result is bitwise what DDP computes: the same
+``grad * (1/2)`` products, and ``a + b == b + a`` in IEEE arithmetic
+whatever the bucket layout. With more ranks the order in which a ring
+all-reduce adds the contributions depends on where an element sits in its
+bucket, so results can differ from DDP in the last bit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from dsrun.errors import DsrunError
+
+log = logging.getLogger(__name__)
+
+# DDP's bucket_cap_mb default: small enough to overlap, large enough to amortise latency.
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def assign_buckets(numels: Sequence[int], element_sizes: Sequence[int],
+                   dtypes: Sequence[Any], bucket_bytes: int) -> list[list[int]]:
+    """Group parameter indices into buckets, in the given order (pure).
+
+    Consecutive parameters of one dtype share a bucket until adding the next
+    would exceed ``bucket_bytes``; a parameter bigger than the cap is alone.
+    Buckets are returned in the order of their first parameter, and every
+    index appears exactly once.
+    """
+    if not len(numels) == len(element_sizes) == len(dtypes):
+        raise ValueError("numels, element_sizes and dtypes must have equal lengths")
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    open_buckets: dict[Any, tuple[list[int], int]] = {}
+    done: list[list[int]] = []
+    for index, (numel, size, dtype) in enumerate(zip(numels, element_sizes, dtypes)):
+        nbytes = numel * size
+        members, used = open_buckets.get(dtype, ([], 0))
+        if members and used + nbytes > bucket_bytes:
+            done.append(members)
+            members, used = [], 0
+        members.append(index)
+        open_buckets[dtype] = (members, used + nbytes)
+    done.extend(members for members, _ in open_buckets.values() if members)
+    return sorted(done, key=lambda members: members[0])
+
+
+@dataclass
+class _Bucket:
+    indices: list[int]  # into GradSync.params
+    offsets: list[int]
+    buffer: torch.Tensor
+    pending: int = 0
+    work: Optional[Any] = None
+    ready: set[int] = field(default_factory=set)
+
+
+class GradSync:
+    """Averages gradients over ``group`` in overlapped buckets (module docstring)."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], *, group: Any = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 comm_dtype: Optional[torch.dtype] = None, predivide: float = 0.0,
+                 names: Optional[Sequence[str]] = None) -> None:
+        """``predivide``: divide by this before the reduction and by
+        ``world_size / predivide`` after (DeepSpeed's gradient_predivide_factor);
+        0 means divide by the world size before, as DDP does."""
+        self.params = list(params)
+        self.names = list(names) if names is not None else [str(i) for i in range(len(params))]
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.comm_dtype = comm_dtype
+        factor = predivide or float(self.world_size)
+        self.pre_scale = 1.0 / factor
+        self.post_scale = factor / self.world_size
+        order = list(reversed(range(len(self.params))))  # backward order, roughly
+        dtypes = [self._dtype(self.params[i]) for i in order]
+        layout = assign_buckets([self.params[i].numel() for i in order],
+                                [torch.empty((), dtype=d).element_size() for d in dtypes],
+                                dtypes, bucket_bytes)
+        self.buckets = [self._make_bucket([order[j] for j in members]) for members in layout]
+        self.slot = {i: (b, k) for b, bucket in enumerate(self.buckets)
+                     for k, i in enumerate(bucket.indices)}
+        self._armed = False
+        self._next = 0
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i))
+                         for i, p in enumerate(self.params)]
+        log.debug("grad sync: %d parameters in %d bucket(s) of <= %d bytes", len(self.params),
+                  len(self.buckets), bucket_bytes)
+
+    def _dtype(self, param: torch.Tensor) -> torch.dtype:
+        return self.comm_dtype or param.dtype
+
+    def _make_bucket(self, indices: list[int]) -> _Bucket:
+        offsets, total = [], 0
+        for i in indices:
+            offsets.append(total)
+            total += self.params[i].numel()
+        first = self.params[indices[0]]
+        buffer = torch.zeros(total, dtype=self._dtype(first), device=first.device)
+        return _Bucket(indices=indices, offsets=offsets, buffer=buffer)
+
+    def _hook(self, index: int) -> Any:
+        def on_grad(param: torch.Tensor) -> None:
+            if self._armed:
+                self._mark_ready(index, param)
+        return on_grad
+
+    def _view(self, index: int) -> torch.Tensor:
+        b, k = self.slot[index]
+        bucket = self.buckets[b]
+        start = bucket.offsets[k]
+        return bucket.buffer[start:start + self.params[index].numel()]
+
+    def arm(self) -> None:
+        """The next backward is a synchronising one."""
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                raise DsrunError("gradient all-reduce armed again before the last one finished")
+            bucket.pending, bucket.ready = len(bucket.indices), set()
+        self._next = 0
+        self._armed = True
+
+    def _mark_ready(self, index: int, param: torch.Tensor) -> None:
+        b, _ = self.slot[index]
+        bucket = self.buckets[b]
+        if index in bucket.ready:
+            raise DsrunError(f"parameter {self.names[index]} received gradients twice in one "
+                             "synchronising backward; run one backward per micro-batch, or use "
+                             "engine.no_sync() for the extra ones")
+        assert param.grad is not None
+        self._fill(index, param.grad)
+        bucket.ready.add(index)
+        bucket.pending -= 1
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            self._launch(self._next)
+
+    def _fill(self, index: int, grad: torch.Tensor) -> None:
+        view = self._view(index)
+        flat = grad.reshape(-1)
+        if self.pre_scale == 1.0:
+            view.copy_(flat)
+        else:
+            torch.mul(flat, self.pre_scale, out=view)
+
+    def _launch(self, b: int) -> None:
+        bucket = self.buckets[b]
+        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        self._next = b + 1
+
+    def finish(self) -> None:
+        """Launch what is left, wait for every reduction, hand results to ``.grad``."""
+        if not self._armed:
+            return
+        self._armed = False
+        for b in range(self._next, len(self.buckets)):
+            bucket = self.buckets[b]
+            for index in bucket.indices:
+                if index not in bucket.ready:  # no gradient this backward: contribute zeros
+                    self._view(index).zero_()
+            self._launch(b)
+        for bucket in self.buckets:
+            work, bucket.work = bucket.work, None
+            work.wait()
+            if self.post_scale != 1.0:
+                bucket.buffer.mul_(self.post_scale)
+            for index in bucket.indices:
+                self._hand_back(index)
+
+    def _hand_back(self, index: int) -> None:
+        param = self.params[index]
+        view = self._view(index).view_as(param)
+        if view.dtype == param.dtype:
+            param.grad = view
+        elif param.grad is None:
+            param.grad = view.to(param.dtype)
+        else:
+            param.grad.copy_(view)
+
+    def disarm(self) -> None:
+        """Backward failed: forget this round (launched reductions are left to finish)."""
+        self._armed = False
+        for bucket in self.buckets:
+            bucket.work = None
+
+    def close(self) -> None:
+        """Remove the hooks (the engine is being discarded)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def broadcast_tensors(tensors: Sequence[torch.Tensor], *, group: Any = None, src: int = 0,
+                      bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    """Overwrite ``tensors`` with group rank ``src``'s values on every rank of
+    ``group``, coalesced into flat buffers of at most ``bucket_bytes`` per dtype."""
+    source = dist.get_global_rank(group, src) if group is not None else src
+    layout = assign_buckets([t.numel() for t in tensors], [t.element_size() for t in tensors],
+                            [(t.dtype, t.device) for t in tensors], bucket_bytes)
+    with torch.no_grad():
+        for members in layout:
+            chunk = [tensors[i] for i in members]
+            flat = torch.cat([t.detach().reshape(-1) for t in chunk])
+            dist.broadcast(flat, src=source, group=group)
+            offset = 0
+            for tensor in chunk:
+                tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()

@@ -1,0 +1,100 @@
+"""fp16 loss scaling as a pure state machine (no torch), DeepSpeed's rules.
+
+The engine multiplies the loss by :attr:`LossScaler.scale` before backward,
+checks the gradients for inf/NaN, and calls :meth:`LossScaler.update` once
+per optimizer step with the result; ``update`` says whether to skip the step.
+
+Dynamic scaling (``fp16.loss_scale == 0``), as deepspeed/runtime/fp16/
+loss_scaler.py ``DynamicLossScaler.update_scale``:
+
+* every overflow skips the step;
+* an overflow when the hysteresis budget is down to 1 shrinks the scale by
+  ``scale_factor`` (2), never below ``min_scale``; with budget left it only
+  spends one unit of hysteresis;
+* growth: after ``window`` consecutive clean steps since the last overflow
+  (or since the start), the scale grows by ``scale_factor`` and the
+  hysteresis budget is refilled (``consecutive_hysteresis`` refills it on
+  every clean step instead);
+* an overflow at ``min_scale`` with no hysteresis left raises
+  :class:`LossScaleError` when ``raise_at_min_scale`` (DeepSpeed's
+  behaviour: training has diverged), else the step is just skipped.
+
+Static scaling (``loss_scale > 0``): the scale never changes; an overflow
+still skips the step (DeepSpeed would apply it; applying inf/NaN gradients
+only destroys the weights, so dsrun skips and counts it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dsrun.errors import DsrunError
+
+
+class LossScaleError(DsrunError):
+    """Gradients overflow at the minimum loss scale: training diverged."""
+
+
+@dataclass
+class LossScaler:
+    """Loss-scale state; mutable on purpose (it is the training state)."""
+
+    scale: float = 2.0**16
+    dynamic: bool = True
+    window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_scale: float = 1.0
+    scale_factor: float = 2.0
+    raise_at_min_scale: bool = True
+    # state
+    iteration: int = 0
+    last_overflow_iteration: int = -1
+    hysteresis_left: int = field(default=0)
+    overflows: int = 0
+
+    def __post_init__(self) -> None:
+        if self.scale <= 0 or self.window < 1 or self.hysteresis < 1 or self.scale_factor <= 1:
+            raise ValueError(f"invalid loss scaler settings: {self}")
+        if self.min_scale > self.scale and self.dynamic:
+            raise ValueError(f"min_scale {self.min_scale:g} above initial scale {self.scale:g}")
+        self.hysteresis_left = self.hysteresis
+
+    def update(self, overflow: bool) -> bool:
+        """Record one optimizer step's overflow check; True means skip the step."""
+        if overflow:
+            self.overflows += 1
+        if not self.dynamic:
+            self.iteration += 1
+            return overflow
+        if overflow:
+            self._on_overflow()
+        else:
+            self._on_clean()
+        self.iteration += 1
+        return overflow
+
+    def _on_overflow(self) -> None:
+        if self.hysteresis_left <= 1:
+            if self.scale <= self.min_scale and self.raise_at_min_scale:
+                raise LossScaleError(
+                    f"gradients overflow at the minimum loss scale {self.min_scale:g} "
+                    f"(iteration {self.iteration}): training has diverged; lower the learning "
+                    "rate, or set fp16.min_loss_scale lower")
+            self.scale = max(self.scale / self.scale_factor, self.min_scale)
+        else:
+            self.hysteresis_left -= 1
+        self.last_overflow_iteration = self.iteration
+
+    def _on_clean(self) -> None:
+        if self.consecutive_hysteresis:
+            self.hysteresis_left = self.hysteresis
+        if (self.iteration - self.last_overflow_iteration) % self.window == 0:
+            if not self.consecutive_hysteresis:
+                self.hysteresis_left = self.hysteresis
+            self.scale *= self.scale_factor
+
+    def state_dict(self) -> dict[str, float]:
+        return {"scale": self.scale, "iteration": self.iteration,
+                "last_overflow_iteration": self.last_overflow_iteration,
+                "hysteresis_left": self.hysteresis_left, "overflows": self.overflows}

@@ -1,0 +1,188 @@
+"""Build the torch optimizer that a config's ``optimizer {type, params}`` names.
+
+DeepSpeed semantics kept here (deepspeed/runtime/engine.py,
+``_configure_basic_optimizer``):
+
+* Type names are case-insensitive (``"AdamW"`` == ``"adamw"``).
+* **"Adam" means decoupled weight decay by default.** DeepSpeed's
+  ``adam_w_mode`` param defaults to true, so type ``"Adam"`` builds
+  ``torch.optim.AdamW``; ``"adam_w_mode": false`` builds ``torch.optim.Adam``
+  (weight decay added to the gradient as an L2 term). Type ``"AdamW"`` is
+  always AdamW, whatever ``adam_w_mode`` says (as in DeepSpeed).
+* ``torch_adam`` selects torch's Adam/AdamW instead of DeepSpeed's FusedAdam.
+  dsrun always uses torch's implementation, so the flag only changes the
+  default ``weight_decay`` when none is given: without it, FusedAdam's 0.0
+  (also for AdamW, whose torch default is 0.01); with it, torch's default.
+* ``bias_correction`` (a FusedAdam param) is accepted only as true: torch's
+  Adam always corrects bias.
+* ``"Lamb"`` is :class:`Lamb` below (DeepSpeed's FusedLamb, on any device).
+* ``max_grad_norm`` is rejected in favour of ``gradient_clipping`` (checked
+  when the config is resolved), as in DeepSpeed.
+* Other types are torch.optim classes with their own parameter names.
+
+Parameter names are checked against the chosen class's signature (they
+depend on the installed torch): a bad name is a :class:`DsrunConfigError`
+listing the valid ones with a did-you-mean suggestion.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Mapping
+from typing import Any, Callable, Optional
+
+import torch
+from torch.optim import Optimizer
+
+from dsrun.errors import DsrunConfigError
+from dsrun.runtime.config import OPTIMIZER_NAMES, OptimizerConfig, did_you_mean
+
+
+class Lamb(Optimizer):
+    """LAMB (You et al. 2019) with DeepSpeed FusedLamb's semantics.
+
+    Per parameter tensor, at step t with ``bc1 = 1 - beta1**t``,
+    ``bc2 = 1 - beta2**t`` (1 when ``bias_correction`` is false)::
+
+        m = beta1 m + (1 - beta1) g          v = beta2 v + (1 - beta2) g^2
+        update = (m / bc1) / (sqrt(v / bc2) + eps) + weight_decay * w
+        trust = clamp(||w|| / ||update||, min_coeff, max_coeff)  (1 if a norm is 0)
+        w = w - lr * trust * update
+
+    ``eps_inside_sqrt`` puts eps under the root: ``sqrt(v / bc2 + eps)``.
+    The trust ratio needs whole-tensor norms: a sharded (ZeRO) optimizer
+    must not run this per shard. ``get_lamb_coeffs()`` returns the last
+    step's trust ratios, as FusedLamb does.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
+                 max_coeff: float = 10.0, min_coeff: float = 0.01, amsgrad: bool = False) -> None:
+        if amsgrad:
+            raise DsrunConfigError("Lamb does not support amsgrad (as DeepSpeed's FusedLamb)")
+        checks = {"lr": lr >= 0.0, "eps": eps >= 0.0, "weight_decay": weight_decay >= 0.0,
+                  "betas": len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas),
+                  "min_coeff": 0.0 <= min_coeff <= max_coeff}
+        for name, ok in checks.items():
+            if not ok:
+                raise DsrunConfigError(f"Lamb: invalid {name}: lr={lr}, betas={betas}, eps={eps}, "
+                                       f"weight_decay={weight_decay}, min_coeff={min_coeff}, "
+                                       f"max_coeff={max_coeff}")
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+                        eps_inside_sqrt=eps_inside_sqrt, weight_decay=weight_decay,
+                        max_coeff=max_coeff, min_coeff=min_coeff)
+        super().__init__(params, defaults)
+        self.lamb_coeffs: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.lamb_coeffs = []
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if param.grad.is_sparse:
+                    raise RuntimeError("Lamb does not support sparse gradients")
+                self.lamb_coeffs.append(self._update(param, group))
+        return loss
+
+    def _update(self, param: torch.Tensor, group: Mapping[str, Any]) -> torch.Tensor:
+        state = self.state[param]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["step"] += 1
+        beta1, beta2 = group["betas"]
+        grad, exp_avg, exp_avg_sq = param.grad, state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        bc1, bc2 = 1.0, 1.0
+        if group["bias_correction"]:
+            bc1, bc2 = 1.0 - beta1 ** state["step"], 1.0 - beta2 ** state["step"]
+        v_hat = exp_avg_sq / bc2
+        if group["eps_inside_sqrt"]:
+            denom = v_hat.add_(group["eps"]).sqrt_()
+        else:
+            denom = v_hat.sqrt_().add_(group["eps"])
+        update = (exp_avg / bc1).div_(denom)
+        if group["weight_decay"]:
+            update.add_(param, alpha=group["weight_decay"])
+        w_norm, u_norm = param.norm(), update.norm()
+        trust = torch.where((w_norm > 0) & (u_norm > 0),
+                            (w_norm / u_norm).clamp(group["min_coeff"], group["max_coeff"]),
+                            torch.ones_like(w_norm))
+        param.sub_(update.mul_(trust * group["lr"]))
+        return trust
+
+    def get_lamb_coeffs(self) -> list[float]:
+        return [float(coeff) for coeff in self.lamb_coeffs]
+
+
+# lower-case type -> torch class ("adam" picks Adam or AdamW from its params)
+OPTIMIZER_CLASSES: Mapping[str, type[Optimizer]] = {
+    "adam": torch.optim.AdamW, "adamw": torch.optim.AdamW, "lamb": Lamb,
+    "sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "rmsprop": torch.optim.RMSprop,
+    "adamax": torch.optim.Adamax, "nadam": torch.optim.NAdam, "radam": torch.optim.RAdam,
+    "adadelta": torch.optim.Adadelta,
+}
+ADAM_EXTRAS = ("adam_w_mode", "torch_adam", "bias_correction")
+assert set(OPTIMIZER_CLASSES) == set(OPTIMIZER_NAMES), "config and optimizers disagree on types"
+
+
+def parameter_names(cls: type[Optimizer]) -> tuple[str, ...]:
+    """Keyword parameters of an optimizer class, besides ``params``."""
+    signature = inspect.signature(cls.__init__)
+    return tuple(name for name, p in signature.parameters.items()
+                 if name not in ("self", "params")
+                 and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+
+
+def optimizer_class_and_kwargs(config: OptimizerConfig) -> tuple[type[Optimizer], dict[str, Any]]:
+    """The torch class and keyword arguments ``config`` stands for (pure)."""
+    kwargs = dict(config.params)
+    cls = OPTIMIZER_CLASSES[config.type]
+    extras: tuple[str, ...] = ()
+    if config.type in ("adam", "adamw"):
+        extras = ADAM_EXTRAS
+        adam_w_mode = _flag(kwargs.pop("adam_w_mode", True), "adam_w_mode")
+        torch_adam = _flag(kwargs.pop("torch_adam", False), "torch_adam")
+        if not _flag(kwargs.pop("bias_correction", True), "bias_correction"):
+            raise DsrunConfigError('optimizer.params "bias_correction": false is not supported: '
+                                   "torch's Adam/AdamW always correct bias")
+        if config.type == "adam" and not adam_w_mode:
+            cls = torch.optim.Adam
+        if not torch_adam:
+            kwargs.setdefault("weight_decay", 0.0)  # DeepSpeed FusedAdam's default
+    valid = parameter_names(cls)
+    for key in kwargs:
+        if key not in valid:
+            name = OPTIMIZER_NAMES[config.type]
+            raise DsrunConfigError(
+                f'unknown parameter "{key}" in optimizer.params for {name} '
+                f"({cls.__module__}.{cls.__name__}){did_you_mean(key, (*valid, *extras))}; "
+                f"valid: {', '.join((*valid, *extras))}")
+    return cls, kwargs
+
+
+def _flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise DsrunConfigError(f'optimizer.params "{name}" must be true or false, got {value!r}')
+    return value
+
+
+def build_optimizer(config: OptimizerConfig, params: Iterable[Any]) -> Optimizer:
+    """Construct the optimizer over ``params`` (tensors or param-group dicts)."""
+    cls, kwargs = optimizer_class_and_kwargs(config)
+    try:
+        return cls(params, **kwargs)
+    except (TypeError, ValueError) as err:
+        if isinstance(err, DsrunConfigError):
+            raise
+        raise DsrunConfigError(f"optimizer {OPTIMIZER_NAMES[config.type]} rejected "
+                               f"params {kwargs}: {err}") from err

@@ -1,0 +1,223 @@
+"""Numeric precision of training: what the model computes in, what the
+optimizer updates, and how a step is checked and applied.
+
+* :class:`FullPrecision` (fp32): the optimizer updates the model's own
+  parameters; ``gradient_clipping`` clips their global norm.
+* :class:`BF16Autocast` (``bf16.enabled``): parameters, gradients and
+  optimizer state stay fp32 - the parameters *are* the fp32 master weights -
+  and the forward runs under ``torch.autocast(device, dtype=bfloat16)``
+  (on CPU ``torch.autocast('cpu', ...)``). bf16 has fp32's range: no loss
+  scaling.
+* :class:`FP16Master` (``fp16.enabled``): as DeepSpeed does, the module is
+  converted to fp16 (``module.half()``; the script feeds fp16 inputs, or
+  sets ``fp16.auto_cast`` to have floating-point inputs cast), and the
+  optimizer updates fp32 master copies. The loss is multiplied by the loss
+  scale before backward; at a step the fp16 gradients are unscaled into the
+  masters' fp32 gradients, and a non-finite global norm is an overflow: the
+  step is skipped and :class:`LossScaler` shrinks the scale. Otherwise the
+  masters are clipped, stepped and copied back into the fp16 model. This is
+  real fp16 arithmetic on every device, CPU included (slow there, but
+  correct: overflows are the ones a GPU run would see).
+
+A precision's :meth:`step` returns a :class:`StepResult`; the engine does the
+bookkeeping (counters, LR scheduler, logs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch.optim import Optimizer
+
+from dsrun.errors import DsrunConfigError
+from dsrun.runtime.config import DsrunConfig
+from dsrun.runtime.loss_scaler import LossScaler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    applied: bool
+    grad_norm: Optional[torch.Tensor] = None  # before clipping; None when not computed
+    overflow: bool = False  # fp16: a non-finite gradient; the step was skipped
+
+
+def global_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of all ``tensors`` together, in fp32."""
+    if not tensors:
+        return torch.zeros(())
+    norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+class FullPrecision:
+    """fp32 training (module docstring)."""
+
+    name = "fp32"
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
+                 device: torch.device) -> None:
+        self.params = list(params)
+        self.names = list(names)
+        self.device = device
+
+    @property
+    def loss_scale(self) -> float:
+        return 1.0
+
+    def autocast(self) -> Any:
+        return contextlib.nullcontext()
+
+    def cast_inputs(self, value: Any) -> Any:
+        return value
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def optimizer_params(self, source: Iterable[Any]) -> list[Any]:
+        """What to build an optimizer over, given the client's model_parameters."""
+        return list(source)
+
+    def adopt(self, optimizer: Optimizer) -> None:
+        """Prepare a client-built optimizer (nothing to do in fp32)."""
+
+    def step(self, optimizer: Optimizer, max_norm: float) -> StepResult:
+        norm = None
+        if max_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        optimizer.step()
+        return StepResult(True, norm)
+
+    def zero_grad(self) -> None:
+        for param in self.params:
+            param.grad = None
+
+    def first_bad_param(self) -> Optional[str]:
+        """Name of the first parameter whose gradient has an inf/NaN (before zero_grad)."""
+        for name, param in zip(self.names, self.params):
+            if param.grad is not None and not bool(torch.isfinite(param.grad).all()):
+                return name
+        return None
+
+
+class BF16Autocast(FullPrecision):
+    """fp32 master weights, bf16 autocast forward (module docstring)."""
+
+    name = "bf16"
+
+    def autocast(self) -> Any:
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+
+class FP16Master(FullPrecision):
+    """fp16 model, fp32 master weights, dynamic or static loss scale."""
+
+    name = "fp16"
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
+                 device: torch.device, config: DsrunConfig) -> None:
+        super().__init__(params, names, device)
+        fp16 = config.fp16
+        self.auto_cast = fp16.auto_cast
+        dynamic = fp16.dynamic_loss_scale
+        self.scaler = LossScaler(
+            scale=fp16.initial_dynamic_scale if dynamic else fp16.loss_scale, dynamic=dynamic,
+            window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
+            consecutive_hysteresis=fp16.consecutive_hysteresis,
+            min_scale=min(fp16.min_loss_scale, fp16.initial_dynamic_scale) if dynamic else 1.0)
+        self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
+        self._master_of = {id(p): m for p, m in zip(self.params, self.masters)}
+
+    @staticmethod
+    def convert_module(module: torch.nn.Module) -> None:
+        """The model computes in fp16 (parameters keep their identity)."""
+        module.half()
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def cast_inputs(self, value: Any) -> Any:
+        if not self.auto_cast:
+            return value
+        if isinstance(value, torch.Tensor):
+            return value.half() if value.is_floating_point() else value
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.cast_inputs(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self.cast_inputs(v) for k, v in value.items()}
+        return value
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss.float() * self.scaler.scale
+
+    def optimizer_params(self, source: Iterable[Any]) -> list[Any]:
+        out: list[Any] = []
+        for item in source:
+            if isinstance(item, dict):
+                out.append({**item, "params": [self._master(p) for p in _as_list(item["params"])]})
+            else:
+                out.append(self._master(item))
+        return out
+
+    def _master(self, param: torch.Tensor) -> torch.Tensor:
+        master = self._master_of.get(id(param))
+        if master is None:
+            raise DsrunConfigError("with fp16 enabled, the optimizer's parameters must be "
+                                   "trainable parameters of the model passed to initialize()")
+        return master
+
+    def adopt(self, optimizer: Optimizer) -> None:
+        """Point a client-built optimizer at the fp32 masters (DeepSpeed's FP16 wrapper)."""
+        if optimizer.state:
+            raise DsrunConfigError("with fp16 enabled, pass an optimizer that has not stepped "
+                                   "yet: dsrun moves it onto fp32 master weights")
+        for group in optimizer.param_groups:
+            group["params"] = [self._master(p) for p in group["params"]]
+
+    def step(self, optimizer: Optimizer, max_norm: float) -> StepResult:
+        inverse = 1.0 / self.scaler.scale
+        for param, master in zip(self.params, self.masters):
+            master.grad = None if param.grad is None else param.grad.float().mul_(inverse)
+        with_grad = [m for m in self.masters if m.grad is not None]
+        if max_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
+        else:
+            norm = global_norm([m.grad for m in with_grad])
+        overflow = not bool(torch.isfinite(norm))
+        if self.scaler.update(overflow):
+            return StepResult(False, norm, overflow)
+        optimizer.step()
+        with torch.no_grad():
+            for param, master in zip(self.params, self.masters):
+                param.copy_(master)
+        return StepResult(True, norm)
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        for master in self.masters:
+            master.grad = None
+
+
+def _as_list(params: Any) -> list[Any]:
+    return [params] if isinstance(params, torch.Tensor) else list(params)
+
+
+def make_precision(config: DsrunConfig, module: torch.nn.Module,
+                   device: torch.device) -> FullPrecision:
+    """The precision ``config`` asks for; fp16 converts ``module`` first."""
+    if config.fp16.enabled:
+        FP16Master.convert_module(module)
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    names, params = [n for n, _ in named], [p for _, p in named]
+    if config.fp16.enabled:
+        return FP16Master(params, names, device, config)
+    if config.bf16.enabled:
+        return BF16Autocast(params, names, device)
+    return FullPrecision(params, names, device)

@@ -1,0 +1,78 @@
+"""What the training runtime tells the user: the config at start, then a
+progress line every ``steps_per_print`` optimizer steps (rank 0).
+
+Everything goes through ``logging`` (logger ``dsrun.runtime``). Like
+DeepSpeed's logger, which users see without configuring anything,
+:func:`ensure_visible` gives that logger a stdout handler at INFO that writes
+only while the application has configured no logging of its own (the root
+logger has no handlers); records always propagate, so an application that
+sets up logging, before or after, gets them through its own handlers, once.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any, Optional
+
+LOGGER_NAME = "dsrun.runtime"
+log = logging.getLogger(LOGGER_NAME)
+_HANDLER_MARK = "_dsrun_default_handler"
+
+
+class _NoApplicationLogging(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not logging.getLogger().handlers
+
+
+def ensure_visible() -> None:
+    """Attach the default stdout handler to ``dsrun.runtime`` once (module doc)."""
+    if any(getattr(h, _HANDLER_MARK, False) for h in log.handlers):
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("[dsrun] %(message)s"))
+    handler.setLevel(logging.INFO)
+    handler.addFilter(_NoApplicationLogging())
+    setattr(handler, _HANDLER_MARK, True)
+    log.addHandler(handler)
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
+
+
+class Progress:
+    """Accumulates losses and samples between progress lines (rank 0 prints)."""
+
+    def __init__(self, steps_per_print: int, samples_per_step: int, enabled: bool) -> None:
+        self.steps_per_print = steps_per_print
+        self.samples_per_step = samples_per_step
+        self.enabled = enabled
+        self._loss_sum: Any = 0.0
+        self._loss_count = 0
+        self._since = time.perf_counter()
+        self._steps = 0
+
+    def record_loss(self, loss: Any) -> None:
+        """Add one micro-batch's (unscaled) loss; a tensor stays a tensor until printed."""
+        if self.enabled:
+            self._loss_sum = self._loss_sum + loss.detach().float()
+            self._loss_count += 1
+
+    def step(self, global_steps: int, skipped: int, lrs: list[float],
+             extra: Optional[str] = None) -> None:
+        """Called after every optimizer step (applied or skipped)."""
+        self._steps += 1
+        if not self.enabled or global_steps % self.steps_per_print:
+            return
+        elapsed = max(time.perf_counter() - self._since, 1e-9)
+        rate = self._steps * self.samples_per_step / elapsed
+        parts = [f"step={global_steps}", f"skipped={skipped}"]
+        if self._loss_count:
+            parts.append(f"loss={float(self._loss_sum) / self._loss_count:.4f}")
+        parts.append("lr=[" + ", ".join(f"{lr:.6g}" for lr in lrs) + "]")
+        if extra:
+            parts.append(extra)
+        parts.append(f"samples/s={rate:.1f}")
+        log.info(", ".join(parts))
+        self._loss_sum, self._loss_count, self._steps = 0.0, 0, 0
+        self._since = time.perf_counter()

@@ -1,0 +1,31 @@
+"""ZeRO (Rajbhandari et al. 2020) for dsrun: partitioning maths, collectives,
+the stage 1/2 sharded optimizer, and model-state memory accounting.
+
+* :mod:`.partition` - pure: flat padded per-rank partitions of param groups.
+* :mod:`.comm` - reduce-scatter / all-gather done the fastest way per backend.
+* :mod:`.reducer` - stage 2's bucketed gradient reduction during backward.
+* :mod:`.sharded` - :class:`ZeroOptimizer`, the engine's entry point (its
+  module docstring states the call order).
+* :mod:`.memory` - the paper's per-rank formulas and actual byte counts.
+"""
+
+from dsrun.runtime.zero.comm import (
+    CommStrategy,
+    all_gather_flat,
+    reduce_scatter_mean,
+    strategy_for,
+)
+from dsrun.runtime.zero.memory import (
+    StateBytes,
+    model_state_bytes,
+    paper_model_state_bytes,
+    zero_model_state_bytes,
+)
+from dsrun.runtime.zero.partition import GroupLayout, Piece, partition_group, partition_groups
+from dsrun.runtime.zero.sharded import ZeroOptimizer, ZeroSettings
+
+__all__ = [
+    "CommStrategy", "GroupLayout", "Piece", "StateBytes", "ZeroOptimizer", "ZeroSettings",
+    "all_gather_flat", "model_state_bytes", "paper_model_state_bytes", "partition_group",
+    "partition_groups", "reduce_scatter_mean", "strategy_for", "zero_model_state_bytes",
+]

@@ -1,0 +1,282 @@
+"""ZeRO stage 2 gradient reduction: buckets reduced during backward straight
+into each owner's partition accumulator.
+
+Plan (fixed at construction, identical on every rank): trainable parameters
+in expected backward order are packed by :func:`~.partition.plan_buckets`
+into buckets of at most ``bucket_numel`` elements (a bigger parameter is
+alone). A bucket's buffer holds its parameters' gradients back to back; the
+:class:`~.partition.GroupLayout` tells which ``(owner, start, length)``
+ranges of it belong to which rank's partition.
+
+One round per backward:
+
+1. A post-accumulate-grad hook copies the parameter's gradient times ``1/N``
+   into its slot of the bucket buffer (DDP's fused pre-division) and sets
+   ``param.grad = None``: the full gradient is released at once.
+2. When a bucket is complete *and every bucket before it was launched*, it
+   is launched (``async_op``): :func:`~.comm.start_reduce_to_owners`. The
+   strict order keeps the collectives identical on all ranks whatever order
+   the hooks fire in.
+3. Buffers: ``n_buffers`` (2 with ``overlap_comm``, else 1) slots of the
+   largest bucket's size are used in turn (a parameter bigger than the cap
+   is reduced in its own gradient tensor instead, as DeepSpeed does);
+   before bucket ``k`` takes its slot, bucket ``k - n_buffers`` is waited
+   for and **drained**: this rank's ranges are added into its fp32
+   partition accumulators. So with overlap one bucket is reduced while the
+   next one fills; without, each reduction completes before backward goes
+   on. A gradient that arrives for a bucket that has no buffer yet stays in
+   ``param.grad`` until the bucket gets one.
+4. At the end of backward (an autograd engine callback, queued by the first
+   hook of the round; :meth:`finish` does the same and is idempotent) the
+   remaining buckets are launched - parameters that got no gradient
+   contribute zeros - and every reduction is waited for and drained.
+
+Accumulators are added to, so gradient accumulation over micro-steps keeps
+the partitioned sum ``sum_micro(mean_ranks(g))``. ``contiguous_gradients``:
+True keeps the slot buffers allocated for the whole run (no allocation
+during backward); False allocates a bucket's buffer when it opens and frees
+it when drained.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from dsrun.errors import DsrunError
+from dsrun.runtime.zero.comm import CommStrategy, Pending, start_reduce_to_owners
+from dsrun.runtime.zero.partition import GroupLayout, plan_buckets
+
+
+@dataclass(frozen=True)
+class GradSource:
+    """One trainable parameter: its group and index in that group."""
+
+    param: torch.Tensor = field(compare=False)
+    group: int
+    index: int
+
+
+@dataclass
+class _Bucket:
+    keys: tuple[int, ...]  # indices into GradReducer.sources
+    offsets: tuple[int, ...]  # slot start of each key in the buffer
+    numel: int
+    ranges: tuple[tuple[int, int, int], ...]  # (owner, buffer start, length)
+    mine: tuple[tuple[int, int, int, int], ...]  # (group, shard start, buffer start, length)
+    solo: bool = False  # one parameter bigger than the cap: reduced in its own gradient
+    # per-round state
+    opened: bool = False
+    ready: set[int] = field(default_factory=set)
+    buffer: Optional[torch.Tensor] = None
+    inflight: Optional[Pending] = None
+
+
+class GradReducer:
+    """Stage-2 bucketed reduce-to-owner of gradients (module docstring)."""
+
+    def __init__(self, sources: Sequence[GradSource], layouts: Sequence[GroupLayout], *,
+                 rank: int, world_size: int, group: Any, bucket_numel: int, overlap: bool,
+                 contiguous: bool, dtype: torch.dtype,
+                 accumulator: Callable[[int], torch.Tensor],
+                 strategy: Optional[CommStrategy] = None) -> None:
+        self.sources = list(sources)
+        self.group = group
+        self.rank = rank
+        self.scale = 1.0 / world_size
+        self.strategy = strategy
+        self.dtype = dtype
+        self.accumulator = accumulator
+        self.contiguous = contiguous
+        self.n_buffers = 2 if overlap else 1
+        plan = plan_buckets([s.param.numel() for s in self.sources], bucket_numel)
+        self.buckets = [self._make_bucket(keys, layouts) for keys in plan]
+        for bucket in self.buckets:
+            bucket.solo = bucket.numel > bucket_numel
+        self.slot = {key: (b, offset) for b, bucket in enumerate(self.buckets)
+                     for key, offset in zip(bucket.keys, bucket.offsets)}
+        self.buffer_numel = max((b.numel for b in self.buckets if not b.solo), default=0)
+        self._slots: list[Optional[torch.Tensor]] = [None] * self.n_buffers
+        self._active = False
+        self._next = 0
+        self._handles = [s.param.register_post_accumulate_grad_hook(self._hook(key))
+                         for key, s in enumerate(self.sources)]
+
+    def _make_bucket(self, keys: Sequence[int], layouts: Sequence[GroupLayout]) -> _Bucket:
+        offsets, ranges, mine, total = [], [], [], 0
+        for key in keys:
+            source = self.sources[key]
+            layout = layouts[source.group]
+            offsets.append(total)
+            for owner, param_offset, length in layout.param_owners(source.index):
+                ranges.append((owner, total + param_offset, length))
+                if owner == self.rank:
+                    flat = layout.offsets[source.index] + param_offset  # type: ignore[operator]
+                    shard_start = flat - self.rank * layout.partition_numel
+                    mine.append((source.group, shard_start, total + param_offset, length))
+            total += source.param.numel()
+        return _Bucket(tuple(keys), tuple(offsets), total, tuple(ranges), tuple(mine))
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the slot buffers this reducer allocates at most."""
+        return self.n_buffers * self.buffer_numel * torch.empty((), dtype=self.dtype).itemsize
+
+    def slot_buffers(self) -> list[torch.Tensor]:
+        """The slot buffers currently allocated (for memory accounting)."""
+        return [b for b in self._slots if b is not None]
+
+    # ----------------------------------------------------------- a round
+
+    def _hook(self, key: int) -> Callable[[torch.Tensor], None]:
+        def on_grad(param: torch.Tensor) -> None:
+            self._on_grad(key, param)
+        return on_grad
+
+    def _on_grad(self, key: int, param: torch.Tensor) -> None:
+        if not self._active:
+            self._begin_round()
+        b, _ = self.slot[key]
+        bucket = self.buckets[b]
+        if key in bucket.ready:
+            raise DsrunError("a parameter received gradients twice in one backward pass; ZeRO "
+                             "stage 2 reduces every backward: run one backward per micro-batch")
+        bucket.ready.add(key)
+        if bucket.opened:
+            self._copy_in(key)
+        self._launch_complete()
+
+    def _begin_round(self) -> None:
+        self._active = True
+        self._next = 0
+        for bucket in self.buckets:
+            bucket.ready = set()
+        self._open(0)
+        torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+    def _launch_complete(self) -> None:
+        while self._next < len(self.buckets):
+            bucket = self.buckets[self._next]
+            if not bucket.opened or len(bucket.ready) < len(bucket.keys):
+                return
+            self._launch(self._next)
+
+    def _copy_in(self, key: int) -> None:
+        b, offset = self.slot[key]
+        bucket = self.buckets[b]
+        param = self.sources[key].param
+        grad = param.grad
+        assert grad is not None, "hooked parameter without a gradient"
+        param.grad = None
+        flat = grad.reshape(-1)
+        if bucket.solo:  # reduce in the gradient's own memory (autograd gave it to us)
+            same = flat.dtype == self.dtype and flat.is_contiguous()
+            bucket.buffer = flat if same else flat.to(self.dtype)
+            if self.scale != 1.0:
+                bucket.buffer.mul_(self.scale)
+            return
+        view = bucket.buffer.narrow(0, offset, param.numel())  # type: ignore[union-attr]
+        if self.scale == 1.0:
+            view.copy_(flat)
+        elif flat.dtype == view.dtype:
+            torch.mul(flat, self.scale, out=view)
+        else:
+            view.copy_(flat).mul_(self.scale)
+
+    def _open(self, b: int) -> None:
+        """Give bucket ``b`` its slot buffer (draining the slot's last user)
+        and copy in the gradients that arrived before it had one. A solo
+        bucket takes a turn in the rotation too (so at most ``n_buffers``
+        buckets hold memory) but uses its gradient as buffer."""
+        slot = b % self.n_buffers
+        previous = b - self.n_buffers
+        if previous >= 0:
+            self._drain(previous)
+        bucket = self.buckets[b]
+        bucket.opened = True
+        if bucket.solo:
+            pass
+        elif self.contiguous:
+            if self._slots[slot] is None:
+                device = self.sources[bucket.keys[0]].param.device
+                self._slots[slot] = torch.empty(self.buffer_numel, dtype=self.dtype,
+                                                device=device)
+            bucket.buffer = self._slots[slot].narrow(0, 0, bucket.numel)  # type: ignore[union-attr]
+        else:
+            device = self.sources[bucket.keys[0]].param.device
+            bucket.buffer = torch.empty(bucket.numel, dtype=self.dtype, device=device)
+        for key in bucket.ready:
+            self._copy_in(key)
+
+    def _launch(self, b: int) -> None:
+        bucket = self.buckets[b]
+        assert bucket.buffer is not None
+        bucket.inflight = start_reduce_to_owners(bucket.buffer, bucket.ranges, self.group,
+                                                 strategy=self.strategy)
+        self._next = b + 1
+        if self._next < len(self.buckets):
+            self._open(self._next)
+
+    def _drain(self, b: int) -> None:
+        """Wait for bucket ``b``'s reduction; add this rank's ranges into the
+        accumulators; release its buffer."""
+        bucket = self.buckets[b]
+        if bucket.inflight is None:
+            return
+        buffer = bucket.inflight.wait()
+        bucket.inflight = None
+        for group, shard_start, start, length in bucket.mine:
+            self.accumulator(group).narrow(0, shard_start, length).add_(
+                buffer.narrow(0, start, length))
+        bucket.buffer, bucket.opened = None, False
+
+    def finish(self) -> None:
+        """End the round: launch what is left (missing gradients count as
+        zeros), wait for everything, drain. No-op outside a round."""
+        if not self._active:
+            return
+        try:
+            for b in range(self._next, len(self.buckets)):
+                bucket = self.buckets[b]
+                assert bucket.opened, "bucket launched out of order"
+                for key, offset in zip(bucket.keys, bucket.offsets):
+                    if key in bucket.ready:
+                        continue
+                    param = self.sources[key].param
+                    if bucket.solo:
+                        bucket.buffer = torch.zeros(param.numel(), dtype=self.dtype,
+                                                    device=param.device)
+                    else:
+                        bucket.buffer.narrow(0, offset, param.numel()).zero_()  # type: ignore
+                self._launch(b)
+            for b in range(len(self.buckets)):
+                self._drain(b)
+        finally:
+            self._active = False
+
+    @property
+    def active(self) -> bool:
+        """True between the first gradient of a backward and its end."""
+        return self._active
+
+    def reset(self) -> None:
+        """Forget the current round (e.g. after a failed backward): wait for
+        launched reductions without draining them."""
+        for bucket in self.buckets:
+            if bucket.inflight is not None:
+                bucket.inflight.wait()
+            bucket.inflight, bucket.buffer, bucket.ready = None, None, set()
+            bucket.opened = False
+        self._active = False
+        self._next = 0
+
+    def close(self) -> None:
+        """Remove the hooks and free the buffers."""
+        self.reset()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._slots = [None] * self.n_buffers

@@ -1,0 +1,147 @@
+"""The engine on real gloo ranks: one job runs every case, these tests read its facts.
+
+``two_ranks`` starts ``dsrun --num_gpus 2 workers/engine_cases.py`` once for
+the module (importing torch costs seconds per process); ``one_rank`` runs the
+same worker under plain ``python`` (world size 1, HashStore, no launcher).
+
+Parity with DDP is asserted **bitwise** (``torch.equal``, max abs diff 0.0),
+not within a tolerance, because the arithmetic is the same operation for
+operation: rank 0's weights broadcast to both; each rank computes its
+gradients with the same kernels; both multiply each gradient by 1/2 before
+the sum (DDP's fused ``mul_out``, an exact power-of-two scaling); a
+two-rank all-reduce computes ``a + b``, which IEEE addition makes equal to
+``b + a`` whatever the bucket layout (the engine's buckets differ from DDP's
+on purpose in the accumulation case); accumulation divides each micro loss
+by 4 (exact) and sums into ``.grad`` in the same order; clipping is
+``clip_grad_norm_`` over the parameters in the same order; the optimizer is
+the same AdamW and the LR schedule the same WarmupDecayLR stepped once per
+optimizer step. With 3+ ranks a ring all-reduce's summation order depends on
+the element's position in its bucket, so there the comparison would need a
+tolerance (1e-6); this suite runs 2 ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import ROOT, dsrun_argv
+
+pytestmark = pytest.mark.dist
+
+WORKER = ROOT / "tests" / "dist" / "workers" / "engine_cases.py"
+JOB_TIMEOUT_S = 240
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", "DSRUN_CONFIG", "DSRUN_JOB_ID")
+
+
+def _run(argv: list[str], out: Path) -> list[dict[str, Any]]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=JOB_TIMEOUT_S, env=env,
+                         cwd=str(ROOT))
+    files = sorted(out.glob("rank*.json"))
+    assert res.returncode == 0 and files, f"job failed ({res.returncode}):\n{res.stderr[-4000:]}"
+    return [json.loads(f.read_text()) for f in files]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("two_ranks")
+    results = _run(dsrun_argv("--num_gpus", "2", str(WORKER), "--out", str(out)), out)
+    assert [r["world_size"] for r in results] == [2, 2]
+    return results
+
+
+def case(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    """The case's facts from every rank, failing with the rank's traceback."""
+    facts = [r[name] for r in results]
+    for rank, fact in enumerate(facts):
+        assert fact["ok"], f"rank {rank}:\n{fact['error']}"
+    return facts
+
+
+def assert_parity(fact: dict[str, Any]) -> None:
+    assert fact["initial_agree"]  # different seeds per rank, broadcast from rank 0
+    assert fact["losses"] == fact["ref_losses"]
+    assert fact["params_equal"] and fact["max_abs_diff"] == 0.0
+    assert fact["lrs"] == fact["ref_lrs"]
+    assert fact["ranks_agree"] and fact["global_steps"] == 20
+
+
+def test_parity_with_ddp_no_accumulation(two_ranks: list[dict[str, Any]]) -> None:
+    for fact in case(two_ranks, "parity_gas1"):
+        assert_parity(fact)
+        assert fact["global_samples"] == 20 * 8 and fact["buckets"] == 1
+
+
+def test_parity_with_ddp_accumulation_clipping_schedule(two_ranks: list[dict[str, Any]]) -> None:
+    for fact in case(two_ranks, "parity_gas4_clip_schedule"):
+        assert_parity(fact)
+        assert fact["clipped_steps"] > 0  # clipping was active, not a no-op
+        assert fact["lrs"][0] < fact["lrs"][5] and fact["lrs"][-1] < fact["lrs"][5]  # warm, decay
+        assert fact["buckets"] > 1  # several buckets, launched in order while backward ran
+        assert fact["global_samples"] == 20 * 32
+
+
+def test_fp16_overflow_skips_halves_and_continues(two_ranks: list[dict[str, Any]]) -> None:
+    injected = {3, 7, 8}  # rank 0 only: the all-reduce carries the inf to rank 1
+    for rank, fact in enumerate(case(two_ranks, "fp16_overflow")):
+        assert fact["dtype"] == "torch.float16"
+        assert [i for i, s in enumerate(fact["skipped"]) if s] == sorted(injected)
+        assert fact["unchanged"] == fact["skipped"]  # skipped steps leave the weights alone
+        assert fact["skipped_steps"] == 3 and fact["global_steps"] == 14
+        expected, scale = [], 4096.0
+        for step in range(14):
+            scale = scale / 2 if step in injected else scale  # hysteresis 1: halve every time
+            expected.append(scale)
+        assert fact["scale"] == expected
+        losses = fact["loss"]
+        assert sum(losses[-3:]) < sum(losses[:3])  # training went on
+        assert fact["ranks_agree"]
+        lines = fact["overflow_lines"]
+        if rank == 0:  # three overflows, one rate-limited line naming the parameter
+            assert len(lines) == 1 and "2.weight" in lines[0] and "4096 -> 2048" in lines[0]
+        else:
+            assert lines == []
+
+
+def test_bf16_autocast_keeps_fp32_master_weights(two_ranks: list[dict[str, Any]]) -> None:
+    for fact in case(two_ranks, "bf16_autocast"):
+        assert fact["out_dtype"] == "torch.bfloat16" and fact["param_dtype"] == "torch.float32"
+        assert sum(fact["losses"][-3:]) < sum(fact["losses"][:3]) and fact["ranks_agree"]
+
+
+def test_unused_parameter_and_no_sync(two_ranks: list[dict[str, Any]]) -> None:
+    for fact in case(two_ranks, "unused_and_no_sync"):
+        assert fact == {"ok": True, "unused_grad_zero": True, "averaged": True,
+                        "unused_unchanged": True}
+
+
+def test_dataloader_shards_the_dataset(two_ranks: list[dict[str, Any]]) -> None:
+    for fact in case(two_ranks, "dataloader"):
+        assert fact["sizes"] == [5] * 4 and fact["train_batch"] == 20
+        assert fact["disjoint_cover"]
+
+
+def test_world_size_one_under_plain_python(tmp_path: Path) -> None:
+    """The same cases at world size 1: initialize() brings up the group itself."""
+    (results,) = _run([sys.executable, str(WORKER), "--out", str(tmp_path)], tmp_path)
+    assert results["world_size"] == 1
+    for name in ("parity_gas1", "parity_gas4_clip_schedule"):
+        (fact,) = case([results], name)
+        assert_parity(fact)
+        assert fact["buckets"] == 0  # nothing to all-reduce
+    (fp16,) = case([results], "fp16_overflow")
+    assert fp16["skipped_steps"] == 3 and fp16["scale"][-1] == 512.0
+    (loader,) = case([results], "dataloader")
+    assert loader["sizes"] == [5] * 8 and loader["train_batch"] == 10
+    (unused,) = case([results], "unused_and_no_sync")
+    assert unused["averaged"] and unused["unused_unchanged"]
+    # no reduction at world size 1: an unused parameter keeps no gradient
+    assert unused["unused_grad_zero"] is False

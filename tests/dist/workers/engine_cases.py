@@ -1,0 +1,277 @@
+"""Engine test cases, all run inside ONE job (dsrun --num_gpus 2, or plain python).
+
+Importing torch costs seconds per process here, so the ranks start once and
+run every case in CASES against the same process group; each rank writes
+``<out>/rank<R>.json``: {case: {"ok": bool, "error": traceback, ...facts}}.
+The pytest module tests/dist/test_engine_dist.py asserts on the facts.
+
+Usage: engine_cases.py --out DIR [--only CASE,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+import dsrun
+from dsrun.runtime.lr_schedules import WarmupDecayLR
+
+MICRO = 4
+FEATURES, CLASSES = 16, 4
+
+
+def rank_world() -> tuple[int, int]:
+    return dist.get_rank(), dist.get_world_size()
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, CLASSES))
+
+
+def batch(step: int, micro: int, dtype: torch.dtype = torch.float32
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's micro-batch: a fixed function of (step, micro, rank), learnable."""
+    rank, _ = rank_world()
+    gen = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    y = torch.randint(0, CLASSES, (MICRO,), generator=gen)
+    x = torch.randn(MICRO, FEATURES, generator=gen) * 0.5
+    x[torch.arange(MICRO), y] += 2.0  # the class is visible in the features
+    return x.to(dtype), y
+
+
+def params_of(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def ranks_agree(tensors: list[torch.Tensor]) -> bool:
+    """Every rank holds rank 0's values, bitwise."""
+    flat = torch.cat([t.reshape(-1).float() for t in tensors])
+    mine = flat.clone()
+    dist.broadcast(flat, src=0)
+    same = torch.tensor([float(torch.equal(flat, mine))])
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
+
+
+ADAM = {"type": "Adam", "params": {"lr": 1e-2, "betas": [0.9, 0.99], "eps": 1e-8,
+                                   "weight_decay": 0.01}}
+
+
+def parity(gas: int, clip: float, schedule: bool, bucket_elements: int | None,
+           steps: int = 20) -> dict[str, Any]:
+    """The engine against DDP + AdamW, same init, data, clipping and schedule."""
+    rank, world = rank_world()
+    config: dict[str, Any] = {
+        "train_batch_size": MICRO * gas * world, "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas, "optimizer": ADAM, "gradient_clipping": clip,
+        "steps_per_print": 1000}
+    sched = {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 5,
+             "total_num_steps": steps}
+    if schedule:
+        config["scheduler"] = {"type": "WarmupDecayLR", "params": sched}
+    if bucket_elements:
+        config["zero_optimization"] = {"stage": 0, "reduce_bucket_size": bucket_elements}
+    # a different init on every rank: the engine must broadcast rank 0's
+    engine, _, _, _ = dsrun.initialize(model=make_model(100 + rank), config=config)
+    initial_agree = ranks_agree(params_of(engine.module))
+    ddp = DistributedDataParallel(make_model(100))  # rank 0's init everywhere
+    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8,
+                                weight_decay=0.01)
+    ref_sched = WarmupDecayLR(ref_opt, **sched) if schedule else None
+    losses, ref_losses, lrs, ref_lrs, clipped = [], [], [], [], 0
+    for step in range(steps):
+        for micro in range(gas):
+            x, y = batch(step, micro)
+            loss = F.cross_entropy(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            sync = contextlib.nullcontext() if micro == gas - 1 else ddp.no_sync()
+            with sync:
+                ref_loss = F.cross_entropy(ddp(x), y)
+                (ref_loss / gas if gas > 1 else ref_loss).backward()
+            losses.append(loss.item())
+            ref_losses.append(ref_loss.item())
+        if clip:
+            norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip)
+            clipped += int(norm.item() > clip)
+        ref_opt.step()
+        if ref_sched is not None:
+            ref_sched.step()
+        ref_opt.zero_grad(set_to_none=True)
+        lrs.append(engine.get_lr()[0])
+        ref_lrs.append(ref_opt.param_groups[0]["lr"])
+    mine, ref = params_of(engine.module), params_of(ddp.module)
+    return {
+        "initial_agree": initial_agree, "losses": losses, "ref_losses": ref_losses,
+        "lrs": lrs, "ref_lrs": ref_lrs, "clipped_steps": clipped,
+        "params_equal": all(torch.equal(a, b) for a, b in zip(mine, ref)),
+        "max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(mine, ref)),
+        "ranks_agree": ranks_agree(mine), "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples, "buckets": _buckets(engine),
+    }
+
+
+def _buckets(engine: Any) -> int:
+    sync = engine._grad_sync
+    return 0 if sync is None else len(sync.buckets)
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def fp16_overflow(steps: int = 14, inject: tuple[int, ...] = (3, 7, 8)) -> dict[str, Any]:
+    """Rank 0 puts an inf into one gradient on chosen steps; every rank must skip them."""
+    rank, world = rank_world()
+    config = {"train_batch_size": MICRO * world, "steps_per_print": 1000,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+              "fp16": {"enabled": True, "initial_scale_power": 12, "hysteresis": 1}}
+    engine, _, _, _ = dsrun.initialize(model=make_model(7), config=config)
+    target = engine.module[2].weight
+    now = {"inject": False}
+    target.register_hook(lambda g: g * float("inf") if now["inject"] and rank == 0 else g)
+    handler = _Lines()
+    logging.getLogger("dsrun.runtime").addHandler(handler)
+    facts: dict[str, list[Any]] = {"skipped": [], "scale": [], "unchanged": [], "loss": []}
+    try:
+        for step in range(steps):
+            now["inject"] = step in inject
+            before = params_of(engine.module)
+            x, y = batch(step, 0, torch.float16)
+            loss = F.cross_entropy(engine(x).float(), y)
+            engine.backward(loss)
+            engine.step()
+            facts["skipped"].append(not engine.was_step_applied())
+            facts["scale"].append(engine.loss_scale)
+            facts["unchanged"].append(all(torch.equal(a, b) for a, b in
+                                          zip(before, engine.module.parameters())))
+            facts["loss"].append(loss.item())
+    finally:
+        logging.getLogger("dsrun.runtime").removeHandler(handler)
+    return {**facts, "skipped_steps": engine.skipped_steps, "global_steps": engine.global_steps,
+            "dtype": str(next(engine.module.parameters()).dtype),
+            "overflow_lines": [ln for ln in handler.lines if "overflow" in ln],
+            "ranks_agree": ranks_agree(params_of(engine.module))}
+
+
+def bf16_autocast(steps: int = 15) -> dict[str, Any]:
+    rank, world = rank_world()
+    config = {"train_batch_size": MICRO * world, "steps_per_print": 1000, "optimizer": ADAM,
+              "bf16": {"enabled": True}}
+    engine, _, _, _ = dsrun.initialize(model=make_model(3), config=config)
+    losses, out_dtype = [], None
+    for step in range(steps):
+        x, y = batch(step % 3, 0)
+        out = engine(x)
+        out_dtype = str(out.dtype)
+        loss = F.cross_entropy(out.float(), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"losses": losses, "out_dtype": out_dtype,
+            "param_dtype": str(next(engine.module.parameters()).dtype),
+            "ranks_agree": ranks_agree(params_of(engine.module))}
+
+
+class WithUnused(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = make_model(5)
+        self.unused = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def unused_and_no_sync() -> dict[str, Any]:
+    """A parameter that gets no gradient must not hang the all-reduce; no_sync()
+    micro-steps accumulate locally and the next synced backward averages all."""
+    rank, world = rank_world()
+    model = WithUnused()
+    config = {"train_batch_size": MICRO * world, "steps_per_print": 1000,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, _, _, _ = dsrun.initialize(model=model, config=config)
+    unused_before = params_of(engine.module.unused)
+    x, y = batch(0, 0)
+    with engine.no_sync():
+        engine.backward(F.cross_entropy(engine(x), y))
+    local = [p.grad.clone() for p in engine.module.body[0].parameters()]
+    engine.backward(F.cross_entropy(engine(x), y))
+    synced = [p.grad.clone() for p in engine.module.body[0].parameters()]
+    unused_grad_zero = all(p.grad is not None and not p.grad.any()
+                           for p in engine.module.unused.parameters())
+    engine.step()
+    # synced = mean over ranks of 2 x this rank's gradient
+    expect = [g * 2 for g in local]
+    for g in expect:
+        dist.all_reduce(g)
+        g /= world
+    return {"unused_grad_zero": unused_grad_zero,
+            "averaged": all(torch.allclose(a, b, atol=1e-6) for a, b in zip(synced, expect)),
+            "unused_unchanged": all(torch.equal(a, b) for a, b in
+                                    zip(unused_before, engine.module.unused.parameters()))}
+
+
+def dataloader(n: int = 40) -> dict[str, Any]:
+    rank, world = rank_world()
+    data = torch.utils.data.TensorDataset(torch.arange(n).float().unsqueeze(1), torch.arange(n))
+    config = {"train_micro_batch_size_per_gpu": 5, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, _, loader, _ = dsrun.initialize(model=torch.nn.Linear(1, 1), config=config,
+                                            training_data=data)
+    mine = [int(i) for _, idx in loader for i in idx]
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    return {"sizes": [len(idx) for _, idx in loader], "train_batch": engine.train_batch_size(),
+            "disjoint_cover": sorted(sum(every, [])) == list(range(n))}
+
+
+CASES: dict[str, Callable[[], dict[str, Any]]] = {
+    "parity_gas1": lambda: parity(gas=1, clip=0.0, schedule=False, bucket_elements=None),
+    "parity_gas4_clip_schedule": lambda: parity(gas=4, clip=0.05, schedule=True,
+                                                bucket_elements=300),
+    "fp16_overflow": fp16_overflow,
+    "bf16_autocast": bf16_autocast,
+    "unused_and_no_sync": unused_and_no_sync,
+    "dataloader": dataloader,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--only", default="")
+    args = parser.parse_args()
+    dsrun.init_distributed()  # no-op under dsrun; world size 1 under plain python
+    wanted = [c for c in args.only.split(",") if c] or list(CASES)
+    results: dict[str, Any] = {"world_size": dist.get_world_size()}
+    for name in wanted:
+        try:
+            results[name] = {"ok": True, **CASES[name]()}
+        except Exception:  # noqa: BLE001 - reported per case; the others still run
+            results[name] = {"ok": False, "error": traceback.format_exc()}
+    path = os.path.join(args.out, f"rank{dist.get_rank()}.json")
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(results, handle)
+
+
+if __name__ == "__main__":
+    main()
