@@ -22,8 +22,13 @@ Invariants:
 * Counters advance identically on all ranks: everything they depend on is
   computed from all-reduced gradients.
 
-Only stage 0 exists so far: the engine refuses a config with
-``zero_optimization.stage > 0`` rather than silently training without ZeRO.
+ZeRO stages 1 and 2 replace the bucketed all-reduce and the optimizer with
+a :class:`~dsrun.runtime.zero.sharded.ZeroOptimizer` (partitioned fp32
+masters and optimizer state; at stage 2 gradients too) built from the same
+client/config optimizer (:mod:`dsrun.runtime.zero.stepping`). Stage 3 is
+refused (``IMPLEMENTED_STAGES``) rather than silently trained without ZeRO.
+Rank 0 logs one block of model-state bytes (formula vs held) after the
+first step, when optimizer state exists.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from dsrun.runtime.lr_schedules import build_scheduler
 from dsrun.runtime.optimizers import build_optimizer
 from dsrun.runtime.precision import FullPrecision, make_precision
 from dsrun.runtime.progress import Progress
+from dsrun.runtime.zero.stepping import memory_lines, wrap_optimizer, zero_step
 
 log = logging.getLogger("dsrun.runtime.engine")
 
@@ -54,13 +60,16 @@ OVERFLOW_LOG_INTERVAL_S = 60.0
 _COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+IMPLEMENTED_STAGES = (0, 1, 2)
+
+
 def check_zero_stage(config: DsrunConfig) -> None:
     stage = config.zero_optimization.stage
-    if stage > 0:
+    if stage not in IMPLEMENTED_STAGES:
         raise DsrunConfigError(
             f"ZeRO stage {stage} is not implemented yet (zero_optimization.stage in "
-            f"{config.source}); dsrun implements stage 0 so far: set \"stage\": 0 or remove "
-            "the zero_optimization section")
+            f"{config.source}); dsrun implements stages "
+            f"{', '.join(map(str, IMPLEMENTED_STAGES))}")
 
 
 def bucket_elements(config: DsrunConfig) -> Optional[int]:
@@ -104,10 +113,15 @@ class DsrunEngine(torch.nn.Module):
         self.device = _device()
         self.module = model.to(self.device)
         self._broadcast_state()
-        self.precision: FullPrecision = make_precision(config, self.module, self.device)
-        self._grad_sync = self._make_grad_sync()
+        self.zero_stage = config.zero_optimization.stage
+        self.precision: FullPrecision = make_precision(config, self.module, self.device,
+                                                       masters=self.zero_stage == 0)
+        self._grad_sync = self._make_grad_sync() if self.zero_stage == 0 else None
         self.optimizer = self._make_optimizer(optimizer, model_parameters)
-        self.lr_scheduler = self._make_scheduler(lr_scheduler)
+        client_optimizer = self.optimizer
+        if self.zero_stage > 0:
+            self.optimizer = self._make_zero_optimizer()
+        self.lr_scheduler = self._make_scheduler(lr_scheduler, client_optimizer)
         self.training_dataloader: Any = None
         self.global_steps = 0
         self.global_samples = 0
@@ -167,13 +181,33 @@ class DsrunEngine(torch.nn.Module):
             return None
         return build_optimizer(self.config.optimizer, params)
 
-    def _make_scheduler(self, client: Any) -> Any:
+    def _make_zero_optimizer(self) -> Any:
+        if self.optimizer is None:
+            raise DsrunConfigError(
+                f"ZeRO stage {self.zero_stage} needs an optimizer: add an \"optimizer\" "
+                f"section to {self.config.source} or pass optimizer= to initialize()")
+        zero = wrap_optimizer(self.optimizer, self.config.zero_optimization,
+                              self.zero_stage, self.dp_group, self.module)
+        offload = self.config.zero_optimization.offload_optimizer
+        if offload is not None and offload.device == "cpu" and self.device.type == "cpu":
+            log.info("offload_optimizer.device=cpu: the ranks are CPU ranks, so optimizer "
+                     "state already lives in host memory (nothing to offload)")
+        elif offload is not None and offload.device not in (None, "none"):
+            raise DsrunConfigError("offload_optimizer to the CPU from GPU ranks is not "
+                                   f"implemented yet ({self.config.source})")
+        return zero
+
+    def _make_scheduler(self, client: Any, client_optimizer: Any = None) -> Any:
         if client is not None:
             if self.config.scheduler is not None:
                 log.warning("an lr_scheduler was passed to initialize() and the config has a "
                             "\"scheduler\" section; using the client's (as DeepSpeed does)")
             if callable(client) and not hasattr(client, "step"):
                 return client(self.optimizer)
+            if self.zero_stage > 0 and getattr(client, "optimizer", None) is client_optimizer:
+                # The client built it over its own optimizer, which ZeRO rebuilt
+                # over partitions: the schedule must now drive the inner one.
+                client.optimizer = self.optimizer.optimizer
             return client
         if self.config.scheduler is None:
             return None
@@ -210,6 +244,8 @@ class DsrunEngine(torch.nn.Module):
             raise
         if sync:
             self._grad_sync.finish()
+        if self.zero_stage > 0:
+            self.optimizer.micro_step_done()
         return loss
 
     def step(self, lr_kwargs: Optional[dict[str, Any]] = None) -> None:
@@ -228,7 +264,14 @@ class DsrunEngine(torch.nn.Module):
             raise DsrunConfigError("engine.step() needs an optimizer: add an \"optimizer\" "
                                    "section to the config or pass optimizer= to initialize()")
         scale_before = self.precision.loss_scale
-        result = self.precision.step(self.optimizer, self.config.gradient_clipping)
+        if self.zero_stage > 0:
+            result = zero_step(self.optimizer, self.precision, self.config.gradient_clipping)
+        else:
+            result = self.precision.step(self.optimizer, self.config.gradient_clipping)
+        if self.global_steps == 0 and self.global_rank == 0:
+            for line in memory_lines(self.module, self.optimizer, self.zero_stage,
+                                     self.dp_world_size, self.precision.name):
+                log.info("%s", line)
         self._grad_norm = result.grad_norm
         self._step_applied = result.applied
         if result.applied:
@@ -273,6 +316,10 @@ class DsrunEngine(torch.nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients without all-reducing them."""
+        if self.zero_stage >= 2:
+            raise DsrunError(f"engine.no_sync() is not possible at ZeRO stage "
+                             f"{self.zero_stage}: gradients are partitioned during every "
+                             "backward (as in DeepSpeed); use stage 0 or 1 to defer syncing")
         previous, self._inside_no_sync = self._inside_no_sync, True
         try:
             yield

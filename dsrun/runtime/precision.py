@@ -115,8 +115,9 @@ class BF16Autocast(FullPrecision):
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
 
-class FP16Master(FullPrecision):
-    """fp16 model, fp32 master weights, dynamic or static loss scale."""
+class FP16Scaling(FullPrecision):
+    """fp16 model and loss scaling, without master weights of its own: what
+    the ZeRO stages use, whose optimizer keeps fp32 partitions as masters."""
 
     name = "fp16"
 
@@ -131,8 +132,6 @@ class FP16Master(FullPrecision):
             window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
             consecutive_hysteresis=fp16.consecutive_hysteresis,
             min_scale=min(fp16.min_loss_scale, fp16.initial_dynamic_scale) if dynamic else 1.0)
-        self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
-        self._master_of = {id(p): m for p, m in zip(self.params, self.masters)}
 
     @staticmethod
     def convert_module(module: torch.nn.Module) -> None:
@@ -156,6 +155,16 @@ class FP16Master(FullPrecision):
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss.float() * self.scaler.scale
+
+
+class FP16Master(FP16Scaling):
+    """fp16 model, fp32 master weights, dynamic or static loss scale."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
+                 device: torch.device, config: DsrunConfig) -> None:
+        super().__init__(params, names, device, config)
+        self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
+        self._master_of = {id(p): m for p, m in zip(self.params, self.masters)}
 
     def optimizer_params(self, source: Iterable[Any]) -> list[Any]:
         out: list[Any] = []
@@ -210,14 +219,15 @@ def _as_list(params: Any) -> list[Any]:
 
 
 def make_precision(config: DsrunConfig, module: torch.nn.Module,
-                   device: torch.device) -> FullPrecision:
-    """The precision ``config`` asks for; fp16 converts ``module`` first."""
+                   device: torch.device, masters: bool = True) -> FullPrecision:
+    """The precision ``config`` asks for; fp16 converts ``module`` first.
+    ``masters`` False: the optimizer keeps fp32 masters itself (ZeRO)."""
     if config.fp16.enabled:
         FP16Master.convert_module(module)
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     names, params = [n for n, _ in named], [p for _, p in named]
     if config.fp16.enabled:
-        return FP16Master(params, names, device, config)
+        return (FP16Master if masters else FP16Scaling)(params, names, device, config)
     if config.bf16.enabled:
         return BF16Autocast(params, names, device)
     return FullPrecision(params, names, device)

@@ -71,8 +71,12 @@ ADAM = {"type": "Adam", "params": {"lr": 1e-2, "betas": [0.9, 0.99], "eps": 1e-8
 
 
 def parity(gas: int, clip: float, schedule: bool, bucket_elements: int | None,
-           steps: int = 20) -> dict[str, Any]:
-    """The engine against DDP + AdamW, same init, data, clipping and schedule."""
+           steps: int = 20, stage: int = 0, client: bool = False) -> dict[str, Any]:
+    """The engine against DDP + AdamW, same init, data, clipping and schedule.
+
+    ``client``: the script builds the optimizer itself (two param groups,
+    the second with half the LR) and passes it to initialize(), as Hugging
+    Face's Trainer does; the reference uses the same groups."""
     rank, world = rank_world()
     config: dict[str, Any] = {
         "train_batch_size": MICRO * gas * world, "train_micro_batch_size_per_gpu": MICRO,
@@ -82,13 +86,22 @@ def parity(gas: int, clip: float, schedule: bool, bucket_elements: int | None,
              "total_num_steps": steps}
     if schedule:
         config["scheduler"] = {"type": "WarmupDecayLR", "params": sched}
-    if bucket_elements:
-        config["zero_optimization"] = {"stage": 0, "reduce_bucket_size": bucket_elements}
+    if bucket_elements or stage:
+        config["zero_optimization"] = {"stage": stage}
+        if bucket_elements:
+            config["zero_optimization"]["reduce_bucket_size"] = bucket_elements
     # a different init on every rank: the engine must broadcast rank 0's
-    engine, _, _, _ = dsrun.initialize(model=make_model(100 + rank), config=config)
+    model = make_model(100 + rank)
+    client_opt = None
+    if client:
+        del config["optimizer"]
+        client_opt = torch.optim.AdamW(_two_groups(model), lr=1e-2, betas=(0.9, 0.99),
+                                       eps=1e-8, weight_decay=0.01)
+    engine, _, _, _ = dsrun.initialize(model=model, config=config, optimizer=client_opt)
     initial_agree = ranks_agree(params_of(engine.module))
     ddp = DistributedDataParallel(make_model(100))  # rank 0's init everywhere
-    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8,
+    ref_params = _two_groups(ddp.module) if client else ddp.parameters()
+    ref_opt = torch.optim.AdamW(ref_params, lr=1e-2, betas=(0.9, 0.99), eps=1e-8,
                                 weight_decay=0.01)
     ref_sched = WarmupDecayLR(ref_opt, **sched) if schedule else None
     losses, ref_losses, lrs, ref_lrs, clipped = [], [], [], [], 0
@@ -122,6 +135,11 @@ def parity(gas: int, clip: float, schedule: bool, bucket_elements: int | None,
         "ranks_agree": ranks_agree(mine), "global_steps": engine.global_steps,
         "global_samples": engine.global_samples, "buckets": _buckets(engine),
     }
+
+
+def _two_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
+    params = list(model.parameters())
+    return [{"params": params[:2]}, {"params": params[2:], "lr": 5e-3}]
 
 
 def _buckets(engine: Any) -> int:
@@ -248,6 +266,14 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "parity_gas1": lambda: parity(gas=1, clip=0.0, schedule=False, bucket_elements=None),
     "parity_gas4_clip_schedule": lambda: parity(gas=4, clip=0.05, schedule=True,
                                                 bucket_elements=300),
+    "zero1_gas1": lambda: parity(gas=1, clip=0.0, schedule=False, bucket_elements=None,
+                                 stage=1),
+    "zero1_gas4_clip_schedule": lambda: parity(gas=4, clip=0.05, schedule=True,
+                                               bucket_elements=300, stage=1),
+    "zero2_gas1_client": lambda: parity(gas=1, clip=0.0, schedule=False,
+                                        bucket_elements=300, stage=2, client=True),
+    "zero2_gas4_clip_schedule": lambda: parity(gas=4, clip=0.05, schedule=True,
+                                               bucket_elements=300, stage=2),
     "fp16_overflow": fp16_overflow,
     "bf16_autocast": bf16_autocast,
     "unused_and_no_sync": unused_and_no_sync,
