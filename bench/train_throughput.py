@@ -15,8 +15,10 @@ median over rounds of steps/s (and s/step), the ratio to DDP's s/step, and
 each rank's peak RSS (``ru_maxrss``, the largest over rounds).
 
 Runners are entries of ``RUNNERS``: a function that, inside a rank, wraps the
-model and returns ``step(tokens)``. The ZeRO issue adds ``dsrun-stage1..3``
-(``_dsrun(stage)``), ``zero-redundancy-optimizer`` and ``fsdp2`` here.
+model and returns ``step(tokens)``. ``dsrun-stage0..2``, torch's
+``zero-redundancy-optimizer`` (ZeRO-1), ``fsdp2`` (``fully_shard`` per
+block: ZeRO-3 style) and DeepSpeed's stages 0-3; the ratios of each dsrun
+stage to its anchors are printed under the table.
 
 DeepSpeed itself (``deepspeed-stage0``) runs only where ``import deepspeed``
 works in the interpreter given by ``--ds-python`` (default
@@ -152,12 +154,57 @@ def _deepspeed(stage: int) -> Callable[[Any], Step]:
     return setup
 
 
+def _zero_redundancy(model: Any) -> Step:
+    """torch's ZeroRedundancyOptimizer (ZeRO-1) under DDP."""
+    import torch
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
+                                  lr=LR, weight_decay=0.0)
+
+    def step(tokens: Any) -> None:
+        loss = ddp(tokens)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return step
+
+
+def _fsdp2(model: Any) -> Step:
+    """torch FSDP2 ``fully_shard`` per block, then the root (ZeRO-3 style)."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+
+    def step(tokens: Any) -> None:
+        loss = model(tokens)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return step
+
+
 RUNNERS: dict[str, Callable[[Any], Step]] = {
     "ddp": _ddp,
     "dsrun-stage0": _dsrun(0),
+    "dsrun-stage1": _dsrun(1),
+    "dsrun-stage2": _dsrun(2),
+    "zero-redundancy-optimizer": _zero_redundancy,
+    "fsdp2": _fsdp2,
     "deepspeed-stage0": _deepspeed(0),
+    "deepspeed-stage1": _deepspeed(1),
+    "deepspeed-stage2": _deepspeed(2),
+    "deepspeed-stage3": _deepspeed(3),
 }
-NEEDS_DEEPSPEED = {"deepspeed-stage0"}
+NEEDS_DEEPSPEED = {name for name in RUNNERS if name.startswith("deepspeed")}
+COMPARISONS = [(f"dsrun-stage{s}", f"deepspeed-stage{s}") for s in range(4)] + [
+    ("dsrun-stage1", "zero-redundancy-optimizer"), ("dsrun-stage3", "fsdp2")]
 
 
 def worker(runner: str, steps: int, warmup: int, out: str) -> None:
@@ -236,6 +283,10 @@ def print_table(table: dict[str, dict[str, Any]], missing: list[str], args: Any)
         print(f"{name:<20}{row['steps_per_s']:>9.3f}{row['s_per_step']:>9.3f}{ratio:>8}{rss:>22}")
     for name in missing:
         print(f"{name:<20}  DeepSpeed not installed (see this file's docstring)")
+    for mine, anchor in COMPARISONS:
+        if mine in table and anchor in table:
+            ratio = table[mine]["s_per_step"] / table[anchor]["s_per_step"]
+            print(f"{mine} / {anchor} = {ratio:.3f} (step time)")
 
 
 def main() -> None:

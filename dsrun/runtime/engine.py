@@ -187,7 +187,8 @@ class DsrunEngine(torch.nn.Module):
                 f"ZeRO stage {self.zero_stage} needs an optimizer: add an \"optimizer\" "
                 f"section to {self.config.source} or pass optimizer= to initialize()")
         zero = wrap_optimizer(self.optimizer, self.config.zero_optimization,
-                              self.zero_stage, self.dp_group, self.module)
+                              self.zero_stage, self.dp_group, self.module,
+                              self.config.gradient_accumulation_steps)
         offload = self.config.zero_optimization.offload_optimizer
         if offload is not None and offload.device == "cpu" and self.device.type == "cpu":
             log.info("offload_optimizer.device=cpu: the ranks are CPU ranks, so optimizer "
@@ -316,10 +317,11 @@ class DsrunEngine(torch.nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients without all-reducing them."""
-        if self.zero_stage >= 2:
+        if self.zero_stage > 0 and self.optimizer.backward_hook_installed:
             raise DsrunError(f"engine.no_sync() is not possible at ZeRO stage "
-                             f"{self.zero_stage}: gradients are partitioned during every "
-                             "backward (as in DeepSpeed); use stage 0 or 1 to defer syncing")
+                             f"{self.zero_stage} here: gradients are reduced during every "
+                             "backward (stage 2, or stage 1 without gradient accumulation); "
+                             "use gradient_accumulation_steps > 1 with stage 1, or stage 0")
         previous, self._inside_no_sync = self._inside_no_sync, True
         try:
             yield

@@ -184,7 +184,8 @@ class ZeroOptimizer:
     def __init__(self, params: Iterable[Any], optimizer_cls: type[Optimizer],
                  defaults: Optional[Mapping[str, Any]] = None, *, stage: int,
                  group: Any = None, settings: Optional[ZeroSettings] = None,
-                 backward_order: Optional[Sequence[torch.Tensor]] = None) -> None:
+                 backward_order: Optional[Sequence[torch.Tensor]] = None,
+                 reduce_in_backward: Optional[bool] = None) -> None:
         if stage not in (1, 2):
             raise DsrunConfigError(f"ZeroOptimizer implements stages 1 and 2, got {stage}")
         _check_optimizer_cls(optimizer_cls, stage)
@@ -211,7 +212,13 @@ class ZeroOptimizer:
         self.comm_dtype = dtype
         self._reduced = False
         self._reducer: Optional[GradReducer] = None
-        if stage == 2 and sample is not None:
+        # Stage 2 always reduces during backward. Stage 1 may too when every
+        # micro-step is a boundary (no accumulation): the same traffic, but
+        # overlapped with backward instead of after it.
+        in_backward = stage == 2 if reduce_in_backward is None else reduce_in_backward
+        if stage == 2 and not in_backward:
+            raise DsrunConfigError("ZeRO stage 2 reduces gradients during backward")
+        if in_backward and sample is not None:
             self._reducer = GradReducer(
                 self._grad_sources(backward_order), self.layouts, rank=self.rank,
                 world_size=self.world_size, group=group,
@@ -223,8 +230,8 @@ class ZeroOptimizer:
     @classmethod
     def from_optimizer(cls, optimizer: Optimizer, *, stage: int, group: Any = None,
                        settings: Optional[ZeroSettings] = None,
-                       backward_order: Optional[Sequence[torch.Tensor]] = None
-                       ) -> ZeroOptimizer:
+                       backward_order: Optional[Sequence[torch.Tensor]] = None,
+                       reduce_in_backward: Optional[bool] = None) -> ZeroOptimizer:
         """Rebuild a client optimizer (not stepped yet) as a ZeRO one: same
         class, same per-group hyperparameters."""
         if optimizer.state:
@@ -232,7 +239,8 @@ class ZeroOptimizer:
                                    "it over this rank's partition and would drop its state")
         groups = [dict(g) for g in optimizer.param_groups]
         return cls(groups, type(optimizer), optimizer.defaults, stage=stage, group=group,
-                   settings=settings, backward_order=backward_order)
+                   settings=settings, backward_order=backward_order,
+                   reduce_in_backward=reduce_in_backward)
 
     # ------------------------------------------------------------ set-up
 

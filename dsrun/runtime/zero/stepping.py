@@ -27,7 +27,9 @@ DEFAULT_REDUCE_BUCKET = 25_000_000  # elements: 100 MB of fp32 per bucket
 
 
 def wrap_optimizer(optimizer: torch.optim.Optimizer, zero_config: Any, stage: int,
-                   group: Any, module: torch.nn.Module) -> ZeroOptimizer:
+                   group: Any, module: torch.nn.Module, accumulation: int = 1
+                   ) -> ZeroOptimizer:
+    """``accumulation`` 1: stage 1 also reduces during backward (overlapped)."""
     order = list(reversed([p for p in module.parameters() if p.requires_grad]))
     overrides = {}
     if zero_config.reduce_bucket_size == DEEPSPEED_DEFAULT_BUCKET:
@@ -36,7 +38,8 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, zero_config: Any, stage: in
         overrides["reduce_bucket_size"] = DEFAULT_REDUCE_BUCKET
     settings = ZeroSettings.from_config(zero_config, **overrides)
     return ZeroOptimizer.from_optimizer(optimizer, stage=stage, group=group,
-                                        settings=settings, backward_order=order)
+                                        settings=settings, backward_order=order,
+                                        reduce_in_backward=stage >= 2 or accumulation == 1)
 
 
 def zero_step(zero: ZeroOptimizer, precision: FullPrecision, max_norm: float) -> StepResult:
