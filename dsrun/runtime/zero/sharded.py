@@ -12,7 +12,9 @@ Gradients (the mean over the data-parallel ``group``) reach the masters'
 ``.grad`` (fp32 partition accumulators):
 
 * **stage 1**: backward accumulates full gradients in ``param.grad`` as
-  usual; :meth:`reduce_gradients` at the accumulation boundary reduce-
+  usual (or, with ``reduce_in_backward=True`` - the engine's choice when
+  there is no gradient accumulation - reduces them like stage 2, the same
+  traffic overlapped with backward); :meth:`reduce_gradients` at the accumulation boundary reduce-
   scatters them (:func:`~.comm.reduce_scatter_mean`, in windows of
   ``reduce_bucket_size`` elements) and releases them.
 * **stage 2**: :class:`~.reducer.GradReducer` hooks reduce them in buckets
@@ -288,7 +290,8 @@ class ZeroOptimizer:
 
     @property
     def backward_hook_installed(self) -> bool:
-        """True when gradients are reduced by hooks during backward (stage 2)."""
+        """True when gradients are reduced by hooks during backward (stage 2,
+        or stage 1 built with ``reduce_in_backward``)."""
         return self._reducer is not None
 
     def trainable_params(self) -> list[torch.Tensor]:
