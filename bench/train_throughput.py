@@ -110,10 +110,12 @@ def _ddp(model: Any) -> Step:
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel(model)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.0)
+    return _plain_step(ddp, torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.0))
 
+
+def _plain_step(module: Any, opt: Any) -> Step:
     def step(tokens: Any) -> None:
-        loss = ddp(tokens)
+        loss = module(tokens)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -163,13 +165,7 @@ def _zero_redundancy(model: Any) -> Step:
     ddp = DistributedDataParallel(model)
     opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
                                   lr=LR, weight_decay=0.0)
-
-    def step(tokens: Any) -> None:
-        loss = ddp(tokens)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    return step
+    return _plain_step(ddp, opt)
 
 
 def _fsdp2(model: Any) -> Step:
@@ -180,14 +176,7 @@ def _fsdp2(model: Any) -> Step:
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-
-    def step(tokens: Any) -> None:
-        loss = model(tokens)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    return step
+    return _plain_step(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0))
 
 
 RUNNERS: dict[str, Callable[[Any], Step]] = {
