@@ -27,7 +27,12 @@ _LAZY = {
 __all__ = ["__version__", *_LAZY]
 
 
+_SUBMODULES = ("zero",)  # dsrun.zero.Init etc., as deepspeed.zero
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"dsrun.{name}")
     target = _LAZY.get(name)
     if target is None:
         raise AttributeError(f"module 'dsrun' has no attribute {name!r}")
@@ -38,4 +43,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))

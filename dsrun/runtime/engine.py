@@ -24,9 +24,11 @@ Invariants:
 
 ZeRO stages 1 and 2 replace the bucketed all-reduce and the optimizer with
 a :class:`~dsrun.runtime.zero.sharded.ZeroOptimizer` (partitioned fp32
-masters and optimizer state; at stage 2 gradients too) built from the same
-client/config optimizer (:mod:`dsrun.runtime.zero.stepping`). Stage 3 is
-refused (``IMPLEMENTED_STAGES``) rather than silently trained without ZeRO.
+masters and optimizer state; at stage 2 gradients too), stage 3 with a
+:class:`~dsrun.runtime.zero.stage3.ZeroStage3` that also partitions the
+parameters and gathers them around each module's forward and backward;
+both are built from the same client/config optimizer
+(:mod:`dsrun.runtime.zero.stepping`).
 Rank 0 logs one block of model-state bytes (formula vs held) after the
 first step, when optimizer state exists.
 """
@@ -60,7 +62,7 @@ OVERFLOW_LOG_INTERVAL_S = 60.0
 _COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-IMPLEMENTED_STAGES = (0, 1, 2)
+IMPLEMENTED_STAGES = (0, 1, 2, 3)
 
 
 def check_zero_stage(config: DsrunConfig) -> None:
@@ -114,6 +116,7 @@ class DsrunEngine(torch.nn.Module):
         self.module = model.to(self.device)
         self._broadcast_state()
         self.zero_stage = config.zero_optimization.stage
+        _check_prepartitioned(self.module, config)
         self.precision: FullPrecision = make_precision(config, self.module, self.device,
                                                        masters=self.zero_stage == 0)
         self._grad_sync = self._make_grad_sync() if self.zero_stage == 0 else None
@@ -138,10 +141,12 @@ class DsrunEngine(torch.nn.Module):
     # ------------------------------------------------------------ set-up
 
     def _broadcast_state(self) -> None:
-        """Every data-parallel rank starts from rank 0's parameters and buffers."""
+        """Every data-parallel rank starts from rank 0's parameters and buffers
+        (at stage 3 the partitioning broadcasts the parameters itself)."""
         if self.dp_world_size == 1:
             return
-        tensors = [*self.module.parameters(), *self.module.buffers()]
+        params = [] if self.config.zero_optimization.stage == 3 else [*self.module.parameters()]
+        tensors = [*params, *self.module.buffers()]
         broadcast_tensors(tensors, group=self.dp_group)
 
     def _make_grad_sync(self) -> Optional[GradSync]:
@@ -188,7 +193,7 @@ class DsrunEngine(torch.nn.Module):
                 f"section to {self.config.source} or pass optimizer= to initialize()")
         zero = wrap_optimizer(self.optimizer, self.config.zero_optimization,
                               self.zero_stage, self.dp_group, self.module,
-                              self.config.gradient_accumulation_steps)
+                              self.config.gradient_accumulation_steps, self.device)
         offload = self.config.zero_optimization.offload_optimizer
         if offload is not None and offload.device == "cpu" and self.device.type == "cpu":
             log.info("offload_optimizer.device=cpu: the ranks are CPU ranks, so optimizer "
@@ -396,6 +401,22 @@ def _device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _check_prepartitioned(module: torch.nn.Module, config: DsrunConfig) -> None:
+    """A model built under ``dsrun.zero.Init`` must already have the dtype
+    training uses: its released parameters cannot be cast afterwards."""
+    partitioned = [p for p in module.parameters() if hasattr(p, "ds_shape")]
+    if not partitioned:
+        return
+    if config.zero_optimization.stage != 3:
+        raise DsrunConfigError(
+            f"the model was built under dsrun.zero.Init (partitioned parameters) but "
+            f"{config.source} sets ZeRO stage {config.zero_optimization.stage}: use stage 3")
+    if config.fp16.enabled and any(p.dtype != torch.float16 for p in partitioned):
+        raise DsrunConfigError("fp16 is enabled but the model was built under dsrun.zero.Init "
+                               "in another dtype: build it under "
+                               "dsrun.zero.Init(dtype=torch.float16)")
 
 
 def _trainable(source: Iterable[Any]) -> list[Any]:

@@ -90,9 +90,10 @@ def test_parity_with_ddp_accumulation_clipping_schedule(two_ranks: list[dict[str
 
 
 @pytest.mark.parametrize("name", ["zero1_gas1", "zero1_gas4_clip_schedule",
-                                  "zero2_gas1_client", "zero2_gas4_clip_schedule"])
+                                  "zero2_gas1_client", "zero2_gas4_clip_schedule",
+                                  "zero3_gas1", "zero3_gas4_clip_schedule_client"])
 def test_zero_stages_match_ddp(two_ranks: list[dict[str, Any]], name: str) -> None:
-    """ZeRO 1/2 through initialize(): equal to DDP within 1e-6 (bitwise is not
+    """ZeRO 1/2/3 through initialize(): equal to DDP within 1e-6 (bitwise is not
     promised: the clip norm is summed from partition norms, and stage 2 adds
     per-micro-step means where DDP takes the mean of the sum)."""
     for fact in case(two_ranks, name):
@@ -103,6 +104,14 @@ def test_zero_stages_match_ddp(two_ranks: list[dict[str, Any]], name: str) -> No
         assert fact["buckets"] == 0  # no stage-0 all-reduce hooks under ZeRO
         if "clip" in name:
             assert fact["clipped_steps"] > 0
+
+
+def test_zero3_model_built_under_init_is_never_whole(two_ranks: list[dict[str, Any]]) -> None:
+    for fact in case(two_ranks, "zero3_init"):
+        assert fact["held_after_init"] <= fact["shard_max"]
+        assert max(fact["held"]) <= fact["shard_max"]  # after every step: shards only
+        assert fact["shapes"] == fact["logical_shapes"]  # shape reports the logical one
+        assert fact["losses"][-1] < fact["losses"][0] and fact["ranks_agree"]
 
 
 def test_fp16_overflow_skips_halves_and_continues(two_ranks: list[dict[str, Any]]) -> None:

@@ -150,7 +150,9 @@ def test_bad_json_reports_line_and_column(tmp_path: Path) -> None:
     ({"train_batch_size": 4, "fp16": {"enabled": True}, "bf16": {"enabled": True}},
      "enable at most one"),
     ({"train_batch_size": 4, "zero_optimization": {"stage": 2}},
-     "ZeRO stage 2 is not implemented yet"),
+     "ZeRO stage 2 needs an optimizer"),
+    ({"train_batch_size": 4, "zero_optimization": {"stage": 4}},
+     "zero_optimization.stage"),
 ])
 def test_initialize_surfaces_config_errors(solo: None, config: dict, match: str) -> None:
     with pytest.raises(DsrunConfigError, match=match):

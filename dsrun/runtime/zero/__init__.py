@@ -7,6 +7,12 @@ the stage 1/2 sharded optimizer, and model-state memory accounting.
 * :mod:`.sharded` - :class:`ZeroOptimizer`, the engine's entry point (its
   module docstring states the call order).
 * :mod:`.memory` - the paper's per-rank formulas and actual byte counts.
+* :mod:`.stage3` - :class:`ZeroStage3`, stage 3 (parameters partitioned),
+  with :mod:`.stage3_plan` (pure bookkeeping), :mod:`.partitioned`
+  (partitioned parameters), :mod:`.fetch` (gather/release hooks),
+  :mod:`.reduce3` (gradient reduction), :mod:`.linear` (memory-efficient
+  linear), :mod:`.divergence` (hang diagnosis) and :mod:`.init`
+  (``zero.Init``, ``GatheredParameters``).
 """
 
 from dsrun.runtime.zero.comm import (
@@ -15,6 +21,13 @@ from dsrun.runtime.zero.comm import (
     reduce_scatter_mean,
     strategy_for,
 )
+from dsrun.runtime.zero.divergence import GuardSettings
+from dsrun.runtime.zero.init import (
+    GatheredParameters,
+    Init,
+    register_external_parameter,
+    unregister_external_parameter,
+)
 from dsrun.runtime.zero.memory import (
     StateBytes,
     model_state_bytes,
@@ -22,10 +35,15 @@ from dsrun.runtime.zero.memory import (
     zero_model_state_bytes,
 )
 from dsrun.runtime.zero.partition import GroupLayout, Piece, partition_group, partition_groups
+from dsrun.runtime.zero.partitioned import ZeroParameter, ZeroParamStatus
 from dsrun.runtime.zero.sharded import ZeroOptimizer, ZeroSettings
+from dsrun.runtime.zero.stage3 import Stage3Settings, ZeroStage3
 
 __all__ = [
     "CommStrategy", "GroupLayout", "Piece", "StateBytes", "ZeroOptimizer", "ZeroSettings",
     "all_gather_flat", "model_state_bytes", "paper_model_state_bytes", "partition_group",
     "partition_groups", "reduce_scatter_mean", "strategy_for", "zero_model_state_bytes",
+    "GatheredParameters", "GuardSettings", "Init", "Stage3Settings", "ZeroParamStatus",
+    "ZeroParameter", "ZeroStage3", "register_external_parameter",
+    "unregister_external_parameter",
 ]

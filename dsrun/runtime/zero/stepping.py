@@ -1,9 +1,10 @@
 """What the engine does differently at ZeRO stages: wrap, step, report.
 
 * :func:`wrap_optimizer` rebuilds the engine's (client or config-built)
-  optimizer as a :class:`~.sharded.ZeroOptimizer` over this rank's
-  partitions, with the config's ``zero_optimization`` knobs and gradient
-  buckets in backward order (the reverse of ``module.parameters()``).
+  optimizer as a :class:`~.sharded.ZeroOptimizer` (stages 1-2) or
+  :class:`~.stage3.ZeroStage3` over this rank's partitions, with the
+  config's ``zero_optimization`` knobs and gradient buckets in backward
+  order (the reverse of ``module.parameters()``).
 * :func:`zero_step` is the boundary step: reduce (stage 1), unscale and
   agree on overflow across ranks (fp16), clip by the global norm computed
   from all partitions, step, all-gather the updated partitions.
@@ -13,13 +14,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
 from dsrun.runtime.precision import FullPrecision, StepResult
 from dsrun.runtime.zero.memory import model_state_bytes, paper_model_state_bytes
 from dsrun.runtime.zero.sharded import ZeroOptimizer, ZeroSettings
+from dsrun.runtime.zero.stage3 import Stage3Settings, ZeroStage3
 
 MiB = 1024 * 1024
 DEEPSPEED_DEFAULT_BUCKET = 500_000_000  # elements
@@ -27,22 +29,27 @@ DEFAULT_REDUCE_BUCKET = 25_000_000  # elements: 100 MB of fp32 per bucket
 
 
 def wrap_optimizer(optimizer: torch.optim.Optimizer, zero_config: Any, stage: int,
-                   group: Any, module: torch.nn.Module, accumulation: int = 1
-                   ) -> ZeroOptimizer:
+                   group: Any, module: torch.nn.Module, accumulation: int = 1,
+                   device: Optional[torch.device] = None) -> Union[ZeroOptimizer, ZeroStage3]:
     """``accumulation`` 1: stage 1 also reduces during backward (overlapped)."""
-    order = list(reversed([p for p in module.parameters() if p.requires_grad]))
     overrides = {}
     if zero_config.reduce_bucket_size == DEEPSPEED_DEFAULT_BUCKET:
         # DeepSpeed's default makes one bucket of the whole model: no overlap
         # with backward, and a gradient-sized scratch buffer. Treated as unset.
         overrides["reduce_bucket_size"] = DEFAULT_REDUCE_BUCKET
+    if stage == 3:
+        return ZeroStage3.from_optimizer(
+            module, optimizer, group=group, device=device,
+            settings=Stage3Settings.from_config(zero_config, **overrides))
+    order = list(reversed([p for p in module.parameters() if p.requires_grad]))
     settings = ZeroSettings.from_config(zero_config, **overrides)
     return ZeroOptimizer.from_optimizer(optimizer, stage=stage, group=group,
                                         settings=settings, backward_order=order,
                                         reduce_in_backward=stage >= 2 or accumulation == 1)
 
 
-def zero_step(zero: ZeroOptimizer, precision: FullPrecision, max_norm: float) -> StepResult:
+def zero_step(zero: Union[ZeroOptimizer, ZeroStage3], precision: FullPrecision,
+              max_norm: float) -> StepResult:
     zero.reduce_gradients()
     scaler = getattr(precision, "scaler", None)
     if scaler is not None:

@@ -98,7 +98,7 @@ def parity(gas: int, clip: float, schedule: bool, bucket_elements: int | None,
         client_opt = torch.optim.AdamW(_two_groups(model), lr=1e-2, betas=(0.9, 0.99),
                                        eps=1e-8, weight_decay=0.01)
     engine, _, _, _ = dsrun.initialize(model=model, config=config, optimizer=client_opt)
-    initial_agree = ranks_agree(params_of(engine.module))
+    initial_agree = ranks_agree(full_params(engine.module))
     ddp = DistributedDataParallel(make_model(100))  # rank 0's init everywhere
     ref_params = _two_groups(ddp.module) if client else ddp.parameters()
     ref_opt = torch.optim.AdamW(ref_params, lr=1e-2, betas=(0.9, 0.99), eps=1e-8,
@@ -126,7 +126,7 @@ def parity(gas: int, clip: float, schedule: bool, bucket_elements: int | None,
         ref_opt.zero_grad(set_to_none=True)
         lrs.append(engine.get_lr()[0])
         ref_lrs.append(ref_opt.param_groups[0]["lr"])
-    mine, ref = params_of(engine.module), params_of(ddp.module)
+    mine, ref = full_params(engine.module), params_of(ddp.module)
     return {
         "initial_agree": initial_agree, "losses": losses, "ref_losses": ref_losses,
         "lrs": lrs, "ref_lrs": ref_lrs, "clipped_steps": clipped,
@@ -135,6 +135,47 @@ def parity(gas: int, clip: float, schedule: bool, bucket_elements: int | None,
         "ranks_agree": ranks_agree(mine), "global_steps": engine.global_steps,
         "global_samples": engine.global_samples, "buckets": _buckets(engine),
     }
+
+
+def full_params(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Parameter values, gathered first if ZeRO stage 3 partitioned them."""
+    params = list(module.parameters())
+    if not any(hasattr(p, "ds_shape") for p in params):
+        return params_of(module)
+    import dsrun.zero
+
+    with dsrun.zero.GatheredParameters(params):
+        return [p.detach().clone() for p in params]
+
+
+def zero3_init(steps: int = 8) -> dict[str, Any]:
+    """A model built under dsrun.zero.Init and trained at stage 3 through
+    initialize(): no rank ever holds a full (non-persistent) parameter
+    outside forward/backward, and the loss goes down."""
+    import dsrun.zero
+
+    rank, world = rank_world()
+    config = {"train_batch_size": MICRO * world, "train_micro_batch_size_per_gpu": MICRO,
+              "optimizer": ADAM, "steps_per_print": 1000,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 16}}
+    with dsrun.zero.Init(config_dict_or_path=config):  # the persistence threshold
+        model = make_model(300 + rank)
+    big = [p for p in model.parameters() if p.ds_numel > 16]
+    held_after_init = max(p.data.numel() for p in big)
+    engine, _, _, _ = dsrun.initialize(model=model, config=config)
+    losses, held = [], []
+    for step in range(steps):
+        x, y = batch(step, 0)
+        loss = F.cross_entropy(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        held.append(max(p.data.numel() for p in big))
+    logical = [tuple(p.ds_shape) for p in big]
+    return {"held_after_init": held_after_init, "held": held,
+            "shard_max": max(-(-p.ds_numel // world) for p in big), "losses": losses,
+            "logical_shapes": logical, "shapes": [tuple(p.shape) for p in big],
+            "ranks_agree": ranks_agree(full_params(engine.module))}
 
 
 def _two_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
@@ -274,6 +315,12 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
                                         bucket_elements=300, stage=2, client=True),
     "zero2_gas4_clip_schedule": lambda: parity(gas=4, clip=0.05, schedule=True,
                                                bucket_elements=300, stage=2),
+    "zero3_gas1": lambda: parity(gas=1, clip=0.0, schedule=False, bucket_elements=300,
+                                 stage=3),
+    "zero3_gas4_clip_schedule_client": lambda: parity(gas=4, clip=0.05, schedule=True,
+                                                      bucket_elements=300, stage=3,
+                                                      client=True),
+    "zero3_init": zero3_init,
     "fp16_overflow": fp16_overflow,
     "bf16_autocast": bf16_autocast,
     "unused_and_no_sync": unused_and_no_sync,

@@ -1,0 +1,317 @@
+"""ZeRO stage 3 parameter fetching: module hooks that gather partitioned
+parameters just before they are used and release them just after.
+
+Every module that directly owns a non-persistent partitioned parameter (or
+has external ones, :func:`~.init.register_external_parameter`) gets:
+
+* a **forward pre-hook**: gather the module's parameters (one
+  :class:`~.divergence.DivergenceGuard` event, then async all-gathers), then
+  prefetch, then wait for its own;
+* a **forward hook**: release them (once no running forward of the module
+  uses them), and hook the outputs that require grad;
+* an **output gradient hook** (fires when the gradient of the module's
+  output is known, i.e. just before the module's own backward runs): gather
+  the parameters again, prefetch by the backward trace.
+
+In backward a trainable parameter is released by :meth:`ParamFetcher.after_grad`
+(the owner's post-accumulate-grad hook, after its gradient was reduced):
+autograd accumulates a parameter's gradient only after every use of it in
+the graph, so nothing needs it afterwards. Frozen parameters and anything
+left are released when backward ends (an autograd engine callback queued at
+the first hook of the round). The root module's forward hook releases what a
+forward pass left (e.g. prefetched and not used).
+
+**Prefetch.** The order in which modules ran in the previous forward
+(backward) pass is the trace (:class:`~.stage3_plan.TraceCursor`). While the
+current pass follows it, each module's pre-hook starts gathering the next
+modules' parameters (:func:`~.stage3_plan.plan_prefetch`): at most
+``prefetch_bucket`` elements fetched ahead and not used yet, and never more
+than ``max_live`` elements gathered at once by prefetching (a module's own
+gather always proceeds). A pass that leaves the trace stops prefetching until
+the next pass, which follows the newly recorded order. Every gather, prefetch
+or not, is one guard event, issued in the same order on all ranks as long as
+they run the same modules.
+
+Autograd keeps the parameter object itself for backward (a leaf is saved by
+reference), so emptying ``param.data`` after forward and refilling it
+before backward is invisible to it. An operator that saves a *view* of a
+parameter keeps that storage alive until backward: ``F.linear`` does
+(``weight.t()``), so while the root module's forward runs,
+``torch.nn.functional.linear`` is :func:`~.linear.zero3_linear`, which saves
+the parameter itself (``memory_efficient_linear``, as in DeepSpeed). Other
+operators that save a view of a weight still keep it until backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, Callable, Optional
+
+import torch
+
+from dsrun.runtime.zero.comm import CommStrategy
+from dsrun.runtime.zero.divergence import DivergenceGuard
+from dsrun.runtime.zero.linear import patched_linear
+from dsrun.runtime.zero.partitioned import (
+    ZeroParamStatus,
+    finish_gather,
+    is_zero_param,
+    release,
+    start_gather,
+)
+from dsrun.runtime.zero.stage3_plan import LiveSet, TraceCursor, plan_prefetch
+
+
+def external_params(module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    return tuple(module.__dict__.get("ds_external_parameters", ()))
+
+
+def output_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a module output (tensors, sequences, mappings)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from output_tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from output_tensors(item)
+
+
+class _ModuleIds(Mapping):
+    """module index -> ids of its fetchable parameters (for the planner)."""
+
+    def __init__(self, fetcher: ParamFetcher) -> None:
+        self.fetcher = fetcher
+
+    def __getitem__(self, index: int) -> tuple[int, ...]:
+        return tuple(p.ds_id for p in self.fetcher.fetchable(index))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(len(self.fetcher.modules)))
+
+    def __len__(self) -> int:
+        return len(self.fetcher.modules)
+
+
+class _Resident:
+    """Parameter ids whose full data is present or on its way."""
+
+    def __init__(self, by_id: Mapping[int, torch.Tensor]) -> None:
+        self.by_id = by_id
+
+    def __contains__(self, pid: object) -> bool:
+        param = self.by_id.get(pid)  # type: ignore[call-overload]
+        return param is None or param.ds_status is not ZeroParamStatus.NOT_AVAILABLE
+
+
+class ParamFetcher:
+    """Gather/release/prefetch hooks over ``root`` (module docstring)."""
+
+    def __init__(self, root: torch.nn.Module, *, guard: DivergenceGuard,
+                 prefetch_bucket: int, max_live: int,
+                 strategy: Optional[CommStrategy] = None,
+                 memory_efficient_linear: bool = True) -> None:
+        self.root = root
+        self._linear = patched_linear() if memory_efficient_linear else None
+        self.guard = guard
+        self.strategy = strategy
+        self.prefetch_bucket = prefetch_bucket
+        self.max_live = max_live
+        self.modules: list[torch.nn.Module] = []
+        self.names: list[str] = []
+        self._direct: list[tuple[torch.Tensor, ...]] = []
+        for name, module in root.named_modules():
+            own = tuple(p for p in module.parameters(recurse=False) if is_zero_param(p))
+            if module is root or own or external_params(module):
+                self.modules.append(module)
+                self.names.append(f"{name or '<root>'} ({type(module).__name__})")
+                self._direct.append(own)
+        self.by_id: dict[int, torch.Tensor] = {
+            p.ds_id: p for p in root.parameters() if is_zero_param(p)}
+        self._numels = {pid: p.ds_numel for pid, p in self.by_id.items()}
+        self.active = any(not p.ds_persist for p in self.by_id.values())
+        self.live = LiveSet()
+        limit = 4 * len(self.modules) + 16
+        self.forward_trace, self.backward_trace = TraceCursor(limit), TraceCursor(limit)
+        self._users: dict[int, int] = {}
+        self._root_depth = 0
+        self._in_backward = False
+        self._round = 0
+        self._end_hooks: list[Callable[[], None]] = []
+        self._handles: list[Any] = []
+        if self.active:
+            for index, module in enumerate(self.modules):
+                self._handles.append(module.register_forward_pre_hook(
+                    self._pre_hook(index), prepend=True))
+                self._handles.append(module.register_forward_hook(
+                    self._post_hook(index), always_call=True))
+
+    # ------------------------------------------------------------- queries
+
+    def fetchable(self, index: int) -> tuple[torch.Tensor, ...]:
+        """Module ``index``'s partitioned, non-persistent parameters (its own
+        and its external ones), each once."""
+        params = self._direct[index] + external_params(self.modules[index])
+        out = tuple({id(p): p for p in params if is_zero_param(p) and not p.ds_persist}
+                    .values())
+        for p in out:
+            if p.ds_id not in self.by_id:  # an external parameter from outside the root
+                self.by_id[p.ds_id], self._numels[p.ds_id] = p, p.ds_numel
+        return out
+
+    def on_backward_end(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` at the end of every backward, before the release."""
+        self._end_hooks.append(hook)
+
+    # --------------------------------------------------------------- hooks
+
+    def _pre_hook(self, index: int) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            self._pre_forward(index)
+        return hook
+
+    def _post_hook(self, index: int) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            self._post_forward(index, output)
+        return hook
+
+    def _pre_forward(self, index: int) -> None:
+        if self.modules[index] is self.root:
+            if self._root_depth == 0:
+                self._release_unused(reset_users=True)
+                self.forward_trace.start_pass()
+                if self._linear is not None:
+                    self._linear.install()
+            self._root_depth += 1
+        on_track = self.forward_trace.visit(index)
+        params = self.fetchable(index)
+        for p in params:
+            self._users[p.ds_id] = self._users.get(p.ds_id, 0) + 1
+        self._fetch(index, params, "forward", ahead=False)
+        if on_track:
+            self._prefetch(self.forward_trace, "forward prefetch")
+        for p in params:
+            finish_gather(p)
+
+    def _post_forward(self, index: int, output: Any) -> None:
+        params = self.fetchable(index)
+        for p in params:
+            users = self._users.get(p.ds_id, 1) - 1
+            self._users[p.ds_id] = max(users, 0)
+            if users <= 0:
+                self._release(p)
+        if params and torch.is_grad_enabled():
+            self._hook_outputs(index, output)
+        if self.modules[index] is self.root:
+            self._root_depth = max(self._root_depth - 1, 0)
+            if self._root_depth == 0:
+                if self._linear is not None:
+                    self._linear.restore()
+                self._release_unused(reset_users=False)
+
+    def _hook_outputs(self, index: int, output: Any) -> None:
+        tensors = [t for t in output_tensors(output) if t.requires_grad]
+        if not tensors:
+            return
+        fired = {"round": -1}  # one gather per backward round, however many outputs
+
+        def on_output_grad(grad: torch.Tensor) -> None:
+            self.begin_backward()
+            if fired["round"] != self._round:
+                fired["round"] = self._round
+                self._pre_backward(index)
+
+        for tensor in tensors:
+            tensor.register_hook(on_output_grad)
+
+    def _pre_backward(self, index: int) -> None:
+        on_track = self.backward_trace.visit(index)
+        params = self.fetchable(index)
+        self._fetch(index, params, "backward", ahead=False)
+        if on_track:
+            self._prefetch(self.backward_trace, "backward prefetch")
+        for p in params:
+            finish_gather(p)
+
+    # ------------------------------------------------------------ backward
+
+    def begin_backward(self) -> None:
+        """Open a backward round (idempotent within one): queue the
+        end-of-backward callback. Call from inside autograd only."""
+        if self._in_backward:
+            return
+        self._in_backward = True
+        self._round += 1
+        self.backward_trace.start_pass()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def after_grad(self, param: torch.Tensor) -> None:
+        """A parameter's gradient was consumed: its full data can go."""
+        if self._users.get(param.ds_id, 0) <= 0:
+            self._release(param)
+
+    def _end_backward(self) -> None:
+        try:
+            for hook in self._end_hooks:
+                hook()
+        finally:
+            self._in_backward = False
+            self._release_unused(reset_users=False)
+
+    def finish_backward(self) -> None:
+        """End a backward round whose callback did not run (idempotent)."""
+        if self._in_backward:
+            self._end_backward()
+
+    def abandon_backward(self) -> None:
+        """Forget a backward round that raised (its end hooks do not run) and
+        release what it gathered."""
+        if self._in_backward:
+            self._in_backward = False
+            self._release_unused(reset_users=False)
+
+    # ------------------------------------------------------- gather/release
+
+    def _fetch(self, index: int, params: tuple[torch.Tensor, ...], phase: str, *,
+               ahead: bool) -> None:
+        todo = [p for p in params if p.ds_status is ZeroParamStatus.NOT_AVAILABLE]
+        if todo:
+            self.guard.event(phase, self.names[index], [p.ds_id for p in todo],
+                             [p.ds_numel for p in todo])
+            for p in todo:
+                start_gather(p, self.strategy)
+                if p.ds_id not in self.live:
+                    self.live.add(p.ds_id, p.ds_numel, ahead=ahead)
+        if not ahead:
+            for p in params:
+                self.live.use(p.ds_id)
+
+    def _prefetch(self, cursor: TraceCursor, phase: str) -> None:
+        if self.prefetch_bucket <= 0:
+            return
+        plan = plan_prefetch(cursor.trace, cursor.position, _ModuleIds(self), self._numels,
+                             _Resident(self.by_id), ahead=self.live.ahead, live=self.live.live,
+                             bucket=self.prefetch_bucket, max_live=self.max_live)
+        for module, ids in plan:
+            self._fetch(module, tuple(self.by_id[i] for i in ids), phase, ahead=True)
+
+    def _release(self, param: torch.Tensor) -> None:
+        release(param)
+        if param.ds_status is ZeroParamStatus.NOT_AVAILABLE:
+            self.live.remove(param.ds_id)
+
+    def _release_unused(self, *, reset_users: bool) -> None:
+        """Release every gathered parameter no running forward uses."""
+        if reset_users:
+            self._users.clear()
+        for pid in list(self.live.ids()):
+            if self._users.get(pid, 0) <= 0:
+                self._release(self.by_id[pid])
+
+    def close(self) -> None:
+        """Remove the hooks and release what is gathered."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._release_unused(reset_users=True)

@@ -1,0 +1,381 @@
+"""``zero.Init``, ``zero.GatheredParameters`` and external parameters, with
+DeepSpeed's names and arguments.
+
+**Init.** While an :class:`Init` context is open, the ``__init__`` of every
+``torch.nn.Module`` subclass (those that exist when it opens, and those
+defined inside it, through ``Module.__init_subclass__``) is wrapped: when the
+*outermost* ``__init__`` of a module object returns, the module's parameters
+that are not partitioned yet - its own, its children's are already - get
+group rank 0's values (broadcast) and are partitioned
+(:func:`~.partitioned.partition_param`). A model is thus never whole on a
+rank: the transient is one module's own parameters (e.g. one ``Linear``'s
+weight and bias) plus a broadcast of them, not the model. Values equal a
+model built whole on rank 0 with the same seed (partitioning draws no random
+numbers). Wrappers are removed when the last context closes; classes defined
+inside keep a wrapper that does nothing outside a context.
+
+``Module.apply(fn)`` called inside the context (a parent's
+``self.apply(init_weights)``, as HF models do after building their children)
+runs ``fn`` on each module with that module's parameters gathered and
+keeps rank 0's result. Other initialisation a parent does to a child's
+parameters after the child's ``__init__`` returned (copying weights in)
+sees released parameters: do it under
+``GatheredParameters(params, modifier_rank=0)``.
+
+**GatheredParameters(params, modifier_rank=None, fwd_module=None,
+enabled=True).** Gathers the full values on entry (collective; parameters
+gathered already are left as they are, pinned so that module hooks do not
+release them inside the context). On exit, with ``modifier_rank`` set (a rank
+of the parameters' group), that rank's values are broadcast, every rank
+refreshes its shard (``ds_tensor``) and, when a :class:`~.stage3.ZeroStage3`
+optimizer owns the parameter, its fp32 master; then what the context gathered
+is released. Without ``modifier_rank`` modifications are dropped (as in
+DeepSpeed). ``fwd_module`` registers the parameters as external parameters
+of that module.
+
+**register_external_parameter(module, parameter).** ``parameter`` (of
+another module) is used in ``module``'s forward: stage 3 gathers it with
+``module``'s own. Register before the optimizer/engine is built.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from dsrun.errors import DsrunConfigError, DsrunError
+from dsrun.runtime.config_schema import Ctx
+from dsrun.runtime.config_sections import ZeroConfig, parse_zero
+from dsrun.runtime.zero.divergence import group_ranks, shared_guard
+from dsrun.runtime.zero.partitioned import (
+    ZeroParamStatus,
+    broadcast_full,
+    gather,
+    is_zero_param,
+    param_name,
+    partition_param,
+    refresh_shard,
+    release,
+)
+from dsrun.runtime.zero.stage3_plan import is_persistent
+
+
+@dataclass(frozen=True)
+class InitSettings:
+    """How :class:`Init` partitions: over ``group``, keeping parameters of at
+    most ``persistence_threshold`` elements whole; optional dtype/device
+    applied to each parameter before it is partitioned."""
+
+    group: Any = None
+    persistence_threshold: int = ZeroConfig().param_persistence_threshold
+    alignment: int = 1
+    dtype: Optional[torch.dtype] = None
+    device: Optional[torch.device] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.persistence_threshold, bool) or self.persistence_threshold < 0:
+            raise DsrunConfigError("stage3_param_persistence_threshold must be >= 0, got "
+                                   f"{self.persistence_threshold!r}")
+
+
+def settings_from_config(config: Any) -> tuple[int, Optional[torch.dtype]]:
+    """(persistence threshold, parameter dtype) from a DeepSpeed config dict,
+    a JSON path or a resolved DsrunConfig (None: DeepSpeed's defaults)."""
+    if config is None:
+        return ZeroConfig().param_persistence_threshold, None
+    if hasattr(config, "zero_optimization"):
+        zero = config.zero_optimization
+        fp16, bf16 = config.fp16.enabled, config.bf16.enabled
+    else:
+        from dsrun.runtime.config import load_config
+
+        raw, source = load_config(config)
+        zero = parse_zero(raw.get("zero_optimization", {}), Ctx(source, allow_unknown=True))
+        fp16 = _enabled(raw.get("fp16"))
+        bf16 = _enabled(raw.get("bf16", raw.get("bfloat16")))
+    dtype = torch.float16 if fp16 else torch.bfloat16 if bf16 else None
+    return zero.param_persistence_threshold, dtype
+
+
+def _enabled(section: Any) -> bool:
+    return isinstance(section, Mapping) and section.get("enabled") is True
+
+
+def partition_module(module: torch.nn.Module, settings: InitSettings) -> None:
+    """Partition ``module``'s parameters that are not partitioned yet, with
+    group rank 0's values (collective over ``settings.group``)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    params = [p for p in dict.fromkeys(module.parameters()) if not is_zero_param(p)]
+    if not params:
+        return
+    with torch.no_grad():
+        for p in params:
+            if settings.device is not None and p.device != settings.device:
+                p.data = p.data.to(settings.device)
+            if settings.dtype is not None and p.is_floating_point():
+                p.data = p.data.to(settings.dtype)
+    world = dist.get_world_size(settings.group)
+    if world > 1:
+        shared_guard(settings.group).event("init", type(module).__name__, [],
+                                           [p.numel() for p in params])
+    broadcast_full(params, settings.group)
+    owner = type(module).__name__
+    for p in params:
+        partition_param(p, group=settings.group, alignment=settings.alignment,
+                        persist=is_persistent(p.numel(), settings.persistence_threshold, world),
+                        name=f"{owner}.{names.get(id(p), '?')}")
+
+
+# ----------------------------------------------------------- Init patching
+
+_stack: list[InitSettings] = []
+_depth: dict[int, int] = {}
+_patched: list[tuple[type, Callable[..., None]]] = []
+
+
+def _partitioning_init(init: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(init)
+    def wrapper(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        if not _stack:
+            return init(self, *args, **kwargs)
+        key = id(self)
+        _depth[key] = _depth.get(key, 0) + 1
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            _depth[key] -= 1
+            outermost = _depth[key] == 0
+            if outermost:
+                del _depth[key]
+        if outermost and _stack:
+            partition_module(self, _stack[-1])
+        return None
+
+    wrapper._dsrun_zero_init = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _wrap_class(cls: type) -> None:
+    init = cls.__dict__.get("__init__")
+    if init is None or getattr(init, "_dsrun_zero_init", False):
+        return
+    cls.__init__ = _partitioning_init(init)  # type: ignore[misc]
+    _patched.append((cls, init))
+
+
+def _subclasses(cls: type) -> list[type]:
+    out, todo = [cls], [cls]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in out:
+                out.append(sub)
+                todo.append(sub)
+    return out
+
+
+def _on_subclass(cls: type, **kwargs: Any) -> None:
+    super(torch.nn.Module, cls).__init_subclass__(**kwargs)  # type: ignore[misc]
+    if _stack:
+        _wrap_class(cls)
+
+
+def _gathering_apply(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``Module.apply`` that runs ``fn`` on each module with the module's
+    partitioned parameters gathered, rank 0's result kept (as DeepSpeed's
+    ``override_module_apply``): a parent's ``self.apply(init_weights)``
+    then initialises children that are partitioned already."""
+
+    @functools.wraps(original)
+    def apply(self: torch.nn.Module, fn: Callable[[torch.nn.Module], None]) -> Any:
+        if not _stack or getattr(fn, "_dsrun_gathered", False):
+            return original(self, fn)
+
+        def gathered(module: torch.nn.Module) -> None:
+            params = [p for p in module.parameters(recurse=False) if is_zero_param(p)]
+            with GatheredParameters(params, modifier_rank=0):
+                fn(module)
+
+        gathered._dsrun_gathered = True  # type: ignore[attr-defined]
+        return original(self, gathered)
+
+    return apply
+
+
+_original_apply = torch.nn.Module.apply
+
+
+def _patch() -> None:
+    for cls in _subclasses(torch.nn.Module):
+        _wrap_class(cls)
+    torch.nn.Module.__init_subclass__ = classmethod(_on_subclass)  # type: ignore[assignment]
+    torch.nn.Module.apply = _gathering_apply(_original_apply)  # type: ignore[method-assign]
+
+
+def _unpatch() -> None:
+    while _patched:
+        cls, init = _patched.pop()
+        cls.__init__ = init  # type: ignore[misc]
+    if "__init_subclass__" in torch.nn.Module.__dict__:
+        del torch.nn.Module.__init_subclass__
+    torch.nn.Module.apply = _original_apply  # type: ignore[method-assign]
+    _depth.clear()
+
+
+def _init_device(remote_device: Optional[str]) -> Optional[torch.device]:
+    """DeepSpeed's default: this rank's GPU when there is one; "cpu" keeps
+    parameters in host memory; None on a CPU-only machine leaves them put."""
+    if remote_device in (None, "none"):
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return None
+    return torch.device(remote_device)
+
+
+class Init:
+    """DeepSpeed's ``zero.Init`` (module docstring). Accepted and ignored:
+    ``mem_efficient_linear``, ``pin_memory``, ``sequence_data_parallel_group``;
+    rejected when set: NVMe, quantized weights, hpZ/MiCS groups, swappers."""
+
+    def __init__(self, module: Optional[torch.nn.Module] = None, data_parallel_group: Any = None,
+                 mem_efficient_linear: bool = True, remote_device: Optional[str] = None,
+                 pin_memory: bool = False, config_dict_or_path: Any = None, config: Any = None,
+                 enabled: bool = True, dtype: Optional[torch.dtype] = None, mpu: Any = None,
+                 zero_param_parallel_group: Any = None, zero_quantized_weights: bool = False,
+                 zero_quantized_nontrainable_weights: bool = False,
+                 sequence_data_parallel_group: Any = None, param_swapper: Any = None) -> None:
+        self.enabled = bool(enabled)
+        if not self.enabled:
+            return
+        if not dist.is_initialized():
+            raise DsrunError("zero.Init needs torch.distributed: start the script with dsrun, "
+                             "or call dsrun.init_distributed() first")
+        unsupported = {"zero_param_parallel_group": zero_param_parallel_group is not None,
+                       "zero_quantized_weights": zero_quantized_weights,
+                       "zero_quantized_nontrainable_weights": zero_quantized_nontrainable_weights,
+                       "param_swapper": param_swapper is not None,
+                       "remote_device='nvme'": remote_device == "nvme"}
+        bad = [name for name, used in unsupported.items() if used]
+        if bad:
+            raise DsrunConfigError(f"zero.Init: {', '.join(bad)} not supported by dsrun")
+        if data_parallel_group is None and mpu is not None:
+            data_parallel_group = mpu.get_data_parallel_group()
+        threshold, config_dtype = settings_from_config(
+            config_dict_or_path if config_dict_or_path is not None else config)
+        device = _init_device(remote_device)
+        self.settings = InitSettings(data_parallel_group, threshold, dtype=dtype or config_dtype,
+                                     device=device)
+        if module is not None:
+            partition_module(module, self.settings)
+
+    def __enter__(self) -> Init:
+        if self.enabled:
+            if not _stack:
+                _patch()
+            _stack.append(self.settings)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.enabled:
+            _stack.remove(self.settings)
+            if not _stack:
+                _unpatch()
+
+
+# ------------------------------------------------------- GatheredParameters
+
+
+def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """``parameter`` is used in ``module``'s forward (module docstring)."""
+    if not isinstance(parameter, torch.nn.Parameter):
+        raise DsrunError(f"register_external_parameter needs a Parameter, got "
+                         f"{type(parameter).__name__}")
+    external = module.__dict__.setdefault("ds_external_parameters", [])
+    if all(p is not parameter for p in external):
+        external.append(parameter)
+
+
+def unregister_external_parameter(module: torch.nn.Module,
+                                  parameter: torch.nn.Parameter) -> None:
+    external = module.__dict__.get("ds_external_parameters", [])
+    module.__dict__["ds_external_parameters"] = [p for p in external if p is not parameter]
+
+
+def _describe(params: list[torch.Tensor]) -> str:
+    more = f" and {len(params) - 1} more" if len(params) > 1 else ""
+    return param_name(params[0]) + more
+
+
+class GatheredParameters:
+    """DeepSpeed's ``zero.GatheredParameters`` (module docstring)."""
+
+    def __init__(self, params: Any, modifier_rank: Optional[int] = None,
+                 fwd_module: Optional[torch.nn.Module] = None, enabled: bool = True) -> None:
+        items = [params] if isinstance(params, torch.Tensor) else list(params or ())
+        self.params = [p for p in dict.fromkeys(items) if is_zero_param(p)]
+        self.modifier_rank = modifier_rank
+        self.enabled = bool(enabled) and bool(self.params)
+        self._gathered: list[torch.Tensor] = []
+        if self.enabled:
+            ranks = {group_ranks(p.ds_group) for p in self.params}
+            if len(ranks) > 1:
+                raise DsrunError("GatheredParameters got parameters of different groups: "
+                                 f"{sorted(ranks)}")
+            self.group = self.params[0].ds_group
+            if fwd_module is not None:
+                for p in self.params:
+                    register_external_parameter(fwd_module, p)
+
+    def __enter__(self) -> None:
+        if not self.enabled:
+            return
+        need = [p for p in self.params if p.ds_status is ZeroParamStatus.NOT_AVAILABLE]
+        if need and dist.get_world_size(self.group) > 1:
+            shared_guard(self.group).event("gather", _describe(need), [p.ds_id for p in need],
+                                           [p.ds_numel for p in need])
+        gather(self.params)  # also completes gathers that module hooks left in flight
+        for p in self.params:
+            p.ds_pins += 1
+        self._gathered = need
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if not self.enabled:
+            return
+        for p in self.params:
+            p.ds_pins -= 1
+        try:
+            if self.modifier_rank is not None and exc_type is None:
+                self._publish()
+        finally:
+            for p in self._gathered:
+                release(p)
+            self._gathered = []
+
+    def _publish(self) -> None:
+        """Broadcast ``modifier_rank``'s values; refresh shards and masters."""
+        world = dist.get_world_size(self.group)
+        if not 0 <= self.modifier_rank < world:  # type: ignore[operator]
+            raise DsrunError(f"modifier_rank {self.modifier_rank} outside the parameters' "
+                             f"group of {world} ranks")
+        if world > 1:
+            shared_guard(self.group).event(
+                "modify", f"{_describe(self.params)} from rank {self.modifier_rank}",
+                [p.ds_id for p in self.params], [p.ds_numel for p in self.params])
+            src = (dist.get_global_rank(self.group, self.modifier_rank)
+                   if self.group is not None else self.modifier_rank)
+            with torch.no_grad():
+                works = [dist.broadcast(p.data, src=src, group=self.group, async_op=True)
+                         for p in self.params if p.ds_numel]
+                for work in works:
+                    work.wait()
+        for p in self.params:
+            refresh_shard(p)
+            callback = p.__dict__.get("_ds_on_modified")
+            method = callback() if callback is not None else None
+            if method is not None:
+                method(p)
+

@@ -1,0 +1,282 @@
+"""ZeRO stage 3 parameters: partitioned storage, logical shape, gather/release.
+
+A managed parameter keeps its identity - the same ``torch.nn.Parameter``
+object that its module, autograd and the client's param groups refer to -
+and gains DeepSpeed's attributes:
+
+* ``ds_id`` (process-wide counter: equal on all ranks that build the same
+  model), ``ds_name`` (for messages), ``ds_shape``, ``ds_numel``;
+* ``ds_tensor``: this rank's shard (:class:`~.stage3_plan.ShardSpec`), in
+  the parameter's dtype, ``ds_spec.shard_numel`` elements, padding zero;
+* ``ds_status`` (:class:`ZeroParamStatus`), ``ds_persist``, ``ds_group``
+  (the data-parallel group; None = default), ``ds_pins`` (open
+  ``GatheredParameters`` contexts holding it).
+
+**Logical shape while released.** As in DeepSpeed, ``param.data`` becomes an
+empty tensor while the parameter is released (so its full storage is freed
+and autograd, which holds the same tensor object, sees the full values again
+once it is re-gathered). Unlike DeepSpeed, the parameter's class is switched
+(``__class__`` assignment, every reference stays valid) to
+:class:`ZeroParameter`, a ``Parameter`` subclass whose ``shape``,
+``size()``, ``dim()``/``ndim`` and ``numel()``/``nelement()`` report the
+*logical* values and whose ``repr`` names the shape and the shard. Only these
+Python-level accessors change: torch operators read the real (empty) C++
+sizes, and ``param.data`` is a plain tensor with its real size - which is how
+code (and tests) see whether a full parameter is held.
+
+Invariants:
+
+* ``AVAILABLE`` <=> ``data`` holds all ``ds_numel`` elements; ``NOT_AVAILABLE``
+  and ``INFLIGHT`` <=> ``data`` is empty (``INFLIGHT``: a gather is pending);
+* persistent parameters are always ``AVAILABLE`` and still keep their shard
+  in ``ds_tensor`` (the optimizer partitions them like any other);
+* at world size 1 every parameter is persistent and ``ds_tensor`` is a view
+  of ``data``;
+* only :func:`release` empties ``data``, and it leaves pinned and persistent
+  parameters alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import itertools
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from dsrun.errors import DsrunError
+from dsrun.runtime.zero.comm import CommStrategy, Pending, start_all_gather
+from dsrun.runtime.zero.stage3_plan import ShardSpec
+
+_ids = itertools.count()
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's names for where a partitioned parameter's full data is."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+class ZeroParameter(torch.nn.Parameter):
+    """A partitioned parameter reporting its logical shape (module docstring)."""
+
+    @property  # type: ignore[override]
+    def shape(self) -> torch.Size:
+        shape = self.__dict__.get("ds_shape")
+        return torch.Tensor.shape.__get__(self) if shape is None else shape  # type: ignore
+
+    def size(self, dim: Optional[int] = None) -> Any:  # type: ignore[override]
+        shape = self.shape
+        return shape if dim is None else shape[dim]
+
+    def dim(self) -> int:  # type: ignore[override]
+        return len(self.shape)
+
+    @property  # type: ignore[override]
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:  # type: ignore[override]
+        numel = self.__dict__.get("ds_numel")
+        return torch.Tensor.numel(self) if numel is None else numel
+
+    nelement = numel
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        status = self.__dict__.get("ds_status")
+        if status is None or status is ZeroParamStatus.AVAILABLE:
+            persist = " (kept whole)" if self.__dict__.get("ds_persist") else ""
+            return (f"ZeroParameter of shape {tuple(self.shape)}, gathered{persist}:\n"
+                    f"{self.data!r}")
+        shard = self.__dict__["ds_tensor"].numel()
+        return (f"ZeroParameter(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"status={status.name}: this rank holds a shard of {shard} of "
+                f"{self.numel()} elements, requires_grad={self.requires_grad})")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ZeroParameter:
+        if id(self) in memo:
+            return memo[id(self)]
+        if self.__dict__.get("ds_status") is ZeroParamStatus.INFLIGHT:
+            raise DsrunError(f"cannot copy {param_name(self)} while its gather is in flight")
+        result = type(self)(self.data.clone(), self.requires_grad)
+        memo[id(self)] = result
+        for key, value in self.__dict__.items():
+            if key == "ds_group":
+                result.__dict__[key] = value  # a process group is shared, not copied
+            elif not key.startswith("_ds_"):
+                result.__dict__[key] = copy.deepcopy(value, memo)
+        result.ds_id, result.ds_pins = next(_ids), 0
+        if self.data.numel() and _aliases(self):
+            result.ds_tensor = result.data.view(-1)
+        return result
+
+
+def _aliases(param: torch.Tensor) -> bool:
+    """ds_tensor is a view of data (world size 1)."""
+    return param.ds_tensor.untyped_storage().data_ptr() == \
+        param.data.untyped_storage().data_ptr() and param.data.numel() > 0
+
+
+def is_zero_param(param: Any) -> bool:
+    return isinstance(param, torch.Tensor) and hasattr(param, "ds_id")
+
+
+def param_name(param: torch.Tensor) -> str:
+    return getattr(param, "ds_name", None) or f"parameter #{getattr(param, 'ds_id', '?')}"
+
+
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=like.dtype, device=like.device)
+
+
+# ------------------------------------------------------------ partitioning
+
+
+def partition_param(param: torch.nn.Parameter, *, group: Any, persist: bool,
+                    alignment: int = 1, name: Optional[str] = None) -> ZeroParameter:
+    """Make ``param`` (full, equal on every rank) a partitioned parameter of
+    ``group``: keep this rank's shard, release the rest unless ``persist``.
+    World size 1 always persists. Returns the same object."""
+    if is_zero_param(param):
+        raise DsrunError(f"{param_name(param)} is partitioned already")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    spec = ShardSpec(param.numel(), world, alignment)
+    flat = param.data.reshape(-1)
+    if world == 1 and spec.padded_numel == spec.numel:
+        shard = param.data.view(-1) if param.data.is_contiguous() else flat
+    else:
+        shard = torch.zeros(spec.shard_numel, dtype=param.dtype, device=param.device)
+        valid = spec.valid(rank)
+        if valid:
+            shard[:valid].copy_(flat[rank * spec.shard_numel: rank * spec.shard_numel + valid])
+    param.__class__ = ZeroParameter
+    param.__dict__.update(
+        ds_id=next(_ids), ds_name=name, ds_shape=param.data.shape, ds_numel=spec.numel,
+        ds_spec=spec, ds_tensor=shard, ds_status=ZeroParamStatus.AVAILABLE,
+        ds_persist=bool(persist or world == 1), ds_group=group, ds_pins=0, _ds_pending=None)
+    if not param.ds_persist:
+        release(param)
+    return param  # type: ignore[return-value]
+
+
+def set_persistence(params: Iterable[torch.Tensor], persist: bool,
+                    strategy: Optional[CommStrategy] = None) -> None:
+    """Change whether ``params`` are kept whole (collective when gathering)."""
+    todo = [p for p in params if p.ds_persist != persist and p.ds_spec.world_size > 1]
+    if persist:
+        gather(todo, strategy=strategy)
+    for p in todo:
+        p.ds_persist = persist
+        if not persist:
+            release(p)
+
+
+def broadcast_full(params: Sequence[torch.Tensor], group: Any) -> None:
+    """Give every rank group rank 0's full values of ``params`` (in place)."""
+    if dist.get_world_size(group) == 1 or not params:
+        return
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        works = [dist.broadcast(p.data, src=src, group=group, async_op=True)
+                 for p in params if p.numel() > 0]
+        for work in works:
+            work.wait()
+
+
+def move_param(param: torch.Tensor, device: torch.device) -> None:
+    """Put a partitioned parameter's shard (and full data, if held) on
+    ``device`` (not during a gather)."""
+    if param.ds_tensor.device == device:
+        return
+    if param.ds_status is ZeroParamStatus.INFLIGHT:
+        raise DsrunError(f"cannot move {param_name(param)} while its gather is in flight")
+    aliased = _aliases(param)
+    with torch.no_grad():
+        param.data = param.data.to(device)
+        param.ds_tensor = param.data.view(-1) if aliased else param.ds_tensor.to(device)
+
+
+# ------------------------------------------------------------ gather/release
+
+
+def start_gather(param: torch.Tensor, strategy: Optional[CommStrategy] = None) -> None:
+    """Begin gathering a released parameter (``NOT_AVAILABLE`` -> ``INFLIGHT``)."""
+    if param.ds_status is not ZeroParamStatus.NOT_AVAILABLE:
+        return
+    spec: ShardSpec = param.ds_spec
+    out = torch.empty(spec.padded_numel, dtype=param.ds_tensor.dtype,
+                      device=param.ds_tensor.device)
+    param._ds_pending = start_all_gather(param.ds_tensor, out, param.ds_group,
+                                         strategy=strategy)
+    param.ds_status = ZeroParamStatus.INFLIGHT
+
+
+def finish_gather(param: torch.Tensor) -> None:
+    """Wait for an ``INFLIGHT`` gather and install the full data."""
+    if param.ds_status is not ZeroParamStatus.INFLIGHT:
+        return
+    pending: Pending = param._ds_pending
+    param._ds_pending = None
+    full = pending.wait()
+    param.data = full.narrow(0, 0, param.ds_numel).view(param.ds_shape)
+    param.ds_status = ZeroParamStatus.AVAILABLE
+
+
+def gather(params: Iterable[torch.Tensor], strategy: Optional[CommStrategy] = None) -> None:
+    """Make ``params`` ``AVAILABLE`` now (all gathers in flight together)."""
+    params = list(params)
+    for p in params:
+        start_gather(p, strategy)
+    for p in params:
+        finish_gather(p)
+
+
+def release(param: torch.Tensor) -> bool:
+    """Free the full data of a non-persistent, unpinned parameter (waits for
+    a gather in flight first). Returns True when it was released."""
+    if param.ds_persist or param.ds_pins > 0:
+        return False
+    if param.ds_status is ZeroParamStatus.INFLIGHT:
+        finish_gather(param)
+    if param.ds_status is ZeroParamStatus.AVAILABLE:
+        param.data = _empty(param.ds_tensor)
+        param.ds_status = ZeroParamStatus.NOT_AVAILABLE
+    return True
+
+
+@torch.no_grad()
+def refresh_shard(param: torch.Tensor) -> None:
+    """Copy this rank's slice of the full ``data`` into ``ds_tensor`` (after
+    the full values changed); padding stays zero."""
+    if _aliases(param):
+        return
+    spec: ShardSpec = param.ds_spec
+    rank = dist.get_rank(param.ds_group)
+    valid = spec.valid(rank)
+    flat = param.data.reshape(-1)
+    param.ds_tensor.zero_()
+    if valid:
+        start = rank * spec.shard_numel
+        param.ds_tensor[:valid].copy_(flat[start:start + valid])
+
+
+def refresh_full(params: Iterable[torch.Tensor], strategy: Optional[CommStrategy] = None
+                 ) -> None:
+    """Rebuild the full data of ``AVAILABLE`` parameters from the shards
+    (after the optimizer updated ``ds_tensor``); others are left released."""
+    todo = [p for p in params
+            if p.ds_status is ZeroParamStatus.AVAILABLE and not _aliases(p)]
+    for p in todo:
+        p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+    gather(todo, strategy)
+
+
+def full_numel_held(params: Iterable[torch.Tensor]) -> int:
+    """Elements of full data currently held by partitioned, non-persistent
+    ``params`` (0 outside forward/backward and gather contexts)."""
+    return sum(p.data.numel() for p in params if is_zero_param(p) and not p.ds_persist)

@@ -1,0 +1,148 @@
+"""ZeRO stage 3 gradient reduction: full gradients, as autograd produces
+them, reduced into each rank's shard accumulators in buckets.
+
+:meth:`ShardGradReducer.add` is called from a parameter's post-accumulate-
+grad hook: it takes ``param.grad`` (the full gradient; ``param.grad`` becomes
+None) and stages it. When the staged parameters' padded sizes reach
+``bucket_numel`` (or at :meth:`finish`, end of backward), the bucket is
+**launched**: one buffer of ``N * U`` elements (``U`` = the sum of the
+bucket's shard sizes) laid out **rank-major** - region ``r`` holds, back to
+back, every bucket parameter's ``r``-th shard of ``grad * (1/N)`` (DDP's
+pre-division; padding zero) - announced to the divergence guard, then
+:func:`~.comm.start_reduce_scatter` (``premultiplied``) leaves this rank's
+region, i.e. its shard of every parameter's mean gradient, contiguous. On
+**drain** each shard is added into its accumulator (``accumulator(param)``,
+an fp32 view into the master's ``.grad``), so micro-steps accumulate
+``sum_micro(mean_ranks(g))``.
+
+Buckets follow the order in which gradients arrive; autograd runs the same
+graph in the same order on every rank, and the guard checks each bucket's
+parameter ids, so a rank whose order differs is reported, not mis-summed.
+With ``overlap`` one bucket is in flight while the next fills; without, each
+reduction completes before backward goes on. World size 1: the "reduction"
+is the scaled copy into the accumulator.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from dsrun.runtime.zero.comm import CommStrategy, Pending, start_reduce_scatter
+from dsrun.runtime.zero.divergence import DivergenceGuard
+from dsrun.runtime.zero.partitioned import param_name
+from dsrun.runtime.zero.stage3_plan import ShardSpec
+
+
+def write_rank_major(rows: torch.Tensor, flat: torch.Tensor, spec: ShardSpec,
+                     scale: float) -> None:
+    """``rows`` (``N x S``, any strides) <- ``flat * scale`` cut in shards,
+    padding zero (``flat`` has ``spec.numel`` elements)."""
+    size, full, rem = spec.shard_numel, spec.full_rows, spec.remainder
+    if full:
+        _scaled(flat[:full * size].view(full, size), scale, rows[:full])
+    done = full
+    if rem:
+        _scaled(flat[full * size:], scale, rows[full, :rem])
+        rows[full, rem:].zero_()
+        done += 1
+    if done < rows.shape[0]:
+        rows[done:].zero_()
+
+
+def _scaled(src: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    if scale == 1.0:
+        out.copy_(src)
+    elif src.dtype == out.dtype:
+        torch.mul(src, scale, out=out)
+    else:
+        out.copy_(src).mul_(scale)
+
+
+class ShardGradReducer:
+    """Stage-3 bucketed reduce-scatter of gradients (module docstring)."""
+
+    def __init__(self, *, group: Any, world_size: int, bucket_numel: int, overlap: bool,
+                 dtype: Optional[torch.dtype], guard: DivergenceGuard,
+                 accumulator: Callable[[torch.Tensor], torch.Tensor],
+                 strategy: Optional[CommStrategy] = None) -> None:
+        self.group = group
+        self.world_size = world_size
+        self.scale = 1.0 / world_size
+        self.bucket_numel = bucket_numel
+        self.max_inflight = 1 if overlap else 0
+        self.dtype = dtype
+        self.guard = guard
+        self.accumulator = accumulator
+        self.strategy = strategy
+        self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._staged_numel = 0
+        self._inflight: list[tuple[Pending, list[tuple[torch.Tensor, int]], torch.Tensor]] = []
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._staged or self._inflight)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Staged gradients and buffers in flight (for memory accounting)."""
+        return [g for _, g in self._staged] + [b for _, _, b in self._inflight]
+
+    def add(self, param: torch.Tensor) -> None:
+        """Take ``param.grad`` (full) into the current bucket."""
+        grad = param.grad
+        if grad is None:
+            return
+        param.grad = None
+        self._staged.append((param, grad))
+        self._staged_numel += param.ds_spec.padded_numel
+        if self._staged_numel >= self.bucket_numel:
+            self._launch()
+
+    def _launch(self) -> None:
+        staged, self._staged, self._staged_numel = self._staged, [], 0
+        if not staged:
+            return
+        params = [p for p, _ in staged]
+        width = sum(p.ds_spec.shard_numel for p in params)
+        dtype = self.dtype or staged[0][1].dtype
+        buffer = torch.empty(self.world_size * width, dtype=dtype, device=staged[0][1].device)
+        rows = buffer.view(self.world_size, width)
+        placed, offset = [], 0
+        for param, grad in staged:
+            size = param.ds_spec.shard_numel
+            write_rank_major(rows[:, offset:offset + size], grad.reshape(-1), param.ds_spec,
+                             self.scale)
+            placed.append((param, offset))
+            offset += size
+        del staged
+        name = param_name(params[0]) + (f" and {len(params) - 1} more" if len(params) > 1
+                                        else "")
+        self.guard.event("reduce", f"gradients of {name}", [p.ds_id for p in params],
+                         [p.ds_numel for p in params])
+        pending = start_reduce_scatter(buffer, self.group, strategy=self.strategy,
+                                       premultiplied=True)
+        self._inflight.append((pending, placed, buffer))
+        while len(self._inflight) > self.max_inflight:
+            self._drain()
+
+    def _drain(self) -> None:
+        pending, placed, _ = self._inflight.pop(0)
+        mine = pending.wait()
+        with torch.no_grad():
+            for param, offset in placed:
+                size = param.ds_spec.shard_numel
+                self.accumulator(param).add_(mine[offset:offset + size])
+
+    def finish(self) -> None:
+        """Launch the partial bucket and drain everything (idempotent)."""
+        self._launch()
+        while self._inflight:
+            self._drain()
+
+    def reset(self) -> None:
+        """Drop staged gradients; wait for (and discard) reductions in flight."""
+        self._staged, self._staged_numel = [], 0
+        for pending, _, _ in self._inflight:
+            pending.wait()
+        self._inflight = []
