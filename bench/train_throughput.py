@@ -1,7 +1,7 @@
 """Training throughput and memory: dsrun's engine vs torch DDP (vs DeepSpeed).
 
     .venv/bin/python bench/train_throughput.py [--rounds 3] [--steps 5] [--warmup 3]
-        [--runners ddp,dsrun-stage0] [--json results.json]
+        [--runners ddp,dsrun-stage0] [--model small|large] [--json results.json]
 
 A fixed GPT-like model (vocab 8192, width 512, 6 layers, 8 heads, sequence
 128, tied embeddings: 23.3M parameters), fp32, AdamW, 4 sequences per rank,
@@ -54,7 +54,15 @@ from typing import Any, Callable
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DS_PYTHON = HERE / ".venv-ds" / "bin" / "python"
-VOCAB, WIDTH, LAYERS, HEADS, SEQ, BATCH = 8192, 512, 6, 8, 128, 4
+# (vocab, width, layers, heads, sequence, sequences per rank)
+MODELS = {"small": (8192, 512, 6, 8, 128, 4),    # 23.2M parameters
+          "large": (8192, 1024, 12, 16, 128, 2)}  # 160M: model state dominates memory
+VOCAB, WIDTH, LAYERS, HEADS, SEQ, BATCH = MODELS["small"]
+
+
+def use_model(name: str) -> None:
+    global VOCAB, WIDTH, LAYERS, HEADS, SEQ, BATCH
+    VOCAB, WIDTH, LAYERS, HEADS, SEQ, BATCH = MODELS[name]
 LR = 3e-4
 
 # ----------------------------------------------------------------- the model (rank side)
@@ -103,13 +111,14 @@ def build_model() -> Any:
 # ------------------------------------------------------------------- runners (rank side)
 
 Step = Callable[[Any], None]
+Builder = Callable[[], Any]
 
 
-def _ddp(model: Any) -> Step:
+def _ddp(build: Builder) -> Step:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    ddp = DistributedDataParallel(model)
+    ddp = DistributedDataParallel(build())
     return _plain_step(ddp, torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.0))
 
 
@@ -137,53 +146,66 @@ def _engine_step(engine: Any) -> Step:
     return step
 
 
-def _dsrun(stage: int) -> Callable[[Any], Step]:
-    def setup(model: Any) -> Step:
+def _dsrun(stage: int) -> Callable[[Builder], Step]:
+    def setup(build: Builder) -> Step:
         import dsrun
 
-        engine, _, _, _ = dsrun.initialize(model=model, config=_ds_config(stage))
+        config = _ds_config(stage)
+        if stage == 3:  # built already partitioned: never whole on a rank
+            import dsrun.zero
+
+            with dsrun.zero.Init(config_dict_or_path=config):
+                model = build()
+            # the position table is read in the root's forward, not wpe's own
+            dsrun.zero.register_external_parameter(model, model.wpe.weight)
+        else:
+            model = build()
+        engine, _, _, _ = dsrun.initialize(model=model, config=config)
         return _engine_step(engine)
     return setup
 
 
-def _deepspeed(stage: int) -> Callable[[Any], Step]:
-    def setup(model: Any) -> Step:
+def _deepspeed(stage: int) -> Callable[[Builder], Step]:
+    def setup(build: Builder) -> Step:
         import deepspeed
 
+        model = build()
         engine, _, _, _ = deepspeed.initialize(model=model, config=_ds_config(stage),
                                                model_parameters=model.parameters())
         return _engine_step(engine)
     return setup
 
 
-def _zero_redundancy(model: Any) -> Step:
+def _zero_redundancy(build: Builder) -> Step:
     """torch's ZeroRedundancyOptimizer (ZeRO-1) under DDP."""
     import torch
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
-    ddp = DistributedDataParallel(model)
+    ddp = DistributedDataParallel(build())
     opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
                                   lr=LR, weight_decay=0.0)
     return _plain_step(ddp, opt)
 
 
-def _fsdp2(model: Any) -> Step:
+def _fsdp2(build: Builder) -> Step:
     """torch FSDP2 ``fully_shard`` per block, then the root (ZeRO-3 style)."""
     import torch
     from torch.distributed.fsdp import fully_shard
 
+    model = build()
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
     return _plain_step(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0))
 
 
-RUNNERS: dict[str, Callable[[Any], Step]] = {
+RUNNERS: dict[str, Callable[[Builder], Step]] = {
     "ddp": _ddp,
     "dsrun-stage0": _dsrun(0),
     "dsrun-stage1": _dsrun(1),
     "dsrun-stage2": _dsrun(2),
+    "dsrun-stage3": _dsrun(3),
     "zero-redundancy-optimizer": _zero_redundancy,
     "fsdp2": _fsdp2,
     "deepspeed-stage0": _deepspeed(0),
@@ -207,8 +229,14 @@ def worker(runner: str, steps: int, warmup: int, out: str) -> None:
 
     dsrun.init_distributed()
     rank = dist.get_rank()
-    model = build_model()
-    step = RUNNERS[runner](model)
+    built: list[Any] = []
+
+    def build() -> Any:
+        built.append(build_model())
+        return built[-1]
+
+    step = RUNNERS[runner](build)
+    model = built[0]
     gen = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
     for _ in range(warmup):
@@ -241,7 +269,8 @@ def deepspeed_python(path: Path) -> str | None:
 def run_once(python: str, runner: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as out:
         argv = [python, "-m", "dsrun.launcher.cli", "--num_gpus", "2", __file__, "--worker",
-                runner, "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", out]
+                runner, "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", out,
+                "--model", args.model]
         env = {**os.environ, "DS_ACCELERATOR": "cpu"}
         res = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=str(ROOT))
         if res.returncode != 0:
@@ -284,11 +313,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--runners", default=",".join(RUNNERS))
+    parser.add_argument("--model", choices=sorted(MODELS), default="small",
+                        help="large: ~160M parameters, to compare peak RSS where model "
+                             "state dominates (use few steps)")
     parser.add_argument("--ds-python", default=str(DS_PYTHON))
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    use_model(args.model)
     if args.worker:
         worker(args.worker, args.steps, args.warmup, args.out)
         return
