@@ -194,14 +194,22 @@ class DsrunEngine(torch.nn.Module):
         zero = wrap_optimizer(self.optimizer, self.config.zero_optimization,
                               self.zero_stage, self.dp_group, self.module,
                               self.config.gradient_accumulation_steps, self.device)
-        offload = self.config.zero_optimization.offload_optimizer
-        if offload is not None and offload.device == "cpu" and self.device.type == "cpu":
-            log.info("offload_optimizer.device=cpu: the ranks are CPU ranks, so optimizer "
-                     "state already lives in host memory (nothing to offload)")
-        elif offload is not None and offload.device not in (None, "none"):
-            raise DsrunConfigError("offload_optimizer to the CPU from GPU ranks is not "
-                                   f"implemented yet ({self.config.source})")
+        self._check_offload()
         return zero
+
+    def _check_offload(self) -> None:
+        """offload_* to "cpu" on CPU ranks: state is in host memory already."""
+        for name in ("offload_optimizer", "offload_param"):
+            offload = getattr(self.config.zero_optimization, name)
+            if offload is None or offload.device in (None, "none"):
+                continue
+            if offload.device == "cpu" and self.device.type == "cpu":
+                log.info("zero_optimization.%s.device=cpu: these are CPU ranks, so that "
+                         "state already lives in host memory (nothing to offload)", name)
+                continue
+            raise DsrunConfigError(f"zero_optimization.{name}.device={offload.device!r} from "
+                                   f"{self.device.type} ranks is not implemented yet "
+                                   f"({self.config.source})")
 
     def _make_scheduler(self, client: Any, client_optimizer: Any = None) -> Any:
         if client is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -263,3 +264,19 @@ def test_auto_micro_batch_from_a_dataloader(solo: None) -> None:
     assert returned is loader  # a DataLoader is used as given
     assert (engine.train_micro_batch_size_per_gpu(), engine.train_batch_size()) == (3, 3)
     assert engine.get_lr() == [1e-3]  # "auto" lr without a client optimizer: DeepSpeed's default
+
+
+@pytest.mark.parametrize("section", ["offload_optimizer", "offload_param"])
+def test_cpu_offload_on_cpu_ranks_is_a_reported_no_op(solo: None, section: str,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    config = {"train_batch_size": 4, "optimizer": {"type": "Adam"},
+              "zero_optimization": {"stage": 3, section: {"device": "cpu"}}}
+    with caplog.at_level(logging.INFO, logger="dsrun.runtime"):
+        engine, _, _, _ = dsrun.initialize(model=net(), config=config)
+    assert engine.zero_optimization_stage() == 3
+    assert any(f"{section}.device=cpu" in r.getMessage() and "nothing to offload" in
+               r.getMessage() for r in caplog.records)
+    config["zero_optimization"][section] = {"device": "nvme", "nvme_path": "/tmp"}
+    with pytest.raises(DsrunConfigError, match=f"{section}.device='nvme' from cpu ranks is "
+                                               "not implemented"):
+        dsrun.initialize(model=net(), config=config)
