@@ -191,11 +191,26 @@ class DsrunEngine(torch.nn.Module):
             raise DsrunConfigError(
                 f"ZeRO stage {self.zero_stage} needs an optimizer: add an \"optimizer\" "
                 f"section to {self.config.source} or pass optimizer= to initialize()")
+        self._check_unsupported()
         zero = wrap_optimizer(self.optimizer, self.config.zero_optimization,
                               self.zero_stage, self.dp_group, self.module,
                               self.config.gradient_accumulation_steps, self.device)
         self._check_offload()
         return zero
+
+    def _check_unsupported(self) -> None:
+        """ZeRO++/MiCS features change what is computed: refuse them when on,
+        rather than train without them."""
+        zc = self.config.zero_optimization
+        enabled = [name for name, on in (
+            ("zero_quantized_weights", zc.zero_quantized_weights),
+            ("zero_quantized_nontrainable_weights", zc.zero_quantized_nontrainable_weights),
+            ("zero_quantized_gradients", zc.zero_quantized_gradients),
+            ("zero_hpz_partition_size", zc.zero_hpz_partition_size > 1),
+            ("mics_shard_size", zc.mics_shard_size > 0)) if on]
+        if enabled:
+            raise DsrunConfigError(f"zero_optimization.{enabled[0]} (ZeRO++/MiCS) is not "
+                                   f"implemented in dsrun ({self.config.source}): remove it")
 
     def _check_offload(self) -> None:
         """offload_* to "cpu" on CPU ranks: state is in host memory already."""
