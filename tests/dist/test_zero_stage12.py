@@ -27,13 +27,11 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dsrun.errors import DsrunConfigError, DsrunError
 from dsrun.runtime.optimizers import Lamb
@@ -132,18 +130,6 @@ def test_model_state_bytes_match_the_fp32_formula(job: dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------- world size 1, in-process
-
-
-@pytest.fixture
-def solo() -> Iterator[None]:
-    """A one-rank gloo group in this process (no ports), destroyed after."""
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _model() -> torch.nn.Module:

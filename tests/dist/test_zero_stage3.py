@@ -34,7 +34,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dsrun import zero
 from dsrun.errors import DsrunConfigError
@@ -214,18 +213,6 @@ def test_timeout_names_the_rank_that_stopped(job: list[dict[str, Any]]) -> None:
 
 
 # ------------------------------------------------------- world size 1, in-process
-
-
-@pytest.fixture
-def solo() -> Iterator[None]:
-    """A one-rank gloo group in this process (no ports), destroyed after."""
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _model() -> torch.nn.Module:

@@ -205,6 +205,9 @@ class ZeroOptimizer:
                             [p.requires_grad for p in ps]) for ps in self.param_groups_full]
         self.masters = [torch.nn.Parameter(self._gather_own_elements(g))
                         for g in range(len(self.layouts))]
+        # Trainable parameters become views of one flat buffer per group, in
+        # the partition layout, so the post-step all-gather lands in place.
+        self._flats = [self._flatten_params(g) for g in range(len(self.layouts))]
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         self.optimizer: Optimizer = optimizer_cls(
             [{**h, "params": [m]} for h, m in zip(hyper, self.masters)],
@@ -259,6 +262,22 @@ class ZeroOptimizer:
                 shard.narrow(0, piece.flat_offset - start, piece.length).copy_(
                     src.narrow(0, piece.param_offset, piece.length))
         return shard
+
+    @torch.no_grad()
+    def _flatten_params(self, g: int) -> Optional[torch.Tensor]:
+        layout = self.layouts[g]
+        params = self.param_groups_full[g]
+        if not layout.members:
+            return None
+        first = params[layout.members[0]]
+        flat = torch.zeros(layout.padded_numel, dtype=first.dtype, device=first.device)
+        for i in layout.members:
+            param, offset = params[i], layout.offsets[i]
+            assert offset is not None
+            view = flat.narrow(0, offset, param.numel())
+            view.copy_(param.detach().reshape(-1))
+            param.data = view.view_as(param)
+        return flat
 
     def _grad_sources(self, order: Optional[Sequence[torch.Tensor]]) -> list[GradSource]:
         sources = [GradSource(ps[i], g, i) for g, ps in enumerate(self.param_groups_full)
@@ -430,6 +449,12 @@ class ZeroOptimizer:
         for g, layout in enumerate(self.layouts):
             size = layout.partition_numel
             if size == 0:
+                continue
+            flat = self._flats[g]
+            if flat is not None and window >= size:  # one window: in place
+                mine = flat.narrow(0, self.rank * size, size)
+                mine.copy_(self.masters[g].detach())
+                all_gather_flat(mine, self.group, strategy=self.strategy, out=flat)
                 continue
             params = self.param_groups_full[g]
             dtype = params[layout.members[0]].dtype
