@@ -45,6 +45,7 @@ from dsrun.runtime.zero import (
     zero_model_state_bytes,
 )
 from tests.conftest import ROOT, run_dsrun
+from tests.dist.world1 import small_model, train, two_groups
 
 pytestmark = pytest.mark.dist
 
@@ -132,45 +133,17 @@ def test_model_state_bytes_match_the_fp32_formula(job: dict[str, Any]) -> None:
 # ------------------------------------------------------- world size 1, in-process
 
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5))
-    model[0].bias.requires_grad_(False)
-    return model
-
-
-def _groups(model: torch.nn.Module) -> list[dict[str, Any]]:
-    return [{"params": [model[0].weight, model[0].bias]},
-            {"params": [model[2].weight, model[2].bias], "lr": 0.03, "weight_decay": 0.1}]
-
-
-def _train(model: torch.nn.Module, opt: Any, gas: int, max_norm: float, zero: bool) -> None:
-    g = torch.Generator().manual_seed(1)
-    for _ in range(8):
-        for _ in range(gas):
-            (model(torch.randn(4, 7, generator=g)).square().mean() / gas).backward()
-            if zero:
-                opt.micro_step_done()
-        if zero:
-            opt.clip_grad_norm(max_norm)
-        elif max_norm:
-            trainable = [p for p in model.parameters() if p.requires_grad]
-            torch.nn.utils.clip_grad_norm_(trainable, max_norm)
-        opt.step()
-        opt.zero_grad()
-
-
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("gas", [1, 3])
 @pytest.mark.parametrize("max_norm", [0.0, 0.05])
 def test_world_size_one_is_the_plain_update(solo: None, stage: int, gas: int,
                                             max_norm: float) -> None:
-    ref, mine = _model(), _model()
-    _train(ref, torch.optim.Adam(_groups(ref), lr=0.01), gas, max_norm, zero=False)
+    ref, mine = small_model(), small_model()
+    train(ref, torch.optim.Adam(two_groups(ref), lr=0.01), gas, max_norm, zero=False)
     settings = ZeroSettings(reduce_bucket_size=50, allgather_bucket_size=30, overlap_comm=True)
-    zero = ZeroOptimizer(_groups(mine), torch.optim.Adam, {"lr": 0.01}, stage=stage,
+    zero = ZeroOptimizer(two_groups(mine), torch.optim.Adam, {"lr": 0.01}, stage=stage,
                          settings=settings)
-    _train(mine, zero, gas, max_norm, zero=True)
+    train(mine, zero, gas, max_norm, zero=True)
     pairs = list(zip(ref.parameters(), mine.parameters()))
     if max_norm == 0.0:
         assert all(torch.equal(a, b) for a, b in pairs)
@@ -182,8 +155,8 @@ def test_world_size_one_is_the_plain_update(solo: None, stage: int, gas: int,
 
 
 def test_optimizer_state_only_for_the_partition_and_grads_released(solo: None) -> None:
-    model = _model()
-    zero = ZeroOptimizer(_groups(model), torch.optim.Adam, {"lr": 0.01}, stage=2)
+    model = small_model()
+    zero = ZeroOptimizer(two_groups(model), torch.optim.Adam, {"lr": 0.01}, stage=2)
     model(torch.randn(2, 7)).sum().backward()
     assert all(p.grad is None for p in model.parameters())  # released by the hooks
     assert not zero._reducer.active  # the end-of-backward callback finished the round
@@ -195,8 +168,8 @@ def test_optimizer_state_only_for_the_partition_and_grads_released(solo: None) -
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_low_precision_model_keeps_fp32_masters(solo: None, stage: int) -> None:
-    model = _model().to(torch.bfloat16)
-    zero = ZeroOptimizer(_groups(model), torch.optim.AdamW, {"lr": 0.01}, stage=stage)
+    model = small_model().to(torch.bfloat16)
+    zero = ZeroOptimizer(two_groups(model), torch.optim.AdamW, {"lr": 0.01}, stage=stage)
     before = model[2].weight.detach().clone()
     for _ in range(3):
         model(torch.randn(2, 7, dtype=torch.bfloat16)).float().square().sum().backward()
@@ -209,7 +182,7 @@ def test_low_precision_model_keeps_fp32_masters(solo: None, stage: int) -> None:
 
 
 def test_mixed_dtypes_are_rejected(solo: None) -> None:
-    model = _model()
+    model = small_model()
     model[2].to(torch.float64)
     with pytest.raises(DsrunConfigError, match="one dtype"):
         ZeroOptimizer(model.parameters(), torch.optim.Adam, stage=2)
@@ -217,12 +190,12 @@ def test_mixed_dtypes_are_rejected(solo: None) -> None:
 
 def test_unshardable_optimizer_is_rejected(solo: None) -> None:
     with pytest.raises(DsrunConfigError, match="Lamb.*whole-tensor"):
-        ZeroOptimizer(_model().parameters(), Lamb, stage=1)
+        ZeroOptimizer(small_model().parameters(), Lamb, stage=1)
 
 
-def test_from_optimizer_refuses_a_stepped_one_and_copies_groups(solo: None) -> None:
-    model = _model()
-    opt = torch.optim.SGD(_groups(model), lr=0.1, momentum=0.9)
+def test_from_optimizer_refuses_a_stepped_one_and_copiestwo_groups(solo: None) -> None:
+    model = small_model()
+    opt = torch.optim.SGD(two_groups(model), lr=0.1, momentum=0.9)
     zero = ZeroOptimizer.from_optimizer(opt, stage=1)
     assert type(zero.optimizer) is torch.optim.SGD
     assert [(g["lr"], g["momentum"]) for g in zero.param_groups] == [(0.1, 0.9), (0.03, 0.9)]
@@ -233,9 +206,9 @@ def test_from_optimizer_refuses_a_stepped_one_and_copies_groups(solo: None) -> N
 
 
 def test_all_frozen_group_and_huge_parameter_bucket(solo: None) -> None:
-    model = _model()
+    model = small_model()
     frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
-    groups = [{"params": [frozen]}, *_groups(model)]
+    groups = [{"params": [frozen]}, *two_groups(model)]
     zero = ZeroOptimizer(groups, torch.optim.AdamW, {"lr": 0.01}, stage=2,
                          settings=ZeroSettings(reduce_bucket_size=4))  # every param alone
     assert zero.masters[0].numel() == 0
@@ -245,8 +218,8 @@ def test_all_frozen_group_and_huge_parameter_bucket(solo: None) -> None:
 
 
 def test_overflow_and_norm_at_world_size_one(solo: None) -> None:
-    model = _model()
-    zero = ZeroOptimizer(_groups(model), torch.optim.Adam, stage=1)
+    model = small_model()
+    zero = ZeroOptimizer(two_groups(model), torch.optim.Adam, stage=1)
     model(torch.randn(2, 7)).sum().backward()
     full = [p.grad.clone() for p in model.parameters() if p.requires_grad]
     assert not zero.has_overflow()
@@ -260,8 +233,8 @@ def test_overflow_and_norm_at_world_size_one(solo: None) -> None:
 
 
 def test_state_dict_round_trip(solo: None) -> None:
-    model = _model()
-    zero = ZeroOptimizer(_groups(model), torch.optim.Adam, {"lr": 0.01}, stage=1)
+    model = small_model()
+    zero = ZeroOptimizer(two_groups(model), torch.optim.Adam, {"lr": 0.01}, stage=1)
     model(torch.randn(2, 7)).sum().backward()
     zero.step()
     saved = zero.state_dict()
@@ -289,7 +262,7 @@ def test_collectives_collapse_at_world_size_one(solo: None, strategy: CommStrate
 
 def test_stage_and_settings_validation(solo: None) -> None:
     with pytest.raises(DsrunConfigError, match="stages 1 and 2"):
-        ZeroOptimizer(_model().parameters(), torch.optim.Adam, stage=3)
+        ZeroOptimizer(small_model().parameters(), torch.optim.Adam, stage=3)
     with pytest.raises(DsrunConfigError, match="reduce_bucket_size"):
         ZeroSettings(reduce_bucket_size=0)
     assert zero_model_state_bytes(10, 1, 2) == zero_model_state_bytes(10, 1, 0)

@@ -47,6 +47,7 @@ from dsrun.runtime.zero import (
 )
 from dsrun.runtime.zero.partitioned import full_numel_held
 from tests.conftest import ROOT, run_dsrun
+from tests.dist.world1 import small_model, train, two_groups
 
 pytestmark = pytest.mark.dist
 
@@ -215,43 +216,15 @@ def test_timeout_names_the_rank_that_stopped(job: list[dict[str, Any]]) -> None:
 # ------------------------------------------------------- world size 1, in-process
 
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5))
-    model[0].bias.requires_grad_(False)
-    return model
-
-
-def _groups(model: torch.nn.Module) -> list[dict[str, Any]]:
-    return [{"params": [model[0].weight, model[0].bias]},
-            {"params": [model[2].weight, model[2].bias], "lr": 0.03, "weight_decay": 0.1}]
-
-
-def _train(model: torch.nn.Module, opt: Any, gas: int, max_norm: float, stage3: bool) -> None:
-    g = torch.Generator().manual_seed(1)
-    for _ in range(8):
-        for _ in range(gas):
-            (model(torch.randn(4, 7, generator=g)).square().mean() / gas).backward()
-            if stage3:
-                opt.micro_step_done()
-        if stage3:
-            opt.clip_grad_norm(max_norm)
-        elif max_norm:
-            trainable = [p for p in model.parameters() if p.requires_grad]
-            torch.nn.utils.clip_grad_norm_(trainable, max_norm)
-        opt.step()
-        opt.zero_grad()
-
-
 @pytest.mark.parametrize("gas", [1, 3])
 @pytest.mark.parametrize("max_norm", [0.0, 0.05])
 def test_world_size_one_is_the_plain_update(solo: None, gas: int, max_norm: float) -> None:
-    ref, mine = _model(), _model()
-    _train(ref, torch.optim.Adam(_groups(ref), lr=0.01), gas, max_norm, stage3=False)
-    stage3 = ZeroStage3(mine, _groups(mine), torch.optim.Adam, {"lr": 0.01},
+    ref, mine = small_model(), small_model()
+    train(ref, torch.optim.Adam(two_groups(ref), lr=0.01), gas, max_norm, zero=False)
+    stage3 = ZeroStage3(mine, two_groups(mine), torch.optim.Adam, {"lr": 0.01},
                         settings=Stage3Settings(param_persistence_threshold=0,
                                                 reduce_bucket_size=50))
-    _train(mine, stage3, gas, max_norm, stage3=True)
+    train(mine, stage3, gas, max_norm, zero=True)
     pairs = list(zip(ref.parameters(), mine.parameters()))
     if max_norm == 0.0 and gas == 1:
         assert all(torch.equal(a, b) for a, b in pairs)
@@ -265,8 +238,8 @@ def test_world_size_one_is_the_plain_update(solo: None, gas: int, max_norm: floa
 
 
 def test_world_size_one_gradients_released_and_state_partitioned(solo: None) -> None:
-    model = _model()
-    stage3 = ZeroStage3(model, _groups(model), torch.optim.Adam, {"lr": 0.01})
+    model = small_model()
+    stage3 = ZeroStage3(model, two_groups(model), torch.optim.Adam, {"lr": 0.01})
     model(torch.randn(2, 7)).sum().backward()
     assert all(p.grad is None for p in model.parameters())
     stage3.step()
@@ -277,10 +250,10 @@ def test_world_size_one_gradients_released_and_state_partitioned(solo: None) -> 
 
 
 def test_all_frozen_group_and_external_registration(solo: None) -> None:
-    model = _model()
+    model = small_model()
     extra = torch.nn.Linear(3, 3).requires_grad_(False)
     model.add_module("extra", extra)
-    groups = [{"params": list(extra.parameters())}, *_groups(model)]
+    groups = [{"params": list(extra.parameters())}, *two_groups(model)]
     zero.register_external_parameter(model[2], extra.weight)
     zero.register_external_parameter(model[2], extra.weight)  # once only
     assert model[2].ds_external_parameters == [extra.weight]
@@ -296,8 +269,8 @@ def test_all_frozen_group_and_external_registration(solo: None) -> None:
 
 
 def test_low_precision_model_keeps_fp32_masters(solo: None) -> None:
-    model = _model().to(torch.bfloat16)
-    stage3 = ZeroStage3(model, _groups(model), torch.optim.AdamW, {"lr": 0.01})
+    model = small_model().to(torch.bfloat16)
+    stage3 = ZeroStage3(model, two_groups(model), torch.optim.AdamW, {"lr": 0.01})
     before = model[2].weight.detach().clone()
     for _ in range(3):
         model(torch.randn(2, 7, dtype=torch.bfloat16)).float().square().sum().backward()
@@ -311,8 +284,8 @@ def test_low_precision_model_keeps_fp32_masters(solo: None) -> None:
 
 
 def test_state_dict_round_trip(solo: None) -> None:
-    model = _model()
-    stage3 = ZeroStage3(model, _groups(model), torch.optim.Adam, {"lr": 0.01})
+    model = small_model()
+    stage3 = ZeroStage3(model, two_groups(model), torch.optim.Adam, {"lr": 0.01})
     model(torch.randn(2, 7)).sum().backward()
     stage3.step()
     saved = stage3.state_dict()
@@ -328,7 +301,7 @@ def test_state_dict_round_trip(solo: None) -> None:
 
 def test_zero_init_and_gathered_parameters_at_world_size_one(solo: None) -> None:
     with zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3}}):
-        model = _model()
+        model = small_model()
     weight = model[0].weight
     assert isinstance(weight, zero.ZeroParameter) and tuple(weight.ds_shape) == (13, 7)
     assert weight.data.numel() == 91  # world size 1: kept whole
@@ -353,14 +326,14 @@ def test_init_disabled_and_config_checks(solo: None) -> None:
 
 
 def test_optimizer_checks(solo: None) -> None:
-    model = _model()
+    model = small_model()
     with pytest.raises(DsrunConfigError, match="Lamb.*whole-tensor"):
         ZeroStage3(model, None, Lamb)
     with pytest.raises(DsrunConfigError, match="in no param group"):
         ZeroStage3(model, [model[2].weight], torch.optim.Adam)
     with pytest.raises(DsrunConfigError, match="not a parameter of the module"):
         ZeroStage3(model, [torch.nn.Parameter(torch.ones(2))], torch.optim.Adam)
-    opt = torch.optim.SGD(_groups(model), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(two_groups(model), lr=0.1, momentum=0.9)
     model(torch.randn(2, 7)).sum().backward()
     opt.step()
     with pytest.raises(DsrunConfigError, match="not stepped"):
