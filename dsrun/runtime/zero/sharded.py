@@ -180,6 +180,22 @@ def _constructor_kwargs(optimizer_cls: type, defaults: Mapping[str, Any]) -> dic
     return {k: v for k, v in defaults.items() if k in accepted and k != "params"}
 
 
+def restore_partition_state(state: Mapping[str, Any], numels_key: str, numels: list[int],
+                            world_size: int, rank: int, masters: Sequence[torch.Tensor],
+                            optimizer: Optimizer) -> None:
+    """Load a per-rank state dict (masters + inner optimizer) saved by the
+    same rank with the same partitioning; anything else is an error."""
+    if (state["world_size"], state["rank"], list(state[numels_key])) != \
+            (world_size, rank, numels):
+        raise DsrunError(f"ZeRO stage {state.get('zero_stage', '?')} state of a different "
+                         f"partitioning: world size {state['world_size']} rank "
+                         f"{state['rank']} vs {world_size} rank {rank}")
+    with torch.no_grad():
+        for master, saved in zip(masters, state["masters"]):
+            master.copy_(saved)
+    optimizer.load_state_dict(state["optimizer"])
+
+
 class ZeroOptimizer:
     """ZeRO stage 1/2 optimizer (module docstring for the interface)."""
 
@@ -506,16 +522,9 @@ class ZeroOptimizer:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` of the same rank and layout; the model
         parameters are refreshed from the restored masters."""
-        numels = [lay.partition_numel for lay in self.layouts]
-        if (state["world_size"], state["rank"], list(state["partition_numels"])) != \
-                (self.world_size, self.rank, numels):
-            raise DsrunError("ZeRO state of a different partitioning: world size "
-                             f"{state['world_size']} rank {state['rank']} vs "
-                             f"{self.world_size} rank {self.rank}")
-        with torch.no_grad():
-            for master, saved in zip(self.masters, state["masters"]):
-                master.copy_(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
+        restore_partition_state(state, "partition_numels",
+                                [lay.partition_numel for lay in self.layouts],
+                                self.world_size, self.rank, self.masters, self.optimizer)
         self._gather_params()
 
     def close(self) -> None:

@@ -87,6 +87,7 @@ from dsrun.runtime.zero.sharded import (
     _check_optimizer_cls,
     _constructor_kwargs,
     _normalise_groups,
+    restore_partition_state,
 )
 from dsrun.runtime.zero.stage3_plan import MasterLayout, is_persistent
 
@@ -457,16 +458,8 @@ class ZeroStage3:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` of the same rank and layout."""
-        numels = [m.numel() for m in self.masters]
-        if (state["world_size"], state["rank"], list(state["master_numels"])) != \
-                (self.world_size, self.rank, numels):
-            raise DsrunError("ZeRO-3 state of a different partitioning: world size "
-                             f"{state['world_size']} rank {state['rank']} vs "
-                             f"{self.world_size} rank {self.rank}")
-        with torch.no_grad():
-            for master, saved in zip(self.masters, state["masters"]):
-                master.copy_(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
+        restore_partition_state(state, "master_numels", [m.numel() for m in self.masters],
+                                self.world_size, self.rank, self.masters, self.optimizer)
         self._write_back()
 
     def close(self) -> None:
