@@ -53,7 +53,6 @@ flat partitions: they are rejected (:data:`UNSHARDABLE_OPTIMIZERS`).
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -68,13 +67,13 @@ from dsrun.runtime.zero.comm import (
     all_gather_flat,
     reduce_scatter_mean,
 )
+from dsrun.runtime.zero.masters import MasterGradients
 from dsrun.runtime.zero.memory import StateBytes, model_state_bytes
 from dsrun.runtime.zero.partition import GroupLayout, partition_group, windows
 from dsrun.runtime.zero.reducer import GradReducer, GradSource
 
 UNSHARDABLE_OPTIMIZERS = ("Lamb", "FusedLamb", "LAMB", "Lars", "LARS", "FusedLars",
                           "Adafactor", "LBFGS", "SparseAdam", "Muon", "Shampoo")
-CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 
 
 @dataclass(frozen=True)
@@ -196,7 +195,7 @@ def restore_partition_state(state: Mapping[str, Any], numels_key: str, numels: l
     optimizer.load_state_dict(state["optimizer"])
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(MasterGradients):
     """ZeRO stage 1/2 optimizer (module docstring for the interface)."""
 
     def __init__(self, params: Iterable[Any], optimizer_cls: type[Optimizer],
@@ -316,14 +315,6 @@ class ZeroOptimizer:
     # ------------------------------------------------------ torch-like API
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @property
     def backward_hook_installed(self) -> bool:
         """True when gradients are reduced by hooks during backward (stage 2,
         or stage 1 built with ``reduce_in_backward``)."""
@@ -393,58 +384,6 @@ class ZeroOptimizer:
             covered += piece.length
         if covered < end - start:  # only the tail padding is not covered
             out.narrow(0, covered, end - start - covered).zero_()
-
-    def scale_grads_(self, factor: float) -> None:
-        """Multiply the partition gradients by ``factor`` (fp16 unscaling)."""
-        self.reduce_gradients()
-        if factor != 1.0:
-            for master in self.masters:
-                master.grad.mul_(factor)  # type: ignore[union-attr]
-
-    def has_overflow(self) -> bool:
-        """True on every rank when any rank's partition gradient has an
-        inf/NaN (one all-reduce of a flag)."""
-        self.reduce_gradients()
-        bad = any(not bool(torch.isfinite(m.grad).all()) for m in self.masters)  # type: ignore
-        flag = torch.tensor([1.0 if bad else 0.0], device=self.masters[0].device)
-        if self.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item() > 0)
-
-    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """Global norm of the full mean gradient, from the partitions (the
-        value ``clip_grad_norm_`` would compute on the full gradient, up to
-        rounding: 2-norm as sqrt of all-reduced squared partition norms)."""
-        self.reduce_gradients()
-        grads = [m.grad for m in self.masters if m.numel()]
-        device = self.masters[0].device
-        if norm_type == math.inf:
-            local = max((g.abs().max() for g in grads), default=torch.zeros((), device=device))
-            total = local.to(torch.float32).reshape(1)
-            op = dist.ReduceOp.MAX
-        elif norm_type == 2.0:
-            squares = [torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
-                       for g in grads]
-            total = torch.stack(squares).sum().reshape(1) if squares else \
-                torch.zeros(1, dtype=torch.float64, device=device)
-            op = dist.ReduceOp.SUM
-        else:
-            raise ValueError(f"norm_type {norm_type} unsupported: use 2.0 or inf")
-        if self.world_size > 1:
-            dist.all_reduce(total, op=op, group=self.group)
-        norm = total if norm_type == math.inf else total.sqrt()
-        return norm.to(torch.float32).reshape(())
-
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale the partition gradients so that the global norm is at most
-        ``max_norm`` (torch's rule: coefficient ``max_norm / (norm + 1e-6)``
-        clamped to 1); returns the norm before clipping."""
-        norm = self.grad_norm(norm_type)
-        if max_norm > 0:
-            coefficient = torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0)
-            for master in self.masters:
-                master.grad.mul_(coefficient)  # type: ignore[union-attr]
-        return norm
 
     # ------------------------------------------------------------- update
 

@@ -56,7 +56,6 @@ is a view of the parameter, the update equals the plain one bitwise.
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -71,6 +70,7 @@ from dsrun.runtime.zero.comm import CommStrategy
 from dsrun.runtime.zero.divergence import DivergenceGuard, GuardSettings, shared_guard
 from dsrun.runtime.zero.fetch import ParamFetcher
 from dsrun.runtime.zero.init import GatheredParameters
+from dsrun.runtime.zero.masters import MasterGradients
 from dsrun.runtime.zero.memory import StateBytes, count_bytes, tensors_in
 from dsrun.runtime.zero.partitioned import (
     ZeroParamStatus,
@@ -83,7 +83,6 @@ from dsrun.runtime.zero.partitioned import (
 )
 from dsrun.runtime.zero.reduce3 import ShardGradReducer
 from dsrun.runtime.zero.sharded import (
-    CLIP_EPS,
     _check_optimizer_cls,
     _constructor_kwargs,
     _normalise_groups,
@@ -139,7 +138,7 @@ class Stage3Settings:
         return CommStrategy(reduce="all_reduce", owner_reduce="all_reduce", gather=gather)
 
 
-class ZeroStage3:
+class ZeroStage3(MasterGradients):
     """ZeRO stage 3 over ``module`` (module docstring for the interface)."""
 
     stage = 3
@@ -277,14 +276,6 @@ class ZeroStage3:
     # ------------------------------------------------------ torch-like API
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @property
     def backward_hook_installed(self) -> bool:
         return True
 
@@ -326,56 +317,11 @@ class ZeroStage3:
                 master.grad = torch.zeros_like(master)
         self._reduced = True
 
-    def scale_grads_(self, factor: float) -> None:
-        """Multiply the shard gradients by ``factor`` (fp16 unscaling)."""
-        self.reduce_gradients()
-        if factor != 1.0:
-            for master in self.masters:
-                master.grad.mul_(factor)  # type: ignore[union-attr]
-
     def _all_reduce(self, value: torch.Tensor, op: Any, what: str) -> None:
+        """Announced to the divergence guard first, like every stage-3 collective."""
         if self.world_size > 1:
             self.guard.event("step", what)
             dist.all_reduce(value, op=op, group=self.group)
-
-    def has_overflow(self) -> bool:
-        """True on every rank when any rank's shard gradient has an inf/NaN."""
-        self.reduce_gradients()
-        bad = any(not bool(torch.isfinite(m.grad).all()) for m in self.masters)  # type: ignore
-        flag = torch.tensor([1.0 if bad else 0.0], device=self.masters[0].device)
-        self._all_reduce(flag, dist.ReduceOp.MAX, "overflow check")
-        return bool(flag.item() > 0)
-
-    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """Global norm of the full mean gradient, from the shards (padding is
-        zero, so it adds nothing)."""
-        self.reduce_gradients()
-        grads = [m.grad for m in self.masters if m.numel()]
-        device = self.masters[0].device
-        if norm_type == math.inf:
-            local = max((g.abs().max() for g in grads), default=torch.zeros((), device=device))
-            total, op = local.to(torch.float32).reshape(1), dist.ReduceOp.MAX
-        elif norm_type == 2.0:
-            squares = [torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
-                       for g in grads]
-            total = torch.stack(squares).sum().reshape(1) if squares else \
-                torch.zeros(1, dtype=torch.float64, device=device)
-            op = dist.ReduceOp.SUM
-        else:
-            raise ValueError(f"norm_type {norm_type} unsupported: use 2.0 or inf")
-        self._all_reduce(total, op, "gradient norm")
-        norm = total if norm_type == math.inf else total.sqrt()
-        return norm.to(torch.float32).reshape(())
-
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """torch's rule (coefficient ``max_norm / (norm + 1e-6)`` clamped to
-        1) on the shards; returns the norm before clipping."""
-        norm = self.grad_norm(norm_type)
-        if max_norm > 0:
-            coefficient = torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0)
-            for master in self.masters:
-                master.grad.mul_(coefficient)  # type: ignore[union-attr]
-        return norm
 
     # ------------------------------------------------------------- update
 
