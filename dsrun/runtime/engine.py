@@ -53,7 +53,7 @@ from dsrun.runtime.lr_schedules import build_scheduler
 from dsrun.runtime.optimizers import build_optimizer
 from dsrun.runtime.precision import FullPrecision, make_precision
 from dsrun.runtime.progress import Progress
-from dsrun.runtime.zero.stepping import memory_lines, wrap_optimizer, zero_step
+from dsrun.runtime.zero.stepping import memory_lines, offload_notes, wrap_optimizer, zero_step
 
 log = logging.getLogger("dsrun.runtime.engine")
 
@@ -116,6 +116,7 @@ class DsrunEngine(torch.nn.Module):
         self.module = model.to(self.device)
         self._broadcast_state()
         self.zero_stage = config.zero_optimization.stage
+        self._check_offload()
         _check_prepartitioned(self.module, config)
         self.precision: FullPrecision = make_precision(config, self.module, self.device,
                                                        masters=self.zero_stage == 0)
@@ -195,7 +196,6 @@ class DsrunEngine(torch.nn.Module):
         zero = wrap_optimizer(self.optimizer, self.config.zero_optimization,
                               self.zero_stage, self.dp_group, self.module,
                               self.config.gradient_accumulation_steps, self.device)
-        self._check_offload()
         return zero
 
     def _check_unsupported(self) -> None:
@@ -213,18 +213,12 @@ class DsrunEngine(torch.nn.Module):
                                    f"implemented in dsrun ({self.config.source}): remove it")
 
     def _check_offload(self) -> None:
-        """offload_* to "cpu" on CPU ranks: state is in host memory already."""
-        for name in ("offload_optimizer", "offload_param"):
-            offload = getattr(self.config.zero_optimization, name)
-            if offload is None or offload.device in (None, "none"):
-                continue
-            if offload.device == "cpu" and self.device.type == "cpu":
-                log.info("zero_optimization.%s.device=cpu: these are CPU ranks, so that "
-                         "state already lives in host memory (nothing to offload)", name)
-                continue
-            raise DsrunConfigError(f"zero_optimization.{name}.device={offload.device!r} from "
-                                   f"{self.device.type} ranks is not implemented yet "
-                                   f"({self.config.source})")
+        """offload_* sections: "nvme" is refused, sections a stage ignores are
+        warned about, "cpu" on CPU ranks is reported as a no-op (the state
+        is in host memory already); the ZeRO optimizers read the rest."""
+        for line in offload_notes(self.config.zero_optimization, self.zero_stage, self.device,
+                                  self.config.source):
+            log.info("%s", line) if "no-op" in line else log.warning("%s", line)
 
     def _make_scheduler(self, client: Any, client_optimizer: Any = None) -> Any:
         if client is not None:

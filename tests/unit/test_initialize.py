@@ -273,13 +273,32 @@ def test_auto_micro_batch_from_a_dataloader(solo: None) -> None:
 def test_cpu_offload_on_cpu_ranks_is_a_reported_no_op(solo: None, section: str,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     config = {"train_batch_size": 4, "optimizer": {"type": "Adam"},
-              "zero_optimization": {"stage": 3, section: {"device": "cpu"}}}
+              "zero_optimization": {"stage": 3, section: {"device": "cpu",
+                                                          "pin_memory": True}}}
     with caplog.at_level(logging.INFO, logger="dsrun.runtime"):
         engine, _, _, _ = dsrun.initialize(model=net(), config=config)
     assert engine.zero_optimization_stage() == 3
-    assert any(f"{section}.device=cpu" in r.getMessage() and "nothing to offload" in
-               r.getMessage() for r in caplog.records)
+    assert any(f"{section}.device=cpu" in r.getMessage() and "no-op" in r.getMessage()
+               for r in caplog.records)
+    # the optimizer took the offload path all the same (host memory is the CPU's)
+    assert getattr(engine.optimizer.settings, section) is True
+    assert not engine.optimizer.placement.offloads
+    x = torch.randn(4, 4)
+    engine.backward(engine(x).square().mean())
+    engine.step()
     config["zero_optimization"][section] = {"device": "nvme", "nvme_path": "/tmp"}
-    with pytest.raises(DsrunConfigError, match=f"{section}.device='nvme' from cpu ranks is "
-                                               "not implemented"):
+    with pytest.raises(DsrunConfigError, match=f"{section}.device='nvme' .*NVMe offload "
+                                               "\\(ZeRO-Infinity\\) is not implemented"):
         dsrun.initialize(model=net(), config=config)
+
+
+@pytest.mark.parametrize(("stage", "section"), [(0, "offload_optimizer"),
+                                                (2, "offload_param")])
+def test_offload_a_stage_ignores_is_warned_about(solo: None, stage: int, section: str,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    config = {"train_batch_size": 4, "optimizer": {"type": "Adam"},
+              "zero_optimization": {"stage": stage, section: {"device": "cpu"}}}
+    with caplog.at_level(logging.WARNING, logger="dsrun.runtime"):
+        dsrun.initialize(model=net(), config=config)
+    assert any(f"zero_optimization.{section}" in r.getMessage() and
+               f"at stage {stage} it is ignored" in r.getMessage() for r in caplog.records)

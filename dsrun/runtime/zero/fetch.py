@@ -44,7 +44,7 @@ operators that save a view of a weight still keep it until backward.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Callable, Optional
 
 import torch
@@ -275,17 +275,29 @@ class ParamFetcher:
 
     def _fetch(self, index: int, params: tuple[torch.Tensor, ...], phase: str, *,
                ahead: bool) -> None:
-        todo = [p for p in params if p.ds_status is ZeroParamStatus.NOT_AVAILABLE]
-        if todo:
-            self.guard.event(phase, self.names[index], [p.ds_id for p in todo],
-                             [p.ds_numel for p in todo])
-            for p in todo:
-                start_gather(p, self.strategy)
-                if p.ds_id not in self.live:
-                    self.live.add(p.ds_id, p.ds_numel, ahead=ahead)
+        self._gather_batch([(index, params)], phase, ahead=ahead)
         if not ahead:
             for p in params:
                 self.live.use(p.ds_id)
+
+    def _gather_batch(self, items: Sequence[tuple[int, Sequence[torch.Tensor]]], phase: str,
+                      *, ahead: bool) -> None:
+        """Start gathering every released parameter of ``items`` (``(module
+        index, params)``): one guard event for the whole batch (a prefetch
+        spans several modules), then the gathers, all in flight together."""
+        need = [(index, [p for p in params if p.ds_status is ZeroParamStatus.NOT_AVAILABLE])
+                for index, params in items]
+        need = [(index, todo) for index, todo in need if todo]
+        if not need:
+            return
+        todo = [p for _, params in need for p in params]
+        name = self.names[need[0][0]] + (f" and {len(need) - 1} more module(s)"
+                                         if len(need) > 1 else "")
+        self.guard.event(phase, name, [p.ds_id for p in todo], [p.ds_numel for p in todo])
+        for p in todo:
+            start_gather(p, self.strategy)
+            if p.ds_id not in self.live:
+                self.live.add(p.ds_id, p.ds_numel, ahead=ahead)
 
     def _prefetch(self, cursor: TraceCursor, phase: str) -> None:
         if self.prefetch_bucket <= 0:
@@ -293,8 +305,9 @@ class ParamFetcher:
         plan = plan_prefetch(cursor.trace, cursor.position, _ModuleIds(self), self._numels,
                              _Resident(self.by_id), ahead=self.live.ahead, live=self.live.live,
                              bucket=self.prefetch_bucket, max_live=self.max_live)
-        for module, ids in plan:
-            self._fetch(module, tuple(self.by_id[i] for i in ids), phase, ahead=True)
+        if plan:
+            self._gather_batch([(module, tuple(self.by_id[i] for i in ids))
+                                for module, ids in plan], phase, ahead=True)
 
     def _release(self, param: torch.Tensor) -> None:
         release(param)

@@ -57,6 +57,7 @@ from dsrun.runtime.zero.partitioned import (
     broadcast_full,
     gather,
     is_zero_param,
+    offload_shard,
     param_name,
     partition_param,
     refresh_shard,
@@ -76,6 +77,8 @@ class InitSettings:
     alignment: int = 1
     dtype: Optional[torch.dtype] = None
     device: Optional[torch.device] = None
+    offload: bool = False
+    pin_memory: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.persistence_threshold, bool) or self.persistence_threshold < 0:
@@ -129,6 +132,8 @@ def partition_module(module: torch.nn.Module, settings: InitSettings) -> None:
         partition_param(p, group=settings.group, alignment=settings.alignment,
                         persist=is_persistent(p.numel(), settings.persistence_threshold, world),
                         name=f"{owner}.{names.get(id(p), '?')}")
+        if settings.offload:
+            offload_shard(p, settings.pin_memory)
 
 
 # ----------------------------------------------------------- Init patching
@@ -226,19 +231,22 @@ def _unpatch() -> None:
     _depth.clear()
 
 
-def _init_device(remote_device: Optional[str]) -> Optional[torch.device]:
-    """DeepSpeed's default: this rank's GPU when there is one; "cpu" keeps
-    parameters in host memory; None on a CPU-only machine leaves them put."""
-    if remote_device in (None, "none"):
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return None
-    return torch.device(remote_device)
+def _init_device(remote_device: Optional[str]) -> tuple[Optional[torch.device], bool]:
+    """(compute device, offload shards). DeepSpeed's default: this rank's GPU
+    when there is one (None on a CPU-only machine leaves parameters put);
+    ``remote_device="cpu"`` keeps the shards in host memory - parameters are
+    still broadcast and gathered on the GPU, which NCCL needs."""
+    if remote_device not in (None, "none", "cpu"):
+        raise DsrunConfigError(f"zero.Init: remote_device={remote_device!r}; dsrun supports "
+                               "None, 'none' and 'cpu'")
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device()), remote_device == "cpu"
+    return None, False
 
 
 class Init:
     """DeepSpeed's ``zero.Init`` (module docstring). Accepted and ignored:
-    ``mem_efficient_linear``, ``pin_memory``, ``sequence_data_parallel_group``;
+    ``mem_efficient_linear``, ``sequence_data_parallel_group``;
     rejected when set: NVMe, quantized weights, hpZ/MiCS groups, swappers."""
 
     def __init__(self, module: Optional[torch.nn.Module] = None, data_parallel_group: Any = None,
@@ -266,9 +274,9 @@ class Init:
             data_parallel_group = mpu.get_data_parallel_group()
         threshold, config_dtype = settings_from_config(
             config_dict_or_path if config_dict_or_path is not None else config)
-        device = _init_device(remote_device)
+        device, offload = _init_device(remote_device)
         self.settings = InitSettings(data_parallel_group, threshold, dtype=dtype or config_dtype,
-                                     device=device)
+                                     device=device, offload=offload, pin_memory=bool(pin_memory))
         if module is not None:
             partition_module(module, self.settings)
 

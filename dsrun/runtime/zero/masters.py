@@ -7,8 +7,10 @@ global gradient norm computed from the partitions, and torch's clipping
 rule. A subclass provides ``masters`` (flat fp32 tensors whose ``.grad``
 holds this rank's partition of the mean gradient after
 :meth:`reduce_gradients`), ``optimizer`` (the inner torch optimizer),
-``group`` and ``world_size``; it may override :meth:`_all_reduce` to
-announce each collective (stage 3's divergence guard).
+``group``, ``world_size`` and ``comm_device`` (where the group's backend
+reduces: the masters may be in host memory under ``offload_optimizer``);
+it may override :meth:`_all_reduce` to announce each collective (stage 3's
+divergence guard).
 """
 
 from __future__ import annotations
@@ -22,11 +24,23 @@ import torch.distributed as dist
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 
 
+def reduce_on_device(value: torch.Tensor, op: Any, group: Any, device: torch.device) -> None:
+    """All-reduce ``value`` in place through ``device`` (the backend's: a
+    NCCL group cannot reduce host tensors, which offloaded masters are)."""
+    if value.device == device:
+        dist.all_reduce(value, op=op, group=group)
+        return
+    staged = value.to(device)
+    dist.all_reduce(staged, op=op, group=group)
+    value.copy_(staged)
+
+
 class MasterGradients:
     masters: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     group: Any
     world_size: int
+    comm_device: torch.device
 
     def reduce_gradients(self) -> None:  # pragma: no cover - every subclass defines it
         raise NotImplementedError
@@ -41,7 +55,12 @@ class MasterGradients:
 
     def _all_reduce(self, value: torch.Tensor, op: Any, what: str) -> None:
         if self.world_size > 1:
-            dist.all_reduce(value, op=op, group=self.group)
+            reduce_on_device(value, op, self.group, self.comm_device)
+
+    def _new_grad(self, master: torch.Tensor) -> torch.Tensor:
+        """A zero gradient accumulator for ``master`` (pinned like it)."""
+        return torch.zeros(master.shape, dtype=master.dtype, device=master.device,
+                           pin_memory=master.is_pinned())
 
     def scale_grads_(self, factor: float) -> None:
         """Multiply the partition gradients by ``factor`` (fp16 unscaling)."""

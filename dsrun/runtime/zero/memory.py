@@ -69,6 +69,7 @@ class StateBytes:
     grads: int = 0
     optimizer: int = 0
     buffers: int = 0
+    host: int = 0  # of the model state, bytes in host (CPU) memory
 
     @property
     def model_state(self) -> int:
@@ -94,7 +95,8 @@ def count_bytes(*, params: Iterable[torch.Tensor] = (), grads: Iterable[torch.Te
     category wins, in the order params, grads, optimizer, buffers)."""
     seen: set[tuple[str, int]] = set()
     totals: list[int] = []
-    for tensors in (params, grads, optimizer, buffers):
+    host = 0
+    for category, tensors in enumerate((params, grads, optimizer, buffers)):
         total = 0
         for tensor in tensors:
             storage = tensor.untyped_storage()
@@ -103,8 +105,10 @@ def count_bytes(*, params: Iterable[torch.Tensor] = (), grads: Iterable[torch.Te
                 continue
             seen.add(key)
             total += storage.nbytes()
+            if category < 3 and tensor.device.type == "cpu":
+                host += storage.nbytes()
         totals.append(total)
-    return StateBytes(*totals)
+    return StateBytes(*totals, host=host)
 
 
 def model_state_bytes(params: Iterable[torch.Tensor], optimizer: Any = None,

@@ -7,7 +7,9 @@ and gains DeepSpeed's attributes:
 * ``ds_id`` (process-wide counter: equal on all ranks that build the same
   model), ``ds_name`` (for messages), ``ds_shape``, ``ds_numel``;
 * ``ds_tensor``: this rank's shard (:class:`~.stage3_plan.ShardSpec`), in
-  the parameter's dtype, ``ds_spec.shard_numel`` elements, padding zero;
+  the parameter's dtype, ``ds_spec.shard_numel`` elements, padding zero; in
+  host memory after :func:`offload_shard` (``offload_param``);
+* ``ds_device``: where the full data is gathered to (the compute device);
 * ``ds_status`` (:class:`ZeroParamStatus`), ``ds_persist``, ``ds_group``
   (the data-parallel group; None = default), ``ds_pins`` (open
   ``GatheredParameters`` contexts holding it).
@@ -49,6 +51,7 @@ import torch.distributed as dist
 
 from dsrun.errors import DsrunError
 from dsrun.runtime.zero.comm import CommStrategy, Pending, start_all_gather
+from dsrun.runtime.zero.offload import HOST, host_copy, to_device
 from dsrun.runtime.zero.stage3_plan import ShardSpec
 
 _ids = itertools.count()
@@ -130,8 +133,9 @@ def param_name(param: torch.Tensor) -> str:
     return getattr(param, "ds_name", None) or f"parameter #{getattr(param, 'ds_id', '?')}"
 
 
-def _empty(like: torch.Tensor) -> torch.Tensor:
-    return torch.empty(0, dtype=like.dtype, device=like.device)
+def _empty(param: torch.Tensor) -> torch.Tensor:
+    """The empty ``data`` of a released parameter, on its compute device."""
+    return torch.empty(0, dtype=param.ds_tensor.dtype, device=param.ds_device)
 
 
 # ------------------------------------------------------------ partitioning
@@ -157,7 +161,8 @@ def partition_param(param: torch.nn.Parameter, *, group: Any, persist: bool,
     param.__class__ = ZeroParameter
     param.__dict__.update(
         ds_id=next(_ids), ds_name=name, ds_shape=param.data.shape, ds_numel=spec.numel,
-        ds_spec=spec, ds_tensor=shard, ds_status=ZeroParamStatus.AVAILABLE,
+        ds_spec=spec, ds_tensor=shard, ds_device=param.device,
+        ds_status=ZeroParamStatus.AVAILABLE,
         ds_persist=bool(persist or world == 1), ds_group=group, ds_pins=0, _ds_pending=None)
     if not param.ds_persist:
         release(param)
@@ -190,8 +195,8 @@ def broadcast_full(params: Sequence[torch.Tensor], group: Any) -> None:
 
 def move_param(param: torch.Tensor, device: torch.device) -> None:
     """Put a partitioned parameter's shard (and full data, if held) on
-    ``device`` (not during a gather)."""
-    if param.ds_tensor.device == device:
+    ``device``, which becomes its compute device (not during a gather)."""
+    if param.ds_tensor.device == device and param.ds_device == device:
         return
     if param.ds_status is ZeroParamStatus.INFLIGHT:
         raise DsrunError(f"cannot move {param_name(param)} while its gather is in flight")
@@ -199,6 +204,18 @@ def move_param(param: torch.Tensor, device: torch.device) -> None:
     with torch.no_grad():
         param.data = param.data.to(device)
         param.ds_tensor = param.data.view(-1) if aliased else param.ds_tensor.to(device)
+    param.ds_device = device
+
+
+def offload_shard(param: torch.Tensor, pin_memory: bool = False) -> None:
+    """Keep ``param``'s shard in host memory (``offload_param``); gathers
+    copy it to the compute device first. A shard that is a view of the
+    whole parameter (world size 1) stays where the parameter is."""
+    if param.ds_tensor.device == HOST or _aliases(param):
+        return
+    if param.ds_status is ZeroParamStatus.INFLIGHT:
+        raise DsrunError(f"cannot offload {param_name(param)} while its gather is in flight")
+    param.ds_tensor = host_copy(param.ds_tensor, pin_memory)
 
 
 # ------------------------------------------------------------ gather/release
@@ -209,10 +226,9 @@ def start_gather(param: torch.Tensor, strategy: Optional[CommStrategy] = None) -
     if param.ds_status is not ZeroParamStatus.NOT_AVAILABLE:
         return
     spec: ShardSpec = param.ds_spec
-    out = torch.empty(spec.padded_numel, dtype=param.ds_tensor.dtype,
-                      device=param.ds_tensor.device)
-    param._ds_pending = start_all_gather(param.ds_tensor, out, param.ds_group,
-                                         strategy=strategy)
+    out = torch.empty(spec.padded_numel, dtype=param.ds_tensor.dtype, device=param.ds_device)
+    shard = to_device(param.ds_tensor, param.ds_device)  # offloaded shards: host -> device
+    param._ds_pending = start_all_gather(shard, out, param.ds_group, strategy=strategy)
     param.ds_status = ZeroParamStatus.INFLIGHT
 
 
@@ -244,7 +260,7 @@ def release(param: torch.Tensor) -> bool:
     if param.ds_status is ZeroParamStatus.INFLIGHT:
         finish_gather(param)
     if param.ds_status is ZeroParamStatus.AVAILABLE:
-        param.data = _empty(param.ds_tensor)
+        param.data = _empty(param)
         param.ds_status = ZeroParamStatus.NOT_AVAILABLE
     return True
 
@@ -267,13 +283,29 @@ def refresh_shard(param: torch.Tensor) -> None:
 
 def refresh_full(params: Iterable[torch.Tensor], strategy: Optional[CommStrategy] = None
                  ) -> None:
-    """Rebuild the full data of ``AVAILABLE`` parameters from the shards
-    (after the optimizer updated ``ds_tensor``); others are left released."""
+    """Rebuild, in place, the full data of ``AVAILABLE`` parameters from the
+    shards (after the optimizer updated ``ds_tensor``); others are left
+    released. Coalesced: one all-gather per (group, dtype, device) of every
+    shard back to back, however many (small, persistent) parameters."""
     todo = [p for p in params
             if p.ds_status is ZeroParamStatus.AVAILABLE and not _aliases(p)]
+    batches: dict[tuple[Any, torch.dtype, torch.device], list[torch.Tensor]] = {}
     for p in todo:
-        p.ds_status = ZeroParamStatus.NOT_AVAILABLE
-    gather(todo, strategy)
+        batches.setdefault((p.ds_group, p.ds_tensor.dtype, p.ds_device), []).append(p)
+    pending = []
+    for (group, _, device), batch in batches.items():
+        send = torch.cat([to_device(p.ds_tensor, device) for p in batch])
+        pending.append((batch, send.numel(), start_all_gather(send, None, group,
+                                                              strategy=strategy)))
+    with torch.no_grad():
+        for batch, width, work in pending:
+            rows = work.wait().view(-1, width)
+            offset = 0
+            for p in batch:
+                size = p.ds_spec.shard_numel
+                full = rows[:, offset:offset + size].reshape(-1)
+                p.data.view(-1).copy_(full[:p.ds_numel])
+                offset += size
 
 
 def full_numel_held(params: Iterable[torch.Tensor]) -> int:

@@ -48,6 +48,7 @@ import torch
 
 from dsrun.errors import DsrunError
 from dsrun.runtime.zero.comm import CommStrategy, Pending, start_reduce_to_owners
+from dsrun.runtime.zero.offload import to_device
 from dsrun.runtime.zero.partition import GroupLayout, plan_buckets
 
 
@@ -229,8 +230,9 @@ class GradReducer:
         buffer = bucket.inflight.wait()
         bucket.inflight = None
         for group, shard_start, start, length in bucket.mine:
-            self.accumulator(group).narrow(0, shard_start, length).add_(
-                buffer.narrow(0, start, length))
+            acc = self.accumulator(group)  # in host memory under offload_optimizer
+            acc.narrow(0, shard_start, length).add_(
+                to_device(buffer.narrow(0, start, length), acc.device))
         bucket.buffer, bucket.opened = None, False
 
     def finish(self) -> None:

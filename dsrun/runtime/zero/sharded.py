@@ -69,6 +69,7 @@ from dsrun.runtime.zero.comm import (
 )
 from dsrun.runtime.zero.masters import MasterGradients
 from dsrun.runtime.zero.memory import StateBytes, model_state_bytes
+from dsrun.runtime.zero.offload import HOST, Placement, pinning, to_device
 from dsrun.runtime.zero.partition import GroupLayout, partition_group, windows
 from dsrun.runtime.zero.reducer import GradReducer, GradSource
 
@@ -83,7 +84,10 @@ class ZeroSettings:
     ``reduce_scatter`` False forces all-reduce for every gradient reduction
     (DeepSpeed's meaning); ``strategy`` overrides the per-backend choice of
     :mod:`~.comm`; ``comm_dtype`` None reduces in the parameters' dtype;
-    ``alignment`` pads partitions to a multiple of it (elements).
+    ``alignment`` pads partitions to a multiple of it (elements);
+    ``offload_optimizer`` keeps masters, their gradients and the optimizer
+    state in host memory and steps there (:mod:`~.offload`), with
+    ``pin_memory``.
     """
 
     reduce_bucket_size: int = 500_000_000
@@ -94,6 +98,8 @@ class ZeroSettings:
     alignment: int = 1
     comm_dtype: Optional[torch.dtype] = None
     strategy: Optional[CommStrategy] = None
+    offload_optimizer: bool = False
+    pin_memory: bool = False
 
     def __post_init__(self) -> None:
         for name in ("reduce_bucket_size", "allgather_bucket_size", "alignment"):
@@ -108,6 +114,7 @@ class ZeroSettings:
         names = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
                  "contiguous_gradients", "reduce_scatter")
         values = {n: getattr(zero, n) for n in names if getattr(zero, n, None) is not None}
+        values.update(offload_settings(zero, param=False))
         return cls(**{**values, **overrides})
 
     def comm_strategy(self) -> Optional[CommStrategy]:
@@ -115,6 +122,21 @@ class ZeroSettings:
             return self.strategy
         gather = (self.strategy or CommStrategy()).gather
         return CommStrategy(reduce="all_reduce", owner_reduce="all_reduce", gather=gather)
+
+
+def offload_settings(zero: Any, *, param: bool) -> dict[str, Any]:
+    """``offload_optimizer``/``pin_memory`` (and, with ``param``,
+    ``offload_param``) from a ``ZeroConfig``'s offload sections: device
+    "cpu" is on; anything else is off (the engine refuses "nvme")."""
+    out: dict[str, Any] = {}
+    sections = [("offload_optimizer", getattr(zero, "offload_optimizer", None))]
+    if param:
+        sections.append(("offload_param", getattr(zero, "offload_param", None)))
+    for name, section in sections:
+        if section is not None and getattr(section, "device", None) == "cpu":
+            out[name] = True
+            out["pin_memory"] = out.get("pin_memory", False) or bool(section.pin_memory)
+    return out
 
 
 def _normalise_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
@@ -214,6 +236,10 @@ class ZeroOptimizer(MasterGradients):
         self.rank = dist.get_rank(group)
         groups = _normalise_groups(params)
         sample = _check_params(groups)
+        self.placement = Placement(sample.device if sample is not None else HOST,
+                                   offload_optimizer=self.settings.offload_optimizer,
+                                   pin_memory=self.settings.pin_memory)
+        self.comm_device = self.placement.device
         self.param_groups_full = [list(g["params"]) for g in groups]
         self.layouts: list[GroupLayout] = [
             partition_group([p.numel() for p in ps], self.world_size, self.settings.alignment,
@@ -269,8 +295,10 @@ class ZeroOptimizer(MasterGradients):
         layout = self.layouts[g]
         params = self.param_groups_full[g]
         start, _ = layout.rank_range(self.rank)
-        device = params[layout.members[0]].device if layout.members else torch.device("cpu")
-        shard = torch.zeros(layout.partition_numel, dtype=torch.float32, device=device)
+        shard = torch.zeros(layout.partition_numel, dtype=torch.float32,
+                            device=self.placement.master_device,
+                            pin_memory=pinning(self.placement.pin_memory and
+                                               self.placement.offload_optimizer))
         with torch.no_grad():
             for piece in layout.pieces(self.rank):
                 src = params[piece.param].detach().reshape(-1)
@@ -309,7 +337,7 @@ class ZeroOptimizer(MasterGradients):
     def _accumulator(self, g: int) -> torch.Tensor:
         master = self.masters[g]
         if master.grad is None:
-            master.grad = torch.zeros_like(master)
+            master.grad = self._new_grad(master)
         return master.grad
 
     # ------------------------------------------------------ torch-like API
@@ -353,9 +381,8 @@ class ZeroOptimizer(MasterGradients):
             size = layout.partition_numel
             if size == 0:
                 continue
-            device = self.masters[g].device
             scratch = torch.empty(world * min(window, size), dtype=self.comm_dtype,
-                                  device=device)
+                                  device=self.placement.device)
             acc = self._accumulator(g)
             for a, b in windows(size, window):
                 width = b - a
@@ -364,7 +391,7 @@ class ZeroOptimizer(MasterGradients):
                     self._read_grads(g, r * size + a, r * size + b,
                                      flat.narrow(0, r * width, width))
                 shard = reduce_scatter_mean(flat, self.group, strategy=self.strategy)
-                acc.narrow(0, a, width).add_(shard)
+                acc.narrow(0, a, width).add_(to_device(shard, acc.device))
         for p in self.trainable_params():
             p.grad = None
 
@@ -413,11 +440,11 @@ class ZeroOptimizer(MasterGradients):
                 continue
             params = self.param_groups_full[g]
             dtype = params[layout.members[0]].dtype
-            scratch = torch.empty(world * min(window, size), dtype=dtype,
-                                  device=self.masters[g].device)
+            device = self.placement.device
+            scratch = torch.empty(world * min(window, size), dtype=dtype, device=device)
             for a, b in windows(size, window):
                 width = b - a
-                mine = self.masters[g].detach().narrow(0, a, width).to(dtype)
+                mine = to_device(self.masters[g].detach().narrow(0, a, width), device, dtype)
                 full = all_gather_flat(mine, self.group, strategy=self.strategy,
                                        out=scratch.narrow(0, 0, world * width))
                 for r in range(world):

@@ -70,13 +70,15 @@ from dsrun.runtime.zero.comm import CommStrategy
 from dsrun.runtime.zero.divergence import DivergenceGuard, GuardSettings, shared_guard
 from dsrun.runtime.zero.fetch import ParamFetcher
 from dsrun.runtime.zero.init import GatheredParameters
-from dsrun.runtime.zero.masters import MasterGradients
+from dsrun.runtime.zero.masters import MasterGradients, reduce_on_device
 from dsrun.runtime.zero.memory import StateBytes, count_bytes, tensors_in
+from dsrun.runtime.zero.offload import HOST, Placement, pinning, to_device
 from dsrun.runtime.zero.partitioned import (
     ZeroParamStatus,
     broadcast_full,
     is_zero_param,
     move_param,
+    offload_shard,
     partition_param,
     refresh_full,
     set_persistence,
@@ -86,6 +88,7 @@ from dsrun.runtime.zero.sharded import (
     _check_optimizer_cls,
     _constructor_kwargs,
     _normalise_groups,
+    offload_settings,
     restore_partition_state,
 )
 from dsrun.runtime.zero.stage3_plan import MasterLayout, is_persistent
@@ -99,6 +102,9 @@ class Stage3Settings:
     shares the process-wide guard of the group (with ``zero.Init`` and
     ``GatheredParameters``); settings of its own give this optimizer its
     own guard. ``reduce_scatter`` False forces all-reduce for gradients.
+    ``offload_optimizer`` keeps masters, their gradients and the optimizer
+    state in host memory and steps there; ``offload_param`` keeps the
+    shards of the non-persistent parameters there (:mod:`~.offload`).
     """
 
     reduce_bucket_size: int = 500_000_000
@@ -112,6 +118,9 @@ class Stage3Settings:
     comm_dtype: Optional[torch.dtype] = None
     strategy: Optional[CommStrategy] = None
     guard: Optional[GuardSettings] = None
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    pin_memory: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (("reduce_bucket_size", 1), ("prefetch_bucket_size", 0),
@@ -129,6 +138,7 @@ class Stage3Settings:
                  "param_persistence_threshold", "overlap_comm", "reduce_scatter",
                  "memory_efficient_linear")
         values = {n: getattr(zero, n) for n in names if getattr(zero, n, None) is not None}
+        values.update(offload_settings(zero, param=True))
         return cls(**{**values, **overrides})
 
     def comm_strategy(self) -> Optional[CommStrategy]:
@@ -167,6 +177,16 @@ class ZeroStage3(MasterGradients):
         if device is not None:
             for p in self.managed_params():
                 move_param(p, torch.device(device))
+        params = self.managed_params()
+        self.placement = Placement(
+            torch.device(device) if device is not None else
+            params[0].ds_device if params else HOST,
+            offload_optimizer=self.settings.offload_optimizer,
+            offload_param=self.settings.offload_param, pin_memory=self.settings.pin_memory)
+        self.comm_device = self.placement.device
+        if self.placement.offload_param:
+            for p in params:
+                offload_shard(p, self.placement.pin_memory)
         self.layouts = [MasterLayout(tuple(p.ds_spec.shard_numel for p in ps),
                                      tuple(p.requires_grad for p in ps))
                         for ps in self.param_groups_full]
@@ -246,11 +266,18 @@ class ZeroStage3(MasterGradients):
     def _initial_master(self, g: int) -> torch.Tensor:
         """fp32 copy of this rank's shards of group ``g``'s trainable parameters."""
         params = self.param_groups_full[g]
-        shards = [p.ds_tensor.detach().float() for p in params if p.requires_grad]
+        shards = [p.ds_tensor.detach() for p in params if p.requires_grad]
+        device = self.placement.master_device
+        pin = self.placement.pin_memory and self.placement.offload_optimizer
         if not shards:
-            device = params[0].ds_tensor.device if params else torch.device("cpu")
             return torch.zeros(0, dtype=torch.float32, device=device)
-        return torch.cat(shards) if len(shards) > 1 else shards[0].clone()
+        master = torch.empty(sum(t.numel() for t in shards), dtype=torch.float32,
+                             device=device, pin_memory=pinning(pin))
+        offset = 0
+        for shard in shards:  # never a view of a shard: the master is separate
+            master.narrow(0, offset, shard.numel()).copy_(shard)
+            offset += shard.numel()
+        return master
 
     def _install_hooks(self) -> None:
         trainable = self.trainable_params()
@@ -297,7 +324,7 @@ class ZeroStage3(MasterGradients):
         g, offset = self._slot[param.ds_id]
         master = self.masters[g]
         if master.grad is None:
-            master.grad = torch.zeros_like(master)
+            master.grad = self._new_grad(master)
         return master.grad.narrow(0, offset, param.ds_spec.shard_numel)
 
     def micro_step_done(self) -> None:
@@ -314,14 +341,14 @@ class ZeroStage3(MasterGradients):
         self.micro_step_done()
         for master in self.masters:
             if master.grad is None:
-                master.grad = torch.zeros_like(master)
+                master.grad = self._new_grad(master)
         self._reduced = True
 
     def _all_reduce(self, value: torch.Tensor, op: Any, what: str) -> None:
         """Announced to the divergence guard first, like every stage-3 collective."""
         if self.world_size > 1:
             self.guard.event("step", what)
-            dist.all_reduce(value, op=op, group=self.group)
+            reduce_on_device(value, op, self.group, self.comm_device)
 
     # ------------------------------------------------------------- update
 
@@ -339,10 +366,17 @@ class ZeroStage3(MasterGradients):
     @torch.no_grad()
     def _write_back(self) -> None:
         for g, (params, layout) in enumerate(zip(self.param_groups_full, self.layouts)):
-            master = self.masters[g].detach()
-            for p, offset in zip(params, layout.offsets):
-                if offset is not None:
-                    p.ds_tensor.copy_(master.narrow(0, offset, p.ds_spec.shard_numel))
+            targets = [(p, offset) for p, offset in zip(params, layout.offsets)
+                       if offset is not None]
+            if not targets:
+                continue
+            # one host/device copy per group (offload), then local slices
+            master = to_device(self.masters[g].detach(), targets[0][0].ds_tensor.device)
+            for p, offset in targets:
+                shard = master.narrow(0, offset, p.ds_spec.shard_numel)
+                if p.ds_tensor.device != master.device:  # offload_param moved only some
+                    shard = shard.to(p.ds_tensor.device)
+                p.ds_tensor.copy_(shard)
         whole = [p for p in self.managed_params() if p.ds_status is ZeroParamStatus.AVAILABLE]
         if whole and self.world_size > 1:
             self.guard.event("step", "refresh whole parameters", [p.ds_id for p in whole],

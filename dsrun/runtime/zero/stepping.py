@@ -10,6 +10,8 @@
   from all partitions, step, all-gather the updated partitions.
 * :func:`memory_lines` is the one-block report of model-state bytes: the
   paper's formula for this config next to what this rank really holds.
+* :func:`offload_notes` checks the ``offload_*`` sections against the stage
+  and the device (the optimizers read them through their settings).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from dsrun.errors import DsrunConfigError
 from dsrun.runtime.precision import FullPrecision, StepResult
 from dsrun.runtime.zero.memory import model_state_bytes, paper_model_state_bytes
 from dsrun.runtime.zero.sharded import ZeroOptimizer, ZeroSettings
@@ -46,6 +49,32 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, zero_config: Any, stage: in
     return ZeroOptimizer.from_optimizer(optimizer, stage=stage, group=group,
                                         settings=settings, backward_order=order,
                                         reduce_in_backward=stage >= 2 or accumulation == 1)
+
+
+def offload_notes(zero_config: Any, stage: int, device: torch.device, source: str
+                  ) -> list[str]:
+    """What the engine says about the ``offload_*`` sections (pure). Raises
+    for "nvme" (ZeRO-Infinity is not implemented); sections this stage
+    ignores, as DeepSpeed does, get a warning; "cpu" on CPU ranks a note
+    that it is a no-op (the state is in host memory already)."""
+    notes = []
+    for name, first_stage in (("offload_optimizer", 1), ("offload_param", 3)):
+        section = getattr(zero_config, name, None)
+        target = getattr(section, "device", None) or "none"
+        if target == "none":
+            continue
+        if target != "cpu":
+            raise DsrunConfigError(f"zero_optimization.{name}.device={target!r} ({source}): "
+                                   "NVMe offload (ZeRO-Infinity) is not implemented in dsrun; "
+                                   'use "cpu" or "none"')
+        if stage < first_stage:
+            needs = "stage 3" if first_stage == 3 else "ZeRO stage 1, 2 or 3"
+            notes.append(f"zero_optimization.{name} ({source}) needs {needs}; at stage "
+                         f"{stage} it is ignored")
+        elif device.type == "cpu":
+            notes.append(f"zero_optimization.{name}.device=cpu: these are CPU ranks, so that "
+                         "state already lives in host memory (offload is a no-op)")
+    return notes
 
 
 def zero_step(zero: Union[ZeroOptimizer, ZeroStage3], precision: FullPrecision,
@@ -83,9 +112,16 @@ def memory_lines(module: torch.nn.Module, optimizer: Any, stage: int, world_size
         f"{held.grads / MiB:,.1f} MiB, optimizer {held.optimizer / MiB:,.1f} MiB "
         f"(total {held.model_state / MiB:,.1f} MiB; buffers {held.buffers / MiB:,.1f} MiB)",
     ]
+    placement = getattr(optimizer, "placement", None)
+    on_device = expected
+    if placement is not None and placement.offloads:
+        lines.append(f"  offloaded to host memory: {held.host / MiB:,.1f} MiB "
+                     f"(offload_optimizer={placement.offload_optimizer}, "
+                     f"offload_param={placement.offload_param})")
+        on_device = max(expected - held.host, 0)
     if torch.cuda.is_available():
         free, _ = torch.cuda.mem_get_info()
-        if free < expected:
+        if free < on_device:
             lines.append(f"  WARNING: only {free / MiB:,.0f} MiB free on this GPU, less "
-                         f"than the {expected / MiB:,.0f} MiB of model state needed")
+                         f"than the {on_device / MiB:,.0f} MiB of model state it needs")
     return lines

@@ -46,6 +46,12 @@ CASES["s2-gas3-clip-nooverlap-noncontiguous"] = (2, 3, 0.05, ZeroSettings(
     reduce_bucket_size=60, overlap_comm=False, contiguous_gradients=False))
 CASES["s2-gas1-clip-allreduce"] = (2, 1, 0.05, ZeroSettings(
     reduce_bucket_size=60, reduce_scatter=False, strategy=NCCL_LIKE))
+# offload_optimizer: masters, their gradients and Adam's state in host memory
+# (on CPU ranks the same memory, but the offload code path: explicit copies)
+for _stage in (1, 2):
+    CASES[f"s{_stage}-gas3-clip-offload"] = (_stage, 3, 0.05, ZeroSettings(
+        reduce_bucket_size=60, allgather_bucket_size=50, overlap_comm=True,
+        offload_optimizer=True, pin_memory=True))
 
 
 def build_model() -> torch.nn.Module:

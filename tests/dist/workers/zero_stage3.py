@@ -63,6 +63,11 @@ CASES = {
                                        init_threshold=None),
     "gas3-clip-debugguard": Case(3, 0.05, Stage3Settings(
         **SMALL, guard=GuardSettings(mode="debug", timeout_s=60))),
+    # masters, optimizer state and parameter shards in host memory
+    "gas3-clip-offload": Case(3, 0.05, Stage3Settings(
+        **SMALL, offload_optimizer=True, offload_param=True, pin_memory=True)),
+    "gas1-clip-init-offload": Case(1, 0.05, Stage3Settings(
+        **SMALL, offload_optimizer=True, offload_param=True), init=True),
 }
 
 

@@ -1,0 +1,86 @@
+"""ZeRO-Offload plumbing, without processes: which settings a config gives,
+what the engine says about each offload section, where things are placed,
+and how host bytes are counted. (The CPU-rank training runs with offload on
+are in tests/dist and tests/unit/test_initialize.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsrun.errors import DsrunConfigError
+from dsrun.runtime.config_schema import Ctx
+from dsrun.runtime.config_sections import parse_zero
+from dsrun.runtime.zero.memory import count_bytes
+from dsrun.runtime.zero.offload import HOST, Placement, host_copy, to_device
+from dsrun.runtime.zero.sharded import ZeroSettings
+from dsrun.runtime.zero.stage3 import Stage3Settings
+from dsrun.runtime.zero.stepping import offload_notes
+
+CUDA = torch.device("cuda", 0)
+
+
+def zero(**section: object) -> object:
+    return parse_zero(section, Ctx("test.json"))
+
+
+def test_settings_read_the_offload_sections() -> None:
+    cfg = zero(stage=3, offload_optimizer={"device": "cpu", "pin_memory": True},
+               offload_param={"device": "cpu"})
+    s3 = Stage3Settings.from_config(cfg)
+    assert (s3.offload_optimizer, s3.offload_param, s3.pin_memory) == (True, True, True)
+    s12 = ZeroSettings.from_config(cfg)
+    assert (s12.offload_optimizer, s12.pin_memory) == (True, True)
+    plain = Stage3Settings.from_config(zero(stage=3, offload_param={"device": "none"}))
+    assert (plain.offload_optimizer, plain.offload_param, plain.pin_memory) == \
+        (False, False, False)
+
+
+def test_legacy_cpu_offload_key_turns_on_optimizer_offload() -> None:
+    assert ZeroSettings.from_config(zero(stage=2, cpu_offload=True)).offload_optimizer
+
+
+def test_offload_notes_per_stage_and_device() -> None:
+    both = zero(stage=3, offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
+    assert offload_notes(both, 3, CUDA, "c.json") == []  # real offload: nothing to say
+    notes = offload_notes(both, 3, HOST, "c.json")
+    assert len(notes) == 2 and all("no-op" in n for n in notes)
+    notes = offload_notes(both, 2, CUDA, "c.json")
+    assert notes == ["zero_optimization.offload_param (c.json) needs stage 3; at stage 2 it "
+                     "is ignored"]
+    notes = offload_notes(both, 0, CUDA, "c.json")
+    assert len(notes) == 2 and "needs ZeRO stage 1, 2 or 3" in notes[0]
+    assert offload_notes(zero(stage=3), 3, CUDA, "c.json") == []
+
+
+def test_nvme_offload_is_refused_naming_the_section_and_source() -> None:
+    cfg = zero(stage=3, offload_param={"device": "nvme", "nvme_path": "/local"})
+    with pytest.raises(DsrunConfigError, match=r"offload_param.device='nvme' \(c.json\)"):
+        offload_notes(cfg, 3, CUDA, "c.json")
+
+
+def test_placement() -> None:
+    gpu = Placement(CUDA, offload_optimizer=True)
+    assert (gpu.master_device, gpu.shard_device, gpu.offloads) == (HOST, CUDA, True)
+    both = Placement(CUDA, offload_optimizer=True, offload_param=True)
+    assert (both.master_device, both.shard_device) == (HOST, HOST)
+    assert Placement(CUDA).master_device == CUDA and not Placement(CUDA).offloads
+    assert not Placement(HOST, offload_optimizer=True, offload_param=True).offloads
+
+
+def test_host_copy_is_a_separate_tensor_and_to_device_keeps_what_is_there() -> None:
+    t = torch.arange(6.0)
+    copy = host_copy(t, pin_memory=True, dtype=torch.float64)
+    assert copy.dtype == torch.float64 and torch.equal(copy, t.double())
+    assert copy.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+    assert copy.is_pinned() == torch.cuda.is_available()  # pinning needs CUDA
+    assert to_device(t, HOST) is t
+    assert to_device(t, HOST, torch.float16).dtype == torch.float16
+
+
+def test_count_bytes_reports_host_model_state_but_not_buffers() -> None:
+    p, g, o, b = (torch.zeros(n) for n in (10, 20, 30, 40))
+    counted = count_bytes(params=[p], grads=[g], optimizer=[o, o], buffers=[b])
+    assert (counted.params, counted.grads, counted.optimizer, counted.buffers) == \
+        (40, 80, 120, 160)
+    assert counted.host == counted.model_state == 240
