@@ -304,7 +304,7 @@ class DsrunEngine(torch.nn.Module):
             self.skipped_steps += 1
             if result.overflow:
                 self._log_overflow(scale_before)
-        self.zero_grad()
+        self.zero_grad(set_to_none=False)  # ZeRO keeps its partition accumulators
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
         extra = f"loss_scale={self.precision.loss_scale:g}" if self.precision.name == "fp16" \
@@ -351,12 +351,14 @@ class DsrunEngine(torch.nn.Module):
             self._inside_no_sync = previous
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
-        """Clear gradients (model and fp16 master weights)."""
+        """Clear gradients (model and fp16 master weights). Model gradients
+        are always released; ``set_to_none=False`` keeps a ZeRO optimizer's
+        partition accumulators allocated (zeroed)."""
         self.precision.zero_grad()
         for param in self.module.parameters():
             param.grad = None
         if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=set_to_none if self.zero_stage else True)
 
     # ------------------------------------------------------ information
 

@@ -51,7 +51,8 @@ pytestmark = pytest.mark.dist
 
 WORKER = ROOT / "tests" / "dist" / "workers" / "zero_stage12.py"
 TOLERANCE = 1e-6
-BITWISE_ON_2_RANKS = ("s1-gas1-noclip", "s1-gas3-noclip", "s2-gas1-noclip")
+BITWISE_ON_2_RANKS = ("s1-gas1-noclip", "s1-gas3-noclip", "s2-gas1-noclip",
+                      "s1-gas1-noclip-subgroups", "s2-gas1-noclip-subgroups")
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"world{n}")

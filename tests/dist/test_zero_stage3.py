@@ -53,7 +53,7 @@ pytestmark = pytest.mark.dist
 
 WORKER = ROOT / "tests" / "dist" / "workers" / "zero_stage3.py"
 TOLERANCE = 1e-6
-BITWISE_ON_2_RANKS = ("gas1-noclip",)
+BITWISE_ON_2_RANKS = ("gas1-noclip", "gas1-noclip-subgroups")
 
 
 @pytest.fixture(scope="module")

@@ -302,3 +302,18 @@ def test_offload_a_stage_ignores_is_warned_about(solo: None, stage: int, section
         dsrun.initialize(model=net(), config=config)
     assert any(f"zero_optimization.{section}" in r.getMessage() and
                f"at stage {stage} it is ignored" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(("given", "used"), [(None, 1 << 20), (1_000_000_000, 1 << 20), (5, 5)])
+def test_sub_group_size_reaches_the_zero_optimizer(solo: None, given: Any, used: int) -> None:
+    """DeepSpeed's default (1e9: the partition in one piece) is replaced by
+    dsrun's; a value the config sets is used."""
+    section: dict[str, Any] = {"stage": 2}
+    if given is not None:
+        section["sub_group_size"] = given
+    config = {"train_batch_size": 4, "optimizer": {"type": "Adam"},
+              "zero_optimization": section}
+    engine, _, _, _ = dsrun.initialize(model=net(), config=config)
+    assert engine.optimizer.settings.sub_group_size == used
+    pieces = [p.numel() for g in engine.optimizer.optimizer.param_groups for p in g["params"]]
+    assert max(pieces) <= used and sum(pieces) == sum(m.numel() for m in engine.optimizer.masters)

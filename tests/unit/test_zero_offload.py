@@ -1,6 +1,7 @@
-"""ZeRO-Offload plumbing, without processes: which settings a config gives,
-what the engine says about each offload section, where things are placed,
-and how host bytes are counted. (The CPU-rank training runs with offload on
+"""ZeRO-Offload plumbing and optimizer sub-groups, without processes: which
+settings a config gives, what the engine says about each offload section,
+where things are placed, how host bytes are counted, how masters are cut
+for the inner optimizer. (The CPU-rank training runs with offload on
 are in tests/dist and tests/unit/test_initialize.py.)"""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 from dsrun.errors import DsrunConfigError
 from dsrun.runtime.config_schema import Ctx
 from dsrun.runtime.config_sections import parse_zero
+from dsrun.runtime.zero.masters import split_master
 from dsrun.runtime.zero.memory import count_bytes
 from dsrun.runtime.zero.offload import HOST, Placement, host_copy, to_device
 from dsrun.runtime.zero.sharded import ZeroSettings
@@ -84,3 +86,18 @@ def test_count_bytes_reports_host_model_state_but_not_buffers() -> None:
     assert (counted.params, counted.grads, counted.optimizer, counted.buffers) == \
         (40, 80, 120, 160)
     assert counted.host == counted.model_state == 240
+
+
+def test_split_master_views_cover_the_master_once() -> None:
+    master = torch.nn.Parameter(torch.arange(23.0))
+    assert split_master(master, 23) == [master] and split_master(master, 100) == [master]
+    pieces = split_master(master, 7)
+    assert [p.numel() for p in pieces] == [7, 7, 7, 2]
+    assert all(p.is_leaf and p.requires_grad for p in pieces)
+    with torch.no_grad():
+        for p in pieces:
+            p.add_(1000.0)  # writes land in the master
+    assert torch.equal(master.detach(), torch.arange(23.0) + 1000.0)
+    with pytest.raises(ValueError, match="sub_group_size"):
+        split_master(master, 0)
+

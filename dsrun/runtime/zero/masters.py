@@ -11,6 +11,16 @@ holds this rank's partition of the mean gradient after
 reduces: the masters may be in host memory under ``offload_optimizer``);
 it may override :meth:`_all_reduce` to announce each collective (stage 3's
 divergence guard).
+
+**Sub-groups.** The inner optimizer steps each master in pieces of at most
+``sub_group_size`` elements (DeepSpeed's knob of that name): each piece is
+a ``Parameter`` that is a view of the master, its gradient a view of the
+master's ``.grad`` (bound by :meth:`_step_inner`). Elementwise optimizers
+give the same values bitwise; what changes is the size of the optimizer's
+temporaries (Adam's ``sqrt`` of the whole second moment, ...): host memory
+allocations above glibc's mmap threshold (32 MiB at most) are returned to
+the kernel when freed and page-faulted in again on every step, which on the
+bench model cost more than the optimizer's arithmetic.
 """
 
 from __future__ import annotations
@@ -35,6 +45,18 @@ def reduce_on_device(value: torch.Tensor, op: Any, group: Any, device: torch.dev
     value.copy_(staged)
 
 
+def split_master(master: torch.nn.Parameter, size: int) -> list[torch.nn.Parameter]:
+    """``master`` itself when it has at most ``size`` elements, else
+    parameters that are views of consecutive ``size``-element pieces."""
+    if size < 1:
+        raise ValueError(f"sub_group_size must be >= 1, got {size}")
+    n = master.numel()
+    if n <= size:
+        return [master]
+    flat = master.detach()
+    return [torch.nn.Parameter(flat.narrow(0, a, min(size, n - a))) for a in range(0, n, size)]
+
+
 class MasterGradients:
     masters: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
@@ -56,6 +78,32 @@ class MasterGradients:
     def _all_reduce(self, value: torch.Tensor, op: Any, what: str) -> None:
         if self.world_size > 1:
             reduce_on_device(value, op, self.group, self.comm_device)
+
+    def _inner_groups(self, hyper: list[dict[str, Any]], sub_group_size: int
+                      ) -> list[dict[str, Any]]:
+        """The inner optimizer's param groups: each master, in sub-groups."""
+        self._pieces = [split_master(m, sub_group_size) for m in self.masters]
+        return [{**h, "params": pieces} for h, pieces in zip(hyper, self._pieces)]
+
+    def _step_inner(self) -> None:
+        """Bind each piece's gradient to its view of the master gradient, step."""
+        for master, pieces in zip(self.masters, self._pieces):
+            if len(pieces) == 1 and pieces[0] is master:
+                continue
+            offset = 0
+            for piece in pieces:
+                size = piece.numel()
+                piece.grad = None if master.grad is None else \
+                    master.grad.narrow(0, offset, size)
+                offset += size
+        self.optimizer.step()
+
+    def _clear_master_grads(self, set_to_none: bool) -> None:
+        for master in self.masters:
+            if set_to_none or master.grad is None:
+                master.grad = None
+            else:
+                master.grad.zero_()
 
     def _new_grad(self, master: torch.Tensor) -> torch.Tensor:
         """A zero gradient accumulator for ``master`` (pinned like it)."""

@@ -19,8 +19,11 @@ Buckets follow the order in which gradients arrive; autograd runs the same
 graph in the same order on every rank, and the guard checks each bucket's
 parameter ids, so a rank whose order differs is reported, not mis-summed.
 With ``overlap`` one bucket is in flight while the next fills; without, each
-reduction completes before backward goes on. World size 1: the "reduction"
-is the scaled copy into the accumulator.
+reduction completes before backward goes on. Bucket buffers are kept for
+the next bucket and the next backward (at most one per bucket in flight
+plus one filling, like stage 2's slots with ``contiguous_gradients``): a
+fresh buffer of bucket size each time costs page faults on every write.
+World size 1: the "reduction" is the scaled copy into the accumulator.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 
 from dsrun.runtime.zero.comm import CommStrategy, Pending, start_reduce_scatter
 from dsrun.runtime.zero.divergence import DivergenceGuard
+from dsrun.runtime.zero.offload import to_device
 from dsrun.runtime.zero.partitioned import param_name
 from dsrun.runtime.zero.stage3_plan import ShardSpec
 
@@ -79,14 +83,16 @@ class ShardGradReducer:
         self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._staged_numel = 0
         self._inflight: list[tuple[Pending, list[tuple[torch.Tensor, int]], torch.Tensor]] = []
+        self._spare: list[torch.Tensor] = []  # bucket buffers to reuse
 
     @property
     def pending(self) -> bool:
         return bool(self._staged or self._inflight)
 
     def buffers(self) -> list[torch.Tensor]:
-        """Staged gradients and buffers in flight (for memory accounting)."""
-        return [g for _, g in self._staged] + [b for _, _, b in self._inflight]
+        """Staged gradients, buffers in flight and kept for reuse (for memory
+        accounting)."""
+        return [g for _, g in self._staged] + [b for _, _, b in self._inflight] + self._spare
 
     def add(self, param: torch.Tensor) -> None:
         """Take ``param.grad`` (full) into the current bucket."""
@@ -106,7 +112,7 @@ class ShardGradReducer:
         params = [p for p, _ in staged]
         width = sum(p.ds_spec.shard_numel for p in params)
         dtype = self.dtype or staged[0][1].dtype
-        buffer = torch.empty(self.world_size * width, dtype=dtype, device=staged[0][1].device)
+        buffer = self._buffer(self.world_size * width, dtype, staged[0][1].device)
         rows = buffer.view(self.world_size, width)
         placed, offset = [], 0
         for param, grad in staged:
@@ -126,13 +132,32 @@ class ShardGradReducer:
         while len(self._inflight) > self.max_inflight:
             self._drain()
 
+    def _buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A bucket buffer of ``numel`` elements: a kept one when one is big
+        enough (the largest is kept when a larger one is needed)."""
+        for i, spare in enumerate(self._spare):
+            if spare.numel() >= numel and (spare.dtype, spare.device) == (dtype, device):
+                return self._spare.pop(i).narrow(0, 0, numel)
+        if len(self._spare) > self.max_inflight:
+            self._spare.pop(0)
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def _keep(self, buffer: torch.Tensor) -> None:
+        whole = buffer._base if buffer._base is not None else buffer
+        self._spare.append(whole)
+        self._spare.sort(key=torch.Tensor.numel)
+        del self._spare[:-(self.max_inflight + 1)]
+
     def _drain(self) -> None:
-        pending, placed, _ = self._inflight.pop(0)
+        pending, placed, buffer = self._inflight.pop(0)
         mine = pending.wait()
+        if placed:  # one copy to where the accumulators are (host memory: offload)
+            mine = to_device(mine, self.accumulator(placed[0][0]).device)
         with torch.no_grad():
             for param, offset in placed:
                 size = param.ds_spec.shard_numel
                 self.accumulator(param).add_(mine[offset:offset + size])
+        self._keep(buffer)
 
     def finish(self) -> None:
         """Launch the partial bucket and drain everything (idempotent)."""
@@ -143,6 +168,7 @@ class ShardGradReducer:
     def reset(self) -> None:
         """Drop staged gradients; wait for (and discard) reductions in flight."""
         self._staged, self._staged_numel = [], 0
-        for pending, _, _ in self._inflight:
+        for pending, _, buffer in self._inflight:
             pending.wait()
+            self._keep(buffer)
         self._inflight = []

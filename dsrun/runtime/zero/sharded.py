@@ -73,6 +73,7 @@ from dsrun.runtime.zero.offload import HOST, Placement, pinning, to_device
 from dsrun.runtime.zero.partition import GroupLayout, partition_group, windows
 from dsrun.runtime.zero.reducer import GradReducer, GradSource
 
+DEFAULT_SUB_GROUP = 1 << 20  # elements per optimizer-step piece (4 MiB of fp32)
 UNSHARDABLE_OPTIMIZERS = ("Lamb", "FusedLamb", "LAMB", "Lars", "LARS", "FusedLars",
                           "Adafactor", "LBFGS", "SparseAdam", "Muon", "Shampoo")
 
@@ -87,7 +88,8 @@ class ZeroSettings:
     ``alignment`` pads partitions to a multiple of it (elements);
     ``offload_optimizer`` keeps masters, their gradients and the optimizer
     state in host memory and steps there (:mod:`~.offload`), with
-    ``pin_memory``.
+    ``pin_memory``; ``sub_group_size``: the inner optimizer steps at most
+    this many elements per tensor (:mod:`~.masters`).
     """
 
     reduce_bucket_size: int = 500_000_000
@@ -100,9 +102,11 @@ class ZeroSettings:
     strategy: Optional[CommStrategy] = None
     offload_optimizer: bool = False
     pin_memory: bool = False
+    sub_group_size: int = DEFAULT_SUB_GROUP
 
     def __post_init__(self) -> None:
-        for name in ("reduce_bucket_size", "allgather_bucket_size", "alignment"):
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "alignment",
+                     "sub_group_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise DsrunConfigError(f"zero_optimization.{name} must be a positive integer, "
@@ -112,7 +116,7 @@ class ZeroSettings:
     def from_config(cls, zero: Any, **overrides: Any) -> ZeroSettings:
         """From a ``ZeroConfig`` (or anything with the same attribute names)."""
         names = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
-                 "contiguous_gradients", "reduce_scatter")
+                 "contiguous_gradients", "reduce_scatter", "sub_group_size")
         values = {n: getattr(zero, n) for n in names if getattr(zero, n, None) is not None}
         values.update(offload_settings(zero, param=False))
         return cls(**{**values, **overrides})
@@ -251,7 +255,7 @@ class ZeroOptimizer(MasterGradients):
         self._flats = [self._flatten_params(g) for g in range(len(self.layouts))]
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         self.optimizer: Optimizer = optimizer_cls(
-            [{**h, "params": [m]} for h, m in zip(hyper, self.masters)],
+            self._inner_groups(hyper, self.settings.sub_group_size),
             **_constructor_kwargs(optimizer_cls, defaults or {}))
         dtype = self.settings.comm_dtype or (sample.dtype if sample is not None else
                                              torch.float32)
@@ -420,7 +424,7 @@ class ZeroOptimizer(MasterGradients):
         if closure is not None:
             raise DsrunError("ZeroOptimizer.step() takes no closure")
         self.reduce_gradients()
-        self.optimizer.step()
+        self._step_inner()
         self._gather_params()
         self._reduced = False
 
@@ -456,15 +460,15 @@ class ZeroOptimizer(MasterGradients):
                                         piece.length))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop every gradient: model ``.grad``, partition accumulators, and
-        a stage-2 round in progress. ``set_to_none`` is accepted for torch
-        compatibility; accumulators are always released."""
+        """Drop every gradient: model ``.grad``, a reduction in progress (and
+        a backward that raised); the fp32 partition accumulators are
+        released, or with ``set_to_none=False`` kept and zeroed (the engine's
+        choice between steps: no re-allocation of Ψ/N elements each step)."""
         if self._reducer is not None:
             self._reducer.reset()
         for p in self.trainable_params():
             p.grad = None
-        for master in self.masters:
-            master.grad = None
+        self._clear_master_grads(set_to_none)
         self._reduced = False
 
     # ---------------------------------------------------------- reporting

@@ -85,6 +85,7 @@ from dsrun.runtime.zero.partitioned import (
 )
 from dsrun.runtime.zero.reduce3 import ShardGradReducer
 from dsrun.runtime.zero.sharded import (
+    DEFAULT_SUB_GROUP,
     _check_optimizer_cls,
     _constructor_kwargs,
     _normalise_groups,
@@ -104,7 +105,8 @@ class Stage3Settings:
     own guard. ``reduce_scatter`` False forces all-reduce for gradients.
     ``offload_optimizer`` keeps masters, their gradients and the optimizer
     state in host memory and steps there; ``offload_param`` keeps the
-    shards of the non-persistent parameters there (:mod:`~.offload`).
+    shards there (:mod:`~.offload`); ``sub_group_size``: the inner
+    optimizer steps at most this many elements per tensor (:mod:`~.masters`).
     """
 
     reduce_bucket_size: int = 500_000_000
@@ -121,11 +123,12 @@ class Stage3Settings:
     offload_optimizer: bool = False
     offload_param: bool = False
     pin_memory: bool = False
+    sub_group_size: int = DEFAULT_SUB_GROUP
 
     def __post_init__(self) -> None:
         for name, low in (("reduce_bucket_size", 1), ("prefetch_bucket_size", 0),
                           ("max_live_parameters", 0), ("param_persistence_threshold", 0),
-                          ("alignment", 1)):
+                          ("alignment", 1), ("sub_group_size", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise DsrunConfigError(f"zero_optimization.{name} must be an integer >= {low}, "
@@ -136,7 +139,7 @@ class Stage3Settings:
         """From a ``ZeroConfig`` (or anything with its attribute names)."""
         names = ("reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters",
                  "param_persistence_threshold", "overlap_comm", "reduce_scatter",
-                 "memory_efficient_linear")
+                 "memory_efficient_linear", "sub_group_size")
         values = {n: getattr(zero, n) for n in names if getattr(zero, n, None) is not None}
         values.update(offload_settings(zero, param=True))
         return cls(**{**values, **overrides})
@@ -197,7 +200,7 @@ class ZeroStage3(MasterGradients):
                         for g in range(len(self.layouts))]
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         self.optimizer: Optimizer = optimizer_cls(
-            [{**h, "params": [m]} for h, m in zip(hyper, self.masters)],
+            self._inner_groups(hyper, self.settings.sub_group_size),
             **_constructor_kwargs(optimizer_cls, defaults or {}))
         self._reduced = False
         self._install_hooks()
@@ -358,7 +361,7 @@ class ZeroStage3(MasterGradients):
         if closure is not None:
             raise DsrunError("ZeroStage3.step() takes no closure")
         self.reduce_gradients()
-        self.optimizer.step()
+        self._step_inner()
         self._write_back()
         self._reduced = False
         self.guard.step += 1
@@ -399,15 +402,15 @@ class ZeroStage3(MasterGradients):
             master.copy_(param.ds_tensor)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop every gradient (``set_to_none`` accepted for torch
-        compatibility; accumulators are always released). Also forgets a
-        backward that raised."""
+        """Drop every gradient: model ``.grad``, a reduction in progress (and
+        a backward that raised); the fp32 partition accumulators are
+        released, or with ``set_to_none=False`` kept and zeroed (the engine's
+        choice between steps: no re-allocation of Ψ/N elements each step)."""
         self.fetcher.abandon_backward()
         self.reducer.reset()
         for p in self.trainable_params():
             p.grad = None
-        for master in self.masters:
-            master.grad = None
+        self._clear_master_grads(set_to_none)
         self._reduced = False
 
     # ---------------------------------------------------------- reporting

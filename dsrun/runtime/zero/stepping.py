@@ -23,12 +23,13 @@ import torch
 from dsrun.errors import DsrunConfigError
 from dsrun.runtime.precision import FullPrecision, StepResult
 from dsrun.runtime.zero.memory import model_state_bytes, paper_model_state_bytes
-from dsrun.runtime.zero.sharded import ZeroOptimizer, ZeroSettings
+from dsrun.runtime.zero.sharded import DEFAULT_SUB_GROUP, ZeroOptimizer, ZeroSettings
 from dsrun.runtime.zero.stage3 import Stage3Settings, ZeroStage3
 
 MiB = 1024 * 1024
 DEEPSPEED_DEFAULT_BUCKET = 500_000_000  # elements
 DEFAULT_REDUCE_BUCKET = 25_000_000  # elements: 100 MB of fp32 per bucket
+DEEPSPEED_DEFAULT_SUB_GROUP = 1_000_000_000  # elements
 
 
 def wrap_optimizer(optimizer: torch.optim.Optimizer, zero_config: Any, stage: int,
@@ -40,6 +41,9 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, zero_config: Any, stage: in
         # DeepSpeed's default makes one bucket of the whole model: no overlap
         # with backward, and a gradient-sized scratch buffer. Treated as unset.
         overrides["reduce_bucket_size"] = DEFAULT_REDUCE_BUCKET
+    if zero_config.sub_group_size in (DEEPSPEED_DEFAULT_SUB_GROUP, 0):
+        # DeepSpeed's default steps each partition whole; pieces are faster here
+        overrides["sub_group_size"] = DEFAULT_SUB_GROUP
     if stage == 3:
         return ZeroStage3.from_optimizer(
             module, optimizer, group=group, device=device,

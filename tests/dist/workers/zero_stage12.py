@@ -48,6 +48,10 @@ CASES["s2-gas1-clip-allreduce"] = (2, 1, 0.05, ZeroSettings(
     reduce_bucket_size=60, reduce_scatter=False, strategy=NCCL_LIKE))
 # offload_optimizer: masters, their gradients and Adam's state in host memory
 # (on CPU ranks the same memory, but the offload code path: explicit copies)
+# the inner optimizer steps 7-element pieces of each master (views)
+for _stage in (1, 2):
+    CASES[f"s{_stage}-gas1-noclip-subgroups"] = (_stage, 1, 0.0, ZeroSettings(
+        reduce_bucket_size=60, allgather_bucket_size=50, sub_group_size=7))
 for _stage in (1, 2):
     CASES[f"s{_stage}-gas3-clip-offload"] = (_stage, 3, 0.05, ZeroSettings(
         reduce_bucket_size=60, allgather_bucket_size=50, overlap_comm=True,

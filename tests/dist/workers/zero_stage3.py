@@ -63,6 +63,8 @@ CASES = {
                                        init_threshold=None),
     "gas3-clip-debugguard": Case(3, 0.05, Stage3Settings(
         **SMALL, guard=GuardSettings(mode="debug", timeout_s=60))),
+    # the inner optimizer steps 7-element pieces of each master (views)
+    "gas1-noclip-subgroups": Case(1, 0.0, Stage3Settings(**SMALL, sub_group_size=7)),
     # masters, optimizer state and parameter shards in host memory
     "gas3-clip-offload": Case(3, 0.05, Stage3Settings(
         **SMALL, offload_optimizer=True, offload_param=True, pin_memory=True)),
