@@ -13,11 +13,11 @@ from dsrun.errors import DsrunConfigError
 from dsrun.runtime.config_schema import Ctx
 from dsrun.runtime.config_sections import parse_zero
 from dsrun.runtime.zero.masters import split_master
-from dsrun.runtime.zero.memory import count_bytes
+from dsrun.runtime.zero.memory import StateBytes, count_bytes
 from dsrun.runtime.zero.offload import HOST, Placement, host_copy, to_device
 from dsrun.runtime.zero.sharded import ZeroSettings
 from dsrun.runtime.zero.stage3 import Stage3Settings
-from dsrun.runtime.zero.stepping import offload_notes
+from dsrun.runtime.zero.stepping import memory_lines, offload_notes
 
 CUDA = torch.device("cuda", 0)
 
@@ -101,3 +101,18 @@ def test_split_master_views_cover_the_master_once() -> None:
     with pytest.raises(ValueError, match="sub_group_size"):
         split_master(master, 0)
 
+
+
+def test_memory_report_names_the_bytes_in_host_memory() -> None:
+    class Offloaded:
+        placement = Placement(CUDA, offload_optimizer=True)
+
+        def state_bytes(self) -> StateBytes:
+            return StateBytes(params=400, grads=200, optimizer=3 * 2**20, host=3 * 2**20)
+
+    lines = memory_lines(torch.nn.Linear(10, 10), Offloaded(), 2, 2, "fp32")
+    assert lines[-1] == ("  offloaded to host memory: 3.0 MiB (offload_optimizer=True, "
+                         "offload_param=False)")
+    Offloaded.placement = Placement(CUDA)
+    assert not any("offloaded" in line
+                   for line in memory_lines(torch.nn.Linear(10, 10), Offloaded(), 2, 2, "fp32"))
