@@ -293,7 +293,8 @@ class DsrunEngine(torch.nn.Module):
             result = self.precision.step(self.optimizer, self.config.gradient_clipping)
         if self.global_steps == 0 and self.global_rank == 0:
             for line in memory_lines(self.module, self.optimizer, self.zero_stage,
-                                     self.dp_world_size, self.precision.name):
+                                     self.dp_world_size, self.precision.name,
+                                     self.config.gradient_accumulation_steps):
                 log.info("%s", line)
         self._grad_norm = result.grad_norm
         self._step_applied = result.applied

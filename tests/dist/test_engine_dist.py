@@ -91,7 +91,8 @@ def test_parity_with_ddp_accumulation_clipping_schedule(two_ranks: list[dict[str
 
 @pytest.mark.parametrize("name", ["zero1_gas1", "zero1_gas4_clip_schedule",
                                   "zero2_gas1_client", "zero2_gas4_clip_schedule",
-                                  "zero3_gas1", "zero3_gas4_clip_schedule_client"])
+                                  "zero3_gas1", "zero3_gas4_clip_schedule_client",
+                                  "zero2_gas4_clip_offload", "zero3_gas4_clip_offload"])
 def test_zero_stages_match_ddp(two_ranks: list[dict[str, Any]], name: str) -> None:
     """ZeRO 1/2/3 through initialize(): equal to DDP within 1e-6 (bitwise is not
     promised: the clip norm is summed from partition norms, and stage 2 adds

@@ -12,12 +12,13 @@ import torch
 from dsrun.errors import DsrunConfigError
 from dsrun.runtime.config_schema import Ctx
 from dsrun.runtime.config_sections import parse_zero
+from dsrun.runtime.zero.comm import CommStrategy
 from dsrun.runtime.zero.masters import split_master
 from dsrun.runtime.zero.memory import StateBytes, count_bytes
 from dsrun.runtime.zero.offload import HOST, Placement, host_copy, to_device
 from dsrun.runtime.zero.sharded import ZeroSettings
 from dsrun.runtime.zero.stage3 import Stage3Settings
-from dsrun.runtime.zero.stepping import memory_lines, offload_notes
+from dsrun.runtime.zero.stepping import comm_volume, memory_lines, offload_notes
 
 CUDA = torch.device("cuda", 0)
 
@@ -116,3 +117,34 @@ def test_memory_report_names_the_bytes_in_host_memory() -> None:
     Offloaded.placement = Placement(CUDA)
     assert not any("offloaded" in line
                    for line in memory_lines(torch.nn.Linear(10, 10), Offloaded(), 2, 2, "fp32"))
+
+
+GLOO = CommStrategy()
+NCCL = CommStrategy(reduce="reduce_scatter", owner_reduce="reduce", gather="all_gather")
+
+
+@pytest.mark.parametrize(("stage", "strategy", "gas", "paper", "ours"), [
+    (0, None, 4, 2, 2),
+    (1, NCCL, 1, 2, 2), (1, GLOO, 1, 2, 3), (1, GLOO, 4, 2, 3),  # stage 1: once per step
+    (2, NCCL, 1, 2, 2), (2, GLOO, 3, 2, 7),                        # stage 2: every micro-step
+    (3, NCCL, 1, 3, 3), (3, GLOO, 1, 3, 4), (3, NCCL, 2, 3, 6),
+])
+def test_communication_volume_per_step(stage: int, strategy: CommStrategy | None, gas: int,
+                                       paper: int, ours: int) -> None:
+    assert comm_volume(stage, strategy, gas)[:2] == (paper, ours)
+
+
+def test_memory_report_has_the_communication_line() -> None:
+    class Sharded:
+        strategy = GLOO
+        comm_dtype = torch.float32
+
+        def state_bytes(self) -> StateBytes:
+            return StateBytes()
+
+    model = torch.nn.Linear(1024, 1024, bias=False)  # Ψ = 2^20: 4 MiB of fp32
+    line = memory_lines(model, Sharded(), 3, 2, "fp32", 1)[3]
+    assert line == ("  communication per step: paper 3Ψ (12.0 MiB of float32); dsrun 4Ψ "
+                    "(16.0 MiB): broadcast from owners of parameters in forward and backward "
+                    "(2Ψ) + all-reduce of gradients (2Ψ)")
+    assert not any("communication" in x for x in memory_lines(model, Sharded(), 3, 1, "fp32"))

@@ -8,8 +8,9 @@
 * :func:`zero_step` is the boundary step: reduce (stage 1), unscale and
   agree on overflow across ranks (fp16), clip by the global norm computed
   from all partitions, step, all-gather the updated partitions.
-* :func:`memory_lines` is the one-block report of model-state bytes: the
-  paper's formula for this config next to what this rank really holds.
+* :func:`memory_lines` is the one-block report of model-state bytes (the
+  paper's formula for this config next to what this rank really holds)
+  and of the communication per optimizer step (:func:`comm_volume`).
 * :func:`offload_notes` checks the ``offload_*`` sections against the stage
   and the device (the optimizers read them through their settings).
 """
@@ -22,6 +23,7 @@ import torch
 
 from dsrun.errors import DsrunConfigError
 from dsrun.runtime.precision import FullPrecision, StepResult
+from dsrun.runtime.zero.comm import CommStrategy, strategy_for
 from dsrun.runtime.zero.memory import model_state_bytes, paper_model_state_bytes
 from dsrun.runtime.zero.sharded import DEFAULT_SUB_GROUP, ZeroOptimizer, ZeroSettings
 from dsrun.runtime.zero.stage3 import Stage3Settings, ZeroStage3
@@ -95,9 +97,37 @@ def zero_step(zero: Union[ZeroOptimizer, ZeroStage3], precision: FullPrecision,
     return StepResult(True, norm)
 
 
+def comm_volume(stage: int, strategy: Optional[CommStrategy], accumulation: int = 1
+                ) -> tuple[int, int, str]:
+    """Data moved per optimizer step, in multiples of Ψ elements (pure):
+    ``(paper, dsrun, how)``. The paper counts an all-reduce as 2Ψ and a
+    reduce-scatter or all-gather as Ψ: 2Ψ for data parallelism and stages
+    1-2, 3Ψ for stage 3. dsrun's own figure follows the collectives
+    ``strategy`` picks (gloo: an all-reduce in place of each reduce-scatter),
+    with stages 2-3 reducing every micro-step of an ``accumulation``."""
+    if stage == 0:
+        return 2, 2, "all-reduce of gradients (at the accumulation boundary)"
+    if strategy is None:
+        strategy = CommStrategy()
+    reduce_cost = 1 if strategy.reduce == "reduce_scatter" else 2
+    reduce_name = "reduce-scatter" if reduce_cost == 1 else "all-reduce"
+    gather_name = "all-gather" if strategy.gather == "all_gather" else "broadcast from owners"
+    rounds = accumulation if stage >= 2 else 1
+    reduce_part = reduce_cost * rounds
+    if stage in (1, 2):
+        how = (f"{reduce_name} of gradients ({reduce_cost}Ψ"
+               f"{f' x {rounds} micro-steps' if rounds > 1 else ''}) + {gather_name} of "
+               "updated partitions (Ψ)")
+        return 2, reduce_part + 1, how
+    how = (f"{gather_name} of parameters in forward and backward (2Ψ) + {reduce_name} of "
+           f"gradients ({reduce_cost}Ψ{f' x {rounds} micro-steps' if rounds > 1 else ''})")
+    return 3, reduce_part + 2 * accumulation, how
+
+
 def memory_lines(module: torch.nn.Module, optimizer: Any, stage: int, world_size: int,
-                 precision: str) -> list[str]:
-    """Model-state bytes per rank: the formula and what this rank holds."""
+                 precision: str, accumulation: int = 1) -> list[str]:
+    """Model-state bytes per rank (the formula and what this rank holds)
+    and the communication per optimizer step."""
     psi = sum(p.numel() for p in module.parameters())
     mixed = precision == "fp16"  # bf16 here keeps fp32 parameters (autocast)
     # K: Adam-like state. fp32 stage 0 steps the model's own parameters (8
@@ -116,6 +146,18 @@ def memory_lines(module: torch.nn.Module, optimizer: Any, stage: int, world_size
         f"{held.grads / MiB:,.1f} MiB, optimizer {held.optimizer / MiB:,.1f} MiB "
         f"(total {held.model_state / MiB:,.1f} MiB; buffers {held.buffers / MiB:,.1f} MiB)",
     ]
+    if world_size > 1:
+        strategy = getattr(optimizer, "strategy", None)
+        if strategy is None and stage > 0 and torch.distributed.is_initialized():
+            device = getattr(getattr(optimizer, "placement", None), "device", None)
+            strategy = strategy_for(getattr(optimizer, "group", None), device)
+        paper, ours, how = comm_volume(stage, strategy, accumulation)
+        dtype = getattr(optimizer, "comm_dtype", None) or next(
+            (p.dtype for p in module.parameters()), torch.float32)
+        unit = psi * dtype.itemsize / MiB
+        lines.append(f"  communication per step: paper {paper}Ψ ({paper * unit:,.1f} MiB "
+                     f"of {str(dtype).replace('torch.', '')}); dsrun {ours}Ψ "
+                     f"({ours * unit:,.1f} MiB): {how}")
     placement = getattr(optimizer, "placement", None)
     on_device = expected
     if placement is not None and placement.offloads:

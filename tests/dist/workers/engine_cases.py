@@ -71,7 +71,8 @@ ADAM = {"type": "Adam", "params": {"lr": 1e-2, "betas": [0.9, 0.99], "eps": 1e-8
 
 
 def parity(gas: int, clip: float, schedule: bool, bucket_elements: int | None,
-           steps: int = 20, stage: int = 0, client: bool = False) -> dict[str, Any]:
+           steps: int = 20, stage: int = 0, client: bool = False,
+           zero_extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The engine against DDP + AdamW, same init, data, clipping and schedule.
 
     ``client``: the script builds the optimizer itself (two param groups,
@@ -90,6 +91,7 @@ def parity(gas: int, clip: float, schedule: bool, bucket_elements: int | None,
         config["zero_optimization"] = {"stage": stage}
         if bucket_elements:
             config["zero_optimization"]["reduce_bucket_size"] = bucket_elements
+        config["zero_optimization"].update(zero_extra or {})
     # a different init on every rank: the engine must broadcast rank 0's
     model = make_model(100 + rank)
     client_opt = None
@@ -320,6 +322,15 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "zero3_gas4_clip_schedule_client": lambda: parity(gas=4, clip=0.05, schedule=True,
                                                       bucket_elements=300, stage=3,
                                                       client=True),
+    # DeepSpeed-style offload sections and a small sub_group_size, through the config
+    "zero2_gas4_clip_offload": lambda: parity(
+        gas=4, clip=0.05, schedule=True, bucket_elements=300, stage=2,
+        zero_extra={"offload_optimizer": {"device": "cpu", "pin_memory": True},
+                    "sub_group_size": 50}),
+    "zero3_gas4_clip_offload": lambda: parity(
+        gas=4, clip=0.05, schedule=True, bucket_elements=300, stage=3,
+        zero_extra={"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
+                    "sub_group_size": 50}),
     "zero3_init": zero3_init,
     "fp16_overflow": fp16_overflow,
     "bf16_autocast": bf16_autocast,
