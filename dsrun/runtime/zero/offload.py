@@ -24,7 +24,7 @@ asynchronous copies) when CUDA is available; elsewhere it is ignored.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -76,3 +76,18 @@ def to_device(tensor: torch.Tensor, device: torch.device,
     if tensor.device == device and (dtype is None or tensor.dtype == dtype):
         return tensor
     return tensor.to(device=device, dtype=dtype, non_blocking=tensor.is_pinned())
+
+
+def offload_settings(zero: Any, *, param: bool) -> dict[str, Any]:
+    """``offload_optimizer``/``pin_memory`` (and, with ``param``,
+    ``offload_param``) from a ``ZeroConfig``'s offload sections: device
+    "cpu" is on; anything else is off (the engine refuses "nvme")."""
+    out: dict[str, Any] = {}
+    sections = [("offload_optimizer", getattr(zero, "offload_optimizer", None))]
+    if param:
+        sections.append(("offload_param", getattr(zero, "offload_param", None)))
+    for name, section in sections:
+        if section is not None and getattr(section, "device", None) == "cpu":
+            out[name] = True
+            out["pin_memory"] = out.get("pin_memory", False) or bool(section.pin_memory)
+    return out

@@ -69,7 +69,7 @@ from dsrun.runtime.zero.comm import (
 )
 from dsrun.runtime.zero.masters import MasterGradients
 from dsrun.runtime.zero.memory import StateBytes, model_state_bytes
-from dsrun.runtime.zero.offload import HOST, Placement, pinning, to_device
+from dsrun.runtime.zero.offload import HOST, Placement, offload_settings, pinning, to_device
 from dsrun.runtime.zero.partition import GroupLayout, partition_group, windows
 from dsrun.runtime.zero.reducer import GradReducer, GradSource
 
@@ -126,21 +126,6 @@ class ZeroSettings:
             return self.strategy
         gather = (self.strategy or CommStrategy()).gather
         return CommStrategy(reduce="all_reduce", owner_reduce="all_reduce", gather=gather)
-
-
-def offload_settings(zero: Any, *, param: bool) -> dict[str, Any]:
-    """``offload_optimizer``/``pin_memory`` (and, with ``param``,
-    ``offload_param``) from a ``ZeroConfig``'s offload sections: device
-    "cpu" is on; anything else is off (the engine refuses "nvme")."""
-    out: dict[str, Any] = {}
-    sections = [("offload_optimizer", getattr(zero, "offload_optimizer", None))]
-    if param:
-        sections.append(("offload_param", getattr(zero, "offload_param", None)))
-    for name, section in sections:
-        if section is not None and getattr(section, "device", None) == "cpu":
-            out[name] = True
-            out["pin_memory"] = out.get("pin_memory", False) or bool(section.pin_memory)
-    return out
 
 
 def _normalise_groups(params: Iterable[Any]) -> list[dict[str, Any]]:

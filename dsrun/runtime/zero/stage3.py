@@ -72,7 +72,7 @@ from dsrun.runtime.zero.fetch import ParamFetcher
 from dsrun.runtime.zero.init import GatheredParameters
 from dsrun.runtime.zero.masters import MasterGradients, reduce_on_device
 from dsrun.runtime.zero.memory import StateBytes, count_bytes, tensors_in
-from dsrun.runtime.zero.offload import HOST, Placement, pinning, to_device
+from dsrun.runtime.zero.offload import HOST, Placement, offload_settings, pinning, to_device
 from dsrun.runtime.zero.partitioned import (
     ZeroParamStatus,
     broadcast_full,
@@ -89,7 +89,6 @@ from dsrun.runtime.zero.sharded import (
     _check_optimizer_cls,
     _constructor_kwargs,
     _normalise_groups,
-    offload_settings,
     restore_partition_state,
 )
 from dsrun.runtime.zero.stage3_plan import MasterLayout, is_persistent
