@@ -168,6 +168,31 @@ def test_optimizer_state_only_for_the_partition_and_grads_released(solo: None) -
 
 
 @pytest.mark.parametrize("stage", [1, 2])
+def test_zero_grad_keeps_or_releases_the_accumulators(solo: None, stage: int) -> None:
+    """set_to_none=False (the engine's choice between steps) keeps the fp32
+    accumulators zeroed; True releases them, also from the optimizer's
+    sub-group views (which would otherwise keep the storage alive)."""
+    model = small_model()
+    zero = ZeroOptimizer(two_groups(model), torch.optim.Adam, {"lr": 0.01}, stage=stage,
+                         settings=ZeroSettings(sub_group_size=5))
+    assert max(len(g["params"]) for g in zero.param_groups) > 1  # several pieces
+    for set_to_none in (False, True):
+        model(torch.randn(2, 7)).sum().backward()
+        zero.micro_step_done()
+        zero.step()
+        kept = [m.grad for m in zero.masters]
+        zero.zero_grad(set_to_none=set_to_none)
+        if set_to_none:
+            assert all(m.grad is None for m in zero.masters)
+            assert all(p.grad is None for g in zero.param_groups for p in g["params"])
+            assert zero.state_bytes().grads == 0
+        else:
+            assert all(m.grad is k for m, k in zip(zero.masters, kept))  # same, zeroed
+            assert all(not m.grad.any() for m in zero.masters)
+    zero.close()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
 def test_low_precision_model_keeps_fp32_masters(solo: None, stage: int) -> None:
     model = small_model().to(torch.bfloat16)
     zero = ZeroOptimizer(two_groups(model), torch.optim.AdamW, {"lr": 0.01}, stage=stage)

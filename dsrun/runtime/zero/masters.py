@@ -99,9 +99,11 @@ class MasterGradients:
         self.optimizer.step()
 
     def _clear_master_grads(self, set_to_none: bool) -> None:
-        for master in self.masters:
+        for master, pieces in zip(self.masters, self._pieces):
             if set_to_none or master.grad is None:
                 master.grad = None
+                for piece in pieces:  # their views would keep the storage alive
+                    piece.grad = None
             else:
                 master.grad.zero_()
 

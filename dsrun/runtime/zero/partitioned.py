@@ -304,7 +304,7 @@ def refresh_full(params: Iterable[torch.Tensor], strategy: Optional[CommStrategy
             for p in batch:
                 size = p.ds_spec.shard_numel
                 full = rows[:, offset:offset + size].reshape(-1)
-                p.data.view(-1).copy_(full[:p.ds_numel])
+                p.data.copy_(full[:p.ds_numel].view(p.ds_shape))
                 offset += size
 
 

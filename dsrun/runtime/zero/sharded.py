@@ -445,8 +445,8 @@ class ZeroOptimizer(MasterGradients):
                                         piece.length))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop every gradient: model ``.grad``, a reduction in progress (and
-        a backward that raised); the fp32 partition accumulators are
+        """Drop every gradient: model ``.grad``, a stage-2 round in progress;
+        the fp32 partition accumulators are
         released, or with ``set_to_none=False`` kept and zeroed (the engine's
         choice between steps: no re-allocation of Ψ/N elements each step)."""
         if self._reducer is not None:

@@ -376,7 +376,7 @@ class ZeroStage3(MasterGradients):
             master = to_device(self.masters[g].detach(), targets[0][0].ds_tensor.device)
             for p, offset in targets:
                 shard = master.narrow(0, offset, p.ds_spec.shard_numel)
-                if p.ds_tensor.device != master.device:  # offload_param moved only some
+                if p.ds_tensor.device != master.device:  # a world-size-1 alias stays put
                     shard = shard.to(p.ds_tensor.device)
                 p.ds_tensor.copy_(shard)
         whole = [p for p in self.managed_params() if p.ds_status is ZeroParamStatus.AVAILABLE]
