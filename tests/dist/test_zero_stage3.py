@@ -320,6 +320,11 @@ def test_init_disabled_and_config_checks(solo: None) -> None:
     assert not hasattr(plain.weight, "ds_id")
     with pytest.raises(DsrunConfigError, match="nvme"):
         zero.Init(remote_device="nvme")
+    with pytest.raises(DsrunConfigError, match="remote_device='disk'; dsrun supports"):
+        zero.Init(remote_device="disk")
+    with zero.Init(remote_device="cpu", pin_memory=True):  # CPU ranks: shards stay put
+        built = torch.nn.Linear(300, 400)
+    assert built.weight.ds_tensor.device.type == "cpu" and not built.weight.ds_tensor.is_pinned()
     with pytest.raises(DsrunConfigError, match="stage3_param_persistence_threshold"):
         zero.Init(config_dict_or_path={"zero_optimization": {
             "stage3_param_persistence_threshold": -1}})
