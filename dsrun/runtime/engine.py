@@ -216,9 +216,9 @@ class DsrunEngine(torch.nn.Module):
         """offload_* sections: "nvme" is refused, sections a stage ignores are
         warned about, "cpu" on CPU ranks is reported as a no-op (the state
         is in host memory already); the ZeRO optimizers read the rest."""
-        for line in offload_notes(self.config.zero_optimization, self.zero_stage, self.device,
-                                  self.config.source):
-            log.info("%s", line) if "no-op" in line else log.warning("%s", line)
+        for level, text in offload_notes(self.config.zero_optimization, self.zero_stage,
+                                         self.device, self.config.source):
+            log.log(level, "%s", text)
 
     def _make_scheduler(self, client: Any, client_optimizer: Any = None) -> Any:
         if client is not None:

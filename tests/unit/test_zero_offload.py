@@ -6,6 +6,8 @@ are in tests/dist and tests/unit/test_initialize.py.)"""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -47,12 +49,14 @@ def test_offload_notes_per_stage_and_device() -> None:
     both = zero(stage=3, offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
     assert offload_notes(both, 3, CUDA, "c.json") == []  # real offload: nothing to say
     notes = offload_notes(both, 3, HOST, "c.json")
-    assert len(notes) == 2 and all("no-op" in n for n in notes)
+    assert len(notes) == 2 and all(level == logging.INFO and "no-op" in text
+                                   for level, text in notes)
     notes = offload_notes(both, 2, CUDA, "c.json")
-    assert notes == ["zero_optimization.offload_param (c.json) needs stage 3; at stage 2 it "
-                     "is ignored"]
+    assert notes == [(logging.WARNING, "zero_optimization.offload_param (c.json) needs stage "
+                                       "3; at stage 2 it is ignored")]
     notes = offload_notes(both, 0, CUDA, "c.json")
-    assert len(notes) == 2 and "needs ZeRO stage 1, 2 or 3" in notes[0]
+    assert len(notes) == 2 and all(level == logging.WARNING for level, _ in notes)
+    assert "needs ZeRO stage 1, 2 or 3" in notes[0][1]
     assert offload_notes(zero(stage=3), 3, CUDA, "c.json") == []
 
 
@@ -64,9 +68,9 @@ def test_nvme_offload_is_refused_naming_the_section_and_source() -> None:
 
 def test_placement() -> None:
     gpu = Placement(CUDA, offload_optimizer=True)
-    assert (gpu.master_device, gpu.shard_device, gpu.offloads) == (HOST, CUDA, True)
-    both = Placement(CUDA, offload_optimizer=True, offload_param=True)
-    assert (both.master_device, both.shard_device) == (HOST, HOST)
+    assert (gpu.master_device, gpu.offloads) == (HOST, True)
+    assert Placement(CUDA, offload_param=True).offloads
+    assert Placement(CUDA, offload_param=True).master_device == CUDA
     assert Placement(CUDA).master_device == CUDA and not Placement(CUDA).offloads
     assert not Placement(HOST, offload_optimizer=True, offload_param=True).offloads
 

@@ -12,8 +12,8 @@ device.
 
 :class:`Placement` is the one decision both ZeRO optimizers take from:
 where the compute happens (``device``: the parameters' device), where the
-masters live (``master_device``) and where stage-3 shards live
-(``shard_device``). On CPU ranks all three are the CPU and offload changes
+masters live (``master_device``) and whether stage-3 shards live in host
+memory (``offload_param``). On CPU ranks all three are the CPU and offload changes
 nothing; the optimizers still take the same code path (separate master
 tensors, explicit copies), which is what the CPU tests exercise.
 
@@ -43,10 +43,6 @@ class Placement:
     @property
     def master_device(self) -> torch.device:
         return HOST if self.offload_optimizer else self.device
-
-    @property
-    def shard_device(self) -> torch.device:
-        return HOST if self.offload_param else self.device
 
     @property
     def offloads(self) -> bool:

@@ -117,15 +117,28 @@ class ZeroSettings:
         """From a ``ZeroConfig`` (or anything with the same attribute names)."""
         names = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
                  "contiguous_gradients", "reduce_scatter", "sub_group_size")
-        values = {n: getattr(zero, n) for n in names if getattr(zero, n, None) is not None}
-        values.update(offload_settings(zero, param=False))
-        return cls(**{**values, **overrides})
+        return cls(**{**settings_values(zero, names, offload_param=False), **overrides})
 
     def comm_strategy(self) -> Optional[CommStrategy]:
-        if self.reduce_scatter:
-            return self.strategy
-        gather = (self.strategy or CommStrategy()).gather
-        return CommStrategy(reduce="all_reduce", owner_reduce="all_reduce", gather=gather)
+        return comm_strategy(self.reduce_scatter, self.strategy)
+
+
+def settings_values(zero: Any, names: Sequence[str], *, offload_param: bool) -> dict[str, Any]:
+    """The ``names`` a ``ZeroConfig`` (or anything with its attribute names)
+    sets, plus its offload sections (``offload_param`` too at stage 3)."""
+    values = {n: getattr(zero, n) for n in names if getattr(zero, n, None) is not None}
+    values.update(offload_settings(zero, param=offload_param))
+    return values
+
+
+def comm_strategy(reduce_scatter: bool, strategy: Optional[CommStrategy]
+                  ) -> Optional[CommStrategy]:
+    """``strategy`` (None: the backend's), or with ``reduce_scatter`` False
+    an all-reduce for every gradient reduction (DeepSpeed's meaning)."""
+    if reduce_scatter:
+        return strategy
+    gather = (strategy or CommStrategy()).gather
+    return CommStrategy(reduce="all_reduce", owner_reduce="all_reduce", gather=gather)
 
 
 def _normalise_groups(params: Iterable[Any]) -> list[dict[str, Any]]:

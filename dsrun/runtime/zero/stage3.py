@@ -72,7 +72,7 @@ from dsrun.runtime.zero.fetch import ParamFetcher
 from dsrun.runtime.zero.init import GatheredParameters
 from dsrun.runtime.zero.masters import MasterGradients, reduce_on_device
 from dsrun.runtime.zero.memory import StateBytes, count_bytes, tensors_in
-from dsrun.runtime.zero.offload import HOST, Placement, offload_settings, pinning, to_device
+from dsrun.runtime.zero.offload import HOST, Placement, pinning, to_device
 from dsrun.runtime.zero.partitioned import (
     ZeroParamStatus,
     broadcast_full,
@@ -89,7 +89,9 @@ from dsrun.runtime.zero.sharded import (
     _check_optimizer_cls,
     _constructor_kwargs,
     _normalise_groups,
+    comm_strategy,
     restore_partition_state,
+    settings_values,
 )
 from dsrun.runtime.zero.stage3_plan import MasterLayout, is_persistent
 
@@ -139,15 +141,10 @@ class Stage3Settings:
         names = ("reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters",
                  "param_persistence_threshold", "overlap_comm", "reduce_scatter",
                  "memory_efficient_linear", "sub_group_size")
-        values = {n: getattr(zero, n) for n in names if getattr(zero, n, None) is not None}
-        values.update(offload_settings(zero, param=True))
-        return cls(**{**values, **overrides})
+        return cls(**{**settings_values(zero, names, offload_param=True), **overrides})
 
     def comm_strategy(self) -> Optional[CommStrategy]:
-        if self.reduce_scatter:
-            return self.strategy
-        gather = (self.strategy or CommStrategy()).gather
-        return CommStrategy(reduce="all_reduce", owner_reduce="all_reduce", gather=gather)
+        return comm_strategy(self.reduce_scatter, self.strategy)
 
 
 class ZeroStage3(MasterGradients):

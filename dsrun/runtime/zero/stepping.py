@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional, Union
 
 import torch
@@ -58,11 +59,12 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, zero_config: Any, stage: in
 
 
 def offload_notes(zero_config: Any, stage: int, device: torch.device, source: str
-                  ) -> list[str]:
-    """What the engine says about the ``offload_*`` sections (pure). Raises
-    for "nvme" (ZeRO-Infinity is not implemented); sections this stage
-    ignores, as DeepSpeed does, get a warning; "cpu" on CPU ranks a note
-    that it is a no-op (the state is in host memory already)."""
+                  ) -> list[tuple[int, str]]:
+    """What the engine logs about the ``offload_*`` sections, as (logging
+    level, text) (pure). Raises for "nvme" (ZeRO-Infinity is not
+    implemented); sections this stage ignores, as DeepSpeed does, get a
+    warning; "cpu" on CPU ranks a note that it is a no-op (the state is in
+    host memory already)."""
     notes = []
     for name, first_stage in (("offload_optimizer", 1), ("offload_param", 3)):
         section = getattr(zero_config, name, None)
@@ -75,11 +77,12 @@ def offload_notes(zero_config: Any, stage: int, device: torch.device, source: st
                                    'use "cpu" or "none"')
         if stage < first_stage:
             needs = "stage 3" if first_stage == 3 else "ZeRO stage 1, 2 or 3"
-            notes.append(f"zero_optimization.{name} ({source}) needs {needs}; at stage "
-                         f"{stage} it is ignored")
+            notes.append((logging.WARNING, f"zero_optimization.{name} ({source}) needs "
+                                           f"{needs}; at stage {stage} it is ignored"))
         elif device.type == "cpu":
-            notes.append(f"zero_optimization.{name}.device=cpu: these are CPU ranks, so that "
-                         "state already lives in host memory (offload is a no-op)")
+            notes.append((logging.INFO, f"zero_optimization.{name}.device=cpu: these are CPU "
+                                        "ranks, so that state already lives in host memory "
+                                        "(offload is a no-op)"))
     return notes
 
 
