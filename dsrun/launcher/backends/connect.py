@@ -242,15 +242,14 @@ def placement_problem(plan: LaunchPlan, hellos: Mapping[int, Mapping[str, Any]],
     """
     seen: dict[str, int] = {}
     for node in plan.nodes:
-        hosts = {str(hellos[s.rank].get("host")) for s in node.ranks}
+        host = str(hellos[node.ranks[0].rank].get("host"))
         for slot in node.ranks:
             got = hellos[slot.rank]
-            if got.get("local_rank") != slot.local_rank or len(hosts) > 1:
+            if got.get("local_rank") != slot.local_rank or str(got.get("host")) != host:
                 return (f"{tool} started rank {slot.rank} as local rank {got.get('local_rank')}"
                         f" on {got.get('host')}, but dsrun's plan has it as local rank "
                         f"{slot.local_rank} on {node.host} (options in --launcher_args or "
                         f"--slurm_args must not change where ranks run)")
-        host = hosts.pop()
         if host in seen:
             return (f"{tool} started ranks of hosts {plan.nodes[seen[host]].host} and "
                     f"{node.host} on the same host {host}")
