@@ -35,9 +35,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from simhosts import SimCluster, kill_procs
-
 import psutil
+from simhosts import SimCluster, kill_procs
 
 BINARIES = ("munged", "slurmctld", "slurmd", "srun", "sinfo", "salloc")
 CPUS_PER_NODE = 4
