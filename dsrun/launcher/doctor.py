@@ -191,7 +191,7 @@ def probe(handle: JobHandle, cluster: Cluster, hs: HostsSpec, expect: Expectatio
         role = "master" if i == 0 else "worker"
         extra = master_problem if i == 0 else None
         reports.append(evaluate(host, facts[i], errors[i], expect, cluster.slots[i], role,
-                                master, extra))
+                                master, extra, cpu=hs.cpu))
     return ProbeOutcome(tuple(reports), master if master_problem is None else None,
                         time.monotonic() - start, tuple(facts))
 
@@ -253,7 +253,10 @@ def _version_mismatches(facts: dict[str, Any], expect: Expectations) -> list[str
     return out
 
 
-def _slot_check(host: str, devices: Sequence[int], slots: Sequence[int]) -> tuple[str | None, str]:
+def _slot_check(host: str, devices: Sequence[int], slots: Sequence[int],
+                cpu: bool = False) -> tuple[str | None, str]:
+    if cpu:
+        return None, f"--cpu: {len(slots)} CPU rank(s)"
     if not devices:
         return None, f"no GPU: {len(slots)} CPU rank(s)"
     need = max(slots) + 1
@@ -265,14 +268,16 @@ def _slot_check(host: str, devices: Sequence[int], slots: Sequence[int]) -> tupl
 
 def evaluate(host: str, facts: dict[str, Any] | None, error: str | None,
              expect: Expectations, slots: Sequence[int], role: str,
-             master: Rendezvous | None, master_problem: str | None = None) -> HostReport:
-    """One host's verdict from its probe answer (or the error instead of one)."""
+             master: Rendezvous | None, master_problem: str | None = None,
+             cpu: bool = False) -> HostReport:
+    """One host's verdict from its probe answer (or the error instead of one);
+    ``cpu``: the job asked for CPU ranks (--cpu), so GPUs are not checked."""
     if facts is None:
         return HostReport(host, None, errors=(error or "no answer",))
     errors: list[str] = []
     notes = [f"{facts.get('host')}: python {facts.get('python')}",
              f"dsrun {facts.get('dsrun')}", f"torch {facts.get('torch') or '-'}"]
-    problem, note = _slot_check(host, facts.get("devices") or [], slots)
+    problem, note = _slot_check(host, facts.get("devices") or [], slots, cpu)
     if problem:
         errors.append(problem)
     else:
@@ -323,7 +328,7 @@ def run_doctor(hs: HostsSpec, cwd: str, echo=click.echo) -> int:
     """``dsrun doctor``: one line per host; 0 when every host passes."""
     resolved = resolve_cluster(hs, cwd)
     if resolved is None:
-        devices = visible_devices()
+        devices = () if hs.cpu else visible_devices()
         count = hs.num_gpus or len(devices) or DEFAULT_CPU_RANKS
         cluster = Cluster("<local>", (socket.gethostname(),), (tuple(range(count)),),
                           (True,), "local")

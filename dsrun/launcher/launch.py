@@ -131,6 +131,11 @@ def user_env(spec: LaunchSpec, cwd: str, remote: bool) -> JobEnv:
 
 def _job_env(spec: LaunchSpec) -> tuple[tuple[str, str], ...]:
     env = {}
+    if spec.cpu:
+        # The ranks see no GPU, so the runtime, torch and the script itself
+        # all take the CPU path; DSRUN_ACCELERATOR says why.
+        env["DSRUN_ACCELERATOR"] = "cpu"
+        env["CUDA_VISIBLE_DEVICES"] = ""
     if spec.dist_backend is not None:
         env["DSRUN_DIST_BACKEND"] = spec.dist_backend
     if spec.config is not None:
@@ -146,6 +151,8 @@ def make_plan(spec: LaunchSpec, devices: tuple[int, ...], cpus: int,
     ``slots``: the hostfile slots selected on this host (None: no hostfile).
     """
     host = socket.gethostname()
+    if spec.cpu:
+        devices = ()
     if slots is None:
         node = local_slots(spec.num_gpus, devices, cpus, host)
     else:
@@ -182,7 +189,9 @@ def cluster_plan(spec: LaunchSpec, cluster: Cluster, env: JobEnv, job_id: str,
     for i, host in enumerate(cluster.hosts):
         host_facts = facts[i] if facts else None
         devices: Sequence[int] | None
-        if host_facts is not None:
+        if spec.cpu:
+            devices = ()
+        elif host_facts is not None:
             devices = host_facts.get("devices") or ()
         else:
             devices = local_devices if cluster.local[i] else None
@@ -219,10 +228,13 @@ def run(spec: LaunchSpec) -> int:
 def _run_local(spec: LaunchSpec, cluster: Cluster | None, env: JobEnv) -> int:
     if spec.master_port is not None:
         check_port(spec.master_addr or LOCAL_MASTER, spec.master_port)
-    devices = visible_devices()
+    devices = () if spec.cpu else visible_devices()
     plan = make_plan(spec, devices, usable_cpus(), slots=cluster.slots[0] if cluster else None,
                      env=env)
-    if not devices:
+    if spec.cpu:
+        say(f"--cpu: starting {plan.world_size} CPU rank(s) with gloo "
+            f"(--num_gpus counts CPU ranks)")
+    elif not devices:
         say(f"no GPUs on this host: starting {plan.world_size} CPU rank(s) with gloo "
             f"(--num_gpus counts CPU ranks here)")
     backend = get_backend("local")

@@ -57,6 +57,7 @@ class HostsSpec:
     master_port: int | None = None
     launcher: str | None = None  # None: ssh when a selected host is not this one
     ssh: SshOptions = field(default_factory=SshOptions)
+    cpu: bool = False  # --cpu: CPU ranks with gloo even on hosts that have GPUs
 
     def __post_init__(self) -> None:
         if self.include is not None and self.exclude is not None:
@@ -99,6 +100,7 @@ class LaunchSpec:
     ssh: SshOptions = field(default_factory=SshOptions)
     config: str | None = None  # a DeepSpeed-style JSON config handed to every rank
     local_rank_arg: str | None = None  # "--local_rank" / "--local-rank" appended per rank
+    cpu: bool = False  # --cpu: CPU ranks with gloo even on hosts that have GPUs
 
     def __post_init__(self) -> None:
         if self.module and self.no_python:
@@ -111,6 +113,9 @@ class LaunchSpec:
             raise DsrunUsageError(f"--max_restarts must be >= 0, got {self.max_restarts}")
         if self.kill_grace < 0:
             raise DsrunUsageError(f"--kill_grace must be >= 0, got {self.kill_grace}")
+        if self.cpu and self.dist_backend == "nccl":
+            raise DsrunUsageError("--cpu asks for CPU ranks, which cannot use "
+                                  "--dist_backend nccl (use gloo, mpi or none)")
         if self.dist_backend is not None and self.dist_backend not in DIST_BACKENDS:
             raise DsrunUsageError(
                 f"--dist_backend must be one of {', '.join(DIST_BACKENDS)}, "
@@ -121,4 +126,4 @@ class LaunchSpec:
     def hosts(self) -> HostsSpec:
         return HostsSpec(self.hostfile, self.include, self.exclude, self.num_nodes,
                          self.num_gpus, self.master_addr, self.master_port, self.backend,
-                         self.ssh)
+                         self.ssh, self.cpu)

@@ -5,6 +5,10 @@ then Open MPI's OMPI_COMM_WORLD_*, then PMI_RANK/PMI_SIZE, then Slurm's
 SLURM_PROCID/SLURM_NTASKS, else a single process. The object is frozen;
 the runtime never writes os.environ.
 
+``accelerator`` is ``DSRUN_ACCELERATOR``: ``"cpu"`` when the launcher was
+asked for CPU ranks (``dsrun --cpu``), which then use gloo even where CUDA
+is present.
+
 ``config_path`` is ``DSRUN_CONFIG``: the training config (DeepSpeed JSON)
 the launcher hands every rank (``dsrun --config``); ``dsrun.initialize``
 uses it when the script passes none.
@@ -42,6 +46,7 @@ class DistEnv:
     restart_count: int = 0
     error_file: str | None = None
     config_path: str | None = None  # DSRUN_CONFIG, a launcher-given training config
+    accelerator: str | None = None  # DSRUN_ACCELERATOR: "cpu" under dsrun --cpu
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -59,6 +64,7 @@ class DistEnv:
             restart_count=_int(env, "DSRUN_RESTART_COUNT", 0) or 0,
             error_file=env.get("DSRUN_ERROR_FILE") or None,
             config_path=env.get("DSRUN_CONFIG") or None,
+            accelerator=env.get("DSRUN_ACCELERATOR") or None,
         )
         for source, rank, size, lrank, lsize in _SOURCES:
             if rank in env and size in env:

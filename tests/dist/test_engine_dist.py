@@ -53,7 +53,7 @@ def _run(argv: list[str], out: Path) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("two_ranks")
-    results = _run(dsrun_argv("--num_gpus", "2", str(WORKER), "--out", str(out)), out)
+    results = _run(dsrun_argv("--cpu", "--num_gpus", "2", str(WORKER), "--out", str(out)), out)
     assert [r["world_size"] for r in results] == [2, 2]
     return results
 
