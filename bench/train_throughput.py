@@ -56,7 +56,8 @@ ROOT = HERE.parent
 DS_PYTHON = HERE / ".venv-ds" / "bin" / "python"
 # (vocab, width, layers, heads, sequence, sequences per rank)
 MODELS = {"small": (8192, 512, 6, 8, 128, 4),    # 23.2M parameters
-          "large": (8192, 1024, 12, 16, 128, 2)}  # 160M: model state dominates memory
+          "large": (8192, 1024, 12, 16, 128, 2),  # 160M: model state dominates memory
+          "gpu": (32000, 1024, 12, 16, 512, 8)}   # 217M with an untied head (gpu_step.py)
 VOCAB, WIDTH, LAYERS, HEADS, SEQ, BATCH = MODELS["small"]
 
 
@@ -68,7 +69,8 @@ LR = 3e-4
 # ----------------------------------------------------------------- the model (rank side)
 
 
-def build_model() -> Any:
+def build_model(tied: bool = True) -> Any:
+    """The bench GPT; ``tied``: the output head shares the embedding (GPT-2)."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -95,7 +97,8 @@ def build_model() -> Any:
             self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
             self.ln_f = nn.LayerNorm(WIDTH)
             self.head = nn.Linear(WIDTH, VOCAB, bias=False)
-            self.head.weight = self.wte.weight  # tied, as GPT-2
+            if tied:
+                self.head.weight = self.wte.weight  # as GPT-2
 
         def forward(self, tokens: torch.Tensor) -> torch.Tensor:
             x = self.wte(tokens[:, :-1]) + self.wpe.weight[: tokens.shape[1] - 1]

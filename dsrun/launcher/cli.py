@@ -57,6 +57,9 @@ _HOST_OPTIONS = (
                  help="Ranks per host (GPUs; on a host without GPUs, CPU ranks). "
                       "Default: all selected slots; without a hostfile all GPUs, or 2 CPU "
                       "ranks on a CPU-only host."),
+    click.option("--cpu", "cpu", is_flag=True,
+                 help="CPU ranks with gloo even on hosts that have GPUs (--num_gpus then "
+                      "counts CPU ranks; the ranks see no GPU)."),
     click.option("--master_addr", "--master-addr", "master_addr", default=None,
                  help="Rendezvous address (default: 127.0.0.1 on one host; else the first "
                       "host's address, found on that host)."),

@@ -88,7 +88,8 @@ def resolve_cluster(hs: HostsSpec, cwd: str) -> tuple[Cluster, Backend]:
     pool = HostPool(hostfile) if hostfile is not None else \
         (backend.pool_without_hostfile() if backend is not None else None)
     if pool is None:
-        pool = this_host_pool(hs, visible_devices(), usable_cpus(), socket.gethostname())
+        devices = () if hs.cpu else visible_devices()
+        pool = this_host_pool(hs, devices, usable_cpus(), socket.gethostname())
     num_gpus = hs.num_gpus if hs.num_gpus is not None else pool.default_ranks
     nodes = select_resources(pool.hostfile, hs.include, hs.exclude, hs.num_nodes, num_gpus)
     hosts = tuple(n.host for n in nodes)
@@ -217,7 +218,7 @@ def probe_cluster(handle: JobHandle, cluster: Cluster, backend: Backend, hs: Hos
         st.requeue()
     reports = [evaluate(host, st.facts[i], st.errors[i], expect, cluster.slots[i],
                         "master" if i == 0 else "worker", master,
-                        master_problem if i == 0 else None)
+                        master_problem if i == 0 else None, cpu=hs.cpu)
                for i, host in enumerate(cluster.hosts)]
     return ProbeOutcome(tuple(reports), master if master_problem is None else None,
                         time.monotonic() - start, tuple(st.facts))

@@ -27,7 +27,8 @@ def run_doctor(hs: HostsSpec, cwd: str, echo=click.echo) -> int:  # noqa: ANN001
          f"(launcher: {cluster.launcher}, working directory {cwd})")
     # The agents need a plan to be started by mpirun/srun; it runs nothing.
     spec = LaunchSpec(script="<doctor>", num_gpus=hs.num_gpus, backend=hs.launcher,
-                      ssh=hs.ssh, launcher_args=hs.launcher_args, slurm_args=hs.slurm_args)
+                      ssh=hs.ssh, cpu=hs.cpu, launcher_args=hs.launcher_args,
+                      slurm_args=hs.slurm_args)
     plan = build_plan(spec, cluster, JobEnv(), uuid.uuid4().hex, facts=here_facts(cluster),
                       python=backend.python, cwd=os.getcwd())
     handle = backend.open(plan, lambda host, rank, fd, line: echo(f"  [{host}] {line}"))

@@ -125,7 +125,10 @@ def run(spec: LaunchSpec) -> int:
             click.echo(line)
         return 0
     check_log_dir(spec.log_dir)
-    if not cluster.remote and cluster.named and not any(n.devices for n in draft.nodes):
+    if spec.cpu:
+        say(f"--cpu: starting {draft.world_size} CPU rank(s) with gloo "
+            f"(--num_gpus counts CPU ranks)")
+    elif not cluster.remote and cluster.named and not any(n.devices for n in draft.nodes):
         say(f"no GPUs on this host: starting {draft.world_size} CPU rank(s) with gloo "
             f"(--num_gpus counts CPU ranks here)")
     return _run_attempts(spec, lambda restart: _attempt(

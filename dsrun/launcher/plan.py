@@ -205,6 +205,11 @@ def rank_argv(plan: LaunchPlan, slot: RankSlot) -> list[str]:
 def job_env_of(spec: LaunchSpec) -> tuple[tuple[str, str], ...]:
     """Job-wide variables dsrun sets from the spec (printed by --dry-run)."""
     env = {}
+    if spec.cpu:
+        # The ranks see no GPU, so the runtime, torch and the script itself
+        # all take the CPU path; DSRUN_ACCELERATOR says why.
+        env["DSRUN_ACCELERATOR"] = "cpu"
+        env["CUDA_VISIBLE_DEVICES"] = ""
     if spec.dist_backend is not None:
         env["DSRUN_DIST_BACKEND"] = spec.dist_backend
     if spec.config is not None:
@@ -222,16 +227,17 @@ def build_plan(spec: LaunchSpec, cluster: Cluster, env: JobEnv, job_id: str, *,
     ``master``: the rendezvous the probe settled (None: a draft, whose
     address is --master_addr, or 127.0.0.1 for a job on this host alone).
     ``remote_path``: put in front of PATH on hosts that are not this one
-    (backends whose agents start in a login environment).
+    (backends whose agents start in a login environment). With ``--cpu``
+    every host counts as GPU-less.
     """
     multi = len(cluster.hosts) > 1
     nodes = []
     for i, host in enumerate(cluster.hosts):
         known = facts[i]
         ifname = known.ifname if known is not None and multi else None
+        devices = () if spec.cpu else known.devices if known is not None else None
         nodes.append(host_slots(
-            host, cluster.slots[i], cluster.local[i],
-            known.devices if known is not None else None,
+            host, cluster.slots[i], cluster.local[i], devices,
             socket_env(ifname, env.keys()), known.cpus if known is not None else None,
             () if cluster.local[i] else remote_path))
     if master is not None:

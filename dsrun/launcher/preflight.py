@@ -80,7 +80,10 @@ def _version_mismatches(facts: dict[str, Any], expect: Expectations) -> list[str
     return out
 
 
-def _slot_check(host: str, devices: Sequence[int], slots: Sequence[int]) -> tuple[str | None, str]:
+def _slot_check(host: str, devices: Sequence[int], slots: Sequence[int],
+                cpu: bool = False) -> tuple[str | None, str]:
+    if cpu:
+        return None, f"--cpu: {len(slots)} CPU rank(s)"
     if not devices:
         return None, f"no GPU: {len(slots)} CPU rank(s)"
     need = max(slots) + 1
@@ -99,13 +102,15 @@ def _notes(facts: dict[str, Any]) -> list[str]:
 
 def evaluate(host: str, facts: dict[str, Any] | None, error: str | None,
              expect: Expectations, slots: Sequence[int], role: str,
-             master: Rendezvous | None, master_problem: str | None = None) -> HostReport:
-    """One host's verdict from its probe answer (or the error instead of one)."""
+             master: Rendezvous | None, master_problem: str | None = None,
+             cpu: bool = False) -> HostReport:
+    """One host's verdict from its probe answer (or the error instead of one);
+    ``cpu``: the job asked for CPU ranks (--cpu), so GPUs are not checked."""
     if facts is None:
         return HostReport(host, None, errors=(error or "no answer",))
     errors: list[str] = []
     notes = _notes(facts)
-    problem, note = _slot_check(host, facts.get("devices") or [], slots)
+    problem, note = _slot_check(host, facts.get("devices") or [], slots, cpu)
     if problem:
         errors.append(problem)
     else:

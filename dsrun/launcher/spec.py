@@ -82,6 +82,7 @@ class HostsSpec:
     master_port: int | None = None
     launcher: str | None = None  # None: ssh when a selected host is not this one
     ssh: SshOptions = field(default_factory=SshOptions)
+    cpu: bool = False  # --cpu: CPU ranks with gloo even on hosts that have GPUs
     launcher_args: tuple[str, ...] = ()  # appended verbatim to mpirun's argv
     slurm_args: tuple[str, ...] = ()  # srun options (an allocation, a partition, ...)
 
@@ -130,6 +131,7 @@ class LaunchSpec:
     ssh: SshOptions = field(default_factory=SshOptions)
     config: str | None = None  # a DeepSpeed-style JSON config handed to every rank
     local_rank_arg: str | None = None  # "--local_rank" / "--local-rank" appended per rank
+    cpu: bool = False  # --cpu: CPU ranks with gloo even on hosts that have GPUs
     launcher_args: tuple[str, ...] = ()
     slurm_args: tuple[str, ...] = ()
 
@@ -145,6 +147,9 @@ class LaunchSpec:
             raise DsrunUsageError(f"--max_restarts must be >= 0, got {self.max_restarts}")
         if self.kill_grace < 0:
             raise DsrunUsageError(f"--kill_grace must be >= 0, got {self.kill_grace}")
+        if self.cpu and self.dist_backend == "nccl":
+            raise DsrunUsageError("--cpu asks for CPU ranks, which cannot use "
+                                  "--dist_backend nccl (use gloo, mpi or none)")
         if self.dist_backend is not None and self.dist_backend not in DIST_BACKENDS:
             raise DsrunUsageError(
                 f"--dist_backend must be one of {', '.join(DIST_BACKENDS)}, "
@@ -155,4 +160,4 @@ class LaunchSpec:
     def hosts(self) -> HostsSpec:
         return HostsSpec(self.hostfile, self.include, self.exclude, self.num_nodes,
                          self.num_gpus, self.master_addr, self.master_port, self.backend,
-                         self.ssh, self.launcher_args, self.slurm_args)
+                         self.ssh, self.cpu, self.launcher_args, self.slurm_args)

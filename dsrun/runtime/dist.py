@@ -27,12 +27,23 @@ _owned_by_dsrun = False
 
 
 def default_backend(env: DistEnv) -> str:
-    """nccl when this rank has a GPU, gloo otherwise (unless the launcher chose)."""
+    """nccl when this rank has a GPU, gloo otherwise (unless the launcher chose);
+    gloo for CPU ranks asked for with ``dsrun --cpu`` (``env.accelerator``)."""
     if env.backend and env.backend != "none":
         return env.backend
+    if env.accelerator == "cpu":
+        return "gloo"
     if torch.cuda.is_available() and torch.cuda.device_count() > env.local_rank:
         return "nccl"
     return "gloo"
+
+
+def compute_device() -> torch.device:
+    """The device this rank trains on: its GPU when the default process group
+    is NCCL, else the CPU (gloo ranks, also on hosts that have GPUs)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def init_distributed(backend: str | None = None, timeout: datetime.timedelta | None = None,

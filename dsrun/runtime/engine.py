@@ -47,6 +47,7 @@ from torch.optim import Optimizer
 
 from dsrun.errors import DsrunConfigError, DsrunError
 from dsrun.runtime.config import DsrunConfig
+from dsrun.runtime.dist import compute_device
 from dsrun.runtime.env import DistEnv
 from dsrun.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradSync, broadcast_tensors
 from dsrun.runtime.lr_schedules import build_scheduler
@@ -112,7 +113,7 @@ class DsrunEngine(torch.nn.Module):
             raise DsrunConfigError(f"the config was resolved for data-parallel size "
                                    f"{config.dp_size} ({config.dp_size_source}) but the "
                                    f"data-parallel group has {self.dp_world_size} ranks")
-        self.device = _device()
+        self.device = compute_device()
         self.module = model.to(self.device)
         self._broadcast_state()
         self.zero_stage = config.zero_optimization.stage
@@ -415,12 +416,6 @@ class DsrunEngine(torch.nn.Module):
 
 
 DeepSpeedEngine = DsrunEngine
-
-
-def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _check_prepartitioned(module: torch.nn.Module, config: DsrunConfig) -> None:

@@ -19,6 +19,10 @@ mpi4py), ``slurm`` (the first node of the step, and a port derived from the
 job and step ids), or ``env`` (they must be set; world size 1 needs none).
 
 The object is frozen; the runtime never writes os.environ.
+
+``accelerator`` is ``DSRUN_ACCELERATOR``: ``"cpu"`` when the launcher was
+asked for CPU ranks (``dsrun --cpu``), which then use gloo even where CUDA
+is present.
 ``config_path`` is ``DSRUN_CONFIG``: the training config (DeepSpeed JSON)
 the launcher hands every rank (``dsrun --config``).
 """
@@ -75,6 +79,7 @@ class DistEnv:
     restart_count: int = 0
     error_file: str | None = None
     config_path: str | None = None  # DSRUN_CONFIG, a launcher-given training config
+    accelerator: str | None = None  # DSRUN_ACCELERATOR: "cpu" under dsrun --cpu
     nodes: tuple[str, ...] = ()  # the job's hosts, where the launcher says (Slurm)
     slurm_job: tuple[int, int] | None = None  # (job id, step id) under srun
 
@@ -104,6 +109,7 @@ class DistEnv:
             restart_count=_int(env, "DSRUN_RESTART_COUNT", 0) or 0,
             error_file=env.get("DSRUN_ERROR_FILE") or None,
             config_path=env.get("DSRUN_CONFIG") or None,
+            accelerator=env.get("DSRUN_ACCELERATOR") or None,
         )
         for src in SOURCES:
             if src.rank in env and src.size in env:

@@ -61,7 +61,7 @@ def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     """One dsrun job per world size; every case runs inside it."""
     world = request.param
     out = tmp_path_factory.mktemp(f"zero{world}")
-    res = run_dsrun("--num_gpus", str(world), str(WORKER), str(out), timeout=300)
+    res = run_dsrun("--cpu", "--num_gpus", str(world), str(WORKER), str(out), timeout=300)
     assert res.returncode == 0, res.stderr[-4000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     return {"world": world, "ranks": ranks}

@@ -60,7 +60,7 @@ BITWISE_ON_2_RANKS = ("gas1-noclip", "gas1-noclip-subgroups")
 def job(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """One 3-rank dsrun job for the module; every case runs inside it."""
     out = tmp_path_factory.mktemp("zero3")
-    res = run_dsrun("--num_gpus", "3", str(WORKER), str(out), timeout=280,
+    res = run_dsrun("--cpu", "--num_gpus", "3", str(WORKER), str(out), timeout=280,
                     env={"OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]

@@ -15,8 +15,8 @@ CONFIG_ARGS = ("--deepspeed", "--deepspeed_config", str(TUTORIAL / "ds_config.js
 
 
 def test_tutorial_scripts_train_on_two_cpu_ranks() -> None:
-    res = run_dsrun("--num_gpus", "2", str(TUTORIAL / "cifar10_deepspeed.py"), *CONFIG_ARGS,
-                    timeout=120)
+    res = run_dsrun("--cpu", "--num_gpus", "2", str(TUTORIAL / "cifar10_deepspeed.py"),
+                    *CONFIG_ARGS, timeout=120)
     assert res.returncode == 0, res.stderr
     losses = [float(m) for m in re.findall(r":0\] \[\d, +\d+\] loss: ([\d.]+)", res.stdout)]
     assert len(losses) == 8, res.stdout  # 2 epochs x 128 micro-batches / 32, rank 0 only
@@ -25,7 +25,7 @@ def test_tutorial_scripts_train_on_two_cpu_ranks() -> None:
     assert "step=40, skipped=0" in res.stdout  # the engine's steps_per_print line
     assert "WORLD_SIZE=2 from the dsrun launcher" in res.stdout  # the config summary
 
-    res = run_dsrun("--num_gpus", "2", str(TUTORIAL / "train_loop.py"), *CONFIG_ARGS,
+    res = run_dsrun("--cpu", "--num_gpus", "2", str(TUTORIAL / "train_loop.py"), *CONFIG_ARGS,
                     "--epochs", "2", timeout=120)
     assert res.returncode == 0, res.stderr
     epochs = [float(m) for m in re.findall(r"epoch \d: loss ([\d.]+)", res.stdout)]

@@ -27,7 +27,7 @@ BEHAVE = str(WORKERS / "behave.py")
 
 
 def _behave(*extra: str, n: int = 2, grace: float = 1.0) -> list[str]:
-    return ["--num_gpus", str(n), "--dist_backend", "none", "--kill_grace", str(grace),
+    return ["--cpu", "--num_gpus", str(n), "--dist_backend", "none", "--kill_grace", str(grace),
             BEHAVE, *extra]
 
 
@@ -156,7 +156,7 @@ def test_local_rank_argument_for_deepspeed_style_scripts(tmp_path, flag, spellin
         "a = p.parse_args()\n"
         "assert a.local_rank == int(os.environ['LOCAL_RANK'])\n"
         "print('argv', sys.argv[1:], flush=True)\n")
-    res = run_dsrun("--num_gpus", "2", "--dist_backend", "none", flag, str(script),
+    res = run_dsrun("--cpu", "--num_gpus", "2", "--dist_backend", "none", flag, str(script),
                     "--lr", "0.1")
     assert res.returncode == 0, res.stderr
     assert f"argv ['{spelling}=1', '--lr', '0.1']" in res.stdout

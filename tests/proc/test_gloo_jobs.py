@@ -15,7 +15,7 @@ pytestmark = pytest.mark.proc
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_allreduce_job(n):
-    res = run_dsrun("--num_gpus", str(n), str(WORKERS / "allreduce.py"))
+    res = run_dsrun("--cpu", "--num_gpus", str(n), str(WORKERS / "allreduce.py"))
     assert res.returncode == 0, res.stderr
     expected = n * (n + 1) // 2
     lines = sorted(ln for ln in res.stdout.splitlines() if "sum" in ln)
@@ -28,7 +28,7 @@ def test_allreduce_job(n):
 
 def test_script_calling_init_process_group_itself_and_failing_rank_stops_barrier():
     start = time.monotonic()
-    res = run_dsrun("--num_gpus", "2", "--kill_grace", "2",
+    res = run_dsrun("--cpu", "--num_gpus", "2", "--kill_grace", "2",
                     str(WORKERS / "torchrun_style.py"), "--fail")
     assert res.returncode == 3, res.stderr
     assert time.monotonic() - start < 15
@@ -37,7 +37,7 @@ def test_script_calling_init_process_group_itself_and_failing_rank_stops_barrier
 
 
 def test_module_mode_and_rank0_example(tmp_path):
-    res = run_dsrun("--num_gpus", "3", str(ROOT / "examples" / "rank0_print.py"))
+    res = run_dsrun("--cpu", "--num_gpus", "3", str(ROOT / "examples" / "rank0_print.py"))
     assert res.returncode == 0, res.stderr
     assert res.stdout.count("only rank 0 prints this line") == 1
     assert res.stdout.count("every rank prints this") == 3
@@ -47,7 +47,7 @@ def test_module_mode_and_rank0_example(tmp_path):
     (pkg / "job.py").write_text(
         "import sys, torch.distributed as dist\n"
         "print('module', __name__, dist.get_rank(), sys.argv[1:])\n")
-    res = run_dsrun("--num_gpus", "2", "-m", "mypkg.job", "--x", "1", cwd=str(tmp_path))
+    res = run_dsrun("--cpu", "--num_gpus", "2", "-m", "mypkg.job", "--x", "1", cwd=str(tmp_path))
     assert res.returncode == 0, res.stderr
     assert "module __main__ 1 ['--x', '1']" in res.stdout
 
@@ -62,7 +62,20 @@ def test_world_size_one_under_plain_python(tmp_path):
         "print(dist.get_rank(), dist.get_world_size(), t.tolist())\n")
     env = {k: v for k, v in __import__("os").environ.items()
            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["DSRUN_ACCELERATOR"] = "cpu"  # gloo even on a GPU host: the tensors are CPU ones
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          env=env, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "0 1 [1.0, 1.0]"
+
+
+def test_cpu_flag_runs_cpu_ranks_on_a_host_with_fewer_gpus():
+    # DSRUN_FAKE_GPUS=1: the launcher sees one GPU; --cpu still gives 2 gloo ranks
+    res = run_dsrun("--cpu", "--num_gpus", "2", str(WORKERS / "allreduce.py"),
+                    env={"DSRUN_FAKE_GPUS": "1"})
+    assert res.returncode == 0, res.stderr
+    assert "--cpu: starting 2 CPU rank(s) with gloo" in res.stderr
+    assert sum("backend gloo sum 3" in ln for ln in res.stdout.splitlines()) == 2
+    refused = run_dsrun("--num_gpus", "2", str(WORKERS / "allreduce.py"),
+                        env={"DSRUN_FAKE_GPUS": "1"})
+    assert refused.returncode == 2 and "more GPUs than this host has (1)" in refused.stderr

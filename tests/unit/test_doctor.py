@@ -40,6 +40,12 @@ def test_unreachable_master_and_too_few_gpus():
     assert not report.ok(strict=False)  # missing devices can never be skipped
 
 
+def test_cpu_jobs_do_not_check_gpus():
+    report = evaluate("n2", {**FACTS, "devices": [0]}, None, EXPECT, (0, 1, 2), "worker",
+                      MASTER, cpu=True)
+    assert report.errors == () and "--cpu: 3 CPU rank(s)" in report.line(width=2)
+
+
 def test_no_answer_is_an_error():
     report = evaluate("n3", None, "n3: connection refused by 10.0.0.3:22", EXPECT, (0,),
                       "worker", MASTER)

@@ -42,7 +42,7 @@ def solo() -> Iterator[None]:
     """A world-size-1 process group for this module (HashStore: no ports)."""
     created = not dist.is_initialized()
     if created:
-        dsrun.init_distributed(env=DistEnv())
+        dsrun.init_distributed(env=DistEnv(accelerator="cpu"))
     yield
     if created:
         dist.destroy_process_group()
@@ -89,6 +89,16 @@ def test_launcher_config_used_when_the_script_passes_none(tmp_path: Path) -> Non
     assert choice.value == path and "DSRUN_CONFIG" in choice.origin
     assert DistEnv.detect({"DSRUN_CONFIG": path}).config_path == path
     assert DistEnv.detect({}).config_path is None
+
+
+def test_cpu_ranks_use_gloo_even_where_cuda_is_available(monkeypatch, solo) -> None:
+    from dsrun.runtime import dist as rdist
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cpu = DistEnv.detect({"DSRUN_ACCELERATOR": "cpu"})
+    assert cpu.accelerator == "cpu" and rdist.default_backend(cpu) == "gloo"
+    assert rdist.default_backend(DistEnv.detect({})) == "nccl"
+    assert rdist.compute_device().type == "cpu"  # this module's group is gloo
 
 
 def test_launcher_and_script_config_conflict_names_both(tmp_path: Path) -> None:

@@ -53,7 +53,7 @@ def test_more_gpu_ranks_than_gpus_is_an_error():
 
 def _plan(num_gpus=2, devices=(), cpus=4, port=4242, **kw):
     spec = LaunchSpec(script="train.py", script_args=("--lr", "1"), num_gpus=num_gpus, **kw)
-    slots = _local_slots(num_gpus, devices, cpus)
+    slots = _local_slots(num_gpus, () if spec.cpu else devices, cpus)
     cluster = Cluster("<this host>", ("here",), (slots,), (True,), "local")
     env = job_env({}, remote=False, cli_env=spec.extra_env)
     return build_plan(spec, cluster, env, "job1", facts=[NodeFacts(tuple(devices), cpus)],
@@ -178,3 +178,41 @@ def test_bad_config_file_is_a_usage_error(tmp_path, text, message):
     cfg.write_text(text)
     with pytest.raises(DsrunUsageError, match=message):
         launch.check_config(LaunchSpec(script="t.py", config=str(cfg)))
+
+
+def test_cpu_flag_gives_cpu_ranks_that_see_no_gpu_on_a_gpu_host():
+    plan = _plan(num_gpus=3, devices=(0,), cpus=8, cpu=True)
+    node = plan.nodes[0]
+    assert node.devices == () and [r.device for r in node.ranks] == [None] * 3
+    env = _env(plan, node, node.ranks[2])
+    assert env["DSRUN_ACCELERATOR"] == "cpu" and env["CUDA_VISIBLE_DEVICES"] == ""
+    # without --cpu the same host gives GPU ranks, and 3 do not fit on 1 GPU
+    with pytest.raises(DsrunUsageError, match="more GPUs than this host has"):
+        _plan(num_gpus=3, devices=(0,), cpus=8)
+
+
+def test_cpu_flag_ignores_the_gpus_hosts_report():
+    spec = LaunchSpec(script="t.py", cpu=True)
+    cluster = Cluster("hf", ("a", "b"), ((0, 1), (0, 1)), (True, False), "ssh")
+    facts = [NodeFacts((0, 1), 8), NodeFacts((0, 1, 2, 3), 8)]
+    plan = build_plan(spec, cluster, job_env({}, remote=True), "j", facts=facts,
+                      python="/py", cwd="/", master=("10.0.0.1", 29500))
+    assert all(n.devices == () for n in plan.nodes)
+    env = _env(plan, plan.nodes[1], plan.nodes[1].ranks[0])
+    assert env["DSRUN_ACCELERATOR"] == "cpu" and env["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_cpu_flag_refuses_nccl():
+    with pytest.raises(DsrunUsageError, match="--cpu .* cannot use --dist_backend nccl"):
+        LaunchSpec(script="t.py", cpu=True, dist_backend="nccl")
+
+
+def test_dry_run_with_cpu_on_a_gpu_host(tmp_path, capsys, monkeypatch):
+    script = tmp_path / "t.py"
+    script.write_text("")
+    monkeypatch.setenv("DSRUN_FAKE_GPUS", "1")
+    spec = LaunchSpec(script=str(script), num_gpus=2, cpu=True, dry_run=True)
+    assert launch.run(spec) == 0
+    out = capsys.readouterr().out
+    assert "ranks [0,1]  local ranks [0,1]  devices [cpu]" in out
+    assert "    DSRUN_ACCELERATOR=cpu" in out and "    CUDA_VISIBLE_DEVICES=" in out

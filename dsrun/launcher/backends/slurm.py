@@ -79,8 +79,10 @@ def srun_argv(plan: LaunchPlan, agent_argv: Sequence[str], *, named: bool,
     return tuple(argv)
 
 
-def allocation_pool(env: Mapping[str, str], num_gpus: int | None) -> HostPool:
-    """The hosts of the allocation this launcher runs in (pure)."""
+def allocation_pool(env: Mapping[str, str], num_gpus: int | None,
+                    cpu: bool = False) -> HostPool:
+    """The hosts of the allocation this launcher runs in (pure); ``cpu``:
+    CPU ranks even where the allocation has GPUs (--cpu)."""
     job = env.get("SLURM_JOB_ID", "?")
     try:
         nodes = expand_hostlist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
@@ -94,7 +96,7 @@ def allocation_pool(env: Mapping[str, str], num_gpus: int | None) -> HostPool:
         cpus += [cpus[-1]] * (len(nodes) - len(cpus))
     gpu_text = env.get("SLURM_GPUS_ON_NODE") or env.get("SLURM_GPUS_PER_NODE") or ""
     match = _GPUS.match(gpu_text.strip())
-    gpus = int(match.group(1)) if match else 0
+    gpus = int(match.group(1)) if match and not cpu else 0
     slots = [gpus or c for c in cpus[:len(nodes)]]
     default = None
     if num_gpus is None:
@@ -142,7 +144,7 @@ class SlurmBackend(Backend):
     def pool_without_hostfile(self) -> HostPool | None:
         self._need_allocation()
         if self.in_allocation:
-            return allocation_pool(self.environ, self.hosts.num_gpus)
+            return allocation_pool(self.environ, self.hosts.num_gpus, self.hosts.cpu)
         return placeholder_pool(self.hosts)
 
     def check(self, cluster: Cluster) -> None:

@@ -51,6 +51,7 @@ import torch.distributed as dist
 from dsrun.errors import DsrunConfigError, DsrunError
 from dsrun.runtime.config_schema import Ctx
 from dsrun.runtime.config_sections import ZeroConfig, parse_zero
+from dsrun.runtime.dist import compute_device
 from dsrun.runtime.zero.divergence import group_ranks, shared_guard
 from dsrun.runtime.zero.partitioned import (
     ZeroParamStatus,
@@ -233,14 +234,15 @@ def _unpatch() -> None:
 
 def _init_device(remote_device: Optional[str]) -> tuple[Optional[torch.device], bool]:
     """(compute device, offload shards). DeepSpeed's default: this rank's GPU
-    when there is one (None on a CPU-only machine leaves parameters put);
+    when it trains on one (an NCCL group); None on CPU ranks leaves parameters put;
     ``remote_device="cpu"`` keeps the shards in host memory - parameters are
     still broadcast and gathered on the GPU, which NCCL needs."""
     if remote_device not in (None, "none", "cpu"):
         raise DsrunConfigError(f"zero.Init: remote_device={remote_device!r}; dsrun supports "
                                "None, 'none' and 'cpu'")
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device()), remote_device == "cpu"
+    device = compute_device()
+    if device.type == "cuda":
+        return device, remote_device == "cpu"
     return None, False
 
 

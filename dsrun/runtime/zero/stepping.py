@@ -168,8 +168,10 @@ def memory_lines(module: torch.nn.Module, optimizer: Any, stage: int, world_size
                      f"(offload_optimizer={placement.offload_optimizer}, "
                      f"offload_param={placement.offload_param})")
         on_device = max(expected - held.host, 0)
-    if torch.cuda.is_available():
-        free, _ = torch.cuda.mem_get_info()
+    device = getattr(placement, "device", None) or next(
+        (p.device for p in module.parameters()), None)
+    if device is not None and device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
         if free < on_device:
             lines.append(f"  WARNING: only {free / MiB:,.0f} MiB free on this GPU, less "
                          f"than the {on_device / MiB:,.0f} MiB of model state it needs")
