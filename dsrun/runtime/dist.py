@@ -9,6 +9,7 @@ in-memory store: no ports.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 from typing import Any
@@ -75,6 +76,9 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
     kwargs.update(_rendezvous(env, backend, timeout, compat))
     _original_init(**kwargs)
     _owned_by_dsrun = True
+    # A group still up at interpreter teardown can abort the process from
+    # gloo's threads; scripts that never destroy it get it destroyed here.
+    atexit.register(shutdown)
     log.debug("process group up: rank %d/%d backend %s (from %s)", env.rank, env.world_size,
               backend, env.source)
 

@@ -28,7 +28,7 @@ from tests.conftest import wait_gone
 
 pytestmark = pytest.mark.cluster
 DSRUN = [sys.executable, "-m", "dsrun.launcher.cli"]
-CPU: list[str] = []  # ranks of these tests are CPU ranks (gloo)
+CPU = ["--cpu"]  # ranks of these tests are CPU ranks (gloo), also on a GPU host
 PI_TORCH = str(ROOT / "examples" / "mpi_pi" / "pi_torch.py")
 
 
@@ -52,7 +52,7 @@ def test_openmpi_rank_failure_on_the_remote_host(sim_cluster: SimCluster,
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     res = run(sim_cluster, "--launcher", "openmpi", "-H", hostfile, *ssh_flags(sim_cluster),
-              "--dist_backend", "none", "--kill_grace", "1", BEHAVE, "--pid_dir",
+              *CPU, "--dist_backend", "none", "--kill_grace", "1", BEHAVE, "--pid_dir",
               str(pid_dir), "--fail_rank", "3", "--code", "9", "--delay", "1",
               "--grandchild", "setsid", on="node1", timeout=120)
     assert res.returncode == 9, res.stderr
@@ -71,8 +71,8 @@ def _slurm(slurm: SlurmCluster, *args: str, timeout: float = 180,
 
 
 def test_slurm_job_outside_an_allocation(slurm_cluster: SlurmCluster) -> None:
-    res = _slurm(slurm_cluster, "--slurm_args", "--time=5", "--num_nodes", "2",
-                 "--num_gpus", "2", *CPU, str(WORKERS / "allreduce.py"))
+    res = _slurm(slurm_cluster, *CPU, "--slurm_args", "--time=5", "--num_nodes", "2",
+                 "--num_gpus", "2", str(WORKERS / "allreduce.py"))
     assert res.returncode == 0, res.stdout + res.stderr
     found = sorted(re.findall(r"^\[(node\d):(\d)\] rank \2/4 backend gloo sum 10$",
                               res.stdout, re.M))
@@ -98,7 +98,7 @@ def test_slurm_rank_failure_stops_every_host(slurm_cluster: SlurmCluster,
                                              tmp_path: Path) -> None:
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    res = _slurm(slurm_cluster, "--slurm_args", "--time=5", "--num_nodes", "2",
+    res = _slurm(slurm_cluster, *CPU, "--slurm_args", "--time=5", "--num_nodes", "2",
                  "--num_gpus", "2", "--dist_backend", "none", "--kill_grace", "1", BEHAVE,
                  "--pid_dir", str(pid_dir), "--fail_rank", "2", "--code", "5", "--delay", "1",
                  "--grandchild", "setsid")
@@ -112,7 +112,7 @@ def test_slurm_rank_failure_stops_every_host(slurm_cluster: SlurmCluster,
 def test_ctrl_c_stops_a_slurm_job(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    proc = subprocess.Popen([*DSRUN, "--launcher", "slurm", "--slurm_args", "--time=5",
+    proc = subprocess.Popen([*DSRUN, "--launcher", "slurm", *CPU, "--slurm_args", "--time=5",
                              "--num_nodes", "2", "--num_gpus", "1", "--dist_backend", "none",
                              "--kill_grace", "1", BEHAVE, "--pid_dir", str(pid_dir),
                              "--grandchild", "setsid"], env=slurm_cluster.env(),
@@ -141,7 +141,7 @@ def test_srun_by_hand_finds_rank_and_master_from_slurm(slurm_cluster: SlurmClust
 
 
 def test_dsrun_outside_an_allocation_needs_slurm_args(slurm_cluster: SlurmCluster) -> None:
-    res = _slurm(slurm_cluster, "--dist_backend", "none", BEHAVE)
+    res = _slurm(slurm_cluster, *CPU, "--dist_backend", "none", BEHAVE)
     assert res.returncode == 2
     assert res.stderr.startswith("dsrun: error: --launcher slurm outside an allocation")
     assert slurm_cluster.jobs() == []

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.proc,
               pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")]
 BEHAVE = str(WORKERS / "behave.py")
 PI_DIR = ROOT / "examples" / "mpi_pi"
-CPU: list[str] = []  # ranks of these tests are CPU ranks (gloo)
+CPU = ["--cpu"]  # ranks of these tests are CPU ranks (gloo), also on a GPU host
 MPIRUN_ROOT = ["--allow-run-as-root"] if os.geteuid() == 0 else []
 
 
@@ -81,7 +81,7 @@ def test_mpirun_by_hand_with_init_distributed(job_tag):
 
 
 def test_rank_failure_under_mpirun_propagates_and_leaves_nothing(job_tag, pid_dir):
-    res = run_dsrun("--launcher", "mpirun", "--num_gpus", "2", "--dist_backend", "none",
+    res = run_dsrun("--launcher", "mpirun", *CPU, "--num_gpus", "2", "--dist_backend", "none",
                     "--kill_grace", "1", BEHAVE, "--pid_dir", str(pid_dir), "--fail_rank", "1",
                     "--code", "7", "--grandchild", "setsid", env=_env(job_tag), timeout=60)
     assert res.returncode == 7, res.stderr
@@ -95,7 +95,7 @@ def test_rank_failure_under_mpirun_propagates_and_leaves_nothing(job_tag, pid_di
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGKILL, -9)])
 def test_signal_to_dsrun_under_openmpi_leaves_nothing(job_tag, pid_dir, sig, code):
-    proc = start_dsrun("--launcher", "openmpi", "--num_gpus", "2", "--dist_backend", "none",
+    proc = start_dsrun("--launcher", "openmpi", *CPU, "--num_gpus", "2", "--dist_backend", "none",
                        "--kill_grace", "1", BEHAVE, "--pid_dir", str(pid_dir),
                        "--grandchild", "setsid", env=_env(job_tag))
     try:
@@ -120,7 +120,7 @@ def _pi_error(text: str) -> float:
 
 def test_pi_manager_and_workers_under_dsrun_openmpi_and_mpirun(job_tag):
     args = [str(PI_DIR / "pi.py"), "--workers", "2", "--samples", "4000000"]
-    res = run_dsrun("--launcher", "openmpi", "--num_gpus", "1", "--dist_backend", "none",
+    res = run_dsrun("--launcher", "openmpi", *CPU, "--num_gpus", "1", "--dist_backend", "none",
                     "--launcher_args=--oversubscribe", *args, env=_env(job_tag), timeout=120)
     assert res.returncode == 0, res.stderr
     assert _pi_error(res.stdout) < 1e-3 and "[mpirun]" not in res.stderr
@@ -163,7 +163,7 @@ def _rank_env(stdout: str) -> dict[str, list[str]]:
 def _dry(tmp_path: Path, hostfile: str, launcher: str, *extra: str) -> dict[str, list[str]]:
     hf = tmp_path / f"hostfile-{launcher}"
     hf.write_text(hostfile)
-    res = run_dsrun("--dry-run", "-H", str(hf), "--launcher", launcher, "--env", "SECRET=x",
+    res = run_dsrun("--dry-run", "-H", str(hf), "--launcher", launcher, *CPU, "--env", "SECRET=x",
                     "--dist_backend", "gloo", *extra, str(WORKERS / "allreduce.py"),
                     env={"NCCL_DEBUG": "INFO"})
     assert res.returncode == 0, res.stderr
@@ -198,7 +198,7 @@ def _fake_bin(tmp_path: Path, name: str, text: str) -> str:
 @pytest.mark.parametrize("case", ["no mpirun", "mpich", "no mpi4py", "bad launcher",
                                   "too many ranks", "launcher_args places ranks"])
 def test_bad_input_is_one_error_and_nothing_starts(tmp_path, job_tag, case):
-    args = ["--launcher", "openmpi", "--dist_backend", "none", BEHAVE]
+    args = ["--launcher", "openmpi", *CPU, "--dist_backend", "none", BEHAVE]
     env = _env(job_tag)
     expected = {
         "no mpirun": "mpirun is not on PATH; install Open MPI",
