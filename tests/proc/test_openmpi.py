@@ -232,3 +232,14 @@ def test_bad_input_is_one_error_and_nothing_starts(tmp_path, job_tag, case):
     assert len(lines) == 1 and lines[0].startswith("dsrun: error: ") and expected in lines[0], \
         lines
     assert res.stdout == ""
+
+
+def test_mpirun_failing_before_the_agents_connect_is_named(job_tag):
+    res = run_dsrun("--launcher", "openmpi", *CPU, "--dist_backend", "none",
+                    "--launcher_args", "--no-such-mpirun-option", BEHAVE, env=_env(job_tag))
+    assert res.returncode == 1, res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (
+        "dsrun: error: mpirun exited with status 1 before the agents of rank(s) 0,1 connected "
+        "back: /usr/bin/mpirun: Error: unknown option \"--no-such-mpirun-option\"".replace(
+            "/usr/bin/mpirun", shutil.which("mpirun") or "mpirun"))
+    assert "[mpirun] " in res.stderr  # its own lines, as they came

@@ -50,7 +50,7 @@ def test_mpirun_golden_uneven_slots_and_forwarded_names():
                        as_root=True)
     assert argv == (
         "mpirun", "-np", "7", "-H", "localhost:2,node2:2,node3:3", "--map-by", "slot",
-        "--allow-run-as-root", "--wdir", "/work",
+        "--bind-to", "none", "--allow-run-as-root", "--wdir", "/work",
         "-x", "DSRUN_LAUNCHER", "-x", "DSRUN_LAUNCHER_SECRET", "-x", "DSRUN_LAUNCHER_TIMEOUT",
         "-x", "NCCL_DEBUG", "-x", "SECRET",
         "--mca", "btl", "self,tcp",
@@ -61,10 +61,11 @@ def test_mpirun_golden_uneven_slots_and_forwarded_names():
 def test_mpirun_include_not_root_and_ssh_options():
     plan = _plan(include="node2@node3:1,3")
     ssh = SshOptions(port=2222, user="alice", key="/k/id", config="/etc/cfg", insecure=True)
-    argv = mpirun_argv(plan, AGENT, mpirun="/opt/ompi/bin/mpirun", ssh=ssh)
+    argv = mpirun_argv(plan, AGENT, mpirun="/opt/ompi/bin/mpirun", ssh=ssh,
+                       launcher_args=("--bind-to", "core"))
     assert argv[:7] == ("/opt/ompi/bin/mpirun", "-np", "4", "-H", "node2:2,node3:2",
                         "--map-by", "slot")
-    assert "--allow-run-as-root" not in argv
+    assert "--allow-run-as-root" not in argv and argv.count("--bind-to") == 1  # the user's
     i = argv.index("plm_rsh_args")
     assert argv[i - 1] == "--mca" and argv[i + 1] == (
         "-F /etc/cfg -p 2222 -l alice -i /k/id -o StrictHostKeyChecking=no "
@@ -104,7 +105,8 @@ def test_dry_run_request_prints_the_command_and_names_only():
     backend = OpenMpiBackend(HostsSpec(launcher="openmpi"), python=AGENT[0], environ={},
                              as_root=False)
     lines = backend.prepare(plan).describe()
-    assert lines[0].startswith("launch: mpirun -np 2 -H node2:2 --map-by slot --wdir /work")
+    assert lines[0].startswith("launch: mpirun -np 2 -H node2:2 --map-by slot --bind-to none "
+                               "--wdir /work")
     assert "values in mpirun's environment, never on its command line" in lines[1]
     assert not any("s3cr3t" in ln for ln in lines)
     assert sum(ln.startswith("node node2: started by mpirun") for ln in lines) == 1

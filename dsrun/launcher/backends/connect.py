@@ -68,12 +68,14 @@ class LaunchTool:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def exit_text(self) -> str:
-        """'mpirun exited with status 1: <its last line>'."""
+    def exit_text(self, when: str = "") -> str:
+        """'mpirun exited with status 1 <when>: <its last error line>'."""
         for t in self._pumps:
             t.join(timeout=1)
-        last = next((ln.strip() for ln in reversed(self.tail) if ln.strip()), "")
-        text = f"{self.name} exited with status {self.proc.returncode}"
+        lines = [ln.strip() for ln in self.tail if ln.strip()]
+        last = next((ln for ln in reversed(lines) if "error" in ln.lower()),
+                    lines[-1] if lines else "")
+        text = f"{self.name} exited with status {self.proc.returncode}{when}"
         return f"{text}: {last}" if last else text
 
     def stop(self, grace: float) -> None:
@@ -186,8 +188,8 @@ class CallbackServer:
         with self.cond:
             while len(self.hellos) < self.expected:
                 if not tool.alive():
-                    raise LaunchError(f"{tool.exit_text()}, before {self._missing()} "
-                                      f"connected back")
+                    raise LaunchError(tool.exit_text(f" before {self._missing()} "
+                                                     f"connected back"))
                 if deadline is not None and time.monotonic() > deadline:
                     raise LaunchError(f"{self._missing()} did not connect back within "
                                       f"{timeout:g}s of starting {tool.name}")

@@ -3,7 +3,9 @@
 The plan becomes one mpirun argv (:func:`mpirun_argv`, pure and
 golden-tested): ``-np WORLD``, ``-H host:ranks,...`` in plan order (this
 host as ``localhost``), ``--map-by slot`` so that each host's ranks are
-contiguous and in local-rank order, ``-x NAME`` for every variable the
+contiguous and in local-rank order, ``--bind-to none`` (unless
+--launcher_args binds: ranks see the host's CPUs as under the other
+launchers, and OMP_NUM_THREADS shares them), ``-x NAME`` for every variable the
 agents need (values in mpirun's environment, never on its command line),
 ``--allow-run-as-root`` only as root, dsrun's SSH options as
 ``--mca plm_rsh_args`` (mpirun reaches other hosts over ssh), then
@@ -81,6 +83,11 @@ def mpirun_argv(plan: LaunchPlan, agent_argv: Sequence[str], *, mpirun: str = "m
     hosts = ",".join(f"{'localhost' if n.local else n.host}:{len(n.ranks)}"
                      for n in plan.nodes)
     argv = [mpirun, "-np", str(plan.world_size), "-H", hosts, "--map-by", "slot"]
+    if not any(a.lstrip("-").split("=")[0] == "bind-to" for a in launcher_args):
+        # mpirun binds each process to one core by default (np <= 2); the
+        # agent's rank would inherit that. Ranks see the host's CPUs, as
+        # under the other launchers, unless --launcher_args says otherwise.
+        argv += ["--bind-to", "none"]
     if as_root:
         argv.append("--allow-run-as-root")
     argv += ["--wdir", plan.cwd]
