@@ -243,3 +243,10 @@ def test_mpirun_failing_before_the_agents_connect_is_named(job_tag):
         "back: /usr/bin/mpirun: Error: unknown option \"--no-such-mpirun-option\"".replace(
             "/usr/bin/mpirun", shutil.which("mpirun") or "mpirun"))
     assert "[mpirun] " in res.stderr  # its own lines, as they came
+
+
+def test_doctor_through_mpirun(job_tag):
+    res = run_dsrun("doctor", "--launcher", "openmpi", *CPU, env=_env(job_tag), timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "(launcher: openmpi," in res.stdout and "all 1 host(s) ok" in res.stdout
+    assert "master 127.0.0.1:" in res.stdout and "(port free, held)" in res.stdout
