@@ -75,9 +75,10 @@ def _die_with_parent(parent: int):
 class Link:
     """The agent's channel to the launcher: raw reads from ``fd``, lines to ``out``."""
 
-    def __init__(self, fd: int, out: IO[bytes]) -> None:
+    def __init__(self, fd: int, out: IO[bytes], sock: socket.socket | None = None) -> None:
         self.fd = fd
         self.out = out
+        self.sock = sock  # held: the fd is the socket's for as long as the agent runs
 
     def read_line(self) -> bytes:
         """One line, read byte-wise so nothing after it is consumed."""
@@ -382,7 +383,7 @@ def _connect_link() -> Link:
     except (OSError, ValueError, callback.HandshakeError) as exc:
         raise ConnectFailed(f"dsrun agent of rank {who.rank} on {socket.gethostname()}: "
                             f"cannot connect to the launcher: {exc}") from None
-    return Link(sock.fileno(), sock.makefile("wb"))
+    return Link(sock.fileno(), sock.makefile("wb"), sock)
 
 
 class ConnectFailed(Exception):
