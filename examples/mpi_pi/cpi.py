@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from montecarlo import count_hits, share
+from montecarlo import count_hits, share, wait
 from mpi4py import MPI
 
 comm = MPI.Comm.Get_parent()
@@ -21,6 +21,7 @@ samples, seed = int(params[0]), int(params[1])
 start = time.perf_counter()
 hits = np.array([count_hits(share(samples, rank, size), seed, rank, size)], dtype=np.int64)
 seconds = np.array([time.perf_counter() - start])
-comm.Reduce([hits, MPI.INT64_T], None, op=MPI.SUM, root=0)
-comm.Reduce([seconds, MPI.DOUBLE], None, op=MPI.MAX, root=0)
+wait(comm.Ireduce([hits, MPI.INT64_T], None, op=MPI.SUM, root=0))
+wait(comm.Ireduce([seconds, MPI.DOUBLE], None, op=MPI.MAX, root=0))
+wait(comm.Ibarrier())
 comm.Disconnect()

@@ -7,6 +7,9 @@ reproducible and the shares never overlap.
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import numpy as np
 
 CHUNK = 1 << 21  # samples per step: bounded memory whatever the total
@@ -28,3 +31,14 @@ def count_hits(samples: int, seed: int, index: int, count: int) -> int:
         hits += int(np.count_nonzero(xy[0] * xy[0] + xy[1] * xy[1] <= 1.0))
         left -= n
     return hits
+
+
+def wait(request: Any, poll: float = 0.002) -> None:
+    """Wait for a non-blocking MPI operation without spinning.
+
+    A blocking MPI call busy-polls a core; with the manager and the workers
+    on as many cores as there are workers, a waiting process would take CPU
+    from one still computing.
+    """
+    while not request.Test():
+        time.sleep(poll)

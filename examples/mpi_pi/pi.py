@@ -3,7 +3,9 @@
 The manager spawns the workers (``cpi.py``) with ``MPI.COMM_SELF.Spawn``,
 broadcasts the sample count and seed over the resulting intercommunicator,
 reduces the workers' hit counts (and their compute times) and prints pi
-and its error. Run it as one
+and its error. Everyone waits with non-blocking calls and a short sleep
+(montecarlo.wait), so that no waiting process busy-polls a core that a
+worker still computing needs. Run it as one
 MPI process:
 
     mpirun -np 1 --oversubscribe python examples/mpi_pi/pi.py --workers 2
@@ -23,6 +25,7 @@ import sys
 import time
 
 import numpy as np
+from montecarlo import wait
 from mpi4py import MPI
 
 
@@ -43,9 +46,10 @@ def main() -> int:
     params = np.array([args.samples, args.seed], dtype=np.int64)
     comm.Bcast([params, MPI.INT64_T], root=MPI.ROOT)
     hits = np.zeros(1, dtype=np.int64)
-    comm.Reduce(None, [hits, MPI.INT64_T], op=MPI.SUM, root=MPI.ROOT)
+    wait(comm.Ireduce(None, [hits, MPI.INT64_T], op=MPI.SUM, root=MPI.ROOT))
     seconds = np.zeros(1, dtype=np.float64)  # the slowest worker's compute time
-    comm.Reduce(None, [seconds, MPI.DOUBLE], op=MPI.MAX, root=MPI.ROOT)
+    wait(comm.Ireduce(None, [seconds, MPI.DOUBLE], op=MPI.MAX, root=MPI.ROOT))
+    wait(comm.Ibarrier())
     comm.Disconnect()
     elapsed = time.perf_counter() - start
     pi = 4.0 * int(hits[0]) / args.samples
