@@ -62,12 +62,13 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from dsrun.errors import DsrunConfigError, DsrunError
+from dsrun.runtime.checkpoint.fragments import TensorInfo
 from dsrun.runtime.zero.comm import (
     CommStrategy,
     all_gather_flat,
     reduce_scatter_mean,
 )
-from dsrun.runtime.zero.masters import MasterGradients
+from dsrun.runtime.zero.masters import MasterGradients, MasterRun
 from dsrun.runtime.zero.memory import StateBytes, model_state_bytes
 from dsrun.runtime.zero.offload import HOST, Placement, offload_settings, pinning, to_device
 from dsrun.runtime.zero.partition import GroupLayout, partition_group, windows
@@ -493,6 +494,36 @@ class ZeroOptimizer(MasterGradients):
         restore_partition_state(state, "partition_numels",
                                 [lay.partition_numel for lay in self.layouts],
                                 self.world_size, self.rank, self.masters, self.optimizer)
+        self._gather_params()
+
+    # ---------------------------------------------------- checkpoint hooks
+
+    def _name(self, names: Mapping[int, str], param: torch.Tensor) -> str:
+        name = names.get(id(param))
+        if name is None:
+            raise DsrunError(f"a trainable parameter of shape {tuple(param.shape)} in the "
+                             "optimizer is not a parameter of the module: it cannot be "
+                             "checkpointed by name")
+        return name
+
+    def _master_runs(self, names: Mapping[int, str]) -> list[list[MasterRun]]:
+        runs = []
+        for layout, params in zip(self.layouts, self.param_groups_full):
+            start, _ = layout.rank_range(self.rank)
+            runs.append([MasterRun(self._name(names, params[piece.param]), piece.param_offset,
+                                   piece.flat_offset - start, piece.length)
+                         for piece in layout.pieces(self.rank)])
+        return runs
+
+    def _declared(self, names: Mapping[int, str]) -> dict[str, TensorInfo]:
+        """The trainable parameters (frozen ones stay whole in the model)."""
+        return {self._name(names, params[i]): TensorInfo(
+                    self._name(names, params[i]), tuple(params[i].shape), params[i].dtype,
+                    "param", g)
+                for g, (layout, params) in enumerate(zip(self.layouts, self.param_groups_full))
+                for i in layout.members}
+
+    def _refresh_after_import(self) -> None:
         self._gather_params()
 
     def close(self) -> None:
