@@ -115,7 +115,9 @@ def _meta(engine: Any, excluded: list[str]) -> dict[str, Any]:
                 gradient_accumulation_steps=engine.config.gradient_accumulation_steps,
                 dsrun_version=dsrun.__version__, torch_version=torch.__version__,
                 created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                excluded_frozen=excluded)
+                excluded_frozen=excluded,
+                state_dict_keys=[k for k in engine.module.state_dict(keep_vars=True)
+                                 if k not in excluded])
     return meta
 
 

@@ -6,8 +6,11 @@
   holds all of it, so every fragment is ``replicated``: the writer stores
   each element once, split among the ranks.
 * :class:`ModuleTensors` - the module's parameters that no other source
-  declares (frozen ones at stages 1-2, parameters outside the optimizer)
-  and its persistent buffers: whole on every rank, replicated too.
+  declares (frozen ones at stages 1-2, parameters outside the optimizer),
+  whole and equal on every rank, so replicated too; and its persistent
+  buffers, saved from the first rank of the replica group only (buffers
+  such as BatchNorm statistics may differ between ranks: rank 0's are
+  saved, as DeepSpeed does) and loaded into every rank.
 
 :func:`parameter_names` gives the ``id -> name`` map every source takes and
 :func:`aliases` the names of tied parameters and shared buffers (a second
@@ -170,8 +173,9 @@ class ModuleTensors:
 
     def export_state(self, names: Mapping[int, str]) -> ExportedState:
         entries = self._entries(names)
-        fragments = tuple(Fragment(i.name, 0, i.numel, _flat(t), replicated=True)
-                          for i, t in entries if i.numel)
+        first = self.replica[0] == 0
+        fragments = tuple(Fragment(i.name, 0, i.numel, _flat(t), replicated=i.kind == "param")
+                          for i, t in entries if i.numel and (i.kind == "param" or first))
         return ExportedState({i.name: i for i, _ in entries}, fragments, replica=self.replica)
 
     def prepare_import(self, names: Mapping[int, str],
