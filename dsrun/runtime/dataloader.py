@@ -49,9 +49,12 @@ class DsrunDataLoader:
         self.batch_size = batch_size
         self.sampler = ResumableSampler(dataset, num_replicas=num_replicas, rank=rank,
                                         shuffle=True, seed=seed)
+        # Its own generator: a DataLoader draws a seed at every iter(), which
+        # from the global generator would shift dropout after a resume.
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler,
                                  collate_fn=collate_fn, drop_last=drop_last,
-                                 pin_memory=pin_memory)
+                                 pin_memory=pin_memory,
+                                 generator=torch.Generator().manual_seed(seed))
         self.num_replicas = num_replicas
         self.epoch = 0          # the epoch the next iter() starts
         self.batches = 0        # batches handed out of the epoch in progress
