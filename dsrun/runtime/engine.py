@@ -418,6 +418,11 @@ class DsrunEngine(torch.nn.Module):
         return checkpoint_io.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                   load_lr_scheduler_states, load_module_only, custom_load_fn)
 
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous save (``"checkpoint": {"async": true}``)
+        is written and committed; raise its failure."""
+        checkpoint_io.wait(self)
+
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """The weights in 16-bit as one torch.save file (rank 0 writes it)."""

@@ -76,10 +76,19 @@ class AsyncSaver:
         self._thread.start()
 
     def _run(self, write: RankWrite, commit: Optional[Commit]) -> None:
+        try:
+            self._write_and_commit(write, commit)
+        except BaseException as exc:  # noqa: BLE001 - never lost: wait() raises it
+            self._error = f"{type(exc).__name__}: {exc}"
+
+    def _write_and_commit(self, write: RankWrite, commit: Optional[Commit]) -> None:
         status = _status(write.run)
         if status:
             write.fail(status)
             self._error = status
+            if commit is not None:  # rank 0 clears TAG.tmp once the others stopped writing
+                _status(lambda: commit.wait_for_records(self.timeout_s, others_only=True))
+                remove_tree(commit.tmp_dir)
             return
         if commit is None:
             return

@@ -174,8 +174,8 @@ class RankWrite:
         """Tell rank 0's committer (asynchronous saves) that this rank failed."""
         try:
             atomic_write(os.path.join(self.tmp_dir, error_file(self.rank)), message.encode())
-        except OSError:
-            pass
+        except Exception:  # noqa: BLE001 - rank 0 then times out waiting, naming this rank
+            log.warning("could not tell rank 0 that this rank's save failed", exc_info=True)
 
 
 @dataclass(frozen=True)
@@ -213,14 +213,15 @@ class Commit:
         if self.save_latest:
             atomic_write(os.path.join(self.save_dir, LATEST), self.tag.encode())
 
-    def wait_for_records(self, timeout_s: float) -> None:
+    def wait_for_records(self, timeout_s: float, others_only: bool = False) -> None:
         """Asynchronous saves: wait until every rank's record (or error) is
-        there; the deadline moves while some rank's data file still grows."""
+        there (``others_only``: every rank but 0's); the deadline moves
+        while some rank's data file still grows."""
         deadline = time.monotonic() + timeout_s
         sizes: dict[int, int] = {}
         while True:
             missing = []
-            for rank in range(self.world):
+            for rank in range(1 if others_only else 0, self.world):
                 if os.path.exists(os.path.join(self.tmp_dir, error_file(rank))):
                     text = read_file(os.path.join(self.tmp_dir, error_file(rank)), "error")
                     raise CheckpointError(f"rank {rank} failed: {text.decode(errors='replace')}")
