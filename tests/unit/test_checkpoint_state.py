@@ -42,7 +42,10 @@ def test_pause_point_from_the_environment() -> None:
     assert PausePoint.from_env({}) is None
     point = PausePoint.from_env({"DSRUN_CHECKPOINT_TEST_PAUSE": "1:commit"})
     assert point == PausePoint(1, "commit")
-    point.reached(0, "commit")  # another rank: returns at once
+    point.reached(0, "commit", "t")  # another rank: returns at once
+    tagged = PausePoint.from_env({"DSRUN_CHECKPOINT_TEST_PAUSE": "0:write:good"})
+    assert tagged.tag == "good"
+    tagged.reached(0, "write", "other")  # another tag: returns at once
     for bad in ("x:write", "1", "1:never"):
         with pytest.raises(DsrunConfigError, match="DSRUN_CHECKPOINT_TEST_PAUSE"):
             PausePoint.from_env({"DSRUN_CHECKPOINT_TEST_PAUSE": bad})

@@ -18,7 +18,6 @@ import logging
 import os
 import sys
 import threading
-import weakref
 from dataclasses import replace
 from typing import Optional
 
@@ -28,6 +27,9 @@ from dsrun.runtime.checkpoint.storage import remove_tree
 from dsrun.runtime.checkpoint.writer import Commit, RankPlan, RankWrite, _status
 
 log = logging.getLogger("dsrun.runtime.checkpoint")
+# Savers with a save in flight or an error nobody collected yet: held here
+# (not only by their engine, which a script may drop) until exit checks them.
+_PENDING: set[AsyncSaver] = set()
 
 
 class AsyncSaver:
@@ -39,7 +41,6 @@ class AsyncSaver:
         self._error: Optional[str] = None
         self._tag: Optional[str] = None
         self._buffer: Optional[torch.Tensor] = None
-        self._exit_hook = False
 
     @property
     def in_flight(self) -> bool:
@@ -70,9 +71,7 @@ class AsyncSaver:
         self._error = None
         self._thread = threading.Thread(target=self._run, args=(write, commit),
                                         name=f"dsrun-checkpoint-{tag}", daemon=False)
-        if not self._exit_hook:
-            atexit.register(_wait_at_exit, weakref.ref(self))
-            self._exit_hook = True
+        _PENDING.add(self)
         self._thread.start()
 
     def _run(self, write: RankWrite, commit: Optional[Commit]) -> None:
@@ -80,6 +79,8 @@ class AsyncSaver:
             self._write_and_commit(write, commit)
         except BaseException as exc:  # noqa: BLE001 - never lost: wait() raises it
             self._error = f"{type(exc).__name__}: {exc}"
+        if self._error is None:
+            _PENDING.discard(self)
 
     def _write_and_commit(self, write: RankWrite, commit: Optional[Commit]) -> None:
         status = _status(write.run)
@@ -106,24 +107,27 @@ class AsyncSaver:
             self._thread.join()
             self._thread = None
         error, self._error = self._error, None
+        _PENDING.discard(self)
         if error:
             return f"the asynchronous save of tag {self._tag!r} failed: {error}"
         return None
 
 
-def _wait_at_exit(ref: weakref.ReferenceType) -> None:
-    saver = ref()
-    if saver is None:
+@atexit.register
+def _wait_at_exit() -> None:
+    """Join saves still in flight; an error nobody collected ends the
+    process with status 1 (after logging it), so a failed save is not lost."""
+    errors = [e for e in (saver.wait() for saver in list(_PENDING)) if e]
+    if not errors:
         return
-    error = saver.wait()
-    if error:
+    for error in errors:
         log.critical("%s", error)
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        sys.stderr.write(f"dsrun: error: {error}\n")
-        sys.stderr.flush()
-        os._exit(1)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    sys.stderr.write("".join(f"dsrun: error: {e}\n" for e in errors))
+    sys.stderr.flush()
+    os._exit(1)

@@ -16,6 +16,8 @@ manifest written and the directory not yet renamed; ``latest``: renamed,
 ``DSRUN_CHECKPOINT_TEST_PAUSE_MARK`` and waits until the file named by
 ``DSRUN_CHECKPOINT_TEST_RELEASE`` exists (forever when unset) - so a test
 can SIGKILL a rank in the middle of a save, or train while it waits.
+``RANK:PHASE:TAG`` pauses only the save of that tag. The file named by the
+mark gets ``RANK PHASE PID``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class PausePoint:
     phase: str
     mark: Optional[str] = None
     release: Optional[str] = None
+    tag: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
@@ -54,18 +57,21 @@ class PausePoint:
         spec = environ.get(PAUSE_ENV)
         if not spec:
             return None
-        rank, sep, phase = spec.partition(":")
+        rank, sep, rest = spec.partition(":")
+        phase, _, tag = rest.partition(":")
         if not sep or not rank.isdigit():
-            raise DsrunConfigError(f"{PAUSE_ENV}={spec!r}: expected RANK:PHASE")
-        return cls(int(rank), phase, environ.get(MARK_ENV), environ.get(RELEASE_ENV))
+            raise DsrunConfigError(f"{PAUSE_ENV}={spec!r}: expected RANK:PHASE[:TAG]")
+        return cls(int(rank), phase, environ.get(MARK_ENV), environ.get(RELEASE_ENV),
+                   tag or None)
 
-    def reached(self, rank: int, phase: str) -> None:
+    def reached(self, rank: int, phase: str, tag: str) -> None:
         """Pause here when this is the point (module docstring)."""
-        if rank != self.rank or phase != self.phase:
+        if rank != self.rank or phase != self.phase or self.tag not in (None, tag):
             return
         if self.mark:
-            with open(self.mark, "w", encoding="utf-8") as f:
-                f.write(f"{rank}:{phase}\n")
+            with open(self.mark + ".tmp", "w", encoding="utf-8") as f:
+                f.write(f"{rank} {phase} {os.getpid()}\n")
+            os.replace(self.mark + ".tmp", self.mark)
         while self.release is None or not os.path.exists(self.release):
             time.sleep(0.02)
 

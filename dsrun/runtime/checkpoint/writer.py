@@ -146,6 +146,7 @@ class RankWrite:
     extra: Mapping[str, Any]
     engine_blob: Optional[bytes] = None
     pause: Optional[PausePoint] = None
+    tag: str = ""
 
     def run(self) -> None:
         os.makedirs(self.tmp_dir, exist_ok=True)
@@ -155,7 +156,7 @@ class RankWrite:
         with DataFile(path, self.plan.bytes) as out:
             for i, chunk in enumerate(self.plan.chunks):
                 if i == halfway and self.pause:
-                    self.pause.reached(self.rank, "write")
+                    self.pause.reached(self.rank, "write", self.tag)
                 crc = out.append(tensor_bytes(chunk.tensor))
                 records.append(ChunkRecord(chunk.name, chunk.item, chunk.dtype, chunk.offset,
                                            chunk.start, chunk.end, crc))
@@ -205,11 +206,11 @@ class Commit:
         atomic_write(os.path.join(self.tmp_dir, MANIFEST), manifest.dumps().encode())
         fsync_dir(self.tmp_dir)
         if self.pause:
-            self.pause.reached(0, "commit")
+            self.pause.reached(0, "commit", self.tag)
         replace_dir(self.tmp_dir, os.path.join(self.save_dir, self.tag))
         fsync_dir(self.save_dir)
         if self.pause:
-            self.pause.reached(0, "latest")
+            self.pause.reached(0, "latest", self.tag)
         if self.save_latest:
             atomic_write(os.path.join(self.save_dir, LATEST), self.tag.encode())
 
@@ -334,7 +335,7 @@ def begin_save(request: SaveRequest, exports: Sequence[ExportedState], coord: Co
             f"{total / 2**20:,.1f} MiB, {free / 2**20:,.1f} MiB are free; free space or save to "
             "another directory (nothing was written; the previous checkpoint is intact)")
     tmp_dir = os.path.join(save_dir, f"{request.tag}{TMP_SUFFIX}")
-    write = RankWrite(tmp_dir, coord.rank, plan, request.extra, blob, pause)
+    write = RankWrite(tmp_dir, coord.rank, plan, request.extra, blob, pause, request.tag)
     commit = Commit(save_dir, request.tag, coord.world, request.meta, request.aliases,
                     request.save_latest, pause)
     return write, commit
