@@ -287,6 +287,7 @@ class DsrunEngine(torch.nn.Module):
         if self.optimizer is None:
             raise DsrunConfigError("engine.step() needs an optimizer: add an \"optimizer\" "
                                    "section to the config or pass optimizer= to initialize()")
+        checkpoint_io.before_step(self)  # an async save may still be copying the state
         scale_before = self.precision.loss_scale
         if self.zero_stage > 0:
             result = zero_step(self.optimizer, self.precision, self.config.gradient_clipping)

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -307,6 +308,29 @@ def test_training_continues_during_an_async_save(solo: None, tmp_path: Path,
                  for d in ("async", "sync")]
     assert manifests[0] == manifests[1]
     assert (tmp_path / "async" / "latest").read_text() == "t"
+
+
+def test_the_next_step_waits_until_an_async_save_has_copied_the_state(
+        solo: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The background copy is held (test pause point) for 0.5 s: forward
+    and backward run, the optimizer step waits, and the checkpoint holds
+    the state of the call, not the updated one."""
+    release = tmp_path / "release"
+    monkeypatch.setenv("DSRUN_CHECKPOINT_TEST_PAUSE", "0:stage")
+    monkeypatch.setenv("DSRUN_CHECKPOINT_TEST_RELEASE", str(release))
+    engine = engine_for(stage=3, checkpoint={"async": True})
+    train(engine)
+    expected = {k: v.clone() for k, v in engine.optimizer.module_state_dict().items()}
+    engine.save_checkpoint(tmp_path, tag="t")
+    monkeypatch.delenv("DSRUN_CHECKPOINT_TEST_PAUSE")
+    threading.Timer(0.5, release.touch).start()
+    start = time.monotonic()
+    train(engine, 1, seed=3)
+    assert time.monotonic() - start >= 0.45
+    engine.wait_for_checkpoint()
+    saved = get_fp32_state_dict(str(tmp_path))
+    assert not torch.equal(engine.module.a.weight.ds_tensor, expected["a.weight"].view(-1))
+    assert all(torch.equal(saved[k], expected[k].float()) for k in expected)
 
 
 def test_async_failures_are_raised_by_the_next_save_and_by_destroy(

@@ -1,30 +1,42 @@
-"""Asynchronous saves: copy to host memory now, write in a background thread.
+"""Asynchronous saves: the training loop waits for almost nothing.
 
-:meth:`AsyncSaver.start` copies every chunk this rank writes into one host
-buffer (pinned on CUDA; kept for the next save of the same size or
-smaller), so training may change the live tensors at once, and runs the
-rank's write - and on rank 0 the commit, which waits for the other ranks'
-records on the file system - in a background thread. At most one save is
-in flight: :meth:`AsyncSaver.wait` (called by the next save or load, by
-``engine.destroy()`` and at interpreter exit) joins it and returns its
-error, which the caller raises. At exit an error that nobody collected is
-logged and the process exits with status 1: a failed save is never lost.
+:meth:`AsyncSaver.start` (in the caller's thread) copies only the
+*volatile* chunks (buffers, which forward may change) into a host buffer
+and returns. A background thread then **stages** the rest - copies every
+other chunk into the same host buffer (pinned on CUDA, on a side stream
+after the work already queued) - and then writes this rank's files and, on
+rank 0, commits (waiting for the other ranks' records on the file system:
+no collective runs in the thread). Staged chunks are the masters,
+parameters and optimizer state, which only the optimizer step changes:
+``engine.step()`` calls :meth:`AsyncSaver.wait_staged` before it updates
+anything, so a step overlaps the staging with its forward and backward and
+waits only for what is left. (Changing parameters in place by other means
+while a save is staging - ``GatheredParameters(modifier_rank=...)``, manual
+edits - must wait for :meth:`wait_staged` too.) The host buffer is kept for
+the next save of the same size or smaller.
+
+At most one save is in flight: :meth:`AsyncSaver.wait` (called by the next
+save or load, by ``engine.wait_for_checkpoint()`` and ``engine.destroy()``,
+and at interpreter exit) joins it and returns its error, which the caller
+raises. At exit an error nobody collected is logged and the process exits
+with status 1: a failed save is never lost.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import sys
 import threading
 from dataclasses import replace
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from dsrun.runtime.checkpoint.storage import remove_tree
-from dsrun.runtime.checkpoint.writer import Commit, RankPlan, RankWrite, _status
+from dsrun.runtime.checkpoint.writer import Commit, Planned, RankWrite, _status
 
 log = logging.getLogger("dsrun.runtime.checkpoint")
 # Savers with a save in flight or an error nobody collected yet: held here
@@ -38,6 +50,8 @@ class AsyncSaver:
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._thread: Optional[threading.Thread] = None
+        self._staged = threading.Event()
+        self._staged.set()
         self._error: Optional[str] = None
         self._tag: Optional[str] = None
         self._buffer: Optional[torch.Tensor] = None
@@ -46,39 +60,47 @@ class AsyncSaver:
     def in_flight(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def snapshot(self, plan: RankPlan) -> RankPlan:
-        """``plan`` with every chunk copied into host memory."""
-        cuda = any(c.tensor.is_cuda for c in plan.chunks)
-        if self._buffer is None or self._buffer.numel() < plan.bytes:
+    def _host_buffer(self, size: int, cuda: bool) -> torch.Tensor:
+        if self._buffer is None or self._buffer.numel() < size:
             self._buffer = None  # free the old one first
-            self._buffer = torch.empty(plan.bytes, dtype=torch.uint8,
+            self._buffer = torch.empty(size, dtype=torch.uint8,
                                        pin_memory=cuda and torch.cuda.is_available())
-        chunks = []
-        for chunk in plan.chunks:
-            size = chunk.tensor.numel() * chunk.tensor.element_size()
-            host = self._buffer.narrow(0, chunk.offset, size)
-            if size:
-                host.copy_(chunk.tensor.detach().reshape(-1).view(torch.uint8),
-                           non_blocking=cuda)
-            chunks.append(replace(chunk, tensor=host))
-        if cuda:
-            torch.cuda.synchronize()
-        return replace(plan, chunks=chunks)
+        return self._buffer
 
     def start(self, write: RankWrite, commit: Optional[Commit], tag: str) -> None:
+        """Copy the volatile chunks, then stage, write and commit in a thread."""
         assert not self.in_flight, "wait() before starting another save"
-        self._tag = tag
-        self._error = None
-        self._thread = threading.Thread(target=self._run, args=(write, commit),
+        plan = write.plan
+        cuda = any(c.tensor.is_cuda for c in plan.chunks)
+        buffer = self._host_buffer(plan.bytes, cuda)
+        chunks = [replace(c, tensor=buffer.narrow(0, c.offset, _nbytes(c))) for c in plan.chunks]
+        sources = [c.tensor for c in plan.chunks]
+        _copy([(h, s) for h, s, c in zip(chunks, sources, plan.chunks) if c.volatile], cuda)
+        rest = [(h, s) for h, s, c in zip(chunks, sources, plan.chunks) if not c.volatile]
+        ready = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        write.plan = replace(plan, chunks=chunks)
+        self._tag, self._error = tag, None
+        self._staged.clear()
+        self._thread = threading.Thread(target=self._run, args=(rest, ready, write, commit),
                                         name=f"dsrun-checkpoint-{tag}", daemon=False)
         _PENDING.add(self)
         self._thread.start()
 
-    def _run(self, write: RankWrite, commit: Optional[Commit]) -> None:
+    def _run(self, rest: list[tuple[Planned, torch.Tensor]], ready: Any, write: RankWrite,
+             commit: Optional[Commit]) -> None:
         try:
+            try:
+                if write.pause:
+                    write.pause.reached(write.rank, "stage", write.tag)
+                _copy(rest, ready is not None, ready)
+            finally:
+                self._staged.set()
             self._write_and_commit(write, commit)
         except BaseException as exc:  # noqa: BLE001 - never lost: wait() raises it
-            self._error = f"{type(exc).__name__}: {exc}"
+            self._error = self._error or f"{type(exc).__name__}: {exc}"
         if self._error is None:
             _PENDING.discard(self)
 
@@ -101,6 +123,10 @@ class AsyncSaver:
             log.info("saved checkpoint %s (asynchronously)",
                      os.path.join(commit.save_dir, commit.tag))
 
+    def wait_staged(self) -> None:
+        """Block until the save in flight no longer reads the live tensors."""
+        self._staged.wait()
+
     def wait(self) -> Optional[str]:
         """Join the save in flight; its error (once), or None."""
         if self._thread is not None:
@@ -111,6 +137,27 @@ class AsyncSaver:
         if error:
             return f"the asynchronous save of tag {self._tag!r} failed: {error}"
         return None
+
+
+def _nbytes(chunk: Planned) -> int:
+    return chunk.tensor.numel() * chunk.tensor.element_size()
+
+
+def _copy(pairs: list[tuple[Planned, torch.Tensor]], cuda: bool, ready: Any = None) -> None:
+    """Copy each source tensor's bytes into its host chunk (on CUDA: on a side
+    stream, after ``ready``, then synchronised)."""
+    stream = torch.cuda.Stream() if cuda and ready is not None else None
+    if stream is not None:
+        stream.wait_event(ready)
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        for host, source in pairs:
+            if host.tensor.numel():
+                host.tensor.copy_(source.detach().reshape(-1).view(torch.uint8),
+                                  non_blocking=cuda)
+    if stream is not None:
+        stream.synchronize()
+    elif cuda:
+        torch.cuda.synchronize()
 
 
 @atexit.register

@@ -158,9 +158,16 @@ def save(engine: Any, save_dir: str, tag: Any = None, client_state: Any = None,
         save_state(request, exports, ck.coord, ck.settings.pause)
         return True
     write, commit = begin_save(request, exports, ck.coord, ck.settings.pause)
-    write.plan = ck.saver.snapshot(write.plan)
     ck.saver.start(write, commit if rank == 0 else None, tag)
     return True
+
+
+def before_step(engine: Any) -> None:
+    """Called by ``engine.step()`` before it changes anything: an
+    asynchronous save still copying the state must finish copying first."""
+    found = getattr(engine, "_checkpointer", None)
+    if found is not None:
+        found.saver.wait_staged()
 
 
 def load(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,

@@ -31,6 +31,10 @@ the module (``module.named_parameters()``, first name of a tied parameter).
   ``replicated`` marks fragments that every rank of the source's
   ``replica`` group holds identically (stage 0, whole parameters, buffers):
   the writer stores each such element once, split among those ranks;
+  ``volatile`` marks fragments that may change outside the optimizer step
+  (buffers change in forward): an asynchronous save copies those before
+  ``save_checkpoint`` returns and every other fragment in the background,
+  before the next optimizer step;
 * ``groups``: each optimizer param group's hyperparameters (no ``params``);
   ``optimizer``: the inner optimizer's class name.
 
@@ -104,6 +108,7 @@ class Fragment:
     state: Mapping[str, torch.Tensor] = field(default_factory=dict)
     scalars: Mapping[str, Any] = field(default_factory=dict)
     replicated: bool = False
+    volatile: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.start < self.end:
@@ -119,7 +124,7 @@ class Fragment:
         a, b = start - self.start, end - self.start
         return Fragment(self.name, start, end, self.value[a:b],
                         {k: v[a:b] for k, v in self.state.items()}, self.scalars,
-                        self.replicated)
+                        self.replicated, self.volatile)
 
 
 @dataclass(frozen=True)

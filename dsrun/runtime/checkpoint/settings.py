@@ -10,7 +10,8 @@ checks tags, see the README).
 
 :class:`PausePoint` exists for crash-safety tests only: with
 ``DSRUN_CHECKPOINT_TEST_PAUSE=RANK:PHASE`` the save on rank ``RANK`` stops
-at ``PHASE`` (``write``: half of its data written; ``commit``: rank 0, the
+at ``PHASE`` (``stage``: an asynchronous save before it copies the state
+in the background; ``write``: half of its data written; ``commit``: rank 0, the
 manifest written and the directory not yet renamed; ``latest``: renamed,
 ``latest`` not yet written), creates the file named by
 ``DSRUN_CHECKPOINT_TEST_PAUSE_MARK`` and waits until the file named by
@@ -30,7 +31,7 @@ from typing import Any, Optional
 
 from dsrun.errors import DsrunConfigError
 
-PHASES = ("write", "commit", "latest")
+PHASES = ("stage", "write", "commit", "latest")
 DEFAULT_TIMEOUT_S = 600.0
 PAUSE_ENV = "DSRUN_CHECKPOINT_TEST_PAUSE"
 MARK_ENV = "DSRUN_CHECKPOINT_TEST_PAUSE_MARK"

@@ -174,7 +174,8 @@ class ModuleTensors:
     def export_state(self, names: Mapping[int, str]) -> ExportedState:
         entries = self._entries(names)
         first = self.replica[0] == 0
-        fragments = tuple(Fragment(i.name, 0, i.numel, _flat(t), replicated=i.kind == "param")
+        fragments = tuple(Fragment(i.name, 0, i.numel, _flat(t), replicated=i.kind == "param",
+                                   volatile=i.kind == "buffer")
                           for i, t in entries if i.numel and (i.kind == "param" or first))
         return ExportedState({i.name: i for i, _ in entries}, fragments, replica=self.replica)
 

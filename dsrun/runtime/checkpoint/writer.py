@@ -85,6 +85,7 @@ class Planned:
     end: int
     offset: int
     tensor: torch.Tensor
+    volatile: bool = False
 
 
 @dataclass
@@ -131,7 +132,7 @@ def plan_rank(exports: Sequence[ExportedState]) -> RankPlan:
                 plan.scalars[frag.name] = {k: encode(v) for k, v in frag.scalars.items()}
             for item, tensor in ((VALUE, frag.value), *frag.state.items()):
                 plan.chunks.append(Planned(frag.name, item, dtype_name(tensor.dtype), frag.start,
-                                           frag.end, plan.bytes, tensor))
+                                           frag.end, plan.bytes, tensor, frag.volatile))
                 plan.bytes += tensor.numel() * tensor.element_size()
     return plan
 
