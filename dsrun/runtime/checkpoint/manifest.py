@@ -143,7 +143,7 @@ class Manifest:
                 "tensors": {k: v.to_json() for k, v in self.tensors.items()}}
 
     def dumps(self) -> str:
-        return json.dumps(self.to_json(), indent=1, sort_keys=False)
+        return json.dumps(self.to_json(), separators=(",", ":"))
 
     @property
     def state_keys(self) -> list[str]:

@@ -152,30 +152,31 @@ class RankWrite:
     def run(self) -> None:
         os.makedirs(self.tmp_dir, exist_ok=True)
         path = os.path.join(self.tmp_dir, rank_file(self.rank))
-        records = []
         halfway = len(self.plan.chunks) // 2
         with DataFile(path, self.plan.bytes) as out:
             for i, chunk in enumerate(self.plan.chunks):
                 if i == halfway and self.pause:
                     self.pause.reached(self.rank, "write", self.tag)
-                crc = out.append(tensor_bytes(chunk.tensor))
-                records.append(ChunkRecord(chunk.name, chunk.item, chunk.dtype, chunk.offset,
-                                           chunk.start, chunk.end, crc))
+                out.append(tensor_bytes(chunk.tensor))
+            crcs = out.close()
+        records = [ChunkRecord(c.name, c.item, c.dtype, c.offset, c.start, c.end, crc)
+                   for c, crc in zip(self.plan.chunks, crcs)]
         files = {}
-        if self.engine_blob is not None:
-            atomic_write(os.path.join(self.tmp_dir, ENGINE_STATE), self.engine_blob)
+        if self.engine_blob is not None:  # the commit fsyncs the directory
+            atomic_write(os.path.join(self.tmp_dir, ENGINE_STATE), self.engine_blob, False)
             files[ENGINE_STATE] = {"bytes": len(self.engine_blob),
                                    "crc32": zlib.crc32(self.engine_blob)}
         record = RankRecord(self.rank, self.plan.bytes, self.plan.tensors, tuple(records),
                             self.plan.scalars, self.plan.groups, self.plan.optimizer, files,
                             self.extra)
         atomic_write(os.path.join(self.tmp_dir, record_file(self.rank)),
-                     json.dumps(record.to_json()).encode())
+                     json.dumps(record.to_json(), separators=(",", ":")).encode(), False)
 
     def fail(self, message: str) -> None:
         """Tell rank 0's committer (asynchronous saves) that this rank failed."""
         try:
-            atomic_write(os.path.join(self.tmp_dir, error_file(self.rank)), message.encode())
+            atomic_write(os.path.join(self.tmp_dir, error_file(self.rank)), message.encode(),
+                         False)
         except Exception:  # noqa: BLE001 - rank 0 then times out waiting, naming this rank
             log.warning("could not tell rank 0 that this rank's save failed", exc_info=True)
 
@@ -204,8 +205,8 @@ class Commit:
             records.append(RankRecord.from_json(json.loads(text), path))
             files[record_file(rank)] = {"bytes": len(text), "crc32": zlib.crc32(text)}
         manifest = merge_records(records, self.tag, files, self.meta, self.aliases)
-        atomic_write(os.path.join(self.tmp_dir, MANIFEST), manifest.dumps().encode())
-        fsync_dir(self.tmp_dir)
+        atomic_write(os.path.join(self.tmp_dir, MANIFEST), manifest.dumps().encode(), False)
+        fsync_dir(self.tmp_dir)  # every file of the tag, durable before the rename
         if self.pause:
             self.pause.reached(0, "commit", self.tag)
         replace_dir(self.tmp_dir, os.path.join(self.save_dir, self.tag))
