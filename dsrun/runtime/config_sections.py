@@ -344,7 +344,10 @@ class CheckpointConfig:
     background thread while training goes on; the next save or load, and the
     engine's exit, wait for it and raise its failure. ``timeout`` (dsrun,
     seconds): how long a rank waits for the others to enter a save or load
-    before it names the missing ones. DeepSpeed's ``tag_validation``
+    before it names the missing ones. ``fsync`` (dsrun, default true): false
+    skips fsync, as ``torch.save`` and DeepSpeed do (a crashed process still
+    leaves the previous checkpoint intact; an OS crash may not). DeepSpeed's
+    ``tag_validation``
     (``Warn``/``Ignore``/``Fail``), ``load_universal``,
     ``use_node_local_storage``, ``parallel_write`` and ``writer`` are
     accepted; dsrun's checkpoints are always universal (any world size and
@@ -355,6 +358,7 @@ class CheckpointConfig:
 
     async_save: bool = opt("bool", False, key="async")
     timeout: float = opt("float", 600.0, low=0.001)
+    fsync: bool = opt("bool", True)
     tag_validation: str = opt("str", "Warn", choices=("Warn", "Ignore", "Fail", "WARN",
                                                       "IGNORE", "FAIL", "warn", "ignore", "fail"))
     load_universal: bool = opt("bool", False)

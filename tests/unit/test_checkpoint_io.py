@@ -95,6 +95,19 @@ def test_save_then_load_restores_values_state_and_scalars(tmp_path: Path) -> Non
     assert target.groups == [{"lr": 0.5}]
 
 
+def test_fsync_false_never_fsyncs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_fsync(fd: int) -> None:
+        raise AssertionError("fsync called")
+
+    monkeypatch.setattr(os, "fsync", no_fsync)
+    save(tmp_path, DictSource(tensors()), durable=False)
+    target = DictSource(tensors())
+    load_state(LoadRequest(str(tmp_path)), [target], {}, Coordinator(5))
+    assert torch.equal(target.loaded["b"].value, tensors()["b"])
+    with pytest.raises(CheckpointError, match="AssertionError: fsync called"):
+        save(tmp_path, DictSource(tensors()), tag="durable")
+
+
 def test_loading_without_optimizer_state_reads_no_state(tmp_path: Path) -> None:
     save(tmp_path, DictSource(tensors()))
     target = DictSource(tensors())

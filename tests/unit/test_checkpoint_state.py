@@ -24,13 +24,13 @@ def config(section: object) -> object:
 
 
 def test_checkpoint_section_is_strict_and_documented_keys_pass() -> None:
-    c = config({"async": True, "timeout": 30, "tag_validation": "Fail",
+    c = config({"async": True, "timeout": 30, "tag_validation": "Fail", "fsync": False,
                 "load_universal": True, "use_node_local_storage": False,
                 "parallel_write": {"pipeline_stage": True}})
     assert c.checkpoint.async_save and c.checkpoint.timeout == 30.0
     assert c.to_dict()["checkpoint"]["async"] is True
     settings = CheckpointSettings.from_config(c.checkpoint, environ={})
-    assert settings == CheckpointSettings(async_save=True, timeout_s=30.0)
+    assert settings == CheckpointSettings(async_save=True, timeout_s=30.0, fsync=False)
     assert not config({}).checkpoint.async_save
     with pytest.raises(DsrunConfigError, match='unknown key "asynk" in "checkpoint".*"async"'):
         config({"asynk": True})

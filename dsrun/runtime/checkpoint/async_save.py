@@ -30,6 +30,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from dataclasses import replace
 from typing import Any, Optional
 
@@ -55,6 +56,7 @@ class AsyncSaver:
         self._error: Optional[str] = None
         self._tag: Optional[str] = None
         self._buffer: Optional[torch.Tensor] = None
+        self.stage_wait_s = 0.0  # how long training waited in wait_staged, in all
 
     @property
     def in_flight(self) -> bool:
@@ -125,7 +127,10 @@ class AsyncSaver:
 
     def wait_staged(self) -> None:
         """Block until the save in flight no longer reads the live tensors."""
-        self._staged.wait()
+        if not self._staged.is_set():
+            start = time.perf_counter()
+            self._staged.wait()
+            self.stage_wait_s += time.perf_counter() - start
 
     def wait(self) -> Optional[str]:
         """Join the save in flight; its error (once), or None."""

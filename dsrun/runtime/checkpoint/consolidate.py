@@ -92,9 +92,10 @@ def iter_tensors(path: str, manifest: Manifest) -> Iterator[tuple[str, torch.Ten
             item = entry.items[VALUE]
             value = torch.empty(entry.numel, dtype=torch_dtype(item.dtype))
             reader.fill(entry, VALUE, item, LoadTarget(name, 0, entry.numel, value), value)
+            reader.verify()
             yield name, value.to(_fp32(entry)).view(entry.shape)
     finally:
-        reader.close()
+        reader.abandon()
 
 
 def to_fp32(checkpoint_dir: str, out: str, tag: Optional[str] = None,

@@ -153,7 +153,7 @@ def save(engine: Any, save_dir: str, tag: Any = None, client_state: Any = None,
         else None,
         {"rng": capture_rng(), "data": loader_state(engine.training_dataloader,
                                                     engine.dp_world_size)},
-        previous)
+        previous, ck.settings.fsync)
     if not ck.settings.async_save:
         save_state(request, exports, ck.coord, ck.settings.pause)
         return True
@@ -186,10 +186,12 @@ def load(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool =
     request = LoadRequest(str(load_dir), None if tag is None else str(tag),
                           bool(load_module_strict), optimizer_states, aliases(engine.module),
                           previous)
+    accumulating = engine.micro_steps % engine.config.gradient_accumulation_steps != 0
     loaded = load_state(request, state_sources(engine, names), names, ck.coord)
     if loaded is None:
         return None, None
-    engine.zero_grad(set_to_none=False)
+    if accumulating:  # gradients of the interrupted accumulation round are stale now
+        engine.zero_grad(set_to_none=False)
     state = loaded.engine_state or {}
     if not load_module_only:
         _restore_engine(engine, state, loaded.record, load_lr_scheduler_states,

@@ -32,6 +32,7 @@ import logging
 import os
 import zlib
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -147,12 +148,16 @@ def decode_groups(groups: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 class ChunkReader:
-    """Reads chunks of the rank files of one checkpoint, checking each crc."""
+    """Reads chunks of the rank files of one checkpoint and checks each
+    one's crc32 - in a helper thread, while the next chunk is read; every
+    check is done by :meth:`close`, which raises naming the first bad one."""
 
     def __init__(self, path: str, manifest: Manifest) -> None:
         self.path = path
         self.manifest = manifest
         self.fds: dict[int, int] = {}
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="dsrun-crc")
+        self.checks: list[tuple[Future, int, str]] = []
 
     def check_sizes(self) -> None:
         problems = []
@@ -189,18 +194,34 @@ class ChunkReader:
             view = memoryview(buffer.view(torch.uint8).numpy()).cast("B")
             file = os.path.join(self.path, f"rank_{chunk.rank:05d}.bin")
             read_into(self._fd(chunk.rank), file, chunk.offset, view)
-            if zlib.crc32(view) != chunk.crc:
-                raise CheckpointError(
-                    f"{file} is corrupt: the checksum of tensor {entry.name!r} ({key}, elements "
-                    f"[{chunk.start}, {chunk.end}), bytes {chunk.offset}-"
-                    f"{chunk.offset + (chunk.end - chunk.start) * size}) does not match")
+            where = (f"{file} is corrupt: the checksum of tensor {entry.name!r} ({key}, elements "
+                     f"[{chunk.start}, {chunk.end}), bytes {chunk.offset}-"
+                     f"{chunk.offset + (chunk.end - chunk.start) * size}) does not match")
+            self.checks.append((self.pool.submit(zlib.crc32, view), chunk.crc, where))
             if not direct:
                 dest.copy_(buffer[read.lo - chunk.start:read.hi - chunk.start])
 
-    def close(self) -> None:
+    def verify(self) -> None:
+        """Wait for the checks of every chunk read so far; raise on a mismatch."""
+        checks, self.checks = self.checks, []
+        for done, expected, where in checks:
+            if done.result() != expected:
+                raise CheckpointError(where)
+
+    def abandon(self) -> None:
+        """Close the files without checking (after an error)."""
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
+        self.pool.shutdown(wait=True)
+        self.checks = []
+
+    def close(self) -> None:
+        """Check every chunk read, then close the files."""
+        try:
+            self.verify()
+        finally:
+            self.abandon()
 
 
 def _read_checked(path: str, manifest: Manifest, name: str) -> bytes:
@@ -331,8 +352,10 @@ def _read(request: LoadRequest, phase: _Phase, skip: set[str], rank: int) -> Loa
         reader.check_sizes()
         for plan in phase.plans:
             _fill_targets(reader, manifest, plan, skip)
-    finally:
-        reader.close()
+    except BaseException:
+        reader.abandon()
+        raise
+    reader.close()
     blob = None
     if os.path.exists(os.path.join(phase.path, ENGINE_STATE)) or ENGINE_STATE in manifest.files:
         blob = _read_checked(phase.path, manifest, ENGINE_STATE)

@@ -3,7 +3,9 @@ the crash-test pause point, read once into frozen objects.
 
 ``"checkpoint": {"async": true}`` makes saves asynchronous; ``"timeout"``
 is how long, in seconds, a rank waits for the others to enter a save or
-load before it names the ones missing (DeepSpeed's keys ``tag_validation``,
+load before it names the ones missing; ``"fsync": false`` skips fsync
+(what ``torch.save`` and DeepSpeed do: safe against a crashed process, not
+against an OS crash or power cut) (DeepSpeed's keys ``tag_validation``,
 ``load_universal``, ``use_node_local_storage``, ``parallel_write`` and
 ``writer`` are accepted: dsrun's format is always universal and always
 checks tags, see the README).
@@ -84,6 +86,7 @@ class CheckpointSettings:
     async_save: bool = False
     timeout_s: float = DEFAULT_TIMEOUT_S
     pause: Optional[PausePoint] = None
+    fsync: bool = True
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -96,4 +99,4 @@ class CheckpointSettings:
         env = os.environ if environ is None else environ
         return cls(async_save=bool(getattr(section, "async_save", False)),
                    timeout_s=float(getattr(section, "timeout", DEFAULT_TIMEOUT_S)),
-                   pause=PausePoint.from_env(env))
+                   pause=PausePoint.from_env(env), fsync=bool(getattr(section, "fsync", True)))

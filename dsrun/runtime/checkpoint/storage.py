@@ -7,6 +7,9 @@
   thread while the next one is written (both release the GIL), and asks the
   kernel to start writing back every 64 MiB written (Linux
   ``sync_file_range``), so the final fsync finds little left to do.
+  ``durable=False`` (``"checkpoint": {"fsync": false}``) skips every fsync:
+  a process that dies still leaves complete files behind (the kernel has
+  them), an OS crash or power cut may not.
 * Small files (records, manifest, ``latest``) are written whole into a
   temporary name, fsynced, renamed over the target, and the directory is
   fsynced (:func:`atomic_write`): a reader sees the old file or the new one.
@@ -92,9 +95,10 @@ def write_all(fd: int, data: memoryview) -> None:
 class DataFile:
     """Append raw buffers to one file; crc32 of each; fsync on close."""
 
-    def __init__(self, path: str, total: int) -> None:
+    def __init__(self, path: str, total: int, durable: bool = True) -> None:
         self.path = path
         self.total = total
+        self.durable = durable
         self.written = 0
         self._flushed = 0
         self._crcs: list[Future] = []
@@ -116,7 +120,8 @@ class DataFile:
         except OSError as exc:
             raise self._error(exc) from None
         self.written += len(data)
-        if _SYNC_FILE_RANGE is not None and self.written - self._flushed >= WRITEBACK_EVERY:
+        if self.durable and _SYNC_FILE_RANGE is not None and \
+                self.written - self._flushed >= WRITEBACK_EVERY:
             _SYNC_FILE_RANGE(self.fd, self._flushed, self.written - self._flushed,
                              SYNC_FILE_RANGE_WRITE)
             self._flushed = self.written
@@ -129,7 +134,8 @@ class DataFile:
     def close(self) -> list[int]:
         """fsync and close; the crc32 of every buffer appended, in order."""
         try:
-            os.fsync(self.fd)
+            if self.durable:
+                os.fsync(self.fd)
         except OSError as exc:
             raise self._error(exc) from None
         finally:
@@ -137,7 +143,9 @@ class DataFile:
         return [f.result() for f in self._crcs]
 
     def _release(self) -> None:
-        os.close(self.fd)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 
@@ -157,12 +165,13 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str, data: bytes, sync_dir: bool = True) -> None:
+def atomic_write(path: str, data: bytes, sync_dir: bool = True, durable: bool = True) -> None:
     """Replace ``path`` with ``data``: temporary file, fsync, rename, and
-    fsync the directory (``sync_dir`` False: the caller fsyncs it later)."""
+    fsync the directory (``sync_dir`` False: the caller fsyncs it later;
+    ``durable`` False: no fsync at all)."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
-        with DataFile(tmp, len(data)) as out:
+        with DataFile(tmp, len(data), durable) as out:
             out.append(memoryview(data))
             out.close()
         os.replace(tmp, path)
@@ -170,7 +179,7 @@ def atomic_write(path: str, data: bytes, sync_dir: bool = True) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    if sync_dir:
+    if sync_dir and durable:
         fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 

@@ -148,12 +148,13 @@ class RankWrite:
     engine_blob: Optional[bytes] = None
     pause: Optional[PausePoint] = None
     tag: str = ""
+    durable: bool = True
 
     def run(self) -> None:
         os.makedirs(self.tmp_dir, exist_ok=True)
         path = os.path.join(self.tmp_dir, rank_file(self.rank))
         halfway = len(self.plan.chunks) // 2
-        with DataFile(path, self.plan.bytes) as out:
+        with DataFile(path, self.plan.bytes, self.durable) as out:
             for i, chunk in enumerate(self.plan.chunks):
                 if i == halfway and self.pause:
                     self.pause.reached(self.rank, "write", self.tag)
@@ -163,14 +164,16 @@ class RankWrite:
                    for c, crc in zip(self.plan.chunks, crcs)]
         files = {}
         if self.engine_blob is not None:  # the commit fsyncs the directory
-            atomic_write(os.path.join(self.tmp_dir, ENGINE_STATE), self.engine_blob, False)
+            atomic_write(os.path.join(self.tmp_dir, ENGINE_STATE), self.engine_blob, False,
+                         self.durable)
             files[ENGINE_STATE] = {"bytes": len(self.engine_blob),
                                    "crc32": zlib.crc32(self.engine_blob)}
         record = RankRecord(self.rank, self.plan.bytes, self.plan.tensors, tuple(records),
                             self.plan.scalars, self.plan.groups, self.plan.optimizer, files,
                             self.extra)
         atomic_write(os.path.join(self.tmp_dir, record_file(self.rank)),
-                     json.dumps(record.to_json(), separators=(",", ":")).encode(), False)
+                     json.dumps(record.to_json(), separators=(",", ":")).encode(), False,
+                     self.durable)
 
     def fail(self, message: str) -> None:
         """Tell rank 0's committer (asynchronous saves) that this rank failed."""
@@ -192,6 +195,7 @@ class Commit:
     aliases: Mapping[str, str]
     save_latest: bool
     pause: Optional[PausePoint] = None
+    durable: bool = True
 
     @property
     def tmp_dir(self) -> str:
@@ -205,16 +209,20 @@ class Commit:
             records.append(RankRecord.from_json(json.loads(text), path))
             files[record_file(rank)] = {"bytes": len(text), "crc32": zlib.crc32(text)}
         manifest = merge_records(records, self.tag, files, self.meta, self.aliases)
-        atomic_write(os.path.join(self.tmp_dir, MANIFEST), manifest.dumps().encode(), False)
-        fsync_dir(self.tmp_dir)  # every file of the tag, durable before the rename
+        atomic_write(os.path.join(self.tmp_dir, MANIFEST), manifest.dumps().encode(), False,
+                     self.durable)
+        if self.durable:
+            fsync_dir(self.tmp_dir)  # every file of the tag, durable before the rename
         if self.pause:
             self.pause.reached(0, "commit", self.tag)
         replace_dir(self.tmp_dir, os.path.join(self.save_dir, self.tag))
-        fsync_dir(self.save_dir)
+        if self.durable:
+            fsync_dir(self.save_dir)
         if self.pause:
             self.pause.reached(0, "latest", self.tag)
         if self.save_latest:
-            atomic_write(os.path.join(self.save_dir, LATEST), self.tag.encode())
+            atomic_write(os.path.join(self.save_dir, LATEST), self.tag.encode(),
+                         durable=self.durable)
 
     def wait_for_records(self, timeout_s: float, others_only: bool = False) -> None:
         """Asynchronous saves: wait until every rank's record (or error) is
@@ -294,6 +302,7 @@ class SaveRequest:
     engine_state: Optional[Mapping[str, Any]] = None
     extra: Mapping[str, Any] = field(default_factory=dict)
     previous_error: Optional[str] = None
+    durable: bool = True   # fsync files and directories ("checkpoint": {"fsync": ...})
 
 
 def _prepare(request: SaveRequest, exports: Sequence[ExportedState], rank: int, save_dir: str
@@ -337,9 +346,10 @@ def begin_save(request: SaveRequest, exports: Sequence[ExportedState], coord: Co
             f"{total / 2**20:,.1f} MiB, {free / 2**20:,.1f} MiB are free; free space or save to "
             "another directory (nothing was written; the previous checkpoint is intact)")
     tmp_dir = os.path.join(save_dir, f"{request.tag}{TMP_SUFFIX}")
-    write = RankWrite(tmp_dir, coord.rank, plan, request.extra, blob, pause, request.tag)
+    write = RankWrite(tmp_dir, coord.rank, plan, request.extra, blob, pause, request.tag,
+                      request.durable)
     commit = Commit(save_dir, request.tag, coord.world, request.meta, request.aliases,
-                    request.save_latest, pause)
+                    request.save_latest, pause, request.durable)
     return write, commit
 
 

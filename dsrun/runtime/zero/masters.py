@@ -94,9 +94,9 @@ class MasterRun(NamedTuple):
 class _Imported(NamedTuple):
     """The bookkeeping between prepare_import and finish_import."""
 
-    masters: list[torch.Tensor]              # staging copies of the masters
+    masters: list[tuple[int, int, int, LoadTarget]]  # (master, lo, hi, target) to copy in
     piece_state: dict[int, dict[str, torch.Tensor]]  # id(piece) -> new per-element state
-    piece_targets: dict[int, list[LoadTarget]]       # id(piece) -> its targets
+    piece_targets: dict[int, list[tuple[LoadTarget, int]]]  # id(piece) -> (target, offset)
     extra: Any                               # the subclass's (stage 3: frozen shards)
 
 
@@ -267,9 +267,10 @@ class MasterGradients:
                        state_keys: Optional[Sequence[str]]) -> ImportPlan:
         """Staging copies of the masters and fresh optimizer state to fill;
         nothing live changes until :meth:`finish_import`."""
-        staging = [m.detach().clone() for m in self.masters]
+        staging = [torch.empty_like(m.detach()) for m in self.masters]
+        spans: list[tuple[int, int, int, LoadTarget]] = []
         piece_state: dict[int, dict[str, torch.Tensor]] = {}
-        piece_targets: dict[int, list[LoadTarget]] = {}
+        piece_targets: dict[int, list[tuple[LoadTarget, int]]] = {}
         targets: list[LoadTarget] = []
         for g, run, lo, hi, a, piece in self._cut(names):
             state: dict[str, torch.Tensor] = {}
@@ -281,10 +282,11 @@ class MasterGradients:
             start = run.param_start + lo - run.master_offset
             target = LoadTarget(run.name, start, start + hi - lo, staging[g][lo:hi], state)
             targets.append(target)
-            piece_targets.setdefault(id(piece), []).append(target)
+            spans.append((g, lo, hi, target))
+            piece_targets.setdefault(id(piece), []).append((target, lo - a))
         extra_targets, extra = self._extra_targets(names)
         targets.extend(extra_targets)
-        private = _Imported(staging, piece_state, piece_targets, (extra, extra_targets))
+        private = _Imported(spans, piece_state, piece_targets, (extra, extra_targets))
         return ImportPlan(self._declared(names), targets, type(self.optimizer).__name__, private)
 
     def finish_import(self, plan: ImportPlan, groups: Optional[Sequence[Mapping[str, Any]]],
@@ -292,17 +294,20 @@ class MasterGradients:
         """Install what :meth:`prepare_import` staged and the loader filled;
         then refresh the model parameters (collective)."""
         private: _Imported = plan.private
-        with torch.no_grad():
-            for master, staged in zip(self.masters, private.masters):
-                master.copy_(staged)
+        with torch.no_grad():  # only what was loaded: the rest keeps its value
+            for g, lo, hi, target in private.masters:
+                if target.loaded:
+                    self.masters[g][lo:hi].copy_(target.value)
         if optimizer_states:
             states: dict[int, Optional[dict[str, Any]]] = {}
             for pieces in self._pieces:
                 for piece in pieces:
-                    loaded = [t for t in private.piece_targets.get(id(piece), []) if t.loaded]
+                    targets = private.piece_targets.get(id(piece), [])
+                    loaded = [t for t, _ in targets if t.loaded]
                     if loaded:
-                        state = {**private.piece_state.get(id(piece), {}), **loaded[0].scalars}
-                        states[id(piece)] = state or None
+                        fresh = private.piece_state.get(id(piece), {})
+                        _fill_the_rest(fresh, self.optimizer.state.get(piece, {}), targets)
+                        states[id(piece)] = {**fresh, **loaded[0].scalars} or None
             install_state(self.optimizer, states, groups)
         extra, extra_targets = private.extra
         self._finish_extra(extra, extra_targets)
@@ -311,13 +316,27 @@ class MasterGradients:
 
 def _fresh_state(current: Mapping[str, Any], piece: torch.Tensor,
                  keys: Sequence[str]) -> dict[str, torch.Tensor]:
-    """Per-element state for ``piece`` to load into: a copy of the current
-    value (so elements the checkpoint skips keep it) or zeros."""
-    out = {}
-    for key in keys:
+    """Per-element state for ``piece`` to load into (uninitialised: what
+    the checkpoint does not fill is filled by :func:`_fill_the_rest`)."""
+    return {key: torch.empty(piece.numel(), dtype=torch.float32, device=piece.device)
+            for key in keys}
+
+
+def _fill_the_rest(fresh: Mapping[str, torch.Tensor], current: Mapping[str, Any],
+                   targets: Sequence[tuple[LoadTarget, int]]) -> None:
+    """The elements of a piece's new state that no loaded target filled
+    (skipped tensors, keys the checkpoint lacks, padding) keep the current
+    value, or zero when there is none."""
+    for key, tensor in fresh.items():
+        filled = sorted((o, o + t.end - t.start) for t, o in targets
+                        if t.loaded and key in t.state)
         value = current.get(key)
-        if isinstance(value, torch.Tensor) and value.numel() == piece.numel() and value.dim():
-            out[key] = value.detach().reshape(-1).clone()
-        else:
-            out[key] = torch.zeros(piece.numel(), dtype=torch.float32, device=piece.device)
-    return out
+        old = value.detach().reshape(-1) if isinstance(value, torch.Tensor) and \
+            value.numel() == tensor.numel() and value.dim() else None
+        position = 0
+        for a, b in [*filled, (tensor.numel(), tensor.numel())]:
+            if a > position and old is not None:
+                tensor[position:a].copy_(old[position:a])
+            elif a > position:
+                tensor[position:a].zero_()
+            position = max(position, b)
