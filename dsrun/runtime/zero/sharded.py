@@ -62,17 +62,17 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from dsrun.errors import DsrunConfigError, DsrunError
-from dsrun.runtime.checkpoint.fragments import TensorInfo
 from dsrun.runtime.zero.comm import (
     CommStrategy,
     all_gather_flat,
     reduce_scatter_mean,
 )
-from dsrun.runtime.zero.masters import MasterGradients, MasterRun
+from dsrun.runtime.zero.masters import MasterGradients
 from dsrun.runtime.zero.memory import StateBytes, model_state_bytes
 from dsrun.runtime.zero.offload import HOST, Placement, offload_settings, pinning, to_device
 from dsrun.runtime.zero.partition import GroupLayout, partition_group, windows
 from dsrun.runtime.zero.reducer import GradReducer, GradSource
+from dsrun.runtime.zero.state_io import ShardedStateIO
 
 DEFAULT_SUB_GROUP = 1 << 20  # elements per optimizer-step piece (4 MiB of fp32)
 UNSHARDABLE_OPTIMIZERS = ("Lamb", "FusedLamb", "LAMB", "Lars", "LARS", "FusedLars",
@@ -220,7 +220,7 @@ def restore_partition_state(state: Mapping[str, Any], numels_key: str, numels: l
     optimizer.load_state_dict(state["optimizer"])
 
 
-class ZeroOptimizer(MasterGradients):
+class ZeroOptimizer(ShardedStateIO, MasterGradients):
     """ZeRO stage 1/2 optimizer (module docstring for the interface)."""
 
     def __init__(self, params: Iterable[Any], optimizer_cls: type[Optimizer],
@@ -494,36 +494,6 @@ class ZeroOptimizer(MasterGradients):
         restore_partition_state(state, "partition_numels",
                                 [lay.partition_numel for lay in self.layouts],
                                 self.world_size, self.rank, self.masters, self.optimizer)
-        self._gather_params()
-
-    # ---------------------------------------------------- checkpoint hooks
-
-    def _name(self, names: Mapping[int, str], param: torch.Tensor) -> str:
-        name = names.get(id(param))
-        if name is None:
-            raise DsrunError(f"a trainable parameter of shape {tuple(param.shape)} in the "
-                             "optimizer is not a parameter of the module: it cannot be "
-                             "checkpointed by name")
-        return name
-
-    def _master_runs(self, names: Mapping[int, str]) -> list[list[MasterRun]]:
-        runs = []
-        for layout, params in zip(self.layouts, self.param_groups_full):
-            start, _ = layout.rank_range(self.rank)
-            runs.append([MasterRun(self._name(names, params[piece.param]), piece.param_offset,
-                                   piece.flat_offset - start, piece.length)
-                         for piece in layout.pieces(self.rank)])
-        return runs
-
-    def _declared(self, names: Mapping[int, str]) -> dict[str, TensorInfo]:
-        """The trainable parameters (frozen ones stay whole in the model)."""
-        return {self._name(names, params[i]): TensorInfo(
-                    self._name(names, params[i]), tuple(params[i].shape), params[i].dtype,
-                    "param", g)
-                for g, (layout, params) in enumerate(zip(self.layouts, self.param_groups_full))
-                for i in layout.members}
-
-    def _refresh_after_import(self) -> None:
         self._gather_params()
 
     def close(self) -> None:

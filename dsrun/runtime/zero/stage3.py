@@ -66,12 +66,11 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from dsrun.errors import DsrunConfigError, DsrunError
-from dsrun.runtime.checkpoint.fragments import Fragment, LoadTarget, TensorInfo
 from dsrun.runtime.zero.comm import CommStrategy
 from dsrun.runtime.zero.divergence import DivergenceGuard, GuardSettings, shared_guard
 from dsrun.runtime.zero.fetch import ParamFetcher
 from dsrun.runtime.zero.init import GatheredParameters
-from dsrun.runtime.zero.masters import MasterGradients, MasterRun, reduce_on_device
+from dsrun.runtime.zero.masters import MasterGradients, reduce_on_device
 from dsrun.runtime.zero.memory import StateBytes, count_bytes, tensors_in
 from dsrun.runtime.zero.offload import HOST, Placement, pinning, to_device
 from dsrun.runtime.zero.partitioned import (
@@ -95,6 +94,7 @@ from dsrun.runtime.zero.sharded import (
     settings_values,
 )
 from dsrun.runtime.zero.stage3_plan import MasterLayout, is_persistent
+from dsrun.runtime.zero.state_io import Stage3StateIO
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ class Stage3Settings:
         return comm_strategy(self.reduce_scatter, self.strategy)
 
 
-class ZeroStage3(MasterGradients):
+class ZeroStage3(Stage3StateIO, MasterGradients):
     """ZeRO stage 3 over ``module`` (module docstring for the interface)."""
 
     stage = 3
@@ -440,73 +440,6 @@ class ZeroStage3(MasterGradients):
         """Restore :meth:`state_dict` of the same rank and layout."""
         restore_partition_state(state, "master_numels", [m.numel() for m in self.masters],
                                 self.world_size, self.rank, self.masters, self.optimizer)
-        self._write_back()
-
-    # ---------------------------------------------------- checkpoint hooks
-
-    def _name(self, names: Mapping[int, str], param: torch.Tensor) -> str:
-        name = names.get(id(param))
-        if name is None:
-            raise DsrunError(f"{param.ds_name or 'a parameter'} is not a parameter of the "
-                             "module: it cannot be checkpointed by name")
-        return name
-
-    def _own_range(self, param: torch.Tensor) -> tuple[int, int]:
-        """This rank's ``[start, end)`` of ``param``'s flat elements (padding cut)."""
-        spec = param.ds_spec
-        start = self.rank * spec.shard_numel
-        return start, start + spec.valid(self.rank)
-
-    def _master_runs(self, names: Mapping[int, str]) -> list[list[MasterRun]]:
-        runs = []
-        for params, layout in zip(self.param_groups_full, self.layouts):
-            group_runs = []
-            for p, offset in zip(params, layout.offsets):
-                start, end = self._own_range(p)
-                if offset is not None and end > start:
-                    group_runs.append(MasterRun(self._name(names, p), start, offset, end - start))
-            runs.append(group_runs)
-        return runs
-
-    def _declared(self, names: Mapping[int, str]) -> dict[str, TensorInfo]:
-        """Every managed parameter: trainable ones with their group, frozen
-        ones (partitioned too, without a master) with none."""
-        group_of = {id(p): g for g, ps in enumerate(self.param_groups_full) for p in ps
-                    if p.requires_grad}
-        return {self._name(names, p): TensorInfo(self._name(names, p), tuple(p.ds_shape),
-                                                 p.ds_tensor.dtype, "param", group_of.get(id(p)))
-                for p in self.managed_params()}
-
-    def _frozen(self) -> list[torch.Tensor]:
-        return [p for p in self.managed_params() if not p.requires_grad]
-
-    def _extra_fragments(self, names: Mapping[int, str]) -> list[Fragment]:
-        """Frozen parameters' shards, in their own dtype."""
-        out = []
-        for p in self._frozen():
-            start, end = self._own_range(p)
-            if end > start:
-                out.append(Fragment(self._name(names, p), start, end,
-                                    p.ds_tensor.detach()[:end - start]))
-        return out
-
-    def _extra_targets(self, names: Mapping[int, str]) -> tuple[list[LoadTarget], Any]:
-        targets, params = [], []
-        for p in self._frozen():
-            start, end = self._own_range(p)
-            if end > start:
-                targets.append(LoadTarget(self._name(names, p), start, end,
-                                          p.ds_tensor.detach()[:end - start].clone()))
-                params.append(p)
-        return targets, params
-
-    @torch.no_grad()
-    def _finish_extra(self, extra: Any, targets: Any) -> None:
-        for p, target in zip(extra, targets):
-            if target.loaded:
-                p.ds_tensor[:target.end - target.start].copy_(target.value)
-
-    def _refresh_after_import(self) -> None:
         self._write_back()
 
     def close(self) -> None:
