@@ -25,7 +25,6 @@ with status 1: a failed save is never lost.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import os
 import sys
@@ -149,20 +148,28 @@ def _nbytes(chunk: Planned) -> int:
 
 
 def _copy(pairs: list[tuple[Planned, torch.Tensor]], cuda: bool, ready: Any = None) -> None:
-    """Copy each source tensor's bytes into its host chunk (on CUDA: on a side
-    stream, after ``ready``, then synchronised)."""
-    stream = torch.cuda.Stream() if cuda and ready is not None else None
-    if stream is not None:
-        stream.wait_event(ready)
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+    """Copy each source tensor's bytes into its host chunk. On CUDA from a
+    background thread (``ready`` given): on a side stream of the tensors'
+    device (a thread's current device is not the caller's), after ``ready``,
+    then synchronised."""
+    device = next((s.device for _, s in pairs if s.is_cuda), None)
+    if device is None or ready is None:
         for host, source in pairs:
             if host.tensor.numel():
                 host.tensor.copy_(source.detach().reshape(-1).view(torch.uint8),
                                   non_blocking=cuda)
-    if stream is not None:
+        if cuda:
+            torch.cuda.synchronize()
+        return
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream()
+        stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            for host, source in pairs:
+                if host.tensor.numel():
+                    host.tensor.copy_(source.detach().reshape(-1).view(torch.uint8),
+                                      non_blocking=True)
         stream.synchronize()
-    elif cuda:
-        torch.cuda.synchronize()
 
 
 @atexit.register
