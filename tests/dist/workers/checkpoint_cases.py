@@ -81,9 +81,10 @@ def build(stage: int, seed: int, dropout: float = 0.1, micro: int = 4, **extra: 
 
 
 def full_params(engine: Any) -> dict[str, torch.Tensor]:
-    if engine.zero_stage == 3:
-        return engine.optimizer.module_state_dict()
-    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    """The full parameters, on the CPU (whatever device the rank uses)."""
+    state = engine.optimizer.module_state_dict() if engine.zero_stage == 3 else \
+        engine.module.state_dict()
+    return {k: v.detach().cpu().clone() for k, v in state.items()}
 
 
 class Batches:

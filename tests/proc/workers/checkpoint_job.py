@@ -31,9 +31,12 @@ def build(stage: int, **extra: object) -> object:
 
 
 def full(engine: object) -> dict[str, torch.Tensor]:
+    """The full parameters, on the CPU (whatever device the rank uses)."""
     if engine.zero_stage == 3:  # type: ignore[attr-defined]
-        return engine.optimizer.module_state_dict()  # type: ignore[attr-defined]
-    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}  # type: ignore
+        state = engine.optimizer.module_state_dict()  # type: ignore[attr-defined]
+    else:
+        state = engine.module.state_dict()  # type: ignore[attr-defined]
+    return {k: v.detach().cpu().clone() for k, v in state.items()}
 
 
 def train(engine: object, steps: int) -> None:
