@@ -126,7 +126,9 @@ class Stage0State:
         for info, _, tensor in entries:
             if info.numel == 0:
                 continue
-            state = {k: torch.zeros(info.numel, dtype=tensor.dtype, device=tensor.device)
+            # whole tensors: each key is filled completely or, when the
+            # checkpoint lacks it, dropped by the loader
+            state = {k: torch.empty(info.numel, dtype=tensor.dtype, device=tensor.device)
                      for k in state_keys or ()}
             targets.append(LoadTarget(info.name, 0, info.numel,
                                       torch.empty(info.numel, dtype=tensor.dtype,
