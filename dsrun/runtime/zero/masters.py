@@ -11,6 +11,16 @@ holds this rank's partition of the mean gradient after
 reduces: the masters may be in host memory under ``offload_optimizer``);
 it may override :meth:`_all_reduce` to announce each collective (stage 3's
 divergence guard).
+
+**Sub-groups.** The inner optimizer steps each master in pieces of at most
+``sub_group_size`` elements (DeepSpeed's knob of that name): each piece is
+a ``Parameter`` that is a view of the master, its gradient a view of the
+master's ``.grad`` (bound by :meth:`_step_inner`). Elementwise optimizers
+give the same values bitwise; what changes is the size of the optimizer's
+temporaries (Adam's ``sqrt`` of the whole second moment, ...): host memory
+allocations above glibc's mmap threshold (32 MiB at most) are returned to
+the kernel when freed and page-faulted in again on every step, which on the
+bench model cost more than the optimizer's arithmetic.
 """
 
 from __future__ import annotations
