@@ -232,6 +232,8 @@ def _commands() -> dict[str, click.Command]:
         commands["hosts"] = hosts
     except ImportError:
         pass
+    from dsrun.launcher.checkpoint_cli import checkpoint
+    commands["checkpoint"] = checkpoint
     return commands
 
 
