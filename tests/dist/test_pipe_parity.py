@@ -19,8 +19,6 @@ accumulates ``sum(a_k + b_k)``.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,16 +26,13 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import ROOT, run_dsrun
+from tests.conftest import run_dsrun
+from tests.dist.pipe_support import WORKER, load_cases
 
 pytestmark = pytest.mark.dist
 
-WORKER = ROOT / "tests" / "dist" / "workers" / "pipe_cases.py"
 TOLERANCE = 1e-6
-_spec = importlib.util.spec_from_file_location("pipe_cases", WORKER)
-assert _spec is not None and _spec.loader is not None
-cases = sys.modules.setdefault("pipe_cases", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(cases)
+cases = load_cases()
 
 ON_2_RANKS = ["mlp", "mlp-noclip", "mlp-3mb", "mlp-ckpt", "mlp-zero1", "mlp-bf16", "tied",
               "varlen", "tuple"]
