@@ -234,6 +234,7 @@ def test_bad_data_is_one_clear_error(solo: None, data: Any, message: str) -> Non
     with pytest.raises(DsrunError, match=message):
         engine.train_batch(data(case))
     assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+    assert all(p.grad is None for p in engine.module.parameters())  # none left to add to
     assert engine.global_steps == 0
 
 

@@ -36,7 +36,7 @@ cases = load_cases()
 
 ON_2_RANKS = ["mlp", "mlp-noclip", "mlp-3mb", "mlp-ckpt", "mlp-zero1", "mlp-bf16", "tied",
               "varlen", "tuple"]
-ON_4_RANKS = ["mlp", "mlp-zero1", "mlp-zero2", "tied", "tied-zero1"]
+ON_4_RANKS = ["mlp", "mlp-zero1", "mlp-zero2", "mlp-ckpt", "tied", "tied-zero1"]
 BITWISE_ON_2_RANKS = ["mlp-noclip", "mlp-3mb"]
 
 

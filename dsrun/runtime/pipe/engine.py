@@ -264,8 +264,12 @@ class PipelineEngine(DsrunEngine):
                 self._handlers[type(instruction)](instruction, state)
             self._pending.wait_all()
         except BaseException:
+            # a failed batch leaves nothing behind: no armed reduction, no
+            # partly accumulated gradients for the next batch to add to
             if self._grad_sync is not None:
                 self._grad_sync.disarm()
+            if state.kind == "train":
+                self.zero_grad()
             raise
         if not state.pipeline_s:
             state.pipeline_s = time.perf_counter() - start

@@ -62,10 +62,11 @@ class TiedWeights:
                                    dtype=sample.dtype, device=sample.device)
             flat = torch.cat([*parts, present])
             dist.all_reduce(flat, group=entry.group)
+            owners_with_grad = flat[flat.numel() - len(params):].tolist()
             offset = 0
-            for i, param in enumerate(params):
+            for param, count in zip(params, owners_with_grad):
                 n = param.numel()
-                if flat[flat.numel() - len(params) + i] > 0:
+                if count > 0:
                     summed = flat[offset:offset + n].view_as(param)
                     if param.grad is None:
                         param.grad = summed.clone()
