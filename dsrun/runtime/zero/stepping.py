@@ -170,7 +170,7 @@ def memory_lines(module: torch.nn.Module, optimizer: Any, stage: int, world_size
         on_device = max(expected - held.host, 0)
     device = getattr(placement, "device", None) or next(
         (p.device for p in module.parameters()), None)
-    if device is not None and device.type == "cuda":
+    if device is not None and device.type == "cuda" and torch.cuda.is_available():
         free, _ = torch.cuda.mem_get_info(device)
         if free < on_device:
             lines.append(f"  WARNING: only {free / MiB:,.0f} MiB free on this GPU, less "
