@@ -53,7 +53,7 @@ from dsrun.runtime.env import DistEnv
 from dsrun.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradSync, broadcast_tensors
 from dsrun.runtime.lr_schedules import build_scheduler
 from dsrun.runtime.optimizers import build_optimizer
-from dsrun.runtime.precision import FullPrecision, make_precision
+from dsrun.runtime.precision import FullPrecision, StepResult, make_precision
 from dsrun.runtime.progress import Progress
 from dsrun.runtime.zero.stepping import memory_lines, offload_notes, wrap_optimizer, zero_step
 
@@ -290,10 +290,7 @@ class DsrunEngine(torch.nn.Module):
                                    "section to the config or pass optimizer= to initialize()")
         checkpoint_io.before_step(self)  # an async save may still be copying the state
         scale_before = self.precision.loss_scale
-        if self.zero_stage > 0:
-            result = zero_step(self.optimizer, self.precision, self.config.gradient_clipping)
-        else:
-            result = self.precision.step(self.optimizer, self.config.gradient_clipping)
+        result = self._apply_step()
         if self.global_steps == 0 and self.global_rank == 0:
             for line in memory_lines(self.module, self.optimizer, self.zero_stage,
                                      self.dp_world_size, self.precision.name,
@@ -314,6 +311,13 @@ class DsrunEngine(torch.nn.Module):
         extra = f"loss_scale={self.precision.loss_scale:g}" if self.precision.name == "fp16" \
             else None
         self.progress.step(self.global_steps, self.skipped_steps, self.get_lr(), extra)
+
+    def _apply_step(self) -> StepResult:
+        """Clip, check and apply the optimizer step (a pipeline engine takes
+        the gradient norm over all its stages here)."""
+        if self.zero_stage > 0:
+            return zero_step(self.optimizer, self.precision, self.config.gradient_clipping)
+        return self.precision.step(self.optimizer, self.config.gradient_clipping)
 
     def _log_overflow(self, scale_before: float) -> None:
         """One line per OVERFLOW_LOG_INTERVAL_S at most, counting the ones in between."""
