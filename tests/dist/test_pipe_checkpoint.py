@@ -5,7 +5,7 @@ run in this order):
 
 * *straight* (2 ranks, 2 stages): each case trains N=3 steps from the
   engine's dataloader (LR schedule, clipping, AdamW; "tied-dropout" with
-  dropout), saves, trains M=4 more; a plain data-parallel engine does the
+  dropout, "mlp-fp16" with a growing loss scale), saves, trains M=4 more; a plain data-parallel engine does the
   same with the "mlp" pipeline's names;
 * *resume* (2 ranks, 2 stages, new processes): each case built from
   another seed loads and trains M steps - losses, learning rates and final
@@ -44,7 +44,7 @@ pytestmark = pytest.mark.dist
 
 WORKER = ROOT / "tests" / "dist" / "workers" / "pipe_checkpoint_cases.py"
 TOLERANCE = 1e-5
-CASES = ("tied-dropout", "tied", "mlp")
+CASES = ("tied-dropout", "tied", "mlp", "mlp-fp16")
 
 
 def _job(name: str, ranks: int, ckpt: Path, out: Path) -> list[dict[str, Any]]:
@@ -107,6 +107,9 @@ def test_resume_with_two_stages_is_bitwise_the_straight_run(jobs: dict[str, Any]
     for a, b in zip(straight, resumed):
         assert b["start"] == 3 and a["global_steps"] == b["global_steps"] == 7
         assert b["losses"] == a["losses"] and b["lrs"] == a["lrs"]  # float.hex(): bitwise
+        assert b["loss_scale"] == a["loss_scale"]
+    if name == "mlp-fp16":
+        assert straight[0]["loss_scale"] > 2**8  # it grew before and after the save
     for rank in (0, 1):
         a = torch.load(jobs["straight_out"] / f"{name}-final-rank{rank}.pt")
         b = torch.load(jobs["resume_out"] / f"{name}-resumed-rank{rank}.pt")
@@ -294,3 +297,13 @@ def test_info_describes_the_pipeline(jobs: dict[str, Any]) -> None:
     assert res.returncode == 0, res.stderr
     assert "by 4 rank(s), ZeRO stage 1" in res.stdout
     assert "pipeline: 2 stage(s) x 2 replica(s), layer boundaries [0, 2, 5]" in res.stdout
+
+
+def test_16bit_model_holds_every_stage(jobs: dict[str, Any]) -> None:
+    """save_16bit_model of 2 stages: one file, the one-stage model's keys in
+    its order (an nn.Sequential of the same layers), fp16 values."""
+    state = torch.load(jobs["ckpt"] / "model16" / "model.bin", weights_only=True)
+    assert list(state) == list(_cases().plain_mlp().state_dict())
+    want = merged(saved(jobs["straight_out"], "mlp-fp16-saved", 2))
+    assert all(state[k].dtype == torch.float16 and torch.equal(state[k], want[k]) for k in want)
+    assert sorted(p.name for p in (jobs["ckpt"] / "model16").iterdir()) == ["model.bin"]

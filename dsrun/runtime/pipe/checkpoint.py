@@ -35,26 +35,38 @@ A load needs only the whole model's aliases (the same exchange): every rank
 asks for the ranges of its stage's tensors wherever they were saved, and
 every holder of a tied tensor loads the same saved value, so tied copies
 stay tied in any layout.
+
+:func:`save_16bit_model` writes the whole model's weights into one file
+(the engine's version would write rank 0's stage only).
 """
 
 from __future__ import annotations
 
+import collections
+import io
+import os
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+import torch
 
 from dsrun.errors import CheckpointError
-from dsrun.runtime.checkpoint.coord import Coordinator
+from dsrun.runtime.checkpoint.coord import Coordinator, raise_failures
 from dsrun.runtime.checkpoint.engine_io import (
     CheckpointLayout,
     SaveParts,
+    checkpointer,
     frozen_names,
     state_sources,
+    wait,
     without,
 )
 from dsrun.runtime.checkpoint.fragments import ExportedState, StateSource
 from dsrun.runtime.checkpoint.manifest import encode
+from dsrun.runtime.checkpoint.model16 import state_dict16
 from dsrun.runtime.checkpoint.rank_state import loader_state
 from dsrun.runtime.checkpoint.sources import aliases
+from dsrun.runtime.checkpoint.storage import atomic_write
 
 # ------------------------------------------------------------ pure helpers
 
@@ -192,3 +204,73 @@ class PipelineLayout(CheckpointLayout):
         for theirs in self._everyone(coord, "engine.load_checkpoint()", mine):
             merged.update(theirs)
         return merged
+
+
+# ------------------------------------------------------------ 16-bit model
+
+
+def _status(run: Callable[[], None]) -> Optional[str]:
+    try:
+        run()
+    except Exception as exc:  # noqa: BLE001 - reported on every rank
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _save(state: Mapping[str, torch.Tensor], path: str) -> None:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    atomic_write(path, buffer.getvalue())
+
+
+def _merge16(path: str, first: Mapping[str, torch.Tensor], parts: Sequence[str]) -> None:
+    """Rank 0: stage 0's state and the other stages' part files -> ``path``."""
+    try:
+        states = [first, *(torch.load(p, weights_only=True) for p in parts)]
+        values: dict[str, torch.Tensor] = {}
+        for state in states:
+            for key, value in state.items():
+                values.setdefault(key, value)  # a name several stages hold: the lowest's
+        order = merge_state_dict_keys([list(state) for state in states])
+        _save(collections.OrderedDict((key, values[key]) for key in order), path)
+    finally:
+        for part in parts:
+            if os.path.exists(part):
+                os.unlink(part)
+
+
+def save_16bit_model(engine: Any, save_dir: str, save_filename: str = "pytorch_model.bin",
+                     exclude_frozen_parameters: bool = False) -> bool:
+    """``engine.save_16bit_model`` of a pipeline: the one-stage model's state
+    dict in the training's 16-bit dtype, in one file. Each stage's first
+    replica collects its stage's; stages after the first write theirs next
+    to the output, then rank 0 merges them in the one-stage model's key order
+    and writes the file atomically (the parts are removed)."""
+    wait(engine)
+    grid = engine.grid
+    coord = checkpointer(engine).coord
+    path = os.path.join(os.path.abspath(str(save_dir)), save_filename)
+    coord.agree("engine.save_16bit_model()", {"path": path})
+    collect = grid.data_parallel_id == 0
+    state = state_dict16(engine, exclude_frozen_parameters, keep=collect)
+    parts = [f"{path}.stage{stage}.part" for stage in range(1, grid.stages)]
+    status = None
+    if collect and grid.stage_id > 0:
+        def write() -> None:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            _save(state, parts[grid.stage_id - 1])
+        status = _status(write)
+    statuses = coord.exchange(status)
+    if any(statuses) and coord.rank == 0:
+        for part in parts:
+            if os.path.exists(part):
+                os.unlink(part)
+    raise_failures(statuses, f"saving the 16-bit model to {path}")
+    status = None
+    if coord.rank == 0:
+        def merge() -> None:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            _merge16(path, state, parts)
+        status = _status(merge)
+    raise_failures(coord.exchange(status), f"saving the 16-bit model to {path}")
+    return True

@@ -58,7 +58,7 @@ from dsrun.runtime.pipe.batch import (
     split_micro_batch,
     to_device,
 )
-from dsrun.runtime.pipe.checkpoint import PipelineLayout
+from dsrun.runtime.pipe.checkpoint import PipelineLayout, save_16bit_model
 from dsrun.runtime.pipe.module import PipelineModule
 from dsrun.runtime.pipe.p2p import (
     Header,
@@ -211,6 +211,11 @@ class PipelineEngine(DsrunEngine):
         if loaded[0] is not None and self._iterating_loader:
             self._data_iterator, self._iterating_loader = None, False
         return loaded
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """The whole model's weights in 16 bits, one file (rank 0 writes it)."""
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def train_batch(self, data_iter: Any = None) -> torch.Tensor:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches;
