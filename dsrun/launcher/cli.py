@@ -215,6 +215,8 @@ def _commands() -> dict[str, click.Command]:
         commands["hosts"] = hosts
     except ImportError:
         pass
+    from dsrun.launcher.plot_cli import plot
+    commands["plot"] = plot
     return commands
 
 

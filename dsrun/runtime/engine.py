@@ -51,6 +51,7 @@ from dsrun.runtime.dist import compute_device
 from dsrun.runtime.env import DistEnv
 from dsrun.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradSync, broadcast_tensors
 from dsrun.runtime.lr_schedules import build_scheduler
+from dsrun.runtime.monitor.training import EngineMonitor
 from dsrun.runtime.optimizers import build_optimizer
 from dsrun.runtime.precision import FullPrecision, make_precision
 from dsrun.runtime.progress import Progress
@@ -139,6 +140,8 @@ class DsrunEngine(torch.nn.Module):
         self._overflow_log = (float("-inf"), 0)  # (time of the last line, overflows since)
         self.progress = Progress(config.steps_per_print, config.train_batch_size,
                                  enabled=self.global_rank == 0)
+        self.monitor = EngineMonitor(config, rank=self.global_rank, group=self.dp_group,
+                                     device=self.device)
 
     # ------------------------------------------------------------ set-up
 
@@ -243,14 +246,22 @@ class DsrunEngine(torch.nn.Module):
     # --------------------------------------------------------- training
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = self.precision.cast_inputs((args, kwargs))
-        with self.precision.autocast():
-            return self.module(*args, **kwargs)
+        with self.monitor.timed("forward"):
+            self.monitor.saw_inputs(args, kwargs)
+            args, kwargs = self.precision.cast_inputs((args, kwargs))
+            with self.precision.autocast():
+                return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` / accumulation steps (x loss scale); returns ``loss``."""
+        with self.monitor.timed("backward"):
+            return self._backward(loss, retain_graph, scale_wrt_gas)
+
+    def _backward(self, loss: torch.Tensor, retain_graph: bool, scale_wrt_gas: bool
+                  ) -> torch.Tensor:
         self.progress.record_loss(loss)
+        self.monitor.record_loss(loss)
         scaled = loss
         gas = self.config.gradient_accumulation_steps
         if scale_wrt_gas and gas > 1:
@@ -267,7 +278,8 @@ class DsrunEngine(torch.nn.Module):
                 self._grad_sync.disarm()
             raise
         if sync:
-            self._grad_sync.finish()
+            with self.monitor.comm_wait("reduce"):
+                self._grad_sync.finish()
         if self.zero_stage > 0:
             self.optimizer.micro_step_done()
         return loss
@@ -279,7 +291,9 @@ class DsrunEngine(torch.nn.Module):
                              "all-reduced; leave the no_sync() block before stepping")
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
-            self._take_model_step(lr_kwargs)
+            with self.monitor.timed("step"):
+                self._take_model_step(lr_kwargs)
+            self.monitor.after_step(self)
         self.micro_steps += 1
         self._boundary_override = None
 
@@ -287,6 +301,7 @@ class DsrunEngine(torch.nn.Module):
         if self.optimizer is None:
             raise DsrunConfigError("engine.step() needs an optimizer: add an \"optimizer\" "
                                    "section to the config or pass optimizer= to initialize()")
+        self.monitor.before_step(self)
         scale_before = self.precision.loss_scale
         if self.zero_stage > 0:
             result = zero_step(self.optimizer, self.precision, self.config.gradient_clipping)
