@@ -17,7 +17,7 @@ import click
 @click.argument("run_dirs", nargs=-1, required=True, metavar="RUN_DIR...")
 @click.option("-o", "--output", "output", default="run.png", show_default=True,
               metavar="PNG", help="Where to write the picture.")
-@click.option("--smooth", "smooth", type=float, default=0.9, show_default=True,
+@click.option("--smooth", "smooth", type=float, default=0.6, show_default=True,
               help="Loss smoothing weight in [0, 1) (TensorBoard's; 0 = none).")
 def plot(run_dirs: tuple[str, ...], output: str, smooth: float) -> int:
     """Plot loss, learning rate, throughput, loss scale, gradient norm and the

@@ -291,9 +291,8 @@ class DsrunEngine(torch.nn.Module):
                              "all-reduced; leave the no_sync() block before stepping")
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
-            with self.monitor.timed("step"):
+            with self.monitor.optimizer_step(self):
                 self._take_model_step(lr_kwargs)
-            self.monitor.after_step(self)
         self.micro_steps += 1
         self._boundary_override = None
 
@@ -301,7 +300,6 @@ class DsrunEngine(torch.nn.Module):
         if self.optimizer is None:
             raise DsrunConfigError("engine.step() needs an optimizer: add an \"optimizer\" "
                                    "section to the config or pass optimizer= to initialize()")
-        self.monitor.before_step(self)
         scale_before = self.precision.loss_scale
         if self.zero_stage > 0:
             result = zero_step(self.optimizer, self.precision, self.config.gradient_clipping)

@@ -36,9 +36,10 @@ TIME_PREFIX = PREFIX + "elapsed_time_ms_"
 # backward = backward_inner + backward_allreduce (the wait for gradients'
 # communication inside backward).
 DEEPSPEED_PARTS = ("forward", "backward", "backward_inner", "backward_allreduce", "step")
-# dsrun's additions: the wall time between optimizer steps, and the time
-# spent waiting for gradient reductions / ZeRO parameter gathers overall.
-EXTRA_PARTS = ("iteration", "comm_reduce", "comm_gather")
+# dsrun's additions: the wall time between optimizer steps, the time spent
+# waiting for gradient reductions / ZeRO parameter gathers overall, and the
+# monitor's own work (inside "step").
+EXTRA_PARTS = ("iteration", "comm_reduce", "comm_gather", "monitor")
 BREAKDOWN_PARTS = DEEPSPEED_PARTS + EXTRA_PARTS
 
 RUN_INFO = "dsrun_run.json"

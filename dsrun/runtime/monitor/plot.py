@@ -178,7 +178,7 @@ PANELS = (
 )
 
 
-def plot_runs(runs: Sequence[Run], output: str, smooth_weight: float = 0.9) -> int:
+def plot_runs(runs: Sequence[Run], output: str, smooth_weight: float = 0.6) -> int:
     """Draw ``runs`` into the PNG ``output``; returns the number of panels."""
     if not output.lower().endswith(".png"):
         raise DsrunUsageError(f"-o {output!r}: dsrun plot writes PNG files; end the name "

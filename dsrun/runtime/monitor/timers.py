@@ -119,6 +119,11 @@ class StepTimers:
             if name == "backward":
                 self._step["backward_allreduce"] += sum(self._comm.totals.values()) - comm_before
 
+    def add(self, part: str, seconds: float) -> None:
+        """Add to a part of the current step (e.g. ``monitor``, measured by its owner)."""
+        if self.enabled:
+            self._step[part] += seconds
+
     def end_step(self, iteration_s: float) -> None:
         """Close one optimizer step that took ``iteration_s`` of wall time."""
         if not self.enabled:
@@ -155,7 +160,7 @@ def format_breakdown(means: dict[str, float], steps: int) -> str:
     parts = [f"forward {means['forward']:.2f}",
              f"backward {means['backward']:.2f} (communication wait "
              f"{means['backward_allreduce']:.2f})",
-             f"step {means['step']:.2f}",
+             f"step {means['step']:.2f} (monitor {means['monitor']:.2f})",
              f"reduce wait {means['comm_reduce']:.2f}",
              f"gather wait {means['comm_gather']:.2f}",
              f"iteration {means['iteration']:.2f}"]

@@ -1,10 +1,10 @@
 """``engine.monitor``: what the engine reports per micro-step and per optimizer step.
 
 The engine holds one :class:`EngineMonitor` and calls ``timed(phase)``
-around forward / backward / step, ``comm_wait("reduce")`` around its own
+around forward and backward, ``comm_wait("reduce")`` around its own
 gradient all-reduce wait (stage 0), ``saw_inputs`` in forward,
-``record_loss`` in backward, ``before_step`` just before the optimizer step
-and ``after_step`` after it. Scripts use DeepSpeed's ``enabled`` and
+``record_loss`` in backward, and ``with optimizer_step(engine):`` around
+the optimizer step. Scripts use DeepSpeed's ``enabled`` and
 ``write_events([(name, value, step)])``, and may set ``seq_length``.
 
 Per optimizer step, rank 0 writes (step = ``global_samples``, as DeepSpeed):
@@ -28,15 +28,19 @@ Per optimizer step, rank 0 writes (step = ``global_samples``, as DeepSpeed):
 
 With ``wall_clock_breakdown``, every ``steps_per_print`` steps rank 0 logs
 the breakdown averaged over the interval and, when monitors are enabled,
-writes it as ``Train/Samples/elapsed_time_ms_<part>`` events.
+writes it as ``Train/Samples/elapsed_time_ms_<part>`` events. The ``step``
+part is the whole optimizer-step call, including the monitor's own work
+(the loss all-reduce - where a rank also waits for the slowest one - and
+the writes), which is reported again on its own as ``monitor``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager as ContextManager
 from typing import Any, Optional
 
@@ -126,17 +130,21 @@ class EngineMonitor:
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
         self._loss_count += 1
 
-    def before_step(self, engine: Any) -> None:
-        self._grad_norm = measure_grad_norm(engine) if self.enabled else None
-
-    def after_step(self, engine: Any) -> None:
-        """One optimizer step ended: its events, and the breakdown at print steps."""
-        now = time.perf_counter()
-        iteration = None if self._last_end is None else now - self._last_end
-        self._last_end = now
+    @contextlib.contextmanager
+    def optimizer_step(self, engine: Any) -> Iterator[None]:
+        """Around the engine's optimizer step: the ``step`` phase, which also
+        holds the monitor's own work (its ``monitor`` part); then the step's
+        events, and the breakdown at print steps."""
+        with self.timers.phase("step"):
+            self._grad_norm = measure_grad_norm(engine) if self.enabled else None
+            yield
+            now = time.perf_counter()
+            iteration = None if self._last_end is None else now - self._last_end
+            self._last_end = now
+            if self.enabled:
+                self._write_step(engine, iteration)
+                self.timers.add("monitor", time.perf_counter() - now)
         self.timers.end_step(iteration or 0.0)
-        if self.enabled:
-            self._write_step(engine, iteration)
         if self.timers.enabled and engine.global_steps % self._print_every == 0:
             steps = self.timers.steps_pending
             means = self.timers.take_means()
