@@ -30,7 +30,10 @@ parameters and gathers them around each module's forward and backward;
 both are built from the same client/config optimizer
 (:mod:`dsrun.runtime.zero.stepping`).
 Rank 0 logs one block of model-state bytes (formula vs held) after the
-first step, when optimizer state exists.
+first step, when optimizer state exists. ``engine.monitor``
+(:mod:`dsrun.runtime.monitor.training`) times forward/backward/step for
+``wall_clock_breakdown`` and writes DeepSpeed's monitor events per
+optimizer step.
 """
 
 from __future__ import annotations

@@ -23,8 +23,9 @@ Per optimizer step, rank 0 writes (step = ``global_samples``, as DeepSpeed):
   (``{"dsrun": {"seq_length": N}}`` or ``engine.monitor.seq_length = N``)
   gives ``train_batch_size * N`` tokens per step; otherwise the engine
   counts ``numel()`` of forward's first argument (or ``input_ids=``) when
-  it is a 2-D integer (batch, seq) tensor, summed over micro-batches and
-  ranks; otherwise tokens/s is not written.
+  it is a 2-D integer (batch, seq) tensor, summed over the micro-batches
+  run with gradients enabled (not evaluation under ``torch.no_grad()``)
+  and over ranks; otherwise tokens/s is not written.
 
 With ``wall_clock_breakdown``, every ``steps_per_print`` steps rank 0 logs
 the breakdown averaged over the interval and, when monitors are enabled,
@@ -118,8 +119,8 @@ class EngineMonitor:
     def saw_inputs(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         if self._last_end is None:
             self._last_end = time.perf_counter()
-        if self.enabled and self.seq_length is None:
-            self._tokens += count_tokens(args, kwargs)
+        if self.enabled and self.seq_length is None and torch.is_grad_enabled():
+            self._tokens += count_tokens(args, kwargs)  # not evaluation forwards
 
     def record_loss(self, loss: torch.Tensor) -> None:
         if self._last_end is None:
