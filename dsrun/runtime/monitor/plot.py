@@ -2,12 +2,14 @@
 
 Panels, each drawn when some run has its series: loss (raw, thin, and
 smoothed with TensorBoard's debiased exponential moving average), learning
-rate (every param group), throughput (samples/s; tokens/s on a second
-axis), loss scale (fp16, log scale), gradient norm, and the wall-clock
-breakdown (forward, backward split into compute and communication wait,
-step, stacked, with the measured iteration time on top; with several runs,
-one line per part and run). Several runs share each panel, one colour
-per run. matplotlib is an optional extra (``pip install 'dsrun[plot]'``).
+rate (every param group), throughput (samples/s, raw and smoothed; tokens/s
+on a second axis), loss scale (fp16, log scale), gradient norm, and the
+wall-clock breakdown (forward, backward split into compute and
+communication wait, the optimizer step and the monitor's own work,
+stacked, with the measured iteration time on top; with several runs, per
+run the timed total, the communication wait and the monitor's work).
+Several runs share each panel, one colour per run. matplotlib is an
+optional extra (``pip install 'dsrun[plot]'``).
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from dsrun.errors import DsrunError, DsrunUsageError
 from dsrun.runtime.monitor import events as ev
 from dsrun.runtime.monitor.runs import Run, Series, stem
 
 PANEL_WIDTH_IN, PANEL_HEIGHT_IN, DPI = 6.4, 3.4, 100
+OUTLIER_FACTOR = 4.0  # breakdown values above this many medians are drawn off scale
 STACK = (("forward", "forward"), ("backward_inner", "backward compute"),
          ("backward_allreduce", "backward comm wait"), ("step", "step"))
 
@@ -54,7 +57,7 @@ def _matplotlib() -> Any:
 class Panel:
     title: str
     wanted: Callable[[Run], bool]
-    draw: Callable[[Any, Sequence[Run], Sequence[Any], float], None]
+    draw: Callable[[Any, Sequence[Run], Sequence[Any], float], Optional[str]]  # -> a note
 
 
 def _has(*names: str) -> Callable[[Run], bool]:
@@ -111,7 +114,9 @@ def _draw_throughput(ax: Any, runs: Sequence[Run], colors: Sequence[Any],
     for run, color in zip(runs, colors):
         samples = run.get(ev.SAMPLES_PER_SEC)
         if samples is not None:
-            _line(ax, samples, color=color, label=f"{run.label} samples/s")
+            _line(ax, samples, color=color, alpha=0.3, linewidth=0.8)
+            ax.plot(samples.x, smooth(samples.values, weight), color=color, linewidth=1.5,
+                    label=f"{run.label} samples/s (smoothed {weight:g})")
         tokens = run.get(ev.TOKENS_PER_SEC)
         if tokens is not None and not ratio:
             tokens_ax = tokens_ax or ax.twinx()
@@ -140,30 +145,66 @@ def _draw_scalar(event: str, label: str, log: bool = False) -> Callable[..., Non
     return draw
 
 
+def breakdown_parts(run: Run) -> list[tuple[str, tuple[float, ...], list[float]]]:
+    """(label, x, ms) of the parts that add up to the timed step: forward,
+    backward compute, backward communication wait, the optimizer step, and
+    the monitor's own work when the run recorded it (it is inside "step")."""
+    found = {part: run.get(ev.time_event(part)) for part, _ in STACK + (("monitor", ""),)}
+    x = found["forward"].x if found["forward"] is not None else ()
+    aligned = {part: list(s.values) for part, s in found.items() if s is not None and s.x == x}
+    parts = []
+    for part, label in STACK:
+        if part not in aligned:
+            continue
+        values = aligned[part]
+        if part == "step" and "monitor" in aligned:
+            values = [max(v - m, 0.0) for v, m in zip(values, aligned["monitor"])]
+            label = "optimizer step"
+        parts.append((label, x, values))
+    if "step" in aligned and "monitor" in aligned:
+        parts.append(("monitor (inside step)", x, aligned["monitor"]))
+    return parts
+
+
 def _draw_breakdown(ax: Any, runs: Sequence[Run], colors: Sequence[Any],
-                    weight: float) -> None:
-    timed = [run for run in runs if run.get(ev.time_event("forward")) is not None]
+                    weight: float) -> Optional[str]:
+    timed = [(run, color) for run, color in zip(runs, colors)
+             if run.get(ev.time_event("forward")) is not None]
+    heights: list[float] = []
     if len(timed) == 1:
-        run = timed[0]
-        parts = [(label, run.get(ev.time_event(part))) for part, label in STACK]
-        parts = [(label, s) for label, s in parts if s is not None]
-        x = parts[0][1].x
-        if all(s.x == x for _, s in parts):
-            ax.stackplot(x, *[s.values for _, s in parts], labels=[lbl for lbl, _ in parts],
-                         alpha=0.75)
-        iteration = run.get(ev.time_event("iteration"))
+        parts = breakdown_parts(timed[0][0])
+        ax.stackplot(parts[0][1], *[values for _, _, values in parts],
+                     labels=[label for label, _, _ in parts], alpha=0.75)
+        heights += [sum(v) for v in zip(*(values for _, _, values in parts))]
+        iteration = timed[0][0].get(ev.time_event("iteration"))
         if iteration is not None:
             _line(ax, iteration, color="black", linewidth=1.2, label="iteration (measured)")
-    else:
-        styles = dict(zip((p for p, _ in STACK), ("-", "--", ":", "-.")))
-        for run, color in zip(runs, colors):
-            for part, label in STACK:
-                series = run.get(ev.time_event(part))
-                if series is not None:
-                    _line(ax, series, color=color, linestyle=styles[part],
-                          label=f"{run.label} {label}")
+            heights += iteration.values
+    for run, color in timed if len(timed) > 1 else ():  # per run: total, waits, monitor
+        parts = breakdown_parts(run)
+        x = parts[0][1]
+        totals = [sum(v) for v in zip(*(values for _, _, values in parts))]
+        heights += totals
+        ax.plot(x, totals, color=color, label=f"{run.label} forward+backward+step")
+        for (label, _, values) in parts:
+            if "comm" in label or label.startswith("monitor"):
+                ax.plot(x, values, color=color, linestyle=":" if "comm" in label else "--",
+                        label=f"{run.label} {label}")
     ax.set_ylabel("ms per optimizer step")
-    ax.set_ylim(bottom=0)
+    return _clip_outliers(ax, heights)
+
+
+def _clip_outliers(ax: Any, heights: Sequence[float]) -> Optional[str]:
+    """Keep a few huge intervals (start-up: imports, a first rendezvous) from
+    flattening the rest: cut the axis above them and say so on the panel."""
+    ordered = sorted(heights)
+    median = ordered[len(ordered) // 2] if ordered else 0.0
+    normal = [h for h in ordered if h <= OUTLIER_FACTOR * median]
+    if not median or len(normal) == len(ordered):
+        ax.set_ylim(bottom=0)
+        return None
+    ax.set_ylim(0, 1.5 * max(normal))
+    return f"{len(ordered) - len(normal)} point(s) off scale, up to {ordered[-1]:.0f} ms"
 
 
 PANELS = (
@@ -199,8 +240,8 @@ def plot_runs(runs: Sequence[Run], output: str, smooth_weight: float = 0.6) -> i
     x_labels = sorted({run.x_label for run in runs})
     for index, panel in enumerate(panels):
         ax = fig.add_subplot(rows, columns, index + 1)
-        panel.draw(ax, runs, colors, smooth_weight)
-        ax.set_title(panel.title)
+        note = panel.draw(ax, runs, colors, smooth_weight)
+        ax.set_title(panel.title + (f"\n({note})" if note else ""))
         ax.set_xlabel(" / ".join(x_labels))
         ax.grid(True, alpha=0.3)
         handles, _ = ax.get_legend_handles_labels()
