@@ -18,7 +18,8 @@ import click
 @click.option("-o", "--output", "output", default="run.png", show_default=True,
               metavar="PNG", help="Where to write the picture.")
 @click.option("--smooth", "smooth", type=float, default=0.6, show_default=True,
-              help="Loss smoothing weight in [0, 1) (TensorBoard's; 0 = none).")
+              help="Smoothing weight in [0, 1) for loss and throughput (TensorBoard's "
+                   "moving average; 0 = none).")
 def plot(run_dirs: tuple[str, ...], output: str, smooth: float) -> int:
     """Plot loss, learning rate, throughput, loss scale, gradient norm and the
     time breakdown of the runs in RUN_DIR (csv_monitor's output_path/job_name,
