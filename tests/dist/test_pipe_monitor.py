@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -122,13 +123,13 @@ def test_gradient_norm_of_the_whole_model(solo: None, jobs: dict, world: int,
                                           phase: str) -> None:
     rows = jobs[world]["seen"][phase]["rows"]
     norms = series(jobs[world], phase, "grad_norm")
-    if job.PHASES[phase].clip > 0:  # the step's own norm, as get_global_grad_norm()
-        assert list(norms.values()) == [row["grad_norm"] for row in rows]
+    if job.PHASES[phase].clip > 0 or phase == "fp16":  # the step's own norm, as
+        # get_global_grad_norm() says; a step that overflowed writes none
+        assert norms == {row["samples"]: row["grad_norm"] for row in rows
+                         if math.isfinite(row["grad_norm"])}
+        assert len(norms) >= job.STEPS // 2
         return
     assert all(row["grad_norm"] is None for row in rows)  # DeepSpeed's: none without clipping
-    if phase == "fp16":  # overflowing steps write no norm
-        assert 0 < len(norms) <= job.STEPS and all(v > 0 for v in norms.values())
-        return
     want = reference_norms(phase, world // 2)
     assert list(norms.values()) == pytest.approx(want, rel=1e-5)
 
@@ -174,6 +175,8 @@ def test_breakdown_parts_add_up_to_the_measured_step(jobs: dict, world: int,
         at = interval[-1]["samples"]
         measured_ms = 1000.0 * sum(r["seconds"] for r in interval) / every
         total = sum(parts[p][at] for p in ADDED_UP)
+        print(f"{world} ranks, {phase}, samples {at}: parts {total:.2f} ms, measured "
+              f"{measured_ms:.2f} ms ({100 * (total / measured_ms - 1):+.1f} %)")
         assert abs(total - measured_ms) <= 0.10 * measured_ms, (phase, at, total, measured_ms)
         assert parts["backward_inner"][at] + parts["backward_allreduce"][at] == \
             pytest.approx(parts["backward"][at])
@@ -181,12 +184,14 @@ def test_breakdown_parts_add_up_to_the_measured_step(jobs: dict, world: int,
         assert parts["batch_input"][at] > 0  # rank 0 is the first stage: it reads the data
         assert parts["pipe_recv_input"][at] == 0.0  # ... and receives no activations
         assert parts["pipe_recv_grad"][at] > 0 and parts["pipe_send"][at] > 0
-        assert (parts["tied_reduce"][at] > 0) == phase.startswith("tied")
+        if phase.startswith("tied"):
+            assert parts["tied_reduce"][at] > 0
         assert 0.0 < parts["monitor"][at] < parts["step"][at]
         assert parts["iteration"][at] >= measured_ms * 0.9
-        assert parts["comm_gather"][at] == 0.0
         replicated = world == 4
         assert (parts["comm_reduce"][at] > 0) == replicated
+        zero = job.PHASES[phase].zero  # ZeRO-1 gathers the updated partitions
+        assert (parts["comm_gather"][at] > 0) == (replicated and zero > 0)
         if replicated and job.PHASES[phase].zero == 0:  # the data-parallel all-reduce
             assert parts["backward_allreduce"][at] > 0
         else:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from dsrun.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-STEPS, PRINT_EVERY = 8, 2
+STEPS, PRINT_EVERY = 12, 4
 VOCAB, DIM, SEQ, TOKEN_BATCH = 11, 8, 6, 3
 WIDE, WIDE_BATCH, CLASSES = 768, 48, 10
 _TEACHER = torch.randn(WIDE, CLASSES, generator=torch.Generator().manual_seed(7))
@@ -124,7 +124,7 @@ class Phase:
 
 
 WARMUP = {"scheduler": {"type": "WarmupLR", "params": {
-    "warmup_min_lr": 0.0, "warmup_max_lr": 0.05, "warmup_num_steps": 4}}}
+    "warmup_min_lr": 0.0, "warmup_max_lr": 0.05, "warmup_num_steps": 2 * STEPS}}}
 
 PHASES = {
     # plain SGD, no clipping: the gradient norm is measured for the monitor
