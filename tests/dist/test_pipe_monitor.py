@@ -20,6 +20,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import psutil
 import pytest
 import torch
 
@@ -53,6 +54,9 @@ def _run_job(world: int, names: list[str], out: Path) -> dict[str, Any]:
     res = run_dsrun("--cpu", "--num_gpus", str(world), str(WORKER), str(out), *names,
                     timeout=300)
     assert res.returncode == 0, res.stderr[-4000:]
+    left = [p.pid for p in psutil.process_iter(["cmdline"])
+            if str(out) in " ".join(p.info["cmdline"] or ())]
+    assert left == [], f"processes of the job still running: {left}"
     return {"out": out, "stdout": res.stdout,
             "seen": {name: json.loads((out / f"{name}.json").read_text()) for name in names}}
 
