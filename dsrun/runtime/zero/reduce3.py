@@ -11,9 +11,12 @@ back, every bucket parameter's ``r``-th shard of ``grad * (1/N)`` (DDP's
 pre-division; padding zero) - announced to the divergence guard, then
 :func:`~.comm.start_reduce_scatter` (``premultiplied``) leaves this rank's
 region, i.e. its shard of every parameter's mean gradient, contiguous. On
-**drain** each shard is added into its accumulator (``accumulator(param)``,
-an fp32 view into the master's ``.grad``), so micro-steps accumulate
-``sum_micro(mean_ranks(g))``.
+**drain** each shard goes to ``land(param, values)``, which copies it into
+its accumulator (an fp32 view into the master's ``.grad``) in a step's
+first round and adds it afterwards, so micro-steps accumulate
+``sum_micro(mean_ranks(g))`` - through side-stream copies into host memory
+under offload (:class:`~.offload.Landing`; a kept buffer waits on the device
+for those copies before it is written again: ``before_reuse``).
 
 Buckets follow the order in which gradients arrive; autograd runs the same
 graph in the same order on every rank, and the guard checks each bucket's
@@ -23,7 +26,10 @@ reduction completes before backward goes on. Bucket buffers are kept for
 the next bucket and the next backward (at most one per bucket in flight
 plus one filling, like stage 2's slots with ``contiguous_gradients``): a
 fresh buffer of bucket size each time costs page faults on every write.
-World size 1: the "reduction" is the scaled copy into the accumulator.
+World size 1 (reached only with ``offload_param``: otherwise the optimizer
+uses flat gradients and no hook): nothing is reduced or staged; each
+gradient lands in its accumulator as soon as autograd produced it, and is
+dropped on the device.
 """
 
 from __future__ import annotations
@@ -34,7 +40,6 @@ import torch
 
 from dsrun.runtime.zero.comm import CommStrategy, Pending, start_reduce_scatter
 from dsrun.runtime.zero.divergence import DivergenceGuard
-from dsrun.runtime.zero.offload import to_device
 from dsrun.runtime.zero.partitioned import param_name
 from dsrun.runtime.zero.stage3_plan import ShardSpec
 
@@ -69,8 +74,9 @@ class ShardGradReducer:
 
     def __init__(self, *, group: Any, world_size: int, bucket_numel: int, overlap: bool,
                  dtype: Optional[torch.dtype], guard: DivergenceGuard,
-                 accumulator: Callable[[torch.Tensor], torch.Tensor],
-                 strategy: Optional[CommStrategy] = None) -> None:
+                 land: Callable[[torch.Tensor, torch.Tensor], None],
+                 strategy: Optional[CommStrategy] = None,
+                 before_reuse: Callable[[], None] = lambda: None) -> None:
         self.group = group
         self.world_size = world_size
         self.scale = 1.0 / world_size
@@ -78,7 +84,8 @@ class ShardGradReducer:
         self.max_inflight = 1 if overlap else 0
         self.dtype = dtype
         self.guard = guard
-        self.accumulator = accumulator
+        self.land = land
+        self.before_reuse = before_reuse
         self.strategy = strategy
         self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._staged_numel = 0
@@ -100,6 +107,9 @@ class ShardGradReducer:
         if grad is None:
             return
         param.grad = None
+        if self.world_size == 1:
+            self.land(param, grad.reshape(-1))
+            return
         self._staged.append((param, grad))
         self._staged_numel += param.ds_spec.padded_numel
         if self._staged_numel >= self.bucket_numel:
@@ -137,6 +147,7 @@ class ShardGradReducer:
         enough (the largest is kept when a larger one is needed)."""
         for i, spare in enumerate(self._spare):
             if spare.numel() >= numel and (spare.dtype, spare.device) == (dtype, device):
+                self.before_reuse()  # copies to the host may still read it
                 return self._spare.pop(i).narrow(0, 0, numel)
         if len(self._spare) > self.max_inflight:
             self._spare.pop(0)
@@ -151,12 +162,9 @@ class ShardGradReducer:
     def _drain(self) -> None:
         pending, placed, buffer = self._inflight.pop(0)
         mine = pending.wait()
-        if placed:  # one copy to where the accumulators are (host memory: offload)
-            mine = to_device(mine, self.accumulator(placed[0][0]).device)
         with torch.no_grad():
             for param, offset in placed:
-                size = param.ds_spec.shard_numel
-                self.accumulator(param).add_(mine[offset:offset + size])
+                self.land(param, mine[offset:offset + param.ds_spec.shard_numel])
         self._keep(buffer)
 
     def finish(self) -> None:
