@@ -432,6 +432,8 @@ class ZeroStage3(MasterGradients):
             copied = True
         if copied:
             self._fence.after_copies(self.placement.device)
+        if self._local:
+            return  # every parameter is its shard, which the master just updated
         whole = [p for p in self.managed_params() if p.ds_status is ZeroParamStatus.AVAILABLE]
         if whole and self.world_size > 1:
             self.guard.event("step", "refresh whole parameters", [p.ds_id for p in whole],
