@@ -136,8 +136,9 @@ def _log_start(config: DsrunConfig, origin: str, engine: DsrunEngine) -> None:
         return
     params = [p for p in engine.module.parameters()]
     trainable = sum(p.numel() for p in params if p.requires_grad)
-    lines = [f"engine: ZeRO stage {engine.zero_stage}, {engine.precision.name}, device {engine.device}, "
-             f"{sum(p.numel() for p in params):,} parameters ({trainable:,} trainable)",
+    total = sum(p.numel() for p in params)
+    lines = [f"engine: ZeRO stage {engine.zero_stage}, {engine.precision.name}, "
+             f"device {engine.device}, {total:,} parameters ({trainable:,} trainable)",
              f"config chosen: {origin}", *config.summary().splitlines()]
     log.info("\n  ".join(lines))
 

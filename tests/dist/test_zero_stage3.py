@@ -408,3 +408,33 @@ def test_public_module() -> None:
 
     assert dsrun.zero.Init is zero.Init  # an attribute once the submodule is imported
     assert zero.GatheredParameters and zero.register_external_parameter
+
+
+def test_forward_end_keeps_what_backward_fetches_first(solo: None) -> None:
+    """The modules at the end of a training forward keep the parameters the
+    previous backward fetched first (within the prefetch budget) instead of
+    releasing them and gathering them again; an eval forward keeps nothing."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)])
+    two_modules = 2 * (16 * 16 + 16)
+    stage3 = ZeroStage3(model, None, torch.optim.AdamW, {"lr": 1e-3},
+                        settings=Stage3Settings(offload_param=True, param_persistence_threshold=0,
+                                                prefetch_bucket_size=two_modules))
+    held, gathers = [], []
+    for _ in range(3):
+        before = stage3.guard.counts["backward"] + stage3.guard.counts["backward prefetch"]
+        loss = model(torch.randn(4, 16)).square().mean()
+        held.append(full_numel_held(model.parameters()))
+        loss.backward()
+        stage3.micro_step_done()
+        gathers.append(stage3.guard.counts["backward"] +
+                       stage3.guard.counts["backward prefetch"] - before)
+        stage3.step()
+        stage3.zero_grad(set_to_none=False)
+        assert full_numel_held(model.parameters()) == 0
+    assert held[0] == 0 and held[2] == two_modules  # no trace yet; then the budget
+    assert gathers[2] < gathers[0]
+    with torch.no_grad():
+        model(torch.randn(4, 16))
+    assert full_numel_held(model.parameters()) == 0
+    stage3.close()

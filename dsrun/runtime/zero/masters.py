@@ -34,6 +34,12 @@ to the kernel when freed and page-faulted in again on every step, which on
 the bench model cost more than the optimizer's arithmetic. Fused steps make
 no temporaries, and on a GPU whole tensors are fastest: there the masters
 are stepped whole unless ``sub_group_size`` is given.
+
+**Offload.** When the masters live in host memory and the parameters on a
+GPU, the step goes piece by piece (:data:`OFFLOAD_PIECE` elements unless
+``sub_group_size`` is given): the host steps a piece, issues its
+``non_blocking`` copy back to the GPU (:meth:`_step_inner`'s ``publish``),
+and steps the next piece while that copy runs.
 """
 
 from __future__ import annotations
@@ -41,13 +47,14 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 HOST_PIECE = 1 << 20  # elements per piece for non-fused steps in host memory (4 MiB fp32)
+OFFLOAD_PIECE = 1 << 23  # elements per offloaded step-and-copy-back piece (32 MiB fp32)
 # torch classes whose fused kernel is elementwise per tensor (a flat master
 # steps bitwise like its parameters: measured; torch's fused SGD is not)
 FUSED_CLASSES: tuple[type, ...] = (torch.optim.Adam, torch.optim.AdamW)
@@ -84,12 +91,15 @@ def inner_kwargs(optimizer_cls: type, kwargs: Mapping[str, Any], device: torch.d
 
 
 def piece_size(sub_group_size: Optional[int], kwargs: Mapping[str, Any],
-               device: torch.device) -> Optional[int]:
+               device: torch.device, offload: bool = False) -> Optional[int]:
     """Elements per inner-optimizer piece (None: whole masters): the
-    client's ``sub_group_size``, else :data:`HOST_PIECE` for a non-fused
-    step in host memory (module docstring)."""
+    client's ``sub_group_size``, else :data:`OFFLOAD_PIECE` under offload
+    (each piece's copy back to the GPU overlaps the next piece's step), else
+    :data:`HOST_PIECE` for a non-fused step in host memory (module docstring)."""
     if sub_group_size is not None:
         return sub_group_size
+    if offload:
+        return OFFLOAD_PIECE
     if device.type == "cpu" and not kwargs.get("fused"):
         return HOST_PIECE
     return None
@@ -106,14 +116,17 @@ def reduce_on_device(value: torch.Tensor, op: Any, group: Any, device: torch.dev
     value.copy_(staged)
 
 
-def split_master(master: torch.nn.Parameter, size: Optional[int]) -> list[torch.nn.Parameter]:
+def split_master(master: torch.nn.Parameter, size: Optional[int],
+                 views: bool = False) -> list[torch.nn.Parameter]:
     """``master`` itself when ``size`` is None or it has at most ``size``
-    elements, else parameters that are views of consecutive pieces."""
+    elements (unless ``views``), else parameters that are views of
+    consecutive pieces."""
     if size is not None and size < 1:
         raise ValueError(f"sub_group_size must be >= 1, got {size}")
     n = master.numel()
-    if size is None or n <= size:
+    if not views and (size is None or n <= size):
         return [master]
+    size = size or max(n, 1)
     flat = master.detach()
     return [torch.nn.Parameter(flat.narrow(0, a, min(size, n - a))) for a in range(0, n, size)]
 
@@ -143,18 +156,19 @@ class MasterGradients:
         if self.world_size > 1:
             reduce_on_device(value, op, self.group, self.comm_device)
 
-    def _inner_groups(self, hyper: list[dict[str, Any]], piece: Optional[int]
-                      ) -> list[dict[str, Any]]:
+    def _inner_groups(self, hyper: list[dict[str, Any]], piece: Optional[int],
+                      views: bool = False) -> list[dict[str, Any]]:
         """The inner optimizer's param groups: each master, in pieces of at
-        most ``piece`` elements (None: whole)."""
-        self._pieces = [split_master(m, piece) for m in self.masters]
+        most ``piece`` elements (None: whole; ``views``: pieces even then)."""
+        self._pieces = [split_master(m, piece, views) for m in self.masters]
         return [{**h, "params": pieces} for h, pieces in zip(hyper, self._pieces)]
 
     def _build_inner(self, optimizer_cls: type, hyper: list[dict[str, Any]],
-                     kwargs: Mapping[str, Any], sub_group_size: Optional[int]
-                     ) -> torch.optim.Optimizer:
+                     kwargs: Mapping[str, Any], sub_group_size: Optional[int],
+                     offload: bool = False) -> torch.optim.Optimizer:
         """The inner optimizer over the masters (implementation and pieces
-        as the module docstring says)."""
+        as the module docstring says); ``offload``: masters in host memory
+        whose updates go back to the GPU piece by piece (:meth:`_step_inner`)."""
         device = self.masters[0].device if self.masters else torch.device("cpu")
         chosen = inner_kwargs(optimizer_cls, kwargs, device)
         self.inner_impl = "fused" if chosen.get("fused") else \
@@ -163,11 +177,19 @@ class MasterGradients:
         for h in hyper:  # a client group that left both unset takes the choice too
             if h.get("fused") is None and h.get("foreach") is None:
                 h.update(picked)
-        groups = self._inner_groups(hyper, piece_size(sub_group_size, chosen, device))
+        groups = self._inner_groups(hyper, piece_size(sub_group_size, chosen, device, offload),
+                                    views=offload)
         return optimizer_cls(groups, **chosen)
 
-    def _step_inner(self) -> None:
-        """Bind each piece's gradient to its view of the master gradient, step."""
+    def _step_inner(self, publish: Optional[Callable[[int, int, int], None]] = None) -> None:
+        """Bind each piece's gradient to its view of the master gradient, step.
+        With ``publish(group, start, length)`` (offload) the pieces are
+        stepped one at a time and each is published right after its step -
+        its copy back to the GPU runs while the host steps the next piece
+        (the inner optimizer skips pieces whose gradient is None)."""
+        if publish is not None:
+            self._step_published(publish)
+            return
         for master, pieces in zip(self.masters, self._pieces):
             if len(pieces) == 1 and pieces[0] is master:
                 continue
@@ -178,6 +200,21 @@ class MasterGradients:
                     master.grad.narrow(0, offset, size)
                 offset += size
         self.optimizer.step()
+
+    def _step_published(self, publish: Callable[[int, int, int], None]) -> None:
+        for pieces in self._pieces:
+            for piece in pieces:
+                piece.grad = None
+        for g, (master, pieces) in enumerate(zip(self.masters, self._pieces)):
+            offset = 0
+            for piece in pieces:
+                size = piece.numel()
+                if master.grad is not None and size:
+                    piece.grad = master.grad.narrow(0, offset, size)
+                    self.optimizer.step()
+                    piece.grad = None
+                publish(g, offset, size)
+                offset += size
 
     def _clear_master_grads(self, set_to_none: bool, zero: bool = True) -> None:
         """Release the masters' gradients, or keep them (zeroed when

@@ -90,7 +90,7 @@ from dsrun.runtime.zero.groups import (  # noqa: F401 - re-exported for older im
     settings_values,
 )
 from dsrun.runtime.zero.masters import MasterGradients
-from dsrun.runtime.zero.memory import StateBytes, model_state_bytes
+from dsrun.runtime.zero.memory import StateBytes, count_bytes, tensors_in
 from dsrun.runtime.zero.offload import HOST, HostFence, Landing, Placement, pinning
 from dsrun.runtime.zero.partition import GroupLayout, partition_group, windows
 from dsrun.runtime.zero.reducer import GradReducer, GradSource
@@ -133,7 +133,7 @@ class ZeroOptimizer(MasterGradients):
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         self.optimizer: Optimizer = self._build_inner(
             optimizer_cls, hyper, _constructor_kwargs(optimizer_cls, defaults or {}),
-            self.settings.sub_group_size)
+            self.settings.sub_group_size, offload=self.settings.offload_optimizer)
         self.comm_dtype = self.settings.comm_dtype or (sample.dtype if sample is not None else
                                                        torch.float32)
         self._landing = Landing()
@@ -154,7 +154,9 @@ class ZeroOptimizer(MasterGradients):
                 self._grad_sources(backward_order), self.layouts, rank=self.rank,
                 world_size=self.world_size, group=group,
                 bucket_numel=self.settings.reduce_bucket_size,
-                overlap=self.settings.overlap_comm,
+                # under offload a slot is busy until its copy to the host is
+                # done: two slots let backward go on meanwhile
+                overlap=self.settings.overlap_comm or self.settings.offload_optimizer,
                 contiguous=self.settings.contiguous_gradients, dtype=self.comm_dtype,
                 land=self._land, strategy=self.strategy,
                 before_reuse=self._landing.before_reuse, on_round_end=self._round_end)
@@ -313,23 +315,34 @@ class ZeroOptimizer(MasterGradients):
             raise DsrunError("ZeroOptimizer.step() takes no closure")
         self.reduce_gradients()
         self._fence.wait()  # the last host -> device copies read the masters
-        self._step_inner()
-        self._gather_params()
+        offload = self.settings.offload_optimizer
+        self._step_inner(self._publish if offload else None)
+        self._gather_params(copy=not offload)  # offload: published piece by piece
         self._reduced = False
 
     @torch.no_grad()
-    def _gather_params(self) -> None:
-        """Updated partitions into the flat buffers (a cast or host -> device
-        copy unless aliased), then the in-place all-gather."""
+    def _publish(self, g: int, start: int, length: int) -> None:
+        """Copy ``length`` updated master elements from ``start`` into this
+        rank's range of the flat buffer (cast, or host -> device)."""
+        flat = self._flats[g]
+        if flat is None or self._aliased[g] or not length:
+            return
+        master = self.masters[g].detach().narrow(0, start, length)
+        offset = self.rank * self.layouts[g].partition_numel + start
+        flat.narrow(0, offset, length).copy_(master, non_blocking=master.is_pinned())
+
+    @torch.no_grad()
+    def _gather_params(self, copy: bool = True) -> None:
+        """Updated partitions into the flat buffers (with ``copy``: a cast or
+        host -> device copy unless aliased), then the in-place all-gather."""
         for g, layout in enumerate(self.layouts):
             size = layout.partition_numel
             flat = self._flats[g]
             if size == 0 or flat is None:
                 continue
             mine = flat.narrow(0, self.rank * size, size)
-            if not self._aliased[g]:
-                master = self.masters[g].detach()
-                mine.copy_(master, non_blocking=master.is_pinned())
+            if copy:
+                self._publish(g, 0, size)
             if self.world_size > 1:
                 all_gather_flat(mine, self.group, strategy=self.strategy, out=flat)
         if self.settings.offload_optimizer:
@@ -365,7 +378,11 @@ class ZeroOptimizer(MasterGradients):
         optimizer's state; stage-2 bucket buffers as ``buffers``."""
         params = [p for ps in self.param_groups_full for p in ps]
         buffers = self._reducer.slot_buffers() if self._reducer is not None else []
-        return model_state_bytes(params, self.optimizer, buffers)
+        stepped = [p for g in self.optimizer.param_groups for p in g["params"]]
+        grads = [t.grad for t in [*params, *self.masters, *stepped] if t.grad is not None]
+        state = [t for s in self.optimizer.state.values() for t in tensors_in(s)]
+        return count_bytes(params=params, grads=grads,
+                           optimizer=[*self.masters, *stepped, *state], buffers=buffers)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's partition state (world-size dependent; checkpoints

@@ -161,9 +161,10 @@ class ZeroStage3(MasterGradients):
         self._fresh = [True] * len(self.masters)
         self._written: set[int] = set()
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        self._publishing = not all(self._aliased) and self.settings.offload_optimizer
         self.optimizer: Optimizer = self._build_inner(
             optimizer_cls, hyper, _constructor_kwargs(optimizer_cls, defaults or {}),
-            self.settings.sub_group_size)
+            self.settings.sub_group_size, offload=self._publishing)
         self._landing = Landing()
         self._fence = HostFence()
         self._reduced = False
@@ -414,23 +415,31 @@ class ZeroStage3(MasterGradients):
             raise DsrunError("ZeroStage3.step() takes no closure")
         self.reduce_gradients()
         self._fence.wait()  # the last host -> device copies read the masters
-        self._step_inner()
-        self._write_back()
+        self._step_inner(self._publish if self._publishing else None)
+        self._write_back(copy=not self._publishing)  # else published piece by piece
         self._reduced = False
         self.guard.step += 1
 
     @torch.no_grad()
-    def _write_back(self) -> None:
-        """Masters into the shards (one copy per group unless aliased), then
-        the whole (persistent) parameters refreshed from the shards."""
-        copied = False
-        for g, flat in enumerate(self._flats):
-            if flat is None or self._aliased[g]:
-                continue
-            master = self.masters[g].detach()
-            flat.copy_(master, non_blocking=master.is_pinned() and flat.device.type == "cuda")
-            copied = True
-        if copied:
+    def _publish(self, g: int, start: int, length: int) -> None:
+        """Copy ``length`` updated master elements from ``start`` into the
+        group's flat shard buffer (cast, or host -> device)."""
+        flat = self._flats[g]
+        if flat is None or self._aliased[g] or not length:
+            return
+        master = self.masters[g].detach().narrow(0, start, length)
+        flat.narrow(0, start, length).copy_(
+            master, non_blocking=master.is_pinned() and flat.device.type == "cuda")
+
+    @torch.no_grad()
+    def _write_back(self, copy: bool = True) -> None:
+        """Masters into the shards (with ``copy``: one copy per group unless
+        aliased), then the whole (persistent) parameters refreshed."""
+        if copy:
+            for g, flat in enumerate(self._flats):
+                if flat is not None:
+                    self._publish(g, 0, flat.numel())
+        if not all(self._aliased):
             self._fence.after_copies(self.placement.device)
         if self._local:
             return  # every parameter is its shard, which the master just updated

@@ -205,6 +205,12 @@ class LiveSet:
             self._ahead.add(param)
             self.ahead += numel
 
+    def mark_ahead(self, param: int) -> None:
+        """A live parameter is kept for a later use: it counts as ahead."""
+        if param in self._numel and param not in self._ahead:
+            self._ahead.add(param)
+            self.ahead += self._numel[param]
+
     def use(self, param: int) -> None:
         """A module is about to use ``param``: it no longer counts as ahead."""
         if param in self._ahead:
