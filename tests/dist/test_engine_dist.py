@@ -43,6 +43,7 @@ LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER
 
 def _run(argv: list[str], out: Path) -> list[dict[str, Any]]:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env["DSRUN_ACCELERATOR"] = "cpu"  # the cases are CPU ones, under plain python too
     res = subprocess.run(argv, capture_output=True, text=True, timeout=JOB_TIMEOUT_S, env=env,
                          cwd=str(ROOT))
     files = sorted(out.glob("rank*.json"))

@@ -62,6 +62,7 @@ def test_world_size_one_under_plain_python(tmp_path):
         "print(dist.get_rank(), dist.get_world_size(), t.tolist())\n")
     env = {k: v for k, v in __import__("os").environ.items()
            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["DSRUN_ACCELERATOR"] = "cpu"  # gloo even on a GPU host: the tensors are CPU ones
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          env=env, timeout=60)
     assert res.returncode == 0, res.stderr
