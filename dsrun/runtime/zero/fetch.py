@@ -67,7 +67,7 @@ from dsrun.runtime.zero.partitioned import (
     finish_gather,
     is_zero_param,
     release,
-    start_gather,
+    start_gathers,
 )
 from dsrun.runtime.zero.stage3_plan import LiveSet, TraceCursor, plan_prefetch
 
@@ -339,8 +339,8 @@ class ParamFetcher:
         name = self.names[need[0][0]] + (f" and {len(need) - 1} more module(s)"
                                          if len(need) > 1 else "")
         self.guard.event(phase, name, [p.ds_id for p in todo], [p.ds_numel for p in todo])
+        start_gathers(todo, self.strategy)
         for p in todo:
-            start_gather(p, self.strategy)
             if p.ds_id not in self.live:
                 self.live.add(p.ds_id, p.ds_numel, ahead=ahead)
 

@@ -39,6 +39,14 @@ Invariants:
 * only :func:`release` empties ``data``, and it leaves pinned and persistent
   parameters alone.
 
+**Gathering a batch** (:func:`start_gathers`, what the fetcher issues for
+a module or a prefetch): where the strategy all-gathers (NCCL) at world
+size > 1, the device-resident shards of one group go out as one coalesced
+collective - per-parameter outputs, no copy in or out, one launch (FSDP2's
+one all-gather per group without its copy-out) - through
+``torch.distributed._coalescing_manager``; gloo's strategy broadcasts from
+each owner per parameter (the fastest there, ``bench/collectives.py``).
+
 **Gathering a host-resident shard** (``offload_param`` on a GPU rank): the
 host -> device copy runs on a side stream (:func:`~.offload.copy_stream`),
 so a prefetch overlaps the compute stream. The full buffer is allocated on
@@ -61,7 +69,13 @@ import torch
 import torch.distributed as dist
 
 from dsrun.errors import DsrunError
-from dsrun.runtime.zero.comm import CommStrategy, Pending, start_all_gather
+from dsrun.runtime.zero.comm import (
+    CommStrategy,
+    Pending,
+    gather_single,
+    start_all_gather,
+    strategy_for,
+)
 from dsrun.runtime.zero.offload import HOST, copy_stream, host_copy, to_device
 from dsrun.runtime.zero.stage3_plan import ShardSpec
 
@@ -247,6 +261,41 @@ def start_gather(param: torch.Tensor, strategy: Optional[CommStrategy] = None) -
         shard = to_device(shard, device)  # a host shard on a CPU rank: no copy
         param._ds_pending = start_all_gather(shard, out, param.ds_group, strategy=strategy)
     param.ds_status = ZeroParamStatus.INFLIGHT
+
+
+def start_gathers(params: Sequence[torch.Tensor],
+                  strategy: Optional[CommStrategy] = None) -> None:
+    """:func:`start_gather` for every released parameter of ``params``;
+    device-resident shards of one group coalesced where the strategy
+    all-gathers (module docstring)."""
+    batches: dict[tuple[Any, torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for p in params:
+        if p.ds_status is not ZeroParamStatus.NOT_AVAILABLE:
+            continue
+        if _coalescible(p, strategy):
+            batches.setdefault((p.ds_group, p.ds_tensor.dtype, p.ds_device), []).append(p)
+        else:
+            start_gather(p, strategy)
+    for (group, dtype, device), batch in batches.items():
+        if len(batch) == 1:
+            start_gather(batch[0], strategy)
+            continue
+        outs = [torch.empty(p.ds_spec.padded_numel, dtype=dtype, device=device)
+                for p in batch]
+        with dist._coalescing_manager(group, async_ops=True) as manager:  # fast path
+            for p, out in zip(batch, outs):
+                gather_single(out, p.ds_tensor, group=group)
+        shared = Pending(outs[0], [manager])  # one wait completes the whole batch
+        for p, out in zip(batch, outs):
+            p._ds_pending = Pending(out, [shared])
+            p.ds_status = ZeroParamStatus.INFLIGHT
+
+
+def _coalescible(param: torch.Tensor, strategy: Optional[CommStrategy]) -> bool:
+    if param.ds_spec.world_size == 1 or param.ds_tensor.device != param.ds_device:
+        return False
+    chosen = strategy or strategy_for(param.ds_group, param.ds_device)
+    return chosen.gather == "all_gather"
 
 
 def _start_host_gather(param: torch.Tensor, shard: torch.Tensor, device: torch.device,
