@@ -33,9 +33,10 @@ Invariants:
 * persistent parameters are always ``AVAILABLE`` and still keep their shard
   in ``ds_tensor`` (the optimizer partitions them like any other);
 * at world size 1 a persistent parameter's ``ds_tensor`` is a view of
-  ``data``; every parameter is persistent there unless its shard lives in
-  host memory (``offload_param``: the whole parameter is then the shard, on
-  the host, brought to the device for each use);
+  ``data`` (on a GPU rank with ``offload_param``, a separate host copy);
+  every parameter is persistent there unless its shard lives in host
+  memory (``offload_param``: the whole parameter is then the shard, on the
+  host, brought to the device for each use);
 * only :func:`release` empties ``data``, and it leaves pinned and persistent
   parameters alone.
 
@@ -236,9 +237,10 @@ def move_param(param: torch.Tensor, device: torch.device) -> None:
 
 def offload_shard(param: torch.Tensor, pin_memory: bool = False) -> None:
     """Keep ``param``'s shard in host memory (``offload_param``); gathers
-    copy it to the compute device first. The shard of a persistent
-    parameter that is a view of its data (world size 1) stays put."""
-    if param.ds_tensor.device == HOST or _aliases(param):
+    copy it to the compute device first. A persistent parameter keeps its
+    full data on the device and a separate host shard (refreshed into the
+    data after each step), at world size 1 too."""
+    if param.ds_tensor.device == HOST:
         return
     if param.ds_status is ZeroParamStatus.INFLIGHT:
         raise DsrunError(f"cannot offload {param_name(param)} while its gather is in flight")
