@@ -16,6 +16,12 @@ touches are views of one flat buffer:
   itself when it already is fp32 on the master's device (nothing to copy
   before or after a step), else a separate fp32 tensor (pinned on request).
 
+:func:`trim_host_heap` runs once after a re-layout: the tensors the flat
+buffers replaced were freed in between live allocations, and glibc keeps
+such memory in the process (measured on the 160M bench model at stage 3:
+~280 MB per rank, which then raised every later peak RSS) unless asked to
+return it (``malloc_trim``).
+
 Invariants of :class:`FlatGrads`:
 
 * between :meth:`FlatGrads.collect` and the next :meth:`FlatGrads.release`,
@@ -29,6 +35,9 @@ Invariants of :class:`FlatGrads`:
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import sys
 from collections.abc import Sequence
 from typing import Optional
 
@@ -51,6 +60,18 @@ def flatten_into(tensors: Sequence[torch.Tensor], offsets: Sequence[int],
         view.copy_(tensor.detach().reshape(-1))
         tensor.data = view.view(tensor.data.shape)
     return flat
+
+
+def trim_host_heap() -> bool:
+    """Return freed heap memory to the OS (glibc's ``malloc_trim``; module
+    docstring). False where that is not available (not glibc)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
 
 
 def alias_or_copy(flat: torch.Tensor, start: int, numel: int, device: torch.device,

@@ -77,7 +77,7 @@ from torch.optim import Optimizer
 
 from dsrun.errors import DsrunConfigError, DsrunError
 from dsrun.runtime.zero.comm import all_gather_flat, reduce_scatter_mean, strategy_for
-from dsrun.runtime.zero.flat import FlatGrads, alias_or_copy, flatten_into
+from dsrun.runtime.zero.flat import FlatGrads, alias_or_copy, flatten_into, trim_host_heap
 from dsrun.runtime.zero.groups import (  # noqa: F401 - re-exported for older imports
     UNSHARDABLE_OPTIMIZERS,
     ZeroSettings,
@@ -126,6 +126,7 @@ class ZeroOptimizer(MasterGradients):
         # Trainable parameters become views of one flat buffer per group, in
         # the partition layout: the master may alias it, gathers land in place.
         self._flats = [self._flatten_params(g) for g in range(len(self.layouts))]
+        trim_host_heap()  # the parameter storages the flat buffers replaced (flat.py)
         made = [self._make_master(g) for g in range(len(self.layouts))]
         self.masters = [torch.nn.Parameter(m) for m, _ in made]
         self._aliased = [aliased for _, aliased in made]

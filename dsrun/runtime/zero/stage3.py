@@ -81,7 +81,7 @@ from torch.optim import Optimizer
 from dsrun.errors import DsrunConfigError, DsrunError
 from dsrun.runtime.zero.divergence import DivergenceGuard, shared_guard
 from dsrun.runtime.zero.fetch import ParamFetcher
-from dsrun.runtime.zero.flat import FlatGrads, alias_or_copy, flatten_into
+from dsrun.runtime.zero.flat import FlatGrads, alias_or_copy, flatten_into, trim_host_heap
 from dsrun.runtime.zero.groups import (
     Stage3Settings,
     _check_optimizer_cls,
@@ -155,6 +155,7 @@ class ZeroStage3(MasterGradients):
         # world size 1 without host residency: plain training, no hooks
         self._local = self.world_size == 1 and not self.settings.offload_param
         self._flats = [self._flatten_shards(g) for g in range(len(self.layouts))]
+        trim_host_heap()  # the shards the flat buffers replaced (flat.py)
         made = [self._make_master(g) for g in range(len(self.layouts))]
         self.masters = [torch.nn.Parameter(m) for m, _ in made]
         self._aliased = [aliased for _, aliased in made]

@@ -32,6 +32,16 @@ from dsrun.runtime.zero.stage3 import Stage3Settings, ZeroStage3
 MiB = 1024 * 1024
 DEEPSPEED_DEFAULT_BUCKET = 500_000_000  # elements
 DEFAULT_REDUCE_BUCKET = 25_000_000  # elements: 100 MB of fp32 per bucket
+# Stage 3 keeps its buckets (one filling, one in flight) between steps, next
+# to gathered parameters: a smaller bucket keeps its peak memory at FSDP2's
+# (per-block reductions) and reduces as fast on gloo (bench/collectives.py).
+DEFAULT_STAGE3_REDUCE_BUCKET = 6_250_000  # elements: 25 MB of fp32
+# DeepSpeed's stage3_prefetch_bucket_size default (5e7 elements) gathers up
+# to 200 MB of fp32 ahead; overlap needs the next module or two. dsrun's
+# default is about one transformer block of a ~1B model ahead (FSDP2's
+# depth), which is also what the end of forward keeps for backward.
+DEEPSPEED_DEFAULT_PREFETCH = 50_000_000  # elements
+DEFAULT_PREFETCH = 12_500_000  # elements: 50 MB of fp32
 
 
 def wrap_optimizer(optimizer: torch.optim.Optimizer, zero_config: Any, stage: int,
@@ -42,8 +52,11 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, zero_config: Any, stage: in
     if zero_config.reduce_bucket_size == DEEPSPEED_DEFAULT_BUCKET:
         # DeepSpeed's default makes one bucket of the whole model: no overlap
         # with backward, and a gradient-sized scratch buffer. Treated as unset.
-        overrides["reduce_bucket_size"] = DEFAULT_REDUCE_BUCKET
+        overrides["reduce_bucket_size"] = DEFAULT_STAGE3_REDUCE_BUCKET if stage == 3 \
+            else DEFAULT_REDUCE_BUCKET
     if stage == 3:
+        if zero_config.prefetch_bucket_size == DEEPSPEED_DEFAULT_PREFETCH:
+            overrides["prefetch_bucket_size"] = DEFAULT_PREFETCH
         return ZeroStage3.from_optimizer(
             module, optimizer, group=group, device=device,
             settings=Stage3Settings.from_config(zero_config, **overrides))
