@@ -81,7 +81,7 @@ from torch.optim import Optimizer
 from dsrun.errors import DsrunConfigError, DsrunError
 from dsrun.runtime.zero.divergence import DivergenceGuard, shared_guard
 from dsrun.runtime.zero.fetch import ParamFetcher
-from dsrun.runtime.zero.flat import FlatGrads, alias_or_copy, flatten_into, trim_host_heap
+from dsrun.runtime.zero.flat import FlatGrads, alias_or_copy, trim_host_heap
 from dsrun.runtime.zero.groups import (
     Stage3Settings,
     _check_optimizer_cls,
@@ -95,16 +95,17 @@ from dsrun.runtime.zero.memory import StateBytes, count_bytes, tensors_in
 from dsrun.runtime.zero.offload import HOST, HostFence, Landing, Placement, pinning
 from dsrun.runtime.zero.partitioned import (
     ZeroParamStatus,
-    broadcast_full,
-    is_zero_param,
     move_param,
     offload_shard,
-    partition_param,
     refresh_full,
-    set_persistence,
 )
 from dsrun.runtime.zero.reduce3 import ShardGradReducer
-from dsrun.runtime.zero.stage3_plan import MasterLayout, is_persistent
+from dsrun.runtime.zero.stage3_plan import MasterLayout
+from dsrun.runtime.zero.stage3_setup import (
+    check_membership,
+    flatten_shards,
+    partition_for_optimizer,
+)
 
 
 class ZeroStage3(MasterGradients):
@@ -188,53 +189,12 @@ class ZeroStage3(MasterGradients):
     # ------------------------------------------------------------ set-up
 
     def _check_membership(self) -> None:
-        owned = {id(p) for p in self.module.parameters()}
-        seen: set[int] = set()
-        for g, params in enumerate(self.param_groups_full):
-            for i, p in enumerate(params):
-                where = f"param group {g}, parameter {i} (shape {tuple(p.shape)})"
-                if id(p) in seen:
-                    raise DsrunConfigError(f"{where} appears in more than one place")
-                if id(p) not in owned:
-                    raise DsrunConfigError(f"{where} is not a parameter of the module: ZeRO "
-                                           "stage 3 partitions the module's parameters")
-                seen.add(id(p))
-        for name, p in self.module.named_parameters():
-            if p.requires_grad and id(p) not in seen:
-                raise DsrunConfigError(f"trainable parameter {name!r} is in no param group: "
-                                       "freeze it (requires_grad_(False)) or add it")
+        check_membership(self.module, self.param_groups_full)
 
     def _partition_module(self) -> None:
-        """Partition what is not yet (rank 0's values), check what zero.Init
-        partitioned, apply this optimizer's persistence threshold."""
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        params = list(dict.fromkeys(self.module.parameters()))
-        threshold = self.settings.param_persistence_threshold
-        host = self.settings.offload_param  # shards in host memory: fetched even at world 1
-        fresh = [p for p in params if not is_zero_param(p)]
-        for p in params:
-            if is_zero_param(p) and p.ds_spec.world_size != self.world_size:
-                raise DsrunConfigError(
-                    f"parameter {names[id(p)]!r} was partitioned over {p.ds_spec.world_size} "
-                    f"ranks (zero.Init's group) but this optimizer's group has "
-                    f"{self.world_size}: pass the same data_parallel_group to both")
-        if fresh:
-            self.guard.event("init", f"partition {type(self.module).__name__}", [],
-                             [p.numel() for p in fresh])
-            broadcast_full(fresh, self.group)
-            for p in fresh:
-                partition_param(p, group=self.group, alignment=self.settings.alignment,
-                                persist=is_persistent(p.numel(), threshold, self.world_size,
-                                                      host))
-        for persist in (True, False):
-            change = [p for p in params if p.ds_persist != persist and
-                      is_persistent(p.ds_numel, threshold, self.world_size, host) == persist]
-            if change:
-                self.guard.event("init", "persistence", [p.ds_id for p in change],
-                                 [p.ds_numel for p in change])
-                set_persistence(change, persist, self.strategy)
-        for p in params:
-            p.ds_name = names[id(p)]
+        partition_for_optimizer(self.module, group=self.group, world_size=self.world_size,
+                                settings=self.settings, guard=self.guard,
+                                strategy=self.strategy)
 
     def _trainable_in(self, g: int) -> tuple[list[torch.Tensor], list[int]]:
         """Group ``g``'s trainable parameters and their master offsets."""
@@ -243,26 +203,10 @@ class ZeroStage3(MasterGradients):
                  if offset is not None]
         return [p for p, _ in pairs], [offset for _, offset in pairs]  # type: ignore[misc]
 
-    @torch.no_grad()
     def _flatten_shards(self, g: int) -> Optional[torch.Tensor]:
-        """Group ``g``'s trainable shards as views of one flat buffer (master
-        layout, padding zero); at world size 1 without host residency the
-        whole parameters too (their data and shards are the same elements)."""
         params, offsets = self._trainable_in(g)
-        if not params:
-            return None
-        numel = self.layouts[g].numel
-        if self._local:
-            flat = flatten_into(params, offsets, numel)
-        else:
-            first = params[0].ds_tensor
-            flat = torch.zeros(numel, dtype=first.dtype, device=first.device,
-                               pin_memory=first.is_pinned())
-            for p, offset in zip(params, offsets):
-                flat.narrow(0, offset, p.ds_spec.shard_numel).copy_(p.ds_tensor)
-        for p, offset in zip(params, offsets):
-            p.ds_tensor = flat.narrow(0, offset, p.ds_spec.shard_numel)
-        return flat
+        return flatten_shards(params, offsets, self.layouts[g].numel, self._local) \
+            if params else None
 
     def _make_master(self, g: int) -> tuple[torch.Tensor, bool]:
         """fp32 master of group ``g``'s shards: the flat shard buffer itself
