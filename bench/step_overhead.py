@@ -15,9 +15,11 @@ Every runner trains the same model in this one process (a gloo group of one
 rank, as ``dsrun.initialize`` makes under plain python), ``torch.set_num_threads(1)``.
 Each round runs every runner in rotating order (interleaved: machine noise
 hits all alike); a run does ``--warmup`` untimed steps and ``--steps``
-timed ones. Reported per runner: the median over rounds of the median step
-time in microseconds, the overhead over plain torch in microseconds per
-step (the number that adds to every GPU step) and per parameter.
+timed ones. Reported per runner: the *least* over rounds of a run's median
+step time in microseconds (host work only adds time: the least disturbed
+run is the best estimate of its cost on a shared machine; timeit's rule),
+and the overhead over the torch baselines in microseconds per step (the
+number that adds to every GPU step) and per parameter.
 
 Runners: ``torch`` (``torch.optim.AdamW`` with torch's default
 implementation: single-tensor on the CPU, foreach on CUDA - what dsrun's
@@ -141,7 +143,7 @@ def time_runner(name: str, args: argparse.Namespace) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--layers", type=int, default=48)
@@ -164,14 +166,14 @@ def main() -> None:
         for name in names[i % len(names):] + names[:i % len(names)]:
             runs[name].append(time_runner(name, args))
     params = sum(1 for _ in build_model(args.layers, args.width).parameters())
-    base = {b: statistics.median(runs[b]) * 1e6 for b in ("torch", "torch-fused") if b in runs}
+    base = {b: min(runs[b]) * 1e6 for b in ("torch", "torch-fused") if b in runs}
     print(f"{params} parameters ({args.layers} x LayerNorm+Linear, width {args.width}), "
           f"batch 2, {args.precision}, world size 1, 1 thread; {args.rounds} interleaved "
           f"round(s) of {args.steps} steps")
     print(f"{'runner':<16}{'us/step':>9}" + "".join(
         f"{'over ' + b + ' us/step':>26}{'us/param':>10}" for b in base))
     for name, values in runs.items():
-        us = statistics.median(values) * 1e6
+        us = min(values) * 1e6
         cells = "".join(f"{us - ref:>26.0f}{(us - ref) / params:>10.2f}"
                         for ref in base.values())
         print(f"{name:<16}{us:>9.0f}{cells}")
