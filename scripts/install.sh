@@ -2,14 +2,18 @@
 # Install everything dsrun needs into ./.venv on a bare Debian machine.
 #
 # - Debian packages (as root only): sshd/ssh for multi-host jobs and the
-#   simulated-cluster tests, Open MPI for mpi4py, iproute2 for namespaces.
+#   simulated-cluster tests, Open MPI for mpi4py and --launcher openmpi,
+#   iproute2 for namespaces, and Slurm (slurmctld, slurmd, slurm-client)
+#   with munge for the tests that run --launcher slurm on a real Slurm
+#   (~20 s more; the tests start their own daemons and config).
 # - torch is pinned to the CPU build that lies on this machine's disk
 #   (TORCH_SPEC overrides it, e.g. TORCH_SPEC=torch for a CUDA machine):
 #   an unpinned torch pulls a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES="openssh-server openssh-client openmpi-bin libopenmpi-dev iproute2"
+APT_PACKAGES="openssh-server openssh-client openmpi-bin libopenmpi-dev iproute2 \
+slurmctld slurmd slurm-client munge"
 if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     missing=""
     for pkg in $APT_PACKAGES; do

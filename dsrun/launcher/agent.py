@@ -1,18 +1,22 @@
 """The node agent: starts this host's ranks, streams their output, tears down.
 
 One agent runs per host and attempt (``python -m dsrun.launcher.agent``),
-started by a backend locally, over SSH or through mpirun/srun. It may first
-answer ``probe`` commands (host facts, master port; see protocol.py), then
-reads its part of the plan from the next line of stdin and reports events on
-stdout. End of stdin before the plan means "exit, nothing was started".
-Guarantees:
+started by a backend locally or over SSH, and talks to the launcher over
+its stdin/stdout. Under mpirun and srun one agent runs per rank
+(``python -m dsrun.launcher.agent --connect``): it connects back to the
+launcher (callback.py) and talks over that connection instead; the rank it
+starts inherits the MPI/Slurm variables, so MPI works in the rank. Either
+way the agent may first answer ``probe`` commands (host facts, master port;
+see protocol.py), then reads its part of the plan from the next line and
+reports events. End of input before the plan means "exit, nothing was
+started". Guarantees:
 
 - every rank runs in its own session/process group, with the parent-death
   signal set, so it dies with the agent;
 - the first rank to fail stops the others: SIGTERM to each group, then
   SIGKILL after ``kill_grace`` seconds;
-- a stop command, end of stdin (launcher or SSH channel gone) or a signal
-  to the agent stops every rank the same way;
+- a stop command, end of input (launcher, SSH channel or connection gone)
+  or a signal to the agent stops every rank the same way;
 - before ``done`` is sent every process of the job on this host is gone,
   including descendants that left their group (found by the job marker);
 - if the agent itself is SIGKILLed, its guard process kills the job.
@@ -37,9 +41,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from dsrun.launcher import netinfo, procs, protocol
-from dsrun.launcher.devices import usable_cpus
-from dsrun.launcher.plan import host_env
+from dsrun.launcher import callback, netinfo, procs, protocol
+from dsrun.launcher.rankenv import RankEnv, materialize
 
 TAIL_LINES = 20
 _PR_SET_PDEATHSIG = 1
@@ -69,6 +72,27 @@ def _die_with_parent(parent: int):
     return preexec
 
 
+class Link:
+    """The agent's channel to the launcher: raw reads from ``fd``, lines to ``out``."""
+
+    def __init__(self, fd: int, out: IO[bytes], sock: socket.socket | None = None) -> None:
+        self.fd = fd
+        self.out = out
+        self.sock = sock  # held: the fd is the socket's for as long as the agent runs
+
+    def read_line(self) -> bytes:
+        """One line, read byte-wise so nothing after it is consumed."""
+        buf = bytearray()
+        while True:
+            try:
+                b = os.read(self.fd, 1)
+            except OSError:
+                b = b""
+            if not b or b == b"\n":
+                return bytes(buf)
+            buf += b
+
+
 @dataclass
 class Rank:
     rank: int
@@ -83,7 +107,7 @@ class Rank:
 
 
 class Agent:
-    def __init__(self, payload: dict[str, Any], out: IO[bytes]) -> None:
+    def __init__(self, payload: dict[str, Any], link: Link) -> None:
         self.payload = payload
         self.job_id: str = payload["job_id"]
         # Marks this agent's processes for teardown. Per agent, not per job:
@@ -91,7 +115,8 @@ class Agent:
         # simulated cluster), and one agent must never stop another's ranks.
         self.marker = f"{self.job_id}.{uuid.uuid4().hex[:12]}"
         self.grace = float(payload.get("kill_grace", 5.0))
-        self.out = out
+        self.link = link
+        self.out = link.out
         self.lock = threading.Lock()
         self.events: queue.Queue[str] = queue.Queue()
         self.ranks: list[Rank] = []
@@ -132,9 +157,8 @@ class Agent:
             [sys.executable, "-m", "dsrun.launcher.guard", self.marker],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True,
         )
-        specs = self.payload["ranks"]
-        for spec in specs:
-            self._spawn(spec, len(specs))
+        for spec in self.payload["ranks"]:
+            self._spawn(spec)
         for rank in self.ranks:
             self._start_readers(rank)
             threading.Thread(target=self._wait_rank, args=(rank,), daemon=True).start()
@@ -147,22 +171,15 @@ class Agent:
         rank.exit_time = time.time()
         self.events.put("exit")
 
-    def _rank_env(self, spec: dict[str, Any], local_world_size: int) -> dict[str, str]:
-        env = dict(os.environ) if self.payload.get("inherit_env", True) else {}
-        env.update(self.payload.get("env", {}))
-        for key, value in self.payload.get("host_env", {}).items():
-            env.setdefault(key, value)  # defaults: the user's settings win
-        prepend = self.payload.get("path_prepend") or []
-        if prepend:
-            env["PATH"] = os.pathsep.join([*prepend, env.get("PATH", os.defpath)])
-        env.update(spec["env"])
-        env[procs.JOB_MARKER] = self.marker
-        env.update(host_env(local_world_size, usable_cpus(), env))
-        env["DSRUN_ERROR_FILE"] = os.path.join(self.tmpdir, f"rank_{spec['rank']}.json")
-        return env
+    def _rank_env(self, spec: dict[str, Any]) -> dict[str, str]:
+        """The rank's environment: rankenv's layers over this agent's own."""
+        error_file = os.path.join(self.tmpdir, f"rank_{spec['rank']}.json")
+        return materialize(RankEnv.from_json(spec["env"]), os.environ,
+                           self.payload.get("env", {}),
+                           {procs.JOB_MARKER: self.marker, "DSRUN_ERROR_FILE": error_file})
 
-    def _spawn(self, spec: dict[str, Any], local_world_size: int) -> None:
-        env = self._rank_env(spec, local_world_size)
+    def _spawn(self, spec: dict[str, Any]) -> None:
+        env = self._rank_env(spec)
         try:
             popen = subprocess.Popen(
                 spec["argv"], env=env, cwd=self.payload.get("cwd") or None,
@@ -214,12 +231,12 @@ class Agent:
         stream.close()
 
     def _read_commands(self) -> None:
-        # Raw reads on fd 0: a daemon thread blocked inside sys.stdin's
+        # Raw reads on the link's fd: a daemon thread blocked inside a
         # buffered reader would hold its lock at interpreter shutdown.
         pending = b""
         while True:
             try:
-                chunk = os.read(0, 65536)
+                chunk = os.read(self.link.fd, 65536)
             except OSError:
                 chunk = b""
             if not chunk:
@@ -228,11 +245,18 @@ class Agent:
             *lines, pending = pending.split(b"\n")
             for line in lines:
                 try:
-                    if protocol.decode(line).get("cmd") == "stop":
-                        self.events.put("stop")
+                    command = protocol.decode(line).get("cmd")
                 except ValueError:
                     continue
+                handler = self.commands.get(str(command))
+                if handler is not None:  # unknown commands: from a newer launcher
+                    handler()
         self.events.put("eof")
+
+    @property
+    def commands(self) -> dict[str, Any]:
+        """Launcher commands (protocol.COMMANDS) -> what the agent does."""
+        return {"stop": lambda: self.events.put("stop")}
 
     # -- supervision ----------------------------------------------------------
     def _loop(self) -> None:
@@ -320,23 +344,13 @@ def _read_error(path: str) -> dict[str, Any] | None:
         return None
 
 
-def _read_first_line() -> bytes:
-    """The start payload, read byte-wise so nothing after it is consumed."""
-    buf = bytearray()
-    while True:
-        b = os.read(0, 1)
-        if not b or b == b"\n":
-            return bytes(buf)
-        buf += b
-
-
-def _read_payload() -> dict[str, Any] | None:
+def _read_payload(link: Link) -> dict[str, Any] | None:
     """Answer probes until the start payload arrives; None: told to exit."""
     held: netinfo.HeldPort | None = None
     probed = False
     try:
         while True:
-            line = _read_first_line()
+            line = link.read_line()
             if not line:
                 return None if probed else {}
             msg = protocol.decode(line)
@@ -351,7 +365,7 @@ def _read_payload() -> dict[str, Any] | None:
                     held.close()
                 held = port
             try:
-                protocol.write(sys.stdout.buffer, facts)
+                protocol.write(link.out, facts)
             except OSError:  # the launcher is gone
                 return None
             probed = True
@@ -361,18 +375,41 @@ def _read_payload() -> dict[str, Any] | None:
             held.close()
 
 
-def main() -> int:
+def _connect_link() -> Link:
+    """Connect back to the launcher (agents started by mpirun/srun)."""
+    who = callback.identity(os.environ)
+    try:
+        sock = callback.agent_connect(os.environ, who)
+    except (OSError, ValueError, callback.HandshakeError) as exc:
+        raise ConnectFailed(f"dsrun agent of rank {who.rank} on {socket.gethostname()}: "
+                            f"cannot connect to the launcher: {exc}") from None
+    return Link(sock.fileno(), sock.makefile("wb"), sock)
+
+
+class ConnectFailed(Exception):
+    """The agent could not reach the launcher (message for stderr)."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    connect = "--connect" in args
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, _raise_stop)
     try:
-        payload = _read_payload()
+        link = _connect_link() if connect else Link(0, sys.stdout.buffer)
+        payload = _read_payload(link)
     except Stop:
         return 0
-    if payload is None:
-        return 0
-    if not payload:
-        return 2
-    return Agent(payload, sys.stdout.buffer).run()
+    except (ConnectFailed, ValueError) as exc:
+        sys.stderr.write(f"{exc}\n")
+        return 3
+    if not payload:  # told to exit before the start (an empty line: a broken launcher)
+        return 2 if payload == {} and not connect else 0
+    code = Agent(payload, link).run()
+    # Under mpirun/srun a non-zero exit makes the tool abort the job and print
+    # its own report; the launcher already knows the ranks' codes and stops
+    # the job itself, so the agent exits 0 once it has done its work.
+    return 0 if connect else code
 
 
 if __name__ == "__main__":

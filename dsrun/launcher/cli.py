@@ -21,10 +21,12 @@ from dsrun.launcher import launch
 from dsrun.launcher.spec import (
     DEFAULT_SSH_TIMEOUT,
     DIST_BACKENDS,
+    LAUNCHER_ALIASES,
     LAUNCHERS,
     HostsSpec,
     LaunchSpec,
     SshOptions,
+    split_args,
 )
 
 CONTEXT = {"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
@@ -63,9 +65,17 @@ _HOST_OPTIONS = (
                       "host's address, found on that host)."),
     click.option("--master_port", "--master-port", "master_port", type=int, default=None,
                  help="Rendezvous port (default: a free port chosen on the first host)."),
-    click.option("--launcher", "launcher", default=None, type=click.Choice(LAUNCHERS),
-                 help="How node agents start (default: ssh when a selected host is not "
-                      "this one, else local)."),
+    click.option("--launcher", "launcher", default=None, metavar="NAME",
+                 help=f"How node agents start: {', '.join(LAUNCHERS)} "
+                      f"({', '.join(f'{a} = {b}' for a, b in LAUNCHER_ALIASES.items())}). "
+                      f"Default: ssh when a selected host is not this one, else local."),
+    click.option("--launcher_args", "--launcher-args", "launcher_args", default=None,
+                 metavar="ARGS",
+                 help="Extra mpirun options for --launcher openmpi, one shell-quoted string "
+                      "appended verbatim (e.g. \"--mca btl_tcp_if_include eth0\")."),
+    click.option("--slurm_args", "--slurm-args", "slurm_args", default=None, metavar="ARGS",
+                 help="srun options for --launcher slurm, one shell-quoted string (e.g. "
+                      "\"--partition=gpu --time=30\"); required outside an allocation."),
     click.option("--ssh_port", "--ssh-port", "ssh_port", type=int, default=None,
                  help="SSH port (default: from ssh config, else 22)."),
     click.option("--ssh_user", "--ssh-user", "ssh_user", default=None,
@@ -149,10 +159,16 @@ def _ssh_options(params: dict[str, object]) -> SshOptions:
     )
 
 
+def _tool_args(params: dict[str, object]) -> None:
+    for key, option in (("launcher_args", "--launcher_args"), ("slurm_args", "--slurm_args")):
+        params[key] = split_args(params.get(key), option)  # type: ignore[arg-type]
+
+
 def spec_from_params(params: dict[str, object]) -> LaunchSpec:
     params = dict(params)
     extra_env = params.pop("env")
     ssh = _ssh_options(params)
+    _tool_args(params)
     params["backend"] = params.pop("launcher")
     params["preflight"] = not params.pop("no_preflight")
     params["env_prefixes"] = tuple(params.pop("env_prefixes"))  # type: ignore[arg-type]
@@ -162,6 +178,7 @@ def spec_from_params(params: dict[str, object]) -> LaunchSpec:
 def hosts_spec_from_params(params: dict[str, object]) -> HostsSpec:
     params = dict(params)
     ssh = _ssh_options(params)
+    _tool_args(params)
     return HostsSpec(**params, ssh=ssh)  # type: ignore[arg-type]
 
 
@@ -215,6 +232,8 @@ def _commands() -> dict[str, click.Command]:
         commands["hosts"] = hosts
     except ImportError:
         pass
+    from dsrun.launcher.checkpoint_cli import checkpoint
+    commands["checkpoint"] = checkpoint
     return commands
 
 

@@ -55,6 +55,8 @@ NEVER_FORWARDED = frozenset({
     "CUDA_VISIBLE_DEVICES", "DSRUN_JOB_ID", "DSRUN_AGENT_ID", "DSRUN_ERROR_FILE",
     "DSRUN_RESTART_COUNT",
     "DSRUN_FAKE_GPUS", "DSRUN_SSH_CONFIG",
+    # an agent's own connect-back variables (protocol.AGENT_BOOTSTRAP_VARS)
+    "DSRUN_LAUNCHER", "DSRUN_LAUNCHER_SECRET", "DSRUN_LAUNCHER_TIMEOUT",
 })
 #: Env file names, in the order they are read within one directory.
 ENV_FILE_NAMES = (".deepspeed_env", ".dsrun_env")

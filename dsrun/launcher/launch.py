@@ -1,54 +1,49 @@
-"""The body of ``dsrun run``: spec -> plan -> backend -> supervise -> exit code.
+"""The body of ``dsrun run``: spec -> hosts -> plan -> backend -> supervise -> exit code.
 
-All validation that can fail happens before any process starts. This module
-and cli.py are the only launcher modules that write to the console.
+One launch path for every backend (local, ssh, openmpi, slurm) and every
+job size. All validation that can fail happens before any process starts
+(script, config, hosts, the backend's own checks). Then each attempt:
 
-Without a hostfile (or with one that selects only this host) the job is
-local: one plan, the local backend. Otherwise each attempt connects to every
-host (SSH; this host locally), probes them (doctor.py: the preflight, the
-master address and port, each host's devices and interface), builds the
-final plan from the answers, and only then sends the start payloads - so a
-failed preflight starts no rank anywhere.
+1. open: the backend starts one agent per host (or per rank, for mpirun
+   and srun), each waiting for its first line;
+2. probe: the first agent of each host reports its facts; the master's
+   agent picks the rendezvous address and holds a free port until its ranks
+   start (on every path: no bind-and-release race); multi-host jobs get the
+   preflight verdicts, and a failed preflight starts no rank anywhere;
+3. plan: the one plan builder (plan.py) over the probed facts;
+4. start: each agent gets its part of the plan;
+5. supervise until every agent is done; one root-cause report.
+
+``--dry-run`` prints the draft plan (what is known before any host is
+asked) through the same builder and the backend's request. This module and
+cli.py are the only launcher modules that write to the console.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import errno
 import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import uuid
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
 
 import click
 
 from dsrun.errors import DsrunUsageError
-from dsrun.launcher.backends import get_backend
-from dsrun.launcher.backends.base import Backend
-from dsrun.launcher.devices import usable_cpus, visible_devices
-from dsrun.launcher.doctor import (
+from dsrun.launcher.backends.base import AGENT_LINE, Backend, JobHandle
+from dsrun.launcher.cluster import (
     Cluster,
-    PreflightFailed,
-    Rendezvous,
+    ProbeOutcome,
+    check_master_port,
+    here_facts,
     probe_cluster,
     resolve_cluster,
 )
 from dsrun.launcher.envpolicy import JobEnv, env_file_paths, job_env, read_env_files
-from dsrun.launcher.netinfo import LOCAL_MASTER
-from dsrun.launcher.plan import (
-    LaunchPlan,
-    command_fields,
-    describe,
-    host_slots,
-    layout,
-    local_slots,
-    socket_env,
-)
+from dsrun.launcher.plan import LaunchPlan, build_plan, describe
+from dsrun.launcher.preflight import PreflightFailed
 from dsrun.launcher.report import JobResult, report_lines
 from dsrun.launcher.spec import LaunchSpec
 from dsrun.launcher.supervisor import Interrupted, Supervisor, raise_interrupted
@@ -88,29 +83,6 @@ def check_script(spec: LaunchSpec) -> None:
         raise DsrunUsageError(f"--no_python: {spec.script!r} is not executable")
 
 
-def free_port(addr: str) -> int:
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return int(s.getsockname()[1])
-
-
-def check_port(addr: str, port: int) -> None:
-    """Fail if an explicitly given port is taken on this host."""
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        # TCPStore binds with SO_REUSEADDR too: TIME_WAIT leftovers are fine.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((addr, port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise DsrunUsageError(
-                    f"--master_port {port} is already in use on {addr}") from None
-            if exc.errno != errno.EADDRNOTAVAIL:  # not an address of this host
-                raise DsrunUsageError(f"cannot bind {addr}:{port}: {exc.strerror}") from None
-
-
 def check_log_dir(path: str | None) -> None:
     if path is None:
         return
@@ -129,172 +101,59 @@ def user_env(spec: LaunchSpec, cwd: str, remote: bool) -> JobEnv:
                    file_entries=files, cli_env=spec.extra_env)
 
 
-def _job_env(spec: LaunchSpec) -> tuple[tuple[str, str], ...]:
-    env = {}
-    if spec.cpu:
-        # The ranks see no GPU, so the runtime, torch and the script itself
-        # all take the CPU path; DSRUN_ACCELERATOR says why.
-        env["DSRUN_ACCELERATOR"] = "cpu"
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    if spec.dist_backend is not None:
-        env["DSRUN_DIST_BACKEND"] = spec.dist_backend
-    if spec.config is not None:
-        env["DSRUN_CONFIG"] = os.path.abspath(spec.config)
-    return tuple(sorted(env.items()))
-
-
-def make_plan(spec: LaunchSpec, devices: tuple[int, ...], cpus: int,
-              port_for: Callable[[str], int] = free_port, *,
-              slots: tuple[int, ...] | None = None, env: JobEnv | None = None) -> LaunchPlan:
-    """Pure apart from the port choice: the plan for a single-host job.
-
-    ``slots``: the hostfile slots selected on this host (None: no hostfile).
-    """
-    host = socket.gethostname()
-    if spec.cpu:
-        devices = ()
-    if slots is None:
-        node = local_slots(spec.num_gpus, devices, cpus, host)
-    else:
-        node = host_slots(host, slots, True, devices)
-    addr = spec.master_addr or LOCAL_MASTER
-    port = spec.master_port if spec.master_port is not None else port_for(addr)
-    return LaunchPlan(
-        job_id=uuid.uuid4().hex,
-        nodes=layout([node]),
-        master_addr=addr,
-        master_port=port,
-        **command_fields(spec, sys.executable),
-        job_env=_job_env(spec),
-        user_env=env if env is not None else job_env({}, remote=False,
-                                                     cli_env=spec.extra_env),
-        cwd=os.getcwd(),
-        kill_grace=spec.kill_grace,
-        log_dir=os.path.abspath(spec.log_dir) if spec.log_dir else None,
-    )
-
-
-def cluster_plan(spec: LaunchSpec, cluster: Cluster, env: JobEnv, job_id: str,
-                 facts: Sequence[dict[str, Any] | None] | None = None,
-                 master: Rendezvous | None = None, local_devices: tuple[int, ...] = (),
-                 restart_count: int = 0, python: str | None = None) -> LaunchPlan:
-    """The plan of a hostfile job over ``cluster`` (pure).
-
-    Without ``facts`` (dry-run: nothing was probed) the plan is a draft:
-    remote hosts' devices and the rendezvous are left open. With them,
-    each host gets GPU or CPU ranks by its own devices, and the interface
-    that routes to the master for gloo/NCCL (unless the user set it).
-    """
-    nodes = []
-    for i, host in enumerate(cluster.hosts):
-        host_facts = facts[i] if facts else None
-        devices: Sequence[int] | None
-        if spec.cpu:
-            devices = ()
-        elif host_facts is not None:
-            devices = host_facts.get("devices") or ()
-        else:
-            devices = local_devices if cluster.local[i] else None
-        ifname = host_facts.get("ifname") if host_facts and len(cluster.hosts) > 1 else None
-        nodes.append(host_slots(host, cluster.slots[i], cluster.local[i], devices,
-                                socket_env(ifname, env.keys())))
-    return LaunchPlan(
-        job_id=job_id,
-        nodes=layout(nodes),
-        master_addr=master.addr if master else spec.master_addr,
-        master_port=master.port if master else spec.master_port,
-        **command_fields(spec, python or sys.executable),
-        job_env=_job_env(spec),
-        user_env=env,
-        cwd=os.getcwd(),
-        kill_grace=spec.kill_grace,
-        log_dir=os.path.abspath(spec.log_dir) if spec.log_dir else None,
-        restart_count=restart_count,
-    )
+def _plan(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv, job_id: str,
+          restart: int, outcome: ProbeOutcome | None = None) -> LaunchPlan:
+    """The plan of an attempt: a draft (nothing probed) or the final one."""
+    facts = outcome.node_facts() if outcome is not None else here_facts(cluster)
+    master = (outcome.master.addr, outcome.master.port) if outcome is not None else None
+    return build_plan(spec, cluster, env, job_id, facts=facts, python=backend.python,
+                      cwd=os.getcwd(), master=master, restart_count=restart,
+                      remote_path=backend.remote_path())
 
 
 def run(spec: LaunchSpec) -> int:
     check_script(spec)
     check_config(spec)
     cwd = os.getcwd()
-    resolved = resolve_cluster(spec.hosts, cwd)
-    if resolved is None or resolved[0].launcher == "local":
-        cluster = resolved[0] if resolved else None
-        return _run_local(spec, cluster, user_env(spec, cwd, remote=False))
-    cluster, backend = resolved
-    return _run_cluster(spec, cluster, backend, user_env(spec, cwd, remote=cluster.remote))
-
-
-def _run_local(spec: LaunchSpec, cluster: Cluster | None, env: JobEnv) -> int:
-    if spec.master_port is not None:
-        check_port(spec.master_addr or LOCAL_MASTER, spec.master_port)
-    devices = () if spec.cpu else visible_devices()
-    plan = make_plan(spec, devices, usable_cpus(), slots=cluster.slots[0] if cluster else None,
-                     env=env)
-    if spec.cpu:
-        say(f"--cpu: starting {plan.world_size} CPU rank(s) with gloo "
-            f"(--num_gpus counts CPU ranks)")
-    elif not devices:
-        say(f"no GPUs on this host: starting {plan.world_size} CPU rank(s) with gloo "
-            f"(--num_gpus counts CPU ranks here)")
-    backend = get_backend("local")
-    if spec.dry_run:
-        return _print_dry_run(plan, backend)
-    check_log_dir(spec.log_dir)
-    for line in describe(plan):
-        say(line)
-
-    def attempt(restart: int) -> JobResult:
-        nonlocal plan
-        if restart:
-            port = spec.master_port or free_port(plan.master_addr or LOCAL_MASTER)
-            plan = dataclasses.replace(plan, restart_count=restart, master_port=port)
-        return _attempt(plan, backend)
-
-    return _run_attempts(spec, attempt)
-
-
-def _print_dry_run(plan: LaunchPlan, backend: Backend) -> int:
-    request = backend.prepare(plan)
-    for line in describe(plan) + request.describe():
-        click.echo(line)
-    return 0
-
-
-def _run_cluster(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv) -> int:
+    cluster, backend = resolve_cluster(spec.hosts, cwd)
+    check_master_port(spec.hosts, cluster)
+    env = user_env(spec, cwd, remote=cluster.remote and backend.login_env)
     job_id = uuid.uuid4().hex
-    draft = cluster_plan(spec, cluster, env, job_id, local_devices=visible_devices())
+    draft = _plan(spec, cluster, backend, env, job_id, 0)
     if spec.dry_run:
-        return _print_dry_run(draft, backend)
+        for line in describe(draft) + backend.prepare(draft).describe():
+            click.echo(line)
+        return 0
     check_log_dir(spec.log_dir)
-    return _run_attempts(spec, lambda restart: _cluster_attempt(
+    if spec.cpu:
+        say(f"--cpu: starting {draft.world_size} CPU rank(s) with gloo "
+            f"(--num_gpus counts CPU ranks)")
+    elif not cluster.remote and cluster.named and not any(n.devices for n in draft.nodes):
+        say(f"no GPUs on this host: starting {draft.world_size} CPU rank(s) with gloo "
+            f"(--num_gpus counts CPU ranks here)")
+    return _run_attempts(spec, lambda restart: _attempt(
         spec, cluster, backend, env, job_id, restart))
 
 
-def _cluster_attempt(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv,
-                     job_id: str, restart: int) -> JobResult:
-    """Connect, probe (preflight), plan, start, supervise: one attempt."""
-    handle = None
+def _attempt(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv,
+             job_id: str, restart: int) -> JobResult:
+    """Open, probe (preflight), plan, start, supervise: one attempt."""
+    handle: JobHandle | None = None
     try:
-        handle = backend.open(cluster.hosts, os.getcwd(), cluster.local)
-        outcome = probe_cluster(handle, cluster, backend, spec.hosts)
-        failed = outcome.failed(strict=spec.preflight)
-        if failed:
-            width = max(len(r.host) for r in failed)
-            for report in failed:
-                say(report.line(width, strict=spec.preflight))
-            names = ", ".join(r.host for r in failed)
-            hint = "" if not spec.preflight else \
-                " (`dsrun doctor` checks the hosts; --no_preflight skips version checks)"
-            raise PreflightFailed(f"preflight failed on {names}: no rank was started{hint}")
-        plan = cluster_plan(spec, cluster, env, job_id, outcome.facts, outcome.master,
-                            restart_count=restart)
-        say(f"preflight ok on {len(cluster.hosts)} host(s) in {outcome.seconds:.2f}s")
+        handle = backend.open(_plan(spec, cluster, backend, env, job_id, restart),
+                              _print_line)
+        if not cluster.named:
+            cluster = cluster.renamed([handle.channels[i].host for i in handle.leaders])
+        multi = cluster.remote or len(cluster.hosts) > 1
+        outcome = probe_cluster(handle, cluster, backend, spec.hosts, versions=multi)
+        _check_preflight(spec, outcome)
+        plan = _plan(spec, cluster, backend, env, job_id, restart, outcome)
+        if multi:
+            say(f"preflight ok on {len(cluster.hosts)} host(s) in {outcome.seconds:.2f}s")
         if restart == 0:
             for line in describe(plan):
                 say(line)
-        request = backend.prepare(plan)
-        handle.start([a.payload for a in request.agents])
+        handle.start(backend.prepare(plan))
     except Interrupted as exc:
         if handle is not None:
             handle.close()
@@ -303,7 +162,20 @@ def _cluster_attempt(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: 
         if handle is not None:
             handle.close()
         raise
-    return Supervisor(handle, list(cluster.hosts), _print_line, plan.kill_grace).run()
+    return Supervisor(handle, handle.hosts, _print_line, plan.kill_grace).run()
+
+
+def _check_preflight(spec: LaunchSpec, outcome: ProbeOutcome) -> None:
+    failed = outcome.failed(strict=spec.preflight)
+    if not failed:
+        return
+    width = max(len(r.host) for r in failed)
+    for report in failed:
+        say(report.line(width, strict=spec.preflight))
+    names = ", ".join(r.host for r in failed)
+    hint = "" if not spec.preflight else \
+        " (`dsrun doctor` checks the hosts; --no_preflight skips version checks)"
+    raise PreflightFailed(f"preflight failed on {names}: no rank was started{hint}")
 
 
 def _run_attempts(spec: LaunchSpec, attempt: Callable[[int], JobResult]) -> int:
@@ -331,18 +203,8 @@ def _run_attempts(spec: LaunchSpec, attempt: Callable[[int], JobResult]) -> int:
     return result.exit_code
 
 
-def _attempt(plan: LaunchPlan, backend: Backend) -> JobResult:
-    request = backend.prepare(plan)
-    try:
-        handle = backend.launch(request)
-    except Interrupted as exc:
-        return JobResult(interrupted=exc.signum)
-    hosts = [a.host for a in request.agents]
-    return Supervisor(handle, hosts, _print_line, plan.kill_grace).run()
-
-
 def _print_line(host: str, rank: int, fd: int, line: str) -> None:
     stream = sys.stdout if fd == 1 else sys.stderr
-    who = rank if rank >= 0 else "agent"
-    stream.write(f"[{host}:{who}] {line}\n")
+    who = f"{host}:{rank}" if rank >= 0 else f"{host}:agent" if rank == AGENT_LINE else host
+    stream.write(f"[{who}] {line}\n")
     stream.flush()

@@ -14,13 +14,15 @@ CPUs and, depending on its role,
   NCCL_SOCKET_IFNAME) and whether a TCP connection to master:port succeeds.
 
 The choices are pure functions over data (:func:`choose_master_addr`,
-:func:`interface_for`); the rest is thin I/O. Nothing here resolves a host
-name through DNS on the launcher: only the agents resolve names, on their
-own hosts, as the ranks will.
+:func:`interface_for`); the rest is thin I/O. Rank 0 of a job started by
+mpirun or srun uses the same functions to find its address (runtime
+rendezvous.py). On the launcher, names are resolved only to order the
+addresses agents started by mpirun/srun try when they connect back.
 """
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import platform
@@ -203,6 +205,22 @@ def _drain(conn: socket.socket) -> None:
             pass
 
 
+def port_problem(addr: str, port: int) -> str | None:
+    """Why an explicitly given master port cannot be used on this host, or None."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # TCPStore binds with SO_REUSEADDR too: TIME_WAIT leftovers are fine.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((addr, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return f"--master_port {port} is already in use on {addr}"
+            if exc.errno != errno.EADDRNOTAVAIL:  # not an address of this host
+                return f"cannot bind {addr}:{port}: {exc.strerror}"
+    return None
+
+
 def check_reach(addr: str, port: int, timeout: float) -> str | None:
     """None if a TCP connection to addr:port succeeds, else why not."""
     try:
@@ -235,10 +253,12 @@ def probe_reply(msg: Mapping[str, Any]) -> tuple[dict[str, Any], HeldPort | None
 
     facts: dict[str, Any] = {
         "ev": "facts", "host": socket.gethostname(), "pid": os.getpid(),
-        "python": platform.python_version(), "executable": sys.executable,
-        "dsrun": __version__, "torch": package_version("torch"),
-        "devices": list(visible_devices()), "cpus": usable_cpus(), "cwd": os.getcwd(),
+        "executable": sys.executable, "devices": list(visible_devices()),
+        "cpus": usable_cpus(), "cwd": os.getcwd(),
     }
+    if msg.get("versions", True):
+        facts.update(python=platform.python_version(), dsrun=__version__,
+                     torch=package_version("torch"))
     held = None
     role = msg.get("role")
     if role == "master":

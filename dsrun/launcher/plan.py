@@ -15,21 +15,31 @@ host has GPUs (``gpus_known``), the master address and the master port
 (None). Such values print as placeholders; a plan handed to a backend's
 ``launch`` is always final (:attr:`LaunchPlan.final`).
 
+:func:`build_plan` is the one plan builder of every launch (any backend,
+one host or many, dry-run or real): over the selected hosts of a
+:class:`~dsrun.launcher.cluster.Cluster`, with each host's probed facts
+(devices, CPUs, the interface to the master) where known.
+
 Environment: ``job_env`` holds variables dsrun itself decides (shown in
 dry-run output); ``user_env`` holds the user's and forwarded variables
-(:mod:`dsrun.launcher.envpolicy`), whose values are never printed.
+(:mod:`dsrun.launcher.envpolicy`), whose values are never printed; the
+per-rank environment is built from the plan by :mod:`dsrun.launcher.rankenv`.
 """
 
 from __future__ import annotations
 
+import os
 import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsrun.errors import DsrunUsageError
 from dsrun.launcher.envpolicy import JobEnv
-from dsrun.launcher.spec import DEFAULT_CPU_RANKS, LaunchSpec
+from dsrun.launcher.spec import LaunchSpec
+
+if TYPE_CHECKING:
+    from dsrun.launcher.cluster import Cluster
 
 RUNTIME_BOOTSTRAP = "dsrun.runtime.bootstrap"
 #: Variables naming the interface gloo/NCCL use for inter-host traffic.
@@ -53,6 +63,8 @@ class NodePlan:
     local: bool = True
     gpus_known: bool = True  # False only in a draft plan
     env: tuple[tuple[str, str], ...] = ()  # host defaults dsrun chose (socket ifname)
+    cpus: int | None = None  # usable CPUs of the host; None: not known yet (draft)
+    path_prepend: tuple[str, ...] = ()  # in front of the PATH the agent starts with
 
     @property
     def has_gpus(self) -> bool:
@@ -71,6 +83,23 @@ class NodeSlots:
     gpus: bool | None
     local: bool = True
     env: tuple[tuple[str, str], ...] = ()
+    cpus: int | None = None
+    path_prepend: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What the plan needs to know of a host: found by its probe, or by the
+    launcher itself for this host."""
+
+    devices: tuple[int, ...]
+    cpus: int
+    ifname: str | None = None
+
+    @classmethod
+    def from_probe(cls, facts: Mapping[str, Any]) -> NodeFacts:
+        return cls(tuple(facts.get("devices") or ()), int(facts.get("cpus") or 1),
+                   facts.get("ifname") or None)
 
 
 @dataclass(frozen=True)
@@ -116,28 +145,30 @@ def layout(nodes: Sequence[NodeSlots]) -> tuple[NodePlan, ...]:
         next_rank += len(ranks)
         devices = tuple(node.slots) if node.gpus else ()
         plans.append(NodePlan(node.host, node_rank, ranks, devices, node.local,
-                              node.gpus is not None, node.env))
+                              node.gpus is not None, node.env, node.cpus, node.path_prepend))
     return tuple(plans)
 
 
 def host_slots(host: str, slots: Sequence[int], local: bool,
                devices: Sequence[int] | None,
-               env: Mapping[str, str] | None = None) -> NodeSlots:
+               env: Mapping[str, str] | None = None, cpus: int | None = None,
+               path_prepend: Sequence[str] = ()) -> NodeSlots:
     """A hostfile node: GPU ranks on the selected devices when its host has
     GPUs (``devices``: the host's visible devices), else one CPU rank per slot.
     ``devices`` None: not known yet (draft plan)."""
     pairs = tuple(sorted((env or {}).items()))
+    extra = {"cpus": cpus, "path_prepend": tuple(path_prepend)}
     if devices is None:
-        return NodeSlots(host, tuple(slots), None, local, pairs)
+        return NodeSlots(host, tuple(slots), None, local, pairs, **extra)
     if not devices:
-        return NodeSlots(host, tuple(slots), False, local, pairs)
+        return NodeSlots(host, tuple(slots), False, local, pairs, **extra)
     missing = [s for s in slots if s >= len(devices)]
     if missing:
         raise DsrunUsageError(
             f"host {host} has {len(devices)} GPU(s) but slot(s) "
             f"{','.join(map(str, missing))} are selected (fix its slots= in the hostfile "
             f"or use --num_gpus/--include)")
-    return NodeSlots(host, tuple(devices[s] for s in slots), True, local, pairs)
+    return NodeSlots(host, tuple(devices[s] for s in slots), True, local, pairs, **extra)
 
 
 def socket_env(ifname: str | None, user_keys: Iterable[str]) -> dict[str, str]:
@@ -146,20 +177,6 @@ def socket_env(ifname: str | None, user_keys: Iterable[str]) -> dict[str, str]:
         return {}
     taken = set(user_keys)
     return {k: ifname for k in SOCKET_IFNAME_VARS if k not in taken}
-
-
-def local_slots(num_gpus: int | None, devices: Sequence[int], cpus: int,
-                host: str = "localhost") -> NodeSlots:
-    """The single-host case: GPU ranks when the host has GPUs, else CPU ranks."""
-    if devices:
-        n = len(devices) if num_gpus is None else num_gpus
-        if n > len(devices):
-            raise DsrunUsageError(
-                f"--num_gpus {n} asks for more GPUs than this host has ({len(devices)})"
-            )
-        return NodeSlots(host, tuple(devices[:n]), gpus=True)
-    n = min(DEFAULT_CPU_RANKS, max(cpus, 1)) if num_gpus is None else num_gpus
-    return NodeSlots(host, tuple(range(n)), gpus=False)
 
 
 def rank_command(spec: LaunchSpec, python: str) -> tuple[str, ...]:
@@ -185,34 +202,62 @@ def rank_argv(plan: LaunchPlan, slot: RankSlot) -> list[str]:
     return argv
 
 
-def rank_env(plan: LaunchPlan, node: NodePlan, slot: RankSlot) -> dict[str, str]:
-    """Variables dsrun sets for one rank (before host-specific ones)."""
-    env = dict(plan.job_env)
-    env.update(
-        RANK=str(slot.rank),
-        LOCAL_RANK=str(slot.local_rank),
-        WORLD_SIZE=str(plan.world_size),
-        LOCAL_WORLD_SIZE=str(len(node.ranks)),
-        NODE_RANK=str(node.node_rank),
-        NNODES=str(len(plan.nodes)),
-        MASTER_ADDR=plan.master_addr or PENDING,
-        MASTER_PORT=PENDING if plan.master_port is None else str(plan.master_port),
-        DSRUN_JOB_ID=plan.job_id,
-        DSRUN_RESTART_COUNT=str(plan.restart_count),
+def job_env_of(spec: LaunchSpec) -> tuple[tuple[str, str], ...]:
+    """Job-wide variables dsrun sets from the spec (printed by --dry-run)."""
+    env = {}
+    if spec.cpu:
+        # The ranks see no GPU, so the runtime, torch and the script itself
+        # all take the CPU path; DSRUN_ACCELERATOR says why.
+        env["DSRUN_ACCELERATOR"] = "cpu"
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    if spec.dist_backend is not None:
+        env["DSRUN_DIST_BACKEND"] = spec.dist_backend
+    if spec.config is not None:
+        env["DSRUN_CONFIG"] = os.path.abspath(spec.config)
+    return tuple(sorted(env.items()))
+
+
+def build_plan(spec: LaunchSpec, cluster: Cluster, env: JobEnv, job_id: str, *,
+               facts: Sequence[NodeFacts | None], python: str, cwd: str,
+               master: tuple[str, int] | None = None, restart_count: int = 0,
+               remote_path: Sequence[str] = ()) -> LaunchPlan:
+    """The plan of one attempt over ``cluster`` (pure): the one plan builder.
+
+    ``facts[i]``: what is known of host i (None: nothing yet, a draft).
+    ``master``: the rendezvous the probe settled (None: a draft, whose
+    address is --master_addr, or 127.0.0.1 for a job on this host alone).
+    ``remote_path``: put in front of PATH on hosts that are not this one
+    (backends whose agents start in a login environment). With ``--cpu``
+    every host counts as GPU-less.
+    """
+    multi = len(cluster.hosts) > 1
+    nodes = []
+    for i, host in enumerate(cluster.hosts):
+        known = facts[i]
+        ifname = known.ifname if known is not None and multi else None
+        devices = () if spec.cpu else known.devices if known is not None else None
+        nodes.append(host_slots(
+            host, cluster.slots[i], cluster.local[i], devices,
+            socket_env(ifname, env.keys()), known.cpus if known is not None else None,
+            () if cluster.local[i] else remote_path))
+    if master is not None:
+        addr, port = master
+    else:
+        single = not multi and cluster.local[0]
+        addr, port = spec.master_addr or ("127.0.0.1" if single else None), None
+    return LaunchPlan(
+        job_id=job_id,
+        nodes=layout(nodes),
+        master_addr=addr,
+        master_port=port,
+        **command_fields(spec, python),
+        job_env=job_env_of(spec),
+        user_env=env,
+        cwd=cwd,
+        kill_grace=spec.kill_grace,
+        log_dir=os.path.abspath(spec.log_dir) if spec.log_dir else None,
+        restart_count=restart_count,
     )
-    if node.has_gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in node.devices)
-    return env
-
-
-def host_env(local_world_size: int, cpus: int, inherited: Mapping[str, str]) -> dict[str, str]:
-    """Variables that depend on the host a rank runs on; user settings win."""
-    env: dict[str, str] = {}
-    if "OMP_NUM_THREADS" not in inherited:
-        env["OMP_NUM_THREADS"] = str(max(1, cpus // max(local_world_size, 1)))
-    if "PYTHONUNBUFFERED" not in inherited:
-        env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 def describe(plan: LaunchPlan) -> list[str]:

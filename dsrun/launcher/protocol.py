@@ -1,54 +1,80 @@
 """The wire format between the launcher and a node agent.
 
-One JSON object per line in each direction. End of the agent's stdin means
-"stop now" (SSH cannot deliver signals, so a closed channel - the launcher
-exited, was killed, or its connection dropped - is the agent's only sign
-that the launcher is gone).
+One JSON object per line in each direction, over the agent's stdin/stdout
+(local child, SSH exec channel) or over a TCP connection the agent opens
+back to the launcher (agents started by mpirun or srun; see callback.py).
+Either way the channel is the agent's lifeline: its end means "stop now"
+(SSH cannot deliver signals, so a closed channel - the launcher exited, was
+killed, or its connection dropped - is the agent's only sign that the
+launcher is gone).
 
-Phase 1, probe (optional; multi-host launches and ``dsrun doctor``). The
-launcher writes zero or more ``probe`` commands; the agent answers each with
-one ``facts`` event. Nothing is started; end of stdin here makes the agent
-exit 0. The launcher probes the master host (node 0) first, then every
-other host with the master's answer:
+Connect-back handshake (callback.py). mpirun/srun start the agents with
+three variables, passed by name only (``-x NAME`` / ``--export``), never
+their values on a command line: :data:`LAUNCHER_VAR` (the launcher's
+``addr:port`` candidates), :data:`SECRET_VAR` (a per-job secret) and
+:data:`TIMEOUT_VAR`. The launcher opens with ``{"challenge": N1}``; the agent
+answers ``{"ev": "connect", rank, local_rank, node, host, pid, "proof":
+HMAC(secret, N1 and its rank), "challenge": N2}``; the launcher proves
+itself with ``{"proof": HMAC(secret, N2)}``. The secret never crosses the
+wire. After that the channel carries the phases below, as stdin/stdout do.
+
+Phase 1, probe (optional; the launcher probes the first agent of each
+host). The launcher writes zero or more ``probe`` commands; the agent
+answers each with one ``facts`` event. Nothing is started; end of input
+here makes the agent exit 0. The master host (node 0) is probed first, then
+every other host with the master's answer:
 
   {"cmd": "probe", "role": "master", "addr": A|null, "port": P|null,
-   "peers": [names/addresses of another host], "single": bool}
+   "peers": [names/addresses of another host], "single": bool, "versions": bool}
       the agent settles the rendezvous: ``addr`` (given by --master_addr) or
       the source address of its route to a peer, else its host name's
       non-loopback address (127.0.0.1 when ``single``: one host only); and
       port ``port`` or a free one, which it keeps listening on until it
       starts its ranks, so the port stays free and can be tested.
-  {"cmd": "probe", "role": "worker", "addr": A, "port": P, "timeout": s}
+  {"cmd": "probe", "role": "worker", "addr": A, "port": P, "timeout": s, ...}
       the agent finds the interface that routes to A (for GLOO/NCCL
       _SOCKET_IFNAME) and tests a TCP connection to A:P.
-  {"cmd": "probe", "role": null}
+  {"cmd": "probe", "role": null, ...}
       facts only.
 
-  facts  {host, pid, python, executable, dsrun, torch, devices, cpus, cwd,
+  facts  {host, pid, executable, devices, cpus, cwd,
+          python, dsrun, torch           (when "versions" is true)
           master: {addr, port, error}   (role master)
           ifname                        (master and worker)
           reach: {error, seconds}}      (role worker)
 
-Phase 2, run. The launcher writes the start payload (an object without
-``cmd``: job id, cwd, the user's ``env`` - values only ever here, never on a
-command line - ``host_env`` defaults, ``path_prepend``, and per rank its
-argv and dsrun variables), then may write ``{"cmd": "stop"}``. The agent
-writes events on its stdout:
+Phase 2, run. The launcher writes the start payload, an object without
+``cmd``: job id, cwd, kill grace, log dir, ``env`` (the user's variables:
+values only ever here, never on a command line) and per rank its argv and
+environment layers (rankenv.py); then it may write commands (:data:`COMMANDS`).
+The agent writes events:
 
   hello    {host, pid}                     the agent is up
   started  {rank, pid}                     a rank process exists
   out      {rank, fd, line}                one line of rank output (fd 1|2)
   exit     {rank, code, signal, time, during_stop, error, tail}
-  fatal    {message}                       the agent could not do its job
   done     {killed}                        every process of the job is gone
 
-Environment values travel only inside the payload, never on a command line.
+New commands (heartbeats, stack dumps) are added to :data:`COMMANDS` and to
+the agent's dispatch table; an agent ignores commands it does not know.
 """
 
 from __future__ import annotations
 
 import json
 from typing import IO, Any
+
+#: Commands the launcher may send once the job runs.
+COMMANDS = ("stop",)
+
+#: The launcher's "addr:port" candidates, space-separated (IPv6 as [addr]:port).
+LAUNCHER_VAR = "DSRUN_LAUNCHER"
+#: The per-job secret agents prove they know (hex).
+SECRET_VAR = "DSRUN_LAUNCHER_SECRET"
+#: Seconds an agent tries to reach the launcher before giving up.
+TIMEOUT_VAR = "DSRUN_LAUNCHER_TIMEOUT"
+#: Variables for the agent itself: never passed on to the ranks.
+AGENT_BOOTSTRAP_VARS = frozenset({LAUNCHER_VAR, SECRET_VAR, TIMEOUT_VAR})
 
 
 def encode(obj: dict[str, Any]) -> bytes:

@@ -7,6 +7,7 @@ selection, rendezvous, SSH); ``dsrun doctor`` uses it on its own.
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, field
 
 from dsrun.errors import DsrunUsageError
@@ -23,7 +24,31 @@ DIST_BACKENDS = ("nccl", "gloo", "mpi", "none")
 DEFAULT_CPU_RANKS = 2
 #: Seconds to wait for an SSH connection (and a remote agent's first answer).
 DEFAULT_SSH_TIMEOUT = 10.0
-LAUNCHERS = ("local", "ssh")
+#: --launcher names (the backend registry has one entry per name) and aliases.
+LAUNCHERS = ("local", "openmpi", "slurm", "ssh")
+LAUNCHER_ALIASES = {"mpirun": "openmpi"}
+
+
+def launcher_name(name: str | None) -> str | None:
+    """The backend a --launcher value names (aliases resolved), or a usage error."""
+    if name is None:
+        return None
+    canonical = LAUNCHER_ALIASES.get(name, name)
+    if canonical not in LAUNCHERS:
+        choices = ", ".join(sorted((*LAUNCHERS, *(f"{a} (= {b})" for a, b in
+                                                   LAUNCHER_ALIASES.items()))))
+        raise DsrunUsageError(f"--launcher {name!r} does not exist; choose one of {choices}")
+    return canonical
+
+
+def split_args(value: str | None, option: str) -> tuple[str, ...]:
+    """A shell-quoted option string (--launcher_args, --slurm_args) as argv words."""
+    if value is None:
+        return ()
+    try:
+        return tuple(shlex.split(value))
+    except ValueError as exc:
+        raise DsrunUsageError(f"{option} {value!r}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -58,13 +83,19 @@ class HostsSpec:
     launcher: str | None = None  # None: ssh when a selected host is not this one
     ssh: SshOptions = field(default_factory=SshOptions)
     cpu: bool = False  # --cpu: CPU ranks with gloo even on hosts that have GPUs
+    launcher_args: tuple[str, ...] = ()  # appended verbatim to mpirun's argv
+    slurm_args: tuple[str, ...] = ()  # srun options (an allocation, a partition, ...)
 
     def __post_init__(self) -> None:
         if self.include is not None and self.exclude is not None:
             raise DsrunUsageError("--include and --exclude are mutually exclusive")
-        if self.launcher is not None and self.launcher not in LAUNCHERS:
-            raise DsrunUsageError(f"--launcher must be one of {', '.join(LAUNCHERS)}, "
-                                  f"got {self.launcher!r}")
+        object.__setattr__(self, "launcher", launcher_name(self.launcher))
+        if self.launcher_args and self.launcher != "openmpi":
+            raise DsrunUsageError(f"--launcher_args is for --launcher openmpi (mpirun), not "
+                                  f"{self.launcher or 'the default launcher'}; srun options "
+                                  f"go in --slurm_args")
+        if self.slurm_args and self.launcher != "slurm":
+            raise DsrunUsageError("--slurm_args needs --launcher slurm")
         if self.num_gpus is not None and self.num_gpus < 1:
             raise DsrunUsageError(f"--num_gpus must be at least 1, got {self.num_gpus}")
         if self.num_nodes is not None and self.num_nodes < 1:
@@ -101,6 +132,8 @@ class LaunchSpec:
     config: str | None = None  # a DeepSpeed-style JSON config handed to every rank
     local_rank_arg: str | None = None  # "--local_rank" / "--local-rank" appended per rank
     cpu: bool = False  # --cpu: CPU ranks with gloo even on hosts that have GPUs
+    launcher_args: tuple[str, ...] = ()
+    slurm_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.module and self.no_python:
@@ -108,6 +141,7 @@ class LaunchSpec:
         if self.local_rank_arg not in LOCAL_RANK_FLAGS:
             raise DsrunUsageError(f"--local_rank_arg must be --local_rank or --local-rank, "
                                   f"got {self.local_rank_arg!r}")
+        object.__setattr__(self, "backend", launcher_name(self.backend))
         self.hosts  # noqa: B018 - validates the host options
         if self.max_restarts < 0:
             raise DsrunUsageError(f"--max_restarts must be >= 0, got {self.max_restarts}")
@@ -126,4 +160,4 @@ class LaunchSpec:
     def hosts(self) -> HostsSpec:
         return HostsSpec(self.hostfile, self.include, self.exclude, self.num_nodes,
                          self.num_gpus, self.master_addr, self.master_port, self.backend,
-                         self.ssh, self.cpu)
+                         self.ssh, self.cpu, self.launcher_args, self.slurm_args)

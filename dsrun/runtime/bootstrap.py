@@ -71,12 +71,18 @@ def _run_target(mode: str, target: str, args: list[str]) -> None:
     runpy.run_path(target, run_name="__main__")
 
 
+def _mpi_size() -> int:
+    from dsrun.runtime.rendezvous import mpi_comm
+
+    return int(mpi_comm().Get_size())
+
+
 def main() -> int:
     if len(sys.argv) < 3 or sys.argv[1] not in ("--script", "--module"):
         sys.stderr.write("usage: python -m dsrun.runtime.bootstrap --script|--module TARGET ...\n")
         return 2
     mode, target, args = sys.argv[1], sys.argv[2], sys.argv[3:]
-    env = DistEnv.detect()
+    env = DistEnv.detect(mpi_size=_mpi_size)
     dist_on = env.backend != "none"
     if dist_on:
         from dsrun.runtime import dist
@@ -108,7 +114,10 @@ def _fast_exit(code: int) -> None:
     With torch loaded, interpreter finalisation takes ~0.5 s per rank; a job
     only needs what a normal exit guarantees to user code: atexit handlers
     run (logging, multiprocessing and most libraries flush there) and the
-    standard streams flushed. If non-daemon threads are still running, or
+    standard streams flushed, and MPI finalised when the script used mpi4py
+    (mpi4py finalises from the interpreter's teardown, which is skipped
+    here; an MPI process that exits without it is an abnormal termination
+    to mpirun). If non-daemon threads are still running, or
     DSRUN_FAST_EXIT=0, the normal exit path is taken.
     """
     if os.environ.get("DSRUN_FAST_EXIT", "1") == "0":
@@ -117,12 +126,26 @@ def _fast_exit(code: int) -> None:
            if t is not threading.main_thread()):
         return
     atexit._run_exitfuncs()
+    _finalize_mpi()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def _finalize_mpi() -> None:
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None:
+        return
+    rc = getattr(sys.modules.get("mpi4py"), "rc", None)
+    try:
+        if getattr(rc, "finalize", None) is not False and mpi.Is_initialized() \
+                and not mpi.Is_finalized():
+            mpi.Finalize()
+    except Exception:  # noqa: BLE001 - exiting anyway; the exit code still tells
+        pass
 
 
 if __name__ == "__main__":

@@ -86,6 +86,7 @@ from dsrun.runtime.config_sections import (
     UNSUPPORTED_OPTIMIZERS,
     ZERO_AUTO_KEYS,
     BF16Config,
+    CheckpointConfig,
     DsrunOptions,
     FP16Config,
     OffloadOptimizerConfig,
@@ -105,7 +106,8 @@ __all__ = [
     "ALLOW_UNKNOWN_ENV", "AUTO", "AUTO_OPTIMIZER_DEFAULTS", "BATCH_KEYS",
     "DEFAULT_WARMUP_NUM_STEPS", "DICT_SOURCE", "OPTIMIZER_NAMES", "PASSTHROUGH_KEYS",
     "SCHEDULER_PARAMS", "SCHEDULER_REQUIRED", "UNSUPPORTED_OPTIMIZERS", "ZERO_AUTO_KEYS",
-    "BF16Config", "Check", "ConfigInput", "DsrunConfig", "DsrunOptions", "FP16Config",
+    "BF16Config", "Check", "CheckpointConfig", "ConfigInput", "DsrunConfig", "DsrunOptions",
+    "FP16Config",
     "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig",
     "ZeroConfig", "canonical_optimizer_type", "canonical_scheduler_type", "check_scheduler_params",
     "check_value", "did_you_mean", "is_auto", "load_config", "resolve", "resolve_batch",
@@ -116,7 +118,7 @@ __all__ = [
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # Documented DeepSpeed sections dsrun accepts but does not act on.
 PASSTHROUGH_KEYS = frozenset({
-    "activation_checkpointing", "aio", "amp", "autotuning", "checkpoint", "comet", "comms_logger",
+    "activation_checkpointing", "aio", "amp", "autotuning", "comet", "comms_logger",
     "compile", "compression_training", "csv_monitor", "curriculum_learning", "data_efficiency",
     "data_types", "eigenvalue", "elasticity", "flops_profiler", "hybrid_engine", "nebula",
     "pipeline", "progressive_layer_drop", "quantize_training", "sparse_attention",
@@ -149,6 +151,7 @@ class DsrunConfig:
     fp16: FP16Config = subsection(FP16Config)
     bf16: BF16Config = subsection(BF16Config)
     zero_optimization: ZeroConfig = subsection(ZeroConfig)
+    checkpoint: CheckpointConfig = subsection(CheckpointConfig)
     steps_per_print: int = opt("int", 10, low=1)
     wall_clock_breakdown: bool = opt("bool", False)
     memory_breakdown: bool = opt("bool", False)
@@ -385,6 +388,8 @@ def resolve(config: ConfigInput, *, dp_size: int, dp_source: str,
             known.get("bf16", known.get("bfloat16", {}))),
             ("bf16" if "bf16" in known else "bfloat16",), ctx),
         "zero_optimization": parse_zero(known.get("zero_optimization", {}), ctx),
+        "checkpoint": parse_section(CheckpointConfig, known.get("checkpoint", {}),
+                                    ("checkpoint",), ctx),
         "dsrun": parse_section(DsrunOptions, known.get("dsrun", {}), ("dsrun",), ctx),
     }
     if is_auto(known.get("gradient_clipping")):

@@ -337,6 +337,40 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """``checkpoint``: DeepSpeed's keys plus dsrun's ``async`` and ``timeout``.
+
+    ``async`` (dsrun): saves copy the state to host memory and write it in a
+    background thread while training goes on; the next save or load, and the
+    engine's exit, wait for it and raise its failure. ``timeout`` (dsrun,
+    seconds): how long a rank waits for the others to enter a save or load
+    before it names the missing ones. ``fsync`` (dsrun, default true): false
+    skips fsync, as ``torch.save`` and DeepSpeed do (a crashed process still
+    leaves the previous checkpoint intact; an OS crash may not). DeepSpeed's
+    ``tag_validation``
+    (``Warn``/``Ignore``/``Fail``), ``load_universal``,
+    ``use_node_local_storage``, ``parallel_write`` and ``writer`` are
+    accepted; dsrun's checkpoints are always universal (any world size and
+    stage) and always written by every rank in parallel, and different tags
+    on different ranks are always an error, since they would not make one
+    checkpoint.
+    """
+
+    async_save: bool = opt("bool", False, key="async")
+    timeout: float = opt("float", 600.0, low=0.001)
+    fsync: bool = opt("bool", True)
+    tag_validation: str = opt("str", "Warn", choices=("Warn", "Ignore", "Fail", "WARN",
+                                                      "IGNORE", "FAIL", "warn", "ignore", "fail"))
+    load_universal: bool = opt("bool", False)
+    use_node_local_storage: bool = opt("bool", False)
+    parallel_write: Optional[Mapping[str, Any]] = opt("mapping", None)
+    writer: Optional[Mapping[str, Any]] = opt("mapping", None)
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
+@dataclass(frozen=True)
 class DsrunOptions:
     """``dsrun``: options of our own, reserved so DeepSpeed keys never clash.
 

@@ -1,13 +1,15 @@
 """Bringing up torch.distributed from a DistEnv.
 
 ``init_distributed()`` is what the bootstrap calls before the user's first
-line, and what scripts started some other way (plain python, torchrun) may
-call themselves; it is a no-op when a default process group exists. World
-size 1 without a rendezvous address uses an in-memory store: no ports.
+line, and what scripts started some other way (plain python, torchrun,
+``mpirun``, ``srun``) may call themselves; it is a no-op when a default
+process group exists. World size 1 without a rendezvous address uses an
+in-memory store: no ports.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 from typing import Any
@@ -16,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dsrun.errors import DsrunError
+from dsrun.runtime import rendezvous
 from dsrun.runtime.env import DistEnv
 
 log = logging.getLogger("dsrun.runtime")
@@ -45,35 +48,67 @@ def compute_device() -> torch.device:
 
 
 def init_distributed(backend: str | None = None, timeout: datetime.timedelta | None = None,
-                     env: DistEnv | None = None, **_compat: Any) -> None:
+                     env: DistEnv | None = None, **compat: Any) -> None:
     """Initialise the default process group unless one exists.
 
-    Extra keyword arguments DeepSpeed's ``init_distributed`` takes
-    (``dist_backend``, ``auto_mpi_discovery``, ...) are accepted; only
-    ``dist_backend`` has an effect (as ``backend``).
+    Where the rank and the master come from: env.py and rendezvous.py
+    (dsrun's variables, else MPI or Slurm; world size 1 needs nothing).
+    DeepSpeed's keyword arguments are accepted: ``dist_backend`` (as
+    ``backend``), ``distributed_port`` (the port when the master is found
+    through MPI or Slurm; by default a free one / one derived from the
+    Slurm job), ``init_method``, ``rank`` and ``world_size``; the others
+    (``auto_mpi_discovery``, ``verbose``, ...) have no effect.
     """
     global _owned_by_dsrun
     if dist.is_initialized():
         return
-    env = env or DistEnv.detect()
-    backend = backend or _compat.get("dist_backend") or default_backend(env)
-    kwargs: dict[str, Any] = {"backend": backend, "rank": env.rank, "world_size": env.world_size}
+    env = env or DistEnv.detect(mpi_size=_mpi_world_size)
+    backend = backend or compat.get("dist_backend") or default_backend(env)
+    rank = compat.get("rank", -1)
+    world = compat.get("world_size", -1)
+    kwargs: dict[str, Any] = {"backend": backend,
+                              "rank": rank if rank is not None and rank >= 0 else env.rank,
+                              "world_size": world if world and world > 0 else env.world_size}
     if timeout is not None:
         kwargs["timeout"] = timeout
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)
-    if env.master_addr is None or env.master_port is None:
-        if env.world_size != 1:
-            raise DsrunError(
-                f"world size {env.world_size} (from {env.source}) but MASTER_ADDR/MASTER_PORT "
-                f"are not set: start the job with dsrun, or set them")
-        kwargs["store"] = dist.HashStore()
-    else:
-        host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
-        kwargs["init_method"] = f"tcp://{host}:{env.master_port}"
+    kwargs.update(_rendezvous(env, backend, timeout, compat))
     _original_init(**kwargs)
     _owned_by_dsrun = True
-    log.debug("process group up: rank %d/%d backend %s", env.rank, env.world_size, backend)
+    # A group still up at interpreter teardown can abort the process from
+    # gloo's threads; scripts that never destroy it get it destroyed here.
+    atexit.register(shutdown)
+    log.debug("process group up: rank %d/%d backend %s (from %s)", env.rank, env.world_size,
+              backend, env.source)
+
+
+def _rendezvous(env: DistEnv, backend: str, timeout: datetime.timedelta | None,
+                compat: dict[str, Any]) -> dict[str, Any]:
+    """``init_method`` or ``store`` for init_process_group."""
+    if compat.get("init_method"):
+        return {"init_method": compat["init_method"]}
+    port = compat.get("distributed_port")
+    if env.master_known:
+        assert env.master_addr is not None
+        host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
+        return {"init_method": f"tcp://{host}:{env.master_port}"}
+    if env.world_size == 1:
+        return {"store": dist.HashStore()}
+    if env.rendezvous == "mpi":
+        store, _, _ = rendezvous.mpi_store(env, backend, port, timeout)
+        return {"store": store}
+    if env.rendezvous == "slurm":
+        addr, port = rendezvous.slurm_master(env, backend, port)
+        host = f"[{addr}]" if ":" in addr else addr
+        return {"init_method": f"tcp://{host}:{port}"}
+    raise DsrunError(
+        f"world size {env.world_size} (from {env.source}) but MASTER_ADDR/MASTER_PORT "
+        f"are not set: start the job with dsrun, mpirun or srun, or set them")
+
+
+def _mpi_world_size() -> int:
+    return int(rendezvous.mpi_comm().Get_size())
 
 
 def tolerant_init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> None:

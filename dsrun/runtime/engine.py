@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from dsrun.errors import DsrunConfigError, DsrunError
+from dsrun.runtime.checkpoint import engine_io as checkpoint_io
 from dsrun.runtime.config import DsrunConfig
 from dsrun.runtime.dist import compute_device
 from dsrun.runtime.env import DistEnv
@@ -288,6 +289,7 @@ class DsrunEngine(torch.nn.Module):
         if self.optimizer is None:
             raise DsrunConfigError("engine.step() needs an optimizer: add an \"optimizer\" "
                                    "section to the config or pass optimizer= to initialize()")
+        checkpoint_io.before_step(self)  # an async save may still be copying the state
         scale_before = self.precision.loss_scale
         if self.zero_stage > 0:
             result = zero_step(self.optimizer, self.precision, self.config.gradient_clipping)
@@ -409,20 +411,46 @@ class DsrunEngine(torch.nn.Module):
     def zero_optimization_stage(self) -> int:
         return self.config.zero_optimization.stage
 
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("engine.save_checkpoint() is not implemented in dsrun yet "
-                                  "(it comes with the checkpoint issue); save "
-                                  "engine.module.state_dict() with torch.save meanwhile")
+    # ------------------------------------------------------- checkpoints
 
-    def load_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("engine.load_checkpoint() is not implemented in dsrun yet "
-                                  "(it comes with the checkpoint issue)")
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Any = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """Save everything needed to resume, loadable at any world size and
+        ZeRO stage (:mod:`dsrun.runtime.checkpoint`); tag ``global_step{N}``
+        by default. Every rank must call it with the same tag."""
+        return checkpoint_io.save(self, save_dir, tag, client_state, save_latest,
+                                  exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        custom_load_fn: Any = None) -> tuple[Optional[str], Any]:
+        """Resume from a checkpoint -> ``(its directory, client_state)``;
+        ``(None, None)`` when ``load_dir`` has no ``latest`` and no tag is given."""
+        return checkpoint_io.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                                  load_lr_scheduler_states, load_module_only, custom_load_fn)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous save (``"checkpoint": {"async": true}``)
+        is written and committed; raise its failure."""
+        checkpoint_io.wait(self)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """The weights in 16-bit as one torch.save file (rank 0 writes it)."""
+        from dsrun.runtime.checkpoint.model16 import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def destroy(self) -> None:
-        """Remove the gradient hooks (the module can then be trained by other means)."""
-        if self._grad_sync is not None:
-            self._grad_sync.close()
-            self._grad_sync = None
+        """Wait for an asynchronous checkpoint save (raising its failure) and
+        remove the gradient hooks (the module can then be trained by other means)."""
+        try:
+            checkpoint_io.wait(self)
+        finally:
+            if self._grad_sync is not None:
+                self._grad_sync.close()
+                self._grad_sync = None
 
 
 DeepSpeedEngine = DsrunEngine

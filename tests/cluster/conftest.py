@@ -21,6 +21,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from simhosts import SimCluster, preflight  # noqa: E402
+from slurmhosts import SlurmCluster, slurm_preflight  # noqa: E402
 
 CLEAN_TIMEOUT_S = 5.0
 
@@ -49,9 +50,45 @@ def cluster_clean(sim_cluster: SimCluster) -> Iterator[SimCluster]:
         raise
 
 
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[SlurmCluster]:
+    """A real Slurm (slurmctld, one slurmd per host) on two simulated hosts of
+    its own; skipped with the exact reason when it cannot be built here."""
+    reason = preflight() or slurm_preflight()
+    if reason is not None:
+        pytest.skip(reason)
+    sim = SimCluster(2).start()
+    try:
+        slurm = SlurmCluster(sim)
+        try:
+            slurm.start()
+        except RuntimeError as exc:
+            pytest.skip(f"a test Slurm could not be started here: {exc}")
+        try:
+            yield slurm
+            sim.wait_clean(CLEAN_TIMEOUT_S)
+        finally:
+            slurm.teardown()
+    finally:
+        sim.teardown()
+
+
+@pytest.fixture
+def slurm_clean(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
+    yield slurm_cluster
+    try:
+        slurm_cluster.sim.wait_clean(CLEAN_TIMEOUT_S)
+        assert slurm_cluster.jobs() == [], f"Slurm jobs left: {slurm_cluster.jobs()}"
+    except AssertionError:
+        slurm_cluster.sim.kill_strays()
+        raise
+
+
 @pytest.fixture(autouse=True)
 def _cluster_leak_check(request: pytest.FixtureRequest) -> None:
     # Autouse fixtures are set up first, so cluster_clean's check runs after
     # every other fixture of the test has torn down (stopped its jobs).
     if "sim_cluster" in request.fixturenames:
         request.getfixturevalue("cluster_clean")
+    if "slurm_cluster" in request.fixturenames:
+        request.getfixturevalue("slurm_clean")

@@ -207,6 +207,9 @@ class SimCluster:
         self._netns_made: list[str] = []
         self._links_made: list[str] = []
         self._sshd: dict[str, subprocess.Popen[bytes]] = {}
+        # Names of other long-running services started on the hosts (e.g.
+        # slurmd): teardown kills them, leak checks do not report them.
+        self.daemons: set[str] = set()
 
     # -- paths ---------------------------------------------------------------
 
@@ -556,7 +559,7 @@ class SimCluster:
         for pid in self.pids_in(host):
             try:
                 proc = psutil.Process(pid)
-                if not include_sshd and proc.name() in SSHD_NAMES:
+                if not include_sshd and proc.name() in SSHD_NAMES | self.daemons:
                     continue
                 if proc.status() == psutil.STATUS_ZOMBIE:
                     continue

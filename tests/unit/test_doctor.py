@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dsrun.launcher import cli
-from dsrun.launcher.doctor import Expectations, Rendezvous, _rendezvous, evaluate
+from dsrun.launcher.cluster import _rendezvous
+from dsrun.launcher.preflight import Expectations, Rendezvous, evaluate
 
 EXPECT = Expectations(python="3.11.7", dsrun="0.1.0", torch="2.13.0")
 FACTS = {"host": "n2", "python": "3.11.7", "dsrun": "0.1.0", "torch": "2.13.0",

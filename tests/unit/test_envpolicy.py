@@ -117,3 +117,10 @@ def test_describe_and_repr_show_keys_only():
 def test_bad_prefix_is_a_usage_error(prefix):
     with pytest.raises(DsrunUsageError, match="--env_prefix: invalid prefix"):
         job_env({}, remote=True, env_prefixes=[prefix])
+
+
+def test_an_agents_connect_back_variables_are_never_forwarded():
+    from dsrun.launcher.protocol import AGENT_BOOTSTRAP_VARS
+
+    environ = {name: "x" for name in AGENT_BOOTSTRAP_VARS}
+    assert job_env(environ, remote=True).keys() == ()

@@ -9,6 +9,8 @@ CHECK = """
 import sys
 import dsrun.launcher.cli, dsrun.launcher.launch, dsrun.launcher.agent
 import dsrun.launcher.doctor, dsrun.launcher.netinfo, dsrun.launcher.envpolicy
+import dsrun.launcher.cluster, dsrun.launcher.rankenv, dsrun.launcher.callback
+import dsrun.launcher.backends.openmpi, dsrun.launcher.backends.slurm
 from dsrun.launcher import cli
 code = cli.main(["--dry-run", "--num_gpus", "1", "--dist_backend", "none", {script!r}])
 assert code == 0, code

@@ -7,15 +7,12 @@ import pytest
 from dsrun.errors import DsrunUsageError
 from dsrun.launcher import launch
 from dsrun.launcher.backends.local import LocalBackend
-from dsrun.launcher.plan import (
-    NodeSlots,
-    host_env,
-    layout,
-    local_slots,
-    rank_command,
-    rank_env,
-)
-from dsrun.launcher.spec import LaunchSpec
+from dsrun.launcher.cluster import Cluster, this_host_pool
+from dsrun.launcher.envpolicy import job_env
+from dsrun.launcher.plan import NodeFacts, NodeSlots, build_plan, layout, rank_command
+from dsrun.launcher.rankenv import RankEnv, materialize, rank_env
+from dsrun.launcher.resources import select_resources
+from dsrun.launcher.spec import HostsSpec, LaunchSpec
 
 
 def test_layout_assigns_contiguous_global_ranks_per_node():
@@ -31,33 +28,46 @@ def test_cpu_nodes_have_no_devices():
     assert node.devices == () and all(r.device is None for r in node.ranks)
 
 
-@pytest.mark.parametrize("num,devices,cpus,expect_slots,gpus", [
-    (None, (), 8, (0, 1), False),      # CPU default: 2 ranks, not one per core
-    (None, (), 1, (0,), False),        # ... but never more than the CPUs
-    (3, (), 2, (0, 1, 2), False),      # explicit CPU ranks may oversubscribe
-    (None, (0, 1, 2, 3), 8, (0, 1, 2, 3), True),  # all GPUs by default
-    (2, (4, 5, 6), 8, (4, 5), True),
+def _local_slots(num, devices, cpus):
+    hs = HostsSpec(num_gpus=num)
+    pool = this_host_pool(hs, devices, cpus, "here")
+    (node,) = select_resources(pool.hostfile, num_gpus=num)
+    return node.slots
+
+
+@pytest.mark.parametrize("num,devices,cpus,expect_slots", [
+    (None, (), 8, (0, 1)),      # CPU default: 2 ranks, not one per core
+    (None, (), 1, (0,)),        # ... but never more than the CPUs
+    (3, (), 2, (0, 1, 2)),      # explicit CPU ranks may oversubscribe
+    (None, (0, 1, 2, 3), 8, (0, 1, 2, 3)),  # all GPUs by default
+    (2, (4, 5, 6), 8, (0, 1)),  # slots index the visible devices
 ])
-def test_local_slots(num, devices, cpus, expect_slots, gpus):
-    node = local_slots(num, devices, cpus)
-    assert node.slots == expect_slots and node.gpus is gpus
+def test_this_host_slots(num, devices, cpus, expect_slots):
+    assert _local_slots(num, devices, cpus) == expect_slots
 
 
 def test_more_gpu_ranks_than_gpus_is_an_error():
     with pytest.raises(DsrunUsageError, match="more GPUs than this host has \\(2\\)"):
-        local_slots(3, (0, 1), 8)
+        _local_slots(3, (0, 1), 8)
 
 
-def _plan(**kw):
-    spec = LaunchSpec(script="train.py", script_args=("--lr", "1"), **kw)
-    return launch.make_plan(spec, devices=kw.pop("devices", ()), cpus=4,
-                            port_for=lambda addr: 4242)
+def _plan(num_gpus=2, devices=(), cpus=4, port=4242, **kw):
+    spec = LaunchSpec(script="train.py", script_args=("--lr", "1"), num_gpus=num_gpus, **kw)
+    slots = _local_slots(num_gpus, () if spec.cpu else devices, cpus)
+    cluster = Cluster("<this host>", ("here",), (slots,), (True,), "local")
+    env = job_env({}, remote=False, cli_env=spec.extra_env)
+    return build_plan(spec, cluster, env, "job1", facts=[NodeFacts(tuple(devices), cpus)],
+                      python="/py", cwd="/w", master=("127.0.0.1", port))
+
+
+def _env(plan, node, slot):
+    return dict(rank_env(plan, node, slot).dsrun)
 
 
 def test_rank_env_for_each_rank():
     plan = _plan(num_gpus=3, dist_backend="gloo", extra_env=(("FOO", "bar"),))
     node = plan.nodes[0]
-    envs = [rank_env(plan, node, s) for s in node.ranks]
+    envs = [_env(plan, node, s) for s in node.ranks]
     for i, env in enumerate(envs):
         assert env["RANK"] == env["LOCAL_RANK"] == str(i)
         assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "3"
@@ -70,16 +80,37 @@ def test_rank_env_for_each_rank():
 
 
 def test_gpu_ranks_see_the_nodes_devices():
-    spec = LaunchSpec(script="t.py", num_gpus=2)
-    plan = launch.make_plan(spec, devices=(1, 3, 5), cpus=8, port_for=lambda a: 1)
-    env = rank_env(plan, plan.nodes[0], plan.nodes[0].ranks[1])
+    plan = _plan(num_gpus=2, devices=(1, 3, 5), cpus=8)
+    env = _env(plan, plan.nodes[0], plan.nodes[0].ranks[1])
     assert env["CUDA_VISIBLE_DEVICES"] == "1,3" and env["LOCAL_RANK"] == "1"
 
 
-def test_host_env_splits_cpus_and_respects_user_settings():
-    assert host_env(2, 8, {}) == {"OMP_NUM_THREADS": "4", "PYTHONUNBUFFERED": "1"}
-    assert host_env(3, 2, {})["OMP_NUM_THREADS"] == "1"
-    assert host_env(2, 8, {"OMP_NUM_THREADS": "7", "PYTHONUNBUFFERED": "0"}) == {}
+def test_defaults_split_cpus_and_respect_user_settings():
+    plan = _plan(num_gpus=2, cpus=8)
+    env = rank_env(plan, plan.nodes[0], plan.nodes[0].ranks[0])
+    assert dict(env.defaults) == {"OMP_NUM_THREADS": "4", "PYTHONUNBUFFERED": "1"}
+    crowded = _plan(num_gpus=3, cpus=2)
+    assert dict(rank_env(crowded, *_first(crowded)).defaults)["OMP_NUM_THREADS"] == "1"
+    out = materialize(env, {"OMP_NUM_THREADS": "7", "PYTHONUNBUFFERED": "0", "A": "1"},
+                      {}, {})
+    assert (out["OMP_NUM_THREADS"], out["PYTHONUNBUFFERED"], out["A"]) == ("7", "0", "1")
+    user = materialize(env, {}, {"OMP_NUM_THREADS": "3"}, {})
+    assert user["OMP_NUM_THREADS"] == "3" and user["RANK"] == "0"
+
+
+def _first(plan):
+    return plan.nodes[0], plan.nodes[0].ranks[0]
+
+
+def test_materialize_layers_in_order():
+    env = RankEnv(dsrun=(("RANK", "1"),), defaults=(("X", "d"), ("Y", "d")),
+                  path_prepend=("/venv/bin",))
+    out = materialize(env, {"PATH": "/usr/bin", "X": "inherited", "RANK": "9",
+                            "DSRUN_LAUNCHER_SECRET": "s"},
+                      {"Y": "user", "RANK": "8"}, {"DSRUN_AGENT_ID": "m"})
+    assert out == {"PATH": "/venv/bin:/usr/bin", "X": "inherited", "Y": "user", "RANK": "1",
+                   "DSRUN_AGENT_ID": "m"}  # the agent's own secret never reaches a rank
+    assert RankEnv.from_json(env.to_json()) == env
 
 
 def test_rank_command_modes():
@@ -94,7 +125,7 @@ def test_rank_command_modes():
 def test_dry_run_shows_rank_map_command_and_environment(tmp_path, capsys, monkeypatch):
     script = tmp_path / "t.py"
     script.write_text("")
-    monkeypatch.setattr(launch, "visible_devices", lambda: ())
+    monkeypatch.setenv("DSRUN_FAKE_GPUS", "0")
     spec = LaunchSpec(script=str(script), script_args=("--num_gpus", "9"), num_gpus=2,
                       master_port=None, dry_run=True, extra_env=(("SECRETISH", "v"),))
     assert launch.run(spec) == 0
@@ -110,11 +141,11 @@ def test_dry_run_shows_rank_map_command_and_environment(tmp_path, capsys, monkey
 def test_local_backend_prepare_is_printable():
     plan = _plan(num_gpus=2)
     request = LocalBackend(python="/py").prepare(plan)
-    assert request.agents[0].argv == ("/py", "-m", "dsrun.launcher.agent")
+    assert request.agents[0].start == "agent /py -m dsrun.launcher.agent"
     payload = request.agents[0].payload
     assert [r["rank"] for r in payload["ranks"]] == [0, 1]
     assert payload["job_id"] == plan.job_id
-    assert payload["host_env"]["OMP_NUM_THREADS"]
+    assert payload["ranks"][1]["env"]["defaults"]["OMP_NUM_THREADS"] == "2"
 
 
 def test_local_rank_arg_is_inserted_after_the_script_per_rank():
@@ -135,7 +166,7 @@ def test_config_is_handed_to_every_rank(tmp_path):
     cfg.write_text('{"train_batch_size": 8}')
     plan = _plan(num_gpus=2, config=str(cfg))
     for slot in plan.nodes[0].ranks:
-        assert rank_env(plan, plan.nodes[0], slot)["DSRUN_CONFIG"] == str(cfg)
+        assert _env(plan, plan.nodes[0], slot)["DSRUN_CONFIG"] == str(cfg)
 
 
 @pytest.mark.parametrize("text,message", [
@@ -150,28 +181,24 @@ def test_bad_config_file_is_a_usage_error(tmp_path, text, message):
 
 
 def test_cpu_flag_gives_cpu_ranks_that_see_no_gpu_on_a_gpu_host():
-    spec = LaunchSpec(script="t.py", num_gpus=3, cpu=True)
-    plan = launch.make_plan(spec, devices=(0,), cpus=8, port_for=lambda a: 1)
+    plan = _plan(num_gpus=3, devices=(0,), cpus=8, cpu=True)
     node = plan.nodes[0]
     assert node.devices == () and [r.device for r in node.ranks] == [None] * 3
-    env = rank_env(plan, node, node.ranks[2])
+    env = _env(plan, node, node.ranks[2])
     assert env["DSRUN_ACCELERATOR"] == "cpu" and env["CUDA_VISIBLE_DEVICES"] == ""
     # without --cpu the same host gives GPU ranks, and 3 do not fit on 1 GPU
     with pytest.raises(DsrunUsageError, match="more GPUs than this host has"):
-        launch.make_plan(LaunchSpec(script="t.py", num_gpus=3), devices=(0,), cpus=8,
-                         port_for=lambda a: 1)
+        _plan(num_gpus=3, devices=(0,), cpus=8)
 
 
 def test_cpu_flag_ignores_the_gpus_hosts_report():
-    from dsrun.launcher.doctor import Cluster, Rendezvous
-    from dsrun.launcher.envpolicy import job_env
     spec = LaunchSpec(script="t.py", cpu=True)
     cluster = Cluster("hf", ("a", "b"), ((0, 1), (0, 1)), (True, False), "ssh")
-    facts = [{"devices": [0, 1]}, {"devices": [0, 1, 2, 3]}]
-    plan = launch.cluster_plan(spec, cluster, job_env({}, remote=True), "j", facts,
-                               Rendezvous("10.0.0.1", 29500), python="/py")
+    facts = [NodeFacts((0, 1), 8), NodeFacts((0, 1, 2, 3), 8)]
+    plan = build_plan(spec, cluster, job_env({}, remote=True), "j", facts=facts,
+                      python="/py", cwd="/", master=("10.0.0.1", 29500))
     assert all(n.devices == () for n in plan.nodes)
-    env = rank_env(plan, plan.nodes[1], plan.nodes[1].ranks[0])
+    env = _env(plan, plan.nodes[1], plan.nodes[1].ranks[0])
     assert env["DSRUN_ACCELERATOR"] == "cpu" and env["CUDA_VISIBLE_DEVICES"] == ""
 
 
@@ -183,7 +210,7 @@ def test_cpu_flag_refuses_nccl():
 def test_dry_run_with_cpu_on_a_gpu_host(tmp_path, capsys, monkeypatch):
     script = tmp_path / "t.py"
     script.write_text("")
-    monkeypatch.setattr(launch, "visible_devices", lambda: (0,))
+    monkeypatch.setenv("DSRUN_FAKE_GPUS", "1")
     spec = LaunchSpec(script=str(script), num_gpus=2, cpu=True, dry_run=True)
     assert launch.run(spec) == 0
     out = capsys.readouterr().out

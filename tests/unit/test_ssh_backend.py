@@ -12,10 +12,10 @@ from dsrun.launcher.backends.ssh import (
     remote_command,
     resolve_target,
 )
-from dsrun.launcher.doctor import Cluster, Rendezvous
+from dsrun.launcher.cluster import Cluster
 from dsrun.launcher.envpolicy import job_env
-from dsrun.launcher.launch import cluster_plan
-from dsrun.launcher.spec import LaunchSpec, SshOptions
+from dsrun.launcher.plan import NodeFacts, build_plan
+from dsrun.launcher.spec import HostsSpec, LaunchSpec, SshOptions
 
 CONFIG = paramiko.SSHConfig.from_text("""
 Host gpu-*
@@ -61,7 +61,7 @@ def test_flags_override_config_and_defaults_apply(monkeypatch):
 def test_bad_port_in_config_and_missing_config_file(tmp_path):
     with pytest.raises(DsrunUsageError, match="bad Port 'x' for host h"):
         resolve_target("h", SshOptions(), {"hostname": "h", "port": "x"}, "me")
-    backend = SshBackend(SshOptions(config=str(tmp_path / "nope")))
+    backend = SshBackend(HostsSpec(ssh=SshOptions(config=str(tmp_path / "nope"))))
     with pytest.raises(DsrunUsageError, match="--ssh_config .*nope does not exist"):
         backend.target("h")
 
@@ -76,75 +76,65 @@ def _plan(secret: str):
                       extra_env=(("SECRET", secret),), kill_grace=2.0)
     cluster = Cluster("hf", ("node1", "gpu-1"), ((0, 1), (0, 1)), (True, False), "ssh")
     env = job_env({"NCCL_DEBUG": "WARN"}, remote=True, cli_env=spec.extra_env)
-    facts = [{"devices": [], "ifname": "eth0"}, {"devices": [0, 1, 2, 3], "ifname": "ib0"}]
-    return cluster_plan(spec, cluster, env, "j0b", facts, Rendezvous("10.0.0.1", 29500),
-                        python="/venv/bin/python")
+    facts = [NodeFacts((), 4, "eth0"), NodeFacts((0, 1, 2, 3), 16, "ib0")]
+    return build_plan(spec, cluster, env, "j0b", facts=facts, python="/venv/bin/python",
+                      cwd="/", master=("10.0.0.1", 29500), remote_path=("/venv/bin",))
 
 
 def test_prepare_golden(monkeypatch):
-    monkeypatch.chdir("/")
     monkeypatch.setenv("HOME", "/home/me")
     secret = "hunter2-do-not-print"
-    backend = SshBackend(SshOptions(), python="/venv/bin/python", lookup=CONFIG.lookup,
-                         user="me")
+    backend = SshBackend(HostsSpec(), python="/venv/bin/python", lookup=CONFIG.lookup,
+                         user="me", environ={"PYTHONUNBUFFERED": "1"})
     request = backend.prepare(_plan(secret))
     lines = request.describe()
     assert all(secret not in line for line in lines)
     assert secret in str(request.agents[1].payload["env"])  # it travels on stdin only
-    rank_vars = ["    DSRUN_DIST_BACKEND=gloo", "    DSRUN_JOB_ID=j0b",
-                 "    DSRUN_RESTART_COUNT=0"]
-    common = ["    LOCAL_WORLD_SIZE=2", "    MASTER_ADDR=10.0.0.1", "    MASTER_PORT=29500"]
+    agent_vars = [
+        "    DSRUN_AGENT_ID=<set by the agent: marks the job's processes on the host>",
+        "    DSRUN_ERROR_FILE=<set by the agent: where the rank records an uncaught error>"]
+    user = ["    NCCL_DEBUG=<value not shown> (forwarded)", "    SECRET=<value not shown> (--env)"]
+
+    def rank(r, local, node, extra, defaults, tail):
+        return [
+            f"  rank {r} (local {local}): /venv/bin/python -m dsrun.runtime.bootstrap "
+            "--script train.py --lr 1",
+            *extra, "    DSRUN_DIST_BACKEND=gloo", "    DSRUN_JOB_ID=j0b",
+            "    DSRUN_RESTART_COUNT=0", f"    LOCAL_RANK={local}", "    LOCAL_WORLD_SIZE=2",
+            "    MASTER_ADDR=10.0.0.1", "    MASTER_PORT=29500", "    NNODES=2",
+            f"    NODE_RANK={node}", f"    RANK={r}", "    WORLD_SIZE=4",
+            *defaults, *user, *tail]
+
+    here = ["    GLOO_SOCKET_IFNAME=eth0", "    NCCL_SOCKET_IFNAME=eth0", "    OMP_NUM_THREADS=2"]
+    base = "the login environment of gpu-1"
+    there = [f"    GLOO_SOCKET_IFNAME=ib0 (unless set in {base})",
+             f"    NCCL_SOCKET_IFNAME=ib0 (unless set in {base})",
+             f"    OMP_NUM_THREADS=8 (unless set in {base})",
+             f"    PYTHONUNBUFFERED=1 (unless set in {base})"]
+    local_tail = [*agent_vars, "    (plus the environment dsrun was started with)"]
+    remote_tail = [f"    PATH=</venv/bin in front of the PATH of {base}>", *agent_vars,
+                   f"    (plus {base})"]
+    gpus = ["    CUDA_VISIBLE_DEVICES=0,1"]
     assert lines == [
         "node node1: agent /venv/bin/python -m dsrun.launcher.agent",
-        "  rank 0 (local 0): /venv/bin/python -m dsrun.runtime.bootstrap --script train.py"
-        " --lr 1",
-        *rank_vars, "    GLOO_SOCKET_IFNAME=eth0", "    LOCAL_RANK=0", *common,
-        "    NCCL_SOCKET_IFNAME=eth0", "    NNODES=2", "    NODE_RANK=0", "    RANK=0",
-        "    WORLD_SIZE=4",
-        "    NCCL_DEBUG=<value not shown> (forwarded)",
-        "    SECRET=<value not shown> (--env)",
-        "    (plus the environment dsrun was started with)",
-        "  rank 1 (local 1): /venv/bin/python -m dsrun.runtime.bootstrap --script train.py"
-        " --lr 1",
-        *rank_vars, "    GLOO_SOCKET_IFNAME=eth0", "    LOCAL_RANK=1", *common,
-        "    NCCL_SOCKET_IFNAME=eth0", "    NNODES=2", "    NODE_RANK=0", "    RANK=1",
-        "    WORLD_SIZE=4",
-        "    NCCL_DEBUG=<value not shown> (forwarded)",
-        "    SECRET=<value not shown> (--env)",
-        "    (plus the environment dsrun was started with)",
+        *rank(0, 0, 0, [], here, local_tail), *rank(1, 1, 0, [], here, local_tail),
         "node gpu-1: ssh alice@gpu-1.cluster:2222: cd / || exit 96; "
         "exec /venv/bin/python -m dsrun.launcher.agent",
-        "  rank 2 (local 0): /venv/bin/python -m dsrun.runtime.bootstrap --script train.py"
-        " --lr 1",
-        "    CUDA_VISIBLE_DEVICES=0,1", *rank_vars, "    GLOO_SOCKET_IFNAME=ib0",
-        "    LOCAL_RANK=0", *common, "    NCCL_SOCKET_IFNAME=ib0", "    NNODES=2",
-        "    NODE_RANK=1", "    RANK=2", "    WORLD_SIZE=4",
-        "    NCCL_DEBUG=<value not shown> (forwarded)",
-        "    SECRET=<value not shown> (--env)",
-        "    PATH=</venv/bin in front of the host's PATH>",
-        "    (plus the login environment of gpu-1)",
-        "  rank 3 (local 1): /venv/bin/python -m dsrun.runtime.bootstrap --script train.py"
-        " --lr 1",
-        "    CUDA_VISIBLE_DEVICES=0,1", *rank_vars, "    GLOO_SOCKET_IFNAME=ib0",
-        "    LOCAL_RANK=1", *common, "    NCCL_SOCKET_IFNAME=ib0", "    NNODES=2",
-        "    NODE_RANK=1", "    RANK=3", "    WORLD_SIZE=4",
-        "    NCCL_DEBUG=<value not shown> (forwarded)",
-        "    SECRET=<value not shown> (--env)",
-        "    PATH=</venv/bin in front of the host's PATH>",
-        "    (plus the login environment of gpu-1)",
+        *rank(2, 0, 1, gpus, there, remote_tail), *rank(3, 1, 1, gpus, there, remote_tail),
     ]
     payload = request.agents[1].payload
-    assert payload["path_prepend"] == ["/venv/bin"] and payload["host_env"] == {
-        "GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "ib0"}
-    assert request.agents[0].payload["path_prepend"] == []
+    assert payload["ranks"][0]["env"]["path_prepend"] == ["/venv/bin"]
+    assert payload["ranks"][0]["env"]["defaults"]["GLOO_SOCKET_IFNAME"] == "ib0"
+    assert request.agents[0].payload["ranks"][0]["env"]["path_prepend"] == []
 
 
 def test_user_set_ifname_is_not_overridden(monkeypatch):
     spec = LaunchSpec(script="t.py")
     cluster = Cluster("hf", ("a", "b"), ((0,), (0,)), (False, False), "ssh")
     env = job_env({"GLOO_SOCKET_IFNAME": "ib0"}, remote=True)
-    plan = cluster_plan(spec, cluster, env, "j", [{"ifname": "eth0"}, {"ifname": "eth1"}],
-                        Rendezvous("10.0.0.1", 1))
+    plan = build_plan(spec, cluster, env, "j", facts=[NodeFacts((), 1, "eth0"),
+                                                      NodeFacts((), 1, "eth1")],
+                      python="/py", cwd="/", master=("10.0.0.1", 1))
     assert [dict(n.env) for n in plan.nodes] == [{"NCCL_SOCKET_IFNAME": "eth0"},
                                                  {"NCCL_SOCKET_IFNAME": "eth1"}]
 
@@ -152,9 +142,11 @@ def test_user_set_ifname_is_not_overridden(monkeypatch):
 def test_draft_plan_leaves_remote_facts_open():
     spec = LaunchSpec(script="t.py")
     cluster = Cluster("hf", ("a", "b"), ((0, 1), (0,)), (True, False), "ssh")
-    plan = cluster_plan(spec, cluster, job_env({}, remote=True), "j", local_devices=())
-    assert not plan.final and plan.master_port is None
+    plan = build_plan(spec, cluster, job_env({}, remote=True), "j",
+                      facts=[NodeFacts((), 2), None], python="/py", cwd="/")
+    assert not plan.final and plan.master_port is None and plan.master_addr is None
     assert [n.gpus_known for n in plan.nodes] == [True, False]
+    assert [n.cpus for n in plan.nodes] == [2, None]
 
 
 class _Chan:

@@ -6,11 +6,14 @@ import importlib
 
 from dsrun.errors import DsrunUsageError
 from dsrun.launcher.backends.base import Backend
+from dsrun.launcher.spec import launcher_name
 
 # name -> "module:Class"; modules load on first use so the SSH backend's
 # paramiko import costs nothing for local jobs.
 _REGISTRY = {
     "local": "dsrun.launcher.backends.local:LocalBackend",
+    "openmpi": "dsrun.launcher.backends.openmpi:OpenMpiBackend",
+    "slurm": "dsrun.launcher.backends.slurm:SlurmBackend",
     "ssh": "dsrun.launcher.backends.ssh:SshBackend",
 }
 
@@ -20,7 +23,7 @@ def names() -> list[str]:
 
 
 def get_backend(name: str, **kwargs: object) -> Backend:
-    target = _REGISTRY.get(name)
+    target = _REGISTRY.get(launcher_name(name) or name)
     if target is None:
         raise DsrunUsageError(f"unknown launcher {name!r}; choose one of {', '.join(names())}")
     module, cls = target.split(":")

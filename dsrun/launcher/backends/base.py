@@ -1,42 +1,79 @@
-"""What every backend shares: the request objects and the job handle.
+"""What a backend is, and what every backend shares.
 
-A backend's ``prepare(plan)`` is pure and returns a printable Request (one
-AgentRequest per node: how the agent is started and the payload it gets on
-stdin). ``launch(request)`` starts the agents and returns a JobHandle whose
-event queue carries ``(node_index, message)`` pairs from every agent.
+A backend says how node agents start and what it needs to know about the
+hosts; nothing outside it asks what kind of backend it is:
 
-Launching is two steps so that a multi-host job can probe its hosts first
-(protocol.py): ``open(hosts, cwd, local)`` starts one agent per host, waiting
-for its first line, and returns the JobHandle; ``handle.start(payloads)``
-sends the start payloads. ``launch`` is the two in a row.
+- :attr:`Backend.agent_per_rank`: one agent per host (local, ssh) or one
+  per rank (openmpi, slurm: mpirun/srun start every rank's process, and
+  that process is the agent that starts the rank);
+- :attr:`Backend.login_env`: agents on other hosts start in that host's
+  login environment, so the launcher forwards variables (envpolicy) and
+  puts its interpreter's directory first on PATH;
+- :meth:`Backend.pool_without_hostfile`, :meth:`Backend.local_hosts`,
+  :meth:`Backend.check`, :meth:`Backend.connect_address`: the hosts of a
+  job and what must hold before anything starts;
+- :meth:`Backend.prepare` (pure) turns a plan into a printable
+  :class:`Request` - what ``--dry-run`` prints is what starts the job;
+- :meth:`Backend.open` starts the agents of a (possibly draft) plan, each
+  waiting for its first line, and returns a :class:`JobHandle`; the launch
+  probes them, builds the final plan, and ``handle.start(request)`` sends
+  each agent its part.
+
+A JobHandle's event queue carries ``(channel_index, message)`` pairs from
+every agent; channels are in the order of ``Request.agents``.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import queue
+import sys
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from dsrun.launcher import protocol
-from dsrun.launcher.plan import LaunchPlan, NodePlan, format_command, rank_argv, rank_env
+from dsrun.launcher.hostfile import Hostfile
+from dsrun.launcher.netinfo import is_local_host
+from dsrun.launcher.plan import LaunchPlan, NodePlan, RankSlot, format_command, rank_argv
+from dsrun.launcher.rankenv import RankEnv, rank_env
+from dsrun.launcher.rankenv import describe as describe_env
+from dsrun.launcher.spec import HostsSpec
+
+if TYPE_CHECKING:
+    from dsrun.launcher.cluster import Cluster
 
 AGENT_MODULE = "dsrun.launcher.agent"
 STDERR_TAIL = 20
 
+# (host, rank, fd, line) -> None; rank AGENT_LINE: the agent itself, TOOL_LINE:
+# the command that starts the agents (then host is its name: mpirun, srun)
+OutputSink = Callable[[str, int, int, str], None]
+AGENT_LINE = -1
+TOOL_LINE = -2
+
+
+@dataclass(frozen=True)
+class HostPool:
+    """The hosts a job may use when there is no hostfile (a backend's answer)."""
+
+    hostfile: Hostfile
+    named: bool = True  # the names are known before the agents start
+    default_ranks: int | None = None  # ranks per host without --num_gpus (None: all slots)
+
 
 @dataclass(frozen=True)
 class AgentRequest:
+    """One agent: where, how it starts (for people) and its start payload."""
+
     host: str
-    argv: tuple[str, ...]
     payload: dict[str, Any]
-    # How the agent is reached, for people: "" (a local child process) or
-    # e.g. "ssh root@10.0.0.2:22"; remote_command is the line sshd runs.
-    transport: str = ""
-    remote_command: str | None = None
+    start: str  # e.g. "agent /py -m dsrun.launcher.agent", "ssh root@h:22: cd ...", ...
+    base: str  # the environment it starts in (layer 1 of rankenv)
+    inherited: Mapping[str, str] | None = None  # that environment, when known here
 
 
 @dataclass(frozen=True)
@@ -44,56 +81,52 @@ class Request:
     backend: str
     plan: LaunchPlan
     agents: tuple[AgentRequest, ...]
+    # The one command that starts every agent (mpirun, srun); empty when the
+    # backend starts them one by one. ``command_env`` names the variables it
+    # passes on, whose values are in its environment, never on its line.
+    command: tuple[str, ...] = ()
+    command_env: tuple[str, ...] = ()
+
+    @property
+    def payloads(self) -> list[dict[str, Any]]:
+        return [a.payload for a in self.agents]
 
     def describe(self) -> list[str]:
-        """Dry-run text: agent commands and each rank's command and environment."""
+        """Dry-run text: how agents start, each rank's command and environment."""
         lines = []
-        hidden = self.plan.user_env.describe()
+        if self.command:
+            lines.append(f"launch: {format_command(self.command)}")
+            lines.append(f"  ({', '.join(self.command_env)}: values in {self.command[0]}'s "
+                         f"environment, never on its command line)")
+        started: set[str] = set()
         for agent in self.agents:
-            if agent.remote_command is None:
-                lines.append(f"node {agent.host}: agent {format_command(agent.argv)}")
-                base = "the environment dsrun was started with"
-            else:
-                lines.append(f"node {agent.host}: {agent.transport}: {agent.remote_command}")
-                base = f"the login environment of {agent.host}"
+            if agent.host not in started:
+                started.add(agent.host)
+                lines.append(f"node {agent.host}: {agent.start}")
             for rank in agent.payload["ranks"]:
                 lines.append(f"  rank {rank['rank']} (local {rank['local_rank']}): "
                              f"{format_command(rank['argv'])}")
-                shown = {**agent.payload.get("host_env", {}), **rank["env"]}
-                for key in sorted(shown):
-                    lines.append(f"    {key}={shown[key]}")
-                lines.extend(f"    {line}" for line in hidden)
-                if agent.payload.get("path_prepend"):
-                    lines.append(f"    PATH=<{':'.join(agent.payload['path_prepend'])} "
-                                 f"in front of the host's PATH>")
-                if agent.payload.get("inherit_env", True):
-                    lines.append(f"    (plus {base})")
+                lines.extend(f"    {ln}" for ln in describe_env(
+                    RankEnv.from_json(rank["env"]), self.plan.user_env, agent.base,
+                    agent.inherited))
         return lines
 
 
-def agent_payload(plan: LaunchPlan, node: NodePlan, forwarded: dict[str, str] | None = None,
-                  inherit_env: bool = True, host_env: dict[str, str] | None = None,
-                  path_prepend: Sequence[str] = ()) -> dict[str, Any]:
-    """The start message for one node's agent (JSON-serialisable).
-
-    ``env`` (the user's and forwarded variables) overrides the agent's own
-    environment; ``host_env`` only fills in what is not set there or in
-    ``env``; each rank's ``env`` (dsrun's variables) overrides everything.
-    """
+def agent_payload(plan: LaunchPlan, node: NodePlan,
+                  slots: Sequence[RankSlot] | None = None) -> dict[str, Any]:
+    """The start message of an agent running ``slots`` of ``node`` (default:
+    all of them), JSON-serialisable. User values appear only here."""
     return {
         "job_id": plan.job_id,
         "restart_count": plan.restart_count,
         "cwd": plan.cwd,
         "kill_grace": plan.kill_grace,
         "log_dir": plan.log_dir,
-        "inherit_env": inherit_env,
-        "env": dict(forwarded or {}),
-        "host_env": dict(host_env or {}),
-        "path_prepend": list(path_prepend),
+        "env": plan.user_env.as_dict(),
         "ranks": [
             {"rank": s.rank, "local_rank": s.local_rank, "argv": rank_argv(plan, s),
-             "env": rank_env(plan, node, s)}
-            for s in node.ranks
+             "env": rank_env(plan, node, s).to_json()}
+            for s in (node.ranks if slots is None else slots)
         ],
     }
 
@@ -115,7 +148,17 @@ class AgentChannel(ABC):
 
     @abstractmethod
     def wait(self, timeout: float | None = None) -> int | None:
-        """Exit status of the agent, or None if still running after timeout."""
+        """Exit status of the agent, or None if unknown / still running."""
+
+    def on_eof(self) -> None:  # noqa: B027 - only some channels track it
+        """Called once the agent's output has ended."""
+
+    def end_input(self) -> None:
+        """End of the agent's input: it stops its ranks and exits."""
+        try:
+            self.stdin().close()
+        except (OSError, EOFError, ValueError):
+            pass
 
     def stderr(self) -> IO[bytes] | None:
         """The agent's stderr when the launcher must relay it (None: inherited)."""
@@ -133,13 +176,15 @@ class JobHandle:
     """The launcher's view of a running job: agents and their events.
 
     Besides the agents' own messages, the queue carries ``eof`` when an
-    agent's stdout ends and ``agent_err`` for each line an agent writes on a
+    agent's output ends and ``agent_err`` for each line an agent writes on a
     relayed stderr (the last lines are kept for error messages).
+    ``leaders[n]`` is the channel of node n's first agent (the one probed).
     """
 
     def __init__(self, channels: list[AgentChannel],
-                 payloads: list[dict[str, Any]] | None = None) -> None:
+                 leaders: Sequence[int] | None = None) -> None:
         self.channels = channels
+        self.leaders = list(range(len(channels)) if leaders is None else leaders)
         self.events: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
         self.err_tails = [collections.deque(maxlen=STDERR_TAIL) for _ in channels]
         self._stderr_pumps: dict[int, threading.Thread] = {}
@@ -150,12 +195,14 @@ class JobHandle:
                 t.start()
                 self._stderr_pumps[index] = t
             threading.Thread(target=self._pump, args=(index, channel), daemon=True).start()
-        if payloads is not None:
-            self.start(payloads)
 
-    def start(self, payloads: Sequence[dict[str, Any]]) -> None:
+    @property
+    def hosts(self) -> list[str]:
+        return [c.host for c in self.channels]
+
+    def start(self, request: Request) -> None:
         """Send each agent its start payload: from here on ranks run."""
-        for channel, payload in zip(self.channels, payloads):
+        for channel, payload in zip(self.channels, request.payloads):
             self._send(channel, payload)
 
     def send(self, index: int, obj: dict[str, Any]) -> None:
@@ -170,8 +217,9 @@ class JobHandle:
                 except ValueError:
                     msg = {"ev": "garbage", "line": line.decode("utf-8", "replace").rstrip()}
                 self.events.put((index, msg))
-        except (OSError, EOFError):
+        except (OSError, EOFError, ValueError):
             pass  # transport gone: same as end of output
+        channel.on_eof()
         err_pump = self._stderr_pumps.get(index)
         if err_pump is not None:  # its last lines explain an exit
             err_pump.join(timeout=0.5)
@@ -183,7 +231,7 @@ class JobHandle:
                 line = raw.decode("utf-8", "replace").rstrip("\n")
                 self.err_tails[index].append(line)
                 self.events.put((index, {"ev": "agent_err", "line": line}))
-        except (OSError, EOFError):
+        except (OSError, EOFError, ValueError):
             pass
 
     def exit_message(self, index: int, code: int | None) -> str:
@@ -206,31 +254,53 @@ class JobHandle:
             channel.kill()
 
     def close(self) -> None:
-        """End of stdin for every agent (stop now), then wait for them."""
+        """End of input for every agent (stop now), then wait for them."""
         for channel in self.channels:
-            try:
-                channel.stdin().close()
-            except (OSError, EOFError):
-                pass
+            channel.end_input()
         for channel in self.channels:
             channel.wait(timeout=5)
             channel.close()
 
 
 class Backend(ABC):
-    name: str
+    name: ClassVar[str]
+    #: One agent per rank (mpirun/srun start every rank) instead of per host.
+    agent_per_rank: ClassVar[bool] = False
+    #: Agents on other hosts start in the host's login environment.
+    login_env: ClassVar[bool] = False
+
+    def __init__(self, hosts: HostsSpec | None = None, python: str = sys.executable) -> None:
+        self.hosts = hosts or HostsSpec()
+        self.python = python
+
+    def agent_argv(self) -> tuple[str, ...]:
+        return (self.python, "-m", AGENT_MODULE)
+
+    def remote_path(self) -> tuple[str, ...]:
+        """PATH prefix for ranks on other hosts (see :attr:`login_env`)."""
+        return (os.path.dirname(self.python),) if self.login_env else ()
+
+    def pool_without_hostfile(self) -> HostPool | None:
+        """The hosts to choose from when no hostfile exists (None: this host)."""
+        return None
+
+    def local_hosts(self, hosts: Sequence[str], hostname: str,
+                    addresses: Sequence[str]) -> list[bool]:
+        """Which of ``hosts`` are this machine."""
+        return [is_local_host(h, hostname, addresses) for h in hosts]
+
+    def check(self, cluster: Cluster) -> None:  # noqa: B027 - nothing to check by default
+        """Refuse, before anything starts, a job this backend cannot run."""
+
+    def connect_address(self, host: str) -> str | None:
+        """The address the launcher reaches ``host`` at, when it knows one."""
+        return None
 
     @abstractmethod
-    def prepare(self, plan: LaunchPlan) -> Request: ...
+    def prepare(self, plan: LaunchPlan) -> Request:
+        """The printable request for ``plan`` (pure)."""
 
     @abstractmethod
-    def open(self, hosts: Sequence[str], cwd: str, local: Sequence[bool]) -> JobHandle:
-        """Start one agent per host, each waiting for its first line."""
-
-    def launch(self, request: Request) -> JobHandle:
-        plan = request.plan
-        assert plan.final, "launch needs a final plan"
-        handle = self.open([a.host for a in request.agents], plan.cwd,
-                           [n.local for n in plan.nodes])
-        handle.start([a.payload for a in request.agents])
-        return handle
+    def open(self, plan: LaunchPlan, sink: OutputSink) -> JobHandle:
+        """Start the agents of ``plan`` (a draft will do), each waiting for
+        its first line. ``sink`` receives what a launching tool prints."""

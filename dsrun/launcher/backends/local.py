@@ -5,20 +5,27 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
-from typing import IO
+from collections.abc import Mapping
+from typing import IO, TYPE_CHECKING
 
+from dsrun.errors import DsrunUsageError
 from dsrun.launcher.backends.base import (
-    AGENT_MODULE,
     AgentChannel,
     AgentRequest,
     Backend,
     JobHandle,
+    OutputSink,
     Request,
     agent_payload,
 )
-from dsrun.launcher.devices import usable_cpus
-from dsrun.launcher.plan import LaunchPlan, host_env
+from dsrun.launcher.plan import LaunchPlan, format_command
+from dsrun.launcher.spec import HostsSpec
+
+if TYPE_CHECKING:
+    from dsrun.launcher.cluster import Cluster
+
+#: Layer 1 of a local agent's ranks (rankenv.py).
+LOCAL_BASE = "the environment dsrun was started with"
 
 
 class LocalChannel(AgentChannel):
@@ -50,27 +57,34 @@ class LocalChannel(AgentChannel):
             return None
 
 
+def local_request(backend: Backend, plan: LaunchPlan, index: int,
+                  environ: Mapping[str, str]) -> AgentRequest:
+    """The request of node ``index``'s agent as a child of the launcher."""
+    node = plan.nodes[index]
+    return AgentRequest(node.host, agent_payload(plan, node),
+                        f"agent {format_command(backend.agent_argv())}", LOCAL_BASE, environ)
+
+
 class LocalBackend(Backend):
     name = "local"
 
-    def __init__(self, python: str = sys.executable) -> None:
-        self.python = python
+    def __init__(self, hosts: HostsSpec | None = None, python: str = sys.executable,
+                 environ: Mapping[str, str] | None = None) -> None:
+        super().__init__(hosts, python)
+        self.environ = dict(os.environ if environ is None else environ)
 
-    def argv(self) -> tuple[str, ...]:
-        return (self.python, "-m", AGENT_MODULE)
+    def check(self, cluster: Cluster) -> None:
+        if not all(cluster.local):
+            remote = cluster.hosts[cluster.local.index(False)]
+            raise DsrunUsageError(f"--launcher local cannot start ranks on {remote} "
+                                  f"(from {cluster.source}), which is not this host; use ssh")
 
     def prepare(self, plan: LaunchPlan) -> Request:
-        forwarded = plan.user_env.as_dict()
-        agents = tuple(
-            AgentRequest(node.host, self.argv(),
-                         agent_payload(plan, node, forwarded, host_env={
-                             **dict(node.env),
-                             **host_env(len(node.ranks), usable_cpus(),
-                                        {**os.environ, **forwarded})}))
-            for node in plan.nodes
-        )
+        agents = tuple(local_request(self, plan, i, self.environ)
+                       for i in range(len(plan.nodes)))
         return Request(self.name, plan, agents)
 
-    def open(self, hosts: Sequence[str], cwd: str, local: Sequence[bool]) -> JobHandle:
-        channels: list[AgentChannel] = [LocalChannel(h, self.argv(), cwd) for h in hosts]
+    def open(self, plan: LaunchPlan, sink: OutputSink) -> JobHandle:
+        channels: list[AgentChannel] = [LocalChannel(n.host, self.agent_argv(), plan.cwd)
+                                        for n in plan.nodes]
         return JobHandle(channels)

@@ -40,20 +40,22 @@ from typing import IO, Any
 
 import paramiko
 
-from dsrun.errors import DsrunUsageError, LaunchError
+from dsrun.errors import DsrunUsageError, LaunchError, SelectionError
 from dsrun.launcher.backends.base import (
     AGENT_MODULE,
     AgentChannel,
     AgentRequest,
     Backend,
+    HostPool,
     JobHandle,
+    OutputSink,
     Request,
     agent_payload,
 )
-from dsrun.launcher.backends.local import LocalChannel
+from dsrun.launcher.backends.local import LocalChannel, local_request
 from dsrun.launcher.netinfo import is_local_host
 from dsrun.launcher.plan import LaunchPlan
-from dsrun.launcher.spec import SshOptions
+from dsrun.launcher.spec import HostsSpec, SshOptions
 
 # paramiko logs handshake failures with tracebacks; dsrun reports them itself.
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
@@ -370,14 +372,17 @@ class FailedChannel(AgentChannel):
 
 class SshBackend(Backend):
     name = "ssh"
+    login_env = True
 
-    def __init__(self, options: SshOptions | None = None, python: str = sys.executable,
-                 lookup: Lookup | None = None, user: str | None = None) -> None:
-        self.options = options or SshOptions()
-        self.python = python
+    def __init__(self, hosts: HostsSpec | None = None, python: str = sys.executable,
+                 lookup: Lookup | None = None, user: str | None = None,
+                 environ: Mapping[str, str] | None = None) -> None:
+        super().__init__(hosts, python)
+        self.options = self.hosts.ssh
         self._lookup = lookup
         self._user = user
         self._targets: dict[str, SshTarget] = {}
+        self.environ = dict(os.environ if environ is None else environ)
 
     def target(self, host: str) -> SshTarget:
         if host not in self._targets:
@@ -387,38 +392,41 @@ class SshBackend(Backend):
             self._targets[host] = resolve_target(host, self.options, self._lookup(host), user)
         return self._targets[host]
 
-    def is_local(self, host: str, hostname: str, addresses: Sequence[str]) -> bool:
-        """Whether ``host`` is this machine, also by its ssh_config HostName."""
-        return is_local_host(host, hostname, addresses, self.target(host).hostname)
+    def pool_without_hostfile(self) -> HostPool | None:
+        raise SelectionError("--launcher ssh needs a hostfile: name one with -H/--hostfile"
+                             " (neither ./hostfile nor /job/hostfile exists)")
 
-    def connect_address(self, host: str) -> str:
+    def local_hosts(self, hosts: Sequence[str], hostname: str,
+                    addresses: Sequence[str]) -> list[bool]:
+        """This machine, also by its ssh_config HostName."""
+        return [is_local_host(h, hostname, addresses) or
+                is_local_host(h, hostname, addresses, self.target(h).hostname)
+                for h in hosts]
+
+    def connect_address(self, host: str) -> str | None:
         return self.target(host).hostname
 
-    def argv(self) -> tuple[str, ...]:
-        return (self.python, "-m", AGENT_MODULE)
-
     def prepare(self, plan: LaunchPlan) -> Request:
-        forwarded = plan.user_env.as_dict()
         agents = []
-        for node in plan.nodes:
+        for i, node in enumerate(plan.nodes):
             if node.local:
-                payload = agent_payload(plan, node, forwarded, host_env=dict(node.env))
-                agents.append(AgentRequest(node.host, self.argv(), payload))
+                agents.append(local_request(self, plan, i, self.environ))
                 continue
-            payload = agent_payload(plan, node, forwarded, host_env=dict(node.env),
-                                    path_prepend=(os.path.dirname(self.python),))
-            agents.append(AgentRequest(node.host, self.argv(), payload,
-                                       transport=self.target(node.host).describe(),
-                                       remote_command=remote_command(self.python, plan.cwd)))
+            start = f"{self.target(node.host).describe()}: {remote_command(self.python, plan.cwd)}"
+            agents.append(AgentRequest(node.host, agent_payload(plan, node), start,
+                                       f"the login environment of {node.host}"))
         return Request(self.name, plan, tuple(agents))
 
-    def open(self, hosts: Sequence[str], cwd: str, local: Sequence[bool]) -> JobHandle:
+    def open(self, plan: LaunchPlan, sink: OutputSink) -> JobHandle:
         """Connect to every host in parallel and start its agent.
 
         A host that cannot be reached gets a FailedChannel (its ``eof``
         carries the reason); if the launcher is interrupted meanwhile, every
         connection, also those still being made, is closed.
         """
+        hosts = [n.host for n in plan.nodes]
+        local = [n.local for n in plan.nodes]
+        cwd = plan.cwd
         opened: list[AgentChannel] = []
         lock = threading.Lock()
         abandoned = False
@@ -449,7 +457,7 @@ class SshBackend(Backend):
 
     def _open_one(self, host: str, cwd: str, is_local: bool) -> AgentChannel:
         if is_local:
-            return LocalChannel(host, self.argv(), cwd)
+            return LocalChannel(host, self.agent_argv(), cwd)
         try:
             target = self.target(host)
             start = time.monotonic()
@@ -465,9 +473,6 @@ class SshBackend(Backend):
 
 
 def _discard(channel: AgentChannel) -> None:
-    try:
-        channel.stdin().close()
-    except (OSError, EOFError, ValueError):
-        pass
+    channel.end_input()
     channel.kill()
     channel.close()

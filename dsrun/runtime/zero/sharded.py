@@ -94,9 +94,10 @@ from dsrun.runtime.zero.memory import StateBytes, count_bytes, tensors_in
 from dsrun.runtime.zero.offload import HOST, HostFence, Landing, Placement, pinning
 from dsrun.runtime.zero.partition import GroupLayout, partition_group, windows
 from dsrun.runtime.zero.reducer import GradReducer, GradSource
+from dsrun.runtime.zero.state_io import ShardedStateIO
 
 
-class ZeroOptimizer(MasterGradients):
+class ZeroOptimizer(ShardedStateIO, MasterGradients):
     """ZeRO stage 1/2 optimizer (module docstring for the interface)."""
 
     def __init__(self, params: Iterable[Any], optimizer_cls: type[Optimizer],

@@ -106,9 +106,10 @@ from dsrun.runtime.zero.stage3_setup import (
     flatten_shards,
     partition_for_optimizer,
 )
+from dsrun.runtime.zero.state_io import Stage3StateIO
 
 
-class ZeroStage3(MasterGradients):
+class ZeroStage3(Stage3StateIO, MasterGradients):
     """ZeRO stage 3 over ``module`` (module docstring for the interface)."""
 
     stage = 3

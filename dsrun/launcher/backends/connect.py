@@ -1,0 +1,316 @@
+"""Agents started by one command (mpirun, srun) that connect back.
+
+:func:`open_connected` is ``open`` for such backends: it listens on a free
+port, starts the launching tool with the callback variables in its
+environment (protocol.py), waits until one agent per rank has connected
+and proved it knows the job secret (callback.py), checks that the tool
+placed the ranks where the plan has them, and returns a
+:class:`ConnectedHandle` whose channels are the connections, in rank order.
+
+The tool is supervised with the agents: its output goes to the sink as
+``[mpirun]``/``[srun]`` lines (and its last lines explain a failure), it
+may not exit before every agent has connected, and closing the handle
+waits for it to exit, then SIGTERMs and finally SIGKILLs it. An agent that
+loses its connection stops its ranks, so nothing of the job outlives the
+launcher on any host.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import IO, Any
+
+from dsrun.errors import LaunchError
+from dsrun.launcher import callback, netinfo, protocol
+from dsrun.launcher.backends.base import TOOL_LINE, AgentChannel, JobHandle, OutputSink
+from dsrun.launcher.plan import LaunchPlan
+
+log = logging.getLogger("dsrun.launcher")
+TOOL_TAIL = 20
+#: Seconds the tool gets to exit after its agents have, before SIGTERM.
+TOOL_EXIT_GRACE = 10.0
+
+
+class LaunchTool:
+    """The process that starts the agents (mpirun, srun), with its output."""
+
+    def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str], cwd: str,
+                 sink: OutputSink) -> None:
+        self.name = name
+        self.sink = sink
+        self.tail: collections.deque[str] = collections.deque(maxlen=TOOL_TAIL)
+        try:
+            # Own session: Ctrl-C reaches the launcher, which stops the job in order.
+            self.proc = subprocess.Popen(list(argv), env=dict(env), cwd=cwd,
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, start_new_session=True)
+        except OSError as exc:
+            raise LaunchError(f"cannot start {argv[0]}: {exc.strerror or exc}") from None
+        self._pumps = [threading.Thread(target=self._pump, args=(fd, stream), daemon=True)
+                       for fd, stream in ((1, self.proc.stdout), (2, self.proc.stderr))]
+        for t in self._pumps:
+            t.start()
+
+    def _pump(self, fd: int, stream: IO[bytes]) -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            self.tail.append(line)
+            self.sink(self.name, TOOL_LINE, fd, line)
+        stream.close()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def exit_text(self, when: str = "") -> str:
+        """'mpirun exited with status 1 <when>: <its last error line>'."""
+        for t in self._pumps:
+            t.join(timeout=1)
+        lines = [ln.strip() for ln in self.tail if ln.strip()]
+        last = next((ln for ln in reversed(lines) if "error" in ln.lower()),
+                    lines[-1] if lines else "")
+        text = f"{self.name} exited with status {self.proc.returncode}{when}"
+        return f"{text}: {last}" if last else text
+
+    def stop(self, grace: float) -> None:
+        """Wait ``grace`` seconds for it to exit, then SIGTERM, then SIGKILL."""
+        for sig_wait in (grace, 5.0):
+            try:
+                self.proc.wait(sig_wait)
+                return
+            except subprocess.TimeoutExpired:
+                if sig_wait == grace:
+                    self.proc.terminate()
+        self.proc.kill()
+        self.proc.wait()
+
+
+class SocketChannel(AgentChannel):
+    """An agent's connection back to the launcher."""
+
+    def __init__(self, sock: socket.socket, hello: dict[str, Any], tool: LaunchTool) -> None:
+        self.sock = sock
+        self.hello = hello
+        self.host = str(hello.get("host") or "?")
+        self.rank = int(hello["rank"])
+        self.tool = tool
+        self._in = sock.makefile("wb")
+        self._out = sock.makefile("rb")
+        self._eof = threading.Event()
+
+    def stdin(self) -> IO[bytes]:
+        return self._in  # type: ignore[return-value]
+
+    def stdout(self) -> IO[bytes]:
+        return self._out  # type: ignore[return-value]
+
+    def on_eof(self) -> None:
+        self._eof.set()
+
+    def end_input(self) -> None:
+        try:
+            self._in.flush()
+            self.sock.shutdown(socket.SHUT_WR)
+        except (OSError, ValueError):
+            pass
+
+    def kill(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        return 0 if self._eof.wait(timeout) else None
+
+    def exit_message(self, code: int | None, err_tail: Sequence[str]) -> str:
+        message = f"lost the connection to the agent of rank {self.rank} on {self.host}"
+        if not self.tool.alive():
+            message += f" ({self.tool.exit_text()})"
+        return message
+
+    def close(self) -> None:
+        for f in (self._in, self._out):
+            try:
+                f.close()
+            except (OSError, ValueError):
+                pass
+        self.sock.close()
+
+
+class CallbackServer:
+    """Listens for the agents of one attempt and authenticates them."""
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.secret = callback.new_secret()
+        self.sock = _listen()
+        self.port = int(self.sock.getsockname()[1])
+        self.hellos: dict[int, tuple[socket.socket, dict[str, Any]]] = {}
+        self.problems: list[str] = []
+        self.cond = threading.Condition()
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True, name="dsrun-callback").start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, peer = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handshake, args=(conn, peer), daemon=True).start()
+
+    def _handshake(self, conn: socket.socket, peer: Any) -> None:
+        try:
+            hello = callback.server_handshake(conn, self.secret)
+            rank = hello["rank"]
+            with self.cond:
+                if self._closed or not 0 <= rank < self.expected or rank in self.hellos:
+                    raise callback.HandshakeError(f"unexpected rank {rank}")
+                self.hellos[rank] = (conn, hello)
+                self.cond.notify_all()
+        except (callback.HandshakeError, OSError) as exc:
+            log.warning("refused an agent connection from %s: %s", peer, exc)
+            with self.cond:
+                self.problems.append(f"{peer}: {exc}")
+            conn.close()
+
+    def wait_all(self, tool: LaunchTool, timeout: float | None) -> None:
+        """Until every rank's agent has connected; LaunchError if the tool
+        exits first or ``timeout`` passes."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cond:
+            while len(self.hellos) < self.expected:
+                if not tool.alive():
+                    raise LaunchError(tool.exit_text(f" before {self._missing()} "
+                                                     f"connected back"))
+                if deadline is not None and time.monotonic() > deadline:
+                    raise LaunchError(f"{self._missing()} did not connect back within "
+                                      f"{timeout:g}s of starting {tool.name}")
+                self.cond.wait(0.1)
+
+    def _missing(self) -> str:
+        missing = [r for r in range(self.expected) if r not in self.hellos]
+        shown = ",".join(map(str, missing[:8])) + ("..." if len(missing) > 8 else "")
+        return f"the agents of rank(s) {shown}"
+
+    def endpoints(self, prefer: Sequence[str]) -> str:
+        """The addresses agents try, in order: ``prefer`` (routes to the job's
+        hosts), this host's other addresses, loopback last."""
+        own = [a.split("%")[0] for a in netinfo.own_addresses()]
+        routed = [a for a in prefer if a]
+        others = [a for a in own if not netinfo.is_loopback(a) and a not in routed
+                  and not a.startswith("fe80")]
+        return callback.format_endpoints([*dict.fromkeys([*routed, *others]), "127.0.0.1"],
+                                         self.port)
+
+    def close(self, keep: bool) -> None:
+        """Stop listening; close the agents' connections unless ``keep``."""
+        with self.cond:
+            self._closed = True
+            conns = [] if keep else [c for c, _ in self.hellos.values()]
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        for conn in conns:
+            conn.close()
+
+
+def _listen() -> socket.socket:
+    try:
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(("::", 0))
+    except OSError:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("0.0.0.0", 0))
+    sock.listen(1024)
+    return sock
+
+
+def placement_problem(plan: LaunchPlan, hellos: Mapping[int, Mapping[str, Any]],
+                      tool: str) -> str | None:
+    """Why the tool's placement differs from the plan's, or None (pure).
+
+    Every rank must have the plan's local rank, the ranks of one node must
+    share a host, and different nodes must be different hosts.
+    """
+    seen: dict[str, int] = {}
+    for node in plan.nodes:
+        host = str(hellos[node.ranks[0].rank].get("host"))
+        for slot in node.ranks:
+            got = hellos[slot.rank]
+            if got.get("local_rank") != slot.local_rank or str(got.get("host")) != host:
+                return (f"{tool} started rank {slot.rank} as local rank {got.get('local_rank')}"
+                        f" on {got.get('host')}, but dsrun's plan has it as local rank "
+                        f"{slot.local_rank} on {node.host} (options in --launcher_args or "
+                        f"--slurm_args must not change where ranks run)")
+        if host in seen:
+            return (f"{tool} started ranks of hosts {plan.nodes[seen[host]].host} and "
+                    f"{node.host} on the same host {host}")
+        seen[host] = node.node_rank
+    return None
+
+
+class ConnectedHandle(JobHandle):
+    """A JobHandle over connect-back channels, owning the launching tool."""
+
+    def __init__(self, channels: list[AgentChannel], leaders: Sequence[int],
+                 tool: LaunchTool, grace: float) -> None:
+        super().__init__(channels, leaders)
+        self.tool = tool
+        self.grace = grace
+
+    def kill(self) -> None:
+        super().kill()
+        if self.tool.alive():
+            self.tool.proc.kill()
+
+    def close(self) -> None:
+        super().close()
+        self.tool.stop(self.grace + TOOL_EXIT_GRACE)
+
+
+def open_connected(plan: LaunchPlan, name: str, argv: Sequence[str],
+                   tool_env: Mapping[str, str], sink: OutputSink, prefer: Sequence[str],
+                   timeout: float | None, agent_timeout: float) -> ConnectedHandle:
+    """Start ``argv`` (the tool) and wait for every rank's agent; see the
+    module docstring. ``tool_env`` is the tool's environment without the
+    callback variables, which are added here; ``agent_timeout`` is how long
+    an agent tries to reach the launcher."""
+    server = CallbackServer(plan.world_size)
+    env = {**tool_env, protocol.LAUNCHER_VAR: server.endpoints(prefer),
+           protocol.SECRET_VAR: server.secret, protocol.TIMEOUT_VAR: f"{agent_timeout:g}"}
+    tool = None
+    try:
+        tool = LaunchTool(name, argv, env, plan.cwd, sink)
+        server.wait_all(tool, timeout)
+        hellos = {r: h for r, (_, h) in server.hellos.items()}
+        problem = placement_problem(plan, hellos, name)
+        if problem:
+            raise LaunchError(problem)
+    except BaseException:
+        server.close(keep=False)
+        if tool is not None:
+            tool.stop(0)
+        raise
+    server.close(keep=True)
+    channels: list[AgentChannel] = [SocketChannel(*server.hellos[r], tool)
+                                    for r in range(plan.world_size)]
+    leaders = [node.ranks[0].rank for node in plan.nodes]
+    return ConnectedHandle(channels, leaders, tool, plan.kill_grace)
+
+
+def tool_environment(plan: LaunchPlan, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The tool's environment: the launcher's, plus the user's variables (so
+    that ``-x NAME`` / ``--export`` pass them on by name)."""
+    env = dict(os.environ if base is None else base)
+    env.update(plan.user_env.as_dict())
+    return env

@@ -1,0 +1,219 @@
+"""Open MPI backend: one ``mpirun`` starts every rank's agent (``--launcher openmpi``).
+
+The plan becomes one mpirun argv (:func:`mpirun_argv`, pure and
+golden-tested): ``-np WORLD``, ``-H host:ranks,...`` in plan order (this
+host as ``localhost``), ``--map-by slot`` so that each host's ranks are
+contiguous and in local-rank order, ``--bind-to none`` (unless
+--launcher_args binds: ranks see the host's CPUs as under the other
+launchers, and OMP_NUM_THREADS shares them), ``-x NAME`` for every variable the
+agents need (values in mpirun's environment, never on its command line),
+``--allow-run-as-root`` only as root, dsrun's SSH options as
+``--mca plm_rsh_args`` (mpirun reaches other hosts over ssh), then
+``--launcher_args`` verbatim, then the agent. Each MPI process is an agent
+in connect mode (connect.py): it connects back, is probed and planned like
+an SSH agent, and starts its rank as a child, which inherits the MPI
+variables, so ``MPI_Init`` in the rank joins mpirun's job (mpi4py and
+``MPI.Comm.Spawn`` work there).
+
+Before anything starts (:meth:`OpenMpiBackend.check`): mpirun must be on
+PATH and be Open MPI's, and mpi4py must import and use the same MPI
+library (vendor and version), else one error naming the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from dsrun.errors import DsrunUsageError
+from dsrun.launcher import netinfo
+from dsrun.launcher.backends.base import (
+    AgentRequest,
+    Backend,
+    JobHandle,
+    OutputSink,
+    Request,
+    agent_payload,
+)
+from dsrun.launcher.backends.connect import open_connected, tool_environment
+from dsrun.launcher.plan import LaunchPlan
+from dsrun.launcher.protocol import AGENT_BOOTSTRAP_VARS
+from dsrun.launcher.spec import HostsSpec, SshOptions
+
+if TYPE_CHECKING:
+    from dsrun.launcher.cluster import Cluster
+
+#: mpirun options that decide where ranks run: dsrun sets them from the plan.
+CONTROLLED = ("-np", "-n", "-c", "--np", "-H", "-host", "--host", "-hostfile", "--hostfile",
+              "-machinefile", "--machinefile", "--default-hostfile")
+_VERSION = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
+
+
+def rsh_args(ssh: SshOptions) -> str | None:
+    """dsrun's SSH options as ssh flags for mpirun's remote launches."""
+    words: list[str] = []
+    if ssh.config:
+        words += ["-F", ssh.config]
+    if ssh.port is not None:
+        words += ["-p", str(ssh.port)]
+    if ssh.user:
+        words += ["-l", ssh.user]
+    if ssh.key:
+        words += ["-i", ssh.key]
+    if ssh.insecure:
+        words += ["-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null"]
+    return " ".join(words) or None
+
+
+def env_names(plan: LaunchPlan) -> tuple[str, ...]:
+    """Variables mpirun/srun pass to the agents by name: the callback ones,
+    then the user's and forwarded ones (sorted)."""
+    return (*sorted(AGENT_BOOTSTRAP_VARS), *plan.user_env.keys())
+
+
+def mpirun_argv(plan: LaunchPlan, agent_argv: Sequence[str], *, mpirun: str = "mpirun",
+                launcher_args: Sequence[str] = (), ssh: SshOptions | None = None,
+                as_root: bool = False) -> tuple[str, ...]:
+    """The one mpirun command of a plan (pure)."""
+    hosts = ",".join(f"{'localhost' if n.local else n.host}:{len(n.ranks)}"
+                     for n in plan.nodes)
+    argv = [mpirun, "-np", str(plan.world_size), "-H", hosts, "--map-by", "slot"]
+    if not any(a.lstrip("-").split("=")[0] == "bind-to" for a in launcher_args):
+        # mpirun binds each process to one core by default (np <= 2); the
+        # agent's rank would inherit that. Ranks see the host's CPUs, as
+        # under the other launchers, unless --launcher_args says otherwise.
+        argv += ["--bind-to", "none"]
+    if as_root:
+        argv.append("--allow-run-as-root")
+    argv += ["--wdir", plan.cwd]
+    for name in env_names(plan):
+        argv += ["-x", name]
+    rsh = rsh_args(ssh or SshOptions())
+    if rsh:
+        argv += ["--mca", "plm_rsh_args", rsh]
+    argv += launcher_args
+    argv += [*agent_argv, "--connect"]
+    return tuple(argv)
+
+
+def controlled_problem(args: Sequence[str], controlled: Sequence[str], option: str,
+                       instead: str, attached_short: bool = False) -> str | None:
+    """Why ``args`` may not contain one of the ``controlled`` options (pure).
+
+    ``attached_short``: one-letter options may carry their value (``-N2``,
+    getopt style, as srun parses them).
+    """
+    for arg in args:
+        name = arg.split("=", 1)[0]
+        short = attached_short and any(
+            len(c) == 2 and c[1] != "-" and name.startswith(c) for c in controlled)
+        if name in controlled or short:
+            return f"{option}: {arg!r} decides where ranks run, which dsrun sets; {instead}"
+    return None
+
+
+def version_problem(mpirun: str, mpirun_text: str, library: str | None,
+                    import_error: str | None) -> str | None:
+    """Why mpirun and mpi4py cannot run a dsrun job together, or None (pure).
+
+    ``mpirun_text``: ``mpirun --version`` output; ``library``: mpi4py's
+    ``MPI.Get_library_version()``.
+    """
+    first = mpirun_text.strip().splitlines()[0] if mpirun_text.strip() else "nothing"
+    if "Open MPI" not in mpirun_text:
+        return (f"--launcher openmpi: {mpirun} is not Open MPI's mpirun (its --version says "
+                f"{first!r}); put Open MPI's bin directory first on PATH")
+    if import_error is not None:
+        return (f"--launcher openmpi: mpi4py cannot be used by {sys.executable}: "
+                f"{import_error}; install it with `{sys.executable} -m pip install mpi4py`")
+    assert library is not None
+    have, want = _VERSION.search(library), _VERSION.search(mpirun_text)
+    if "Open MPI" not in library or have is None or want is None \
+            or have.group(1, 2) != want.group(1, 2):
+        lib = library.split(",")[0].strip()
+        return (f"--launcher openmpi: mpi4py uses {lib!r} but {mpirun} is {first!r}; "
+                f"rebuild mpi4py against it (`{sys.executable} -m pip install --no-binary "
+                f"mpi4py --force-reinstall mpi4py`) or put the matching mpirun first on PATH")
+    return None
+
+
+def mpi4py_library() -> tuple[str | None, str | None]:
+    """(MPI library version mpi4py loads, None) or (None, why it cannot)."""
+    try:
+        import mpi4py
+
+        mpi4py.rc.initialize = False  # only asking the library: no MPI_Init here
+        mpi4py.rc.finalize = False
+        from mpi4py import MPI
+
+        return str(MPI.Get_library_version()).rstrip("\x00").strip(), None
+    except Exception as exc:  # noqa: BLE001 - ImportError, or a missing libmpi
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+class OpenMpiBackend(Backend):
+    name = "openmpi"
+    agent_per_rank = True
+    login_env = True
+
+    def __init__(self, hosts: HostsSpec | None = None, python: str = sys.executable,
+                 environ: Mapping[str, str] | None = None, mpirun: str | None = None,
+                 as_root: bool | None = None) -> None:
+        super().__init__(hosts, python)
+        self.environ = dict(os.environ if environ is None else environ)
+        self.mpirun = mpirun or "mpirun"
+        self.as_root = os.geteuid() == 0 if as_root is None else as_root
+
+    def check(self, cluster: Cluster) -> None:
+        problem = controlled_problem(self.hosts.launcher_args, CONTROLLED, "--launcher_args",
+                                     "choose hosts and ranks with -H/--include/--exclude/"
+                                     "--num_nodes/--num_gpus")
+        if problem:
+            raise DsrunUsageError(problem)
+        path = shutil.which(self.mpirun, path=self.environ.get("PATH"))
+        if path is None:
+            raise DsrunUsageError(
+                f"--launcher openmpi: {self.mpirun} is not on PATH; install Open MPI (Debian: "
+                f"apt-get install openmpi-bin) or put its bin directory on PATH")
+        self.mpirun = path
+        try:
+            out = subprocess.run([path, "--version"], capture_output=True, text=True,
+                                 timeout=30, env=self.environ)
+            text = out.stdout + out.stderr
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            text = f"cannot run it: {exc}"
+        problem = version_problem(path, text, *mpi4py_library())
+        if problem:
+            raise DsrunUsageError(problem)
+
+    def argv(self, plan: LaunchPlan) -> tuple[str, ...]:
+        return mpirun_argv(plan, self.agent_argv(), mpirun=self.mpirun,
+                           launcher_args=self.hosts.launcher_args, ssh=self.hosts.ssh,
+                           as_root=self.as_root)
+
+    def prepare(self, plan: LaunchPlan) -> Request:
+        agents = []
+        for node in plan.nodes:
+            where = "here" if node.local else f"on {node.host}"
+            login = "dsrun's environment" if node.local else "its login environment"
+            base = f"the environment mpirun gives its processes {where} ({login} and -x)"
+            for slot in node.ranks:
+                agents.append(AgentRequest(
+                    node.host, agent_payload(plan, node, [slot]),
+                    f"started by mpirun, one agent per rank: {self.python} -m "
+                    f"dsrun.launcher.agent --connect", base,
+                    self.environ if node.local else None))
+        return Request(self.name, plan, tuple(agents), self.argv(plan), env_names(plan))
+
+    def open(self, plan: LaunchPlan, sink: OutputSink) -> JobHandle:
+        prefer = [netinfo.route_source(n.host) for n in plan.nodes if not n.local]
+        timeout = max(60.0, 6 * self.hosts.ssh.timeout)
+        return open_connected(plan, "mpirun", self.argv(plan),
+                              tool_environment(plan, self.environ), sink,
+                              [p for p in prefer if p], timeout,
+                              agent_timeout=max(30.0, 3 * self.hosts.ssh.timeout))

@@ -1,0 +1,130 @@
+"""A rank's environment: one builder, named layers, the same everywhere (pure).
+
+The launcher builds each rank's :class:`RankEnv` once (:func:`rank_env`);
+it travels to the node agent in the start payload, the agent turns it into
+the process environment with :func:`materialize`, and ``--dry-run`` prints
+it with :func:`describe`. So what the dry-run shows is what the agent sets,
+whatever the backend. Layers, later ones winning:
+
+1. inherited: the environment the node agent starts in (dsrun's own for a
+   local agent, the login environment of an SSH host, what mpirun or srun
+   give their processes), less the agent's own bootstrap variables
+   (:data:`dsrun.launcher.protocol.AGENT_BOOTSTRAP_VARS`);
+2. user: the user's and forwarded variables (envpolicy.JobEnv, one set per
+   job); their values are never printed or logged;
+3. defaults: set only where layers 1-2 leave the name unset
+   (``OMP_NUM_THREADS``: the host's usable CPUs shared among its ranks;
+   ``PYTHONUNBUFFERED=1``; ``GLOO/NCCL_SOCKET_IFNAME`` on multi-host jobs);
+4. PATH prefix: directories put in front of the inherited ``PATH`` (the
+   launcher interpreter's, for agents that start in a login environment);
+5. dsrun: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ... - always win;
+6. agent: the agent's process marker and the rank's error file, which only
+   the agent on the host knows.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dsrun.launcher.envpolicy import JobEnv
+from dsrun.launcher.plan import PENDING, LaunchPlan, NodePlan, RankSlot
+from dsrun.launcher.protocol import AGENT_BOOTSTRAP_VARS
+
+#: Set by the agent on each rank (layer 6); shown as placeholders.
+AGENT_VARS = {
+    "DSRUN_AGENT_ID": "<set by the agent: marks the job's processes on the host>",
+    "DSRUN_ERROR_FILE": "<set by the agent: where the rank records an uncaught error>",
+}
+
+Pairs = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """Layers 3-5 of one rank (1 is the host's, 2 the job's, 6 the agent's)."""
+
+    dsrun: Pairs
+    defaults: Pairs = ()
+    path_prepend: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dsrun": dict(self.dsrun), "defaults": dict(self.defaults),
+                "path_prepend": list(self.path_prepend)}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> RankEnv:
+        return cls(tuple(sorted(obj.get("dsrun", {}).items())),
+                   tuple(sorted(obj.get("defaults", {}).items())),
+                   tuple(obj.get("path_prepend", ())))
+
+
+def omp_threads(cpus: int | None, local_world_size: int) -> str:
+    if cpus is None:
+        return f"{PENDING}: usable CPUs of the host / {local_world_size}"
+    return str(max(1, cpus // max(local_world_size, 1)))
+
+
+def rank_env(plan: LaunchPlan, node: NodePlan, slot: RankSlot) -> RankEnv:
+    """The environment layers dsrun decides for one rank."""
+    env = dict(plan.job_env)
+    env.update(
+        RANK=str(slot.rank),
+        LOCAL_RANK=str(slot.local_rank),
+        WORLD_SIZE=str(plan.world_size),
+        LOCAL_WORLD_SIZE=str(len(node.ranks)),
+        NODE_RANK=str(node.node_rank),
+        NNODES=str(len(plan.nodes)),
+        MASTER_ADDR=plan.master_addr or PENDING,
+        MASTER_PORT=PENDING if plan.master_port is None else str(plan.master_port),
+        DSRUN_JOB_ID=plan.job_id,
+        DSRUN_RESTART_COUNT=str(plan.restart_count),
+    )
+    if node.has_gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in node.devices)
+    defaults = {"OMP_NUM_THREADS": omp_threads(node.cpus, len(node.ranks)),
+                "PYTHONUNBUFFERED": "1", **dict(node.env)}
+    for key in plan.user_env.keys():
+        defaults.pop(key, None)  # the user's value wins wherever the agent runs
+    return RankEnv(tuple(sorted(env.items())), tuple(sorted(defaults.items())),
+                   node.path_prepend)
+
+
+def materialize(env: RankEnv, inherited: Mapping[str, str], user: Mapping[str, str],
+                agent: Mapping[str, str]) -> dict[str, str]:
+    """The process environment of a rank: layers 1-6 in order."""
+    out = {k: v for k, v in inherited.items() if k not in AGENT_BOOTSTRAP_VARS}
+    out.update(user)
+    for key, value in env.defaults:
+        out.setdefault(key, value)
+    if env.path_prepend:
+        out["PATH"] = os.pathsep.join([*env.path_prepend, out.get("PATH", os.defpath)])
+    out.update(env.dsrun)
+    out.update(agent)
+    return out
+
+
+def describe(env: RankEnv, user: JobEnv, base: str,
+             inherited: Mapping[str, str] | None = None) -> list[str]:
+    """Dry-run lines for one rank. ``base`` names layer 1; ``inherited`` is
+    its content when the launcher knows it (an agent on this host)."""
+    lines = [f"{k}={v}" for k, v in env.dsrun]
+    for key, value in env.defaults:
+        if inherited is None:
+            lines.append(f"{key}={value} (unless set in {base})")
+        elif key not in inherited:
+            lines.append(f"{key}={value}")
+    lines.extend(user.describe())
+    if env.path_prepend:
+        lines.append(f"PATH=<{os.pathsep.join(env.path_prepend)} in front of the PATH of "
+                     f"{base}>")
+    lines.extend(f"{k}={v}" for k, v in AGENT_VARS.items())
+    lines.append(f"(plus {base})")
+    return lines
+
+
+def env_lines(lines: Sequence[str]) -> list[str]:
+    """The variable lines of :func:`describe`'s output (for comparisons)."""
+    return [ln for ln in lines if "=" in ln and not ln.startswith("(")]

@@ -1,0 +1,220 @@
+"""mpirun and srun commands built from plans (golden argv), and their checks (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsrun.errors import DsrunUsageError, SelectionError
+from dsrun.launcher.backends import names
+from dsrun.launcher.backends.connect import placement_problem
+from dsrun.launcher.backends.openmpi import (
+    CONTROLLED,
+    OpenMpiBackend,
+    controlled_problem,
+    mpirun_argv,
+    version_problem,
+)
+from dsrun.launcher.backends.slurm import (
+    SlurmBackend,
+    allocation_pool,
+    placeholder_pool,
+    srun_argv,
+)
+from dsrun.launcher.cluster import Cluster
+from dsrun.launcher.envpolicy import job_env
+from dsrun.launcher.hostfile import parse_hostfile
+from dsrun.launcher.plan import NodeFacts, build_plan
+from dsrun.launcher.resources import select_resources
+from dsrun.launcher.spec import LAUNCHERS, HostsSpec, LaunchSpec, SshOptions
+
+AGENT = ("/venv/bin/python", "-m", "dsrun.launcher.agent")
+HOSTFILE = parse_hostfile("node1 slots=4\nnode2 slots=2\nnode3 slots=4\n", "hf")
+
+
+def _plan(include=None, exclude=None, num_gpus=None, local=(), env=None, **spec_kw):
+    nodes = select_resources(HOSTFILE, include, exclude, None, num_gpus)
+    hosts = tuple(n.host for n in nodes)
+    cluster = Cluster("hf", hosts, tuple(n.slots for n in nodes),
+                      tuple(h in local for h in hosts), "openmpi")
+    spec = LaunchSpec(script="train.py", script_args=("--lr", "1"), **spec_kw)
+    facts = [NodeFacts((), 8) for _ in hosts]
+    return build_plan(spec, cluster, env or job_env({}, remote=True), "j", facts=facts,
+                      python=AGENT[0], cwd="/work", master=("10.0.0.1", 29500))
+
+
+def test_mpirun_golden_uneven_slots_and_forwarded_names():
+    env = job_env({"NCCL_DEBUG": "INFO", "HOME": "/root"}, remote=True,
+                  cli_env=(("SECRET", "s3cr3t"),))
+    plan = _plan(exclude="node1:2,3@node3:0", local=("node1",), env=env)
+    argv = mpirun_argv(plan, AGENT, launcher_args=("--mca", "btl", "self,tcp"),
+                       as_root=True)
+    assert argv == (
+        "mpirun", "-np", "7", "-H", "localhost:2,node2:2,node3:3", "--map-by", "slot",
+        "--bind-to", "none", "--allow-run-as-root", "--wdir", "/work",
+        "-x", "DSRUN_LAUNCHER", "-x", "DSRUN_LAUNCHER_SECRET", "-x", "DSRUN_LAUNCHER_TIMEOUT",
+        "-x", "NCCL_DEBUG", "-x", "SECRET",
+        "--mca", "btl", "self,tcp",
+        *AGENT, "--connect")
+    assert "s3cr3t" not in " ".join(argv) and "INFO" not in argv  # names only
+
+
+def test_mpirun_include_not_root_and_ssh_options():
+    plan = _plan(include="node2@node3:1,3")
+    ssh = SshOptions(port=2222, user="alice", key="/k/id", config="/etc/cfg", insecure=True)
+    argv = mpirun_argv(plan, AGENT, mpirun="/opt/ompi/bin/mpirun", ssh=ssh,
+                       launcher_args=("--bind-to", "core"))
+    assert argv[:7] == ("/opt/ompi/bin/mpirun", "-np", "4", "-H", "node2:2,node3:2",
+                        "--map-by", "slot")
+    assert "--allow-run-as-root" not in argv and argv.count("--bind-to") == 1  # the user's
+    i = argv.index("plm_rsh_args")
+    assert argv[i - 1] == "--mca" and argv[i + 1] == (
+        "-F /etc/cfg -p 2222 -l alice -i /k/id -o StrictHostKeyChecking=no "
+        "-o UserKnownHostsFile=/dev/null")
+    assert argv[-4:] == (*AGENT, "--connect")[-4:]
+
+
+def test_srun_golden_named_hosts_run_each_rank_where_planned():
+    env = job_env({}, remote=True, cli_env=(("A", "1"),))
+    plan = _plan(exclude="node1:1,2,3@node3:3", env=env)
+    argv = srun_argv(plan, AGENT, named=True, slurm_args=("--partition=gpu", "--time=10"))
+    assert argv == (
+        "srun", "--nodes=3", "--ntasks=6", "--distribution=arbitrary",
+        "--nodelist=node1,node2,node2,node3,node3,node3", "--kill-on-bad-exit=1",
+        "--export=ALL,DSRUN_LAUNCHER,DSRUN_LAUNCHER_SECRET,DSRUN_LAUNCHER_TIMEOUT,A",
+        "--chdir=/work", "--partition=gpu", "--time=10", *AGENT, "--connect")
+
+
+def test_srun_golden_hosts_chosen_by_slurm():
+    pool = placeholder_pool(HostsSpec(num_nodes=2, num_gpus=3))
+    nodes = select_resources(pool.hostfile)
+    cluster = Cluster(pool.hostfile.path, tuple(n.host for n in nodes),
+                      tuple(n.slots for n in nodes), (False, False), "slurm", named=False)
+    plan = build_plan(LaunchSpec(script="t.py"), cluster, job_env({}, remote=False), "j",
+                      facts=[None, None], python="/py", cwd="/w")
+    argv = srun_argv(plan, ("/py", "-m", "dsrun.launcher.agent"), named=False)
+    assert argv == ("srun", "--nodes=2", "--ntasks=6", "--ntasks-per-node=3",
+                    "--kill-on-bad-exit=1",
+                    "--export=ALL,DSRUN_LAUNCHER,DSRUN_LAUNCHER_SECRET,DSRUN_LAUNCHER_TIMEOUT",
+                    "--chdir=/w", "/py", "-m", "dsrun.launcher.agent", "--connect")
+    assert [n.host for n in plan.nodes] == ["slurm-node-1", "slurm-node-2"]
+
+
+def test_dry_run_request_prints_the_command_and_names_only():
+    env = job_env({}, remote=True, cli_env=(("SECRET", "s3cr3t"),))
+    plan = _plan(include="node2", local=(), env=env)
+    backend = OpenMpiBackend(HostsSpec(launcher="openmpi"), python=AGENT[0], environ={},
+                             as_root=False)
+    lines = backend.prepare(plan).describe()
+    assert lines[0].startswith("launch: mpirun -np 2 -H node2:2 --map-by slot --bind-to none "
+                               "--wdir /work")
+    assert "values in mpirun's environment, never on its command line" in lines[1]
+    assert not any("s3cr3t" in ln for ln in lines)
+    assert sum(ln.startswith("node node2: started by mpirun") for ln in lines) == 1
+    assert "    SECRET=<value not shown> (--env)" in lines
+    agents = backend.prepare(plan).agents
+    assert [[r["rank"] for r in a.payload["ranks"]] for a in agents] == [[0], [1]]
+
+
+@pytest.mark.parametrize("args,bad", [
+    (("--mca", "btl", "tcp,self", "--bind-to", "none"), None),
+    (("-np", "8"), "-np"), (("--host=a,b",), "--host=a,b"), (("-H", "a"), "-H"),
+    (("--hostfile", "x"), "--hostfile"), (("-nolocal",), None),
+])
+def test_launcher_args_may_not_place_ranks(args, bad):
+    problem = controlled_problem(args, CONTROLLED, "--launcher_args", "use dsrun's options")
+    assert (problem is None) == (bad is None)
+    if bad:
+        assert repr(bad) in problem
+
+
+@pytest.mark.parametrize("args,bad", [
+    (("--partition=debug", "--time=5", "--mpi=pmix"), None),
+    (("-N2",), "-N2"), (("--nodes", "2"), "--nodes"), (("-n", "4"), "-n"),
+    (("--export=NONE",), "--export=NONE"), (("-wnode1",), "-wnode1"), (("-p", "gpu"), None),
+])
+def test_slurm_args_may_not_place_ranks(args, bad):
+    from dsrun.launcher.backends.slurm import CONTROLLED as SRUN_CONTROLLED
+
+    problem = controlled_problem(args, SRUN_CONTROLLED, "--slurm_args", "x",
+                                 attached_short=True)
+    assert (problem is None) == (bad is None), problem
+
+
+OMPI = "mpirun (Open MPI) 4.1.4\n\nReport bugs to http://www.open-mpi.org/community/help/\n"
+
+
+@pytest.mark.parametrize("text,lib,err,message", [
+    (OMPI, "Open MPI v4.1.4, package: Debian OpenMPI", None, None),
+    (OMPI, "Open MPI v4.1.6, package: x", None, None),  # same minor: same ABI
+    ("HYDRA build details:\n    Version: 4.1", None, None, "is not Open MPI's mpirun"),
+    (OMPI, None, "ModuleNotFoundError: No module named 'mpi4py'",
+     "mpi4py cannot be used by"),
+    (OMPI, "MPICH Version: 4.1.2", None, "mpi4py uses 'MPICH Version: 4.1.2'"),
+    (OMPI, "Open MPI v5.0.3, package: x", None, "rebuild mpi4py against it"),
+])
+def test_mpi_version_checks(text, lib, err, message):
+    problem = version_problem("/usr/bin/mpirun", text, lib, err)
+    if message is None:
+        assert problem is None
+    else:
+        assert problem is not None and message in problem, problem
+
+
+def test_allocation_pool_from_slurm_variables():
+    env = {"SLURM_JOB_ID": "12", "SLURM_JOB_NODELIST": "gpu[01-02],cpu7",
+           "SLURM_JOB_CPUS_PER_NODE": "8(x2),4"}
+    pool = allocation_pool(env, None)
+    assert [(e.host, e.slots) for e in pool.hostfile.entries] == \
+        [("gpu01", 8), ("gpu02", 8), ("cpu7", 4)]
+    assert pool.named and pool.default_ranks == 2  # CPU ranks: the CPU default
+    gpus = allocation_pool({**env, "SLURM_GPUS_ON_NODE": "4"}, None)
+    assert {e.slots for e in gpus.hostfile.entries} == {4} and gpus.default_ranks is None
+    tasks = allocation_pool({**env, "SLURM_NTASKS_PER_NODE": "3"}, None)
+    assert tasks.default_ranks == 3
+    with pytest.raises(SelectionError, match="--num_gpus 9 asks for more slots than available"
+                                             " in hostfile <Slurm allocation 12>"):
+        select_resources(pool.hostfile, num_gpus=9)
+
+
+def test_placeholder_pool_and_its_limits():
+    pool = placeholder_pool(HostsSpec(launcher="slurm", num_nodes=3))
+    assert [e.slots for e in pool.hostfile.entries] == [2, 2, 2] and not pool.named
+    with pytest.raises(SelectionError, match="need a hostfile naming the Slurm nodes"):
+        placeholder_pool(HostsSpec(launcher="slurm", include="a"))
+
+
+def test_slurm_needs_an_allocation_or_slurm_args():
+    backend = SlurmBackend(HostsSpec(launcher="slurm"), environ={})
+    with pytest.raises(DsrunUsageError, match="outside an allocation .*--slurm_args"):
+        backend.pool_without_hostfile()
+    inside = SlurmBackend(HostsSpec(launcher="slurm"), environ={
+        "SLURM_JOB_ID": "3", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_CPUS_PER_NODE": "2"})
+    assert [e.host for e in inside.pool_without_hostfile().hostfile.entries] == ["n1", "n2"]
+
+
+def test_launcher_names():
+    assert list(LAUNCHERS) == names()
+    assert HostsSpec(launcher="mpirun").launcher == "openmpi"
+    with pytest.raises(DsrunUsageError) as info:
+        HostsSpec(launcher="pdsh")
+    assert str(info.value) == ("--launcher 'pdsh' does not exist; choose one of local, "
+                               "mpirun (= openmpi), openmpi, slurm, ssh")
+    with pytest.raises(DsrunUsageError, match="--launcher_args is for --launcher openmpi"):
+        HostsSpec(launcher="slurm", launcher_args=("-x", "A"))
+    with pytest.raises(DsrunUsageError, match="--slurm_args needs --launcher slurm"):
+        HostsSpec(slurm_args=("-p", "x"))
+
+
+def _hello(host, local):
+    return {"host": host, "local_rank": local}
+
+
+def test_placement_must_match_the_plan():
+    plan = _plan(include="node1:0,1@node2")
+    good = {0: _hello("a", 0), 1: _hello("a", 1), 2: _hello("b", 0), 3: _hello("b", 1)}
+    assert placement_problem(plan, good, "mpirun") is None
+    by_node = {0: _hello("a", 0), 1: _hello("b", 0), 2: _hello("a", 1), 3: _hello("b", 1)}
+    assert "started rank 1 as local rank 0 on b, but dsrun's plan has it as local rank 1" \
+        in placement_problem(plan, by_node, "mpirun")
+    same = {0: _hello("a", 0), 1: _hello("a", 1), 2: _hello("a", 0), 3: _hello("a", 1)}
+    assert "on the same host a" in placement_problem(plan, same, "srun")
