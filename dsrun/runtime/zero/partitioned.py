@@ -221,17 +221,23 @@ def broadcast_full(params: Sequence[torch.Tensor], group: Any) -> None:
             work.wait()
 
 
-def move_param(param: torch.Tensor, device: torch.device) -> None:
+def move_param(param: torch.Tensor, device: torch.device, keep_host_shard: bool = False
+               ) -> None:
     """Put a partitioned parameter's shard (and full data, if held) on
-    ``device``, which becomes its compute device (not during a gather)."""
-    if param.ds_tensor.device == device and param.ds_device == device:
+    ``device``, which becomes its compute device (not during a gather).
+    ``keep_host_shard``: a shard in host memory stays there (offload_param)."""
+    host_shard = keep_host_shard and param.ds_tensor.device == HOST
+    if (host_shard or param.ds_tensor.device == device) and param.ds_device == device:
         return
     if param.ds_status is ZeroParamStatus.INFLIGHT:
         raise DsrunError(f"cannot move {param_name(param)} while its gather is in flight")
     aliased = _aliases(param)
     with torch.no_grad():
         param.data = param.data.to(device)
-        param.ds_tensor = param.data.view(-1) if aliased else param.ds_tensor.to(device)
+        if aliased:
+            param.ds_tensor = param.data.view(-1)
+        elif not host_shard:
+            param.ds_tensor = param.ds_tensor.to(device)
     param.ds_device = device
 
 

@@ -137,7 +137,7 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
         self._partition_module()
         if device is not None:
             for p in self.managed_params():
-                move_param(p, torch.device(device))
+                move_param(p, torch.device(device), keep_host_shard=self.settings.offload_param)
         params = self.managed_params()
         self.placement = Placement(
             torch.device(device) if device is not None else
