@@ -438,3 +438,41 @@ def test_forward_end_keeps_what_backward_fetches_first(solo: None) -> None:
         model(torch.randn(4, 16))
     assert full_numel_held(model.parameters()) == 0
     stage3.close()
+
+
+def test_a_weight_used_twice_in_forward_is_gathered_once(solo: None,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tied weight (used at the start and at the end of forward) stays
+    gathered in between once the forward trace is known, instead of being
+    released and gathered again."""
+    import dsrun.runtime.zero.fetch as fetch
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.middle = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+            self.last = torch.nn.Linear(8, 8)
+            self.last.weight = self.first.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.last(self.middle(self.first(x)))
+
+    torch.manual_seed(0)
+    model = Tied()
+    stage3 = ZeroStage3(model, None, torch.optim.AdamW, {"lr": 1e-3},
+                        settings=Stage3Settings(offload_param=True, param_persistence_threshold=0,
+                                                prefetch_bucket_size=0))
+    gathered: list[int] = []
+    original = fetch.start_gathers
+    monkeypatch.setattr(fetch, "start_gathers", lambda params, strategy=None: (
+        gathered.extend(p.ds_id for p in params), original(params, strategy))[1])
+    tied = model.first.weight.ds_id
+    counts = []
+    for _ in range(3):
+        gathered.clear()
+        with torch.no_grad():
+            model(torch.randn(2, 8))
+        counts.append(gathered.count(tied))
+        assert full_numel_held(model.parameters()) == 0
+    assert counts[0] == 2 and counts[2] == 1  # no trace yet; then kept in between
+    stage3.close()

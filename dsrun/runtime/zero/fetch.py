@@ -38,8 +38,10 @@ after forward released them. So, following the previous backward's trace
 within the same budget its prefetch would use (``prefetch_bucket``,
 ``max_live``), the modules at the end of a training forward keep those
 parameters gathered (counted as fetched ahead); a parameter used early in
-forward too (a tied embedding) is still released after its early use. The
-next forward's start releases whatever backward did not use.
+forward too (a tied embedding) is still released after its early use -
+unless the forward trace uses it again later in the same pass: then it is
+kept until that last use (one gather instead of two). The next forward's
+start releases whatever backward did not use.
 
 Autograd keeps the parameter object itself for backward (a leaf is saved by
 reference), so emptying ``param.data`` after forward and refilling it
@@ -148,6 +150,7 @@ class ParamFetcher:
         self._fetchable: dict[int, tuple[int, tuple[torch.Tensor, ...]]] = {}
         self._turn_keep: frozenset[int] = frozenset()  # ids kept from forward to backward
         self._turn_from = 0  # forward-trace position from which they are kept
+        self._last_use: dict[int, int] = {}  # id -> last forward-trace position using it
         self._root_depth = 0
         self._in_backward = False
         self._round = 0
@@ -221,6 +224,10 @@ class ParamFetcher:
         Only the modules at the end of the forward trace keep theirs: a
         parameter used early (a tied embedding) is still released there."""
         self._turn_keep, self._turn_from = frozenset(), 0
+        self._last_use = {}
+        for position, module in enumerate(self.forward_trace.trace):
+            for p in self.fetchable(module):
+                self._last_use[p.ds_id] = position
         trace = self.backward_trace.trace
         if self.prefetch_bucket <= 0 or not trace or not self.forward_trace.trace:
             return
@@ -230,10 +237,15 @@ class ParamFetcher:
         self._turn_from = len(self.forward_trace.trace) - len(plan)
 
     def _keeps(self, param: torch.Tensor) -> bool:
-        """Kept at the turn from forward to backward (:meth:`_plan_turn`)."""
+        """Not released after this use: used again later in this forward
+        (a tied weight), or kept at the turn to backward (:meth:`_plan_turn`)."""
+        trace = self.forward_trace
+        if not trace.on_track:
+            return False
+        if trace.position < self._last_use.get(param.ds_id, -1):
+            return True
         return (param.ds_id in self._turn_keep and torch.is_grad_enabled()
-                and self.forward_trace.on_track
-                and self.forward_trace.position >= self._turn_from)
+                and trace.position >= self._turn_from)
 
     def _post_forward(self, index: int, output: Any) -> None:
         params = self.fetchable(index)
