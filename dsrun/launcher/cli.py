@@ -234,6 +234,8 @@ def _commands() -> dict[str, click.Command]:
         pass
     from dsrun.launcher.checkpoint_cli import checkpoint
     commands["checkpoint"] = checkpoint
+    from dsrun.launcher.plot_cli import plot
+    commands["plot"] = plot
     return commands
 
 

@@ -1,4 +1,5 @@
-"""DeepSpeed's config sections: ZeRO (+ offload), fp16, bf16, optimizer, scheduler.
+"""DeepSpeed's config sections: ZeRO (+ offload), fp16, bf16, optimizer,
+scheduler, and the monitors (csv_monitor, tensorboard, wandb).
 
 Each section is a frozen dataclass validated at construction (see
 :mod:`config_schema`); ``parse_*`` build the sections whose JSON needs more
@@ -208,6 +209,61 @@ class BF16Config:
         validate_fields(self)
 
 
+# ------------------------------------------------------------------- monitors
+
+DEFAULT_JOB_NAME = "DeepSpeedJobName"  # DeepSpeed's default, so its paths stay the same
+
+
+@dataclass(frozen=True)
+class CsvMonitorConfig:
+    """``csv_monitor``: one CSV per event under ``output_path/job_name``
+    (``output_path`` "" is the working directory, as in DeepSpeed)."""
+
+    enabled: bool = opt("bool", False)
+    output_path: str = opt("str", "")
+    job_name: str = opt("str", DEFAULT_JOB_NAME)
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
+@dataclass(frozen=True)
+class TensorBoardConfig:
+    """``tensorboard``: event files under ``output_path/job_name`` through
+    ``torch.utils.tensorboard`` (needs the ``tensorboard`` package)."""
+
+    enabled: bool = opt("bool", False)
+    output_path: str = opt("str", "")
+    job_name: str = opt("str", DEFAULT_JOB_NAME)
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """``wandb``: ``wandb.init(project=, group=, entity=team)`` on rank 0
+    (needs the ``wandb`` package; ``WANDB_MODE=offline`` writes locally)."""
+
+    enabled: bool = opt("bool", False)
+    group: Optional[str] = opt("str", None)
+    team: Optional[str] = opt("str", None)
+    project: str = opt("str", "deepspeed")
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
+MONITOR_SECTIONS: Mapping[str, type] = MappingProxyType({
+    "csv_monitor": CsvMonitorConfig, "tensorboard": TensorBoardConfig, "wandb": WandbConfig})
+
+
+def parse_monitors(known: Mapping[str, Any], ctx: Ctx) -> dict[str, Any]:
+    """The monitor sections of a config (absent ones get their defaults)."""
+    return {name: parse_section(cls, known.get(name, {}), (name,), ctx)
+            for name, cls in MONITOR_SECTIONS.items()}
+
+
 # ------------------------------------------------------- optimizer, scheduler
 
 # DeepSpeed's optimizer names (it lower-cases them) plus the torch.optim
@@ -377,10 +433,13 @@ class DsrunOptions:
     ``allreduce_bucket_size`` (elements, as DeepSpeed counts bucket sizes):
     the ZeRO stage 0 gradient all-reduce bucket; unset, an explicit
     ``zero_optimization.reduce_bucket_size`` is used, else 25 MiB (DDP's).
+    ``seq_length``: tokens per sample, for the monitors' tokens/s (without
+    it the engine counts the tokens of (batch, seq) integer inputs).
     """
 
     allow_unknown_keys: bool = opt("bool", False)
     allreduce_bucket_size: Optional[int] = opt("int", None, low=1)
+    seq_length: Optional[int] = opt("int", None, low=1)
 
     def __post_init__(self) -> None:
         validate_fields(self)
