@@ -152,16 +152,7 @@ class ZeroOptimizer(ShardedStateIO, MasterGradients):
             raise DsrunConfigError("ZeRO stage 2 reduces gradients during backward")
         moves = self.world_size > 1 or self.settings.offload_optimizer
         if in_backward and moves and sample is not None:
-            self._reducer = GradReducer(
-                self._grad_sources(backward_order), self.layouts, rank=self.rank,
-                world_size=self.world_size, group=group,
-                bucket_numel=self.settings.reduce_bucket_size,
-                # under offload a slot is busy until its copy to the host is
-                # done: two slots let backward go on meanwhile
-                overlap=self.settings.overlap_comm or self.settings.offload_optimizer,
-                contiguous=self.settings.contiguous_gradients, dtype=self.comm_dtype,
-                land=self._land, strategy=self.strategy,
-                before_reuse=self._landing.before_reuse, on_round_end=self._round_end)
+            self._reducer = self._make_reducer(backward_order)
         else:
             self._grads = [self._flat_grads(g) for g in range(len(self.layouts))]
 
@@ -215,6 +206,18 @@ class ZeroOptimizer(ShardedStateIO, MasterGradients):
             return None
         return FlatGrads(self._members(g), [layout.offsets[i] for i in layout.members],
                          layout.padded_numel)  # type: ignore[misc]
+
+    def _make_reducer(self, order: Optional[Sequence[torch.Tensor]]) -> GradReducer:
+        return GradReducer(
+            self._grad_sources(order), self.layouts, rank=self.rank,
+            world_size=self.world_size, group=self.group,
+            bucket_numel=self.settings.reduce_bucket_size,
+            # under offload a slot is busy until its copy to the host is
+            # done: two slots let backward go on meanwhile
+            overlap=self.settings.overlap_comm or self.settings.offload_optimizer,
+            contiguous=self.settings.contiguous_gradients, dtype=self.comm_dtype,
+            land=self._land, strategy=self.strategy,
+            before_reuse=self._landing.before_reuse, on_round_end=self._round_end)
 
     def _grad_sources(self, order: Optional[Sequence[torch.Tensor]]) -> list[GradSource]:
         sources = [GradSource(ps[i], g, i) for g, ps in enumerate(self.param_groups_full)
