@@ -257,6 +257,40 @@ def memory() -> dict[str, Any]:
     return {"peaks": peaks, "parameters": params}
 
 
+def no_host_sync(stage: int) -> dict[str, Any]:
+    """bf16 at world size 1: after two warm-up steps (the first logs the
+    memory report), a whole training step - forward, backward, step - under
+    ``torch.cuda.set_sync_debug_mode("error")``, which raises on any call
+    that makes the host wait for the GPU; also whether the parameters are
+    views of one flat buffer aliased by the masters (nothing copied)."""
+    cfg = config(stage, "bf16")
+    if stage == 3:
+        with dsrun.zero.Init(config_dict_or_path=cfg):
+            model = make_model()
+    else:
+        model = make_model()
+    engine, *_ = dsrun.initialize(model=model, config=cfg)
+    train(engine, steps=2)
+    x, y = batch(2)
+    error = None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = F.cross_entropy(engine(x).float(), y)
+        engine.backward(loss)
+        engine.step()
+    except RuntimeError as err:
+        error = str(err)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    masters = {m.data_ptr() for m in engine.optimizer.masters}
+    first = next(p for p in engine.module.parameters() if p.requires_grad)
+    out = {"error": error, "backward_hooks": engine.optimizer.backward_hook_installed,
+           "master_is_param_buffer": first.data_ptr() in masters}
+    _release(engine)
+    return out
+
+
 def _release(engine: Any) -> None:
     engine.destroy()
     del engine
@@ -273,6 +307,7 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "offload_s2": lambda: offload(2, param=False),
     "offload_s3": lambda: offload(3, param=True),
     "memory": memory,
+    **{f"no_host_sync_s{s}": (lambda s=s: no_host_sync(s)) for s in (1, 2, 3)},
 }
 
 
