@@ -126,6 +126,11 @@ class LaunchPlan:
         return sum(len(n.ranks) for n in self.nodes)
 
     @property
+    def injected(self) -> bool:
+        """Whether ranks run the injected runtime (not ``--no_python``)."""
+        return RUNTIME_BOOTSTRAP in self.command[:3]
+
+    @property
     def final(self) -> bool:
         return (self.master_addr is not None and self.master_port is not None
                 and all(n.gpus_known for n in self.nodes))
@@ -214,6 +219,8 @@ def job_env_of(spec: LaunchSpec) -> tuple[tuple[str, str], ...]:
         env["DSRUN_DIST_BACKEND"] = spec.dist_backend
     if spec.config is not None:
         env["DSRUN_CONFIG"] = os.path.abspath(spec.config)
+    if spec.no_local_rank:
+        env["DSRUN_LOCAL_RANK_FILL"] = "0"  # the runtime leaves --local_rank alone
     return tuple(sorted(env.items()))
 
 

@@ -36,7 +36,9 @@ from dsrun.launcher.protocol import AGENT_BOOTSTRAP_VARS
 #: Set by the agent on each rank (layer 6); shown as placeholders.
 AGENT_VARS = {
     "DSRUN_AGENT_ID": "<set by the agent: marks the job's processes on the host>",
+    "DSRUN_AGENT_PID": "<set by the agent: its pid; the rank dies with it>",
     "DSRUN_ERROR_FILE": "<set by the agent: where the rank records an uncaught error>",
+    "DSRUN_STACK_FILE": "<set by the agent: where the rank writes its stacks for dsrun stack>",
 }
 
 Pairs = tuple[tuple[str, str], ...]
@@ -90,6 +92,12 @@ def rank_env(plan: LaunchPlan, node: NodePlan, slot: RankSlot) -> RankEnv:
         defaults.pop(key, None)  # the user's value wins wherever the agent runs
     return RankEnv(tuple(sorted(env.items())), tuple(sorted(defaults.items())),
                    node.path_prepend)
+
+
+def materialize_json(env: Mapping[str, Any], inherited: Mapping[str, str],
+                     user: Mapping[str, str], agent: Mapping[str, str]) -> dict[str, str]:
+    """:func:`materialize` of a RankEnv as the start payload carries it."""
+    return materialize(RankEnv.from_json(env), inherited, user, agent)
 
 
 def materialize(env: RankEnv, inherited: Mapping[str, str], user: Mapping[str, str],

@@ -13,10 +13,12 @@ from dsrun.launcher.backends.base import (
     AgentChannel,
     AgentRequest,
     Backend,
+    ConnectSink,
     JobHandle,
     OutputSink,
     Request,
     agent_payload,
+    ignore_connect,
 )
 from dsrun.launcher.plan import LaunchPlan, format_command
 from dsrun.launcher.spec import HostsSpec
@@ -84,7 +86,10 @@ class LocalBackend(Backend):
                        for i in range(len(plan.nodes)))
         return Request(self.name, plan, agents)
 
-    def open(self, plan: LaunchPlan, sink: OutputSink) -> JobHandle:
-        channels: list[AgentChannel] = [LocalChannel(n.host, self.agent_argv(), plan.cwd)
-                                        for n in plan.nodes]
+    def open(self, plan: LaunchPlan, sink: OutputSink,
+             on_connect: ConnectSink = ignore_connect) -> JobHandle:
+        channels: list[AgentChannel] = []
+        for node in plan.nodes:
+            channels.append(LocalChannel(node.host, self.agent_argv(), plan.cwd))
+            on_connect(node.host)
         return JobHandle(channels)
