@@ -29,7 +29,7 @@ from typing import Any
 from dsrun.errors import DsrunUsageError, SelectionError
 from dsrun.launcher.backends import get_backend
 from dsrun.launcher.backends.base import Backend, HostPool, JobHandle
-from dsrun.launcher.devices import usable_cpus, visible_devices
+from dsrun.launcher.devices import DeviceId, usable_cpus, visible_devices
 from dsrun.launcher.hostfile import (
     DEFAULT_JOB_HOSTFILE,
     HostEntry,
@@ -66,7 +66,7 @@ class Cluster:
         return replace(self, hosts=tuple(hosts), named=True)
 
 
-def this_host_pool(hs: HostsSpec, devices: Sequence[int], cpus: int,
+def this_host_pool(hs: HostsSpec, devices: Sequence[DeviceId], cpus: int,
                    hostname: str) -> HostPool:
     """The pool of a job without a hostfile: this host (pure)."""
     name = hostname if host_problem(hostname) is None else "localhost"

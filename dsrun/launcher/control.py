@@ -1,7 +1,8 @@
 """A running launcher's control socket, and the client ``dsrun stack`` uses.
 
-Each ``dsrun`` run listens on a Unix socket named after its job id in a
-directory only its user can enter (:func:`socket_dir`:
+Each ``dsrun`` run listens on a Unix socket named after its job id (the
+first :data:`ID_CHARS` characters, as dsrun shows it) in a directory only
+its user can enter (:func:`socket_dir`:
 ``$XDG_RUNTIME_DIR/dsrun``, else ``/tmp/dsrun-UID``, mode 0700). One JSON
 request line per connection:
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import queue
 import socket
@@ -33,6 +35,9 @@ from typing import Any
 from dsrun.errors import DsrunUsageError
 
 SUFFIX = ".sock"
+#: Characters of the job id in the socket's name (and in what dsrun prints).
+ID_CHARS = 12
+log = logging.getLogger("dsrun.launcher")
 
 
 def socket_dir() -> str:
@@ -71,12 +76,16 @@ class ControlServer:
 
     def start(self) -> ControlServer:
         """Listen; a launcher that cannot (no writable directory) still runs."""
+        path = os.path.join(socket_dir(), f"{self.job_id[:ID_CHARS]}{SUFFIX}")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            path = os.path.join(_private_dir(), f"{self.job_id}{SUFFIX}")
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            _private_dir()
             sock.bind(path)
             sock.listen(16)
-        except OSError:
+        except OSError as exc:
+            sock.close()
+            log.warning("no control socket at %s (dsrun stack cannot reach this job): %s",
+                        path, exc)
             return self
         self.path, self._sock = path, sock
         threading.Thread(target=self._accept, daemon=True, name="dsrun-control").start()

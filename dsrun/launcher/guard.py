@@ -62,6 +62,11 @@ class Guard:
 
 def _detach() -> None:
     os.setsid()
+    try:  # "dsrun-guard" in ps and psutil, not a second "python ... agent"
+        with open("/proc/self/comm", "w") as f:
+            f.write("dsrun-guard")
+    except OSError:
+        pass
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
     null = os.open(os.devnull, os.O_RDWR)

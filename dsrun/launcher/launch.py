@@ -153,7 +153,8 @@ def _watch(spec: LaunchSpec, control: ControlServer) -> Watch:
                               f"seconds") from None
     return Watch(timeout=spec.timeout, heartbeat_timeout=spec.heartbeat_timeout,
                  straggler_interval=straggler if straggler > 0 else None,
-                 queries=control.queries, say=say, on_started=console.started)
+                 queries=control.queries, say=say, job_id=control.job_id,
+                 on_started=console.started)
 
 
 def _attempt(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv,
@@ -179,6 +180,8 @@ def _attempt(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv,
         if restart == 0:
             for line in describe(plan):
                 say(line)
+            say(f"job id {job_id[:12]} (dsrun stack {job_id[:12]} prints every rank's Python "
+                f"stack while it runs)")
         handle.start(backend.prepare(plan))
     except Interrupted as exc:
         console.end_progress()

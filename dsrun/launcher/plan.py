@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dsrun.errors import DsrunUsageError
+from dsrun.launcher.devices import DeviceId
 from dsrun.launcher.envpolicy import JobEnv
 from dsrun.launcher.spec import LaunchSpec
 
@@ -51,7 +52,7 @@ PENDING = "<chosen at launch>"
 class RankSlot:
     rank: int
     local_rank: int
-    device: int | None
+    device: DeviceId | None  # as CUDA_VISIBLE_DEVICES names it (index or UUID)
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class NodePlan:
     host: str
     node_rank: int
     ranks: tuple[RankSlot, ...]
-    devices: tuple[int, ...]
+    devices: tuple[DeviceId, ...]
     local: bool = True
     gpus_known: bool = True  # False only in a draft plan
     env: tuple[tuple[str, str], ...] = ()  # host defaults dsrun chose (socket ifname)
@@ -79,7 +80,7 @@ class NodeSlots:
     """
 
     host: str
-    slots: tuple[int, ...]
+    slots: tuple[DeviceId, ...]  # the devices on a GPU host, else slot indices
     gpus: bool | None
     local: bool = True
     env: tuple[tuple[str, str], ...] = ()
@@ -92,7 +93,7 @@ class NodeFacts:
     """What the plan needs to know of a host: found by its probe, or by the
     launcher itself for this host."""
 
-    devices: tuple[int, ...]
+    devices: tuple[DeviceId, ...]
     cpus: int
     ifname: str | None = None
 
@@ -155,7 +156,7 @@ def layout(nodes: Sequence[NodeSlots]) -> tuple[NodePlan, ...]:
 
 
 def host_slots(host: str, slots: Sequence[int], local: bool,
-               devices: Sequence[int] | None,
+               devices: Sequence[DeviceId] | None,
                env: Mapping[str, str] | None = None, cpus: int | None = None,
                path_prepend: Sequence[str] = ()) -> NodeSlots:
     """A hostfile node: GPU ranks on the selected devices when its host has

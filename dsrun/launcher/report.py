@@ -123,7 +123,10 @@ def report_lines(result: JobResult) -> list[str]:
     cause = result.root_cause
     if cause is None:
         return []
-    lines = [f"job failed: {_who(cause)} failed first: {cause.cause()}"]
+    if cause.lost:
+        lines = [f"job failed: host {cause.host} was lost first: {cause.cause()}"]
+    else:
+        lines = [f"job failed: {_who(cause)} failed first: {cause.cause()}"]
     lines.extend(_error_lines(cause))
     others = [f for f in result.failures if f is not cause]
     same = [f for f in others if _same_error(f, cause)]
@@ -140,8 +143,6 @@ def report_lines(result: JobResult) -> list[str]:
 
 
 def _who(cause: RankFailure) -> str:
-    if cause.lost:
-        return f"host {cause.host}"
     if cause.rank is not None:
         return f"rank {cause.rank} on host {cause.host}"
     return f"the node agent on host {cause.host}"

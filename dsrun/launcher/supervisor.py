@@ -60,6 +60,7 @@ class Watch:
     straggler_interval: float | None = None  # None: no straggler lines
     queries: queue.Queue[StackQuery] | None = None  # dsrun stack requests
     say: Callable[[str], None] = lambda message: None
+    job_id: str = ""  # named in straggler lines, for dsrun stack
     on_started: Callable[[int], None] = lambda count: None  # ranks started so far
 
 
@@ -90,7 +91,9 @@ class Supervisor:
         self.watch = watch or Watch()
         self.state = _State(hosts=list(hosts), open_nodes=set(range(len(hosts))))
         self.started = time.monotonic()
-        self.stragglers = Stragglers(self.watch.straggler_interval or 0.0)
+        hint = f" (dsrun stack {self.watch.job_id[:12]} shows their Python stacks)" \
+            if self.watch.job_id else ""
+        self.stragglers = Stragglers(self.watch.straggler_interval or 0.0, hint)
 
     def run(self) -> JobResult:
         st = self.state
@@ -201,13 +204,13 @@ class Supervisor:
                 continue
             host = st.hosts[index]
             on_host = sorted(r for r, s in st.ranks.items() if s.host == host and not s.ended)
-            ranks = f"; its rank(s) {','.join(map(str, on_host))} were running there" \
-                if on_host else ""
+            ranks = f"; rank(s) {','.join(map(str, on_host))} ran there, and its agent " \
+                f"stops them by itself when it hears nothing from dsrun" if on_host else ""
             st.failures.append(RankFailure(
                 host=host, rank=None, code=None, signal=None, time=time.time(),
                 during_stop=st.stopping, lost=True, seen=self.handle.last_seen[index],
-                message=(f"lost: nothing heard from it for {silent:.1f}s (--heartbeat_timeout "
-                         f"{limit:g}){ranks}; its agent stops them by itself")))
+                message=(f"nothing heard from it for {silent:.1f}s (--heartbeat_timeout "
+                         f"{limit:g}){ranks}")))
             st.open_nodes.discard(index)
             for collection in st.collections.values():
                 collection.ended([index])

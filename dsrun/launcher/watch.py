@@ -45,6 +45,7 @@ class Stragglers:
     """When to say which ranks are still running (see the module docstring)."""
 
     first_interval: float = DEFAULT_STRAGGLER_INTERVAL
+    hint: str = ""  # appended to each line (how to see the stacks)
     first_exit: float | None = None
     next_at: float | None = None
     interval: float = 0.0
@@ -69,7 +70,7 @@ class Stragglers:
                           f"{duration(now - ranks[r].started)})" for r in running[:SHOWN])
         more = f" and {len(running) - SHOWN} more" if len(running) > SHOWN else ""
         return (f"{finished} of {len(ranks)} rank(s) finished {duration(now - self.first_exit)}"
-                f" ago; still running: {shown}{more}")
+                f" ago; still running: {shown}{more}{self.hint}")
 
 
 def stack_lines(host: str, rank: int, text: str | None) -> list[str]:

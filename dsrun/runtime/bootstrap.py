@@ -61,10 +61,11 @@ def dsrun_call_site(exc: BaseException) -> str | None:
     site = None
     for frame, line in traceback.walk_tb(exc.__traceback__):
         filename = os.path.abspath(frame.f_code.co_filename)
+        if _is_own_frame(frame.f_code.co_filename):
+            continue
         if filename.startswith(_PACKAGE_DIR):
             break
-        if not _is_own_frame(filename):
-            site = f"{frame.f_code.co_filename}:{line} in {frame.f_code.co_name}"
+        site = f"{frame.f_code.co_filename}:{line} in {frame.f_code.co_name}"
     return site
 
 
