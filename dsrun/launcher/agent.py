@@ -33,24 +33,26 @@ import collections
 import json
 import os
 import queue
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from dsrun import deathsig, stackdump
-from dsrun.launcher import netinfo, procs
+from dsrun.launcher import procs
+from dsrun.launcher.envlayers import apply_layers
 from dsrun.launcher.guard import Guard
 from dsrun.launcher.link import END, Link
-from dsrun.launcher.rankenv import materialize_json
+
+if TYPE_CHECKING:
+    from dsrun.launcher import netinfo
 
 TAIL_LINES = 20
+# Imports are kept to what every agent needs (one agent starts per host and
+# per attempt, all at once): planning modules, dataclasses, tempfile/shutil,
+# psutil and the probe's network helpers are not among them.
 
 
 class Stop(Exception):
@@ -61,20 +63,49 @@ def _raise_stop(signum: int, frame: object) -> None:
     raise Stop(signal.Signals(signum).name)
 
 
-@dataclass
+def hostname() -> str:
+    return os.uname().nodename
+
+
+def make_tmpdir(prefix: str) -> str:
+    """A private directory for the ranks' error and stack files."""
+    base = os.environ.get("TMPDIR") or "/tmp"
+    while True:
+        path = os.path.join(base, f"{prefix}{os.urandom(4).hex()}")
+        try:
+            os.mkdir(path, 0o700)
+            return path
+        except FileExistsError:
+            continue
+
+
+def remove_tmpdir(path: str) -> None:
+    try:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                os.unlink(entry.path)
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
 class Rank:
-    rank: int
-    local_rank: int
-    popen: subprocess.Popen
-    leader: procs.Leader | None
-    error_file: str
-    stack_file: str
-    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
-    readers: list[threading.Thread] = field(default_factory=list)
-    log: IO[str] | None = None
-    reported: bool = False
-    status: int | None = None  # like Popen.returncode, known before the rank is reaped
-    exit_mono: float = 0.0  # time.monotonic() when the exit was seen
+    """One rank process of this agent and what is known of it."""
+
+    def __init__(self, rank: int, local_rank: int, popen: subprocess.Popen,
+                 leader: procs.Leader | None, error_file: str, stack_file: str) -> None:
+        self.rank = rank
+        self.local_rank = local_rank
+        self.popen = popen
+        self.leader = leader
+        self.error_file = error_file
+        self.stack_file = stack_file
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.readers: list[threading.Thread] = []
+        self.log: IO[str] | None = None
+        self.reported = False
+        self.status: int | None = None  # as Popen.returncode, known before it is reaped
+        self.exit_mono = 0.0  # time.monotonic() when the exit was seen
 
 
 class Agent:
@@ -97,9 +128,11 @@ class Agent:
         self.deadline = 0.0
         self.stop_mono = float("inf")  # time.monotonic() when stopping began
         self.failed = False
-        self.tmpdir = tempfile.mkdtemp(prefix=f"dsrun-{self.job_id[:8]}-")
+        self.tmpdir = make_tmpdir(f"dsrun-{self.job_id[:8]}-")
+        me = procs.Proc.of(os.getpid())
+        self.since = me.started if me is not None else 0.0  # the job started after us
         if guard is not None:
-            guard.set_marker(self.marker)
+            guard.set_marker(self.marker, self.since)
 
     def emit(self, obj: dict[str, Any], control: bool = True) -> None:
         self.link.send(obj, control)
@@ -119,7 +152,7 @@ class Agent:
         return 1 if self.failed else 0
 
     def _start(self) -> None:
-        self.emit({"ev": "hello", "host": socket.gethostname(), "pid": os.getpid()})
+        self.emit({"ev": "hello", "host": hostname(), "pid": os.getpid()})
         for spec in self.payload["ranks"]:
             if not self._spawn(spec):
                 break  # the rest are never started: the job is failing
@@ -157,13 +190,15 @@ class Agent:
         argv = list(spec["argv"])
         if spec.get("runtime", True):
             return argv
+        import shutil
+
         if shutil.which(argv[0]) is None:
             raise FileNotFoundError(2, "No such file or directory")
         return deathsig.wrapper_argv(sys.executable, os.getpid(), argv)
 
     def _spawn(self, spec: dict[str, Any]) -> bool:
         agent_vars = self._agent_vars(spec["rank"])
-        env = materialize_json(spec["env"], os.environ, self.payload.get("env", {}), agent_vars)
+        env = apply_layers(spec["env"], os.environ, self.payload.get("env", {}), agent_vars)
         try:
             popen = subprocess.Popen(
                 self._argv(spec), env=env, cwd=self.payload.get("cwd") or None,
@@ -195,7 +230,7 @@ class Agent:
         os.makedirs(log_dir, exist_ok=True)
         log = open(os.path.join(log_dir, f"rank_{rank}.log"), "a", encoding="utf-8")
         log.write(f"# dsrun job {self.job_id} restart {self.payload.get('restart_count', 0)} "
-                  f"host {socket.gethostname()} {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+                  f"host {hostname()} {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         return log
 
     def _start_readers(self, rank: Rank) -> None:
@@ -278,7 +313,7 @@ class Agent:
         self.stopping = True
         self.stop_mono = time.monotonic()
         self.deadline = self.stop_mono + self.grace
-        procs.signal_job(self._leaders(), self.marker, signal.SIGTERM)
+        procs.signal_job(self._leaders(), self.marker, signal.SIGTERM, self.since)
 
     def _reap(self) -> None:
         for rank in self.ranks:
@@ -322,7 +357,8 @@ class Agent:
         """Make sure nothing of the job is left on this host; return #SIGKILLed."""
         deadline = self.deadline if self.stopping else None
         killed = procs.stop_job(self._leaders(), self.marker, self.grace,
-                                already_termed=self.stopping, deadline=deadline)
+                                already_termed=self.stopping, deadline=deadline,
+                                since=self.since)
         for rank in self.ranks:
             if rank.status is None:  # only after a second signal
                 rank.popen.kill()
@@ -331,7 +367,7 @@ class Agent:
                 rank.log.close()
         if self.guard is not None:
             self.guard.done()
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        remove_tmpdir(self.tmpdir)
         return killed
 
 
@@ -364,6 +400,8 @@ def _read_payload(link: Link) -> dict[str, Any] | None:
                 return msg
             if cmd != "probe":  # "stop" before the start: nothing to stop
                 return None
+            from dsrun.launcher import netinfo
+
             facts, port = netinfo.probe_reply(msg)
             if port is not None:
                 if held is not None:
@@ -384,7 +422,7 @@ def _connect_link() -> Link:
     try:
         sock = callback.agent_connect(os.environ, who)
     except (OSError, ValueError, callback.HandshakeError) as exc:
-        raise ConnectFailed(f"dsrun agent of rank {who.rank} on {socket.gethostname()}: "
+        raise ConnectFailed(f"dsrun agent of rank {who.rank} on {hostname()}: "
                             f"cannot connect to the launcher: {exc}") from None
     return Link(sock.fileno(), sock.makefile("wb"), sock)
 

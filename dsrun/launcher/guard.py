@@ -4,12 +4,13 @@ Each agent forks one guard before it starts any thread (so the fork is
 safe, and the guard costs no interpreter start): the guard leaves the
 agent's session, ignores the usual signals, lets go of every file the
 agent holds (so the agent's channel closes when the agent dies) and reads
-a pipe from the agent: ``marker M``, then one ``PID START_TIME`` line per
-rank (procs.Leader). If the pipe closes without the final ``done`` line,
-the agent died (SIGKILL, OOM killer) before it could tear its ranks down,
-so the guard kills every process of the job: the ranks' groups - only
-those whose leader is still the process that was started - and anything
-carrying the agent's environment marker.
+a pipe from the agent: ``marker M SINCE`` (the agent's marker and start
+time), then one ``PID START_TIME`` line per rank (procs.Leader). If the
+pipe closes without the final ``done`` line, the agent died (SIGKILL, OOM
+killer) before it could tear its ranks down, so the guard kills every
+process of the job: the ranks' groups - only those whose leader is still
+the process that was started - and anything carrying the agent's
+environment marker.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ class Guard:
         except OSError:
             pass  # the guard is gone; nothing to tell it
 
-    def set_marker(self, marker: str) -> None:
-        self._send(f"marker {marker}")
+    def set_marker(self, marker: str, since: float = 0.0) -> None:
+        self._send(f"marker {marker} {since!r}")
 
     def watch(self, leader: Leader) -> None:
         self._send(leader.line())
@@ -81,6 +82,7 @@ def _run_guard(read: int) -> None:
     os.closerange(3, read)
     os.closerange(read + 1, max(os.sysconf("SC_OPEN_MAX"), read + 2))
     marker: str | None = None
+    since = 0.0
     leaders: list[Leader] = []
     pending = b""
     while True:
@@ -94,11 +96,12 @@ def _run_guard(read: int) -> None:
             if line == "done":
                 return
             if line.startswith("marker "):
-                marker = line.split(" ", 1)[1]
+                _, marker, started = line.split(" ")
+                since = float(started)
             elif (leader := Leader.parse(line)) is not None:
                 leaders.append(leader)
     if marker is not None or leaders:
-        kill_job(leaders, marker)
+        kill_job(leaders, marker, since=since)
 
 
 if __name__ == "__main__":

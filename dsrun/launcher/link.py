@@ -24,12 +24,14 @@ from __future__ import annotations
 import collections
 import os
 import queue
-import socket
 import threading
 import time
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from dsrun.launcher import protocol
+
+if TYPE_CHECKING:
+    import socket
 
 #: Rank output lines queued before the ranks' pumps wait.
 OUTPUT_BACKLOG = 10_000

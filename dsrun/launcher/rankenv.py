@@ -29,9 +29,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dsrun.launcher.envlayers import apply_layers
 from dsrun.launcher.envpolicy import JobEnv
 from dsrun.launcher.plan import PENDING, LaunchPlan, NodePlan, RankSlot
-from dsrun.launcher.protocol import AGENT_BOOTSTRAP_VARS
 
 #: Set by the agent on each rank (layer 6); shown as placeholders.
 AGENT_VARS = {
@@ -94,24 +94,11 @@ def rank_env(plan: LaunchPlan, node: NodePlan, slot: RankSlot) -> RankEnv:
                    node.path_prepend)
 
 
-def materialize_json(env: Mapping[str, Any], inherited: Mapping[str, str],
-                     user: Mapping[str, str], agent: Mapping[str, str]) -> dict[str, str]:
-    """:func:`materialize` of a RankEnv as the start payload carries it."""
-    return materialize(RankEnv.from_json(env), inherited, user, agent)
-
-
 def materialize(env: RankEnv, inherited: Mapping[str, str], user: Mapping[str, str],
                 agent: Mapping[str, str]) -> dict[str, str]:
-    """The process environment of a rank: layers 1-6 in order."""
-    out = {k: v for k, v in inherited.items() if k not in AGENT_BOOTSTRAP_VARS}
-    out.update(user)
-    for key, value in env.defaults:
-        out.setdefault(key, value)
-    if env.path_prepend:
-        out["PATH"] = os.pathsep.join([*env.path_prepend, out.get("PATH", os.defpath)])
-    out.update(env.dsrun)
-    out.update(agent)
-    return out
+    """The process environment of a rank: layers 1-6 in order (the agent's
+    :func:`dsrun.launcher.envlayers.apply_layers` on this RankEnv)."""
+    return apply_layers(env.to_json(), inherited, user, agent)
 
 
 def describe(env: RankEnv, user: JobEnv, base: str,

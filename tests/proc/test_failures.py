@@ -170,3 +170,12 @@ def test_deepspeed_scripts_get_their_local_rank_without_a_flag(extra, expected):
     assert res.returncode == 0, res.stderr
     for lr in (0, 1):
         assert f"local_rank {expected.format(lr=lr)} env {lr} epochs 3" in res.stdout, res.stdout
+
+
+def test_start_banner_names_the_hostfile(tmp_path):
+    (tmp_path / "hostfile").write_text("localhost slots=1\n")
+    res = run_dsrun("--cpu", "--dist_backend", "none", str(WORKERS / "hang.py"), "--finish",
+                    "0", cwd=str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.splitlines()[0].startswith(
+        f"dsrun: hostfile: {tmp_path / 'hostfile'} (found in the working directory")

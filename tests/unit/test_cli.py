@@ -183,3 +183,24 @@ def test_config_option_must_exist(tmp_path):
     cfg = tmp_path / "c.json"
     cfg.write_text("{}")
     assert cli.parse_spec(["--config", str(cfg), "t.py"]).config == str(cfg)
+
+
+def test_dry_run_names_the_hostfile_it_uses(tmp_path, monkeypatch, capsys):
+    from dsrun.launcher import hostfile as hf
+
+    monkeypatch.setattr(hf, "DEFAULT_JOB_HOSTFILE", str(tmp_path / "no-job-hostfile"))
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "t.py"
+    script.write_text("pass\n")
+    assert cli.main(["--dry-run", "--cpu", str(script)]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith(
+        "no hostfile: this host only")
+    (tmp_path / "hostfile").write_text("localhost slots=2\n")
+    assert cli.main(["--dry-run", "--cpu", str(script)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"hostfile: {tmp_path / 'hostfile'} (found in the working "
+                            f"directory; -H names another")
+    other = tmp_path / "other"
+    other.write_text("localhost slots=1\n")
+    assert cli.main(["--dry-run", "--cpu", "-H", str(other), str(script)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"hostfile: {other} (-H)"
