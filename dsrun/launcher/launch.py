@@ -68,6 +68,28 @@ def say(message: str) -> None:
     console.say(message)
 
 
+class _Suspension:
+    """Ctrl-Z (SIGTSTP) while a job runs: the agents are told to stop
+    expecting heartbeats before dsrun stops, and to expect them again once
+    it continues, so a suspended launcher is not taken for a lost one."""
+
+    def __init__(self) -> None:
+        self.handle: JobHandle | None = None
+
+    def on_tstp(self, signum: int, frame: object) -> None:
+        handle = self.handle
+        if handle is not None:
+            handle.pause_heartbeats()
+        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTSTP)  # stops here until SIGCONT
+        signal.signal(signal.SIGTSTP, self.on_tstp)
+        if handle is not None:
+            handle.resume_heartbeats()
+
+
+suspension = _Suspension()
+
+
 def check_script(spec: LaunchSpec) -> None:
     if spec.module:
         return
@@ -170,6 +192,7 @@ def _attempt(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv,
                                    "agents" if backend.agent_per_rank else "hosts")
         handle = backend.open(draft, console.line, console.connected)
         handle.start_heartbeats(spec.heartbeat_timeout)
+        suspension.handle = handle
         if not cluster.named:
             cluster = cluster.renamed([handle.channels[i].host for i in handle.leaders])
         outcome = probe_cluster(handle, cluster, backend, spec.hosts, versions=multi)
@@ -184,11 +207,13 @@ def _attempt(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv,
                 f"stack while it runs)")
         handle.start(backend.prepare(plan))
     except Interrupted as exc:
+        suspension.handle = None
         console.end_progress()
         if handle is not None:
             handle.close()
         return JobResult(interrupted=exc.signum)
     except BaseException:
+        suspension.handle = None
         console.end_progress()
         if handle is not None:
             handle.close()
@@ -197,6 +222,7 @@ def _attempt(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv,
         result = Supervisor(handle, handle.hosts, console.line, plan.kill_grace,
                             _watch(spec, control)).run()
     finally:
+        suspension.handle = None
         console.end_progress()
     return replace(result, clock=socket.gethostname())
 
@@ -217,6 +243,7 @@ def _check_preflight(spec: LaunchSpec, outcome: ProbeOutcome) -> None:
 def _run_attempts(spec: LaunchSpec, attempt: Callable[[int], JobResult]) -> int:
     previous = {s: signal.signal(s, raise_interrupted)
                 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, suspension.on_tstp)
     try:
         for restart in range(spec.max_restarts + 1):
             result = attempt(restart)

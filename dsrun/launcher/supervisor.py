@@ -198,7 +198,7 @@ class Supervisor:
         if not limit:
             return
         st = self.state
-        for index in sorted(st.open_nodes - st.done):
+        for index in sorted((st.open_nodes - st.done) & set(self.handle.watched)):
             silent = now - self.handle.last_seen[index]
             if silent <= limit:
                 continue

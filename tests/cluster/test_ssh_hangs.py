@@ -102,3 +102,30 @@ def test_dsrun_stack_shows_every_rank_on_every_host(sim_cluster: SimCluster,
     assert progress[0] == "dsrun: connected 0/2 hosts, 0/2 ranks started"
     assert progress[-1].startswith("dsrun: connected 2/2 hosts, 2/2 ranks started in ")
     assert "\r" not in err
+
+
+def test_a_suspended_launcher_is_not_taken_for_a_lost_one(sim_cluster: SimCluster,
+                                                          tmp_path: Path) -> None:
+    """Ctrl-Z for longer than the heartbeat timeout, then fg: the job goes on."""
+    import signal
+
+    hostfile = write_hostfile(sim_cluster, tmp_path / "hostfile", ["node1", "node2"], slots=1)
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    proc = start(sim_cluster, "-H", hostfile, *ssh_flags(sim_cluster), "--dist_backend",
+                 "none", "--heartbeat_timeout", "2", HANG, "--pid_dir", str(pid_dir),
+                 "--finish", "none", "--sleep", "8", on="node1")
+    try:
+        pids = wait_files(pid_dir, 2)
+        top = psutil.Process(proc.pid)  # nsenter and env exec into the launcher
+        launcher = next(p for p in [top, *top.children(recursive=True)]
+                        if "dsrun.launcher.cli" in " ".join(p.cmdline()))
+        launcher.send_signal(signal.SIGTSTP)
+        time.sleep(5)  # > 2 s of silence
+        assert all(psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids.values())
+        launcher.send_signal(signal.SIGCONT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "[node2:1] rank 1 done" in out and "lost" not in err

@@ -146,6 +146,11 @@ class AgentChannel(ABC):
     """One running agent: a byte stream each way plus a hard stop."""
 
     host: str
+    #: Whether the link can go silent without closing (a network between
+    #: launcher and agent): only such agents exchange heartbeats. A local
+    #: child's pipe closes when the launcher dies, and a launcher stopped
+    #: with Ctrl-Z is not lost.
+    watched: bool = True
 
     @abstractmethod
     def stdin(self) -> IO[bytes]: ...
@@ -202,6 +207,8 @@ class JobHandle:
         self.last_seen = [now] * len(channels)
         self._locks = [threading.Lock() for _ in channels]
         self._beating = threading.Event()
+        self._beater: threading.Thread | None = None
+        self._hb_timeout = 0.0
         self._stderr_pumps: dict[int, threading.Thread] = {}
         for index, channel in enumerate(channels):
             err = channel.stderr()
@@ -228,17 +235,42 @@ class JobHandle:
         for index in range(len(self.channels)) if only is None else only:
             self.send(index, obj)
 
-    def start_heartbeats(self, timeout: float) -> None:
-        """Tell every agent the heartbeat timeout, then beat every timeout/4
-        seconds until :meth:`close` (timeout 0: heartbeats off)."""
-        self.send_all({"cmd": "hb", "timeout": timeout})
-        if timeout > 0 and not self._beating.is_set():
-            threading.Thread(target=self._beat, args=(timeout,), daemon=True,
-                             name="dsrun-heartbeat").start()
+    @property
+    def watched(self) -> list[int]:
+        """Channels that exchange heartbeats (AgentChannel.watched)."""
+        return [i for i, c in enumerate(self.channels) if c.watched]
 
-    def _beat(self, timeout: float) -> None:
-        while not self._beating.wait(timeout / 4):
-            self.send_all({"cmd": "hb", "timeout": timeout})
+    def start_heartbeats(self, timeout: float) -> None:
+        """Tell every agent the heartbeat timeout (0 to those not watched),
+        then beat every timeout/4 seconds until :meth:`close` (0: off)."""
+        self._hb_timeout = timeout
+        watched = set(self.watched)
+        for index in range(len(self.channels)):
+            self.send(index, {"cmd": "hb", "timeout": timeout if index in watched else 0})
+        if timeout > 0 and watched and self._beater is None:
+            self._beater = threading.Thread(target=self._beat, daemon=True,
+                                            name="dsrun-heartbeat")
+            self._beater.start()
+
+    def _beat(self) -> None:
+        while not self._beating.wait(self._hb_timeout / 4 or 1.0):
+            if self._hb_timeout > 0:
+                self.send_all({"cmd": "hb", "timeout": self._hb_timeout}, only=self.watched)
+
+    def pause_heartbeats(self) -> None:
+        """Before the launcher stops (Ctrl-Z): agents stop expecting heartbeats.
+        Called from a signal handler: a channel busy in another write is skipped."""
+        for index in self.watched:
+            if self._locks[index].acquire(timeout=0.5):
+                try:
+                    self._send(self.channels[index], {"cmd": "hb", "timeout": 0})
+                finally:
+                    self._locks[index].release()
+
+    def resume_heartbeats(self) -> None:
+        """After the launcher continues: heartbeats as before the pause."""
+        self.last_seen = [time.monotonic()] * len(self.channels)
+        self.start_heartbeats(self._hb_timeout)
 
     def _pump(self, index: int, channel: AgentChannel) -> None:
         stream = channel.stdout()

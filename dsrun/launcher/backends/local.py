@@ -31,6 +31,8 @@ LOCAL_BASE = "the environment dsrun was started with"
 
 
 class LocalChannel(AgentChannel):
+    watched = False  # a pipe to a child: it closes when the launcher dies
+
     def __init__(self, host: str, argv: tuple[str, ...], cwd: str) -> None:
         self.host = host
         # Own session: a Ctrl-C at the terminal reaches only the launcher,
