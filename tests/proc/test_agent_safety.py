@@ -18,7 +18,6 @@ import pytest
 
 from dsrun.launcher import agent as agent_mod
 from dsrun.launcher import procs
-from dsrun.launcher.link import Link
 from tests.conftest import ROOT, WORKERS, alive, start_dsrun, wait_for_pids, wait_gone
 
 
@@ -103,6 +102,8 @@ def test_spawning_stops_at_the_first_rank_that_cannot_start(tmp_path):
 
 
 def test_agent_spawns_ranks_without_preexec_fn(monkeypatch, tmp_path):
+    from dsrun.launcher.link import Link
+
     seen: list[dict] = []
 
     class FakePopen:
