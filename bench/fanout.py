@@ -241,7 +241,7 @@ def main() -> int:
         worker.write_text(WORKER)
         start_once(cluster, work, worker, 1)  # warm the page cache and sshd
         rows = {}
-        for round_ in range(args.repeat):  # interleaved: load drifts hit every count alike
+        for _ in range(args.repeat):  # interleaved: load drifts hit every count alike
             for hosts in counts:
                 rows.setdefault(hosts, []).append(start_once(cluster, work, worker, hosts))
         ssh_true = ssh_true_cpu(cluster)

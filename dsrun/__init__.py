@@ -2,13 +2,17 @@
 
 The public runtime API is loaded lazily (PEP 562) so that importing
 ``dsrun`` - which the launcher and node agents do - never imports torch.
-``import dsrun as deepspeed`` gives DeepSpeed scripts the names they use.
+``import dsrun as deepspeed`` gives DeepSpeed scripts the names they use;
+where DeepSpeed itself is not installed, ``deepspeed.<name>`` imports
+resolve to ``dsrun.<name>`` (:mod:`dsrun._alias`).
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from dsrun import _alias
 
 __version__ = "0.1.0"
 
@@ -27,7 +31,9 @@ _LAZY = {
 __all__ = ["__version__", *_LAZY]
 
 
-_SUBMODULES = ("zero",)  # dsrun.zero.Init etc., as deepspeed.zero
+_SUBMODULES = ("zero", "pipe")  # dsrun.zero.Init, dsrun.pipe.PipelineModule, as deepspeed.*
+
+_alias.install()  # "from deepspeed.pipe import ..." after "import dsrun as deepspeed"
 
 
 def __getattr__(name: str) -> Any:

@@ -34,3 +34,8 @@ class DsrunConfigError(DsrunError, ValueError):
 
 class LaunchError(DsrunError):
     """A job could not be started (agent failed to start, host unreachable)."""
+
+
+class CheckpointError(DsrunError):
+    """A checkpoint that cannot be saved or loaded: it names the file, tag,
+    tensor or rank at fault, and the engine is left as it was."""

@@ -47,6 +47,8 @@ SUBCOMMANDS: dict[str, str] = {
     "hosts": "dsrun.launcher.hosts_cli:hosts",
     "doctor": "dsrun.launcher.cli:doctor_command",
     "stack": "dsrun.launcher.cli:stack_command",
+    "checkpoint": "dsrun.launcher.checkpoint_cli:checkpoint",
+    "plot": "dsrun.launcher.plot_cli:plot",
 }
 
 

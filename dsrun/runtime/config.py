@@ -7,7 +7,7 @@ and defaults are filled in. Nothing here imports torch.
 
 This module is the public face; the generic checking and key-matching
 machinery lives in :mod:`dsrun.runtime.config_schema` and DeepSpeed's
-sections (ZeRO, offload, fp16, bf16, optimizer, scheduler) in
+sections (ZeRO, offload, fp16, bf16, optimizer, scheduler, monitors) in
 :mod:`dsrun.runtime.config_sections`. Their public names are re-exported
 here, so ``from dsrun.runtime.config import ZeroConfig`` keeps working.
 
@@ -27,7 +27,7 @@ environment variable ``DSRUN_ALLOW_UNKNOWN_CONFIG_KEYS=1``, turns each
 unknown key into a logged warning; such keys are dropped and listed in
 ``DsrunConfig.ignored_keys``. Documented DeepSpeed sections that dsrun does
 not act on (``PASSTHROUGH_KEYS``: ``activation_checkpointing``,
-``tensorboard``, ...) are accepted, kept verbatim in ``passthrough`` and
+``comet``, ...) are accepted, kept verbatim in ``passthrough`` and
 reported with one warning when they are present and not disabled.
 
 ``"auto"`` (as HF Trainer/Accelerate configs write it) is resolved here:
@@ -80,22 +80,28 @@ from dsrun.runtime.config_schema import (
 from dsrun.runtime.config_sections import (
     AUTO_OPTIMIZER_DEFAULTS,
     DEFAULT_WARMUP_NUM_STEPS,
+    MONITOR_SECTIONS,
     OPTIMIZER_NAMES,
     SCHEDULER_PARAMS,
     SCHEDULER_REQUIRED,
     UNSUPPORTED_OPTIMIZERS,
     ZERO_AUTO_KEYS,
     BF16Config,
+    CheckpointConfig,
+    CsvMonitorConfig,
     DsrunOptions,
     FP16Config,
     OffloadOptimizerConfig,
     OffloadParamConfig,
     OptimizerConfig,
     SchedulerConfig,
+    TensorBoardConfig,
+    WandbConfig,
     ZeroConfig,
     canonical_optimizer_type,
     canonical_scheduler_type,
     check_scheduler_params,
+    parse_monitors,
     parse_optimizer,
     parse_scheduler,
     parse_zero,
@@ -105,8 +111,9 @@ __all__ = [
     "ALLOW_UNKNOWN_ENV", "AUTO", "AUTO_OPTIMIZER_DEFAULTS", "BATCH_KEYS",
     "DEFAULT_WARMUP_NUM_STEPS", "DICT_SOURCE", "OPTIMIZER_NAMES", "PASSTHROUGH_KEYS",
     "SCHEDULER_PARAMS", "SCHEDULER_REQUIRED", "UNSUPPORTED_OPTIMIZERS", "ZERO_AUTO_KEYS",
-    "BF16Config", "Check", "ConfigInput", "DsrunConfig", "DsrunOptions", "FP16Config",
-    "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig",
+    "BF16Config", "Check", "CheckpointConfig", "ConfigInput", "CsvMonitorConfig", "DsrunConfig",
+    "DsrunOptions", "FP16Config", "MONITOR_SECTIONS", "OffloadOptimizerConfig",
+    "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig", "TensorBoardConfig", "WandbConfig",
     "ZeroConfig", "canonical_optimizer_type", "canonical_scheduler_type", "check_scheduler_params",
     "check_value", "did_you_mean", "is_auto", "load_config", "resolve", "resolve_batch",
 ]
@@ -116,12 +123,12 @@ __all__ = [
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # Documented DeepSpeed sections dsrun accepts but does not act on.
 PASSTHROUGH_KEYS = frozenset({
-    "activation_checkpointing", "aio", "amp", "autotuning", "checkpoint", "comet", "comms_logger",
-    "compile", "compression_training", "csv_monitor", "curriculum_learning", "data_efficiency",
+    "activation_checkpointing", "aio", "amp", "autotuning", "comet", "comms_logger",
+    "compile", "compression_training", "curriculum_learning", "data_efficiency",
     "data_types", "eigenvalue", "elasticity", "flops_profiler", "hybrid_engine", "nebula",
     "pipeline", "progressive_layer_drop", "quantize_training", "sparse_attention",
-    "tensor_parallel", "tensorboard", "timers", "torch_autocast",
-    "use_data_before_expert_parallelism", "wandb", "weight_quantization",
+    "tensor_parallel", "timers", "torch_autocast",
+    "use_data_before_expert_parallelism", "weight_quantization",
 })
 
 
@@ -149,8 +156,12 @@ class DsrunConfig:
     fp16: FP16Config = subsection(FP16Config)
     bf16: BF16Config = subsection(BF16Config)
     zero_optimization: ZeroConfig = subsection(ZeroConfig)
+    checkpoint: CheckpointConfig = subsection(CheckpointConfig)
     steps_per_print: int = opt("int", 10, low=1)
     wall_clock_breakdown: bool = opt("bool", False)
+    csv_monitor: CsvMonitorConfig = subsection(CsvMonitorConfig)
+    tensorboard: TensorBoardConfig = subsection(TensorBoardConfig)
+    wandb: WandbConfig = subsection(WandbConfig)
     memory_breakdown: bool = opt("bool", False)
     dump_state: bool = opt("bool", False)
     communication_data_type: Optional[str] = opt("str", None, choices=("fp16", "bf16", "fp32"))
@@ -228,6 +239,10 @@ class DsrunConfig:
             if section is not None:
                 params = ", ".join(f"{k}={show(thaw(v))}" for k, v in section.params.items())
                 lines.append(f"{name}: {OPTIMIZER_NAMES.get(section.type, section.type)}({params})")
+        monitors = [name for name in MONITOR_SECTIONS if getattr(self, name).enabled]
+        if monitors or self.wall_clock_breakdown:
+            lines.append("monitors: " + ", ".join(monitors or ["none"])
+                         + (", wall_clock_breakdown" if self.wall_clock_breakdown else ""))
         if self.passthrough:
             lines.append("accepted, not acted on: " + ", ".join(sorted(self.passthrough)))
         if self.ignored_keys:
@@ -385,7 +400,10 @@ def resolve(config: ConfigInput, *, dp_size: int, dp_source: str,
             known.get("bf16", known.get("bfloat16", {}))),
             ("bf16" if "bf16" in known else "bfloat16",), ctx),
         "zero_optimization": parse_zero(known.get("zero_optimization", {}), ctx),
+        "checkpoint": parse_section(CheckpointConfig, known.get("checkpoint", {}),
+                                    ("checkpoint",), ctx),
         "dsrun": parse_section(DsrunOptions, known.get("dsrun", {}), ("dsrun",), ctx),
+        **parse_monitors(known, ctx),
     }
     if is_auto(known.get("gradient_clipping")):
         known["gradient_clipping"] = 1.0  # what HF's integration fills in

@@ -1,4 +1,5 @@
-"""DeepSpeed's config sections: ZeRO (+ offload), fp16, bf16, optimizer, scheduler.
+"""DeepSpeed's config sections: ZeRO (+ offload), fp16, bf16, optimizer,
+scheduler, and the monitors (csv_monitor, tensorboard, wandb).
 
 Each section is a frozen dataclass validated at construction (see
 :mod:`config_schema`); ``parse_*`` build the sections whose JSON needs more
@@ -208,6 +209,61 @@ class BF16Config:
         validate_fields(self)
 
 
+# ------------------------------------------------------------------- monitors
+
+DEFAULT_JOB_NAME = "DeepSpeedJobName"  # DeepSpeed's default, so its paths stay the same
+
+
+@dataclass(frozen=True)
+class CsvMonitorConfig:
+    """``csv_monitor``: one CSV per event under ``output_path/job_name``
+    (``output_path`` "" is the working directory, as in DeepSpeed)."""
+
+    enabled: bool = opt("bool", False)
+    output_path: str = opt("str", "")
+    job_name: str = opt("str", DEFAULT_JOB_NAME)
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
+@dataclass(frozen=True)
+class TensorBoardConfig:
+    """``tensorboard``: event files under ``output_path/job_name`` through
+    ``torch.utils.tensorboard`` (needs the ``tensorboard`` package)."""
+
+    enabled: bool = opt("bool", False)
+    output_path: str = opt("str", "")
+    job_name: str = opt("str", DEFAULT_JOB_NAME)
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """``wandb``: ``wandb.init(project=, group=, entity=team)`` on rank 0
+    (needs the ``wandb`` package; ``WANDB_MODE=offline`` writes locally)."""
+
+    enabled: bool = opt("bool", False)
+    group: Optional[str] = opt("str", None)
+    team: Optional[str] = opt("str", None)
+    project: str = opt("str", "deepspeed")
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
+MONITOR_SECTIONS: Mapping[str, type] = MappingProxyType({
+    "csv_monitor": CsvMonitorConfig, "tensorboard": TensorBoardConfig, "wandb": WandbConfig})
+
+
+def parse_monitors(known: Mapping[str, Any], ctx: Ctx) -> dict[str, Any]:
+    """The monitor sections of a config (absent ones get their defaults)."""
+    return {name: parse_section(cls, known.get(name, {}), (name,), ctx)
+            for name, cls in MONITOR_SECTIONS.items()}
+
+
 # ------------------------------------------------------- optimizer, scheduler
 
 # DeepSpeed's optimizer names (it lower-cases them) plus the torch.optim
@@ -337,16 +393,53 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """``checkpoint``: DeepSpeed's keys plus dsrun's ``async`` and ``timeout``.
+
+    ``async`` (dsrun): saves copy the state to host memory and write it in a
+    background thread while training goes on; the next save or load, and the
+    engine's exit, wait for it and raise its failure. ``timeout`` (dsrun,
+    seconds): how long a rank waits for the others to enter a save or load
+    before it names the missing ones. ``fsync`` (dsrun, default true): false
+    skips fsync, as ``torch.save`` and DeepSpeed do (a crashed process still
+    leaves the previous checkpoint intact; an OS crash may not). DeepSpeed's
+    ``tag_validation``
+    (``Warn``/``Ignore``/``Fail``), ``load_universal``,
+    ``use_node_local_storage``, ``parallel_write`` and ``writer`` are
+    accepted; dsrun's checkpoints are always universal (any world size and
+    stage) and always written by every rank in parallel, and different tags
+    on different ranks are always an error, since they would not make one
+    checkpoint.
+    """
+
+    async_save: bool = opt("bool", False, key="async")
+    timeout: float = opt("float", 600.0, low=0.001)
+    fsync: bool = opt("bool", True)
+    tag_validation: str = opt("str", "Warn", choices=("Warn", "Ignore", "Fail", "WARN",
+                                                      "IGNORE", "FAIL", "warn", "ignore", "fail"))
+    load_universal: bool = opt("bool", False)
+    use_node_local_storage: bool = opt("bool", False)
+    parallel_write: Optional[Mapping[str, Any]] = opt("mapping", None)
+    writer: Optional[Mapping[str, Any]] = opt("mapping", None)
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
+@dataclass(frozen=True)
 class DsrunOptions:
     """``dsrun``: options of our own, reserved so DeepSpeed keys never clash.
 
     ``allreduce_bucket_size`` (elements, as DeepSpeed counts bucket sizes):
     the ZeRO stage 0 gradient all-reduce bucket; unset, an explicit
     ``zero_optimization.reduce_bucket_size`` is used, else 25 MiB (DDP's).
+    ``seq_length``: tokens per sample, for the monitors' tokens/s (without
+    it the engine counts the tokens of (batch, seq) integer inputs).
     """
 
     allow_unknown_keys: bool = opt("bool", False)
     allreduce_bucket_size: Optional[int] = opt("int", None, low=1)
+    seq_length: Optional[int] = opt("int", None, low=1)
 
     def __post_init__(self) -> None:
         validate_fields(self)

@@ -6,15 +6,36 @@ data-parallel rank reading its own shard through a ``DistributedSampler``
 repeating samples, as the sampler does), ``collate_fn`` honoured, the last
 incomplete batch dropped when ``dataloader_drop_last`` is set. Unlike a bare
 DataLoader it reshuffles every epoch: each ``iter()`` starts a new epoch.
+
+Its position is checkpointed (``state_dict``/``load_state_dict``, which
+``engine.save_checkpoint``/``load_checkpoint`` call): the epoch and how many
+batches of it were handed out. After ``load_state_dict`` the next
+``iter()`` continues that epoch with the next batch (the sampler skips the
+indices already used, no sample is loaded to skip it); when the epoch was
+used up, it starts the next one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+import logging
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+log = logging.getLogger("dsrun.runtime.dataloader")
+
+
+class ResumableSampler(DistributedSampler):
+    """A DistributedSampler whose next epoch may start ``skip`` indices in."""
+
+    skip = 0
+
+    def __iter__(self) -> Iterator[int]:
+        skip, self.skip = self.skip, 0
+        return itertools.islice(super().__iter__(), skip, None)
 
 
 class DsrunDataLoader:
@@ -26,20 +47,66 @@ class DsrunDataLoader:
                  drop_last: bool = False, pin_memory: bool = False, seed: int = 0) -> None:
         self.dataset = dataset
         self.batch_size = batch_size
-        self.sampler = DistributedSampler(dataset, num_replicas=num_replicas, rank=rank,
-                                          shuffle=True, seed=seed)
+        self.sampler = ResumableSampler(dataset, num_replicas=num_replicas, rank=rank,
+                                        shuffle=True, seed=seed)
+        # Its own generator: a DataLoader draws a seed at every iter(), which
+        # from the global generator would shift dropout after a resume.
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler,
                                  collate_fn=collate_fn, drop_last=drop_last,
-                                 pin_memory=pin_memory)
-        self.epoch = 0
+                                 pin_memory=pin_memory,
+                                 generator=torch.Generator().manual_seed(seed))
+        self.num_replicas = num_replicas
+        self.epoch = 0          # the epoch the next iter() starts
+        self.batches = 0        # batches handed out of the epoch in progress
+        self._resume_at = 0     # batches the next iter() skips
+        self._started = False   # an iter() since construction or load_state_dict
 
     def __iter__(self) -> Iterator[Any]:
         self.sampler.set_epoch(self.epoch)
+        self.sampler.skip = self._resume_at * self.batch_size
+        self.batches, self._resume_at = self._resume_at, 0
         self.epoch += 1
-        return iter(self.loader)
+        self._started = True
+        return self._count(iter(self.loader))
+
+    def _count(self, batches: Iterator[Any]) -> Iterator[Any]:
+        for batch in batches:
+            self.batches += 1
+            yield batch
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    def state_dict(self) -> dict[str, int]:
+        """The position of the next batch: ``epoch`` and ``batch`` within it."""
+        if not self._started:
+            return {"epoch": self.epoch, "batch": self._resume_at, "batch_size": self.batch_size}
+        current = self.epoch - 1
+        if self.batches >= len(self):
+            return {"epoch": current + 1, "batch": 0, "batch_size": self.batch_size}
+        return {"epoch": current, "batch": self.batches, "batch_size": self.batch_size}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Continue at ``state``'s position with the next ``iter()``."""
+        epoch, batch = int(state["epoch"]), int(state["batch"])
+        if batch >= len(self):
+            epoch, batch = epoch + 1, 0
+        self.epoch, self._resume_at, self.batches = epoch, batch, 0
+        self._started = False
+
+    def rescale_state(self, state: Mapping[str, int], saved_replicas: int,
+                      replicas: int) -> dict[str, int]:
+        """A position saved with ``saved_replicas`` data-parallel ranks, for
+        ``replicas`` ranks: the same number of samples consumed in the epoch."""
+        consumed = int(state["batch"]) * int(state.get("batch_size", self.batch_size)) \
+            * saved_replicas
+        per_batch = self.batch_size * replicas
+        if consumed % per_batch:
+            log.warning("the dataloader position (%d samples into epoch %d) is not a whole "
+                        "number of batches at %d ranks: resuming at the batch before it",
+                        consumed, state["epoch"], replicas)
+        return {"epoch": int(state["epoch"]), "batch": consumed // per_batch,
+                "batch_size": self.batch_size}
 
 
 def build_dataloader(training_data: Any, *, micro_batch_size: int, num_replicas: int, rank: int,

@@ -30,7 +30,10 @@ parameters and gathers them around each module's forward and backward;
 both are built from the same client/config optimizer
 (:mod:`dsrun.runtime.zero.stepping`).
 Rank 0 logs one block of model-state bytes (formula vs held) after the
-first step, when optimizer state exists.
+first step, when optimizer state exists. ``engine.monitor``
+(:mod:`dsrun.runtime.monitor.training`) times forward/backward/step for
+``wall_clock_breakdown`` and writes DeepSpeed's monitor events per
+optimizer step.
 """
 
 from __future__ import annotations
@@ -46,13 +49,15 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from dsrun.errors import DsrunConfigError, DsrunError
+from dsrun.runtime.checkpoint import engine_io as checkpoint_io
 from dsrun.runtime.config import DsrunConfig
 from dsrun.runtime.dist import compute_device
 from dsrun.runtime.env import DistEnv
 from dsrun.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradSync, broadcast_tensors
 from dsrun.runtime.lr_schedules import build_scheduler
+from dsrun.runtime.monitor.training import EngineMonitor
 from dsrun.runtime.optimizers import build_optimizer
-from dsrun.runtime.precision import FullPrecision, make_precision
+from dsrun.runtime.precision import FullPrecision, StepResult, make_precision
 from dsrun.runtime.progress import Progress
 from dsrun.runtime.zero.stepping import memory_lines, offload_notes, wrap_optimizer, zero_step
 
@@ -139,6 +144,8 @@ class DsrunEngine(torch.nn.Module):
         self._overflow_log = (float("-inf"), 0)  # (time of the last line, overflows since)
         self.progress = Progress(config.steps_per_print, config.train_batch_size,
                                  enabled=self.global_rank == 0)
+        self.monitor = EngineMonitor(config, rank=self.global_rank, group=self.dp_group,
+                                     device=self.device)
 
     # ------------------------------------------------------------ set-up
 
@@ -243,14 +250,22 @@ class DsrunEngine(torch.nn.Module):
     # --------------------------------------------------------- training
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = self.precision.cast_inputs((args, kwargs))
-        with self.precision.autocast():
-            return self.module(*args, **kwargs)
+        with self.monitor.timed("forward"):
+            self.monitor.saw_inputs(args, kwargs)
+            args, kwargs = self.precision.cast_inputs((args, kwargs))
+            with self.precision.autocast():
+                return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` / accumulation steps (x loss scale); returns ``loss``."""
+        with self.monitor.timed("backward"):
+            return self._backward(loss, retain_graph, scale_wrt_gas)
+
+    def _backward(self, loss: torch.Tensor, retain_graph: bool, scale_wrt_gas: bool
+                  ) -> torch.Tensor:
         self.progress.record_loss(loss)
+        self.monitor.record_loss(loss)
         scaled = loss
         gas = self.config.gradient_accumulation_steps
         if scale_wrt_gas and gas > 1:
@@ -267,7 +282,8 @@ class DsrunEngine(torch.nn.Module):
                 self._grad_sync.disarm()
             raise
         if sync:
-            self._grad_sync.finish()
+            with self.monitor.comm_wait("reduce"):
+                self._grad_sync.finish()
         if self.zero_stage > 0:
             self.optimizer.micro_step_done()
         return loss
@@ -279,7 +295,8 @@ class DsrunEngine(torch.nn.Module):
                              "all-reduced; leave the no_sync() block before stepping")
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
-            self._take_model_step(lr_kwargs)
+            with self.monitor.optimizer_step(self):
+                self._take_model_step(lr_kwargs)
         self.micro_steps += 1
         self._boundary_override = None
 
@@ -287,11 +304,9 @@ class DsrunEngine(torch.nn.Module):
         if self.optimizer is None:
             raise DsrunConfigError("engine.step() needs an optimizer: add an \"optimizer\" "
                                    "section to the config or pass optimizer= to initialize()")
+        checkpoint_io.before_step(self)  # an async save may still be copying the state
         scale_before = self.precision.loss_scale
-        if self.zero_stage > 0:
-            result = zero_step(self.optimizer, self.precision, self.config.gradient_clipping)
-        else:
-            result = self.precision.step(self.optimizer, self.config.gradient_clipping)
+        result = self._apply_step()
         if self.global_steps == 0 and self.global_rank == 0:
             for line in memory_lines(self.module, self.optimizer, self.zero_stage,
                                      self.dp_world_size, self.precision.name,
@@ -312,6 +327,13 @@ class DsrunEngine(torch.nn.Module):
         extra = f"loss_scale={self.precision.loss_scale:g}" if self.precision.name == "fp16" \
             else None
         self.progress.step(self.global_steps, self.skipped_steps, self.get_lr(), extra)
+
+    def _apply_step(self) -> StepResult:
+        """Clip, check and apply the optimizer step (a pipeline engine takes
+        the gradient norm over all its stages here)."""
+        if self.zero_stage > 0:
+            return zero_step(self.optimizer, self.precision, self.config.gradient_clipping)
+        return self.precision.step(self.optimizer, self.config.gradient_clipping)
 
     def _log_overflow(self, scale_before: float) -> None:
         """One line per OVERFLOW_LOG_INTERVAL_S at most, counting the ones in between."""
@@ -399,20 +421,46 @@ class DsrunEngine(torch.nn.Module):
     def zero_optimization_stage(self) -> int:
         return self.config.zero_optimization.stage
 
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("engine.save_checkpoint() is not implemented in dsrun yet "
-                                  "(it comes with the checkpoint issue); save "
-                                  "engine.module.state_dict() with torch.save meanwhile")
+    # ------------------------------------------------------- checkpoints
 
-    def load_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("engine.load_checkpoint() is not implemented in dsrun yet "
-                                  "(it comes with the checkpoint issue)")
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Any = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """Save everything needed to resume, loadable at any world size and
+        ZeRO stage (:mod:`dsrun.runtime.checkpoint`); tag ``global_step{N}``
+        by default. Every rank must call it with the same tag."""
+        return checkpoint_io.save(self, save_dir, tag, client_state, save_latest,
+                                  exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        custom_load_fn: Any = None) -> tuple[Optional[str], Any]:
+        """Resume from a checkpoint -> ``(its directory, client_state)``;
+        ``(None, None)`` when ``load_dir`` has no ``latest`` and no tag is given."""
+        return checkpoint_io.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                                  load_lr_scheduler_states, load_module_only, custom_load_fn)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous save (``"checkpoint": {"async": true}``)
+        is written and committed; raise its failure."""
+        checkpoint_io.wait(self)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """The weights in 16-bit as one torch.save file (rank 0 writes it)."""
+        from dsrun.runtime.checkpoint.model16 import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def destroy(self) -> None:
-        """Remove the gradient hooks (the module can then be trained by other means)."""
-        if self._grad_sync is not None:
-            self._grad_sync.close()
-            self._grad_sync = None
+        """Wait for an asynchronous checkpoint save (raising its failure) and
+        remove the gradient hooks (the module can then be trained by other means)."""
+        try:
+            checkpoint_io.wait(self)
+        finally:
+            if self._grad_sync is not None:
+                self._grad_sync.close()
+                self._grad_sync = None
 
 
 DeepSpeedEngine = DsrunEngine

@@ -4,7 +4,9 @@
 the script runs without the launcher (world size 1 under plain ``python``;
 a no-op under ``dsrun``, whose bootstrap did it), picks the training config,
 resolves it for the data-parallel size, logs it once (rank 0), builds the
-:class:`~dsrun.runtime.engine.DsrunEngine` and, given ``training_data``, a
+:class:`~dsrun.runtime.engine.DsrunEngine` (a
+:class:`~dsrun.runtime.pipe.engine.PipelineEngine` for a ``PipelineModule``,
+whose topology gives the data-parallel size and group) and, given ``training_data``, a
 sharded dataloader. It returns ``(engine, optimizer, dataloader,
 lr_scheduler)``.
 
@@ -36,6 +38,7 @@ from dsrun.runtime.dataloader import build_dataloader
 from dsrun.runtime.dist import init_distributed
 from dsrun.runtime.engine import DsrunEngine, check_zero_stage
 from dsrun.runtime.env import DistEnv
+from dsrun.runtime.pipe import PipelineEngine, PipelineModule
 from dsrun.runtime.progress import ensure_visible
 
 log = logging.getLogger("dsrun.runtime")
@@ -111,7 +114,7 @@ def _data_parallel(env: DistEnv, mpu: Any) -> tuple[int, str]:
     """(data-parallel size, where it came from) for config resolution."""
     if mpu is not None:
         size = mpu.get_data_parallel_world_size()
-        return size, f"data-parallel world size {size} from the mpu"
+        return size, f"data-parallel world size {size} from {getattr(mpu, 'origin', 'the mpu')}"
     world = dist.get_world_size()
     if world == 1 and env.world_size == 1:
         return 1, "single process"
@@ -136,8 +139,11 @@ def _log_start(config: DsrunConfig, origin: str, engine: DsrunEngine) -> None:
         return
     params = [p for p in engine.module.parameters()]
     trainable = sum(p.numel() for p in params if p.requires_grad)
-    lines = [f"engine: ZeRO stage 0, {engine.precision.name}, device {engine.device}, "
-             f"{sum(p.numel() for p in params):,} parameters ({trainable:,} trainable)",
+    scope = f" in pipeline stage 0 of {engine.num_stages}" \
+        if isinstance(engine, PipelineEngine) else ""
+    lines = [f"engine: ZeRO stage {engine.zero_stage}, {engine.precision.name}, device "
+             f"{engine.device}, {sum(p.numel() for p in params):,} parameters{scope} "
+             f"({trainable:,} trainable)",
              f"config chosen: {origin}", *config.summary().splitlines()]
     log.info("\n  ".join(lines))
 
@@ -168,6 +174,12 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
         raise DsrunConfigError("mesh_param (sequence/data-parallel meshes) is not supported by "
                                "dsrun yet; leave it unset")
     ensure_visible()
+    engine_cls: type[DsrunEngine] = DsrunEngine
+    if isinstance(model, PipelineModule):
+        if mpu is not None:
+            raise DsrunConfigError("a PipelineModule brings its own topology (num_stages= or "
+                                   "topology=): do not pass mpu= to dsrun.initialize()")
+        engine_cls, mpu = PipelineEngine, model.grid
     env = DistEnv.detect()
     choice = select_config(config, config_params, args, env.config_path)
     if not dist.is_initialized():
@@ -180,7 +192,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
     check_zero_stage(resolved)
     if model_parameters is not None:
         model_parameters = list(model_parameters)  # a generator is read once
-    engine = DsrunEngine(model, resolved, optimizer=optimizer, lr_scheduler=lr_scheduler,
+    engine = engine_cls(model, resolved, optimizer=optimizer, lr_scheduler=lr_scheduler,
                          model_parameters=model_parameters, env=env, mpu=mpu)
     _log_start(resolved, choice.origin, engine)
     if training_data is not None:

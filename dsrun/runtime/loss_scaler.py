@@ -98,3 +98,11 @@ class LossScaler:
         return {"scale": self.scale, "iteration": self.iteration,
                 "last_overflow_iteration": self.last_overflow_iteration,
                 "hysteresis_left": self.hysteresis_left, "overflows": self.overflows}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Continue from :meth:`state_dict` (the settings stay this scaler's)."""
+        self.scale = float(state["scale"])
+        self.iteration = int(state["iteration"])
+        self.last_overflow_iteration = int(state["last_overflow_iteration"])
+        self.hysteresis_left = int(state["hysteresis_left"])
+        self.overflows = int(state.get("overflows", 0))

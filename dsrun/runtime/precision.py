@@ -87,6 +87,15 @@ class FullPrecision:
     def adopt(self, optimizer: Optimizer) -> None:
         """Prepare a client-built optimizer (nothing to do in fp32)."""
 
+    def optimizer_tensor(self, param: torch.Tensor) -> torch.Tensor:
+        """The tensor the optimizer updates for model parameter ``param``
+        (the parameter itself here; its fp32 master under fp16)."""
+        return param
+
+    def sync_from_optimizer(self, param: torch.Tensor) -> None:
+        """After ``optimizer_tensor(param)`` was overwritten (a checkpoint
+        load): make ``param`` follow it (nothing to do here)."""
+
     def step(self, optimizer: Optimizer, max_norm: float) -> StepResult:
         norm = None
         if max_norm > 0:
@@ -181,6 +190,15 @@ class FP16Master(FP16Scaling):
             raise DsrunConfigError("with fp16 enabled, the optimizer's parameters must be "
                                    "trainable parameters of the model passed to initialize()")
         return master
+
+    def optimizer_tensor(self, param: torch.Tensor) -> torch.Tensor:
+        return self._master_of.get(id(param), param)
+
+    @torch.no_grad()
+    def sync_from_optimizer(self, param: torch.Tensor) -> None:
+        master = self._master_of.get(id(param))
+        if master is not None:
+            param.copy_(master)
 
     def adopt(self, optimizer: Optimizer) -> None:
         """Point a client-built optimizer at the fp32 masters (DeepSpeed's FP16 wrapper)."""

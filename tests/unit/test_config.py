@@ -278,12 +278,12 @@ def test_allow_unknown_keys_from_environment(value: str, allowed: bool) -> None:
 
 def test_documented_deepspeed_sections_pass_through(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="dsrun.runtime.config"):
-        config = res(base(tensorboard={"enabled": True, "output_path": "x"},
+        config = res(base(comet={"enabled": True, "project": "x"},
                           flops_profiler={"enabled": False}, zero_allow_untested_optimizer=True))
-    assert dict(config.passthrough)["tensorboard"]["output_path"] == "x"
-    assert "tensorboard" in caplog.text and "flops_profiler" not in caplog.text
+    assert dict(config.passthrough)["comet"]["project"] == "x"
+    assert "comet" in caplog.text and "flops_profiler" not in caplog.text
     assert config.zero_allow_untested_optimizer is True
-    assert config.to_dict()["tensorboard"] == {"enabled": True, "output_path": "x"}
+    assert config.to_dict()["comet"] == {"enabled": True, "project": "x"}
 
 
 def test_did_you_mean_ignores_case_and_gives_up_on_nonsense() -> None:
@@ -540,7 +540,7 @@ def test_to_dict_round_trips_and_is_json() -> None:
     assert data["optimizer"] == {"type": "adamw", "params": {"lr": 1e-4, "betas": [0.9, 0.95]},
                                  "legacy_fusion": False}
     assert data["zero_optimization"]["stage3_prefetch_bucket_size"] == 50_000_000
-    assert data["wandb"] == {"enabled": True}
+    assert data["wandb"] == {"enabled": True, "project": "deepspeed"}
     assert "dp_size" not in data and "source" not in data
     assert res(data) == config
 

@@ -228,8 +228,6 @@ def test_engine_accumulation_no_sync_and_counters(solo: None) -> None:
     assert all(p.grad is None for p in engine.module.parameters())  # cleared after the step
     with engine.no_sync(), pytest.raises(DsrunError, match="no_sync"):
         engine.step()
-    with pytest.raises(NotImplementedError, match="save_checkpoint"):
-        engine.save_checkpoint("dir")
     assert isinstance(engine, dsrun.DeepSpeedEngine) and engine.device.type == "cpu"
 
 

@@ -13,6 +13,9 @@ the stage 1/2 sharded optimizer, and model-state memory accounting.
   :mod:`.reduce3` (gradient reduction), :mod:`.linear` (memory-efficient
   linear), :mod:`.divergence` (hang diagnosis) and :mod:`.init`
   (``zero.Init``, ``GatheredParameters``).
+* :mod:`.state_io` - the optimizers' side of the checkpoint interface
+  (:mod:`dsrun.runtime.checkpoint.fragments`): per-name fragments of the
+  masters and optimizer state, out for a save and back in for a load.
 """
 
 from dsrun.runtime.zero.comm import (

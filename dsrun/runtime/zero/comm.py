@@ -50,6 +50,7 @@ Every strategy is valid on every backend, so tests force each one on gloo.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -58,6 +59,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from dsrun.runtime.monitor.timers import comm_wait
+
+_UNTIMED = contextlib.nullcontext()
 REDUCE_STRATEGIES = ("all_reduce", "reduce_scatter")
 OWNER_REDUCE_STRATEGIES = ("all_reduce", "reduce")
 GATHER_STRATEGIES = ("all_gather", "broadcast")
@@ -108,18 +112,22 @@ def strategy_for(group: Any = None, device: Optional[torch.device] = None) -> Co
 
 
 class Pending:
-    """A collective in flight; :meth:`wait` returns its result (idempotent)."""
+    """A collective in flight; :meth:`wait` returns its result (idempotent).
+    ``kind`` ("reduce"/"gather") is what the wall-clock breakdown files its
+    wait time under."""
 
     def __init__(self, result: torch.Tensor, works: Sequence[Any] = (),
-                 finish: Optional[Any] = None) -> None:
+                 finish: Optional[Any] = None, kind: str = "reduce") -> None:
         self._result = result
         self._works = list(works)
         self._finish = finish
+        self._kind = kind
 
     def wait(self) -> torch.Tensor:
         works, self._works = self._works, []
-        for work in works:
-            work.wait()
+        with comm_wait(self._kind) if works else _UNTIMED:
+            for work in works:
+                work.wait()
         if self._finish is not None:
             finish, self._finish = self._finish, None
             finish()
@@ -182,12 +190,12 @@ def start_all_gather(shard: torch.Tensor, out: Optional[torch.Tensor] = None,
     how = (strategy or strategy_for(group, shard.device)).gather
     if how == "all_gather":
         return Pending(out, [_gather_single(out, shard.reshape(-1), group=group,
-                                            async_op=True)])
+                                            async_op=True)], kind="gather")
     chunks = out.split(n)
     chunks[rank].copy_(shard.reshape(-1))
     works = [dist.broadcast(chunks[r], src=_global(group, r), group=group, async_op=True)
              for r in range(world)]
-    return Pending(out, works)
+    return Pending(out, works, kind="gather")
 
 
 def all_gather_flat(shard: torch.Tensor, group: Any = None, *,

@@ -72,6 +72,7 @@ from dsrun.runtime.zero.memory import StateBytes, model_state_bytes
 from dsrun.runtime.zero.offload import HOST, Placement, offload_settings, pinning, to_device
 from dsrun.runtime.zero.partition import GroupLayout, partition_group, windows
 from dsrun.runtime.zero.reducer import GradReducer, GradSource
+from dsrun.runtime.zero.state_io import ShardedStateIO
 
 DEFAULT_SUB_GROUP = 1 << 20  # elements per optimizer-step piece (4 MiB of fp32)
 UNSHARDABLE_OPTIMIZERS = ("Lamb", "FusedLamb", "LAMB", "Lars", "LARS", "FusedLars",
@@ -219,7 +220,7 @@ def restore_partition_state(state: Mapping[str, Any], numels_key: str, numels: l
     optimizer.load_state_dict(state["optimizer"])
 
 
-class ZeroOptimizer(MasterGradients):
+class ZeroOptimizer(ShardedStateIO, MasterGradients):
     """ZeRO stage 1/2 optimizer (module docstring for the interface)."""
 
     def __init__(self, params: Iterable[Any], optimizer_cls: type[Optimizer],

@@ -94,6 +94,7 @@ from dsrun.runtime.zero.sharded import (
     settings_values,
 )
 from dsrun.runtime.zero.stage3_plan import MasterLayout, is_persistent
+from dsrun.runtime.zero.state_io import Stage3StateIO
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ class Stage3Settings:
         return comm_strategy(self.reduce_scatter, self.strategy)
 
 
-class ZeroStage3(MasterGradients):
+class ZeroStage3(Stage3StateIO, MasterGradients):
     """ZeRO stage 3 over ``module`` (module docstring for the interface)."""
 
     stage = 3

@@ -1,0 +1,192 @@
+"""Asynchronous saves: the training loop waits for almost nothing.
+
+:meth:`AsyncSaver.start` (in the caller's thread) copies only the
+*volatile* chunks (buffers, which forward may change) into a host buffer
+and returns. A background thread then **stages** the rest - copies every
+other chunk into the same host buffer (pinned on CUDA, on a side stream
+after the work already queued) - and then writes this rank's files and, on
+rank 0, commits (waiting for the other ranks' records on the file system:
+no collective runs in the thread). Staged chunks are the masters,
+parameters and optimizer state, which only the optimizer step changes:
+``engine.step()`` calls :meth:`AsyncSaver.wait_staged` before it updates
+anything, so a step overlaps the staging with its forward and backward and
+waits only for what is left. (Changing parameters in place by other means
+while a save is staging - ``GatheredParameters(modifier_rank=...)``, manual
+edits - must wait for :meth:`wait_staged` too.) The host buffer is kept for
+the next save of the same size or smaller.
+
+At most one save is in flight: :meth:`AsyncSaver.wait` (called by the next
+save or load, by ``engine.wait_for_checkpoint()`` and ``engine.destroy()``,
+and at interpreter exit) joins it and returns its error, which the caller
+raises. At exit an error nobody collected is logged and the process exits
+with status 1: a failed save is never lost.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import replace
+from typing import Any, Optional
+
+import torch
+
+from dsrun.runtime.checkpoint.storage import remove_tree
+from dsrun.runtime.checkpoint.writer import Commit, Planned, RankWrite, _status
+
+log = logging.getLogger("dsrun.runtime.checkpoint")
+# Savers with a save in flight or an error nobody collected yet: held here
+# (not only by their engine, which a script may drop) until exit checks them.
+_PENDING: set[AsyncSaver] = set()
+
+
+class AsyncSaver:
+    """One background save at a time (module docstring)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._thread: Optional[threading.Thread] = None
+        self._staged = threading.Event()
+        self._staged.set()
+        self._error: Optional[str] = None
+        self._tag: Optional[str] = None
+        self._buffer: Optional[torch.Tensor] = None
+        self.stage_wait_s = 0.0  # how long training waited in wait_staged, in all
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _host_buffer(self, size: int, cuda: bool) -> torch.Tensor:
+        if self._buffer is None or self._buffer.numel() < size:
+            self._buffer = None  # free the old one first
+            self._buffer = torch.empty(size, dtype=torch.uint8,
+                                       pin_memory=cuda and torch.cuda.is_available())
+        return self._buffer
+
+    def start(self, write: RankWrite, commit: Optional[Commit], tag: str) -> None:
+        """Copy the volatile chunks, then stage, write and commit in a thread."""
+        assert not self.in_flight, "wait() before starting another save"
+        plan = write.plan
+        cuda = any(c.tensor.is_cuda for c in plan.chunks)
+        buffer = self._host_buffer(plan.bytes, cuda)
+        chunks = [replace(c, tensor=buffer.narrow(0, c.offset, _nbytes(c))) for c in plan.chunks]
+        sources = [c.tensor for c in plan.chunks]
+        _copy([(h, s) for h, s, c in zip(chunks, sources, plan.chunks) if c.volatile], cuda)
+        rest = [(h, s) for h, s, c in zip(chunks, sources, plan.chunks) if not c.volatile]
+        ready = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        write.plan = replace(plan, chunks=chunks)
+        self._tag, self._error = tag, None
+        self._staged.clear()
+        self._thread = threading.Thread(target=self._run, args=(rest, ready, write, commit),
+                                        name=f"dsrun-checkpoint-{tag}", daemon=False)
+        _PENDING.add(self)
+        self._thread.start()
+
+    def _run(self, rest: list[tuple[Planned, torch.Tensor]], ready: Any, write: RankWrite,
+             commit: Optional[Commit]) -> None:
+        try:
+            try:
+                if write.pause:
+                    write.pause.reached(write.rank, "stage", write.tag)
+                _copy(rest, ready is not None, ready)
+            finally:
+                self._staged.set()
+            self._write_and_commit(write, commit)
+        except BaseException as exc:  # noqa: BLE001 - never lost: wait() raises it
+            self._error = self._error or f"{type(exc).__name__}: {exc}"
+        if self._error is None:
+            _PENDING.discard(self)
+
+    def _write_and_commit(self, write: RankWrite, commit: Optional[Commit]) -> None:
+        status = _status(write.run)
+        if status:
+            write.fail(status)
+            self._error = status
+            if commit is not None:  # rank 0 clears TAG.tmp once the others stopped writing
+                _status(lambda: commit.wait_for_records(self.timeout_s, others_only=True))
+                remove_tree(commit.tmp_dir)
+            return
+        if commit is None:
+            return
+        status = _status(lambda: (commit.wait_for_records(self.timeout_s), commit.run()))
+        if status:
+            remove_tree(commit.tmp_dir)
+            self._error = f"committing: {status}"
+        else:
+            log.info("saved checkpoint %s (asynchronously)",
+                     os.path.join(commit.save_dir, commit.tag))
+
+    def wait_staged(self) -> None:
+        """Block until the save in flight no longer reads the live tensors."""
+        if not self._staged.is_set():
+            start = time.perf_counter()
+            self._staged.wait()
+            self.stage_wait_s += time.perf_counter() - start
+
+    def wait(self) -> Optional[str]:
+        """Join the save in flight; its error (once), or None."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        _PENDING.discard(self)
+        if error:
+            return f"the asynchronous save of tag {self._tag!r} failed: {error}"
+        return None
+
+
+def _nbytes(chunk: Planned) -> int:
+    return chunk.tensor.numel() * chunk.tensor.element_size()
+
+
+def _copy(pairs: list[tuple[Planned, torch.Tensor]], cuda: bool, ready: Any = None) -> None:
+    """Copy each source tensor's bytes into its host chunk. On CUDA from a
+    background thread (``ready`` given): on a side stream of the tensors'
+    device (a thread's current device is not the caller's), after ``ready``,
+    then synchronised."""
+    device = next((s.device for _, s in pairs if s.is_cuda), None)
+    if device is None or ready is None:
+        for host, source in pairs:
+            if host.tensor.numel():
+                host.tensor.copy_(source.detach().reshape(-1).view(torch.uint8),
+                                  non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
+        return
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream()
+        stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            for host, source in pairs:
+                if host.tensor.numel():
+                    host.tensor.copy_(source.detach().reshape(-1).view(torch.uint8),
+                                      non_blocking=True)
+        stream.synchronize()
+
+
+@atexit.register
+def _wait_at_exit() -> None:
+    """Join saves still in flight; an error nobody collected ends the
+    process with status 1 (after logging it), so a failed save is not lost."""
+    errors = [e for e in (saver.wait() for saver in list(_PENDING)) if e]
+    if not errors:
+        return
+    for error in errors:
+        log.critical("%s", error)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    sys.stderr.write("".join(f"dsrun: error: {e}\n" for e in errors))
+    sys.stderr.flush()
+    os._exit(1)

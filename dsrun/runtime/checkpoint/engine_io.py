@@ -1,0 +1,218 @@
+"""``engine.save_checkpoint`` / ``load_checkpoint`` / ``save_16bit_model``.
+
+The engine delegates here. This module knows the engine's attributes (its
+module, optimizer, precision, scheduler, counters, dataloader) and turns
+them into state sources (:mod:`.fragments`) plus the engine-level state:
+
+* rank 0's ``engine_state.pt``: LR scheduler, loss scaler, ``client_state``
+  and the counters (``global_steps``, ``global_samples``,
+  ``skipped_steps``, ``micro_steps``);
+* every rank's record: its RNG states and dataloader position
+  (:mod:`.rank_state`).
+
+One :class:`Checkpointer` per engine holds the ``checkpoint`` settings, the
+coordinator and the asynchronous save in flight.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+
+import dsrun
+from dsrun.errors import CheckpointError
+from dsrun.runtime.checkpoint.async_save import AsyncSaver
+from dsrun.runtime.checkpoint.coord import Coordinator
+from dsrun.runtime.checkpoint.fragments import ExportedState, StateSource
+from dsrun.runtime.checkpoint.rank_state import (
+    capture_rng,
+    loader_state,
+    restore_loader,
+    restore_rng,
+)
+from dsrun.runtime.checkpoint.reader import LoadRequest, load_state
+from dsrun.runtime.checkpoint.settings import CheckpointSettings
+from dsrun.runtime.checkpoint.sources import ModuleTensors, Stage0State, aliases, parameter_names
+from dsrun.runtime.checkpoint.writer import SaveRequest, begin_save, save_state
+
+log = logging.getLogger("dsrun.runtime.checkpoint")
+COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
+
+
+class Checkpointer:
+    """Per-engine checkpoint state (module docstring)."""
+
+    def __init__(self, settings: CheckpointSettings) -> None:
+        self.settings = settings
+        self._coord: Optional[Coordinator] = None
+        self.saver = AsyncSaver(settings.timeout_s)
+
+    @property
+    def coord(self) -> Coordinator:
+        if self._coord is None:
+            self._coord = Coordinator(self.settings.timeout_s)
+        return self._coord
+
+    def wait(self) -> Optional[str]:
+        """Join an asynchronous save in flight; its error message, or None."""
+        return self.saver.wait()
+
+
+def checkpointer(engine: Any) -> Checkpointer:
+    found = getattr(engine, "_checkpointer", None)
+    if found is None:
+        found = Checkpointer(CheckpointSettings.from_config(getattr(engine.config, "checkpoint",
+                                                                    None)))
+        engine._checkpointer = found
+    return found
+
+
+def wait(engine: Any) -> None:
+    """Wait for an asynchronous save in flight and raise its failure."""
+    found = getattr(engine, "_checkpointer", None)
+    error = found.wait() if found is not None else None
+    if error:
+        raise CheckpointError(error)
+
+
+def _replica(engine: Any) -> tuple[int, int]:
+    return torch.distributed.get_rank(engine.dp_group), engine.dp_world_size
+
+
+def state_sources(engine: Any, names: Mapping[int, str]) -> list[StateSource]:
+    """The optimizer's source (ZeRO, or stage 0), then the module's other
+    parameters and its buffers."""
+    if engine.dp_world_size != engine.world_size:
+        raise CheckpointError("checkpoints of engines whose data-parallel group is not the "
+                              "whole world (model parallelism through mpu=) are not "
+                              "implemented in dsrun yet")
+    sources: list[Any] = []
+    if engine.zero_stage > 0:
+        sources.append(engine.optimizer)
+    elif engine.optimizer is not None:
+        sources.append(Stage0State(engine.module, engine.optimizer, engine.precision,
+                                   _replica(engine)))
+    declared = [n for s in sources for n in s.export_state(names).tensors]
+    sources.append(ModuleTensors(engine.module, declared, _replica(engine)))
+    return sources
+
+
+def _without(export: ExportedState, names: set[str]) -> ExportedState:
+    return ExportedState({k: v for k, v in export.tensors.items() if k not in names},
+                         tuple(f for f in export.fragments if f.name not in names),
+                         export.groups, export.optimizer, export.replica)
+
+
+def _meta(engine: Any, excluded: list[str]) -> dict[str, Any]:
+    meta: dict[str, Any] = {c: int(getattr(engine, c)) for c in COUNTERS}
+    meta.update(zero_stage=engine.zero_stage, precision=engine.precision.name,
+                dp_world_size=engine.dp_world_size,
+                train_batch_size=engine.config.train_batch_size,
+                gradient_accumulation_steps=engine.config.gradient_accumulation_steps,
+                dsrun_version=dsrun.__version__, torch_version=torch.__version__,
+                created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                excluded_frozen=excluded,
+                state_dict_keys=[k for k in engine.module.state_dict(keep_vars=True)
+                                 if k not in excluded])
+    return meta
+
+
+def _engine_state(engine: Any, client_state: Any) -> dict[str, Any]:
+    scaler = getattr(engine.precision, "scaler", None)
+    sched = engine.lr_scheduler
+    return {"counters": {c: int(getattr(engine, c)) for c in COUNTERS},
+            "lr_scheduler": sched.state_dict() if sched is not None and
+            hasattr(sched, "state_dict") else None,
+            "loss_scaler": scaler.state_dict() if scaler is not None else None,
+            "client_state": client_state}
+
+
+def save(engine: Any, save_dir: str, tag: Any = None, client_state: Any = None,
+         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+    """``engine.save_checkpoint`` (DeepSpeed's signature; returns True)."""
+    ck = checkpointer(engine)
+    previous = ck.wait()
+    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+    if engine.micro_steps % engine.config.gradient_accumulation_steps:
+        log.warning("save_checkpoint at micro-step %d, inside a gradient accumulation round: "
+                    "the gradients accumulated so far are not saved", engine.micro_steps)
+    names = parameter_names(engine.module)
+    exports = [s.export_state(names) for s in state_sources(engine, names)]
+    excluded: list[str] = []
+    if exclude_frozen_parameters:
+        excluded = sorted(n for n, p in engine.module.named_parameters() if not p.requires_grad)
+        exports = [_without(e, set(excluded)) for e in exports]
+    rank = ck.coord.rank
+    request = SaveRequest(
+        save_dir, tag, save_latest, _meta(engine, excluded), aliases(engine.module),
+        _engine_state(engine, {} if client_state is None else client_state) if rank == 0
+        else None,
+        {"rng": capture_rng(), "data": loader_state(engine.training_dataloader,
+                                                    engine.dp_world_size)},
+        previous, ck.settings.fsync)
+    if not ck.settings.async_save:
+        save_state(request, exports, ck.coord, ck.settings.pause)
+        return True
+    write, commit = begin_save(request, exports, ck.coord, ck.settings.pause)
+    ck.saver.start(write, commit if rank == 0 else None, tag)
+    return True
+
+
+def before_step(engine: Any) -> None:
+    """Called by ``engine.step()`` before it changes anything: an
+    asynchronous save still copying the state must finish copying first."""
+    found = getattr(engine, "_checkpointer", None)
+    if found is not None:
+        found.saver.wait_staged()
+
+
+def load(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+         load_module_only: bool = False, custom_load_fn: Any = None
+         ) -> tuple[Optional[str], Optional[Any]]:
+    """``engine.load_checkpoint`` -> ``(path of the tag's directory,
+    client_state)``; ``(None, None)`` when there is nothing to load."""
+    if custom_load_fn is not None:
+        raise CheckpointError("load_checkpoint(custom_load_fn=...) is not supported by dsrun")
+    ck = checkpointer(engine)
+    previous = ck.wait()
+    names = parameter_names(engine.module)
+    optimizer_states = bool(load_optimizer_states) and not load_module_only \
+        and engine.optimizer is not None
+    request = LoadRequest(str(load_dir), None if tag is None else str(tag),
+                          bool(load_module_strict), optimizer_states, aliases(engine.module),
+                          previous)
+    accumulating = engine.micro_steps % engine.config.gradient_accumulation_steps != 0
+    loaded = load_state(request, state_sources(engine, names), names, ck.coord)
+    if loaded is None:
+        return None, None
+    if accumulating:  # gradients of the interrupted accumulation round are stale now
+        engine.zero_grad(set_to_none=False)
+    state = loaded.engine_state or {}
+    if not load_module_only:
+        _restore_engine(engine, state, loaded.record, load_lr_scheduler_states,
+                        loaded.saved_rank == ck.coord.rank)
+    return loaded.path, state.get("client_state") or {}
+
+
+def _restore_engine(engine: Any, state: Mapping[str, Any], record: Mapping[str, Any],
+                    scheduler: bool, own_record: bool) -> None:
+    for name, value in (state.get("counters") or {}).items():
+        if name in COUNTERS:
+            setattr(engine, name, int(value))
+    sched_state = state.get("lr_scheduler")
+    if scheduler and sched_state is not None and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(sched_state)
+    scaler = getattr(engine.precision, "scaler", None)
+    if scaler is not None and state.get("loss_scaler") is not None:
+        scaler.load_state_dict(state["loss_scaler"])
+    if own_record and record.get("rng"):
+        restore_rng(record["rng"])
+    elif record.get("rng"):
+        log.info("rank %d has no saved RNG state (the checkpoint has fewer ranks): its RNG "
+                 "continues as it is", engine.global_rank)
+    restore_loader(engine.training_dataloader, record.get("data"), engine.dp_world_size)

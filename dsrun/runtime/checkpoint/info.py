@@ -1,0 +1,166 @@
+"""``dsrun checkpoint info``: what a checkpoint directory holds (no torch).
+
+:func:`checkpoint_info` reads only JSON (the manifest) and file sizes, so it
+answers in milliseconds on any machine: the tags present (and which one
+``latest`` names, and saves that never finished), and for one tag who
+saved it (world size, ZeRO stage, precision, versions), the training
+position, the number of parameters and tensors, the optimizer and its
+state, and the sizes on disk and of the fp32 model.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from dsrun.errors import CheckpointError
+from dsrun.runtime.checkpoint.manifest import (
+    ITEMSIZE,
+    MANIFEST,
+    VALUE,
+    Manifest,
+    parse_manifest,
+)
+from dsrun.runtime.checkpoint.tags import list_tags, read_latest, tag_dir
+
+
+@dataclass(frozen=True)
+class TagInfo:
+    tag: str
+    path: str
+    manifest: Manifest
+    disk_bytes: int
+
+    def summary(self) -> dict[str, Any]:
+        m = self.manifest
+        params = [e for e in m.tensors.values() if e.kind == "param"]
+        trained = [e for e in params if e.group is not None]
+        largest = max(m.tensors.values(), key=lambda e: e.numel, default=None)
+        fp32 = sum(e.numel * (4 if _floating(e.items[VALUE].dtype) else
+                              ITEMSIZE.get(e.items[VALUE].dtype, 4))
+                   for e in m.tensors.values())
+        return {
+            "tag": self.tag, "path": self.path, "world_size": m.world_size,
+            "zero_stage": m.meta.get("zero_stage"), "precision": m.meta.get("precision"),
+            "global_steps": m.meta.get("global_steps"),
+            "global_samples": m.meta.get("global_samples"),
+            "skipped_steps": m.meta.get("skipped_steps"), "created": m.meta.get("created"),
+            "dsrun_version": m.meta.get("dsrun_version"),
+            "torch_version": m.meta.get("torch_version"),
+            "parameters": sum(e.numel for e in params),
+            "trainable_parameters": sum(e.numel for e in trained),
+            "parameter_tensors": len(params),
+            "buffers": len(m.tensors) - len(params), "tied": dict(m.aliases),
+            "optimizer": m.optimizer, "optimizer_state": m.state_keys,
+            "param_groups": len(m.param_groups),
+            "lr": [g.get("lr") for g in m.param_groups],
+            "disk_bytes": self.disk_bytes, "fp32_model_bytes": fp32,
+            "largest_tensor": None if largest is None else
+            {"name": largest.name, "shape": list(largest.shape), "elements": largest.numel},
+            "files": len(m.files) + 1,
+        }
+
+
+def human_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n} B"
+
+
+def _floating(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat"))
+
+
+@dataclass(frozen=True)
+class DirInfo:
+    root: str
+    tags: list[str]
+    interrupted: list[str]
+    latest: Optional[str]
+    selected: Optional[TagInfo] = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _disk_bytes(path: str) -> int:
+    total = 0
+    for name in os.listdir(path):
+        try:
+            total += os.stat(os.path.join(path, name)).st_size
+        except OSError:
+            pass
+    return total
+
+
+def _tag_info(tag: str, path: str) -> TagInfo:
+    manifest_path = os.path.join(path, MANIFEST)
+    try:
+        with open(manifest_path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {manifest_path}: {exc}") from None
+    return TagInfo(tag, path, parse_manifest(text, manifest_path), _disk_bytes(path))
+
+
+def checkpoint_info(checkpoint_dir: str, tag: Optional[str] = None) -> DirInfo:
+    """What ``checkpoint_dir`` (a save directory, or one tag's directory) holds."""
+    root = os.path.abspath(checkpoint_dir)
+    if not os.path.isdir(root):
+        raise CheckpointError(f"the checkpoint directory {root} does not exist")
+    if tag is None and os.path.exists(os.path.join(root, MANIFEST)):
+        name = os.path.basename(root)
+        return DirInfo(os.path.dirname(root), [name], [], None, _tag_info(name, root))
+    tags, interrupted = list_tags(root)
+    notes = []
+    try:
+        latest = read_latest(root)
+    except CheckpointError as exc:
+        latest, notes = None, [str(exc)]
+    if latest is not None and latest not in tags:
+        notes.append(f"'latest' names {latest!r}, which is not a complete checkpoint here")
+    chosen = tag if tag is not None else (latest if latest in tags else
+                                          (tags[-1] if tags else None))
+    if chosen is None:
+        if not tags:
+            raise CheckpointError(f"{root} holds no dsrun checkpoint (no tag directory with a "
+                                  f"{MANIFEST})" + (f"; interrupted saves: "
+                                                    f"{', '.join(interrupted)}" if interrupted
+                                                    else ""))
+        return DirInfo(root, tags, interrupted, latest, None, notes)
+    return DirInfo(root, tags, interrupted, latest,
+                   _tag_info(chosen, tag_dir(root, chosen)), notes)
+
+
+def format_info(info: DirInfo) -> list[str]:
+    """The lines ``dsrun checkpoint info`` prints."""
+    lines = [f"checkpoint directory {info.root}"]
+    if info.tags:
+        marked = [f"{t} (latest)" if t == info.latest else t for t in info.tags]
+        lines.append(f"tags: {', '.join(marked)}")
+    if info.interrupted:
+        lines.append(f"interrupted saves (not loadable): {', '.join(info.interrupted)}")
+    lines.extend(f"note: {n}" for n in info.notes)
+    if info.selected is None:
+        return lines
+    s = info.selected.summary()
+    lines.append(f"tag {s['tag']}: saved {s['created'] or '?'} by {s['world_size']} rank(s), "
+                 f"ZeRO stage {s['zero_stage']}, {s['precision']}, dsrun {s['dsrun_version']}, "
+                 f"torch {s['torch_version']}")
+    lines.append(f"  step {s['global_steps']} ({s['global_samples']} samples, "
+                 f"{s['skipped_steps']} skipped)")
+    lines.append(f"  parameters: {s['parameters']:,} in {s['parameter_tensors']} tensors "
+                 f"({s['trainable_parameters']:,} trained); {s['buffers']} buffers"
+                 + (f"; tied: {', '.join(f'{a} = {b}' for a, b in s['tied'].items())}"
+                    if s["tied"] else ""))
+    if s["optimizer"]:
+        state = ", ".join(s["optimizer_state"]) or "none yet"
+        lines.append(f"  optimizer: {s['optimizer']} ({s['param_groups']} param group(s), lr "
+                     f"{', '.join(f'{lr:g}' for lr in s['lr'] if isinstance(lr, (int, float)))}"
+                     f"); state: {state}")
+    big = s["largest_tensor"]
+    lines.append(f"  size: {human_bytes(s['disk_bytes'])} on disk in {s['files']} files; "
+                 f"fp32 model {human_bytes(s['fp32_model_bytes'])}"
+                 + (f"; largest tensor {big['name']} {big['shape']} "
+                    f"({human_bytes(big['elements'] * 4)} in fp32)" if big else ""))
+    return lines

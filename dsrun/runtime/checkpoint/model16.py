@@ -1,0 +1,96 @@
+"""``engine.save_16bit_model``: the module's weights in the training's 16-bit
+dtype, as one ``torch.save`` file (DeepSpeed's ``pytorch_model.bin``).
+
+The dtype is the model's under fp16, bfloat16 under bf16 (dsrun's bf16
+keeps fp32 parameters and computes under autocast), and fp32 otherwise (as
+DeepSpeed, which saves the module's own dtype). At ZeRO stage 3 the
+parameters are partitioned: they are gathered one at a time, so the extra
+memory is one parameter on every rank plus the output on rank 0, and only
+when ``stage3_gather_16bit_weights_on_model_save`` is set - otherwise
+nothing is written and False is returned, as DeepSpeed does. Rank 0 writes
+the file atomically (temporary name, fsync, rename); every rank returns
+after it is there.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from dsrun.runtime.checkpoint.coord import raise_failures
+from dsrun.runtime.checkpoint.engine_io import checkpointer, wait
+from dsrun.runtime.checkpoint.storage import atomic_write
+from dsrun.runtime.zero.init import GatheredParameters
+from dsrun.runtime.zero.partitioned import is_zero_param
+
+log = logging.getLogger("dsrun.runtime.checkpoint")
+
+
+def _dtype(engine: Any) -> torch.dtype:
+    if engine.config.fp16.enabled:
+        return torch.float16
+    if engine.config.bf16.enabled:
+        return torch.bfloat16
+    return torch.float32
+
+
+def _host(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    value = tensor.detach()
+    if value.is_floating_point():
+        value = value.to(dtype)
+    return value.to("cpu", copy=True)
+
+
+def state_dict16(engine: Any, exclude_frozen: bool, keep: bool) -> OrderedDict:
+    """The module's state dict in the 16-bit dtype (only ``keep`` ranks
+    collect it; at stage 3 every rank takes part in the gathers)."""
+    dtype = _dtype(engine)
+    module = engine.module
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
+    done: dict[int, torch.Tensor] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if exclude_frozen and isinstance(tensor, torch.nn.Parameter) and not tensor.requires_grad:
+            continue
+        if id(tensor) not in done:
+            if is_zero_param(tensor):
+                with GatheredParameters([tensor]):
+                    value = _host(tensor, dtype) if keep else None
+            else:
+                value = _host(tensor, dtype) if keep else None
+            done[id(tensor)] = value  # type: ignore[assignment]
+        if keep:
+            out[name] = done[id(tensor)]
+    return out
+
+
+def save_16bit_model(engine: Any, save_dir: str, save_filename: str = "pytorch_model.bin",
+                     exclude_frozen_parameters: bool = False) -> bool:
+    """``engine.save_16bit_model`` (module docstring)."""
+    wait(engine)
+    if engine.zero_stage == 3 and \
+            not engine.config.zero_optimization.gather_16bit_weights_on_model_save:
+        log.warning("did not save the model %s: at ZeRO stage 3 it needs "
+                    "\"stage3_gather_16bit_weights_on_model_save\": true in zero_optimization "
+                    "(or use dsrun checkpoint to-fp32 on a checkpoint)",
+                    os.path.join(save_dir, save_filename))
+        return False
+    coord = checkpointer(engine).coord
+    path = os.path.join(os.path.abspath(save_dir), save_filename)
+    coord.agree("engine.save_16bit_model()", {"path": path})
+    state = state_dict16(engine, exclude_frozen_parameters, keep=coord.rank == 0)
+    status = None
+    if coord.rank == 0:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+            atomic_write(path, buffer.getvalue())
+        except Exception as exc:  # noqa: BLE001 - reported on every rank
+            status = f"{type(exc).__name__}: {exc}"
+    raise_failures(coord.exchange(status), f"saving the 16-bit model to {path}")
+    return True

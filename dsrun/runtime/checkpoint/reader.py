@@ -1,0 +1,367 @@
+"""Loading, at any world size and ZeRO stage: intersect, verify, then install.
+
+:func:`load_state` is the Python API (the engine calls it through
+:mod:`.engine_io`)::
+
+    1. agree      every rank resolves the same tag (``latest`` when none is
+                  given; no ``latest`` and no tag: nothing to load)
+    2. match      each source's prepare_import() names the ranges this rank
+                  needs; the manifest is read and its names and shapes
+                  compared with the union of what all ranks declare:
+                  strict - one error listing every difference; not strict -
+                  the intersection, with a warning listing what is skipped
+    3. read       every file is checked against the sizes the manifest
+                  records; each rank reads the chunks that intersect its
+                  ranges (whole chunks, so every byte it uses is checked
+                  against its crc32) into the sources' staging tensors
+    4. install    only when every rank read everything without error:
+                  finish_import() on every source (collective at ZeRO
+                  stages); otherwise every rank raises the same error, naming
+                  the missing, truncated or corrupt file, and nothing changed
+
+Resharding is step 3: the chunks are flat element ranges of each tensor
+without padding, so a rank of any new layout finds the elements it owns
+wherever they were saved.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import zlib
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from dsrun.errors import CheckpointError
+from dsrun.runtime.checkpoint.coord import Coordinator, check_same, raise_failures
+from dsrun.runtime.checkpoint.fragments import ImportPlan, LoadTarget, StateSource
+from dsrun.runtime.checkpoint.manifest import (
+    ENGINE_STATE,
+    MANIFEST,
+    VALUE,
+    Item,
+    Manifest,
+    TensorEntry,
+    decode_number,
+    itemsize,
+    parse_manifest,
+    plan_reads,
+    record_file,
+)
+from dsrun.runtime.checkpoint.storage import read_file, read_into, torch_dtype
+from dsrun.runtime.checkpoint.tags import read_latest, tag_dir
+
+log = logging.getLogger("dsrun.runtime.checkpoint")
+MAX_LISTED = 12
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    load_dir: str
+    tag: Optional[str] = None
+    strict: bool = True
+    optimizer_states: bool = True
+    model_aliases: Mapping[str, str] = field(default_factory=dict)
+    previous_error: Optional[str] = None   # of an asynchronous save, raised on every rank
+
+
+@dataclass
+class Loaded:
+    """What a load found besides the tensors (already installed)."""
+
+    path: str
+    manifest: Manifest
+    engine_state: Optional[dict[str, Any]]
+    record: Mapping[str, Any]        # this rank's saved extras (rank 0's if it did not save)
+    saved_rank: int                  # the rank whose record that is
+    skipped: list[str]
+
+
+def _listing(names: Sequence[str]) -> str:
+    shown = ", ".join(names[:MAX_LISTED])
+    return shown + (f", ... ({len(names) - MAX_LISTED} more)" if len(names) > MAX_LISTED else "")
+
+
+@dataclass(frozen=True)
+class Differences:
+    missing: list[str]       # in the model, not in the checkpoint
+    unexpected: list[str]    # in the checkpoint, not in the model
+    shapes: list[str]        # in both, different shapes ("name: ckpt [..] vs model [..]")
+    tolerated: list[str]     # missing but excluded at save (exclude_frozen_parameters)
+
+    @property
+    def skipped(self) -> list[str]:
+        return [*self.missing, *self.unexpected, *(s.split(":")[0] for s in self.shapes)]
+
+    def describe(self) -> str:
+        parts = []
+        if self.missing:
+            parts.append(f"missing from the checkpoint ({len(self.missing)}): "
+                         f"{_listing(self.missing)}")
+        if self.unexpected:
+            parts.append(f"not in the model ({len(self.unexpected)}): "
+                         f"{_listing(self.unexpected)}")
+        if self.shapes:
+            parts.append(f"different shapes ({len(self.shapes)}): {_listing(self.shapes)}")
+        return "; ".join(parts)
+
+
+def compare(manifest: Manifest, declared: Mapping[str, Sequence[int]],
+            model_aliases: Mapping[str, str]) -> Differences:
+    """Names and shapes of the model (``declared``: name -> shape, over all
+    ranks) against the checkpoint's (pure)."""
+    excluded = set(manifest.meta.get("excluded_frozen") or ())
+    missing = [n for n in declared if n not in manifest.tensors and n not in manifest.aliases]
+    tolerated = [n for n in missing if n in excluded]
+    missing = [n for n in missing if n not in excluded]
+    unexpected = [n for n in manifest.tensors if n not in declared and n not in model_aliases]
+    shapes = [f"{n}: checkpoint {list(e.shape)} vs model {list(declared[n])}"
+              for n, e in manifest.tensors.items()
+              if n in declared and tuple(e.shape) != tuple(declared[n])]
+    return Differences(sorted(missing), sorted(unexpected), sorted(shapes), sorted(tolerated))
+
+
+def _scalar(value: Any) -> Any:
+    if isinstance(value, dict) and "tensor" in value:
+        return torch.tensor(decode_number(value["value"]), dtype=torch_dtype(value["tensor"]))
+    return decode_number(value)
+
+
+def decode_groups(groups: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for group in groups:
+        clean = {}
+        for key, value in group.items():
+            if isinstance(value, dict) and "unsupported" in value:
+                continue
+            clean[key] = [_scalar(v) for v in value] if isinstance(value, list) else _scalar(value)
+            if isinstance(clean[key], torch.Tensor):
+                clean[key] = clean[key].item()
+        out.append(clean)
+    return out
+
+
+class ChunkReader:
+    """Reads chunks of the rank files of one checkpoint and checks each
+    one's crc32 - in a helper thread, while the next chunk is read; every
+    check is done by :meth:`close`, which raises naming the first bad one."""
+
+    def __init__(self, path: str, manifest: Manifest) -> None:
+        self.path = path
+        self.manifest = manifest
+        self.fds: dict[int, int] = {}
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="dsrun-crc")
+        self.checks: list[tuple[Future, int, str]] = []
+
+    def check_sizes(self) -> None:
+        problems = []
+        for name, info in self.manifest.files.items():
+            full = os.path.join(self.path, name)
+            try:
+                size = os.stat(full).st_size
+            except FileNotFoundError:
+                problems.append(f"{full} is missing")
+                continue
+            if size != info.get("bytes", size):
+                what = "truncated" if size < info["bytes"] else "longer than recorded"
+                problems.append(f"{full} is {what}: {size} bytes, the manifest says "
+                                f"{info['bytes']}")
+        if problems:
+            raise CheckpointError("; ".join(problems))
+
+    def _fd(self, rank: int) -> int:
+        if rank not in self.fds:
+            self.fds[rank] = os.open(os.path.join(self.path, f"rank_{rank:05d}.bin"), os.O_RDONLY)
+        return self.fds[rank]
+
+    def fill(self, entry: TensorEntry, key: str, item: Item, target: LoadTarget,
+             out: torch.Tensor) -> None:
+        """Fill ``out`` (target elements ``[target.start, target.end)``)."""
+        size = itemsize(item.dtype)
+        stored = torch_dtype(item.dtype)
+        for read in plan_reads(item, target.start, target.end):
+            chunk = read.chunk
+            whole = read.lo == chunk.start and read.hi == chunk.end
+            dest = out[read.lo - target.start:read.hi - target.start]
+            direct = whole and dest.device.type == "cpu" and dest.dtype == stored
+            buffer = dest if direct else torch.empty(chunk.end - chunk.start, dtype=stored)
+            view = memoryview(buffer.view(torch.uint8).numpy()).cast("B")
+            file = os.path.join(self.path, f"rank_{chunk.rank:05d}.bin")
+            read_into(self._fd(chunk.rank), file, chunk.offset, view)
+            where = (f"{file} is corrupt: the checksum of tensor {entry.name!r} ({key}, elements "
+                     f"[{chunk.start}, {chunk.end}), bytes {chunk.offset}-"
+                     f"{chunk.offset + (chunk.end - chunk.start) * size}) does not match")
+            self.checks.append((self.pool.submit(zlib.crc32, view), chunk.crc, where))
+            if not direct:
+                dest.copy_(buffer[read.lo - chunk.start:read.hi - chunk.start])
+
+    def verify(self) -> None:
+        """Wait for the checks of every chunk read so far; raise on a mismatch."""
+        checks, self.checks = self.checks, []
+        for done, expected, where in checks:
+            if done.result() != expected:
+                raise CheckpointError(where)
+
+    def abandon(self) -> None:
+        """Close the files without checking (after an error)."""
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+        self.pool.shutdown(wait=True)
+        self.checks = []
+
+    def close(self) -> None:
+        """Check every chunk read, then close the files."""
+        try:
+            self.verify()
+        finally:
+            self.abandon()
+
+
+def _read_checked(path: str, manifest: Manifest, name: str) -> bytes:
+    data = read_file(os.path.join(path, name), name)
+    info = manifest.files.get(name, {})
+    if "crc32" in info and zlib.crc32(data) != info["crc32"]:
+        raise CheckpointError(f"{os.path.join(path, name)} is corrupt: its checksum does not "
+                              "match the manifest")
+    return data
+
+
+def _fill_targets(reader: ChunkReader, manifest: Manifest, plan: ImportPlan,
+                  skip: set[str]) -> None:
+    for target in plan.targets:
+        entry = manifest.tensors.get(target.name)
+        if entry is None or target.name in skip:
+            continue
+        reader.fill(entry, VALUE, entry.items[VALUE], target, target.value)
+        for key in list(target.state):
+            if key in entry.items:
+                reader.fill(entry, key, entry.items[key], target, target.state[key])
+            else:
+                del target.state[key]
+        target.scalars.update({k: _scalar(v) for k, v in entry.scalars.items()})
+        target.loaded = True
+
+
+@dataclass
+class _Phase:
+    """Per-rank results of the local steps, before the ranks compare notes."""
+
+    path: str = ""
+    manifest: Optional[Manifest] = None
+    plans: list[ImportPlan] = field(default_factory=list)
+    declared: dict[str, list[int]] = field(default_factory=dict)
+
+
+def _open(request: LoadRequest, tag: str, sources: Sequence[StateSource],
+          names: Mapping[int, str]) -> _Phase:
+    phase = _Phase(path=tag_dir(os.path.abspath(request.load_dir), tag))
+    manifest_path = os.path.join(phase.path, MANIFEST)
+    phase.manifest = parse_manifest(read_file(manifest_path, "the manifest").decode(
+        errors="replace"), manifest_path)
+    keys = phase.manifest.state_keys if request.optimizer_states else None
+    phase.plans = [source.prepare_import(names, keys) for source in sources]
+    saved = phase.manifest.optimizer
+    for plan in phase.plans:
+        for info in plan.tensors.values():
+            phase.declared[info.name] = list(info.shape)
+        if keys and saved and plan.optimizer and plan.optimizer != saved:
+            raise CheckpointError(
+                f"the checkpoint's optimizer state is {saved}'s, this engine's optimizer is "
+                f"{plan.optimizer}: pass load_optimizer_states=False to load the weights only")
+    return phase
+
+
+def _resolve(request: LoadRequest) -> tuple[Optional[str], Optional[str]]:
+    """(tag, problem) on this rank."""
+    root = os.path.abspath(request.load_dir)
+    if not os.path.isdir(root):
+        return request.tag, f"the checkpoint directory {root} does not exist"
+    if request.tag is not None:
+        return str(request.tag), None
+    try:
+        return read_latest(root), None
+    except CheckpointError as exc:
+        return None, str(exc)
+
+
+def load_state(request: LoadRequest, sources: Sequence[StateSource], names: Mapping[int, str],
+               coord: Coordinator) -> Optional[Loaded]:
+    """A load (module docstring); None when there is nothing to load (no
+    tag given and no ``latest``), as DeepSpeed. Every rank must call it."""
+    tag, problem = _resolve(request)
+    everyone = coord.agree("engine.load_checkpoint()", {"tag": tag, "problem": problem,
+                                                         "previous": request.previous_error})
+    raise_failures([e["previous"] for e in everyone], "the previous asynchronous save")
+    raise_failures([e["problem"] for e in everyone], "loading a checkpoint")
+    check_same([e["tag"] for e in everyone], "the checkpoint tag to load")
+    if tag is None:
+        log.warning("no tag given and no 'latest' file in %s: nothing loaded",
+                    os.path.abspath(request.load_dir))
+        return None
+    phase, status = _Phase(), None
+    try:
+        phase = _open(request, tag, sources, names)
+    except CheckpointError as exc:
+        status = str(exc)
+    notes = coord.exchange({"error": status, "declared": phase.declared})
+    raise_failures([n["error"] for n in notes], f"loading checkpoint {tag!r}")
+    declared: dict[str, list[int]] = {}
+    for note in notes:
+        declared.update(note["declared"])
+    assert phase.manifest is not None
+    diff = compare(phase.manifest, declared, request.model_aliases)
+    if (diff.missing or diff.unexpected or diff.shapes) and request.strict:
+        raise CheckpointError(f"checkpoint {phase.path} does not match the model: "
+                              f"{diff.describe()}. Pass load_module_strict=False to load what "
+                              "both have")
+    if diff.skipped and coord.rank == 0:
+        log.warning("load_module_strict=False: skipped %s", diff.describe())
+    if diff.tolerated and coord.rank == 0:
+        log.info("not in the checkpoint (saved with exclude_frozen_parameters), kept as they "
+                 "are: %s", _listing(diff.tolerated))
+    result, status = None, None
+    try:
+        result = _read(request, phase, set(diff.skipped), coord.rank)
+    except CheckpointError as exc:
+        status = str(exc)
+    except OSError as exc:
+        status = f"reading {phase.path} failed: {exc}"
+    except Exception as exc:  # noqa: BLE001 - e.g. an engine state that does not unpickle
+        status = f"reading {phase.path} failed: {type(exc).__name__}: {exc}"
+    raise_failures(coord.exchange(status), f"loading checkpoint {phase.path}")
+    assert result is not None
+    groups = decode_groups(phase.manifest.param_groups) if request.optimizer_states else None
+    for source, plan in zip(sources, phase.plans):
+        source.finish_import(plan, groups, request.optimizer_states)
+    log.info("loaded checkpoint %s (saved by %d ranks)", phase.path, phase.manifest.world_size)
+    return result
+
+
+def _read(request: LoadRequest, phase: _Phase, skip: set[str], rank: int) -> Loaded:
+    assert phase.manifest is not None
+    manifest = phase.manifest
+    reader = ChunkReader(phase.path, manifest)
+    try:
+        reader.check_sizes()
+        for plan in phase.plans:
+            _fill_targets(reader, manifest, plan, skip)
+    except BaseException:
+        reader.abandon()
+        raise
+    reader.close()
+    blob = None
+    if os.path.exists(os.path.join(phase.path, ENGINE_STATE)) or ENGINE_STATE in manifest.files:
+        blob = _read_checked(phase.path, manifest, ENGINE_STATE)
+    saved_rank = rank if rank < manifest.world_size else 0
+    record = json.loads(_read_checked(phase.path, manifest, record_file(saved_rank)))
+    state = torch.load(io.BytesIO(blob), weights_only=False) if blob is not None else None
+    return Loaded(phase.path, manifest, state, record.get("extra") or {}, saved_rank,
+                  [] if not skip else sorted(skip))
+

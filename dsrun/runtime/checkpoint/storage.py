@@ -1,0 +1,217 @@
+"""File I/O of checkpoints: durable writes, checked reads, atomic renames.
+
+* Writes go through :func:`write_all` (one ``os.write`` loop: the single
+  place a test fakes a full disk), are fsynced, and a full disk or quota
+  becomes one :class:`~dsrun.errors.CheckpointError` naming the file and
+  what to do. :class:`DataFile` computes each buffer's crc32 in a helper
+  thread while the next one is written (both release the GIL), and asks the
+  kernel to start writing back every 64 MiB written (Linux
+  ``sync_file_range``), so the final fsync finds little left to do.
+  ``durable=False`` (``"checkpoint": {"fsync": false}``) skips every fsync:
+  a process that dies still leaves complete files behind (the kernel has
+  them), an OS crash or power cut may not.
+* Small files (records, manifest, ``latest``) are written whole into a
+  temporary name, fsynced, renamed over the target, and the directory is
+  fsynced (:func:`atomic_write`): a reader sees the old file or the new one.
+* Reads (:func:`read_into`) fill a buffer at an offset with ``preadv``,
+  naming the file when it is missing or shorter than the manifest says.
+* Tensors are written and read as their raw bytes (:func:`tensor_bytes`,
+  zero-copy for contiguous CPU tensors): the byte order is the machine's,
+  little-endian on every platform torch supports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import logging
+import os
+import shutil
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Optional
+
+import torch
+
+from dsrun.errors import CheckpointError
+
+log = logging.getLogger("dsrun.runtime.checkpoint")
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+WRITE_BLOCK = 64 << 20  # bytes per os.write call
+WRITEBACK_EVERY = 64 << 20  # bytes written between early writeback requests
+SYNC_FILE_RANGE_WRITE = 2
+
+
+def _sync_file_range() -> Optional[Callable[..., int]]:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise CheckpointError(f"dtype {name!r} is not known to this torch")
+    return value
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor (a view, no copy)."""
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    flat = tensor.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def disk_full_error(path: str, exc: OSError, written: int, total: int) -> CheckpointError:
+    return CheckpointError(
+        f"no space left on the device writing {path} ({os.strerror(exc.errno or 0)}; "
+        f"{written / 2**20:,.1f} of {total / 2**20:,.1f} MiB of this rank's data written): "
+        "free space or save to another directory; the previous checkpoint is intact")
+
+
+def write_all(fd: int, data: memoryview) -> None:
+    """Write every byte of ``data`` to ``fd``."""
+    view = data
+    while len(view):
+        done = os.write(fd, view[:WRITE_BLOCK])
+        view = view[done:]
+
+
+class DataFile:
+    """Append raw buffers to one file; crc32 of each; fsync on close."""
+
+    def __init__(self, path: str, total: int, durable: bool = True) -> None:
+        self.path = path
+        self.total = total
+        self.durable = durable
+        self.written = 0
+        self._flushed = 0
+        self._crcs: list[Future] = []
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def append(self, data: memoryview) -> None:
+        """Write ``data`` (its crc32 is computed meanwhile: :meth:`close`)."""
+        if self._pool is None and len(data) > (1 << 20):
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="dsrun-crc")
+        if self._pool is not None:
+            self._crcs.append(self._pool.submit(zlib.crc32, data))
+        else:
+            done: Future = Future()
+            done.set_result(zlib.crc32(data))
+            self._crcs.append(done)
+        try:
+            write_all(self.fd, data)
+        except OSError as exc:
+            raise self._error(exc) from None
+        self.written += len(data)
+        if self.durable and _SYNC_FILE_RANGE is not None and \
+                self.written - self._flushed >= WRITEBACK_EVERY:
+            _SYNC_FILE_RANGE(self.fd, self._flushed, self.written - self._flushed,
+                             SYNC_FILE_RANGE_WRITE)
+            self._flushed = self.written
+
+    def _error(self, exc: OSError) -> CheckpointError:
+        if exc.errno in DISK_FULL:
+            return disk_full_error(self.path, exc, self.written, self.total)
+        return CheckpointError(f"writing {self.path} failed: {exc}")
+
+    def close(self) -> list[int]:
+        """fsync and close; the crc32 of every buffer appended, in order."""
+        try:
+            if self.durable:
+                os.fsync(self.fd)
+        except OSError as exc:
+            raise self._error(exc) from None
+        finally:
+            self._release()
+        return [f.result() for f in self._crcs]
+
+    def _release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> DataFile:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is not None:
+            self._release()
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, data: bytes, sync_dir: bool = True, durable: bool = True) -> None:
+    """Replace ``path`` with ``data``: temporary file, fsync, rename, and
+    fsync the directory (``sync_dir`` False: the caller fsyncs it later;
+    ``durable`` False: no fsync at all)."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with DataFile(tmp, len(data), durable) as out:
+            out.append(memoryview(data))
+            out.close()
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if sync_dir and durable:
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def read_file(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise CheckpointError(f"{what} {path} is missing") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {what} {path}: {exc}") from None
+
+
+def read_into(fd: int, path: str, offset: int, buffer: memoryview) -> None:
+    """Fill ``buffer`` from ``offset`` of the open file ``path``."""
+    view = buffer
+    position = offset
+    while len(view):
+        got = os.preadv(fd, [view], position)
+        if got == 0:
+            raise CheckpointError(f"{path} is truncated: it ends at byte {position}, the "
+                                  f"manifest needs {offset + len(buffer)}")
+        view = view[got:]
+        position += got
+
+
+def remove_tree(path: str) -> None:
+    """Remove a directory tree, logging (not raising) what cannot go."""
+    if os.path.isdir(path):
+        shutil.rmtree(path, onerror=lambda _f, p, e: log.warning("cannot remove %s: %s", p, e[1]))
+
+
+def free_bytes(path: str) -> int:
+    stats = os.statvfs(path)
+    return stats.f_bavail * stats.f_frsize

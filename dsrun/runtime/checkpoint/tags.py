@@ -1,0 +1,91 @@
+"""Tags and the ``latest`` file: which directory of a checkpoint root to use (pure I/O, no torch).
+
+A tag names one directory under the save directory, so it must be one
+plain path component: not empty, no ``/`` or ``\\``, not ``.``/``..``,
+not ``latest``, not ending in ``.tmp`` or ``.replaced`` (the names a save
+in progress and a replaced tag use), without control characters.
+``latest`` holds the newest complete tag as text, as in DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from dsrun.errors import CheckpointError
+from dsrun.runtime.checkpoint.manifest import LATEST, MANIFEST, REPLACED_SUFFIX, TMP_SUFFIX
+
+
+def tag_problem(tag: Any) -> Optional[str]:
+    """Why ``tag`` cannot name a checkpoint directory, or None."""
+    if not isinstance(tag, str):
+        return f"the tag must be a string, got {type(tag).__name__} {tag!r}"
+    if not tag or tag in (".", "..", LATEST):
+        return f"the tag {tag!r} is reserved or empty"
+    if "/" in tag or "\\" in tag or any(ord(c) < 32 for c in tag):
+        return f"the tag {tag!r} must be a single directory name (no '/', no control characters)"
+    if tag.endswith((TMP_SUFFIX, REPLACED_SUFFIX)):
+        return f"the tag {tag!r} ends in {TMP_SUFFIX} or {REPLACED_SUFFIX}, which dsrun uses itself"
+    return None
+
+
+def check_tag(tag: Any) -> None:
+    problem = tag_problem(tag)
+    if problem:
+        raise CheckpointError(problem)
+
+
+def read_latest(root: str) -> Optional[str]:
+    """The tag in ``root/latest``, or None when there is no such file."""
+    path = os.path.join(root, LATEST)
+    try:
+        with open(path, encoding="utf-8") as f:
+            tag = f.read().strip()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from None
+    if tag_problem(tag):
+        raise CheckpointError(f"{path} does not hold a valid tag ({tag_problem(tag)})")
+    return tag
+
+
+def list_tags(root: str) -> tuple[list[str], list[str]]:
+    """(complete tags, interrupted saves) under ``root``, sorted."""
+    complete, partial = [], []
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return [], []
+    for name in names:
+        path = os.path.join(root, name)
+        if not os.path.isdir(path):
+            continue
+        if name.endswith(TMP_SUFFIX):
+            partial.append(name[: -len(TMP_SUFFIX)])
+        elif os.path.exists(os.path.join(path, MANIFEST)):
+            complete.append(name)
+    return complete, partial
+
+
+def tag_dir(root: str, tag: str) -> str:
+    """The directory of complete tag ``tag`` under ``root``, or an error
+    that lists the tags there are."""
+    check_tag(tag)
+    path = os.path.join(root, tag)
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, MANIFEST)):
+        return path
+    aside = path + REPLACED_SUFFIX
+    if not os.path.isdir(path) and os.path.exists(os.path.join(aside, MANIFEST)):
+        return aside  # a crash while the same tag was being saved again
+    complete, partial = list_tags(root)
+    if tag in partial and not os.path.isdir(path):
+        why = (f"its save never finished (only {tag}{TMP_SUFFIX}/ exists: the job stopped "
+               "during the save)")
+    elif os.path.isdir(path):
+        why = f"{path} has no {MANIFEST}: it is not a dsrun checkpoint"
+    else:
+        why = "there is no such tag"
+    have = ", ".join(complete) if complete else "none"
+    raise CheckpointError(f"cannot load tag {tag!r} from {root}: {why}; complete tags there: "
+                          f"{have}")

@@ -1,0 +1,370 @@
+"""Saving: every rank writes its own slices, rank 0 commits the directory.
+
+:func:`save_state` is the Python API any engine calls (the ZeRO engine
+through :mod:`.engine_io`; a pipeline engine with its own sources)::
+
+    1. agree      every rank posts the tag (Coordinator.agree, with a
+                  deadline): missing ranks and different tags are named;
+                  rank 0 first removes a TAG.tmp/ left by a crashed save
+    2. check      the bytes every rank will write against the free space
+    3. write      each rank writes rank_RRRRR.bin (its fragments; replicated
+                  ones split among their holders), fsyncs it, then its
+                  record rank_RRRRR.json (atomically); rank 0 also
+                  engine_state.pt - all into SAVE_DIR/TAG.tmp/
+    4. commit     once every rank has finished, rank 0 merges the records
+                  into manifest.json (fsynced), renames TAG.tmp/ to TAG/,
+                  then writes ``latest`` (temp file + rename)
+
+A crash at any point leaves ``latest`` naming the previous tag, whose
+directory is untouched. Synchronous saves learn each other's outcome after
+steps 3 and 4 through ``Coordinator.exchange`` and all raise the same
+error; an asynchronous save (:mod:`.async_save`) copies the fragments to
+host memory in the caller's thread and runs steps 3-4 in a background
+thread, where rank 0 waits for the other ranks' records on the shared
+file system (no collective runs outside the caller's thread).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import time
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from dsrun.errors import CheckpointError
+from dsrun.runtime.checkpoint.coord import Coordinator, check_same, raise_failures
+from dsrun.runtime.checkpoint.fragments import ExportedState, Fragment
+from dsrun.runtime.checkpoint.manifest import (
+    ENGINE_STATE,
+    LATEST,
+    MANIFEST,
+    REPLACED_SUFFIX,
+    TMP_SUFFIX,
+    VALUE,
+    encode,
+    error_file,
+    rank_file,
+    record_file,
+)
+from dsrun.runtime.checkpoint.records import ChunkRecord, RankRecord, merge_records
+from dsrun.runtime.checkpoint.settings import PausePoint
+from dsrun.runtime.checkpoint.storage import (
+    DataFile,
+    atomic_write,
+    dtype_name,
+    free_bytes,
+    fsync_dir,
+    read_file,
+    remove_tree,
+    tensor_bytes,
+)
+from dsrun.runtime.checkpoint.tags import check_tag
+from dsrun.runtime.zero.partition import partition_group
+
+log = logging.getLogger("dsrun.runtime.checkpoint")
+
+SPACE_MARGIN = 1.02  # records, manifest and file-system overhead
+POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One chunk of this rank's data file: ``tensor`` (1-D) at ``offset``."""
+
+    name: str
+    item: str
+    dtype: str
+    start: int
+    end: int
+    offset: int
+    tensor: torch.Tensor
+    volatile: bool = False
+
+
+@dataclass
+class RankPlan:
+    """What this rank writes (chunks, declarations, scalars, groups)."""
+
+    chunks: list[Planned] = field(default_factory=list)
+    tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
+    scalars: dict[str, dict[str, Any]] = field(default_factory=dict)
+    groups: tuple[Any, ...] = ()
+    optimizer: Optional[str] = None
+    bytes: int = 0
+
+
+def own_share(export: ExportedState) -> list[Fragment]:
+    """The fragments this rank writes: its own, plus its ``replica`` share
+    of the replicated ones (a flat split of all of them, in order)."""
+    own = [f for f in export.fragments if not f.replicated]
+    shared = [f for f in export.fragments if f.replicated]
+    if not shared:
+        return own
+    index, count = export.replica
+    layout = partition_group([f.end - f.start for f in shared], count)
+    for piece in layout.pieces(index):
+        frag = shared[piece.param]
+        start = frag.start + piece.param_offset
+        own.append(frag.narrowed(start, start + piece.length))
+    return own
+
+
+def plan_rank(exports: Sequence[ExportedState]) -> RankPlan:
+    plan = RankPlan()
+    for export in exports:
+        for info in export.tensors.values():
+            if info.name in plan.tensors:
+                raise CheckpointError(f"tensor {info.name!r} is declared by two state sources")
+            plan.tensors[info.name] = {"shape": list(info.shape), "dtype": dtype_name(info.dtype),
+                                       "kind": info.kind, "group": info.group}
+        if export.optimizer and not plan.optimizer:
+            plan.optimizer = export.optimizer
+            plan.groups = tuple({k: encode(v) for k, v in g.items()} for g in export.groups)
+        for frag in own_share(export):
+            if frag.scalars and frag.name not in plan.scalars:
+                plan.scalars[frag.name] = {k: encode(v) for k, v in frag.scalars.items()}
+            for item, tensor in ((VALUE, frag.value), *frag.state.items()):
+                plan.chunks.append(Planned(frag.name, item, dtype_name(tensor.dtype), frag.start,
+                                           frag.end, plan.bytes, tensor, frag.volatile))
+                plan.bytes += tensor.numel() * tensor.element_size()
+    return plan
+
+
+@dataclass
+class RankWrite:
+    """Step 3 for this rank; runs in the caller's thread or a background one."""
+
+    tmp_dir: str
+    rank: int
+    plan: RankPlan
+    extra: Mapping[str, Any]
+    engine_blob: Optional[bytes] = None
+    pause: Optional[PausePoint] = None
+    tag: str = ""
+    durable: bool = True
+
+    def run(self) -> None:
+        os.makedirs(self.tmp_dir, exist_ok=True)
+        path = os.path.join(self.tmp_dir, rank_file(self.rank))
+        halfway = len(self.plan.chunks) // 2
+        with DataFile(path, self.plan.bytes, self.durable) as out:
+            for i, chunk in enumerate(self.plan.chunks):
+                if i == halfway and self.pause:
+                    self.pause.reached(self.rank, "write", self.tag)
+                out.append(tensor_bytes(chunk.tensor))
+            crcs = out.close()
+        records = [ChunkRecord(c.name, c.item, c.dtype, c.offset, c.start, c.end, crc)
+                   for c, crc in zip(self.plan.chunks, crcs)]
+        files = {}
+        if self.engine_blob is not None:  # the commit fsyncs the directory
+            atomic_write(os.path.join(self.tmp_dir, ENGINE_STATE), self.engine_blob, False,
+                         self.durable)
+            files[ENGINE_STATE] = {"bytes": len(self.engine_blob),
+                                   "crc32": zlib.crc32(self.engine_blob)}
+        record = RankRecord(self.rank, self.plan.bytes, self.plan.tensors, tuple(records),
+                            self.plan.scalars, self.plan.groups, self.plan.optimizer, files,
+                            self.extra)
+        atomic_write(os.path.join(self.tmp_dir, record_file(self.rank)),
+                     json.dumps(record.to_json(), separators=(",", ":")).encode(), False,
+                     self.durable)
+
+    def fail(self, message: str) -> None:
+        """Tell rank 0's committer (asynchronous saves) that this rank failed."""
+        try:
+            atomic_write(os.path.join(self.tmp_dir, error_file(self.rank)), message.encode(),
+                         False)
+        except Exception:  # noqa: BLE001 - rank 0 then times out waiting, naming this rank
+            log.warning("could not tell rank 0 that this rank's save failed", exc_info=True)
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Step 4, run by rank 0 once every rank's record exists."""
+
+    save_dir: str
+    tag: str
+    world: int
+    meta: Mapping[str, Any]
+    aliases: Mapping[str, str]
+    save_latest: bool
+    pause: Optional[PausePoint] = None
+    durable: bool = True
+
+    @property
+    def tmp_dir(self) -> str:
+        return os.path.join(self.save_dir, self.tag + TMP_SUFFIX)
+
+    def run(self) -> None:
+        records, files = [], {}
+        for rank in range(self.world):
+            path = os.path.join(self.tmp_dir, record_file(rank))
+            text = read_file(path, f"rank {rank}'s record")
+            records.append(RankRecord.from_json(json.loads(text), path))
+            files[record_file(rank)] = {"bytes": len(text), "crc32": zlib.crc32(text)}
+        manifest = merge_records(records, self.tag, files, self.meta, self.aliases)
+        atomic_write(os.path.join(self.tmp_dir, MANIFEST), manifest.dumps().encode(), False,
+                     self.durable)
+        if self.durable:
+            fsync_dir(self.tmp_dir)  # every file of the tag, durable before the rename
+        if self.pause:
+            self.pause.reached(0, "commit", self.tag)
+        replace_dir(self.tmp_dir, os.path.join(self.save_dir, self.tag))
+        if self.durable:
+            fsync_dir(self.save_dir)
+        if self.pause:
+            self.pause.reached(0, "latest", self.tag)
+        if self.save_latest:
+            atomic_write(os.path.join(self.save_dir, LATEST), self.tag.encode(),
+                         durable=self.durable)
+
+    def wait_for_records(self, timeout_s: float, others_only: bool = False) -> None:
+        """Asynchronous saves: wait until every rank's record (or error) is
+        there (``others_only``: every rank but 0's); the deadline moves
+        while some rank's data file still grows."""
+        deadline = time.monotonic() + timeout_s
+        sizes: dict[int, int] = {}
+        while True:
+            missing = []
+            for rank in range(1 if others_only else 0, self.world):
+                if os.path.exists(os.path.join(self.tmp_dir, error_file(rank))):
+                    text = read_file(os.path.join(self.tmp_dir, error_file(rank)), "error")
+                    raise CheckpointError(f"rank {rank} failed: {text.decode(errors='replace')}")
+                if not os.path.exists(os.path.join(self.tmp_dir, record_file(rank))):
+                    missing.append(rank)
+            if not missing:
+                return
+            grew = False
+            for rank in missing:
+                size = _size(os.path.join(self.tmp_dir, rank_file(rank)))
+                grew |= size != sizes.get(rank)
+                sizes[rank] = size
+            if grew:
+                deadline = time.monotonic() + timeout_s
+            if time.monotonic() > deadline:
+                raise CheckpointError(
+                    f"rank(s) {', '.join(map(str, missing))} wrote nothing for {timeout_s:g} s "
+                    f"and left no record in {self.tmp_dir} (a rank died, or the directory is "
+                    "not on a file system every rank shares)")
+            time.sleep(POLL_S)
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return -1
+
+
+def replace_dir(tmp: str, final: str) -> None:
+    """Rename ``tmp`` to ``final``; an existing ``final`` (the same tag saved
+    again) is moved aside first and removed after."""
+    aside = final + REPLACED_SUFFIX
+    if os.path.isdir(final):
+        remove_tree(aside)
+        os.rename(final, aside)
+    os.rename(tmp, final)
+    remove_tree(aside)
+
+
+def engine_blob(state: Mapping[str, Any]) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(dict(state), buffer)
+    return buffer.getvalue()
+
+
+def _status(run: Callable[[], None]) -> Optional[str]:
+    try:
+        run()
+    except CheckpointError as exc:
+        return str(exc)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised
+        log.exception("checkpoint step failed")
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    """One save (module docstring). ``engine_state`` is pickled by rank 0 only."""
+
+    save_dir: str
+    tag: str
+    save_latest: bool = True
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    engine_state: Optional[Mapping[str, Any]] = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    previous_error: Optional[str] = None
+    durable: bool = True   # fsync files and directories ("checkpoint": {"fsync": ...})
+
+
+def _prepare(request: SaveRequest, exports: Sequence[ExportedState], rank: int, save_dir: str
+             ) -> tuple[RankPlan, Optional[bytes], Optional[int]]:
+    """What can fail on one rank alone, before the agreement: (plan, rank 0's
+    engine state, rank 0's free bytes). Raises; the caller reports it."""
+    plan = plan_rank(exports)
+    check_tag(request.tag)
+    if rank != 0:
+        return plan, None, None
+    blob = engine_blob(request.engine_state) if request.engine_state is not None else None
+    remove_tree(os.path.join(save_dir, f"{request.tag}{TMP_SUFFIX}"))
+    os.makedirs(save_dir, exist_ok=True)
+    return plan, blob, free_bytes(save_dir)
+
+
+def begin_save(request: SaveRequest, exports: Sequence[ExportedState], coord: Coordinator,
+               pause: Optional[PausePoint] = None) -> tuple[RankWrite, Commit]:
+    """Steps 1-2 (module docstring): returns this rank's write and the commit.
+    Anything that fails on some ranks only is raised on all of them."""
+    save_dir = os.path.abspath(str(request.save_dir))
+    plan, blob, free, problem = RankPlan(), None, None, None
+    try:
+        plan, blob, free = _prepare(request, exports, coord.rank, save_dir)
+    except (CheckpointError, OSError, ValueError) as exc:
+        problem = str(exc)
+    except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable client_state
+        problem = f"{type(exc).__name__}: {exc}"
+    mine = {"tag": str(request.tag), "save_latest": request.save_latest, "bytes": plan.bytes,
+            "free": free, "previous": request.previous_error, "problem": problem}
+    everyone = coord.agree("engine.save_checkpoint()", mine)
+    check_same([e["tag"] for e in everyone], "the checkpoint tag")
+    check_same([e["save_latest"] for e in everyone], "save_latest")
+    raise_failures([e["previous"] for e in everyone], "the previous asynchronous save")
+    raise_failures([e["problem"] for e in everyone], f"saving checkpoint {request.tag!r}")
+    total = sum(e["bytes"] for e in everyone)
+    free = everyone[0]["free"]
+    if free is not None and total * SPACE_MARGIN > free:
+        raise CheckpointError(
+            f"not enough space in {save_dir} for checkpoint {request.tag!r}: it needs "
+            f"{total / 2**20:,.1f} MiB, {free / 2**20:,.1f} MiB are free; free space or save to "
+            "another directory (nothing was written; the previous checkpoint is intact)")
+    tmp_dir = os.path.join(save_dir, f"{request.tag}{TMP_SUFFIX}")
+    write = RankWrite(tmp_dir, coord.rank, plan, request.extra, blob, pause, request.tag,
+                      request.durable)
+    commit = Commit(save_dir, request.tag, coord.world, request.meta, request.aliases,
+                    request.save_latest, pause, request.durable)
+    return write, commit
+
+
+def save_state(request: SaveRequest, exports: Sequence[ExportedState], coord: Coordinator,
+               pause: Optional[PausePoint] = None) -> str:
+    """A synchronous save (module docstring); returns the tag's directory.
+    Every rank of the default group must call it with the same tag."""
+    write, commit = begin_save(request, exports, coord, pause)
+    statuses = coord.exchange(_status(write.run))
+    if any(statuses) and coord.rank == 0:
+        remove_tree(commit.tmp_dir)
+    raise_failures(statuses, f"saving checkpoint {request.tag!r}")
+    status = _status(commit.run) if coord.rank == 0 else None
+    if status and coord.rank == 0:
+        remove_tree(commit.tmp_dir)
+    raise_failures(coord.exchange(status), f"committing checkpoint {request.tag!r}")
+    log.info("saved checkpoint %s", os.path.join(commit.save_dir, request.tag))
+    return os.path.join(commit.save_dir, request.tag)

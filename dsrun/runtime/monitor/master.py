@@ -1,0 +1,111 @@
+"""``engine.monitor``: DeepSpeed's ``MonitorMaster`` - one ``write_events``
+that rank 0 fans out to every enabled writer.
+
+Invariants:
+
+* ``enabled`` is the same on every rank (it comes from the config); only
+  rank 0 holds writers, so ``write_events`` is a no-op elsewhere and
+  scripts may call it on every rank, as with DeepSpeed.
+* Events are checked before any writer sees them: a malformed event is the
+  script's bug and raises :class:`DsrunError` naming it.
+* A writer that fails once training runs (disk full, a lost mount, a wandb
+  error) is warned about once, closed and dropped; the other writers and
+  training go on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import numbers
+from collections.abc import Iterable, Sequence
+from typing import Any, Callable, Optional
+
+from dsrun.errors import DsrunError
+from dsrun.runtime.config_sections import MONITOR_SECTIONS
+from dsrun.runtime.monitor.events import Event
+from dsrun.runtime.monitor.writers import Writer, build_writers, check_packages
+
+log = logging.getLogger("dsrun.runtime.monitor")
+
+
+def _as_number(value: Any) -> Optional[float]:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if hasattr(value, "numel") and hasattr(value, "item"):  # a one-element tensor
+        return float(value.item()) if value.numel() == 1 else None
+    return None
+
+
+def check_events(events: Iterable[Any]) -> list[Event]:
+    """``events`` as ``(str, float, int)`` tuples, or an error naming the bad one."""
+    checked = []
+    for index, event in enumerate(events):
+        ok = isinstance(event, (tuple, list)) and len(event) == 3
+        name, value, step = event if ok else (None, None, None)
+        number = _as_number(value)
+        if not (ok and isinstance(name, str) and name and number is not None
+                and isinstance(step, numbers.Integral) and not isinstance(step, bool)):
+            raise DsrunError(f"monitor.write_events: event {index} is {event!r}; each event "
+                             "must be (name: str, value: number or one-element tensor, "
+                             "step: int)")
+        checked.append((name, number, int(step)))
+    return checked
+
+
+class Monitor:
+    """Fan-out to the writers of the enabled sections (module docstring)."""
+
+    def __init__(self, config: Any, rank: int,
+                 build: Callable[[Any], list[Writer]] = build_writers) -> None:
+        self.enabled = any(getattr(config, s).enabled for s in MONITOR_SECTIONS)
+        self.rank = rank
+        self.writers: list[Writer] = []
+        if not self.enabled:
+            return
+        check_packages(config)  # every rank fails alike on a missing package
+        if rank == 0:
+            self.writers = build(config)
+            atexit.register(self.close)
+            log.info("monitors: %s", ", ".join(_describe(w) for w in self.writers))
+
+    def write_events(self, events: Sequence[Any]) -> None:
+        """Write ``[(name, value, step), ...]`` to every writer (rank 0)."""
+        if not self.writers:
+            return
+        checked = check_events(events)
+        for writer in list(self.writers):
+            try:
+                writer.write(checked)
+            except Exception as err:  # noqa: BLE001 - a monitor must never stop training
+                self._drop(writer, err)
+
+    def _drop(self, writer: Writer, err: BaseException) -> None:
+        self.writers.remove(writer)
+        log.warning("%s: writing metrics failed (%s: %s); %s is off for the rest of this "
+                    "run, training goes on", writer.name, type(err).__name__, err, writer.name)
+        try:
+            writer.close()
+        except Exception:  # noqa: BLE001 - already reported; closing is best effort
+            pass
+
+    def close(self) -> None:
+        """Close every writer (idempotent; also runs at exit)."""
+        writers, self.writers = self.writers, []
+        for writer in writers:
+            try:
+                writer.close()
+            except Exception as err:  # noqa: BLE001
+                log.warning("%s: closing failed: %s", writer.name, err)
+
+
+def _describe(writer: Writer) -> str:
+    where = getattr(writer, "log_dir", None)
+    return f"{writer.name} -> {where}" if where else writer.name
+
+
+def finite(value: Optional[float]) -> bool:
+    return value is not None and math.isfinite(value)

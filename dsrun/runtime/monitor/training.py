@@ -1,0 +1,194 @@
+"""``engine.monitor``: what the engine reports per micro-step and per optimizer step.
+
+The engine holds one :class:`EngineMonitor` and calls ``timed(phase)``
+around forward and backward, ``comm_wait("reduce")`` around its own
+gradient all-reduce wait (stage 0), ``saw_inputs`` in forward,
+``record_loss`` in backward, and ``with optimizer_step(engine):`` around
+the optimizer step. Scripts use DeepSpeed's ``enabled`` and
+``write_events([(name, value, step)])``, and may set ``seq_length``.
+
+Per optimizer step, rank 0 writes (step = ``global_samples``, as DeepSpeed):
+
+* ``train_loss``: the mean over the step's micro-batches and over the
+  data-parallel ranks - one all-reduce of ``[loss sum, count, tokens]`` on
+  the data-parallel group, the only collective monitoring adds (none when
+  no monitor section is enabled);
+* ``lr`` per param group, ``loss_scale`` (fp16), ``grad_norm``: the
+  step's own norm when clipping or fp16 computed it, else measured before
+  the step (stage 0: from the all-reduced gradients; ZeRO: the optimizer's
+  global norm over partitions, one more all-reduce);
+* ``samples_per_sec`` = train_batch_size / the wall time between the ends
+  of consecutive optimizer steps (the first from the first forward), and
+  ``tokens_per_sec`` when tokens per sample are known: ``seq_length``
+  (``{"dsrun": {"seq_length": N}}`` or ``engine.monitor.seq_length = N``)
+  gives ``train_batch_size * N`` tokens per step; otherwise the engine
+  counts ``numel()`` of forward's first argument (or ``input_ids=``) when
+  it is a 2-D integer (batch, seq) tensor, summed over the micro-batches
+  run with gradients enabled (not evaluation under ``torch.no_grad()``)
+  and over ranks; otherwise tokens/s is not written.
+
+With ``wall_clock_breakdown``, every ``steps_per_print`` steps rank 0 logs
+the breakdown averaged over the interval and, when monitors are enabled,
+writes it as ``Train/Samples/elapsed_time_ms_<part>`` events. The ``step``
+part is the whole optimizer-step call, including the monitor's own work
+(the loss all-reduce - where a rank also waits for the slowest one - and
+the writes), which is reported again on its own as ``monitor``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager as ContextManager
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from dsrun.runtime.monitor import events as ev
+from dsrun.runtime.monitor.master import Monitor
+from dsrun.runtime.monitor.timers import StepTimers, comm_wait, cuda_sync, format_breakdown
+
+log = logging.getLogger("dsrun.runtime.monitor")
+
+
+def count_tokens(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    """Tokens in a micro-batch: numel of a (batch, seq) integer first input, else 0."""
+    first = args[0] if args else kwargs.get("input_ids")
+    if (isinstance(first, torch.Tensor) and first.dim() == 2
+            and not first.is_floating_point() and not first.is_complex()
+            and first.dtype != torch.bool):
+        return first.numel()
+    return 0
+
+
+def measure_grad_norm(engine: Any) -> Optional[float]:
+    """The global gradient norm before the step, where the step will not
+    compute it (no clipping; fp16 at stage 0 always computes it)."""
+    if engine.config.gradient_clipping > 0:
+        return None
+    if engine.zero_stage == 0:
+        if engine.precision.name == "fp16":
+            return None
+        grads = [p.grad for p in engine.precision.params if p.grad is not None]
+        if not grads:
+            return None
+        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
+        return float(torch.linalg.vector_norm(norms))
+    # ZeRO: partition gradients, still multiplied by the loss scale in fp16
+    return float(engine.optimizer.grad_norm()) / engine.precision.loss_scale
+
+
+class EngineMonitor:
+    """The engine's metrics (module docstring)."""
+
+    def __init__(self, config: Any, *, rank: int, group: Any, device: torch.device) -> None:
+        self.monitor = Monitor(config, rank)
+        self.enabled = self.monitor.enabled
+        self.seq_length: Optional[int] = config.dsrun.seq_length
+        self.rank = rank
+        self._group = group
+        self._device = device
+        self._batch = config.train_batch_size
+        self._print_every = config.steps_per_print
+        self.timers = StepTimers(config.wall_clock_breakdown, sync=cuda_sync(device))
+        self._loss_sum: Optional[torch.Tensor] = None
+        self._loss_count = 0
+        self._tokens = 0
+        self._grad_norm: Optional[float] = None
+        self._last_end: Optional[float] = None
+
+    # ------------------------------------------------- DeepSpeed's interface
+
+    def write_events(self, events: Sequence[Any]) -> None:
+        """``[(name, value, step), ...]`` to every enabled monitor (rank 0 writes)."""
+        self.monitor.write_events(events)
+
+    # ----------------------------------------------------------- engine hooks
+
+    def timed(self, phase: str) -> ContextManager[None]:
+        return self.timers.phase(phase)
+
+    @staticmethod
+    def comm_wait(kind: str) -> ContextManager[None]:
+        return comm_wait(kind)
+
+    def saw_inputs(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        if self._last_end is None:
+            self._last_end = time.perf_counter()
+        if self.enabled and self.seq_length is None and torch.is_grad_enabled():
+            self._tokens += count_tokens(args, kwargs)  # not evaluation forwards
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        if self._last_end is None:
+            self._last_end = time.perf_counter()
+        if not self.enabled:
+            return
+        value = loss.detach().to(self._device, torch.float64).mean()
+        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        self._loss_count += 1
+
+    @contextlib.contextmanager
+    def optimizer_step(self, engine: Any) -> Iterator[None]:
+        """Around the engine's optimizer step: the ``step`` phase, which also
+        holds the monitor's own work (its ``monitor`` part); then the step's
+        events, and the breakdown at print steps."""
+        with self.timers.phase("step"):
+            self._grad_norm = measure_grad_norm(engine) if self.enabled else None
+            yield
+            now = time.perf_counter()
+            iteration = None if self._last_end is None else now - self._last_end
+            self._last_end = now
+            if self.enabled:
+                self._write_step(engine, iteration)
+                self.timers.add("monitor", time.perf_counter() - now)
+        self.timers.end_step(iteration or 0.0)
+        if self.timers.enabled and engine.global_steps % self._print_every == 0:
+            steps = self.timers.steps_pending
+            means = self.timers.take_means()
+            if self.rank == 0 and means:
+                log.info("%s", format_breakdown(means, steps))
+                self.write_events([(ev.time_event(part), value, engine.global_samples)
+                                   for part, value in means.items()])
+
+    # -------------------------------------------------------------- internals
+
+    def _reduce_stats(self) -> tuple[Optional[float], int]:
+        """(mean loss over micro-batches and ranks, tokens over ranks); resets."""
+        stats = torch.tensor([0.0, float(self._loss_count), float(self._tokens)],
+                             dtype=torch.float64, device=self._device)
+        if self._loss_sum is not None:
+            stats[0] += self._loss_sum
+        self._loss_sum, self._loss_count, self._tokens = None, 0, 0
+        if dist.get_world_size(self._group) > 1:
+            dist.all_reduce(stats, group=self._group)
+        if self.rank != 0:
+            return None, 0
+        total, count, tokens = stats.tolist()
+        return (total / count if count else None), int(tokens)
+
+    def _write_step(self, engine: Any, iteration: Optional[float]) -> None:
+        loss, tokens = self._reduce_stats()
+        if self.rank != 0:
+            return
+        step = engine.global_samples
+        events: list[tuple[str, float, int]] = []
+        if loss is not None:
+            events.append((ev.TRAIN_LOSS, loss, step))
+        events += [(ev.lr_event(i), lr, step) for i, lr in enumerate(engine.get_lr())]
+        if engine.precision.name == "fp16":
+            events.append((ev.LOSS_SCALE, float(engine.loss_scale), step))
+        norm = engine.get_global_grad_norm()
+        norm = self._grad_norm if norm is None else norm
+        if norm is not None and math.isfinite(norm):
+            events.append((ev.GRAD_NORM, norm, step))
+        if iteration:
+            events.append((ev.SAMPLES_PER_SEC, self._batch / iteration, step))
+            if self.seq_length is not None:
+                tokens = self._batch * self.seq_length
+            if tokens:
+                events.append((ev.TOKENS_PER_SEC, tokens / iteration, step))
+        self.write_events(events)

@@ -1,0 +1,204 @@
+"""One writer per monitor backend, each with ``write(events)`` and ``close()``.
+
+A writer's constructor does everything the config can make fail - the
+backend's package is missing, the output directory cannot be created - and
+raises :class:`DsrunConfigError` naming the section and the config's
+source. ``write`` may raise anything: :class:`~dsrun.runtime.monitor.master.Monitor`
+catches it. Only rank 0 builds writers. torch (for TensorBoard) and wandb
+are imported when such a writer is built, never at module import.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import importlib.util
+import json
+import os
+from collections.abc import Sequence
+from typing import Any, Optional, Protocol, TextIO
+
+from dsrun.errors import DsrunConfigError
+from dsrun.runtime.monitor.events import RUN_INFO, Event, csv_filename, csv_header
+
+INSTALL_HINTS = {
+    "tensorboard": "pip install tensorboard",
+    "wandb": "pip install wandb (then `wandb login`, or WANDB_MODE=offline to write locally)",
+}
+
+
+class Writer(Protocol):
+    name: str
+
+    def write(self, events: Sequence[Event]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def require(package: str, section: str, source: str) -> Any:
+    """Import ``package`` for an enabled ``section`` or fail naming both."""
+    try:
+        return importlib.import_module(package)
+    except ImportError as err:
+        raise DsrunConfigError(
+            f'"{section}" is enabled in {source} but the {package} package is not installed '
+            f"({err}): {INSTALL_HINTS.get(package, f'pip install {package}')}, or set "
+            f'"{section}": {{"enabled": false}}') from None
+
+
+def make_log_dir(output_path: str, job_name: str, section: str, source: str) -> str:
+    """``output_path/job_name``, created (DeepSpeed's layout; "" = the cwd)."""
+    path = os.path.join(output_path, job_name)
+    where = (f'{section}.output_path {output_path!r} with job_name {job_name!r} '
+             f"(in {source})")
+    try:
+        os.makedirs(path or ".", exist_ok=True)
+    except OSError as err:
+        raise DsrunConfigError(f"{where}: cannot create the directory {path!r}: "
+                               f"{err.strerror or err}") from None
+    if not os.access(path or ".", os.W_OK | os.X_OK):
+        raise DsrunConfigError(f"{where}: the directory {path!r} is not writable")
+    return path
+
+
+class CsvWriter:
+    """DeepSpeed's CSV layout (see :mod:`events`); files stay open and are
+    flushed after every ``write``, so they can be read while training runs.
+    ``info`` goes to ``dsrun_run.json`` beside them (for ``dsrun plot``)."""
+
+    name = "csv_monitor"
+
+    def __init__(self, log_dir: str, info: Optional[dict[str, Any]] = None) -> None:
+        self.log_dir = log_dir
+        self._files: dict[str, tuple[TextIO, Any]] = {}
+        if info is not None:
+            path = os.path.join(log_dir, RUN_INFO)
+            with open(path + ".tmp", "w", encoding="utf-8") as handle:
+                json.dump(info, handle, indent=1, sort_keys=True)
+            os.replace(path + ".tmp", path)
+
+    def _writer(self, event_name: str) -> Any:
+        filename = csv_filename(event_name)
+        if filename not in self._files:
+            path = os.path.join(self.log_dir, filename)
+            new = not os.path.exists(path) or os.path.getsize(path) == 0
+            handle = open(path, "a", newline="", encoding="utf-8")
+            rows = csv.writer(handle)
+            if new:
+                rows.writerow(["step", csv_header(event_name)])
+            self._files[filename] = (handle, rows)
+        return self._files[filename][1]
+
+    def write(self, events: Sequence[Event]) -> None:
+        touched = set()
+        for name, value, step in events:
+            self._writer(name).writerow([step, value])
+            touched.add(csv_filename(name))
+        for filename in touched:
+            self._files[filename][0].flush()
+
+    def close(self) -> None:
+        files, self._files = self._files, {}
+        for handle, _ in files.values():
+            handle.close()
+
+
+class TensorBoardWriter:
+    """``torch.utils.tensorboard.SummaryWriter(log_dir)``; ``add_scalar``
+    per event, flushed after every ``write`` (as DeepSpeed does)."""
+
+    name = "tensorboard"
+
+    def __init__(self, log_dir: str, source: str) -> None:
+        require("tensorboard", self.name, source)
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.log_dir = log_dir
+        self._writer = SummaryWriter(log_dir=log_dir)
+
+    def write(self, events: Sequence[Event]) -> None:
+        for name, value, step in events:
+            self._writer.add_scalar(name, value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbWriter:
+    """``wandb.init(project=, group=, entity=team)``; the events of one step
+    go in one ``log`` call (wandb wants steps that never decrease)."""
+
+    name = "wandb"
+
+    def __init__(self, project: str, group: Any, team: Any, source: str) -> None:
+        wandb = require("wandb", self.name, source)
+        self._run = wandb.init(project=project, group=group, entity=team)
+
+    def write(self, events: Sequence[Event]) -> None:
+        batch: dict[str, float] = {}
+        current = None
+        for name, value, step in events:
+            if batch and step != current:
+                self._run.log(batch, step=current)
+                batch = {}
+            batch[name], current = value, step
+        if batch:
+            self._run.log(batch, step=current)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+def run_info(config: Any) -> dict[str, Any]:
+    """What a reader of the CSV files needs to know about the run."""
+    return {"train_batch_size": config.train_batch_size,
+            "train_micro_batch_size_per_gpu": config.train_micro_batch_size_per_gpu,
+            "gradient_accumulation_steps": config.gradient_accumulation_steps,
+            "data_parallel_size": config.dp_size, "zero_stage": config.zero_optimization.stage,
+            "precision": config.precision, "seq_length": config.dsrun.seq_length,
+            "steps_per_print": config.steps_per_print, "step_unit": "global_samples"}
+
+
+def check_packages(config: Any) -> None:
+    """Fail (on every rank, without importing anything) when an enabled
+    section's package is missing."""
+    for section in ("tensorboard", "wandb"):
+        if not getattr(config, section).enabled:
+            continue
+        try:
+            found = importlib.util.find_spec(section) is not None
+        except (ImportError, ValueError):  # a module entry of None or without a spec
+            found = False
+        if not found:
+            require(section, section, config.source)  # raises with the import error
+
+
+def build_writers(config: Any) -> list[Writer]:
+    """The writers ``config``'s enabled monitor sections ask for (rank 0).
+
+    Packages and directories are checked for every section before any
+    writer starts, so a bad section leaves nothing half-started.
+    """
+    source = config.source
+    check_packages(config)
+    for section in ("tensorboard", "wandb"):
+        if getattr(config, section).enabled:
+            require(section, section, source)
+    dirs = {section: make_log_dir(getattr(config, section).output_path,
+                                  getattr(config, section).job_name, section, source)
+            for section in ("tensorboard", "csv_monitor") if getattr(config, section).enabled}
+    writers: list[Writer] = []
+    try:
+        if "tensorboard" in dirs:
+            writers.append(TensorBoardWriter(dirs["tensorboard"], source))
+        if config.wandb.enabled:
+            wb = config.wandb
+            writers.append(WandbWriter(wb.project, wb.group, wb.team, source))
+        if "csv_monitor" in dirs:
+            writers.append(CsvWriter(dirs["csv_monitor"], run_info(config)))
+    except BaseException:
+        for writer in writers:
+            writer.close()
+        raise
+    return writers

@@ -1,0 +1,23 @@
+"""Pipeline parallelism: ``PipelineModule``, ``LayerSpec``, ``TiedLayerSpec``,
+1F1B schedules as pure instruction streams, and the ``PipelineEngine``
+(combined with data parallelism and ZeRO stage 1).
+
+Pure parts (no processes): :mod:`.topology`, :mod:`.partition`,
+:mod:`.schedule`, the message headers of :mod:`.p2p`. Torch parts:
+:mod:`.layers`, :mod:`.module`, :mod:`.grid`, :mod:`.tied`, :mod:`.engine`,
+:mod:`.step`. ``dsrun.pipe`` (``deepspeed.pipe``) is the public face.
+"""
+
+from __future__ import annotations
+
+from dsrun.runtime.pipe.engine import PipelineEngine
+from dsrun.runtime.pipe.layers import LayerSpec, TiedLayerSpec
+from dsrun.runtime.pipe.module import PipelineModule
+from dsrun.runtime.pipe.topology import (
+    PipeDataParallelTopology,
+    PipeModelDataParallelTopology,
+    PipeTopology,
+)
+
+__all__ = ["LayerSpec", "PipeDataParallelTopology", "PipeModelDataParallelTopology",
+           "PipeTopology", "PipelineEngine", "PipelineModule", "TiedLayerSpec"]

@@ -1,0 +1,94 @@
+"""What one batch of a pipeline engine holds while its schedule runs.
+
+:class:`BatchState` keeps, per micro-batch id, exactly what is still
+needed: the stage's input (until its gradient is sent back), its output
+(until the next stage's gradient for it has been applied), the labels (on
+the last stage, until the loss is computed) and the received gradients (until
+backward). Every entry is dropped once used, so with 1F1B a stage holds the
+tensors of at most ``stages - stage`` micro-batches.
+
+Also here: reading a micro-batch from the data iterator, checked
+(:func:`split_micro_batch`), and moving nested tensors to a device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from dsrun.errors import DsrunError
+from dsrun.runtime.pipe.p2p import TensorMeta
+
+
+@dataclass
+class BatchState:
+    kind: str  # "train" or "eval"
+    batch: int  # the engine's batch counter: same on every stage
+    micro_batches: int
+    source: Optional[Iterator[Any]] = None  # first stage: the data iterator
+    inputs: dict[int, Any] = field(default_factory=dict)
+    outputs: dict[int, Any] = field(default_factory=dict)
+    labels: dict[int, Any] = field(default_factory=dict)
+    grads: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    sent: dict[int, list[TensorMeta]] = field(default_factory=dict)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    loss_values: list[torch.Tensor] = field(default_factory=list)
+    results: list[Any] = field(default_factory=list)  # eval outputs, last stage
+    keep_outputs: bool = False  # last stage: keep each micro-batch's output in results
+    compute_loss: bool = True  # last stage: compute (and keep) the loss
+    compute_s: float = 0.0  # time in forward and backward passes
+    pipeline_s: float = 0.0  # from the batch start to the last pass
+
+    @property
+    def activation_kind(self) -> str:
+        return "train-activation" if self.kind == "train" else "eval-activation"
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    return value
+
+
+def next_micro_batch(source: Optional[Iterator[Any]], micro_batch: int, micro_batches: int
+                     ) -> Any:
+    if source is None:
+        raise DsrunError("the first pipeline stage needs data: pass data_iter= to "
+                         "train_batch()/eval_batch(), call engine.set_dataiterator(), or pass "
+                         "training_data= to dsrun.initialize()")
+    try:
+        return next(source)
+    except StopIteration:
+        raise DsrunError(f"the data iterator ran out at micro-batch {micro_batch} of "
+                         f"{micro_batches}: one train_batch()/eval_batch() reads "
+                         f"{micro_batches} micro-batches (gradient_accumulation_steps); "
+                         "use a longer or repeating iterator") from None
+
+
+def split_micro_batch(batch: Any, micro_batch: int) -> tuple[Any, Any]:
+    """``(inputs, labels)`` of one micro-batch from the data iterator."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    what = f"a {type(batch).__name__}" + (f" of {len(batch)} items"
+                                          if isinstance(batch, (tuple, list)) else "")
+    raise DsrunError(f"micro-batch {micro_batch} from the data iterator is {what}: a "
+                     "pipeline micro-batch is a pair (inputs, labels), inputs a tensor or a "
+                     "tuple of tensors (use engine.set_batch_fn() to convert other formats)")
+
+
+def repeat(loader: Any) -> Iterator[Any]:
+    """``loader``'s batches, epoch after epoch (DeepSpeed's RepeatingLoader)."""
+    while True:
+        empty = True
+        for item in loader:
+            empty = False
+            yield item
+        if empty:
+            raise DsrunError("the training dataloader yields no batches")

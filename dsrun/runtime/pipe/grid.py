@@ -1,0 +1,146 @@
+"""The process groups of a pipeline x data-parallel job, and the ``mpu``
+interface (DeepSpeed/Megatron's name for it) the engine and data loading use.
+
+Groups, for a :class:`~dsrun.runtime.pipe.topology.PipeTopology`:
+
+* one **data-parallel group** per stage (that stage in every replica):
+  gradients are averaged there, ZeRO partitions there;
+* one **pipeline group** per replica (all its stages): the batch loss is
+  broadcast there from the last stage;
+* one **channel** per direction between neighbouring stages of a replica
+  (activations forward, gradients back) and one from the first stage to
+  the last (labels). Each channel is a group of its own: NCCL serialises
+  the operations of one communicator on one stream, so a send of
+  activations could otherwise wait behind a receive of gradients between
+  the same two ranks. Within a channel, messages keep their order.
+
+``torch.distributed.new_group`` is collective over the whole world: every
+rank creates every group, in the same order. Groups are cached per default
+process group and purpose (:func:`cached_group`), so building several
+pipeline modules over one topology creates them once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import torch.distributed as dist
+
+from dsrun.runtime.pipe.topology import PipeTopology
+
+_CACHE: dict[Any, Any] = {}
+
+
+def cached_group(purpose: str, ranks: tuple[int, ...]) -> Any:
+    """``dist.new_group(ranks)`` once per (purpose, ranks) and default group.
+    Collective: all ranks must ask for the same groups in the same order."""
+    world = dist.group.WORLD
+    if _CACHE.get("world") is not world:
+        _CACHE.clear()
+        _CACHE["world"] = world
+    key = (purpose, ranks)
+    if key not in _CACHE:
+        _CACHE[key] = dist.new_group(list(ranks))
+    return _CACHE[key]
+
+
+class Channel(NamedTuple):
+    """One direction of point-to-point traffic: to or from ``peer`` (a global rank)."""
+
+    peer: int
+    group: Any
+    name: str  # for messages: "activations from stage 0"
+
+
+class PipelineGrid:
+    """This rank's place in the topology, its groups and channels (module docstring)."""
+
+    def __init__(self, topology: PipeTopology) -> None:
+        self.topology = topology
+        self.global_rank = dist.get_rank()
+        self.stage_id, self.data_parallel_id = topology.coords(self.global_rank)
+        stages, replicas = topology.stages, topology.replicas
+        self.dp_group = None
+        for stage in range(stages):
+            group = cached_group("data", topology.stage_ranks(stage))
+            if stage == self.stage_id:
+                self.dp_group = group
+        self.pipe_group = None
+        for replica in range(replicas):
+            group = cached_group("pipe", topology.pipeline_ranks(replica))
+            if replica == self.data_parallel_id:
+                self.pipe_group = group
+        self._channels: dict[tuple[str, int, int], Channel] = {}
+        for replica in range(replicas):
+            for stage in range(stages - 1):
+                self._channel("act", replica, stage, stage + 1)
+                self._channel("grad", replica, stage + 1, stage)
+            if stages > 1:
+                self._channel("labels", replica, 0, stages - 1)
+
+    def _channel(self, kind: str, replica: int, src: int, dst: int) -> None:
+        a, b = self.topology.rank(src, replica), self.topology.rank(dst, replica)
+        group = cached_group(f"{kind}:{src}->{dst}", (min(a, b), max(a, b)))
+        if self.global_rank in (a, b):
+            peer = b if self.global_rank == a else a
+            self._channels[(kind, src, dst)] = Channel(peer, group, f"{kind} stage {src}->{dst}")
+
+    def channel(self, kind: str, src: int, dst: int) -> Channel:
+        """The channel of ``kind`` ("act", "grad", "labels") from stage ``src``
+        to ``dst`` in this rank's replica (this rank is one end)."""
+        return self._channels[(kind, src, dst)]
+
+    @property
+    def origin(self) -> str:
+        """Where the data-parallel size comes from, for messages."""
+        return f"the pipeline topology ({self.topology.describe()})"
+
+    @property
+    def stages(self) -> int:
+        return self.topology.stages
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.topology.stages - 1
+
+    def stage_to_global(self, stage: int, replica: Optional[int] = None) -> int:
+        return self.topology.rank(stage, self.data_parallel_id if replica is None else replica)
+
+    # ------------------------------------------- mpu interface (DeepSpeed's names)
+
+    def get_stage_id(self) -> int:
+        return self.stage_id
+
+    def get_data_parallel_id(self) -> int:
+        return self.data_parallel_id
+
+    def get_data_parallel_group(self) -> Any:
+        return self.dp_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.topology.replicas
+
+    def get_data_parallel_rank(self) -> int:
+        return self.data_parallel_id
+
+    def get_pipe_parallel_group(self) -> Any:
+        return self.pipe_group
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return self.topology.stages
+
+    def get_pipe_parallel_rank(self) -> int:
+        return self.stage_id
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    get_slice_parallel_world_size = get_model_parallel_world_size
+    get_slice_parallel_rank = get_model_parallel_rank

@@ -1,0 +1,268 @@
+"""``PipelineModule``: a sequence of layers cut into pipeline stages.
+
+Every rank gets the whole list of layers (specs, modules or functions) and
+keeps only its stage's: :class:`~dsrun.runtime.pipe.layers.LayerSpec` layers
+are built only there. ``forward(x)`` runs this stage's layers in order, each
+taking the previous one's output as its single argument (a tensor or a
+tuple); with one stage that is the whole model, which is also how to run
+it in one process.
+
+**Names are independent of the number of stages.** Layer ``i`` of
+``layers`` is registered as submodule ``"i"``, whichever stage owns it, so
+its parameters are ``"i.<name>"`` (``"3.weight"``); tied modules are
+``"tied_modules.<key>.<name>"`` on every stage that holds them. The union of
+all stages' ``named_parameters()`` (tied names once) is exactly the
+single-stage model's: a checkpoint keyed by these names can be loaded into
+any number of stages or replicas.
+
+Construction is collective (it creates process groups): every rank builds
+the same ``PipelineModule``, in the same order as other pipeline modules.
+``seed_layers=True`` builds layer ``i`` under ``torch.manual_seed(base_seed
++ i)`` (a tied module under its first layer's index), restoring the RNG
+after: the initial weights then do not depend on the partition.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.utils.checkpoint
+
+from dsrun.errors import DsrunConfigError
+from dsrun.runtime.pipe.grid import PipelineGrid, cached_group
+from dsrun.runtime.pipe.layers import LayerSpec, TiedLayerSpec, count_parameters, layer_name
+from dsrun.runtime.pipe.partition import partition_layers
+from dsrun.runtime.pipe.tied import TiedEntry, TiedWeights
+from dsrun.runtime.pipe.topology import PipeTopology, topology_for
+from dsrun.runtime.progress import ensure_visible
+
+log = logging.getLogger("dsrun.runtime")
+
+
+def _checkpoint(function: Callable[..., Any], *args: Any) -> Any:
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+
+
+def _check_layers(layers: Iterable[Any]) -> list[Any]:
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
+        raise DsrunConfigError(f"PipelineModule layers= must be a sequence of LayerSpec, "
+                               f"modules or functions, got {type(layers).__name__}")
+    items = list(layers)
+    if not items:
+        raise DsrunConfigError("PipelineModule needs at least one layer")
+    seen: dict[int, int] = {}
+    tied_types: dict[str, tuple[int, type]] = {}
+    for i, layer in enumerate(items):
+        if isinstance(layer, TiedLayerSpec):
+            first = tied_types.setdefault(layer.key, (i, layer.typename))
+            if first[1] is not layer.typename:
+                raise DsrunConfigError(f"layer {i}: TiedLayerSpec {layer.key!r} builds "
+                                       f"{layer.name}, but layer {first[0]} with the same key "
+                                       f"builds {first[1].__name__}")
+        elif isinstance(layer, torch.nn.Module):
+            if id(layer) in seen:
+                raise DsrunConfigError(f"layer {i} is the same module object as layer "
+                                       f"{seen[id(layer)]}: to share weights between layers, "
+                                       "use TiedLayerSpec")
+            seen[id(layer)] = i
+        elif not isinstance(layer, LayerSpec) and not callable(layer):
+            raise DsrunConfigError(f"layer {i} is a {type(layer).__name__}: a pipeline layer "
+                                   "is a LayerSpec, TiedLayerSpec, torch.nn.Module or function")
+    return items
+
+
+def _module_of(func: Any) -> Optional[torch.nn.Module]:
+    """The module behind a stage function (a tied layer's forward_fn is a partial)."""
+    if isinstance(func, torch.nn.Module):
+        return func
+    if isinstance(func, functools.partial) and func.args and \
+            isinstance(func.args[0], torch.nn.Module):
+        return func.args[0]
+    return None
+
+
+class PipelineModule(torch.nn.Module):
+    """Layers partitioned over pipeline stages (module docstring).
+
+    ``loss_fn(outputs, labels)`` computes the loss on the last stage (None:
+    the last layer's output is the loss). ``partition_method``: see
+    :mod:`~dsrun.runtime.pipe.partition`. ``activation_checkpoint_interval``
+    N > 0: this stage's layers run in chunks of N, each under
+    ``activation_checkpoint_func(function, *inputs)`` (default: torch's
+    non-reentrant checkpoint) while gradients are enabled - only the
+    chunk's input is kept and its activations are recomputed in backward.
+    ``checkpointable_layers``: class names; a chunk is checkpointed only if
+    all its layers are of these classes (default: if it has parameters).
+    """
+
+    def __init__(self, layers: Sequence[Any], num_stages: Optional[int] = None,
+                 topology: Optional[PipeTopology] = None,
+                 loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
+                 seed_layers: bool = False, seed_fn: Optional[Callable[[int], Any]] = None,
+                 base_seed: int = 1234, partition_method: Any = "parameters",
+                 activation_checkpoint_interval: int = 0,
+                 activation_checkpoint_func: Optional[Callable[..., Any]] = None,
+                 checkpointable_layers: Optional[Sequence[str]] = None) -> None:
+        super().__init__()
+        specs = _check_layers(layers)
+        interval = activation_checkpoint_interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+            raise DsrunConfigError(f"activation_checkpoint_interval must be an integer >= 0, "
+                                   f"got {interval!r}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise DsrunConfigError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if not dist.is_initialized():
+            from dsrun.runtime.dist import init_distributed
+            init_distributed()
+        self._topology = topology_for(dist.get_world_size(), num_stages, topology)
+        self.num_stages = self._topology.stages
+        self.loss_fn = loss_fn
+        self.seed_layers, self.base_seed = bool(seed_layers), base_seed
+        self.seed_fn = seed_fn or torch.manual_seed
+        self.activation_checkpoint_interval = interval
+        self.activation_checkpoint_func = activation_checkpoint_func or _checkpoint
+        self.checkpointable_layers = None if checkpointable_layers is None \
+            else set(checkpointable_layers)
+        self.partition_method = partition_method
+        self._num_layers = len(specs)
+        names = [layer_name(layer) for layer in specs]
+        wants_counts = isinstance(partition_method, str) and \
+            partition_method.lower() == "parameters"
+        counts = [count_parameters(layer) for layer in specs] if wants_counts \
+            else [0] * len(specs)
+        self.parts = partition_layers(partition_method, self.num_stages, names, counts)
+        self._grid = PipelineGrid(self._topology)
+        self.stage_id = self._grid.stage_id
+        self._local_start = self.parts[self.stage_id]
+        self._local_stop = self.parts[self.stage_id + 1]
+        self.tied_modules = torch.nn.ModuleDict()
+        self.forward_funcs: list[Callable[[Any], Any]] = []
+        self._build(specs)
+        self.tied_weights = self._tie(specs)
+        if dist.get_rank() == 0:
+            ensure_visible()
+            log.info("%s", self.describe(names, counts if wants_counts else None))
+
+    # ------------------------------------------------------------ building
+
+    def _seeded(self, index: int, build: Callable[[], Any]) -> Any:
+        if not self.seed_layers:
+            return build()
+        with torch.random.fork_rng(devices=[]):
+            self.seed_fn(self.base_seed + index)
+            return build()
+
+    def _build(self, specs: list[Any]) -> None:
+        first_use = {}
+        for i, layer in enumerate(specs):
+            if isinstance(layer, TiedLayerSpec):
+                first_use.setdefault(layer.key, i)
+        for index in range(self._local_start, self._local_stop):
+            layer = specs[index]
+            if isinstance(layer, TiedLayerSpec):
+                if layer.key not in self.tied_modules:
+                    module = self._seeded(first_use[layer.key], layer.build)
+                    layer.check_attrs(module)
+                    self.tied_modules[layer.key] = module
+                module = self.tied_modules[layer.key]
+                func = functools.partial(layer.forward_fn, module) if layer.forward_fn \
+                    else module
+                self.forward_funcs.append(func)
+            elif isinstance(layer, LayerSpec):
+                module = self._seeded(index, layer.build)
+                self.add_module(str(index), module)
+                self.forward_funcs.append(module)
+            elif isinstance(layer, torch.nn.Module):
+                self.add_module(str(index), layer)
+                self.forward_funcs.append(layer)
+            else:
+                self.forward_funcs.append(layer)
+
+    def _tie(self, specs: list[Any]) -> TiedWeights:
+        """Groups of the stages sharing each tied key (collective, all keys)."""
+        owners: dict[str, list[int]] = {}
+        for stage in range(self.num_stages):
+            for index in range(self.parts[stage], self.parts[stage + 1]):
+                layer = specs[index]
+                if isinstance(layer, TiedLayerSpec) and stage not in owners.get(layer.key, []):
+                    owners.setdefault(layer.key, []).append(stage)
+        entries = []
+        rank = dist.get_rank()
+        for key in sorted(owners):
+            stages = owners[key]
+            if len(stages) < 2:
+                continue
+            for replica in range(self._topology.replicas):
+                ranks = tuple(self._topology.rank(s, replica) for s in stages)
+                group = cached_group(f"tied:{key}", ranks)
+                if rank in ranks:
+                    entries.append(TiedEntry(key, self.tied_modules[key], group,
+                                             primary=rank == ranks[0]))
+        return TiedWeights(entries)
+
+    def describe(self, names: Sequence[str], counts: Optional[Sequence[int]]) -> str:
+        lines = [f"pipeline: {self._topology.describe()}, partition_method="
+                 f"{self.partition_method!r}"]
+        for stage in range(self.num_stages):
+            a, b = self.parts[stage], self.parts[stage + 1]
+            kinds = ", ".join(dict.fromkeys(names[a:b]))
+            params = f", {sum(counts[a:b]):,} parameters" if counts is not None else ""
+            lines.append(f"  stage {stage}: layers {a}-{b - 1} ({kinds}){params}")
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------ running
+
+    def _run(self, start: int, stop: int) -> Callable[[Any], Any]:
+        funcs = self.forward_funcs[start:stop]
+
+        def run(x: Any) -> Any:
+            for func in funcs:
+                x = func(x)
+            return x
+        return run
+
+    def _checkpointable(self, start: int, stop: int) -> bool:
+        modules = [_module_of(f) for f in self.forward_funcs[start:stop]]
+        if self.checkpointable_layers is not None:
+            return all(m is not None and type(m).__name__ in self.checkpointable_layers
+                       for m in modules)
+        return any(m is not None and any(True for _ in m.parameters()) for m in modules)
+
+    def forward(self, x: Any) -> Any:
+        count = len(self.forward_funcs)
+        interval = self.activation_checkpoint_interval
+        if interval == 0 or not torch.is_grad_enabled():
+            return self._run(0, count)(x)
+        for start in range(0, count, interval):
+            stop = min(start + interval, count)
+            if self._checkpointable(start, stop):
+                x = self.activation_checkpoint_func(self._run(start, stop), x)
+            else:
+                x = self._run(start, stop)(x)
+        return x
+
+    # ---------------------------------------------------- DeepSpeed's accessors
+
+    def topology(self) -> PipeTopology:
+        return self._topology
+
+    def mpu(self) -> PipelineGrid:
+        return self._grid
+
+    @property
+    def grid(self) -> PipelineGrid:
+        return self._grid
+
+    @property
+    def layer_range(self) -> tuple[int, int]:
+        """``[start, stop)`` of this stage's layers in ``layers``."""
+        return self._local_start, self._local_stop
+
+    @property
+    def num_layers(self) -> int:
+        return self._num_layers

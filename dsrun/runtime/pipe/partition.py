@@ -1,0 +1,133 @@
+"""Which layers each pipeline stage owns (pure, no torch).
+
+A partition of ``L`` layers over ``S`` stages is a tuple of ``S + 1``
+boundaries ``0 = b0 < b1 < ... < bS = L``: stage ``s`` owns layers
+``[b_s, b_{s+1})``. Every stage owns at least one layer.
+
+``PipelineModule(partition_method=...)`` chooses it:
+
+* ``"parameters"`` (the default): balance the trainable parameter count;
+* ``"uniform"``: balance the number of layers;
+* ``"type:REGEX"``: balance the number of layers whose class name matches
+  ``REGEX`` (case-insensitive ``re.search``; e.g. ``"type:TransformerBlock"``),
+  other layers weigh nothing;
+* a sequence of ``S + 1`` integers: these boundaries, checked.
+
+Balancing (:func:`partition_balanced`) minimises the heaviest stage's
+weight exactly (binary search on the bottleneck, greedy feasibility); among
+the optimal partitions it takes the one that fills earlier stages first.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from dsrun.errors import DsrunConfigError
+
+METHODS = ("parameters", "uniform", "type:REGEX", "explicit boundaries [0, ..., num_layers]")
+
+
+def _greedy(weights: Sequence[int], parts: int, bottleneck: int) -> tuple[int, ...] | None:
+    """Boundaries with every part non-empty and weighing at most
+    ``bottleneck``, each part as long as allowed; None if impossible."""
+    n = len(weights)
+    bounds, i = [0], 0
+    for part in range(parts - 1):
+        reserve = parts - part - 1  # later parts need one layer each
+        if i >= n - reserve:
+            return None
+        total = weights[i]
+        i += 1
+        while i < n - reserve and total + weights[i] <= bottleneck:
+            total += weights[i]
+            i += 1
+        if total > bottleneck:
+            return None
+        bounds.append(i)
+    if i >= n or sum(weights[i:]) > bottleneck:
+        return None
+    bounds.append(n)
+    return tuple(bounds)
+
+
+def partition_balanced(weights: Sequence[int], parts: int) -> tuple[int, ...]:
+    """Contiguous non-empty parts minimising the largest part weight."""
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    if len(weights) < parts:
+        raise ValueError(f"{len(weights)} items cannot fill {parts} non-empty parts")
+    if any(isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in weights):
+        raise ValueError(f"weights must be non-negative integers, got {list(weights)}")
+    low, high = max(weights), sum(weights)
+    while low < high:  # smallest feasible bottleneck
+        mid = (low + high) // 2
+        if _greedy(weights, parts, mid) is None:
+            low = mid + 1
+        else:
+            high = mid
+    found = _greedy(weights, parts, low)
+    assert found is not None  # the total weight is always feasible
+    return found
+
+
+def check_boundaries(bounds: Sequence[object], num_layers: int, stages: int) -> tuple[int, ...]:
+    """Explicit boundaries, validated (module docstring)."""
+    values = list(bounds)
+    where = f"partition_method={values!r}"
+    if len(values) != stages + 1:
+        raise DsrunConfigError(f"{where}: explicit boundaries need num_stages + 1 = "
+                               f"{stages + 1} integers (0, ..., {num_layers}), got {len(values)}")
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+        raise DsrunConfigError(f"{where}: boundaries must be integers")
+    if values[0] != 0 or values[-1] != num_layers:
+        raise DsrunConfigError(f"{where}: boundaries must start at 0 and end at the number "
+                               f"of layers, {num_layers}")
+    for stage, (a, b) in enumerate(zip(values, values[1:])):
+        if b <= a:
+            raise DsrunConfigError(f"{where}: stage {stage} would own no layer "
+                                   f"(boundaries must increase strictly)")
+    return tuple(values)  # type: ignore[arg-type]
+
+
+def layer_weights(method: str, names: Sequence[str], param_counts: Sequence[int]) -> list[int]:
+    """Per-layer weights for a named ``method`` (module docstring)."""
+    lowered = method.lower()
+    if lowered == "parameters":
+        return list(param_counts)
+    if lowered == "uniform":
+        return [1] * len(names)
+    if lowered.startswith("type:"):
+        pattern = method[len("type:"):]
+        try:
+            regex = re.compile(pattern, re.IGNORECASE)
+        except re.error as exc:
+            raise DsrunConfigError(f"partition_method={method!r}: {pattern!r} is not a valid "
+                                   f"regular expression ({exc})") from None
+        weights = [1 if regex.search(name) else 0 for name in names]
+        if not any(weights):
+            raise DsrunConfigError(f"partition_method={method!r}: no layer class name matches "
+                                   f"{pattern!r} (layers: {', '.join(sorted(set(names)))})")
+        return weights
+    if lowered == "profile":
+        raise DsrunConfigError("partition_method='profile' is not implemented in dsrun; use "
+                               "'parameters', 'uniform' or 'type:REGEX'")
+    raise DsrunConfigError(f"unknown partition_method={method!r}; use one of: "
+                           f"{', '.join(METHODS)}")
+
+
+def partition_layers(method: object, stages: int, names: Sequence[str],
+                     param_counts: Sequence[int]) -> tuple[int, ...]:
+    """The boundaries ``method`` gives for these layers on ``stages`` stages."""
+    num_layers = len(names)
+    if len(param_counts) != num_layers:
+        raise ValueError("names and param_counts must have equal lengths")
+    if num_layers < stages:
+        raise DsrunConfigError(f"{num_layers} layer(s) cannot fill {stages} pipeline stages: "
+                               "every stage needs at least one layer")
+    if isinstance(method, str):
+        return partition_balanced(layer_weights(method, names, param_counts), stages)
+    if isinstance(method, Sequence):
+        return check_boundaries(method, num_layers, stages)
+    raise DsrunConfigError(f"partition_method must be a string or a sequence of boundaries, "
+                           f"got {type(method).__name__}")

@@ -1,0 +1,115 @@
+"""The optimizer step of a pipeline engine: one norm over all stages.
+
+Each rank holds only its stage's gradients, so what a single process would
+compute - the global gradient norm for ``gradient_clipping``, and for fp16
+whether any gradient overflowed - needs one all-reduce over the whole
+world of each rank's share of the squared norm:
+
+* ZeRO stage 0: a replica holds its stage's full (averaged) gradients,
+  identical on every replica, so each rank contributes its sum of squares
+  divided by the number of replicas;
+* ZeRO stages 1-2: each element of a stage's gradient lies in exactly one
+  rank's partition, so each rank contributes its partition's sum of squares.
+
+Tied weights held by several stages count once: copies that are not the
+primary one are left out (:meth:`~.tied.TiedWeights.duplicates`). A
+non-finite norm is an fp16 overflow on every rank at once (inf and NaN
+survive the sum), so all stages skip the step together. Everything then
+proceeds as in one process: the same clip coefficient (torch's rule), the
+same update.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from dsrun.runtime.precision import FP16Master, FullPrecision, StepResult
+from dsrun.runtime.zero.masters import CLIP_EPS
+
+
+def _squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for grad in grads:
+        total = total + torch.linalg.vector_norm(grad, dtype=torch.float32).double() ** 2
+    return total
+
+
+def _zero_duplicate_squares(zero: Any, duplicates: set[int], device: torch.device
+                            ) -> torch.Tensor:
+    """Squares of the duplicate tied parameters' elements in this rank's partitions."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    if not duplicates:
+        return total
+    for g, layout in enumerate(zero.layouts):
+        members = {i for i, p in enumerate(zero.param_groups_full[g]) if id(p) in duplicates}
+        grad = zero.masters[g].grad
+        if not members or grad is None:
+            continue
+        start, _ = layout.rank_range(zero.rank)
+        for piece in layout.pieces(zero.rank):
+            if piece.param in members:
+                part = grad.narrow(0, piece.flat_offset - start, piece.length)
+                total = total + torch.linalg.vector_norm(part, dtype=torch.float32).double() ** 2
+    return total
+
+
+def _unscale_into_masters(precision: FP16Master) -> None:
+    inverse = 1.0 / precision.scaler.scale
+    for param, master in zip(precision.params, precision.masters):
+        master.grad = None if param.grad is None else param.grad.float().mul_(inverse)
+
+
+def _stage_grads(precision: FullPrecision, duplicates: set[int]
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(every gradient to clip, those that count in the norm) at ZeRO stage 0."""
+    if isinstance(precision, FP16Master):
+        _unscale_into_masters(precision)
+        pairs = list(zip(precision.params, precision.masters))
+        grads = [(p, m.grad) for p, m in pairs if m.grad is not None]
+    else:
+        grads = [(p, p.grad) for p in precision.params if p.grad is not None]
+    return [g for _, g in grads], [g for p, g in grads if id(p) not in duplicates]
+
+
+def pipeline_step(engine: Any) -> StepResult:
+    """Clip, check and apply one step of a :class:`~.engine.PipelineEngine`
+    (module docstring); returns what ``precision.step`` would."""
+    precision, max_norm = engine.precision, engine.config.gradient_clipping
+    scaler = getattr(precision, "scaler", None)
+    duplicates = engine.module.tied_weights.duplicates()
+    device = engine.device
+    zero = engine.optimizer if engine.zero_stage > 0 else None
+    if zero is not None:
+        zero.reduce_gradients()
+        if scaler is not None:
+            zero.scale_grads_(1.0 / scaler.scale)
+        to_clip = [m.grad for m in zero.masters if m.grad is not None]
+        share = _squares(to_clip, device) - _zero_duplicate_squares(zero, duplicates, device)
+    else:
+        to_clip, counted = _stage_grads(precision, duplicates)
+        share = _squares(counted, device) / engine.dp_world_size
+    norm: Optional[torch.Tensor] = None
+    if max_norm > 0 or scaler is not None:
+        if dist.get_world_size() > 1:
+            dist.all_reduce(share)
+        norm = share.clamp(min=0).sqrt().float()
+    overflow = scaler is not None and not bool(torch.isfinite(norm))
+    if scaler is not None and scaler.update(overflow):
+        return StepResult(False, norm, overflow)
+    if max_norm > 0:
+        assert norm is not None
+        coefficient = torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0)
+        for grad in to_clip:
+            grad.mul_(coefficient.to(grad.dtype))
+    if zero is not None:
+        zero.step()
+        return StepResult(True, norm)
+    engine.optimizer.step()
+    if isinstance(precision, FP16Master):
+        with torch.no_grad():
+            for param, master in zip(precision.params, precision.masters):
+                param.copy_(master)
+    return StepResult(True, norm)

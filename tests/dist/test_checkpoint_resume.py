@@ -1,0 +1,152 @@
+"""Resume equivalence and multi-rank checkpoint behaviour on 2 gloo ranks.
+
+Two jobs for the whole module (``workers/checkpoint_cases.py``): the
+*straight* job trains N=3 steps at each ZeRO stage 0-3 (gradient
+accumulation 2, a WarmupDecayLR schedule, dropout, a frozen parameter and a
+buffer, batches from the engine's dataloader), saves, and trains M=4 more;
+the *resume* job - new processes - builds each engine from another seed,
+loads, and trains M steps. Losses, learning rates, batches and final
+parameters must be bitwise equal: fp32 on gloo with 2 ranks is
+deterministic, so anything the checkpoint fails to restore (optimizer state,
+scheduler, RNG for dropout, data position, counters) shows as a difference.
+The straight job also runs the cases that need 2 ranks: tag disagreement,
+async vs sync saves, consolidation, the 16-bit model, and a save called on
+rank 0 only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, dsrun_argv
+from tests.dist.test_engine_dist import _run
+
+pytestmark = pytest.mark.dist
+
+WORKER = ROOT / "tests" / "dist" / "workers" / "checkpoint_cases.py"
+STAGES = (0, 1, 2, 3)
+
+
+def job(ranks: int, *args: str) -> list[str]:
+    """The argv of a CPU job of ``ranks`` gloo ranks (one place for launcher flags)."""
+    return dsrun_argv("--cpu", "--num_gpus", str(ranks), str(WORKER), *args)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    ckpt = tmp_path_factory.mktemp("ckpt")
+    straight_out = tmp_path_factory.mktemp("straight")
+    resume_out = tmp_path_factory.mktemp("resume")
+    stages = ",".join(map(str, STAGES))
+    straight = _run(job(2, "--mode", "straight", "--out", str(straight_out), "--ckpt", str(ckpt),
+                        "--stages", stages, "--extras"), straight_out)
+    resume = _run(job(2, "--mode", "resume", "--out", str(resume_out), "--ckpt", str(ckpt),
+                      "--stages", stages), resume_out)
+    return {"straight": straight, "resume": resume, "ckpt": ckpt,
+            "straight_out": straight_out, "resume_out": resume_out}
+
+
+def extra(runs: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    facts = [r[name] for r in runs["straight"]]
+    for rank, fact in enumerate(facts):
+        assert fact["ok"], f"rank {rank}:\n{fact['error']}"
+    return facts
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_resume_is_bitwise_equal_to_straight_run(runs: dict[str, Any], stage: int) -> None:
+    for rank in (0, 1):
+        straight = runs["straight"][rank][f"stage{stage}"]
+        resumed = runs["resume"][rank][f"stage{stage}"]
+        assert resumed["losses"] == straight["losses"]  # float.hex(): bitwise
+        assert resumed["lrs"] == straight["lrs"]
+        assert resumed["global_steps"] == straight["global_steps"] == 7
+        assert resumed["global_samples"] == straight["global_samples"] == 7 * 16
+        a = torch.load(runs["straight_out"] / f"params_s{stage}_r{rank}.pt")
+        b = torch.load(runs["resume_out"] / f"params_s{stage}_r{rank}.pt")
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), (stage, rank, key)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_data_continues_at_the_next_batch(runs: dict[str, Any], stage: int) -> None:
+    """The saved position is mid-epoch (6 of 8 micro-batches per rank); the
+    resumed run gets the 7th and 8th, then the next epoch's, in order."""
+    for rank in (0, 1):
+        straight = runs["straight"][rank][f"stage{stage}"]["batches"]
+        resumed = runs["resume"][rank][f"stage{stage}"]["batches"]
+        assert resumed == straight and len(resumed) == 8
+
+
+def test_client_state_round_trips_and_path_is_the_tag_directory(runs: dict[str, Any]) -> None:
+    for stage in STAGES:
+        resumed = runs["resume"][0][f"stage{stage}"]
+        assert resumed["client_state"] == {"stage": stage, "note": [1, 2]}
+        assert resumed["path"] == str(runs["ckpt"] / f"stage{stage}" / "global_step3")
+
+
+def test_each_rank_wrote_its_own_slices(runs: dict[str, Any]) -> None:
+    tag = runs["ckpt"] / "stage3" / "global_step3"
+    manifest = json.loads((tag / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["meta"]["zero_stage"] == 3
+    ranks = {c[0] for t in manifest["tensors"].values() for item in t["items"].values()
+             for c in item["chunks"]}
+    assert ranks == {0, 1}
+    assert (tag / "rank_00000.bin").stat().st_size > 0 and (tag / "rank_00001.bin").stat().st_size
+    assert (runs["ckpt"] / "stage3" / "latest").read_text() == "global_step3"
+    assert not any(p.name.endswith(".tmp") for p in (runs["ckpt"] / "stage3").iterdir())
+
+
+def test_different_tags_on_different_ranks_name_them(runs: dict[str, Any]) -> None:
+    for fact in extra(runs, "tag_mismatch"):
+        assert "rank 0: 't0'" in fact["error_text"] and "rank 1: 't1'" in fact["error_text"]
+    assert not (runs["ckpt"] / "mismatch").exists() or not any(
+        (runs["ckpt"] / "mismatch").iterdir())
+
+
+def test_save_on_one_rank_only_fails_after_the_timeout(runs: dict[str, Any]) -> None:
+    rank0, rank1 = extra(runs, "only_rank0")
+    assert "called on rank 0 but rank 1 did not call it within 3 s" in rank0["error_text"]
+    assert rank1["error_text"] is None
+    assert not (runs["ckpt"] / "only0" / "latest").exists()
+
+
+def test_async_save_equals_a_sync_save_of_the_same_state(runs: dict[str, Any]) -> None:
+    extra(runs, "async_vs_sync")
+    root = runs["ckpt"] / "async"
+    for rank in (0, 1):
+        name = f"rank_{rank:05d}.bin"
+        assert (root / "sync" / name).read_bytes() == (root / "async" / name).read_bytes()
+    sync = json.loads((root / "sync" / "manifest.json").read_text())
+    done = json.loads((root / "async" / "manifest.json").read_text())
+    assert sync["tensors"] == done["tensors"]
+    assert (root / "latest").read_text() == "async"
+    assert (root / "first" / "manifest.json").exists()
+
+
+def test_consolidation_equals_the_full_state_dict(runs: dict[str, Any], tmp_path: Path) -> None:
+    from dsrun.runtime.checkpoint.consolidate import to_fp32
+
+    extra(runs, "consolidation")
+    out = tmp_path / "full.pt"
+    to_fp32(str(runs["ckpt"] / "consolidate"), str(out))
+    mine, full = torch.load(out), torch.load(runs["straight_out"] / "consolidate_full.pt")
+    assert list(mine) == list(full)
+    for key in full:
+        assert mine[key].dtype == full[key].dtype and torch.equal(mine[key], full[key]), key
+
+
+def test_16bit_model_at_stage3_gathers_the_weights(runs: dict[str, Any]) -> None:
+    assert all(fact["saved16"] for fact in extra(runs, "consolidation"))
+    saved = torch.load(runs["ckpt"] / "model16" / "model.bin")
+    full = torch.load(runs["straight_out"] / "consolidate_full.pt")
+    assert list(saved) == list(full)  # fp32 training: the module's own dtype, as DeepSpeed
+    assert all(torch.equal(saved[k], full[k]) for k in full)
+    assert not [p for p in os.listdir(runs["ckpt"] / "model16") if p != "model.bin"]

@@ -1,0 +1,186 @@
+"""Monitors through the engine at world size 1 (one in-process gloo group).
+
+Failure handling, fp16's loss scale, param groups, the measured gradient
+norm, seq_length, errors at initialize, and wandb in offline mode; the
+2-rank behaviour is in test_monitor_job.py.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import importlib.util
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+
+import dsrun
+from dsrun.errors import DsrunConfigError, DsrunError
+from dsrun.runtime.monitor.writers import CsvWriter
+
+pytestmark = pytest.mark.dist
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def config(out: Path, job: str = "run", **extra: Any) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 100,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+            "csv_monitor": {"enabled": True, "output_path": str(out), "job_name": job}, **extra}
+
+
+def train(engine: Any, steps: int, inputs: Optional[torch.Tensor] = None) -> list[float]:
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(4, 6, generator=gen) if inputs is None else inputs
+        if x.is_floating_point():  # fp16 models take fp16 inputs
+            x = x.to(next(engine.module.parameters()).dtype)
+        loss = engine(x).float().square().mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def column(path: Path) -> list[float]:
+    with open(path, newline="") as handle:
+        return [float(value) for _, value in list(csv.reader(handle))[1:]]
+
+
+def test_a_write_failing_after_the_start_warns_once_and_training_goes_on(
+        solo: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    engine, *_ = dsrun.initialize(model=model(), config=config(tmp_path))
+    losses = train(engine, 3)
+
+    def disk_full(self: CsvWriter, name: str) -> Any:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(CsvWriter, "_writer", disk_full)
+    with caplog.at_level(logging.WARNING, logger="dsrun.runtime.monitor"):
+        losses += train(engine, 5)
+        engine.monitor.write_events([("Custom/x", 1.0, 1)])  # no writer left: a no-op
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == ["csv_monitor: writing metrics failed (OSError: [Errno 28] No space left "
+                        "on device); csv_monitor is off for the rest of this run, training "
+                        "goes on"]
+    assert engine.global_steps == 8 and len(losses) == 8
+    assert column(tmp_path / "run" / "Train_Samples_train_loss.csv") == \
+        pytest.approx(losses[:3], rel=1e-12)
+
+
+def test_fp16_writes_the_loss_scale_and_the_steps_own_gradient_norm(
+        solo: None, tmp_path: Path) -> None:
+    cfg = config(tmp_path, fp16={"enabled": True, "initial_scale_power": 8})
+    engine, *_ = dsrun.initialize(model=model(), config=cfg)
+    losses = train(engine, 4)
+    run = tmp_path / "run"
+    assert column(run / "Train_Samples_loss_scale.csv") == [256.0] * 4
+    assert column(run / "Train_Samples_train_loss.csv") == pytest.approx(losses, rel=1e-12)
+    assert column(run / "Train_Samples_grad_norm.csv")[-1] == \
+        pytest.approx(engine.get_global_grad_norm(), rel=1e-12)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_lr_per_group_and_the_measured_norm_equals_the_clipping_norm(
+        solo: None, tmp_path: Path, stage: int) -> None:
+    norms = []
+    for clip in (0.0, 1e9):  # 1e9 never clips: the same training, the step's own norm
+        net = model()
+        groups = [{"params": net[0].parameters()}, {"params": net[2].parameters(), "lr": 5e-3}]
+        job = f"clip{clip:g}"
+        cfg = config(tmp_path, job, gradient_clipping=clip, zero_optimization={"stage": stage})
+        engine, *_ = dsrun.initialize(model=net, model_parameters=groups, config=cfg)
+        train(engine, 4)
+        assert (engine.get_global_grad_norm() is None) == (clip == 0.0)
+        norms.append(column(tmp_path / job / "Train_Samples_grad_norm.csv"))
+        assert column(tmp_path / job / "Train_Samples_lr.csv") == [1e-2] * 4
+        assert column(tmp_path / job / "Train_Samples_lr_group1.csv") == [5e-3] * 4
+    assert len(norms[0]) == 4 and norms[0] == pytest.approx(norms[1], rel=1e-6)
+
+
+def test_tokens_from_seq_length_or_counted_ids(solo: None, tmp_path: Path) -> None:
+    engine, *_ = dsrun.initialize(model=model(), config=config(tmp_path, "floats"))
+    train(engine, 2)  # float inputs, no seq_length: no tokens/s
+    assert not (tmp_path / "floats" / "Train_Samples_tokens_per_sec.csv").exists()
+    engine.monitor.seq_length = 5
+    train(engine, 2)
+    samples = column(tmp_path / "floats" / "Train_Samples_samples_per_sec.csv")
+    tokens = column(tmp_path / "floats" / "Train_Samples_tokens_per_sec.csv")
+    assert len(samples) == 4 and tokens == pytest.approx([s * 5 for s in samples[2:]])
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Embedding(10, 6), torch.nn.Linear(6, 1))
+    engine, *_ = dsrun.initialize(model=net, config=config(tmp_path, "ids"))
+    train(engine, 2, inputs=torch.randint(0, 10, (4, 9)))  # (batch 4, seq 9) token ids
+    samples = column(tmp_path / "ids" / "Train_Samples_samples_per_sec.csv")
+    tokens = column(tmp_path / "ids" / "Train_Samples_tokens_per_sec.csv")
+    assert tokens == pytest.approx([s * 9 for s in samples])
+
+
+def test_bad_monitor_input_fails_initialize_with_one_clear_error(
+        solo: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(DsrunConfigError, match=r"csv_monitor.output_path .* cannot create"):
+        dsrun.initialize(model=model(), config=config(blocker))
+    with pytest.raises(DsrunConfigError, match='unknown key "output_dir" in "csv_monitor"'):
+        dsrun.initialize(model=model(), config={**config(tmp_path),
+                                                "csv_monitor": {"output_dir": "x"}})
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    with pytest.raises(DsrunConfigError, match="the tensorboard package is not installed"):
+        dsrun.initialize(model=model(), config=config(tmp_path, "tb",
+                                                      tensorboard={"enabled": True}))
+    assert not (tmp_path / "tb").exists()
+    engine, *_ = dsrun.initialize(model=model(), config=config(tmp_path, "ok"))
+    with pytest.raises(DsrunError, match="event 0 is"):
+        engine.monitor.write_events([("name", "not a number", 1)])
+
+
+def test_without_monitors_nothing_is_written(solo: None, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 2, "wall_clock_breakdown": True,
+           "optimizer": {"type": "SGD", "params": {"lr": 1e-2}}}
+    engine, *_ = dsrun.initialize(model=model(), config=cfg)
+    assert not engine.monitor.enabled
+    with caplog.at_level(logging.INFO, logger="dsrun.runtime.monitor"):
+        train(engine, 4)
+        engine.monitor.write_events([("Custom/x", 1.0, 1)])
+    assert list(tmp_path.iterdir()) == []
+    lines = [r.getMessage() for r in caplog.records if "time (ms per" in r.getMessage()]
+    assert len(lines) == 2 and "mean of 2" in lines[0]
+
+
+def test_wandb_in_offline_mode(solo: None, tmp_path: Path,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    if importlib.util.find_spec("wandb") is None:
+        pytest.skip("the wandb package is not installed")
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = config(tmp_path, wandb={"enabled": True, "project": "dsrun-test", "group": "g"})
+    engine, *_ = dsrun.initialize(model=model(), config=cfg)
+    losses = train(engine, 3)
+    run = wandb.run
+    assert run is not None and run.project == "dsrun-test" and run.group == "g"
+    # wandb commits a step once a later one arrives (or at finish): the summary
+    # holds the last committed step's values
+    step = run.summary["_step"]
+    assert step in (8, 12) and engine.global_samples == 12
+    assert run.summary["Train/Samples/train_loss"] == pytest.approx(losses[step // 4 - 1],
+                                                                   rel=1e-12)
+    engine.monitor.monitor.close()
+    assert wandb.run is None
+    assert glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))

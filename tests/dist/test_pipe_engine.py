@@ -1,0 +1,353 @@
+"""PipelineModule and PipelineEngine in one process (world size 1, one stage)
+and the errors a pipeline reports; one 2-rank job for an error that only a
+real stage boundary can show."""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dsrun
+from dsrun.errors import DsrunConfigError, DsrunError
+from dsrun.pipe import LayerSpec, PipelineEngine, PipelineModule, TiedLayerSpec
+from tests.conftest import ROOT, run_dsrun
+from tests.dist.pipe_support import load_cases
+
+pytestmark = pytest.mark.dist
+cases = load_cases()
+
+
+def _engine(name: str = "mlp", **overrides: Any) -> tuple[PipelineEngine, Any]:
+    case = cases.CASES[name]
+    config = {**case.config(), **overrides}
+    engine, _, _, _ = dsrun.initialize(model=cases.build(name, 1), config=config)
+    assert isinstance(engine, PipelineEngine)
+    return engine, case
+
+
+# ---------------------------------------------------------------- the module
+
+
+def test_names_do_not_depend_on_the_partition(solo: None) -> None:
+    module = cases.build("tied", 1)
+    assert sorted(n for n, _ in module.named_parameters()) == [
+        "1.down.bias", "1.down.weight", "1.up.bias", "1.up.weight", "2.down.bias",
+        "2.down.weight", "2.up.bias", "2.up.weight", "3.bias", "3.weight",
+        "tied_modules.embed.weight"]
+    mlp = cases.build("mlp", 1)
+    assert sorted(mlp.state_dict()) == ["0.linear.bias", "0.linear.weight", "1.linear.bias",
+                                        "1.linear.weight", "3.bias", "3.weight", "5.bias",
+                                        "5.weight"]
+
+
+def test_seed_layers_builds_each_layer_from_its_own_seed(solo: None) -> None:
+    before = torch.random.get_rng_state()
+    module = cases.build("mlp", 1)
+    assert torch.equal(torch.random.get_rng_state(), before)  # the caller's RNG untouched
+    torch.manual_seed(1234 + 3)
+    assert torch.equal(module.get_submodule("3").weight, nn.Linear(9, 9).weight)
+    tied = cases.build("tied", 1)
+    torch.manual_seed(1234 + 0)  # a tied module: its first layer's index
+    assert torch.equal(tied.tied_modules["embed"].weight, nn.Embedding(11, 8).weight)
+
+
+def test_forward_runs_the_layers_in_order(solo: None) -> None:
+    module = cases.build("mlp", 1)
+    x = torch.randn(3, 6)
+    h = x
+    for i in (0, 1):
+        h = module.get_submodule(str(i))(h)
+    h = torch.tanh(module.get_submodule("3")(2 * h))
+    assert torch.equal(module(x), module.get_submodule("5")(h))
+
+
+class Counting(nn.Module):
+    calls = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Counting.calls += 1
+        return torch.tanh(self.linear(x))
+
+
+def _saved_bytes(module: nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
+    saved = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel() * t.element_size())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(x).square().sum()
+    out.backward()
+    return sum(saved), torch.cat([p.grad.reshape(-1) for p in module.parameters()])
+
+
+@pytest.mark.parametrize("interval", [1, 2, 3])
+def test_activation_checkpointing_recomputes_and_keeps_less(solo: None, interval: int) -> None:
+    specs = [LayerSpec(Counting) for _ in range(6)]
+    plain = PipelineModule(specs, num_stages=1, seed_layers=True)
+    ckpt = PipelineModule(specs, num_stages=1, seed_layers=True,
+                          activation_checkpoint_interval=interval)
+    x = torch.randn(32, 16)
+    Counting.calls = 0
+    plain_bytes, plain_grads = _saved_bytes(plain, x)
+    assert Counting.calls == 6
+    Counting.calls = 0
+    ckpt_bytes, ckpt_grads = _saved_bytes(ckpt, x)
+    assert Counting.calls == 12  # every layer ran again during backward
+    assert torch.equal(plain_grads, ckpt_grads)
+    assert ckpt_bytes < plain_bytes / 2, (ckpt_bytes, plain_bytes)
+    Counting.calls = 0
+    with torch.no_grad():
+        ckpt(x)
+    assert Counting.calls == 6  # no checkpointing without gradients
+
+
+def test_checkpointable_layers_limits_which_chunks(solo: None) -> None:
+    specs = [LayerSpec(Counting), LayerSpec(nn.Linear, 16, 16)]
+    module = PipelineModule(specs, num_stages=1, activation_checkpoint_interval=1,
+                            checkpointable_layers=["Linear"])
+    Counting.calls = 0
+    module(torch.randn(2, 16)).sum().backward()
+    assert Counting.calls == 1  # the Counting chunk was not checkpointed
+
+
+def embed_logits(embedding: nn.Embedding, h: torch.Tensor) -> torch.Tensor:
+    return h @ embedding.weight.t()
+
+
+@pytest.mark.parametrize("layers, kwargs, message", [
+    ("abc", {}, "layers= must be a sequence"),
+    ([], {}, "at least one layer"),
+    ([LayerSpec(nn.ReLU), 3], {}, "layer 1 is a int"),
+    ([TiedLayerSpec("e", nn.Embedding, 4, 2), TiedLayerSpec("e", nn.Linear, 2, 4)], {},
+     "layer 1: TiedLayerSpec 'e' builds Linear, but layer 0"),
+    ([LayerSpec(nn.ReLU)], {"num_stages": 2}, "num_stages=2 does not divide the world size 1"),
+    ([LayerSpec(nn.ReLU)], {"activation_checkpoint_interval": -1}, "must be an integer >= 0"),
+    ([LayerSpec(nn.ReLU)], {"loss_fn": "mse"}, "loss_fn must be callable"),
+    ([LayerSpec(nn.ReLU)], {"partition_method": "flops"}, "unknown partition_method"),
+    ([TiedLayerSpec("e", nn.ReLU)], {}, "ReLU has no parameter 'weight'"),
+])
+def test_bad_modules_name_the_problem(solo: None, layers: Any, kwargs: dict,
+                                      message: str) -> None:
+    kwargs.setdefault("num_stages", 1)
+    with pytest.raises(DsrunConfigError, match=message):
+        PipelineModule(layers, **kwargs)
+
+
+def test_bad_specs(solo: None) -> None:
+    with pytest.raises(DsrunConfigError, match="torch.nn.Module subclass"):
+        LayerSpec(len)
+    with pytest.raises(DsrunConfigError, match="without dots"):
+        TiedLayerSpec("a.b", nn.Linear, 2, 2)
+    with pytest.raises(DsrunConfigError, match="tied_weight_attr must be"):
+        TiedLayerSpec("a", nn.Linear, 2, 2, tied_weight_attr=[])
+    layer = nn.Linear(2, 2)
+    with pytest.raises(DsrunConfigError, match="same module object as layer 0: to share"):
+        PipelineModule([layer, layer], num_stages=1)
+
+
+# ---------------------------------------------------------------- the engine
+
+
+def test_train_batch_is_the_plain_loop_at_world_size_one(solo: None) -> None:
+    engine, case = _engine("mlp-noclip")
+    ref = cases.build("mlp-noclip", 1)
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.01)
+    for step in range(3):
+        total = torch.zeros(())
+        for x, y in case.batch(step, 0):
+            loss = F.cross_entropy(ref(x), y)
+            (loss / case.micro_batches).backward()
+            total += loss.detach()
+        opt.step()
+        opt.zero_grad()
+        assert float(engine.train_batch(iter(case.batch(step, 0)))) == \
+            float(total / case.micro_batches)
+    assert all(torch.equal(a, b) for a, b in zip(engine.module.parameters(), ref.parameters()))
+    assert (engine.global_steps, engine.micro_steps, engine.global_samples) == (3, 12, 48)
+
+
+def test_eval_and_inference_passes(solo: None) -> None:
+    engine, case = _engine("mlp")
+    data = case.eval_data()
+    with torch.no_grad():
+        outs = [engine.module(x) for x, _ in data]
+        losses = torch.stack([F.cross_entropy(o, y) for o, (_, y) in zip(outs, data)])
+    loss, logits = engine.eval_batch(iter(data), return_logits=True)
+    assert float(loss) == pytest.approx(float(losses.mean()), abs=1e-7)
+    assert all(torch.equal(a, b) for a, b in zip(logits, outs))
+    per = engine.eval_batch(iter(data), reduce_output=None)
+    assert [float(v) for v in per] == pytest.approx([float(v) for v in losses], abs=1e-7)
+    only = engine.eval_batch(iter(data), compute_loss=False)
+    assert len(only) == case.micro_batches and torch.equal(only[0], outs[0])
+    assert torch.equal(engine(data[0][0]), outs[0])
+    assert engine.module.training  # eval_batch restored the mode
+
+
+def test_backward_and_step_point_to_train_batch(solo: None) -> None:
+    engine, case = _engine()
+    for call in (lambda: engine.backward(torch.zeros(())), engine.step):
+        with pytest.raises(DsrunError, match=r"engine.train_batch\(data_iter\)"):
+            call()
+    with pytest.raises(DsrunError, match="exactly one argument"):
+        engine(torch.zeros(2, 6), torch.zeros(2))
+
+
+def test_training_data_and_batch_fn(solo: None) -> None:
+    case = cases.CASES["mlp"]
+    pairs = [case.data(k) for k in range(3)]
+    dataset = torch.utils.data.TensorDataset(torch.cat([x for x, _ in pairs]),
+                                             torch.cat([y for _, y in pairs]))
+    engine, _, loader, _ = dsrun.initialize(model=cases.build("mlp", 1), config=case.config(),
+                                            training_data=dataset)
+    assert loader is not None
+    first = engine.train_batch()  # 4 micro-batches from 3 per epoch: the loader repeats
+    assert math.isfinite(float(first))
+    seen = []
+    engine.set_batch_fn(lambda item: (seen.append(1), (item["x"], item["y"]))[1])
+    engine.train_batch(iter({"x": x, "y": y} for x, y in case.batch(0, 0)))
+    assert len(seen) == case.micro_batches
+
+
+@pytest.mark.parametrize("data, message", [
+    (lambda c: iter(c.batch(0, 0)[:2]), "ran out at micro-batch 2 of 4"),
+    (lambda c: iter([x for x, _ in c.batch(0, 0)]), "micro-batch 0 from the data iterator is "
+                                                     "a Tensor"),
+    (lambda c: iter([(x, y, y) for x, y in c.batch(0, 0)]), "a tuple of 3 items"),
+    (lambda c: None, "needs data: pass data_iter="),
+    (lambda c: iter([({"x": x}, y) for x, y in c.batch(0, 0)]), "inputs of micro-batch 0 is "
+                                                                 "a dict"),
+])
+def test_bad_data_is_one_clear_error(solo: None, data: Any, message: str) -> None:
+    engine, case = _engine()
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    with pytest.raises(DsrunError, match=message):
+        engine.train_batch(data(case))
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+    assert all(p.grad is None for p in engine.module.parameters())  # none left to add to
+    assert engine.global_steps == 0
+
+
+def test_the_loss_must_be_a_scalar(solo: None) -> None:
+    specs = [LayerSpec(nn.Linear, 6, 5)]
+    module = PipelineModule(specs, num_stages=1)  # no loss_fn: the output is the loss
+    engine, _, _, _ = dsrun.initialize(model=module, config=cases.CASES["mlp"].config())
+    with pytest.raises(DsrunError, match=r"stage 0 \(layers 0-0\), micro-batch 0: without "
+                       r"loss_fn, the last layer's output is the loss, and it is a tensor of "
+                       r"shape \[4, 5\]"):
+        engine.train_batch(iter(cases.CASES["mlp"].batch(0, 0)))
+
+
+def test_a_failing_layer_says_where(solo: None) -> None:
+    module = PipelineModule([LayerSpec(nn.Linear, 6, 5), LayerSpec(nn.Linear, 4, 5)],
+                            num_stages=1, loss_fn=F.cross_entropy)
+    engine, _, _, _ = dsrun.initialize(model=module, config=cases.CASES["mlp"].config())
+    with pytest.raises(RuntimeError) as info:
+        engine.train_batch(iter(cases.CASES["mlp"].batch(0, 0)))
+    if sys.version_info >= (3, 11):  # exception notes
+        assert "(in the forward pass of pipeline stage 0 (layers 0-1), micro-batch 0)" in \
+            info.value.__notes__
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"zero_optimization": {"stage": 3}}, "ZeRO stage 3 .* cannot be combined with pipeline"),
+])
+def test_zero3_is_refused(solo: None, overrides: dict, message: str) -> None:
+    with pytest.raises(DsrunConfigError, match=message):
+        _engine("mlp", **overrides)
+
+
+def test_zero2_with_tied_layers_is_refused_and_mpu_too(solo: None) -> None:
+    # one stage: the tied module has no copies, so stage 2 is fine
+    engine, _ = _engine("tied", zero_optimization={"stage": 2})
+    assert engine.zero_optimization_stage() == 2
+    module = cases.build("tied", 1)
+    with pytest.raises(DsrunConfigError, match="do not pass mpu="):
+        dsrun.initialize(model=module, config=cases.CASES["tied"].config(), mpu=object())
+
+
+def test_fp16_overflow_skips_the_step_on_every_stage(solo: None) -> None:
+    engine, case = _engine("mlp", fp16={"enabled": True, "initial_scale_power": 40,
+                                        "hysteresis": 1, "auto_cast": True})
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    loss = engine.train_batch(iter(case.batch(0, 0)))
+    assert math.isfinite(float(loss))
+    assert engine.skipped_steps == 1 and engine.loss_scale == 2.0 ** 39
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+    for step in range(1, 40):
+        engine.train_batch(iter(case.batch(step, 0)))
+    assert engine.skipped_steps < 40 and engine.was_step_applied()
+    assert engine.module.get_submodule("5").weight.dtype == torch.float16
+
+
+def test_clipping_matches_torch_at_world_size_one(solo: None) -> None:
+    engine, case = _engine("mlp", gradient_clipping=0.05)
+    ref = cases.build("mlp", 1)
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.01)
+    for x, y in case.batch(0, 0):
+        (F.cross_entropy(ref(x), y) / case.micro_batches).backward()
+    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    opt.step()
+    engine.train_batch(iter(case.batch(0, 0)))
+    assert engine.get_global_grad_norm() == pytest.approx(float(norm), rel=1e-6)
+    assert norm > 0.05  # clipping acted
+    diff = max((a - b).abs().max().item() for a, b in zip(engine.module.parameters(),
+                                                          ref.parameters()))
+    assert diff <= 1e-6
+
+
+def test_wall_clock_breakdown_measures_the_pipeline(solo: None) -> None:
+    engine, case = _engine("mlp", wall_clock_breakdown=True)
+    engine.train_batch(iter(case.batch(0, 0)))
+    timing = engine.last_batch_timing
+    assert timing is not None
+    assert 0 < timing["compute_s"] <= timing["pipeline_s"] <= timing["total_s"]
+
+
+# ------------------------------------------------------- errors at a stage boundary
+
+JOB = '''
+import torch, torch.nn as nn
+import dsrun
+from dsrun.pipe import LayerSpec, PipelineModule
+
+class ToDict(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+    def forward(self, x):
+        return {"h": self.linear(x)}
+
+dsrun.init_distributed()
+module = PipelineModule([LAYERS], num_stages=2, loss_fn=nn.functional.cross_entropy)
+engine, _, _, _ = dsrun.initialize(model=module, config={"train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+engine.train_batch(iter([(torch.randn(2, 4), torch.tensor([0, 1]))] * 2))
+'''
+
+
+@pytest.mark.parametrize("layers, message", [
+    ("LayerSpec(ToDict), LayerSpec(nn.Linear, 4, 2)",
+     "the output of pipeline stage 0 (layers 0-0), micro-batch 0 is a dict"),
+    ("LayerSpec(nn.Linear, 4, 5), LayerSpec(nn.Linear, 4, 2)",  # stage 1 expects 4 features
+     "(in the forward pass of pipeline stage 1 (layers 1-1), micro-batch 0)"),
+])
+def test_errors_at_a_stage_boundary_fail_the_job(tmp_path: Any, layers: str,
+                                                 message: str) -> None:
+    script = tmp_path / "bad_pipeline.py"
+    script.write_text(JOB.replace("LAYERS", layers))
+    res = run_dsrun("--cpu", "--num_gpus", "2", str(script), timeout=120, cwd=str(ROOT))
+    assert res.returncode != 0
+    if "forward pass" in message and sys.version_info < (3, 11):
+        return  # exception notes are printed from Python 3.11 on
+    assert message in res.stdout + res.stderr, res.stderr[-3000:]

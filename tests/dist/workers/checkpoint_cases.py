@@ -1,0 +1,291 @@
+"""Checkpoint cases on real gloo ranks; each run writes ``<out>/rank<R>.json``
+(and ``.pt`` files of parameters) for tests/dist/test_checkpoint_*.py.
+
+Modes (``--mode``):
+
+* ``straight`` - for each stage of ``--stages``: a fresh engine (seed 0)
+  trains ``--first`` optimizer steps from the engine's dataloader, saves
+  ``CKPT/stage<S>``, trains ``--then`` more; records the losses, lrs and
+  batches of the last ``--then`` steps and the final parameters. Then the
+  extra cases of a 2-rank job (``--extras``): tag disagreement, async save
+  vs sync save, consolidation, 16-bit model, and last (it leaves the
+  coordinator unusable) a save called on rank 0 only.
+* ``resume`` - for each stage: an engine built with another seed loads
+  ``CKPT/stage<S>`` and trains ``--then`` steps; the same records.
+* ``reshard`` - global batches fixed per step (whatever the world size),
+  no dropout; for each ``--run STAGE[:load=TAG][:save=TAG]``: an engine at
+  that stage trains ``--first + --then`` steps saving TAG after ``--first``,
+  or loads TAG and trains ``--then``; records the global mean loss per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import dsrun
+from dsrun.errors import CheckpointError
+
+FEATURES, HIDDEN, CLASSES = 12, 24, 5
+SAMPLES = 64
+
+
+class Net(torch.nn.Module):
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(FEATURES, HIDDEN)
+        self.mid = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.out = torch.nn.Linear(HIDDEN, CLASSES)
+        self.drop = torch.nn.Dropout(dropout)
+        self.offset = torch.nn.Parameter(torch.randn(HIDDEN) * 0.1, requires_grad=False)
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x)) + self.offset
+        h = self.drop(torch.tanh(self.mid(h)) * (1 + self.scale))
+        return torch.nn.functional.cross_entropy(self.out(h), y)
+
+
+def dataset() -> torch.utils.data.TensorDataset:
+    gen = torch.Generator().manual_seed(123)
+    y = torch.randint(0, CLASSES, (SAMPLES,), generator=gen)
+    x = torch.randn(SAMPLES, FEATURES, generator=gen) * 0.5
+    x[torch.arange(SAMPLES), y] += 1.5
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def config(stage: int, micro: int, gas: int = 2, **extra: Any) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-2, "weight_decay": 0.01}},
+            "scheduler": {"type": "WarmupDecayLR",
+                          "params": {"warmup_num_steps": 3, "total_num_steps": 30,
+                                     "warmup_max_lr": 3e-2}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 20,
+                                  "stage3_gather_16bit_weights_on_model_save": True},
+            "steps_per_print": 1000, **extra}
+
+
+def build(stage: int, seed: int, dropout: float = 0.1, micro: int = 4, **extra: Any) -> Any:
+    torch.manual_seed(seed)
+    engine, _, loader, _ = dsrun.initialize(model=Net(dropout), training_data=dataset(),
+                                            config=config(stage, micro, **extra))
+    return engine, loader
+
+
+def full_params(engine: Any) -> dict[str, torch.Tensor]:
+    """The full parameters, on the CPU (whatever device the rank uses)."""
+    state = engine.optimizer.module_state_dict() if engine.zero_stage == 3 else \
+        engine.module.state_dict()
+    return {k: v.detach().cpu().clone() for k, v in state.items()}
+
+
+class Batches:
+    """Micro-batches from the engine's dataloader, starting new epochs."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader, self.it = loader, iter(loader)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            return next(self.it)
+        except StopIteration:
+            self.it = iter(self.loader)
+            return next(self.it)
+
+
+def train(engine: Any, batches: Batches, steps: int) -> dict[str, list[Any]]:
+    losses, lrs, seen = [], [], []
+    for _ in range(steps * engine.gradient_accumulation_steps()):
+        x, y = batches.next()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item().hex())
+        seen.append(float(x.sum()))
+        lrs.append(engine.get_lr()[0])
+    return {"losses": losses, "lrs": lrs, "batches": seen}
+
+
+def stage_runs(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    rank = dist.get_rank()
+    for stage in args.stages:
+        ckpt = os.path.join(args.ckpt, f"stage{stage}")
+        if args.mode == "straight":
+            engine, loader = build(stage, seed=0)
+            batches = Batches(loader)
+            train(engine, batches, args.first)
+            engine.save_checkpoint(ckpt, client_state={"stage": stage, "note": [1, 2]})
+            record = train(engine, batches, args.then)
+            record["client_state"] = None
+        else:
+            engine, loader = build(stage, seed=1000 + stage)
+            path, client = engine.load_checkpoint(ckpt)
+            record = train(engine, Batches(loader), args.then)
+            record.update(path=path, client_state=client)
+        record["global_steps"] = engine.global_steps
+        record["global_samples"] = engine.global_samples
+        torch.save(full_params(engine), os.path.join(args.out, f"params_s{stage}_r{rank}.pt"))
+        out[f"stage{stage}"] = record
+        engine.destroy()
+
+
+# --------------------------------------------------------------- extras
+
+
+def case(out: dict[str, Any], name: str, fn: Any, *args: Any) -> None:
+    try:
+        out[name] = {"ok": True, **fn(*args)}
+    except Exception:  # noqa: BLE001 - the test reads the traceback
+        out[name] = {"ok": False, "error": traceback.format_exc()}
+
+
+def tag_mismatch(args: argparse.Namespace) -> dict[str, Any]:
+    engine, loader = build(1, seed=0)
+    train(engine, Batches(loader), 1)
+    try:
+        engine.save_checkpoint(os.path.join(args.ckpt, "mismatch"), tag=f"t{dist.get_rank()}")
+    except CheckpointError as exc:
+        return {"error_text": str(exc)}
+    return {"error_text": None}
+
+
+def async_vs_sync(args: argparse.Namespace) -> dict[str, Any]:
+    root = os.path.join(args.ckpt, "async")
+    engine, loader = build(3, seed=0, checkpoint={"async": True})
+    batches = Batches(loader)
+    train(engine, batches, 2)
+    engine.save_checkpoint(root, tag="first")  # async: the next save waits for it
+    settings = engine._checkpointer.settings
+    engine._checkpointer.settings = dataclasses.replace(settings, async_save=False)
+    engine.save_checkpoint(root, tag="sync")
+    engine._checkpointer.settings = settings
+    engine.save_checkpoint(root, tag="async")
+    train(engine, batches, 2)  # changes every parameter while the save may still be writing
+    engine.destroy()  # waits for the save, raises its failure
+    return {}
+
+
+def consolidation(args: argparse.Namespace) -> dict[str, Any]:
+    engine, loader = build(3, seed=0)
+    train(engine, Batches(loader), 2)
+    root = os.path.join(args.ckpt, "consolidate")
+    engine.save_checkpoint(root, tag="c")
+    full = full_params(engine)
+    saved16 = engine.save_16bit_model(os.path.join(args.ckpt, "model16"), "model.bin")
+    if dist.get_rank() == 0:
+        torch.save(full, os.path.join(args.out, "consolidate_full.pt"))
+    return {"saved16": saved16}
+
+
+def only_rank0(args: argparse.Namespace) -> dict[str, Any]:
+    engine, loader = build(0, seed=0, checkpoint={"timeout": 3})
+    train(engine, Batches(loader), 1)
+    text = None
+    if dist.get_rank() == 0:
+        try:
+            engine.save_checkpoint(os.path.join(args.ckpt, "only0"))
+        except CheckpointError as exc:
+            text = str(exc)
+    dist.barrier()
+    return {"error_text": text}
+
+
+def extras(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    case(out, "tag_mismatch", tag_mismatch, args)
+    case(out, "async_vs_sync", async_vs_sync, args)
+    case(out, "consolidation", consolidation, args)
+    case(out, "only_rank0", only_rank0, args)  # last: the coordinator is unusable after it
+
+
+# -------------------------------------------------------------- reshard
+
+
+def global_batch(step: int, rank: int, world: int, micro: int, gas: int, index: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s micro-batch ``index`` of step ``step``: one slice of a
+    global batch that is the same for every world size."""
+    x, y = dataset().tensors
+    order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(step))[:12]
+    start = (index * world + rank) * micro
+    take = order[start:start + micro]
+    return x[take], y[take]
+
+
+def parse_run(spec: str) -> dict[str, Any]:
+    """``STAGE[:load=TAG][:save=TAG]``."""
+    stage, *rest = spec.split(":")
+    run: dict[str, Any] = {"stage": int(stage), "load": None, "save": None}
+    for part in rest:
+        key, _, value = part.partition("=")
+        run[key] = value
+    return run
+
+
+def reshard_run(args: argparse.Namespace, run: dict[str, Any]) -> dict[str, Any]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    gas = 2
+    micro = 12 // (world * gas)
+    engine, _ = build(run["stage"], seed=0 if run["load"] is None else 99, dropout=0.0,
+                      micro=micro)
+    start = 0
+    if run["load"]:
+        engine.load_checkpoint(args.ckpt, tag=run["load"])
+        start = engine.global_steps
+    steps = args.then if run["load"] else args.first + args.then
+    losses = []
+    for step in range(start, start + steps):
+        if run["save"] and step == args.first:
+            engine.save_checkpoint(args.ckpt, tag=run["save"])
+        total = torch.zeros(())
+        for index in range(gas):
+            loss = engine(*global_batch(step, rank, world, micro, gas, index))
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach() / gas
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+    engine.destroy()
+    return {**run, "losses": losses, "start": start, "world": world}
+
+
+def reshard(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    out["runs"] = [reshard_run(args, parse_run(spec)) for spec in args.run]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", required=True, choices=("straight", "resume", "reshard"))
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--stages", type=lambda s: [int(v) for v in s.split(",")], default=[])
+    parser.add_argument("--first", type=int, default=3)
+    parser.add_argument("--then", type=int, default=4)
+    parser.add_argument("--run", action="append", default=[],
+                        help="reshard mode: STAGE[:load=TAG][:save=TAG], repeatable")
+    parser.add_argument("--extras", action="store_true")
+    args = parser.parse_args()
+    if not dist.is_initialized():
+        dsrun.init_distributed()
+    out: dict[str, Any] = {"world_size": dist.get_world_size()}
+    with contextlib.suppress(Exception):
+        torch.set_num_threads(1)
+    if args.mode == "reshard":
+        reshard(args, out)
+    else:
+        stage_runs(args, out)
+        if args.extras:
+            extras(args, out)
+    with open(os.path.join(args.out, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""Writer, reader, consolidation and info through the Python API, in this
+process without a process group (world size 1), with a hand-made state
+source: what the fragments interface promises, checked from the outside."""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsrun.errors import CheckpointError
+from dsrun.runtime.checkpoint import storage
+from dsrun.runtime.checkpoint.consolidate import get_fp32_state_dict, to_fp32
+from dsrun.runtime.checkpoint.coord import Coordinator, check_same, raise_failures
+from dsrun.runtime.checkpoint.fragments import (
+    ExportedState,
+    Fragment,
+    ImportPlan,
+    LoadTarget,
+    TensorInfo,
+    install_state,
+    split_state,
+)
+from dsrun.runtime.checkpoint.info import checkpoint_info, format_info
+from dsrun.runtime.checkpoint.reader import LoadRequest, load_state
+from dsrun.runtime.checkpoint.stateformats import SafetensorsWriter, Spec, TorchSaveWriter
+from dsrun.runtime.checkpoint.writer import SaveRequest, own_share, save_state
+
+
+class DictSource:
+    """Tensors by name, each saved as ``parts`` fragments (as if sharded)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], parts: int = 1,
+                 replicated: bool = False, replica: tuple[int, int] = (0, 1)) -> None:
+        self.tensors = dict(tensors)
+        self.parts, self.replicated, self.replica = parts, replicated, replica
+
+    def _infos(self) -> dict[str, TensorInfo]:
+        return {n: TensorInfo(n, tuple(t.shape), t.dtype, "param", 0)
+                for n, t in self.tensors.items()}
+
+    def export_state(self, names: Mapping[int, str]) -> ExportedState:
+        frags = []
+        for name, t in self.tensors.items():
+            flat = t.reshape(-1)
+            bounds = sorted({0, flat.numel(), *(flat.numel() * k // self.parts
+                                                for k in range(self.parts))})
+            for a, b in zip(bounds, bounds[1:]):
+                frags.append(Fragment(name, a, b, flat[a:b], {"m": flat[a:b] * 2},
+                                      {"step": torch.tensor(5.0)}, self.replicated))
+        return ExportedState(self._infos(), tuple(frags), ({"lr": 0.5},), "Fake", self.replica)
+
+    def prepare_import(self, names: Mapping[int, str],
+                       state_keys: Optional[Sequence[str]]) -> ImportPlan:
+        targets = [LoadTarget(n, 0, t.numel(), torch.zeros(t.numel(), dtype=t.dtype),
+                              {k: torch.zeros(t.numel()) for k in state_keys or ()})
+                   for n, t in self.tensors.items()]
+        return ImportPlan(self._infos(), targets, "Fake")
+
+    def finish_import(self, plan: ImportPlan, groups: Any, optimizer_states: bool) -> None:
+        self.loaded = {t.name: t for t in plan.targets if t.loaded}
+        self.groups = groups
+
+
+def tensors() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {"a.weight": torch.randn(5, 7, generator=gen), "b": torch.randn(13, generator=gen),
+            "half": torch.randn(4, generator=gen).to(torch.bfloat16)}
+
+
+def save(root: Path, source: Any, tag: str = "t", **kw: Any) -> str:
+    request = SaveRequest(str(root), tag, meta={"zero_stage": 2, "global_steps": 4}, **kw)
+    return save_state(request, [source.export_state({})], Coordinator(5))
+
+
+def test_save_then_load_restores_values_state_and_scalars(tmp_path: Path) -> None:
+    source = DictSource(tensors(), parts=3)
+    assert save(tmp_path, source) == str(tmp_path / "t")
+    assert (tmp_path / "latest").read_text() == "t"
+    target = DictSource({n: torch.zeros_like(t) for n, t in tensors().items()})
+    loaded = load_state(LoadRequest(str(tmp_path)), [target], {}, Coordinator(5))
+    assert loaded is not None and loaded.path == str(tmp_path / "t")
+    for name, t in tensors().items():
+        got = target.loaded[name]
+        assert torch.equal(got.value, t.reshape(-1))
+        assert torch.equal(got.state["m"], (t.reshape(-1) * 2).float())
+        assert got.scalars["step"].item() == 5.0
+    assert target.groups == [{"lr": 0.5}]
+
+
+def test_fsync_false_never_fsyncs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_fsync(fd: int) -> None:
+        raise AssertionError("fsync called")
+
+    monkeypatch.setattr(os, "fsync", no_fsync)
+    save(tmp_path, DictSource(tensors()), durable=False)
+    target = DictSource(tensors())
+    load_state(LoadRequest(str(tmp_path)), [target], {}, Coordinator(5))
+    assert torch.equal(target.loaded["b"].value, tensors()["b"])
+    with pytest.raises(CheckpointError, match="AssertionError: fsync called"):
+        save(tmp_path, DictSource(tensors()), tag="durable")
+
+
+def test_loading_without_optimizer_state_reads_no_state(tmp_path: Path) -> None:
+    save(tmp_path, DictSource(tensors()))
+    target = DictSource(tensors())
+    load_state(LoadRequest(str(tmp_path), optimizer_states=False), [target], {}, Coordinator(5))
+    assert all(not t.state for t in target.loaded.values()) and target.groups is None
+
+
+@given(st.integers(1, 60), st.integers(1, 5), st.lists(st.integers(0, 40), min_size=1,
+                                                        max_size=4))
+@settings(max_examples=100, deadline=None)
+def test_replicated_fragments_are_written_once_across_replicas(_: int, count: int,
+                                                               sizes: list[int]) -> None:
+    frags = [Fragment(f"t{i}", 0, n, torch.zeros(n), replicated=True)
+             for i, n in enumerate(sizes) if n]
+    seen: dict[str, list[tuple[int, int]]] = {}
+    for index in range(count):
+        export = ExportedState({f.name: TensorInfo(f.name, (f.end,), torch.float32)
+                                for f in frags}, tuple(frags), replica=(index, count))
+        for frag in own_share(export):
+            seen.setdefault(frag.name, []).append((frag.start, frag.end))
+    for frag in frags:
+        ranges = sorted(seen[frag.name])
+        assert ranges[0][0] == 0 and ranges[-1][1] == frag.end
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+def test_a_full_disk_names_the_file_and_keeps_the_previous_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    save(tmp_path, DictSource(tensors()), tag="old")
+
+    def full(fd: int, data: memoryview) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(storage, "write_all", full)
+    with pytest.raises(CheckpointError, match=r"no space left .*new\.tmp/rank_00000\.bin.*"
+                                              "previous checkpoint is intact"):
+        save(tmp_path, DictSource(tensors()), tag="new")
+    assert sorted(os.listdir(tmp_path)) == ["latest", "old"]
+    assert (tmp_path / "latest").read_text() == "old"
+
+
+def test_fragments_reject_wrong_lengths_and_unshardable_state() -> None:
+    with pytest.raises(ValueError, match="want \\(3,\\)"):
+        Fragment("x", 0, 3, torch.zeros(4))
+    with pytest.raises(ValueError, match="not one value per element"):
+        split_state({"row": torch.zeros(2), "step": 1}, 6, "x")
+    views, rest = split_state({"m": torch.ones(2, 3), "step": torch.tensor(1.0)}, 6, "x")
+    assert views["m"].shape == (6,) and rest["step"].item() == 1.0
+
+
+def test_install_state_keeps_unnamed_tensors_and_container_types() -> None:
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.Adam([a, b], lr=0.1, betas=(0.8, 0.9))
+    a.grad, b.grad = torch.ones(3), torch.ones(2)
+    opt.step()
+    kept = opt.state[b]["exp_avg"].clone()
+    install_state(opt, {id(a): {"step": torch.tensor(7.0), "exp_avg": torch.full((3,), 2.0),
+                                "exp_avg_sq": torch.ones(3)}},
+                  [{"lr": 0.25, "betas": [0.5, 0.6], "foreach": True}])
+    assert opt.state[a]["step"].item() == 7.0 and torch.equal(opt.state[b]["exp_avg"], kept)
+    group = opt.param_groups[0]
+    assert group["lr"] == 0.25 and group["betas"] == (0.5, 0.6) and group["foreach"] is None
+
+
+def test_agreement_helpers_name_the_ranks() -> None:
+    check_same(["a", "a"], "the tag")
+    with pytest.raises(CheckpointError, match=r"ranks 0, 2: 'a'; rank 1: 'b'"):
+        check_same(["a", "b", "a"], "the tag")
+    raise_failures([None, None], "x")
+    with pytest.raises(CheckpointError, match="x failed on ranks 0, 1: disk"):
+        raise_failures(["disk", "disk"], "x")
+    with pytest.raises(CheckpointError, match="rank 0: a\n  rank 1: b"):
+        raise_failures(["a", "b"], "x")
+
+
+# ------------------------------------------------------ state dict files
+
+
+def test_streamed_torch_save_file_loads_like_torch_save(tmp_path: Path) -> None:
+    values = {"w": torch.randn(3, 4), "i": torch.arange(5), "h": torch.randn(2).half(),
+              "s": torch.tensor(2.5), "e": torch.zeros(0, 3)}
+    specs = [Spec(n, tuple(v.shape), v.dtype) for n, v in values.items()]
+    order = ["w", "tied", "i", "h", "s", "e"]
+    writer = TorchSaveWriter(str(tmp_path / "m.pt"), specs, {"tied": "w"}, order)
+    for name in ["e", "s", "h", "i", "w"]:  # any order
+        writer.write(values[name], name)
+    writer.close()
+    for kwargs in ({}, {"mmap": True}):
+        loaded = torch.load(tmp_path / "m.pt", **kwargs)  # weights_only by default
+        assert list(loaded) == order
+        assert all(torch.equal(loaded[n], values[n]) and loaded[n].dtype == values[n].dtype
+                   for n in values)
+        assert loaded["tied"].data_ptr() == loaded["w"].data_ptr()
+    assert not (tmp_path / "m.pt.tmp").exists()
+
+
+def test_streamed_safetensors_file(tmp_path: Path) -> None:
+    safetensors = pytest.importorskip("safetensors.torch")
+    values = {"w": torch.randn(3, 4), "i": torch.arange(5), "b": torch.randn(2).bfloat16()}
+    specs = [Spec(n, tuple(v.shape), v.dtype) for n, v in values.items()]
+    writer = SafetensorsWriter(str(tmp_path / "m.st"), specs, {"tied": "w"},
+                               ["w", "i", "tied", "b"])
+    for name in ("w", "i", "b"):
+        writer.write(values[name], name)
+    writer.close()
+    loaded = safetensors.load_file(str(tmp_path / "m.st"))
+    assert set(loaded) == {"w", "i", "tied", "b"}
+    assert all(torch.equal(loaded[n], values[n]) for n in values)
+    assert torch.equal(loaded["tied"], values["w"])
+
+
+def test_to_fp32_and_get_fp32_state_dict(tmp_path: Path) -> None:
+    save(tmp_path, DictSource(tensors(), parts=2), aliases={"tied": "b"})
+    done = to_fp32(str(tmp_path), str(tmp_path / "out.pt"))
+    loaded, in_memory = torch.load(tmp_path / "out.pt"), get_fp32_state_dict(str(tmp_path))
+    assert list(loaded) == list(in_memory) == ["a.weight", "b", "half", "tied"]
+    for name, t in tensors().items():
+        assert loaded[name].dtype == torch.float32 and torch.equal(loaded[name], t.float())
+    assert done.largest == "a.weight" and done.tensors == 3
+    with pytest.raises(CheckpointError, match="does not exist"):
+        to_fp32(str(tmp_path / "none"), str(tmp_path / "x.pt"))
+
+
+def test_info_describes_the_tags(tmp_path: Path) -> None:
+    save(tmp_path, DictSource(tensors()), tag="first")
+    save(tmp_path, DictSource(tensors()), tag="second")
+    (tmp_path / "third.tmp").mkdir()
+    info = checkpoint_info(str(tmp_path))
+    text = "\n".join(format_info(info))
+    assert "tags: first, second (latest)" in text
+    assert "interrupted saves (not loadable): third" in text
+    assert "tag second: saved" in text and "ZeRO stage 2" in text and "step 4" in text
+    assert "parameters: 52 in 3 tensors (52 trained)" in text
+    assert "optimizer: Fake" in text and "largest tensor a.weight [5, 7]" in text
+    assert checkpoint_info(str(tmp_path), "first").selected.tag == "first"
+    assert checkpoint_info(str(tmp_path / "first")).selected.tag == "first"
+    with pytest.raises(CheckpointError, match="holds no dsrun checkpoint"):
+        checkpoint_info(str(tmp_path / "third.tmp"))

@@ -1,0 +1,59 @@
+"""``import dsrun as deepspeed`` then ``from deepspeed.pipe import ...`` (dsrun._alias)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import dsrun
+
+
+def _drop_deepspeed() -> dict[str, object]:
+    names = [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]
+    return {n: sys.modules.pop(n) for n in names}
+
+
+@pytest.fixture(autouse=True)
+def no_deepspeed_modules() -> Iterator[None]:
+    """Each test imports ``deepspeed`` afresh; what it imported is dropped after."""
+    saved = _drop_deepspeed()
+    try:
+        yield
+    finally:
+        _drop_deepspeed()
+        sys.modules.update(saved)  # type: ignore[arg-type]
+
+
+def test_deepspeed_names_are_dsrun_modules() -> None:
+    pipe = importlib.import_module("deepspeed.pipe")
+    import dsrun.pipe
+    import dsrun.zero
+
+    assert pipe is dsrun.pipe and sys.modules["deepspeed"] is dsrun
+    assert pipe.__spec__.name == "dsrun.pipe"  # the real module, not relabelled
+    from deepspeed.pipe import LayerSpec, PipelineModule  # type: ignore[import-not-found]
+    from deepspeed.zero import Init  # type: ignore[import-not-found]
+
+    assert (PipelineModule, LayerSpec, Init) == (dsrun.pipe.PipelineModule,
+                                                  dsrun.pipe.LayerSpec, dsrun.zero.Init)
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("deepspeed.no_such_module")
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("deepspeed")  # nobody is told DeepSpeed is installed
+
+
+def test_a_real_deepspeed_is_left_alone(monkeypatch: pytest.MonkeyPatch,
+                                        tmp_path: Path) -> None:
+    (tmp_path / "deepspeed").mkdir()
+    (tmp_path / "deepspeed" / "__init__.py").write_text("REAL = True\n")
+    (tmp_path / "deepspeed" / "pipe.py").write_text("REAL_PIPE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    real = importlib.import_module("deepspeed")
+    assert real is not dsrun and real.REAL
+    assert importlib.import_module("deepspeed.pipe").REAL_PIPE

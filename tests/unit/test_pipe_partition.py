@@ -1,0 +1,137 @@
+"""Pipeline topology and layer partitioning (pure): properties and cases."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsrun.errors import DsrunConfigError
+from dsrun.runtime.pipe.partition import (
+    check_boundaries,
+    layer_weights,
+    partition_balanced,
+    partition_layers,
+)
+from dsrun.runtime.pipe.topology import (
+    PipeDataParallelTopology,
+    PipeModelDataParallelTopology,
+    PipeTopology,
+    topology_for,
+)
+
+
+def brute_force_bottleneck(weights: list[int], parts: int) -> int:
+    n = len(weights)
+    best = None
+    for cuts in itertools.combinations(range(1, n), parts - 1):
+        bounds = (0, *cuts, n)
+        worst = max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:]))
+        best = worst if best is None else min(best, worst)
+    assert best is not None
+    return best
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=9), st.integers(1, 9))
+def test_balanced_partition_is_optimal_and_valid(weights: list[int], parts: int) -> None:
+    if len(weights) < parts:
+        with pytest.raises(ValueError):
+            partition_balanced(weights, parts)
+        return
+    bounds = partition_balanced(weights, parts)
+    assert len(bounds) == parts + 1 and bounds[0] == 0 and bounds[-1] == len(weights)
+    assert all(a < b for a, b in zip(bounds, bounds[1:])), "every stage owns a layer"
+    worst = max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:]))
+    assert worst == brute_force_bottleneck(weights, parts)
+
+
+def test_balanced_cases() -> None:
+    # Linear(784,128) + ReLU + Linear(128,10): the ReLU joins the first stage
+    assert partition_balanced([100480, 0, 1290], 2) == (0, 2, 3)
+    assert partition_balanced([1, 1, 1, 1], 2) == (0, 2, 4)
+    assert partition_balanced([1, 1, 1, 1, 1], 2) == (0, 3, 5)
+    assert partition_balanced([5], 1) == (0, 1)
+    assert partition_balanced([0, 0, 0], 3) == (0, 1, 2, 3)
+
+
+def test_methods() -> None:
+    names = ["Embedding", "Block", "Block", "Block", "Block", "LayerNorm", "Head"]
+    counts = [100, 10, 10, 10, 10, 1, 100]
+    assert partition_layers("parameters", 2, names, counts) == (0, 3, 7)  # 120 | 121
+    assert partition_layers("uniform", 2, names, counts) == (0, 4, 7)
+    # two blocks per stage, whatever the embedding and head weigh
+    bounds = partition_layers("type:block", 2, names, counts)
+    assert [sum(n == "Block" for n in names[a:b]) for a, b in zip(bounds, bounds[1:])] == [2, 2]
+    assert partition_layers("TYPE:^Bl", 4, names, counts)[1:4] == (2, 3, 4)
+    assert partition_layers([0, 1, 6, 7], 3, names, counts) == (0, 1, 6, 7)
+    assert layer_weights("Parameters", names, counts) == counts
+
+
+@pytest.mark.parametrize("method, message", [
+    ("flops", "unknown partition_method='flops'"),
+    ("profile", "not implemented"),
+    ("type:Conv", "no layer class name matches 'Conv'"),
+    ("type:(", "not a valid regular expression"),
+    ([0, 7], "need num_stages + 1 = 3 integers"),
+    ([0, 0, 7], "stage 0 would own no layer"),
+    ([1, 3, 7], "must start at 0"),
+    ([0, 2.5, 7], "must be integers"),
+    (3, "must be a string or a sequence"),
+])
+def test_bad_methods_name_the_problem(method: object, message: str) -> None:
+    with pytest.raises(DsrunConfigError, match=message.replace("(", r"\(").replace(
+            "+", r"\+")):
+        partition_layers(method, 2, ["Block"] * 7, [1] * 7)
+
+
+def test_more_stages_than_layers() -> None:
+    with pytest.raises(DsrunConfigError, match="2 layer.s. cannot fill 3 pipeline stages"):
+        partition_layers("uniform", 3, ["A", "B"], [1, 1])
+    with pytest.raises(DsrunConfigError):
+        check_boundaries([0, 1], 1, 2)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 6))
+def test_topology_is_a_bijection_with_disjoint_groups(stages: int, replicas: int) -> None:
+    topo = PipeTopology(stages, replicas)
+    ranks = range(topo.world_size)
+    assert sorted(topo.rank(*topo.coords(r)) for r in ranks) == list(ranks)
+    stage_groups = [topo.stage_ranks(s) for s in range(stages)]
+    pipe_groups = [topo.pipeline_ranks(r) for r in range(replicas)]
+    for groups in (stage_groups, pipe_groups):
+        assert sorted(r for g in groups for r in g) == list(ranks)
+    for s, group in enumerate(stage_groups):
+        assert all(topo.coords(r)[0] == s for r in group)
+
+
+def test_topology_layout_is_deepspeeds() -> None:
+    topo = PipeDataParallelTopology(num_pp=2, num_dp=2)
+    assert topo.stage_ranks(0) == (0, 1) and topo.stage_ranks(1) == (2, 3)
+    assert topo.pipeline_ranks(1) == (1, 3)
+    assert topo.coords(2) == (1, 0)
+    assert PipeModelDataParallelTopology(2, 1, 3) == PipeTopology(2, 3)
+
+
+@pytest.mark.parametrize("world, stages, topology, message", [
+    (4, 3, None, "num_stages=3 does not divide the world size 4"),
+    (4, None, None, "needs num_stages="),
+    (4, 0, None, "num_stages must be a positive integer"),
+    (4, 3, PipeTopology(2, 2), "num_stages=3 disagrees"),
+    (6, None, PipeTopology(2, 2), "does not match the world size 6"),
+    (4, None, "2x2", "must be a PipeDataParallelTopology"),
+])
+def test_bad_topologies(world: int, stages: object, topology: object, message: str) -> None:
+    with pytest.raises(DsrunConfigError, match=message):
+        topology_for(world, stages, topology)
+
+
+def test_topologies_from_either_argument() -> None:
+    assert topology_for(4, 2) == PipeTopology(2, 2)
+    assert topology_for(4, None, PipeTopology(4, 1)) == PipeTopology(4, 1)
+    assert topology_for(4, 4, PipeTopology(4, 1)) == PipeTopology(4, 1)
+    with pytest.raises(DsrunConfigError, match="tensor .model. parallelism"):
+        PipeModelDataParallelTopology(2, 2, 1)
