@@ -280,8 +280,6 @@ class Agent:
 
     # -- supervision ----------------------------------------------------------
     def _loop(self) -> None:
-        beat = self.link.timeout / 4 if self.link.timeout else 0.0
-        next_beat = time.monotonic()
         while True:
             try:
                 event = self.events.get(timeout=0.05)
@@ -294,10 +292,6 @@ class Agent:
             if self.stopping and not self.hard_killed and now >= self.deadline:
                 procs.signal_groups(self._running_leaders(), signal.SIGKILL)
                 self.hard_killed = True
-            if self.link.timeout and now >= next_beat:
-                self.emit({"ev": "hb"})
-                beat = self.link.timeout / 4
-                next_beat = now + beat
             if all(r.reported for r in self.ranks):
                 return
 

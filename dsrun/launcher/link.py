@@ -12,6 +12,9 @@ channel) or a TCP connection the agent opened back to the launcher
 - the reader thread splits the input into messages; heartbeats
   (``{"cmd": "hb", "timeout": T}``) only refresh :attr:`Link.heard` and set
   the heartbeat timeout, every other message goes to :meth:`Link.get`;
+- the writer sends ``{"ev": "hb"}`` whenever nothing else went out for a
+  quarter of the heartbeat timeout, for as long as the agent lives -
+  during a long teardown too;
 - :meth:`Link.lost`: nothing heard for longer than the heartbeat timeout
   (the launcher died, or its host or the network between went silent: a
   dead link stalls instead of closing). Before the first heartbeat the
@@ -40,6 +43,7 @@ FIRST_CONTACT = 120.0
 #: What :meth:`Link.get` returns once the input has ended.
 END = None
 EMPTY: dict[str, Any] = {}
+_HEARTBEAT = protocol.encode({"ev": "hb"})
 
 
 class Link:
@@ -51,6 +55,7 @@ class Link:
         self.sock = sock  # held: the fd is the socket's for as long as the agent runs
         self.heard = time.monotonic()
         self.timeout = FIRST_CONTACT
+        self.told = False  # the launcher has said its heartbeat timeout
         self.closed = False  # the launcher's end is gone (read or write failed)
         self._inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._cond = threading.Condition()
@@ -96,7 +101,10 @@ class Link:
         except ValueError:
             return
         if msg.get("cmd") == "hb":
-            self.timeout = float(msg.get("timeout") or 0)
+            with self._cond:
+                self.timeout = float(msg.get("timeout") or 0)
+                self.told = True
+                self._cond.notify_all()  # the writer's heartbeat period may change
             return
         self._inbox.put(msg)
 
@@ -127,13 +135,26 @@ class Link:
     def _gone(self) -> bool:
         return self.closed or self.lost()
 
+    def _beat_due(self, last_write: float) -> float | None:
+        """Seconds until a heartbeat is due (<= 0: now); None: none wanted."""
+        if not self.timeout or not self.told:
+            return None  # heartbeats off, or the launcher has not asked yet
+        return last_write + self.timeout / 4 - time.monotonic()
+
     def _write(self) -> None:
+        last_write = time.monotonic()
         while True:
             with self._cond:
+                data = b""
                 while not self._control and not self._output:
-                    self._cond.wait()
-                queue_ = self._control if self._control else self._output
-                data = queue_.popleft()
+                    due = self._beat_due(last_write)
+                    if due is not None and due <= 0 and not self._gone():
+                        data = _HEARTBEAT
+                        break
+                    self._cond.wait(due)
+                if not data:
+                    queue_ = self._control if self._control else self._output
+                    data = queue_.popleft()
                 self._writing = True
                 self._cond.notify_all()
             try:
@@ -145,6 +166,7 @@ class Link:
                     self._control.clear()
                     self._output.clear()
             finally:
+                last_write = time.monotonic()
                 with self._cond:
                     self._writing = False
                     self._cond.notify_all()

@@ -341,6 +341,13 @@ class SshChannel(AgentChannel):
         return message
 
     def close(self) -> None:
+        # Closed here, not by their finalizers at interpreter exit, when
+        # paramiko's buffers may already be gone ("Exception ignored" noise).
+        for stream in (self._in, self._out, self._err):
+            try:
+                stream.close()
+            except (OSError, ValueError, EOFError):
+                pass
         self.client.close()
 
 
