@@ -36,8 +36,10 @@ ORPHANED = 137
 def die_with_parent(parent: int | None) -> bool:
     """Arm SIGKILL-on-parent-death; exit if ``parent`` is already gone.
 
-    Returns whether the signal could be armed (False off Linux or without
-    libc). ``parent`` None: only arm it.
+    Returns whether the signal is armed (False off Linux or without libc).
+    ``parent`` None: only arm it. A process whose parent is not ``parent``
+    while ``parent`` lives was not started by the agent (a rank's own child
+    that runs the runtime inherits the variable): the signal is disarmed.
     """
     if not sys.platform.startswith("linux"):
         return False
@@ -49,8 +51,21 @@ def die_with_parent(parent: int | None) -> bool:
     except (OSError, AttributeError):
         return False
     if parent is not None and os.getppid() != parent:
-        os._exit(ORPHANED)  # the agent died before the prctl took effect
+        if not _alive(parent):
+            os._exit(ORPHANED)  # the agent died before the prctl took effect
+        libc.prctl(_PR_SET_PDEATHSIG, 0, 0, 0, 0)
+        return False
     return armed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def agent_pid(environ: dict[str, str] | os._Environ[str]) -> int | None:
