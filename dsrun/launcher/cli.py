@@ -319,6 +319,10 @@ def _dispatch(args: list[str]) -> tuple[click.Command, list[str]]:
     return run_command, args
 
 
+#: click >= 8.2 raises this for a group named without a subcommand.
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
 def _usage_hint(exc: click.ClickException, name: str | None) -> str:
     if not isinstance(exc, click.UsageError):
         return ""
@@ -346,6 +350,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except click.exceptions.Abort:
         return 128 + signal.SIGINT
+    except _NO_ARGS_IS_HELP as exc:  # `dsrun hosts`: its help, not an error
+        click.echo(exc.ctx.get_help() if exc.ctx is not None else exc.format_message())
+        return 0
     except click.ClickException as exc:
         hint = _usage_hint(exc, subcommand)
         click.echo(f"dsrun: error: {exc.format_message()}{hint}", err=True)

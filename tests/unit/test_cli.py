@@ -204,3 +204,10 @@ def test_dry_run_names_the_hostfile_it_uses(tmp_path, monkeypatch, capsys):
     other.write_text("localhost slots=1\n")
     assert cli.main(["--dry-run", "--cpu", "-H", str(other), str(script)]) == 0
     assert capsys.readouterr().out.splitlines()[0] == f"hostfile: {other} (-H)"
+
+
+def test_a_group_named_alone_prints_its_help(capsys):
+    assert cli.main(["hosts"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("Usage: dsrun hosts") and "add" in captured.out
+    assert captured.err == ""
