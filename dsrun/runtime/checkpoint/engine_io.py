@@ -10,6 +10,14 @@ them into state sources (:mod:`.fragments`) plus the engine-level state:
 * every rank's record: its RNG states and dataloader position
   (:mod:`.rank_state`).
 
+What each rank exports, and the model-wide names the manifest records
+(``state_dict_keys``, aliases, frozen parameters left out), come from the
+engine's :class:`CheckpointLayout`: ``engine._checkpoint_layout()`` where
+the engine defines it, else the default - a model whole on every rank of a
+data-parallel group that is the whole world. An engine whose ranks hold
+different parts of the model (a pipeline's stages,
+:mod:`dsrun.runtime.pipe.checkpoint`) returns its own.
+
 One :class:`Checkpointer` per engine holds the ``checkpoint`` settings, the
 coordinator and the asynchronous save in flight.
 """
@@ -19,6 +27,7 @@ from __future__ import annotations
 import datetime
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -85,11 +94,7 @@ def _replica(engine: Any) -> tuple[int, int]:
 
 def state_sources(engine: Any, names: Mapping[int, str]) -> list[StateSource]:
     """The optimizer's source (ZeRO, or stage 0), then the module's other
-    parameters and its buffers."""
-    if engine.dp_world_size != engine.world_size:
-        raise CheckpointError("checkpoints of engines whose data-parallel group is not the "
-                              "whole world (model parallelism through mpu=) are not "
-                              "implemented in dsrun yet")
+    parameters and its buffers; replicated over the engine's data-parallel group."""
     sources: list[Any] = []
     if engine.zero_stage > 0:
         sources.append(engine.optimizer)
@@ -101,13 +106,66 @@ def state_sources(engine: Any, names: Mapping[int, str]) -> list[StateSource]:
     return sources
 
 
-def _without(export: ExportedState, names: set[str]) -> ExportedState:
+def frozen_names(module: torch.nn.Module) -> list[str]:
+    return sorted(n for n, p in module.named_parameters() if not p.requires_grad)
+
+
+@dataclass(frozen=True)
+class SaveParts:
+    """What a layout contributes to one save: this rank's exports, the
+    model-wide meta (``state_dict_keys``, ``excluded_frozen``, ...), the
+    model's aliases and entries of this rank's record that replace the
+    engine's (e.g. ``data``)."""
+
+    exports: list[ExportedState]
+    meta: dict[str, Any]
+    aliases: dict[str, str]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class CheckpointLayout:
+    """How an engine's state maps onto a checkpoint (module docstring): the
+    default, for a module that is the whole model on every rank."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def sources(self, names: Mapping[int, str]) -> list[StateSource]:
+        if self.engine.dp_world_size != self.engine.world_size:
+            raise CheckpointError("checkpoints of engines whose data-parallel group is not the "
+                                  "whole world (model parallelism through mpu=) are not "
+                                  "implemented in dsrun yet")
+        return state_sources(self.engine, names)
+
+    def save_parts(self, names: Mapping[int, str], exclude_frozen: bool,
+                   coord: Coordinator) -> SaveParts:
+        module = self.engine.module
+        exports = [s.export_state(names) for s in self.sources(names)]
+        excluded = frozen_names(module) if exclude_frozen else []
+        if excluded:
+            exports = [without(e, set(excluded)) for e in exports]
+        keys = [k for k in module.state_dict(keep_vars=True) if k not in excluded]
+        return SaveParts(exports, {"excluded_frozen": excluded, "state_dict_keys": keys},
+                         aliases(module))
+
+    def load_aliases(self, coord: Coordinator) -> dict[str, str]:
+        """The model's aliases; equal on every rank (the load compares with them)."""
+        return aliases(self.engine.module)
+
+
+def layout_of(engine: Any) -> CheckpointLayout:
+    """The engine's own layout (``_checkpoint_layout()``), else the default."""
+    make = getattr(engine, "_checkpoint_layout", None)
+    return make() if make is not None else CheckpointLayout(engine)
+
+
+def without(export: ExportedState, names: set[str]) -> ExportedState:
     return ExportedState({k: v for k, v in export.tensors.items() if k not in names},
                          tuple(f for f in export.fragments if f.name not in names),
                          export.groups, export.optimizer, export.replica)
 
 
-def _meta(engine: Any, excluded: list[str]) -> dict[str, Any]:
+def _meta(engine: Any, model: Mapping[str, Any]) -> dict[str, Any]:
     meta: dict[str, Any] = {c: int(getattr(engine, c)) for c in COUNTERS}
     meta.update(zero_stage=engine.zero_stage, precision=engine.precision.name,
                 dp_world_size=engine.dp_world_size,
@@ -115,9 +173,7 @@ def _meta(engine: Any, excluded: list[str]) -> dict[str, Any]:
                 gradient_accumulation_steps=engine.config.gradient_accumulation_steps,
                 dsrun_version=dsrun.__version__, torch_version=torch.__version__,
                 created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                excluded_frozen=excluded,
-                state_dict_keys=[k for k in engine.module.state_dict(keep_vars=True)
-                                 if k not in excluded])
+                **model)
     return meta
 
 
@@ -141,19 +197,15 @@ def save(engine: Any, save_dir: str, tag: Any = None, client_state: Any = None,
         log.warning("save_checkpoint at micro-step %d, inside a gradient accumulation round: "
                     "the gradients accumulated so far are not saved", engine.micro_steps)
     names = parameter_names(engine.module)
-    exports = [s.export_state(names) for s in state_sources(engine, names)]
-    excluded: list[str] = []
-    if exclude_frozen_parameters:
-        excluded = sorted(n for n, p in engine.module.named_parameters() if not p.requires_grad)
-        exports = [_without(e, set(excluded)) for e in exports]
+    parts = layout_of(engine).save_parts(names, exclude_frozen_parameters, ck.coord)
     rank = ck.coord.rank
+    extra = {"rng": capture_rng(), "data": loader_state(engine.training_dataloader,
+                                                        engine.dp_world_size)}
     request = SaveRequest(
-        save_dir, tag, save_latest, _meta(engine, excluded), aliases(engine.module),
+        save_dir, tag, save_latest, _meta(engine, parts.meta), parts.aliases,
         _engine_state(engine, {} if client_state is None else client_state) if rank == 0
-        else None,
-        {"rng": capture_rng(), "data": loader_state(engine.training_dataloader,
-                                                    engine.dp_world_size)},
-        previous, ck.settings.fsync)
+        else None, {**extra, **parts.extra}, previous, ck.settings.fsync)
+    exports = parts.exports
     if not ck.settings.async_save:
         save_state(request, exports, ck.coord, ck.settings.pause)
         return True
@@ -181,13 +233,15 @@ def load(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool =
     ck = checkpointer(engine)
     previous = ck.wait()
     names = parameter_names(engine.module)
+    layout = layout_of(engine)
     optimizer_states = bool(load_optimizer_states) and not load_module_only \
         and engine.optimizer is not None
+    sources = layout.sources(names)
     request = LoadRequest(str(load_dir), None if tag is None else str(tag),
-                          bool(load_module_strict), optimizer_states, aliases(engine.module),
-                          previous)
+                          bool(load_module_strict), optimizer_states,
+                          layout.load_aliases(ck.coord), previous)
     accumulating = engine.micro_steps % engine.config.gradient_accumulation_steps != 0
-    loaded = load_state(request, state_sources(engine, names), names, ck.coord)
+    loaded = load_state(request, sources, names, ck.coord)
     if loaded is None:
         return None, None
     if accumulating:  # gradients of the interrupted accumulation round are stale now

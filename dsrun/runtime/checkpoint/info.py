@@ -46,6 +46,7 @@ class TagInfo:
             "global_steps": m.meta.get("global_steps"),
             "global_samples": m.meta.get("global_samples"),
             "skipped_steps": m.meta.get("skipped_steps"), "created": m.meta.get("created"),
+            "pipeline": m.meta.get("pipeline"),
             "dsrun_version": m.meta.get("dsrun_version"),
             "torch_version": m.meta.get("torch_version"),
             "parameters": sum(e.numel for e in params),
@@ -147,6 +148,11 @@ def format_info(info: DirInfo) -> list[str]:
     lines.append(f"tag {s['tag']}: saved {s['created'] or '?'} by {s['world_size']} rank(s), "
                  f"ZeRO stage {s['zero_stage']}, {s['precision']}, dsrun {s['dsrun_version']}, "
                  f"torch {s['torch_version']}")
+    pipe = s["pipeline"]
+    if isinstance(pipe, dict):
+        lines.append(f"  pipeline: {pipe.get('stages')} stage(s) x {pipe.get('replicas')} "
+                     f"replica(s), layer boundaries {pipe.get('parts')} (loads into any "
+                     "number of stages or replicas)")
     lines.append(f"  step {s['global_steps']} ({s['global_samples']} samples, "
                  f"{s['skipped_steps']} skipped)")
     lines.append(f"  parameters: {s['parameters']:,} in {s['parameter_tensors']} tensors "

@@ -28,6 +28,13 @@ gradient averaging at ZeRO stage 0, partitioning at stages 1-2), this
 engine adds the tied-weight broadcast and reduction, the cross-stage
 gradient norm (:mod:`~.step`) and the schedules. ZeRO stage 1 works with
 pipelines, stage 2 when no tied weights span stages; stage 3 is refused.
+
+``save_checkpoint`` / ``load_checkpoint`` are the engine's (DeepSpeed's
+signatures and guarantees); :mod:`~.checkpoint` tells the checkpoint
+package what each stage's ranks hold, so a pipeline checkpoint is keyed by
+the one-stage model's names and loads into any number of stages or
+replicas. After a load, ``train_batch()`` without a data iterator reads
+the engine's dataloader from the loaded position.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from dsrun.runtime.pipe.batch import (
     split_micro_batch,
     to_device,
 )
+from dsrun.runtime.pipe.checkpoint import PipelineLayout, save_16bit_model
 from dsrun.runtime.pipe.module import PipelineModule
 from dsrun.runtime.pipe.p2p import (
     Header,
@@ -117,6 +125,7 @@ class PipelineEngine(DsrunEngine):
         self._batches = 0
         self._pending = PendingSends()
         self._data_iterator: Optional[Iterator[Any]] = None
+        self._iterating_loader = False  # _data_iterator repeats training_dataloader
         self._batch_fn: Optional[Callable[[Any], Any]] = None
         self._handlers: dict[type, Callable[[Any, BatchState], None]] = {
             sched.LoadMicroBatch: self._load, sched.SendLabels: self._send_labels,
@@ -164,6 +173,7 @@ class PipelineEngine(DsrunEngine):
     def set_dataiterator(self, iterator: Iterator[Any]) -> None:
         """The iterator ``train_batch()``/``eval_batch()`` read when given none."""
         self._data_iterator = iterator
+        self._iterating_loader = False
 
     def set_batch_fn(self, fn: Callable[[Any], Any]) -> None:
         """Applied to each item of the data iterator before it is split into
@@ -181,7 +191,31 @@ class PipelineEngine(DsrunEngine):
             return iter(data_iter)
         if self._data_iterator is None and self.training_dataloader is not None:
             self._data_iterator = repeat(self.training_dataloader)
+            self._iterating_loader = True
         return self._data_iterator
+
+    # ------------------------------------------------------------ checkpoints
+
+    def _checkpoint_layout(self) -> PipelineLayout:
+        return PipelineLayout(self)
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        custom_load_fn: Any = None) -> tuple[Optional[str], Any]:
+        """The engine's ``load_checkpoint``; the next ``train_batch()`` reads
+        the engine's dataloader from the loaded position."""
+        loaded = super().load_checkpoint(load_dir, tag, load_module_strict,
+                                         load_optimizer_states, load_lr_scheduler_states,
+                                         load_module_only, custom_load_fn)
+        if loaded[0] is not None and self._iterating_loader:
+            self._data_iterator, self._iterating_loader = None, False
+        return loaded
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """The whole model's weights in 16 bits, one file (rank 0 writes it)."""
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def train_batch(self, data_iter: Any = None) -> torch.Tensor:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches;
