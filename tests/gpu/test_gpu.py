@@ -105,8 +105,8 @@ def test_stage3_with_offload_peaks_below_stage0(results):
     facts = case(results, "memory")
     peaks = facts["peaks"]
     state = 16 * facts["parameters"]  # fp32 weights, grads, Adam moments
-    assert peaks["stage3_offload"] < peaks["stage0"] / 2, peaks
-    assert peaks["stage0"] >= state, peaks
+    assert peaks["stage3_offload"] < peaks["stage0"] / 2, facts
+    assert peaks["stage0"] >= state, facts
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
