@@ -14,8 +14,10 @@ precision, and the peak CUDA memory (``max_memory_allocated``).
 
 Runners: ``torch`` (the model on the GPU; bf16/fp16 through
 ``torch.autocast``, fp16 with ``GradScaler``; ``torch.optim.AdamW`` with its
-default implementation), ``dsrun-s0..s3`` (stage 3 built under
-``dsrun.zero.Init``), ``dsrun-s2-off`` (``offload_optimizer`` cpu, pinned),
+default implementation, foreach on CUDA), ``torch-fused`` (the same with
+``AdamW(fused=True)``, the implementation dsrun's ZeRO stages use),
+``dsrun-s0..s3`` (stage 3 built under ``dsrun.zero.Init``),
+``dsrun-s2-off`` (``offload_optimizer`` cpu, pinned),
 ``dsrun-s3-off`` (``offload_optimizer`` and ``offload_param`` cpu, pinned),
 and, where ``import deepspeed`` works, DeepSpeed 0.19.8 in the same shapes:
 ``ds-s0..s3``, ``ds-s2-off``, ``ds-s3-off`` with torch's Adam
@@ -82,11 +84,12 @@ def _engine_step(engine: Any) -> Step:
     return step
 
 
-def _torch(precision: str) -> Step:
+def _torch(precision: str, fused: bool = False) -> Step:
     import torch
 
     model = tt.build_model(tied=False).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0,
+                            fused=True if fused else None)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
 
@@ -137,6 +140,7 @@ def _deepspeed(stage: int, zero: dict[str, Any] | None = None,
 
 RUNNERS: dict[str, Callable[[str], Step]] = {
     "torch": _torch,
+    "torch-fused": lambda precision: _torch(precision, fused=True),
     **{f"dsrun-s{s}": _dsrun(s) for s in range(4)},
     "dsrun-s2-off": _dsrun(2, OFFLOAD_OPT),
     "dsrun-s3-off": _dsrun(3, OFFLOAD_BOTH),
@@ -146,7 +150,7 @@ RUNNERS: dict[str, Callable[[str], Step]] = {
     "ds-s2-off-cpuadam": _deepspeed(2, OFFLOAD_OPT, torch_adam=False),
     "ds-s3-off-cpuadam": _deepspeed(3, OFFLOAD_BOTH, torch_adam=False),
 }
-DEFAULT = ["torch", "dsrun-s0", "dsrun-s1", "dsrun-s2", "dsrun-s3", "dsrun-s2-off",
+DEFAULT = ["torch", "torch-fused", "dsrun-s0", "dsrun-s1", "dsrun-s2", "dsrun-s3", "dsrun-s2-off",
            "dsrun-s3-off"]
 COMPARISONS = [(f"dsrun-s{s}", f"ds-s{s}") for s in range(4)] + [
     ("dsrun-s2-off", "ds-s2-off"), ("dsrun-s3-off", "ds-s3-off"),
@@ -233,6 +237,9 @@ def print_table(precision: str, rows: dict[str, dict[str, Any] | str]) -> None:
         ms[name] = statistics.median(row["times"]) * 1e3
         ratio = f"{ms[name] / base_ms:.2f}x" if base_ms else "-"
         print(f"{name:<20}{ms[name]:>9.1f}{ratio:>10}{row['peak_mib']:>10.0f}")
+    if "torch-fused" in ms:
+        print("vs torch-fused: " + ", ".join(
+            f"{n} {ms[n] / ms['torch-fused']:.2f}x" for n in ms if n.startswith("dsrun")))
     for mine, anchor in COMPARISONS:
         if mine in ms and anchor in ms:
             print(f"{mine} / {anchor} = {ms[mine] / ms[anchor]:.2f} (step time)")

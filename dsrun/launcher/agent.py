@@ -7,45 +7,52 @@ its stdin/stdout. Under mpirun and srun one agent runs per rank
 launcher (callback.py) and talks over that connection instead; the rank it
 starts inherits the MPI/Slurm variables, so MPI works in the rank. Either
 way the agent may first answer ``probe`` commands (host facts, master port;
-see protocol.py), then reads its part of the plan from the next line and
-reports events. End of input before the plan means "exit, nothing was
-started". Guarantees:
+see protocol.py), then reads its part of the plan and reports events. End
+of input before the plan means "exit, nothing was started". Guarantees:
 
-- every rank runs in its own session/process group, with the parent-death
-  signal set, so it dies with the agent;
+- every rank runs in its own session/process group and dies with the agent
+  (its parent-death signal; deathsig.py). The agent never runs Python code
+  between fork and exec;
+- spawning stops at the first rank that cannot be started;
 - the first rank to fail stops the others: SIGTERM to each group, then
   SIGKILL after ``kill_grace`` seconds;
-- a stop command, end of input (launcher, SSH channel or connection gone)
-  or a signal to the agent stops every rank the same way;
+- a stop command, end of input (launcher, SSH channel or connection gone),
+  a launcher silent for longer than its heartbeat timeout (link.py), or a
+  signal to the agent stops every rank the same way;
+- exited ranks stay unreaped until the teardown is over, so their pids and
+  group ids cannot name anyone else's processes meanwhile (procs.py);
 - before ``done`` is sent every process of the job on this host is gone,
   including descendants that left their group (found by the job marker);
-- if the agent itself is SIGKILLed, its guard process kills the job.
+- if the agent itself is SIGKILLed, its guard (forked before any thread
+  starts; guard.py) kills the job.
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
 import json
 import os
 import queue
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import uuid
-from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-from dsrun.launcher import callback, netinfo, procs, protocol
-from dsrun.launcher.rankenv import RankEnv, materialize
+from dsrun import deathsig, stackdump
+from dsrun.launcher import procs
+from dsrun.launcher.envlayers import apply_layers
+from dsrun.launcher.guard import Guard
+from dsrun.launcher.link import END, Link
+
+if TYPE_CHECKING:
+    from dsrun.launcher import netinfo
 
 TAIL_LINES = 20
-_PR_SET_PDEATHSIG = 1
+# Imports are kept to what every agent needs (one agent starts per host and
+# per attempt, all at once): planning modules, dataclasses, tempfile/shutil,
+# psutil and the probe's network helpers are not among them.
 
 
 class Stop(Exception):
@@ -56,86 +63,79 @@ def _raise_stop(signum: int, frame: object) -> None:
     raise Stop(signal.Signals(signum).name)
 
 
-def _die_with_parent(parent: int):
-    """preexec_fn: SIGKILL this rank when the agent dies (Linux only)."""
+def hostname() -> str:
+    return os.uname().nodename
+
+
+def make_tmpdir(prefix: str) -> str:
+    """A private directory for the ranks' error and stack files."""
+    base = os.environ.get("TMPDIR") or "/tmp"
+    while True:
+        path = os.path.join(base, f"{prefix}{os.urandom(4).hex()}")
+        try:
+            os.mkdir(path, 0o700)
+            return path
+        except FileExistsError:
+            continue
+
+
+def remove_tmpdir(path: str) -> None:
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
+        with os.scandir(path) as entries:
+            for entry in entries:
+                os.unlink(entry.path)
+        os.rmdir(path)
     except OSError:
-        libc = None
-
-    def preexec() -> None:
-        if libc is not None:
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the agent died before prctl took effect
-            os._exit(137)
-
-    return preexec
+        pass
 
 
-class Link:
-    """The agent's channel to the launcher: raw reads from ``fd``, lines to ``out``."""
-
-    def __init__(self, fd: int, out: IO[bytes], sock: socket.socket | None = None) -> None:
-        self.fd = fd
-        self.out = out
-        self.sock = sock  # held: the fd is the socket's for as long as the agent runs
-
-    def read_line(self) -> bytes:
-        """One line, read byte-wise so nothing after it is consumed."""
-        buf = bytearray()
-        while True:
-            try:
-                b = os.read(self.fd, 1)
-            except OSError:
-                b = b""
-            if not b or b == b"\n":
-                return bytes(buf)
-            buf += b
-
-
-@dataclass
 class Rank:
-    rank: int
-    local_rank: int
-    popen: subprocess.Popen
-    error_file: str
-    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
-    readers: list[threading.Thread] = field(default_factory=list)
-    log: IO[str] | None = None
-    reported: bool = False
-    exit_time: float = 0.0
+    """One rank process of this agent and what is known of it."""
+
+    def __init__(self, rank: int, local_rank: int, popen: subprocess.Popen,
+                 leader: procs.Leader | None, error_file: str, stack_file: str) -> None:
+        self.rank = rank
+        self.local_rank = local_rank
+        self.popen = popen
+        self.leader = leader
+        self.error_file = error_file
+        self.stack_file = stack_file
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.readers: list[threading.Thread] = []
+        self.log: IO[str] | None = None
+        self.reported = False
+        self.status: int | None = None  # as Popen.returncode, known before it is reaped
+        self.exit_mono = 0.0  # time.monotonic() when the exit was seen
 
 
 class Agent:
-    def __init__(self, payload: dict[str, Any], link: Link) -> None:
+    def __init__(self, payload: dict[str, Any], link: Link, guard: Guard | None) -> None:
         self.payload = payload
         self.job_id: str = payload["job_id"]
         # Marks this agent's processes for teardown. Per agent, not per job:
         # hosts may share a PID namespace (containers with host PIDs, the
         # simulated cluster), and one agent must never stop another's ranks.
-        self.marker = f"{self.job_id}.{uuid.uuid4().hex[:12]}"
+        self.marker = f"{self.job_id}.{os.urandom(6).hex()}"
         self.grace = float(payload.get("kill_grace", 5.0))
         self.link = link
-        self.out = link.out
-        self.lock = threading.Lock()
+        self.guard = guard
         self.events: queue.Queue[str] = queue.Queue()
         self.ranks: list[Rank] = []
-        self.pgids: list[int] = []
+        self.log_lock = threading.Lock()
+        self.stack_lock = threading.Lock()
         self.stopping = False
         self.hard_killed = False
         self.deadline = 0.0
-        self.stop_time = float("inf")  # wall clock when stopping began
+        self.stop_mono = float("inf")  # time.monotonic() when stopping began
         self.failed = False
-        self.guard: subprocess.Popen | None = None
-        self.tmpdir = tempfile.mkdtemp(prefix=f"dsrun-{self.job_id[:8]}-")
+        self.tmpdir = make_tmpdir(f"dsrun-{self.job_id[:8]}-")
+        me = procs.Proc.of(os.getpid())
+        self.since = me.started if me is not None else 0.0  # the job started after us
+        if guard is not None:
+            guard.set_marker(self.marker, self.since)
 
-    # -- output -------------------------------------------------------------
-    def emit(self, obj: dict[str, Any]) -> None:
-        with self.lock:
-            try:
-                protocol.write(self.out, obj)
-            except (BrokenPipeError, ValueError, OSError):
-                self.events.put("eof")  # nobody listens any more: stop
+    def emit(self, obj: dict[str, Any], control: bool = True) -> None:
+        self.link.send(obj, control)
 
     # -- lifecycle ------------------------------------------------------------
     def run(self) -> int:
@@ -152,13 +152,10 @@ class Agent:
         return 1 if self.failed else 0
 
     def _start(self) -> None:
-        self.emit({"ev": "hello", "host": socket.gethostname(), "pid": os.getpid()})
-        self.guard = subprocess.Popen(
-            [sys.executable, "-m", "dsrun.launcher.guard", self.marker],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True,
-        )
+        self.emit({"ev": "hello", "host": hostname(), "pid": os.getpid()})
         for spec in self.payload["ranks"]:
-            self._spawn(spec)
+            if not self._spawn(spec):
+                break  # the rest are never started: the job is failing
         for rank in self.ranks:
             self._start_readers(rank)
             threading.Thread(target=self._wait_rank, args=(rank,), daemon=True).start()
@@ -167,41 +164,64 @@ class Agent:
     def _wait_rank(self, rank: Rank) -> None:
         # A thread per rank gives each exit its own timestamp: which rank
         # failed *first* decides the root cause, and polling would blur it.
-        rank.popen.wait()
-        rank.exit_time = time.time()
+        # WNOWAIT: the rank stays a zombie, holding its pid and group id.
+        try:
+            info = os.waitid(os.P_PID, rank.popen.pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:
+            info = None
+        rank.exit_mono = time.monotonic()
+        if info is None:
+            rank.status = rank.popen.wait()
+        elif info.si_code == os.CLD_EXITED:
+            rank.status = info.si_status
+        else:
+            rank.status = -info.si_status
         self.events.put("exit")
 
-    def _rank_env(self, spec: dict[str, Any]) -> dict[str, str]:
-        """The rank's environment: rankenv's layers over this agent's own."""
-        error_file = os.path.join(self.tmpdir, f"rank_{spec['rank']}.json")
-        return materialize(RankEnv.from_json(spec["env"]), os.environ,
-                           self.payload.get("env", {}),
-                           {procs.JOB_MARKER: self.marker, "DSRUN_ERROR_FILE": error_file})
+    def _agent_vars(self, rank: int) -> dict[str, str]:
+        return {procs.JOB_MARKER: self.marker,
+                "DSRUN_ERROR_FILE": os.path.join(self.tmpdir, f"rank_{rank}.json"),
+                stackdump.STACK_FILE_VAR: os.path.join(self.tmpdir, f"stack_{rank}.txt"),
+                deathsig.AGENT_PID_VAR: str(os.getpid())}
 
-    def _spawn(self, spec: dict[str, Any]) -> None:
-        env = self._rank_env(spec)
+    def _argv(self, spec: dict[str, Any]) -> list[str]:
+        """The rank's argv; ranks without the injected runtime go through
+        the parent-death wrapper (deathsig.py)."""
+        argv = list(spec["argv"])
+        if spec.get("runtime", True):
+            return argv
+        import shutil
+
+        if shutil.which(argv[0]) is None:
+            raise FileNotFoundError(2, "No such file or directory")
+        return deathsig.wrapper_argv(sys.executable, os.getpid(), argv)
+
+    def _spawn(self, spec: dict[str, Any]) -> bool:
+        agent_vars = self._agent_vars(spec["rank"])
+        env = apply_layers(spec["env"], os.environ, self.payload.get("env", {}), agent_vars)
         try:
             popen = subprocess.Popen(
-                spec["argv"], env=env, cwd=self.payload.get("cwd") or None,
+                self._argv(spec), env=env, cwd=self.payload.get("cwd") or None,
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True, preexec_fn=_die_with_parent(os.getpid()),
+                start_new_session=True,
             )
         except OSError as exc:
             self.failed = True
             self.emit({"ev": "exit", "rank": spec["rank"], "code": 127, "signal": None,
-                       "time": time.time(), "during_stop": self.stopping,
+                       "time": time.time(), "age": 0.0, "during_stop": self.stopping,
                        "error": {"message": f"cannot start {spec['argv'][0]}: {exc.strerror}"},
                        "tail": []})
             self._begin_stop()
-            return
-        self.pgids.append(popen.pid)
-        if self.guard is not None and self.guard.stdin is not None:
-            self.guard.stdin.write(f"{popen.pid}\n".encode())
-            self.guard.stdin.flush()
-        rank = Rank(spec["rank"], spec["local_rank"], popen, env["DSRUN_ERROR_FILE"])
+            return False
+        leader = procs.Leader.of(popen.pid)  # not reaped yet: still this process
+        if self.guard is not None and leader is not None:
+            self.guard.watch(leader)
+        rank = Rank(spec["rank"], spec["local_rank"], popen, leader,
+                    agent_vars["DSRUN_ERROR_FILE"], agent_vars[stackdump.STACK_FILE_VAR])
         rank.log = self._open_log(rank.rank)
         self.ranks.append(rank)
         self.emit({"ev": "started", "rank": rank.rank, "pid": popen.pid})
+        return True
 
     def _open_log(self, rank: int) -> IO[str] | None:
         log_dir = self.payload.get("log_dir")
@@ -210,7 +230,7 @@ class Agent:
         os.makedirs(log_dir, exist_ok=True)
         log = open(os.path.join(log_dir, f"rank_{rank}.log"), "a", encoding="utf-8")
         log.write(f"# dsrun job {self.job_id} restart {self.payload.get('restart_count', 0)} "
-                  f"host {socket.gethostname()} {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+                  f"host {hostname()} {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         return log
 
     def _start_readers(self, rank: Rank) -> None:
@@ -224,39 +244,39 @@ class Agent:
             line = raw.decode("utf-8", "replace").rstrip("\n")
             rank.tail.append(line)
             if rank.log is not None:
-                with self.lock:
+                with self.log_lock:
                     rank.log.write(line + "\n")
                     rank.log.flush()
-            self.emit({"ev": "out", "rank": rank.rank, "fd": fd, "line": line})
+            self.emit({"ev": "out", "rank": rank.rank, "fd": fd, "line": line}, control=False)
         stream.close()
 
     def _read_commands(self) -> None:
-        # Raw reads on the link's fd: a daemon thread blocked inside a
-        # buffered reader would hold its lock at interpreter shutdown.
-        pending = b""
         while True:
-            try:
-                chunk = os.read(self.link.fd, 65536)
-            except OSError:
-                chunk = b""
-            if not chunk:
+            msg = self.link.get(None)
+            if msg is END:
                 break
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            for line in lines:
-                try:
-                    command = protocol.decode(line).get("cmd")
-                except ValueError:
-                    continue
-                handler = self.commands.get(str(command))
-                if handler is not None:  # unknown commands: from a newer launcher
-                    handler()
+            handler = self.commands.get(str(msg.get("cmd")))
+            if handler is not None:  # unknown commands: from a newer launcher
+                handler(msg)
         self.events.put("eof")
 
     @property
     def commands(self) -> dict[str, Any]:
         """Launcher commands (protocol.COMMANDS) -> what the agent does."""
-        return {"stop": lambda: self.events.put("stop")}
+        return {"stop": lambda msg: self.events.put("stop"),
+                "stack": lambda msg: threading.Thread(
+                    target=self._stacks, args=(msg.get("req"),), daemon=True).start()}
+
+    def _stacks(self, req: Any) -> None:
+        """Each running rank's Python stacks (stackdump.py), then ``stack_end``."""
+        with self.stack_lock:
+            for rank in list(self.ranks):
+                if rank.status is not None:
+                    continue
+                text = stackdump.request(rank.popen.pid, rank.stack_file)
+                self.emit({"ev": "stack", "req": req, "rank": rank.rank,
+                           "pid": rank.popen.pid, "text": text})
+            self.emit({"ev": "stack_end", "req": req})
 
     # -- supervision ----------------------------------------------------------
     def _loop(self) -> None:
@@ -265,74 +285,83 @@ class Agent:
                 event = self.events.get(timeout=0.05)
             except queue.Empty:
                 event = None
-            if event in ("stop", "eof"):
+            if event in ("stop", "eof") or self.link.lost():
                 self._begin_stop()
             self._reap()
-            if self.stopping and not self.hard_killed and time.monotonic() >= self.deadline:
-                procs.signal_groups(self._live_pgids(), signal.SIGKILL)
+            now = time.monotonic()
+            if self.stopping and not self.hard_killed and now >= self.deadline:
+                procs.signal_groups(self._running_leaders(), signal.SIGKILL)
                 self.hard_killed = True
             if all(r.reported for r in self.ranks):
                 return
 
-    def _live_pgids(self) -> list[int]:
-        return [r.popen.pid for r in self.ranks if r.popen.returncode is None]
+    def _leaders(self) -> list[procs.Leader]:
+        return [r.leader for r in self.ranks if r.leader is not None]
+
+    def _running_leaders(self) -> list[procs.Leader]:
+        return [r.leader for r in self.ranks if r.leader is not None and r.status is None]
 
     def _begin_stop(self) -> None:
         if self.stopping:
             return
         self.stopping = True
-        self.stop_time = time.time()
-        self.deadline = time.monotonic() + self.grace
-        procs.signal_job(self.pgids, self.marker, signal.SIGTERM)
+        self.stop_mono = time.monotonic()
+        self.deadline = self.stop_mono + self.grace
+        procs.signal_job(self._leaders(), self.marker, signal.SIGTERM, self.since)
 
     def _reap(self) -> None:
         for rank in self.ranks:
-            if rank.reported or rank.popen.returncode is None or not rank.exit_time:
+            if rank.reported or rank.status is None:
                 continue
             rank.reported = True
             for t in rank.readers:
                 t.join(timeout=0.5)
-            code = rank.popen.returncode
-            failed = code != 0
-            error = _read_error(rank.error_file)
-            # The rank's own record is stamped when the error was raised,
-            # before the process finished exiting: the earliest evidence.
-            when = min(rank.exit_time, float((error or {}).get("time", rank.exit_time)))
-            during_stop = self.stopping and when >= self.stop_time
-            if code < 0 and error is not None and when < self.stop_time:
-                # It was already failing on its own (the record says how) when
-                # our SIGTERM caught it in its exit path: report its own code.
-                code = int(error.get("exit_code", 1))
-            self.emit({
-                "ev": "exit", "rank": rank.rank,
-                "code": code if code >= 0 else None,
-                "signal": -code if code < 0 else None,
-                "time": when, "during_stop": during_stop,
-                "error": error, "tail": list(rank.tail),
-            })
-            if failed:
-                self.failed = True
-                self._begin_stop()
+            self._report_exit(rank)
+
+    def _report_exit(self, rank: Rank) -> None:
+        code = rank.status
+        assert code is not None
+        failed = code != 0
+        error = _read_error(rank.error_file)
+        now_mono, now_wall = time.monotonic(), time.time()
+        # The rank's own record is stamped when the error was raised, before
+        # the process finished exiting: the earliest evidence. Its wall time
+        # is this host's clock, as is the agent's, so the difference holds.
+        age = now_mono - rank.exit_mono
+        if error is not None and "time" in error:
+            age = max(age, now_wall - float(error["time"]))
+        when_mono = now_mono - age
+        during_stop = self.stopping and when_mono >= self.stop_mono
+        if code < 0 and error is not None and when_mono < self.stop_mono:
+            # It was already failing on its own (the record says how) when
+            # our SIGTERM caught it in its exit path: report its own code.
+            code = int(error.get("exit_code", 1))
+        self.emit({
+            "ev": "exit", "rank": rank.rank,
+            "code": code if code >= 0 else None,
+            "signal": -code if code < 0 else None,
+            "time": now_wall - age, "age": round(age, 6), "during_stop": during_stop,
+            "error": error, "tail": list(rank.tail),
+        })
+        if failed:
+            self.failed = True
+            self._begin_stop()
 
     def _finish(self) -> int:
         """Make sure nothing of the job is left on this host; return #SIGKILLed."""
         deadline = self.deadline if self.stopping else None
-        killed = procs.stop_job(self.pgids, self.marker, self.grace,
-                                already_termed=self.stopping, deadline=deadline)
+        killed = procs.stop_job(self._leaders(), self.marker, self.grace,
+                                already_termed=self.stopping, deadline=deadline,
+                                since=self.since)
         for rank in self.ranks:
-            if rank.popen.poll() is None:  # only after a second signal
+            if rank.status is None:  # only after a second signal
                 rank.popen.kill()
-                rank.popen.wait()
+            rank.popen.wait()  # reaped only now: its pid was ours until here
             if rank.log is not None:
                 rank.log.close()
-        if self.guard is not None and self.guard.stdin is not None:
-            try:
-                self.guard.stdin.write(b"done\n")
-                self.guard.stdin.close()
-            except OSError:
-                pass
-            self.guard.wait()
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        if self.guard is not None:
+            self.guard.done()
+        remove_tmpdir(self.tmpdir)
         return killed
 
 
@@ -345,30 +374,34 @@ def _read_error(path: str) -> dict[str, Any] | None:
 
 
 def _read_payload(link: Link) -> dict[str, Any] | None:
-    """Answer probes until the start payload arrives; None: told to exit."""
+    """Answer probes until the start payload arrives; None: told to exit
+    (or the launcher went silent); {}: an empty line (a broken launcher)."""
     held: netinfo.HeldPort | None = None
-    probed = False
     try:
         while True:
-            line = link.read_line()
-            if not line:
-                return None if probed else {}
-            msg = protocol.decode(line)
+            try:
+                msg = link.get(0.2)
+            except queue.Empty:
+                if link.lost():
+                    return None
+                continue
+            if msg is END:
+                return None
+            if not msg:
+                return {}
             cmd = msg.get("cmd")
             if cmd is None:
                 return msg
             if cmd != "probe":  # "stop" before the start: nothing to stop
                 return None
+            from dsrun.launcher import netinfo
+
             facts, port = netinfo.probe_reply(msg)
             if port is not None:
                 if held is not None:
                     held.close()
                 held = port
-            try:
-                protocol.write(link.out, facts)
-            except OSError:  # the launcher is gone
-                return None
-            probed = True
+            link.send(facts)
     finally:
         # The master port is held until now: release it for rank 0's store.
         if held is not None:
@@ -377,11 +410,13 @@ def _read_payload(link: Link) -> dict[str, Any] | None:
 
 def _connect_link() -> Link:
     """Connect back to the launcher (agents started by mpirun/srun)."""
+    from dsrun.launcher import callback
+
     who = callback.identity(os.environ)
     try:
         sock = callback.agent_connect(os.environ, who)
     except (OSError, ValueError, callback.HandshakeError) as exc:
-        raise ConnectFailed(f"dsrun agent of rank {who.rank} on {socket.gethostname()}: "
+        raise ConnectFailed(f"dsrun agent of rank {who.rank} on {hostname()}: "
                             f"cannot connect to the launcher: {exc}") from None
     return Link(sock.fileno(), sock.makefile("wb"), sock)
 
@@ -390,22 +425,40 @@ class ConnectFailed(Exception):
     """The agent could not reach the launcher (message for stderr)."""
 
 
+def _exit_now(code: int) -> None:
+    """Leave without the interpreter's teardown, which would flush stdout
+    into a dead channel (and could block there)."""
+    for stream in (sys.stderr,):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     connect = "--connect" in args
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, _raise_stop)
+    guard = Guard()  # before any thread exists: forking is safe only then
     try:
-        link = _connect_link() if connect else Link(0, sys.stdout.buffer)
-        payload = _read_payload(link)
-    except Stop:
-        return 0
-    except (ConnectFailed, ValueError) as exc:
-        sys.stderr.write(f"{exc}\n")
-        return 3
-    if not payload:  # told to exit before the start (an empty line: a broken launcher)
-        return 2 if payload == {} and not connect else 0
-    code = Agent(payload, link).run()
+        try:
+            link = (_connect_link() if connect else Link(0, sys.stdout.buffer)).start()
+            payload = _read_payload(link)
+        except Stop:
+            return 0
+        except (ConnectFailed, ValueError) as exc:
+            sys.stderr.write(f"{exc}\n")
+            return 3
+        if not payload:  # told to exit before the start (an empty line: a broken launcher)
+            link.drain(2.0)
+            return 2 if payload == {} and not connect else 0
+        code = Agent(payload, link, guard).run()
+        if not link.drain(5.0):
+            _exit_now(0 if connect else code)
+    finally:
+        guard.done()
     # Under mpirun/srun a non-zero exit makes the tool abort the job and print
     # its own report; the launcher already knows the ranks' codes and stops
     # the job itself, so the agent exits 0 once it has done its work.

@@ -1,14 +1,19 @@
 """The ``dsrun`` command line: parse -> spec -> plan -> launch -> exit code.
 
 ``dsrun [OPTIONS] SCRIPT [SCRIPT_ARGS...]`` runs a job; ``dsrun run ...``
-is the same command spelled out (needed when a script is named like a
-subcommand). Everything after SCRIPT goes to the script untouched. Every
-user error ends as one ``dsrun: error: ...`` line and exit status 2, before
-anything is started.
+is the same command spelled out. The other subcommands (``hosts``,
+``doctor``, ``stack``, ...) are listed in :data:`SUBCOMMANDS` and loaded
+only when named; ``dsrun --help`` lists them all in its Commands section.
+Rule: a subcommand name always wins over a file of that name in the working
+directory; such a script runs as ``dsrun ./hosts`` or ``dsrun run hosts``.
+Everything after SCRIPT goes to the script untouched. Every user error ends
+as one ``dsrun: error: ...`` line and exit status 2, before anything is
+started.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import sys
@@ -16,9 +21,11 @@ from collections.abc import Sequence
 
 import click
 
+from dsrun import __version__
 from dsrun.errors import DsrunError
 from dsrun.launcher import launch
 from dsrun.launcher.spec import (
+    DEFAULT_HEARTBEAT_TIMEOUT,
     DEFAULT_SSH_TIMEOUT,
     DIST_BACKENDS,
     LAUNCHER_ALIASES,
@@ -29,7 +36,54 @@ from dsrun.launcher.spec import (
     split_args,
 )
 
-CONTEXT = {"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
+HELP_OPTIONS = ["-h", "--help"]
+CONTEXT = {"allow_interspersed_args": False, "help_option_names": HELP_OPTIONS}
+
+#: Subcommands: name -> "module:attribute" of its click command, imported only
+#: when the subcommand is named (or listed by ``dsrun --help``). A subcommand
+#: name always wins over a file of that name in the working directory.
+SUBCOMMANDS: dict[str, str] = {
+    "run": "dsrun.launcher.cli:run_command",
+    "hosts": "dsrun.launcher.hosts_cli:hosts",
+    "doctor": "dsrun.launcher.cli:doctor_command",
+    "stack": "dsrun.launcher.cli:stack_command",
+    "checkpoint": "dsrun.launcher.checkpoint_cli:checkpoint",
+    "plot": "dsrun.launcher.plot_cli:plot",
+}
+
+
+def load_command(name: str) -> click.Command:
+    """The click command of subcommand ``name`` (import errors propagate)."""
+    module, attr = SUBCOMMANDS[name].split(":")
+    command = getattr(importlib.import_module(module), attr)
+    if not isinstance(command, click.Command):
+        raise TypeError(f"{SUBCOMMANDS[name]} is not a click command")
+    return command
+
+
+def _command_rows() -> list[tuple[str, str]]:
+    """(name, one-line help) of every subcommand, for ``dsrun --help``."""
+    rows = []
+    for name in SUBCOMMANDS:
+        try:
+            text = load_command(name).get_short_help_str(limit=70)
+        except Exception as exc:  # noqa: BLE001 - help must still print
+            text = f"(cannot be loaded: {type(exc).__name__}: {exc})"
+        rows.append((name, text))
+    return rows
+
+
+class RunCommand(click.Command):
+    """``dsrun [OPTIONS] SCRIPT``: its help ends with the subcommands."""
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Commands"):
+            formatter.write_dl(_command_rows())
+        formatter.write_paragraph()
+        formatter.write_text(
+            "dsrun COMMAND --help (or -h) shows a command's options. A command name wins "
+            "over a file of that name here: run a script named like a command as "
+            "'dsrun ./hosts' or 'dsrun run hosts'.")
 
 
 def _env_pair(ctx: click.Context, param: click.Parameter, values: Sequence[str]):
@@ -101,7 +155,9 @@ def host_options(func):
     return func
 
 
-@click.command("run", context_settings=CONTEXT)
+@click.command("run", cls=RunCommand, context_settings=CONTEXT)
+@click.version_option(__version__, "--version", prog_name="dsrun",
+                      message="%(prog)s %(version)s")
 @host_options
 @click.option("-m", "--module", "module", is_flag=True,
               help="Run SCRIPT as a module, like python -m.")
@@ -127,6 +183,18 @@ def host_options(func):
                    "launcher does (environment variables are always set).")
 @click.option("--local-rank-arg", "local_rank_arg", flag_value="--local-rank",
               help="The same with torch.distributed.launch's spelling: --local-rank=N.")
+@click.option("--no_local_rank", "--no-local-rank", "no_local_rank", is_flag=True,
+              help="Never fill in --local_rank (DeepSpeed's flag). By default a script whose "
+                   "argparse parser declares --local_rank/--local-rank gets it filled in with "
+                   "the rank's local rank when its command line does not give it.")
+@click.option("--timeout", "timeout", type=float, default=None, metavar="S",
+              help="End the job after S seconds: exit 124, and the report names the ranks "
+                   "still running, with their Python stacks.")
+@click.option("--heartbeat_timeout", "--heartbeat-timeout", "heartbeat_timeout", type=float,
+              default=DEFAULT_HEARTBEAT_TIMEOUT, show_default=True, metavar="S",
+              help="A host silent for S seconds is lost: the job stops on every other host "
+                   "and the report names it; an agent that hears nothing from dsrun for S "
+                   "seconds stops its ranks. 0: off.")
 @click.option("--dist_backend", "--dist-backend", "dist_backend", default=None,
               type=click.Choice(DIST_BACKENDS),
               help="torch.distributed backend for the injected runtime "
@@ -182,7 +250,7 @@ def hosts_spec_from_params(params: dict[str, object]) -> HostsSpec:
     return HostsSpec(**params, ssh=ssh)  # type: ignore[arg-type]
 
 
-@click.command("doctor", context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("doctor", context_settings={"help_option_names": HELP_OPTIONS})
 @host_options
 def doctor_command(**params: object) -> int:
     """Check every selected host before a launch: one line per host.
@@ -194,6 +262,25 @@ def doctor_command(**params: object) -> int:
     from dsrun.launcher import doctor
 
     return doctor.run_doctor(hosts_spec_from_params(params), os.getcwd())
+
+
+@click.command("stack", context_settings={"help_option_names": HELP_OPTIONS})
+@click.argument("job", required=False)
+def stack_command(job: str | None) -> int:
+    """Print the current Python stack of every rank of a running job.
+
+    Every rank on every host, as [host:rank] lines. JOB is the job's id (or
+    its first characters); with one job of yours running on this host it
+    is not needed, with several dsrun lists them.
+    """
+    from dsrun.launcher import control
+
+    chosen = control.choose_job(control.running_jobs(), job)
+    try:
+        received = control.stream_stacks(chosen["socket"], click.echo)
+    except OSError as exc:
+        raise DsrunError(f"job {chosen['job_id'][:12]}: {exc.strerror or exc}") from None
+    return 0 if received else 1
 
 
 def parse_spec(argv: Sequence[str]) -> LaunchSpec:
@@ -224,41 +311,50 @@ def warn_flags_after_script(script_args: Sequence[str]) -> list[str]:
     return seen
 
 
-def _commands() -> dict[str, click.Command]:
-    """Subcommands other than run, loaded only when named."""
-    commands: dict[str, click.Command] = {"run": run_command, "doctor": doctor_command}
-    try:
-        from dsrun.launcher.hosts_cli import hosts
-        commands["hosts"] = hosts
-    except ImportError:
-        pass
-    from dsrun.launcher.checkpoint_cli import checkpoint
-    commands["checkpoint"] = checkpoint
-    from dsrun.launcher.plot_cli import plot
-    commands["plot"] = plot
-    return commands
-
-
 def _dispatch(args: list[str]) -> tuple[click.Command, list[str]]:
-    if args and not args[0].startswith("-") and not os.path.exists(args[0]):
-        command = _commands().get(args[0])
-        if command is not None:
-            return command, args[1:]
+    """The command ``args`` name and its arguments: a subcommand when the
+    first word is one (even if a file of that name exists), else ``run``."""
+    if args and args[0] in SUBCOMMANDS:
+        return load_command(args[0]), args[1:]
     return run_command, args
+
+
+#: click >= 8.2 raises this for a group named without a subcommand.
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
+def _usage_hint(exc: click.ClickException, name: str | None) -> str:
+    if not isinstance(exc, click.UsageError):
+        return ""
+    path = exc.ctx.command_path if exc.ctx is not None else "dsrun"
+    hint = f" (see {path} --help)"
+    if name is not None and os.path.exists(name):
+        hint += (f"; '{name}' here is a file, but '{name}' is a dsrun command: run the "
+                 f"file as 'dsrun ./{name}' or 'dsrun run {name}'")
+    return hint
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    command, rest = _dispatch(args)
     try:
-        prog = "dsrun" if command is run_command else f"dsrun {command.name}"
+        command, rest = _dispatch(args)
+    except ImportError as exc:  # a broken install: say so, never "no such script"
+        click.echo(f"dsrun: error: the '{args[0]}' command cannot be loaded: "
+                   f"{type(exc).__name__}: {exc}", err=True)
+        return 1
+    subcommand = args[0] if command is not run_command or args[:1] == ["run"] else None
+    try:
+        prog = "dsrun" if command is run_command else f"dsrun {args[0]}"
         result = command.main(rest, prog_name=prog, standalone_mode=False)
     except click.exceptions.Exit as exc:
         return exc.exit_code
     except click.exceptions.Abort:
         return 128 + signal.SIGINT
+    except _NO_ARGS_IS_HELP as exc:  # `dsrun hosts`: its help, not an error
+        click.echo(exc.ctx.get_help() if exc.ctx is not None else exc.format_message())
+        return 0
     except click.ClickException as exc:
-        hint = " (see dsrun --help)" if isinstance(exc, click.UsageError) else ""
+        hint = _usage_hint(exc, subcommand)
         click.echo(f"dsrun: error: {exc.format_message()}{hint}", err=True)
         return exc.exit_code
     except DsrunError as exc:

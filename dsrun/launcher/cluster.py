@@ -18,6 +18,7 @@ whether it reaches master:port. Each answer gets a verdict (preflight.py).
 
 from __future__ import annotations
 
+import os
 import queue
 import socket
 import time
@@ -28,8 +29,14 @@ from typing import Any
 from dsrun.errors import DsrunUsageError, SelectionError
 from dsrun.launcher.backends import get_backend
 from dsrun.launcher.backends.base import Backend, HostPool, JobHandle
-from dsrun.launcher.devices import usable_cpus, visible_devices
-from dsrun.launcher.hostfile import HostEntry, Hostfile, host_problem, resolve_hostfile
+from dsrun.launcher.devices import DeviceId, usable_cpus, visible_devices
+from dsrun.launcher.hostfile import (
+    DEFAULT_JOB_HOSTFILE,
+    HostEntry,
+    Hostfile,
+    host_problem,
+    resolve_hostfile,
+)
 from dsrun.launcher.netinfo import is_local_host, is_loopback, own_addresses
 from dsrun.launcher.plan import NodeFacts
 from dsrun.launcher.preflight import Expectations, HostReport, Rendezvous, evaluate
@@ -59,7 +66,7 @@ class Cluster:
         return replace(self, hosts=tuple(hosts), named=True)
 
 
-def this_host_pool(hs: HostsSpec, devices: Sequence[int], cpus: int,
+def this_host_pool(hs: HostsSpec, devices: Sequence[DeviceId], cpus: int,
                    hostname: str) -> HostPool:
     """The pool of a job without a hostfile: this host (pure)."""
     name = hostname if host_problem(hostname) is None else "localhost"
@@ -107,6 +114,23 @@ def resolve_cluster(hs: HostsSpec, cwd: str) -> tuple[Cluster, Backend]:
                       backend.name, pool.named)
     backend.check(cluster)
     return cluster, backend
+
+
+def describe_source(hs: HostsSpec, cluster: Cluster, cwd: str) -> str:
+    """Where the job's hosts come from, for the start banner and --dry-run:
+    the hostfile and why it was chosen, or that there is none (pure)."""
+    source = cluster.source
+    if source == THIS_HOST:
+        return (f"no hostfile: this host only (neither ./hostfile nor {DEFAULT_JOB_HOSTFILE} "
+                f"exists; -H names one)")
+    if source.startswith("<") and source.endswith(">"):
+        return f"hosts: {source[1:-1]}"
+    if hs.hostfile is not None:
+        return f"hostfile: {source} (-H)"
+    if os.path.dirname(os.path.abspath(source)) == os.path.abspath(cwd):
+        return (f"hostfile: {source} (found in the working directory; -H names another, "
+                f"and without a hostfile the job runs on this host only)")
+    return f"hostfile: {source} (the job hostfile; -H names another)"
 
 
 def here_facts(cluster: Cluster) -> list[NodeFacts | None]:

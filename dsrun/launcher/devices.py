@@ -3,6 +3,12 @@
 The launcher and node agents must stay torch-free, so devices are found the
 way the driver exposes them: ``CUDA_VISIBLE_DEVICES`` when the user set it,
 else the NVIDIA driver's ``/proc`` entries, else ``nvidia-smi -L``.
+
+A device is named as ``CUDA_VISIBLE_DEVICES`` names it: an index (``0``),
+or a GPU or MIG UUID (``GPU-8f2c...``, ``MIG-GPU-8f2c.../1/0``,
+``MIG-3b6e...``), as Slurm and Kubernetes set it. Ranks get the same names
+back in their own ``CUDA_VISIBLE_DEVICES``, so a UUID list stays a UUID
+list (an index there would mean another GPU).
 ``DSRUN_FAKE_GPUS=N`` overrides everything; it exists so that GPU layout
 code paths can be tested on CPU machines and is documented as such.
 """
@@ -14,11 +20,16 @@ import re
 import shutil
 import subprocess
 from collections.abc import Mapping
+from typing import Union
+
+#: A device as CUDA_VISIBLE_DEVICES names it: an index, or a GPU/MIG UUID.
+DeviceId = Union[int, str]
+_UUID = re.compile(r"(GPU|MIG)-[0-9A-Za-z][0-9A-Za-z/-]*")
 
 _PROC_GPUS = "/proc/driver/nvidia/gpus"
 
 
-def visible_devices(environ: Mapping[str, str] | None = None) -> tuple[int, ...]:
+def visible_devices(environ: Mapping[str, str] | None = None) -> tuple[DeviceId, ...]:
     """Device indices usable on this host (empty tuple on a CPU-only host)."""
     env = os.environ if environ is None else environ
     fake = env.get("DSRUN_FAKE_GPUS")
@@ -31,14 +42,19 @@ def visible_devices(environ: Mapping[str, str] | None = None) -> tuple[int, ...]
     return tuple(range(physical))
 
 
-def _parse_cvd(value: str, physical: int) -> tuple[int, ...]:
-    """Indices from CUDA_VISIBLE_DEVICES, cut at the first invalid entry as CUDA does."""
-    ids: list[int] = []
+def _parse_cvd(value: str, physical: int) -> tuple[DeviceId, ...]:
+    """Devices from CUDA_VISIBLE_DEVICES, cut at the first invalid entry as
+    CUDA does: indices below the physical count, and GPU/MIG UUIDs (when the
+    host has GPUs at all)."""
+    ids: list[DeviceId] = []
     for part in value.split(","):
         part = part.strip()
-        if not re.fullmatch(r"\d+", part) or int(part) >= max(physical, 0):
+        if re.fullmatch(r"\d+", part) and int(part) < max(physical, 0):
+            ids.append(int(part))
+        elif _UUID.fullmatch(part) and physical > 0:
+            ids.append(part)
+        else:
             break
-        ids.append(int(part))
     return tuple(ids)
 
 

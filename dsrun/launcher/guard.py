@@ -1,36 +1,108 @@
 """Watchdog that outlives a node agent killed without warning.
 
-The agent starts one guard per attempt, in its own session, and tells it
-each rank's process group over a pipe. If the pipe closes without the
-final ``done`` line, the agent died (SIGKILL, OOM killer) before it could
-tear its ranks down, so the guard kills every process of the job: the
-ranks' groups and anything carrying the job's environment marker.
-Usage: ``python -m dsrun.launcher.guard JOB_ID`` with the pipe on stdin.
+Each agent forks one guard before it starts any thread (so the fork is
+safe, and the guard costs no interpreter start): the guard leaves the
+agent's session, ignores the usual signals, lets go of every file the
+agent holds (so the agent's channel closes when the agent dies) and reads
+a pipe from the agent: ``marker M SINCE`` (the agent's marker and start
+time), then one ``PID START_TIME`` line per rank (procs.Leader). If the
+pipe closes without the final ``done`` line, the agent died (SIGKILL, OOM
+killer) before it could tear its ranks down, so the guard kills every
+process of the job: the ranks' groups - only those whose leader is still
+the process that was started - and anything carrying the agent's
+environment marker.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
-from dsrun.launcher.procs import kill_job
+from dsrun.launcher.procs import Leader, kill_job
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    job_id = args[0]
-    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+class Guard:
+    """The agent's end of its guard."""
+
+    def __init__(self) -> None:
+        read, self._write = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # pragma: no cover - the child never returns
+            try:
+                os.close(self._write)
+                _run_guard(read)
+            finally:
+                os._exit(0)
+        os.close(read)
+
+    def _send(self, line: str) -> None:
+        try:
+            os.write(self._write, f"{line}\n".encode())
+        except OSError:
+            pass  # the guard is gone; nothing to tell it
+
+    def set_marker(self, marker: str, since: float = 0.0) -> None:
+        self._send(f"marker {marker} {since!r}")
+
+    def watch(self, leader: Leader) -> None:
+        self._send(leader.line())
+
+    def done(self) -> None:
+        """Everything is torn down: the guard exits without killing."""
+        if self._write < 0:
+            return
+        self._send("done")
+        os.close(self._write)
+        self._write = -1
+        try:
+            os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass
+
+
+def _detach() -> None:
+    os.setsid()
+    try:  # "dsrun-guard" in ps and psutil, not a second "python ... agent"
+        with open("/proc/self/comm", "w") as f:
+            f.write("dsrun-guard")
+    except OSError:
+        pass
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
-    pgids: set[int] = set()
-    for line in sys.stdin:
-        word = line.strip()
-        if word == "done":
-            return 0
-        if word.isdigit():
-            pgids.add(int(word))
-    kill_job(pgids, job_id)
-    return 0
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    if null > 2:
+        os.close(null)
+
+
+def _run_guard(read: int) -> None:
+    _detach()
+    os.closerange(3, read)
+    os.closerange(read + 1, max(os.sysconf("SC_OPEN_MAX"), read + 2))
+    marker: str | None = None
+    since = 0.0
+    leaders: list[Leader] = []
+    pending = b""
+    while True:
+        chunk = os.read(read, 4096)
+        if not chunk:
+            break
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for raw in lines:
+            line = raw.decode()
+            if line == "done":
+                return
+            if line.startswith("marker "):
+                _, marker, started = line.split(" ")
+                since = float(started)
+            elif (leader := Leader.parse(line)) is not None:
+                leaders.append(leader)
+    if marker is not None or leaders:
+        kill_job(leaders, marker, since=since)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit("the guard is forked by the node agent; it is not a command")

@@ -1,14 +1,17 @@
 """``dsrun hosts``: list, validate, format and edit a hostfile from the shell.
 
-The hostfile is the one named with ``-H/--hostfile``, else ``./hostfile``,
-else the job hostfile (:data:`hostfile.DEFAULT_JOB_HOSTFILE`); ``add``
-creates ``./hostfile`` when there is none. Edits go through the pure text
-functions of :mod:`dsrun.launcher.hostfile`, so the user's comments, blank
-lines and order survive, and an edit that would make the file invalid is
-refused (exit 2) before anything is written. Files are replaced atomically
-(temporary file in the same directory, then ``os.replace``) keeping their
-mode. ``validate`` exits 1 when the file has problems; every other error
-is printed as ``dsrun: error: <message>`` with the error's exit code.
+The hostfile is the one named with ``-H/--hostfile`` (on the group, as in
+``dsrun hosts -H F list``, or on any subcommand, as in ``dsrun hosts list
+-H F``), else ``./hostfile``, else the job hostfile
+(:data:`hostfile.DEFAULT_JOB_HOSTFILE`); ``add`` creates ``./hostfile`` when
+there is none, and says so (jobs started in that directory then use it).
+Edits go through the pure text functions of :mod:`dsrun.launcher.hostfile`,
+so the user's comments, blank lines and order survive, and an edit that
+would make the file invalid is refused (exit 2) before anything is
+written. Files are replaced atomically (temporary file in the same
+directory, then ``os.replace``) keeping their mode. ``validate`` exits 1
+when the file has problems; every other error is printed as ``dsrun:
+error: <message>`` with the error's exit code.
 """
 
 from __future__ import annotations
@@ -62,8 +65,14 @@ class _HostsOptions:
 
 
 def _explicit_path(ctx: click.Context) -> str | None:
+    """-H of the subcommand, else of the group; both given must agree."""
     group = ctx.find_object(_HostsOptions)
-    path = group.hostfile if group is not None else None
+    outer = group.hostfile if group is not None else None
+    inner = ctx.params.get("hostfile")
+    if inner is not None and outer is not None and inner != outer:
+        raise DsrunUsageError(f"-H/--hostfile given twice with different paths: {outer!r} "
+                              f"(before the subcommand) and {inner!r} (after it)")
+    path = inner if inner is not None else outer
     if path is not None and not path:
         raise DsrunUsageError("-H/--hostfile: the path is empty")
     return path
@@ -144,27 +153,33 @@ def render_table(hostfile: hf.Hostfile) -> str:
     return "\n".join(rows)
 
 
-def _edit(ctx: click.Context, change: Callable[[str, str], str], create: bool = False) -> str:
-    """Apply ``change(text, path)`` to the hostfile and write it; its path."""
+def _edit(ctx: click.Context, change: Callable[[str, str], str],
+          create: bool = False) -> tuple[str, bool]:
+    """Apply ``change(text, path)`` to the hostfile and write it:
+    (its path, whether it was created)."""
     path = _hostfile_path(ctx, create=create)
     exists = os.path.lexists(path)
     text = hf.read_hostfile_text(path) if exists or not create else ""
     write_text_atomic(path, change(text, path))
-    return path if exists else f"{path} (created)"
+    return path, not exists
+
+
+_HOSTFILE_HELP = (f"Hostfile to use [default: ./{hf.LOCAL_HOSTFILE}, else "
+                  f"{hf.DEFAULT_JOB_HOSTFILE}].")
+
+
+def hostfile_option(func: F) -> F:
+    """-H/--hostfile, accepted on the group and on every subcommand."""
+    return click.option("-H", "--hostfile", metavar="PATH", default=None,
+                        help=_HOSTFILE_HELP)(func)  # type: ignore[return-value]
 
 
 # --------------------------------------------------------------------------
 # commands
 
 
-@click.group("hosts")
-@click.option(
-    "-H",
-    "--hostfile",
-    metavar="PATH",
-    default=None,
-    help=f"Hostfile to use [default: ./{hf.LOCAL_HOSTFILE}, else {hf.DEFAULT_JOB_HOSTFILE}].",
-)
+@click.group("hosts", context_settings={"help_option_names": ["-h", "--help"]})
+@hostfile_option
 @click.pass_context
 def hosts(ctx: click.Context, hostfile: str | None) -> None:
     """List, check, format and edit a hostfile (lines of 'HOST slots=N')."""
@@ -173,9 +188,10 @@ def hosts(ctx: click.Context, hostfile: str | None) -> None:
 
 
 @hosts.command("list")
+@hostfile_option
 @click.pass_context
 @reports_errors
-def list_hosts(ctx: click.Context) -> None:
+def list_hosts(ctx: click.Context, hostfile: str | None) -> None:
     """Show the hosts and their slots, and the total."""
     click.echo(render_table(hf.load_hostfile(_hostfile_path(ctx))))
 
@@ -183,39 +199,51 @@ def list_hosts(ctx: click.Context) -> None:
 @hosts.command("add")
 @click.argument("host")
 @click.option("--slots", type=int, required=True, help="Number of slots (GPUs) on HOST.")
+@hostfile_option
 @click.pass_context
 @reports_errors
-def add(ctx: click.Context, host: str, slots: int) -> None:
-    """Add HOST with --slots N at the end of the hostfile."""
-    path = _edit(ctx, lambda text, path: hf.add_host(text, host, slots, path), create=True)
+def add(ctx: click.Context, host: str, slots: int, hostfile: str | None) -> None:
+    """Add HOST with --slots N at the end of the hostfile (creating ./hostfile
+    when there is none)."""
+    path, created = _edit(ctx, lambda text, path: hf.add_host(text, host, slots, path),
+                          create=True)
+    if created:
+        click.echo(f"created hostfile {path}")
     click.echo(f"added {host} slots={slots} to {path}")
+    if created and hostfile is None and _explicit_path(ctx) is None:
+        click.echo(f"note: dsrun jobs started in this directory now run on the hosts of "
+                   f"{path} (a plain 'dsrun train.py' included); pass -H to use another "
+                   f"hostfile, or remove {path} to run on this host only")
 
 
 @hosts.command("rm")
 @click.argument("host")
+@hostfile_option
 @click.pass_context
 @reports_errors
-def remove(ctx: click.Context, host: str) -> None:
+def remove(ctx: click.Context, host: str, hostfile: str | None) -> None:
     """Remove HOST (its line) from the hostfile."""
-    path = _edit(ctx, lambda text, path: hf.remove_host(text, host, path))
+    path, _ = _edit(ctx, lambda text, path: hf.remove_host(text, host, path))
     click.echo(f"removed {host} from {path}")
 
 
 @hosts.command("set-slots")
 @click.argument("host")
 @click.argument("slots", type=int)
+@hostfile_option
 @click.pass_context
 @reports_errors
-def set_slots(ctx: click.Context, host: str, slots: int) -> None:
+def set_slots(ctx: click.Context, host: str, slots: int, hostfile: str | None) -> None:
     """Set the number of slots of HOST to SLOTS."""
-    path = _edit(ctx, lambda text, path: hf.set_slots(text, host, slots, path))
+    path, _ = _edit(ctx, lambda text, path: hf.set_slots(text, host, slots, path))
     click.echo(f"set {host} slots={slots} in {path}")
 
 
 @hosts.command("validate")
+@hostfile_option
 @click.pass_context
 @reports_errors
-def validate(ctx: click.Context) -> None:
+def validate(ctx: click.Context, hostfile: str | None) -> None:
     """Check the hostfile; list every problem as PATH:LINE:COL: MESSAGE."""
     path = _hostfile_path(ctx)
     text = hf.read_hostfile_text(path)
@@ -234,9 +262,10 @@ def validate(ctx: click.Context) -> None:
 
 @hosts.command("fmt")
 @click.option("--check", is_flag=True, help="Only report (and diff); exit 1 if not formatted.")
+@hostfile_option
 @click.pass_context
 @reports_errors
-def fmt(ctx: click.Context, check: bool) -> None:
+def fmt(ctx: click.Context, check: bool, hostfile: str | None) -> None:
     """Normalise lines to 'HOST slots=N', keeping comments, blank lines, order."""
     path = _hostfile_path(ctx)
     text = hf.read_hostfile_text(path)

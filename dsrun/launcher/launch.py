@@ -15,59 +15,79 @@ job size. All validation that can fail happens before any process starts
 5. supervise until every agent is done; one root-cause report.
 
 ``--dry-run`` prints the draft plan (what is known before any host is
-asked) through the same builder and the backend's request. This module and
-cli.py are the only launcher modules that write to the console.
+asked) through the same builder and the backend's request. Both it and the
+start banner name the hostfile the job uses (or say there is none). A
+``--config`` is validated in full (configcheck.py) before either. While a
+job runs, its control socket (control.py) answers ``dsrun stack``. This
+module, console.py and cli.py are the only launcher modules that write to
+the console.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
-import sys
+import socket
+import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 
 import click
 
 from dsrun.errors import DsrunUsageError
-from dsrun.launcher.backends.base import AGENT_LINE, Backend, JobHandle
+from dsrun.launcher.backends.base import Backend, JobHandle
 from dsrun.launcher.cluster import (
     Cluster,
     ProbeOutcome,
     check_master_port,
+    describe_source,
     here_facts,
     probe_cluster,
     resolve_cluster,
 )
+from dsrun.launcher.configcheck import check_config
+from dsrun.launcher.console import Console
+from dsrun.launcher.control import ControlServer
 from dsrun.launcher.envpolicy import JobEnv, env_file_paths, job_env, read_env_files
 from dsrun.launcher.plan import LaunchPlan, build_plan, describe
 from dsrun.launcher.preflight import PreflightFailed
 from dsrun.launcher.report import JobResult, report_lines
 from dsrun.launcher.spec import LaunchSpec
-from dsrun.launcher.supervisor import Interrupted, Supervisor, raise_interrupted
+from dsrun.launcher.supervisor import Interrupted, Supervisor, Watch, raise_interrupted
+from dsrun.launcher.watch import DEFAULT_STRAGGLER_INTERVAL
+
+#: Seconds before the first "still running" line once some ranks have exited.
+STRAGGLER_VAR = "DSRUN_STRAGGLER_INTERVAL"
+
+console = Console()
 
 
 def say(message: str) -> None:
-    click.echo(f"dsrun: {message}", err=True)
+    console.say(message)
 
 
-def check_config(spec: LaunchSpec) -> None:
-    """--config must be a readable JSON object (its keys are checked in each rank)."""
-    if spec.config is None:
-        return
-    try:
-        with open(spec.config, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as exc:
-        raise DsrunUsageError(f"--config {spec.config!r}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise DsrunUsageError(f"--config {spec.config}:{exc.lineno}:{exc.colno}: not valid "
-                              f"JSON: {exc.msg}") from None
-    if not isinstance(data, dict):
-        raise DsrunUsageError(f"--config {spec.config}: expected a JSON object, "
-                              f"got {type(data).__name__}")
+class _Suspension:
+    """Ctrl-Z (SIGTSTP) while a job runs: the agents are told to stop
+    expecting heartbeats before dsrun stops, and to expect them again once
+    it continues, so a suspended launcher is not taken for a lost one."""
+
+    def __init__(self) -> None:
+        self.handle: JobHandle | None = None
+
+    def on_tstp(self, signum: int, frame: object) -> None:
+        handle = self.handle
+        if handle is not None:
+            handle.pause_heartbeats()
+        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTSTP)  # stops here until SIGCONT
+        signal.signal(signal.SIGTSTP, self.on_tstp)
+        if handle is not None:
+            handle.resume_heartbeats()
+
+
+suspension = _Suspension()
 
 
 def check_script(spec: LaunchSpec) -> None:
@@ -113,38 +133,68 @@ def _plan(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv, job
 
 def run(spec: LaunchSpec) -> int:
     check_script(spec)
-    check_config(spec)
     cwd = os.getcwd()
     cluster, backend = resolve_cluster(spec.hosts, cwd)
     check_master_port(spec.hosts, cluster)
     env = user_env(spec, cwd, remote=cluster.remote and backend.login_env)
     job_id = uuid.uuid4().hex
     draft = _plan(spec, cluster, backend, env, job_id, 0)
+    if spec.config is not None:
+        check_config(spec.config, draft.world_size, {**os.environ, **dict(spec.extra_env)})
+    source = describe_source(spec.hosts, cluster, cwd)
     if spec.dry_run:
-        for line in describe(draft) + backend.prepare(draft).describe():
+        for line in [source, *describe(draft), *backend.prepare(draft).describe()]:
             click.echo(line)
         return 0
     check_log_dir(spec.log_dir)
+    say(source)
     if spec.cpu:
         say(f"--cpu: starting {draft.world_size} CPU rank(s) with gloo "
             f"(--num_gpus counts CPU ranks)")
     elif not cluster.remote and cluster.named and not any(n.devices for n in draft.nodes):
         say(f"no GPUs on this host: starting {draft.world_size} CPU rank(s) with gloo "
             f"(--num_gpus counts CPU ranks here)")
-    return _run_attempts(spec, lambda restart: _attempt(
-        spec, cluster, backend, env, job_id, restart))
+    began = time.monotonic()
+    control = ControlServer(job_id, lambda: {
+        "job_id": job_id, "pid": os.getpid(), "script": spec.script,
+        "hosts": list(cluster.hosts), "ranks": draft.world_size,
+        "seconds": time.monotonic() - began}).start()
+    try:
+        return _run_attempts(spec, lambda restart: _attempt(
+            spec, cluster, backend, env, job_id, restart, control))
+    finally:
+        control.close()
+
+
+def _watch(spec: LaunchSpec, control: ControlServer) -> Watch:
+    interval = os.environ.get(STRAGGLER_VAR)
+    try:
+        straggler = float(interval) if interval else DEFAULT_STRAGGLER_INTERVAL
+    except ValueError:
+        raise DsrunUsageError(f"{STRAGGLER_VAR}={interval!r} is not a number of "
+                              f"seconds") from None
+    return Watch(timeout=spec.timeout, heartbeat_timeout=spec.heartbeat_timeout,
+                 straggler_interval=straggler if straggler > 0 else None,
+                 queries=control.queries, say=say, job_id=control.job_id,
+                 on_started=console.started)
 
 
 def _attempt(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv,
-             job_id: str, restart: int) -> JobResult:
+             job_id: str, restart: int, control: ControlServer) -> JobResult:
     """Open, probe (preflight), plan, start, supervise: one attempt."""
     handle: JobHandle | None = None
+    multi = cluster.remote or len(cluster.hosts) > 1
     try:
-        handle = backend.open(_plan(spec, cluster, backend, env, job_id, restart),
-                              _print_line)
+        draft = _plan(spec, cluster, backend, env, job_id, restart)
+        if multi:
+            console.start_progress(len(draft.nodes) if not backend.agent_per_rank
+                                   else draft.world_size, draft.world_size,
+                                   "agents" if backend.agent_per_rank else "hosts")
+        handle = backend.open(draft, console.line, console.connected)
+        handle.start_heartbeats(spec.heartbeat_timeout)
+        suspension.handle = handle
         if not cluster.named:
             cluster = cluster.renamed([handle.channels[i].host for i in handle.leaders])
-        multi = cluster.remote or len(cluster.hosts) > 1
         outcome = probe_cluster(handle, cluster, backend, spec.hosts, versions=multi)
         _check_preflight(spec, outcome)
         plan = _plan(spec, cluster, backend, env, job_id, restart, outcome)
@@ -153,16 +203,28 @@ def _attempt(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv,
         if restart == 0:
             for line in describe(plan):
                 say(line)
+            say(f"job id {job_id[:12]} (dsrun stack {job_id[:12]} prints every rank's Python "
+                f"stack while it runs)")
         handle.start(backend.prepare(plan))
     except Interrupted as exc:
+        suspension.handle = None
+        console.end_progress()
         if handle is not None:
             handle.close()
         return JobResult(interrupted=exc.signum)
     except BaseException:
+        suspension.handle = None
+        console.end_progress()
         if handle is not None:
             handle.close()
         raise
-    return Supervisor(handle, handle.hosts, _print_line, plan.kill_grace).run()
+    try:
+        result = Supervisor(handle, handle.hosts, console.line, plan.kill_grace,
+                            _watch(spec, control)).run()
+    finally:
+        suspension.handle = None
+        console.end_progress()
+    return replace(result, clock=socket.gethostname())
 
 
 def _check_preflight(spec: LaunchSpec, outcome: ProbeOutcome) -> None:
@@ -181,10 +243,12 @@ def _check_preflight(spec: LaunchSpec, outcome: ProbeOutcome) -> None:
 def _run_attempts(spec: LaunchSpec, attempt: Callable[[int], JobResult]) -> int:
     previous = {s: signal.signal(s, raise_interrupted)
                 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, suspension.on_tstp)
     try:
         for restart in range(spec.max_restarts + 1):
             result = attempt(restart)
-            if result.exit_code == 0 or result.interrupted is not None:
+            if result.exit_code == 0 or result.interrupted is not None \
+                    or result.timed_out is not None:
                 break
             if restart < spec.max_restarts:
                 cause = result.root_cause
@@ -201,10 +265,3 @@ def _run_attempts(spec: LaunchSpec, attempt: Callable[[int], JobResult]) -> int:
     if result.interrupted is not None:
         say(f"stopped by {signal.Signals(result.interrupted).name}; every rank was stopped")
     return result.exit_code
-
-
-def _print_line(host: str, rank: int, fd: int, line: str) -> None:
-    stream = sys.stdout if fd == 1 else sys.stderr
-    who = f"{host}:{rank}" if rank >= 0 else f"{host}:agent" if rank == AGENT_LINE else host
-    stream.write(f"[{who}] {line}\n")
-    stream.flush()

@@ -23,9 +23,9 @@ addresses agents started by mpirun/srun try when they connect back.
 from __future__ import annotations
 
 import errno
+import functools
 import ipaddress
 import os
-import platform
 import socket
 import sys
 import threading
@@ -49,11 +49,17 @@ def is_loopback(addr: str) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=4096)
 def _addr_key(addr: str) -> str | None:
     try:
         return str(ipaddress.ip_address(addr.split("%")[0]))
     except ValueError:
         return None
+
+
+@functools.lru_cache(maxsize=64)
+def _local_keys(addresses: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(k for k in (_addr_key(a) for a in addresses) if k)
 
 
 def is_local_host(host: str, hostname: str, addresses: Iterable[str],
@@ -73,7 +79,7 @@ def is_local_host(host: str, hostname: str, addresses: Iterable[str],
         # short name vs fully qualified name of the same host, either way round
         if name == own or name == own.split(".")[0] or own == name.split(".")[0]:
             return True
-    local = {k for k in (_addr_key(a) for a in addresses) if k}
+    local = _local_keys(tuple(addresses))
     for candidate in (host, resolved):
         key = _addr_key(candidate) if candidate else None
         if key is not None and (is_loopback(key) or key in local):
@@ -232,6 +238,11 @@ def check_reach(addr: str, port: int, timeout: float) -> str | None:
         return f"cannot connect to {addr}:{port}: {exc.strerror or exc}"
 
 
+def python_version() -> str:
+    """As platform.python_version() gives it, without importing platform."""
+    return ".".join(map(str, sys.version_info[:3]))
+
+
 def package_version(name: str) -> str | None:
     # Imported here: importlib.metadata is a fifth of the agent's import time.
     from importlib import metadata
@@ -257,7 +268,7 @@ def probe_reply(msg: Mapping[str, Any]) -> tuple[dict[str, Any], HeldPort | None
         "cpus": usable_cpus(), "cwd": os.getcwd(),
     }
     if msg.get("versions", True):
-        facts.update(python=platform.python_version(), dsrun=__version__,
+        facts.update(python=python_version(), dsrun=__version__,
                      torch=package_version("torch"))
     held = None
     role = msg.get("role")

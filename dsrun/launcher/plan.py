@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dsrun.errors import DsrunUsageError
+from dsrun.launcher.devices import DeviceId
 from dsrun.launcher.envpolicy import JobEnv
 from dsrun.launcher.spec import LaunchSpec
 
@@ -51,7 +52,7 @@ PENDING = "<chosen at launch>"
 class RankSlot:
     rank: int
     local_rank: int
-    device: int | None
+    device: DeviceId | None  # as CUDA_VISIBLE_DEVICES names it (index or UUID)
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class NodePlan:
     host: str
     node_rank: int
     ranks: tuple[RankSlot, ...]
-    devices: tuple[int, ...]
+    devices: tuple[DeviceId, ...]
     local: bool = True
     gpus_known: bool = True  # False only in a draft plan
     env: tuple[tuple[str, str], ...] = ()  # host defaults dsrun chose (socket ifname)
@@ -79,7 +80,7 @@ class NodeSlots:
     """
 
     host: str
-    slots: tuple[int, ...]
+    slots: tuple[DeviceId, ...]  # the devices on a GPU host, else slot indices
     gpus: bool | None
     local: bool = True
     env: tuple[tuple[str, str], ...] = ()
@@ -92,7 +93,7 @@ class NodeFacts:
     """What the plan needs to know of a host: found by its probe, or by the
     launcher itself for this host."""
 
-    devices: tuple[int, ...]
+    devices: tuple[DeviceId, ...]
     cpus: int
     ifname: str | None = None
 
@@ -126,6 +127,11 @@ class LaunchPlan:
         return sum(len(n.ranks) for n in self.nodes)
 
     @property
+    def injected(self) -> bool:
+        """Whether ranks run the injected runtime (not ``--no_python``)."""
+        return RUNTIME_BOOTSTRAP in self.command[:3]
+
+    @property
     def final(self) -> bool:
         return (self.master_addr is not None and self.master_port is not None
                 and all(n.gpus_known for n in self.nodes))
@@ -150,7 +156,7 @@ def layout(nodes: Sequence[NodeSlots]) -> tuple[NodePlan, ...]:
 
 
 def host_slots(host: str, slots: Sequence[int], local: bool,
-               devices: Sequence[int] | None,
+               devices: Sequence[DeviceId] | None,
                env: Mapping[str, str] | None = None, cpus: int | None = None,
                path_prepend: Sequence[str] = ()) -> NodeSlots:
     """A hostfile node: GPU ranks on the selected devices when its host has
@@ -214,6 +220,8 @@ def job_env_of(spec: LaunchSpec) -> tuple[tuple[str, str], ...]:
         env["DSRUN_DIST_BACKEND"] = spec.dist_backend
     if spec.config is not None:
         env["DSRUN_CONFIG"] = os.path.abspath(spec.config)
+    if spec.no_local_rank:
+        env["DSRUN_LOCAL_RANK_FILL"] = "0"  # the runtime leaves --local_rank alone
     return tuple(sorted(env.items()))
 
 

@@ -80,7 +80,7 @@ def _version_mismatches(facts: dict[str, Any], expect: Expectations) -> list[str
     return out
 
 
-def _slot_check(host: str, devices: Sequence[int], slots: Sequence[int],
+def _slot_check(host: str, devices: Sequence[object], slots: Sequence[int],
                 cpu: bool = False) -> tuple[str | None, str]:
     if cpu:
         return None, f"--cpu: {len(slots)} CPU rank(s)"

@@ -5,9 +5,22 @@ rank is a group leader - and (b) any process whose environment carries the
 ``DSRUN_AGENT_ID`` marker its node agent gave it, which catches descendants
 that left the group (``setsid``, daemonising). The marker is per agent, not
 per job, so that agents of one job whose hosts share a PID namespace never
-stop each other's ranks. Stopping is SIGTERM, a deadline, SIGKILL,
-then a re-scan until nothing is found, since a dying process may fork.
-Only this job's processes are ever touched.
+stop each other's ranks. Stopping is SIGTERM, a deadline, SIGKILL, then a
+re-scan until nothing is found, since a dying process may fork.
+
+Only this job's processes are ever touched. Every process is known as a
+:class:`Proc` - its pid *and* its start time - and is signalled only while
+the pid still names the process that was found (through a pidfd where the
+kernel has them, so the check and the signal cannot be told apart by a
+reused pid). A rank's group is signalled, or its members matched by group
+id, only while its leader is still the rank that was started: a pid, once
+its process is reaped, may be given to someone else's process, which may
+lead a group of its own. The node agent keeps each exited rank unreaped (a
+zombie holds its pid and its group id) until the teardown is over; the
+guard, which cannot do that, relies on the start-time check.
+
+Linux: read from ``/proc`` directly (the agent does not import psutil, which
+costs more than the scan). Elsewhere psutil gives the same facts.
 """
 
 from __future__ import annotations
@@ -15,96 +28,198 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterable
-
-import psutil
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 JOB_MARKER = "DSRUN_AGENT_ID"
+_HAVE_PROC = os.path.exists("/proc/self/stat")
 
 
-def job_processes(pgids: Iterable[int], job_id: str | None) -> list[psutil.Process]:
-    """Live (non-zombie) processes of this job, excluding the caller."""
-    groups = set(pgids)
+class Proc(NamedTuple):
+    """A process as found: pid and start time (which a reused pid does not share)."""
+
+    pid: int
+    started: float
+
+    @classmethod
+    def of(cls, pid: int) -> Proc | None:
+        """The process ``pid`` as it is now (None: gone)."""
+        facts = _facts(pid)
+        return None if facts is None else cls(pid, facts[2])
+
+    def ours(self) -> bool:
+        """Whether ``pid`` still names this process (also as an unreaped
+        zombie, which still holds its group id)."""
+        facts = _facts(self.pid)
+        return facts is not None and facts[2] == self.started
+
+    def line(self) -> str:
+        return f"{self.pid} {self.started!r}"
+
+    @classmethod
+    def parse(cls, line: str) -> Proc | None:
+        parts = line.split()
+        try:
+            return cls(int(parts[0]), float(parts[1])) if len(parts) == 2 else None
+        except ValueError:
+            return None
+
+
+#: A rank process (a group leader) as its agent started it.
+Leader = Proc
+
+
+def _facts(pid: int) -> tuple[bool, int, float] | None:
+    """(zombie, process group, start time) of ``pid``; None if it is gone."""
+    if _HAVE_PROC:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        return fields[0] == b"Z", int(fields[2]), float(fields[19])
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return (proc.status() == psutil.STATUS_ZOMBIE, os.getpgid(pid), proc.create_time())
+    except (psutil.Error, OSError):
+        return None
+
+
+def _pids() -> Iterator[int]:
+    if _HAVE_PROC:
+        return (int(name) for name in os.listdir("/proc") if name.isdigit())
+    import psutil
+
+    return iter(psutil.pids())
+
+
+def _has_marker(pid: int, marker: str) -> bool:
+    if _HAVE_PROC:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                data = f.read()
+        except OSError:
+            return False
+        return f"\0{JOB_MARKER}={marker}\0".encode() in b"\0" + data
+    import psutil
+
+    try:
+        return psutil.Process(pid).environ().get(JOB_MARKER) == marker
+    except (psutil.Error, OSError):
+        return False
+
+
+def live_groups(leaders: Iterable[Proc]) -> list[int]:
+    """Group ids of ``leaders`` that are still ours (see the module docstring)."""
+    return [leader.pid for leader in leaders if leader.ours()]
+
+
+def job_processes(leaders: Iterable[Proc], marker: str | None,
+                  since: float = 0.0) -> list[Proc]:
+    """Live (non-zombie) processes of this job, excluding the caller.
+
+    ``since``: the start time (as :class:`Proc` has it) of the agent; every
+    process of the job started later, so older ones are not even read.
+    """
+    groups = set(live_groups(leaders))
     me = os.getpid()
     found = []
-    for proc in psutil.process_iter():
-        if proc.pid == me:
+    for pid in _pids():
+        if pid == me:
             continue
-        try:
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                continue
-            if os.getpgid(proc.pid) in groups or _has_marker(proc, job_id):
-                found.append(proc)
-        except (psutil.Error, OSError):
+        facts = _facts(pid)
+        if facts is None or facts[0] or facts[2] < since:
             continue
+        if facts[1] in groups or (marker and _has_marker(pid, marker)):
+            found.append(Proc(pid, facts[2]))
     return found
 
 
-def _has_marker(proc: psutil.Process, job_id: str | None) -> bool:
-    if not job_id:
-        return False
+def send(proc: Proc, sig: int) -> None:
+    """``sig`` to ``proc`` if its pid still names it."""
     try:
-        return proc.environ().get(JOB_MARKER) == job_id
-    except (psutil.AccessDenied, psutil.ZombieProcess, OSError):
-        return False
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError) as exc:
+        if isinstance(exc, ProcessLookupError):
+            return
+        if proc.ours():  # no pidfds here: check, then signal
+            try:
+                os.kill(proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        return
+    try:
+        if proc.ours():  # the pidfd pins the process: no reuse after this check
+            signal.pidfd_send_signal(fd, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    finally:
+        os.close(fd)
 
 
-def signal_groups(pgids: Iterable[int], sig: int) -> None:
-    for pgid in pgids:
+def signal_groups(leaders: Iterable[Proc], sig: int) -> None:
+    """``sig`` to the group of every leader that is still ours."""
+    for pgid in live_groups(leaders):
         try:
             os.killpg(pgid, sig)
         except (ProcessLookupError, PermissionError):
             pass
 
 
-def signal_job(pgids: Iterable[int], job_id: str | None, sig: int) -> None:
+def signal_job(leaders: Iterable[Proc], marker: str | None, sig: int,
+               since: float = 0.0) -> None:
     """Send ``sig`` to each group and to every marked process of the job."""
-    groups = list(pgids)
-    signal_groups(groups, sig)
-    _signal_procs(job_processes(groups, job_id), sig)
+    leaders = list(leaders)
+    signal_groups(leaders, sig)
+    for proc in job_processes(leaders, marker, since):
+        send(proc, sig)
 
 
-def _signal_procs(procs: Iterable[psutil.Process], sig: int) -> None:
-    for proc in procs:
-        try:
-            proc.send_signal(sig)
-        except psutil.Error:
-            pass
-
-
-def stop_job(pgids: Iterable[int], job_id: str | None, grace: float, *,
-             already_termed: bool = False, deadline: float | None = None) -> int:
+def stop_job(leaders: Iterable[Proc], marker: str | None, grace: float, *,
+             already_termed: bool = False, deadline: float | None = None,
+             since: float = 0.0) -> int:
     """Stop every process of the job; return how many needed SIGKILL.
 
     ``deadline`` (a ``time.monotonic()`` value) overrides ``grace`` when the
     caller already sent SIGTERM earlier and the grace period is running.
     """
-    groups = list(pgids)
-    procs = job_processes(groups, job_id)
+    leaders = list(leaders)
+    procs = job_processes(leaders, marker, since)
     if not procs:
         return 0
     if not already_termed:
-        signal_groups(groups, signal.SIGTERM)
-        _signal_procs(procs, signal.SIGTERM)
+        signal_groups(leaders, signal.SIGTERM)
+        for proc in procs:
+            send(proc, signal.SIGTERM)
     end = time.monotonic() + grace if deadline is None else deadline
     while time.monotonic() < end:
-        procs = job_processes(groups, job_id)
-        if not procs:
+        if not job_processes(leaders, marker, since):
             return 0
         time.sleep(0.05)
-    return kill_job(groups, job_id)
+    return kill_job(leaders, marker, since=since)
 
 
-def kill_job(pgids: Iterable[int], job_id: str | None, rounds: int = 20) -> int:
+def _gone(proc: Proc) -> bool:
+    facts = _facts(proc.pid)
+    return facts is None or facts[0] or facts[2] != proc.started
+
+
+def kill_job(leaders: Iterable[Proc], marker: str | None, rounds: int = 20,
+             since: float = 0.0) -> int:
     """SIGKILL every process of the job until a scan finds none."""
-    groups = list(pgids)
+    leaders = list(leaders)
     killed: set[int] = set()
     for _ in range(rounds):
-        procs = job_processes(groups, job_id)
+        procs = job_processes(leaders, marker, since)
         if not procs:
             break
-        signal_groups(groups, signal.SIGKILL)
-        _signal_procs(procs, signal.SIGKILL)
+        signal_groups(leaders, signal.SIGKILL)
+        for proc in procs:
+            send(proc, signal.SIGKILL)
         killed.update(p.pid for p in procs)
-        psutil.wait_procs(procs, timeout=0.5)
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end and not all(_gone(p) for p in procs):
+            time.sleep(0.01)
     return len(killed)

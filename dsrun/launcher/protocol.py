@@ -43,20 +43,36 @@ every other host with the master's answer:
           ifname                        (master and worker)
           reach: {error, seconds}}      (role worker)
 
+Heartbeats, in every phase: ``{"cmd": "hb", "timeout": T}`` from the
+launcher (first when the agent is up, then every T/4 seconds) tells the
+agent to give up on a launcher silent for T seconds (T 0: never; before the
+first heartbeat: link.FIRST_CONTACT). Once it knows T, the agent sends
+``{"ev": "hb"}`` every T/4 seconds; the launcher counts any line as a
+sign of life (link.py, supervisor.py).
+
 Phase 2, run. The launcher writes the start payload, an object without
 ``cmd``: job id, cwd, kill grace, log dir, ``env`` (the user's variables:
-values only ever here, never on a command line) and per rank its argv and
-environment layers (rankenv.py); then it may write commands (:data:`COMMANDS`).
+values only ever here, never on a command line) and per rank its argv,
+whether it runs the injected runtime (``runtime``) and its environment
+layers (rankenv.py); then it may write commands (:data:`COMMANDS`):
+
+  stop                                     stop every rank (SIGTERM, grace, SIGKILL)
+  stack    {req}                           each running rank's Python stacks
+
 The agent writes events:
 
   hello    {host, pid}                     the agent is up
   started  {rank, pid}                     a rank process exists
   out      {rank, fd, line}                one line of rank output (fd 1|2)
-  exit     {rank, code, signal, time, during_stop, error, tail}
+  exit     {rank, code, signal, time, age, during_stop, error, tail}
+           (age: seconds, on the agent's monotonic clock, between the
+           failure and this event; the launcher orders failures by
+           when it read the event less ``age``, never by ``time``)
+  stack    {req, rank, pid, text}          a rank's stacks (text null: no handler)
+  stack_end {req}                          every running rank answered
   done     {killed}                        every process of the job is gone
 
-New commands (heartbeats, stack dumps) are added to :data:`COMMANDS` and to
-the agent's dispatch table; an agent ignores commands it does not know.
+An agent ignores commands it does not know (from a newer launcher).
 """
 
 from __future__ import annotations
@@ -64,8 +80,8 @@ from __future__ import annotations
 import json
 from typing import IO, Any
 
-#: Commands the launcher may send once the job runs.
-COMMANDS = ("stop",)
+#: Commands the launcher may send once the job runs (and "hb" in every phase).
+COMMANDS = ("stop", "stack")
 
 #: The launcher's "addr:port" candidates, space-separated (IPv6 as [addr]:port).
 LAUNCHER_VAR = "DSRUN_LAUNCHER"

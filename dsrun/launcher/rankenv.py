@@ -29,14 +29,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dsrun.launcher.envlayers import apply_layers
 from dsrun.launcher.envpolicy import JobEnv
 from dsrun.launcher.plan import PENDING, LaunchPlan, NodePlan, RankSlot
-from dsrun.launcher.protocol import AGENT_BOOTSTRAP_VARS
 
 #: Set by the agent on each rank (layer 6); shown as placeholders.
 AGENT_VARS = {
     "DSRUN_AGENT_ID": "<set by the agent: marks the job's processes on the host>",
+    "DSRUN_AGENT_PID": "<set by the agent: its pid; the rank dies with it>",
     "DSRUN_ERROR_FILE": "<set by the agent: where the rank records an uncaught error>",
+    "DSRUN_STACK_FILE": "<set by the agent: where the rank writes its stacks for dsrun stack>",
 }
 
 Pairs = tuple[tuple[str, str], ...]
@@ -94,16 +96,9 @@ def rank_env(plan: LaunchPlan, node: NodePlan, slot: RankSlot) -> RankEnv:
 
 def materialize(env: RankEnv, inherited: Mapping[str, str], user: Mapping[str, str],
                 agent: Mapping[str, str]) -> dict[str, str]:
-    """The process environment of a rank: layers 1-6 in order."""
-    out = {k: v for k, v in inherited.items() if k not in AGENT_BOOTSTRAP_VARS}
-    out.update(user)
-    for key, value in env.defaults:
-        out.setdefault(key, value)
-    if env.path_prepend:
-        out["PATH"] = os.pathsep.join([*env.path_prepend, out.get("PATH", os.defpath)])
-    out.update(env.dsrun)
-    out.update(agent)
-    return out
+    """The process environment of a rank: layers 1-6 in order (the agent's
+    :func:`dsrun.launcher.envlayers.apply_layers` on this RankEnv)."""
+    return apply_layers(env.to_json(), inherited, user, agent)
 
 
 def describe(env: RankEnv, user: JobEnv, base: str,

@@ -3,27 +3,40 @@
 Every agent reports each rank's exit; the launcher keeps the failures and,
 at the end, names the earliest one that was not caused by the teardown
 itself (ranks killed because another rank failed are consequences).
+
+"Earliest" never compares two hosts' wall clocks, which may be skewed: a
+failure is ordered by :attr:`RankFailure.seen`, the launcher's monotonic
+clock when it read the agent's report, less the delay the agent measured
+on its own monotonic clock between the failure and sending the report
+(``age``). Only the launcher's host's clock is used; the report says which
+host that is when failures came from more than one host.
 """
 
 from __future__ import annotations
 
 import signal as _signal
+import socket
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+#: Exit status of a job ended by --timeout (as GNU timeout).
+TIMEOUT_EXIT = 124
 
 
 @dataclass(frozen=True)
 class RankFailure:
     host: str
-    rank: int | None  # None: the node agent itself failed
+    rank: int | None  # None: the node agent (or its host) failed
     code: int | None
     signal: int | None
-    time: float
+    time: float  # wall clock of the failure's host (shown, never compared across hosts)
     during_stop: bool = False
     error: dict[str, Any] | None = None
     tail: tuple[str, ...] = ()
     message: str = ""
+    seen: float | None = None  # launcher's monotonic clock: when it happened, as learned
+    lost: bool = False  # the host went silent (heartbeat timeout)
 
     @property
     def exit_code(self) -> int:
@@ -40,10 +53,22 @@ class RankFailure:
 
     @classmethod
     def from_event(cls, host: str, msg: dict[str, Any]) -> RankFailure:
+        recv = msg.get("_recv")
+        seen = None if recv is None else float(recv) - float(msg.get("age") or 0.0)
         return cls(host=host, rank=msg.get("rank"), code=msg.get("code"),
                    signal=msg.get("signal"), time=float(msg.get("time", 0.0)),
                    during_stop=bool(msg.get("during_stop")), error=msg.get("error"),
-                   tail=tuple(msg.get("tail") or ()))
+                   tail=tuple(msg.get("tail") or ()), seen=seen)
+
+
+@dataclass(frozen=True)
+class RunningRank:
+    """A rank still running when the job was ended (--timeout)."""
+
+    host: str
+    rank: int
+    pid: int | None
+    seconds: float  # how long it had been running
 
 
 @dataclass(frozen=True)
@@ -51,7 +76,10 @@ class JobResult:
     failures: tuple[RankFailure, ...] = ()
     interrupted: int | None = None  # signal that stopped dsrun
     killed: int = 0  # processes that needed SIGKILL during teardown
-    stopped_ranks: int = field(default=0)
+    timed_out: float | None = None  # --timeout seconds, when it ended the job
+    running: tuple[RunningRank, ...] = ()  # ranks still running at the timeout
+    stacks: tuple[str, ...] = ()  # their Python stacks, "[host:rank] line"
+    clock: str = ""  # the launcher's host, whose clock ordered the failures
 
     @property
     def root_cause(self) -> RankFailure | None:
@@ -61,6 +89,8 @@ class JobResult:
     def exit_code(self) -> int:
         if self.interrupted is not None:
             return 128 + self.interrupted
+        if self.timed_out is not None:
+            return TIMEOUT_EXIT
         cause = self.root_cause
         return 0 if cause is None else cause.exit_code
 
@@ -72,35 +102,88 @@ def signal_name(num: int) -> str:
         return f"signal {num}"
 
 
+def _order(failure: RankFailure) -> tuple[int, float]:
+    # Failures the launcher stamped come first in their own order; a failure
+    # without a stamp (built by hand, an old agent) falls back to its wall time.
+    return (0, failure.seen) if failure.seen is not None else (1, failure.time)
+
+
 def root_cause(failures: Sequence[RankFailure]) -> RankFailure | None:
     """The earliest failure that was not a consequence of stopping the job."""
     if not failures:
         return None
     genuine = [f for f in failures if not f.during_stop]
-    return min(genuine or failures, key=lambda f: f.time)
+    return min(genuine or failures, key=_order)
 
 
 def report_lines(result: JobResult) -> list[str]:
-    """The root-cause report, one line per list entry (without trailing newline)."""
+    """The report, one line per list entry (without trailing newline)."""
+    if result.timed_out is not None:
+        return timeout_lines(result)
     cause = result.root_cause
     if cause is None:
         return []
-    who = f"rank {cause.rank} on host {cause.host}" if cause.rank is not None \
-        else f"the node agent on host {cause.host}"
-    lines = [f"job failed: {who} failed first: {cause.cause()}"]
+    if cause.lost:
+        lines = [f"job failed: host {cause.host} was lost first: {cause.cause()}"]
+    else:
+        lines = [f"job failed: {_who(cause)} failed first: {cause.cause()}"]
+    lines.extend(_error_lines(cause))
+    others = [f for f in result.failures if f is not cause]
+    same = [f for f in others if _same_error(f, cause)]
+    if same:
+        lines.append(f"{len(same)} other rank(s) failed with the same error")
+    if len(others) > len(same):
+        lines.append(f"{len(others) - len(same)} other rank(s) stopped as a consequence")
+    if len({f.host for f in result.failures}) > 1:
+        lines.append(f"(failures ordered on the clock of {result.clock or socket.gethostname()}"
+                     f", where dsrun runs: when it learned of each, less the delay each "
+                     f"agent measured; host clocks are never compared)")
+    lines.append(f"exit code {result.exit_code}")
+    return lines
+
+
+def _who(cause: RankFailure) -> str:
+    if cause.rank is not None:
+        return f"rank {cause.rank} on host {cause.host}"
+    return f"the node agent on host {cause.host}"
+
+
+def _error_lines(cause: RankFailure) -> list[str]:
+    lines = []
     error = cause.error or {}
+    clock = f" ({cause.host}'s clock)"
     if error.get("traceback"):
-        lines.append(f"error in rank {cause.rank} at {error.get('time_str', '?')}:")
+        lines.append(f"error in rank {cause.rank} at {error.get('time_str', '?')}{clock}:")
         lines.extend("  " + ln for ln in error["traceback"].rstrip("\n").splitlines())
     elif error.get("message"):
         lines.append(f"  {error['message']}")
+        if error.get("where"):
+            lines.append(f"  at {error['where']}")
     tail = _tail_before_traceback(cause.tail) if error.get("traceback") else cause.tail
     if tail:
         lines.append(f"last {len(tail)} line(s) of rank {cause.rank}'s output:")
         lines.extend(f"  [{cause.host}:{cause.rank}] {ln}" for ln in tail)
-    others = [f for f in result.failures if f is not cause]
-    if others:
-        lines.append(f"{len(others)} other rank(s) stopped as a consequence")
+    return lines
+
+
+def _same_error(failure: RankFailure, cause: RankFailure) -> bool:
+    mine, theirs = failure.error or {}, cause.error or {}
+    return bool(mine.get("message")) and not failure.during_stop and \
+        (mine.get("exc_type"), mine.get("message")) == (theirs.get("exc_type"),
+                                                         theirs.get("message"))
+
+
+def timeout_lines(result: JobResult) -> list[str]:
+    """The report of a job ended by --timeout: who still ran, and where."""
+    running = result.running
+    lines = [f"job timed out after {result.timed_out:g}s (--timeout): "
+             f"{len(running)} rank(s) still running"]
+    for r in running:
+        pid = f", pid {r.pid}" if r.pid is not None else ""
+        lines.append(f"  rank {r.rank} on host {r.host}{pid}, running for {r.seconds:.0f}s")
+    if result.stacks:
+        lines.append("their Python stacks when the timeout hit:")
+        lines.extend(f"  {line}" for line in result.stacks)
     lines.append(f"exit code {result.exit_code}")
     return lines
 

@@ -24,6 +24,9 @@ DIST_BACKENDS = ("nccl", "gloo", "mpi", "none")
 DEFAULT_CPU_RANKS = 2
 #: Seconds to wait for an SSH connection (and a remote agent's first answer).
 DEFAULT_SSH_TIMEOUT = 10.0
+#: Seconds of silence after which a host (launcher side) or the launcher
+#: (agent side) is declared lost; heartbeats flow every quarter of it.
+DEFAULT_HEARTBEAT_TIMEOUT = 15.0
 #: --launcher names (the backend registry has one entry per name) and aliases.
 LAUNCHERS = ("local", "openmpi", "slurm", "ssh")
 LAUNCHER_ALIASES = {"mpirun": "openmpi"}
@@ -134,10 +137,24 @@ class LaunchSpec:
     cpu: bool = False  # --cpu: CPU ranks with gloo even on hosts that have GPUs
     launcher_args: tuple[str, ...] = ()
     slurm_args: tuple[str, ...] = ()
+    no_local_rank: bool = False  # --no_local_rank: never fill in --local_rank
+    timeout: float | None = None  # --timeout: end the job after this many seconds
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT  # 0: no heartbeats
 
     def __post_init__(self) -> None:
         if self.module and self.no_python:
             raise DsrunUsageError("--module and --no_python cannot be used together")
+        if self.no_local_rank and self.local_rank_arg:
+            raise DsrunUsageError("--no_local_rank contradicts --local_rank_arg "
+                                  "(--local-rank-arg): pass one of them")
+        if self.timeout is not None and not self.timeout > 0:
+            raise DsrunUsageError(f"--timeout must be > 0 seconds, got {self.timeout:g}")
+        if not self.heartbeat_timeout >= 0:
+            raise DsrunUsageError(f"--heartbeat_timeout must be >= 0 seconds (0: off), got "
+                                  f"{self.heartbeat_timeout:g}")
+        if 0 < self.heartbeat_timeout < 1:
+            raise DsrunUsageError(f"--heartbeat_timeout {self.heartbeat_timeout:g} is too short "
+                                  f"to tell a slow host from a lost one: use 1 or more (0: off)")
         if self.local_rank_arg not in LOCAL_RANK_FLAGS:
             raise DsrunUsageError(f"--local_rank_arg must be --local_rank or --local-rank, "
                                   f"got {self.local_rank_arg!r}")

@@ -1,10 +1,18 @@
 """The launcher's event loop over a running job.
 
-It streams rank output to a sink, collects rank exits, and stops every node
-when the first failure arrives or when dsrun itself is signalled. It ends
+It streams rank output to the console, collects rank exits, and stops
+every node when the first failure arrives, when dsrun itself is signalled,
+when ``--timeout`` expires, or when a host goes silent for longer than the
+heartbeat timeout (it is then *lost*: its transport is dropped, since a
+dead link stalls instead of closing, and the report names it). It ends
 when every agent has said ``done`` (all its processes are gone) or has
 disappeared. Agents that ignore a stop are killed after a deadline; their
-guard processes then clean up what they left.
+guards then clean up what they left.
+
+Meanwhile it says which ranks still run once others have exited
+(watch.Stragglers), and answers stack requests (``dsrun stack`` through
+the control socket, and the report of a ``--timeout``): every agent is
+asked, and the answers are streamed back as ``[host:rank]`` lines.
 """
 
 from __future__ import annotations
@@ -17,13 +25,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsrun.launcher.backends.base import JobHandle
-from dsrun.launcher.report import JobResult, RankFailure
+from dsrun.launcher.control import StackQuery
+from dsrun.launcher.report import JobResult, RankFailure, RunningRank
+from dsrun.launcher.watch import RankState, StackCollection, Stragglers
 
 # (host, rank, fd, line) -> None
 OutputSink = Callable[[str, int, int, str], None]
 
 # Extra seconds an agent gets beyond the kill grace to report ``done``.
 AGENT_SLACK = 10.0
+#: Seconds agents get to send the stacks of a --timeout / of ``dsrun stack``.
+TIMEOUT_STACK_WAIT = 5.0
+QUERY_STACK_WAIT = 10.0
 
 
 class Interrupted(Exception):
@@ -38,26 +51,49 @@ def raise_interrupted(signum: int, frame: object) -> None:
     raise Interrupted(signum)
 
 
+@dataclass(frozen=True)
+class Watch:
+    """What the supervisor watches for, besides exits (all optional)."""
+
+    timeout: float | None = None  # --timeout seconds
+    heartbeat_timeout: float = 0.0  # 0: no liveness check
+    straggler_interval: float | None = None  # None: no straggler lines
+    queries: queue.Queue[StackQuery] | None = None  # dsrun stack requests
+    say: Callable[[str], None] = lambda message: None
+    job_id: str = ""  # named in straggler lines, for dsrun stack
+    on_started: Callable[[int], None] = lambda count: None  # ranks started so far
+
+
 @dataclass
 class _State:
     hosts: list[str]
     open_nodes: set[int]
     done: set[int] = field(default_factory=set)
     failures: list[RankFailure] = field(default_factory=list)
+    ranks: dict[int, RankState] = field(default_factory=dict)
     stopping: bool = False
     deadline: float = 0.0
     interrupted: int | None = None
     killed: int = 0
+    timed_out: float | None = None
+    running_at_timeout: tuple[RunningRank, ...] = ()
+    collections: dict[int, StackCollection] = field(default_factory=dict)
+    timeout_stacks: StackCollection | None = None
+    next_req: int = 1
 
 
 class Supervisor:
     def __init__(self, handle: JobHandle, hosts: list[str], sink: OutputSink,
-                 kill_grace: float, on_start: Callable[[str, int], None] | None = None) -> None:
+                 kill_grace: float, watch: Watch | None = None) -> None:
         self.handle = handle
         self.sink = sink
         self.grace = kill_grace
-        self.on_start = on_start
+        self.watch = watch or Watch()
         self.state = _State(hosts=list(hosts), open_nodes=set(range(len(hosts))))
+        self.started = time.monotonic()
+        hint = f" (dsrun stack {self.watch.job_id[:12]} shows their Python stacks)" \
+            if self.watch.job_id else ""
+        self.stragglers = Stragglers(self.watch.straggler_interval or 0.0, hint)
 
     def run(self) -> JobResult:
         st = self.state
@@ -72,7 +108,11 @@ class Supervisor:
                     self._stop()
         finally:
             self.handle.close()
-        return JobResult(tuple(st.failures), st.interrupted, st.killed)
+            for collection in list(st.collections.values()):
+                self._finish_collection(collection)
+        stacks = tuple(st.timeout_stacks.lines) if st.timeout_stacks is not None else ()
+        return JobResult(tuple(st.failures), st.interrupted, st.killed,
+                         timed_out=st.timed_out, running=st.running_at_timeout, stacks=stacks)
 
     def _stop(self) -> None:
         st = self.state
@@ -86,12 +126,23 @@ class Supervisor:
         try:
             index, msg = self.handle.events.get(timeout=0.2)
         except queue.Empty:
-            if st.stopping and time.monotonic() > st.deadline:
-                self.handle.kill()
-                st.deadline = float("inf")
-            return
-        self._handle(index, msg)
+            pass
+        else:
+            self._handle(index, msg)
+        now = time.monotonic()
+        if st.stopping and now > st.deadline:
+            self.handle.kill()
+            st.deadline = float("inf")
+        self._check_liveness(now)
+        self._check_timeout(now)
+        self._serve_queries(now)
+        self._check_collections(now)
+        if not st.stopping and self.watch.straggler_interval:
+            line = self.stragglers.line(now, st.ranks)
+            if line:
+                self.watch.say(line)
 
+    # -- events ---------------------------------------------------------------
     def _handle(self, index: int, msg: dict[str, Any]) -> None:
         st = self.state
         ev = msg.get("ev")
@@ -100,22 +151,133 @@ class Supervisor:
             self.sink(host, msg["rank"], msg["fd"], msg["line"])
         elif ev == "hello":
             st.hosts[index] = msg.get("host") or host
-        elif ev == "started" and self.on_start is not None:
-            self.on_start(host, msg["rank"])
+        elif ev == "started":
+            st.ranks[int(msg["rank"])] = RankState(host, msg.get("pid"),
+                                                   float(msg.get("_recv", time.monotonic())))
+            self.watch.on_started(len(st.ranks))
         elif ev == "exit":
-            if msg.get("code") != 0:
-                st.failures.append(RankFailure.from_event(host, msg))
-                self._stop()
+            self._exited(index, host, msg)
+        elif ev in ("stack", "stack_end"):
+            self._stack_event(index, host, msg)
         elif ev == "done":
             st.done.add(index)
             st.killed += int(msg.get("killed", 0))
         elif ev == "eof":
-            st.open_nodes.discard(index)
-            if index not in st.done:
-                code = self.handle.channels[index].wait(timeout=1)
-                st.failures.append(RankFailure(
-                    host=host, rank=None, code=code, signal=None, time=time.time(),
-                    during_stop=st.stopping, message=self.handle.exit_message(index, code)))
-                self._stop()
+            self._ended(index, host)
         elif ev in ("garbage", "agent_err"):
             self.sink(host, -1, 2, msg["line"])
+
+    def _exited(self, index: int, host: str, msg: dict[str, Any]) -> None:
+        st = self.state
+        rank = msg.get("rank")
+        if rank is not None and int(rank) in st.ranks:
+            st.ranks[int(rank)].ended = float(msg.get("_recv", time.monotonic()))
+        self.stragglers.exited(time.monotonic())
+        if msg.get("code") != 0:
+            st.failures.append(RankFailure.from_event(host, msg))
+            self._stop()
+
+    def _ended(self, index: int, host: str) -> None:
+        st = self.state
+        if index not in st.open_nodes:
+            return  # already given up on (lost)
+        st.open_nodes.discard(index)
+        for collection in st.collections.values():
+            collection.ended([index])
+        if index not in st.done:
+            code = self.handle.channels[index].wait(timeout=1)
+            st.failures.append(RankFailure(
+                host=host, rank=None, code=code, signal=None, time=time.time(),
+                during_stop=st.stopping, message=self.handle.exit_message(index, code),
+                seen=time.monotonic()))
+            self._stop()
+
+    # -- liveness -------------------------------------------------------------
+    def _check_liveness(self, now: float) -> None:
+        limit = self.watch.heartbeat_timeout
+        if not limit:
+            return
+        st = self.state
+        for index in sorted((st.open_nodes - st.done) & set(self.handle.watched)):
+            silent = now - self.handle.last_seen[index]
+            if silent <= limit:
+                continue
+            host = st.hosts[index]
+            on_host = sorted(r for r, s in st.ranks.items() if s.host == host and not s.ended)
+            ranks = f"; rank(s) {','.join(map(str, on_host))} ran there, and its agent " \
+                f"stops them by itself when it hears nothing from dsrun" if on_host else ""
+            st.failures.append(RankFailure(
+                host=host, rank=None, code=None, signal=None, time=time.time(),
+                during_stop=st.stopping, lost=True, seen=self.handle.last_seen[index],
+                message=(f"nothing heard from it for {silent:.1f}s (--heartbeat_timeout "
+                         f"{limit:g}){ranks}")))
+            st.open_nodes.discard(index)
+            for collection in st.collections.values():
+                collection.ended([index])
+            self.handle.drop(index)
+            self.watch.say(f"host {host} lost: nothing heard from it for {silent:.1f}s; "
+                           f"stopping the job on every other host")
+            self._stop()
+
+    # -- --timeout ------------------------------------------------------------
+    def _check_timeout(self, now: float) -> None:
+        st = self.state
+        timeout = self.watch.timeout
+        if timeout is None or st.timed_out is not None or st.stopping:
+            return
+        if now - self.started < timeout:
+            return
+        st.timed_out = timeout
+        st.running_at_timeout = tuple(
+            RunningRank(s.host, r, s.pid, now - s.started)
+            for r, s in sorted(st.ranks.items()) if s.ended is None)
+        self.watch.say(f"--timeout {timeout:g}s reached with {len(st.running_at_timeout)} "
+                       f"rank(s) still running: collecting their stacks, then stopping the job")
+        st.timeout_stacks = self._ask_stacks(now + TIMEOUT_STACK_WAIT, lambda line: None)
+
+    # -- stacks ---------------------------------------------------------------
+    def _ask_stacks(self, deadline: float, write: Callable[[str], object],
+                    close: Callable[[], None] | None = None) -> StackCollection:
+        st = self.state
+        req = st.next_req
+        st.next_req += 1
+        asked = st.open_nodes - st.done
+        collection = StackCollection(req, set(asked), deadline, write, close)
+        st.collections[req] = collection
+        self.handle.send_all({"cmd": "stack", "req": req}, only=sorted(asked))
+        return collection
+
+    def _serve_queries(self, now: float) -> None:
+        queries = self.watch.queries
+        while queries is not None:
+            try:
+                query = queries.get_nowait()
+            except queue.Empty:
+                return
+            self._ask_stacks(now + QUERY_STACK_WAIT, query.write, query.close)
+
+    def _stack_event(self, index: int, host: str, msg: dict[str, Any]) -> None:
+        collection = self.state.collections.get(msg.get("req"))  # type: ignore[arg-type]
+        if collection is None:
+            return
+        if msg.get("ev") == "stack":
+            collection.answer(host, int(msg.get("rank", -1)), msg.get("text"))
+        else:
+            collection.ended([index])
+
+    def _check_collections(self, now: float) -> None:
+        st = self.state
+        for collection in list(st.collections.values()):
+            if collection.complete(now):
+                self._finish_collection(collection)
+                if collection is st.timeout_stacks:
+                    self._stop()
+
+    def _finish_collection(self, collection: StackCollection) -> None:
+        st = self.state
+        st.collections.pop(collection.req, None)
+        if collection.pending:
+            silent = ", ".join(sorted({st.hosts[i] for i in collection.pending}))
+            collection.write(f"(no answer in time from {silent})")
+        if collection.close is not None:
+            collection.close()

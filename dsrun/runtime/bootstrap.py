@@ -1,31 +1,46 @@
 """The injected runtime: what every rank runs before the user's script.
 
 ``python -m dsrun.runtime.bootstrap --script PATH ARGS...`` (or
-``--module NAME ARGS...``): reads the DistEnv, initialises torch.distributed
-(unless the backend is ``none``), then runs the script as ``__main__`` with
-``sys.argv`` and ``sys.path[0]`` exactly as ``python PATH ARGS...`` would
-set them. An uncaught exception is recorded as JSON (rank, host, time,
-traceback) in ``DSRUN_ERROR_FILE`` for the agent's root-cause report - no
-decorator needed in user code - and printed as Python would, without the
-bootstrap's own frames. The process group is destroyed at exit.
+``--module NAME ARGS...``):
+
+1. arms the parent-death signal (the rank dies with its node agent;
+   deathsig.py) and the stack handler (``dsrun stack``; stackdump.py);
+2. reads the DistEnv and initialises torch.distributed (unless the backend
+   is ``none``);
+3. runs the script as ``__main__`` with the ``sys.argv`` and ``sys.path[0]``
+   that ``python PATH ARGS...`` would give it; an argparse parser that
+   declares ``--local_rank`` gets it filled in (localrank.py);
+4. at exit destroys the process group and leaves quickly without losing
+   buffered file data (fastexit.py).
+
+An uncaught exception is recorded as JSON (rank, host, time, traceback) in
+``DSRUN_ERROR_FILE`` for the agent's root-cause report - no decorator
+needed in user code - and printed as Python would, without the bootstrap's
+own frames. A :class:`~dsrun.errors.DsrunError` (a bad config, a bad
+argument to dsrun's API) is one message and the line of the script that
+called dsrun, without dsrun's frames; under an agent it is only recorded,
+so the launcher's report shows it once for the whole job.
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import runpy
 import socket
 import sys
-import threading
 import time
 import traceback
 from types import TracebackType
 
+import dsrun
+from dsrun import deathsig, stackdump
+from dsrun.errors import DsrunError
 from dsrun.runtime.env import DistEnv
+from dsrun.runtime.fastexit import fast_exit
 
 _OWN_FILES = (os.path.abspath(__file__), runpy.__file__)
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(dsrun.__file__)) + os.sep
 
 
 def _user_traceback(exc: BaseException) -> str:
@@ -40,17 +55,33 @@ def _is_own_frame(filename: str) -> bool:
     return filename.startswith("<frozen runpy") or os.path.abspath(filename) in _OWN_FILES
 
 
+def dsrun_call_site(exc: BaseException) -> str | None:
+    """``file:line in function`` of the script's call into dsrun that raised
+    ``exc``: the last frame before the first frame inside the dsrun package."""
+    site = None
+    for frame, line in traceback.walk_tb(exc.__traceback__):
+        filename = os.path.abspath(frame.f_code.co_filename)
+        if _is_own_frame(frame.f_code.co_filename):
+            continue
+        if filename.startswith(_PACKAGE_DIR):
+            break
+        site = f"{frame.f_code.co_filename}:{line} in {frame.f_code.co_name}"
+    return site
+
+
 def record_error(env: DistEnv, exc: BaseException, text: str,
-                 message: str | None = None, exit_code: int = 1) -> None:
+                 message: str | None = None, exit_code: int = 1,
+                 where: str | None = None) -> bool:
+    """Write the rank's error record for its agent; False when there is none."""
     if not env.error_file:
-        return
+        return False
     now = time.time()
     record = {
         "rank": env.rank, "local_rank": env.local_rank, "host": socket.gethostname(),
         "pid": os.getpid(), "time": now,
         "time_str": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)),
         "exc_type": type(exc).__name__, "message": message or str(exc), "traceback": text,
-        "exit_code": exit_code,
+        "exit_code": exit_code, "where": where,
     }
     tmp = env.error_file + ".tmp"
     try:
@@ -58,7 +89,19 @@ def record_error(env: DistEnv, exc: BaseException, text: str,
             json.dump(record, f)
         os.replace(tmp, env.error_file)
     except OSError:
-        pass  # the report loses the traceback, the exit code still tells
+        return False  # the report loses the traceback, the exit code still tells
+    return True
+
+
+def report_dsrun_error(env: DistEnv, exc: DsrunError) -> None:
+    """One message and the script's call site; printed here only when no
+    agent collects it (the launcher's report prints it once per job)."""
+    message = f"{type(exc).__name__}: {exc}"
+    where = dsrun_call_site(exc)
+    if not record_error(env, exc, "", message=message, exit_code=exc.exit_code or 1,
+                        where=where):
+        sys.stderr.write(f"dsrun: error: {message}\n" + (f"  at {where}\n" if where else ""))
+        sys.stderr.flush()
 
 
 def _run_target(mode: str, target: str, args: list[str]) -> None:
@@ -77,20 +120,36 @@ def _mpi_size() -> int:
     return int(mpi_comm().Get_size())
 
 
+def _prepare_process() -> DistEnv:
+    """What must happen before anything slow: die with the agent, answer
+    stack requests, know where this rank sits."""
+    deathsig.die_with_parent(deathsig.agent_pid(os.environ))
+    env = DistEnv.detect(mpi_size=_mpi_size)
+    stackdump.install(env.stack_file)
+    if env.fill_local_rank:
+        from dsrun.runtime import localrank
+
+        localrank.install(env.local_rank)
+    return env
+
+
 def main() -> int:
     if len(sys.argv) < 3 or sys.argv[1] not in ("--script", "--module"):
         sys.stderr.write("usage: python -m dsrun.runtime.bootstrap --script|--module TARGET ...\n")
         return 2
     mode, target, args = sys.argv[1], sys.argv[2], sys.argv[3:]
-    env = DistEnv.detect(mpi_size=_mpi_size)
+    env = _prepare_process()
     dist_on = env.backend != "none"
-    if dist_on:
-        from dsrun.runtime import dist
-
-        dist.init_distributed(env=env)
-        dist.install_compat()
     try:
+        if dist_on:
+            from dsrun.runtime import dist
+
+            dist.init_distributed(env=env)
+            dist.install_compat()
         _run_target(mode, target, args)
+    except DsrunError as exc:
+        report_dsrun_error(env, exc)
+        return exc.exit_code or 1
     except SystemExit as exc:
         if exc.code not in (None, 0):  # stamp the time: it may be the first failure
             record_error(env, exc, "", message=f"the script called sys.exit({exc.code!r})",
@@ -103,49 +162,9 @@ def main() -> int:
         sys.stderr.flush()
         return 1
     finally:
-        if dist_on:
-            dist.shutdown()
+        if dist_on and "dsrun.runtime.dist" in sys.modules:
+            sys.modules["dsrun.runtime.dist"].shutdown()
     return 0
-
-
-def _fast_exit(code: int) -> None:
-    """Exit without tearing the interpreter down, when that is safe.
-
-    With torch loaded, interpreter finalisation takes ~0.5 s per rank; a job
-    only needs what a normal exit guarantees to user code: atexit handlers
-    run (logging, multiprocessing and most libraries flush there) and the
-    standard streams flushed, and MPI finalised when the script used mpi4py
-    (mpi4py finalises from the interpreter's teardown, which is skipped
-    here; an MPI process that exits without it is an abnormal termination
-    to mpirun). If non-daemon threads are still running, or
-    DSRUN_FAST_EXIT=0, the normal exit path is taken.
-    """
-    if os.environ.get("DSRUN_FAST_EXIT", "1") == "0":
-        return
-    if any(t.is_alive() and not t.daemon for t in threading.enumerate()
-           if t is not threading.main_thread()):
-        return
-    atexit._run_exitfuncs()
-    _finalize_mpi()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
-
-
-def _finalize_mpi() -> None:
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is None:
-        return
-    rc = getattr(sys.modules.get("mpi4py"), "rc", None)
-    try:
-        if getattr(rc, "finalize", None) is not False and mpi.Is_initialized() \
-                and not mpi.Is_finalized():
-            mpi.Finalize()
-    except Exception:  # noqa: BLE001 - exiting anyway; the exit code still tells
-        pass
 
 
 if __name__ == "__main__":
@@ -153,7 +172,7 @@ if __name__ == "__main__":
         rc = main()
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
-            _fast_exit(exc.code or 0)
+            fast_exit(exc.code or 0)
         raise
-    _fast_exit(rc)
+    fast_exit(rc)
     sys.exit(rc)

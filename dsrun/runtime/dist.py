@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import inspect
 import logging
 from typing import Any
 
@@ -71,6 +72,9 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
                               "world_size": world if world and world > 0 else env.world_size}
     if timeout is not None:
         kwargs["timeout"] = timeout
+    for key in ("device_id", "pg_options"):  # a script's own, when it re-creates the group
+        if compat.get(key) is not None:
+            kwargs[key] = compat[key]
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)
     kwargs.update(_rendezvous(env, backend, timeout, compat))
@@ -111,21 +115,59 @@ def _mpi_world_size() -> int:
     return int(rendezvous.mpi_comm().Get_size())
 
 
-def tolerant_init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> None:
+def _requested(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of an init_process_group call, by name."""
+    bound = inspect.signature(_original_init).bind_partial(*args, **kwargs)
+    return dict(bound.arguments)
+
+
+def _same_device(device_id: Any) -> bool:
+    """Whether ``device_id`` is the device dsrun's group already uses."""
+    wanted = torch.device("cuda", device_id) if isinstance(device_id, int) \
+        else torch.device(device_id)
+    current = compute_device()
+    return wanted.type == current.type and (wanted.index is None or current.index is None
+                                            or wanted.index == current.index)
+
+
+def tolerant_init_process_group(*args: Any, **kwargs: Any) -> None:
     """Stands in for ``torch.distributed.init_process_group`` inside dsrun ranks.
 
-    Scripts written for torchrun call it themselves; the group dsrun already
-    made is kept when it matches, or replaced when the script asks for a
-    different backend, so such scripts run unchanged.
+    Scripts written for torchrun call it themselves. The group dsrun already
+    made is kept when it matches, and what the call asks for is applied:
+
+    - another ``backend``, ``pg_options``, or a ``device_id`` other than the
+      rank's device: the group is replaced by one made with these arguments
+      (over dsrun's rendezvous);
+    - ``timeout``: set on the existing group;
+    - ``rank``/``world_size`` other than the group's: a warning (the
+      launcher's values stay; a script that computes them differently has
+      a bug to know about);
+    - ``init_method``/``store``/``group_name``: the rendezvous is dsrun's.
     """
     global _owned_by_dsrun
-    if dist.is_initialized() and _owned_by_dsrun:
-        wanted = str(backend).lower() if backend else None
-        if wanted is None or wanted == dist.get_backend():
-            return
+    if not (dist.is_initialized() and _owned_by_dsrun):
+        _original_init(*args, **kwargs)
+        return
+    req = _requested(args, kwargs)
+    backend = req.get("backend")
+    wanted = str(backend).lower() if backend else dist.get_backend()
+    device_id, pg_options = req.get("device_id"), req.get("pg_options")
+    if wanted != dist.get_backend() or pg_options is not None or \
+            (device_id is not None and not _same_device(device_id)):
         dist.destroy_process_group()
         _owned_by_dsrun = False
-    _original_init(backend, *args, **kwargs)
+        init_distributed(backend=wanted, timeout=req.get("timeout"),
+                         device_id=device_id, pg_options=pg_options)
+        return
+    if req.get("timeout") is not None:
+        dist.distributed_c10d._set_pg_timeout(req["timeout"])
+        log.debug("init_process_group: timeout %s set on the existing group", req["timeout"])
+    for key, have in (("rank", dist.get_rank()), ("world_size", dist.get_world_size())):
+        given = req.get(key)
+        if given is not None and given != -1 and given != have:
+            log.warning("init_process_group(%s=%s) ignored: this rank's %s is %s (from the "
+                        "launcher)", key, given, key, have)
 
 
 def install_compat() -> None:

@@ -138,6 +138,7 @@ class DsrunEngine(torch.nn.Module):
         self.skipped_steps = 0
         self.micro_steps = 0
         self._grad_norm: Optional[torch.Tensor] = None
+        self._unowned: Optional[list[torch.nn.Parameter]] = None
         self._step_applied = False
         self._inside_no_sync = False
         self._boundary_override: Optional[bool] = None
@@ -378,9 +379,18 @@ class DsrunEngine(torch.nn.Module):
             self._inside_no_sync = previous
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
-        """Clear gradients (model and fp16 master weights). Model gradients
-        are always released; ``set_to_none=False`` keeps a ZeRO optimizer's
-        partition accumulators allocated (zeroed)."""
+        """Clear gradients (model and fp16 master weights). At stage 0 model
+        gradients are always released; a ZeRO optimizer owns them (they may
+        be views of its flat gradient buffers): ``set_to_none=False`` keeps
+        its buffers allocated and zeroed, True releases them."""
+        if self.zero_stage > 0 and self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+            if self._unowned is None:  # module parameters the optimizer does not train
+                owned = {id(p) for p in self.optimizer.trainable_params()}
+                self._unowned = [p for p in self.module.parameters() if id(p) not in owned]
+            for param in self._unowned:
+                param.grad = None
+            return
         self.precision.zero_grad()
         for param in self.module.parameters():
             param.grad = None

@@ -25,6 +25,12 @@ asked for CPU ranks (``dsrun --cpu``), which then use gloo even where CUDA
 is present.
 ``config_path`` is ``DSRUN_CONFIG``: the training config (DeepSpeed JSON)
 the launcher hands every rank (``dsrun --config``).
+``agent_pid`` (``DSRUN_AGENT_PID``) and ``stack_file`` (``DSRUN_STACK_FILE``)
+come from the rank's node agent: the rank dies with that process
+(deathsig.py) and writes its stacks to that file on request (stackdump.py).
+``fill_local_rank`` is False when the launcher was given ``--no_local_rank``
+(``DSRUN_LOCAL_RANK_FILL=0``): the runtime then leaves ``--local_rank`` to
+the script (localrank.py).
 """
 
 from __future__ import annotations
@@ -82,6 +88,9 @@ class DistEnv:
     accelerator: str | None = None  # DSRUN_ACCELERATOR: "cpu" under dsrun --cpu
     nodes: tuple[str, ...] = ()  # the job's hosts, where the launcher says (Slurm)
     slurm_job: tuple[int, int] | None = None  # (job id, step id) under srun
+    agent_pid: int | None = None  # DSRUN_AGENT_PID: the node agent that started the rank
+    stack_file: str | None = None  # DSRUN_STACK_FILE: where stacks go on request
+    fill_local_rank: bool = True  # DSRUN_LOCAL_RANK_FILL != "0"
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -110,6 +119,9 @@ class DistEnv:
             error_file=env.get("DSRUN_ERROR_FILE") or None,
             config_path=env.get("DSRUN_CONFIG") or None,
             accelerator=env.get("DSRUN_ACCELERATOR") or None,
+            agent_pid=_int(env, "DSRUN_AGENT_PID", None),
+            stack_file=env.get("DSRUN_STACK_FILE") or None,
+            fill_local_rank=env.get("DSRUN_LOCAL_RANK_FILL", "1") != "0",
         )
         for src in SOURCES:
             if src.rank in env and src.size in env:

@@ -612,6 +612,15 @@ class SimCluster:
             proc.wait(timeout=3)
         self.host(name).sshd_pid = None
 
+    def link_down(self, host: HostRef) -> None:
+        """Cut host off the network (its bridge port goes down), as a dead
+        switch port or a power loss would: its TCP connections stall, they
+        do not close."""
+        _run(["ip", "link", "set", self.host(host).veth, "down"])
+
+    def link_up(self, host: HostRef) -> None:
+        _run(["ip", "link", "set", self.host(host).veth, "up"])
+
     def stop_sshd(self, host: HostRef) -> None:
         """Stop host's sshd listener: new connections are refused (host "down").
 

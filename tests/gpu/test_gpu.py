@@ -105,5 +105,15 @@ def test_stage3_with_offload_peaks_below_stage0(results):
     facts = case(results, "memory")
     peaks = facts["peaks"]
     state = 16 * facts["parameters"]  # fp32 weights, grads, Adam moments
-    assert peaks["stage3_offload"] < peaks["stage0"] / 2, peaks
-    assert peaks["stage0"] >= state, peaks
+    assert peaks["stage3_offload"] < peaks["stage0"] / 2, facts
+    assert peaks["stage0"] >= state, facts
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_world_size_one_step_needs_no_host_sync(results, stage):
+    """bf16 at world size 1: no hook, the masters are the parameters' flat
+    buffer, and a whole step runs without the host waiting for the GPU."""
+    facts = case(results, f"no_host_sync_s{stage}")
+    assert facts["error"] is None, facts["error"]
+    assert not facts["backward_hooks"]
+    assert facts["master_is_param_buffer"]

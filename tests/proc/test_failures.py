@@ -161,3 +161,21 @@ def test_local_rank_argument_for_deepspeed_style_scripts(tmp_path, flag, spellin
     assert res.returncode == 0, res.stderr
     assert f"argv ['{spelling}=1', '--lr', '0.1']" in res.stdout
     assert f"argv ['{spelling}=0', '--lr', '0.1']" in res.stdout
+
+
+@pytest.mark.parametrize("extra,expected", [((), "{lr}"), (("--no_local_rank",), "-1")])
+def test_deepspeed_scripts_get_their_local_rank_without_a_flag(extra, expected):
+    res = run_dsrun("--cpu", "--num_gpus", "2", "--dist_backend", "none", *extra,
+                    str(WORKERS / "ds_local_rank.py"), "--epochs", "3")
+    assert res.returncode == 0, res.stderr
+    for lr in (0, 1):
+        assert f"local_rank {expected.format(lr=lr)} env {lr} epochs 3" in res.stdout, res.stdout
+
+
+def test_start_banner_names_the_hostfile(tmp_path):
+    (tmp_path / "hostfile").write_text("localhost slots=1\n")
+    res = run_dsrun("--cpu", "--dist_backend", "none", str(WORKERS / "hang.py"), "--finish",
+                    "0", cwd=str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.splitlines()[0].startswith(
+        f"dsrun: hostfile: {tmp_path / 'hostfile'} (found in the working directory")

@@ -79,3 +79,12 @@ def test_cpu_flag_runs_cpu_ranks_on_a_host_with_fewer_gpus():
     refused = run_dsrun("--num_gpus", "2", str(WORKERS / "allreduce.py"),
                         env={"DSRUN_FAKE_GPUS": "1"})
     assert refused.returncode == 2 and "more GPUs than this host has (1)" in refused.stderr
+
+
+def test_timeout_passed_to_init_process_group_by_the_script_is_applied():
+    res = run_dsrun("--cpu", "--num_gpus", "2", "--kill_grace", "1",
+                    str(WORKERS / "pg_timeout.py"), timeout=120)
+    assert res.returncode == 5, res.stderr
+    line = next(ln for ln in res.stdout.splitlines() if "after" in ln)
+    assert "TIMEOUT after" in line, line
+    assert float(line.split("after ")[1].split("s")[0]) < 10, line

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 import pytest
 
@@ -78,12 +80,91 @@ def test_warns_about_dsrun_flags_after_the_script(capsys):
     assert err.count("warning") == 2 and "passed to the script" in err
 
 
-def test_subcommand_dispatch_prefers_existing_files(tmp_path, monkeypatch):
+def test_subcommand_names_win_over_files_of_that_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert cli._dispatch(["run", "x.py"])[0] is cli.run_command
-    assert cli._dispatch(["run", "x.py"])[1] == ["x.py"]
-    (tmp_path / "run").write_text("print(1)\n")
-    assert cli._dispatch(["run", "x.py"]) == (cli.run_command, ["run", "x.py"])
+    for name in ("run", "hosts", "doctor", "stack"):
+        (tmp_path / name).write_text("print(1)\n")
+        command, rest = cli._dispatch([name, "x"])
+        assert command is cli.load_command(name) and rest == ["x"], name
+        # the documented ways to run such a file as the script
+        assert cli._dispatch([f"./{name}", "x"]) == (cli.run_command, [f"./{name}", "x"])
+        assert cli._dispatch(["run", name]) == (cli.run_command, [name])
+    (tmp_path / "hostfile").write_text("worker-1 slots=2\n")
+    assert cli.main(["hosts", "list"]) == 0  # not "python hosts list"
+
+
+def test_usage_error_of_a_command_named_like_a_file_says_how_to_run_the_file(
+        tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hosts").write_text("print(1)\n")
+    assert cli.main(["hosts", "frobnicate"]) == 2
+    err = capsys.readouterr().err
+    assert "see dsrun hosts --help" in err
+    assert "'dsrun ./hosts' or 'dsrun run hosts'" in err
+
+
+def test_help_lists_every_registered_command(monkeypatch, capsys):
+    @click.command("zzz-extra")
+    def extra() -> None:
+        """A command another module registers."""
+
+    monkeypatch.setitem(cli.SUBCOMMANDS, "zzz-extra", f"{__name__}:_EXTRA")
+    monkeypatch.setitem(globals(), "_EXTRA", extra)
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    commands = out.split("Commands:", 1)[1]
+    for name in ("run", "hosts", "doctor", "stack", "zzz-extra"):
+        assert f"  {name} " in commands, name
+    assert "A command another module registers." in commands
+    assert "./hosts" in " ".join(commands.split())  # the naming rule, where users look
+
+
+def test_version(capsys):
+    from dsrun import __version__
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"dsrun {__version__}"
+
+
+@pytest.mark.parametrize("argv", [["-h"], ["hosts", "-h"], ["hosts", "add", "-h"],
+                                  ["hosts", "list", "-h"], ["hosts", "fmt", "-h"],
+                                  ["doctor", "-h"], ["stack", "-h"], ["run", "-h"]])
+def test_dash_h_works_on_every_command(argv, capsys):
+    assert cli.main(argv) == 0
+    assert "Usage:" in capsys.readouterr().out
+
+
+def test_usage_error_of_a_subcommand_points_to_its_own_help(capsys):
+    assert cli.main(["hosts", "add", "worker-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dsrun: error: Missing option '--slots'")
+    assert err.endswith("(see dsrun hosts add --help)")
+
+
+def test_broken_subcommand_import_is_reported_not_taken_for_a_script(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "dsrun.launcher.hosts_cli", None)  # import fails
+    assert cli.main(["hosts", "list"]) == 1
+    err = capsys.readouterr().err
+    assert "the 'hosts' command cannot be loaded: ModuleNotFoundError" in err
+    assert "does not exist" not in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--no_local_rank", "--local_rank_arg", "t.py"], "--no_local_rank contradicts"),
+    (["--timeout", "0", "t.py"], "--timeout must be > 0"),
+    (["--heartbeat_timeout", "-1", "t.py"], "--heartbeat_timeout must be >= 0"),
+    (["--heartbeat_timeout", "0.2", "t.py"], "too short"),
+])
+def test_new_option_values_are_checked(argv, message):
+    with pytest.raises(DsrunUsageError, match=message):
+        cli.parse_spec(argv)
+
+
+def test_new_options_parse():
+    spec = cli.parse_spec(["--no_local_rank", "--timeout", "90", "--heartbeat_timeout", "0",
+                           "t.py"])
+    assert (spec.no_local_rank, spec.timeout, spec.heartbeat_timeout) == (True, 90.0, 0.0)
+    assert cli.parse_spec(["t.py"]).heartbeat_timeout == 15.0
 
 
 @pytest.mark.parametrize("argv,expected", [
@@ -102,3 +183,31 @@ def test_config_option_must_exist(tmp_path):
     cfg = tmp_path / "c.json"
     cfg.write_text("{}")
     assert cli.parse_spec(["--config", str(cfg), "t.py"]).config == str(cfg)
+
+
+def test_dry_run_names_the_hostfile_it_uses(tmp_path, monkeypatch, capsys):
+    from dsrun.launcher import hostfile as hf
+
+    monkeypatch.setattr(hf, "DEFAULT_JOB_HOSTFILE", str(tmp_path / "no-job-hostfile"))
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "t.py"
+    script.write_text("pass\n")
+    assert cli.main(["--dry-run", "--cpu", str(script)]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith(
+        "no hostfile: this host only")
+    (tmp_path / "hostfile").write_text("localhost slots=2\n")
+    assert cli.main(["--dry-run", "--cpu", str(script)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"hostfile: {tmp_path / 'hostfile'} (found in the working "
+                            f"directory; -H names another")
+    other = tmp_path / "other"
+    other.write_text("localhost slots=1\n")
+    assert cli.main(["--dry-run", "--cpu", "-H", str(other), str(script)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"hostfile: {other} (-H)"
+
+
+def test_a_group_named_alone_prints_its_help(capsys):
+    assert cli.main(["hosts"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("Usage: dsrun hosts") and "add" in captured.out
+    assert captured.err == ""

@@ -121,12 +121,43 @@ def test_validate_empty_file_fails(workdir: Path) -> None:
 # edits
 
 
-def test_add_creates_local_hostfile(workdir: Path) -> None:
+def test_add_creates_local_hostfile_and_says_jobs_will_use_it(workdir: Path) -> None:
     result = invoke("add", "worker-0", "--slots", "8")
     assert result.exit_code == 0, result.stderr
-    assert "(created)" in result.stdout
+    lines = result.stdout.splitlines()
+    assert lines[0] == "created hostfile ./hostfile"
+    assert "dsrun jobs started in this directory now run on the hosts of ./hostfile" \
+        in lines[2]
     assert (workdir / "hostfile").read_text() == "worker-0 slots=8\n"
     assert only_files(workdir) == ["hostfile"]
+    again = invoke("add", "worker-1", "--slots", "8")
+    assert "created" not in again.stdout and "note:" not in again.stdout
+
+
+@pytest.mark.parametrize("command", [
+    ["list"], ["validate"], ["fmt", "--check"], ["add", "worker-9", "--slots", "4"],
+    ["rm", "worker-1"], ["set-slots", "worker-1", "3"]])
+def test_hostfile_option_after_the_subcommand(workdir: Path, command: list[str]) -> None:
+    path = workdir / "elsewhere.txt"
+    path.write_text("worker-0 slots=8\nworker-1 slots=4\n")
+    for argv in ([*command, "-H", str(path)], ["-H", str(path), *command],
+                 [*command, "--hostfile", str(path)]):
+        result = invoke(*argv)
+        assert result.exit_code == 0, (argv, result.stdout, result.stderr)
+        assert str(path) in result.stdout or "ok:" in result.stdout or "worker-0" in \
+            result.stdout, argv
+        assert not (workdir / "hostfile").exists()  # the named file, not ./hostfile
+        path.write_text("worker-0 slots=8\nworker-1 slots=4\n")
+
+
+def test_hostfile_given_before_and_after_must_agree(workdir: Path) -> None:
+    a, b = workdir / "a", workdir / "b"
+    a.write_text("worker-0 slots=8\n")
+    b.write_text("worker-1 slots=8\n")
+    result = invoke("-H", str(a), "list", "-H", str(b))
+    assert result.exit_code == 2
+    assert "-H/--hostfile given twice with different paths" in result.stderr
+    assert invoke("-H", str(a), "list", "-H", str(a)).exit_code == 0
 
 
 def test_add_rm_set_slots_keep_comments_and_order(workdir: Path) -> None:

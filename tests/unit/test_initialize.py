@@ -312,16 +312,26 @@ def test_offload_a_stage_ignores_is_warned_about(solo: None, stage: int, section
                f"at stage {stage} it is ignored" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize(("given", "used"), [(None, 1 << 20), (1_000_000_000, 1 << 20), (5, 5)])
-def test_sub_group_size_reaches_the_zero_optimizer(solo: None, given: Any, used: int) -> None:
-    """DeepSpeed's default (1e9: the partition in one piece) is replaced by
-    dsrun's; a value the config sets is used."""
+@pytest.mark.parametrize(("given", "used", "optimizer"), [
+    (None, None, "Adam"), (1_000_000_000, None, "Adam"), (5, 5, "Adam"),
+    (None, 1 << 20, "SGD")])
+def test_sub_group_size_reaches_the_zero_optimizer(solo: None, given: Any, used: Any,
+                                                   optimizer: str) -> None:
+    """DeepSpeed's default (1e9: the partition in one piece) counts as
+    unset: dsrun steps whole masters with a fused optimizer (Adam) and
+    pieces of 2^20 elements otherwise on the CPU (foreach SGD); a value the
+    config sets is used."""
     section: dict[str, Any] = {"stage": 2}
     if given is not None:
         section["sub_group_size"] = given
-    config = {"train_batch_size": 4, "optimizer": {"type": "Adam"},
+    params = {"lr": 0.1} if optimizer == "SGD" else {}
+    config = {"train_batch_size": 4, "optimizer": {"type": optimizer, "params": params},
               "zero_optimization": section}
     engine, _, _, _ = dsrun.initialize(model=net(), config=config)
-    assert engine.optimizer.settings.sub_group_size == used
+    assert engine.optimizer.settings.sub_group_size == (5 if given == 5 else None)
+    assert engine.optimizer.inner_impl == ("fused" if optimizer == "Adam" else "foreach")
     pieces = [p.numel() for g in engine.optimizer.optimizer.param_groups for p in g["params"]]
+    if used is None:
+        assert pieces == [m.numel() for m in engine.optimizer.masters]
+        return
     assert max(pieces) <= used and sum(pieces) == sum(m.numel() for m in engine.optimizer.masters)

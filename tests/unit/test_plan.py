@@ -8,6 +8,7 @@ from dsrun.errors import DsrunUsageError
 from dsrun.launcher import launch
 from dsrun.launcher.backends.local import LocalBackend
 from dsrun.launcher.cluster import Cluster, this_host_pool
+from dsrun.launcher.configcheck import check_config
 from dsrun.launcher.envpolicy import job_env
 from dsrun.launcher.plan import NodeFacts, NodeSlots, build_plan, layout, rank_command
 from dsrun.launcher.rankenv import RankEnv, materialize, rank_env
@@ -171,13 +172,13 @@ def test_config_is_handed_to_every_rank(tmp_path):
 
 @pytest.mark.parametrize("text,message", [
     ('{"a": 1,\n  "b": }', ":2:8: not valid JSON"),
-    ("[1, 2]", "expected a JSON object, got list"),
+    ("[1, 2]", "must hold a JSON object, got"),
 ])
 def test_bad_config_file_is_a_usage_error(tmp_path, text, message):
     cfg = tmp_path / "ds.json"
     cfg.write_text(text)
     with pytest.raises(DsrunUsageError, match=message):
-        launch.check_config(LaunchSpec(script="t.py", config=str(cfg)))
+        check_config(str(cfg), 2, {})
 
 
 def test_cpu_flag_gives_cpu_ranks_that_see_no_gpu_on_a_gpu_host():

@@ -92,7 +92,10 @@ def test_prepare_golden(monkeypatch):
     assert secret in str(request.agents[1].payload["env"])  # it travels on stdin only
     agent_vars = [
         "    DSRUN_AGENT_ID=<set by the agent: marks the job's processes on the host>",
-        "    DSRUN_ERROR_FILE=<set by the agent: where the rank records an uncaught error>"]
+        "    DSRUN_AGENT_PID=<set by the agent: its pid; the rank dies with it>",
+        "    DSRUN_ERROR_FILE=<set by the agent: where the rank records an uncaught error>",
+        "    DSRUN_STACK_FILE=<set by the agent: where the rank writes its stacks for dsrun "
+        "stack>"]
     user = ["    NCCL_DEBUG=<value not shown> (forwarded)", "    SECRET=<value not shown> (--env)"]
 
     def rank(r, local, node, extra, defaults, tail):

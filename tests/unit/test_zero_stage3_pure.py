@@ -57,6 +57,8 @@ def test_persistence_threshold() -> None:
     assert is_persistent(100, 100, 2)  # numel <= threshold stays whole
     assert not is_persistent(101, 100, 2)
     assert is_persistent(10**9, 0, 1)  # world size 1: nothing to partition
+    assert not is_persistent(10**9, 0, 1, host_resident=True)  # offload_param: on demand
+    assert is_persistent(10, 10, 1, host_resident=True)
     assert is_persistent(0, 0, 4)  # empty parameters trivially
     with pytest.raises(ValueError, match="threshold"):
         is_persistent(5, -1, 2)

@@ -20,7 +20,11 @@ hosts; nothing outside it asks what kind of backend it is:
   each agent its part.
 
 A JobHandle's event queue carries ``(channel_index, message)`` pairs from
-every agent; channels are in the order of ``Request.agents``.
+every agent; channels are in the order of ``Request.agents``. Each message
+is stamped with ``_recv``, the launcher's ``time.monotonic()`` when it was
+read (the supervisor orders failures by it), and each channel's last such
+time is kept (:attr:`JobHandle.last_seen`: the heartbeat check). The handle
+sends heartbeats (protocol.py) to every agent once told the timeout.
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ import os
 import queue
 import sys
 import threading
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
@@ -52,6 +57,12 @@ STDERR_TAIL = 20
 # (host, rank, fd, line) -> None; rank AGENT_LINE: the agent itself, TOOL_LINE:
 # the command that starts the agents (then host is its name: mpirun, srun)
 OutputSink = Callable[[str, int, int, str], None]
+# Called with a host name each time an agent is up (started, or connected back).
+ConnectSink = Callable[[str], None]
+
+
+def ignore_connect(host: str) -> None:
+    pass
 AGENT_LINE = -1
 TOOL_LINE = -2
 
@@ -125,7 +136,7 @@ def agent_payload(plan: LaunchPlan, node: NodePlan,
         "env": plan.user_env.as_dict(),
         "ranks": [
             {"rank": s.rank, "local_rank": s.local_rank, "argv": rank_argv(plan, s),
-             "env": rank_env(plan, node, s).to_json()}
+             "runtime": plan.injected, "env": rank_env(plan, node, s).to_json()}
             for s in (node.ranks if slots is None else slots)
         ],
     }
@@ -135,6 +146,11 @@ class AgentChannel(ABC):
     """One running agent: a byte stream each way plus a hard stop."""
 
     host: str
+    #: Whether the link can go silent without closing (a network between
+    #: launcher and agent): only such agents exchange heartbeats. A local
+    #: child's pipe closes when the launcher dies, and a launcher stopped
+    #: with Ctrl-Z is not lost.
+    watched: bool = True
 
     @abstractmethod
     def stdin(self) -> IO[bytes]: ...
@@ -187,6 +203,12 @@ class JobHandle:
         self.leaders = list(range(len(channels)) if leaders is None else leaders)
         self.events: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
         self.err_tails = [collections.deque(maxlen=STDERR_TAIL) for _ in channels]
+        now = time.monotonic()
+        self.last_seen = [now] * len(channels)
+        self._locks = [threading.Lock() for _ in channels]
+        self._beating = threading.Event()
+        self._beater: threading.Thread | None = None
+        self._hb_timeout = 0.0
         self._stderr_pumps: dict[int, threading.Thread] = {}
         for index, channel in enumerate(channels):
             err = channel.stderr()
@@ -202,20 +224,65 @@ class JobHandle:
 
     def start(self, request: Request) -> None:
         """Send each agent its start payload: from here on ranks run."""
-        for channel, payload in zip(self.channels, request.payloads):
-            self._send(channel, payload)
+        for index, payload in enumerate(request.payloads):
+            self.send(index, payload)
 
     def send(self, index: int, obj: dict[str, Any]) -> None:
-        self._send(self.channels[index], obj)
+        with self._locks[index]:
+            self._send(self.channels[index], obj)
+
+    def send_all(self, obj: dict[str, Any], only: Iterable[int] | None = None) -> None:
+        for index in range(len(self.channels)) if only is None else only:
+            self.send(index, obj)
+
+    @property
+    def watched(self) -> list[int]:
+        """Channels that exchange heartbeats (AgentChannel.watched)."""
+        return [i for i, c in enumerate(self.channels) if c.watched]
+
+    def start_heartbeats(self, timeout: float) -> None:
+        """Tell every agent the heartbeat timeout (0 to those not watched),
+        then beat every timeout/4 seconds until :meth:`close` (0: off)."""
+        self._hb_timeout = timeout
+        watched = set(self.watched)
+        for index in range(len(self.channels)):
+            self.send(index, {"cmd": "hb", "timeout": timeout if index in watched else 0})
+        if timeout > 0 and watched and self._beater is None:
+            self._beater = threading.Thread(target=self._beat, daemon=True,
+                                            name="dsrun-heartbeat")
+            self._beater.start()
+
+    def _beat(self) -> None:
+        while not self._beating.wait(self._hb_timeout / 4 or 1.0):
+            if self._hb_timeout > 0:
+                self.send_all({"cmd": "hb", "timeout": self._hb_timeout}, only=self.watched)
+
+    def pause_heartbeats(self) -> None:
+        """Before the launcher stops (Ctrl-Z): agents stop expecting heartbeats.
+        Called from a signal handler: a channel busy in another write is skipped."""
+        for index in self.watched:
+            if self._locks[index].acquire(timeout=0.5):
+                try:
+                    self._send(self.channels[index], {"cmd": "hb", "timeout": 0})
+                finally:
+                    self._locks[index].release()
+
+    def resume_heartbeats(self) -> None:
+        """After the launcher continues: heartbeats as before the pause."""
+        self.last_seen = [time.monotonic()] * len(self.channels)
+        self.start_heartbeats(self._hb_timeout)
 
     def _pump(self, index: int, channel: AgentChannel) -> None:
         stream = channel.stdout()
         try:
             for line in iter(stream.readline, b""):
+                now = time.monotonic()
+                self.last_seen[index] = now
                 try:
                     msg = protocol.decode(line)
                 except ValueError:
                     msg = {"ev": "garbage", "line": line.decode("utf-8", "replace").rstrip()}
+                msg["_recv"] = now
                 self.events.put((index, msg))
         except (OSError, EOFError, ValueError):
             pass  # transport gone: same as end of output
@@ -223,7 +290,7 @@ class JobHandle:
         err_pump = self._stderr_pumps.get(index)
         if err_pump is not None:  # its last lines explain an exit
             err_pump.join(timeout=0.5)
-        self.events.put((index, {"ev": "eof"}))
+        self.events.put((index, {"ev": "eof", "_recv": time.monotonic()}))
 
     def _pump_err(self, index: int, stream: IO[bytes]) -> None:
         try:
@@ -241,25 +308,39 @@ class JobHandle:
     def _send(channel: AgentChannel, obj: dict[str, Any]) -> None:
         try:
             protocol.write(channel.stdin(), obj)
-        except (BrokenPipeError, OSError, ValueError):
+        except (BrokenPipeError, OSError, ValueError, EOFError):
             pass  # the agent is gone; its eof event reports it
 
     def stop(self) -> None:
         """Ask every agent to stop its ranks (SIGTERM, grace, SIGKILL)."""
-        for channel in self.channels:
-            self._send(channel, {"cmd": "stop"})
+        self.send_all({"cmd": "stop"})
 
     def kill(self) -> None:
         for channel in self.channels:
             channel.kill()
 
-    def close(self) -> None:
-        """End of input for every agent (stop now), then wait for them."""
-        for channel in self.channels:
-            channel.end_input()
-        for channel in self.channels:
-            channel.wait(timeout=5)
-            channel.close()
+    def drop(self, index: int) -> None:
+        """Give up on one agent (its host was lost): tear its transport down."""
+        self.channels[index].kill()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """End of input for every agent (stop now), then wait for all of
+        them at once: N hung hosts take ``timeout`` seconds, not N times it."""
+        self._beating.set()
+        for index, channel in enumerate(self.channels):
+            with self._locks[index]:
+                channel.end_input()
+        threads = [threading.Thread(target=_wait_and_close, args=(c, timeout), daemon=True)
+                   for c in self.channels]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
+def _wait_and_close(channel: AgentChannel, timeout: float) -> None:
+    channel.wait(timeout=timeout)
+    channel.close()
 
 
 class Backend(ABC):
@@ -301,6 +382,8 @@ class Backend(ABC):
         """The printable request for ``plan`` (pure)."""
 
     @abstractmethod
-    def open(self, plan: LaunchPlan, sink: OutputSink) -> JobHandle:
+    def open(self, plan: LaunchPlan, sink: OutputSink,
+             on_connect: ConnectSink = ignore_connect) -> JobHandle:
         """Start the agents of ``plan`` (a draft will do), each waiting for
-        its first line. ``sink`` receives what a launching tool prints."""
+        its first line. ``sink`` receives what a launching tool prints;
+        ``on_connect`` each host name as its agent is up."""

@@ -29,7 +29,14 @@ from typing import IO, Any
 
 from dsrun.errors import LaunchError
 from dsrun.launcher import callback, netinfo, protocol
-from dsrun.launcher.backends.base import TOOL_LINE, AgentChannel, JobHandle, OutputSink
+from dsrun.launcher.backends.base import (
+    TOOL_LINE,
+    AgentChannel,
+    ConnectSink,
+    JobHandle,
+    OutputSink,
+    ignore_connect,
+)
 from dsrun.launcher.plan import LaunchPlan
 
 log = logging.getLogger("dsrun.launcher")
@@ -147,8 +154,9 @@ class SocketChannel(AgentChannel):
 class CallbackServer:
     """Listens for the agents of one attempt and authenticates them."""
 
-    def __init__(self, expected: int) -> None:
+    def __init__(self, expected: int, on_connect: ConnectSink = ignore_connect) -> None:
         self.expected = expected
+        self.on_connect = on_connect
         self.secret = callback.new_secret()
         self.sock = _listen()
         self.port = int(self.sock.getsockname()[1])
@@ -175,6 +183,7 @@ class CallbackServer:
                     raise callback.HandshakeError(f"unexpected rank {rank}")
                 self.hellos[rank] = (conn, hello)
                 self.cond.notify_all()
+            self.on_connect(str(hello.get("host") or "?"))
         except (callback.HandshakeError, OSError) as exc:
             log.warning("refused an agent connection from %s: %s", peer, exc)
             with self.cond:
@@ -273,19 +282,20 @@ class ConnectedHandle(JobHandle):
         if self.tool.alive():
             self.tool.proc.kill()
 
-    def close(self) -> None:
-        super().close()
+    def close(self, timeout: float = 5.0) -> None:
+        super().close(timeout)
         self.tool.stop(self.grace + TOOL_EXIT_GRACE)
 
 
 def open_connected(plan: LaunchPlan, name: str, argv: Sequence[str],
                    tool_env: Mapping[str, str], sink: OutputSink, prefer: Sequence[str],
-                   timeout: float | None, agent_timeout: float) -> ConnectedHandle:
+                   timeout: float | None, agent_timeout: float,
+                   on_connect: ConnectSink = ignore_connect) -> ConnectedHandle:
     """Start ``argv`` (the tool) and wait for every rank's agent; see the
     module docstring. ``tool_env`` is the tool's environment without the
     callback variables, which are added here; ``agent_timeout`` is how long
     an agent tries to reach the launcher."""
-    server = CallbackServer(plan.world_size)
+    server = CallbackServer(plan.world_size, on_connect)
     env = {**tool_env, protocol.LAUNCHER_VAR: server.endpoints(prefer),
            protocol.SECRET_VAR: server.secret, protocol.TIMEOUT_VAR: f"{agent_timeout:g}"}
     tool = None

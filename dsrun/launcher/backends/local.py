@@ -13,10 +13,12 @@ from dsrun.launcher.backends.base import (
     AgentChannel,
     AgentRequest,
     Backend,
+    ConnectSink,
     JobHandle,
     OutputSink,
     Request,
     agent_payload,
+    ignore_connect,
 )
 from dsrun.launcher.plan import LaunchPlan, format_command
 from dsrun.launcher.spec import HostsSpec
@@ -29,6 +31,8 @@ LOCAL_BASE = "the environment dsrun was started with"
 
 
 class LocalChannel(AgentChannel):
+    watched = False  # a pipe to a child: it closes when the launcher dies
+
     def __init__(self, host: str, argv: tuple[str, ...], cwd: str) -> None:
         self.host = host
         # Own session: a Ctrl-C at the terminal reaches only the launcher,
@@ -84,7 +88,10 @@ class LocalBackend(Backend):
                        for i in range(len(plan.nodes)))
         return Request(self.name, plan, agents)
 
-    def open(self, plan: LaunchPlan, sink: OutputSink) -> JobHandle:
-        channels: list[AgentChannel] = [LocalChannel(n.host, self.agent_argv(), plan.cwd)
-                                        for n in plan.nodes]
+    def open(self, plan: LaunchPlan, sink: OutputSink,
+             on_connect: ConnectSink = ignore_connect) -> JobHandle:
+        channels: list[AgentChannel] = []
+        for node in plan.nodes:
+            channels.append(LocalChannel(node.host, self.agent_argv(), plan.cwd))
+            on_connect(node.host)
         return JobHandle(channels)

@@ -35,10 +35,12 @@ from dsrun.launcher import netinfo
 from dsrun.launcher.backends.base import (
     AgentRequest,
     Backend,
+    ConnectSink,
     JobHandle,
     OutputSink,
     Request,
     agent_payload,
+    ignore_connect,
 )
 from dsrun.launcher.backends.connect import open_connected, tool_environment
 from dsrun.launcher.plan import LaunchPlan
@@ -210,10 +212,12 @@ class OpenMpiBackend(Backend):
                     self.environ if node.local else None))
         return Request(self.name, plan, tuple(agents), self.argv(plan), env_names(plan))
 
-    def open(self, plan: LaunchPlan, sink: OutputSink) -> JobHandle:
+    def open(self, plan: LaunchPlan, sink: OutputSink,
+             on_connect: ConnectSink = ignore_connect) -> JobHandle:
         prefer = [netinfo.route_source(n.host) for n in plan.nodes if not n.local]
         timeout = max(60.0, 6 * self.hosts.ssh.timeout)
         return open_connected(plan, "mpirun", self.argv(plan),
                               tool_environment(plan, self.environ), sink,
                               [p for p in prefer if p], timeout,
-                              agent_timeout=max(30.0, 3 * self.hosts.ssh.timeout))
+                              agent_timeout=max(30.0, 3 * self.hosts.ssh.timeout),
+                              on_connect=on_connect)

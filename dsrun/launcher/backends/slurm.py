@@ -40,11 +40,13 @@ from dsrun.launcher import netinfo
 from dsrun.launcher.backends.base import (
     AgentRequest,
     Backend,
+    ConnectSink,
     HostPool,
     JobHandle,
     OutputSink,
     Request,
     agent_payload,
+    ignore_connect,
 )
 from dsrun.launcher.backends.connect import open_connected, tool_environment
 from dsrun.launcher.backends.openmpi import controlled_problem, env_names
@@ -178,7 +180,8 @@ class SlurmBackend(Backend):
                     self.environ))
         return Request(self.name, plan, tuple(agents), self.argv(plan), env_names(plan))
 
-    def open(self, plan: LaunchPlan, sink: OutputSink) -> JobHandle:
+    def open(self, plan: LaunchPlan, sink: OutputSink,
+             on_connect: ConnectSink = ignore_connect) -> JobHandle:
         prefer = [netinfo.route_source(n.host) for n in plan.nodes
                   if self.named and not n.local]
         # Outside an allocation srun may wait in the queue: no deadline then.
@@ -186,4 +189,5 @@ class SlurmBackend(Backend):
         return open_connected(plan, "srun", self.argv(plan),
                               tool_environment(plan, self.environ), sink,
                               [p for p in prefer if p], timeout,
-                              agent_timeout=max(30.0, 3 * self.hosts.ssh.timeout))
+                              agent_timeout=max(30.0, 3 * self.hosts.ssh.timeout),
+                              on_connect=on_connect)

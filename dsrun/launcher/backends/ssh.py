@@ -46,11 +46,13 @@ from dsrun.launcher.backends.base import (
     AgentChannel,
     AgentRequest,
     Backend,
+    ConnectSink,
     HostPool,
     JobHandle,
     OutputSink,
     Request,
     agent_payload,
+    ignore_connect,
 )
 from dsrun.launcher.backends.local import LocalChannel, local_request
 from dsrun.launcher.netinfo import is_local_host
@@ -339,6 +341,13 @@ class SshChannel(AgentChannel):
         return message
 
     def close(self) -> None:
+        # Closed here, not by their finalizers at interpreter exit, when
+        # paramiko's buffers may already be gone ("Exception ignored" noise).
+        for stream in (self._in, self._out, self._err):
+            try:
+                stream.close()
+            except (OSError, ValueError, EOFError):
+                pass
         self.client.close()
 
 
@@ -417,7 +426,8 @@ class SshBackend(Backend):
                                        f"the login environment of {node.host}"))
         return Request(self.name, plan, tuple(agents))
 
-    def open(self, plan: LaunchPlan, sink: OutputSink) -> JobHandle:
+    def open(self, plan: LaunchPlan, sink: OutputSink,
+             on_connect: ConnectSink = ignore_connect) -> JobHandle:
         """Connect to every host in parallel and start its agent.
 
         A host that cannot be reached gets a FailedChannel (its ``eof``
@@ -437,6 +447,8 @@ class SshBackend(Backend):
                 opened.append(channel)
                 if abandoned:
                     _discard(channel)
+            if not isinstance(channel, FailedChannel):
+                on_connect(host)
             return channel
 
         pool = ThreadPoolExecutor(max_workers=max(1, len(hosts)),

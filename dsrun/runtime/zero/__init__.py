@@ -4,11 +4,19 @@ the stage 1/2 sharded optimizer, and model-state memory accounting.
 * :mod:`.partition` - pure: flat padded per-rank partitions of param groups.
 * :mod:`.comm` - reduce-scatter / all-gather done the fastest way per backend.
 * :mod:`.reducer` - stage 2's bucketed gradient reduction during backward.
+* :mod:`.flat` - parameters and gradients as views of flat buffers, fp32
+  masters aliasing them.
+* :mod:`.masters` - what every stage does on its fp32 masters (unscale,
+  overflow, norm, clip, the inner optimizer's implementation and pieces).
+* :mod:`.offload` - placement, and the copies across the bus (side-stream
+  landing of gradients in host memory, the fence for pinned sources).
+* :mod:`.groups` - client param groups and the stages' settings.
 * :mod:`.sharded` - :class:`ZeroOptimizer`, the engine's entry point (its
   module docstring states the call order).
 * :mod:`.memory` - the paper's per-rank formulas and actual byte counts.
 * :mod:`.stage3` - :class:`ZeroStage3`, stage 3 (parameters partitioned),
-  with :mod:`.stage3_plan` (pure bookkeeping), :mod:`.partitioned`
+  with :mod:`.stage3_plan` (pure bookkeeping), :mod:`.stage3_setup`
+  (membership, partitioning, flat shards), :mod:`.partitioned`
   (partitioned parameters), :mod:`.fetch` (gather/release hooks),
   :mod:`.reduce3` (gradient reduction), :mod:`.linear` (memory-efficient
   linear), :mod:`.divergence` (hang diagnosis) and :mod:`.init`

@@ -66,8 +66,9 @@ REDUCE_STRATEGIES = ("all_reduce", "reduce_scatter")
 OWNER_REDUCE_STRATEGIES = ("all_reduce", "reduce")
 GATHER_STRATEGIES = ("all_gather", "broadcast")
 
-_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_gather_single = gather_single
 
 
 @dataclass(frozen=True)

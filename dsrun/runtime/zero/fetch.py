@@ -32,6 +32,17 @@ the next pass, which follows the newly recorded order. Every gather, prefetch
 or not, is one guard event, issued in the same order on all ranks as long as
 they run the same modules.
 
+**The turn from forward to backward.** Backward starts with the modules
+forward ended with, and its first pre-hooks would gather them again right
+after forward released them. So, following the previous backward's trace
+within the same budget its prefetch would use (``prefetch_bucket``,
+``max_live``), the modules at the end of a training forward keep those
+parameters gathered (counted as fetched ahead); a parameter used early in
+forward too (a tied embedding) is still released after its early use -
+unless the forward trace uses it again later in the same pass: then it is
+kept until that last use (one gather instead of two). The next forward's
+start releases whatever backward did not use.
+
 Autograd keeps the parameter object itself for backward (a leaf is saved by
 reference), so emptying ``param.data`` after forward and refilling it
 before backward is invisible to it. An operator that saves a *view* of a
@@ -45,6 +56,7 @@ operators that save a view of a weight still keep it until backward.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, Callable, Optional
 
 import torch
@@ -57,7 +69,7 @@ from dsrun.runtime.zero.partitioned import (
     finish_gather,
     is_zero_param,
     release,
-    start_gather,
+    start_gathers,
 )
 from dsrun.runtime.zero.stage3_plan import LiveSet, TraceCursor, plan_prefetch
 
@@ -135,6 +147,10 @@ class ParamFetcher:
         limit = 4 * len(self.modules) + 16
         self.forward_trace, self.backward_trace = TraceCursor(limit), TraceCursor(limit)
         self._users: dict[int, int] = {}
+        self._fetchable: dict[int, tuple[int, tuple[torch.Tensor, ...]]] = {}
+        self._turn_keep: frozenset[int] = frozenset()  # ids kept from forward to backward
+        self._turn_from = 0  # forward-trace position from which they are kept
+        self._last_use: dict[int, int] = {}  # id -> last forward-trace position using it
         self._root_depth = 0
         self._in_backward = False
         self._round = 0
@@ -152,12 +168,17 @@ class ParamFetcher:
     def fetchable(self, index: int) -> tuple[torch.Tensor, ...]:
         """Module ``index``'s partitioned, non-persistent parameters (its own
         and its external ones), each once."""
-        params = self._direct[index] + external_params(self.modules[index])
+        external = external_params(self.modules[index])
+        cached = self._fetchable.get(index)
+        if cached is not None and cached[0] == len(external):
+            return cached[1]
+        params = self._direct[index] + external
         out = tuple({id(p): p for p in params if is_zero_param(p) and not p.ds_persist}
                     .values())
         for p in out:
             if p.ds_id not in self.by_id:  # an external parameter from outside the root
                 self.by_id[p.ds_id], self._numels[p.ds_id] = p, p.ds_numel
+        self._fetchable[index] = (len(external), out)
         return out
 
     def on_backward_end(self, hook: Callable[[], None]) -> None:
@@ -181,6 +202,7 @@ class ParamFetcher:
             if self._root_depth == 0:
                 self._release_unused(reset_users=True)
                 self.forward_trace.start_pass()
+                self._plan_turn()
                 if self._linear is not None:
                     self._linear.install()
             self._root_depth += 1
@@ -194,13 +216,47 @@ class ParamFetcher:
         for p in params:
             finish_gather(p)
 
+    def _plan_turn(self) -> None:
+        """At the start of a forward pass: which parameters the coming
+        backward fetches first (the previous backward's trace, within the
+        prefetch budget, as its own prefetch would), so that the end of this
+        forward keeps them instead of releasing and gathering them again.
+        Only the modules at the end of the forward trace keep theirs: a
+        parameter used early (a tied embedding) is still released there."""
+        self._turn_keep, self._turn_from = frozenset(), 0
+        self._last_use = {}
+        for position, module in enumerate(self.forward_trace.trace):
+            for p in self.fetchable(module):
+                self._last_use[p.ds_id] = position
+        trace = self.backward_trace.trace
+        if self.prefetch_bucket <= 0 or not trace or not self.forward_trace.trace:
+            return
+        plan = plan_prefetch(trace, -1, _ModuleIds(self), self._numels, (), ahead=0, live=0,
+                             bucket=self.prefetch_bucket, max_live=self.max_live)
+        self._turn_keep = frozenset(pid for _, ids in plan for pid in ids)
+        self._turn_from = len(self.forward_trace.trace) - len(plan)
+
+    def _keeps(self, param: torch.Tensor) -> bool:
+        """Not released after this use: used again later in this forward
+        (a tied weight), or kept at the turn to backward (:meth:`_plan_turn`)."""
+        trace = self.forward_trace
+        if not trace.on_track:
+            return False
+        if trace.position < self._last_use.get(param.ds_id, -1):
+            return True
+        return (param.ds_id in self._turn_keep and torch.is_grad_enabled()
+                and trace.position >= self._turn_from)
+
     def _post_forward(self, index: int, output: Any) -> None:
         params = self.fetchable(index)
         for p in params:
             users = self._users.get(p.ds_id, 1) - 1
             self._users[p.ds_id] = max(users, 0)
             if users <= 0:
-                self._release(p)
+                if self._keeps(p):
+                    self.live.mark_ahead(p.ds_id)
+                else:
+                    self._release(p)
         if params and torch.is_grad_enabled():
             self._hook_outputs(index, output)
         if self.modules[index] is self.root:
@@ -208,7 +264,8 @@ class ParamFetcher:
             if self._root_depth == 0:
                 if self._linear is not None:
                     self._linear.restore()
-                self._release_unused(reset_users=False)
+                self._release_unused(reset_users=False, keep=self._turn_keep
+                                     if torch.is_grad_enabled() else frozenset())
 
     def _hook_outputs(self, index: int, output: Any) -> None:
         tensors = [t for t in output_tensors(output) if t.requires_grad]
@@ -294,8 +351,8 @@ class ParamFetcher:
         name = self.names[need[0][0]] + (f" and {len(need) - 1} more module(s)"
                                          if len(need) > 1 else "")
         self.guard.event(phase, name, [p.ds_id for p in todo], [p.ds_numel for p in todo])
+        start_gathers(todo, self.strategy)
         for p in todo:
-            start_gather(p, self.strategy)
             if p.ds_id not in self.live:
                 self.live.add(p.ds_id, p.ds_numel, ahead=ahead)
 
@@ -314,12 +371,14 @@ class ParamFetcher:
         if param.ds_status is ZeroParamStatus.NOT_AVAILABLE:
             self.live.remove(param.ds_id)
 
-    def _release_unused(self, *, reset_users: bool) -> None:
-        """Release every gathered parameter no running forward uses."""
+    def _release_unused(self, *, reset_users: bool, keep: AbstractSet[int] = frozenset()
+                        ) -> None:
+        """Release every gathered parameter no running forward uses (except
+        ``keep``)."""
         if reset_users:
             self._users.clear()
         for pid in list(self.live.ids()):
-            if self._users.get(pid, 0) <= 0:
+            if self._users.get(pid, 0) <= 0 and pid not in keep:
                 self._release(self.by_id[pid])
 
     def close(self) -> None:

@@ -87,11 +87,24 @@ class InitSettings:
                                    f"{self.persistence_threshold!r}")
 
 
-def settings_from_config(config: Any) -> tuple[int, Optional[torch.dtype]]:
-    """(persistence threshold, parameter dtype) from a DeepSpeed config dict,
-    a JSON path or a resolved DsrunConfig (None: DeepSpeed's defaults)."""
+@dataclass(frozen=True)
+class ConfigSettings:
+    """What ``zero.Init`` takes from a DeepSpeed config: the persistence
+    threshold, the parameter dtype (fp16/bf16 sections), and the
+    ``offload_param`` section's device (None: none or "none") and
+    ``pin_memory``, as DeepSpeed's Init does when given a config."""
+
+    persistence_threshold: int
+    dtype: Optional[torch.dtype] = None
+    remote_device: Optional[str] = None
+    pin_memory: bool = False
+
+
+def settings_from_config(config: Any) -> ConfigSettings:
+    """:class:`ConfigSettings` from a DeepSpeed config dict, a JSON path or a
+    resolved DsrunConfig (None: DeepSpeed's defaults)."""
     if config is None:
-        return ZeroConfig().param_persistence_threshold, None
+        return ConfigSettings(ZeroConfig().param_persistence_threshold)
     if hasattr(config, "zero_optimization"):
         zero = config.zero_optimization
         fp16, bf16 = config.fp16.enabled, config.bf16.enabled
@@ -103,7 +116,11 @@ def settings_from_config(config: Any) -> tuple[int, Optional[torch.dtype]]:
         fp16 = _enabled(raw.get("fp16"))
         bf16 = _enabled(raw.get("bf16", raw.get("bfloat16")))
     dtype = torch.float16 if fp16 else torch.bfloat16 if bf16 else None
-    return zero.param_persistence_threshold, dtype
+    section = getattr(zero, "offload_param", None)
+    device = getattr(section, "device", None)
+    return ConfigSettings(zero.param_persistence_threshold, dtype,
+                          None if device in (None, "none") else device,
+                          bool(getattr(section, "pin_memory", False)))
 
 
 def _enabled(section: Any) -> bool:
@@ -131,7 +148,8 @@ def partition_module(module: torch.nn.Module, settings: InitSettings) -> None:
     owner = type(module).__name__
     for p in params:
         partition_param(p, group=settings.group, alignment=settings.alignment,
-                        persist=is_persistent(p.numel(), settings.persistence_threshold, world),
+                        persist=is_persistent(p.numel(), settings.persistence_threshold, world,
+                                              settings.offload),
                         name=f"{owner}.{names.get(id(p), '?')}")
         if settings.offload:
             offload_shard(p, settings.pin_memory)
@@ -274,11 +292,18 @@ class Init:
             raise DsrunConfigError(f"zero.Init: {', '.join(bad)} not supported by dsrun")
         if data_parallel_group is None and mpu is not None:
             data_parallel_group = mpu.get_data_parallel_group()
-        threshold, config_dtype = settings_from_config(
+        found = settings_from_config(
             config_dict_or_path if config_dict_or_path is not None else config)
+        if remote_device is None and found.remote_device is not None:
+            # DeepSpeed's Init takes offload_param's device and pinning from the config
+            remote_device, pin_memory = found.remote_device, pin_memory or found.pin_memory
+        if remote_device == "nvme":
+            raise DsrunConfigError("zero.Init: offload_param.device 'nvme' (from the config) "
+                                   "is not supported by dsrun")
         device, offload = _init_device(remote_device)
-        self.settings = InitSettings(data_parallel_group, threshold, dtype=dtype or config_dtype,
-                                     device=device, offload=offload, pin_memory=bool(pin_memory))
+        self.settings = InitSettings(data_parallel_group, found.persistence_threshold,
+                                     dtype=dtype or found.dtype, device=device, offload=offload,
+                                     pin_memory=bool(pin_memory))
         if module is not None:
             partition_module(module, self.settings)
 

@@ -32,10 +32,30 @@ Invariants:
   and ``INFLIGHT`` <=> ``data`` is empty (``INFLIGHT``: a gather is pending);
 * persistent parameters are always ``AVAILABLE`` and still keep their shard
   in ``ds_tensor`` (the optimizer partitions them like any other);
-* at world size 1 every parameter is persistent and ``ds_tensor`` is a view
-  of ``data``;
+* at world size 1 a persistent parameter's ``ds_tensor`` is a view of
+  ``data`` (on a GPU rank with ``offload_param``, a separate host copy);
+  every parameter is persistent there unless its shard lives in host
+  memory (``offload_param``: the whole parameter is then the shard, on the
+  host, brought to the device for each use);
 * only :func:`release` empties ``data``, and it leaves pinned and persistent
   parameters alone.
+
+**Gathering a batch** (:func:`start_gathers`, what the fetcher issues for
+a module or a prefetch): where the strategy all-gathers (NCCL) at world
+size > 1, the device-resident shards of one group go out as one coalesced
+collective - per-parameter outputs, no copy in or out, one launch (FSDP2's
+one all-gather per group without its copy-out) - through
+``torch.distributed._coalescing_manager``; gloo's strategy broadcasts from
+each owner per parameter (the fastest there, ``bench/collectives.py``).
+
+**Gathering a host-resident shard** (``offload_param`` on a GPU rank): the
+host -> device copy runs on a side stream (:func:`~.offload.copy_stream`),
+so a prefetch overlaps the compute stream. The full buffer is allocated on
+that stream; the compute stream waits for the copy's event (and, at world
+size > 1, for the all-gather issued on the side stream) in
+:func:`finish_gather`, which also ``record_stream``-s the buffer on the
+compute stream, so that its memory is not handed out again before the
+compute stream is done with it.
 """
 
 from __future__ import annotations
@@ -50,8 +70,14 @@ import torch
 import torch.distributed as dist
 
 from dsrun.errors import DsrunError
-from dsrun.runtime.zero.comm import CommStrategy, Pending, start_all_gather
-from dsrun.runtime.zero.offload import HOST, host_copy, to_device
+from dsrun.runtime.zero.comm import (
+    CommStrategy,
+    Pending,
+    gather_single,
+    start_all_gather,
+    strategy_for,
+)
+from dsrun.runtime.zero.offload import HOST, copy_stream, host_copy, to_device
 from dsrun.runtime.zero.stage3_plan import ShardSpec
 
 _ids = itertools.count()
@@ -144,14 +170,14 @@ def _empty(param: torch.Tensor) -> torch.Tensor:
 def partition_param(param: torch.nn.Parameter, *, group: Any, persist: bool,
                     alignment: int = 1, name: Optional[str] = None) -> ZeroParameter:
     """Make ``param`` (full, equal on every rank) a partitioned parameter of
-    ``group``: keep this rank's shard, release the rest unless ``persist``.
-    World size 1 always persists. Returns the same object."""
+    ``group``: keep this rank's shard, release the rest unless ``persist``
+    (see :func:`~.stage3_plan.is_persistent`). Returns the same object."""
     if is_zero_param(param):
         raise DsrunError(f"{param_name(param)} is partitioned already")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     spec = ShardSpec(param.numel(), world, alignment)
     flat = param.data.reshape(-1)
-    if world == 1 and spec.padded_numel == spec.numel:
+    if world == 1 and persist and spec.padded_numel == spec.numel:
         shard = param.data.view(-1) if param.data.is_contiguous() else flat
     else:
         shard = torch.zeros(spec.shard_numel, dtype=param.dtype, device=param.device)
@@ -163,7 +189,7 @@ def partition_param(param: torch.nn.Parameter, *, group: Any, persist: bool,
         ds_id=next(_ids), ds_name=name, ds_shape=param.data.shape, ds_numel=spec.numel,
         ds_spec=spec, ds_tensor=shard, ds_device=param.device,
         ds_status=ZeroParamStatus.AVAILABLE,
-        ds_persist=bool(persist or world == 1), ds_group=group, ds_pins=0, _ds_pending=None)
+        ds_persist=bool(persist), ds_group=group, ds_pins=0, _ds_pending=None)
     if not param.ds_persist:
         release(param)
     return param  # type: ignore[return-value]
@@ -172,12 +198,14 @@ def partition_param(param: torch.nn.Parameter, *, group: Any, persist: bool,
 def set_persistence(params: Iterable[torch.Tensor], persist: bool,
                     strategy: Optional[CommStrategy] = None) -> None:
     """Change whether ``params`` are kept whole (collective when gathering)."""
-    todo = [p for p in params if p.ds_persist != persist and p.ds_spec.world_size > 1]
+    todo = [p for p in params if p.ds_persist != persist]
     if persist:
         gather(todo, strategy=strategy)
     for p in todo:
         p.ds_persist = persist
         if not persist:
+            if _aliases(p):  # world size 1: the shard must outlive the data
+                p.ds_tensor = p.ds_tensor.clone()
             release(p)
 
 
@@ -193,25 +221,32 @@ def broadcast_full(params: Sequence[torch.Tensor], group: Any) -> None:
             work.wait()
 
 
-def move_param(param: torch.Tensor, device: torch.device) -> None:
+def move_param(param: torch.Tensor, device: torch.device, keep_host_shard: bool = False
+               ) -> None:
     """Put a partitioned parameter's shard (and full data, if held) on
-    ``device``, which becomes its compute device (not during a gather)."""
-    if param.ds_tensor.device == device and param.ds_device == device:
+    ``device``, which becomes its compute device (not during a gather).
+    ``keep_host_shard``: a shard in host memory stays there (offload_param)."""
+    host_shard = keep_host_shard and param.ds_tensor.device == HOST
+    if (host_shard or param.ds_tensor.device == device) and param.ds_device == device:
         return
     if param.ds_status is ZeroParamStatus.INFLIGHT:
         raise DsrunError(f"cannot move {param_name(param)} while its gather is in flight")
     aliased = _aliases(param)
     with torch.no_grad():
         param.data = param.data.to(device)
-        param.ds_tensor = param.data.view(-1) if aliased else param.ds_tensor.to(device)
+        if aliased:
+            param.ds_tensor = param.data.view(-1)
+        elif not host_shard:
+            param.ds_tensor = param.ds_tensor.to(device)
     param.ds_device = device
 
 
 def offload_shard(param: torch.Tensor, pin_memory: bool = False) -> None:
     """Keep ``param``'s shard in host memory (``offload_param``); gathers
-    copy it to the compute device first. A shard that is a view of the
-    whole parameter (world size 1) stays where the parameter is."""
-    if param.ds_tensor.device == HOST or _aliases(param):
+    copy it to the compute device first. A persistent parameter keeps its
+    full data on the device and a separate host shard (refreshed into the
+    data after each step), at world size 1 too."""
+    if param.ds_tensor.device == HOST:
         return
     if param.ds_status is ZeroParamStatus.INFLIGHT:
         raise DsrunError(f"cannot offload {param_name(param)} while its gather is in flight")
@@ -226,10 +261,72 @@ def start_gather(param: torch.Tensor, strategy: Optional[CommStrategy] = None) -
     if param.ds_status is not ZeroParamStatus.NOT_AVAILABLE:
         return
     spec: ShardSpec = param.ds_spec
-    out = torch.empty(spec.padded_numel, dtype=param.ds_tensor.dtype, device=param.ds_device)
-    shard = to_device(param.ds_tensor, param.ds_device)  # offloaded shards: host -> device
-    param._ds_pending = start_all_gather(shard, out, param.ds_group, strategy=strategy)
+    shard, device = param.ds_tensor, param.ds_device
+    if shard.device != device and device.type == "cuda":
+        param._ds_pending = _start_host_gather(param, shard, device, strategy)
+    else:
+        out = torch.empty(spec.padded_numel, dtype=shard.dtype, device=device)
+        shard = to_device(shard, device)  # a host shard on a CPU rank: no copy
+        param._ds_pending = start_all_gather(shard, out, param.ds_group, strategy=strategy)
     param.ds_status = ZeroParamStatus.INFLIGHT
+
+
+def start_gathers(params: Sequence[torch.Tensor],
+                  strategy: Optional[CommStrategy] = None) -> None:
+    """:func:`start_gather` for every released parameter of ``params``;
+    device-resident shards of one group coalesced where the strategy
+    all-gathers (module docstring)."""
+    batches: dict[tuple[Any, torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for p in params:
+        if p.ds_status is not ZeroParamStatus.NOT_AVAILABLE:
+            continue
+        if _coalescible(p, strategy):
+            batches.setdefault((p.ds_group, p.ds_tensor.dtype, p.ds_device), []).append(p)
+        else:
+            start_gather(p, strategy)
+    for (group, dtype, device), batch in batches.items():
+        if len(batch) == 1:
+            start_gather(batch[0], strategy)
+            continue
+        outs = [torch.empty(p.ds_spec.padded_numel, dtype=dtype, device=device)
+                for p in batch]
+        with dist._coalescing_manager(group, async_ops=True) as manager:  # fast path
+            for p, out in zip(batch, outs):
+                gather_single(out, p.ds_tensor, group=group)
+        shared = Pending(outs[0], [manager])  # one wait completes the whole batch
+        for p, out in zip(batch, outs):
+            p._ds_pending = Pending(out, [shared])
+            p.ds_status = ZeroParamStatus.INFLIGHT
+
+
+def _coalescible(param: torch.Tensor, strategy: Optional[CommStrategy]) -> bool:
+    if param.ds_spec.world_size == 1 or param.ds_tensor.device != param.ds_device:
+        return False
+    chosen = strategy or strategy_for(param.ds_group, param.ds_device)
+    return chosen.gather == "all_gather"
+
+
+def _start_host_gather(param: torch.Tensor, shard: torch.Tensor, device: torch.device,
+                       strategy: Optional[CommStrategy]) -> Pending:
+    """A host-resident shard to the GPU on the copy stream (module docstring)."""
+    stream = copy_stream(device)
+    with torch.cuda.stream(stream):
+        out = torch.empty(param.ds_spec.padded_numel, dtype=shard.dtype, device=device)
+        if param.ds_spec.world_size == 1:
+            out.copy_(shard, non_blocking=True)
+            pending = Pending(out)
+        else:
+            on_device = shard.to(device, non_blocking=True)
+            pending = start_all_gather(on_device, out, param.ds_group, strategy=strategy)
+        event = torch.cuda.Event()
+        event.record(stream)
+
+    def finish() -> None:
+        compute = torch.cuda.current_stream(device)
+        compute.wait_event(event)
+        out.record_stream(compute)
+
+    return Pending(out, [pending], finish)
 
 
 def finish_gather(param: torch.Tensor) -> None:

@@ -21,21 +21,31 @@ One round per backward:
    largest bucket's size are used in turn (a parameter bigger than the cap
    is reduced in its own gradient tensor instead, as DeepSpeed does);
    before bucket ``k`` takes its slot, bucket ``k - n_buffers`` is waited
-   for and **drained**: this rank's ranges are added into its fp32
-   partition accumulators. So with overlap one bucket is reduced while the
-   next one fills; without, each reduction completes before backward goes
-   on. A gradient that arrives for a bucket that has no buffer yet stays in
+   for and **drained**: this rank's ranges are handed to ``land(group,
+   shard start, values)``, which copies (first round after a step) or adds
+   them into the fp32 partition accumulators - in host memory under
+   offload, through :class:`~.offload.Landing`'s side-stream copies, so the
+   slot waits (on the device) for those copies before it is written again
+   (``before_reuse``). So with overlap one bucket is reduced while the next
+   one fills; without, each reduction completes before backward goes on. A
+   gradient that arrives for a bucket that has no buffer yet stays in
    ``param.grad`` until the bucket gets one.
 4. At the end of backward (an autograd engine callback, queued by the first
    hook of the round; :meth:`finish` does the same and is idempotent) the
    remaining buckets are launched - parameters that got no gradient
-   contribute zeros - and every reduction is waited for and drained.
+   contribute zeros - and every reduction is waited for and drained; then
+   ``on_round_end()``.
 
-Accumulators are added to, so gradient accumulation over micro-steps keeps
-the partitioned sum ``sum_micro(mean_ranks(g))``. ``contiguous_gradients``:
+A bucket's buffer holds its parameters in flat-buffer order (backward order
+is roughly the reverse), so this rank's share of a bucket is usually one
+contiguous range of its partition: one ``land`` per bucket. Every round
+writes every element of this rank's partition ranges (missing gradients as
+zeros), which is what lets the first round of a step *copy* into the
+accumulators instead of zeroing them first and adding. ``contiguous_gradients``:
 True keeps the slot buffers allocated for the whole run (no allocation
 during backward); False allocates a bucket's buffer when it opens and frees
-it when drained.
+it when drained. At world size 1 (offload) nothing is reduced: the buckets
+only batch the copies to the host.
 """
 
 from __future__ import annotations
@@ -48,8 +58,9 @@ import torch
 
 from dsrun.errors import DsrunError
 from dsrun.runtime.zero.comm import CommStrategy, Pending, start_reduce_to_owners
-from dsrun.runtime.zero.offload import to_device
 from dsrun.runtime.zero.partition import GroupLayout, plan_buckets
+
+Land = Callable[[int, int, torch.Tensor], None]  # (group, shard start, values)
 
 
 @dataclass(frozen=True)
@@ -81,16 +92,19 @@ class GradReducer:
 
     def __init__(self, sources: Sequence[GradSource], layouts: Sequence[GroupLayout], *,
                  rank: int, world_size: int, group: Any, bucket_numel: int, overlap: bool,
-                 contiguous: bool, dtype: torch.dtype,
-                 accumulator: Callable[[int], torch.Tensor],
-                 strategy: Optional[CommStrategy] = None) -> None:
+                 contiguous: bool, dtype: torch.dtype, land: Land,
+                 strategy: Optional[CommStrategy] = None,
+                 before_reuse: Callable[[], None] = lambda: None,
+                 on_round_end: Callable[[], None] = lambda: None) -> None:
         self.sources = list(sources)
         self.group = group
         self.rank = rank
         self.scale = 1.0 / world_size
         self.strategy = strategy
         self.dtype = dtype
-        self.accumulator = accumulator
+        self.land = land
+        self.before_reuse = before_reuse
+        self.on_round_end = on_round_end
         self.contiguous = contiguous
         self.n_buffers = 2 if overlap else 1
         plan = plan_buckets([s.param.numel() for s in self.sources], bucket_numel)
@@ -107,19 +121,29 @@ class GradReducer:
                          for key, s in enumerate(self.sources)]
 
     def _make_bucket(self, keys: Sequence[int], layouts: Sequence[GroupLayout]) -> _Bucket:
-        offsets, ranges, mine, total = [], [], [], 0
-        for key in keys:
+        """Slots in flat-buffer order (module docstring), ranges merged."""
+        def flat_position(key: int) -> tuple[int, int]:
+            source = self.sources[key]
+            return source.group, layouts[source.group].offsets[source.index] or 0
+
+        slot: dict[int, int] = {}
+        ranges: list[tuple[int, int, int]] = []
+        mine: list[tuple[int, int, int, int]] = []
+        total = 0
+        for key in sorted(keys, key=flat_position):
             source = self.sources[key]
             layout = layouts[source.group]
-            offsets.append(total)
+            slot[key] = total
             for owner, param_offset, length in layout.param_owners(source.index):
                 ranges.append((owner, total + param_offset, length))
                 if owner == self.rank:
                     flat = layout.offsets[source.index] + param_offset  # type: ignore[operator]
                     shard_start = flat - self.rank * layout.partition_numel
-                    mine.append((source.group, shard_start, total + param_offset, length))
+                    _append_merged(mine, (source.group, shard_start, total + param_offset,
+                                          length))
             total += source.param.numel()
-        return _Bucket(tuple(keys), tuple(offsets), total, tuple(ranges), tuple(mine))
+        return _Bucket(tuple(keys), tuple(slot[k] for k in keys), total, tuple(ranges),
+                       tuple(mine))
 
     @property
     def buffer_bytes(self) -> int:
@@ -196,6 +220,7 @@ class GradReducer:
         previous = b - self.n_buffers
         if previous >= 0:
             self._drain(previous)
+            self.before_reuse()
         bucket = self.buckets[b]
         bucket.opened = True
         if bucket.solo:
@@ -230,9 +255,7 @@ class GradReducer:
         buffer = bucket.inflight.wait()
         bucket.inflight = None
         for group, shard_start, start, length in bucket.mine:
-            acc = self.accumulator(group)  # in host memory under offload_optimizer
-            acc.narrow(0, shard_start, length).add_(
-                to_device(buffer.narrow(0, start, length), acc.device))
+            self.land(group, shard_start, buffer.narrow(0, start, length))
         bucket.buffer, bucket.opened = None, False
 
     def finish(self) -> None:
@@ -256,6 +279,7 @@ class GradReducer:
                 self._launch(b)
             for b in range(len(self.buckets)):
                 self._drain(b)
+            self.on_round_end()
         finally:
             self._active = False
 
@@ -282,3 +306,15 @@ class GradReducer:
             handle.remove()
         self._handles = []
         self._slots = [None] * self.n_buffers
+
+
+def _append_merged(out: list[tuple[int, int, int, int]],
+                   item: tuple[int, int, int, int]) -> None:
+    """Append ``(group, shard start, buffer start, length)``, joining it to
+    the previous range when both continue each other in shard and buffer."""
+    if out:
+        group, shard, start, length = out[-1]
+        if group == item[0] and shard + length == item[1] and start + length == item[2]:
+            out[-1] = (group, shard, start, length + item[3])
+            return
+    out.append(item)

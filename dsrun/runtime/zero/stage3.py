@@ -18,13 +18,17 @@ optimizer class, and:
    (:class:`~.reduce3.ShardGradReducer`: mean over ``group``, as DDP), and
    frees the full gradient;
 4. re-creates the client optimizer over **fp32 masters**: per param group,
-   one flat tensor of this rank's shards of the group's trainable
-   parameters (:class:`~.stage3_plan.MasterLayout`), in a param group with
-   the client group's hyperparameters. Frozen parameters are partitioned
-   but have no master and are never updated;
-5. :meth:`step` runs the inner optimizer and copies each master shard into
-   ``param.ds_tensor`` (cast to the parameter dtype): the shard is the
-   parameter's storage until the next forward gathers it.
+   the trainable parameters' shards are views of one flat buffer
+   (:class:`~.stage3_plan.MasterLayout` order, :mod:`~.flat`) and the
+   master is that buffer itself when it is fp32 where the optimizer steps
+   (fp32/bf16 training; under ``offload_optimizer`` only with
+   ``offload_param``, whose shards live in host memory too), else a
+   separate fp32 copy; it sits in a param group with the client group's
+   hyperparameters. Frozen parameters are partitioned but have no master
+   and are never updated;
+5. :meth:`step` runs the inner optimizer; an aliased master *is* the shards,
+   otherwise one cast (or host -> device) copy per group writes the shards:
+   the shard is the parameter's storage until the next forward gathers it.
 
 Every collective is announced to a :class:`~.divergence.DivergenceGuard`
 first, so ranks that run different modules get an error naming them.
@@ -49,16 +53,25 @@ Interface for the engine (same call order as
 
 The engine must not broadcast or move parameters itself (build the module on
 its device first; broadcast *buffers* only), and cannot defer gradient
-synchronisation (``no_sync``): reduction happens in every backward. World
-size 1 collapses to plain training: every parameter persists, ``ds_tensor``
-is a view of the parameter, the update equals the plain one bitwise.
+synchronisation (``no_sync``): reduction happens in every backward.
+
+**World size 1** (without ``offload_param``) collapses to plain training
+with nothing per parameter in the step: every parameter persists and is a
+view of its group's flat buffer (``ds_tensor`` too), the gradients are
+views of a flat gradient buffer that backward accumulates into
+(:class:`~.flat.FlatGrads`; no hook is installed), the master is the flat
+buffer and its gradient the flat gradient (fp32/bf16), and the update equals
+the plain one bitwise for the same optimizer implementation. With
+``offload_param`` the shards - the whole parameters - live in host memory
+and each module's parameters come to the GPU for its forward and backward
+only (:mod:`~.partitioned`), while their gradients go to the host as they
+are produced (:class:`~.offload.Landing`).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -66,86 +79,34 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from dsrun.errors import DsrunConfigError, DsrunError
-from dsrun.runtime.zero.comm import CommStrategy
-from dsrun.runtime.zero.divergence import DivergenceGuard, GuardSettings, shared_guard
+from dsrun.runtime.zero.divergence import DivergenceGuard, shared_guard
 from dsrun.runtime.zero.fetch import ParamFetcher
-from dsrun.runtime.zero.init import GatheredParameters
-from dsrun.runtime.zero.masters import MasterGradients, reduce_on_device
-from dsrun.runtime.zero.memory import StateBytes, count_bytes, tensors_in
-from dsrun.runtime.zero.offload import HOST, Placement, pinning, to_device
-from dsrun.runtime.zero.partitioned import (
-    ZeroParamStatus,
-    broadcast_full,
-    is_zero_param,
-    move_param,
-    offload_shard,
-    partition_param,
-    refresh_full,
-    set_persistence,
-)
-from dsrun.runtime.zero.reduce3 import ShardGradReducer
-from dsrun.runtime.zero.sharded import (
-    DEFAULT_SUB_GROUP,
+from dsrun.runtime.zero.flat import FlatGrads, alias_or_copy, trim_host_heap
+from dsrun.runtime.zero.groups import (
+    Stage3Settings,
     _check_optimizer_cls,
     _constructor_kwargs,
     _normalise_groups,
-    comm_strategy,
     restore_partition_state,
-    settings_values,
 )
-from dsrun.runtime.zero.stage3_plan import MasterLayout, is_persistent
+from dsrun.runtime.zero.init import GatheredParameters
+from dsrun.runtime.zero.masters import MasterGradients, reduce_on_device
+from dsrun.runtime.zero.memory import StateBytes, count_bytes, tensors_in
+from dsrun.runtime.zero.offload import HOST, HostFence, Landing, Placement, pinning
+from dsrun.runtime.zero.partitioned import (
+    ZeroParamStatus,
+    move_param,
+    offload_shard,
+    refresh_full,
+)
+from dsrun.runtime.zero.reduce3 import ShardGradReducer
+from dsrun.runtime.zero.stage3_plan import MasterLayout
+from dsrun.runtime.zero.stage3_setup import (
+    check_membership,
+    flatten_shards,
+    partition_for_optimizer,
+)
 from dsrun.runtime.zero.state_io import Stage3StateIO
-
-
-@dataclass(frozen=True)
-class Stage3Settings:
-    """The ``zero_optimization`` knobs stage 3 uses (sizes in elements).
-
-    ``guard`` None reads ``DSRUN_ZERO_DEBUG``/``DSRUN_ZERO_TIMEOUT`` and
-    shares the process-wide guard of the group (with ``zero.Init`` and
-    ``GatheredParameters``); settings of its own give this optimizer its
-    own guard. ``reduce_scatter`` False forces all-reduce for gradients.
-    ``offload_optimizer`` keeps masters, their gradients and the optimizer
-    state in host memory and steps there; ``offload_param`` keeps the
-    shards there (:mod:`~.offload`); ``sub_group_size``: the inner
-    optimizer steps at most this many elements per tensor (:mod:`~.masters`).
-    """
-
-    reduce_bucket_size: int = 500_000_000
-    prefetch_bucket_size: int = 50_000_000
-    max_live_parameters: int = 1_000_000_000
-    param_persistence_threshold: int = 100_000
-    overlap_comm: bool = True
-    reduce_scatter: bool = True
-    memory_efficient_linear: bool = True
-    alignment: int = 1
-    comm_dtype: Optional[torch.dtype] = None
-    strategy: Optional[CommStrategy] = None
-    guard: Optional[GuardSettings] = None
-    offload_optimizer: bool = False
-    offload_param: bool = False
-    pin_memory: bool = False
-    sub_group_size: int = DEFAULT_SUB_GROUP
-
-    def __post_init__(self) -> None:
-        for name, low in (("reduce_bucket_size", 1), ("prefetch_bucket_size", 0),
-                          ("max_live_parameters", 0), ("param_persistence_threshold", 0),
-                          ("alignment", 1), ("sub_group_size", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise DsrunConfigError(f"zero_optimization.{name} must be an integer >= {low}, "
-                                       f"got {value!r}")
-
-    @classmethod
-    def from_config(cls, zero: Any, **overrides: Any) -> Stage3Settings:
-        """From a ``ZeroConfig`` (or anything with its attribute names)."""
-        names = ("reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters",
-                 "param_persistence_threshold", "overlap_comm", "reduce_scatter",
-                 "memory_efficient_linear", "sub_group_size")
-        return cls(**{**settings_values(zero, names, offload_param=True), **overrides})
-
-    def comm_strategy(self) -> Optional[CommStrategy]:
-        return comm_strategy(self.reduce_scatter, self.strategy)
 
 
 class ZeroStage3(Stage3StateIO, MasterGradients):
@@ -176,7 +137,7 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
         self._partition_module()
         if device is not None:
             for p in self.managed_params():
-                move_param(p, torch.device(device))
+                move_param(p, torch.device(device), keep_host_shard=self.settings.offload_param)
         params = self.managed_params()
         self.placement = Placement(
             torch.device(device) if device is not None else
@@ -193,13 +154,25 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
         self._slot = {p.ds_id: (g, offset) for g, (ps, lay) in
                       enumerate(zip(self.param_groups_full, self.layouts))
                       for p, offset in zip(ps, lay.offsets) if offset is not None}
-        self.masters = [torch.nn.Parameter(self._initial_master(g))
-                        for g in range(len(self.layouts))]
+        # world size 1 without host residency: plain training, no hooks
+        self._local = self.world_size == 1 and not self.settings.offload_param
+        self._flats = [self._flatten_shards(g) for g in range(len(self.layouts))]
+        trim_host_heap()  # the shards the flat buffers replaced (flat.py)
+        made = [self._make_master(g) for g in range(len(self.layouts))]
+        self.masters = [torch.nn.Parameter(m) for m, _ in made]
+        self._aliased = [aliased for _, aliased in made]
+        self._fresh = [True] * len(self.masters)
+        self._written: set[int] = set()
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-        self.optimizer: Optimizer = optimizer_cls(
-            self._inner_groups(hyper, self.settings.sub_group_size),
-            **_constructor_kwargs(optimizer_cls, defaults or {}))
+        self._publishing = not all(self._aliased) and self.settings.offload_optimizer
+        self.optimizer: Optimizer = self._build_inner(
+            optimizer_cls, hyper, _constructor_kwargs(optimizer_cls, defaults or {}),
+            self.settings.sub_group_size, offload=self._publishing)
+        self._landing = Landing()
+        self._fence = HostFence()
         self._reduced = False
+        self._grads: list[Optional[FlatGrads]] = [
+            self._flat_grads(g) if self._local else None for g in range(len(self.layouts))]
         self._install_hooks()
 
     @classmethod
@@ -217,67 +190,44 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
     # ------------------------------------------------------------ set-up
 
     def _check_membership(self) -> None:
-        owned = {id(p) for p in self.module.parameters()}
-        seen: set[int] = set()
-        for g, params in enumerate(self.param_groups_full):
-            for i, p in enumerate(params):
-                where = f"param group {g}, parameter {i} (shape {tuple(p.shape)})"
-                if id(p) in seen:
-                    raise DsrunConfigError(f"{where} appears in more than one place")
-                if id(p) not in owned:
-                    raise DsrunConfigError(f"{where} is not a parameter of the module: ZeRO "
-                                           "stage 3 partitions the module's parameters")
-                seen.add(id(p))
-        for name, p in self.module.named_parameters():
-            if p.requires_grad and id(p) not in seen:
-                raise DsrunConfigError(f"trainable parameter {name!r} is in no param group: "
-                                       "freeze it (requires_grad_(False)) or add it")
+        check_membership(self.module, self.param_groups_full)
 
     def _partition_module(self) -> None:
-        """Partition what is not yet (rank 0's values), check what zero.Init
-        partitioned, apply this optimizer's persistence threshold."""
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        params = list(dict.fromkeys(self.module.parameters()))
-        threshold = self.settings.param_persistence_threshold
-        fresh = [p for p in params if not is_zero_param(p)]
-        for p in params:
-            if is_zero_param(p) and p.ds_spec.world_size != self.world_size:
-                raise DsrunConfigError(
-                    f"parameter {names[id(p)]!r} was partitioned over {p.ds_spec.world_size} "
-                    f"ranks (zero.Init's group) but this optimizer's group has "
-                    f"{self.world_size}: pass the same data_parallel_group to both")
-        if fresh:
-            self.guard.event("init", f"partition {type(self.module).__name__}", [],
-                             [p.numel() for p in fresh])
-            broadcast_full(fresh, self.group)
-            for p in fresh:
-                partition_param(p, group=self.group, alignment=self.settings.alignment,
-                                persist=is_persistent(p.numel(), threshold, self.world_size))
-        for persist in (True, False):
-            change = [p for p in params if p.ds_persist != persist and
-                      is_persistent(p.ds_numel, threshold, self.world_size) == persist]
-            if change:
-                self.guard.event("init", "persistence", [p.ds_id for p in change],
-                                 [p.ds_numel for p in change])
-                set_persistence(change, persist, self.strategy)
-        for p in params:
-            p.ds_name = names[id(p)]
+        partition_for_optimizer(self.module, group=self.group, world_size=self.world_size,
+                                settings=self.settings, guard=self.guard,
+                                strategy=self.strategy)
 
-    def _initial_master(self, g: int) -> torch.Tensor:
-        """fp32 copy of this rank's shards of group ``g``'s trainable parameters."""
-        params = self.param_groups_full[g]
-        shards = [p.ds_tensor.detach() for p in params if p.requires_grad]
+    def _trainable_in(self, g: int) -> tuple[list[torch.Tensor], list[int]]:
+        """Group ``g``'s trainable parameters and their master offsets."""
+        pairs = [(p, offset) for p, offset in zip(self.param_groups_full[g],
+                                                   self.layouts[g].offsets)
+                 if offset is not None]
+        return [p for p, _ in pairs], [offset for _, offset in pairs]  # type: ignore[misc]
+
+    def _flatten_shards(self, g: int) -> Optional[torch.Tensor]:
+        params, offsets = self._trainable_in(g)
+        return flatten_shards(params, offsets, self.layouts[g].numel, self._local) \
+            if params else None
+
+    def _make_master(self, g: int) -> tuple[torch.Tensor, bool]:
+        """fp32 master of group ``g``'s shards: the flat shard buffer itself
+        where dtype and device allow (module docstring), else a copy."""
+        flat = self._flats[g]
         device = self.placement.master_device
         pin = self.placement.pin_memory and self.placement.offload_optimizer
-        if not shards:
-            return torch.zeros(0, dtype=torch.float32, device=device)
-        master = torch.empty(sum(t.numel() for t in shards), dtype=torch.float32,
-                             device=device, pin_memory=pinning(pin))
-        offset = 0
-        for shard in shards:  # never a view of a shard: the master is separate
-            master.narrow(0, offset, shard.numel()).copy_(shard)
-            offset += shard.numel()
-        return master
+        if flat is None:
+            return torch.zeros(0, dtype=torch.float32, device=device), False
+        if self.settings.offload_optimizer and not self.settings.offload_param:
+            # separate even on CPU ranks, so that the offload copies run (and are tested)
+            master = torch.empty(flat.numel(), dtype=torch.float32, device=device,
+                                 pin_memory=pinning(pin))
+            master.copy_(flat)
+            return master, False
+        return alias_or_copy(flat, 0, flat.numel(), device, pin)
+
+    def _flat_grads(self, g: int) -> Optional[FlatGrads]:
+        params, offsets = self._trainable_in(g)
+        return FlatGrads(params, offsets, self.layouts[g].numel) if params else None
 
     def _install_hooks(self) -> None:
         trainable = self.trainable_params()
@@ -287,15 +237,16 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
         self.reducer = ShardGradReducer(
             group=self.group, world_size=self.world_size,
             bucket_numel=self.settings.reduce_bucket_size, overlap=self.settings.overlap_comm,
-            dtype=self.comm_dtype, guard=self.guard, accumulator=self._accumulator,
-            strategy=self.strategy)
+            dtype=self.comm_dtype, guard=self.guard, land=self._land,
+            strategy=self.strategy, before_reuse=self._landing.before_reuse)
         self.fetcher = ParamFetcher(
             self.module, guard=self.guard, strategy=self.strategy,
             prefetch_bucket=self.settings.prefetch_bucket_size,
             max_live=self.settings.max_live_parameters,
             memory_efficient_linear=self.settings.memory_efficient_linear)
-        self.fetcher.on_backward_end(self.reducer.finish)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
+        self.fetcher.on_backward_end(self._finish_round)
+        self._hooks = [] if self._local else [
+            p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
         reload = weakref.WeakMethod(self._reload_master)
         for p in trainable:
             p._ds_on_modified = reload
@@ -304,7 +255,8 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
 
     @property
     def backward_hook_installed(self) -> bool:
-        return True
+        """False only at world size 1 without host residency (no hooks)."""
+        return bool(self._hooks)
 
     def trainable_params(self) -> list[torch.Tensor]:
         return [p for ps in self.param_groups_full for p in ps if p.requires_grad]
@@ -327,6 +279,29 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
             master.grad = self._new_grad(master)
         return master.grad.narrow(0, offset, param.ds_spec.shard_numel)
 
+    def _land(self, param: torch.Tensor, values: torch.Tensor) -> None:
+        """Reduced gradient ``values`` of ``param``'s shard (a prefix of it
+        at world size 1: the unpadded gradient) into its accumulator: a copy
+        in a step's first round (:attr:`_fresh`), an add afterwards."""
+        g, _ = self._slot[param.ds_id]
+        fresh = self._fresh[g]
+        if fresh:
+            self._written.add(param.ds_id)
+        target = self._accumulator(param).narrow(0, 0, values.numel())
+        self._landing.put(target, values, add=not fresh)
+
+    def _finish_round(self) -> None:
+        """End of a backward: flush the reduction; in a step's first round,
+        zero the accumulator slices of parameters that got no gradient."""
+        self.reducer.finish()
+        if not any(self._fresh):
+            return
+        for p in self.trainable_params():
+            if p.ds_id not in self._written and self._fresh[self._slot[p.ds_id][0]]:
+                self._accumulator(p).zero_()
+        self._written.clear()
+        self._fresh = [False] * len(self.masters)
+
     def micro_step_done(self) -> None:
         """After each backward: flush the reduction, release what backward
         left gathered (idempotent)."""
@@ -339,10 +314,37 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
         if self._reduced:
             return
         self.micro_step_done()
+        if self._local:
+            self._reduce_local()
+        elif any(self._fresh):  # no backward since zero_grad: nothing landed
+            self._finish_round()
+        self._landing.wait()  # under offload: the host now holds every gradient
         for master in self.masters:
             if master.grad is None:
                 master.grad = self._new_grad(master)
+        if self.placement.offload_param and self.placement.device.type == "cuda":
+            # host shards are the masters: no gather copy may still read them
+            torch.cuda.current_stream(self.placement.device).synchronize()
+        self._fresh = [False] * len(self.masters)
         self._reduced = True
+
+    def _reduce_local(self) -> None:
+        """World size 1: the flat gradient is the master gradient (or is
+        copied into it once per group)."""
+        for g, grads in enumerate(self._grads):
+            if grads is None:
+                continue
+            flat, master = grads.collect(), self.masters[g]
+            if flat.dtype == master.dtype and flat.device == master.device:
+                master.grad = flat
+            else:
+                self._landing.put(self._accumulator_of(g), flat, add=False)
+
+    def _accumulator_of(self, g: int) -> torch.Tensor:
+        master = self.masters[g]
+        if master.grad is None:
+            master.grad = self._new_grad(master)
+        return master.grad
 
     def _all_reduce(self, value: torch.Tensor, op: Any, what: str) -> None:
         """Announced to the divergence guard first, like every stage-3 collective."""
@@ -358,25 +360,35 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
         if closure is not None:
             raise DsrunError("ZeroStage3.step() takes no closure")
         self.reduce_gradients()
-        self._step_inner()
-        self._write_back()
+        self._fence.wait()  # the last host -> device copies read the masters
+        self._step_inner(self._publish if self._publishing else None)
+        self._write_back(copy=not self._publishing)  # else published piece by piece
         self._reduced = False
         self.guard.step += 1
 
     @torch.no_grad()
-    def _write_back(self) -> None:
-        for g, (params, layout) in enumerate(zip(self.param_groups_full, self.layouts)):
-            targets = [(p, offset) for p, offset in zip(params, layout.offsets)
-                       if offset is not None]
-            if not targets:
-                continue
-            # one host/device copy per group (offload), then local slices
-            master = to_device(self.masters[g].detach(), targets[0][0].ds_tensor.device)
-            for p, offset in targets:
-                shard = master.narrow(0, offset, p.ds_spec.shard_numel)
-                if p.ds_tensor.device != master.device:  # a world-size-1 alias stays put
-                    shard = shard.to(p.ds_tensor.device)
-                p.ds_tensor.copy_(shard)
+    def _publish(self, g: int, start: int, length: int) -> None:
+        """Copy ``length`` updated master elements from ``start`` into the
+        group's flat shard buffer (cast, or host -> device)."""
+        flat = self._flats[g]
+        if flat is None or self._aliased[g] or not length:
+            return
+        master = self.masters[g].detach().narrow(0, start, length)
+        flat.narrow(0, start, length).copy_(
+            master, non_blocking=master.is_pinned() and flat.device.type == "cuda")
+
+    @torch.no_grad()
+    def _write_back(self, copy: bool = True) -> None:
+        """Masters into the shards (with ``copy``: one copy per group unless
+        aliased), then the whole (persistent) parameters refreshed."""
+        if copy:
+            for g, flat in enumerate(self._flats):
+                if flat is not None:
+                    self._publish(g, 0, flat.numel())
+        if not all(self._aliased):
+            self._fence.after_copies(self.placement.device)
+        if self._local:
+            return  # every parameter is its shard, which the master just updated
         whole = [p for p in self.managed_params() if p.ds_status is ZeroParamStatus.AVAILABLE]
         if whole and self.world_size > 1:
             self.guard.event("step", "refresh whole parameters", [p.ds_id for p in whole],
@@ -395,19 +407,29 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
         """``param.ds_tensor`` was changed from outside (GatheredParameters
         with a modifier rank): take it into the master."""
         master = self.master_shard(param)
-        if master is not None:
+        if master is not None and master.data_ptr() != param.ds_tensor.data_ptr():
             master.copy_(param.ds_tensor)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient: model ``.grad``, a reduction in progress (and
-        a backward that raised); the fp32 partition accumulators are
-        released, or with ``set_to_none=False`` kept and zeroed (the engine's
-        choice between steps: no re-allocation of Ψ/N elements each step)."""
+        a backward that raised), the shard accumulators. ``set_to_none=False``
+        (the engine's choice between steps) keeps the buffers: flat gradients
+        (world size 1) stay bound and are zeroed, accumulators are kept
+        unzeroed - the next round's first write to each slice is a copy."""
         self.fetcher.abandon_backward()
         self.reducer.reset()
-        for p in self.trainable_params():
-            p.grad = None
-        self._clear_master_grads(set_to_none)
+        self._landing.wait()  # nothing may land in an accumulator after this
+        for grads in self._grads:
+            if grads is not None:
+                if set_to_none:
+                    grads.release()
+                else:
+                    grads.zero()
+        if not self._local:
+            for p in self.trainable_params():
+                p.grad = None
+        self._clear_master_grads(set_to_none, zero=False)
+        self._written.clear()
         self._reduced = False
 
     # ---------------------------------------------------------- reporting

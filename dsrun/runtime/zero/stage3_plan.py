@@ -6,8 +6,9 @@ and live-parameter accounting (pure, no torch, no processes).
   flat elements ``[r * S, (r + 1) * S)`` of the parameter padded with zeros
   to ``N * S`` (``S`` = ``shard_numel``, a multiple of ``alignment``).
 * :func:`is_persistent` - ``stage3_param_persistence_threshold``: a
-  parameter with ``numel <= threshold`` (or any parameter at world size 1)
-  is kept whole on every rank and never released.
+  parameter with ``numel <= threshold`` (or any parameter at world size 1,
+  unless its shard lives in host memory: ``offload_param``) is kept whole
+  on every rank and never released.
 * :class:`MasterLayout` - a param group's fp32 master: this rank's shard of
   every trainable parameter, back to back in group order.
 * :class:`TraceCursor` - the module order of the previous pass (forward or
@@ -76,11 +77,14 @@ class ShardSpec:
         return max(0, min(self.numel - start, self.shard_numel))
 
 
-def is_persistent(numel: int, threshold: int, world_size: int) -> bool:
-    """True when a parameter stays whole on every rank (module docstring)."""
+def is_persistent(numel: int, threshold: int, world_size: int,
+                  host_resident: bool = False) -> bool:
+    """True when a parameter stays whole on every rank (module docstring);
+    ``host_resident``: its shard lives in host memory (``offload_param``),
+    so even at world size 1 it is brought to the device only when used."""
     _check("numel", numel, 0)
     _check("threshold", threshold, 0)
-    return world_size == 1 or numel <= threshold
+    return (world_size == 1 and not host_resident) or numel <= threshold
 
 
 @dataclass(frozen=True)
@@ -200,6 +204,12 @@ class LiveSet:
         if ahead:
             self._ahead.add(param)
             self.ahead += numel
+
+    def mark_ahead(self, param: int) -> None:
+        """A live parameter is kept for a later use: it counts as ahead."""
+        if param in self._numel and param not in self._ahead:
+            self._ahead.add(param)
+            self.ahead += self._numel[param]
 
     def use(self, param: int) -> None:
         """A module is about to use ``param``: it no longer counts as ahead."""

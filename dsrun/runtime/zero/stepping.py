@@ -26,13 +26,22 @@ from dsrun.errors import DsrunConfigError
 from dsrun.runtime.precision import FullPrecision, StepResult
 from dsrun.runtime.zero.comm import CommStrategy, strategy_for
 from dsrun.runtime.zero.memory import model_state_bytes, paper_model_state_bytes
-from dsrun.runtime.zero.sharded import DEFAULT_SUB_GROUP, ZeroOptimizer, ZeroSettings
+from dsrun.runtime.zero.sharded import ZeroOptimizer, ZeroSettings
 from dsrun.runtime.zero.stage3 import Stage3Settings, ZeroStage3
 
 MiB = 1024 * 1024
 DEEPSPEED_DEFAULT_BUCKET = 500_000_000  # elements
 DEFAULT_REDUCE_BUCKET = 25_000_000  # elements: 100 MB of fp32 per bucket
-DEEPSPEED_DEFAULT_SUB_GROUP = 1_000_000_000  # elements
+# Stage 3 keeps its buckets (one filling, one in flight) between steps, next
+# to gathered parameters: a smaller bucket keeps its peak memory at FSDP2's
+# (per-block reductions) and reduces as fast on gloo (bench/collectives.py).
+DEFAULT_STAGE3_REDUCE_BUCKET = 6_250_000  # elements: 25 MB of fp32
+# DeepSpeed's stage3_prefetch_bucket_size default (5e7 elements) gathers up
+# to 200 MB of fp32 ahead; overlap needs the next module or two. dsrun's
+# default is about one transformer block of a ~1B model ahead (FSDP2's
+# depth), which is also what the end of forward keeps for backward.
+DEEPSPEED_DEFAULT_PREFETCH = 50_000_000  # elements
+DEFAULT_PREFETCH = 12_500_000  # elements: 50 MB of fp32
 
 
 def wrap_optimizer(optimizer: torch.optim.Optimizer, zero_config: Any, stage: int,
@@ -43,11 +52,11 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, zero_config: Any, stage: in
     if zero_config.reduce_bucket_size == DEEPSPEED_DEFAULT_BUCKET:
         # DeepSpeed's default makes one bucket of the whole model: no overlap
         # with backward, and a gradient-sized scratch buffer. Treated as unset.
-        overrides["reduce_bucket_size"] = DEFAULT_REDUCE_BUCKET
-    if zero_config.sub_group_size in (DEEPSPEED_DEFAULT_SUB_GROUP, 0):
-        # DeepSpeed's default steps each partition whole; pieces are faster here
-        overrides["sub_group_size"] = DEFAULT_SUB_GROUP
+        overrides["reduce_bucket_size"] = DEFAULT_STAGE3_REDUCE_BUCKET if stage == 3 \
+            else DEFAULT_REDUCE_BUCKET
     if stage == 3:
+        if zero_config.prefetch_bucket_size == DEEPSPEED_DEFAULT_PREFETCH:
+            overrides["prefetch_bucket_size"] = DEFAULT_PREFETCH
         return ZeroStage3.from_optimizer(
             module, optimizer, group=group, device=device,
             settings=Stage3Settings.from_config(zero_config, **overrides))
@@ -133,9 +142,11 @@ def memory_lines(module: torch.nn.Module, optimizer: Any, stage: int, world_size
     and the communication per optimizer step."""
     psi = sum(p.numel() for p in module.parameters())
     mixed = precision == "fp16"  # bf16 here keeps fp32 parameters (autocast)
-    # K: Adam-like state. fp32 stage 0 steps the model's own parameters (8
-    # bytes: two moments); every other case keeps a fp32 master copy too (12).
-    k = 8 if stage == 0 and not mixed else 12
+    # K: Adam-like state. fp32 parameters are their own fp32 masters (stage 0
+    # steps them; ZeRO masters alias their flat buffers): 8 bytes, two
+    # moments. A separate fp32 master (fp16, or offload to host) adds 4: 12.
+    offload = getattr(getattr(optimizer, "placement", None), "offload_optimizer", False)
+    k = 8 if not mixed and not offload else 12
     expected = paper_model_state_bytes(psi, world_size, stage,
                                        precision="mixed" if mixed else "fp32", k=k)
     held = optimizer.state_bytes() if hasattr(optimizer, "state_bytes") else \

@@ -10,7 +10,10 @@ Parity setup (as the stage 1/2 suite): a small MLP with uneven layer sizes,
 one frozen layer, two param groups (weights: lr 1e-2, weight decay 1e-2;
 biases: lr 3e-2), Adam, fp32, fixed seeds, every rank its own data. The
 reference is torch DDP with ``no_sync()`` on accumulation micro-steps and
-``clip_grad_norm_``.
+``clip_grad_norm_``, stepping with the same Adam implementation as the
+stage-3 optimizer: fused (dsrun's choice when the client leaves it open),
+or single-tensor for the cases meant to show bitwise parity
+(:data:`SINGLE_TENSOR`: the client asks for ``foreach=False``).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ class Case:
     init_threshold: Optional[int] = 0  # None: zero.Init's default (keeps this model whole)
 
 
+# cases whose client asks for single-tensor Adam (bitwise parity on 2 ranks)
+SINGLE_TENSOR = {"gas1-noclip", "gas1-noclip-subgroups"}
 CASES = {
     "gas1-noclip": Case(1, 0.0, Stage3Settings(**SMALL)),
     "gas1-clip": Case(1, 0.05, Stage3Settings(**SMALL)),
@@ -133,15 +138,17 @@ def train(ddp: Any, ref_opt: Any, trainable: list, model: torch.nn.Module,
     return seen
 
 
-def run_case(case: Case, group: Any) -> dict[str, Any]:
+def run_case(case: Case, group: Any, single_tensor: bool) -> dict[str, Any]:
     rank = dist.get_rank(group)
     ref = build_model()
     ddp = DDP(ref, process_group=group)
-    ref_opt = torch.optim.Adam(param_groups(ref), lr=1e-2)
+    ref_kind = {"foreach": False} if single_tensor else {"fused": True}
+    ref_opt = torch.optim.Adam(param_groups(ref), lr=1e-2, **ref_kind)
     model = build_under_init(group, case.init_threshold) if case.init else build_model()
     held_after_init = full_numel_held(model.parameters())
-    stage3 = ZeroStage3.from_optimizer(model, torch.optim.Adam(param_groups(model), lr=1e-2),
-                                       group=group, settings=case.settings)
+    client = torch.optim.Adam(param_groups(model), lr=1e-2,
+                              **({"foreach": False} if single_tensor else {}))
+    stage3 = ZeroStage3.from_optimizer(model, client, group=group, settings=case.settings)
     held_after_wrap = full_numel_held(model.parameters())
     counts_before = collections.Counter(stage3.guard.counts)
     trainable = [p for p in ref.parameters() if p.requires_grad]
@@ -289,7 +296,7 @@ def tied_case(group: Any) -> dict[str, Any]:
     rank = dist.get_rank(group)
     ref, model = Tied(), Tied()
     ddp = DDP(ref, process_group=group)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, fused=True)
     stage3 = ZeroStage3(model, None, torch.optim.Adam, {"lr": 1e-2}, group=group,
                         settings=Stage3Settings(**SMALL))
     eval_equal = True
@@ -459,9 +466,11 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     pair = dist.new_group([0, 1])
     results: dict[str, Any] = {"world": world, "rank": rank}
-    results["world3"] = {name: run_case(case, None) for name, case in CASES.items()}
+    results["world3"] = {name: run_case(case, None, name in SINGLE_TENSOR)
+                         for name, case in CASES.items()}
     if rank < 2:
-        results["world2"] = {name: run_case(case, pair) for name, case in CASES.items()}
+        results["world2"] = {name: run_case(case, pair, name in SINGLE_TENSOR)
+                             for name, case in CASES.items()}
         results["init"] = init_case(pair)
         results["gathered"] = gathered_case(pair)
         results["tied"] = tied_case(pair)

@@ -229,10 +229,13 @@ def _masters(opt: Any) -> list[torch.Tensor]:
 
 
 def memory() -> dict[str, Any]:
-    """Peak CUDA memory of one training step: stage 0 against stage 3 with
-    both offloads, on a model whose state (16 bytes/parameter) dominates."""
+    """Peak CUDA memory of two training steps: stage 0 against stage 3 with
+    both offloads, on a model whose state (16 bytes/parameter) dominates.
+    Each peak is counted above what was allocated before the run (earlier
+    cases' leftovers are not charged to it); ``leaked``: what each run left
+    allocated after its engine was dropped."""
     width, depth = 2048, 8
-    peaks = {}
+    peaks, leaked = {}, {}
     for name, stage, zero in (
             ("stage0", 0, {}),
             ("stage3_offload", 3, {"offload_optimizer": {"device": "cpu", "pin_memory": True},
@@ -241,6 +244,7 @@ def memory() -> dict[str, Any]:
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
         cfg = config(stage, "bf16", **zero)
         if stage == 3:
             with dsrun.zero.Init(config_dict_or_path=cfg):
@@ -250,11 +254,47 @@ def memory() -> dict[str, Any]:
         engine, *_ = dsrun.initialize(model=model, config=cfg)
         train(engine, steps=2, width=width)
         torch.cuda.synchronize()
-        peaks[name] = torch.cuda.max_memory_allocated()
+        peaks[name] = torch.cuda.max_memory_allocated() - base
         _release(engine)
         del model
+        gc.collect()
+        leaked[name] = torch.cuda.memory_allocated() - base
     params = depth * (width * width + width) + width * CLASSES + CLASSES
-    return {"peaks": peaks, "parameters": params}
+    return {"peaks": peaks, "leaked": leaked, "parameters": params}
+
+
+def no_host_sync(stage: int) -> dict[str, Any]:
+    """bf16 at world size 1: after two warm-up steps (the first logs the
+    memory report), a whole training step - forward, backward, step - under
+    ``torch.cuda.set_sync_debug_mode("error")``, which raises on any call
+    that makes the host wait for the GPU; also whether the parameters are
+    views of one flat buffer aliased by the masters (nothing copied)."""
+    cfg = config(stage, "bf16")
+    if stage == 3:  # fp32 parameters (autocast computes in bf16), as at stages 1-2
+        with dsrun.zero.Init(config_dict_or_path=cfg, dtype=torch.float32):
+            model = make_model()
+    else:
+        model = make_model()
+    engine, *_ = dsrun.initialize(model=model, config=cfg)
+    train(engine, steps=2)
+    x, y = batch(2)
+    error = None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = F.cross_entropy(engine(x).float(), y)
+        engine.backward(loss)
+        engine.step()
+    except RuntimeError as err:
+        error = str(err)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    masters = {m.data_ptr() for m in engine.optimizer.masters}
+    first = next(p for p in engine.module.parameters() if p.requires_grad)
+    out = {"error": error, "backward_hooks": engine.optimizer.backward_hook_installed,
+           "master_is_param_buffer": first.data_ptr() in masters}
+    _release(engine)
+    return out
 
 
 def _release(engine: Any) -> None:
@@ -273,6 +313,7 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "offload_s2": lambda: offload(2, param=False),
     "offload_s3": lambda: offload(3, param=True),
     "memory": memory,
+    **{f"no_host_sync_s{s}": (lambda s=s: no_host_sync(s)) for s in (1, 2, 3)},
 }
 
 

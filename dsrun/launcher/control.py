@@ -1,0 +1,211 @@
+"""A running launcher's control socket, and the client ``dsrun stack`` uses.
+
+Each ``dsrun`` run listens on a Unix socket named after its job id (the
+first :data:`ID_CHARS` characters, as dsrun shows it) in a directory only
+its user can enter (:func:`socket_dir`:
+``$XDG_RUNTIME_DIR/dsrun``, else ``/tmp/dsrun-UID``, mode 0700). One JSON
+request line per connection:
+
+- ``{"cmd": "info"}`` -> one line: job id, launcher pid, script, hosts,
+  ranks, seconds running (answered by the server thread itself);
+- ``{"cmd": "stack"}`` -> lines of text, ``[host:rank] ...``, the current
+  Python stack of every running rank on every host, then end of stream.
+  The request is handed to the supervisor (a queue), which asks every
+  agent and streams the answers back (supervisor.py, stackdump.py).
+
+A socket whose launcher is gone (SIGKILL) refuses connections; the client
+removes such stale sockets. The socket is removed when the launcher ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dsrun.errors import DsrunUsageError
+
+SUFFIX = ".sock"
+#: Characters of the job id in the socket's name (and in what dsrun prints).
+ID_CHARS = 12
+log = logging.getLogger("dsrun.launcher")
+
+
+def socket_dir() -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and os.path.isdir(base):
+        return os.path.join(base, "dsrun")
+    return os.path.join(tempfile.gettempdir(), f"dsrun-{os.getuid()}")
+
+
+def _private_dir() -> str:
+    path = socket_dir()
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise OSError(f"{path} is not private to this user")
+    return path
+
+
+@dataclass
+class StackQuery:
+    """A ``stack`` request waiting for the supervisor: where answers go."""
+
+    write: Callable[[str], bool]  # one line; False when the client is gone
+    close: Callable[[], None]
+
+
+class ControlServer:
+    """The launcher's end; ``info`` is a callable giving the job's facts."""
+
+    def __init__(self, job_id: str, info: Callable[[], dict[str, Any]]) -> None:
+        self.job_id = job_id
+        self.info = info
+        self.queries: queue.Queue[StackQuery] = queue.Queue()
+        self.path: str | None = None
+        self._sock: socket.socket | None = None
+
+    def start(self) -> ControlServer:
+        """Listen; a launcher that cannot (no writable directory) still runs."""
+        path = os.path.join(socket_dir(), f"{self.job_id[:ID_CHARS]}{SUFFIX}")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            _private_dir()
+            sock.bind(path)
+            sock.listen(16)
+        except OSError as exc:
+            sock.close()
+            log.warning("no control socket at %s (dsrun stack cannot reach this job): %s",
+                        path, exc)
+            return self
+        self.path, self._sock = path, sock
+        threading.Thread(target=self._accept, daemon=True, name="dsrun-control").start()
+        return self
+
+    def _accept(self) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(5.0)
+        try:
+            request = json.loads(conn.makefile("rb").readline() or b"{}")
+        except (OSError, ValueError):
+            conn.close()
+            return
+        cmd = request.get("cmd") if isinstance(request, dict) else None
+        if cmd == "info":
+            with contextlib.suppress(OSError):
+                conn.sendall((json.dumps(self.info()) + "\n").encode())
+            conn.close()
+        elif cmd == "stack":
+            self.queries.put(StackQuery(lambda line: _send_line(conn, line), conn.close))
+        else:
+            conn.close()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        if self.path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+
+
+def _send_line(conn: socket.socket, line: str) -> bool:
+    try:
+        conn.sendall((line + "\n").encode("utf-8", "replace"))
+        return True
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------
+# the client side (``dsrun stack``)
+
+
+def _request(path: str, cmd: str, timeout: float) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(path)
+        sock.sendall((json.dumps({"cmd": cmd}) + "\n").encode())
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def running_jobs() -> list[dict[str, Any]]:
+    """``info`` of every dsrun job of this user running on this host."""
+    directory = socket_dir()
+    try:
+        names = sorted(n for n in os.listdir(directory) if n.endswith(SUFFIX))
+    except OSError:
+        return []
+    jobs = []
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            with _request(path, "info", 2.0) as sock:
+                info = json.loads(sock.makefile("rb").readline())
+        except ConnectionRefusedError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)  # its launcher is gone
+            continue
+        except (OSError, ValueError):
+            continue
+        info["socket"] = path
+        jobs.append(info)
+    return jobs
+
+
+def choose_job(jobs: list[dict[str, Any]], wanted: str | None) -> dict[str, Any]:
+    """The job ``wanted`` names (a job id or its prefix), or the only one."""
+    if wanted is not None:
+        matches = [j for j in jobs if str(j.get("job_id", "")).startswith(wanted)]
+        if len(matches) == 1:
+            return matches[0]
+        what = "no running dsrun job" if not matches else f"{len(matches)} jobs"
+        raise DsrunUsageError(f"{what} with an id starting {wanted!r}{_listing(jobs)}")
+    if len(jobs) == 1:
+        return jobs[0]
+    if not jobs:
+        raise DsrunUsageError(f"no running dsrun job of this user on this host (looked in "
+                              f"{socket_dir()})")
+    raise DsrunUsageError(f"{len(jobs)} dsrun jobs are running: name one{_listing(jobs)}")
+
+
+def _listing(jobs: list[dict[str, Any]]) -> str:
+    if not jobs:
+        return ""
+    rows = [f"  {j.get('job_id', '?')[:12]}  {j.get('script', '?')} on "
+            f"{len(j.get('hosts', []))} host(s), {j.get('seconds', 0):.0f}s" for j in jobs]
+    return ":\n" + "\n".join(rows)
+
+
+def stream_stacks(path: str, write: Callable[[str], None], timeout: float = 30.0) -> int:
+    """Ask the launcher at ``path`` for every rank's stack; lines to
+    ``write``; the number of lines received."""
+    count = 0
+    deadline = time.monotonic() + timeout
+    with _request(path, "stack", timeout) as sock:
+        for raw in sock.makefile("rb"):
+            write(raw.decode("utf-8", "replace").rstrip("\n"))
+            count += 1
+            if time.monotonic() > deadline:
+                break
+    return count

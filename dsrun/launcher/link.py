@@ -1,0 +1,183 @@
+"""A node agent's channel to its launcher: one reader and one writer thread.
+
+The channel is the agent's stdin/stdout (a local child, an SSH exec
+channel) or a TCP connection the agent opened back to the launcher
+(mpirun/srun). Protocol: protocol.py. Invariants:
+
+- nothing the agent's supervision loop does ever blocks on the channel:
+  :meth:`Link.send` queues, and the writer thread writes. Rank output
+  waits while :data:`OUTPUT_BACKLOG` lines are queued (the back-pressure a
+  direct write would give); control events (exits, ``done``, heartbeats,
+  stacks) never wait;
+- the reader thread splits the input into messages; heartbeats
+  (``{"cmd": "hb", "timeout": T}``) only refresh :attr:`Link.heard` and set
+  the heartbeat timeout, every other message goes to :meth:`Link.get`;
+- the writer sends ``{"ev": "hb"}`` whenever nothing else went out for a
+  quarter of the heartbeat timeout, for as long as the agent lives -
+  during a long teardown too;
+- :meth:`Link.lost`: nothing heard for longer than the heartbeat timeout
+  (the launcher died, or its host or the network between went silent: a
+  dead link stalls instead of closing). Before the first heartbeat the
+  limit is :data:`FIRST_CONTACT`. Once lost, or once the channel is closed,
+  output is dropped: nobody can read it.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import threading
+import time
+from typing import IO, TYPE_CHECKING, Any
+
+from dsrun.launcher import protocol
+
+if TYPE_CHECKING:
+    import socket
+
+#: Rank output lines queued before the ranks' pumps wait.
+OUTPUT_BACKLOG = 10_000
+#: Seconds to hear the launcher's first heartbeat before giving up on it.
+FIRST_CONTACT = 120.0
+#: What :meth:`Link.get` returns once the input has ended.
+END = None
+EMPTY: dict[str, Any] = {}
+_HEARTBEAT = protocol.encode({"ev": "hb"})
+
+
+class Link:
+    """Raw reads from ``fd``, JSON lines to ``out``; see the module docstring."""
+
+    def __init__(self, fd: int, out: IO[bytes], sock: socket.socket | None = None) -> None:
+        self.fd = fd
+        self.out = out
+        self.sock = sock  # held: the fd is the socket's for as long as the agent runs
+        self.heard = time.monotonic()
+        self.timeout = FIRST_CONTACT
+        self.told = False  # the launcher has said its heartbeat timeout
+        self.closed = False  # the launcher's end is gone (read or write failed)
+        self._inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._cond = threading.Condition()
+        self._control: collections.deque[bytes] = collections.deque()
+        self._output: collections.deque[bytes] = collections.deque()
+        self._writing = False
+        self._reader = threading.Thread(target=self._read, daemon=True, name="dsrun-link-in")
+        self._writer = threading.Thread(target=self._write, daemon=True, name="dsrun-link-out")
+
+    def start(self) -> Link:
+        self._reader.start()
+        self._writer.start()
+        return self
+
+    # -- input ----------------------------------------------------------------
+    def _read(self) -> None:
+        pending = b""
+        while True:
+            try:
+                chunk = os.read(self.fd, 65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            self.heard = time.monotonic()
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                self._take(line)
+        if pending.strip():
+            self._take(pending)
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+        self._inbox.put(END)
+
+    def _take(self, line: bytes) -> None:
+        if not line.strip():
+            self._inbox.put(EMPTY)  # an empty line: a broken launcher
+            return
+        try:
+            msg = protocol.decode(line)
+        except ValueError:
+            return
+        if msg.get("cmd") == "hb":
+            with self._cond:
+                self.timeout = float(msg.get("timeout") or 0)
+                self.told = True
+                self._cond.notify_all()  # the writer's heartbeat period may change
+            return
+        self._inbox.put(msg)
+
+    def get(self, timeout: float | None) -> dict[str, Any] | None:
+        """The next message; :data:`END` at end of input; raises queue.Empty."""
+        return self._inbox.get(timeout=timeout)
+
+    def silent_for(self) -> float:
+        return time.monotonic() - self.heard
+
+    def lost(self) -> bool:
+        """No sign of the launcher for longer than the heartbeat timeout."""
+        return self.timeout > 0 and self.silent_for() > self.timeout
+
+    # -- output ---------------------------------------------------------------
+    def send(self, obj: dict[str, Any], control: bool = True) -> None:
+        """Queue ``obj`` for the launcher (see the module docstring)."""
+        data = protocol.encode(obj)
+        with self._cond:
+            if not control:
+                while len(self._output) >= OUTPUT_BACKLOG and not self._gone():
+                    self._cond.wait(0.5)
+            if self._gone():
+                return
+            (self._control if control else self._output).append(data)
+            self._cond.notify_all()
+
+    def _gone(self) -> bool:
+        return self.closed or self.lost()
+
+    def _beat_due(self, last_write: float) -> float | None:
+        """Seconds until a heartbeat is due (<= 0: now); None: none wanted."""
+        if not self.timeout or not self.told:
+            return None  # heartbeats off, or the launcher has not asked yet
+        return last_write + self.timeout / 4 - time.monotonic()
+
+    def _write(self) -> None:
+        last_write = time.monotonic()
+        while True:
+            with self._cond:
+                data = b""
+                while not self._control and not self._output:
+                    due = self._beat_due(last_write)
+                    if due is not None and due <= 0 and not self._gone():
+                        data = _HEARTBEAT
+                        break
+                    self._cond.wait(due)
+                if not data:
+                    queue_ = self._control if self._control else self._output
+                    data = queue_.popleft()
+                self._writing = True
+                self._cond.notify_all()
+            try:
+                self.out.write(data)
+                self.out.flush()
+            except (OSError, ValueError):
+                with self._cond:
+                    self.closed = True
+                    self._control.clear()
+                    self._output.clear()
+            finally:
+                last_write = time.monotonic()
+                with self._cond:
+                    self._writing = False
+                    self._cond.notify_all()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until everything queued is written; False if that did not happen."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            while (self._control or self._output or self._writing) and not self._gone():
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return not (self._control or self._output or self._writing)

@@ -1,0 +1,234 @@
+"""What both ZeRO optimizers take from the client and the config: param
+groups (validated), the optimizer class (elementwise ones only), its
+constructor arguments, the ``zero_optimization`` knobs of stages 1/2
+(:class:`ZeroSettings`) and stage 3 (:class:`Stage3Settings`), and the
+per-rank state restore.
+
+Optimizers whose update needs whole-tensor quantities (LAMB's trust ratio,
+LARS, Adafactor's factored moments, LBFGS) would silently change meaning on
+flat partitions: they are rejected (:data:`UNSHARDABLE_OPTIMIZERS`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch.optim import Optimizer
+
+from dsrun.errors import DsrunConfigError, DsrunError
+from dsrun.runtime.zero.comm import CommStrategy
+from dsrun.runtime.zero.divergence import GuardSettings
+from dsrun.runtime.zero.offload import offload_settings
+
+UNSHARDABLE_OPTIMIZERS = ("Lamb", "FusedLamb", "LAMB", "Lars", "LARS", "FusedLars",
+                          "Adafactor", "LBFGS", "SparseAdam", "Muon", "Shampoo")
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """The ``zero_optimization`` knobs stages 1/2 use (sizes in elements).
+
+    ``reduce_scatter`` False forces all-reduce for every gradient reduction
+    (DeepSpeed's meaning); ``strategy`` overrides the per-backend choice of
+    :mod:`~.comm`; ``comm_dtype`` None reduces in the parameters' dtype;
+    ``alignment`` pads partitions to a multiple of it (elements);
+    ``offload_optimizer`` keeps masters, their gradients and the optimizer
+    state in host memory and steps there (:mod:`~.offload`), with
+    ``pin_memory``; ``sub_group_size``: the inner optimizer steps at most
+    this many elements per tensor (None: as :func:`~.masters.piece_size`
+    decides). ``allgather_bucket_size`` is accepted for DeepSpeed configs
+    and unused: the updated partitions are gathered in place, with no
+    scratch buffer to bound.
+    """
+
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    alignment: int = 1
+    comm_dtype: Optional[torch.dtype] = None
+    strategy: Optional[CommStrategy] = None
+    offload_optimizer: bool = False
+    pin_memory: bool = False
+    sub_group_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "alignment",
+                     "sub_group_size"):
+            value = getattr(self, name)
+            if name == "sub_group_size" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise DsrunConfigError(f"zero_optimization.{name} must be a positive integer, "
+                                       f"got {value!r}")
+
+    @classmethod
+    def from_config(cls, zero: Any, **overrides: Any) -> ZeroSettings:
+        """From a ``ZeroConfig`` (or anything with the same attribute names)."""
+        names = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
+                 "contiguous_gradients", "reduce_scatter", "sub_group_size")
+        return cls(**{**settings_values(zero, names, offload_param=False), **overrides})
+
+    def comm_strategy(self) -> Optional[CommStrategy]:
+        return comm_strategy(self.reduce_scatter, self.strategy)
+
+
+DEEPSPEED_DEFAULT_SUB_GROUP = 1_000_000_000  # elements
+
+
+def settings_values(zero: Any, names: Sequence[str], *, offload_param: bool) -> dict[str, Any]:
+    """The ``names`` a ``ZeroConfig`` (or anything with its attribute names)
+    sets, plus its offload sections (``offload_param`` too at stage 3).
+    DeepSpeed's default ``sub_group_size`` (1e9: step each partition whole)
+    and 0 count as unset: dsrun picks pieces by implementation and device."""
+    values = {n: getattr(zero, n) for n in names if getattr(zero, n, None) is not None}
+    if values.get("sub_group_size") in (DEEPSPEED_DEFAULT_SUB_GROUP, 0):
+        del values["sub_group_size"]
+    values.update(offload_settings(zero, param=offload_param))
+    return values
+
+
+def comm_strategy(reduce_scatter: bool, strategy: Optional[CommStrategy]
+                  ) -> Optional[CommStrategy]:
+    """``strategy`` (None: the backend's), or with ``reduce_scatter`` False
+    an all-reduce for every gradient reduction (DeepSpeed's meaning)."""
+    if reduce_scatter:
+        return strategy
+    gather = (strategy or CommStrategy()).gather
+    return CommStrategy(reduce="all_reduce", owner_reduce="all_reduce", gather=gather)
+
+
+def _normalise_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
+    """torch.optim's accepted forms -> list of dicts with a ``params`` list."""
+    items = list(params)
+    if not items:
+        raise DsrunConfigError("ZeroOptimizer got an empty parameter list")
+    if not isinstance(items[0], Mapping):
+        items = [{"params": items}]
+    groups = []
+    for g, item in enumerate(items):
+        if not isinstance(item, Mapping) or "params" not in item:
+            raise DsrunConfigError(f"param group {g} must be a dict with 'params'")
+        tensors = item["params"]
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        groups.append({**item, "params": tensors})
+    return groups
+
+
+def _check_params(groups: Sequence[Mapping[str, Any]]) -> Optional[torch.Tensor]:
+    """Every tensor appears once; trainable ones share dtype and device and
+    are contiguous, dense leaves. Returns one trainable tensor (or None)."""
+    seen: set[int] = set()
+    first: Optional[torch.Tensor] = None
+    for g, group in enumerate(groups):
+        for i, p in enumerate(group["params"]):
+            where = f"param group {g}, parameter {i} (shape {tuple(p.shape)})"
+            if id(p) in seen:
+                raise DsrunConfigError(f"{where} appears in more than one place")
+            seen.add(id(p))
+            if not p.requires_grad:
+                continue
+            if p.is_sparse or not p.is_contiguous() or not p.is_leaf:
+                raise DsrunConfigError(f"{where}: ZeRO needs dense, contiguous leaf tensors")
+            first = p if first is None else first
+            if (p.dtype, p.device) != (first.dtype, first.device):
+                raise DsrunConfigError(f"{where} is {p.dtype} on {p.device}, the first "
+                                       f"trainable one {first.dtype} on {first.device}: "
+                                       "ZeRO stages 1/2 need one dtype and device")
+    return first
+
+
+def _check_optimizer_cls(optimizer_cls: type, stage: int) -> None:
+    names = {k.__name__ for k in getattr(optimizer_cls, "__mro__", (optimizer_cls,))}
+    bad = names.intersection(UNSHARDABLE_OPTIMIZERS)
+    if bad:
+        raise DsrunConfigError(
+            f"optimizer {optimizer_cls.__name__} needs whole-tensor quantities (norms or "
+            f"shapes) that a flat ZeRO partition does not have: it cannot run at ZeRO stage "
+            f"{stage}; use stage 0, or an elementwise optimizer (Adam, AdamW, SGD, ...)")
+
+
+def _constructor_kwargs(optimizer_cls: type, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """``defaults`` that ``optimizer_cls(params, **kwargs)`` accepts."""
+    try:
+        signature = inspect.signature(optimizer_cls.__init__)
+    except (TypeError, ValueError):
+        return dict(defaults)
+    accepted = signature.parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return dict(defaults)
+    return {k: v for k, v in defaults.items() if k in accepted and k != "params"}
+
+
+def restore_partition_state(state: Mapping[str, Any], numels_key: str, numels: list[int],
+                            world_size: int, rank: int, masters: Sequence[torch.Tensor],
+                            optimizer: Optimizer) -> None:
+    """Load a per-rank state dict (masters + inner optimizer) saved by the
+    same rank with the same partitioning; anything else is an error."""
+    if (state["world_size"], state["rank"], list(state[numels_key])) != \
+            (world_size, rank, numels):
+        raise DsrunError(f"ZeRO stage {state.get('zero_stage', '?')} state of a different "
+                         f"partitioning: world size {state['world_size']} rank "
+                         f"{state['rank']} vs {world_size} rank {rank}")
+    with torch.no_grad():
+        for master, saved in zip(masters, state["masters"]):
+            master.copy_(saved)
+    optimizer.load_state_dict(state["optimizer"])
+
+
+@dataclass(frozen=True)
+class Stage3Settings:
+    """The ``zero_optimization`` knobs stage 3 uses (sizes in elements).
+
+    ``guard`` None reads ``DSRUN_ZERO_DEBUG``/``DSRUN_ZERO_TIMEOUT`` and
+    shares the process-wide guard of the group (with ``zero.Init`` and
+    ``GatheredParameters``); settings of its own give this optimizer its
+    own guard. ``reduce_scatter`` False forces all-reduce for gradients.
+    ``offload_optimizer`` keeps masters, their gradients and the optimizer
+    state in host memory and steps there; ``offload_param`` keeps the
+    shards there (:mod:`~.offload`); ``sub_group_size``: the inner
+    optimizer steps at most this many elements per tensor (:mod:`~.masters`).
+    """
+
+    reduce_bucket_size: int = 500_000_000
+    prefetch_bucket_size: int = 50_000_000
+    max_live_parameters: int = 1_000_000_000
+    param_persistence_threshold: int = 100_000
+    overlap_comm: bool = True
+    reduce_scatter: bool = True
+    memory_efficient_linear: bool = True
+    alignment: int = 1
+    comm_dtype: Optional[torch.dtype] = None
+    strategy: Optional[CommStrategy] = None
+    guard: Optional[GuardSettings] = None
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    pin_memory: bool = False
+    sub_group_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name, low in (("reduce_bucket_size", 1), ("prefetch_bucket_size", 0),
+                          ("max_live_parameters", 0), ("param_persistence_threshold", 0),
+                          ("alignment", 1), ("sub_group_size", 1)):
+            value = getattr(self, name)
+            if name == "sub_group_size" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise DsrunConfigError(f"zero_optimization.{name} must be an integer >= {low}, "
+                                       f"got {value!r}")
+
+    @classmethod
+    def from_config(cls, zero: Any, **overrides: Any) -> Stage3Settings:
+        """From a ``ZeroConfig`` (or anything with its attribute names)."""
+        names = ("reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters",
+                 "param_persistence_threshold", "overlap_comm", "reduce_scatter",
+                 "memory_efficient_linear", "sub_group_size")
+        return cls(**{**settings_values(zero, names, offload_param=True), **overrides})
+
+    def comm_strategy(self) -> Optional[CommStrategy]:
+        return comm_strategy(self.reduce_scatter, self.strategy)

@@ -1,0 +1,98 @@
+"""Python stacks of a running rank, on request (``dsrun stack``, ``--timeout``).
+
+Rank side (:func:`install`, called by the injected runtime first thing):
+``faulthandler.register`` writes every thread's Python stack to the rank's
+stack file (``DSRUN_STACK_FILE``, set by its node agent) whenever the rank
+receives :data:`STACK_SIGNAL`. faulthandler's handler runs in C at signal
+delivery, so it answers even when the rank is blocked inside a collective
+or any other C call. The file is opened for appending and only then given
+its final name, so the file's existence means "the handler is installed".
+
+Agent side (:func:`request`): note the file's size, send the signal, wait
+until the file stops growing, return what was appended. A rank without the
+file (``--no_python``, or still starting up) is never signalled: the
+default action of the signal would kill it.
+
+The signal is a real-time one, which scripts and libraries do not use
+(SIGUSR1/SIGUSR2 are taken by Slurm requeue handlers, Lightning, ...).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import IO
+
+#: Environment variable naming the rank's stack file (set by its agent).
+STACK_FILE_VAR = "DSRUN_STACK_FILE"
+#: The signal that asks a rank for its stacks.
+STACK_SIGNAL = signal.SIGRTMIN + 4 if hasattr(signal, "SIGRTMIN") else None
+
+_installed: IO[str] | None = None  # the open file; faulthandler keeps only its fd
+
+
+def install(path: str | None) -> bool:
+    """Write all threads' stacks to ``path`` on :data:`STACK_SIGNAL`."""
+    global _installed
+    if not path or STACK_SIGNAL is None or _installed is not None:
+        return False
+    import faulthandler
+
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        stream = open(tmp, "a", encoding="utf-8")  # noqa: SIM115 - held for the process
+        faulthandler.register(STACK_SIGNAL, file=stream, all_threads=True, chain=False)
+        os.replace(tmp, path)
+    except (OSError, ValueError, RuntimeError):
+        return False
+    _installed = stream
+    return True
+
+
+_RUNTIME_FRAMES = ('File "<frozen runpy>"', f'{os.sep}dsrun{os.sep}runtime{os.sep}bootstrap.py"')
+
+
+def without_runtime_frames(text: str) -> str:
+    """The stacks without the frames of runpy and the injected runtime below
+    the script (they are the same in every rank)."""
+    return "".join(ln for ln in text.splitlines(keepends=True)
+                   if not (ln.lstrip().startswith("File ") and
+                           any(mark in ln for mark in _RUNTIME_FRAMES)))
+
+
+def request(pid: int, path: str, timeout: float = 2.0, settle: float = 0.1) -> str | None:
+    """The stacks of the rank ``pid`` whose stack file is ``path``.
+
+    None when the rank has no handler (no file) or is gone; otherwise the
+    text it wrote (possibly empty if it did not answer within ``timeout``).
+    """
+    if STACK_SIGNAL is None:
+        return None
+    try:
+        start = os.path.getsize(path)
+    except OSError:
+        return None
+    try:
+        os.kill(pid, STACK_SIGNAL)
+    except (ProcessLookupError, PermissionError):
+        return None
+    deadline = time.monotonic() + timeout
+    size, stable_since = start, time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        try:
+            now = os.path.getsize(path)
+        except OSError:
+            return None
+        if now != size:
+            size, stable_since = now, time.monotonic()
+        elif size > start and time.monotonic() - stable_since >= settle:
+            break
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            text = f.read(size - start).decode("utf-8", "replace")
+    except OSError:
+        return None
+    return without_runtime_frames(text)

@@ -1,0 +1,192 @@
+"""The node agent's own safety: teardown touches only the job, spawning stops
+at the first failure, no Python code between fork and exec, ranks die with
+the agent. Real processes; the pid-reuse case runs in a PID namespace of
+its own (root)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from dsrun.launcher import agent as agent_mod
+from dsrun.launcher import procs
+from tests.conftest import ROOT, WORKERS, alive, start_dsrun, wait_for_pids, wait_gone
+
+
+def _stand_in() -> subprocess.Popen:
+    """Someone else's process, leading a group of its own."""
+    return subprocess.Popen(["sleep", "60"], start_new_session=True)
+
+
+def test_teardown_spares_a_group_whose_leader_pid_was_reused(tmp_path):
+    stand_in = _stand_in()
+    try:
+        real = procs.Leader.of(stand_in.pid)
+        assert real is not None
+        # what the agent remembered of a rank that had this pid earlier
+        stale = procs.Leader(stand_in.pid, real.started - 100.0)
+        assert not stale.ours() and real.ours()
+        assert procs.job_processes([stale], "no-such-marker") == []
+        procs.signal_job([stale], "no-such-marker", signal.SIGTERM)
+        assert procs.stop_job([stale], "no-such-marker", grace=0.2) == 0
+        procs.kill_job([stale], "no-such-marker")
+        time.sleep(0.2)
+        assert stand_in.poll() is None, "a process that was never the job's was signalled"
+        # the same group, remembered correctly, is the job's
+        assert stand_in.pid in [p.pid for p in procs.job_processes([real], None)]
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="a PID namespace of its own needs root and unshare")
+def test_rank_pid_reused_by_another_process_survives_the_job_teardown(tmp_path):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    res = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable,
+         str(WORKERS / "reuse_pid.py"), str(pid_dir), str(tmp_path / "go")],
+        capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    assert res.returncode == 0, res.stderr
+    outcome = json.loads(res.stdout.strip().splitlines()[-1])
+    assert outcome["job_rc"] == 3, res.stderr
+    assert outcome["survived"], f"the stand-in (pid reused: {outcome['reused']}) was killed"
+
+
+def _agent(payload: dict, timeout: float = 30) -> list[dict]:
+    """Run a node agent on ``payload``; its events until ``done``."""
+    proc = subprocess.Popen([sys.executable, "-m", "dsrun.launcher.agent"], cwd=str(ROOT),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write((json.dumps(payload) + "\n").encode())
+    proc.stdin.flush()
+    events = []
+    end = time.monotonic() + timeout
+    for line in proc.stdout:
+        events.append(json.loads(line))
+        if events[-1].get("ev") == "done" or time.monotonic() > end:
+            break
+    proc.stdin.close()
+    proc.wait(timeout=10)
+    return events
+
+
+def _rank(rank: int, argv: list[str]) -> dict:
+    return {"rank": rank, "local_rank": rank, "argv": argv, "runtime": True,
+            "env": {"dsrun": {"RANK": str(rank)}, "defaults": {}, "path_prepend": []}}
+
+
+def test_spawning_stops_at_the_first_rank_that_cannot_start(tmp_path):
+    flag = tmp_path / "rank1_ran"
+    payload = {"job_id": "a" * 32, "kill_grace": 1, "cwd": str(tmp_path), "env": {},
+               "ranks": [_rank(0, [str(tmp_path / "no-such-program")]),
+                         _rank(1, [sys.executable, "-c",
+                                   f"open({str(flag)!r}, 'w'); import time; time.sleep(30)"])]}
+    events = _agent(payload)
+    exits = [e for e in events if e.get("ev") == "exit"]
+    assert [(e["rank"], e["code"]) for e in exits] == [(0, 127)]
+    assert "cannot start" in exits[0]["error"]["message"]
+    assert not [e for e in events if e.get("ev") == "started"], events
+    assert events[-1]["ev"] == "done"
+    time.sleep(0.5)
+    assert not flag.exists(), "rank 1 was started after rank 0 could not be"
+
+
+def test_agent_spawns_ranks_without_preexec_fn(monkeypatch, tmp_path):
+    from dsrun.launcher.link import Link
+
+    seen: list[dict] = []
+
+    class FakePopen:
+        def __init__(self, argv, **kwargs):
+            seen.append({"argv": argv, **kwargs})
+            self.pid = os.getpid()
+
+    monkeypatch.setattr(agent_mod.subprocess, "Popen", FakePopen)
+    read, write = os.pipe()
+    link = Link(read, os.fdopen(write, "wb"))
+    payload = {"job_id": "b" * 32, "ranks": []}
+    agent = agent_mod.Agent(payload, link, guard=None)
+    try:
+        agent._spawn(_rank(0, [sys.executable, "-c", "pass"]))
+        no_python = {**_rank(1, ["sleep", "1"]), "runtime": False}
+        agent._spawn(no_python)
+    finally:
+        shutil.rmtree(agent.tmpdir, ignore_errors=True)
+        os.close(read)
+    assert len(seen) == 2
+    for call in seen:
+        assert call.get("preexec_fn") is None and call["start_new_session"] is True
+        assert call["env"]["DSRUN_AGENT_PID"] == str(os.getpid())
+    # a rank without the injected runtime arms its parent-death signal in a wrapper
+    assert seen[1]["argv"][:3] == [sys.executable, "-I", "-S"]
+    assert seen[1]["argv"][3].endswith("deathsig.py")
+    assert seen[1]["argv"][4:] == [str(os.getpid()), "--", "sleep", "1"]
+
+
+@pytest.mark.parametrize("mode", ["runtime", "no_python"])
+def test_ranks_die_with_a_sigkilled_agent(tmp_path, pid_dir, mode):
+    if mode == "runtime":
+        args = ["--dist_backend", "none", str(WORKERS / "hang.py"), "--pid_dir", str(pid_dir),
+                "--finish", "none"]
+    else:
+        script = tmp_path / "rank.sh"
+        script.write_text(f"#!/bin/sh\necho $$ > {pid_dir}/rank_$RANK.pid\nexec sleep 60\n")
+        script.chmod(0o755)
+        args = ["--no_python", str(script)]
+    proc = start_dsrun("--cpu", "--num_gpus", "2", "--kill_grace", "1", *args)
+    try:
+        pids = wait_for_pids(pid_dir, 2)
+        agents = [c for c in psutil.Process(proc.pid).children()
+                  if "dsrun.launcher.agent" in " ".join(c.cmdline())]
+        assert len(agents) == 1
+        for pid in pids.values():  # the parent-death signal is armed in each rank
+            assert psutil.Process(pid).ppid() == agents[0].pid
+        agents[0].kill()
+        assert wait_gone(list(pids.values()), 3) == []
+        proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+
+
+def test_guard_is_forked_and_named(pid_dir):
+    proc = start_dsrun("--cpu", "--num_gpus", "1", "--dist_backend", "none",
+                       str(WORKERS / "hang.py"), "--pid_dir", str(pid_dir), "--finish", "none")
+    try:
+        wait_for_pids(pid_dir, 1)
+        agent = next(c for c in psutil.Process(proc.pid).children()
+                     if "dsrun.launcher.agent" in " ".join(c.cmdline()))
+        guards = [c for c in agent.children() if c.name() == "dsrun-guard"]
+        assert len(guards) == 1 and guards[0].pid != agent.pid
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=20)
+        assert wait_gone([guards[0].pid], 3) == []  # told "done": it exits without killing
+    finally:
+        proc.kill()
+
+
+def test_an_exited_rank_is_unreaped_until_teardown(pid_dir):
+    """An exited rank stays a zombie of its agent while the job runs, so its
+    pid (and group id) cannot be given to another process meanwhile."""
+    proc = start_dsrun("--cpu", "--num_gpus", "2", "--dist_backend", "none",
+                       str(WORKERS / "hang.py"), "--pid_dir", str(pid_dir), "--finish", "0")
+    try:
+        pids = wait_for_pids(pid_dir, 2)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and alive(pids["rank_0.pid"]):
+            time.sleep(0.05)
+        assert psutil.Process(pids["rank_0.pid"]).status() == psutil.STATUS_ZOMBIE
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+

@@ -1,0 +1,195 @@
+"""The launcher's supervision, without processes: parallel close, failures
+ordered on the launcher's clock, straggler lines, stack collection, the
+start-up progress line, and what was removed as dead code."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import io
+import queue
+import threading
+from typing import IO
+
+from dsrun.launcher import protocol
+from dsrun.launcher.backends.base import AgentChannel, JobHandle
+from dsrun.launcher.console import Console
+from dsrun.launcher.report import JobResult, RankFailure, report_lines, root_cause
+from dsrun.launcher.supervisor import Supervisor, Watch
+from dsrun.launcher.watch import RankState, StackCollection, Stragglers, stack_lines
+
+
+class HungChannel(AgentChannel):
+    """An agent that never exits: wait() only returns at its timeout."""
+
+    def __init__(self, host: str, barrier: threading.Barrier) -> None:
+        self.host = host
+        self.barrier = barrier
+        self.waited_together = False
+        self.closed = False
+        self._out = io.BytesIO()
+
+    def stdin(self) -> IO[bytes]:
+        return io.BytesIO()
+
+    def stdout(self) -> IO[bytes]:
+        return self._out
+
+    def kill(self) -> None:
+        pass
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        try:  # every channel's wait must be running at the same time to pass
+            self.barrier.wait(timeout=3)
+            self.waited_together = True
+        except threading.BrokenBarrierError:
+            pass
+        return None
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_close_waits_for_all_agents_at_once():
+    barrier = threading.Barrier(4)
+    channels = [HungChannel(f"h{i}", barrier) for i in range(4)]
+    JobHandle(channels).close(timeout=5)  # type: ignore[arg-type]
+    assert all(c.waited_together for c in channels), "agents were waited for one by one"
+    assert all(c.closed for c in channels)
+
+
+class LinesChannel(HungChannel):
+    def __init__(self, host: str, lines: list[dict]) -> None:
+        super().__init__(host, threading.Barrier(1))
+        self._out = io.BytesIO(b"".join(protocol.encode(m) for m in lines))
+
+
+def test_events_are_stamped_on_the_launchers_clock_when_read():
+    handle = JobHandle([LinesChannel("a", [{"ev": "hello"}])])  # type: ignore[list-item]
+    index, msg = handle.events.get(timeout=5)
+    assert index == 0 and msg["ev"] == "hello" and isinstance(msg["_recv"], float)
+    assert handle.last_seen[0] == msg["_recv"]
+
+
+def _exit(rank: int, wall: float, recv: float, age: float) -> dict:
+    return {"ev": "exit", "rank": rank, "code": 1, "signal": None, "time": wall, "age": age,
+            "during_stop": False, "_recv": recv}
+
+
+def test_root_cause_never_compares_two_hosts_wall_clocks():
+    # Rank 3 on host b failed first; host a's clock is 10 s behind b's, so
+    # rank 0's later failure carries the smaller wall time.
+    first = RankFailure.from_event("b", _exit(3, wall=1000.0, recv=50.0, age=0.2))
+    later = RankFailure.from_event("a", _exit(0, wall=991.0, recv=51.0, age=0.1))
+    assert (first.seen, later.seen) == (49.8, 50.9)
+    assert root_cause([later, first]) is first
+    # an agent that waited long before reporting is credited with its delay
+    slow = RankFailure.from_event("a", _exit(0, wall=991.0, recv=53.0, age=3.5))
+    assert root_cause([first, slow]) is slow
+    lines = report_lines(JobResult((first, later), clock="launcher-host"))
+    assert lines[0] == "job failed: rank 3 on host b failed first: exit code 1"
+    assert any("ordered on the clock of launcher-host" in ln for ln in lines)
+
+
+def test_supervisor_orders_failures_by_when_the_launcher_learned_of_them():
+    class Handle:
+        def __init__(self) -> None:
+            self.events: queue.Queue = queue.Queue()
+            self.channels = [object(), object()]
+            self.last_seen = [0.0, 0.0]
+
+        def stop(self) -> None: ...
+        def close(self) -> None: ...
+        def kill(self) -> None: ...
+        def send_all(self, obj, only=None) -> None: ...
+
+    h = Handle()
+    h.events.put((1, _exit(0, wall=991.0, recv=51.0, age=0.1)))
+    h.events.put((0, _exit(3, wall=1000.0, recv=50.0, age=0.2)))
+    for i in (0, 1):
+        h.events.put((i, {"ev": "done", "killed": 0}))
+        h.events.put((i, {"ev": "eof"}))
+    result = Supervisor(h, ["b", "a"], lambda *a: None, 1.0).run()  # type: ignore[arg-type]
+    assert result.root_cause is not None and result.root_cause.host == "b"
+
+
+def test_straggler_lines_at_growing_intervals():
+    ranks = {r: RankState("h1" if r < 2 else "h2", 100 + r, 0.0) for r in range(12)}
+    s = Stragglers(30.0, " (hint)")
+    assert s.line(1000.0, ranks) is None  # nobody exited yet
+    ranks[0].ended = 10.0
+    s.exited(10.0)
+    assert s.line(39.9, ranks) is None
+    line = s.line(40.0, ranks)
+    assert line is not None and line.startswith("1 of 12 rank(s) finished 30s ago; still "
+                                                 "running: rank 1 on h1 (running 40s)")
+    assert "rank 8 on h2" in line and "rank 9" not in line and line.endswith(
+        " and 3 more (hint)")
+    assert s.line(99.0, ranks) is None and s.line(100.0, ranks) is not None  # +60 s
+    assert s.line(219.0, ranks) is None and s.line(220.0, ranks) is not None  # +120 s
+    for state in ranks.values():
+        state.ended = 1.0
+    assert s.line(10_000.0, ranks) is None
+
+
+def test_stack_collection_streams_lines_and_knows_who_is_missing():
+    got: list[str] = []
+    c = StackCollection(1, {0, 1}, deadline=10.0, write=got.append)
+    c.answer("h1", 0, 'Thread 1:\n  File "t.py", line 3 in f\n')
+    c.answer("h1", 1, None)
+    c.ended([0])
+    assert not c.complete(5.0) and c.complete(10.0)
+    c.ended([1])
+    assert c.complete(0.0)
+    assert got[:2] == ["[h1:0] Thread 1:", '[h1:0]   File "t.py", line 3 in f']
+    assert "no Python stack" in got[2]
+    assert "did not write its stack" in stack_lines("h", 2, "")[0]
+
+
+class Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_on_a_terminal_is_one_line_updated_in_place():
+    out, err = io.StringIO(), Tty()
+    c = Console(out, err)
+    assert c.tty
+    c.start_progress(3, 6)
+    for host in ("a", "b", "c"):
+        c.connected(host)
+    c.line("a", 0, 1, "hello")  # rank output: the progress line steps aside
+    c.started(4)
+    c.started(6)
+    text = err.getvalue()
+    assert "\r\x1b[Kdsrun: connected 3/3 hosts, 0/6 ranks started" in text
+    assert "\r\x1b[Kdsrun: connected 3/3 hosts, 4/6 ranks started" in text
+    assert text.count("\n") == 1 and text.endswith("6/6 ranks started in 0.0s\n")
+    assert out.getvalue() == "[a:0] hello\n"
+    c.connected("late")  # after the end: nothing more
+    assert err.getvalue() == text
+
+
+def test_progress_in_a_log_is_plain_lines():
+    err = io.StringIO()
+    c = Console(io.StringIO(), err)
+    assert not c.tty
+    c.start_progress(32, 64)
+    for i in range(32):
+        c.connected(f"h{i}")
+    for n in range(1, 65):
+        c.started(n)
+    lines = err.getvalue().splitlines()
+    assert "\r" not in err.getvalue()
+    assert lines == ["dsrun: connected 0/32 hosts, 0/64 ranks started",
+                     "dsrun: connected 32/32 hosts, 0/64 ranks started",
+                     "dsrun: connected 32/32 hosts, 64/64 ranks started in 0.0s"]
+
+
+def test_dead_code_is_gone():
+    assert "on_start" not in inspect.signature(Supervisor.__init__).parameters
+    assert "payloads" not in inspect.signature(JobHandle.__init__).parameters
+    assert "stopped_ranks" not in {f.name for f in dataclasses.fields(JobResult)}
+    assert '"fatal"' not in inspect.getsource(protocol) and "fatal " not in \
+        inspect.getsource(protocol)
+    assert "straggler_interval" in {f.name for f in dataclasses.fields(Watch)}
