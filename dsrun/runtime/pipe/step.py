@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from dsrun.errors import DsrunConfigError
+from dsrun.runtime.monitor.timers import comm_wait
 from dsrun.runtime.precision import FP16Master, FullPrecision, StepResult
 from dsrun.runtime.zero.masters import CLIP_EPS
 
@@ -87,7 +88,10 @@ def pipeline_step(engine: Any, measure_norm: bool = False) -> StepResult:
     device = engine.device
     zero = engine.optimizer if engine.zero_stage > 0 else None
     if zero is not None:
-        zero.reduce_gradients()
+        # the data-parallel reduction, for the breakdown's comm_reduce (a
+        # wait ZeRO times itself is nested inside and counts once)
+        with comm_wait("reduce"):
+            zero.reduce_gradients()
         if scaler is not None:
             zero.scale_grads_(1.0 / scaler.scale)
         to_clip = [m.grad for m in zero.masters if m.grad is not None]
