@@ -145,8 +145,7 @@ class DsrunEngine(torch.nn.Module):
         self._overflow_log = (float("-inf"), 0)  # (time of the last line, overflows since)
         self.progress = Progress(config.steps_per_print, config.train_batch_size,
                                  enabled=self.global_rank == 0)
-        self.monitor = EngineMonitor(config, rank=self.global_rank, group=self.dp_group,
-                                     device=self.device)
+        self.monitor = self._make_monitor()
 
     # ------------------------------------------------------------ set-up
 
@@ -158,6 +157,10 @@ class DsrunEngine(torch.nn.Module):
         params = [] if self.config.zero_optimization.stage == 3 else [*self.module.parameters()]
         tensors = [*params, *self.module.buffers()]
         broadcast_tensors(tensors, group=self.dp_group)
+
+    def _make_monitor(self) -> EngineMonitor:
+        return EngineMonitor(self.config, rank=self.global_rank, group=self.dp_group,
+                             device=self.device)
 
     def _make_grad_sync(self) -> Optional[GradSync]:
         if self.dp_world_size == 1:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -312,6 +313,31 @@ def test_wall_clock_breakdown_measures_the_pipeline(solo: None) -> None:
     timing = engine.last_batch_timing
     assert timing is not None
     assert 0 < timing["compute_s"] <= timing["pipeline_s"] <= timing["total_s"]
+
+
+def test_monitor_of_a_one_stage_pipeline(solo: None, tmp_path: Path) -> None:
+    """World size 1: the loss rows are train_batch's, the norm measured for
+    the monitor alone is torch's (get_global_grad_norm() stays None without
+    clipping), eval_batch writes eval_loss, and the breakdown is written."""
+    monitor = {"csv_monitor": {"enabled": True, "output_path": str(tmp_path),
+                               "job_name": "one"}, "wall_clock_breakdown": True,
+               "steps_per_print": 2}
+    engine, case = _engine("mlp-noclip", **monitor)
+    ref = cases.build("mlp-noclip", 1)
+    for x, y in case.batch(0, 0):
+        (F.cross_entropy(ref(x), y) / case.micro_batches).backward()
+    want = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()]))
+    losses = [float(engine.train_batch(iter(case.batch(step, 0)))) for step in range(2)]
+    assert engine.get_global_grad_norm() is None
+    evaluated = float(engine.eval_batch(iter(case.eval_data())))
+
+    def rows(name: str) -> list[tuple[int, float]]:
+        text = (tmp_path / "one" / f"Train_Samples_{name}.csv").read_text().split()
+        return [(int(a), float(b)) for a, b in (line.split(",") for line in text[1:])]
+    assert rows("train_loss") == [(16, losses[0]), (32, losses[1])]
+    assert rows("grad_norm")[0][1] == pytest.approx(float(want), rel=1e-6)
+    assert rows("eval_loss") == [(32, evaluated)]
+    assert [step for step, _ in rows("elapsed_time_ms_pipe_send")] == [32]
 
 
 # ------------------------------------------------------- errors at a stage boundary

@@ -125,3 +125,82 @@ def test_low_precision_pipelines_train_on_the_gpu(results: dict[str, Any], name:
     assert facts["dtype"] == dtype
     assert all(v == v and abs(v) < 1e4 for v in facts["losses"])  # finite
     assert facts["losses"][-1] < facts["losses"][0]
+
+
+MONITOR_WORKER = '''
+import json, sys, time
+import torch, torch.nn as nn, torch.nn.functional as F
+import dsrun
+from dsrun.pipe import LayerSpec, PipelineModule
+
+dsrun.init_distributed()
+MICRO, M, STEPS, EVERY, WIDTH = 64, 4, 8, 4, 1024
+
+def layers():
+    return [LayerSpec(nn.Linear, 256, WIDTH), nn.GELU(), LayerSpec(nn.Linear, WIDTH, WIDTH),
+            nn.GELU(), LayerSpec(nn.Linear, WIDTH, 8)]
+
+def batch(step):
+    g = torch.Generator().manual_seed(step)
+    return [(torch.randn(MICRO, 256, generator=g), torch.randint(0, 8, (MICRO,), generator=g))
+            for _ in range(M)]
+
+out = sys.argv[1]
+config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": M,
+          "steps_per_print": EVERY, "wall_clock_breakdown": True,
+          "optimizer": {"type": "SGD", "params": {"lr": 1e-2}},
+          "csv_monitor": {"enabled": True, "output_path": out, "job_name": "gpu"}}
+module = PipelineModule(layers(), num_stages=1, loss_fn=F.cross_entropy, seed_layers=True)
+engine, _, _, _ = dsrun.initialize(model=module, config=config)
+ref = PipelineModule(layers(), num_stages=1, seed_layers=True).cuda()
+opt = torch.optim.SGD(ref.parameters(), lr=1e-2)
+rows = []
+for step in range(STEPS):
+    for x, y in batch(step):
+        (F.cross_entropy(ref(x.cuda()), y.cuda()) / M).backward()
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad)
+                                                 for p in ref.parameters()]))
+    opt.step()
+    opt.zero_grad()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    loss = engine.train_batch(iter(batch(step)))
+    seconds = time.perf_counter() - start
+    rows.append({"loss": float(loss), "samples": engine.global_samples, "seconds": seconds,
+                 "ref_norm": float(norm)})
+json.dump({"rows": rows, "every": EVERY}, open(out + "/rows.json", "w"))
+'''
+
+
+def test_pipeline_monitor_on_the_gpu(tmp_path: Path) -> None:
+    """csv_monitor and the breakdown of a pipeline on CUDA (timers synchronise
+    the device at every instruction edge): the loss rows are train_batch's,
+    the norm measured for the monitor is plain torch's, the parts add up."""
+    import csv
+
+    script = tmp_path / "pipe_monitor_gpu.py"
+    script.write_text(MONITOR_WORKER)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    res = subprocess.run(dsrun_argv("--num_gpus", "1", str(script), str(tmp_path)),
+                         capture_output=True, text=True, timeout=600, env=env, cwd=str(ROOT))
+    assert res.returncode == 0, f"GPU job failed ({res.returncode}):\n{res.stderr[-6000:]}"
+    seen = json.loads((tmp_path / "rows.json").read_text())
+    rows, every = seen["rows"], seen["every"]
+
+    def series(name: str) -> dict[int, float]:
+        with open(tmp_path / "gpu" / f"Train_Samples_{name}.csv", newline="") as handle:
+            return {int(s): float(v) for s, v in list(csv.reader(handle))[1:]}
+
+    assert series("train_loss") == {r["samples"]: r["loss"] for r in rows}
+    norms = series("grad_norm")
+    for r in rows:
+        assert norms[r["samples"]] == pytest.approx(r["ref_norm"], rel=1e-5)
+    parts = {p: series(f"elapsed_time_ms_{p}") for p in (
+        "forward", "backward", "step", "batch_input", "pipe_recv_input", "pipe_recv_grad",
+        "pipe_send", "tied_reduce")}
+    for end in range(every, len(rows) + 1, every):
+        at = rows[end - 1]["samples"]
+        measured = 1000.0 * sum(r["seconds"] for r in rows[end - every:end]) / every
+        total = sum(values[at] for values in parts.values())
+        assert abs(total - measured) <= 0.10 * measured, (at, total, measured)
+        assert parts["forward"][at] > 0 and parts["batch_input"][at] > 0

@@ -25,6 +25,7 @@ Number = Union[int, float]
 
 PREFIX = "Train/Samples/"
 TRAIN_LOSS = PREFIX + "train_loss"
+EVAL_LOSS = PREFIX + "eval_loss"  # a pipeline's eval_batch, as DeepSpeed's
 LR = PREFIX + "lr"
 LOSS_SCALE = PREFIX + "loss_scale"
 GRAD_NORM = PREFIX + "grad_norm"
@@ -41,6 +42,14 @@ DEEPSPEED_PARTS = ("forward", "backward", "backward_inner", "backward_allreduce"
 # monitor's own work (inside "step").
 EXTRA_PARTS = ("iteration", "comm_reduce", "comm_gather", "monitor")
 BREAKDOWN_PARTS = DEEPSPEED_PARTS + EXTRA_PARTS
+# A pipeline's own parts (``batch_input`` and the receive waits after
+# DeepSpeed's pipeline timers): reading micro-batches, waiting for
+# activations (and labels) and for gradients from the neighbouring stages,
+# posting sends and waiting for them, summing tied gradients across stages.
+# Its ``backward_allreduce`` is the wait for the data-parallel reduction.
+PIPELINE_ONLY_PARTS = ("batch_input", "pipe_recv_input", "pipe_recv_grad", "pipe_send",
+                       "tied_reduce")
+PIPELINE_PARTS = BREAKDOWN_PARTS + PIPELINE_ONLY_PARTS
 
 RUN_INFO = "dsrun_run.json"
 CSV_SUFFIX = ".csv"
@@ -52,8 +61,8 @@ def lr_event(group: int) -> str:
 
 
 def time_event(part: str) -> str:
-    if part not in BREAKDOWN_PARTS:
-        raise ValueError(f"unknown breakdown part {part!r}; known: {', '.join(BREAKDOWN_PARTS)}")
+    if part not in PIPELINE_PARTS:
+        raise ValueError(f"unknown breakdown part {part!r}; known: {', '.join(PIPELINE_PARTS)}")
     return TIME_PREFIX + part
 
 

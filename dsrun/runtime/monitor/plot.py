@@ -1,12 +1,14 @@
 """``dsrun plot``: one PNG of one or several runs (matplotlib, no torch).
 
 Panels, each drawn when some run has its series: loss (raw, thin, and
-smoothed with TensorBoard's debiased exponential moving average), learning
+smoothed with TensorBoard's debiased exponential moving average; a
+pipeline's eval_batch losses as points), learning
 rate (every param group), throughput (samples/s, raw and smoothed; tokens/s
 on a second axis), loss scale (fp16, log scale), gradient norm, and the
 wall-clock breakdown (forward, backward split into compute and
-communication wait, the optimizer step and the monitor's own work,
-stacked, with the measured iteration time on top; with several runs, per
+communication wait, the optimizer step and the monitor's own work - and
+for a pipeline also reading data, the receive waits, sends and the
+tied-gradient reduction - stacked, with the measured iteration time on top; with several runs, per
 run the timed total, the communication wait and the monitor's work).
 Several runs share each panel, one colour per run. matplotlib is an
 optional extra (``pip install 'dsrun[plot]'``).
@@ -26,8 +28,11 @@ from dsrun.runtime.monitor.runs import Run, Series, stem
 
 PANEL_WIDTH_IN, PANEL_HEIGHT_IN, DPI = 6.4, 3.4, 100
 OUTLIER_FACTOR = 4.0  # breakdown values above this many medians are drawn off scale
-STACK = (("forward", "forward"), ("backward_inner", "backward compute"),
-         ("backward_allreduce", "backward comm wait"), ("step", "step"))
+STACK = (("batch_input", "data input"), ("forward", "forward"),
+         ("backward_inner", "backward compute"), ("backward_allreduce", "backward comm wait"),
+         ("pipe_recv_input", "receive wait (activations)"),
+         ("pipe_recv_grad", "receive wait (gradients)"), ("pipe_send", "send"),
+         ("tied_reduce", "tied reduce"), ("step", "step"))  # pipeline parts when present
 
 
 def smooth(values: Sequence[float], weight: float) -> list[float]:
@@ -76,6 +81,10 @@ def _draw_loss(ax: Any, runs: Sequence[Run], colors: Sequence[Any], weight: floa
         _line(ax, series, color=color, alpha=0.3, linewidth=0.8)
         ax.plot(series.x, smooth(series.values, weight), color=color, linewidth=1.8,
                 label=f"{run.label} (smoothed {weight:g})")
+        evals = run.get(ev.EVAL_LOSS)
+        if evals is not None:
+            ax.plot(evals.x, evals.values, color=color, marker="o", linestyle="--",
+                    label=f"{run.label} eval")
     values = [v for run in runs for v in getattr(run.get(ev.TRAIN_LOSS), "values", ())]
     if values and min(values) > 0 and max(values) / min(values) > 50:
         ax.set_yscale("log")  # losses that fall by orders of magnitude
@@ -147,8 +156,9 @@ def _draw_scalar(event: str, label: str, log: bool = False) -> Callable[..., Non
 
 def breakdown_parts(run: Run) -> list[tuple[str, tuple[float, ...], list[float]]]:
     """(label, x, ms) of the parts that add up to the timed step: forward,
-    backward compute, backward communication wait, the optimizer step, and
-    the monitor's own work when the run recorded it (it is inside "step")."""
+    backward compute, backward communication wait, a pipeline's own parts,
+    the optimizer step, and the monitor's own work when the run recorded it
+    (it is inside "step")."""
     found = {part: run.get(ev.time_event(part)) for part, _ in STACK + (("monitor", ""),)}
     x = found["forward"].x if found["forward"] is not None else ()
     aligned = {part: list(s.values) for part, s in found.items() if s is not None and s.x == x}
@@ -187,8 +197,8 @@ def _draw_breakdown(ax: Any, runs: Sequence[Run], colors: Sequence[Any],
         heights += totals
         ax.plot(x, totals, color=color, label=f"{run.label} forward+backward+step")
         for (label, _, values) in parts:
-            if "comm" in label or label.startswith("monitor"):
-                ax.plot(x, values, color=color, linestyle=":" if "comm" in label else "--",
+            if "wait" in label or label.startswith("monitor"):
+                ax.plot(x, values, color=color, linestyle=":" if "wait" in label else "--",
                         label=f"{run.label} {label}")
     ax.set_ylabel("ms per optimizer step")
     return _clip_outliers(ax, heights)

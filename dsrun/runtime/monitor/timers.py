@@ -14,6 +14,9 @@ accumulation), and the communication waits seen inside backward
 (``backward_allreduce``; ``backward_inner`` is the rest) and in the whole
 step (``comm_reduce``, ``comm_gather``). :meth:`StepTimers.take_means`
 gives milliseconds per optimizer step averaged since the previous call.
+Built with ``parts=PIPELINE_PARTS`` (a pipeline engine), it also times the
+pipeline's own parts - every part not in the plain engine's set - through
+the same ``phase``.
 
 On a CUDA device the engine passes ``torch.cuda.synchronize`` as ``sync``:
 each phase edge then waits for the device, so the times are device times
@@ -84,24 +87,31 @@ class StepTimers:
     """Per-optimizer-step phase times, averaged over an interval (module doc)."""
 
     def __init__(self, enabled: bool, sync: Optional[Callable[[], None]] = None,
-                 comm: CommWaits = COMM_WAITS, clock: Clock = time.perf_counter) -> None:
+                 comm: CommWaits = COMM_WAITS, clock: Clock = time.perf_counter,
+                 parts: tuple[str, ...] = BREAKDOWN_PARTS) -> None:
+        missing = set(BREAKDOWN_PARTS) - set(parts)
+        if missing:
+            raise ValueError(f"StepTimers parts must include {sorted(missing)}")
         self.enabled = enabled
+        self.parts = parts
+        self._timeable = PHASES + tuple(p for p in parts if p not in BREAKDOWN_PARTS)
         self._sync = sync
         self._comm = comm
         self._clock = clock
-        self._step = dict.fromkeys(BREAKDOWN_PARTS, 0.0)  # seconds, this optimizer step
-        self._sums = dict.fromkeys(BREAKDOWN_PARTS, 0.0)  # seconds, this interval
+        self._step = dict.fromkeys(parts, 0.0)  # seconds, this optimizer step
+        self._sums = dict.fromkeys(parts, 0.0)  # seconds, this interval
         self._steps = 0
         self._comm_mark = comm.snapshot()
         if enabled:
             comm.enable(sync)
 
     def phase(self, name: str) -> ContextManager[None]:
-        """Time one call of the engine's ``forward``/``backward``/``step``."""
+        """Time one call of the engine's ``forward``/``backward``/``step``
+        (or one of a pipeline's own parts)."""
         if not self.enabled:
             return _NULL
-        if name not in PHASES:
-            raise ValueError(f"unknown phase {name!r}; known: {PHASES}")
+        if name not in self._timeable:
+            raise ValueError(f"unknown phase {name!r}; known: {self._timeable}")
         return self._timed(name)
 
     @contextlib.contextmanager
@@ -137,7 +147,7 @@ class StepTimers:
         for part, seconds in step.items():
             self._sums[part] += seconds
         self._steps += 1
-        self._step = dict.fromkeys(BREAKDOWN_PARTS, 0.0)
+        self._step = dict.fromkeys(self.parts, 0.0)
         self._comm_mark = now
 
     def take_means(self) -> dict[str, float]:
@@ -146,7 +156,7 @@ class StepTimers:
         if not self._steps:
             return {}
         means = {part: 1000.0 * total / self._steps for part, total in self._sums.items()}
-        self._sums = dict.fromkeys(BREAKDOWN_PARTS, 0.0)
+        self._sums = dict.fromkeys(self.parts, 0.0)
         self._steps = 0
         return means
 

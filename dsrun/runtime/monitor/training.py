@@ -33,6 +33,11 @@ writes it as ``Train/Samples/elapsed_time_ms_<part>`` events. The ``step``
 part is the whole optimizer-step call, including the monitor's own work
 (the loss all-reduce - where a rank also waits for the slowest one - and
 the writes), which is reported again on its own as ``monitor``.
+
+A pipeline engine uses a subclass (:mod:`dsrun.runtime.pipe.metrics`) that
+times its own parts (``PARTS``), measures the gradient norm over all stages
+inside the step instead of before it (``grad_norm_before_step``) and logs
+one breakdown line per stage (``breakdown_line``).
 """
 
 from __future__ import annotations
@@ -85,6 +90,8 @@ def measure_grad_norm(engine: Any) -> Optional[float]:
 class EngineMonitor:
     """The engine's metrics (module docstring)."""
 
+    PARTS: tuple[str, ...] = ev.BREAKDOWN_PARTS  # what the breakdown times and writes
+
     def __init__(self, config: Any, *, rank: int, group: Any, device: torch.device) -> None:
         self.monitor = Monitor(config, rank)
         self.enabled = self.monitor.enabled
@@ -94,7 +101,8 @@ class EngineMonitor:
         self._device = device
         self._batch = config.train_batch_size
         self._print_every = config.steps_per_print
-        self.timers = StepTimers(config.wall_clock_breakdown, sync=cuda_sync(device))
+        self.timers = StepTimers(config.wall_clock_breakdown, sync=cuda_sync(device),
+                                 parts=self.PARTS)
         self._loss_sum: Optional[torch.Tensor] = None
         self._loss_count = 0
         self._tokens = 0
@@ -135,9 +143,9 @@ class EngineMonitor:
     def optimizer_step(self, engine: Any) -> Iterator[None]:
         """Around the engine's optimizer step: the ``step`` phase, which also
         holds the monitor's own work (its ``monitor`` part); then the step's
-        events, and the breakdown at print steps."""
+        events, and the breakdown at print steps (:meth:`end_step`)."""
         with self.timers.phase("step"):
-            self._grad_norm = measure_grad_norm(engine) if self.enabled else None
+            self._grad_norm = self.grad_norm_before_step(engine) if self.enabled else None
             yield
             now = time.perf_counter()
             iteration = None if self._last_end is None else now - self._last_end
@@ -145,14 +153,37 @@ class EngineMonitor:
             if self.enabled:
                 self._write_step(engine, iteration)
                 self.timers.add("monitor", time.perf_counter() - now)
-        self.timers.end_step(iteration or 0.0)
-        if self.timers.enabled and engine.global_steps % self._print_every == 0:
-            steps = self.timers.steps_pending
-            means = self.timers.take_means()
-            if self.rank == 0 and means:
-                log.info("%s", format_breakdown(means, steps))
-                self.write_events([(ev.time_event(part), value, engine.global_samples)
-                                   for part, value in means.items()])
+        self.end_step(engine, iteration or 0.0)
+
+    def end_step(self, engine: Any, iteration: float) -> None:
+        """Close the step's times; at a print step, log and write the
+        breakdown. That work cannot be in the interval it reports: it is
+        added to the next step's ``step`` and ``monitor`` parts."""
+        self.timers.end_step(iteration)
+        if not self.timers.enabled or engine.global_steps % self._print_every:
+            return
+        start = time.perf_counter()
+        steps = self.timers.steps_pending
+        means = self.timers.take_means()
+        line = self.breakdown_line(means, steps) if means else None
+        if line:
+            log.info("%s", line)
+        if self.rank == 0 and means:
+            self.write_events([(ev.time_event(part), value, engine.global_samples)
+                               for part, value in means.items()])
+        spent = time.perf_counter() - start
+        self.timers.add("step", spent)
+        self.timers.add("monitor", spent)
+
+    # ------------------------------------------------------ subclass hooks
+
+    def grad_norm_before_step(self, engine: Any) -> Optional[float]:
+        """The norm to write when the step itself reports none."""
+        return measure_grad_norm(engine)
+
+    def breakdown_line(self, means: dict[str, float], steps: int) -> Optional[str]:
+        """The breakdown's log line on this rank (rank 0's only), or None."""
+        return format_breakdown(means, steps) if self.rank == 0 else None
 
     # -------------------------------------------------------------- internals
 

@@ -5,7 +5,8 @@
 Pure parts (no processes): :mod:`.topology`, :mod:`.partition`,
 :mod:`.schedule`, the message headers of :mod:`.p2p`. Torch parts:
 :mod:`.layers`, :mod:`.module`, :mod:`.grid`, :mod:`.tied`, :mod:`.engine`,
-:mod:`.step`. ``dsrun.pipe`` (``deepspeed.pipe``) is the public face.
+:mod:`.step`, :mod:`.metrics`. ``dsrun.pipe`` (``deepspeed.pipe``) is the public
+face.
 """
 
 from __future__ import annotations

@@ -29,6 +29,10 @@ engine adds the tied-weight broadcast and reduction, the cross-stage
 gradient norm (:mod:`~.step`) and the schedules. ZeRO stage 1 works with
 pipelines, stage 2 when no tied weights span stages; stage 3 is refused.
 
+``engine.monitor`` (:mod:`~.metrics`) writes the plain engine's monitor
+events per ``train_batch`` and times each schedule instruction for
+``wall_clock_breakdown``.
+
 ``save_checkpoint`` / ``load_checkpoint`` are the engine's (DeepSpeed's
 signatures and guarantees); :mod:`~.checkpoint` tells the checkpoint
 package what each stage's ranks hold, so a pipeline checkpoint is keyed by
@@ -39,6 +43,7 @@ the engine's dataloader from the loaded position.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -59,6 +64,7 @@ from dsrun.runtime.pipe.batch import (
     to_device,
 )
 from dsrun.runtime.pipe.checkpoint import PipelineLayout, save_16bit_model
+from dsrun.runtime.pipe.metrics import PipelineMonitor
 from dsrun.runtime.pipe.module import PipelineModule
 from dsrun.runtime.pipe.p2p import (
     Header,
@@ -69,7 +75,7 @@ from dsrun.runtime.pipe.p2p import (
     recv_message,
     send_message,
 )
-from dsrun.runtime.pipe.step import pipeline_step
+from dsrun.runtime.pipe.step import check_pipeline_zero, pipeline_step
 from dsrun.runtime.precision import StepResult
 from dsrun.runtime.zero.stepping import wrap_optimizer
 
@@ -85,21 +91,6 @@ def _annotate(exc: BaseException, note: str) -> None:
     add_note = getattr(exc, "add_note", None)
     if add_note is not None:
         add_note(note)
-
-
-def check_pipeline_zero(config: DsrunConfig, module: PipelineModule) -> None:
-    stage = config.zero_optimization.stage
-    if stage == 3:
-        raise DsrunConfigError(
-            f"ZeRO stage 3 ({config.source}) cannot be combined with pipeline parallelism: "
-            "each stage already holds only its own layers; use ZeRO stage 1 (or 2) to "
-            "partition optimizer state within each stage's data-parallel group")
-    if stage == 2 and module.tied_weights:
-        keys = sorted({e.key for e in module.tied_weights.entries})
-        raise DsrunConfigError(
-            f"ZeRO stage 2 ({config.source}) reduces gradients during every backward, "
-            f"before the gradients of tied layers {keys} can be summed across the stages "
-            "that hold them: use ZeRO stage 1 with TiedLayerSpec layers")
 
 
 class PipelineEngine(DsrunEngine):
@@ -159,8 +150,19 @@ class PipelineEngine(DsrunEngine):
         return wrap_optimizer(self.optimizer, self.config.zero_optimization, self.zero_stage,
                               self.dp_group, self.module, accumulation, self.device)
 
+    def _make_monitor(self) -> PipelineMonitor:
+        grid = self.module.grid  # self.grid is set after the base constructor
+        return PipelineMonitor(self.config, rank=self.global_rank, group=self.dp_group,
+                               device=self.device, stage=grid.stage_id, stages=grid.stages,
+                               replica=grid.data_parallel_id)
+
     def _apply_step(self) -> StepResult:
-        return pipeline_step(self)
+        result = pipeline_step(self, measure_norm=self.monitor.enabled)
+        if self.config.gradient_clipping > 0 or self.precision.name == "fp16":
+            return result
+        # measured for the monitor alone: get_global_grad_norm() stays None
+        self.monitor.note_grad_norm(result.grad_norm)
+        return dataclasses.replace(result, grad_norm=None)
 
     # ------------------------------------------------------------ public API
 
@@ -224,10 +226,12 @@ class PipelineEngine(DsrunEngine):
             raise DsrunError("engine.train_batch() was called with gradients disabled "
                              "(inside torch.no_grad()?)")
         self.module.train()
+        self.monitor.batch_started()
         state = self._new_batch("train", self.micro_batches, self._source(data_iter))
         program = sched.train_schedule(self.num_stages, self.micro_batches, self.stage_id,
                                        labels=self.module.loss_fn is not None)
         self._run(program, state)
+        self.monitor.batch_finished()
         assert self.agg_train_loss is not None
         return self.agg_train_loss
 
@@ -257,6 +261,8 @@ class PipelineEngine(DsrunEngine):
         finally:
             self.module.train(was_training)
         self.agg_eval_loss = loss
+        if loss is not None:
+            self.monitor.write_eval_loss(loss, self.global_samples)
         outputs = state.results if self.grid.is_last_stage else None
         if not compute_loss:
             return outputs
@@ -295,8 +301,10 @@ class PipelineEngine(DsrunEngine):
                 if isinstance(instruction, (sched.ReduceGrads, sched.OptimizerStep)) and \
                         not state.pipeline_s:
                     state.pipeline_s = time.perf_counter() - start
-                self._handlers[type(instruction)](instruction, state)
-            self._pending.wait_all()
+                with self.monitor.instruction(instruction, state.kind):
+                    self._handlers[type(instruction)](instruction, state)
+            with self.monitor.sends(state.kind):
+                self._pending.wait_all()
         except BaseException:
             # a failed batch leaves nothing behind: no armed reduction, no
             # partly accumulated gradients for the next batch to add to
@@ -335,6 +343,9 @@ class PipelineEngine(DsrunEngine):
             item = self._batch_fn(item)
         inputs, labels = split_micro_batch(item, k)
         flatten_payload(inputs, f"the inputs of micro-batch {k}")
+        if state.kind == "train":  # tokens/s: counts a (batch, seq) integer first input
+            self.monitor.saw_inputs(inputs if isinstance(inputs, (tuple, list)) else (inputs,),
+                                    {})
         state.inputs[k] = self.precision.cast_inputs(to_device(inputs, self.device))
         state.labels[k] = to_device(labels, self.device)
 
@@ -452,7 +463,8 @@ class PipelineEngine(DsrunEngine):
 
     def _reduce_grads(self, ins: sched.ReduceGrads, state: BatchState) -> None:
         if self._grad_sync is not None:
-            self._grad_sync.finish()
+            with self.monitor.comm_wait("reduce"):
+                self._grad_sync.finish()
 
     def _reduce_tied_grads(self, ins: sched.ReduceTiedGrads, state: BatchState) -> None:
         self.module.tied_weights.reduce_grads()
@@ -480,13 +492,9 @@ class PipelineEngine(DsrunEngine):
         return values.mean() if reduce_output == "avg" else list(values.unbind())
 
     def _optimizer_step(self, ins: sched.OptimizerStep, state: BatchState) -> None:
-        self.agg_train_loss = self._aggregate_loss(state)
-        self.progress.record_loss(self.agg_train_loss)
-        self._take_model_step(None)
+        with self.monitor.optimizer_step(self):  # the step's events, the breakdown
+            self.agg_train_loss = self._aggregate_loss(state)
+            self.progress.record_loss(self.agg_train_loss)
+            self.monitor.record_loss(self.agg_train_loss)
+            self._take_model_step(None)
         self.micro_steps += state.micro_batches
-        if self.config.wall_clock_breakdown and self.grid.data_parallel_id == 0 and \
-                self.global_steps % self.config.steps_per_print == 0:
-            busy = state.compute_s / max(state.pipeline_s, 1e-9)
-            ideal = state.micro_batches / (state.micro_batches + self.num_stages - 1)
-            log.info("pipeline stage %d: busy %.0f%% of %.3f s (1F1B ideal %.0f%%)",
-                     self.stage_id, 100 * busy, state.pipeline_s, 100 * ideal)

@@ -1,4 +1,5 @@
-"""The optimizer step of a pipeline engine: one norm over all stages.
+"""The optimizer step of a pipeline engine: one norm over all stages (and
+which ZeRO stages it works with: :func:`check_pipeline_zero`).
 
 Each rank holds only its stage's gradients, so what a single process would
 compute - the global gradient norm for ``gradient_clipping``, and for fp16
@@ -16,7 +17,8 @@ primary one are left out (:meth:`~.tied.TiedWeights.duplicates`). A
 non-finite norm is an fp16 overflow on every rank at once (inf and NaN
 survive the sum), so all stages skip the step together. Everything then
 proceeds as in one process: the same clip coefficient (torch's rule), the
-same update.
+same update. With ``measure_norm`` (a monitor writes the norm) the norm's
+all-reduce runs even when neither clipping nor fp16 needs it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from dsrun.errors import DsrunConfigError
+from dsrun.runtime.monitor.timers import comm_wait
 from dsrun.runtime.precision import FP16Master, FullPrecision, StepResult
 from dsrun.runtime.zero.masters import CLIP_EPS
 
@@ -74,16 +78,20 @@ def _stage_grads(precision: FullPrecision, duplicates: set[int]
     return [g for _, g in grads], [g for p, g in grads if id(p) not in duplicates]
 
 
-def pipeline_step(engine: Any) -> StepResult:
+def pipeline_step(engine: Any, measure_norm: bool = False) -> StepResult:
     """Clip, check and apply one step of a :class:`~.engine.PipelineEngine`
-    (module docstring); returns what ``precision.step`` would."""
+    (module docstring); returns what ``precision.step`` would, with the
+    norm also when only ``measure_norm`` asked for it."""
     precision, max_norm = engine.precision, engine.config.gradient_clipping
     scaler = getattr(precision, "scaler", None)
     duplicates = engine.module.tied_weights.duplicates()
     device = engine.device
     zero = engine.optimizer if engine.zero_stage > 0 else None
     if zero is not None:
-        zero.reduce_gradients()
+        # the data-parallel reduction, for the breakdown's comm_reduce (a
+        # wait ZeRO times itself is nested inside and counts once)
+        with comm_wait("reduce"):
+            zero.reduce_gradients()
         if scaler is not None:
             zero.scale_grads_(1.0 / scaler.scale)
         to_clip = [m.grad for m in zero.masters if m.grad is not None]
@@ -92,7 +100,7 @@ def pipeline_step(engine: Any) -> StepResult:
         to_clip, counted = _stage_grads(precision, duplicates)
         share = _squares(counted, device) / engine.dp_world_size
     norm: Optional[torch.Tensor] = None
-    if max_norm > 0 or scaler is not None:
+    if max_norm > 0 or scaler is not None or measure_norm:
         if dist.get_world_size() > 1:
             dist.all_reduce(share)
         norm = share.clamp(min=0).sqrt().float()
@@ -113,3 +121,20 @@ def pipeline_step(engine: Any) -> StepResult:
             for param, master in zip(precision.params, precision.masters):
                 param.copy_(master)
     return StepResult(True, norm)
+
+
+def check_pipeline_zero(config: Any, module: Any) -> None:
+    """ZeRO stages a pipeline engine can step with (stage 3 never, stage 2
+    without tied weights across stages), else one error saying why."""
+    stage = config.zero_optimization.stage
+    if stage == 3:
+        raise DsrunConfigError(
+            f"ZeRO stage 3 ({config.source}) cannot be combined with pipeline parallelism: "
+            "each stage already holds only its own layers; use ZeRO stage 1 (or 2) to "
+            "partition optimizer state within each stage's data-parallel group")
+    if stage == 2 and module.tied_weights:
+        keys = sorted({e.key for e in module.tied_weights.entries})
+        raise DsrunConfigError(
+            f"ZeRO stage 2 ({config.source}) reduces gradients during every backward, "
+            f"before the gradients of tied layers {keys} can be summed across the stages "
+            "that hold them: use ZeRO stage 1 with TiedLayerSpec layers")
