@@ -59,11 +59,16 @@ from dsrun.runtime.monitor.training import EngineMonitor
 from dsrun.runtime.optimizers import build_optimizer
 from dsrun.runtime.precision import FullPrecision, StepResult, make_precision
 from dsrun.runtime.progress import Progress
-from dsrun.runtime.zero.stepping import memory_lines, offload_notes, wrap_optimizer, zero_step
+from dsrun.runtime.zero.stepping import (
+    DEEPSPEED_DEFAULT_BUCKET,
+    memory_lines,
+    offload_notes,
+    wrap_optimizer,
+    zero_step,
+)
 
 log = logging.getLogger("dsrun.runtime.engine")
 
-DEEPSPEED_DEFAULT_REDUCE_BUCKET = 500_000_000  # elements; one bucket, i.e. no overlap
 OVERFLOW_LOG_INTERVAL_S = 60.0
 _COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -87,7 +92,7 @@ def bucket_elements(config: DsrunConfig) -> Optional[int]:
     if config.dsrun.allreduce_bucket_size is not None:
         return config.dsrun.allreduce_bucket_size
     size = config.zero_optimization.reduce_bucket_size
-    return None if size == DEEPSPEED_DEFAULT_REDUCE_BUCKET else size
+    return None if size == DEEPSPEED_DEFAULT_BUCKET else size
 
 
 class DsrunEngine(torch.nn.Module):

@@ -145,11 +145,6 @@ class GradReducer:
         return _Bucket(tuple(keys), tuple(slot[k] for k in keys), total, tuple(ranges),
                        tuple(mine))
 
-    @property
-    def buffer_bytes(self) -> int:
-        """Bytes of the slot buffers this reducer allocates at most."""
-        return self.n_buffers * self.buffer_numel * torch.empty((), dtype=self.dtype).itemsize
-
     def slot_buffers(self) -> list[torch.Tensor]:
         """The slot buffers currently allocated (for memory accounting)."""
         return [b for b in self._slots if b is not None]
