@@ -133,6 +133,7 @@ class Agent:
         self.since = me.started if me is not None else 0.0  # the job started after us
         if guard is not None:
             guard.set_marker(self.marker, self.since)
+            guard.set_tmpdir(self.tmpdir)
 
     def emit(self, obj: dict[str, Any], control: bool = True) -> None:
         self.link.send(obj, control)

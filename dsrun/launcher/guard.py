@@ -5,12 +5,13 @@ safe, and the guard costs no interpreter start): the guard leaves the
 agent's session, ignores the usual signals, lets go of every file the
 agent holds (so the agent's channel closes when the agent dies) and reads
 a pipe from the agent: ``marker M SINCE`` (the agent's marker and start
-time), then one ``PID START_TIME`` line per rank (procs.Leader). If the
-pipe closes without the final ``done`` line, the agent died (SIGKILL, OOM
-killer) before it could tear its ranks down, so the guard kills every
-process of the job: the ranks' groups - only those whose leader is still
-the process that was started - and anything carrying the agent's
-environment marker.
+time), ``tmpdir PATH`` (the ranks' error and stack files), then one
+``PID START_TIME`` line per rank (procs.Leader). If the pipe closes
+without the final ``done`` line, the agent died (SIGKILL, OOM killer)
+before it could tear its ranks down, so the guard kills every process of
+the job: the ranks' groups - only those whose leader is still the process
+that was started - and anything carrying the agent's environment marker;
+then it removes the agent's temporary directory.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class Guard:
 
     def set_marker(self, marker: str, since: float = 0.0) -> None:
         self._send(f"marker {marker} {since!r}")
+
+    def set_tmpdir(self, path: str) -> None:
+        self._send(f"tmpdir {path}")
 
     def watch(self, leader: Leader) -> None:
         self._send(leader.line())
@@ -83,6 +87,7 @@ def _run_guard(read: int) -> None:
     os.closerange(read + 1, max(os.sysconf("SC_OPEN_MAX"), read + 2))
     marker: str | None = None
     since = 0.0
+    tmpdir: str | None = None
     leaders: list[Leader] = []
     pending = b""
     while True:
@@ -98,10 +103,15 @@ def _run_guard(read: int) -> None:
             if line.startswith("marker "):
                 _, marker, started = line.split(" ")
                 since = float(started)
+            elif line.startswith("tmpdir "):
+                tmpdir = line[len("tmpdir "):]
             elif (leader := Leader.parse(line)) is not None:
                 leaders.append(leader)
     if marker is not None or leaders:
         kill_job(leaders, marker, since=since)
+    if tmpdir is not None:
+        import shutil  # only here: the agent itself never needs it
+        shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

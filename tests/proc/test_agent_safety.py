@@ -151,9 +151,17 @@ def test_ranks_die_with_a_sigkilled_agent(tmp_path, pid_dir, mode):
         assert len(agents) == 1
         for pid in pids.values():  # the parent-death signal is armed in each rank
             assert psutil.Process(pid).ppid() == agents[0].pid
+        # the agent's temporary directory (the ranks' error and stack files)
+        error_file = psutil.Process(next(iter(pids.values()))).environ()["DSRUN_ERROR_FILE"]
+        tmpdir = os.path.dirname(error_file)
+        assert os.path.isdir(tmpdir)
         agents[0].kill()
         assert wait_gone(list(pids.values()), 3) == []
         proc.communicate(timeout=20)
+        deadline = time.monotonic() + 3
+        while os.path.exists(tmpdir) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(tmpdir), "the guard left the agent's temporary directory"
     finally:
         proc.kill()
 
