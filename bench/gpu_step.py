@@ -231,8 +231,10 @@ def print_table(precision: str, rows: dict[str, dict[str, Any] | str]) -> None:
     print(f"{'runner':<20}{'ms/step':>9}{'vs torch':>10}{'peak MiB':>10}")
     ms: dict[str, float] = {}
     for name, row in rows.items():
-        if isinstance(row, str):
-            print(f"{name:<20}  {row.splitlines()[0] if row else row}")
+        if isinstance(row, str):  # "failed (rc): ..." and the job's stderr
+            head, _, tail = row.partition(": ")
+            last = next((ln for ln in reversed(tail.splitlines()) if ln.strip()), "")
+            print(f"{name:<20}  {head}: {last.strip()}")
             continue
         ms[name] = statistics.median(row["times"]) * 1e3
         ratio = f"{ms[name] / base_ms:.2f}x" if base_ms else "-"
@@ -267,6 +269,11 @@ def main() -> None:
     bad = [p for p in precisions if p not in PRECISIONS]
     if bad:
         raise SystemExit(f"unknown precision(s) {bad}; choose from {PRECISIONS}")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/gpu_step.py needs a CUDA GPU: torch.cuda.is_available() is "
+                         "False here")
     if args.profile:
         for precision in precisions:
             run_once(args.profile, precision, args)
@@ -288,6 +295,10 @@ def main() -> None:
         results[precision] = rows  # type: ignore[assignment]
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+    failed = [f"{p} {n}" for p, rows in results.items() for n, row in rows.items()
+              if isinstance(row, str)]
+    if failed:
+        raise SystemExit(f"failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU checks in one run, on a GPU host whose python3 has torch with CUDA:
+# the GPU tier, the rest of the suite with CPU ranks, and bench/gpu_step.py.
+#
+#   bash scripts/gpu_checks.sh [OUT_DIR]       # OUT_DIR defaults to $OUT, else ./gpu-checks
+#
+# A host without network access gets what it lacks (paramiko and its
+# dependencies; DeepSpeed 0.19.8 and its for the DeepSpeed anchors) as
+# Python 3.12 wheels in WHEELS (default ./.whl, see the README's "Tests");
+# they are installed into a scratch directory put on PYTHONPATH. Each step
+# has a time limit (GPU_TIER_S, SUITE_S, BENCH_S seconds) so that one run
+# fits a session's device time; every step's output goes to OUT_DIR and a
+# summary line per step to stdout. Exits non-zero when a step failed.
+set -u
+cd "$(dirname "$0")/.."
+out=${1:-${OUT:-gpu-checks}}
+mkdir -p "$out"
+python3 -c "import torch; print('torch', torch.__version__)" || exit 2
+if ! python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+    echo "gpu-checks: torch.cuda.is_available() is False here: run this on a GPU host" >&2
+    exit 2
+fi
+wheels=${WHEELS:-.whl}
+site=${GPU_SITE:-/tmp/dsrun-gpu-site}
+if compgen -G "$wheels/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" "$wheels"/*.whl > "$out/pip.txt" 2>&1 || echo "gpu-checks: wheel install failed (see $out/pip.txt)"
+    export PYTHONPATH="$site:$PWD"
+else
+    export PYTHONPATH="$PWD"
+fi
+export PYTHONUNBUFFERED=1
+# 8 test workers of 2 threads each on a 16-core host: more oversubscribes it
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+nvidia-smi -L 2>&1 | head -4
+
+status=0
+step() {  # NAME LIMIT_S COMMAND...: run, keep the output, print one summary line
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    timeout "$limit" "$@" > "$out/$name.txt" 2>&1
+    rc=$?
+    echo "gpu-checks: $name rc=$rc in $(( $(date +%s) - start )) s"
+    grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$out/$name.txt" | tail -15
+    [ "$rc" -eq 0 ] || status=1
+}
+
+step gpu-tier "${GPU_TIER_S:-200}" python3 -m pytest -q -p no:cacheprovider -rfEs tests/gpu
+workers=()
+if python3 -c "import xdist" 2> /dev/null; then workers=(-n "${WORKERS:-8}"); fi
+step suite "${SUITE_S:-300}" python3 -m pytest -q -p no:cacheprovider "${workers[@]}" -rfEs \
+    tests/unit tests/proc tests/dist tests/cluster
+step bench "${BENCH_S:-240}" python3 bench/gpu_step.py \
+    --runners "${BENCH_RUNNERS:-torch,torch-fused,dsrun-s0,dsrun-s1,dsrun-s2,dsrun-s3,dsrun-s2-off,dsrun-s3-off}" \
+    --json "$out/bench.json"
+grep -v "done$" "$out/bench.txt" | tail -20
+exit "$status"
