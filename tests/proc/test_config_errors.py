@@ -41,7 +41,7 @@ def test_config_error_inside_the_ranks_is_one_message_without_dsrun_frames():
     output = res.stdout + res.stderr
     assert output.count('unknown key "zero_optimzation"') == 1, output
     assert "did you mean \"zero_optimization\"" in output
-    assert f"at {WORKERS / 'bad_config.py'}:8 in <module>" in output
+    assert f"at {WORKERS / 'bad_config.py'}:14 in <module>" in output
     assert "dsrun/runtime" not in output and "Traceback" not in output
     assert "1 other rank(s) failed with the same error" in output
     assert len(output.splitlines()) < 20, output
