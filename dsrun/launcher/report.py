@@ -167,8 +167,12 @@ def _error_lines(cause: RankFailure) -> list[str]:
 
 
 def _same_error(failure: RankFailure, cause: RankFailure) -> bool:
+    """The rank raised the cause's exception itself: its own error record
+    says so (a rank stopped by the teardown leaves none, or another). Ranks
+    that fail together are milliseconds apart, so its exit may fall after
+    the teardown began, or be the teardown's signal while it was exiting."""
     mine, theirs = failure.error or {}, cause.error or {}
-    return bool(mine.get("message")) and not failure.during_stop and \
+    return bool(mine.get("message")) and \
         (mine.get("exc_type"), mine.get("message")) == (theirs.get("exc_type"),
                                                          theirs.get("message"))
 

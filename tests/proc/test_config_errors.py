@@ -43,5 +43,8 @@ def test_config_error_inside_the_ranks_is_one_message_without_dsrun_frames():
     assert "did you mean \"zero_optimization\"" in output
     assert f"at {WORKERS / 'bad_config.py'}:14 in <module>" in output
     assert "dsrun/runtime" not in output and "Traceback" not in output
-    assert "1 other rank(s) failed with the same error" in output
+    # the other rank fails with the same error unless the teardown stops it
+    # first (they are milliseconds apart): either way the error is printed once
+    assert ("1 other rank(s) failed with the same error" in output
+            or "1 other rank(s) stopped as a consequence" in output), output
     assert len(output.splitlines()) < 20, output

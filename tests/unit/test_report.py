@@ -46,3 +46,23 @@ def test_report_names_rank_host_signal_traceback_and_tail():
     assert lines[-1] == "exit code 1"
     seg = report_lines(JobResult((_f(1, 1.0, code=None, sig=11),)))
     assert seg[0].endswith("killed by signal SIGSEGV")
+
+
+def test_a_rank_raising_the_same_error_after_the_stop_began_failed_with_it():
+    error = {"exc_type": "DsrunConfigError", "message": 'unknown key "x"', "traceback": ""}
+    cause = _f(0, 1.0, code=1, error=error)
+    raised_late = _f(1, 1.01, code=1, during_stop=True, error=dict(error))
+    lines = report_lines(JobResult((cause, raised_late)))
+    assert "1 other rank(s) failed with the same error" in lines
+    assert not any("as a consequence" in ln for ln in lines)
+    # its record was written, then the teardown's signal ended it: it failed too
+    killed = _f(1, 1.01, code=None, sig=15, during_stop=True, error=dict(error))
+    lines = report_lines(JobResult((cause, killed)))
+    assert "1 other rank(s) failed with the same error" in lines
+    # stopped before it got there: no record
+    stopped = _f(1, 1.01, code=None, sig=15, during_stop=True)
+    assert "1 other rank(s) stopped as a consequence" in report_lines(JobResult((cause, stopped)))
+    # another error after the stop began: a consequence
+    other = _f(1, 1.01, code=1, during_stop=True,
+               error={"exc_type": "RuntimeError", "message": "connection closed"})
+    assert "1 other rank(s) stopped as a consequence" in report_lines(JobResult((cause, other)))
