@@ -215,9 +215,9 @@ DEFAULT_JOB_NAME = "DeepSpeedJobName"  # DeepSpeed's default, so its paths stay 
 
 
 @dataclass(frozen=True)
-class CsvMonitorConfig:
-    """``csv_monitor``: one CSV per event under ``output_path/job_name``
-    (``output_path`` "" is the working directory, as in DeepSpeed)."""
+class _EventFilesConfig:
+    """A monitor writing files under ``output_path/job_name`` (``output_path``
+    "" is the working directory, as in DeepSpeed)."""
 
     enabled: bool = opt("bool", False)
     output_path: str = opt("str", "")
@@ -228,16 +228,14 @@ class CsvMonitorConfig:
 
 
 @dataclass(frozen=True)
-class TensorBoardConfig:
+class CsvMonitorConfig(_EventFilesConfig):
+    """``csv_monitor``: one CSV per event under ``output_path/job_name``."""
+
+
+@dataclass(frozen=True)
+class TensorBoardConfig(_EventFilesConfig):
     """``tensorboard``: event files under ``output_path/job_name`` through
     ``torch.utils.tensorboard`` (needs the ``tensorboard`` package)."""
-
-    enabled: bool = opt("bool", False)
-    output_path: str = opt("str", "")
-    job_name: str = opt("str", DEFAULT_JOB_NAME)
-
-    def __post_init__(self) -> None:
-        validate_fields(self)
 
 
 @dataclass(frozen=True)

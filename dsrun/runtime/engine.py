@@ -210,10 +210,14 @@ class DsrunEngine(torch.nn.Module):
                 f"ZeRO stage {self.zero_stage} needs an optimizer: add an \"optimizer\" "
                 f"section to {self.config.source} or pass optimizer= to initialize()")
         self._check_unsupported()
-        zero = wrap_optimizer(self.optimizer, self.config.zero_optimization,
+        return wrap_optimizer(self.optimizer, self.config.zero_optimization,
                               self.zero_stage, self.dp_group, self.module,
-                              self.config.gradient_accumulation_steps, self.device)
-        return zero
+                              self._zero_accumulation(), self.device)
+
+    def _zero_accumulation(self) -> int:
+        """The micro-steps per optimizer step ZeRO plans for (with 1, stage 1
+        also reduces during backward)."""
+        return self.config.gradient_accumulation_steps
 
     def _check_unsupported(self) -> None:
         """ZeRO++/MiCS features change what is computed: refuse them when on,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsrun.runtime.zero.flat import FlatGrads, alias_or_copy, flatten_into
+from dsrun.runtime.zero.flat import FlatGrads, alias_or_copy, clear_flat_grads, flatten_into
 from dsrun.runtime.zero.init import settings_from_config
 from dsrun.runtime.zero.masters import HOST_PIECE, OFFLOAD_PIECE, inner_kwargs, piece_size
 from dsrun.runtime.zero.offload import HostFence, Landing
@@ -70,6 +70,19 @@ def test_replaced_or_dropped_gradients_are_noticed() -> None:
     assert torch.equal(params[1].grad, torch.full_like(params[1], 3.0))
     assert params[1].grad.data_ptr() == flat[offsets[1]:].data_ptr()  # re-bound
     grads.release()
+    assert grads.buffer is None and all(p.grad is None for p in params)
+
+
+def test_clearing_flat_grads_zeroes_in_place_or_frees() -> None:
+    model, params, offsets, total = _linear_pair()
+    grads = FlatGrads(params, offsets, total)
+    flat = grads.collect()
+    flat.fill_(5.0)
+    clear_flat_grads([None, grads], set_to_none=False)  # the engine's choice between steps
+    assert grads.buffer is flat and not flat.any()
+    assert all(p.grad is not None and p.grad.data_ptr() == flat[o:].data_ptr()
+               for p, o in zip(params, offsets))
+    clear_flat_grads([grads, None], set_to_none=True)
     assert grads.buffer is None and all(p.grad is None for p in params)
 
 

@@ -77,7 +77,6 @@ from dsrun.runtime.pipe.p2p import (
 )
 from dsrun.runtime.pipe.step import check_pipeline_zero, pipeline_step
 from dsrun.runtime.precision import StepResult
-from dsrun.runtime.zero.stepping import wrap_optimizer
 
 log = logging.getLogger("dsrun.runtime")
 
@@ -138,17 +137,10 @@ class PipelineEngine(DsrunEngine):
         super()._broadcast_state()
         self.module.tied_weights.broadcast()
 
-    def _make_zero_optimizer(self) -> Any:
-        if self.optimizer is None:
-            raise DsrunConfigError(
-                f"ZeRO stage {self.zero_stage} needs an optimizer: add an \"optimizer\" "
-                f"section to {self.config.source} or pass optimizer= to initialize()")
-        self._check_unsupported()
+    def _zero_accumulation(self) -> int:
         # Stage 1 reduces at the end of the batch, after the tied gradients
         # are summed (with accumulation 1 it would reduce during backward).
-        accumulation = max(2, self.config.gradient_accumulation_steps)
-        return wrap_optimizer(self.optimizer, self.config.zero_optimization, self.zero_stage,
-                              self.dp_group, self.module, accumulation, self.device)
+        return max(2, self.config.gradient_accumulation_steps)
 
     def _make_monitor(self) -> PipelineMonitor:
         grid = self.module.grid  # self.grid is set after the base constructor

@@ -144,3 +144,14 @@ class FlatGrads:
             param.grad = None
         self.buffer = None
         self._views = []
+
+
+def clear_flat_grads(groups: Sequence[Optional[FlatGrads]], set_to_none: bool) -> None:
+    """``zero_grad`` for each group's flat gradients: freed with
+    ``set_to_none``, else zeroed in place with their views kept bound."""
+    for grads in groups:
+        if grads is not None:
+            if set_to_none:
+                grads.release()
+            else:
+                grads.zero()

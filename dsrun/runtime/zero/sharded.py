@@ -77,7 +77,13 @@ from torch.optim import Optimizer
 
 from dsrun.errors import DsrunConfigError, DsrunError
 from dsrun.runtime.zero.comm import all_gather_flat, reduce_scatter_mean, strategy_for
-from dsrun.runtime.zero.flat import FlatGrads, alias_or_copy, flatten_into, trim_host_heap
+from dsrun.runtime.zero.flat import (
+    FlatGrads,
+    alias_or_copy,
+    clear_flat_grads,
+    flatten_into,
+    trim_host_heap,
+)
 from dsrun.runtime.zero.groups import (  # noqa: F401 - re-exported for older imports
     UNSHARDABLE_OPTIMIZERS,
     ZeroSettings,
@@ -363,12 +369,7 @@ class ZeroOptimizer(ShardedStateIO, MasterGradients):
         if self._reducer is not None:
             self._reducer.reset()
         self._landing.wait()  # nothing may land in an accumulator after this
-        for grads in self._grads:
-            if grads is not None:
-                if set_to_none:
-                    grads.release()
-                else:
-                    grads.zero()
+        clear_flat_grads(self._grads, set_to_none)
         if self._reducer is not None:
             for p in self.trainable_params():
                 p.grad = None

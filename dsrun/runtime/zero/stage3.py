@@ -81,7 +81,7 @@ from torch.optim import Optimizer
 from dsrun.errors import DsrunConfigError, DsrunError
 from dsrun.runtime.zero.divergence import DivergenceGuard, shared_guard
 from dsrun.runtime.zero.fetch import ParamFetcher
-from dsrun.runtime.zero.flat import FlatGrads, alias_or_copy, trim_host_heap
+from dsrun.runtime.zero.flat import FlatGrads, alias_or_copy, clear_flat_grads, trim_host_heap
 from dsrun.runtime.zero.groups import (
     Stage3Settings,
     _check_optimizer_cls,
@@ -419,12 +419,7 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
         self.fetcher.abandon_backward()
         self.reducer.reset()
         self._landing.wait()  # nothing may land in an accumulator after this
-        for grads in self._grads:
-            if grads is not None:
-                if set_to_none:
-                    grads.release()
-                else:
-                    grads.zero()
+        clear_flat_grads(self._grads, set_to_none)
         if not self._local:
             for p in self.trainable_params():
                 p.grad = None
