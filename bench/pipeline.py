@@ -48,7 +48,11 @@ from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-DS_PYTHON = HERE / ".venv-ds" / "bin" / "python"
+sys.path.insert(0, str(HERE))
+
+import train_throughput as tt  # noqa: E402 - the bench GPT's block
+
+DS_PYTHON = tt.DS_PYTHON
 VOCAB, WIDTH, LAYERS, HEADS, SEQ = 8192, 512, 6, 8, 128
 LR = 3e-4
 STAGES = 2
@@ -69,20 +73,7 @@ def layer_classes() -> dict[str, Any]:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x + self.wpe.weight[: x.shape[1]]
 
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-            self.qkv, self.proj = nn.Linear(WIDTH, 3 * WIDTH), nn.Linear(WIDTH, WIDTH)
-            self.mlp = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(),
-                                     nn.Linear(4 * WIDTH, WIDTH))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            b, t, _ = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, -1).permute(2, 0, 3, 1, 4)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + self.proj(y.transpose(1, 2).reshape(b, t, WIDTH))
-            return x + self.mlp(self.ln2(x))
+    Block = tt.block_class(WIDTH, HEADS)
 
     def logits(embedding: nn.Embedding, x: torch.Tensor) -> torch.Tensor:
         return x @ embedding.weight.t()

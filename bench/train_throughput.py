@@ -69,8 +69,9 @@ LR = 3e-4
 # ----------------------------------------------------------------- the model (rank side)
 
 
-def build_model(tied: bool = True) -> Any:
-    """The bench GPT; ``tied``: the output head shares the embedding (GPT-2)."""
+def block_class(width: int, heads: int) -> Any:
+    """The bench GPT's transformer block (pre-norm attention + MLP), a class
+    named ``Block`` (pipelines partition by ``type:Block``)."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -78,17 +79,28 @@ def build_model(tied: bool = True) -> Any:
     class Block(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-            self.qkv, self.proj = nn.Linear(WIDTH, 3 * WIDTH), nn.Linear(WIDTH, WIDTH)
-            self.mlp = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(),
-                                     nn.Linear(4 * WIDTH, WIDTH))
+            self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+            self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+            self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                     nn.Linear(4 * width, width))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             b, t, _ = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, -1).permute(2, 0, 3, 1, 4)
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, heads, -1).permute(2, 0, 3, 1, 4)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + self.proj(y.transpose(1, 2).reshape(b, t, WIDTH))
+            x = x + self.proj(y.transpose(1, 2).reshape(b, t, width))
             return x + self.mlp(self.ln2(x))
+
+    return Block
+
+
+def build_model(tied: bool = True) -> Any:
+    """The bench GPT; ``tied``: the output head shares the embedding (GPT-2)."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    Block = block_class(WIDTH, HEADS)
 
     class GPT(nn.Module):
         def __init__(self) -> None:
