@@ -15,7 +15,9 @@ median over rounds of steps/s (and s/step), the ratio to DDP's s/step, and
 each rank's peak RSS (``ru_maxrss``, the largest over rounds).
 
 Runners are entries of ``RUNNERS``: a function that, inside a rank, wraps the
-model and returns ``step(tokens)``. ``dsrun-stage0..2``, torch's
+model and returns ``step(tokens)``. ``dsrun-stage0..3``,
+``dsrun-stage3-reuse`` (stage 3 with ``stage3_max_reuse_distance`` above the
+model: nothing released between forward and backward), torch's
 ``zero-redundancy-optimizer`` (ZeRO-1), ``fsdp2`` (``fully_shard`` per
 block: ZeRO-3 style) and DeepSpeed's stages 0-3; the ratios of each dsrun
 stage to its anchors are printed under the table.
@@ -65,6 +67,7 @@ def use_model(name: str) -> None:
     global VOCAB, WIDTH, LAYERS, HEADS, SEQ, BATCH
     VOCAB, WIDTH, LAYERS, HEADS, SEQ, BATCH = MODELS[name]
 LR = 3e-4
+REUSE_ALL = 2_000_000_000  # elements: above both bench models, so nothing is released
 
 # ----------------------------------------------------------------- the model (rank side)
 
@@ -161,11 +164,12 @@ def _engine_step(engine: Any) -> Step:
     return step
 
 
-def _dsrun(stage: int) -> Callable[[Builder], Step]:
+def _dsrun(stage: int, zero: dict[str, Any] | None = None) -> Callable[[Builder], Step]:
     def setup(build: Builder) -> Step:
         import dsrun
 
         config = _ds_config(stage)
+        config["zero_optimization"].update(zero or {})
         if stage == 3:  # built already partitioned: never whole on a rank
             import dsrun.zero
 
@@ -221,6 +225,9 @@ RUNNERS: dict[str, Callable[[Builder], Step]] = {
     "dsrun-stage1": _dsrun(1),
     "dsrun-stage2": _dsrun(2),
     "dsrun-stage3": _dsrun(3),
+    # every parameter kept gathered from forward to backward (DeepSpeed's
+    # behaviour at its default reuse distance on models under ~1e9 parameters)
+    "dsrun-stage3-reuse": _dsrun(3, {"stage3_max_reuse_distance": REUSE_ALL}),
     "zero-redundancy-optimizer": _zero_redundancy,
     "fsdp2": _fsdp2,
     "deepspeed-stage0": _deepspeed(0),

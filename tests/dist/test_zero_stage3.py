@@ -136,6 +136,17 @@ def test_prefetch_runs_and_respects_max_live(job: list[dict[str, Any]]) -> None:
             assert events.get("forward", 0) == 4, (world, name, events)
 
 
+def test_max_reuse_distance_saves_the_backward_gathers(job: list[dict[str, Any]]) -> None:
+    """With every parameter kept from forward to backward, backward gathers
+    only until the traces are known (the first two micro-steps)."""
+    for world, _rank, name, case in _cases(job):
+        if name == "gas3-clip-reuse":
+            kept = case["events"].get("backward", 0) + case["events"].get("backward prefetch", 0)
+            plain = job[0][world]["gas3-clip"]["events"]
+            released = plain.get("backward", 0) + plain.get("backward prefetch", 0)
+            assert 0 < kept < released / 5, (world, kept, released)
+
+
 def test_init_partitions_each_module_and_matches_rank0(job: list[dict[str, Any]]) -> None:
     for result in job[:2]:
         init = result["init"]
@@ -438,6 +449,71 @@ def test_forward_end_keeps_what_backward_fetches_first(solo: None) -> None:
         model(torch.randn(4, 16))
     assert full_numel_held(model.parameters()) == 0
     stage3.close()
+
+
+def _reuse_run(max_reuse: int) -> tuple[list[float], list[int], list[int], int]:
+    """Three training steps of six Linear(16, 16) under stage 3 (shards in
+    host memory at world size 1, so parameters are gathered and released;
+    no prefetch): the losses, what forward left gathered, the gathers in
+    backward, and what an eval forward leaves."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)])
+    stage3 = ZeroStage3(model, None, torch.optim.AdamW, {"lr": 1e-2},
+                        settings=Stage3Settings(offload_param=True, param_persistence_threshold=0,
+                                                prefetch_bucket_size=0,
+                                                max_reuse_distance=max_reuse))
+    data = torch.Generator().manual_seed(1)
+    losses, held, gathers = [], [], []
+    for _ in range(3):
+        before = stage3.guard.counts["backward"] + stage3.guard.counts["backward prefetch"]
+        loss = model(torch.randn(4, 16, generator=data)).square().mean()
+        held.append(full_numel_held(model.parameters()))
+        loss.backward()
+        stage3.micro_step_done()
+        gathers.append(stage3.guard.counts["backward"] +
+                       stage3.guard.counts["backward prefetch"] - before)
+        stage3.step()
+        stage3.zero_grad(set_to_none=False)
+        assert full_numel_held(model.parameters()) == 0  # nothing survives the step
+        losses.append(loss.item())
+    with torch.no_grad():
+        model(torch.randn(4, 16))
+    after_eval = full_numel_held(model.parameters())
+    stage3.close()
+    return losses, held, gathers, after_eval
+
+
+def test_max_reuse_distance_keeps_parameters_for_backward(solo: None) -> None:
+    """``stage3_max_reuse_distance``: once both traces are known (from the
+    third step: a backward's order is followed from the next one), a training
+    forward keeps the parameters whose backward use comes within the
+    distance (module 5's at distance 0, module 4's after 2 x 272 elements;
+    a distance above the model keeps all, and backward gathers nothing);
+    the losses are those of the run that releases everything; an eval
+    forward keeps nothing."""
+    module = 16 * 16 + 16
+    plain, held, gathers, _ = _reuse_run(0)
+    assert held == [0, 0, 0] and gathers[2] == gathers[0] > 0
+    near, held, gathers, after_eval = _reuse_run(2 * module + 1)
+    assert held[0] == 0 and held[2] == 2 * module and gathers[2] < gathers[0]
+    assert near == plain and after_eval == 0
+    every, held, gathers, after_eval = _reuse_run(10**8)
+    assert held[0] == 0 and held[2] == 6 * module and gathers[2] == 0
+    assert every == plain and after_eval == 0
+
+
+def test_max_reuse_distance_from_the_config() -> None:
+    """DeepSpeed's default (1e9, what HF's example configs write) counts as
+    unset; any other value is used."""
+    from dsrun.runtime.config_sections import ZeroConfig
+
+    assert Stage3Settings.from_config(ZeroConfig(stage=3)).max_reuse_distance == 0
+    assert Stage3Settings.from_config(
+        ZeroConfig(stage=3, max_reuse_distance=10**9)).max_reuse_distance == 0
+    assert Stage3Settings.from_config(
+        ZeroConfig(stage=3, max_reuse_distance=5 * 10**7)).max_reuse_distance == 5 * 10**7
+    with pytest.raises(DsrunConfigError, match="max_reuse_distance"):
+        Stage3Settings(max_reuse_distance=-1)
 
 
 def test_a_weight_used_twice_in_forward_is_gathered_once(solo: None,

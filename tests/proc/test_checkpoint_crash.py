@@ -91,3 +91,16 @@ def test_an_async_save_failing_after_the_script_ended_fails_the_process(tmp_path
     assert "script done" in res.stdout
     assert res.returncode == 1
     assert "dsrun: error: the asynchronous save of tag 'doomed' failed" in res.stderr
+
+
+def test_an_async_save_failing_while_the_script_raises_reports_both(tmp_path: Path) -> None:
+    """The script raises its own error while a failing save is in flight:
+    the process fails, and both the script's error and the save's are
+    printed (neither hides the other)."""
+    res = subprocess.run([sys.executable, str(WORKER), "--mode", "async-fail-raise", "--out",
+                          str(tmp_path), "--ckpt", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120, env=clean_env(),
+                         cwd=str(ROOT))
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "RuntimeError: the script's own error" in res.stderr
+    assert "dsrun: error: the asynchronous save of tag 'doomed' failed" in res.stderr

@@ -25,6 +25,7 @@ from dsrun.runtime.zero.stage3_plan import (
     TraceCursor,
     is_persistent,
     plan_prefetch,
+    plan_reuse_keep,
 )
 
 # ------------------------------------------------------------------ shards
@@ -170,6 +171,71 @@ def test_simulated_pass_keeps_the_bounds(schedule) -> None:
             live.remove(p)
         assert live.live == sum(numels[p] for p in live.ids())
         assert live.ahead <= live.live
+
+
+# ------------------------------------------------------------ reuse distance
+
+CHAIN = {0: (10,), 1: (11,), 2: (12,)}
+CHAIN_NUMELS = {10: 5, 11: 7, 12: 9}
+
+
+def _keep(max_distance: int, max_live: int = 1000, modules=CHAIN,
+          forward=(0, 1, 2), backward=(2, 1, 0)) -> frozenset:
+    return plan_reuse_keep(forward, backward, modules, CHAIN_NUMELS,
+                           max_distance=max_distance, max_live=max_live)
+
+
+def test_reuse_distance_counts_the_uses_in_between() -> None:
+    """Distances: 12 is used again at once (0); 11 after module 2's
+    forward and backward (9 + 9); 10 after 7 + 9 + 9 + 7 elements."""
+    assert _keep(0) == frozenset()  # 0 turns it off
+    assert _keep(1) == {12}
+    assert _keep(18) == {12} and _keep(19) == {12, 11}
+    assert _keep(32) == {12, 11} and _keep(33) == {12, 11, 10}
+    assert _keep(10**9, max_live=16) == {12, 11}  # nearest first within max_live
+    assert _keep(10**9, max_live=15) == {12}
+    assert _keep(10**9, backward=(2, 1)) == {12, 11}  # 10 is not used in backward
+    assert _keep(10**9, backward=()) == frozenset()
+    with pytest.raises(ValueError, match="max_distance"):
+        _keep(-1)
+
+
+def test_reuse_distance_starts_at_the_last_forward_use() -> None:
+    """A tied weight (modules 0 and 2) is measured from its use in module
+    2, the last one in forward."""
+    tied = {0: (10,), 1: (11,), 2: (10, 12)}
+    assert _keep(1, modules=tied) == {10, 12}
+    assert _keep(28, modules=tied) == {10, 12}  # 11: module 2 (14) in forward and backward
+    assert _keep(29, modules=tied) == {10, 11, 12}
+
+
+def _distance(forward, backward, modules, numels, p):
+    """Brute force: elements used strictly between p's last forward use and
+    its first backward use (each module's parameters once per use)."""
+    sequence = list(forward) + list(backward)
+    last = max(i for i, m in enumerate(forward) if p in modules[m])
+    first = min(len(forward) + i for i, m in enumerate(backward) if p in modules[m])
+    return sum(numels[q] for m in sequence[last + 1:first] for q in set(modules[m]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(schedules(), st.lists(st.integers(0, 7), max_size=12), st.integers(0, 200))
+def test_reuse_keep_matches_the_definition(schedule, backward, distance) -> None:
+    modules, numels, forward, _, max_live = schedule
+    backward = tuple(m for m in backward if m in modules)
+    kept = plan_reuse_keep(forward, backward, modules, numels, max_distance=distance,
+                           max_live=max_live)
+    unlimited = plan_reuse_keep(forward, backward, modules, numels, max_distance=distance,
+                                max_live=10**9)
+    used_forward = {p for m in forward for p in modules[m]}
+    used_backward = {p for m in backward for p in modules[m]}
+    expected = {p for p in used_forward & used_backward
+                if _distance(forward, backward, modules, numels, p) < distance}
+    assert unlimited == expected
+    assert kept <= unlimited and sum(numels[p] for p in kept) <= max_live
+    far = [_distance(forward, backward, modules, numels, p) for p in unlimited - kept]
+    near = [_distance(forward, backward, modules, numels, p) for p in kept]
+    assert not far or not near or max(near) <= min(far)  # nearest first
 
 
 def test_live_set_accounting() -> None:

@@ -43,6 +43,15 @@ unless the forward trace uses it again later in the same pass: then it is
 kept until that last use (one gather instead of two). The next forward's
 start releases whatever backward did not use.
 
+**Reuse distance.** ``stage3_max_reuse_distance`` (``max_reuse``, in
+elements; 0, dsrun's default, turns it off) keeps more for backward, as in
+DeepSpeed: a parameter whose first backward use comes within that many
+elements of parameter uses after its last forward use is not released
+there (:func:`~.stage3_plan.plan_reuse_keep`, within ``max_live``). A
+distance larger than the model keeps every parameter from forward to
+backward: no gather in backward, for the memory of the whole model's
+parameters at the turn.
+
 Autograd keeps the parameter object itself for backward (a leaf is saved by
 reference), so emptying ``param.data`` after forward and refilling it
 before backward is invisible to it. An operator that saves a *view* of a
@@ -71,7 +80,12 @@ from dsrun.runtime.zero.partitioned import (
     release,
     start_gathers,
 )
-from dsrun.runtime.zero.stage3_plan import LiveSet, TraceCursor, plan_prefetch
+from dsrun.runtime.zero.stage3_plan import (
+    LiveSet,
+    TraceCursor,
+    plan_prefetch,
+    plan_reuse_keep,
+)
 
 
 def external_params(module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
@@ -121,7 +135,7 @@ class ParamFetcher:
     """Gather/release/prefetch hooks over ``root`` (module docstring)."""
 
     def __init__(self, root: torch.nn.Module, *, guard: DivergenceGuard,
-                 prefetch_bucket: int, max_live: int,
+                 prefetch_bucket: int, max_live: int, max_reuse: int = 0,
                  strategy: Optional[CommStrategy] = None,
                  memory_efficient_linear: bool = True) -> None:
         self.root = root
@@ -130,6 +144,7 @@ class ParamFetcher:
         self.strategy = strategy
         self.prefetch_bucket = prefetch_bucket
         self.max_live = max_live
+        self.max_reuse = max_reuse
         self.modules: list[torch.nn.Module] = []
         self.names: list[str] = []
         self._direct: list[tuple[torch.Tensor, ...]] = []
@@ -149,6 +164,7 @@ class ParamFetcher:
         self._users: dict[int, int] = {}
         self._fetchable: dict[int, tuple[int, tuple[torch.Tensor, ...]]] = {}
         self._turn_keep: frozenset[int] = frozenset()  # ids kept from forward to backward
+        self._reuse_keep: frozenset[int] = frozenset()  # kept by the reuse distance
         self._turn_from = 0  # forward-trace position from which they are kept
         self._last_use: dict[int, int] = {}  # id -> last forward-trace position using it
         self._root_depth = 0
@@ -224,12 +240,19 @@ class ParamFetcher:
         Only the modules at the end of the forward trace keep theirs: a
         parameter used early (a tied embedding) is still released there."""
         self._turn_keep, self._turn_from = frozenset(), 0
+        self._reuse_keep = frozenset()
         self._last_use = {}
         for position, module in enumerate(self.forward_trace.trace):
             for p in self.fetchable(module):
                 self._last_use[p.ds_id] = position
         trace = self.backward_trace.trace
-        if self.prefetch_bucket <= 0 or not trace or not self.forward_trace.trace:
+        if not trace or not self.forward_trace.trace:
+            return
+        if self.max_reuse > 0:
+            self._reuse_keep = plan_reuse_keep(
+                self.forward_trace.trace, trace, _ModuleIds(self), self._numels,
+                max_distance=self.max_reuse, max_live=self.max_live)
+        if self.prefetch_bucket <= 0:
             return
         plan = plan_prefetch(trace, -1, _ModuleIds(self), self._numels, (), ahead=0, live=0,
                              bucket=self.prefetch_bucket, max_live=self.max_live)
@@ -238,14 +261,17 @@ class ParamFetcher:
 
     def _keeps(self, param: torch.Tensor) -> bool:
         """Not released after this use: used again later in this forward
-        (a tied weight), or kept at the turn to backward (:meth:`_plan_turn`)."""
+        (a tied weight), or kept at the turn to backward (:meth:`_plan_turn`:
+        the prefetch budget, or the reuse distance after its last use)."""
         trace = self.forward_trace
         if not trace.on_track:
             return False
         if trace.position < self._last_use.get(param.ds_id, -1):
             return True
-        return (param.ds_id in self._turn_keep and torch.is_grad_enabled()
-                and trace.position >= self._turn_from)
+        if not torch.is_grad_enabled():
+            return False
+        return param.ds_id in self._reuse_keep or (
+            param.ds_id in self._turn_keep and trace.position >= self._turn_from)
 
     def _post_forward(self, index: int, output: Any) -> None:
         params = self.fetchable(index)
@@ -264,7 +290,7 @@ class ParamFetcher:
             if self._root_depth == 0:
                 if self._linear is not None:
                     self._linear.restore()
-                self._release_unused(reset_users=False, keep=self._turn_keep
+                self._release_unused(reset_users=False, keep=self._turn_keep | self._reuse_keep
                                      if torch.is_grad_enabled() else frozenset())
 
     def _hook_outputs(self, index: int, output: Any) -> None:

@@ -36,6 +36,9 @@ class ZeroSettings:
     (DeepSpeed's meaning); ``strategy`` overrides the per-backend choice of
     :mod:`~.comm`; ``comm_dtype`` None reduces in the parameters' dtype;
     ``alignment`` pads partitions to a multiple of it (elements);
+    ``max_reuse_distance`` keeps parameters from forward to backward
+    (:mod:`~.fetch`); DeepSpeed's default (1e9, also what HF's example
+    configs write) counts as unset: 0, release after use.
     ``offload_optimizer`` keeps masters, their gradients and the optimizer
     state in host memory and steps there (:mod:`~.offload`), with
     ``pin_memory``; ``sub_group_size``: the inner optimizer steps at most
@@ -79,6 +82,7 @@ class ZeroSettings:
 
 
 DEEPSPEED_DEFAULT_SUB_GROUP = 1_000_000_000  # elements
+DEEPSPEED_DEFAULT_REUSE_DISTANCE = 1_000_000_000  # elements: stage3_max_reuse_distance
 
 
 def settings_values(zero: Any, names: Sequence[str], *, offload_param: bool) -> dict[str, Any]:
@@ -189,6 +193,9 @@ class Stage3Settings:
     shares the process-wide guard of the group (with ``zero.Init`` and
     ``GatheredParameters``); settings of its own give this optimizer its
     own guard. ``reduce_scatter`` False forces all-reduce for gradients.
+    ``max_reuse_distance`` keeps parameters from forward to backward
+    (:mod:`~.fetch`); DeepSpeed's default (1e9, also what HF's example
+    configs write) counts as unset: 0, release after use.
     ``offload_optimizer`` keeps masters, their gradients and the optimizer
     state in host memory and steps there; ``offload_param`` keeps the
     shards there (:mod:`~.offload`); ``sub_group_size``: the inner
@@ -198,6 +205,7 @@ class Stage3Settings:
     reduce_bucket_size: int = 500_000_000
     prefetch_bucket_size: int = 50_000_000
     max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 0
     param_persistence_threshold: int = 100_000
     overlap_comm: bool = True
     reduce_scatter: bool = True
@@ -213,7 +221,8 @@ class Stage3Settings:
 
     def __post_init__(self) -> None:
         for name, low in (("reduce_bucket_size", 1), ("prefetch_bucket_size", 0),
-                          ("max_live_parameters", 0), ("param_persistence_threshold", 0),
+                          ("max_live_parameters", 0), ("max_reuse_distance", 0),
+                          ("param_persistence_threshold", 0),
                           ("alignment", 1), ("sub_group_size", 1)):
             value = getattr(self, name)
             if name == "sub_group_size" and value is None:
@@ -226,9 +235,12 @@ class Stage3Settings:
     def from_config(cls, zero: Any, **overrides: Any) -> Stage3Settings:
         """From a ``ZeroConfig`` (or anything with its attribute names)."""
         names = ("reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters",
-                 "param_persistence_threshold", "overlap_comm", "reduce_scatter",
-                 "memory_efficient_linear", "sub_group_size")
-        return cls(**{**settings_values(zero, names, offload_param=True), **overrides})
+                 "max_reuse_distance", "param_persistence_threshold", "overlap_comm",
+                 "reduce_scatter", "memory_efficient_linear", "sub_group_size")
+        values = settings_values(zero, names, offload_param=True)
+        if values.get("max_reuse_distance") == DEEPSPEED_DEFAULT_REUSE_DISTANCE:
+            del values["max_reuse_distance"]
+        return cls(**{**values, **overrides})
 
     def comm_strategy(self) -> Optional[CommStrategy]:
         return comm_strategy(self.reduce_scatter, self.strategy)

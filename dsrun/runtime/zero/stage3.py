@@ -243,6 +243,7 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
             self.module, guard=self.guard, strategy=self.strategy,
             prefetch_bucket=self.settings.prefetch_bucket_size,
             max_live=self.settings.max_live_parameters,
+            max_reuse=self.settings.max_reuse_distance,
             memory_efficient_linear=self.settings.memory_efficient_linear)
         self.fetcher.on_backward_end(self._finish_round)
         self._hooks = [] if self._local else [

@@ -15,6 +15,8 @@ and live-parameter accounting (pure, no torch, no processes).
   backward), and whether the current pass still follows it.
 * :func:`plan_prefetch` - which modules to fetch ahead, under
   ``stage3_prefetch_bucket_size`` and ``stage3_max_live_parameters``.
+* :func:`plan_reuse_keep` - which parameters a training forward keeps
+  gathered for backward under ``stage3_max_reuse_distance``.
 * :class:`LiveSet` - elements of partitioned parameters gathered or in
   flight now, and how many of them were fetched ahead and not used yet.
 
@@ -25,7 +27,11 @@ Invariants (checked by tests/unit/test_zero_stage3_pure.py):
 * a prefetch plan never makes ``ahead`` exceed the bucket nor ``live``
   exceed ``max_live``: demand fetches (the module about to run) always go
   ahead, so ``live <= max(max_live, live before the prefetch)``;
-* a plan names each parameter at most once and never a resident one.
+* a plan names each parameter at most once and never a resident one;
+* a parameter is kept for backward exactly when fewer than
+  ``max_reuse_distance`` elements are used between its last forward use and
+  its first backward use, nearest first while the kept total stays within
+  ``max_live``.
 """
 
 from __future__ import annotations
@@ -176,6 +182,46 @@ def plan_prefetch(trace: Sequence[int], position: int,
         ahead += size
         live += size
     return tuple(plan)
+
+
+def plan_reuse_keep(forward: Sequence[int], backward: Sequence[int],
+                    module_params: Mapping[int, Sequence[int]], numels: Mapping[int, int], *,
+                    max_distance: int, max_live: int) -> frozenset[int]:
+    """Parameters that stay gathered from their last use in a training
+    forward (the ``forward`` trace) to their first use in the following
+    backward (the ``backward`` trace): those whose *reuse distance* - the
+    elements of every parameter use in between, counted per use as
+    DeepSpeed's ``stage3_max_reuse_distance`` does - is below
+    ``max_distance``. Nearest first, the kept total stays within
+    ``max_live``. Parameters not used in backward are never kept;
+    ``max_distance`` 0 keeps nothing."""
+    _check("max_distance", max_distance, 0)
+    _check("max_live", max_live, 0)
+    if max_distance == 0:
+        return frozenset()
+    sequence = [*forward, *backward]
+    last_forward: dict[int, int] = {}
+    for position, module in enumerate(forward):
+        for p in module_params.get(module, ()):
+            last_forward[p] = position
+    first_backward: dict[int, int] = {}
+    for position, module in enumerate(backward, start=len(forward)):
+        for p in module_params.get(module, ()):
+            first_backward.setdefault(p, position)
+    # used[k]: elements used by the modules at sequence positions < k
+    used = [0]
+    for module in sequence:
+        used.append(used[-1] + sum(numels[p] for p in dict.fromkeys(module_params.get(module, ()))))
+    distances = sorted((used[first_backward[p]] - used[last + 1], p)
+                       for p, last in last_forward.items() if p in first_backward)
+    kept: set[int] = set()
+    total = 0
+    for distance, p in distances:
+        if distance >= max_distance or total + numels[p] > max_live:
+            break
+        kept.add(p)
+        total += numels[p]
+    return frozenset(kept)
 
 
 class LiveSet:

@@ -68,6 +68,9 @@ CASES = {
                                        init_threshold=None),
     "gas3-clip-debugguard": Case(3, 0.05, Stage3Settings(
         **SMALL, guard=GuardSettings(mode="debug", timeout_s=60))),
+    # stage3_max_reuse_distance above the model: every parameter kept from
+    # the end of each micro-step's forward to its backward
+    "gas3-clip-reuse": Case(3, 0.05, Stage3Settings(**SMALL, max_reuse_distance=10**6)),
     # the inner optimizer steps 7-element pieces of each master (views)
     "gas1-noclip-subgroups": Case(1, 0.0, Stage3Settings(**SMALL, sub_group_size=7)),
     # masters, optimizer state and parameter shards in host memory

@@ -7,7 +7,9 @@ step and saves tag ``bad`` - which a test pause point
 rank. Every rank writes its pid to ``OUT/pid<R>`` first.
 ``--mode load``: loads CKPT (``latest``) and writes the parameters to
 ``OUT/loaded.pt``. ``--mode async-fail``: an asynchronous save that fails in
-its background thread, and a script that ends without waiting for it.
+its background thread, and a script that ends without waiting for it;
+``--mode async-fail-raise``: the same, and then the script raises an error
+of its own while the save is still in flight.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def train(engine: object, steps: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", required=True, choices=("crash", "load", "async-fail"))
+    parser.add_argument("--mode", required=True,
+                        choices=("crash", "load", "async-fail", "async-fail-raise"))
     parser.add_argument("--out", required=True)
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--stage", type=int, default=2)
@@ -63,12 +66,14 @@ def main() -> None:
         engine.load_checkpoint(args.ckpt)
         torch.save(full(engine), os.path.join(args.out, "loaded.pt"))
         return
-    if args.mode == "async-fail":
+    if args.mode.startswith("async-fail"):
         engine = build(args.stage, checkpoint={"async": True})
         train(engine, 1)
         with open(os.path.join(args.ckpt, "doomed.tmp"), "w") as f:
             f.write("a file where the save's directory must go")
         engine.save_checkpoint(args.ckpt, tag="doomed")
+        if args.mode == "async-fail-raise":
+            raise RuntimeError("the script's own error")
         print("script done", flush=True)
         return
     engine = build(args.stage)
