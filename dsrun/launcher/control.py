@@ -13,8 +13,9 @@ request line per connection:
   The request is handed to the supervisor (a queue), which asks every
   agent and streams the answers back (supervisor.py, stackdump.py).
 
-A socket whose launcher is gone (SIGKILL) refuses connections; the client
-removes such stale sockets. The socket is removed when the launcher ends.
+A socket whose launcher is gone (SIGKILL) refuses connections; such stale
+sockets are removed by the next launcher that starts (:func:`remove_stale`)
+and by the client. The socket is removed when the launcher ends.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class ControlServer:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             _private_dir()
+            remove_stale()
             sock.bind(path)
             sock.listen(16)
         except OSError as exc:
@@ -149,24 +151,53 @@ def _request(path: str, cmd: str, timeout: float) -> socket.socket:
     return sock
 
 
-def running_jobs() -> list[dict[str, Any]]:
-    """``info`` of every dsrun job of this user running on this host."""
+def _socket_paths() -> list[str]:
     directory = socket_dir()
     try:
         names = sorted(n for n in os.listdir(directory) if n.endswith(SUFFIX))
     except OSError:
         return []
+    return [os.path.join(directory, name) for name in names]
+
+
+def _unlink_if_refused(path: str, exc: OSError) -> bool:
+    """Remove ``path`` when ``exc`` says nobody listens there (its
+    launcher is gone); True if so."""
+    if not isinstance(exc, ConnectionRefusedError):
+        return False
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    return True
+
+
+def remove_stale() -> int:
+    """Remove the sockets of this user's launchers that are gone (SIGKILL
+    leaves them behind: nothing listens, a connection is refused); how
+    many. A live launcher sees one empty connection, which it ignores."""
+    removed = 0
+    for path in _socket_paths():
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(1.0)
+        try:
+            sock.connect(path)
+        except OSError as exc:
+            removed += _unlink_if_refused(path, exc)
+        finally:
+            sock.close()
+    return removed
+
+
+def running_jobs() -> list[dict[str, Any]]:
+    """``info`` of every dsrun job of this user running on this host."""
     jobs = []
-    for name in names:
-        path = os.path.join(directory, name)
+    for path in _socket_paths():
         try:
             with _request(path, "info", 2.0) as sock:
                 info = json.loads(sock.makefile("rb").readline())
-        except ConnectionRefusedError:
-            with contextlib.suppress(OSError):
-                os.unlink(path)  # its launcher is gone
+        except OSError as exc:
+            _unlink_if_refused(path, exc)
             continue
-        except (OSError, ValueError):
+        except ValueError:
             continue
         info["socket"] = path
         jobs.append(info)
