@@ -421,47 +421,17 @@ def test_public_module() -> None:
     assert zero.GatheredParameters and zero.register_external_parameter
 
 
-def test_forward_end_keeps_what_backward_fetches_first(solo: None) -> None:
-    """The modules at the end of a training forward keep the parameters the
-    previous backward fetched first (within the prefetch budget) instead of
-    releasing them and gathering them again; an eval forward keeps nothing."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)])
-    two_modules = 2 * (16 * 16 + 16)
-    stage3 = ZeroStage3(model, None, torch.optim.AdamW, {"lr": 1e-3},
-                        settings=Stage3Settings(offload_param=True, param_persistence_threshold=0,
-                                                prefetch_bucket_size=two_modules))
-    held, gathers = [], []
-    for _ in range(3):
-        before = stage3.guard.counts["backward"] + stage3.guard.counts["backward prefetch"]
-        loss = model(torch.randn(4, 16)).square().mean()
-        held.append(full_numel_held(model.parameters()))
-        loss.backward()
-        stage3.micro_step_done()
-        gathers.append(stage3.guard.counts["backward"] +
-                       stage3.guard.counts["backward prefetch"] - before)
-        stage3.step()
-        stage3.zero_grad(set_to_none=False)
-        assert full_numel_held(model.parameters()) == 0
-    assert held[0] == 0 and held[2] == two_modules  # no trace yet; then the budget
-    assert gathers[2] < gathers[0]
-    with torch.no_grad():
-        model(torch.randn(4, 16))
-    assert full_numel_held(model.parameters()) == 0
-    stage3.close()
-
-
-def _reuse_run(max_reuse: int) -> tuple[list[float], list[int], list[int], int]:
+def _turn_run(**settings: int) -> tuple[list[float], list[int], list[int], int]:
     """Three training steps of six Linear(16, 16) under stage 3 (shards in
     host memory at world size 1, so parameters are gathered and released;
-    no prefetch): the losses, what forward left gathered, the gathers in
-    backward, and what an eval forward leaves."""
+    ``settings``: prefetch and reuse sizes, 0 unless given): the losses, what
+    forward left gathered, the gathers in backward, and what an eval
+    forward leaves."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)])
     stage3 = ZeroStage3(model, None, torch.optim.AdamW, {"lr": 1e-2},
                         settings=Stage3Settings(offload_param=True, param_persistence_threshold=0,
-                                                prefetch_bucket_size=0,
-                                                max_reuse_distance=max_reuse))
+                                                **{"prefetch_bucket_size": 0, **settings}))
     data = torch.Generator().manual_seed(1)
     losses, held, gathers = [], [], []
     for _ in range(3):
@@ -483,6 +453,17 @@ def _reuse_run(max_reuse: int) -> tuple[list[float], list[int], list[int], int]:
     return losses, held, gathers, after_eval
 
 
+def test_forward_end_keeps_what_backward_fetches_first(solo: None) -> None:
+    """The modules at the end of a training forward keep the parameters the
+    previous backward fetched first (within the prefetch budget) instead of
+    releasing them and gathering them again; an eval forward keeps nothing."""
+    two_modules = 2 * (16 * 16 + 16)
+    _, held, gathers, after_eval = _turn_run(prefetch_bucket_size=two_modules)
+    assert held[0] == 0 and held[2] == two_modules  # no trace yet; then the budget
+    assert gathers[2] < gathers[0]
+    assert after_eval == 0
+
+
 def test_max_reuse_distance_keeps_parameters_for_backward(solo: None) -> None:
     """``stage3_max_reuse_distance``: once both traces are known (from the
     third step: a backward's order is followed from the next one), a training
@@ -492,12 +473,12 @@ def test_max_reuse_distance_keeps_parameters_for_backward(solo: None) -> None:
     the losses are those of the run that releases everything; an eval
     forward keeps nothing."""
     module = 16 * 16 + 16
-    plain, held, gathers, _ = _reuse_run(0)
+    plain, held, gathers, _ = _turn_run(max_reuse_distance=0)
     assert held == [0, 0, 0] and gathers[2] == gathers[0] > 0
-    near, held, gathers, after_eval = _reuse_run(2 * module + 1)
+    near, held, gathers, after_eval = _turn_run(max_reuse_distance=2 * module + 1)
     assert held[0] == 0 and held[2] == 2 * module and gathers[2] < gathers[0]
     assert near == plain and after_eval == 0
-    every, held, gathers, after_eval = _reuse_run(10**8)
+    every, held, gathers, after_eval = _turn_run(max_reuse_distance=10**8)
     assert held[0] == 0 and held[2] == 6 * module and gathers[2] == 0
     assert every == plain and after_eval == 0
 

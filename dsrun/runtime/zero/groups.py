@@ -36,9 +36,6 @@ class ZeroSettings:
     (DeepSpeed's meaning); ``strategy`` overrides the per-backend choice of
     :mod:`~.comm`; ``comm_dtype`` None reduces in the parameters' dtype;
     ``alignment`` pads partitions to a multiple of it (elements);
-    ``max_reuse_distance`` keeps parameters from forward to backward
-    (:mod:`~.fetch`); DeepSpeed's default (1e9, also what HF's example
-    configs write) counts as unset: 0, release after use.
     ``offload_optimizer`` keeps masters, their gradients and the optimizer
     state in host memory and steps there (:mod:`~.offload`), with
     ``pin_memory``; ``sub_group_size``: the inner optimizer steps at most
@@ -89,10 +86,14 @@ def settings_values(zero: Any, names: Sequence[str], *, offload_param: bool) -> 
     """The ``names`` a ``ZeroConfig`` (or anything with its attribute names)
     sets, plus its offload sections (``offload_param`` too at stage 3).
     DeepSpeed's default ``sub_group_size`` (1e9: step each partition whole)
-    and 0 count as unset: dsrun picks pieces by implementation and device."""
+    and 0 count as unset: dsrun picks pieces by implementation and device;
+    so does DeepSpeed's default ``max_reuse_distance`` (1e9): dsrun's
+    releases after use."""
     values = {n: getattr(zero, n) for n in names if getattr(zero, n, None) is not None}
     if values.get("sub_group_size") in (DEEPSPEED_DEFAULT_SUB_GROUP, 0):
         del values["sub_group_size"]
+    if values.get("max_reuse_distance") == DEEPSPEED_DEFAULT_REUSE_DISTANCE:
+        del values["max_reuse_distance"]
     values.update(offload_settings(zero, param=offload_param))
     return values
 
@@ -237,10 +238,7 @@ class Stage3Settings:
         names = ("reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters",
                  "max_reuse_distance", "param_persistence_threshold", "overlap_comm",
                  "reduce_scatter", "memory_efficient_linear", "sub_group_size")
-        values = settings_values(zero, names, offload_param=True)
-        if values.get("max_reuse_distance") == DEEPSPEED_DEFAULT_REUSE_DISTANCE:
-            del values["max_reuse_distance"]
-        return cls(**{**values, **overrides})
+        return cls(**{**settings_values(zero, names, offload_param=True), **overrides})
 
     def comm_strategy(self) -> Optional[CommStrategy]:
         return comm_strategy(self.reduce_scatter, self.strategy)
