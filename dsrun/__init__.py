@@ -31,7 +31,8 @@ _LAZY = {
 __all__ = ["__version__", *_LAZY]
 
 
-_SUBMODULES = ("zero", "pipe")  # dsrun.zero.Init, dsrun.pipe.PipelineModule, as deepspeed.*
+# dsrun.zero.Init, dsrun.pipe.PipelineModule, dsrun.comm.get_rank, ... as deepspeed.*
+_SUBMODULES = ("zero", "pipe", "comm")
 
 _alias.install()  # "from deepspeed.pipe import ..." after "import dsrun as deepspeed"
 

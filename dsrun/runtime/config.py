@@ -88,6 +88,7 @@ from dsrun.runtime.config_sections import (
     ZERO_AUTO_KEYS,
     BF16Config,
     CheckpointConfig,
+    CommsLoggerConfig,
     CsvMonitorConfig,
     DsrunOptions,
     FP16Config,
@@ -111,7 +112,8 @@ __all__ = [
     "ALLOW_UNKNOWN_ENV", "AUTO", "AUTO_OPTIMIZER_DEFAULTS", "BATCH_KEYS",
     "DEFAULT_WARMUP_NUM_STEPS", "DICT_SOURCE", "OPTIMIZER_NAMES", "PASSTHROUGH_KEYS",
     "SCHEDULER_PARAMS", "SCHEDULER_REQUIRED", "UNSUPPORTED_OPTIMIZERS", "ZERO_AUTO_KEYS",
-    "BF16Config", "Check", "CheckpointConfig", "ConfigInput", "CsvMonitorConfig", "DsrunConfig",
+    "BF16Config", "Check", "CheckpointConfig", "CommsLoggerConfig", "ConfigInput",
+    "CsvMonitorConfig", "DsrunConfig",
     "DsrunOptions", "FP16Config", "MONITOR_SECTIONS", "OffloadOptimizerConfig",
     "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig", "TensorBoardConfig", "WandbConfig",
     "ZeroConfig", "canonical_optimizer_type", "canonical_scheduler_type", "check_scheduler_params",
@@ -123,7 +125,7 @@ __all__ = [
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # Documented DeepSpeed sections dsrun accepts but does not act on.
 PASSTHROUGH_KEYS = frozenset({
-    "activation_checkpointing", "aio", "amp", "autotuning", "comet", "comms_logger",
+    "activation_checkpointing", "aio", "amp", "autotuning", "comet",
     "compile", "compression_training", "curriculum_learning", "data_efficiency",
     "data_types", "eigenvalue", "elasticity", "flops_profiler", "hybrid_engine", "nebula",
     "pipeline", "progressive_layer_drop", "quantize_training", "sparse_attention",
@@ -162,6 +164,7 @@ class DsrunConfig:
     csv_monitor: CsvMonitorConfig = subsection(CsvMonitorConfig)
     tensorboard: TensorBoardConfig = subsection(TensorBoardConfig)
     wandb: WandbConfig = subsection(WandbConfig)
+    comms_logger: CommsLoggerConfig = subsection(CommsLoggerConfig)
     memory_breakdown: bool = opt("bool", False)
     dump_state: bool = opt("bool", False)
     communication_data_type: Optional[str] = opt("str", None, choices=("fp16", "bf16", "fp32"))
@@ -403,6 +406,8 @@ def resolve(config: ConfigInput, *, dp_size: int, dp_source: str,
         "checkpoint": parse_section(CheckpointConfig, known.get("checkpoint", {}),
                                     ("checkpoint",), ctx),
         "dsrun": parse_section(DsrunOptions, known.get("dsrun", {}), ("dsrun",), ctx),
+        "comms_logger": parse_section(CommsLoggerConfig, known.get("comms_logger", {}),
+                                      ("comms_logger",), ctx),
         **parse_monitors(known, ctx),
     }
     if is_auto(known.get("gradient_clipping")):

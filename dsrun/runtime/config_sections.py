@@ -252,6 +252,29 @@ class WandbConfig:
         validate_fields(self)
 
 
+@dataclass(frozen=True)
+class CommsLoggerConfig:
+    """``comms_logger``: DeepSpeed's communication logger
+    (:mod:`dsrun.runtime.commlog`; summary by ``dsrun.comm.log_summary()``).
+    ``prof_all`` profiles every operation, ``prof_ops`` the named ones
+    (log names such as ``"all_reduce"``)."""
+
+    enabled: bool = opt("bool", False)
+    verbose: bool = opt("bool", False)
+    prof_all: bool = opt("bool", True)
+    debug: bool = opt("bool", False)
+    prof_ops: tuple[str, ...] = opt("json", ())
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+        ops = self.prof_ops
+        if not isinstance(ops, (list, tuple)) or not all(isinstance(o, str) for o in ops):
+            shown = list(ops) if isinstance(ops, (list, tuple)) else ops
+            raise DsrunConfigError(f"comms_logger.prof_ops must be a list of operation names "
+                                   f"(strings), got {show(shown)}")
+        object.__setattr__(self, "prof_ops", tuple(ops))
+
+
 MONITOR_SECTIONS: Mapping[str, type] = MappingProxyType({
     "csv_monitor": CsvMonitorConfig, "tensorboard": TensorBoardConfig, "wandb": WandbConfig})
 

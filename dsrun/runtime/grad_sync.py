@@ -45,6 +45,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from dsrun import comm as collectives
 from dsrun.errors import DsrunError
 
 log = logging.getLogger(__name__)
@@ -180,7 +181,7 @@ class GradSync:
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
-        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        bucket.work = collectives.all_reduce(bucket.buffer, group=self.group, async_op=True)
         self._next = b + 1
 
     def finish(self) -> None:
@@ -236,7 +237,7 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], *, group: Any = None, src
         for members in layout:
             chunk = [tensors[i] for i in members]
             flat = torch.cat([t.detach().reshape(-1) for t in chunk])
-            dist.broadcast(flat, src=source, group=group)
+            collectives.broadcast(flat, src=source, group=group)
             offset = 0
             for tensor in chunk:
                 tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))

@@ -156,6 +156,29 @@ def test_dataloader_shards_the_dataset(two_ranks: list[dict[str, Any]]) -> None:
         assert fact["disjoint_cover"]
 
 
+def test_comms_logger_sees_the_engines_collectives(two_ranks: list[dict[str, Any]]) -> None:
+    """``"comms_logger"`` in the config: the engine's gradient reduction and
+    parameter gathers are logged with their sizes on every rank, the
+    straggler analysis covers the same operations, and logging (which runs
+    each operation blocking) changes no loss."""
+    steps = 3
+
+    def moved(ops: dict[str, dict[str, int]], name: str) -> int:
+        return sum(int(size) * count for size, count in ops.get(name, {}).items())
+
+    for fact in case(two_ranks, "comms_logger"):
+        for stage in (0, 2, 3):
+            logged, unlogged = fact[f"stage{stage}"]["logged"], fact[f"stage{stage}"]["unlogged"]
+            assert logged["losses"] == unlogged["losses"]
+            assert unlogged["ops"] == {}  # off: nothing recorded
+            ops = logged["ops"]
+            # gloo: gradients by all-reduce, parameters by broadcast from their owners
+            assert moved(ops, "all_reduce") >= steps * fact["param_bytes"], (stage, ops)
+            if stage:
+                assert moved(ops, "broadcast") >= steps * fact["param_bytes"], (stage, ops)
+            assert logged["straggler"] == {name: sorted(sizes) for name, sizes in ops.items()}
+
+
 def test_world_size_one_under_plain_python(tmp_path: Path) -> None:
     """The same cases at world size 1: initialize() brings up the group itself."""
     (results,) = _run([sys.executable, str(WORKER), "--out", str(tmp_path)], tmp_path)

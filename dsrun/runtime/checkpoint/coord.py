@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from dsrun import comm as collectives
 from dsrun.errors import CheckpointError
 
 log = logging.getLogger("dsrun.runtime.checkpoint")
@@ -99,7 +100,7 @@ class Coordinator:
                 timeout=datetime.timedelta(seconds=max(self.timeout_s, EXCHANGE_TIMEOUT_S)))
         out: list[Any] = [None] * self.world
         try:
-            dist.all_gather_object(out, obj, group=self._group)
+            collectives.all_gather_object(out, obj, group=self._group)
         except RuntimeError as exc:
             self._broken = f"a checkpoint exchange between ranks failed ({exc})"
             raise CheckpointError(f"ranks could not exchange checkpoint status: {exc} (a rank "

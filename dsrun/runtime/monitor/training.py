@@ -53,6 +53,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from dsrun import comm as collectives
 from dsrun.runtime.monitor import events as ev
 from dsrun.runtime.monitor.master import Monitor
 from dsrun.runtime.monitor.timers import StepTimers, comm_wait, cuda_sync, format_breakdown
@@ -195,7 +196,7 @@ class EngineMonitor:
             stats[0] += self._loss_sum
         self._loss_sum, self._loss_count, self._tokens = None, 0, 0
         if dist.get_world_size(self._group) > 1:
-            dist.all_reduce(stats, group=self._group)
+            collectives.all_reduce(stats, group=self._group)
         if self.rank != 0:
             return None, 0
         total, count, tokens = stats.tolist()

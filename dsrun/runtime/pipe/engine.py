@@ -50,8 +50,8 @@ from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
+from dsrun import comm as collectives
 from dsrun.errors import DsrunConfigError, DsrunError
 from dsrun.runtime.config import DsrunConfig
 from dsrun.runtime.engine import DsrunEngine
@@ -476,10 +476,10 @@ class PipelineEngine(DsrunEngine):
         else:
             values = torch.zeros(count, dtype=torch.float32, device=self.device)
         if self.grid.is_last_stage and self.dp_world_size > 1:
-            dist.all_reduce(values, group=self.dp_group)
+            collectives.all_reduce(values, group=self.dp_group)
             values /= self.dp_world_size
         if self.num_stages > 1:
-            dist.broadcast(values, src=self.grid.stage_to_global(self.num_stages - 1),
+            collectives.broadcast(values, src=self.grid.stage_to_global(self.num_stages - 1),
                            group=self.grid.pipe_group)
         return values.mean() if reduce_output == "avg" else list(values.unbind())
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from dsrun import comm as collectives
 from dsrun.errors import DsrunError
 from dsrun.runtime.pipe.grid import Channel
 
@@ -163,7 +163,7 @@ def send_message(channel: Channel, header: Header, tensors: Sequence[torch.Tenso
     values = encode_header(header)
     head = torch.tensor(values, dtype=torch.int64, device=device)
     payload = [head] + [t.detach().contiguous() for t in tensors if t.numel()]
-    works = [dist.isend(t, dst=channel.peer, group=channel.group) for t in payload]
+    works = [collectives.isend(t, dst=channel.peer, group=channel.group) for t in payload]
     pending.add(works, payload)
 
 
@@ -171,13 +171,13 @@ def recv_message(channel: Channel, device: torch.device, kind: str, batch: int,
                  micro_batch: int, where: str) -> tuple[Header, list[torch.Tensor]]:
     """Receive one message, check it is the expected one, return its tensors."""
     head = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
-    dist.recv(head, src=channel.peer, group=channel.group)
+    collectives.recv(head, src=channel.peer, group=channel.group)
     header = decode_header(head.tolist())
     check_header(header, kind, batch, micro_batch, where)
     tensors = []
     for meta in header.metas:
         tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
         if tensor.numel():
-            dist.recv(tensor, src=channel.peer, group=channel.group)
+            collectives.recv(tensor, src=channel.peer, group=channel.group)
         tensors.append(tensor)
     return header, tensors

@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from dsrun import comm as collectives
 from dsrun.errors import DsrunConfigError
 from dsrun.runtime.monitor.timers import comm_wait
 from dsrun.runtime.precision import FP16Master, FullPrecision, StepResult
@@ -102,7 +103,7 @@ def pipeline_step(engine: Any, measure_norm: bool = False) -> StepResult:
     norm: Optional[torch.Tensor] = None
     if max_norm > 0 or scaler is not None or measure_norm:
         if dist.get_world_size() > 1:
-            dist.all_reduce(share)
+            collectives.all_reduce(share)
         norm = share.clamp(min=0).sqrt().float()
     overflow = scaler is not None and not bool(torch.isfinite(norm))
     if scaler is not None and scaler.update(overflow):

@@ -22,8 +22,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
+from dsrun import comm as collectives
 from dsrun.runtime.grad_sync import broadcast_tensors
 
 
@@ -61,7 +61,7 @@ class TiedWeights:
             present = torch.tensor([float(p.grad is not None) for p in params],
                                    dtype=sample.dtype, device=sample.device)
             flat = torch.cat([*parts, present])
-            dist.all_reduce(flat, group=entry.group)
+            collectives.all_reduce(flat, group=entry.group)
             owners_with_grad = flat[flat.numel() - len(params):].tolist()
             offset = 0
             for param, count in zip(params, owners_with_grad):

@@ -59,6 +59,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from dsrun import comm as collectives
 from dsrun.runtime.monitor.timers import comm_wait
 
 _UNTIMED = contextlib.nullcontext()
@@ -66,9 +67,8 @@ REDUCE_STRATEGIES = ("all_reduce", "reduce_scatter")
 OWNER_REDUCE_STRATEGIES = ("all_reduce", "reduce")
 GATHER_STRATEGIES = ("all_gather", "broadcast")
 
+# the coalesced gathers of stage 3 (partitioned.py) call torch directly: not logged
 gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_gather_single = gather_single
 
 
 @dataclass(frozen=True)
@@ -161,8 +161,9 @@ def start_reduce_scatter(flat: torch.Tensor, group: Any = None, *,
     how = (strategy or strategy_for(group, flat.device)).reduce
     if how == "reduce_scatter":
         out = torch.empty_like(mine)
-        return Pending(out, [_scatter_single(out, flat, group=group, async_op=True)])
-    return Pending(mine, [dist.all_reduce(flat, group=group, async_op=True)])
+        return Pending(out, [collectives.reduce_scatter_tensor(out, flat, group=group,
+                                                               async_op=True)])
+    return Pending(mine, [collectives.all_reduce(flat, group=group, async_op=True)])
 
 
 def reduce_scatter_mean(flat: torch.Tensor, group: Any = None, *,
@@ -190,11 +191,11 @@ def start_all_gather(shard: torch.Tensor, out: Optional[torch.Tensor] = None,
         return Pending(out)
     how = (strategy or strategy_for(group, shard.device)).gather
     if how == "all_gather":
-        return Pending(out, [_gather_single(out, shard.reshape(-1), group=group,
-                                            async_op=True)], kind="gather")
+        return Pending(out, [collectives.all_gather_into_tensor(
+            out, shard.reshape(-1), group=group, async_op=True)], kind="gather")
     chunks = out.split(n)
     chunks[rank].copy_(shard.reshape(-1))
-    works = [dist.broadcast(chunks[r], src=_global(group, r), group=group, async_op=True)
+    works = [collectives.broadcast(chunks[r], src=_global(group, r), group=group, async_op=True)
              for r in range(world)]
     return Pending(out, works, kind="gather")
 
@@ -230,8 +231,8 @@ def start_reduce_to_owners(buffer: torch.Tensor, ranges: Sequence[tuple[int, int
         return Pending(buffer)
     how = (strategy or strategy_for(group, buffer.device)).owner_reduce
     if how == "all_reduce":
-        return Pending(buffer, [dist.all_reduce(buffer, group=group, async_op=True)])
-    works = [dist.reduce(buffer.narrow(0, start, length), dst=_global(group, owner),
+        return Pending(buffer, [collectives.all_reduce(buffer, group=group, async_op=True)])
+    works = [collectives.reduce(buffer.narrow(0, start, length), dst=_global(group, owner),
                          group=group, async_op=True)
              for owner, start, length in merge_ranges(ranges)]
     return Pending(buffer, works)

@@ -48,6 +48,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from dsrun import comm as collectives
 from dsrun.errors import DsrunConfigError, DsrunError
 from dsrun.runtime.config_schema import Ctx
 from dsrun.runtime.config_sections import ZeroConfig, parse_zero
@@ -403,7 +404,7 @@ class GatheredParameters:
             src = (dist.get_global_rank(self.group, self.modifier_rank)
                    if self.group is not None else self.modifier_rank)
             with torch.no_grad():
-                works = [dist.broadcast(p.data, src=src, group=self.group, async_op=True)
+                works = [collectives.broadcast(p.data, src=src, group=self.group, async_op=True)
                          for p in self.params if p.ds_numel]
                 for work in works:
                     work.wait()

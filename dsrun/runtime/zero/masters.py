@@ -52,6 +52,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from dsrun import comm as collectives
+
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 HOST_PIECE = 1 << 20  # elements per piece for non-fused steps in host memory (4 MiB fp32)
 OFFLOAD_PIECE = 1 << 23  # elements per offloaded step-and-copy-back piece (32 MiB fp32)
@@ -109,10 +111,10 @@ def reduce_on_device(value: torch.Tensor, op: Any, group: Any, device: torch.dev
     """All-reduce ``value`` in place through ``device`` (the backend's: a
     NCCL group cannot reduce host tensors, which offloaded masters are)."""
     if value.device == device:
-        dist.all_reduce(value, op=op, group=group)
+        collectives.all_reduce(value, op=op, group=group)
         return
     staged = value.to(device)
-    dist.all_reduce(staged, op=op, group=group)
+    collectives.all_reduce(staged, op=op, group=group)
     value.copy_(staged)
 
 

@@ -69,6 +69,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from dsrun import comm as collectives
 from dsrun.errors import DsrunError
 from dsrun.runtime.zero.comm import (
     CommStrategy,
@@ -215,7 +216,7 @@ def broadcast_full(params: Sequence[torch.Tensor], group: Any) -> None:
         return
     src = dist.get_global_rank(group, 0) if group is not None else 0
     with torch.no_grad():
-        works = [dist.broadcast(p.data, src=src, group=group, async_op=True)
+        works = [collectives.broadcast(p.data, src=src, group=group, async_op=True)
                  for p in params if p.numel() > 0]
         for work in works:
             work.wait()

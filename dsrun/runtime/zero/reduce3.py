@@ -49,6 +49,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from dsrun import comm as collectives
 from dsrun.runtime.zero.comm import CommStrategy, Pending, start_reduce_scatter, strategy_for
 from dsrun.runtime.zero.divergence import DivergenceGuard
 from dsrun.runtime.zero.partitioned import param_name
@@ -184,7 +185,7 @@ class ShardGradReducer:
             used = self._open_used
             self._open, self._open_placed, self._open_used = None, [], 0
             self._announce([p for p, _ in placed])
-            work = dist.all_reduce(buffer.narrow(0, 0, used), group=self.group,  # type: ignore
+            work = collectives.all_reduce(buffer.narrow(0, 0, used), group=self.group,  # type: ignore
                                    async_op=True)
             self._inflight.append(_Inflight(Pending(buffer, [work]), placed, buffer, True))
         staged, self._staged, self._staged_numel = self._staged, [], 0

@@ -75,6 +75,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from dsrun import comm as collectives
 from dsrun.errors import DsrunConfigError, DsrunError
 from dsrun.runtime.zero.comm import all_gather_flat, reduce_scatter_mean, strategy_for
 from dsrun.runtime.zero.flat import (
@@ -311,7 +312,7 @@ class ZeroOptimizer(ShardedStateIO, MasterGradients):
         if strategy.reduce != "all_reduce":
             return reduce_scatter_mean(work, self.group, strategy=strategy, premultiplied=True)
         chunk = self.settings.reduce_bucket_size
-        works = [dist.all_reduce(work.narrow(0, a, b - a), group=self.group, async_op=True)
+        works = [collectives.all_reduce(work.narrow(0, a, b - a), group=self.group, async_op=True)
                  for a, b in windows(work.numel(), chunk)]
         for handle in works:
             handle.wait()

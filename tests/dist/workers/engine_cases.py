@@ -305,6 +305,42 @@ def dataloader(n: int = 40) -> dict[str, Any]:
             "disjoint_cover": sorted(sum(every, [])) == list(range(n))}
 
 
+def comms_logged(steps: int = 3) -> dict[str, Any]:
+    """DeepSpeed's comms logger on the engine's own collectives, stages 0, 2
+    and 3: what it logged (name -> size -> count, after ``log_summary`` with
+    the straggler analysis) and the losses, with the logger on and off."""
+    from dsrun import comm
+
+    out: dict[str, Any] = {"param_bytes": sum(
+        p.numel() * p.element_size() for p in make_model(0).parameters())}
+    for stage in (0, 2, 3):
+        runs = []
+        for enabled in (True, False):
+            comm.reset_log()
+            config = {"train_batch_size": MICRO * dist.get_world_size(),
+                      "train_micro_batch_size_per_gpu": MICRO, "optimizer": ADAM,
+                      "steps_per_print": 1000, "zero_optimization": {"stage": stage},
+                      "comms_logger": {"enabled": enabled}}
+            engine, _, _, _ = dsrun.initialize(model=make_model(100), config=config)
+            losses = []
+            for step in range(steps):
+                x, y = batch(step, 0)
+                loss = F.cross_entropy(engine(x), y)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            summary = comm.log_summary(show_straggler=True, return_dict=True)
+            comm.configure(enabled=False)
+            assert summary is not None
+            runs.append({"losses": losses, "ops": {
+                name: {str(size): row["count"] for size, row in by_size.items()}
+                for name, by_size in summary["summary"].items()},
+                "straggler": {name: sorted(map(str, by_size))
+                              for name, by_size in summary["straggler_analysis"].items()}})
+        out[f"stage{stage}"] = {"logged": runs[0], "unlogged": runs[1]}
+    return out
+
+
 CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "parity_gas1": lambda: parity(gas=1, clip=0.0, schedule=False, bucket_elements=None),
     "parity_gas4_clip_schedule": lambda: parity(gas=4, clip=0.05, schedule=True,
@@ -336,6 +372,7 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "bf16_autocast": bf16_autocast,
     "unused_and_no_sync": unused_and_no_sync,
     "dataloader": dataloader,
+    "comms_logger": comms_logged,
 }
 
 

@@ -1,0 +1,201 @@
+"""DeepSpeed's communication logger (``"comms_logger"`` in the config).
+
+Every collective and point-to-point operation of :mod:`dsrun.comm` - which
+is also what dsrun's engine, ZeRO stages and pipelines communicate through -
+can be timed and counted per operation and message size. Off by default:
+then an operation costs one attribute check more than calling
+``torch.distributed`` directly.
+
+**What is logged.** With ``enabled``, an operation is *profiled* when
+``prof_all`` is on (the default), when its ``log_name`` is in ``prof_ops``,
+or when the call passes ``prof=True``. A profiled operation runs blocking:
+asynchronous ones are waited for inside the call (on a GPU the device is
+synchronised before and after), so its latency is its own, not the compute
+it would have overlapped - DeepSpeed does the same, and training runs slower
+while everything is profiled. ``verbose`` prints one line per operation;
+``debug`` appends the calling function's name to the log name.
+
+**Sizes and bandwidths** (nccl-tests' definitions): the message size is
+the bytes of the whole result for gathers and of the whole input for
+reductions (a reduce-scatter's input, an all-reduce's tensor), one tensor
+for broadcast, reduce, gather, scatter and point-to-point, and the sum of
+the lists for the list forms. ``algbw = size / latency``; ``busbw`` corrects it for the bytes
+each rank actually moves: ``algbw * 2(n-1)/n`` for all-reduce,
+``algbw * (n-1)/n`` for all-gather, reduce-scatter and all-to-all,
+``algbw`` for the rest (``n``: the group's size). Reported in Gbit/s, as
+DeepSpeed does. Object collectives (``all_gather_object``,
+``broadcast_object_list``) and barriers are counted and timed with size 0.
+
+:class:`CommsLogger` holds the records and does the arithmetic (no
+processes); :func:`summary_table` formats them. The cross-rank part
+(``log_summary``'s barrier and straggler analysis) is in :mod:`dsrun.comm`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+log = logging.getLogger("dsrun.comm")
+
+ALL_REDUCE_OPS = frozenset({"all_reduce", "inference_all_reduce", "all_reduce_coalesced"})
+SCATTER_GATHER_OPS = frozenset({
+    "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+    "all_to_all", "all_to_all_single", "all_gather_coalesced"})
+
+
+def bus_factor(op: str, world_size: int) -> float:
+    """busbw / algbw for ``op`` on ``world_size`` ranks (module docstring)."""
+    n = max(world_size, 1)
+    if op in ALL_REDUCE_OPS:
+        return 2 * (n - 1) / n
+    if op in SCATTER_GATHER_OPS:
+        return (n - 1) / n
+    return 1.0
+
+
+def gbps(size_bytes: int, seconds: float) -> float:
+    """Gigabits per second for ``size_bytes`` in ``seconds`` (0 when no time)."""
+    return size_bytes * 8 / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def size_str(size_bytes: int) -> str:
+    """``size_bytes`` for people: B, KB, MB, GB (powers of 1024)."""
+    value = float(size_bytes)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1024 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} GB"  # pragma: no cover - the loop returns
+
+
+@dataclass
+class OpRecord:
+    """One (log name, message size): every profiled call's latency."""
+
+    op: str  # the operation (``all_reduce``)
+    size: int  # bytes
+    world_size: int
+    latencies: list[float] = field(default_factory=list)  # seconds
+
+    def as_dict(self) -> dict[str, Any]:
+        total = sum(self.latencies)
+        count = len(self.latencies)
+        average = total / count if count else 0.0
+        algbw = gbps(self.size, average)
+        return {"count": count, "total_latency_ms": total * 1e3,
+                "avg_latency_ms": average * 1e3, "tput_avg_gbps": algbw,
+                "busbw_avg_gbps": algbw * bus_factor(self.op, self.world_size),
+                "msg_size_bytes": self.size, "msg_size_str": size_str(self.size)}
+
+
+class CommsLogger:
+    """The records of one process (module docstring)."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.verbose = False
+        self.prof_all = True
+        self.debug = False
+        self.prof_ops: list[str] = []
+        self.records: dict[str, dict[int, OpRecord]] = {}
+
+    def configure(self, *, enabled: Optional[bool] = None, prof_all: Optional[bool] = None,
+                  prof_ops: Optional[Iterable[str]] = None, verbose: Optional[bool] = None,
+                  debug: Optional[bool] = None) -> None:
+        """Change the given settings only (DeepSpeed's ``comm.configure``)."""
+        if enabled is not None:
+            self.enabled = bool(enabled)
+        if prof_all is not None:
+            self.prof_all = bool(prof_all)
+        if prof_ops is not None:
+            if isinstance(prof_ops, str):
+                raise TypeError("prof_ops must be a list of operation names, not a string")
+            self.prof_ops = list(prof_ops)
+        if verbose is not None:
+            self.verbose = bool(verbose)
+        if debug is not None:
+            self.debug = bool(debug)
+
+    def wants(self, log_name: str, prof: bool) -> bool:
+        """Whether a call logged as ``log_name`` is profiled."""
+        return self.enabled and (prof or self.prof_all or log_name in self.prof_ops)
+
+    def name_for(self, log_name: str, depth: int = 3) -> str:
+        """``log_name``, with the caller's function name under ``debug``
+        (``depth``: frames between the collective's caller and here)."""
+        if not self.debug:
+            return log_name
+        frame = inspect.currentframe()
+        for _ in range(depth):
+            frame = frame.f_back if frame is not None else None
+        caller = frame.f_code.co_name if frame is not None else "?"
+        return f"{log_name} | [Caller Func: {caller}]"
+
+    def append(self, op: str, log_name: str, seconds: float, size: int,
+               world_size: int) -> None:
+        record = self.records.setdefault(log_name, {}).get(size)
+        if record is None:
+            record = self.records[log_name][size] = OpRecord(op, size, world_size)
+        record.latencies.append(seconds)
+        if self.verbose:
+            algbw = gbps(size, seconds)
+            log.info("comm op: %s | time (ms): %.2f | msg size: %s | algbw (Gbps): %.2f | "
+                     "busbw (Gbps): %.2f", log_name, seconds * 1e3, size_str(size), algbw,
+                     algbw * bus_factor(op, world_size))
+
+    def reset(self) -> None:
+        self.records = {}
+
+    def summary(self) -> dict[str, dict[int, dict[str, Any]]]:
+        """log name -> message size -> :meth:`OpRecord.as_dict`."""
+        return {name: {size: rec.as_dict() for size, rec in sorted(by_size.items())}
+                for name, by_size in sorted(self.records.items())}
+
+    def totals(self) -> dict[tuple[str, int], float]:
+        """(log name, size) -> total latency in seconds (for straggler analysis)."""
+        return {(name, size): sum(rec.latencies) for name, by_size in self.records.items()
+                for size, rec in by_size.items()}
+
+
+def straggler_ms(totals_per_rank: Iterable[Mapping[tuple[str, int], float]]
+                 ) -> dict[str, dict[int, float]]:
+    """log name -> size -> straggler effect in ms: the slowest rank's total
+    latency minus the fastest rank's, over the ranks that logged it. A
+    rank that waits in a collective for a late peer shows the peer's delay
+    as latency; the spread between ranks measures that delay."""
+    spread: dict[tuple[str, int], list[float]] = {}
+    for totals in totals_per_rank:
+        for key, seconds in totals.items():
+            spread.setdefault(key, []).append(seconds)
+    out: dict[str, dict[int, float]] = {}
+    for (name, size), values in sorted(spread.items()):
+        out.setdefault(name, {})[size] = (max(values) - min(values)) * 1e3
+    return out
+
+
+def summary_table(summary: Mapping[str, Mapping[int, Mapping[str, Any]]],
+                  straggler: Optional[Mapping[str, Mapping[int, float]]] = None) -> str:
+    """The table ``log_summary`` prints: one block per operation, one row
+    per message size."""
+    head = (f"{'Comm. Op':<30}{'Message Size':>14}{'Count':>8}{'Total Latency(ms)':>19}"
+            f"{'Avg Latency(ms)':>17}{'tput_avg (Gbps)':>17}{'busbw_avg (Gbps)':>18}")
+    if straggler is not None:
+        head += f"{'straggler (ms)':>16}"
+    lines = [head]
+    for name, by_size in summary.items():
+        lines.append(name)
+        for size, row in by_size.items():
+            line = (f"{'':<30}{row['msg_size_str']:>14}{row['count']:>8}"
+                    f"{row['total_latency_ms']:>19.2f}{row['avg_latency_ms']:>17.3f}"
+                    f"{row['tput_avg_gbps']:>17.2f}{row['busbw_avg_gbps']:>18.2f}")
+            if straggler is not None:
+                line += f"{straggler.get(name, {}).get(size, 0.0):>16.2f}"
+            lines.append(line)
+    return "\n".join(lines)
+
+
+LOGGER = CommsLogger()

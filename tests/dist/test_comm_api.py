@@ -1,0 +1,165 @@
+"""``dsrun.comm`` (DeepSpeed's ``deepspeed.comm``) on a one-rank gloo group
+in this process: every collective does what torch's does, takes
+DeepSpeed's extra keywords, and is logged when the logger is on. The
+multi-rank side (the engine's own collectives in the log, the straggler
+analysis across ranks) is the ``comms_logger`` case of
+``tests/dist/test_engine_dist.py``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from dsrun import comm
+from dsrun.runtime.commlog import LOGGER
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.fixture
+def logger() -> Iterator[None]:
+    """The process-wide logger, on and empty for the test, off and empty after."""
+    LOGGER.reset()
+    LOGGER.configure(enabled=True, prof_all=True, prof_ops=[], verbose=False, debug=False)
+    try:
+        yield
+    finally:
+        LOGGER.configure(enabled=False, prof_all=True, prof_ops=[], verbose=False, debug=False)
+        LOGGER.reset()
+
+
+def counts() -> dict[str, dict[int, int]]:
+    return {name: {size: row["count"] for size, row in by_size.items()}
+            for name, by_size in LOGGER.summary().items()}
+
+
+def test_collectives_compute_and_are_logged(solo: None, logger: None) -> None:
+    t = torch.arange(6, dtype=torch.float32)
+    comm.all_reduce(t, prof=True, log_name="grads", debug="x")  # DeepSpeed's keywords
+    assert torch.equal(t, torch.arange(6, dtype=torch.float32))  # world 1: a sum of one
+    out = torch.empty(6)
+    comm.all_gather_into_tensor(out, t)
+    assert torch.equal(out, t)
+    shard = torch.empty(6)
+    comm.reduce_scatter_tensor(shard, t)
+    assert torch.equal(shard, t)
+    comm.allgather_fn(out, t)
+    comm.reduce_scatter_fn(shard, t)
+    comm.broadcast(t, src=0)
+    comm.reduce(t, dst=0)
+    parts = [torch.empty(6)]
+    comm.all_gather(parts, t)
+    assert torch.equal(parts[0], t)
+    a, b = torch.ones(3), torch.full((2, 2), 2.0)
+    comm.all_reduce_coalesced([a, b])
+    assert torch.equal(a, torch.ones(3)) and torch.equal(b, torch.full((2, 2), 2.0))
+    objects: list[object] = [None]
+    comm.all_gather_object(objects, {"step": 3})
+    assert objects == [{"step": 3}]
+    comm.barrier()
+    got = counts()
+    assert got["grads"] == {24: 1}  # logged under its log_name, 6 fp32 = 24 bytes
+    assert got["all_gather_into_tensor"] == {24: 1}
+    assert got["allgather_fn"] == {24: 1} and got["reduce_scatter_fn"] == {24: 1}
+    assert got["reduce_scatter_tensor"] == {24: 1}
+    assert got["broadcast"] == {24: 1} and got["reduce"] == {24: 1}
+    assert got["all_gather"] == {24: 1}
+    assert got["all_reduce_coalesced"] == {28: 1}  # 3 + 4 elements
+    assert got["all_gather_object"] == {0: 1} and got["barrier"] == {0: 1}
+    assert comm.get_comm_operation_count() == 11
+    assert comm.has_comm_data()
+    comm.reset_log()
+    assert not comm.has_comm_data() and comm.get_logged_comm_ops() == []
+
+
+def test_async_ops_are_complete_when_profiled(solo: None, logger: None) -> None:
+    work = comm.all_reduce(torch.ones(4), async_op=True)
+    assert work.is_completed()  # timed blocking, as DeepSpeed does
+    work.wait()  # and still a work handle the caller can wait on
+    LOGGER.configure(enabled=False)
+    work = comm.all_reduce(torch.ones(4), async_op=True)
+    work.wait()
+    assert counts() == {"all_reduce": {16: 1}}  # the unlogged one is not there
+
+
+def test_prof_ops_and_prof_select(solo: None, logger: None) -> None:
+    LOGGER.configure(prof_all=False, prof_ops=["broadcast"])
+    t = torch.ones(2)
+    comm.broadcast(t, 0)
+    comm.all_reduce(t)
+    comm.all_reduce(t, prof=True)
+    assert counts() == {"broadcast": {8: 1}, "all_reduce": {8: 1}}
+
+
+def test_debug_names_the_calling_function(solo: None, logger: None) -> None:
+    LOGGER.configure(debug=True)
+
+    def my_training_step() -> None:
+        comm.all_reduce(torch.ones(1))
+
+    my_training_step()
+    assert comm.get_logged_comm_ops() == ["all_reduce | [Caller Func: my_training_step]"]
+
+
+def test_log_summary_prints_and_returns(solo: None, logger: None,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    comm.all_reduce(torch.ones(256))
+    comm.all_reduce(torch.ones(256))
+    result = comm.log_summary(show_straggler=True, return_dict=True)
+    assert result is not None
+    row = result["summary"]["all_reduce"][1024]
+    assert row["count"] == 2 and row["total_latency_ms"] > 0
+    assert result["straggler_analysis"] == {"all_reduce": {1024: 0.0}}  # one rank
+    assert result["metadata"]["world_size"] == 1 and result["metadata"]["rank"] == 0
+    printed = capsys.readouterr().out
+    assert "Comm. Op" in printed and "all_reduce" in printed and "1.00 KB" in printed
+    assert comm.log_summary() is None
+    assert list(LOGGER.summary()) == ["all_reduce"]  # its own barriers are not logged
+
+
+def test_configure_from_a_resolved_config(solo: None, logger: None) -> None:
+    from dsrun.runtime.config import resolve
+
+    LOGGER.configure(enabled=False)
+    config = resolve({"train_batch_size": 1, "comms_logger": {
+        "enabled": True, "prof_all": False, "prof_ops": ["all_reduce"]}},
+        dp_size=1, dp_source="test")
+    comm.configure(config)
+    assert (LOGGER.enabled, LOGGER.prof_all, LOGGER.prof_ops) == (True, False, ["all_reduce"])
+    comm.configure(enabled=False)
+    assert not LOGGER.enabled
+
+
+def test_ranks_and_groups(solo: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert comm.is_initialized() and comm.is_available()
+    assert (comm.get_rank(), comm.get_world_size()) == (0, 1)
+    assert comm.get_all_ranks_from_group() == [0]
+    group = comm.new_group([0])
+    assert comm.get_all_ranks_from_group(group) == [0]
+    assert comm.get_global_rank(group, 0) == 0
+    assert comm.get_world_group() is torch.distributed.group.WORLD
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert comm.get_local_rank() == 3
+    assert comm.has_all_gather_into_tensor() and comm.has_reduce_scatter_tensor()
+
+
+def test_before_a_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert not comm.is_initialized()
+    assert (comm.get_rank(), comm.get_world_size()) == (2, 4)
+
+
+def test_deepspeed_spelling() -> None:
+    import dsrun as deepspeed
+
+    assert deepspeed.comm is comm
+    from deepspeed import comm as dist  # the alias finder (no DeepSpeed installed)
+
+    assert dist is comm

@@ -1,0 +1,142 @@
+"""The communication logger's arithmetic, records and table (no processes)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from dsrun.errors import DsrunConfigError
+from dsrun.runtime.commlog import (
+    CommsLogger,
+    bus_factor,
+    gbps,
+    size_str,
+    straggler_ms,
+    summary_table,
+)
+from dsrun.runtime.config import resolve
+
+
+def test_bus_factors_follow_nccl_tests() -> None:
+    assert bus_factor("all_reduce", 4) == pytest.approx(1.5)  # 2(n-1)/n
+    assert bus_factor("inference_all_reduce", 2) == pytest.approx(1.0)
+    for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
+               "all_gather", "reduce_scatter"):
+        assert bus_factor(op, 4) == pytest.approx(0.75)  # (n-1)/n
+    for op in ("broadcast", "reduce", "send", "recv", "barrier"):
+        assert bus_factor(op, 8) == 1.0
+    assert bus_factor("all_reduce", 1) == 0.0  # nothing moves between ranks
+
+
+def test_gbps_and_sizes() -> None:
+    assert gbps(125_000_000, 1.0) == pytest.approx(1.0)  # 1e9 bits in one second
+    assert gbps(10, 0.0) == 0.0
+    assert size_str(0) == "0 B"
+    assert size_str(1023) == "1023 B"
+    assert size_str(4000) == "3.91 KB"
+    assert size_str(3 * 1024 ** 2) == "3.00 MB"
+    assert size_str(5 * 1024 ** 4) == "5120.00 GB"
+
+
+def test_records_per_name_and_size() -> None:
+    logger = CommsLogger()
+    logger.append("all_reduce", "all_reduce", 0.002, 4000, 2)
+    logger.append("all_reduce", "all_reduce", 0.004, 4000, 2)
+    logger.append("all_reduce", "all_reduce", 0.010, 8000, 2)
+    logger.append("broadcast", "params", 0.001, 100, 2)
+    summary = logger.summary()
+    assert list(summary) == ["all_reduce", "params"]
+    row = summary["all_reduce"][4000]
+    assert row["count"] == 2
+    assert row["total_latency_ms"] == pytest.approx(6.0)
+    assert row["avg_latency_ms"] == pytest.approx(3.0)
+    assert row["tput_avg_gbps"] == pytest.approx(4000 * 8 / 0.003 / 1e9)
+    assert row["busbw_avg_gbps"] == pytest.approx(row["tput_avg_gbps"])  # 2(n-1)/n = 1
+    assert summary["all_reduce"][8000]["count"] == 1
+    assert logger.totals() == {("all_reduce", 4000): pytest.approx(0.006),
+                               ("all_reduce", 8000): pytest.approx(0.010),
+                               ("params", 100): pytest.approx(0.001)}
+    logger.reset()
+    assert logger.summary() == {}
+
+
+def test_what_is_profiled() -> None:
+    logger = CommsLogger()
+    assert not logger.wants("all_reduce", prof=True)  # disabled: nothing
+    logger.configure(enabled=True)
+    assert logger.wants("anything", prof=False)  # prof_all by default
+    logger.configure(prof_all=False, prof_ops=["broadcast"])
+    assert logger.wants("broadcast", prof=False)
+    assert not logger.wants("all_reduce", prof=False)
+    assert logger.wants("all_reduce", prof=True)
+    logger.configure(verbose=True)  # None leaves the others alone
+    assert (logger.enabled, logger.prof_all, logger.prof_ops) == (True, False, ["broadcast"])
+    with pytest.raises(TypeError, match="list of operation names"):
+        logger.configure(prof_ops="broadcast")
+
+
+def test_debug_names_the_caller() -> None:
+    logger = CommsLogger()
+
+    def collective() -> str:  # stands for a dsrun.comm function
+        return helper()
+
+    def helper() -> str:  # stands for dsrun.comm._call
+        return logger.name_for("all_reduce")
+
+    def training_loop() -> str:
+        return collective()
+
+    assert training_loop() == "all_reduce"
+    logger.configure(debug=True)
+    assert training_loop() == "all_reduce | [Caller Func: training_loop]"
+
+
+def test_verbose_prints_each_operation(caplog: pytest.LogCaptureFixture) -> None:
+    logger = CommsLogger()
+    logger.configure(enabled=True, verbose=True)
+    with caplog.at_level(logging.INFO, logger="dsrun.comm"):
+        logger.append("all_reduce", "all_reduce", 0.001, 2048, 2)
+    assert "comm op: all_reduce | time (ms): 1.00 | msg size: 2.00 KB" in caplog.text
+
+
+def test_straggler_is_the_spread_between_ranks() -> None:
+    ranks = [{("all_reduce", 10): 0.005, ("broadcast", 4): 0.001},
+             {("all_reduce", 10): 0.002},
+             {("all_reduce", 10): 0.004, ("broadcast", 4): 0.003}]
+    got = straggler_ms(ranks)
+    assert got["all_reduce"][10] == pytest.approx(3.0)
+    assert got["broadcast"][4] == pytest.approx(2.0)
+
+
+def test_table_has_a_row_per_size() -> None:
+    logger = CommsLogger()
+    logger.append("all_reduce", "all_reduce", 0.002, 4000, 2)
+    logger.append("all_reduce", "all_reduce", 0.002, 1 << 20, 2)
+    text = summary_table(logger.summary(), {"all_reduce": {4000: 1.5}})
+    lines = text.splitlines()
+    assert lines[0].startswith("Comm. Op") and "straggler (ms)" in lines[0]
+    assert lines[1] == "all_reduce"
+    assert "3.91 KB" in lines[2] and lines[2].rstrip().endswith("1.50")
+    assert "1.00 MB" in lines[3] and lines[3].rstrip().endswith("0.00")
+    assert "straggler" not in summary_table(logger.summary())
+
+
+def test_config_section() -> None:
+    config = resolve({"train_batch_size": 1, "comms_logger": {
+        "enabled": True, "prof_all": False, "prof_ops": ["all_reduce"], "debug": True}},
+        dp_size=1, dp_source="test")
+    section = config.comms_logger
+    assert (section.enabled, section.prof_all, section.prof_ops, section.debug,
+            section.verbose) == (True, False, ("all_reduce",), True, False)
+    assert "comms_logger" not in config.passthrough  # acted on, not just accepted
+    assert config.to_dict()["comms_logger"]["prof_ops"] == ["all_reduce"]
+    assert resolve({"train_batch_size": 1}, dp_size=1, dp_source="t").comms_logger.enabled \
+        is False
+    for bad, message in (({"prof_ops": "all_reduce"}, "list of operation names"),
+                         ({"prof_ops": [1]}, "list of operation names"),
+                         ({"enabeld": True}, 'did you mean "enabled"'),
+                         ({"verbose": "yes"}, "true or false")):
+        with pytest.raises(DsrunConfigError, match=message):
+            resolve({"train_batch_size": 1, "comms_logger": bad}, dp_size=1, dp_source="t")
