@@ -110,10 +110,21 @@ def inference_all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: An
                  tensor, dist.all_reduce, tensor, op=op, group=group, async_op=async_op)
 
 
+class _Done:
+    """The handle of an operation that completed inside the call."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
 def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op: Any = ReduceOp.SUM,
                          group: Any = None, async_op: bool = False, prof: bool = False,
                          log_name: str = "all_reduce_coalesced", debug: Any = None) -> Any:
-    """All-reduce every tensor of ``tensors`` (one flat buffer, copied back)."""
+    """All-reduce every tensor of ``tensors`` (one flat buffer, copied back;
+    completed within the call, also with ``async_op``)."""
     tensors = list(tensors)
 
     def run() -> Any:
@@ -123,7 +134,7 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op: Any = ReduceOp.SUM
         for t in tensors:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))
             offset += t.numel()
-        return None
+        return _Done() if async_op else None
     return _call("all_reduce_coalesced", log_name, prof, group,
                  lambda: _list_bytes(tensors), tensors[0] if tensors else None, run)
 

@@ -82,6 +82,9 @@ def test_async_ops_are_complete_when_profiled(solo: None, logger: None) -> None:
     work = comm.all_reduce(torch.ones(4), async_op=True)
     work.wait()
     assert counts() == {"all_reduce": {16: 1}}  # the unlogged one is not there
+    t = torch.ones(2)
+    assert comm.all_reduce_coalesced([t], async_op=True).wait()  # done within the call
+    assert torch.equal(t, torch.ones(2))
 
 
 def test_prof_ops_and_prof_select(solo: None, logger: None) -> None:
