@@ -32,7 +32,7 @@ __all__ = ["__version__", *_LAZY]
 
 
 # dsrun.zero.Init, dsrun.pipe.PipelineModule, dsrun.comm.get_rank, ... as deepspeed.*
-_SUBMODULES = ("zero", "pipe", "comm")
+_SUBMODULES = ("zero", "pipe", "comm", "checkpointing")
 
 _alias.install()  # "from deepspeed.pipe import ..." after "import dsrun as deepspeed"
 

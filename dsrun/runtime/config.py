@@ -26,8 +26,8 @@ Strictness: an unknown key anywhere (top level or any nested section) is a
 environment variable ``DSRUN_ALLOW_UNKNOWN_CONFIG_KEYS=1``, turns each
 unknown key into a logged warning; such keys are dropped and listed in
 ``DsrunConfig.ignored_keys``. Documented DeepSpeed sections that dsrun does
-not act on (``PASSTHROUGH_KEYS``: ``activation_checkpointing``,
-``comet``, ...) are accepted, kept verbatim in ``passthrough`` and
+not act on (``PASSTHROUGH_KEYS``: ``comet``, ``flops_profiler``,
+...) are accepted, kept verbatim in ``passthrough`` and
 reported with one warning when they are present and not disabled.
 
 ``"auto"`` (as HF Trainer/Accelerate configs write it) is resolved here:
@@ -86,6 +86,7 @@ from dsrun.runtime.config_sections import (
     SCHEDULER_REQUIRED,
     UNSUPPORTED_OPTIMIZERS,
     ZERO_AUTO_KEYS,
+    ActivationCheckpointingConfig,
     BF16Config,
     CheckpointConfig,
     CommsLoggerConfig,
@@ -112,7 +113,8 @@ __all__ = [
     "ALLOW_UNKNOWN_ENV", "AUTO", "AUTO_OPTIMIZER_DEFAULTS", "BATCH_KEYS",
     "DEFAULT_WARMUP_NUM_STEPS", "DICT_SOURCE", "OPTIMIZER_NAMES", "PASSTHROUGH_KEYS",
     "SCHEDULER_PARAMS", "SCHEDULER_REQUIRED", "UNSUPPORTED_OPTIMIZERS", "ZERO_AUTO_KEYS",
-    "BF16Config", "Check", "CheckpointConfig", "CommsLoggerConfig", "ConfigInput",
+    "ActivationCheckpointingConfig", "BF16Config", "Check", "CheckpointConfig",
+    "CommsLoggerConfig", "ConfigInput",
     "CsvMonitorConfig", "DsrunConfig",
     "DsrunOptions", "FP16Config", "MONITOR_SECTIONS", "OffloadOptimizerConfig",
     "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig", "TensorBoardConfig", "WandbConfig",
@@ -125,7 +127,7 @@ __all__ = [
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # Documented DeepSpeed sections dsrun accepts but does not act on.
 PASSTHROUGH_KEYS = frozenset({
-    "activation_checkpointing", "aio", "amp", "autotuning", "comet",
+    "aio", "amp", "autotuning", "comet",
     "compile", "compression_training", "curriculum_learning", "data_efficiency",
     "data_types", "eigenvalue", "elasticity", "flops_profiler", "hybrid_engine", "nebula",
     "pipeline", "progressive_layer_drop", "quantize_training", "sparse_attention",
@@ -165,6 +167,8 @@ class DsrunConfig:
     tensorboard: TensorBoardConfig = subsection(TensorBoardConfig)
     wandb: WandbConfig = subsection(WandbConfig)
     comms_logger: CommsLoggerConfig = subsection(CommsLoggerConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = subsection(
+        ActivationCheckpointingConfig)
     memory_breakdown: bool = opt("bool", False)
     dump_state: bool = opt("bool", False)
     communication_data_type: Optional[str] = opt("str", None, choices=("fp16", "bf16", "fp32"))
@@ -408,6 +412,7 @@ def resolve(config: ConfigInput, *, dp_size: int, dp_source: str,
         "dsrun": parse_section(DsrunOptions, known.get("dsrun", {}), ("dsrun",), ctx),
         "comms_logger": parse_section(CommsLoggerConfig, known.get("comms_logger", {}),
                                       ("comms_logger",), ctx),
+        "activation_checkpointing": parse_activation_checkpointing(known, ctx),
         **parse_monitors(known, ctx),
     }
     if is_auto(known.get("gradient_clipping")):
@@ -418,6 +423,26 @@ def resolve(config: ConfigInput, *, dp_size: int, dp_source: str,
     kwargs.update(dp_size=dp_size, dp_size_source=dp_source, source=source,
                   passthrough=_passthrough(known, ctx), ignored_keys=tuple(ctx.ignored))
     return build(DsrunConfig, kwargs, ctx)
+
+
+def parse_activation_checkpointing(known: Mapping[str, Any], ctx: Ctx
+                                   ) -> ActivationCheckpointingConfig:
+    """The ``activation_checkpointing`` section of a raw config (defaults
+    when absent)."""
+    return parse_section(ActivationCheckpointingConfig,
+                         known.get("activation_checkpointing", {}),
+                         ("activation_checkpointing",), ctx)
+
+
+def activation_checkpointing_section(config: ConfigInput) -> ActivationCheckpointingConfig:
+    """Only the ``activation_checkpointing`` section of a config (dict or
+    JSON path), checked strictly, the rest not resolved: what
+    :func:`dsrun.checkpointing.configure` reads."""
+    raw, source = load_config(config)
+    section = raw.get("activation_checkpointing", {})
+    return parse_activation_checkpointing({"activation_checkpointing": section},
+                                          Ctx(source, allow_unknown=_allow_unknown(raw,
+                                                                                   os.environ)))
 
 
 def _resolve_batch_keys(known: Mapping[str, Any], dp_size: int, dp_source: str,

@@ -275,6 +275,31 @@ class CommsLoggerConfig:
         object.__setattr__(self, "prof_ops", tuple(ops))
 
 
+@dataclass(frozen=True)
+class ActivationCheckpointingConfig:
+    """``activation_checkpointing``: what :func:`dsrun.checkpointing.configure`
+    reads (``deepspeed_config=``); DeepSpeed's engine does not apply it by
+    itself, and neither does dsrun's. ``contiguous_memory_optimization``
+    needs ``partition_activations`` and ``number_checkpoints``, as in
+    DeepSpeed."""
+
+    partition_activations: bool = opt("bool", False)
+    contiguous_memory_optimization: bool = opt("bool", False)
+    cpu_checkpointing: bool = opt("bool", False)
+    number_checkpoints: Optional[int] = opt("int", None, low=1)
+    synchronize_checkpoint_boundary: bool = opt("bool", False)
+    profile: bool = opt("bool", False)
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+        if self.contiguous_memory_optimization and not self.partition_activations:
+            raise DsrunConfigError("activation_checkpointing.contiguous_memory_optimization "
+                                   "needs partition_activations: true")
+        if self.contiguous_memory_optimization and self.number_checkpoints is None:
+            raise DsrunConfigError("activation_checkpointing.contiguous_memory_optimization "
+                                   "needs number_checkpoints (the checkpoints per forward)")
+
+
 MONITOR_SECTIONS: Mapping[str, type] = MappingProxyType({
     "csv_monitor": CsvMonitorConfig, "tensorboard": TensorBoardConfig, "wandb": WandbConfig})
 

@@ -31,8 +31,8 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.utils.checkpoint
 
+from dsrun import checkpointing
 from dsrun.errors import DsrunConfigError
 from dsrun.runtime.pipe.grid import PipelineGrid, cached_group
 from dsrun.runtime.pipe.layers import LayerSpec, TiedLayerSpec, count_parameters, layer_name
@@ -42,10 +42,6 @@ from dsrun.runtime.pipe.topology import PipeTopology, topology_for
 from dsrun.runtime.progress import ensure_visible
 
 log = logging.getLogger("dsrun.runtime")
-
-
-def _checkpoint(function: Callable[..., Any], *args: Any) -> Any:
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
 
 
 def _check_layers(layers: Iterable[Any]) -> list[Any]:
@@ -93,8 +89,9 @@ class PipelineModule(torch.nn.Module):
     the last layer's output is the loss). ``partition_method``: see
     :mod:`~dsrun.runtime.pipe.partition`. ``activation_checkpoint_interval``
     N > 0: this stage's layers run in chunks of N, each under
-    ``activation_checkpoint_func(function, *inputs)`` (default: torch's
-    non-reentrant checkpoint) while gradients are enabled - only the
+    ``activation_checkpoint_func(function, *inputs)`` (default:
+    :func:`dsrun.checkpointing.checkpoint`, DeepSpeed's default too, which
+    follows :func:`dsrun.checkpointing.configure`) while gradients are enabled - only the
     chunk's input is kept and its activations are recomputed in backward.
     ``checkpointable_layers``: class names; a chunk is checkpointed only if
     all its layers are of these classes (default: if it has parameters).
@@ -125,7 +122,7 @@ class PipelineModule(torch.nn.Module):
         self.seed_layers, self.base_seed = bool(seed_layers), base_seed
         self.seed_fn = seed_fn or torch.manual_seed
         self.activation_checkpoint_interval = interval
-        self.activation_checkpoint_func = activation_checkpoint_func or _checkpoint
+        self.activation_checkpoint_func = activation_checkpoint_func or checkpointing.checkpoint
         self.checkpointable_layers = None if checkpointable_layers is None \
             else set(checkpointable_layers)
         self.partition_method = partition_method
