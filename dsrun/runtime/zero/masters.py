@@ -62,7 +62,8 @@ OFFLOAD_PIECE = 1 << 23  # elements per offloaded step-and-copy-back piece (32 M
 FUSED_CLASSES: tuple[type, ...] = (torch.optim.Adam, torch.optim.AdamW)
 
 
-def _fused_devices() -> tuple[str, ...]:
+def fused_devices() -> tuple[str, ...]:
+    """Device types torch has fused optimizer kernels for."""
     try:
         from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
         return tuple(_get_fused_kernels_supported_devices())
@@ -84,7 +85,7 @@ def inner_kwargs(optimizer_cls: type, kwargs: Mapping[str, Any], device: torch.d
     except (TypeError, ValueError):
         return out
     if optimizer_cls in FUSED_CLASSES and "fused" in accepted \
-            and device.type in _fused_devices() and not out.get("differentiable"):
+            and device.type in fused_devices() and not out.get("differentiable"):
         out["fused"] = True
         out.pop("foreach", None)
     elif "foreach" in accepted and not out.get("fused"):
@@ -173,13 +174,17 @@ class MasterGradients:
         whose updates go back to the GPU piece by piece (:meth:`_step_inner`)."""
         device = self.masters[0].device if self.masters else torch.device("cpu")
         chosen = inner_kwargs(optimizer_cls, kwargs, device)
-        self.inner_impl = "fused" if chosen.get("fused") else \
+        # dsrun.ops.adam's optimizers pick torch's fused kernel themselves
+        fuses_itself = getattr(optimizer_cls, "fuses_where_torch_can", False) \
+            and device.type in fused_devices()
+        self.inner_impl = "fused" if chosen.get("fused") or fuses_itself else \
             "foreach" if chosen.get("foreach") else "single-tensor"
         picked = {k: chosen[k] for k in ("fused", "foreach") if k in chosen}
         for h in hyper:  # a client group that left both unset takes the choice too
             if h.get("fused") is None and h.get("foreach") is None:
                 h.update(picked)
-        groups = self._inner_groups(hyper, piece_size(sub_group_size, chosen, device, offload),
+        sizing = {**chosen, "fused": True} if fuses_itself else chosen
+        groups = self._inner_groups(hyper, piece_size(sub_group_size, sizing, device, offload),
                                     views=offload)
         return optimizer_cls(groups, **chosen)
 

@@ -1,0 +1,289 @@
+"""dsrun.accelerator: which accelerator a rank gets, and that what it
+answers is true of this process (CPU here; the CUDA class where a GPU is)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+import dsrun
+from dsrun import accelerator
+from dsrun.accelerator import (
+    CpuAccelerator,
+    CudaAccelerator,
+    get_accelerator,
+    is_current_accelerator_supported,
+    set_accelerator,
+)
+from dsrun.accelerator import real_accelerator as real
+from dsrun.errors import DsrunError
+
+MIB = 1 << 20
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU (torch.cuda.is_available() is False here); CUDA paths run on "
+           "GPU hosts")
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test chooses anew, from an environment without overrides."""
+    for name in ("DS_ACCELERATOR", "DSRUN_ACCELERATOR", "DSRUN_DIST_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(real, "_current", None)
+    yield
+
+
+@pytest.fixture
+def solo() -> Iterator[None]:
+    """A one-rank gloo group in this process, destroyed after."""
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def cpu() -> CpuAccelerator:
+    return CpuAccelerator()
+
+
+# ------------------------------------------------------------------ choosing
+
+
+def test_the_device_this_rank_trains_on_is_chosen_once() -> None:
+    acc = get_accelerator()
+    expected = CudaAccelerator if torch.cuda.is_available() else CpuAccelerator
+    assert type(acc) is expected
+    assert get_accelerator() is acc  # one process-wide object
+    assert is_current_accelerator_supported()
+
+
+def test_a_gloo_group_means_the_cpu_even_with_cuda(solo: None) -> None:
+    assert real.rank_device_type() == "cpu"
+    assert type(get_accelerator()) is CpuAccelerator
+    assert get_accelerator().communication_backend_name() == dist.get_backend() == "gloo"
+
+
+@pytest.mark.parametrize("variable", ["DS_ACCELERATOR", "DSRUN_ACCELERATOR"])
+def test_cpu_is_honoured_where_asked_for(monkeypatch: pytest.MonkeyPatch, variable: str) -> None:
+    """DeepSpeed's override, and ``dsrun --cpu`` (the launcher sets
+    DSRUN_ACCELERATOR): the CPU even where a GPU would be chosen."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv(variable, "cpu")
+    assert type(get_accelerator()) is CpuAccelerator
+
+
+def test_a_gpu_rank_gets_cuda_before_its_group_exists(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the bootstrap would pick (NCCL for a GPU rank) decides."""
+    monkeypatch.setattr(real.rank_dist, "default_backend", lambda env: "nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert real.rank_device_type() == "cuda"
+    assert type(get_accelerator()) is CudaAccelerator
+
+
+def test_choose_is_pure_and_refuses_what_cannot_be() -> None:
+    assert real.choose(None, "cpu", True) == "cpu"
+    assert real.choose("", "cuda", True) == "cuda"
+    assert real.choose(" CPU ", "cuda", True) == "cpu"
+    assert real.choose("cuda", "cuda", True) == "cuda"
+    with pytest.raises(DsrunError, match="DS_ACCELERATOR='xpu': dsrun provides the cuda and cpu"):
+        real.choose("xpu", "cpu", False)
+    with pytest.raises(DsrunError, match="DS_ACCELERATOR=cuda, but torch sees no CUDA"):
+        real.choose("cuda", "cpu", False)
+    with pytest.raises(DsrunError, match="DS_ACCELERATOR=cuda, but this rank trains on the CPU"):
+        real.choose("cuda", "cpu", True)
+
+
+def test_set_accelerator(cpu: CpuAccelerator) -> None:
+    set_accelerator(cpu)
+    assert get_accelerator() is cpu
+    with pytest.raises(TypeError, match="got str"):
+        set_accelerator("cuda")  # type: ignore[arg-type]
+
+
+def test_deepspeed_import_paths() -> None:
+    """``import dsrun as deepspeed`` then DeepSpeed's import lines."""
+    saved = {n: sys.modules.pop(n) for n in list(sys.modules)
+             if n == "deepspeed" or n.startswith("deepspeed.")}
+    try:
+        importlib.import_module("deepspeed")
+        from deepspeed.accelerator import get_accelerator as ds_get  # type: ignore
+        from deepspeed.accelerator.real_accelerator import (  # type: ignore
+            get_accelerator as ds_real_get,
+        )
+
+        assert ds_get is ds_real_get is get_accelerator
+        assert sys.modules["deepspeed.accelerator"] is accelerator
+    finally:
+        for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+
+
+def test_deepspeed_attribute_access() -> None:
+    """``deepspeed.accelerator`` without an import statement: the name must
+    be in dsrun's lazily loaded submodules (``dsrun._SUBMODULES``)."""
+    assert dsrun.__getattr__("accelerator") is accelerator
+
+
+# ------------------------------------------------------------------ the CPU
+
+
+def test_cpu_device_answers(cpu: CpuAccelerator) -> None:
+    assert cpu.device_name() == cpu.device_name(3) == cpu.current_device_name() == "cpu"
+    assert cpu.device(0) == torch.device("cpu")
+    # usable wherever a device is: an int would mean a CUDA device to torch
+    assert torch.zeros(1, device=cpu.current_device()).device.type == "cpu"
+    assert cpu.device_count() == torch.cpu.device_count() == 1
+    assert cpu.is_available()
+    cpu.set_device(0)
+    cpu.synchronize()
+    assert cpu.is_synchronized_device() and cpu.use_host_timers()
+    assert cpu.resolves_data_dependency() and cpu.handles_memory_backpressure()
+    assert cpu.on_accelerator(torch.ones(1))
+    assert not cpu.on_accelerator(torch.ones(1, device="meta"))
+    assert cpu.communication_backend_name() == "gloo"  # no group here: what dsrun would use
+    tensor = cpu.FloatTensor([1, 2])
+    assert (tensor.dtype, tensor.device.type, tensor.tolist()) == (torch.float32, "cpu", [1, 2])
+    assert cpu.BFloat16Tensor([1]).dtype == torch.bfloat16
+
+
+def test_cpu_random_numbers(cpu: CpuAccelerator) -> None:
+    cpu.manual_seed(1234)
+    assert cpu.initial_seed() == 1234
+    first = torch.rand(3)
+    cpu.manual_seed_all(1234)
+    assert torch.equal(torch.rand(3), first)
+    state = cpu.get_rng_state()
+    draw = torch.rand(3)
+    cpu.set_rng_state(state)
+    assert torch.equal(torch.rand(3), draw)
+    assert cpu.random() is torch.random and cpu.default_generator(0) is torch.default_generator
+
+
+def test_cpu_dtypes_are_ones_it_computes_in(cpu: CpuAccelerator) -> None:
+    dtypes = cpu.supported_dtypes()
+    assert dtypes[0] == torch.float32
+    assert (torch.float16 in dtypes) == cpu.is_fp16_supported()
+    assert (torch.bfloat16 in dtypes) == cpu.is_bf16_supported()
+    for dtype in dtypes:
+        a = torch.full((3, 3), 0.5, dtype=dtype)
+        assert (a @ a).sum().item() == 6.75
+
+
+def test_cpu_memory_is_this_process_rss(cpu: CpuAccelerator) -> None:
+    before = cpu.memory_allocated()
+    assert abs(before - psutil.Process().memory_info().rss) < 16 * MIB
+    block = torch.ones(64 * MIB // 4)  # 64 MiB, written: resident
+    during = cpu.memory_allocated()
+    assert during - before > 48 * MIB
+    assert cpu.max_memory_allocated() >= during
+    assert cpu.memory_reserved() >= during - 16 * MIB
+    assert cpu.max_memory_reserved() >= during
+    stats = cpu.memory_stats()
+    assert stats["allocated_bytes.all.peak"] >= stats["allocated_bytes.all.current"] > 0
+    del block
+    cpu.empty_cache()
+    cpu.reset_peak_memory_stats()
+    after = cpu.max_memory_allocated()
+    assert after < during - 32 * MIB  # the peak started over
+    assert cpu.total_memory() == psutil.virtual_memory().total
+    assert 0 < cpu.available_memory() <= cpu.total_memory()
+
+
+def test_cpu_pinning_streams_events_and_ranges(cpu: CpuAccelerator) -> None:
+    tensor = torch.ones(4)
+    assert cpu.pin_memory(tensor, align_bytes=64) is tensor
+    assert not cpu.is_pinned(tensor)
+    stream = cpu.Stream()
+    with cpu.stream(stream):
+        assert torch.ones(1).sum() == 1
+    assert cpu.current_stream() is cpu.default_stream()
+    start, end = cpu.Event(enable_timing=True), cpu.Event(enable_timing=True)
+    start.record()
+    time.sleep(0.02)
+    end.record()
+    end.synchronize()
+    assert start.query() and 15 <= start.elapsed_time(end) < 5000
+    with pytest.raises(RuntimeError, match="recorded"):
+        cpu.Event().elapsed_time(end)
+    cpu.range_push("fwd")
+    cpu.range_pop()
+    calls: list[int] = []
+    assert cpu.lazy_call(lambda: calls.append(1) or 7) == 7 and calls == [1]
+    assert cpu.amp() is torch.cpu.amp  # autocast, GradScaler (torch may call them deprecated)
+
+
+@pytest.mark.parametrize("name", ["create_op_builder", "get_op_builder"])
+def test_compiled_ops_are_refused(cpu: CpuAccelerator, name: str) -> None:
+    with pytest.raises(DsrunError, match="'CPUAdamBuilder': dsrun does not build or load "
+                                         "DeepSpeed's compiled ops.*dsrun.ops.adam"):
+        getattr(cpu, name)("CPUAdamBuilder")
+
+
+# ------------------------------------------------------------------ CUDA
+
+
+@needs_cuda
+def test_cuda_answers() -> None:
+    acc = CudaAccelerator()
+    index = torch.cuda.current_device()
+    assert acc.device_name() == "cuda" and acc.device_name(index) == f"cuda:{index}"
+    assert acc.current_device() == index and acc.current_device_name() == f"cuda:{index}"
+    assert acc.device(index) == torch.device("cuda", index)
+    assert acc.device_count() == torch.cuda.device_count() and acc.is_available()
+    assert not acc.is_synchronized_device() and not acc.use_host_timers()
+    assert acc.communication_backend_name() in ("nccl", "gloo")
+    for dtype in acc.supported_dtypes():
+        a = torch.full((3, 3), 0.5, dtype=dtype, device="cuda")
+        assert (a @ a).sum().item() == 6.75
+    acc.manual_seed(99)
+    first = torch.rand(3, device="cuda")
+    acc.manual_seed_all(99)
+    assert torch.equal(torch.rand(3, device="cuda"), first) and acc.initial_seed() == 99
+    state = acc.get_rng_state()
+    draw = torch.rand(3, device="cuda")
+    acc.set_rng_state(state)
+    assert torch.equal(torch.rand(3, device="cuda"), draw)
+
+
+@needs_cuda
+def test_cuda_memory_streams_and_pinning() -> None:
+    acc = CudaAccelerator()
+    acc.synchronize()
+    acc.reset_peak_memory_stats()
+    before = acc.memory_allocated()
+    block = torch.ones(64 * MIB // 4, device="cuda")
+    assert acc.memory_allocated() - before >= 64 * MIB
+    assert acc.max_memory_allocated() >= acc.memory_allocated()
+    assert acc.memory_reserved() >= acc.memory_allocated()
+    assert acc.on_accelerator(block) and not acc.on_accelerator(torch.ones(1))
+    del block
+    acc.empty_cache()
+    assert 0 < acc.available_memory() <= acc.total_memory()
+    pinned = acc.pin_memory(torch.ones(4))
+    assert acc.is_pinned(pinned)
+    stream = acc.Stream()
+    start, end = acc.Event(enable_timing=True), acc.Event(enable_timing=True)
+    with acc.stream(stream):
+        start.record()
+        torch.ones(1024, 1024, device="cuda").sum()
+        end.record()
+    end.synchronize()
+    assert start.elapsed_time(end) >= 0
+    assert acc.current_stream() == acc.default_stream()
+    acc.range_push("step")
+    acc.range_pop()
+    assert acc.amp() is torch.cuda.amp
