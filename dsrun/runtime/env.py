@@ -22,7 +22,9 @@ The object is frozen; the runtime never writes os.environ.
 
 ``accelerator`` is ``DSRUN_ACCELERATOR``: ``"cpu"`` when the launcher was
 asked for CPU ranks (``dsrun --cpu``), which then use gloo even where CUDA
-is present.
+is present. DeepSpeed's ``DS_ACCELERATOR=cpu`` means the same (DeepSpeed
+then trains on the CPU with a CPU backend); other values of it are left to
+:mod:`dsrun.accelerator`.
 ``config_path`` is ``DSRUN_CONFIG``: the training config (DeepSpeed JSON)
 the launcher hands every rank (``dsrun --config``).
 ``agent_pid`` (``DSRUN_AGENT_PID``) and ``stack_file`` (``DSRUN_STACK_FILE``)
@@ -118,7 +120,8 @@ class DistEnv:
             restart_count=_int(env, "DSRUN_RESTART_COUNT", 0) or 0,
             error_file=env.get("DSRUN_ERROR_FILE") or None,
             config_path=env.get("DSRUN_CONFIG") or None,
-            accelerator=env.get("DSRUN_ACCELERATOR") or None,
+            accelerator=env.get("DSRUN_ACCELERATOR") or (
+                "cpu" if env.get("DS_ACCELERATOR", "").strip().lower() == "cpu" else None),
             agent_pid=_int(env, "DSRUN_AGENT_PID", None),
             stack_file=env.get("DSRUN_STACK_FILE") or None,
             fill_local_rank=env.get("DSRUN_LOCAL_RANK_FILL", "1") != "0",

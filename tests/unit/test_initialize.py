@@ -98,6 +98,9 @@ def test_cpu_ranks_use_gloo_even_where_cuda_is_available(monkeypatch, solo) -> N
     cpu = DistEnv.detect({"DSRUN_ACCELERATOR": "cpu"})
     assert cpu.accelerator == "cpu" and rdist.default_backend(cpu) == "gloo"
     assert rdist.default_backend(DistEnv.detect({})) == "nccl"
+    deepspeeds = DistEnv.detect({"DS_ACCELERATOR": "CPU"})  # DeepSpeed's spelling
+    assert deepspeeds.accelerator == "cpu" and rdist.default_backend(deepspeeds) == "gloo"
+    assert rdist.default_backend(DistEnv.detect({"DS_ACCELERATOR": "cuda"})) == "nccl"
     assert rdist.compute_device().type == "cpu"  # this module's group is gloo
 
 
