@@ -26,13 +26,19 @@ _LAZY = {
     "DeepSpeedEngine": "dsrun.runtime.engine:DsrunEngine",
     "DsrunConfigError": "dsrun.errors:DsrunConfigError",
     "DeepSpeedConfigError": "dsrun.errors:DsrunConfigError",
+    "PipelineModule": "dsrun.pipe:PipelineModule",
+    "PipelineEngine": "dsrun.runtime.pipe.engine:PipelineEngine",
+    "get_accelerator": "dsrun.accelerator:get_accelerator",
+    "log_dist": "dsrun.utils:log_dist",
+    "logger": "dsrun.utils:logger",
 }
+TORCH_DISTRIBUTED_DEFAULT_PORT = 29500  # DeepSpeed's (and torch's) default master port
 
-__all__ = ["__version__", *_LAZY]
+__all__ = ["TORCH_DISTRIBUTED_DEFAULT_PORT", "__version__", *_LAZY]
 
 
 # dsrun.zero.Init, dsrun.pipe.PipelineModule, dsrun.comm.get_rank, ... as deepspeed.*
-_SUBMODULES = ("zero", "pipe", "comm", "checkpointing")
+_SUBMODULES = ("zero", "pipe", "comm", "checkpointing", "accelerator", "ops", "utils")
 
 _alias.install()  # "from deepspeed.pipe import ..." after "import dsrun as deepspeed"
 

@@ -57,6 +57,7 @@ from dsrun.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradSync, broadcast_te
 from dsrun.runtime.lr_schedules import build_scheduler
 from dsrun.runtime.monitor.training import EngineMonitor
 from dsrun.runtime.optimizers import build_optimizer
+from dsrun.runtime.param_links import link_params
 from dsrun.runtime.precision import FullPrecision, StepResult, make_precision
 from dsrun.runtime.progress import Progress
 from dsrun.runtime.zero.stepping import (
@@ -155,6 +156,7 @@ class DsrunEngine(torch.nn.Module):
         self.progress = Progress(config.steps_per_print, config.train_batch_size,
                                  enabled=self.global_rank == 0)
         self.monitor = self._make_monitor()
+        link_params(self)  # for dsrun.utils.safe_get_full_fp32_param(param) and friends
 
     # ------------------------------------------------------------ set-up
 

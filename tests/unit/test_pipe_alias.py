@@ -57,3 +57,22 @@ def test_a_real_deepspeed_is_left_alone(monkeypatch: pytest.MonkeyPatch,
     real = importlib.import_module("deepspeed")
     assert real is not dsrun and real.REAL
     assert importlib.import_module("deepspeed.pipe").REAL_PIPE
+
+
+def test_deepspeeds_top_level_names() -> None:
+    """What ``deepspeed.<name>`` scripts use, after ``import dsrun as deepspeed``."""
+    import dsrun.accelerator
+    import dsrun.pipe
+    import dsrun.utils
+    from dsrun.runtime.pipe.engine import PipelineEngine
+
+    assert dsrun.PipelineModule is dsrun.pipe.PipelineModule
+    assert dsrun.PipelineEngine is PipelineEngine
+    assert dsrun.get_accelerator is dsrun.accelerator.get_accelerator
+    assert dsrun.log_dist is dsrun.utils.log_dist and dsrun.logger is dsrun.utils.logger
+    assert dsrun.TORCH_DISTRIBUTED_DEFAULT_PORT == 29500
+    for name in ("comm", "checkpointing", "accelerator", "ops", "utils", "zero", "pipe"):
+        assert getattr(dsrun, name) is sys.modules[f"dsrun.{name}"]
+        assert name in dir(dsrun)
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        dsrun.no_such_name  # noqa: B018

@@ -10,8 +10,10 @@
   :mod:`.storage` (durable, checked file I/O).
 * :mod:`.engine_io`, :mod:`.rank_state`, :mod:`.model16` - the engine's
   ``save_checkpoint``/``load_checkpoint``/``save_16bit_model``.
-* :mod:`.consolidate` (:func:`to_fp32`, :func:`get_fp32_state_dict`) and
-  :mod:`.info` - offline tools behind ``dsrun checkpoint to-fp32|info``.
+* :mod:`.consolidate` (:func:`to_fp32`, :func:`write_shards`,
+  :func:`get_fp32_state_dict`; shard planning in :mod:`.shards`) and
+  :mod:`.info` - offline tools behind ``dsrun checkpoint to-fp32|info`` and
+  ``dsrun.utils.zero_to_fp32``.
 
 Names are loaded lazily so that ``import dsrun.runtime.checkpoint.info``
 (the launcher's ``dsrun checkpoint info``) needs no torch.
@@ -29,6 +31,7 @@ _LAZY = {
     "LoadRequest": "dsrun.runtime.checkpoint.reader",
     "Coordinator": "dsrun.runtime.checkpoint.coord",
     "to_fp32": "dsrun.runtime.checkpoint.consolidate",
+    "write_shards": "dsrun.runtime.checkpoint.consolidate",
     "get_fp32_state_dict": "dsrun.runtime.checkpoint.consolidate",
     "checkpoint_info": "dsrun.runtime.checkpoint.info",
 }

@@ -1,17 +1,30 @@
-"""A plain fp32 state dict from a checkpoint: ``dsrun checkpoint to-fp32``.
+"""A plain state dict from a checkpoint: ``dsrun checkpoint to-fp32`` and
+``dsrun.utils.zero_to_fp32``.
 
-:func:`to_fp32` streams: for one tensor at a time it reads the chunks of
+Everything here streams: for one tensor at a time it reads the chunks of
 its value (checking each crc32), converts floating-point values to fp32
-(integer buffers keep their dtype), writes it to the output
-(:mod:`.stateformats`: torch.save's format, or safetensors) and drops it.
+(integer buffers keep their dtype), hands it to the output and drops it.
 Peak memory is about the largest tensor (twice it when that tensor was
 saved in 16 bits), whatever the size of the model. Optimizer state is not
 read. Keys are in the order of the saving model's ``state_dict()``, tied
 weights under every name, so ``model.load_state_dict(torch.load(OUT))``
 accepts it.
 
-:func:`get_fp32_state_dict` returns the same dict in memory (DeepSpeed's
-``get_fp32_state_dict_from_zero_checkpoint``).
+* :func:`to_fp32` writes one file (:mod:`.stateformats`: torch.save's
+  format, or safetensors);
+* :func:`write_shards` writes DeepSpeed's ``zero_to_fp32`` output: one file,
+  or Hugging Face-style shard files of at most ``max_shard_size`` and their
+  index (:mod:`.shards`), each shard written and closed before the next
+  (at most two are open: a tensor larger than the limit gets its own);
+* :func:`get_fp32_state_dict` returns the dict in memory (DeepSpeed's
+  ``get_fp32_state_dict_from_zero_checkpoint``), or with ``lazy`` a dict of
+  :class:`LazyTensor` that each read their tensor when asked.
+
+``exclude_frozen`` leaves out the parameters no optimizer param group
+updates (frozen ones; the checkpoint records which tensors each group has,
+not ``requires_grad``) and their tied names. Bad input - no checkpoint
+directory, no ``latest`` and no tag, a missing, truncated or corrupt file -
+raises :class:`~dsrun.errors.CheckpointError` naming it.
 """
 
 from __future__ import annotations
@@ -19,9 +32,9 @@ from __future__ import annotations
 import collections
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -29,8 +42,9 @@ from dsrun.errors import CheckpointError
 from dsrun.runtime.checkpoint.fragments import LoadTarget
 from dsrun.runtime.checkpoint.manifest import MANIFEST, VALUE, Manifest, TensorEntry, parse_manifest
 from dsrun.runtime.checkpoint.reader import ChunkReader
+from dsrun.runtime.checkpoint.shards import Shard, index_json, index_name, parse_size, plan_shards
 from dsrun.runtime.checkpoint.stateformats import SafetensorsWriter, Spec, TorchSaveWriter
-from dsrun.runtime.checkpoint.storage import read_file, torch_dtype
+from dsrun.runtime.checkpoint.storage import atomic_write, read_file, torch_dtype
 from dsrun.runtime.checkpoint.tags import read_latest, tag_dir
 
 log = logging.getLogger("dsrun.runtime.checkpoint")
@@ -43,6 +57,17 @@ class Consolidated:
     bytes: int
     largest: str
     largest_bytes: int
+
+
+@dataclass(frozen=True)
+class ShardedOutput:
+    """What :func:`write_shards` wrote: its files (in shard order), the index
+    (None for one file), the number of stored tensors and their bytes."""
+
+    files: list[str]
+    index: Optional[str]
+    tensors: int
+    bytes: int
 
 
 def open_checkpoint(checkpoint_dir: str, tag: Optional[str] = None) -> tuple[str, Manifest]:
@@ -65,71 +90,191 @@ def open_checkpoint(checkpoint_dir: str, tag: Optional[str] = None) -> tuple[str
     return path, parse_manifest(text, manifest_path)
 
 
-def _fp32(entry: TensorEntry) -> torch.dtype:
+def _fp32(entry: TensorEntry, floating: torch.dtype = torch.float32) -> torch.dtype:
+    """The output dtype of ``entry``: ``floating`` for floating-point values."""
     stored = torch_dtype(entry.items[VALUE].dtype)
-    return torch.float32 if stored.is_floating_point else stored
+    return floating if stored.is_floating_point else stored
 
 
-def _order(manifest: Manifest) -> list[str]:
+def frozen_names(manifest: Manifest) -> set[str]:
+    """Parameters no optimizer param group updates, and their tied names."""
+    frozen = {n for n, e in manifest.tensors.items() if e.kind == "param" and e.group is None}
+    return frozen | {alias for alias, target in manifest.aliases.items() if target in frozen}
+
+
+def state_dict_order(manifest: Manifest, exclude: Collection[str] = ()) -> list[str]:
+    """Every key of the consolidated state dict (tied names too), in the
+    saving model's ``state_dict()`` order, without ``exclude``."""
     order = list(manifest.meta.get("state_dict_keys") or ())
     known = set(manifest.tensors) | set(manifest.aliases)
     order = [n for n in order if n in known]
     for name in [*manifest.tensors, *manifest.aliases]:
         if name not in order:
             order.append(name)
-    return order
+    return [n for n in order if n not in exclude]
 
 
-def iter_tensors(path: str, manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, fp32 value)`` of every tensor, one at a time, in state-dict order."""
+def _read(reader: ChunkReader, entry: TensorEntry) -> torch.Tensor:
+    """One tensor's value in fp32 (integers as stored), checked."""
+    item = entry.items[VALUE]
+    value = torch.empty(entry.numel, dtype=torch_dtype(item.dtype))
+    reader.fill(entry, VALUE, item, LoadTarget(entry.name, 0, entry.numel, value), value)
+    reader.verify()
+    return value.to(_fp32(entry)).view(entry.shape)
+
+
+def iter_tensors(path: str, manifest: Manifest, exclude: Collection[str] = ()
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, fp32 value)`` of every stored tensor, one at a time, in
+    state-dict order (tied names are not repeated)."""
     reader = ChunkReader(path, manifest)
     try:
         reader.check_sizes()
-        for name in _order(manifest):
+        for name in state_dict_order(manifest, exclude):
             entry = manifest.tensors.get(name)
-            if entry is None:
-                continue  # an alias: its target is read under its own name
-            item = entry.items[VALUE]
-            value = torch.empty(entry.numel, dtype=torch_dtype(item.dtype))
-            reader.fill(entry, VALUE, item, LoadTarget(name, 0, entry.numel, value), value)
-            reader.verify()
-            yield name, value.to(_fp32(entry)).view(entry.shape)
+            if entry is not None:  # else an alias: its target is read under its own name
+                yield name, _read(reader, entry)
     finally:
         reader.abandon()
 
 
+def _stream(path: str, manifest: Manifest, files: Sequence[tuple[str, Shard]],
+            safetensors: bool, floating: torch.dtype, exclude: Collection[str]) -> list[int]:
+    """Write each ``(output path, shard)`` from one pass over the tensors:
+    a file is opened at its first tensor and closed after its last; returns
+    the bytes written per tensor."""
+    writer_cls = SafetensorsWriter if safetensors else TorchSaveWriter
+    where: dict[str, int] = {}   # stored tensor -> its file
+    left: list[int] = []        # stored tensors not written yet, per file
+    for f, (_, shard) in enumerate(files):
+        stored = [k for k in shard.keys if k in manifest.tensors]
+        where.update({k: f for k in stored})
+        left.append(len(stored))
+    writers: dict[int, Any] = {}
+    sizes: list[int] = []
+
+    def writer(f: int) -> Any:
+        if f not in writers:
+            out, shard = files[f]
+            specs = [Spec(k, tuple(manifest.tensors[k].shape), _fp32(manifest.tensors[k], floating))
+                     for k in shard.keys if k in manifest.tensors]
+            aliases = {k: v for k, v in manifest.aliases.items() if k in shard.keys}
+            writers[f] = writer_cls(out, specs, aliases, list(shard.keys))
+        return writers[f]
+
+    try:
+        for f, count in enumerate(left):
+            if count == 0:  # nothing stored (an empty model): the file still exists
+                writer(f)
+                writers.pop(f).close()
+        for name, value in iter_tensors(path, manifest, exclude):
+            f = where[name]
+            writer(f).write(value, name)
+            sizes.append(value.numel() * _fp32(manifest.tensors[name], floating).itemsize)
+            del value
+            left[f] -= 1
+            if left[f] == 0:
+                writers.pop(f).close()
+    except BaseException:
+        for open_writer in writers.values():
+            open_writer.abort()
+        raise
+    return sizes
+
+
 def to_fp32(checkpoint_dir: str, out: str, tag: Optional[str] = None,
-            safetensors: bool = False) -> Consolidated:
+            safetensors: bool = False, exclude_frozen: bool = False) -> Consolidated:
     """Write the checkpoint's weights as one fp32 state dict file (module
     docstring); ``out`` may be a directory (``pytorch_model.bin`` or
     ``model.safetensors`` inside it)."""
     path, manifest = open_checkpoint(checkpoint_dir, tag)
     if os.path.isdir(out):
         out = os.path.join(out, "model.safetensors" if safetensors else "pytorch_model.bin")
-    specs = [Spec(n, tuple(e.shape), _fp32(e)) for n, e in manifest.tensors.items()]
-    writer_cls = SafetensorsWriter if safetensors else TorchSaveWriter
-    writer = writer_cls(os.path.abspath(out), specs, manifest.aliases, _order(manifest))
-    total, largest = 0, ("", -1)
-    try:
-        for name, value in iter_tensors(path, manifest):
-            size = value.numel() * value.element_size()
-            total += size
-            largest = max(largest, (name, size), key=lambda x: x[1])
-            writer.write(value, name)
-            del value
-        writer.close()
-    except BaseException:
-        writer.abort()
-        raise
-    log.info("wrote %s: %d tensors, %.1f MiB", out, len(specs), total / 2**20)
-    return Consolidated(os.path.abspath(out), len(specs), total, largest[0], largest[1])
+    exclude = frozen_names(manifest) if exclude_frozen else set()
+    order = state_dict_order(manifest, exclude)
+    shard = Shard(os.path.basename(out), tuple(order))
+    sizes = _stream(path, manifest, [(os.path.abspath(out), shard)], safetensors,
+                    torch.float32, exclude)
+    stored = [n for n in order if n in manifest.tensors]
+    largest = max(zip(stored, sizes), key=lambda x: x[1], default=("", -1))
+    log.info("wrote %s: %d tensors, %.1f MiB", out, len(stored), sum(sizes) / 2**20)
+    return Consolidated(os.path.abspath(out), len(stored), sum(sizes), largest[0], largest[1])
 
 
-def get_fp32_state_dict(checkpoint_dir: str, tag: Optional[str] = None
-                        ) -> collections.OrderedDict[str, torch.Tensor]:
-    """The checkpoint's weights as an fp32 state dict in memory (tied
-    weights share one tensor)."""
+def write_shards(checkpoint_dir: str, out_dir: str, tag: Optional[str] = None, *,
+                 safetensors: bool = False, exclude_frozen: bool = False,
+                 max_shard_size: Union[int, str, None] = None,
+                 dtype: torch.dtype = torch.float32) -> ShardedOutput:
+    """DeepSpeed's ``zero_to_fp32`` output in ``out_dir`` (module docstring):
+    floating-point tensors in ``dtype``, one file or shards of at most
+    ``max_shard_size`` with their index (None: one file)."""
+    limit = None if max_shard_size is None else parse_size(max_shard_size)
     path, manifest = open_checkpoint(checkpoint_dir, tag)
-    values = dict(iter_tensors(path, manifest))
+    exclude = frozen_names(manifest) if exclude_frozen else set()
+    order = state_dict_order(manifest, exclude)
+    nbytes = {n: e.numel * _fp32(e, dtype).itemsize for n, e in manifest.tensors.items()}
+    shards = plan_shards(order, nbytes, manifest.aliases, limit, safetensors)
+    os.makedirs(out_dir, exist_ok=True)
+    files = [(os.path.abspath(os.path.join(out_dir, s.file)), s) for s in shards]
+    index = os.path.abspath(os.path.join(out_dir, index_name(safetensors)))
+    if os.path.exists(index):  # a previous run's: it would name files this run may not write
+        os.unlink(index)
+    sizes = _stream(path, manifest, files, safetensors, dtype, exclude)
+    total = sum(sizes)
+    if len(shards) > 1:
+        atomic_write(index, index_json(shards, total).encode())
+    log.info("wrote %d file(s) in %s: %d tensors, %.1f MiB", len(files), out_dir, len(sizes),
+             total / 2**20)
+    return ShardedOutput([f for f, _ in files], index if len(shards) > 1 else None,
+                         len(sizes), total)
+
+
+class LazyTensor:
+    """One tensor of a checkpoint, read (and checked) when :meth:`contiguous`
+    is called - DeepSpeed's lazy-mode pseudo tensor. Each call reads it
+    again; nothing is cached."""
+
+    def __init__(self, path: str, manifest: Manifest, name: str) -> None:
+        self._path, self._manifest = path, manifest
+        self._entry = manifest.tensors[name]
+        self.shape = torch.Size(self._entry.shape)
+        self.dtype = _fp32(self._entry)
+
+    def contiguous(self) -> torch.Tensor:
+        reader = ChunkReader(self._path, self._manifest)
+        try:
+            value = _read(reader, self._entry)
+        except BaseException:
+            reader.abandon()
+            raise
+        reader.close()
+        return value
+
+    def numel(self) -> int:
+        return self._entry.numel
+
+    def __repr__(self) -> str:
+        return f"LazyTensor({self._entry.name!r}, shape={list(self.shape)}, dtype={self.dtype})"
+
+
+def get_fp32_state_dict(checkpoint_dir: str, tag: Optional[str] = None,
+                        exclude_frozen: bool = False, lazy: bool = False
+                        ) -> collections.OrderedDict[str, Any]:
+    """The checkpoint's weights as an fp32 state dict in memory (tied
+    weights share one tensor); ``lazy``: :class:`LazyTensor` values (tied
+    names share one), every file checked to be there and of the recorded size."""
+    path, manifest = open_checkpoint(checkpoint_dir, tag)
+    exclude = frozen_names(manifest) if exclude_frozen else set()
+    order = state_dict_order(manifest, exclude)
+    if lazy:
+        reader = ChunkReader(path, manifest)
+        try:
+            reader.check_sizes()
+        finally:
+            reader.abandon()
+        values: dict[str, Any] = {n: LazyTensor(path, manifest, n)
+                                  for n in order if n in manifest.tensors}
+    else:
+        values = dict(iter_tensors(path, manifest, exclude))
     return collections.OrderedDict(
-        (name, values[manifest.aliases.get(name, name)]) for name in _order(manifest))
+        (name, values[manifest.aliases.get(name, name)]) for name in order)

@@ -1,0 +1,49 @@
+"""``dsrun.utils``: what DeepSpeed scripts use as ``deepspeed.utils``.
+
+* :mod:`.logging` - ``logger`` (dsrun's runtime logger) and ``log_dist``;
+* :mod:`.zero_to_fp32` - ``get_fp32_state_dict_from_zero_checkpoint``,
+  ``convert_zero_checkpoint_to_fp32_state_dict``,
+  ``load_state_dict_from_zero_checkpoint`` and
+  ``python -m dsrun.utils.zero_to_fp32`` over dsrun checkpoints;
+* :mod:`.tensor_fragment` - ``safe_get_full_fp32_param``,
+  ``safe_get_full_grad``, ``safe_get_full_optimizer_state``, their setters
+  and the ``*_local_*`` (stage 3) variants.
+
+``import dsrun.utils`` imports neither torch nor the submodules; the names
+above load their module on first use (PEP 562), so ``python -m
+dsrun.utils.zero_to_fp32`` runs its module once.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from dsrun.utils.logging import get_dist_msg, log_dist, logger
+
+_LAZY = {name: "dsrun.utils.tensor_fragment" for name in (
+    "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
+    "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
+    "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
+    "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state")}
+_LAZY.update({name: "dsrun.utils.zero_to_fp32" for name in (
+    "get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
+    "convert_zero_checkpoint_to_state_dict", "load_state_dict_from_zero_checkpoint")})
+_SUBMODULES = ("logging", "tensor_fragment", "zero_to_fp32")
+
+__all__ = ["get_dist_msg", "log_dist", "logger", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"dsrun.utils.{name}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dsrun.utils' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
