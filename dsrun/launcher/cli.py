@@ -33,6 +33,7 @@ from dsrun.launcher.spec import (
     HostsSpec,
     LaunchSpec,
     SshOptions,
+    cpu_by_deepspeed_variable,
     split_args,
 )
 
@@ -113,7 +114,8 @@ _HOST_OPTIONS = (
                       "ranks on a CPU-only host."),
     click.option("--cpu", "cpu", is_flag=True,
                  help="CPU ranks with gloo even on hosts that have GPUs (--num_gpus then "
-                      "counts CPU ranks; the ranks see no GPU)."),
+                      "counts CPU ranks; the ranks see no GPU). DeepSpeed's DS_ACCELERATOR=cpu in "
+                      "the environment does the same."),
     click.option("--master_addr", "--master-addr", "master_addr", default=None,
                  help="Rendezvous address (default: 127.0.0.1 on one host; else the first "
                       "host's address, found on that host)."),
@@ -240,6 +242,7 @@ def spec_from_params(params: dict[str, object]) -> LaunchSpec:
     params["backend"] = params.pop("launcher")
     params["preflight"] = not params.pop("no_preflight")
     params["env_prefixes"] = tuple(params.pop("env_prefixes"))  # type: ignore[arg-type]
+    params["cpu"] = bool(params["cpu"]) or cpu_by_deepspeed_variable(os.environ)
     return LaunchSpec(**params, extra_env=extra_env, ssh=ssh)  # type: ignore[arg-type]
 
 

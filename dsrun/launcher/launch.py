@@ -54,7 +54,7 @@ from dsrun.launcher.envpolicy import JobEnv, env_file_paths, job_env, read_env_f
 from dsrun.launcher.plan import LaunchPlan, build_plan, describe
 from dsrun.launcher.preflight import PreflightFailed
 from dsrun.launcher.report import JobResult, report_lines
-from dsrun.launcher.spec import LaunchSpec
+from dsrun.launcher.spec import LaunchSpec, cpu_by_deepspeed_variable
 from dsrun.launcher.supervisor import Interrupted, Supervisor, Watch, raise_interrupted
 from dsrun.launcher.watch import DEFAULT_STRAGGLER_INTERVAL
 
@@ -149,7 +149,8 @@ def run(spec: LaunchSpec) -> int:
     check_log_dir(spec.log_dir)
     say(source)
     if spec.cpu:
-        say(f"--cpu: starting {draft.world_size} CPU rank(s) with gloo "
+        why = "DS_ACCELERATOR=cpu" if cpu_by_deepspeed_variable(os.environ) else "--cpu"
+        say(f"{why}: starting {draft.world_size} CPU rank(s) with gloo "
             f"(--num_gpus counts CPU ranks)")
     elif not cluster.remote and cluster.named and not any(n.devices for n in draft.nodes):
         say(f"no GPUs on this host: starting {draft.world_size} CPU rank(s) with gloo "

@@ -8,6 +8,7 @@ selection, rendezvous, SSH); ``dsrun doctor`` uses it on its own.
 from __future__ import annotations
 
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from dsrun.errors import DsrunUsageError
@@ -52,6 +53,12 @@ def split_args(value: str | None, option: str) -> tuple[str, ...]:
         return tuple(shlex.split(value))
     except ValueError as exc:
         raise DsrunUsageError(f"{option} {value!r}: {exc}") from None
+
+
+def cpu_by_deepspeed_variable(environ: Mapping[str, str]) -> bool:
+    """DeepSpeed's ``DS_ACCELERATOR=cpu`` in the launcher's environment: CPU
+    ranks, as ``--cpu`` asks (DeepSpeed then trains on the CPU too)."""
+    return environ.get("DS_ACCELERATOR", "").strip().lower() == "cpu"
 
 
 @dataclass(frozen=True)

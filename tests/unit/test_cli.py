@@ -211,3 +211,21 @@ def test_a_group_named_alone_prints_its_help(capsys):
     captured = capsys.readouterr()
     assert captured.out.startswith("Usage: dsrun hosts") and "add" in captured.out
     assert captured.err == ""
+
+
+def test_deepspeeds_cpu_variable_asks_for_cpu_ranks(tmp_path, monkeypatch, capsys):
+    """``DS_ACCELERATOR=cpu dsrun ...`` on a GPU host: CPU ranks, as with --cpu."""
+    from dsrun.launcher import hostfile as hf
+
+    monkeypatch.setattr(hf, "DEFAULT_JOB_HOSTFILE", str(tmp_path / "no-job-hostfile"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DSRUN_FAKE_GPUS", "1")
+    script = tmp_path / "t.py"
+    script.write_text("pass\n")
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    assert cli.main(["--dry-run", "--num_gpus", "1", str(script)]) == 0
+    assert "DSRUN_ACCELERATOR=cpu" not in capsys.readouterr().out
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert cli.main(["--dry-run", "--num_gpus", "2", str(script)]) == 0
+    out = capsys.readouterr().out
+    assert "devices [cpu]" in out and "    DSRUN_ACCELERATOR=cpu" in out
