@@ -52,6 +52,7 @@ from dsrun.errors import DsrunConfigError, DsrunError
 from dsrun.runtime.checkpoint import engine_io as checkpoint_io
 from dsrun.runtime.config import DsrunConfig
 from dsrun.runtime.dist import compute_device
+from dsrun.runtime.engine_info import EngineInfo
 from dsrun.runtime.env import DistEnv
 from dsrun.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradSync, broadcast_tensors
 from dsrun.runtime.lr_schedules import build_scheduler
@@ -96,7 +97,7 @@ def bucket_elements(config: DsrunConfig) -> Optional[int]:
     return None if size == DEEPSPEED_DEFAULT_BUCKET else size
 
 
-class DsrunEngine(torch.nn.Module):
+class DsrunEngine(EngineInfo, torch.nn.Module):
     """Wraps the client model for data-parallel training (module docstring).
 
     Build it with :func:`dsrun.initialize`; ``optimizer``/``lr_scheduler`` are
@@ -411,43 +412,6 @@ class DsrunEngine(torch.nn.Module):
             param.grad = None
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=set_to_none if self.zero_stage else True)
-
-    # ------------------------------------------------------ information
-
-    def get_lr(self) -> list[float]:
-        if self.optimizer is None:
-            return []
-        return [float(group["lr"]) for group in self.optimizer.param_groups]
-
-    def get_global_grad_norm(self) -> Optional[float]:
-        """Global gradient norm of the last step, before clipping (None unless
-        clipping or fp16 computed it, as in DeepSpeed)."""
-        return None if self._grad_norm is None else float(self._grad_norm)
-
-    def was_step_applied(self) -> bool:
-        return self._step_applied
-
-    @property
-    def loss_scale(self) -> float:
-        return self.precision.loss_scale
-
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def fp16_enabled(self) -> bool:
-        return self.config.fp16.enabled
-
-    def bfloat16_enabled(self) -> bool:
-        return self.config.bf16.enabled
-
-    def zero_optimization_stage(self) -> int:
-        return self.config.zero_optimization.stage
 
     # ------------------------------------------------------- checkpoints
 

@@ -41,7 +41,7 @@ import pytest
 import torch
 
 from dsrun import zero
-from dsrun.errors import DsrunConfigError
+from dsrun.errors import DsrunConfigError, DsrunError
 from dsrun.runtime.optimizers import Lamb
 from dsrun.runtime.zero import (
     GuardSettings,
@@ -532,4 +532,36 @@ def test_a_weight_used_twice_in_forward_is_gathered_once(solo: None,
         counts.append(gathered.count(tied))
         assert full_numel_held(model.parameters()) == 0
     assert counts[0] == 2 and counts[2] == 1  # no trace yet; then kept in between
+    stage3.close()
+
+
+def test_empty_partition_cache_releases_between_passes(solo: None) -> None:
+    """DeepSpeed's ``empty_partition_cache``: a training forward that never
+    got its backward (a loss computed for logging, ``generate()`` with
+    grad on) leaves what it kept for backward gathered; the call releases
+    it, and training goes on. Inside a pass it is an error."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    stage3 = ZeroStage3(model, None, torch.optim.AdamW, {"lr": 1e-2},
+                        settings=Stage3Settings(offload_param=True, param_persistence_threshold=0,
+                                                prefetch_bucket_size=0,
+                                                max_reuse_distance=10**6))
+    for _ in range(2):  # the first backward records the trace the keep follows
+        model(torch.randn(4, 16)).square().mean().backward()
+        stage3.micro_step_done()
+        stage3.step()
+        stage3.zero_grad(set_to_none=False)
+    model(torch.randn(4, 16)).square().mean()  # no backward follows
+    assert full_numel_held(model.parameters()) > 0
+    stage3.empty_partition_cache()
+    assert full_numel_held(model.parameters()) == 0
+    model(torch.randn(4, 16)).square().mean().backward()  # gathers again as needed
+    stage3.micro_step_done()
+    stage3.step()
+    assert full_numel_held(model.parameters()) == 0
+    handle = model[1].register_forward_hook(lambda *_: stage3.empty_partition_cache())
+    with pytest.raises(DsrunError, match="inside a forward or backward pass"):
+        model(torch.randn(4, 16))
+    handle.remove()
+    stage3.fetcher.abandon_backward()
     stage3.close()

@@ -70,6 +70,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from dsrun.errors import DsrunError
 from dsrun.runtime.zero.comm import CommStrategy
 from dsrun.runtime.zero.divergence import DivergenceGuard
 from dsrun.runtime.zero.linear import patched_linear
@@ -406,6 +407,14 @@ class ParamFetcher:
         for pid in list(self.live.ids()):
             if self._users.get(pid, 0) <= 0 and pid not in keep:
                 self._release(self.by_id[pid])
+
+    def release_all(self) -> None:
+        """Release every gathered parameter (between passes: DeepSpeed's
+        ``empty_partition_cache``); the next pass gathers what it uses."""
+        if self._root_depth or self._in_backward:
+            raise DsrunError("empty_partition_cache() was called inside a forward or "
+                             "backward pass of the ZeRO-3 model; call it between steps")
+        self._release_unused(reset_users=True)
 
     def close(self) -> None:
         """Remove the hooks and release what is gathered."""

@@ -460,6 +460,10 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
                                 self.world_size, self.rank, self.masters, self.optimizer)
         self._write_back()
 
+    def empty_partition_cache(self) -> None:
+        """Release the full parameters gathered now (outside a pass)."""
+        self.fetcher.release_all()
+
     def close(self) -> None:
         """Remove every hook; parameters stay partitioned."""
         for handle in self._hooks:

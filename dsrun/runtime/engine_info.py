@@ -1,0 +1,148 @@
+"""What a DeepSpeed engine answers about itself: the accessors scripts and
+trainers (Hugging Face's integration among them) call on
+``DeepSpeedEngine``, as a mixin of :class:`~dsrun.runtime.engine.DsrunEngine`.
+
+Everything here reads the resolved config or the engine's live state;
+nothing changes training, except :meth:`EngineInfo.empty_partition_cache`,
+which releases the full parameters ZeRO stage 3 holds gathered (after a
+``generate()`` loop, say), to be gathered again when next used.
+
+Not provided: ``set_train_batch_size`` (the ZeRO stages plan their
+gradient reduction for the accumulation steps they were built with).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from dsrun.runtime.config import OPTIMIZER_NAMES, DsrunConfig
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class EngineInfo:
+    """DeepSpeed's engine accessors (module docstring)."""
+
+    config: DsrunConfig
+    optimizer: Any
+    precision: Any
+    zero_stage: int
+    _grad_norm: Optional[torch.Tensor]
+    _step_applied: bool
+
+    # ------------------------------------------------------------ training state
+
+    def get_lr(self) -> list[float]:
+        if self.optimizer is None:
+            return []
+        return [float(group["lr"]) for group in self.optimizer.param_groups]
+
+    def get_mom(self) -> list[Any]:
+        """Per param group: Adam's ``betas``, else SGD's ``momentum`` (None
+        where the optimizer has neither)."""
+        if self.optimizer is None:
+            return []
+        return [group["betas"] if "betas" in group else group.get("momentum")
+                for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """Global gradient norm of the last step, before clipping (None unless
+        clipping or fp16 computed it, as in DeepSpeed)."""
+        return None if self._grad_norm is None else float(self._grad_norm)
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    @property
+    def loss_scale(self) -> float:
+        return self.precision.loss_scale
+
+    # ------------------------------------------------------------ the config
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def get_batch_info(self) -> tuple[int, int, int]:
+        """(train batch size, micro batch size per GPU, accumulation steps)."""
+        return (self.config.train_batch_size, self.config.train_micro_batch_size_per_gpu,
+                self.config.gradient_accumulation_steps)
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    bf16_enabled = bfloat16_enabled
+
+    def amp_enabled(self) -> bool:
+        """DeepSpeed's apex ``amp`` section: dsrun does not implement it."""
+        return False
+
+    def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
+        """(the model's training dtype, the gradient reduction dtype)."""
+        model = _DTYPES[self.config.precision]
+        comm = self.config.communication_data_type
+        return model, _DTYPES[comm] if comm else model
+
+    @property
+    def communication_data_type(self) -> torch.dtype:
+        return self.get_data_types()[1]
+
+    def zero_optimization(self) -> bool:
+        return self.config.zero_optimization.stage > 0
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def zero_offload_optimizer(self) -> bool:
+        return self.config.zero_optimization.offload_optimizer is not None
+
+    def zero_offload_param(self) -> bool:
+        return self.config.zero_optimization.offload_param is not None
+
+    def zero_cpu_offload(self) -> bool:
+        offload = self.config.zero_optimization.offload_optimizer
+        return offload is not None and offload.device == "cpu"
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def optimizer_name(self) -> Optional[str]:
+        """The config's optimizer (DeepSpeed's spelling, e.g. ``"AdamW"``),
+        else the client optimizer's class name, else None."""
+        if self.config.optimizer is not None:
+            return OPTIMIZER_NAMES.get(self.config.optimizer.type, self.config.optimizer.type)
+        if self.optimizer is None:
+            return None
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        return type(inner).__name__
+
+    def steps_per_print(self) -> int:
+        return self.config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        return self.config.wall_clock_breakdown
+
+    def dataloader_drop_last(self) -> bool:
+        return self.config.dataloader_drop_last
+
+    def sparse_gradients_enabled(self) -> bool:
+        return self.config.sparse_gradients
+
+    # ------------------------------------------------------------ stage 3
+
+    def empty_partition_cache(self) -> None:
+        """Release every full parameter ZeRO stage 3 holds gathered outside a
+        forward or backward (nothing to do at other stages)."""
+        release = getattr(self.optimizer, "empty_partition_cache", None)
+        if self.zero_stage == 3 and release is not None:
+            release()

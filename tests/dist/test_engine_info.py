@@ -1,0 +1,57 @@
+"""DeepSpeed's engine accessors (dsrun.runtime.engine_info) on a one-rank
+engine in this process: each answers from the resolved config or the
+engine's state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsrun
+
+pytestmark = pytest.mark.dist
+
+
+def build(config: dict, optimizer: object = None) -> dsrun.DsrunEngine:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    engine, _, _, _ = dsrun.initialize(model=model, config=config, optimizer=optimizer)
+    return engine
+
+
+def test_accessors_follow_the_config(solo: None) -> None:
+    engine = build({
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+        "optimizer": {"type": "adamw", "params": {"lr": 0.01, "betas": [0.8, 0.9]}},
+        "gradient_clipping": 0.5, "steps_per_print": 7, "bf16": {"enabled": True},
+        "communication_data_type": "fp32", "dataloader_drop_last": True,
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    assert engine.get_batch_info() == (6, 2, 3)
+    assert engine.get_lr() == [0.01] and engine.get_mom() == [(0.8, 0.9)]
+    assert engine.bf16_enabled() and engine.bfloat16_enabled() and not engine.fp16_enabled()
+    assert engine.get_data_types() == (torch.bfloat16, torch.float32)
+    assert engine.communication_data_type == torch.float32
+    assert engine.zero_optimization() and engine.zero_optimization_stage() == 2
+    assert engine.zero_offload_optimizer() and engine.zero_cpu_offload()
+    assert not engine.zero_offload_param()
+    assert engine.gradient_clipping() == 0.5 and engine.optimizer_name() == "AdamW"
+    assert engine.steps_per_print() == 7 and engine.dataloader_drop_last()
+    assert not engine.wall_clock_breakdown() and not engine.sparse_gradients_enabled()
+    assert not engine.amp_enabled()
+    engine.empty_partition_cache()  # nothing held below stage 3: no effect, no error
+
+
+def test_client_optimizer_and_defaults(solo: None) -> None:
+    model_opt = []
+
+    def sgd(params: object) -> torch.optim.Optimizer:
+        model_opt.append(torch.optim.SGD(params, lr=0.1, momentum=0.7))  # type: ignore[arg-type]
+        return model_opt[0]
+
+    engine = build({"train_batch_size": 4}, optimizer=sgd)
+    assert engine.optimizer_name() == "SGD" and engine.get_mom() == [0.7]
+    assert engine.get_data_types() == (torch.float32, torch.float32)
+    assert not engine.zero_optimization() and not engine.zero_cpu_offload()
+    assert engine.get_global_grad_norm() is None and not engine.was_step_applied()
+    no_opt = build({"train_batch_size": 4})
+    assert no_opt.optimizer_name() is None and no_opt.get_mom() == [] and no_opt.get_lr() == []
