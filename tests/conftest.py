@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -77,3 +78,17 @@ def pid_dir(tmp_path: Path) -> Path:
     d = tmp_path / "pids"
     d.mkdir()
     return d
+
+
+@pytest.fixture
+def solo() -> Iterator[None]:
+    """A one-rank gloo group in this process (no ports), destroyed after."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -25,7 +25,7 @@ import dsrun.utils as utils
 from dsrun.errors import CheckpointError, DsrunError
 from dsrun.runtime.checkpoint.consolidate import to_fp32
 from tests.dist.workers import utils_cases
-from tests.dist.workers.utils_cases import Net
+from tests.dist.workers.utils_cases import Net, Records
 
 pytestmark = pytest.mark.dist
 TOLERANCE = 1e-5  # relative, as in test_utils_ranks.py
@@ -194,15 +194,6 @@ def test_bad_input_is_named_as_consolidation_names_it(checkpoint: tuple[Path, An
 
 
 # ----------------------------------------------------------------- log_dist
-
-
-class Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 @pytest.fixture

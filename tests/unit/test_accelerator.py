@@ -42,18 +42,6 @@ def fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 @pytest.fixture
-def solo() -> Iterator[None]:
-    """A one-rank gloo group in this process, destroyed after."""
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture
 def cpu() -> CpuAccelerator:
     return CpuAccelerator()
 

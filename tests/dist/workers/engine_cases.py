@@ -139,6 +139,21 @@ def parity(gas: int, clip: float, schedule: bool, bucket_elements: int | None,
     }
 
 
+def train(engine: Any, steps: int, after_step: Callable[[], Any] = lambda: None
+          ) -> list[float]:
+    """``steps`` steps of one micro-batch each; the losses. ``after_step``
+    runs after every step."""
+    losses = []
+    for step in range(steps):
+        x, y = batch(step, 0)
+        loss = F.cross_entropy(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        after_step()
+    return losses
+
+
 def full_params(module: torch.nn.Module) -> list[torch.Tensor]:
     """Parameter values, gathered first if ZeRO stage 3 partitioned them."""
     params = list(module.parameters())
@@ -165,14 +180,8 @@ def zero3_init(steps: int = 8) -> dict[str, Any]:
     big = [p for p in model.parameters() if p.ds_numel > 16]
     held_after_init = max(p.data.numel() for p in big)
     engine, _, _, _ = dsrun.initialize(model=model, config=config)
-    losses, held = [], []
-    for step in range(steps):
-        x, y = batch(step, 0)
-        loss = F.cross_entropy(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-        held.append(max(p.data.numel() for p in big))
+    held: list[int] = []
+    losses = train(engine, steps, lambda: held.append(max(p.data.numel() for p in big)))
     logical = [tuple(p.ds_shape) for p in big]
     return {"held_after_init": held_after_init, "held": held,
             "shard_max": max(-(-p.ds_numel // world) for p in big), "losses": losses,
@@ -305,39 +314,36 @@ def dataloader(n: int = 40) -> dict[str, Any]:
             "disjoint_cover": sorted(sum(every, [])) == list(range(n))}
 
 
-def comms_logged(steps: int = 3) -> dict[str, Any]:
-    """DeepSpeed's comms logger on the engine's own collectives, stages 0, 2
-    and 3: what it logged (name -> size -> count, after ``log_summary`` with
-    the straggler analysis) and the losses, with the logger on and off."""
+def _logged_run(stage: int, enabled: bool, steps: int) -> dict[str, Any]:
+    """One engine's run with the comms logger on or off: its losses, what
+    was logged (name -> size -> count) and the straggler analysis's keys."""
     from dsrun import comm
 
+    comm.reset_log()
+    config = {"train_batch_size": MICRO * dist.get_world_size(),
+              "train_micro_batch_size_per_gpu": MICRO, "optimizer": ADAM,
+              "steps_per_print": 1000, "zero_optimization": {"stage": stage},
+              "comms_logger": {"enabled": enabled}}
+    engine, _, _, _ = dsrun.initialize(model=make_model(100), config=config)
+    losses = train(engine, steps)
+    summary = comm.log_summary(show_straggler=True, return_dict=True)
+    comm.configure(enabled=False)
+    assert summary is not None
+    return {"losses": losses,
+            "ops": {name: {str(size): row["count"] for size, row in by_size.items()}
+                    for name, by_size in summary["summary"].items()},
+            "straggler": {name: sorted(map(str, by_size))
+                          for name, by_size in summary["straggler_analysis"].items()}}
+
+
+def comms_logged(steps: int = 3) -> dict[str, Any]:
+    """DeepSpeed's comms logger on the engine's own collectives, stages 0, 2
+    and 3: what it logged and the losses, with the logger on and off."""
     out: dict[str, Any] = {"param_bytes": sum(
         p.numel() * p.element_size() for p in make_model(0).parameters())}
     for stage in (0, 2, 3):
-        runs = []
-        for enabled in (True, False):
-            comm.reset_log()
-            config = {"train_batch_size": MICRO * dist.get_world_size(),
-                      "train_micro_batch_size_per_gpu": MICRO, "optimizer": ADAM,
-                      "steps_per_print": 1000, "zero_optimization": {"stage": stage},
-                      "comms_logger": {"enabled": enabled}}
-            engine, _, _, _ = dsrun.initialize(model=make_model(100), config=config)
-            losses = []
-            for step in range(steps):
-                x, y = batch(step, 0)
-                loss = F.cross_entropy(engine(x), y)
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-            summary = comm.log_summary(show_straggler=True, return_dict=True)
-            comm.configure(enabled=False)
-            assert summary is not None
-            runs.append({"losses": losses, "ops": {
-                name: {str(size): row["count"] for size, row in by_size.items()}
-                for name, by_size in summary["summary"].items()},
-                "straggler": {name: sorted(map(str, by_size))
-                              for name, by_size in summary["straggler_analysis"].items()}})
-        out[f"stage{stage}"] = {"logged": runs[0], "unlogged": runs[1]}
+        out[f"stage{stage}"] = {"logged": _logged_run(stage, True, steps),
+                                "unlogged": _logged_run(stage, False, steps)}
     return out
 
 
