@@ -38,7 +38,8 @@ __all__ = ["TORCH_DISTRIBUTED_DEFAULT_PORT", "__version__", *_LAZY]
 
 
 # dsrun.zero.Init, dsrun.pipe.PipelineModule, dsrun.comm.get_rank, ... as deepspeed.*
-_SUBMODULES = ("zero", "pipe", "comm", "checkpointing", "accelerator", "ops", "utils")
+_SUBMODULES = ("zero", "pipe", "comm", "checkpointing", "accelerator", "ops", "utils",
+               "profiling")
 
 _alias.install()  # "from deepspeed.pipe import ..." after "import dsrun as deepspeed"
 

@@ -26,7 +26,7 @@ Strictness: an unknown key anywhere (top level or any nested section) is a
 environment variable ``DSRUN_ALLOW_UNKNOWN_CONFIG_KEYS=1``, turns each
 unknown key into a logged warning; such keys are dropped and listed in
 ``DsrunConfig.ignored_keys``. Documented DeepSpeed sections that dsrun does
-not act on (``PASSTHROUGH_KEYS``: ``comet``, ``flops_profiler``,
+not act on (``PASSTHROUGH_KEYS``: ``comet``, ``elasticity``,
 ...) are accepted, kept verbatim in ``passthrough`` and
 reported with one warning when they are present and not disabled.
 
@@ -92,6 +92,7 @@ from dsrun.runtime.config_sections import (
     CommsLoggerConfig,
     CsvMonitorConfig,
     DsrunOptions,
+    FlopsProfilerConfig,
     FP16Config,
     OffloadOptimizerConfig,
     OffloadParamConfig,
@@ -114,7 +115,7 @@ __all__ = [
     "DEFAULT_WARMUP_NUM_STEPS", "DICT_SOURCE", "OPTIMIZER_NAMES", "PASSTHROUGH_KEYS",
     "SCHEDULER_PARAMS", "SCHEDULER_REQUIRED", "UNSUPPORTED_OPTIMIZERS", "ZERO_AUTO_KEYS",
     "ActivationCheckpointingConfig", "BF16Config", "Check", "CheckpointConfig",
-    "CommsLoggerConfig", "ConfigInput",
+    "CommsLoggerConfig", "ConfigInput", "FlopsProfilerConfig",
     "CsvMonitorConfig", "DsrunConfig",
     "DsrunOptions", "FP16Config", "MONITOR_SECTIONS", "OffloadOptimizerConfig",
     "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig", "TensorBoardConfig", "WandbConfig",
@@ -129,7 +130,7 @@ BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_ac
 PASSTHROUGH_KEYS = frozenset({
     "aio", "amp", "autotuning", "comet",
     "compile", "compression_training", "curriculum_learning", "data_efficiency",
-    "data_types", "eigenvalue", "elasticity", "flops_profiler", "hybrid_engine", "nebula",
+    "data_types", "eigenvalue", "elasticity", "hybrid_engine", "nebula",
     "pipeline", "progressive_layer_drop", "quantize_training", "sparse_attention",
     "tensor_parallel", "timers", "torch_autocast",
     "use_data_before_expert_parallelism", "weight_quantization",
@@ -167,6 +168,7 @@ class DsrunConfig:
     tensorboard: TensorBoardConfig = subsection(TensorBoardConfig)
     wandb: WandbConfig = subsection(WandbConfig)
     comms_logger: CommsLoggerConfig = subsection(CommsLoggerConfig)
+    flops_profiler: FlopsProfilerConfig = subsection(FlopsProfilerConfig)
     activation_checkpointing: ActivationCheckpointingConfig = subsection(
         ActivationCheckpointingConfig)
     memory_breakdown: bool = opt("bool", False)
@@ -412,6 +414,8 @@ def resolve(config: ConfigInput, *, dp_size: int, dp_source: str,
         "dsrun": parse_section(DsrunOptions, known.get("dsrun", {}), ("dsrun",), ctx),
         "comms_logger": parse_section(CommsLoggerConfig, known.get("comms_logger", {}),
                                       ("comms_logger",), ctx),
+        "flops_profiler": parse_section(FlopsProfilerConfig, known.get("flops_profiler", {}),
+                                        ("flops_profiler",), ctx),
         "activation_checkpointing": parse_activation_checkpointing(known, ctx),
         **parse_monitors(known, ctx),
     }

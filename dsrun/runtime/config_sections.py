@@ -276,6 +276,26 @@ class CommsLoggerConfig:
 
 
 @dataclass(frozen=True)
+class FlopsProfilerConfig:
+    """``flops_profiler``: profile one optimizer step on global rank 0
+    (:mod:`dsrun.profiling.flops_profiler`): the step where
+    ``engine.global_steps == profile_step``, as in DeepSpeed. dsrun counts
+    the backward's flops instead of estimating them, so
+    ``recompute_fwd_factor`` is accepted but not needed."""
+
+    enabled: bool = opt("bool", False)
+    recompute_fwd_factor: float = opt("float", 0.0, low=0.0)
+    profile_step: int = opt("int", 1, low=0)
+    module_depth: int = opt("int", -1, low=-1)
+    top_modules: int = opt("int", 1, low=1)
+    detailed: bool = opt("bool", True)
+    output_file: Optional[str] = opt("str", None)
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
+@dataclass(frozen=True)
 class ActivationCheckpointingConfig:
     """``activation_checkpointing``: what :func:`dsrun.checkpointing.configure`
     reads (``deepspeed_config=``); DeepSpeed's engine does not apply it by

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from dsrun.errors import DsrunConfigError, DsrunError
+from dsrun.profiling.engine_step import make_flops_profiler
 from dsrun.runtime.checkpoint import engine_io as checkpoint_io
 from dsrun.runtime.config import DsrunConfig
 from dsrun.runtime.dist import compute_device
@@ -157,6 +158,7 @@ class DsrunEngine(EngineInfo, torch.nn.Module):
         self.progress = Progress(config.steps_per_print, config.train_batch_size,
                                  enabled=self.global_rank == 0)
         self.monitor = self._make_monitor()
+        self.flops_profiler, self._step_profiler = make_flops_profiler(self)
         link_params(self)  # for dsrun.utils.safe_get_full_fp32_param(param) and friends
 
     # ------------------------------------------------------------ set-up
@@ -273,7 +275,9 @@ class DsrunEngine(EngineInfo, torch.nn.Module):
         with self.monitor.timed("forward"):
             self.monitor.saw_inputs(args, kwargs)
             args, kwargs = self.precision.cast_inputs((args, kwargs))
-            with self.precision.autocast():
+            profiled = self._step_profiler.forward(args, kwargs) if self._step_profiler \
+                else contextlib.nullcontext()
+            with self.precision.autocast(), profiled:
                 return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
@@ -295,8 +299,11 @@ class DsrunEngine(EngineInfo, torch.nn.Module):
                 and self.is_gradient_accumulation_boundary())
         if sync:
             self._grad_sync.arm()
+        profiled = self._step_profiler.backward() if self._step_profiler \
+            else contextlib.nullcontext()
         try:
-            scaled.backward(retain_graph=retain_graph)
+            with profiled:
+                scaled.backward(retain_graph=retain_graph)
         except BaseException:
             if sync:
                 self._grad_sync.disarm()
@@ -315,7 +322,9 @@ class DsrunEngine(EngineInfo, torch.nn.Module):
                              "all-reduced; leave the no_sync() block before stepping")
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
-            with self.monitor.optimizer_step(self):
+            profiled = self._step_profiler.step() if self._step_profiler \
+                else contextlib.nullcontext()
+            with self.monitor.optimizer_step(self), profiled:
                 self._take_model_step(lr_kwargs)
         self.micro_steps += 1
         self._boundary_override = None

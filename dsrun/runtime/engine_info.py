@@ -138,6 +138,29 @@ class EngineInfo:
     def sparse_gradients_enabled(self) -> bool:
         return self.config.sparse_gradients
 
+    # ---------------------------------------------------- flops profiler
+
+    def flops_profiler_enabled(self) -> bool:
+        return self.config.flops_profiler.enabled
+
+    def flops_profiler_recompute_fwd_factor(self) -> float:
+        return self.config.flops_profiler.recompute_fwd_factor
+
+    def flops_profiler_profile_step(self) -> int:
+        return self.config.flops_profiler.profile_step
+
+    def flops_profiler_module_depth(self) -> int:
+        return self.config.flops_profiler.module_depth
+
+    def flops_profiler_top_modules(self) -> int:
+        return self.config.flops_profiler.top_modules
+
+    def flops_profiler_detailed(self) -> bool:
+        return self.config.flops_profiler.detailed
+
+    def flops_profiler_output_file(self) -> Optional[str]:
+        return self.config.flops_profiler.output_file
+
     # ------------------------------------------------------------ stage 3
 
     def empty_partition_cache(self) -> None:

@@ -179,6 +179,19 @@ def test_comms_logger_sees_the_engines_collectives(two_ranks: list[dict[str, Any
             assert logged["straggler"] == {name: sorted(sizes) for name, sizes in ops.items()}
 
 
+def test_flops_profiler_on_rank_zero_at_stage3(two_ranks: list[dict[str, Any]]) -> None:
+    rank0, rank1 = case(two_ranks, "flops_profiler")
+    for fact in (rank0, rank1):
+        assert fact["losses_on"] == fact["losses_off"]  # counting changes nothing computed
+        assert fact["held"] < fact["whole"]  # each rank holds a shard...
+    assert rank1["report"] is None
+    report = rank0["report"]
+    assert report is not None and "Profile summary at step 2:" in report
+    params = next(x for x in report.splitlines() if x.startswith("params per rank:"))
+    assert params.split(":")[1].strip() == f"{rank0['whole'] / 1000:.2f} K"  # ...the report the whole
+    assert "world size:" in report and "data parallel size:" in report
+
+
 def test_world_size_one_under_plain_python(tmp_path: Path) -> None:
     """The same cases at world size 1: initialize() brings up the group itself."""
     (results,) = _run([sys.executable, str(WORKER), "--out", str(tmp_path)], tmp_path)

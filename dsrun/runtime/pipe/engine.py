@@ -104,6 +104,10 @@ class PipelineEngine(DsrunEngine):
             raise DsrunConfigError("a PipelineModule brings its own topology (num_stages= "
                                    "or topology=): do not pass mpu= to dsrun.initialize()")
         check_pipeline_zero(config, model)
+        if config.flops_profiler.enabled:
+            raise DsrunConfigError(f"flops_profiler is not implemented for pipeline engines "
+                                   f"({config.source}): disable it, or profile the layers with "
+                                   f"dsrun.profiling.flops_profiler.get_model_profile")
         super().__init__(model, config, mpu=model.grid, **kwargs)
         self.grid = model.grid
         self.stage_id = self.grid.stage_id

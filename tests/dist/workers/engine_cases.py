@@ -347,6 +347,30 @@ def comms_logged(steps: int = 3) -> dict[str, Any]:
     return out
 
 
+def flops_profiled(steps: int = 3) -> dict[str, Any]:
+    """The flops profiler at ZeRO stage 3: rank 0 writes the report (whole
+    parameter counts although each rank holds a shard), other ranks write
+    nothing, and profiling changes no loss."""
+    import tempfile
+
+    runs: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "flops.txt")
+        for profiled in (True, False):
+            config = {"train_batch_size": MICRO * dist.get_world_size(),
+                      "train_micro_batch_size_per_gpu": MICRO, "optimizer": ADAM,
+                      "steps_per_print": 1000,
+                      "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                      "flops_profiler": {"enabled": profiled, "profile_step": 1,
+                                         "output_file": report}}
+            engine, _, _, _ = dsrun.initialize(model=make_model(100), config=config)
+            runs[str(profiled)] = train(engine, steps)
+            runs[f"held_{profiled}"] = sum(p.ds_tensor.numel() for p in engine.module.parameters())
+        text = open(report, encoding="utf-8").read() if os.path.exists(report) else None
+    return {"losses_on": runs["True"], "losses_off": runs["False"], "held": runs["held_True"],
+            "whole": sum(p.numel() for p in make_model(0).parameters()), "report": text}
+
+
 CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "parity_gas1": lambda: parity(gas=1, clip=0.0, schedule=False, bucket_elements=None),
     "parity_gas4_clip_schedule": lambda: parity(gas=4, clip=0.05, schedule=True,
@@ -379,6 +403,7 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "unused_and_no_sync": unused_and_no_sync,
     "dataloader": dataloader,
     "comms_logger": comms_logged,
+    "flops_profiler": flops_profiled,
 }
 
 

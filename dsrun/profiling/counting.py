@@ -1,0 +1,264 @@
+"""How many floating-point operations and multiply-accumulates an aten op costs.
+
+The flops profiler sees every operator torch dispatches (``aten.*``, after
+autograd and after composite operators such as ``linear`` or ``matmul``
+have been decomposed), so it counts what actually runs, whether a model
+calls modules, ``torch.nn.functional``, tensor methods or ``@``. This
+module is the pure arithmetic: :func:`op_cost` maps an op and its
+arguments/output to ``(flops, macs)``, reading only shapes.
+
+The rules (documented in the README's flops-profiler section):
+
+* matrix products (``mm``, ``bmm``, ``addmm``, ``baddbmm``, ``mv``, ``dot``...):
+  one MAC per multiply-add, 2 flops per MAC, plus one flop per element of an
+  added ``input`` term;
+* convolutions: output elements x input channels per group x kernel size
+  MACs (transposed: input elements x output channels per group x kernel);
+  their backward: one forward's MACs per gradient asked for;
+* scaled-dot-product attention kernels: ``QK^T`` and ``PV`` MACs (L x S x
+  (E + Ev) per batch and head), plus 5 flops per attention score for the
+  softmax; backward: twice the forward MACs;
+* pointwise ops (torch's ``pointwise`` tag): one flop per element of a
+  floating-point output, except ops that only move or select data
+  (``clone``, ``where``, fills...); comparisons and masks are not flops;
+* reductions (torch's ``reduction`` tag): one flop per floating-point input
+  element;
+* softmax / log-softmax: 5 flops per element (max, subtract, exp, sum,
+  divide), their backward 3; layer/group/batch norm: 5 per element, +1 for
+  a weight, +1 for a bias, backward twice that; RMS norm 3 (+1 weight);
+* everything else (views, copies, indexing, embedding lookups, collectives,
+  random number generation): 0.
+
+MACs are only counted for the products above, so ``flops >= 2 * macs``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
+
+import torch
+
+__all__ = ["op_cost", "matmul_macs", "conv_macs", "attention_macs"]
+
+Cost = tuple[int, int]  # (flops, macs)
+_NONE: Cost = (0, 0)
+
+aten = torch.ops.aten
+
+
+def _numel(shape: Sequence[int]) -> int:
+    return math.prod(int(s) for s in shape)
+
+
+def _shape(x: Any) -> Optional[tuple[int, ...]]:
+    return tuple(x.shape) if isinstance(x, torch.Tensor) else None
+
+
+def _first_tensor(values: Any) -> Optional[torch.Tensor]:
+    if isinstance(values, torch.Tensor):
+        return values
+    if isinstance(values, (list, tuple)):
+        for v in values:
+            found = _first_tensor(v)
+            if found is not None:
+                return found
+    return None
+
+
+def matmul_macs(a: Sequence[int], b: Sequence[int]) -> int:
+    """MACs of ``a @ b`` for shapes ``[..., m, k]`` x ``[..., k, n]`` (1-d
+    operands as in ``torch.matmul``; batch dimensions broadcast)."""
+    if len(a) == 0 or len(b) == 0:
+        return 0
+    a2 = (1, *a) if len(a) == 1 else tuple(a)
+    b2 = (*b, 1) if len(b) == 1 else tuple(b)
+    m, k = a2[-2], a2[-1]
+    n = b2[-1]
+    batch = torch.broadcast_shapes(a2[:-2], b2[:-2])
+    return _numel(batch) * m * k * n
+
+
+def conv_macs(x: Sequence[int], weight: Sequence[int], out: Sequence[int],
+              transposed: bool) -> int:
+    """MACs of a (possibly transposed, possibly grouped) convolution from its
+    shapes. ``weight`` is ``[Cout, Cin/groups, *k]``, or ``[Cin, Cout/groups,
+    *k]`` when transposed, so the group count is already in ``weight[1]``."""
+    kernel = _numel(weight[2:])
+    if transposed:
+        return _numel(x) * int(weight[1]) * kernel
+    return _numel(out) * int(weight[1]) * kernel
+
+
+def attention_macs(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> tuple[int, int]:
+    """(MACs, attention scores) of ``softmax(Q K^T) V`` for ``[..., L, E]``,
+    ``[..., S, E]``, ``[..., S, Ev]``."""
+    batch = _numel(torch.broadcast_shapes(tuple(q[:-2]), tuple(k[:-2])))
+    length, source, e, ev = int(q[-2]), int(k[-2]), int(q[-1]), int(v[-1])
+    scores = batch * length * source
+    return scores * (e + ev), scores
+
+
+# ------------------------------------------------------------- the rules
+
+def _product(a_index: int, b_index: int, added: Optional[int] = None
+             ) -> Callable[[tuple, dict, Any], Cost]:
+    def rule(args: tuple, kwargs: dict, out: Any) -> Cost:
+        macs = matmul_macs(args[a_index].shape, args[b_index].shape)
+        flops = 2 * macs
+        if added is not None and isinstance(out, torch.Tensor):
+            beta = kwargs.get("beta", 1)
+            if beta != 0:
+                flops += out.numel()
+        return flops, macs
+    return rule
+
+
+def _dot(args: tuple, kwargs: dict, out: Any) -> Cost:
+    macs = int(args[0].numel())
+    return 2 * macs, macs
+
+
+def _convolution(args: tuple, kwargs: dict, out: Any) -> Cost:
+    x, weight = args[0], args[1]
+    transposed = bool(args[6]) if len(args) > 6 else bool(kwargs.get("transposed", False))
+    macs = conv_macs(x.shape, weight.shape, out.shape, transposed)
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    extra = out.numel() if isinstance(bias, torch.Tensor) else 0
+    return 2 * macs + extra, macs
+
+
+def _conv_impl(args: tuple, kwargs: dict, out: Any) -> Cost:
+    """cudnn/mkldnn entry points: (input, weight, [bias,] ...) not transposed."""
+    x, weight = args[0], args[1]
+    out_t = _first_tensor(out)
+    macs = conv_macs(x.shape, weight.shape, out_t.shape, False) if out_t is not None else 0
+    return 2 * macs, macs
+
+
+def _convolution_backward(args: tuple, kwargs: dict, out: Any) -> Cost:
+    grad_out, x, weight = args[0], args[1], args[2]
+    # (grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
+    #  output_padding, groups, output_mask)
+    transposed, mask = bool(args[7]), args[10]
+    forward = conv_macs(x.shape, weight.shape, grad_out.shape, transposed)
+    macs = forward * (int(bool(mask[0])) + int(bool(mask[1])))
+    flops = 2 * macs + (grad_out.numel() if mask[2] else 0)
+    return flops, macs
+
+
+def _attention(args: tuple, kwargs: dict, out: Any) -> Cost:
+    macs, scores = attention_macs(args[0].shape, args[1].shape, args[2].shape)
+    return 2 * macs + 5 * scores, macs
+
+
+def _attention_backward(args: tuple, kwargs: dict, out: Any) -> Cost:
+    # (grad_out, query, key, value, ...) for every fused attention backward
+    macs, scores = attention_macs(args[1].shape, args[2].shape, args[3].shape)
+    return 4 * macs + 3 * scores, 2 * macs
+
+
+def _per_element(factor: int, arg: int = 0) -> Callable[[tuple, dict, Any], Cost]:
+    def rule(args: tuple, kwargs: dict, out: Any) -> Cost:
+        t = args[arg] if len(args) > arg else None
+        return (factor * t.numel(), 0) if isinstance(t, torch.Tensor) else _NONE
+    return rule
+
+
+def _norm(weight_at: int, bias_at: int, factor: int = 1) -> Callable[[tuple, dict, Any], Cost]:
+    def rule(args: tuple, kwargs: dict, out: Any) -> Cost:
+        per = 5
+        for i in (weight_at, bias_at):
+            if len(args) > i and isinstance(args[i], torch.Tensor):
+                per += 1
+        return factor * per * args[0].numel(), 0
+    return rule
+
+
+def _rms_norm(args: tuple, kwargs: dict, out: Any) -> Cost:
+    weight = args[2] if len(args) > 2 else kwargs.get("weight")
+    per = 3 + (1 if isinstance(weight, torch.Tensor) else 0)
+    return per * args[0].numel(), 0
+
+
+_RULES: dict[Any, Callable[[tuple, dict, Any], Cost]] = {
+    aten.mm.default: _product(0, 1),
+    aten.bmm.default: _product(0, 1),
+    aten.mv.default: _product(0, 1),
+    aten.addmm.default: _product(1, 2, added=0),
+    aten.baddbmm.default: _product(1, 2, added=0),
+    aten.addbmm.default: _product(1, 2, added=0),
+    aten.addmv.default: _product(1, 2, added=0),
+    aten.dot.default: _dot,
+    aten.vdot.default: _dot,
+    aten.convolution.default: _convolution,
+    aten._convolution.default: _convolution,
+    aten.convolution_backward.default: _convolution_backward,
+    aten._softmax.default: _per_element(5),
+    aten._log_softmax.default: _per_element(5),
+    aten._softmax_backward_data.default: _per_element(3),
+    aten._log_softmax_backward_data.default: _per_element(3),
+    aten.native_layer_norm.default: _norm(2, 3),
+    aten.native_layer_norm_backward.default: _norm(5, 6, factor=2),
+    aten.native_group_norm.default: _norm(1, 2),
+    aten.native_batch_norm.default: _norm(1, 2),
+    aten._native_batch_norm_legit.default: _norm(1, 2),
+    aten._native_batch_norm_legit_no_training.default: _norm(1, 2),
+    aten.native_dropout.default: _per_element(1),
+}
+
+
+def _optional(name: str, rule: Callable[[tuple, dict, Any], Cost]) -> None:
+    """Ops that only some torch builds have."""
+    packet = getattr(aten, name, None)
+    if packet is not None:
+        for overload in packet.overloads():
+            _RULES[getattr(packet, overload)] = rule
+
+
+for _name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+              "_flash_attention_forward", "_efficient_attention_forward"):
+    _optional(_name, _attention)
+for _name in ("_scaled_dot_product_flash_attention_backward",
+              "_scaled_dot_product_efficient_attention_backward",
+              "_scaled_dot_product_cudnn_attention_backward",
+              "_scaled_dot_product_flash_attention_for_cpu_backward"):
+    _optional(_name, _attention_backward)
+for _name in ("cudnn_convolution", "mkldnn_convolution", "miopen_convolution"):
+    _optional(_name, _conv_impl)
+_optional("_fused_rms_norm", _rms_norm)
+_optional("rms_norm", _rms_norm)
+
+# Pointwise in torch's tags, yet they only copy, select or fill.
+_DATA_MOVEMENT = frozenset({"clone", "where", "masked_fill", "masked_fill_", "fill", "fill_",
+                            "copy", "copy_", "lift_fresh_copy", "zeros_like", "ones_like",
+                            "full_like", "empty_like", "_to_copy", "alias_copy"})
+
+_POINTWISE = torch.Tag.pointwise
+_REDUCTION = torch.Tag.reduction
+
+
+def op_cost(func: Any, args: tuple, kwargs: Optional[dict], out: Any) -> Cost:
+    """``(flops, macs)`` of one call of the aten op ``func`` (an
+    ``OpOverload``) with these arguments and this output."""
+    kwargs = kwargs or {}
+    rule = _RULES.get(func)
+    if rule is not None:
+        return rule(args, kwargs, out)
+    tags = getattr(func, "tags", ())
+    if _POINTWISE in tags:
+        if func._opname in _DATA_MOVEMENT:
+            return _NONE
+        result = _first_tensor(out)
+        if result is None or not (result.is_floating_point() or result.is_complex()):
+            # integer and boolean results (comparisons, masks) are not flops
+            return _NONE
+        return result.numel(), 0
+    if _REDUCTION in tags:
+        source = _first_tensor(args)
+        if source is None or not (source.is_floating_point() or source.is_complex()):
+            return _NONE
+        return source.numel(), 0
+    return _NONE

@@ -1,0 +1,18 @@
+"""DeepSpeed's ``deepspeed.profiling.flops_profiler``: the profiler lives in
+:mod:`.profiler` (DeepSpeed's module name, for ``from
+deepspeed.profiling.flops_profiler.profiler import FlopsProfiler``)."""
+
+from dsrun.profiling.flops_profiler.profiler import (
+    FlopsProfiler,
+    duration_to_string,
+    flops_to_string,
+    get_model_profile,
+    macs_to_string,
+    number_to_string,
+    params_to_string,
+)
+
+__all__ = [
+    "FlopsProfiler", "get_model_profile", "duration_to_string", "flops_to_string",
+    "macs_to_string", "number_to_string", "params_to_string",
+]
