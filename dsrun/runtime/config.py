@@ -112,7 +112,8 @@ from dsrun.runtime.config_sections import (
 
 __all__ = [
     "ALLOW_UNKNOWN_ENV", "AUTO", "AUTO_OPTIMIZER_DEFAULTS", "BATCH_KEYS",
-    "DEFAULT_WARMUP_NUM_STEPS", "DICT_SOURCE", "OPTIMIZER_NAMES", "PASSTHROUGH_KEYS",
+    "DEFAULT_WARMUP_NUM_STEPS", "DICT_SOURCE", "INERT_KEYS", "OPTIMIZER_NAMES",
+    "PASSTHROUGH_KEYS",
     "SCHEDULER_PARAMS", "SCHEDULER_REQUIRED", "UNSUPPORTED_OPTIMIZERS", "ZERO_AUTO_KEYS",
     "ActivationCheckpointingConfig", "BF16Config", "Check", "CheckpointConfig",
     "CommsLoggerConfig", "ConfigInput", "FlopsProfilerConfig",
@@ -120,7 +121,8 @@ __all__ = [
     "DsrunOptions", "FP16Config", "MONITOR_SECTIONS", "OffloadOptimizerConfig",
     "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig", "TensorBoardConfig", "WandbConfig",
     "ZeroConfig", "canonical_optimizer_type", "canonical_scheduler_type", "check_scheduler_params",
-    "check_value", "did_you_mean", "is_auto", "load_config", "resolve", "resolve_batch",
+    "check_value", "did_you_mean", "inert_settings", "is_auto", "load_config", "resolve",
+    "resolve_batch",
 ]
 
 # ---------------------------------------------------------------- the config
@@ -371,6 +373,26 @@ def _passthrough(known: Mapping[str, Any], ctx: Ctx) -> dict[str, Any]:
     return kept
 
 
+# Top-level keys dsrun parses and checks but whose non-default values it
+# does not act on, with their defaults (one warning names those that are set).
+INERT_KEYS: Mapping[str, Any] = MappingProxyType({
+    "sparse_gradients": False, "disable_allgather": False, "graph_harvesting": False,
+    "vocabulary_size": None, "seq_parallel_comm_data_type": "fp32"})
+
+
+def inert_settings(config: DsrunConfig) -> list[str]:
+    """What in ``config`` is accepted but has no effect in dsrun: keys of
+    :data:`INERT_KEYS` set to another value than their default, and
+    ``gradient_predivide_factor`` with a ZeRO stage (ZeRO divides every
+    gradient by the data-parallel size before reducing it)."""
+    notes = [key for key, default in INERT_KEYS.items()
+             if getattr(config, key) != default]
+    if config.gradient_predivide_factor != 1.0 and config.zero_optimization.stage > 0:
+        notes.append("gradient_predivide_factor (ZeRO stages divide gradients by the "
+                     "data-parallel size before reducing them)")
+    return notes
+
+
 def resolve(config: ConfigInput, *, dp_size: int, dp_source: str,
             micro_batch_hint: Optional[int] = None, total_num_steps: Optional[int] = None,
             warmup_num_steps: Optional[int] = None,
@@ -426,7 +448,11 @@ def resolve(config: ConfigInput, *, dp_size: int, dp_source: str,
             kwargs[f.name] = check_value(known[key], f.metadata["check"], ctx.where((key,)))
     kwargs.update(dp_size=dp_size, dp_size_source=dp_source, source=source,
                   passthrough=_passthrough(known, ctx), ignored_keys=tuple(ctx.ignored))
-    return build(DsrunConfig, kwargs, ctx)
+    resolved = build(DsrunConfig, kwargs, ctx)
+    inert = inert_settings(resolved)
+    if inert:
+        log.warning("%s: dsrun accepts but does not act on: %s", source, "; ".join(inert))
+    return resolved
 
 
 def parse_activation_checkpointing(known: Mapping[str, Any], ctx: Ctx

@@ -156,7 +156,7 @@ class DsrunEngine(EngineInfo, torch.nn.Module):
         self._boundary_override: Optional[bool] = None
         self._overflow_log = (float("-inf"), 0)  # (time of the last line, overflows since)
         self.progress = Progress(config.steps_per_print, config.train_batch_size,
-                                 enabled=self.global_rank == 0)
+                                 enabled=self.global_rank == 0, memory=config.memory_breakdown)
         self.monitor = self._make_monitor()
         self.flops_profiler, self._step_profiler = make_flops_profiler(self)
         link_params(self)  # for dsrun.utils.safe_get_full_fp32_param(param) and friends

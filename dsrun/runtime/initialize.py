@@ -145,6 +145,9 @@ def _log_start(config: DsrunConfig, origin: str, engine: DsrunEngine) -> None:
              f"{engine.device}, {sum(p.numel() for p in params):,} parameters{scope} "
              f"({trainable:,} trainable)",
              f"config chosen: {origin}", *config.summary().splitlines()]
+    if config.dump_state:  # DeepSpeed's "dump_state": every resolved setting
+        lines += ["resolved config (dump_state):",
+                  *json.dumps(config.to_dict(), indent=2, sort_keys=True, default=str).splitlines()]
     log.info("\n  ".join(lines))
 
 

@@ -1,5 +1,6 @@
 """What the training runtime tells the user: the config at start, then a
-progress line every ``steps_per_print`` optimizer steps (rank 0).
+progress line every ``steps_per_print`` optimizer steps (rank 0), followed
+by a memory line when the config asks for ``memory_breakdown``.
 
 Everything goes through ``logging`` (logger ``dsrun.runtime``). Like
 DeepSpeed's logger, which users see without configuring anything,
@@ -43,10 +44,12 @@ def ensure_visible() -> None:
 class Progress:
     """Accumulates losses and samples between progress lines (rank 0 prints)."""
 
-    def __init__(self, steps_per_print: int, samples_per_step: int, enabled: bool) -> None:
+    def __init__(self, steps_per_print: int, samples_per_step: int, enabled: bool,
+                 memory: bool = False) -> None:
         self.steps_per_print = steps_per_print
         self.samples_per_step = samples_per_step
         self.enabled = enabled
+        self.memory = memory
         self._loss_sum: Any = 0.0
         self._loss_count = 0
         self._since = time.perf_counter()
@@ -74,5 +77,32 @@ class Progress:
             parts.append(extra)
         parts.append(f"samples/s={rate:.1f}")
         log.info(", ".join(parts))
+        if self.memory:
+            log.info("%s", memory_line())
         self._loss_sum, self._loss_count, self._steps = 0.0, 0, 0
         self._since = time.perf_counter()
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+def memory_line() -> str:
+    """This process's memory now and at its peak (``memory_breakdown``):
+    CUDA allocated / reserved (where CUDA is in use), host resident set,
+    and the machine's memory in use."""
+    import resource
+
+    import psutil
+    import torch
+
+    parts = []
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        parts.append(f"CUDA allocated {_mib(torch.cuda.memory_allocated())} (peak "
+                     f"{_mib(torch.cuda.max_memory_allocated())}), reserved "
+                     f"{_mib(torch.cuda.memory_reserved())} (peak "
+                     f"{_mib(torch.cuda.max_memory_reserved())})")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    parts.append(f"host RSS {_mib(psutil.Process().memory_info().rss)} (peak {_mib(peak)})")
+    parts.append(f"machine memory in use {psutil.virtual_memory().percent:.0f}%")
+    return "memory: " + "; ".join(parts)

@@ -55,3 +55,39 @@ def test_client_optimizer_and_defaults(solo: None) -> None:
     assert engine.get_global_grad_norm() is None and not engine.was_step_applied()
     no_opt = build({"train_batch_size": 4})
     assert no_opt.optimizer_name() is None and no_opt.get_mom() == [] and no_opt.get_lr() == []
+
+
+def test_dump_state_and_memory_breakdown(solo: None, caplog: pytest.LogCaptureFixture) -> None:
+    """``dump_state`` logs every resolved setting at start; ``memory_breakdown``
+    a memory line after each progress line (rank 0)."""
+    import json
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="dsrun.runtime"):
+        engine = build({"train_batch_size": 2, "steps_per_print": 2, "dump_state": True,
+                        "memory_breakdown": True,
+                        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        for _ in range(4):
+            engine.backward(engine(torch.randn(2, 4)).sum())
+            engine.step()
+    start = next(r.getMessage() for r in caplog.records if "dump_state" in r.getMessage())
+    dumped = json.loads(start.split("resolved config (dump_state):", 1)[1])
+    assert dumped["train_batch_size"] == 2 and dumped["memory_breakdown"] is True
+    assert dumped["optimizer"]["type"].lower() == "sgd"
+    lines = [r.getMessage() for r in caplog.records if r.name == "dsrun.runtime"]
+    progress = [i for i, line in enumerate(lines) if line.startswith("step=")]
+    assert len(progress) == 2  # steps 2 and 4
+    for i in progress:
+        assert lines[i + 1].startswith("memory: host RSS ") and "(peak " in lines[i + 1]
+
+
+def test_no_memory_line_by_default(solo: None, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="dsrun.runtime"):
+        engine = build({"train_batch_size": 2, "steps_per_print": 1,
+                        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        engine.backward(engine(torch.randn(2, 4)).sum())
+        engine.step()
+    assert "step=1" in caplog.text and "memory:" not in caplog.text
+    assert "dump_state" not in caplog.text

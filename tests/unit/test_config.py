@@ -286,6 +286,22 @@ def test_documented_deepspeed_sections_pass_through(caplog: pytest.LogCaptureFix
     assert config.to_dict()["comet"] == {"enabled": True, "project": "x"}
 
 
+def test_inert_settings_are_named_once(caplog: pytest.LogCaptureFixture) -> None:
+    from dsrun.runtime.config import inert_settings
+
+    assert inert_settings(res(base())) == []
+    with caplog.at_level(logging.WARNING, logger="dsrun.runtime.config"):
+        config = res(base(sparse_gradients=True, vocabulary_size=50257,
+                          seq_parallel_comm_data_type="bf16", gradient_predivide_factor=4.0,
+                          zero_optimization={"stage": 2}))
+    notes = inert_settings(config)
+    assert notes[:3] == ["sparse_gradients", "vocabulary_size", "seq_parallel_comm_data_type"]
+    assert notes[3].startswith("gradient_predivide_factor (ZeRO stages")
+    assert caplog.text.count("does not act on") == 1 and "vocabulary_size" in caplog.text
+    # stage 0 applies the predivide factor; defaults set explicitly are not notes
+    assert inert_settings(res(base(gradient_predivide_factor=4.0, sparse_gradients=False))) == []
+
+
 def test_did_you_mean_ignores_case_and_gives_up_on_nonsense() -> None:
     assert did_you_mean("ADAMW", ["Adam", "AdamW"]) == '; did you mean "AdamW"?'
     assert did_you_mean("qqqq", ["stage"]) == ""
