@@ -50,6 +50,7 @@ from torch.optim import Optimizer
 
 from dsrun.errors import DsrunConfigError, DsrunError
 from dsrun.profiling.engine_step import make_flops_profiler
+from dsrun.runtime.batch_size import resize_batch
 from dsrun.runtime.checkpoint import engine_io as checkpoint_io
 from dsrun.runtime.config import DsrunConfig
 from dsrun.runtime.dist import compute_device
@@ -149,6 +150,7 @@ class DsrunEngine(EngineInfo, torch.nn.Module):
         self.global_samples = 0
         self.skipped_steps = 0
         self.micro_steps = 0
+        self._round_origin = 0  # micro_steps where the current accumulation rounds began
         self._grad_norm: Optional[torch.Tensor] = None
         self._unowned: Optional[list[torch.nn.Parameter]] = None
         self._step_applied = False
@@ -383,11 +385,33 @@ class DsrunEngine(EngineInfo, torch.nn.Module):
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
             return self._boundary_override
-        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+        return self.micro_in_round() + 1 == self.config.gradient_accumulation_steps
+
+    def micro_in_round(self) -> int:
+        """Micro-steps taken in the current accumulation round (0 at a boundary).
+
+        Rounds are counted from the last change of their length - a new batch
+        size, or a checkpoint loaded into this engine - not from micro-step 0,
+        so a resize or a resume with other accumulation steps starts a full
+        round."""
+        return (self.micro_steps - self._round_origin) % self.config.gradient_accumulation_steps
+
+    def start_accumulation_round(self) -> None:
+        """The next micro-step is the first of an accumulation round."""
+        self._round_origin = self.micro_steps
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Override the boundary for the current micro-step (DeepSpeed API)."""
         self._boundary_override = bool(is_boundary)
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """DeepSpeed's: a new global batch, as more or fewer micro-batches
+        per step (the micro-batch size is kept); between steps only."""
+        resize_batch(self, train=train_batch_size)
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """DeepSpeed's: a new micro-batch size, the accumulation steps kept."""
+        resize_batch(self, micro=micro_batch_size)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -7,8 +7,8 @@ nothing changes training, except :meth:`EngineInfo.empty_partition_cache`,
 which releases the full parameters ZeRO stage 3 holds gathered (after a
 ``generate()`` loop, say), to be gathered again when next used.
 
-Not provided: ``set_train_batch_size`` (the ZeRO stages plan their
-gradient reduction for the accumulation steps they were built with).
+``set_train_batch_size`` / ``set_train_micro_batch_size`` change training
+and live on the engine (:mod:`dsrun.runtime.batch_size`).
 """
 
 from __future__ import annotations

@@ -193,7 +193,7 @@ def save(engine: Any, save_dir: str, tag: Any = None, client_state: Any = None,
     ck = checkpointer(engine)
     previous = ck.wait()
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
-    if engine.micro_steps % engine.config.gradient_accumulation_steps:
+    if engine.micro_in_round():
         log.warning("save_checkpoint at micro-step %d, inside a gradient accumulation round: "
                     "the gradients accumulated so far are not saved", engine.micro_steps)
     names = parameter_names(engine.module)
@@ -240,7 +240,7 @@ def load(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool =
     request = LoadRequest(str(load_dir), None if tag is None else str(tag),
                           bool(load_module_strict), optimizer_states,
                           layout.load_aliases(ck.coord), previous)
-    accumulating = engine.micro_steps % engine.config.gradient_accumulation_steps != 0
+    accumulating = engine.micro_in_round() != 0
     loaded = load_state(request, sources, names, ck.coord)
     if loaded is None:
         return None, None
@@ -258,6 +258,9 @@ def _restore_engine(engine: Any, state: Mapping[str, Any], record: Mapping[str, 
     for name, value in (state.get("counters") or {}).items():
         if name in COUNTERS:
             setattr(engine, name, int(value))
+    # A full accumulation round starts here, whatever the saved run's
+    # accumulation steps were (another world size may have changed them).
+    engine.start_accumulation_round()
     sched_state = state.get("lr_scheduler")
     if scheduler and sched_state is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(sched_state)

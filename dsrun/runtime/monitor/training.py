@@ -112,6 +112,10 @@ class EngineMonitor:
 
     # ------------------------------------------------- DeepSpeed's interface
 
+    def set_batch(self, config: Any) -> None:
+        """The engine's batch size changed (``set_train_batch_size``)."""
+        self._batch = config.train_batch_size
+
     def write_events(self, events: Sequence[Any]) -> None:
         """``[(name, value, step), ...]`` to every enabled monitor (rank 0 writes)."""
         self.monitor.write_events(events)

@@ -162,6 +162,10 @@ class PipelineEngine(DsrunEngine):
 
     # ------------------------------------------------------------ public API
 
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        super().set_train_batch_size(train_batch_size)
+        self.micro_batches = self.config.gradient_accumulation_steps
+
     def is_first_stage(self) -> bool:
         return self.grid.is_first_stage
 

@@ -109,9 +109,16 @@ class PipelineMonitor(EngineMonitor):
         super().__init__(config, rank=rank, group=group, device=device)
         self.stage = stage
         self._logs = replica == 0
-        m = config.gradient_accumulation_steps
-        self._ideal = m / (m + stages - 1)
+        self._stages = stages
+        self._ideal = self._ideal_busy(config.gradient_accumulation_steps)
         self._open_step: Optional[tuple[Any, float]] = None  # (engine, iteration)
+
+    def _ideal_busy(self, micro_batches: int) -> float:
+        return micro_batches / (micro_batches + self._stages - 1)
+
+    def set_batch(self, config: Any) -> None:
+        super().set_batch(config)
+        self._ideal = self._ideal_busy(config.gradient_accumulation_steps)
 
     # ------------------------------------------------ what train_batch calls
 
