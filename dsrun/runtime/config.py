@@ -26,7 +26,7 @@ Strictness: an unknown key anywhere (top level or any nested section) is a
 environment variable ``DSRUN_ALLOW_UNKNOWN_CONFIG_KEYS=1``, turns each
 unknown key into a logged warning; such keys are dropped and listed in
 ``DsrunConfig.ignored_keys``. Documented DeepSpeed sections that dsrun does
-not act on (``PASSTHROUGH_KEYS``: ``comet``, ``elasticity``,
+not act on (``PASSTHROUGH_KEYS``: ``autotuning``, ``elasticity``,
 ...) are accepted, kept verbatim in ``passthrough`` and
 reported with one warning when they are present and not disabled.
 
@@ -89,6 +89,7 @@ from dsrun.runtime.config_sections import (
     ActivationCheckpointingConfig,
     BF16Config,
     CheckpointConfig,
+    CometConfig,
     CommsLoggerConfig,
     CsvMonitorConfig,
     DsrunOptions,
@@ -116,7 +117,7 @@ __all__ = [
     "PASSTHROUGH_KEYS",
     "SCHEDULER_PARAMS", "SCHEDULER_REQUIRED", "UNSUPPORTED_OPTIMIZERS", "ZERO_AUTO_KEYS",
     "ActivationCheckpointingConfig", "BF16Config", "Check", "CheckpointConfig",
-    "CommsLoggerConfig", "ConfigInput", "FlopsProfilerConfig",
+    "CometConfig", "CommsLoggerConfig", "ConfigInput", "FlopsProfilerConfig",
     "CsvMonitorConfig", "DsrunConfig",
     "DsrunOptions", "FP16Config", "MONITOR_SECTIONS", "OffloadOptimizerConfig",
     "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig", "TensorBoardConfig", "WandbConfig",
@@ -130,7 +131,7 @@ __all__ = [
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # Documented DeepSpeed sections dsrun accepts but does not act on.
 PASSTHROUGH_KEYS = frozenset({
-    "aio", "amp", "autotuning", "comet",
+    "aio", "amp", "autotuning",
     "compile", "compression_training", "curriculum_learning", "data_efficiency",
     "data_types", "eigenvalue", "elasticity", "hybrid_engine", "nebula",
     "pipeline", "progressive_layer_drop", "quantize_training", "sparse_attention",
@@ -169,6 +170,7 @@ class DsrunConfig:
     csv_monitor: CsvMonitorConfig = subsection(CsvMonitorConfig)
     tensorboard: TensorBoardConfig = subsection(TensorBoardConfig)
     wandb: WandbConfig = subsection(WandbConfig)
+    comet: CometConfig = subsection(CometConfig)
     comms_logger: CommsLoggerConfig = subsection(CommsLoggerConfig)
     flops_profiler: FlopsProfilerConfig = subsection(FlopsProfilerConfig)
     activation_checkpointing: ActivationCheckpointingConfig = subsection(

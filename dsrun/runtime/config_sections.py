@@ -320,8 +320,30 @@ class ActivationCheckpointingConfig:
                                    "needs number_checkpoints (the checkpoints per forward)")
 
 
+@dataclass(frozen=True)
+class CometConfig:
+    """``comet``: a Comet experiment on rank 0 through ``comet_ml.start``
+    (needs the ``comet_ml`` package); an event is logged when its step
+    (``global_samples``) is a multiple of ``samples_log_interval``, as in
+    DeepSpeed. ``api_key`` is never logged (``COMET_API_KEY`` works too)."""
+
+    enabled: bool = opt("bool", False)
+    samples_log_interval: int = opt("int", 100, low=1)
+    project: Optional[str] = opt("str", None)
+    workspace: Optional[str] = opt("str", None)
+    api_key: Optional[str] = opt("str", None)
+    experiment_name: Optional[str] = opt("str", None)
+    experiment_key: Optional[str] = opt("str", None)
+    online: Optional[bool] = opt("bool", None)
+    mode: Optional[str] = opt("str", None, choices=("get_or_create", "create", "get"))
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
 MONITOR_SECTIONS: Mapping[str, type] = MappingProxyType({
-    "csv_monitor": CsvMonitorConfig, "tensorboard": TensorBoardConfig, "wandb": WandbConfig})
+    "csv_monitor": CsvMonitorConfig, "tensorboard": TensorBoardConfig, "wandb": WandbConfig,
+    "comet": CometConfig})
 
 
 def parse_monitors(known: Mapping[str, Any], ctx: Ctx) -> dict[str, Any]:

@@ -134,6 +134,21 @@ def _optimizer_hints(optimizer: Any) -> dict[str, Any]:
             for k in _OPTIMIZER_HINT_KEYS if k in group}
 
 
+_SECRET_WORDS = ("api_key", "token", "secret", "password")
+
+
+def redact_secrets(value: Any) -> Any:
+    """``value`` with every set string under a key that names a secret
+    (``api_key``, ``*token*``, ...) replaced, for logging."""
+    if isinstance(value, dict):
+        return {k: "<redacted>" if isinstance(v, str) and any(w in str(k).lower()
+                                                              for w in _SECRET_WORDS)
+                else redact_secrets(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact_secrets(v) for v in value]
+    return value
+
+
 def _log_start(config: DsrunConfig, origin: str, engine: DsrunEngine) -> None:
     if engine.global_rank != 0:
         return
@@ -146,8 +161,9 @@ def _log_start(config: DsrunConfig, origin: str, engine: DsrunEngine) -> None:
              f"({trainable:,} trainable)",
              f"config chosen: {origin}", *config.summary().splitlines()]
     if config.dump_state:  # DeepSpeed's "dump_state": every resolved setting
-        lines += ["resolved config (dump_state):",
-                  *json.dumps(config.to_dict(), indent=2, sort_keys=True, default=str).splitlines()]
+        shown = json.dumps(redact_secrets(config.to_dict()), indent=2, sort_keys=True,
+                           default=str)
+        lines += ["resolved config (dump_state):", *shown.splitlines()]
     log.info("\n  ".join(lines))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import glob
+import importlib.machinery
 import importlib.util
 import logging
 import sys
@@ -184,3 +185,63 @@ def test_wandb_in_offline_mode(solo: None, tmp_path: Path,
     engine.monitor.monitor.close()
     assert wandb.run is None
     assert glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+
+
+class FakeExperiment:
+    """What CometWriter calls on a comet_ml experiment, recorded."""
+
+    def __init__(self, **options: Any) -> None:
+        self.options, self.name, self.metrics, self.ended = options, None, [], False
+
+    def set_name(self, name: str) -> None:
+        self.name = name
+
+    def log_metric(self, name: str, value: float, step: int) -> None:
+        self.metrics.append((name, value, step))
+
+    def end(self) -> None:
+        self.ended = True
+
+
+def test_comet_experiment_gets_the_events_at_its_interval(
+        solo: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The ``comet`` section through the engine, with a stand-in comet_ml
+    module (the package is not installed here): options passed to
+    ``comet_ml.start``, the name set, the events of steps whose
+    ``global_samples`` is a multiple of ``samples_log_interval`` logged with
+    that step, the experiment ended on close, and the api_key kept out of
+    the logs."""
+    import types
+
+    started: list[FakeExperiment] = []
+    fake = types.ModuleType("comet_ml")
+    fake.start = lambda **options: started.append(FakeExperiment(**options)) or started[-1]
+    fake.__spec__ = importlib.machinery.ModuleSpec("comet_ml", None)
+    monkeypatch.setitem(sys.modules, "comet_ml", fake)
+    cfg = config(tmp_path, dump_state=True, comet={
+        "enabled": True, "project": "p", "workspace": "w", "api_key": "SECRET-KEY",
+        "experiment_name": "trial", "samples_log_interval": 8, "online": False})
+    with caplog.at_level(logging.INFO):
+        engine, *_ = dsrun.initialize(model=model(), config=cfg)
+        losses = train(engine, 4)  # global_samples 4, 8, 12, 16
+    (experiment,) = started
+    assert experiment.options == {"api_key": "SECRET-KEY", "project": "p", "workspace": "w",
+                                  "online": False}
+    assert experiment.name == "trial"
+    loss_events = [(v, s) for n, v, s in experiment.metrics if n == "Train/Samples/train_loss"]
+    assert loss_events == [(pytest.approx(losses[1], rel=1e-12), 8),
+                           (pytest.approx(losses[3], rel=1e-12), 16)]
+    assert {s for _, _, s in experiment.metrics} == {8, 16}
+    assert "SECRET-KEY" not in caplog.text and '"api_key": "<redacted>"' in caplog.text
+    engine.monitor.monitor.close()
+    assert experiment.ended
+
+
+def test_comet_section_errors(solo: None, tmp_path: Path,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(DsrunConfigError, match="comet.mode"):
+        dsrun.initialize(model=model(), config=config(tmp_path, comet={"mode": "sometimes"}))
+    monkeypatch.setitem(sys.modules, "comet_ml", None)
+    with pytest.raises(DsrunConfigError, match="pip install comet_ml"):
+        dsrun.initialize(model=model(), config=config(tmp_path, comet={"enabled": True}))

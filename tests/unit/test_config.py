@@ -278,12 +278,12 @@ def test_allow_unknown_keys_from_environment(value: str, allowed: bool) -> None:
 
 def test_documented_deepspeed_sections_pass_through(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="dsrun.runtime.config"):
-        config = res(base(comet={"enabled": True, "project": "x"},
+        config = res(base(autotuning={"enabled": True, "fast": True},
                           elasticity={"enabled": False}, zero_allow_untested_optimizer=True))
-    assert dict(config.passthrough)["comet"]["project"] == "x"
-    assert "comet" in caplog.text and "elasticity" not in caplog.text
+    assert dict(config.passthrough)["autotuning"]["fast"] is True
+    assert "autotuning" in caplog.text and "elasticity" not in caplog.text
     assert config.zero_allow_untested_optimizer is True
-    assert config.to_dict()["comet"] == {"enabled": True, "project": "x"}
+    assert config.to_dict()["autotuning"] == {"enabled": True, "fast": True}
 
 
 def test_inert_settings_are_named_once(caplog: pytest.LogCaptureFixture) -> None:

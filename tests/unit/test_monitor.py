@@ -50,6 +50,28 @@ def test_monitor_sections_have_deepspeeds_keys_and_defaults() -> None:
     assert res(config.to_dict()) == config
 
 
+def test_comet_section_defaults_and_summary() -> None:
+    config = res({})
+    assert (config.comet.enabled, config.comet.samples_log_interval, config.comet.mode) == \
+        (False, 100, None)
+    config = res({"comet": {"enabled": True, "project": "p", "api_key": "k", "online": False}})
+    assert "monitors: comet" in config.summary() and "comet" not in config.passthrough
+    assert "k" not in config.summary().split("monitors:")[1]
+    with pytest.raises(DsrunConfigError, match="samples_log_interval"):
+        res({"comet": {"samples_log_interval": 0}})
+
+
+def test_redact_secrets() -> None:
+    from dsrun.runtime.initialize import redact_secrets
+
+    raw = {"comet": {"api_key": "k", "project": "p", "nested": [{"hf_token": "t"}]},
+           "api_key": None, "secret_count": 3}
+    assert redact_secrets(raw) == {
+        "comet": {"api_key": "<redacted>", "project": "p",
+                  "nested": [{"hf_token": "<redacted>"}]},
+        "api_key": None, "secret_count": 3}
+
+
 @pytest.mark.parametrize(("section", "raw", "wrong", "right"), [
     ("csv_monitor", {"enable": True}, "enable", "enabled"),
     ("tensorboard", {"enabled": True, "output_dir": "x"}, "output_dir", "output_path"),
@@ -193,19 +215,20 @@ def test_a_failing_writer_warns_once_and_the_others_go_on(
 # ---------------------------------------------------- missing packages, paths
 
 
-@pytest.mark.parametrize("package", ["tensorboard", "wandb"])
+@pytest.mark.parametrize(("section", "package"), [
+    ("tensorboard", "tensorboard"), ("wandb", "wandb"), ("comet", "comet_ml")])
 def test_enabled_but_missing_package_is_one_clear_error_on_every_rank(
-        package: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        section: str, package: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, package, None)  # hides it, installed or not
-    config = res({package: {"enabled": True},
+    config = res({section: {"enabled": True},
                   "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv")}})
     for rank in (0, 1):
         with pytest.raises(DsrunConfigError) as err:
             Monitor(config, rank=rank)
         text = str(err.value)
-        assert f'"{package}" is enabled in config dict but the {package} package is not ' \
+        assert f'"{section}" is enabled in config dict but the {package} package is not ' \
                "installed" in text
-        assert f"pip install {package}" in text and f'"{package}": {{"enabled": false}}' in text
+        assert f"pip install {package}" in text and f'"{section}": {{"enabled": false}}' in text
     assert not (tmp_path / "csv").exists()  # nothing was started or created
 
 

@@ -1,5 +1,5 @@
-"""Training metrics: DeepSpeed's monitors (csv_monitor, tensorboard, wandb),
-the wall-clock breakdown, and reading a run back for ``dsrun plot``.
+"""Training metrics: DeepSpeed's monitors (csv_monitor, tensorboard, wandb,
+comet), the wall-clock breakdown, and reading a run back for ``dsrun plot``.
 
 * :mod:`events` - event names and the CSV file layout (pure, DeepSpeed's).
 * :mod:`writers` - one writer per backend behind one ``write`` interface.

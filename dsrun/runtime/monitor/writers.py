@@ -4,8 +4,8 @@ A writer's constructor does everything the config can make fail - the
 backend's package is missing, the output directory cannot be created - and
 raises :class:`DsrunConfigError` naming the section and the config's
 source. ``write`` may raise anything: :class:`~dsrun.runtime.monitor.master.Monitor`
-catches it. Only rank 0 builds writers. torch (for TensorBoard) and wandb
-are imported when such a writer is built, never at module import.
+catches it. Only rank 0 builds writers. torch (for TensorBoard), wandb and
+comet_ml are imported when such a writer is built, never at module import.
 """
 
 from __future__ import annotations
@@ -24,7 +24,10 @@ from dsrun.runtime.monitor.events import RUN_INFO, Event, csv_filename, csv_head
 INSTALL_HINTS = {
     "tensorboard": "pip install tensorboard",
     "wandb": "pip install wandb (then `wandb login`, or WANDB_MODE=offline to write locally)",
+    "comet_ml": "pip install comet_ml (then an api_key, COMET_API_KEY, or \"online\": false)",
 }
+# The package each monitor section needs (csv_monitor needs none).
+PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml"}
 
 
 class Writer(Protocol):
@@ -150,6 +153,32 @@ class WandbWriter:
         self._run.finish()
 
 
+class CometWriter:
+    """A Comet experiment (``comet_ml.start``); an event is logged when its
+    step is a multiple of ``samples_log_interval`` (DeepSpeed's rule)."""
+
+    name = "comet"
+
+    def __init__(self, section: Any, source: str) -> None:
+        comet_ml = require("comet_ml", self.name, source)
+        options = {key: getattr(section, key)
+                   for key in ("api_key", "project", "workspace", "experiment_key", "mode",
+                               "online")
+                   if getattr(section, key) is not None}
+        self._interval = section.samples_log_interval
+        self._experiment = comet_ml.start(**options)
+        if section.experiment_name:
+            self._experiment.set_name(section.experiment_name)
+
+    def write(self, events: Sequence[Event]) -> None:
+        for name, value, step in events:
+            if step % self._interval == 0:
+                self._experiment.log_metric(name, value, step=step)
+
+    def close(self) -> None:
+        self._experiment.end()
+
+
 def run_info(config: Any) -> dict[str, Any]:
     """What a reader of the CSV files needs to know about the run."""
     return {"train_batch_size": config.train_batch_size,
@@ -163,15 +192,15 @@ def run_info(config: Any) -> dict[str, Any]:
 def check_packages(config: Any) -> None:
     """Fail (on every rank, without importing anything) when an enabled
     section's package is missing."""
-    for section in ("tensorboard", "wandb"):
+    for section, package in PACKAGES.items():
         if not getattr(config, section).enabled:
             continue
         try:
-            found = importlib.util.find_spec(section) is not None
+            found = importlib.util.find_spec(package) is not None
         except (ImportError, ValueError):  # a module entry of None or without a spec
             found = False
         if not found:
-            require(section, section, config.source)  # raises with the import error
+            require(package, section, config.source)  # raises with the import error
 
 
 def build_writers(config: Any) -> list[Writer]:
@@ -182,9 +211,9 @@ def build_writers(config: Any) -> list[Writer]:
     """
     source = config.source
     check_packages(config)
-    for section in ("tensorboard", "wandb"):
+    for section, package in PACKAGES.items():
         if getattr(config, section).enabled:
-            require(section, section, source)
+            require(package, section, source)
     dirs = {section: make_log_dir(getattr(config, section).output_path,
                                   getattr(config, section).job_name, section, source)
             for section in ("tensorboard", "csv_monitor") if getattr(config, section).enabled}
@@ -195,6 +224,8 @@ def build_writers(config: Any) -> list[Writer]:
         if config.wandb.enabled:
             wb = config.wandb
             writers.append(WandbWriter(wb.project, wb.group, wb.team, source))
+        if config.comet.enabled:
+            writers.append(CometWriter(config.comet, source))
         if "csv_monitor" in dirs:
             writers.append(CsvWriter(dirs["csv_monitor"], run_info(config)))
     except BaseException:
