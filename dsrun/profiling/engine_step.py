@@ -138,7 +138,7 @@ class StepProfiler:
                           dp_size=engine.dp_world_size, micro_batches=self._micro,
                           samples=self._samples, params=root.params, fwd_flops=root.flops,
                           fwd_macs=root.macs, bwd_flops=self.profiler.backward_flops,
-                          fwd_latency=root.duration, bwd_latency=self._backward_s,
+                          fwd_latency=root.latency, bwd_latency=self._backward_s,
                           step_latency=step_s)
         cfg = self.config
         try:

@@ -8,6 +8,9 @@ number formatting helpers DeepSpeed exports (``flops_to_string``...).
 
 A module's counts include its children's (a module's forward contains its
 children's forwards); ``own_*`` holds what ran in the module's own code.
+``duration`` is what was measured around the module's own calls;
+``latency`` is what the reports show (the children's sum where the module
+itself was never called).
 """
 
 from __future__ import annotations
@@ -86,6 +89,15 @@ class ModuleStats:
     @property
     def macs(self) -> int:
         return self.own_macs + sum(c.macs for c in self.children)
+
+    @property
+    def latency(self) -> float:
+        """Its measured forward time; for a module never called itself (a
+        ``ModuleList``, a container whose parent calls the children), the
+        sum of its children's, as DeepSpeed reports it."""
+        if self.calls or not self.children:
+            return self.duration
+        return sum(c.latency for c in self.children)
 
     def walk(self, depth: int = 0) -> Iterator[tuple[int, ModuleStats]]:
         """``(depth, stats)`` for this module and every descendant, parents first."""
@@ -166,7 +178,7 @@ def aggregate_by_depth(root: ModuleStats) -> dict[int, dict[str, ModuleStats]]:
         total.params += stats.params
         total.own_flops += stats.flops
         total.own_macs += stats.macs
-        total.duration += stats.duration
+        total.duration += stats.latency
     return out
 
 
@@ -197,16 +209,16 @@ def _share(part: float, whole: float) -> str:
 def detailed_lines(root: ModuleStats, module_depth: int = -1) -> list[str]:
     """The module tree, each module with params, MACs, latency (and their
     share of the model's) and the FLOPS it achieved."""
-    total_params, total_macs, total_time = root.params, root.macs, root.duration
+    total_params, total_macs, total_time = root.params, root.macs, root.latency
     lines = ["Each module: params (share), MACs (share), fwd latency (share), FLOPS, extra"]
     for depth, m in root.walk():
         if module_depth >= 0 and depth > module_depth:
             continue
         label = m.name.rsplit(".", 1)[-1] if m.name else "(model)"
-        flops_rate = flops_to_string(m.flops / m.duration) if m.duration else "n/a"
+        flops_rate = flops_to_string(m.flops / m.latency) if m.latency else "n/a"
         fields = [f"{params_to_string(m.params)} = {_share(m.params, total_params)} Params",
                   f"{macs_to_string(m.macs)} = {_share(m.macs, total_macs)} MACs",
-                  f"{duration_to_string(m.duration)} = {_share(m.duration, total_time)} latency",
+                  f"{duration_to_string(m.latency)} = {_share(m.latency, total_time)} latency",
                   flops_rate]
         if m.extra:
             fields.append(m.extra)

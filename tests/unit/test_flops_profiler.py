@@ -180,6 +180,30 @@ def test_module_tree_counts_functional_calls_and_children() -> None:
     assert not model[0]._forward_pre_hooks and not model[0]._forward_hooks
 
 
+def test_a_container_never_called_shows_its_childrens_latency() -> None:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    prof = FlopsProfiler(Net())
+    prof.start_profile()
+    prof.model(torch.randn(2, 4))
+    prof.stop_profile()
+    root = prof.module_stats()
+    assert root is not None
+    container = root.children[0]
+    assert container.calls == 0 and container.duration == 0.0
+    assert container.latency == sum(c.duration for c in container.children) > 0
+    line = next(x for x in detailed_lines(root) if x.lstrip().startswith("layers:"))
+    assert "0 us" not in line and "n/a" not in line
+
+
 def test_matches_torch_flop_counter_on_matmul_only_models() -> None:
     model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.Linear(32, 4, bias=False))
     x = torch.randn(6, 16)
@@ -294,10 +318,13 @@ def test_number_formatting() -> None:
 
 
 def tree() -> ModuleStats:
-    a = ModuleStats("a", "Linear", params=30, own_flops=200, own_macs=100, duration=0.002)
-    b = ModuleStats("b", "Linear", params=10, own_flops=20, own_macs=10, duration=0.001)
-    c = ModuleStats("c", "GELU", params=0, own_flops=5, duration=0.004)
-    return ModuleStats("", "Net", params=40, own_flops=1, duration=0.01, children=[a, b, c])
+    a = ModuleStats("a", "Linear", params=30, own_flops=200, own_macs=100, duration=0.002,
+                    calls=1)
+    b = ModuleStats("b", "Linear", params=10, own_flops=20, own_macs=10, duration=0.001,
+                    calls=1)
+    c = ModuleStats("c", "GELU", params=0, own_flops=5, duration=0.004, calls=1)
+    return ModuleStats("", "Net", params=40, own_flops=1, duration=0.01, calls=1,
+                       children=[a, b, c])
 
 
 def test_aggregated_and_detailed_lines() -> None:

@@ -183,7 +183,7 @@ class FlopsProfiler:
 
     def get_total_duration(self, as_string: bool = False) -> Any:
         """The model's forward latency while profiling, in seconds."""
-        duration = self._root.duration if self._root else 0.0
+        duration = self._root.latency if self._root else 0.0
         return duration_to_string(duration) if as_string else duration
 
     def module_stats(self) -> Optional[ModuleStats]:
@@ -234,7 +234,7 @@ class FlopsProfiler:
                        micro_batches=max(self._root.calls, 1), samples=0,
                        params=self._root.params, fwd_flops=self._root.flops,
                        fwd_macs=self._root.macs, bwd_flops=self.backward_flops,
-                       fwd_latency=self._root.duration, bwd_latency=None, step_latency=None)
+                       fwd_latency=self._root.latency, bwd_latency=None, step_latency=None)
 
     def _build(self, ignore: tuple[type, ...]) -> None:
         self._by_module.clear()
