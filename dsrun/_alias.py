@@ -25,6 +25,15 @@ from typing import Any, Optional
 
 ALIAS = "deepspeed"
 TARGET = "dsrun"
+# DeepSpeed module paths whose dsrun module has another name.
+RENAMED = {
+    "deepspeed.runtime.zero.partition_parameters": "dsrun.zero",  # Init, GatheredParameters...
+}
+
+
+def target_name(fullname: str) -> str:
+    """The dsrun module that answers the DeepSpeed module name ``fullname``."""
+    return RENAMED.get(fullname) or TARGET + fullname[len(ALIAS):]
 
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -36,13 +45,13 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         elif not fullname.startswith(ALIAS + ".") or \
                 sys.modules.get(ALIAS) is not sys.modules.get(TARGET):
             return None
-        name = TARGET + fullname[len(ALIAS):]
+        name = target_name(fullname)
         if importlib.util.find_spec(name) is None:
             return None
         return importlib.machinery.ModuleSpec(fullname, self, is_package=fullname == ALIAS)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        module = importlib.import_module(TARGET + spec.name[len(ALIAS):])
+        module = importlib.import_module(target_name(spec.name))
         self._spec = getattr(module, "__spec__", None)
         return module
 

@@ -511,3 +511,6 @@ def _trainable(source: Iterable[Any]) -> list[Any]:
     """model_parameters without frozen tensors (param-group dicts pass through)."""
     return [p for p in source if isinstance(p, dict) or getattr(p, "requires_grad", True)]
 
+
+
+DeepSpeedEngine = DsrunEngine  # DeepSpeed's name: from deepspeed.runtime.engine import ...

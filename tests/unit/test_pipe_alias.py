@@ -76,3 +76,39 @@ def test_deepspeeds_top_level_names() -> None:
         assert name in dir(dsrun)
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         dsrun.no_such_name  # noqa: B018
+
+
+def test_deepspeed_runtime_module_paths() -> None:
+    """Deeper DeepSpeed import paths scripts use: the same objects as dsrun's."""
+    import dsrun.runtime.engine
+    import dsrun.zero
+    from dsrun.runtime.pipe.engine import PipelineEngine
+
+    ns: dict[str, object] = {}
+    exec("from deepspeed.runtime.engine import DeepSpeedEngine\n"
+         "from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, "
+         "GatheredParameters\n"
+         "from deepspeed.runtime.pipe.engine import PipelineEngine\n"
+         "from deepspeed.runtime.pipe.module import PipelineModule, LayerSpec\n"
+         "from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology\n"
+         "from deepspeed.runtime.utils import see_memory_usage\n"
+         "from deepspeed.runtime.lr_schedules import WarmupLR\n"
+         "from deepspeed.profiling.flops_profiler import get_model_profile\n", ns)
+    assert ns["DeepSpeedEngine"] is dsrun.runtime.engine.DsrunEngine
+    assert ns["ZeroParamStatus"] is dsrun.zero.ZeroParamStatus
+    assert ns["GatheredParameters"] is dsrun.zero.GatheredParameters
+    assert ns["PipelineEngine"] is PipelineEngine and ns["LayerSpec"] is dsrun.pipe.LayerSpec
+    assert sys.modules["deepspeed.runtime.zero.partition_parameters"] is dsrun.zero
+
+
+def test_see_memory_usage(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from dsrun.runtime.utils import see_memory_usage
+
+    with caplog.at_level(logging.INFO, logger="dsrun.runtime"):
+        see_memory_usage("quiet")  # DeepSpeed's: nothing without force
+        assert caplog.text == ""
+        see_memory_usage("after the model", force=True)
+    (record,) = caplog.records
+    assert record.getMessage().startswith("after the model | memory: host RSS ")
