@@ -1,6 +1,8 @@
 """The ``flops_profiler`` config section at work: one profiled optimizer step.
 
-DeepSpeed's semantics: on global rank 0, the optimizer step during which
+DeepSpeed's semantics: on global rank 0 (in a pipeline, on the first
+data-parallel replica of every stage, each reporting its own layers; with
+``output_file`` each stage writes ``NAME.stageS.EXT``), the optimizer step during which
 ``engine.global_steps == profile_step`` is profiled, and the report is
 printed (or written to ``output_file``) when that step's ``engine.step()``
 has run. dsrun's profile covers the whole optimizer step: every
@@ -33,18 +35,41 @@ __all__ = ["StepProfiler", "make_flops_profiler"]
 
 
 def make_flops_profiler(engine: Any) -> tuple[Optional[FlopsProfiler], Optional[StepProfiler]]:
-    """``(engine.flops_profiler, the rank-0 step driver)``; ``(None, None)``
-    when the section is off. An ``output_file`` that cannot be written is a
-    config error now, not a lost profile later."""
+    """``(engine.flops_profiler, the step driver on a profiling rank)``;
+    ``(None, None)`` when the section is off. An ``output_file`` that cannot
+    be written is a config error now, not a lost profile later."""
     cfg = engine.config.flops_profiler
     if not cfg.enabled:
         return None, None
-    if cfg.output_file and engine.global_rank == 0:
-        check_output_file(cfg.output_file, engine.config.source)
+    profiles, stage = profiling_role(engine)
+    output = stage_file(cfg.output_file, stage) if cfg.output_file else None
+    if output and profiles:
+        check_output_file(output, engine.config.source)
     profiler = FlopsProfiler(engine.module, ds_engine=engine,
                              recompute_fwd_factor=cfg.recompute_fwd_factor)
-    driver = StepProfiler(engine, profiler) if engine.global_rank == 0 else None
+    driver = StepProfiler(engine, profiler, stage, output) if profiles else None
     return profiler, driver
+
+
+def profiling_role(engine: Any) -> tuple[bool, Optional[tuple[int, int]]]:
+    """Whether this rank profiles, and its ``(stage, stages)`` in a
+    pipeline: global rank 0 of a data-parallel engine, the first replica of
+    every stage of a pipeline (each stage runs other layers)."""
+    from dsrun.runtime.pipe.module import PipelineModule
+
+    if isinstance(engine.module, PipelineModule):
+        grid = engine.module.grid
+        return grid.data_parallel_id == 0, (grid.stage_id, grid.stages)
+    return engine.global_rank == 0, None
+
+
+def stage_file(path: str, stage: Optional[tuple[int, int]]) -> str:
+    """``output_file`` for one pipeline stage: ``flops.txt`` ->
+    ``flops.stage1.txt`` when there are several stages."""
+    if stage is None or stage[1] == 1:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}.stage{stage[0]}{ext}"
 
 
 def check_output_file(path: str, source: str) -> None:
@@ -79,9 +104,13 @@ class StepProfiler:
     """Drives a :class:`FlopsProfiler` through the engine's forward,
     backward and step at the configured step (rank 0 only)."""
 
-    def __init__(self, engine: Any, profiler: FlopsProfiler) -> None:
+    def __init__(self, engine: Any, profiler: FlopsProfiler,
+                 stage: Optional[tuple[int, int]] = None,
+                 output_file: Optional[str] = None) -> None:
         self.engine = engine
         self.profiler = profiler
+        self.stage = stage
+        self.output_file = output_file
         self.config = engine.config.flops_profiler
         self.done = False
         self._backward_s = 0.0
@@ -139,19 +168,19 @@ class StepProfiler:
                           samples=self._samples, params=root.params, fwd_flops=root.flops,
                           fwd_macs=root.macs, bwd_flops=self.profiler.backward_flops,
                           fwd_latency=root.latency, bwd_latency=self._backward_s,
-                          step_latency=step_s)
+                          step_latency=step_s, stage=self.stage)
         cfg = self.config
         try:
             self.profiler.print_model_profile(profile_step=engine.global_steps,
                                               module_depth=cfg.module_depth,
                                               top_modules=cfg.top_modules, detailed=cfg.detailed,
-                                              output_file=cfg.output_file, summary=summary)
+                                              output_file=self.output_file, summary=summary)
         except OSError as exc:
-            log.error("flops profiler: cannot write %s: %s", cfg.output_file, exc)
+            log.error("flops profiler: cannot write %s: %s", self.output_file, exc)
         else:
-            if cfg.output_file:
+            if self.output_file:
                 log.info("flops profiler: profile of step %d written to %s",
-                         engine.global_steps, cfg.output_file)
+                         engine.global_steps, self.output_file)
         finally:
             self.profiler.end_profile()
             self.done = True

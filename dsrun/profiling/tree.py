@@ -126,6 +126,7 @@ class Summary:
     fwd_latency: float
     bwd_latency: Optional[float]
     step_latency: Optional[float]
+    stage: Optional[tuple[int, int]] = None  # (stage, stages) of a pipeline
 
 
 def _ratio(flops: float, seconds: Optional[float]) -> str:
@@ -139,6 +140,8 @@ def summary_lines(s: Summary) -> list[str]:
     rows: list[tuple[str, str]] = [
         ("world size", str(s.world_size)),
         ("data parallel size", str(s.dp_size)),
+        *([("pipeline stage (its layers only)", f"{s.stage[0]} of {s.stage[1]}")]
+          if s.stage else []),
         ("micro-batches profiled", str(s.micro_batches)),
         ("samples per rank", str(s.samples) if s.samples else "unknown"),
         ("params per rank", params_to_string(s.params)),

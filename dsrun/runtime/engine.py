@@ -277,9 +277,7 @@ class DsrunEngine(EngineInfo, torch.nn.Module):
         with self.monitor.timed("forward"):
             self.monitor.saw_inputs(args, kwargs)
             args, kwargs = self.precision.cast_inputs((args, kwargs))
-            profiled = self._step_profiler.forward(args, kwargs) if self._step_profiler \
-                else contextlib.nullcontext()
-            with self.precision.autocast(), profiled:
+            with self.precision.autocast(), self._profiling("forward", args, kwargs):
                 return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
@@ -301,10 +299,8 @@ class DsrunEngine(EngineInfo, torch.nn.Module):
                 and self.is_gradient_accumulation_boundary())
         if sync:
             self._grad_sync.arm()
-        profiled = self._step_profiler.backward() if self._step_profiler \
-            else contextlib.nullcontext()
         try:
-            with profiled:
+            with self._profiling("backward"):
                 scaled.backward(retain_graph=retain_graph)
         except BaseException:
             if sync:
@@ -324,9 +320,7 @@ class DsrunEngine(EngineInfo, torch.nn.Module):
                              "all-reduced; leave the no_sync() block before stepping")
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
-            profiled = self._step_profiler.step() if self._step_profiler \
-                else contextlib.nullcontext()
-            with self.monitor.optimizer_step(self), profiled:
+            with self.monitor.optimizer_step(self), self._profiling("step"):
                 self._take_model_step(lr_kwargs)
         self.micro_steps += 1
         self._boundary_override = None
@@ -381,6 +375,13 @@ class DsrunEngine(EngineInfo, torch.nn.Module):
         log.info("fp16 gradient overflow at step %d: skipping it (first non-finite gradient: "
                  "%s); loss scale %g -> %g; %d step(s) skipped so far%s", self.global_steps + 1,
                  name, scale_before, self.precision.loss_scale, self.skipped_steps, more)
+
+    def _profiling(self, phase: str, *args: Any) -> contextlib.AbstractContextManager[None]:
+        """The flops profiler's context for ``phase`` (forward, backward or
+        step; it acts only at its configured step), else a no-op."""
+        if self._step_profiler is None:
+            return contextlib.nullcontext()
+        return getattr(self._step_profiler, phase)(*args)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:

@@ -123,12 +123,28 @@ def test_output_file_that_is_a_directory(solo: None, tmp_path: Path) -> None:
         build(0, output_file=str(tmp_path))
 
 
-def test_pipeline_engines_refuse_the_section(solo: None) -> None:
+def test_a_one_stage_pipeline_is_profiled(solo: None, tmp_path: Path) -> None:
+    """train_batch's micro-batches through the same hooks (the multi-stage
+    case, one report per stage, is in test_pipe_monitor.py)."""
     from dsrun.pipe import LayerSpec, PipelineModule
 
-    model = PipelineModule([LayerSpec(torch.nn.Linear, 2, 2)], num_stages=1,
+    torch.manual_seed(0)
+    model = PipelineModule([LayerSpec(torch.nn.Linear, 6, 10), LayerSpec(torch.nn.Tanh),
+                            LayerSpec(torch.nn.Linear, 10, 3)], num_stages=1,
                            loss_fn=torch.nn.MSELoss())
-    with pytest.raises(DsrunConfigError, match="pipeline engines.*get_model_profile"):
-        dsrun.initialize(model=model, config={
-            "train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-            "flops_profiler": {"enabled": True}})
+    out = tmp_path / "flops.txt"
+    engine, _, _, _ = dsrun.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "flops_profiler": {"enabled": True, "profile_step": 0, "output_file": str(out)}})
+    g = torch.Generator().manual_seed(2)
+    batches = iter([(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g))
+                    for _ in range(4)])
+    engine.train_batch(batches)
+    report = out.read_text()
+    assert value(report, "pipeline stage (its layers only)") == "0 of 1"
+    assert value(report, "micro-batches profiled") == "2"
+    assert value(report, "fwd flops per rank") == number_to_string(2 * FWD_FLOPS)
+    assert value(report, "step latency").endswith(("s", "ms", "us"))
+    engine.train_batch(batches)  # once only
+    assert out.read_text() == report

@@ -64,7 +64,7 @@ def _run_job(world: int, names: list[str], out: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
     return {2: _run_job(2, ON_2_RANKS, tmp_path_factory.mktemp("pipe_monitor2")),
-            4: _run_job(4, ON_4_RANKS, tmp_path_factory.mktemp("pipe_monitor4"))}
+            4: _run_job(4, ON_4_RANKS + ["wide-flops"], tmp_path_factory.mktemp("pipe_monitor4"))}
 
 
 def read_csv(path: Path) -> tuple[list[str], list[tuple[int, float]]]:
@@ -227,3 +227,35 @@ def test_plot_reads_the_pipeline_breakdown(jobs: dict) -> None:
     assert labels == ["data input", "forward", "backward compute", "backward comm wait",
                       "receive wait (activations)", "receive wait (gradients)", "send",
                       "tied reduce", "optimizer step", "monitor (inside step)"]
+
+
+def test_flops_profiler_reports_each_stage(jobs: dict) -> None:
+    """2 stages x 2 replicas: the first replica of each stage writes the
+    profile of its own layers (NAME.flops.stageS.txt), the others nothing;
+    parameters and MACs are those of the stage's layers over the step's 4
+    micro-batches."""
+    from dsrun.profiling.flops_profiler import macs_to_string, params_to_string
+    from dsrun.runtime.pipe.partition import partition_layers
+
+    out = jobs[4]["out"]
+    assert sorted(p.name for p in out.glob("wide-flops.flops*")) == [
+        "wide-flops.flops.stage0.txt", "wide-flops.flops.stage1.txt"]
+    layers = [(job.WIDE, job.WIDE)] * 3 + [(job.WIDE, job.CLASSES)]
+    params = [i * o + o for i, o in layers]
+    bounds = partition_layers("parameters", 2, ["Wide"] * 3 + ["Linear"], params)
+    micro = job.PHASES["wide-flops"].micro_batches
+    for stage in (0, 1):
+        report = (out / f"wide-flops.flops.stage{stage}.txt").read_text()
+        mine = range(bounds[stage], bounds[stage + 1])
+        macs = micro * job.WIDE_BATCH * sum(layers[i][0] * layers[i][1] for i in mine)
+
+        def value(label: str, text: str = report) -> str:
+            return next(x for x in text.splitlines() if x.startswith(label + ":")).split(
+                ":", 1)[1].strip()
+
+        assert value("pipeline stage (its layers only)") == f"{stage} of 2"
+        assert value("params per rank") == params_to_string(sum(params[i] for i in mine))
+        assert value("fwd MACs per rank") == macs_to_string(macs)
+        assert value("micro-batches profiled") == str(micro)
+        assert value("samples per rank") == str(micro * job.WIDE_BATCH)
+        assert "Profile summary at step 2:" in report

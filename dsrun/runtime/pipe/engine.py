@@ -104,10 +104,6 @@ class PipelineEngine(DsrunEngine):
             raise DsrunConfigError("a PipelineModule brings its own topology (num_stages= "
                                    "or topology=): do not pass mpu= to dsrun.initialize()")
         check_pipeline_zero(config, model)
-        if config.flops_profiler.enabled:
-            raise DsrunConfigError(f"flops_profiler is not implemented for pipeline engines "
-                                   f"({config.source}): disable it, or profile the layers with "
-                                   f"dsrun.profiling.flops_profiler.get_model_profile")
         super().__init__(model, config, mpu=model.grid, **kwargs)
         self.grid = model.grid
         self.stage_id = self.grid.stage_id
@@ -378,7 +374,7 @@ class PipelineEngine(DsrunEngine):
         keep = state.kind == "train" and not self.grid.is_first_stage  # until SendGrad
         inputs = state.inputs[k] if keep else state.inputs.pop(k)
         try:
-            with self.precision.autocast():
+            with self.precision.autocast(), self._profiling("forward", (inputs,), {}):
                 outputs = self.module(inputs)
         except Exception as exc:
             _annotate(exc, f"(in the forward pass of {self._where(k)})")
@@ -441,14 +437,16 @@ class PipelineEngine(DsrunEngine):
             loss = state.losses.pop(k)
             if state.micro_batches > 1:
                 loss = loss / state.micro_batches
-            self.precision.scale_loss(loss).backward()
+            with self._profiling("backward"):
+                self.precision.scale_loss(loss).backward()
         else:
             tensors, _ = flatten_payload(state.outputs.pop(k), f"the output of "
                                          f"{self._where(k)}")
             outputs = [t for t in tensors if t.requires_grad]
             grads = state.grads.pop(k)
             if outputs:
-                torch.autograd.backward(outputs, grads)
+                with self._profiling("backward"):
+                    torch.autograd.backward(outputs, grads)
         if self.zero_stage > 0:
             self.optimizer.micro_step_done()
         state.compute_s += time.perf_counter() - start
@@ -496,5 +494,6 @@ class PipelineEngine(DsrunEngine):
             self.agg_train_loss = self._aggregate_loss(state)
             self.progress.record_loss(self.agg_train_loss)
             self.monitor.record_loss(self.agg_train_loss)
-            self._take_model_step(None)
+            with self._profiling("step"):
+                self._take_model_step(None)
         self.micro_steps += state.micro_batches

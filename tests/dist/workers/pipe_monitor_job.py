@@ -104,13 +104,18 @@ class Phase:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def config(self, out: Path, name: str) -> dict[str, Any]:
-        return {"train_micro_batch_size_per_gpu": 4,
-                "gradient_accumulation_steps": self.micro_batches,
-                "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
-                "gradient_clipping": self.clip, "steps_per_print": PRINT_EVERY,
-                "wall_clock_breakdown": True, "zero_optimization": {"stage": self.zero},
-                "csv_monitor": {"enabled": True, "output_path": str(out), "job_name": name},
-                **self.extra}
+        config: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": self.micro_batches,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
+            "gradient_clipping": self.clip, "steps_per_print": PRINT_EVERY,
+            "wall_clock_breakdown": True, "zero_optimization": {"stage": self.zero},
+            "csv_monitor": {"enabled": True, "output_path": str(out), "job_name": name},
+            **self.extra}
+        if "flops_profiler" in config:  # one report per stage: NAME.flops.stageS.txt
+            config["flops_profiler"] = {**config["flops_profiler"],
+                                        "output_file": str(out / f"{name}.flops.txt")}
+        return config
 
     def batch(self, step: int, replica: int) -> list[Any]:
         return [self.data(10_000 * step + 100 * replica + k) for k in range(self.micro_batches)]
@@ -131,6 +136,10 @@ PHASES = {
     "fp16": Phase(wide_layers, F.cross_entropy, wide_batch, extra={
         "fp16": {"enabled": True, "auto_cast": True, "initial_scale_power": 8,
                  "loss_scale_window": 2}}),
+    # the flops profiler on every stage's first replica (no breakdown lines)
+    "wide-flops": Phase(wide_layers, F.cross_entropy, wide_batch, extra={
+        "wall_clock_breakdown": False,
+        "flops_profiler": {"enabled": True, "profile_step": 1, "module_depth": 1}}),
 }
 
 
