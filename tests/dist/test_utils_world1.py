@@ -8,6 +8,7 @@
   output dtype, and bad input (no ``latest``, a missing tag, corrupt and
   truncated files) named as dsrun's consolidation names it.
 * log_dist without a process group and with one.
+* safe_get on a one-stage pipeline engine (ZeRO 0 and 1) against a plain model.
 """
 
 from __future__ import annotations
@@ -219,3 +220,38 @@ def test_log_dist_with_a_process_group_filters_by_rank(solo: None, records: list
     utils.log_dist("all", ranks=[-1], level=logging.WARNING)
     assert records == ["[Rank 0] zero", "[Rank 0] all"]
     assert utils.logger is logging.getLogger("dsrun.runtime")
+
+
+@pytest.mark.parametrize("stage", (0, 1))
+def test_safe_get_on_a_pipeline_engine(solo: None, stage: int) -> None:
+    """safe_get_* on a (one-stage) pipeline's layers after train_batch:
+    the values and Adam state a plain model reaches on the same data."""
+    from dsrun.pipe import LayerSpec, PipelineModule
+
+    torch.manual_seed(0)
+    module = PipelineModule([LayerSpec(torch.nn.Linear, 6, 8), LayerSpec(torch.nn.Tanh),
+                             LayerSpec(torch.nn.Linear, 8, 2)], num_stages=1,
+                            loss_fn=torch.nn.MSELoss())
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    engine, *_ = dsrun.initialize(model=module, config={
+        "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": stage}})
+    opt = torch.optim.AdamW(plain.parameters(), lr=0.01, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        batches = [(torch.randn(3, 6, generator=gen), torch.randn(3, 2, generator=gen))
+                   for _ in range(2)]
+        engine.train_batch(iter(batches))
+        for x, y in batches:
+            (torch.nn.functional.mse_loss(plain(x), y) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    mine = [p for p in engine.module.parameters()]
+    assert len(mine) == 4
+    for p, ref in zip(mine, plain.parameters()):
+        torch.testing.assert_close(utils.safe_get_full_fp32_param(p), ref.detach(),
+                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(utils.safe_get_full_optimizer_state(p, "exp_avg"),
+                                   opt.state[ref]["exp_avg"], rtol=1e-5, atol=1e-7)
