@@ -116,6 +116,23 @@ class Accelerator:
         """Whether ``tensor`` is in page-locked host memory."""
         return bool(tensor.is_pinned())
 
+    # -- torch.compile
+    _compile_backend = "inductor"
+
+    def get_compile_backend(self) -> str:
+        """The ``torch.compile`` backend ``engine.compile()`` uses by default."""
+        return self._compile_backend
+
+    def set_compile_backend(self, backend: str) -> None:
+        """Choose it (one of ``torch._dynamo.list_backends()``, or ``"eager"``)."""
+        import torch._dynamo
+
+        known = {*torch._dynamo.list_backends(exclude_tags=()), "eager"}
+        if backend not in known:
+            raise ValueError(f"compile backend {backend!r} is not one of torch's: "
+                             f"{', '.join(sorted(known))}")
+        self._compile_backend = backend
+
     # -- DeepSpeed's compiled ops
     def create_op_builder(self, class_name: str) -> Any:
         raise self._no_ops(class_name)

@@ -120,12 +120,13 @@ class StepProfiler:
             log.info("flops_profiler.recompute_fwd_factor is not needed with dsrun: the "
                      "backward's flops are counted, recomputation included")
 
-    def _active(self) -> bool:
+    def active(self) -> bool:
+        """This is the profiled step (and its report is not written yet)."""
         return not self.done and self.engine.global_steps == self.config.profile_step
 
     @contextlib.contextmanager
     def forward(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[None]:
-        if not self._active():
+        if not self.active():
             yield
             return
         if self._micro == 0:
@@ -137,7 +138,7 @@ class StepProfiler:
 
     @contextlib.contextmanager
     def backward(self) -> Iterator[None]:
-        if not self._active() or self._micro == 0:
+        if not self.active() or self._micro == 0:
             yield
             return
         started = time.perf_counter()
@@ -150,7 +151,7 @@ class StepProfiler:
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         """Around the optimizer step (at an accumulation boundary)."""
-        if not self._active() or self._micro == 0:
+        if not self.active() or self._micro == 0:
             yield
             return
         started = time.perf_counter()

@@ -50,10 +50,10 @@ from torch.optim import Optimizer
 
 from dsrun.errors import DsrunConfigError, DsrunError
 from dsrun.profiling.engine_step import make_flops_profiler
-from dsrun.runtime.batch_size import resize_batch
 from dsrun.runtime.checkpoint import engine_io as checkpoint_io
 from dsrun.runtime.config import DsrunConfig
 from dsrun.runtime.dist import compute_device
+from dsrun.runtime.engine_controls import EngineControls
 from dsrun.runtime.engine_info import EngineInfo
 from dsrun.runtime.env import DistEnv
 from dsrun.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradSync, broadcast_tensors
@@ -99,13 +99,15 @@ def bucket_elements(config: DsrunConfig) -> Optional[int]:
     return None if size == DEEPSPEED_DEFAULT_BUCKET else size
 
 
-class DsrunEngine(EngineInfo, torch.nn.Module):
+class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
     """Wraps the client model for data-parallel training (module docstring).
 
     Build it with :func:`dsrun.initialize`; ``optimizer``/``lr_scheduler`` are
     the client's (an instance, or a callable DeepSpeed-style: params ->
     optimizer, optimizer -> scheduler), else built from the config.
     """
+
+    is_pipe_parallel = False  # DeepSpeed's attribute; True on a PipelineEngine
 
     def __init__(self, model: torch.nn.Module, config: DsrunConfig, *,
                  optimizer: Any = None, lr_scheduler: Any = None,
@@ -161,6 +163,7 @@ class DsrunEngine(EngineInfo, torch.nn.Module):
                                  enabled=self.global_rank == 0, memory=config.memory_breakdown)
         self.monitor = self._make_monitor()
         self.flops_profiler, self._step_profiler = make_flops_profiler(self)
+        self._compiled: Any = None  # engine.compile()
         link_params(self)  # for dsrun.utils.safe_get_full_fp32_param(param) and friends
 
     # ------------------------------------------------------------ set-up
@@ -278,7 +281,7 @@ class DsrunEngine(EngineInfo, torch.nn.Module):
             self.monitor.saw_inputs(args, kwargs)
             args, kwargs = self.precision.cast_inputs((args, kwargs))
             with self.precision.autocast(), self._profiling("forward", args, kwargs):
-                return self.module(*args, **kwargs)
+                return self._forward_module()(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -404,15 +407,6 @@ class DsrunEngine(EngineInfo, torch.nn.Module):
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Override the boundary for the current micro-step (DeepSpeed API)."""
         self._boundary_override = bool(is_boundary)
-
-    def set_train_batch_size(self, train_batch_size: int) -> None:
-        """DeepSpeed's: a new global batch, as more or fewer micro-batches
-        per step (the micro-batch size is kept); between steps only."""
-        resize_batch(self, train=train_batch_size)
-
-    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
-        """DeepSpeed's: a new micro-batch size, the accumulation steps kept."""
-        resize_batch(self, micro=micro_batch_size)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

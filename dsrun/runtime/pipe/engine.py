@@ -95,6 +95,8 @@ def _annotate(exc: BaseException, note: str) -> None:
 class PipelineEngine(DsrunEngine):
     """Pipeline-parallel training engine (module docstring)."""
 
+    is_pipe_parallel = True
+
     def __init__(self, model: PipelineModule, config: DsrunConfig, *, mpu: Any = None,
                  **kwargs: Any) -> None:
         if not isinstance(model, PipelineModule):
