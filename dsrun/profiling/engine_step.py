@@ -102,7 +102,8 @@ def _batch_size(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
 
 class StepProfiler:
     """Drives a :class:`FlopsProfiler` through the engine's forward,
-    backward and step at the configured step (rank 0 only)."""
+    backward and step at the configured step (on the profiling ranks:
+    :func:`profiling_role`)."""
 
     def __init__(self, engine: Any, profiler: FlopsProfiler,
                  stage: Optional[tuple[int, int]] = None,
