@@ -326,6 +326,29 @@ def _dispatch(args: list[str]) -> tuple[click.Command, list[str]]:
 _NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
 
+#: DeepSpeed launcher flags dsrun does not take, and what to do instead.
+DEEPSPEED_ONLY_FLAGS = {
+    "--enable_each_rank_log": "DeepSpeed's --enable_each_rank_log DIR is dsrun's --log_dir DIR "
+                              "(one rank_N.log per rank)",
+    "--force_multi": "Not needed: dsrun launches over SSH whenever the hosts it selects are "
+                     "not just this one",
+    "--save_pid": "Not needed: dsrun prints the job id at start, and 'dsrun stack JOB' "
+                  "reaches a running job",
+    "--no_ssh_check": "Not needed: dsrun checks every host before starting; --no_preflight "
+                      "skips that",
+    "--bind_cores_to_rank": "Not implemented: dsrun sets OMP_NUM_THREADS to the host's usable "
+                            "CPUs divided among its ranks",
+    "--bind_core_list": "Not implemented: dsrun sets OMP_NUM_THREADS to the host's usable "
+                        "CPUs divided among its ranks",
+    "--autotuning": "Not implemented (DeepSpeed's autotuner)",
+    "--elastic_training": "Not implemented: --max_restarts N restarts the job after a failure",
+    "--min_elastic_nodes": "Not implemented: --max_restarts N restarts the job after a failure",
+    "--max_elastic_nodes": "Not implemented: --max_restarts N restarts the job after a failure",
+    "--comment": "Pass Slurm options with --slurm_args",
+    "--account": "Pass Slurm options with --slurm_args",
+}
+
+
 def _usage_hint(exc: click.ClickException, name: str | None) -> str:
     if not isinstance(exc, click.UsageError):
         return ""
@@ -335,6 +358,14 @@ def _usage_hint(exc: click.ClickException, name: str | None) -> str:
         hint += (f"; '{name}' here is a file, but '{name}' is a dsrun command: run the "
                  f"file as 'dsrun ./{name}' or 'dsrun run {name}'")
     return hint
+
+
+def _message(exc: click.ClickException) -> str:
+    """click's message, or for a DeepSpeed launcher flag what to do instead."""
+    if isinstance(exc, click.NoSuchOption) and exc.option_name in DEEPSPEED_ONLY_FLAGS:
+        return (f"No such option '{exc.option_name}' (a DeepSpeed launcher flag). "
+                f"{DEEPSPEED_ONLY_FLAGS[exc.option_name]}.")
+    return exc.format_message()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -358,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except click.ClickException as exc:
         hint = _usage_hint(exc, subcommand)
-        click.echo(f"dsrun: error: {exc.format_message()}{hint}", err=True)
+        click.echo(f"dsrun: error: {_message(exc)}{hint}", err=True)
         return exc.exit_code
     except DsrunError as exc:
         click.echo(f"dsrun: error: {exc}", err=True)

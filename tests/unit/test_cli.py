@@ -65,6 +65,21 @@ def test_main_prints_one_error_line_and_exits_2(capsys):
     assert err == ["dsrun: error: No such option '--bogus'. (see dsrun --help)"]
 
 
+@pytest.mark.parametrize(("argv", "advice"), [
+    (["--enable_each_rank_log", "logs", "train.py"], "is dsrun's --log_dir DIR"),
+    (["--bind_cores_to_rank", "train.py"], "Not implemented: dsrun sets OMP_NUM_THREADS"),
+    (["--force_multi", "train.py"], "Not needed"),
+    (["--elastic_training", "train.py"], "--max_restarts N"),
+])
+def test_deepspeed_only_launcher_flags_say_what_to_do(argv, advice, capsys):
+    assert cli.main(argv) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"dsrun: error: No such option '{argv[0]}' (a DeepSpeed launcher "
+                           "flag). ")
+    assert "Did you mean" not in line
+    assert advice in line and line.endswith(". (see dsrun --help)")
+
+
 def test_main_missing_script_exits_2(tmp_path, capsys):
     assert cli.main([str(tmp_path / "nope.py")]) == 2
     assert "does not exist" in capsys.readouterr().err
