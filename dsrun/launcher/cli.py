@@ -331,7 +331,7 @@ DEEPSPEED_ONLY_FLAGS = {
     "--enable_each_rank_log": "DeepSpeed's --enable_each_rank_log DIR is dsrun's --log_dir DIR "
                               "(one rank_N.log per rank)",
     "--force_multi": "Not needed: dsrun launches over SSH whenever the hosts it selects are "
-                     "not just this one",
+                     "not just this one (--launcher ssh asks for it)",
     "--save_pid": "Not needed: dsrun prints the job id at start, and 'dsrun stack JOB' "
                   "reaches a running job",
     "--no_ssh_check": "Not needed: dsrun checks every host before starting; --no_preflight "
