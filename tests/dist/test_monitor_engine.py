@@ -245,3 +245,28 @@ def test_comet_section_errors(solo: None, tmp_path: Path,
     monkeypatch.setitem(sys.modules, "comet_ml", None)
     with pytest.raises(DsrunConfigError, match="pip install comet_ml"):
         dsrun.initialize(model=model(), config=config(tmp_path, comet={"enabled": True}))
+
+
+def test_comet_offline_with_the_real_package(solo: None, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where comet_ml is installed: an offline experiment's archive holds
+    the engine's losses at the multiples of samples_log_interval."""
+    if importlib.util.find_spec("comet_ml") is None:
+        pytest.skip("the comet_ml package is not installed")
+    import json
+    import zipfile
+
+    monkeypatch.setenv("COMET_OFFLINE_DIRECTORY", str(tmp_path / "comet"))
+    cfg = config(tmp_path, comet={"enabled": True, "project": "dsrun-test", "online": False,
+                                  "samples_log_interval": 8})
+    engine, *_ = dsrun.initialize(model=model(), config=cfg)
+    losses = train(engine, 4)
+    engine.monitor.monitor.close()
+    (archive,) = glob.glob(str(tmp_path / "comet" / "*.zip"))
+    with zipfile.ZipFile(archive) as z:
+        messages = [json.loads(line) for line in z.read("messages.json").decode().splitlines()]
+    logged = {m["payload"]["metric"]["step"]: m["payload"]["metric"]["metricValue"]
+              for m in messages if m.get("type") == "metric_msg"
+              and m["payload"]["metric"]["metricName"] == "Train/Samples/train_loss"}
+    assert logged == {8: pytest.approx(losses[1], rel=1e-12),
+                      16: pytest.approx(losses[3], rel=1e-12)}
