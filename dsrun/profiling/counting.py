@@ -52,10 +52,6 @@ def _numel(shape: Sequence[int]) -> int:
     return math.prod(int(s) for s in shape)
 
 
-def _shape(x: Any) -> Optional[tuple[int, ...]]:
-    return tuple(x.shape) if isinstance(x, torch.Tensor) else None
-
-
 def _first_tensor(values: Any) -> Optional[torch.Tensor]:
     if isinstance(values, torch.Tensor):
         return values
@@ -102,12 +98,14 @@ def attention_macs(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> tupl
 
 # ------------------------------------------------------------- the rules
 
-def _product(a_index: int, b_index: int, added: Optional[int] = None
+def _product(a_index: int, b_index: int, adds_input: bool = False
              ) -> Callable[[tuple, dict, Any], Cost]:
+    """``args[a_index] @ args[b_index]``, plus ``beta * input`` for the
+    ``add*`` forms (one flop per output element unless ``beta`` is 0)."""
     def rule(args: tuple, kwargs: dict, out: Any) -> Cost:
         macs = matmul_macs(args[a_index].shape, args[b_index].shape)
         flops = 2 * macs
-        if added is not None and isinstance(out, torch.Tensor):
+        if adds_input and isinstance(out, torch.Tensor):
             beta = kwargs.get("beta", 1)
             if beta != 0:
                 flops += out.numel()
@@ -186,10 +184,10 @@ _RULES: dict[Any, Callable[[tuple, dict, Any], Cost]] = {
     aten.mm.default: _product(0, 1),
     aten.bmm.default: _product(0, 1),
     aten.mv.default: _product(0, 1),
-    aten.addmm.default: _product(1, 2, added=0),
-    aten.baddbmm.default: _product(1, 2, added=0),
-    aten.addbmm.default: _product(1, 2, added=0),
-    aten.addmv.default: _product(1, 2, added=0),
+    aten.addmm.default: _product(1, 2, adds_input=True),
+    aten.baddbmm.default: _product(1, 2, adds_input=True),
+    aten.addbmm.default: _product(1, 2, adds_input=True),
+    aten.addmv.default: _product(1, 2, adds_input=True),
     aten.dot.default: _dot,
     aten.vdot.default: _dot,
     aten.convolution.default: _convolution,

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 
 from dsrun.errors import DsrunConfigError
-from dsrun.profiling.flops_profiler import FlopsProfiler
+from dsrun.profiling.flops_profiler.profiler import FlopsProfiler, synchronize_cuda
 from dsrun.profiling.tree import Summary
 
 log = logging.getLogger("dsrun.profiling")
@@ -55,10 +55,8 @@ def profiling_role(engine: Any) -> tuple[bool, Optional[tuple[int, int]]]:
     """Whether this rank profiles, and its ``(stage, stages)`` in a
     pipeline: global rank 0 of a data-parallel engine, the first replica of
     every stage of a pipeline (each stage runs other layers)."""
-    from dsrun.runtime.pipe.module import PipelineModule
-
-    if isinstance(engine.module, PipelineModule):
-        grid = engine.module.grid
+    if engine.is_pipe_parallel:
+        grid = engine.module.grid  # the PipelineModule's (the engine sets its own later)
         return grid.data_parallel_id == 0, (grid.stage_id, grid.stages)
     return engine.global_rank == 0, None
 
@@ -146,7 +144,7 @@ class StepProfiler:
         overhead = self.profiler._overhead
         with self.profiler.counting("backward"):
             yield
-        _sync()
+        synchronize_cuda()
         self._backward_s += time.perf_counter() - started - (self.profiler._overhead - overhead)
 
     @contextlib.contextmanager
@@ -157,7 +155,7 @@ class StepProfiler:
             return
         started = time.perf_counter()
         yield
-        _sync()
+        synchronize_cuda()
         step_s = time.perf_counter() - started
         self._report(step_s)
 
@@ -186,8 +184,3 @@ class StepProfiler:
         finally:
             self.profiler.end_profile()
             self.done = True
-
-
-def _sync() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()

@@ -40,7 +40,7 @@ def compile_module(engine: Any, backend: Any = None,
                          "and releases parameters in hooks around each module's forward, "
                          "which torch.compile cannot capture; use ZeRO stage 0-2, or train "
                          "uncompiled")
-    if getattr(engine, "is_pipe_parallel", False):
+    if engine.is_pipe_parallel:
         raise DsrunError("engine.compile() is not supported on a pipeline engine: compile the "
                          "layers (torch.compile on each module) before building the "
                          "PipelineModule")

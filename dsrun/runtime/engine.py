@@ -507,5 +507,4 @@ def _trainable(source: Iterable[Any]) -> list[Any]:
     return [p for p in source if isinstance(p, dict) or getattr(p, "requires_grad", True)]
 
 
-
 DeepSpeedEngine = DsrunEngine  # DeepSpeed's name: from deepspeed.runtime.engine import ...

@@ -51,4 +51,3 @@ class EngineControls:
     def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
         """DeepSpeed's: a new micro-batch size, the accumulation steps kept."""
         resize_batch(self, micro=micro_batch_size)
-

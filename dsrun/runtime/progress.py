@@ -89,20 +89,22 @@ def _mib(n: float) -> str:
 
 def memory_line() -> str:
     """This process's memory now and at its peak (``memory_breakdown``):
-    CUDA allocated / reserved (where CUDA is in use), host resident set,
-    and the machine's memory in use."""
-    import resource
-
+    CUDA allocated / reserved (where CUDA is in use), host resident set
+    (both through :mod:`dsrun.accelerator`), and the machine's memory in use."""
     import psutil
     import torch
 
+    from dsrun.accelerator import CpuAccelerator, CudaAccelerator
+
     parts = []
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        parts.append(f"CUDA allocated {_mib(torch.cuda.memory_allocated())} (peak "
-                     f"{_mib(torch.cuda.max_memory_allocated())}), reserved "
-                     f"{_mib(torch.cuda.memory_reserved())} (peak "
-                     f"{_mib(torch.cuda.max_memory_reserved())})")
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    parts.append(f"host RSS {_mib(psutil.Process().memory_info().rss)} (peak {_mib(peak)})")
+        cuda = CudaAccelerator()
+        parts.append(f"CUDA allocated {_mib(cuda.memory_allocated())} (peak "
+                     f"{_mib(cuda.max_memory_allocated())}), reserved "
+                     f"{_mib(cuda.memory_reserved())} (peak "
+                     f"{_mib(cuda.max_memory_reserved())})")
+    host = CpuAccelerator()
+    parts.append(f"host RSS {_mib(host.memory_allocated())} "
+                 f"(peak {_mib(host.max_memory_allocated())})")
     parts.append(f"machine memory in use {psutil.virtual_memory().percent:.0f}%")
     return "memory: " + "; ".join(parts)

@@ -104,3 +104,8 @@ def test_accelerator_compile_backend() -> None:
     assert acc.get_compile_backend() == "inductor"
     with pytest.raises(ValueError, match="not one of torch's"):
         acc.set_compile_backend("no-such-backend")
+    try:
+        acc.set_compile_backend("aot_eager")
+        assert acc.get_compile_backend() == "aot_eager"
+    finally:
+        acc.set_compile_backend("inductor")

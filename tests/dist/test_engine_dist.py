@@ -180,6 +180,8 @@ def test_comms_logger_sees_the_engines_collectives(two_ranks: list[dict[str, Any
 
 
 def test_flops_profiler_on_rank_zero_at_stage3(two_ranks: list[dict[str, Any]]) -> None:
+    from dsrun.profiling.flops_profiler import params_to_string
+
     rank0, rank1 = case(two_ranks, "flops_profiler")
     for fact in (rank0, rank1):
         assert fact["losses_on"] == fact["losses_off"]  # counting changes nothing computed
@@ -188,7 +190,8 @@ def test_flops_profiler_on_rank_zero_at_stage3(two_ranks: list[dict[str, Any]]) 
     report = rank0["report"]
     assert report is not None and "Profile summary at step 2:" in report
     params = next(x for x in report.splitlines() if x.startswith("params per rank:"))
-    assert params.split(":")[1].strip() == f"{rank0['whole'] / 1000:.2f} K"  # ...the report the whole
+    # ...the report the whole
+    assert params.split(":")[1].strip() == params_to_string(rank0["whole"])
     assert "world size:" in report and "data parallel size:" in report
 
 

@@ -77,7 +77,9 @@ def _param_count(module: torch.nn.Module) -> int:
     return sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters())
 
 
-def _synchronize() -> None:
+def synchronize_cuda() -> None:
+    """Wait for queued CUDA work (where CUDA is in use), so that a time
+    taken next covers it."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
 
@@ -302,7 +304,7 @@ class FlopsProfiler:
             return  # e.g. recomputation by activation checkpointing in backward
         stats = self._by_module.get(id(module))
         if stats is not None:
-            _synchronize()
+            synchronize_cuda()
             self._stack.append((stats, time.perf_counter(), self._overhead))
 
     def _post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -311,7 +313,7 @@ class FlopsProfiler:
         stats = self._by_module.get(id(module))
         if stats is None or not any(entry[0] is stats for entry in self._stack):
             return
-        _synchronize()
+        synchronize_cuda()
         now = time.perf_counter()
         while self._stack:
             entry, started, overhead = self._stack.pop()

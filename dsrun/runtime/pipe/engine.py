@@ -110,7 +110,6 @@ class PipelineEngine(DsrunEngine):
         self.grid = model.grid
         self.stage_id = self.grid.stage_id
         self.num_stages = self.grid.stages
-        self.micro_batches = config.gradient_accumulation_steps
         self.agg_train_loss: Optional[torch.Tensor] = None
         self.agg_eval_loss: Optional[torch.Tensor] = None
         self.last_batch_timing: Optional[dict[str, float]] = None
@@ -160,9 +159,11 @@ class PipelineEngine(DsrunEngine):
 
     # ------------------------------------------------------------ public API
 
-    def set_train_batch_size(self, train_batch_size: int) -> None:
-        super().set_train_batch_size(train_batch_size)
-        self.micro_batches = self.config.gradient_accumulation_steps
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per ``train_batch``: the accumulation steps in force
+        (``set_train_batch_size`` changes them)."""
+        return self.config.gradient_accumulation_steps
 
     def is_first_stage(self) -> bool:
         return self.grid.is_first_stage
