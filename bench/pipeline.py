@@ -1,7 +1,8 @@
 """Pipeline parallelism: dsrun's PipelineEngine vs DeepSpeed's vs DDP, and the bubble.
 
     .venv/bin/python bench/pipeline.py [--rounds 3] [--steps 4] [--warmup 2]
-        [--micro-batch 2] [--micro-batches 8] [--runners dsrun-pipe,deepspeed-pipe,ddp]
+        [--micro-batch 2] [--micro-batches 8]
+        [--runners dsrun-pipe,dsrun-flops,deepspeed-pipe,ddp]
         [--json results.json]
 
 The bench GPT of bench/train_throughput.py (vocab 8192, width 512, 6 blocks,
@@ -13,6 +14,13 @@ micro-batches of ``--micro-batch`` sequences:
 * ``dsrun-pipe``: a dsrun ``PipelineModule`` of 2 stages (``type:Block``:
   embedding and 3 blocks | 3 blocks, final norm and the tied output layer,
   a ``TiedLayerSpec``), ``engine.train_batch()`` (1F1B);
+* ``dsrun-flops``: the same with ``partition_method="flops"`` (layers
+  balanced by their counted forward + backward work on a micro-batch's
+  shapes; it puts 4 blocks on the first stage, which carries no output
+  layer). DeepSpeed has no work-based method (its ``"profile"`` raises
+  ``NotImplementedError``) and each of its methods (``parameters``,
+  ``uniform``, ``type:Block``) gives the ``type:Block`` split on this model,
+  so this row compares each engine with its best automatic partition;
 * ``deepspeed-pipe``: the same layer list as a DeepSpeed ``PipelineModule``
   under DeepSpeed's ``PipelineEngine`` (only where DeepSpeed imports, see
   below);
@@ -131,19 +139,27 @@ def _config(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
                                                       "torch_adam": True}}, **extra}
 
 
-def _dsrun_pipe(args: argparse.Namespace) -> tuple[Step, Any]:
+def _dsrun_pipe(args: argparse.Namespace, method: str = "type:Block") -> tuple[Step, Any]:
+    import torch
+
     import dsrun
     import dsrun.pipe
 
     c = layer_classes()
+    example = torch.zeros(args.micro_batch, SEQ, dtype=torch.long)  # shapes only
     module = dsrun.pipe.PipelineModule(pipeline_layers(dsrun.pipe), num_stages=STAGES,
-                                       loss_fn=c["lm_loss"], partition_method="type:Block")
+                                       loss_fn=c["lm_loss"], partition_method=method,
+                                       example_inputs=example, example_labels=example)
     engine, _, _, _ = dsrun.initialize(model=module,
                                        config=_config(args, wall_clock_breakdown=True))
 
     def step(micro: list[Any]) -> None:
         engine.train_batch(iter(micro))
     return step, engine
+
+
+def _dsrun_pipe_flops(args: argparse.Namespace) -> tuple[Step, Any]:
+    return _dsrun_pipe(args, "flops")
 
 
 def _deepspeed_pipe(args: argparse.Namespace) -> tuple[Step, Any]:
@@ -183,7 +199,10 @@ def _ddp(args: argparse.Namespace) -> tuple[Step, Any]:
 
 
 RUNNERS: dict[str, Callable[[argparse.Namespace], tuple[Step, Any]]] = {
-    "dsrun-pipe": _dsrun_pipe, "deepspeed-pipe": _deepspeed_pipe, "ddp": _ddp}
+    "dsrun-pipe": _dsrun_pipe, "dsrun-flops": _dsrun_pipe_flops,
+    "deepspeed-pipe": _deepspeed_pipe, "ddp": _ddp}
+PARTITIONS = {"dsrun-pipe": "type:Block", "dsrun-flops": "flops",
+              "deepspeed-pipe": "type:Block"}
 NEEDS_DEEPSPEED = {"deepspeed-pipe"}
 
 
@@ -213,8 +232,10 @@ def worker(args: argparse.Namespace) -> None:
         if engine is not None:
             timings.append(engine.last_batch_timing)
     dist.barrier()
+    parts = list(engine.module.parts) if engine is not None else None
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(
-        {"rank": rank, "times": times, "timings": timings, "threads": torch.get_num_threads()}))
+        {"rank": rank, "times": times, "timings": timings, "threads": torch.get_num_threads(),
+         "parts": parts}))
 
 
 # -------------------------------------------------------------- orchestration (driver)
@@ -262,30 +283,39 @@ def report(runs: dict[str, list[list[dict[str, Any]]]], missing: list[str],
     print(f"bench GPT 23.2M params (tied embedding), fp32 AdamW, {STAGES} CPU ranks (gloo); "
           f"{m} micro-batches of {args.micro_batch}x{SEQ} tokens per step; {args.rounds} "
           f"interleaved round(s) of {args.steps} timed steps")
-    print(f"{'runner':<16}{'s/step':>9}{'vs DeepSpeed pipe':>19}{'vs DDP':>9}")
+    print(f"{'runner':<16}{'partition':>12}{'s/step':>9}{'vs DeepSpeed pipe':>19}"
+          f"{'vs DDP':>9}")
     for name, seconds in table.items():
         ds = table.get("deepspeed-pipe")
         ddp = table.get("ddp")
-        print(f"{name:<16}{seconds:>9.3f}{(f'{seconds / ds:.3f}x' if ds else '-'):>19}"
+        parts = runs[name][0][0].get("parts")
+        where = PARTITIONS.get(name, "-") if parts is None else \
+            f"{'|'.join(str(p) for p in parts)}"
+        print(f"{name:<16}{where:>12}{seconds:>9.3f}"
+              f"{(f'{seconds / ds:.3f}x' if ds else '-'):>19}"
               f"{(f'{seconds / ddp:.3f}x' if ddp else '-'):>9}")
     for name in missing:
         print(f"{name:<16}  DeepSpeed not installed (see this file's docstring)")
-    result: dict[str, Any] = {"s_per_step": table, "missing": missing}
-    if "dsrun-pipe" in runs:
-        ideal = m / (m + STAGES - 1)
-        stages = bubble(runs["dsrun-pipe"])
-        result["bubble"] = {"ideal_busy": ideal, "stages": stages}
+    print("(partition: layer boundaries; DeepSpeed's partition methods 'parameters', "
+          "'uniform' and 'type:Block' all give 0|5|10 here, and it has no work-based one)")
+    result: dict[str, Any] = {"s_per_step": table, "missing": missing, "bubble": {}}
+    ideal = m / (m + STAGES - 1)
+    for name in ("dsrun-pipe", "dsrun-flops"):
+        if name not in runs:
+            continue
+        stages = bubble(runs[name])
+        result["bubble"][name] = {"ideal_busy": ideal, "stages": stages}
         for stage, (busy, seconds, compute) in enumerate(stages):
-            print(f"dsrun stage {stage}: busy {busy:.1%} of the {seconds:.3f} s pipeline "
+            print(f"{name} stage {stage}: busy {busy:.1%} of the {seconds:.3f} s pipeline "
                   f"(bubble {1 - busy:.1%}; {compute:.3f} s in passes); 1F1B ideal busy "
                   f"m/(m+s-1) = {ideal:.1%}")
         bound = max(compute for _, _, compute in stages)
-        print(f"dsrun's slowest stage computes {bound:.3f} s per step (median): no schedule "
-              f"of this partition takes less; dsrun's step takes "
-              f"{table['dsrun-pipe'] / bound:.3f}x that (the rest: the first forward and "
+        print(f"{name}: the slowest stage computes {bound:.3f} s per step (median): no "
+              f"schedule of this partition takes less; the step takes "
+              f"{table[name] / bound:.3f}x that (the rest: the first forward and "
               "the last backward of the other stage, the tied-gradient sum, the optimizer "
               "step)")
-        result["slowest_stage_compute_s"] = bound
+        result["bubble"][name]["slowest_stage_compute_s"] = bound
     return result
 
 

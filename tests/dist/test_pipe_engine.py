@@ -135,7 +135,7 @@ def embed_logits(embedding: nn.Embedding, h: torch.Tensor) -> torch.Tensor:
     ([LayerSpec(nn.ReLU)], {"num_stages": 2}, "num_stages=2 does not divide the world size 1"),
     ([LayerSpec(nn.ReLU)], {"activation_checkpoint_interval": -1}, "must be an integer >= 0"),
     ([LayerSpec(nn.ReLU)], {"loss_fn": "mse"}, "loss_fn must be callable"),
-    ([LayerSpec(nn.ReLU)], {"partition_method": "flops"}, "unknown partition_method"),
+    ([LayerSpec(nn.ReLU)], {"partition_method": "fastest"}, "unknown partition_method"),
     ([TiedLayerSpec("e", nn.ReLU)], {}, "ReLU has no parameter 'weight'"),
 ])
 def test_bad_modules_name_the_problem(solo: None, layers: Any, kwargs: dict,
@@ -155,6 +155,18 @@ def test_bad_specs(solo: None) -> None:
     layer = nn.Linear(2, 2)
     with pytest.raises(DsrunConfigError, match="same module object as layer 0: to share"):
         PipelineModule([layer, layer], num_stages=1)
+
+
+def test_flops_partition_needs_an_example_and_reports_the_work(solo: None) -> None:
+    with pytest.raises(DsrunConfigError, match="'flops' needs example_inputs="):
+        PipelineModule([LayerSpec(nn.Linear, 4, 4)], num_stages=1, partition_method="flops")
+    module = PipelineModule([LayerSpec(nn.Linear, 4, 8, bias=False), nn.ReLU()], num_stages=1,
+                            partition_method="flops", example_inputs=torch.zeros(2, 4),
+                            activation_checkpoint_interval=1)
+    # the linear's forward (counted twice: checkpointed), its weight's gradient, the relu's two
+    assert module.layer_flops == [3 * 2 * 2 * 4 * 8, 2 * 2 * 8]
+    assert "stage 0: layers 0-1 (Linear, ReLU), 4.16e-07 GFLOP per micro-batch" in \
+        module.describe(["Linear", "ReLU"], None)
 
 
 # ---------------------------------------------------------------- the engine

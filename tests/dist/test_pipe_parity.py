@@ -35,7 +35,7 @@ TOLERANCE = 1e-6
 cases = load_cases()
 
 ON_2_RANKS = ["mlp", "mlp-noclip", "mlp-3mb", "mlp-ckpt", "mlp-zero1", "mlp-bf16", "tied",
-              "varlen", "tuple"]
+              "varlen", "tuple", "mlp-flops"]
 ON_4_RANKS = ["mlp", "mlp-zero1", "mlp-zero2", "mlp-ckpt", "tied", "tied-zero1"]
 BITWISE_ON_2_RANKS = ["mlp-noclip", "mlp-3mb"]
 
@@ -144,6 +144,13 @@ def test_two_stages_by_two_replicas_on_four_ranks(one_process: None, four_ranks:
     ranks = four_ranks[name]
     assert [(r["stage"], r["replica"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     print(*_compare(name, ranks, reference(name, 2), bitwise=False))
+
+
+def test_partition_by_counted_work(two_ranks: dict) -> None:
+    """"flops" puts layers 0-1 on stage 0 (the default, "parameters", 0-2),
+    on every rank alike, and the parity test above trains on it."""
+    assert [r["parts"] for r in two_ranks["mlp-flops"]] == [(0, 2, 6), (0, 2, 6)]
+    assert [r["parts"] for r in two_ranks["mlp"]] == [(0, 3, 6), (0, 3, 6)]
 
 
 def test_tied_weights_stay_tied(two_ranks: dict, four_ranks: dict) -> None:

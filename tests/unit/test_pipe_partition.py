@@ -71,7 +71,7 @@ def test_methods() -> None:
 
 
 @pytest.mark.parametrize("method, message", [
-    ("flops", "unknown partition_method='flops'"),
+    ("flop", "unknown partition_method='flop'"),
     ("profile", "not implemented"),
     ("type:Conv", "no layer class name matches 'Conv'"),
     ("type:(", "not a valid regular expression"),

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any, Callable, Optional, Union
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from dsrun.errors import DsrunConfigError
 
@@ -106,11 +107,39 @@ def count_parameters(layer: Any) -> int:
         return sum(p.numel() for p in layer.parameters() if p.requires_grad)
     if not isinstance(layer, LayerSpec):
         return 0
-    try:
-        with torch.device("meta"):
-            module = layer.build()
-    except Exception as exc:  # noqa: BLE001 - some constructors need real tensors
-        log.debug("%r cannot be built on the meta device (%s); sizing it on the CPU",
-                  layer, exc)
-        module = layer.build()
+    module = build_on_meta(layer)
     return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+class _SkipMetaInit(TorchFunctionMode):
+    """Weight initialisation on meta tensors as a no-op: there is no data to
+    fill, and torch's meta kernels for some of it (``normal_``) are Python
+    references whose first use imports ``torch._dynamo``, ~2 s per process."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in _INIT_OPS:
+            # a Tensor method, or torch.nn.init's function (tensor= keyword)
+            target = args[0] if args else kwargs.get("tensor")
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target  # in place and elementwise: shape, dtype and strides stay
+        return func(*args, **kwargs)
+
+
+_INIT_OPS = frozenset({"normal_", "uniform_", "random_", "bernoulli_", "exponential_",
+                       "log_normal_", "cauchy_", "geometric_", "zero_", "fill_", "erfinv_",
+                       "mul_", "add_", "sub_", "div_", "clamp_", "clamp_min_", "clamp_max_"})
+
+
+def build_on_meta(spec: LayerSpec) -> torch.nn.Module:
+    """``spec.build()`` on torch's meta device (no memory, no initialisation);
+    on the CPU, moved to meta after, where the constructor needs real
+    tensors."""
+    try:
+        with torch.device("meta"), _SkipMetaInit():
+            return spec.build()
+    except Exception as exc:  # noqa: BLE001 - some constructors need real tensors
+        log.debug("%r cannot be built on the meta device (%s); building it on the CPU",
+                  spec, exc)
+        return spec.build().to("meta")

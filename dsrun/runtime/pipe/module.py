@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from dsrun import checkpointing
 from dsrun.errors import DsrunConfigError
+from dsrun.runtime.pipe.costs import layer_flops
 from dsrun.runtime.pipe.grid import PipelineGrid, cached_group
 from dsrun.runtime.pipe.layers import LayerSpec, TiedLayerSpec, count_parameters, layer_name
 from dsrun.runtime.pipe.partition import partition_layers
@@ -95,6 +96,10 @@ class PipelineModule(torch.nn.Module):
     chunk's input is kept and its activations are recomputed in backward.
     ``checkpointable_layers``: class names; a chunk is checkpointed only if
     all its layers are of these classes (default: if it has parameters).
+    ``example_inputs`` (and optionally ``example_labels``): one micro-batch's
+    input to the first layer (and its labels, for ``loss_fn``), needed by
+    ``partition_method="flops"``; only shapes and dtypes are read, so meta
+    tensors do (see :mod:`~dsrun.runtime.pipe.costs`).
     """
 
     def __init__(self, layers: Sequence[Any], num_stages: Optional[int] = None,
@@ -104,7 +109,8 @@ class PipelineModule(torch.nn.Module):
                  base_seed: int = 1234, partition_method: Any = "parameters",
                  activation_checkpoint_interval: int = 0,
                  activation_checkpoint_func: Optional[Callable[..., Any]] = None,
-                 checkpointable_layers: Optional[Sequence[str]] = None) -> None:
+                 checkpointable_layers: Optional[Sequence[str]] = None,
+                 example_inputs: Any = None, example_labels: Any = None) -> None:
         super().__init__()
         specs = _check_layers(layers)
         interval = activation_checkpoint_interval
@@ -128,11 +134,14 @@ class PipelineModule(torch.nn.Module):
         self.partition_method = partition_method
         self._num_layers = len(specs)
         names = [layer_name(layer) for layer in specs]
-        wants_counts = isinstance(partition_method, str) and \
-            partition_method.lower() == "parameters"
+        method = partition_method.lower() if isinstance(partition_method, str) else None
+        wants_counts = method == "parameters"
         counts = [count_parameters(layer) for layer in specs] if wants_counts \
             else [0] * len(specs)
-        self.parts = partition_layers(partition_method, self.num_stages, names, counts)
+        self.layer_flops = self._count_flops(specs, names, example_inputs, example_labels) \
+            if method == "flops" else None
+        self.parts = partition_layers(partition_method, self.num_stages, names, counts,
+                                      self.layer_flops)
         self._grid = PipelineGrid(self._topology)
         self.stage_id = self._grid.stage_id
         self._local_start = self.parts[self.stage_id]
@@ -146,6 +155,21 @@ class PipelineModule(torch.nn.Module):
             log.info("%s", self.describe(names, counts if wants_counts else None))
 
     # ------------------------------------------------------------ building
+
+    def _count_flops(self, specs: list[Any], names: list[str], example_inputs: Any,
+                     example_labels: Any) -> list[int]:
+        """Each layer's forward + backward flops on the example (for
+        ``"flops"``); a layer activation checkpointing would recompute (by
+        the per-chunk rule of :meth:`_checkpointable`, applied per layer)
+        counts its forward twice."""
+        if self.activation_checkpoint_interval == 0:
+            again = [False] * len(specs)
+        elif self.checkpointable_layers is not None:
+            again = [name in self.checkpointable_layers for name in names]
+        else:
+            again = [count_parameters(layer) > 0 for layer in specs]
+        return layer_flops(specs, example_inputs, example_labels=example_labels,
+                           loss_fn=self.loss_fn, recomputed=again)
 
     def _seeded(self, index: int, build: Callable[[], Any]) -> Any:
         if not self.seed_layers:
@@ -209,6 +233,9 @@ class PipelineModule(torch.nn.Module):
             a, b = self.parts[stage], self.parts[stage + 1]
             kinds = ", ".join(dict.fromkeys(names[a:b]))
             params = f", {sum(counts[a:b]):,} parameters" if counts is not None else ""
+            if self.layer_flops is not None:
+                params += f", {sum(self.layer_flops[a:b]) / 1e9:.3g} GFLOP per micro-batch " \
+                          "(forward + backward)"
             lines.append(f"  stage {stage}: layers {a}-{b - 1} ({kinds}){params}")
         return "\n".join(lines)
 

@@ -8,6 +8,10 @@ boundaries ``0 = b0 < b1 < ... < bS = L``: stage ``s`` owns layers
 
 * ``"parameters"`` (the default): balance the trainable parameter count;
 * ``"uniform"``: balance the number of layers;
+* ``"flops"``: balance each layer's forward + backward floating-point
+  operations on a micro-batch shaped like ``example_inputs``, counted on
+  torch's meta device (:mod:`~dsrun.runtime.pipe.costs`): balances work, where
+  the others balance memory or structure;
 * ``"type:REGEX"``: balance the number of layers whose class name matches
   ``REGEX`` (case-insensitive ``re.search``; e.g. ``"type:TransformerBlock"``),
   other layers weigh nothing;
@@ -22,10 +26,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import Optional
 
 from dsrun.errors import DsrunConfigError
 
-METHODS = ("parameters", "uniform", "type:REGEX", "explicit boundaries [0, ..., num_layers]")
+METHODS = ("parameters", "uniform", "flops", "type:REGEX",
+           "explicit boundaries [0, ..., num_layers]")
 
 
 def _greedy(weights: Sequence[int], parts: int, bottleneck: int) -> tuple[int, ...] | None:
@@ -90,11 +96,17 @@ def check_boundaries(bounds: Sequence[object], num_layers: int, stages: int) -> 
     return tuple(values)  # type: ignore[arg-type]
 
 
-def layer_weights(method: str, names: Sequence[str], param_counts: Sequence[int]) -> list[int]:
-    """Per-layer weights for a named ``method`` (module docstring)."""
+def layer_weights(method: str, names: Sequence[str], param_counts: Sequence[int],
+                  flops: Optional[Sequence[int]] = None) -> list[int]:
+    """Per-layer weights for a named ``method`` (module docstring);
+    ``flops``: each layer's, for ``"flops"``."""
     lowered = method.lower()
     if lowered == "parameters":
         return list(param_counts)
+    if lowered == "flops":
+        if flops is None or len(flops) != len(names):
+            raise ValueError("partition_method='flops' needs one flop count per layer")
+        return list(flops)
     if lowered == "uniform":
         return [1] * len(names)
     if lowered.startswith("type:"):
@@ -110,14 +122,17 @@ def layer_weights(method: str, names: Sequence[str], param_counts: Sequence[int]
                                    f"{pattern!r} (layers: {', '.join(sorted(set(names)))})")
         return weights
     if lowered == "profile":
-        raise DsrunConfigError("partition_method='profile' is not implemented in dsrun; use "
-                               "'parameters', 'uniform' or 'type:REGEX'")
+        raise DsrunConfigError("partition_method='profile' (timing each layer) is not "
+                               "implemented in dsrun; 'flops' balances each layer's counted "
+                               "work (with example_inputs=), or use 'parameters', 'uniform' "
+                               "or 'type:REGEX'")
     raise DsrunConfigError(f"unknown partition_method={method!r}; use one of: "
                            f"{', '.join(METHODS)}")
 
 
 def partition_layers(method: object, stages: int, names: Sequence[str],
-                     param_counts: Sequence[int]) -> tuple[int, ...]:
+                     param_counts: Sequence[int],
+                     flops: Optional[Sequence[int]] = None) -> tuple[int, ...]:
     """The boundaries ``method`` gives for these layers on ``stages`` stages."""
     num_layers = len(names)
     if len(param_counts) != num_layers:
@@ -126,7 +141,7 @@ def partition_layers(method: object, stages: int, names: Sequence[str],
         raise DsrunConfigError(f"{num_layers} layer(s) cannot fill {stages} pipeline stages: "
                                "every stage needs at least one layer")
     if isinstance(method, str):
-        return partition_balanced(layer_weights(method, names, param_counts), stages)
+        return partition_balanced(layer_weights(method, names, param_counts, flops), stages)
     if isinstance(method, Sequence):
         return check_boundaries(method, num_layers, stages)
     raise DsrunConfigError(f"partition_method must be a string or a sequence of boundaries, "

@@ -173,6 +173,10 @@ CASES = {
                    micro_batches=5, clip=0.0, module={"partition_method": [0, 2, 5]}),
     "tuple": Case(tuple_layers, F.cross_entropy, mlp_batch,
                   module={"partition_method": "uniform"}),
+    # balanced by counted work: layers 0-1 | 2-5 ("parameters" gives 0-2 | 3-5)
+    "mlp-flops": Case(mlp_layers, F.cross_entropy, mlp_batch,
+                      module={"partition_method": "flops", "example_inputs": mlp_batch(0)[0],
+                              "example_labels": mlp_batch(0)[1]}),
 }
 
 
@@ -201,7 +205,7 @@ def main(out: Path, names: list[str]) -> None:
         eval_loss = float(engine.eval_batch(iter(case.eval_data())))
         output = engine(case.eval_data()[0][0])
         torch.save({"losses": losses, "eval": eval_loss, "stage": engine.stage_id,
-                    "replica": replica, "forward": output,
+                    "replica": replica, "forward": output, "parts": engine.module.parts,
                     "params": {n: p.detach().clone() for n, p in
                                engine.module.named_parameters()}},
                    out / f"{name}-rank{rank}.pt")
