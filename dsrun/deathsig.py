@@ -18,6 +18,10 @@ rank exits at once.
 The signal is tied to the agent's *thread* that spawned the rank: the agent
 spawns every rank from its main thread, which lives until the agent exits.
 Linux only; elsewhere this is a no-op (the agent's guard still cleans up).
+
+The same first act binds the rank to its CPUs under ``--bind_cores_to_rank``
+(:func:`bind_cpus`, from ``DSRUN_CPU_AFFINITY``; dsrun/launcher/cores.py),
+before the rank starts any thread.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import sys
 #: Environment variable naming the agent's pid (set by the agent on each rank).
 AGENT_PID_VAR = "DSRUN_AGENT_PID"
 _PR_SET_PDEATHSIG = 1
+#: The CPUs a rank binds itself to ("0-3,8"), set by dsrun for --bind_cores_to_rank.
+AFFINITY_VAR = "DSRUN_CPU_AFFINITY"
 #: Exit status of a rank whose agent died before it could arm the signal.
 ORPHANED = 137
 
@@ -73,6 +79,38 @@ def agent_pid(environ: dict[str, str] | os._Environ[str]) -> int | None:
     return int(value) if value.isdigit() else None
 
 
+def cpu_set(text: str) -> set[int]:
+    """``"0-3,8"`` -> ``{0, 1, 2, 3, 8}``; ValueError naming a bad entry."""
+    cpus: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        first, dash, last = part.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"{part!r} is not a CPU number or a range A-B")
+        low, high = int(first), int(last) if dash else int(first)
+        if high < low:
+            raise ValueError(f"{part!r} is not a range of CPU numbers (A-B needs A <= B)")
+        cpus.update(range(low, high + 1))
+    return cpus
+
+
+def bind_cpus(environ: dict[str, str] | os._Environ[str]) -> str | None:
+    """Pin this process (and every thread it starts later) to the CPUs in
+    ``DSRUN_CPU_AFFINITY`` (``--bind_cores_to_rank``). Returns None when
+    done or not asked for, else why it failed (one line)."""
+    text = environ.get(AFFINITY_VAR)
+    if not text or not hasattr(os, "sched_setaffinity"):
+        return None
+    try:
+        os.sched_setaffinity(0, cpu_set(text))
+    except (OSError, ValueError) as exc:
+        allowed = sorted(os.sched_getaffinity(0))
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return (f"cannot bind this rank to CPUs {text} ({AFFINITY_VAR}, from "
+                f"--bind_cores_to_rank): {reason}; this process may run on CPUs "
+                f"{','.join(map(str, allowed))}")
+    return None
+
+
 def wrapper_argv(python: str, parent: int, argv: list[str]) -> list[str]:
     """The argv that starts ``argv`` through this file as an exec wrapper."""
     return [python, "-I", "-S", os.path.abspath(__file__), str(parent), "--", *argv]
@@ -83,6 +121,10 @@ def _main(args: list[str]) -> int:
         sys.stderr.write("usage: deathsig.py AGENT_PID -- ARGV...\n")
         return 2
     die_with_parent(int(args[0]))
+    failed = bind_cpus(os.environ)
+    if failed:
+        sys.stderr.write(f"dsrun: error: {failed}\n")
+        return 1
     argv = args[2:]
     try:
         os.execvp(argv[0], argv)

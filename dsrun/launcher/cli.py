@@ -197,6 +197,13 @@ def host_options(func):
               help="A host silent for S seconds is lost: the job stops on every other host "
                    "and the report names it; an agent that hears nothing from dsrun for S "
                    "seconds stops its ranks. 0: off.")
+@click.option("--bind_cores_to_rank", "--bind-cores-to-rank", "bind_cores_to_rank",
+              is_flag=True,
+              help="Bind each rank to an equal, disjoint share of its host's CPUs (in "
+                   "local-rank order) and set its OMP_NUM_THREADS to the share's size.")
+@click.option("--bind_core_list", "--bind-core-list", "bind_core_list", default=None,
+              metavar="LIST",
+              help="Share out only these CPUs, e.g. 0-7,16-23 (implies --bind_cores_to_rank).")
 @click.option("--dist_backend", "--dist-backend", "dist_backend", default=None,
               type=click.Choice(DIST_BACKENDS),
               help="torch.distributed backend for the injected runtime "
@@ -336,10 +343,6 @@ DEEPSPEED_ONLY_FLAGS = {
                   "reaches a running job",
     "--no_ssh_check": "Not needed: dsrun checks every host before starting; --no_preflight "
                       "skips that",
-    "--bind_cores_to_rank": "Not implemented: dsrun sets OMP_NUM_THREADS to the host's usable "
-                            "CPUs divided among its ranks",
-    "--bind_core_list": "Not implemented: dsrun sets OMP_NUM_THREADS to the host's usable "
-                        "CPUs divided among its ranks",
     "--autotuning": "Not implemented (DeepSpeed's autotuner)",
     "--elastic_training": "Not implemented: --max_restarts N restarts the job after a failure",
     "--min_elastic_nodes": "Not implemented: --max_restarts N restarts the job after a failure",

@@ -29,7 +29,7 @@ from typing import Any
 from dsrun.errors import DsrunUsageError, SelectionError
 from dsrun.launcher.backends import get_backend
 from dsrun.launcher.backends.base import Backend, HostPool, JobHandle
-from dsrun.launcher.devices import DeviceId, usable_cpus, visible_devices
+from dsrun.launcher.devices import DeviceId, usable_cpu_list, usable_cpus, visible_devices
 from dsrun.launcher.hostfile import (
     DEFAULT_JOB_HOSTFILE,
     HostEntry,
@@ -135,7 +135,8 @@ def describe_source(hs: HostsSpec, cluster: Cluster, cwd: str) -> str:
 
 def here_facts(cluster: Cluster) -> list[NodeFacts | None]:
     """What the launcher knows without probing: this host's own facts."""
-    mine = NodeFacts(visible_devices(), usable_cpus())
+    cpu_list = usable_cpu_list()
+    mine = NodeFacts(visible_devices(), len(cpu_list), cpu_list=cpu_list)
     return [mine if is_local else None for is_local in cluster.local]
 
 

@@ -73,6 +73,14 @@ def _physical_count() -> int:
     return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
 
 
+def usable_cpu_list() -> tuple[int, ...]:
+    """The CPUs this process may run on, sorted (all of them off Linux)."""
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return tuple(range(os.cpu_count() or 1))
+
+
 def usable_cpus() -> int:
     """CPUs this process may run on (affinity-aware)."""
     try:

@@ -260,12 +260,13 @@ def package_version(name: str) -> str | None:
 def probe_reply(msg: Mapping[str, Any]) -> tuple[dict[str, Any], HeldPort | None]:
     """Answer a ``probe`` command: this host's facts, and a held port (master)."""
     from dsrun import __version__
-    from dsrun.launcher.devices import usable_cpus, visible_devices
+    from dsrun.launcher.devices import usable_cpu_list, visible_devices
 
+    cpu_list = usable_cpu_list()
     facts: dict[str, Any] = {
         "ev": "facts", "host": socket.gethostname(), "pid": os.getpid(),
         "executable": sys.executable, "devices": list(visible_devices()),
-        "cpus": usable_cpus(), "cwd": os.getcwd(),
+        "cpus": len(cpu_list), "cpu_list": list(cpu_list), "cwd": os.getcwd(),
     }
     if msg.get("versions", True):
         facts.update(python=python_version(), dsrun=__version__,

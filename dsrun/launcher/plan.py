@@ -31,10 +31,11 @@ from __future__ import annotations
 import os
 import shlex
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from dsrun.errors import DsrunUsageError
+from dsrun.launcher.cores import format_cpu_list, parse_cpu_list, rank_cpus
 from dsrun.launcher.devices import DeviceId
 from dsrun.launcher.envpolicy import JobEnv
 from dsrun.launcher.spec import LaunchSpec
@@ -53,6 +54,9 @@ class RankSlot:
     rank: int
     local_rank: int
     device: DeviceId | None  # as CUDA_VISIBLE_DEVICES names it (index or UUID)
+    # --bind_cores_to_rank: this rank's CPUs; None: not bound, or not known
+    # yet (a draft plan of a remote host; LaunchPlan.bind_cores says which)
+    cpus: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,7 @@ class NodePlan:
     env: tuple[tuple[str, str], ...] = ()  # host defaults dsrun chose (socket ifname)
     cpus: int | None = None  # usable CPUs of the host; None: not known yet (draft)
     path_prepend: tuple[str, ...] = ()  # in front of the PATH the agent starts with
+    cpu_list: tuple[int, ...] | None = None  # which CPUs those are; None: not known
 
     @property
     def has_gpus(self) -> bool:
@@ -86,6 +91,7 @@ class NodeSlots:
     env: tuple[tuple[str, str], ...] = ()
     cpus: int | None = None
     path_prepend: tuple[str, ...] = ()
+    cpu_list: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -96,11 +102,14 @@ class NodeFacts:
     devices: tuple[DeviceId, ...]
     cpus: int
     ifname: str | None = None
+    cpu_list: tuple[int, ...] | None = None  # the usable CPUs (None: an older agent)
 
     @classmethod
     def from_probe(cls, facts: Mapping[str, Any]) -> NodeFacts:
+        cpu_list = facts.get("cpu_list")
         return cls(tuple(facts.get("devices") or ()), int(facts.get("cpus") or 1),
-                   facts.get("ifname") or None)
+                   facts.get("ifname") or None,
+                   tuple(int(c) for c in cpu_list) if cpu_list else None)
 
 
 @dataclass(frozen=True)
@@ -121,6 +130,10 @@ class LaunchPlan:
     # (at index ``args_at`` of ``command``); None: environment only.
     local_rank_arg: str | None = None
     args_at: int = 0
+    # --bind_cores_to_rank: each rank's RankSlot.cpus; --bind_core_list: the
+    # CPUs to share out (None: all the host may use)
+    bind_cores: bool = False
+    bind_core_list: tuple[int, ...] | None = None
 
     @property
     def world_size(self) -> int:
@@ -151,19 +164,22 @@ def layout(nodes: Sequence[NodeSlots]) -> tuple[NodePlan, ...]:
         next_rank += len(ranks)
         devices = tuple(node.slots) if node.gpus else ()
         plans.append(NodePlan(node.host, node_rank, ranks, devices, node.local,
-                              node.gpus is not None, node.env, node.cpus, node.path_prepend))
+                              node.gpus is not None, node.env, node.cpus, node.path_prepend,
+                              node.cpu_list))
     return tuple(plans)
 
 
 def host_slots(host: str, slots: Sequence[int], local: bool,
                devices: Sequence[DeviceId] | None,
                env: Mapping[str, str] | None = None, cpus: int | None = None,
-               path_prepend: Sequence[str] = ()) -> NodeSlots:
+               path_prepend: Sequence[str] = (),
+               cpu_list: Sequence[int] | None = None) -> NodeSlots:
     """A hostfile node: GPU ranks on the selected devices when its host has
     GPUs (``devices``: the host's visible devices), else one CPU rank per slot.
     ``devices`` None: not known yet (draft plan)."""
     pairs = tuple(sorted((env or {}).items()))
-    extra = {"cpus": cpus, "path_prepend": tuple(path_prepend)}
+    extra = {"cpus": cpus, "path_prepend": tuple(path_prepend),
+             "cpu_list": tuple(cpu_list) if cpu_list is not None else None}
     if devices is None:
         return NodeSlots(host, tuple(slots), None, local, pairs, **extra)
     if not devices:
@@ -247,15 +263,20 @@ def build_plan(spec: LaunchSpec, cluster: Cluster, env: JobEnv, job_id: str, *,
         nodes.append(host_slots(
             host, cluster.slots[i], cluster.local[i], devices,
             socket_env(ifname, env.keys()), known.cpus if known is not None else None,
-            () if cluster.local[i] else remote_path))
+            () if cluster.local[i] else remote_path,
+            known.cpu_list if known is not None else None))
     if master is not None:
         addr, port = master
     else:
         single = not multi and cluster.local[0]
         addr, port = spec.master_addr or ("127.0.0.1" if single else None), None
+    core_list = parse_cpu_list(spec.bind_core_list) if spec.bind_core_list else None
+    laid_out = layout(nodes)
+    if spec.bind_cores_to_rank:
+        laid_out = tuple(bind_node(node, core_list) for node in laid_out)
     return LaunchPlan(
         job_id=job_id,
-        nodes=layout(nodes),
+        nodes=laid_out,
         master_addr=addr,
         master_port=port,
         **command_fields(spec, python),
@@ -265,7 +286,19 @@ def build_plan(spec: LaunchSpec, cluster: Cluster, env: JobEnv, job_id: str, *,
         kill_grace=spec.kill_grace,
         log_dir=os.path.abspath(spec.log_dir) if spec.log_dir else None,
         restart_count=restart_count,
+        bind_cores=spec.bind_cores_to_rank,
+        bind_core_list=core_list,
     )
+
+
+def bind_node(node: NodePlan, core_list: Sequence[int] | None) -> NodePlan:
+    """``node`` with each rank's CPUs (:mod:`dsrun.launcher.cores`), where the
+    host's usable CPUs are known."""
+    if node.cpu_list is None:
+        return node
+    shares = rank_cpus(node.host, node.cpu_list, core_list, len(node.ranks))
+    return replace(node, ranks=tuple(replace(slot, cpus=cpus)
+                                     for slot, cpus in zip(node.ranks, shares)))
 
 
 def describe(plan: LaunchPlan) -> list[str]:
@@ -285,6 +318,12 @@ def describe(plan: LaunchPlan) -> list[str]:
         lines.append(
             f"  {node.host}: ranks [{ranks}]  local ranks [{local}]  devices [{devices}]"
         )
+        if plan.bind_cores:
+            pool = "--bind_core_list" if plan.bind_core_list else "the CPUs the host may use"
+            shares = [r.cpus for r in node.ranks]
+            lines.append("    CPUs per rank: " + (
+                f"equal shares of {pool}, found at launch" if None in shares
+                else "  ".join(f"[{format_cpu_list(c or ())}]" for c in shares)))
     return lines
 
 

@@ -13,11 +13,13 @@ whatever the backend. Layers, later ones winning:
 2. user: the user's and forwarded variables (envpolicy.JobEnv, one set per
    job); their values are never printed or logged;
 3. defaults: set only where layers 1-2 leave the name unset
-   (``OMP_NUM_THREADS``: the host's usable CPUs shared among its ranks;
+   (``OMP_NUM_THREADS``: the host's usable CPUs shared among its ranks, or
+   under ``--bind_cores_to_rank`` the rank's own CPUs;
    ``PYTHONUNBUFFERED=1``; ``GLOO/NCCL_SOCKET_IFNAME`` on multi-host jobs);
 4. PATH prefix: directories put in front of the inherited ``PATH`` (the
    launcher interpreter's, for agents that start in a login environment);
-5. dsrun: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ... - always win;
+5. dsrun: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``DSRUN_CPU_AFFINITY``
+   (``--bind_cores_to_rank``), ... - always win;
 6. agent: the agent's process marker and the rank's error file, which only
    the agent on the host knows.
 """
@@ -29,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dsrun.launcher.cores import AFFINITY_VAR, format_cpu_list
 from dsrun.launcher.envlayers import apply_layers
 from dsrun.launcher.envpolicy import JobEnv
 from dsrun.launcher.plan import PENDING, LaunchPlan, NodePlan, RankSlot
@@ -86,8 +89,15 @@ def rank_env(plan: LaunchPlan, node: NodePlan, slot: RankSlot) -> RankEnv:
     )
     if node.has_gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in node.devices)
-    defaults = {"OMP_NUM_THREADS": omp_threads(node.cpus, len(node.ranks)),
-                "PYTHONUNBUFFERED": "1", **dict(node.env)}
+    threads = omp_threads(node.cpus, len(node.ranks))
+    if plan.bind_cores:
+        if slot.cpus is None:
+            env[AFFINITY_VAR] = f"{PENDING}: this rank's share of the host's CPUs"
+            threads = f"{PENDING}: the number of CPUs in {AFFINITY_VAR}"
+        else:
+            env[AFFINITY_VAR] = format_cpu_list(slot.cpus)
+            threads = str(len(slot.cpus))
+    defaults = {"OMP_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1", **dict(node.env)}
     for key in plan.user_env.keys():
         defaults.pop(key, None)  # the user's value wins wherever the agent runs
     return RankEnv(tuple(sorted(env.items())), tuple(sorted(defaults.items())),

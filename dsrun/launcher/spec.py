@@ -147,8 +147,15 @@ class LaunchSpec:
     no_local_rank: bool = False  # --no_local_rank: never fill in --local_rank
     timeout: float | None = None  # --timeout: end the job after this many seconds
     heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT  # 0: no heartbeats
+    bind_cores_to_rank: bool = False  # each rank on its own share of the host's CPUs
+    bind_core_list: str | None = None  # "0-7,16-23": share these CPUs (implies binding)
 
     def __post_init__(self) -> None:
+        if self.bind_core_list is not None:
+            from dsrun.launcher.cores import parse_cpu_list
+
+            parse_cpu_list(self.bind_core_list)  # one clear error before anything starts
+            object.__setattr__(self, "bind_cores_to_rank", True)
         if self.module and self.no_python:
             raise DsrunUsageError("--module and --no_python cannot be used together")
         if self.no_local_rank and self.local_rank_arg:

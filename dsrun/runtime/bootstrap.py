@@ -4,7 +4,9 @@
 ``--module NAME ARGS...``):
 
 1. arms the parent-death signal (the rank dies with its node agent;
-   deathsig.py) and the stack handler (``dsrun stack``; stackdump.py);
+   deathsig.py) and the stack handler (``dsrun stack``; stackdump.py), and
+   binds the rank to its CPUs under ``--bind_cores_to_rank`` (before torch
+   starts a thread);
 2. reads the DistEnv and initialises torch.distributed (unless the backend
    is ``none``);
 3. runs the script as ``__main__`` with the ``sys.argv`` and ``sys.path[0]``
@@ -141,6 +143,9 @@ def main() -> int:
     env = _prepare_process()
     dist_on = env.backend != "none"
     try:
+        unbound = deathsig.bind_cpus(os.environ)  # before torch starts any thread
+        if unbound:
+            raise DsrunError(unbound)
         if dist_on:
             from dsrun.runtime import dist
 

@@ -39,6 +39,22 @@ def test_allreduce_over_two_hosts_from_node1(sim_cluster: SimCluster, tmp_path: 
     assert f"master {master}:" in res.stderr  # node1's bridge address, not loopback
 
 
+def test_cores_bound_per_rank_on_every_host(sim_cluster: SimCluster, tmp_path: Path) -> None:
+    """--bind_cores_to_rank over SSH: the CPUs each host may use come from
+    its probe, and every rank binds itself to its share."""
+    script = tmp_path / "where.py"
+    script.write_text("import os\nprint('cpus', sorted(os.sched_getaffinity(0)), "
+                      "os.environ['OMP_NUM_THREADS'], flush=True)\n")
+    hostfile = write_hostfile(sim_cluster, tmp_path / "hostfile", ["node1", "node2"], slots=2)
+    res = run(sim_cluster, "-H", hostfile, *ssh_flags(sim_cluster), "--dist_backend", "none",
+              "--bind_core_list", "0-1", str(script), on="node1", timeout=120)
+    assert res.returncode == 0, res.stderr
+    for rank, host, cpu in [(0, "node1", 0), (1, "node1", 1), (2, "node2", 0),
+                            (3, "node2", 1)]:
+        assert f"[{host}:{rank}] cpus [{cpu}] 1" in res.stdout, res.stdout
+    assert res.stderr.count("CPUs per rank: [0]  [1]") == 2, res.stderr
+
+
 def test_rank_failure_on_host2_stops_host1_fast(sim_cluster: SimCluster, tmp_path: Path) -> None:
     hostfile = write_hostfile(sim_cluster, tmp_path / "hostfile", ["node1", "node2"], slots=2)
     pid_dir = tmp_path / "pids"

@@ -67,7 +67,7 @@ def test_main_prints_one_error_line_and_exits_2(capsys):
 
 @pytest.mark.parametrize(("argv", "advice"), [
     (["--enable_each_rank_log", "logs", "train.py"], "is dsrun's --log_dir DIR"),
-    (["--bind_cores_to_rank", "train.py"], "Not implemented: dsrun sets OMP_NUM_THREADS"),
+    (["--autotuning", "tune", "train.py"], "Not implemented (DeepSpeed's autotuner)"),
     (["--force_multi", "train.py"], "Not needed"),
     (["--elastic_training", "train.py"], "--max_restarts N"),
 ])
