@@ -53,7 +53,7 @@ def test_no_python_ranks_are_bound_by_the_wrapper(tmp_path) -> None:
 
 def test_the_dry_run_shows_the_binding_and_bad_lists_fail_before_starting(tmp_path) -> None:
     script = tmp_path / "never.py"
-    script.write_text("open(%r, 'w').write('ran')\n" % str(tmp_path / "ran"))
+    script.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').write('ran')\n")
     res = run_dsrun("--cpu", "--num_gpus", str(RANKS), "--bind_cores_to_rank", "--dry-run",
                     str(script))
     assert res.returncode == 0, res.stderr
