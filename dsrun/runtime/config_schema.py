@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from types import MappingProxyType
@@ -25,6 +26,22 @@ from typing import Any, Optional, Union
 from dsrun.errors import DsrunConfigError
 
 log = logging.getLogger("dsrun.runtime.config")
+
+
+class _FirstRankOnly(logging.Filter):
+    """Every rank reads the same config, so what parsing it has to say
+    (ignored keys, settings without effect, deprecations) is said once: by
+    global rank 0, or wherever there is no rank (a plain script, the
+    launcher's check). Errors are raised, not logged, on every rank."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        dist = sys.modules.get("torch.distributed")  # never imported for this
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return dist.get_rank() == 0
+        return os.environ.get("RANK", "0") == "0"
+
+
+log.addFilter(_FirstRankOnly())
 
 AUTO = "auto"
 ALLOW_UNKNOWN_ENV = "DSRUN_ALLOW_UNKNOWN_CONFIG_KEYS"

@@ -286,6 +286,22 @@ def test_documented_deepspeed_sections_pass_through(caplog: pytest.LogCaptureFix
     assert config.to_dict()["autotuning"] == {"enabled": True, "fast": True}
 
 
+def test_config_warnings_are_said_by_the_first_rank_only(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # the rank then comes from RANK, as a launcher sets it
+    for rank, said in (("1", 0), ("0", 1), (None, 1)):
+        if rank is None:
+            monkeypatch.delenv("RANK", raising=False)
+        else:
+            monkeypatch.setenv("RANK", rank)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dsrun.runtime.config"):
+            res(base(sparse_gradients=True, autotuning={"enabled": True}))
+        assert caplog.text.count("dsrun accepts but does not") == 2 * said, (rank, caplog.text)
+
+
 def test_inert_settings_are_named_once(caplog: pytest.LogCaptureFixture) -> None:
     from dsrun.runtime.config import inert_settings
 
