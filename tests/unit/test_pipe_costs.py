@@ -125,3 +125,22 @@ def test_meta_builds_skip_initialisation_but_keep_shapes() -> None:
             self.w = nn.Parameter(torch.tensor([float(torch.ones(2).sum().item())]))
 
     assert build_on_meta(LayerSpec(CpuOnly)).w.is_meta
+
+
+def test_sizing_specs_does_not_import_dynamo() -> None:
+    """torch's meta normal_ imports torch._dynamo (~2 s) on first use; sizing
+    specs for "parameters" (every pipeline's default) skips initialisation."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, torch.nn as nn\n"
+            "from dsrun.pipe import LayerSpec\n"
+            "from dsrun.runtime.pipe.layers import count_parameters\n"
+            "n = sum(count_parameters(LayerSpec(c, *a)) for c, a in [(nn.Embedding, (50, 8)), "
+            "(nn.Linear, (8, 8)), (nn.LayerNorm, (8,)), (nn.MultiheadAttention, (8, 2))])\n"
+            "print(n, 'torch._dynamo' in sys.modules)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    expected = 50 * 8 + 72 + 16 + sum(p.numel() for p in nn.MultiheadAttention(8, 2).parameters())
+    assert res.stdout.split() == [str(expected), "False"]
