@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/pipeline.py [--rounds 3] [--steps 4] [--warmup 2]
         [--micro-batch 2] [--micro-batches 8]
-        [--runners dsrun-pipe,dsrun-flops,deepspeed-pipe,ddp]
+        [--runners dsrun-pipe,dsrun-flops,deepspeed-pipe,ddp] [--bind-cores]
         [--json results.json]
 
 The bench GPT of bench/train_throughput.py (vocab 8192, width 512, 6 blocks,
@@ -251,7 +251,8 @@ def deepspeed_python(path: Path) -> str | None:
 
 def run_once(python: str, runner: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as out:
-        argv = [python, "-m", "dsrun.launcher.cli", "--cpu", "--num_gpus", str(STAGES),
+        bind = ["--bind_cores_to_rank"] if args.bind_cores else []
+        argv = [python, "-m", "dsrun.launcher.cli", "--cpu", "--num_gpus", str(STAGES), *bind,
                 __file__, "--worker", runner, "--out", out, "--steps", str(args.steps),
                 "--warmup", str(args.warmup), "--micro-batch", str(args.micro_batch),
                 "--micro-batches", str(args.micro_batches)]
@@ -282,7 +283,9 @@ def report(runs: dict[str, list[list[dict[str, Any]]]], missing: list[str],
     m = args.micro_batches
     print(f"bench GPT 23.2M params (tied embedding), fp32 AdamW, {STAGES} CPU ranks (gloo); "
           f"{m} micro-batches of {args.micro_batch}x{SEQ} tokens per step; {args.rounds} "
-          f"interleaved round(s) of {args.steps} timed steps")
+          f"interleaved round(s) of {args.steps} timed steps"
+          + ("; every rank bound to its own core (--bind_cores_to_rank)" if args.bind_cores
+             else ""))
     print(f"{'runner':<16}{'partition':>12}{'s/step':>9}{'vs DeepSpeed pipe':>19}"
           f"{'vs DDP':>9}")
     for name, seconds in table.items():
@@ -328,6 +331,8 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--runners", default=",".join(RUNNERS))
     parser.add_argument("--ds-python", default=str(DS_PYTHON))
+    parser.add_argument("--bind-cores", action="store_true",
+                        help="start every runner with dsrun --bind_cores_to_rank")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
