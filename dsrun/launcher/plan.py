@@ -273,6 +273,12 @@ def build_plan(spec: LaunchSpec, cluster: Cluster, env: JobEnv, job_id: str, *,
     core_list = parse_cpu_list(spec.bind_core_list) if spec.bind_core_list else None
     laid_out = layout(nodes)
     if spec.bind_cores_to_rank:
+        unsaid = [h for h, known in zip(cluster.hosts, facts)
+                  if known is not None and known.cpu_list is None]
+        if unsaid:
+            raise DsrunUsageError(f"--bind_cores_to_rank: the dsrun agent on "
+                                  f"{', '.join(unsaid)} did not say which CPUs it may use (an "
+                                  f"older dsrun there?); install the same dsrun on every host")
         laid_out = tuple(bind_node(node, core_list) for node in laid_out)
     return LaunchPlan(
         job_id=job_id,

@@ -104,6 +104,9 @@ def test_bad_bindings_are_usage_errors_before_anything_starts() -> None:
     with pytest.raises(DsrunUsageError, match="host b runs 3 rank"):
         _plan([NodeFacts((), 8, cpu_list=tuple(range(8))), NodeFacts((), 2, cpu_list=(0, 1))],
               bind_cores_to_rank=True)
+    with pytest.raises(DsrunUsageError, match="the dsrun agent on b did not say which CPUs"):
+        _plan([NodeFacts((), 8, cpu_list=tuple(range(8))), NodeFacts.from_probe({"cpus": 2})],
+              bind_cores_to_rank=True)
     with pytest.raises(DsrunUsageError, match="names CPU.s. 8 that host a cannot use"):
         _plan([NodeFacts((), 8, cpu_list=tuple(range(8))), None], master=None,
               bind_core_list="6-8")
