@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Iterable, Mapping
 
 #: Environment variable naming the agent's pid (set by the agent on each rank).
 AGENT_PID_VAR = "DSRUN_AGENT_PID"
@@ -93,7 +94,21 @@ def cpu_set(text: str) -> set[int]:
     return cpus
 
 
-def bind_cpus(environ: dict[str, str] | os._Environ[str]) -> str | None:
+def format_cpu_list(cpus: Iterable[int]) -> str:
+    """``(0, 1, 2, 3, 8)`` -> ``"0-3,8"`` (the inverse of :func:`cpu_set`)."""
+    parts: list[str] = []
+    values = sorted(set(cpus))
+    i = 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        parts.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def bind_cpus(environ: Mapping[str, str]) -> str | None:
     """Pin this process (and every thread it starts later) to the CPUs in
     ``DSRUN_CPU_AFFINITY`` (``--bind_cores_to_rank``). Returns None when
     done or not asked for, else why it failed (one line)."""
@@ -103,11 +118,10 @@ def bind_cpus(environ: dict[str, str] | os._Environ[str]) -> str | None:
     try:
         os.sched_setaffinity(0, cpu_set(text))
     except (OSError, ValueError) as exc:
-        allowed = sorted(os.sched_getaffinity(0))
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         return (f"cannot bind this rank to CPUs {text} ({AFFINITY_VAR}, from "
                 f"--bind_cores_to_rank): {reason}; this process may run on CPUs "
-                f"{','.join(map(str, allowed))}")
+                f"{format_cpu_list(os.sched_getaffinity(0))}")
     return None
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dsrun.deathsig import AFFINITY_VAR, cpu_set
+from dsrun.deathsig import AFFINITY_VAR, cpu_set, format_cpu_list
 from dsrun.errors import DsrunUsageError
 
 __all__ = ["AFFINITY_VAR", "format_cpu_list", "parse_cpu_list", "rank_cpus"]
@@ -37,20 +37,6 @@ def parse_cpu_list(text: str, where: str = "--bind_core_list") -> tuple[int, ...
         return tuple(sorted(cpu_set(text)))
     except ValueError as exc:
         raise DsrunUsageError(f"{where} {text!r}: {exc} (use e.g. 0-7,16-23)") from None
-
-
-def format_cpu_list(cpus: Sequence[int]) -> str:
-    """``(0, 1, 2, 3, 8)`` -> ``"0-3,8"`` (the inverse of :func:`parse_cpu_list`)."""
-    parts: list[str] = []
-    values = sorted(set(cpus))
-    i = 0
-    while i < len(values):
-        j = i
-        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
-            j += 1
-        parts.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
-        i = j + 1
-    return ",".join(parts)
 
 
 def rank_cpus(host: str, usable: Sequence[int], wanted: Sequence[int] | None,
@@ -70,7 +56,7 @@ def rank_cpus(host: str, usable: Sequence[int], wanted: Sequence[int] | None,
                 f"cannot use (it may use {format_cpu_list(allowed) or 'none'})")
         chosen = sorted(set(wanted))
         source = f"the {len(chosen)} CPU(s) of --bind_core_list"
-    share = len(chosen) // ranks if ranks else 0
+    share = len(chosen) // ranks
     if share == 0:
         raise DsrunUsageError(f"--bind_cores_to_rank: host {host} runs {ranks} rank(s) but "
                               f"{source} give each less than one")

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from dsrun.errors import DsrunUsageError
+from dsrun.launcher.cores import parse_cpu_list
 
 # Spellings of the argument DeepSpeed's launcher (--local_rank) and
 # torch.distributed.launch >= 2.0 (--local-rank) append to a script's argv.
@@ -152,8 +153,6 @@ class LaunchSpec:
 
     def __post_init__(self) -> None:
         if self.bind_core_list is not None:
-            from dsrun.launcher.cores import parse_cpu_list
-
             parse_cpu_list(self.bind_core_list)  # one clear error before anything starts
             object.__setattr__(self, "bind_cores_to_rank", True)
         if self.module and self.no_python:

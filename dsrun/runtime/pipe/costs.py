@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dsrun.errors import DsrunConfigError
 from dsrun.profiling.counting import op_cost
 from dsrun.runtime.pipe.layers import LayerSpec, TiedLayerSpec, build_on_meta, layer_name
+from dsrun.runtime.zero.memory import tensors_in
 
 __all__ = ["layer_flops"]
 
@@ -68,14 +69,6 @@ def _meta_like(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(_meta_like(v) for v in value)
     return value
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def _next_input(value: Any) -> Any:
@@ -111,7 +104,7 @@ def _runner(layer: Any, tied: dict[str, torch.nn.Module]) -> Callable[[Any], Any
 
 
 def _backward(value: Any) -> None:
-    roots = [t for t in _tensors(value) if t.requires_grad]
+    roots = [t for t in tensors_in(value) if t.requires_grad]
     if roots:
         torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
 
@@ -123,7 +116,7 @@ def layer_flops(layers: Sequence[Any], example_inputs: Any, *,
     """Forward + backward flops of each layer on one micro-batch shaped like
     ``example_inputs`` (module docstring). ``recomputed[i]``: layer ``i``'s
     forward runs again in the backward (activation checkpointing)."""
-    if not _tensors(example_inputs):
+    if not any(True for _ in tensors_in(example_inputs)):
         raise DsrunConfigError("partition_method='flops' needs example_inputs=: a tensor (or "
                                "a tuple of tensors) shaped like one micro-batch's input to "
                                f"the first layer, got {type(example_inputs).__name__}")
