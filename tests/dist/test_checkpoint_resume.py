@@ -17,6 +17,7 @@ rank 0 only.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -150,3 +151,25 @@ def test_16bit_model_at_stage3_gathers_the_weights(runs: dict[str, Any]) -> None
     assert list(saved) == list(full)  # fp32 training: the module's own dtype, as DeepSpeed
     assert all(torch.equal(saved[k], full[k]) for k in full)
     assert not [p for p in os.listdir(runs["ckpt"] / "model16") if p != "model.bin"]
+
+
+def test_a_scalar_parameters_moments_load_at_every_stage(runs: dict[str, Any]) -> None:
+    for fact in extra(runs, "scalar_param"):
+        expected = [float.fromhex(v) for v in fact["expected"]]
+        for stage, losses in fact["loaded"].items():
+            got = [float.fromhex(v) for v in losses]
+            assert got == pytest.approx(expected, rel=1e-5), stage
+
+
+def test_parameters_frozen_when_saved_load_and_train_on_every_rank(runs: dict[str, Any]) -> None:
+    for fact in extra(runs, "unfreeze"):
+        for stage in ("2", "3"):
+            assert len(fact[stage]) == 2 and all(math.isfinite(v) for v in fact[stage])
+
+
+def test_a_state_refused_on_one_rank_fails_on_every_rank_and_changes_nothing(
+        runs: dict[str, Any]) -> None:
+    rank0, rank1 = extra(runs, "refused_on_one_rank")
+    assert rank0["error_text"] == rank1["error_text"]
+    assert "failed on rank 1: KeyError" in rank0["error_text"]
+    assert rank0["unchanged"] and rank1["unchanged"]

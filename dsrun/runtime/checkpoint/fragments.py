@@ -55,12 +55,29 @@ the model's parameters (a collective for the ZeRO stages: every rank calls
 it). Fragments not ``loaded`` (``load_module_strict=False`` skipped them)
 keep their current values and optimizer state.
 
+Between the read and :meth:`finish_import` the loader calls
+``check_import(plan, groups, optimizer_states)`` on every source that has
+it: it builds the optimizer state the load will install and checks that
+the optimizer accepts it (:func:`check_state`), changing nothing. A failure
+there is exchanged and raised on every rank before any source has changed
+anything: :meth:`finish_import` is a collective and must not fail on some
+ranks only. A trainable parameter the checkpoint has no optimizer state for
+(frozen when it was saved) gets fresh optimizer state.
+
+Per-element state is told from the rest by shape (:func:`per_element`): a
+state tensor with dimensions has one value per element; so does a 0-d one
+of a 0-d parameter (Adam's moments of ``nn.Parameter(torch.tensor(1.5))``),
+except torch's per-tensor scalars (:data:`SCALAR_STATE`, e.g. ``step``).
+
 The helpers at the bottom (:func:`split_state`, :func:`install_state`) are
 what the sources share to move torch optimizer state in and out.
 """
 
 from __future__ import annotations
 
+import copy
+import math
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
@@ -71,6 +88,10 @@ KINDS = ("param", "buffer")
 # param-group keys that say how the optimizer runs on this machine, not what
 # it computes: never taken from a checkpoint
 IMPLEMENTATION_KEYS = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
+# torch optimizers' per-tensor state that is one number whatever the tensor's
+# shape (Adam's step, NAdam's mu_product, ASGD's eta and mu): for a 0-d
+# parameter it has the parameter's shape, like the per-element state
+SCALAR_STATE = frozenset({"step", "mu_product", "eta", "mu"})
 
 
 @dataclass(frozen=True)
@@ -191,15 +212,31 @@ class StateSource(Protocol):
 # ------------------------------------------------------------ shared helpers
 
 
-def split_state(state: Mapping[str, Any], numel: int, where: str
+def per_element(key: str, value: Any, shape: Sequence[int]) -> bool:
+    """Whether optimizer state ``key`` of a tensor of ``shape`` has one value
+    per element. A state tensor with dimensions does; a 0-d one only when
+    the tensor it belongs to is 0-d too (Adam's moments of a scalar
+    parameter), unless it is one of torch's per-tensor scalars
+    (:data:`SCALAR_STATE`): those have the same shape there."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    if value.dim() > 0:
+        return True
+    return tuple(shape) == () and key not in SCALAR_STATE
+
+
+def split_state(state: Mapping[str, Any], shape: int | Sequence[int], where: str
                 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """One inner-optimizer tensor's state -> (per-element 1-D views, the
-    rest). A tensor state of another size (factored second moments, ...)
-    cannot be resharded by element: an error naming it."""
+    """One inner-optimizer tensor's state (the tensor has ``shape``; an int
+    is a flat length) -> (per-element 1-D views, the rest). A tensor state
+    of another size (factored second moments, ...) cannot be resharded by
+    element: an error naming it."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    numel = math.prod(shape)
     elementwise: dict[str, torch.Tensor] = {}
     scalars: dict[str, Any] = {}
     for key, value in state.items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
+        if per_element(key, value, shape):
             if value.numel() != numel or not value.is_contiguous():
                 raise ValueError(f"optimizer state {key!r} of {where} has shape "
                                  f"{tuple(value.shape)}, not one value per element: dsrun "
@@ -214,14 +251,13 @@ def group_hyperparameters(optimizer: torch.optim.Optimizer) -> tuple[dict[str, A
     return tuple({k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups)
 
 
-def install_state(optimizer: torch.optim.Optimizer,
-                  states: Mapping[int, Optional[Mapping[str, Any]]],
-                  groups: Optional[Sequence[Mapping[str, Any]]]) -> None:
-    """Replace the state of the inner tensors named in ``states`` (keyed by
-    ``id(tensor)``; None drops that tensor's state) and, when ``groups`` is
-    given, the hyperparameters both sides have, through
-    ``optimizer.load_state_dict`` (which places ``step`` and casts as torch
-    does). Tensors not in ``states`` keep their state."""
+def staged_state(optimizer: torch.optim.Optimizer,
+                 states: Mapping[int, Optional[Mapping[str, Any]]],
+                 groups: Optional[Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
+    """The state dict :func:`install_state` loads (nothing is changed):
+    the state of the inner tensors named in ``states`` (keyed by
+    ``id(tensor)``; None drops that tensor's state) replaced, the others'
+    kept, and, when ``groups`` is given, the hyperparameters both sides have."""
     current = optimizer.state_dict()
     index = {}
     offset = 0
@@ -242,7 +278,30 @@ def install_state(optimizer: torch.optim.Optimizer,
             for key, value in saved.items():
                 if key not in IMPLEMENTATION_KEYS and key in mine:
                     mine[key] = _like(mine[key], value)
-    optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
+    return {"state": new_state, "param_groups": new_groups}
+
+
+def check_state(optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
+    """Load ``state_dict`` into a stand-in for ``optimizer`` whose tensors
+    are on the meta device (no memory, no copies): what ``load_state_dict``
+    would refuse (a state without the ``step`` the optimizer needs, ...) is
+    raised here, while the optimizer is as it was."""
+    probe = copy.copy(optimizer)
+    probe.defaults = dict(optimizer.defaults)
+    probe.state = defaultdict(dict)
+    probe.param_groups = [
+        {**g, "params": [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in g["params"]]}
+        for g in optimizer.param_groups]
+    probe.load_state_dict(dict(state_dict))
+
+
+def install_state(optimizer: torch.optim.Optimizer,
+                  states: Mapping[int, Optional[Mapping[str, Any]]],
+                  groups: Optional[Sequence[Mapping[str, Any]]]) -> None:
+    """Replace the optimizer state as :func:`staged_state` describes,
+    through ``optimizer.load_state_dict`` (which places ``step`` and casts
+    as torch does). Tensors not in ``states`` keep their state."""
+    optimizer.load_state_dict(staged_state(optimizer, states, groups))
 
 
 def _like(current: Any, saved: Any) -> Any:

@@ -14,7 +14,9 @@
                   records; each rank reads the chunks that intersect its
                   ranges (whole chunks, so every byte it uses is checked
                   against its crc32) into the sources' staging tensors
-    4. install    only when every rank read everything without error:
+    4. check      each source's check_import() builds the optimizer state
+                  it will install and checks it (nothing changes yet)
+    5. install    only when every rank read everything without error:
                   finish_import() on every source (collective at ZeRO
                   stages); otherwise every rank raises the same error, naming
                   the missing, truncated or corrupt file, and nothing changed
@@ -40,7 +42,7 @@ import torch
 
 from dsrun.errors import CheckpointError
 from dsrun.runtime.checkpoint.coord import Coordinator, check_same, raise_failures
-from dsrun.runtime.checkpoint.fragments import ImportPlan, LoadTarget, StateSource
+from dsrun.runtime.checkpoint.fragments import SCALAR_STATE, ImportPlan, LoadTarget, StateSource
 from dsrun.runtime.checkpoint.manifest import (
     ENGINE_STATE,
     MANIFEST,
@@ -233,6 +235,17 @@ def _read_checked(path: str, manifest: Manifest, name: str) -> bytes:
     return data
 
 
+def legacy_state(entry: TensorEntry) -> list[str]:
+    """Per-element optimizer state of a 0-d tensor (Adam's moments) that
+    checkpoints of earlier dsrun versions stored among its scalars, as 0-d
+    tensors like ``step``: told apart by the rule saves use now
+    (:func:`~.fragments.per_element`)."""
+    if tuple(entry.shape) != ():
+        return []
+    return [k for k, v in entry.scalars.items()
+            if isinstance(v, dict) and "tensor" in v and k not in SCALAR_STATE]
+
+
 def _fill_targets(reader: ChunkReader, manifest: Manifest, plan: ImportPlan,
                   skip: set[str]) -> None:
     for target in plan.targets:
@@ -240,13 +253,39 @@ def _fill_targets(reader: ChunkReader, manifest: Manifest, plan: ImportPlan,
         if entry is None or target.name in skip:
             continue
         reader.fill(entry, VALUE, entry.items[VALUE], target, target.value)
+        scalars = {k: _scalar(v) for k, v in entry.scalars.items()}
+        legacy = legacy_state(entry)
         for key in list(target.state):
             if key in entry.items:
                 reader.fill(entry, key, entry.items[key], target, target.state[key])
+            elif key in legacy:
+                target.state[key].copy_(scalars[key].reshape(1))
             else:
                 del target.state[key]
-        target.scalars.update({k: _scalar(v) for k, v in entry.scalars.items()})
+        target.scalars.update({k: v for k, v in scalars.items() if k not in legacy})
         target.loaded = True
+
+
+def _state_keys(manifest: Manifest) -> list[str]:
+    """The per-element optimizer state the checkpoint has (old 0-d ones too)."""
+    keys = dict.fromkeys(manifest.state_keys)
+    for entry in manifest.tensors.values():
+        keys.update(dict.fromkeys(legacy_state(entry)))
+    return list(keys)
+
+
+def without_state(manifest: Manifest, plans: Sequence[ImportPlan], skip: set[str]) -> list[str]:
+    """Trainable tensors the checkpoint has no optimizer state for (frozen
+    when it was saved): they start with fresh state. Empty when it has
+    state for none (saved before the first step)."""
+    def stateless(entry: TensorEntry) -> bool:
+        return set(entry.items) == {VALUE} and not entry.scalars
+
+    if all(stateless(e) for e in manifest.tensors.values()):
+        return []
+    return sorted({name for plan in plans for name, info in plan.tensors.items()
+                   if info.group is not None and name not in skip
+                   and name in manifest.tensors and stateless(manifest.tensors[name])})
 
 
 @dataclass
@@ -265,7 +304,7 @@ def _open(request: LoadRequest, tag: str, sources: Sequence[StateSource],
     manifest_path = os.path.join(phase.path, MANIFEST)
     phase.manifest = parse_manifest(read_file(manifest_path, "the manifest").decode(
         errors="replace"), manifest_path)
-    keys = phase.manifest.state_keys if request.optimizer_states else None
+    keys = _state_keys(phase.manifest) if request.optimizer_states else None
     phase.plans = [source.prepare_import(names, keys) for source in sources]
     saved = phase.manifest.optimizer
     for plan in phase.plans:
@@ -338,10 +377,32 @@ def load_state(request: LoadRequest, sources: Sequence[StateSource], names: Mapp
     raise_failures(coord.exchange(status), f"loading checkpoint {phase.path}")
     assert result is not None
     groups = decode_groups(phase.manifest.param_groups) if request.optimizer_states else None
+    _check(sources, phase.plans, groups, request.optimizer_states, coord, phase.path)
+    fresh = without_state(phase.manifest, phase.plans, set(diff.skipped))
+    if fresh and request.optimizer_states and coord.rank == 0:
+        log.info("the checkpoint has no optimizer state for %d trainable parameters (frozen "
+                 "when it was saved?): they start with fresh optimizer state: %s",
+                 len(fresh), _listing(fresh))
     for source, plan in zip(sources, phase.plans):
         source.finish_import(plan, groups, request.optimizer_states)
     log.info("loaded checkpoint %s (saved by %d ranks)", phase.path, phase.manifest.world_size)
     return result
+
+
+def _check(sources: Sequence[StateSource], plans: Sequence[ImportPlan],
+           groups: Optional[list[dict[str, Any]]], optimizer_states: bool,
+           coord: Coordinator, path: str) -> None:
+    """Every source's ``check_import`` (where it has one), then the same
+    error on every rank if any failed: nothing has changed yet."""
+    status = None
+    try:
+        for source, plan in zip(sources, plans):
+            check = getattr(source, "check_import", None)
+            if check is not None:
+                check(plan, groups, optimizer_states)
+    except Exception as exc:  # noqa: BLE001 - e.g. the optimizer refusing the state
+        status = f"{type(exc).__name__}: {exc}"
+    raise_failures(coord.exchange(status), f"loading checkpoint {path}")
 
 
 def _read(request: LoadRequest, phase: _Phase, skip: set[str], rank: int) -> Loaded:

@@ -31,9 +31,10 @@ from dsrun.runtime.checkpoint.fragments import (
     ImportPlan,
     LoadTarget,
     TensorInfo,
+    check_state,
     group_hyperparameters,
-    install_state,
     split_state,
+    staged_state,
 )
 
 
@@ -111,8 +112,8 @@ class Stage0State:
         for info, _, tensor in entries:
             if info.numel == 0:
                 continue
-            elementwise, scalars = split_state(self.optimizer.state.get(tensor, {}), info.numel,
-                                               info.name)
+            elementwise, scalars = split_state(self.optimizer.state.get(tensor, {}),
+                                               tuple(tensor.shape), info.name)
             fragments.append(Fragment(info.name, 0, info.numel, _flat(tensor), elementwise,
                                       scalars, replicated=True))
         return ExportedState({i.name: i for i, _, _ in entries}, tuple(fragments),
@@ -134,23 +135,42 @@ class Stage0State:
                                       torch.empty(info.numel, dtype=tensor.dtype,
                                                   device=tensor.device), state))
         return ImportPlan({i.name: i for i, _, _ in entries}, targets,
-                          type(self.optimizer).__name__, entries)
+                          type(self.optimizer).__name__, (entries, {}))
+
+    def check_import(self, plan: ImportPlan, groups: Optional[Sequence[Mapping[str, Any]]],
+                     optimizer_states: bool) -> None:
+        """The optimizer state the load installs, checked against the
+        optimizer; nothing changes. A parameter the checkpoint has no
+        optimizer state for (frozen when it was saved) gets fresh state."""
+        entries, staged = plan.private
+        staged.clear()
+        if not optimizer_states:
+            return
+        tensors = {info.name: tensor for info, _, tensor in entries}
+        states: dict[int, Optional[dict[str, Any]]] = {}
+        for target in plan.targets:
+            if target.loaded:
+                tensor = tensors[target.name]
+                state = {k: v.view(tensor.shape) for k, v in target.state.items()}
+                states[id(tensor)] = {**state, **target.scalars} or None
+        state_dict = staged_state(self.optimizer, states, groups)
+        check_state(self.optimizer, state_dict)
+        staged["state_dict"] = state_dict
 
     @torch.no_grad()
     def finish_import(self, plan: ImportPlan, groups: Optional[Sequence[Mapping[str, Any]]],
                       optimizer_states: bool) -> None:
-        by_name = {info.name: (param, tensor) for info, param, tensor in plan.private}
-        states: dict[int, Optional[dict[str, Any]]] = {}
+        entries, staged = plan.private
+        if optimizer_states and "state_dict" not in staged:
+            self.check_import(plan, groups, optimizer_states)  # before anything changes
+        by_name = {info.name: (param, tensor) for info, param, tensor in entries}
         for target in plan.targets:
-            if not target.loaded:
-                continue
-            param, tensor = by_name[target.name]
-            tensor.copy_(target.value.view(tensor.shape))
-            self.precision.sync_from_optimizer(param)
-            state = {k: v.view(tensor.shape) for k, v in target.state.items()}
-            states[id(tensor)] = {**state, **target.scalars} or None
+            if target.loaded:
+                param, tensor = by_name[target.name]
+                tensor.copy_(target.value.view(tensor.shape))
+                self.precision.sync_from_optimizer(param)
         if optimizer_states:
-            install_state(self.optimizer, states, groups)
+            self.optimizer.load_state_dict(staged.pop("state_dict"))
 
 
 class ModuleTensors:

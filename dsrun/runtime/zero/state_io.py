@@ -34,9 +34,11 @@ from dsrun.runtime.checkpoint.fragments import (
     ImportPlan,
     LoadTarget,
     TensorInfo,
+    check_state,
     group_hyperparameters,
-    install_state,
+    per_element,
     split_state,
+    staged_state,
 )
 
 
@@ -57,6 +59,7 @@ class _Imported(NamedTuple):
     piece_state: dict[int, dict[str, torch.Tensor]]  # id(piece) -> new per-element state
     piece_targets: dict[int, list[tuple[LoadTarget, int]]]  # id(piece) -> (target, offset)
     extra: Any                               # the subclass's (stage 3: frozen shards)
+    staged: dict[str, Any]                   # check_import's optimizer state dict
 
 
 class MasterStateIO:
@@ -114,7 +117,7 @@ class MasterStateIO:
         for g, run, lo, hi, a, piece in self._cut(names):
             where = f"{run.name} (param group {g})"
             elementwise, scalars = split_state(self.optimizer.state.get(piece, {}),
-                                               piece.numel(), where)
+                                               tuple(piece.shape), where)
             start = run.param_start + lo - run.master_offset
             fragments.append(Fragment(
                 run.name, start, start + hi - lo, self.masters[g].detach()[lo:hi],
@@ -147,29 +150,42 @@ class MasterStateIO:
             piece_targets.setdefault(id(piece), []).append((target, lo - a))
         extra_targets, extra = self._extra_targets(names)
         targets.extend(extra_targets)
-        private = _Imported(spans, piece_state, piece_targets, (extra, extra_targets))
+        private = _Imported(spans, piece_state, piece_targets, (extra, extra_targets), {})
         return ImportPlan(self._declared(names), targets, type(self.optimizer).__name__, private)
+
+    def check_import(self, plan: ImportPlan, groups: Optional[Sequence[Mapping[str, Any]]],
+                     optimizer_states: bool) -> None:
+        """Build the optimizer state the load installs and check that the
+        inner optimizer accepts it; nothing live changes (the loader calls
+        this on every rank and raises any failure everywhere first)."""
+        private: _Imported = plan.private
+        private.staged.clear()
+        if optimizer_states:
+            states: dict[int, Optional[dict[str, Any]]] = {}
+            for pieces in self._pieces:
+                for piece in pieces:
+                    targets = private.piece_targets.get(id(piece), [])
+                    if any(t.loaded for t, _ in targets):
+                        states[id(piece)] = _piece_state(
+                            private.piece_state.get(id(piece), {}),
+                            self.optimizer.state.get(piece, {}), piece, targets)
+            state_dict = staged_state(self.optimizer, states, groups)
+            check_state(self.optimizer, state_dict)
+            private.staged["state_dict"] = state_dict
 
     def finish_import(self, plan: ImportPlan, groups: Optional[Sequence[Mapping[str, Any]]],
                       optimizer_states: bool) -> None:
         """Install what :meth:`prepare_import` staged and the loader filled;
         then refresh the model parameters (collective)."""
         private: _Imported = plan.private
+        if optimizer_states and "state_dict" not in private.staged:
+            self.check_import(plan, groups, optimizer_states)  # before anything changes
         with torch.no_grad():  # only what was loaded: the rest keeps its value
             for g, lo, hi, target in private.masters:
                 if target.loaded:
                     self.masters[g][lo:hi].copy_(target.value)
         if optimizer_states:
-            states: dict[int, Optional[dict[str, Any]]] = {}
-            for pieces in self._pieces:
-                for piece in pieces:
-                    targets = private.piece_targets.get(id(piece), [])
-                    loaded = [t for t, _ in targets if t.loaded]
-                    if loaded:
-                        fresh = private.piece_state.get(id(piece), {})
-                        _fill_the_rest(fresh, self.optimizer.state.get(piece, {}), targets)
-                        states[id(piece)] = {**fresh, **loaded[0].scalars} or None
-            install_state(self.optimizer, states, groups)
+            self.optimizer.load_state_dict(private.staged.pop("state_dict"))
         extra, extra_targets = private.extra
         self._finish_extra(extra, extra_targets)
         self._refresh_after_import()
@@ -292,11 +308,34 @@ def _fresh_state(current: Mapping[str, Any], piece: torch.Tensor,
             for key in keys}
 
 
+def _piece_state(fresh: dict[str, torch.Tensor], current: Mapping[str, Any],
+                 piece: torch.Tensor, targets: Sequence[tuple[LoadTarget, int]]
+                 ) -> Optional[dict[str, Any]]:
+    """A piece's new optimizer state, some of whose targets were loaded.
+    None (fresh state, as at stage 0) when the checkpoint has no state for
+    any of it (parameters frozen when it was saved, a save before the first
+    step) and no part keeps its current state. Otherwise the per-element
+    state (:func:`_fill_the_rest`) and the scalars (``step``) of the first
+    target the checkpoint has them for, else the current ones: elements
+    the checkpoint has no state for start from zero, as fresh state does,
+    but share the piece's ``step``."""
+    loaded = [t for t, _ in targets if t.loaded]
+    saved = [t for t in loaded if t.state or t.scalars]
+    if not saved and (len(loaded) == len(targets) or not current):
+        return None
+    _fill_the_rest(fresh, current, targets)
+    scalars = next((t.scalars for t in saved if t.scalars), None)
+    if scalars is None:
+        scalars = {k: v for k, v in current.items() if not per_element(k, v, piece.shape)}
+    return {**fresh, **scalars} or None
+
+
 def _fill_the_rest(fresh: Mapping[str, torch.Tensor], current: Mapping[str, Any],
                    targets: Sequence[tuple[LoadTarget, int]]) -> None:
-    """The elements of a piece's new state that no loaded target filled
-    (skipped tensors, keys the checkpoint lacks, padding) keep the current
-    value, or zero when there is none."""
+    """The elements of a piece's new state that no loaded target filled:
+    those of loaded targets the checkpoint has no such state for start
+    from zero; the rest (skipped tensors, padding) keep the current value,
+    or zero when there is none."""
     for key, tensor in fresh.items():
         filled = sorted((o, o + t.end - t.start) for t, o in targets
                         if t.loaded and key in t.state)
@@ -310,3 +349,6 @@ def _fill_the_rest(fresh: Mapping[str, torch.Tensor], current: Mapping[str, Any]
             elif a > position:
                 tensor[position:a].zero_()
             position = max(position, b)
+        for t, o in targets:
+            if t.loaded and key not in t.state:
+                tensor[o:o + t.end - t.start].zero_()

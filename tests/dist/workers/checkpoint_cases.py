@@ -198,10 +198,103 @@ def only_rank0(args: argparse.Namespace) -> dict[str, Any]:
     return {"error_text": text}
 
 
+class Scaled(Net):
+    """Net times a learned 0-d scale."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0)
+        self.gain = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return super().forward(x, y) * self.gain
+
+
+def engine_of(model: torch.nn.Module, stage: int, seed: int) -> Any:
+    torch.manual_seed(seed)
+    engine, _, loader, _ = dsrun.initialize(model=model, training_data=dataset(),
+                                            config=config(stage, 4))
+    return engine, loader
+
+
+def scalar_param(args: argparse.Namespace) -> dict[str, Any]:
+    """A 0-d parameter's Adam moments saved at stage 0, loaded at stages 1-3."""
+    root = os.path.join(args.ckpt, "scalar")
+    engine, loader = engine_of(Scaled(), 0, seed=0)
+    batches = Batches(loader)
+    train(engine, batches, 2)
+    engine.save_checkpoint(root, tag="t")
+    out = {"expected": train(engine, batches, 2)["losses"], "loaded": {}}
+    engine.destroy()
+    for stage in (1, 2, 3):
+        other, loader = engine_of(Scaled(), stage, seed=5)
+        other.load_checkpoint(root, tag="t")
+        out["loaded"][stage] = train(other, Batches(loader), 2)["losses"]
+        other.destroy()
+    return out
+
+
+def unfreeze(args: argparse.Namespace) -> dict[str, Any]:
+    """Parameters frozen when saved, trainable when loaded (fine-tuning)."""
+    out = {}
+    for stage in (2, 3):
+        root = os.path.join(args.ckpt, f"unfreeze{stage}")
+        model = Net(0.0)
+        model.inp.requires_grad_(False)
+        engine, loader = engine_of(model, stage, seed=0)
+        train(engine, Batches(loader), 1)
+        engine.save_checkpoint(root, tag="t")
+        other, loader = engine_of(Net(0.0), stage, seed=7)
+        other.load_checkpoint(root, tag="t")
+        record = train(other, Batches(loader), 1)
+        out[stage] = [float.fromhex(v) for v in record["losses"]]
+        engine.destroy()
+        other.destroy()
+    return out
+
+
+def snapshot(engine: Any) -> list[torch.Tensor]:
+    values = [v.clone() for v in full_params(engine).values()]
+    for state in engine.optimizer.optimizer.state.values():
+        values.extend(v.clone() for v in state.values() if isinstance(v, torch.Tensor))
+    return values
+
+
+def refused_on_one_rank(args: argparse.Namespace) -> dict[str, Any]:
+    """The optimizer refuses the loaded state on rank 1 only: every rank
+    raises the same error and nothing changed."""
+    root = os.path.join(args.ckpt, "refused")
+    engine, loader = build(2, seed=0)
+    train(engine, Batches(loader), 1)
+    engine.save_checkpoint(root, tag="t")
+    before = snapshot(engine)
+    original = torch.optim.AdamW.__setstate__
+
+    def refuse(self: Any, state: Any) -> None:
+        raise KeyError("step")
+
+    if dist.get_rank() == 1:
+        torch.optim.AdamW.__setstate__ = refuse  # type: ignore[method-assign]
+    try:
+        engine.load_checkpoint(root, tag="t")
+        text = None
+    except CheckpointError as exc:
+        text = str(exc)
+    finally:
+        torch.optim.AdamW.__setstate__ = original  # type: ignore[method-assign]
+    after = snapshot(engine)
+    same = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+    train(engine, Batches(loader), 1)  # still usable
+    engine.destroy()
+    return {"error_text": text, "unchanged": same}
+
+
 def extras(args: argparse.Namespace, out: dict[str, Any]) -> None:
     case(out, "tag_mismatch", tag_mismatch, args)
     case(out, "async_vs_sync", async_vs_sync, args)
     case(out, "consolidation", consolidation, args)
+    case(out, "scalar_param", scalar_param, args)
+    case(out, "unfreeze", unfreeze, args)
+    case(out, "refused_on_one_rank", refused_on_one_rank, args)
     case(out, "only_rank0", only_rank0, args)  # last: the coordinator is unusable after it
 
 
