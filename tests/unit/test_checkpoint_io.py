@@ -246,3 +246,21 @@ def test_info_describes_the_tags(tmp_path: Path) -> None:
     assert checkpoint_info(str(tmp_path / "first")).selected.tag == "first"
     with pytest.raises(CheckpointError, match="holds no dsrun checkpoint"):
         checkpoint_info(str(tmp_path / "third.tmp"))
+
+
+@pytest.mark.parametrize("safetensors", [False, True])
+def test_to_fp32_into_a_new_directory_named_with_a_trailing_slash(
+        tmp_path: Path, safetensors: bool) -> None:
+    from click.testing import CliRunner
+
+    from dsrun.launcher.checkpoint_cli import checkpoint
+
+    save(tmp_path / "ckpt", DictSource(tensors()))
+    out = tmp_path / "new" / "dir"
+    argv = ["to-fp32", str(tmp_path / "ckpt"), str(out) + os.sep]
+    result = CliRunner().invoke(checkpoint, argv + (["--safetensors"] if safetensors else []))
+    assert result.exit_code == 0, result.output
+    name = "model.safetensors" if safetensors else "pytorch_model.bin"
+    assert out.is_dir() and [p.name for p in out.iterdir()] == [name]
+    if not safetensors:
+        assert torch.equal(torch.load(out / name)["a.weight"], tensors()["a.weight"].float())

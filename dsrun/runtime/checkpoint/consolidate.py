@@ -186,8 +186,12 @@ def to_fp32(checkpoint_dir: str, out: str, tag: Optional[str] = None,
             safetensors: bool = False, exclude_frozen: bool = False) -> Consolidated:
     """Write the checkpoint's weights as one fp32 state dict file (module
     docstring); ``out`` may be a directory (``pytorch_model.bin`` or
-    ``model.safetensors`` inside it)."""
+    ``model.safetensors`` inside it), also one that does not exist yet when
+    it ends with a path separator (created, as ``cp`` and ``rsync`` read a
+    trailing ``/``)."""
     path, manifest = open_checkpoint(checkpoint_dir, tag)
+    if out.endswith(tuple(sep for sep in (os.sep, os.altsep) if sep)):
+        os.makedirs(out, exist_ok=True)
     if os.path.isdir(out):
         out = os.path.join(out, "model.safetensors" if safetensors else "pytorch_model.bin")
     exclude = frozen_names(manifest) if exclude_frozen else set()
