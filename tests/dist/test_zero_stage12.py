@@ -348,3 +348,27 @@ def test_settings_from_zero_config() -> None:
 
 def test_worker_file_exists() -> None:
     assert Path(WORKER).is_file()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_adagrad_from_the_config_matches_torch_adagrad(solo: None, stage: int) -> None:
+    """Adagrad makes its state (``sum``, a zero ``step``) in its constructor:
+    that is not a stepped optimizer; ZeRO's rebuilt one steps as torch's."""
+    import dsrun
+
+    params = {"lr": 0.1, "initial_accumulator_value": 0.2, "lr_decay": 0.01}
+    ref, mine = small_model(), small_model()
+    train(ref, torch.optim.Adagrad(ref.parameters(), **params), 1, 0.0, zero=False)
+    config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000,
+              "optimizer": {"type": "Adagrad", "params": params},
+              "zero_optimization": {"stage": stage}}
+    engine, *_ = dsrun.initialize(model=mine, config=config)
+    assert type(engine.optimizer.optimizer) is torch.optim.Adagrad
+    g = torch.Generator().manual_seed(1)
+    for _ in range(8):
+        engine.backward(engine(torch.randn(4, 7, generator=g)).square().mean())
+        engine.step()
+    full = engine.optimizer.module_state_dict() if stage == 3 else mine.state_dict()
+    for name, value in ref.state_dict().items():
+        assert (value - full[name]).abs().max().item() <= TOLERANCE, name
+    engine.destroy()

@@ -108,6 +108,19 @@ def comm_strategy(reduce_scatter: bool, strategy: Optional[CommStrategy]
     return CommStrategy(reduce="all_reduce", owner_reduce="all_reduce", gather=gather)
 
 
+def check_not_stepped(optimizer: Optimizer, where: str) -> None:
+    """ZeRO rebuilds a client optimizer over its partitions, so it must not
+    have stepped: its state would be lost. State an optimizer creates in its
+    constructor (Adagrad's ``sum`` and zero ``step``) is not stepping - the
+    rebuilt optimizer creates it again - so only a state with a nonzero
+    ``step``, or without one (SGD's momentum, made by the first step), is."""
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if step is None or float(step) != 0:
+            raise DsrunConfigError("pass an optimizer that has not stepped yet: ZeRO rebuilds "
+                                   f"it over this rank's {where} and would drop its state")
+
+
 def _normalise_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
     """torch.optim's accepted forms -> list of dicts with a ``params`` list."""
     items = list(params)

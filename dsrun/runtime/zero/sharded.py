@@ -92,6 +92,7 @@ from dsrun.runtime.zero.groups import (  # noqa: F401 - re-exported for older im
     _check_params,
     _constructor_kwargs,
     _normalise_groups,
+    check_not_stepped,
     comm_strategy,
     restore_partition_state,
     settings_values,
@@ -170,9 +171,7 @@ class ZeroOptimizer(ShardedStateIO, MasterGradients):
                        reduce_in_backward: Optional[bool] = None) -> ZeroOptimizer:
         """Rebuild a client optimizer (not stepped yet) as a ZeRO one: same
         class, same per-group hyperparameters."""
-        if optimizer.state:
-            raise DsrunConfigError("pass an optimizer that has not stepped yet: ZeRO rebuilds "
-                                   "it over this rank's partition and would drop its state")
+        check_not_stepped(optimizer, "partition")
         groups = [dict(g) for g in optimizer.param_groups]
         return cls(groups, type(optimizer), optimizer.defaults, stage=stage, group=group,
                    settings=settings, backward_order=backward_order,

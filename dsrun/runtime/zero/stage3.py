@@ -78,7 +78,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from dsrun.errors import DsrunConfigError, DsrunError
+from dsrun.errors import DsrunError
 from dsrun.runtime.zero.divergence import DivergenceGuard, shared_guard
 from dsrun.runtime.zero.fetch import ParamFetcher
 from dsrun.runtime.zero.flat import FlatGrads, alias_or_copy, clear_flat_grads, trim_host_heap
@@ -87,6 +87,7 @@ from dsrun.runtime.zero.groups import (
     _check_optimizer_cls,
     _constructor_kwargs,
     _normalise_groups,
+    check_not_stepped,
     restore_partition_state,
 )
 from dsrun.runtime.zero.init import GatheredParameters
@@ -181,9 +182,7 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
                        device: Optional[torch.device] = None) -> ZeroStage3:
         """Rebuild a client optimizer (not stepped yet) over the shards: same
         class, same per-group hyperparameters."""
-        if optimizer.state:
-            raise DsrunConfigError("pass an optimizer that has not stepped yet: ZeRO rebuilds "
-                                   "it over this rank's shards and would drop its state")
+        check_not_stepped(optimizer, "shards")
         return cls(module, [dict(g) for g in optimizer.param_groups], type(optimizer),
                    optimizer.defaults, group=group, settings=settings, device=device)
 
