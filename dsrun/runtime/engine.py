@@ -261,7 +261,10 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
                 log.warning("an lr_scheduler was passed to initialize() and the config has a "
                             "\"scheduler\" section; using the client's (as DeepSpeed does)")
             if callable(client) and not hasattr(client, "step"):
-                return client(self.optimizer)
+                # DeepSpeed calls the factory with the torch optimizer; at
+                # ZeRO stages that is the inner one, whose param_groups step
+                inner = self.optimizer.optimizer if self.zero_stage > 0 else self.optimizer
+                return client(inner)
             if self.zero_stage > 0 and getattr(client, "optimizer", None) is client_optimizer:
                 # The client built it over its own optimizer, which ZeRO rebuilt
                 # over partitions: the schedule must now drive the inner one.

@@ -163,3 +163,53 @@ def test_a_state_the_optimizer_refuses_fails_before_anything_changes(
         other.load_checkpoint(tmp_path, tag="t")
     monkeypatch.undo()
     assert_same(before, snapshot(other))
+
+
+# ------------------------------------------------ client scheduler factories
+
+
+def full(engine: Any) -> dict[str, torch.Tensor]:
+    state = engine.optimizer.module_state_dict() if engine.zero_stage == 3 else \
+        engine.module.state_dict()
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+OFFLOAD = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+
+
+@pytest.mark.parametrize("stage, extra", [(0, {}), (1, {}), (2, {}), (3, {}), (2, OFFLOAD)])
+def test_a_scheduler_factory_gets_the_optimizer_that_steps(solo: None, tmp_path: Path,
+                                                          stage: int, extra: Any) -> None:
+    def after_one_step(optimizer: torch.optim.Optimizer) -> Any:
+        assert isinstance(optimizer, torch.optim.Optimizer)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 if s == 0 else 0.0)
+
+    def halving(optimizer: torch.optim.Optimizer) -> Any:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 ** s)
+
+    def engine_with(factory: Any, seed: int) -> Any:
+        torch.manual_seed(seed)
+        cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+               "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+               "zero_optimization": {"stage": stage}, **extra}
+        engine, _, _, sched = dsrun.initialize(model=Scaled(), config=cfg, lr_scheduler=factory)
+        assert sched is engine.lr_scheduler
+        return engine
+
+    engine = engine_with(after_one_step, 0)
+    start = full(engine)
+    train(engine, 0, 1)
+    once = full(engine)
+    assert engine.get_lr() == [0.0]
+    train(engine, 1, 2)  # lr 0 from the schedule: no change
+    assert all(torch.equal(once[k], v) for k, v in full(engine).items())
+    assert not all(torch.equal(once[k], v) for k, v in start.items())
+
+    engine = engine_with(halving, 0)
+    train(engine, 0, 2)
+    engine.save_checkpoint(tmp_path, tag="t")
+    other = engine_with(halving, 3)
+    other.load_checkpoint(tmp_path, tag="t")
+    assert other.lr_scheduler.state_dict() == engine.lr_scheduler.state_dict()
+    assert other.get_lr() == engine.get_lr() == [0.01 * 0.25]
+    assert train(other, 2, 2) == pytest.approx(train(engine, 2, 2), rel=1e-6)
