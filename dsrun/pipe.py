@@ -16,8 +16,10 @@ from dsrun.runtime.pipe import (
     PipelineModule,
     PipeModelDataParallelTopology,
     PipeTopology,
+    ProcessTopology,
     TiedLayerSpec,
 )
 
 __all__ = ["LayerSpec", "PipeDataParallelTopology", "PipeModelDataParallelTopology",
-           "PipeTopology", "PipelineEngine", "PipelineModule", "TiedLayerSpec"]
+           "PipeTopology", "PipelineEngine", "PipelineModule", "ProcessTopology",
+           "TiedLayerSpec"]

@@ -98,6 +98,7 @@ from dsrun.runtime.config_sections import (
     OffloadOptimizerConfig,
     OffloadParamConfig,
     OptimizerConfig,
+    PipelineConfig,
     SchedulerConfig,
     TensorBoardConfig,
     WandbConfig,
@@ -120,7 +121,8 @@ __all__ = [
     "CometConfig", "CommsLoggerConfig", "ConfigInput", "FlopsProfilerConfig",
     "CsvMonitorConfig", "DsrunConfig",
     "DsrunOptions", "FP16Config", "MONITOR_SECTIONS", "OffloadOptimizerConfig",
-    "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig", "TensorBoardConfig", "WandbConfig",
+    "OffloadParamConfig", "OptimizerConfig", "PipelineConfig", "SchedulerConfig",
+    "TensorBoardConfig", "WandbConfig",
     "ZeroConfig", "canonical_optimizer_type", "canonical_scheduler_type", "check_scheduler_params",
     "check_value", "did_you_mean", "inert_settings", "is_auto", "load_config", "resolve",
     "resolve_batch",
@@ -134,7 +136,7 @@ PASSTHROUGH_KEYS = frozenset({
     "aio", "amp", "autotuning",
     "compile", "compression_training", "curriculum_learning", "data_efficiency",
     "data_types", "eigenvalue", "elasticity", "hybrid_engine", "nebula",
-    "pipeline", "progressive_layer_drop", "quantize_training", "sparse_attention",
+    "progressive_layer_drop", "quantize_training", "sparse_attention",
     "tensor_parallel", "timers", "torch_autocast",
     "use_data_before_expert_parallelism", "weight_quantization",
 })
@@ -175,6 +177,7 @@ class DsrunConfig:
     flops_profiler: FlopsProfilerConfig = subsection(FlopsProfilerConfig)
     activation_checkpointing: ActivationCheckpointingConfig = subsection(
         ActivationCheckpointingConfig)
+    pipeline: PipelineConfig = subsection(PipelineConfig)
     memory_breakdown: bool = opt("bool", False)
     dump_state: bool = opt("bool", False)
     communication_data_type: Optional[str] = opt("str", None, choices=("fp16", "bf16", "fp32"))
@@ -389,6 +392,16 @@ def inert_settings(config: DsrunConfig) -> list[str]:
     gradient by the data-parallel size before reducing it)."""
     notes = [key for key, default in INERT_KEYS.items()
              if getattr(config, key) != default]
+    pipe = config.pipeline
+    unapplied = [key for key, default in (("stages", "auto"), ("partition", "best"),
+                                          ("seed_layers", False))
+                 if getattr(pipe, key) != default]
+    if unapplied:
+        notes.append(f"pipeline.{'/'.join(unapplied)} (as in DeepSpeed: pass num_stages=, "
+                     "partition_method=, seed_layers= to PipelineModule)")
+    if not (pipe.pipe_partitioned and pipe.grad_partitioned):
+        notes.append("pipeline.pipe_partitioned/grad_partitioned (they only matter with tensor "
+                     "parallelism)")
     if config.gradient_predivide_factor != 1.0 and config.zero_optimization.stage > 0:
         notes.append("gradient_predivide_factor (ZeRO stages divide gradients by the "
                      "data-parallel size before reducing them)")
@@ -441,6 +454,7 @@ def resolve(config: ConfigInput, *, dp_size: int, dp_source: str,
         "flops_profiler": parse_section(FlopsProfilerConfig, known.get("flops_profiler", {}),
                                         ("flops_profiler",), ctx),
         "activation_checkpointing": parse_activation_checkpointing(known, ctx),
+        "pipeline": parse_section(PipelineConfig, known.get("pipeline", {}), ("pipeline",), ctx),
         **parse_monitors(known, ctx),
     }
     if is_auto(known.get("gradient_clipping")):

@@ -133,7 +133,7 @@ def check_value(value: Any, spec: Check, where: str) -> Any:
     """Return ``value`` normalised to ``spec`` or raise naming ``where``."""
     if value is None and spec.optional:
         return None
-    if is_auto(value) and not spec.choices and spec.kind != "str":
+    if is_auto(value) and not spec.choices and spec.kind not in ("str", "any"):
         raise DsrunConfigError(f'{where} is "auto", which dsrun cannot resolve for this key; '
                                f"give {_describe(spec)}")
     ok, normalised = _convert(value, spec)

@@ -321,6 +321,30 @@ class ActivationCheckpointingConfig:
 
 
 @dataclass(frozen=True)
+class PipelineConfig:
+    """``pipeline``: what a pipeline engine applies to its ``PipelineModule``,
+    as DeepSpeed's does: ``activation_checkpoint_interval`` > 0 replaces the
+    module's; ``use_reentrant`` false or true picks the non-reentrant or
+    torch's reentrant checkpoint for a module that uses the default
+    function (unset: dsrun's default, non-reentrant; DeepSpeed's default is
+    reentrant - the gradients are the same). ``stages``, ``partition`` and
+    ``seed_layers`` are checked but not applied (DeepSpeed does not apply
+    them either: they are ``PipelineModule`` arguments); ``pipe_partitioned``
+    and ``grad_partitioned`` only matter with tensor parallelism."""
+
+    activation_checkpoint_interval: int = opt("int", 0, low=0)
+    use_reentrant: Optional[bool] = opt("bool", None)
+    stages: Any = opt("any", "auto")
+    partition: Any = opt("any", "best")
+    seed_layers: bool = opt("bool", False)
+    pipe_partitioned: bool = opt("bool", True)
+    grad_partitioned: bool = opt("bool", True)
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
+@dataclass(frozen=True)
 class CometConfig:
     """``comet``: a Comet experiment on rank 0 through ``comet_ml.start``
     (needs the ``comet_ml`` package); an event is logged when its step

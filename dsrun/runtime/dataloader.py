@@ -5,7 +5,13 @@ data-parallel rank reading its own shard through a ``DistributedSampler``
 (shuffled, seed 0; a dataset that does not divide evenly is padded by
 repeating samples, as the sampler does), ``collate_fn`` honoured, the last
 incomplete batch dropped when ``dataloader_drop_last`` is set. Unlike a bare
-DataLoader it reshuffles every epoch: each ``iter()`` starts a new epoch.
+DataLoader it reshuffles every epoch: each ``iter()`` starts a new epoch. A
+pipeline engine's loader shuffles too (DeepSpeed's pipeline loader reads in
+order), so the same data order - and a checkpoint's data position - holds
+whether a model trains as a pipeline or not.
+
+:class:`RepeatingLoader` (DeepSpeed's ``deepspeed.utils.RepeatingLoader``)
+is an endless iterator over any loader, restarting it when it runs out.
 
 Its position is checkpointed (``state_dict``/``load_state_dict``, which
 ``engine.save_checkpoint``/``load_checkpoint`` call): the epoch and how many
@@ -118,3 +124,28 @@ def build_dataloader(training_data: Any, *, micro_batch_size: int, num_replicas:
     return DsrunDataLoader(training_data, micro_batch_size, num_replicas=num_replicas,
                            rank=rank, collate_fn=collate_fn, drop_last=drop_last,
                            pin_memory=device.type == "cuda")
+
+
+class RepeatingLoader:
+    """``loader``'s batches without end: when it runs out, ``iter(loader)``
+    again (a new epoch for a :class:`DsrunDataLoader`). An iterator, so
+    ``engine.train_batch(data_iter=RepeatingLoader(loader))`` keeps reading
+    where the last call stopped."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.data_iter = iter(loader)
+
+    def __iter__(self) -> RepeatingLoader:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            try:
+                return next(self.data_iter)
+            except StopIteration:
+                raise RuntimeError(f"RepeatingLoader: the {type(self.loader).__name__} "
+                                   "yields no batches") from None

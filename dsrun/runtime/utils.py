@@ -5,15 +5,26 @@ rank 0 logs ``message`` and this process's memory (CUDA allocated and
 reserved with their peaks where CUDA is in use, the host resident set and
 its peak, the machine's memory in use); without it, nothing - as in
 DeepSpeed, where scripts leave the calls in and switch them with ``force``.
+
+``RepeatingLoader`` is :class:`dsrun.runtime.dataloader.RepeatingLoader`
+(imported on first use: it needs torch).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from dsrun.runtime.progress import LOGGER_NAME, ensure_visible, memory_line
 
-__all__ = ["see_memory_usage"]
+__all__ = ["RepeatingLoader", "see_memory_usage"]  # noqa: F822 - RepeatingLoader is lazy
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RepeatingLoader":
+        from dsrun.runtime.dataloader import RepeatingLoader
+        return RepeatingLoader
+    raise AttributeError(f"module 'dsrun.runtime.utils' has no attribute {name!r}")
 
 log = logging.getLogger(LOGGER_NAME)
 

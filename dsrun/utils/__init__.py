@@ -7,7 +7,8 @@
   ``python -m dsrun.utils.zero_to_fp32`` over dsrun checkpoints;
 * :mod:`.tensor_fragment` - ``safe_get_full_fp32_param``,
   ``safe_get_full_grad``, ``safe_get_full_optimizer_state``, their setters
-  and the ``*_local_*`` (stage 3) variants.
+  and the ``*_local_*`` (stage 3) variants;
+* ``RepeatingLoader`` (from :mod:`dsrun.runtime.dataloader`).
 
 ``import dsrun.utils`` imports neither torch nor the submodules; the names
 above load their module on first use (PEP 562), so ``python -m
@@ -29,6 +30,7 @@ _LAZY = {name: "dsrun.utils.tensor_fragment" for name in (
 _LAZY.update({name: "dsrun.utils.zero_to_fp32" for name in (
     "get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
     "convert_zero_checkpoint_to_state_dict", "load_state_dict_from_zero_checkpoint")})
+_LAZY["RepeatingLoader"] = "dsrun.runtime.dataloader"
 _SUBMODULES = ("logging", "tensor_fragment", "zero_to_fp32")
 
 __all__ = ["get_dist_msg", "log_dist", "logger", *_LAZY]

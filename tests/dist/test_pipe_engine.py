@@ -198,13 +198,116 @@ def test_eval_and_inference_passes(solo: None) -> None:
         losses = torch.stack([F.cross_entropy(o, y) for o, (_, y) in zip(outs, data)])
     loss, logits = engine.eval_batch(iter(data), return_logits=True)
     assert float(loss) == pytest.approx(float(losses.mean()), abs=1e-7)
-    assert all(torch.equal(a, b) for a, b in zip(logits, outs))
+    assert torch.equal(logits, outs[-1])  # the last micro-batch's output, as DeepSpeed
     per = engine.eval_batch(iter(data), reduce_output=None)
     assert [float(v) for v in per] == pytest.approx([float(v) for v in losses], abs=1e-7)
-    only = engine.eval_batch(iter(data), compute_loss=False)
-    assert len(only) == case.micro_batches and torch.equal(only[0], outs[0])
+    # without the loss: the outputs, averaged over the micro-batches (or each of them)
+    averaged = engine.eval_batch(iter(data), compute_loss=False)
+    assert torch.allclose(averaged, torch.stack(outs).mean(0), atol=1e-7, rtol=0)
+    each = engine.eval_batch(iter(data), compute_loss=False, reduce_output=None)
+    assert all(torch.equal(a, b) for a, b in zip(each, outs))
+    # the last stage (here the only one) keeps its result without the broadcast
+    local = engine.eval_batch(iter(data), bcast_loss=False)
+    assert float(local) == pytest.approx(float(losses.mean()), abs=1e-7)
     assert torch.equal(engine(data[0][0]), outs[0])
     assert engine.module.training  # eval_batch restored the mode
+
+
+def test_eval_without_a_loss_function(solo: None) -> None:
+    module = PipelineModule([LayerSpec(nn.Linear, 6, 5)], num_stages=1)
+    engine, _, _, _ = dsrun.initialize(model=module, config=cases.CASES["mlp"].config())
+    data = cases.CASES["mlp"].eval_data()
+    with torch.no_grad():
+        expected = torch.stack([module(x) for x, _ in data]).mean(0)
+    # the output is the "loss": averaged, kept on the last stage
+    assert torch.allclose(engine.eval_batch(iter(data), bcast_loss=False), expected,
+                          atol=1e-7, rtol=0)
+    with pytest.raises(DsrunError, match="single-element tensor to be sent to every stage; "
+                                         "pass bcast_loss=False"):
+        engine.eval_batch(iter(data))
+
+
+def test_the_data_iterator_persists_as_in_deepspeed(solo: None) -> None:
+    engine, case = _engine("mlp-noclip")
+    given = iter(case.batch(0, 0) + case.batch(1, 0))
+    first = engine.train_batch(given)
+    assert engine.data_iterator is given
+    engine.eval_batch(iter(case.eval_data()))  # reads its own data, not the training iterator
+    second = engine.train_batch()  # goes on with the iterator given before
+    with pytest.raises(DsrunError, match="ran out at micro-batch 0 of 4"):
+        engine.train_batch()
+    fresh, _ = _engine("mlp-noclip")
+    assert [float(fresh.train_batch(iter(case.batch(step, 0)))) for step in (0, 1)] == \
+        [float(first), float(second)]
+    for call in (lambda: engine.train_batch(case.batch(0, 0)),
+                 lambda: engine.eval_batch(case.eval_data()),
+                 lambda: engine.set_dataiterator(case.batch(0, 0))):
+        with pytest.raises(DsrunError, match=r"takes an iterator, got a list: pass iter\(\.\.\.\) "
+                                             r"of it, or RepeatingLoader"):
+            call()
+    with pytest.raises(DsrunError, match=r"eval_batch\(data_iter\) needs the data"):
+        engine.eval_batch(None)
+    repeating = deepspeed_utils().RepeatingLoader(case.batch(2, 0)[:3])  # 3 per "epoch"
+    engine.train_batch(repeating)
+    engine.train_batch()  # 4 more: the list again from its second item
+    assert engine.data_iterator is repeating
+
+
+def deepspeed_utils() -> Any:
+    from deepspeed import utils  # the alias (import dsrun above installs it)
+    return utils
+
+
+def test_a_reentrant_checkpoint_trains_the_first_stage(solo: None) -> None:
+    """torch's reentrant checkpoint keeps no graph to inputs that do not
+    require grad: the first stage marks its floating-point inputs (as
+    DeepSpeed), else its layers get no gradient (at world size 1 the loss
+    would have none)."""
+    import functools
+
+    from dsrun import checkpointing
+
+    case = cases.CASES["mlp-noclip"]
+    reference, _ = _engine("mlp-noclip")
+    module = PipelineModule(layers=case.layers(), num_stages=1, loss_fn=case.loss_fn,
+                            seed_layers=True, activation_checkpoint_interval=1,
+                            activation_checkpoint_func=functools.partial(
+                                torch.utils.checkpoint.checkpoint, use_reentrant=True))
+    engine, _, _, _ = dsrun.initialize(model=module, config=case.config())
+    for step in range(2):
+        assert float(engine.train_batch(iter(case.batch(step, 0)))) == \
+            float(reference.train_batch(iter(case.batch(step, 0))))
+    assert all(torch.equal(a, b) for a, b in zip(engine.module.parameters(),
+                                                 reference.module.parameters()))
+    # the config's pipeline section picks the function and the interval, as DeepSpeed's
+    configured, _ = _engine("mlp-noclip", pipeline={"activation_checkpoint_interval": 2,
+                                                    "use_reentrant": True})
+    assert configured.module.activation_checkpoint_interval == 2
+    assert configured.module.activation_checkpoint_func.keywords == {"use_reentrant": True}
+    plain, _ = _engine("mlp-noclip", pipeline={"use_reentrant": False})
+    assert plain.module.activation_checkpoint_func is checkpointing.checkpoint
+    assert plain.module.activation_checkpoint_interval == 0
+
+
+def test_deepspeeds_module_engine_and_grid_accessors(solo: None) -> None:
+    engine, case = _engine("mlp")
+    module, grid = engine.module, engine.grid
+    assert module.topology() is grid.topology() and module.topology().get_dim("pipe") == 1
+    assert module.num_pipeline_stages() == 1 and module.partitions() == (0, 6)
+    assert [module.stage_owner(i) for i in range(6)] == [0] * 6
+    with pytest.raises(ValueError, match="layer 6 is outside 0-5"):
+        module.stage_owner(6)
+    module.set_checkpoint_interval(2)
+    assert module.activation_checkpoint_interval == 2
+    assert module.get_additional_losses() is None
+    assert (engine.micro_batch_size, engine.prev_stage, engine.next_stage) == (4, -1, 1)
+    assert not engine.is_data_parallel and not engine.is_model_parallel
+    assert grid.pp_group == [0] and grid.get_data_parallel_group_ranks() == [0]
+    assert grid.get_global_rank() == 0 and grid.get_pipeline_model_parallel_world_size() == 1
+    ones = torch.ones(3)
+    torch.distributed.all_reduce(ones, group=grid.get_model_parallel_group())
+    assert torch.equal(ones, torch.ones(3))  # a group of this rank alone
+    PipelineModule([LayerSpec(nn.Linear, 2, 2)], num_stages=1, dynamic_shape=True)
 
 
 def test_backward_and_step_point_to_train_batch(solo: None) -> None:

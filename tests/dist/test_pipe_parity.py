@@ -34,8 +34,8 @@ pytestmark = pytest.mark.dist
 TOLERANCE = 1e-6
 cases = load_cases()
 
-ON_2_RANKS = ["mlp", "mlp-noclip", "mlp-3mb", "mlp-ckpt", "mlp-zero1", "mlp-bf16", "tied",
-              "varlen", "tuple", "mlp-flops"]
+ON_2_RANKS = ["mlp", "mlp-noclip", "mlp-3mb", "mlp-ckpt", "mlp-reentrant", "inplace",
+              "mlp-zero1", "mlp-bf16", "tied", "varlen", "tuple", "mlp-flops"]
 ON_4_RANKS = ["mlp", "mlp-zero1", "mlp-zero2", "mlp-ckpt", "tied", "tied-zero1"]
 BITWISE_ON_2_RANKS = ["mlp-noclip", "mlp-3mb"]
 
@@ -130,6 +130,9 @@ def _compare(name: str, ranks: list[dict[str, Any]], ref: dict[str, Any], bitwis
     last = [got["forward"] for got in ranks if got["stage"] == 1]
     assert all(torch.allclose(f, ref["forward"], atol=TOLERANCE, rtol=0) for f in last)
     assert all(got["forward"] is None for got in ranks if got["stage"] == 0)
+    # eval_batch(bcast_loss=False): the result on the last stage only
+    assert all((got["eval_local"] is None) == (got["stage"] == 0) for got in ranks)
+    assert all(got["eval_local"] == got["eval"] for got in ranks if got["stage"] == 1)
     return report
 
 

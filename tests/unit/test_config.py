@@ -286,6 +286,22 @@ def test_documented_deepspeed_sections_pass_through(caplog: pytest.LogCaptureFix
     assert config.to_dict()["autotuning"] == {"enabled": True, "fast": True}
 
 
+def test_the_pipeline_section_is_checked(caplog: pytest.LogCaptureFixture) -> None:
+    config = res(base(pipeline={"activation_checkpoint_interval": 2, "use_reentrant": False}))
+    assert (config.pipeline.activation_checkpoint_interval, config.pipeline.use_reentrant) == \
+        (2, False)
+    assert res(base()).pipeline.use_reentrant is None
+    with pytest.raises(DsrunConfigError, match='did you mean "activation_checkpoint_interval"'):
+        res(base(pipeline={"activation_checkpoint_intervals": 2}))
+    with pytest.raises(DsrunConfigError, match='pipeline.use_reentrant" in config dict must be '
+                                               "true or false"):
+        res(base(pipeline={"use_reentrant": "yes"}))
+    with caplog.at_level(logging.WARNING, logger="dsrun.runtime.config"):
+        res(base(pipeline={"stages": 2, "partition": "uniform"}))
+    assert "pipeline.stages/partition (as in DeepSpeed: pass num_stages=" in caplog.text
+    assert config.to_dict()["pipeline"]["activation_checkpoint_interval"] == 2
+
+
 def test_config_warnings_are_said_by_the_first_rank_only(
         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed as dist

@@ -14,11 +14,13 @@ from dsrun.runtime.pipe.partition import (
     layer_weights,
     partition_balanced,
     partition_layers,
+    partition_uniform,
 )
 from dsrun.runtime.pipe.topology import (
     PipeDataParallelTopology,
     PipeModelDataParallelTopology,
     PipeTopology,
+    ProcessTopology,
     topology_for,
 )
 
@@ -62,6 +64,8 @@ def test_methods() -> None:
     counts = [100, 10, 10, 10, 10, 1, 100]
     assert partition_layers("parameters", 2, names, counts) == (0, 3, 7)  # 120 | 121
     assert partition_layers("uniform", 2, names, counts) == (0, 4, 7)
+    # DeepSpeed's boundaries: the first (22 mod 3) stages one layer more
+    assert partition_layers("Uniform", 3, ["L"] * 22, [0] * 22) == (0, 8, 15, 22)
     # two blocks per stage, whatever the embedding and head weigh
     bounds = partition_layers("type:block", 2, names, counts)
     assert [sum(n == "Block" for n in names[a:b]) for a, b in zip(bounds, bounds[1:])] == [2, 2]
@@ -87,6 +91,21 @@ def test_bad_methods_name_the_problem(method: object, message: str) -> None:
         partition_layers(method, 2, ["Block"] * 7, [1] * 7)
 
 
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 8))
+def test_uniform_is_deepspeeds_partition(layers: int, parts: int) -> None:
+    if layers < parts:
+        return
+    bounds = partition_uniform(layers, parts)
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    # DeepSpeed's partition_uniform: equal chunks, the remainder added from the front
+    expected = [0] + [layers // parts * p for p in range(1, parts + 1)]
+    for i in range(layers % parts):
+        expected[i + 1:] = [b + 1 for b in expected[i + 1:]]
+    assert list(bounds) == expected
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
 def test_more_stages_than_layers() -> None:
     with pytest.raises(DsrunConfigError, match="2 layer.s. cannot fill 3 pipeline stages"):
         partition_layers("uniform", 3, ["A", "B"], [1, 1])
@@ -98,7 +117,7 @@ def test_more_stages_than_layers() -> None:
 @given(st.integers(1, 6), st.integers(1, 6))
 def test_topology_is_a_bijection_with_disjoint_groups(stages: int, replicas: int) -> None:
     topo = PipeTopology(stages, replicas)
-    ranks = range(topo.world_size)
+    ranks = range(topo.world_size())
     assert sorted(topo.rank(*topo.coords(r)) for r in ranks) == list(ranks)
     stage_groups = [topo.stage_ranks(s) for s in range(stages)]
     pipe_groups = [topo.pipeline_ranks(r) for r in range(replicas)]
@@ -114,6 +133,41 @@ def test_topology_layout_is_deepspeeds() -> None:
     assert topo.pipeline_ranks(1) == (1, 3)
     assert topo.coords(2) == (1, 0)
     assert PipeModelDataParallelTopology(2, 1, 3) == PipeTopology(2, 3)
+
+
+def test_deepspeeds_topology_queries() -> None:
+    topo = PipeDataParallelTopology(num_pp=2, num_dp=3)
+    assert isinstance(topo, ProcessTopology) and topo.world_size() == 6
+    assert topo.get_axis_names() == ["pipe", "data"]
+    assert (topo.get_dim("pipe"), topo.get_dim("data"), topo.get_dim("model")) == (2, 3, 0)
+    assert topo.get_rank(pipe=1, data=2) == 5 == topo.rank(1, 2)
+    assert topo.get_coord(4) == (1, 1) and topo.get_coord(4).data == 1
+    assert topo.filter_match(pipe=0) == [0, 1, 2] == topo.get_axis_list("pipe", 0)
+    assert topo.get_axis_comm_lists("pipe") == [[0, 3], [1, 4], [2, 5]]
+    assert topo.get_axis_comm_lists("data") == [[0, 1, 2], [3, 4, 5]]
+    assert topo.get_axis_comm_lists("model") == []
+    with pytest.raises(ValueError, match="needs a coordinate for each axis"):
+        topo.get_rank(pipe=1)
+    with pytest.raises(ValueError, match="no axis model"):
+        topo.filter_match(model=0)
+    three = PipeModelDataParallelTopology(2, 1, 2)
+    assert three.get_axis_names() == ["pipe", "data", "model"]
+    assert three.get_rank(pipe=1, data=0, model=0) == 2
+    assert three.get_rank_repr(3, omit_axes=["data"]) == "pipe_01-model_00"
+    # a general grid, last axis fastest (DeepSpeed's docstring examples)
+    grid = ProcessTopology(axes=["x", "y"], dims=[2, 3])
+    assert grid.get_axis_list("x", 0) == [0, 1, 2] and grid.get_axis_list("y", 0) == [0, 3]
+    assert [tuple(grid.get_coord(r)) for r in range(6)] == \
+        [(x, y) for x in range(2) for y in range(3)]
+    with pytest.raises(DsrunConfigError, match="one size per axis"):
+        ProcessTopology(["a", "b"], [2])
+
+
+def test_a_process_topology_as_a_pipelines() -> None:
+    assert topology_for(4, None, ProcessTopology(["pipe", "data"], [2, 2])) == PipeTopology(2, 2)
+    assert topology_for(2, 2, ProcessTopology(["pipe", "data", "model"], [2, 1, 1])).stages == 2
+    with pytest.raises(DsrunConfigError, match=r"axes \['pipe', 'data'\] in that order"):
+        topology_for(4, None, ProcessTopology(["data", "pipe"], [2, 2]))
 
 
 @pytest.mark.parametrize("world, stages, topology, message", [

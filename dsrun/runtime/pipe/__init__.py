@@ -18,7 +18,9 @@ from dsrun.runtime.pipe.topology import (
     PipeDataParallelTopology,
     PipeModelDataParallelTopology,
     PipeTopology,
+    ProcessTopology,
 )
 
 __all__ = ["LayerSpec", "PipeDataParallelTopology", "PipeModelDataParallelTopology",
-           "PipeTopology", "PipelineEngine", "PipelineModule", "TiedLayerSpec"]
+           "PipeTopology", "PipelineEngine", "PipelineModule", "ProcessTopology",
+           "TiedLayerSpec"]

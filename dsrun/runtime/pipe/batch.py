@@ -34,11 +34,12 @@ class BatchState:
     labels: dict[int, Any] = field(default_factory=dict)
     grads: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     sent: dict[int, list[TensorMeta]] = field(default_factory=dict)
+    wanted: dict[int, list[bool]] = field(default_factory=dict)  # grads the sender wants back
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     loss_values: list[torch.Tensor] = field(default_factory=list)
-    results: list[Any] = field(default_factory=list)  # eval outputs, last stage
-    keep_outputs: bool = False  # last stage: keep each micro-batch's output in results
-    compute_loss: bool = True  # last stage: compute (and keep) the loss
+    results: list[Any] = field(default_factory=list)  # eval: the last output, last stage
+    keep_outputs: bool = False  # last stage: keep the last micro-batch's output in results
+    compute_loss: bool = True  # last stage: apply loss_fn (else the output is the value)
     compute_s: float = 0.0  # time in forward and backward passes
     pipeline_s: float = 0.0  # from the batch start to the last pass
 

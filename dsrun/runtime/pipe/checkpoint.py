@@ -191,7 +191,7 @@ class PipelineLayout(CheckpointLayout):
         meta = {"excluded_frozen": left_out,
                 "state_dict_keys": [k for k in merge_state_dict_keys(per_stage)
                                     if k not in left_out],
-                "pipeline": {"stages": grid.stages, "replicas": grid.topology.replicas,
+                "pipeline": {"stages": grid.stages, "replicas": grid.topology().replicas,
                              "parts": list(module.parts)}}
         data = everyone[grid.stage_to_global(0)]["data"]
         return SaveParts(exports, meta, merged_aliases, {"data": data})

@@ -44,13 +44,16 @@ the engine's dataloader from the loaded position.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import torch
+import torch.utils.checkpoint
 
+from dsrun import checkpointing
 from dsrun import comm as collectives
 from dsrun.errors import DsrunConfigError, DsrunError
 from dsrun.runtime.config import DsrunConfig
@@ -92,6 +95,33 @@ def _annotate(exc: BaseException, note: str) -> None:
         add_note(note)
 
 
+def _needing_grads(inputs: Any) -> Any:
+    """``inputs`` with each floating-point tensor a new leaf that requires grad."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs.detach().requires_grad_() if inputs.is_floating_point() else inputs
+    return type(inputs)(_needing_grads(t) for t in inputs)
+
+
+def _stage_copy(inputs: Any) -> Any:
+    """A copy of each input tensor that requires grad (a leaf: in-place
+    operations on it would fail); gradients still reach the original."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs.clone() if inputs.requires_grad else inputs
+    return type(inputs)(_stage_copy(t) for t in inputs)
+
+
+def _apply_pipeline_config(config: DsrunConfig, module: PipelineModule) -> None:
+    """The config's ``pipeline`` section on the module, as DeepSpeed applies it."""
+    section = config.pipeline
+    if section.use_reentrant is not None and \
+            module.activation_checkpoint_func is checkpointing.checkpoint:
+        module.activation_checkpoint_func = checkpointing.checkpoint \
+            if not section.use_reentrant else functools.partial(
+                torch.utils.checkpoint.checkpoint, use_reentrant=True)
+    if section.activation_checkpoint_interval > 0:
+        module.activation_checkpoint_interval = section.activation_checkpoint_interval
+
+
 class PipelineEngine(DsrunEngine):
     """Pipeline-parallel training engine (module docstring)."""
 
@@ -106,10 +136,16 @@ class PipelineEngine(DsrunEngine):
             raise DsrunConfigError("a PipelineModule brings its own topology (num_stages= "
                                    "or topology=): do not pass mpu= to dsrun.initialize()")
         check_pipeline_zero(config, model)
+        _apply_pipeline_config(config, model)
         super().__init__(model, config, mpu=model.grid, **kwargs)
         self.grid = model.grid
         self.stage_id = self.grid.stage_id
         self.num_stages = self.grid.stages
+        # DeepSpeed's attributes
+        self.prev_stage, self.next_stage = self.stage_id - 1, self.stage_id + 1
+        self.is_data_parallel = self.grid.get_data_parallel_world_size() > 1
+        self.is_model_parallel = False
+        self._warned_no_grad = False
         self.agg_train_loss: Optional[torch.Tensor] = None
         self.agg_eval_loss: Optional[torch.Tensor] = None
         self.last_batch_timing: Optional[dict[str, float]] = None
@@ -160,6 +196,10 @@ class PipelineEngine(DsrunEngine):
     # ------------------------------------------------------------ public API
 
     @property
+    def micro_batch_size(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    @property
     def micro_batches(self) -> int:
         """Micro-batches per ``train_batch``: the accumulation steps in force
         (``set_train_batch_size`` changes them)."""
@@ -172,7 +212,8 @@ class PipelineEngine(DsrunEngine):
         return self.grid.is_last_stage
 
     def set_dataiterator(self, iterator: Iterator[Any]) -> None:
-        """The iterator ``train_batch()``/``eval_batch()`` read when given none."""
+        """The iterator ``train_batch()`` reads when given none."""
+        self._check_iterator(iterator, "set_dataiterator")
         self._data_iterator = iterator
         self._iterating_loader = False
 
@@ -185,15 +226,31 @@ class PipelineEngine(DsrunEngine):
         """DeepSpeed needs this after a shape change; shapes travel with every
         message here, so it does nothing."""
 
-    def _source(self, data_iter: Any) -> Optional[Iterator[Any]]:
+    def _train_source(self) -> Optional[Iterator[Any]]:
         if not self.grid.is_first_stage:
             return None
-        if data_iter is not None:
-            return iter(data_iter)
         if self._data_iterator is None and self.training_dataloader is not None:
             self._data_iterator = repeat(self.training_dataloader)
             self._iterating_loader = True
         return self._data_iterator
+
+    @staticmethod
+    def _check_iterator(data_iter: Any, call: str) -> None:
+        if not hasattr(data_iter, "__next__"):
+            kind = type(data_iter).__name__
+            raise DsrunError(
+                f"engine.{call}(data_iter=...) takes an iterator, got a {kind}: pass "
+                f"iter(...) of it, or RepeatingLoader(...) (deepspeed.utils) to read it epoch "
+                f"after epoch (a {kind} would start again from its first batch at every call)")
+
+    @property
+    def data_iterator(self) -> Optional[Iterator[Any]]:
+        """The iterator ``train_batch()`` reads next (DeepSpeed's attribute)."""
+        return self._data_iterator
+
+    def set_dataloader(self, loader: Any) -> None:
+        """Train on ``loader`` from now on, repeating it epoch after epoch."""
+        self.set_dataiterator(repeat(loader))
 
     # ------------------------------------------------------------ checkpoints
 
@@ -224,9 +281,11 @@ class PipelineEngine(DsrunEngine):
         if not torch.is_grad_enabled():
             raise DsrunError("engine.train_batch() was called with gradients disabled "
                              "(inside torch.no_grad()?)")
+        if data_iter is not None:  # as DeepSpeed: later calls without one go on reading it
+            self.set_dataiterator(data_iter)
         self.module.train()
         self.monitor.batch_started()
-        state = self._new_batch("train", self.micro_batches, self._source(data_iter))
+        state = self._new_batch("train", self.micro_batches, self._train_source())
         program = sched.train_schedule(self.num_stages, self.micro_batches, self.stage_id,
                                        labels=self.module.loss_fn is not None)
         self._run(program, state)
@@ -234,38 +293,104 @@ class PipelineEngine(DsrunEngine):
         assert self.agg_train_loss is not None
         return self.agg_train_loss
 
-    def eval_batch(self, data_iter: Any = None, return_logits: bool = False,
+    def eval_batch(self, data_iter: Any, return_logits: bool = False,
                    compute_loss: bool = True, reduce_output: Optional[str] = "avg",
-                   num_micro_batches: Optional[int] = None) -> Any:
+                   bcast_loss: bool = True, num_micro_batches: Optional[int] = None) -> Any:
         """Forward ``num_micro_batches`` (default gradient_accumulation_steps)
-        micro-batches without gradients; returns the mean loss on every rank
-        (``reduce_output=None``: the per-micro-batch losses), and with
-        ``return_logits`` also the last stage's outputs (a list per
-        micro-batch; None on other stages). ``compute_loss=False``: only the
-        outputs."""
+        micro-batches of ``data_iter`` without gradients, as DeepSpeed's:
+
+        * each micro-batch gives ``loss_fn(output, labels)``, or the output
+          itself with ``compute_loss=False`` or no ``loss_fn``;
+        * ``reduce_output="avg"``: their mean, averaged over the data-parallel
+          replicas; ``None``: the list of them (this replica's);
+        * with ``compute_loss`` and ``bcast_loss`` every rank gets the result
+          (a float32 scalar, or a list of them), else the last stage alone
+          (``None`` elsewhere);
+        * ``return_logits``: ``(result, the last micro-batch's output)`` (the
+          output on the last stage, ``None`` elsewhere).
+
+        ``data_iter`` is read for this call only; ``train_batch()`` goes on
+        with its own iterator."""
         if reduce_output not in ("avg", None):
             raise DsrunError(f"eval_batch(reduce_output={reduce_output!r}): use 'avg' or None")
+        if data_iter is None:
+            raise DsrunError("engine.eval_batch(data_iter) needs the data to evaluate: an "
+                             "iterator of (inputs, labels) micro-batches")
+        self._check_iterator(data_iter, "eval_batch")
         count = self.micro_batches if num_micro_batches is None else num_micro_batches
         labels = compute_loss and self.module.loss_fn is not None
         was_training = self.module.training
         self.module.eval()
         try:
-            state = self._new_batch("eval", count, self._source(data_iter))
-            state.keep_outputs = return_logits or not compute_loss
+            state = self._new_batch("eval", count,
+                                    data_iter if self.grid.is_first_stage else None)
+            state.keep_outputs = return_logits
             state.compute_loss = compute_loss
             with torch.no_grad():
                 self._run(sched.inference_schedule(self.num_stages, count, self.stage_id,
                                                    labels=labels), state)
-                loss = self._aggregate_loss(state, reduce_output) if compute_loss else None
+                result = self._reduce_eval(state, reduce_output)
+                self.agg_eval_loss = result if compute_loss else None
+                if compute_loss and (bcast_loss or self.monitor.enabled):
+                    shared = self._broadcast_eval(result, reduce_output, count)
+                    result = shared if bcast_loss or self.grid.is_last_stage else None
+                    self.agg_eval_loss = shared
+                    self.monitor.write_eval_loss(shared, self.global_samples)
         finally:
             self.module.train(was_training)
-        self.agg_eval_loss = loss
-        if loss is not None:
-            self.monitor.write_eval_loss(loss, self.global_samples)
-        outputs = state.results if self.grid.is_last_stage else None
-        if not compute_loss:
-            return outputs
-        return (loss, outputs) if return_logits else loss
+        if return_logits:
+            return result, state.results[-1] if self.grid.is_last_stage else None
+        return result
+
+    def _reduce_eval(self, state: BatchState, reduce_output: Optional[str]) -> Any:
+        """The last stage's per-micro-batch values, reduced (eval_batch);
+        None on other stages."""
+        if not self.grid.is_last_stage:
+            return None
+        values = state.loss_values
+        if reduce_output is None:
+            return list(values)
+        first = values[0]
+        parts = list(first) if isinstance(first, (tuple, list)) else [first]
+        sums = []
+        for i, part in enumerate(parts):
+            total = part.detach().clone()
+            for k, value in enumerate(values[1:], start=1):
+                item = value[i] if isinstance(value, (tuple, list)) else value
+                if item.shape != total.shape:
+                    raise DsrunError(
+                        f"eval_batch(reduce_output='avg'): micro-batch {k} gave shape "
+                        f"{list(item.shape)}, micro-batch 0 {list(total.shape)}: outputs of "
+                        "different shapes cannot be averaged (use reduce_output=None)")
+                total = total + item
+            total = total / len(values)
+            if self.dp_world_size > 1:
+                collectives.all_reduce(total, group=self.dp_group)
+                total /= self.dp_world_size
+            sums.append(total)
+        return type(first)(sums) if isinstance(first, (tuple, list)) else sums[0]
+
+    def _broadcast_eval(self, result: Any, reduce_output: Optional[str], count: int) -> Any:
+        """The last stage's eval result on every stage of the pipeline: a
+        float32 scalar (``"avg"``) or one per micro-batch (``None``); every
+        rank raises the same error if it is not made of single-element
+        tensors."""
+        size = 1 if reduce_output == "avg" else count
+        payload = torch.zeros(1 + size, dtype=torch.float32, device=self.device)
+        if self.grid.is_last_stage:
+            items = [result] if reduce_output == "avg" else list(result)
+            if all(isinstance(t, torch.Tensor) and t.numel() == 1 for t in items):
+                payload[0] = 1
+                payload[1:] = torch.stack([t.detach().float().reshape(()) for t in items])
+        if self.num_stages > 1:
+            collectives.broadcast(payload, src=self.grid.stage_to_global(self.num_stages - 1),
+                                  group=self.grid.pipe_group)
+        if not payload[0]:
+            raise DsrunError("eval_batch(): the loss of each micro-batch must be a "
+                             "single-element tensor to be sent to every stage; pass "
+                             "bcast_loss=False to get the result on the last stage only "
+                             "(or compute_loss=False for the outputs)")
+        return payload[1] if reduce_output == "avg" else list(payload[1:].unbind())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Inference pass of one input through all stages (module docstring)."""
@@ -279,7 +404,7 @@ class PipelineEngine(DsrunEngine):
         with torch.no_grad():
             self._run(sched.inference_schedule(self.num_stages, 1, self.stage_id,
                                                labels=False), state)
-        return state.results[0] if self.grid.is_last_stage else None
+        return state.results[-1] if self.grid.is_last_stage else None
 
     def backward(self, *args: Any, **kwargs: Any) -> Any:
         raise DsrunError(_TRAIN_ONLY.format(name="backward"))
@@ -317,6 +442,19 @@ class PipelineEngine(DsrunEngine):
         self.last_batch_timing = {"pipeline_s": state.pipeline_s, "compute_s": state.compute_s,
                                   "total_s": time.perf_counter() - start}
 
+    def _reentrant_checkpointing(self) -> bool:
+        """Whether this stage's activation checkpoint is a reentrant one (as
+        DeepSpeed decides: anything but the non-reentrant function, here
+        also a ``partial(..., use_reentrant=False)``)."""
+        module = self.module
+        if module.activation_checkpoint_interval <= 0:
+            return False
+        func = module.activation_checkpoint_func
+        if func is checkpointing.checkpoint:
+            return False
+        return not (isinstance(func, functools.partial)
+                    and func.keywords.get("use_reentrant") is False)
+
     def _where(self, micro_batch: int) -> str:
         a, b = self.module.layer_range
         return f"pipeline stage {self.stage_id} (layers {a}-{b - 1}), micro-batch {micro_batch}"
@@ -345,7 +483,10 @@ class PipelineEngine(DsrunEngine):
         if state.kind == "train":  # tokens/s: counts a (batch, seq) integer first input
             self.monitor.saw_inputs(inputs if isinstance(inputs, (tuple, list)) else (inputs,),
                                     {})
-        state.inputs[k] = self.precision.cast_inputs(to_device(inputs, self.device))
+        inputs = self.precision.cast_inputs(to_device(inputs, self.device))
+        if state.kind == "train" and self._reentrant_checkpointing():
+            inputs = _needing_grads(inputs)  # or the first checkpointed chunk is cut off
+        state.inputs[k] = inputs
         state.labels[k] = to_device(labels, self.device)
 
     def _send_labels(self, ins: sched.SendLabels, state: BatchState) -> None:
@@ -367,8 +508,13 @@ class PipelineEngine(DsrunEngine):
         header, tensors = self._receive(state.activation_kind, channel, ins.micro_batch,
                                         state.batch)
         if state.kind == "train":
+            # a reentrant checkpoint needs its floating-point inputs to require
+            # grad (as DeepSpeed marks them); only those the sender asked for go back
+            every_float = self._reentrant_checkpointing()
             for tensor, meta in zip(tensors, header.metas):
-                tensor.requires_grad_(meta.requires_grad)
+                tensor.requires_grad_(meta.requires_grad or (
+                    every_float and tensor.is_floating_point()))
+            state.wanted[ins.micro_batch] = [m.requires_grad for m in header.metas]
         state.inputs[ins.micro_batch] = tuple(tensors) if header.is_tuple else tensors[0]
 
     def _forward(self, ins: sched.Forward, state: BatchState) -> None:
@@ -376,6 +522,8 @@ class PipelineEngine(DsrunEngine):
         start = time.perf_counter()
         keep = state.kind == "train" and not self.grid.is_first_stage  # until SendGrad
         inputs = state.inputs[k] if keep else state.inputs.pop(k)
+        if state.kind == "train":
+            inputs = _stage_copy(inputs)  # in-place layers (ReLU(inplace=True)) may run on it
         try:
             with self.precision.autocast(), self._profiling("forward", (inputs,), {}):
                 outputs = self.module(inputs)
@@ -390,11 +538,9 @@ class PipelineEngine(DsrunEngine):
 
     def _last_stage_outputs(self, k: int, outputs: Any, state: BatchState) -> None:
         if state.keep_outputs:
-            state.results.append(outputs)
-        if not state.compute_loss:
-            return
+            state.results[:] = [outputs]  # the last micro-batch's, as DeepSpeed
         loss_fn = self.module.loss_fn
-        if loss_fn is not None:
+        if state.compute_loss and loss_fn is not None:
             try:
                 loss = loss_fn(outputs, state.labels.pop(k))
             except Exception as exc:
@@ -402,16 +548,25 @@ class PipelineEngine(DsrunEngine):
                 raise
         else:
             loss = outputs
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            what = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) \
-                else f"a {type(loss).__name__}"
-            source = "loss_fn returned" if loss_fn is not None else \
-                "without loss_fn, the last layer's output is the loss, and it is"
-            raise DsrunError(f"{self._where(k)}: {source} {what}; the loss must be a "
-                             "single-element tensor")
         if state.kind == "train":
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise DsrunError(self._not_a_loss(k, loss))
             state.losses[k] = loss
-        state.loss_values.append(loss.detach().float().reshape(()))
+            state.loss_values.append(loss.detach().float().reshape(()))
+            return
+        parts = loss if isinstance(loss, (tuple, list)) else (loss,)
+        if not all(isinstance(t, torch.Tensor) for t in parts):
+            raise DsrunError(self._not_a_loss(k, loss))
+        state.loss_values.append(loss)
+
+    def _not_a_loss(self, k: int, loss: Any) -> str:
+        what = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) \
+            else f"a {type(loss).__name__}"
+        source = "loss_fn returned" if self.module.loss_fn is not None else \
+            "without loss_fn, the last layer's output is the loss, and it is"
+        need = "a single-element tensor" if isinstance(loss, torch.Tensor) else \
+            "a tensor (or, in eval_batch, a tuple of tensors)"
+        return f"{self._where(k)}: {source} {what}; the loss must be {need}"
 
     def _send_activation(self, ins: sched.SendActivation, state: BatchState) -> None:
         k = ins.micro_batch
@@ -420,6 +575,13 @@ class PipelineEngine(DsrunEngine):
         channel = self.grid.channel("act", self.stage_id, self.stage_id + 1)
         metas = self._send(state.activation_kind, channel, k, state.batch, tensors, is_tuple)
         state.sent[k] = [m for m in metas if m.requires_grad]
+        if state.kind == "train" and not state.sent[k] and not self._warned_no_grad and \
+                any(p.requires_grad for p in self.module.parameters()):
+            self._warned_no_grad = True
+            log.warning("%s: no output of this stage requires grad, so its parameters get no "
+                        "gradient (a reentrant activation checkpoint whose inputs do not "
+                        "require grad does this: use the default, non-reentrant one)",
+                        self._where(k))
 
     # ------------------------------------------------------------ gradients
 
@@ -458,7 +620,7 @@ class PipelineEngine(DsrunEngine):
         k = ins.micro_batch
         tensors, _ = flatten_payload(state.inputs.pop(k), f"the input of {self._where(k)}")
         grads = [t.grad if t.grad is not None else torch.zeros_like(t)
-                 for t in tensors if t.requires_grad]
+                 for t, wanted in zip(tensors, state.wanted.pop(k)) if wanted]
         channel = self.grid.channel("grad", self.stage_id, self.stage_id - 1)
         self._send("gradient", channel, k, state.batch, grads)
 

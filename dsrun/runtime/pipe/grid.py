@@ -56,7 +56,8 @@ class PipelineGrid:
     """This rank's place in the topology, its groups and channels (module docstring)."""
 
     def __init__(self, topology: PipeTopology) -> None:
-        self.topology = topology
+        self._topo = topology
+        self._model_group: Any = None
         self.global_rank = dist.get_rank()
         self.stage_id, self.data_parallel_id = topology.coords(self.global_rank)
         stages, replicas = topology.stages, topology.replicas
@@ -65,6 +66,8 @@ class PipelineGrid:
             group = cached_group("data", topology.stage_ranks(stage))
             if stage == self.stage_id:
                 self.dp_group = group
+        self.dp_ranks = list(topology.stage_ranks(self.stage_id))
+        self.pp_group = list(topology.pipeline_ranks(self.data_parallel_id))  # DeepSpeed's name
         self.pipe_group = None
         for replica in range(replicas):
             group = cached_group("pipe", topology.pipeline_ranks(replica))
@@ -79,7 +82,7 @@ class PipelineGrid:
                 self._channel("labels", replica, 0, stages - 1)
 
     def _channel(self, kind: str, replica: int, src: int, dst: int) -> None:
-        a, b = self.topology.rank(src, replica), self.topology.rank(dst, replica)
+        a, b = self._topo.rank(src, replica), self._topo.rank(dst, replica)
         group = cached_group(f"{kind}:{src}->{dst}", (min(a, b), max(a, b)))
         if self.global_rank in (a, b):
             peer = b if self.global_rank == a else a
@@ -93,11 +96,11 @@ class PipelineGrid:
     @property
     def origin(self) -> str:
         """Where the data-parallel size comes from, for messages."""
-        return f"the pipeline topology ({self.topology.describe()})"
+        return f"the pipeline topology ({self._topo.describe()})"
 
     @property
     def stages(self) -> int:
-        return self.topology.stages
+        return self._topo.stages
 
     @property
     def is_first_stage(self) -> bool:
@@ -105,12 +108,18 @@ class PipelineGrid:
 
     @property
     def is_last_stage(self) -> bool:
-        return self.stage_id == self.topology.stages - 1
+        return self.stage_id == self._topo.stages - 1
 
     def stage_to_global(self, stage: int, replica: Optional[int] = None) -> int:
-        return self.topology.rank(stage, self.data_parallel_id if replica is None else replica)
+        return self._topo.rank(stage, self.data_parallel_id if replica is None else replica)
 
     # ------------------------------------------- mpu interface (DeepSpeed's names)
+
+    def topology(self) -> PipeTopology:
+        return self._topo
+
+    def get_global_rank(self) -> int:
+        return self.global_rank
 
     def get_stage_id(self) -> int:
         return self.stage_id
@@ -122,16 +131,19 @@ class PipelineGrid:
         return self.dp_group
 
     def get_data_parallel_world_size(self) -> int:
-        return self.topology.replicas
+        return self._topo.replicas
 
     def get_data_parallel_rank(self) -> int:
         return self.data_parallel_id
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(self.dp_ranks)
 
     def get_pipe_parallel_group(self) -> Any:
         return self.pipe_group
 
     def get_pipe_parallel_world_size(self) -> int:
-        return self.topology.stages
+        return self._topo.stages
 
     def get_pipe_parallel_rank(self) -> int:
         return self.stage_id
@@ -142,5 +154,19 @@ class PipelineGrid:
     def get_model_parallel_rank(self) -> int:
         return 0
 
+    def get_model_parallel_group(self) -> Any:
+        """This rank alone (no tensor parallelism): a group of one rank, made
+        on first use by this rank only."""
+        if self._model_group is None:
+            self._model_group = dist.new_group([self.global_rank],
+                                               use_local_synchronization=True)
+        return self._model_group
+
+    get_slice_parallel_group = get_model_parallel_group
+
     get_slice_parallel_world_size = get_model_parallel_world_size
     get_slice_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size
+    get_pipeline_model_parallel_rank = get_pipe_parallel_rank

@@ -83,6 +83,13 @@ def _module_of(func: Any) -> Optional[torch.nn.Module]:
     return None
 
 
+def _as_parts(run: Callable[[Any], Any]) -> Callable[..., Any]:
+    """``run`` taking a tuple, as a function of the tuple's items."""
+    def parts(*items: Any) -> Any:
+        return run(items)
+    return parts
+
+
 class PipelineModule(torch.nn.Module):
     """Layers partitioned over pipeline stages (module docstring).
 
@@ -110,7 +117,8 @@ class PipelineModule(torch.nn.Module):
                  activation_checkpoint_interval: int = 0,
                  activation_checkpoint_func: Optional[Callable[..., Any]] = None,
                  checkpointable_layers: Optional[Sequence[str]] = None,
-                 example_inputs: Any = None, example_labels: Any = None) -> None:
+                 example_inputs: Any = None, example_labels: Any = None,
+                 dynamic_shape: bool = False) -> None:
         super().__init__()
         specs = _check_layers(layers)
         interval = activation_checkpoint_interval
@@ -122,7 +130,9 @@ class PipelineModule(torch.nn.Module):
         if not dist.is_initialized():
             from dsrun.runtime.dist import init_distributed
             init_distributed()
-        self._topology = topology_for(dist.get_world_size(), num_stages, topology)
+        self._topology = self._topo = topology_for(dist.get_world_size(), num_stages,
+                                                   topology)
+        self.dynamic_shape = dynamic_shape
         self.num_stages = self._topology.stages
         self.loss_fn = loss_fn
         self.seed_layers, self.base_seed = bool(seed_layers), base_seed
@@ -264,16 +274,46 @@ class PipelineModule(torch.nn.Module):
             return self._run(0, count)(x)
         for start in range(0, count, interval):
             stop = min(start + interval, count)
-            if self._checkpointable(start, stop):
-                x = self.activation_checkpoint_func(self._run(start, stop), x)
+            run = self._run(start, stop)
+            if not self._checkpointable(start, stop):
+                x = run(x)
+            elif isinstance(x, tuple):
+                # DeepSpeed's convention: the tensors as separate arguments, which
+                # a reentrant checkpoint needs to track their gradients
+                x = self.activation_checkpoint_func(_as_parts(run), *x)
             else:
-                x = self._run(start, stop)(x)
+                x = self.activation_checkpoint_func(run, x)
         return x
 
     # ---------------------------------------------------- DeepSpeed's accessors
 
     def topology(self) -> PipeTopology:
         return self._topology
+
+    def num_pipeline_stages(self) -> int:
+        return self.num_stages
+
+    def partitions(self) -> tuple[int, ...]:
+        """The stage boundaries: stage ``s`` owns layers ``[parts[s], parts[s + 1])``."""
+        return self.parts
+
+    def stage_owner(self, layer_idx: int) -> int:
+        """The stage that owns layer ``layer_idx``."""
+        if not 0 <= layer_idx < self._num_layers:
+            raise ValueError(f"layer {layer_idx} is outside 0-{self._num_layers - 1}")
+        return next(s for s in range(self.num_stages) if layer_idx < self.parts[s + 1])
+
+    def set_checkpoint_interval(self, interval: int) -> None:
+        """Checkpoint activations every ``interval`` layers from the next forward on."""
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+            raise DsrunConfigError(f"activation_checkpoint_interval must be an integer >= 0, "
+                                   f"got {interval!r}")
+        self.activation_checkpoint_interval = interval
+
+    def get_additional_losses(self) -> Optional[dict[str, torch.Tensor]]:
+        """Losses besides the main one to report: none (DeepSpeed's hook for
+        models that add auxiliary losses)."""
+        return None
 
     def mpu(self) -> PipelineGrid:
         return self._grid

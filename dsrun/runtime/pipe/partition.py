@@ -7,7 +7,8 @@ boundaries ``0 = b0 < b1 < ... < bS = L``: stage ``s`` owns layers
 ``PipelineModule(partition_method=...)`` chooses it:
 
 * ``"parameters"`` (the default): balance the trainable parameter count;
-* ``"uniform"``: balance the number of layers;
+* ``"uniform"``: the same number of layers per stage, the first
+  ``L mod S`` stages one more (DeepSpeed's boundaries);
 * ``"flops"``: balance each layer's forward + backward floating-point
   operations on a micro-batch shaped like ``example_inputs``, counted on
   torch's meta device (:mod:`~dsrun.runtime.pipe.costs`): balances work, where
@@ -77,6 +78,16 @@ def partition_balanced(weights: Sequence[int], parts: int) -> tuple[int, ...]:
     return found
 
 
+def partition_uniform(num_layers: int, parts: int) -> tuple[int, ...]:
+    """``num_layers // parts`` layers per part, one more for each of the first
+    ``num_layers % parts`` parts: the boundaries DeepSpeed's ``"uniform"``
+    gives, so a layer list is cut where DeepSpeed cuts it."""
+    if parts < 1 or num_layers < parts:
+        raise ValueError(f"{num_layers} items cannot fill {parts} non-empty parts")
+    size, extra = divmod(num_layers, parts)
+    return tuple(p * size + min(p, extra) for p in range(parts + 1))
+
+
 def check_boundaries(bounds: Sequence[object], num_layers: int, stages: int) -> tuple[int, ...]:
     """Explicit boundaries, validated (module docstring)."""
     values = list(bounds)
@@ -140,6 +151,8 @@ def partition_layers(method: object, stages: int, names: Sequence[str],
     if num_layers < stages:
         raise DsrunConfigError(f"{num_layers} layer(s) cannot fill {stages} pipeline stages: "
                                "every stage needs at least one layer")
+    if isinstance(method, str) and method.lower() == "uniform":
+        return partition_uniform(num_layers, stages)
     if isinstance(method, str):
         return partition_balanced(layer_weights(method, names, param_counts, flops), stages)
     if isinstance(method, Sequence):

@@ -100,6 +100,13 @@ def mlp_layers() -> list[Any]:
             LayerSpec(nn.Linear, 9, 9), nn.Tanh(), LayerSpec(nn.Linear, 9, 5)]
 
 
+def inplace_layers() -> list[Any]:
+    """Stage 1 (boundaries 0|4|7) starts with an in-place ReLU on the activation it receives."""
+    return [LayerSpec(Affine, 6, 12), LayerSpec(Affine, 12, 9), double,
+            nn.ReLU(inplace=True), LayerSpec(nn.Linear, 9, 9), nn.Tanh(),
+            LayerSpec(nn.Linear, 9, 5)]
+
+
 def tied_layers() -> list[Any]:
     return [TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM), LayerSpec(Mixer, DIM),
             LayerSpec(Mixer, DIM), LayerSpec(nn.LayerNorm, DIM),
@@ -143,9 +150,10 @@ class Case:
     zero: int = 0
     bf16: bool = False
     module: dict[str, Any] = field(default_factory=dict)
+    pipeline: dict[str, Any] = field(default_factory=dict)  # the config's section
 
     def config(self) -> dict[str, Any]:
-        return {"train_micro_batch_size_per_gpu": 4,
+        return {"train_micro_batch_size_per_gpu": 4, "pipeline": self.pipeline,
                 "gradient_accumulation_steps": self.micro_batches,
                 "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
                 "gradient_clipping": self.clip, "steps_per_print": 1000,
@@ -164,6 +172,12 @@ CASES = {
     "mlp-3mb": Case(mlp_layers, F.cross_entropy, mlp_batch, micro_batches=3, clip=0.0),
     "mlp-ckpt": Case(mlp_layers, F.cross_entropy, mlp_batch,
                      module={"activation_checkpoint_interval": 1}),
+    # torch's reentrant checkpoint from the config: the first stage's inputs must
+    # require grad, or its layers would get no gradient (DeepSpeed does the same)
+    "mlp-reentrant": Case(mlp_layers, F.cross_entropy, mlp_batch,
+                          pipeline={"activation_checkpoint_interval": 1, "use_reentrant": True}),
+    "inplace": Case(inplace_layers, F.cross_entropy, mlp_batch,
+                    module={"partition_method": [0, 3, 7]}),
     "mlp-zero1": Case(mlp_layers, F.cross_entropy, mlp_batch, zero=1),
     "mlp-zero2": Case(mlp_layers, F.cross_entropy, mlp_batch, zero=2),
     "mlp-bf16": Case(mlp_layers, F.cross_entropy, mlp_batch, bf16=True),
@@ -203,8 +217,10 @@ def main(out: Path, names: list[str]) -> None:
         losses = [float(engine.train_batch(iter(case.batch(step, replica))))
                   for step in range(STEPS)]
         eval_loss = float(engine.eval_batch(iter(case.eval_data())))
+        local = engine.eval_batch(iter(case.eval_data()), bcast_loss=False)  # last stage only
         output = engine(case.eval_data()[0][0])
         torch.save({"losses": losses, "eval": eval_loss, "stage": engine.stage_id,
+                    "eval_local": None if local is None else float(local),
                     "replica": replica, "forward": output, "parts": engine.module.parts,
                     "params": {n: p.detach().clone() for n, p in
                                engine.module.named_parameters()}},
