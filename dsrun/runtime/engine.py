@@ -108,6 +108,8 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
     """
 
     is_pipe_parallel = False  # DeepSpeed's attribute; True on a PipelineEngine
+    # DeepSpeed's: the data-parallel size of the last checkpoint loaded
+    loaded_checkpoint_dp_world_size: Optional[int] = None
 
     def __init__(self, model: torch.nn.Module, config: DsrunConfig, *,
                  optimizer: Any = None, lr_scheduler: Any = None,
@@ -474,6 +476,18 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
         from dsrun.runtime.checkpoint.model16 import save_16bit_model
 
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's deprecated name of :meth:`save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                             ) -> Optional[dict[str, torch.Tensor]]:
+        """Stage 3: the full 16-bit state dict on rank 0, None elsewhere
+        (DeepSpeed's, used by Hugging Face); every rank must call it."""
+        from dsrun.runtime.checkpoint.model16 import zero3_consolidated_16bit_state_dict
+
+        return zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters)
 
     def destroy(self) -> None:
         """Wait for an asynchronous checkpoint save (raising its failure) and

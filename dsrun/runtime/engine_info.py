@@ -113,6 +113,10 @@ class EngineInfo:
         offload = self.config.zero_optimization.offload_optimizer
         return offload is not None and offload.device == "cpu"
 
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """``stage3_gather_16bit_weights_on_model_save`` (DeepSpeed's)."""
+        return bool(self.config.zero_optimization.gather_16bit_weights_on_model_save)
+
     def gradient_clipping(self) -> float:
         return self.config.gradient_clipping
 

@@ -153,6 +153,13 @@ def test_16bit_model_at_stage3_gathers_the_weights(runs: dict[str, Any]) -> None
     assert not [p for p in os.listdir(runs["ckpt"] / "model16") if p != "model.bin"]
 
 
+def test_zero3_consolidated_16bit_state_dict_is_on_rank_0_only(runs: dict[str, Any]) -> None:
+    assert [fact["consolidated"] for fact in extra(runs, "consolidation")] == [True, False]
+    state = torch.load(runs["straight_out"] / "consolidated16.pt")
+    full = torch.load(runs["straight_out"] / "consolidate_full.pt")
+    assert list(state) == list(full) and all(torch.equal(state[k], full[k]) for k in full)
+
+
 def test_a_scalar_parameters_moments_load_at_every_stage(runs: dict[str, Any]) -> None:
     for fact in extra(runs, "scalar_param"):
         expected = [float.fromhex(v) for v in fact["expected"]]

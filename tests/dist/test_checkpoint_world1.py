@@ -433,3 +433,27 @@ def test_save_16bit_model_at_stage3_needs_the_gather_flag(solo: None, tmp_path: 
     engine = engine_for(stage=3)
     assert engine.save_16bit_model(tmp_path) is False
     assert not (tmp_path / "pytorch_model.bin").exists()
+
+
+def test_deepspeeds_16bit_model_api(solo: None, tmp_path: Path) -> None:
+    """What Hugging Face Trainer and Accelerate call to save ZeRO-3 models."""
+    engine = engine_for(stage=3, zero_optimization={
+        "stage": 3, "stage3_gather_16bit_weights_on_model_save": True})
+    assert engine.zero_gather_16bit_weights_on_model_save() is True
+    assert engine.loaded_checkpoint_dp_world_size is None
+    train(engine)
+    full = engine.optimizer.module_state_dict()
+    state = engine._zero3_consolidated_16bit_state_dict()
+    assert list(state) == list(full) and all(torch.equal(state[k], full[k]) for k in full)
+    assert "frozen" not in engine._zero3_consolidated_16bit_state_dict(
+        exclude_frozen_parameters=True)
+    assert engine.save_fp16_model(tmp_path, "m.bin") is True
+    saved = torch.load(tmp_path / "m.bin")
+    assert list(saved) == list(full) and all(torch.equal(saved[k], full[k]) for k in full)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    fresh = engine_for(stage=1)
+    assert fresh.zero_gather_16bit_weights_on_model_save() is False
+    with pytest.raises(ValueError, match="requires ZeRO stage 3"):
+        fresh._zero3_consolidated_16bit_state_dict()
+    fresh.load_checkpoint(tmp_path / "ckpt")
+    assert fresh.loaded_checkpoint_dp_world_size == 1

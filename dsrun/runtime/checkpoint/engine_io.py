@@ -244,6 +244,9 @@ def load(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool =
     loaded = load_state(request, sources, names, ck.coord)
     if loaded is None:
         return None, None
+    meta = loaded.manifest.meta
+    engine.loaded_checkpoint_dp_world_size = int(meta.get("dp_world_size",
+                                                          loaded.manifest.world_size))
     if accumulating:  # gradients of the interrupted accumulation round are stale now
         engine.zero_grad(set_to_none=False)
     state = loaded.engine_state or {}

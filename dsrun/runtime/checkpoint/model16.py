@@ -9,7 +9,8 @@ memory is one parameter on every rank plus the output on rank 0, and only
 when ``stage3_gather_16bit_weights_on_model_save`` is set - otherwise
 nothing is written and False is returned, as DeepSpeed does. Rank 0 writes
 the file atomically (temporary name, fsync, rename); every rank returns
-after it is there.
+after it is there. :func:`zero3_consolidated_16bit_state_dict` returns the
+same state dict instead (DeepSpeed's private API that Hugging Face uses).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import io
 import logging
 import os
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -66,6 +67,25 @@ def state_dict16(engine: Any, exclude_frozen: bool, keep: bool) -> OrderedDict:
         if keep:
             out[name] = done[id(tensor)]
     return out
+
+
+def zero3_consolidated_16bit_state_dict(engine: Any, exclude_frozen_parameters: bool = False
+                                        ) -> Optional[OrderedDict]:
+    """DeepSpeed's ``engine._zero3_consolidated_16bit_state_dict`` (what
+    Hugging Face Trainer and Accelerate call to save a ZeRO-3 model): the
+    full state dict in the 16-bit dtype on global rank 0, None on the other
+    ranks; tied parameters share one tensor. Every rank must call it (the
+    parameters are gathered one at a time). Only at stage 3 (ValueError
+    otherwise, as DeepSpeed); unlike :func:`save_16bit_model` it does not
+    need ``stage3_gather_16bit_weights_on_model_save``, as in DeepSpeed."""
+    if engine.zero_stage != 3:
+        raise ValueError("_zero3_consolidated_16bit_state_dict() requires ZeRO stage 3 (this "
+                         f"engine runs stage {engine.zero_stage}): use "
+                         "engine.module.state_dict()")
+    wait(engine)
+    keep = engine.global_rank == 0
+    state = state_dict16(engine, exclude_frozen_parameters, keep=keep)
+    return state if keep else None
 
 
 def save_16bit_model(engine: Any, save_dir: str, save_filename: str = "pytorch_model.bin",

@@ -180,9 +180,11 @@ def consolidation(args: argparse.Namespace) -> dict[str, Any]:
     engine.save_checkpoint(root, tag="c")
     full = full_params(engine)
     saved16 = engine.save_16bit_model(os.path.join(args.ckpt, "model16"), "model.bin")
+    consolidated = engine._zero3_consolidated_16bit_state_dict()
     if dist.get_rank() == 0:
         torch.save(full, os.path.join(args.out, "consolidate_full.pt"))
-    return {"saved16": saved16}
+        torch.save(consolidated, os.path.join(args.out, "consolidated16.pt"))
+    return {"saved16": saved16, "consolidated": consolidated is not None}
 
 
 def only_rank0(args: argparse.Namespace) -> dict[str, Any]:
