@@ -31,7 +31,7 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import click
@@ -54,7 +54,7 @@ from dsrun.launcher.envpolicy import JobEnv, env_file_paths, job_env, read_env_f
 from dsrun.launcher.plan import LaunchPlan, build_plan, describe
 from dsrun.launcher.preflight import PreflightFailed
 from dsrun.launcher.report import JobResult, report_lines
-from dsrun.launcher.spec import LaunchSpec, cpu_by_deepspeed_variable
+from dsrun.launcher.spec import LaunchSpec, check_seconds, cpu_by_deepspeed_variable
 from dsrun.launcher.supervisor import Interrupted, Supervisor, Watch, raise_interrupted
 from dsrun.launcher.watch import DEFAULT_STRAGGLER_INTERVAL
 
@@ -133,6 +133,7 @@ def _plan(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv, job
 
 def run(spec: LaunchSpec) -> int:
     check_script(spec)
+    straggler_interval(os.environ)  # a bad value is an error before anything starts
     cwd = os.getcwd()
     cluster, backend = resolve_cluster(spec.hosts, cwd)
     check_master_port(spec.hosts, cluster)
@@ -167,15 +168,23 @@ def run(spec: LaunchSpec) -> int:
         control.close()
 
 
-def _watch(spec: LaunchSpec, control: ControlServer) -> Watch:
-    interval = os.environ.get(STRAGGLER_VAR)
+def straggler_interval(environ: Mapping[str, str]) -> float | None:
+    """Seconds before the first "still running" line (``DSRUN_STRAGGLER_INTERVAL``;
+    0: never), or a usage error for a value that is not a number of seconds."""
+    text = environ.get(STRAGGLER_VAR)
+    if not text:
+        return DEFAULT_STRAGGLER_INTERVAL
     try:
-        straggler = float(interval) if interval else DEFAULT_STRAGGLER_INTERVAL
+        value = float(text)
     except ValueError:
-        raise DsrunUsageError(f"{STRAGGLER_VAR}={interval!r} is not a number of "
-                              f"seconds") from None
+        raise DsrunUsageError(f"{STRAGGLER_VAR}={text!r} is not a number of seconds") from None
+    check_seconds(f"{STRAGGLER_VAR} (environment)", value, zero=True)
+    return value if value > 0 else None
+
+
+def _watch(spec: LaunchSpec, control: ControlServer) -> Watch:
     return Watch(timeout=spec.timeout, heartbeat_timeout=spec.heartbeat_timeout,
-                 straggler_interval=straggler if straggler > 0 else None,
+                 straggler_interval=straggler_interval(os.environ),
                  queries=control.queries, say=say, job_id=control.job_id,
                  on_started=console.started)
 

@@ -7,6 +7,7 @@ selection, rendezvous, SSH); ``dsrun doctor`` uses it on its own.
 
 from __future__ import annotations
 
+import math
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -32,6 +33,25 @@ DEFAULT_HEARTBEAT_TIMEOUT = 15.0
 #: --launcher names (the backend registry has one entry per name) and aliases.
 LAUNCHERS = ("local", "openmpi", "slurm", "ssh")
 LAUNCHER_ALIASES = {"mpirun": "openmpi"}
+#: The longest span a seconds option (--timeout, --kill_grace, ...) takes:
+#: 10**8 s is over three years. Longer is a typo, and timers overflow near
+#: 9.2e9 s (``threading.TIMEOUT_MAX``).
+MAX_SECONDS = 1e8
+
+
+def check_seconds(option: str, value: float, *, zero: bool) -> None:
+    """A usage error unless ``value`` is a finite number of seconds in
+    ``0..MAX_SECONDS`` (``zero``: 0 is allowed, else it must be > 0). NaN
+    must be caught here: every comparison with it is false, so a NaN grace
+    or deadline would never expire."""
+    if not math.isfinite(value):
+        raise DsrunUsageError(f"{option} must be a finite number of seconds, got {value}")
+    if value < 0 or (value == 0 and not zero):
+        bound = ">= 0" if zero else "> 0"
+        raise DsrunUsageError(f"{option} must be {bound} seconds, got {value:g}")
+    if value > MAX_SECONDS:
+        raise DsrunUsageError(f"{option} must be at most {MAX_SECONDS:.0e} seconds (over "
+                              f"three years), got {value:g}")
 
 
 def launcher_name(name: str | None) -> str | None:
@@ -76,8 +96,7 @@ class SshOptions:
     def __post_init__(self) -> None:
         if self.port is not None and not 1 <= self.port <= 65535:
             raise DsrunUsageError(f"--ssh_port must be in 1..65535, got {self.port}")
-        if not self.timeout > 0:
-            raise DsrunUsageError(f"--ssh_timeout must be > 0, got {self.timeout}")
+        check_seconds("--ssh_timeout", self.timeout, zero=False)
 
 
 @dataclass(frozen=True)
@@ -160,11 +179,10 @@ class LaunchSpec:
         if self.no_local_rank and self.local_rank_arg:
             raise DsrunUsageError("--no_local_rank contradicts --local_rank_arg "
                                   "(--local-rank-arg): pass one of them")
-        if self.timeout is not None and not self.timeout > 0:
-            raise DsrunUsageError(f"--timeout must be > 0 seconds, got {self.timeout:g}")
-        if not self.heartbeat_timeout >= 0:
-            raise DsrunUsageError(f"--heartbeat_timeout must be >= 0 seconds (0: off), got "
-                                  f"{self.heartbeat_timeout:g}")
+        if self.timeout is not None:
+            check_seconds("--timeout", self.timeout, zero=False)
+        check_seconds("--heartbeat_timeout", self.heartbeat_timeout, zero=True)
+        check_seconds("--kill_grace", self.kill_grace, zero=True)
         if 0 < self.heartbeat_timeout < 1:
             raise DsrunUsageError(f"--heartbeat_timeout {self.heartbeat_timeout:g} is too short "
                                   f"to tell a slow host from a lost one: use 1 or more (0: off)")
@@ -175,8 +193,6 @@ class LaunchSpec:
         self.hosts  # noqa: B018 - validates the host options
         if self.max_restarts < 0:
             raise DsrunUsageError(f"--max_restarts must be >= 0, got {self.max_restarts}")
-        if self.kill_grace < 0:
-            raise DsrunUsageError(f"--kill_grace must be >= 0, got {self.kill_grace}")
         if self.cpu and self.dist_backend == "nccl":
             raise DsrunUsageError("--cpu asks for CPU ranks, which cannot use "
                                   "--dist_backend nccl (use gloo, mpi or none)")

@@ -244,3 +244,42 @@ def test_deepspeeds_cpu_variable_asks_for_cpu_ranks(tmp_path, monkeypatch, capsy
     assert cli.main(["--dry-run", "--num_gpus", "2", str(script)]) == 0
     out = capsys.readouterr().out
     assert "devices [cpu]" in out and "    DSRUN_ACCELERATOR=cpu" in out
+
+
+@pytest.mark.parametrize("option", ["--kill_grace", "--timeout", "--heartbeat_timeout",
+                                    "--ssh_timeout"])
+@pytest.mark.parametrize("value,message", [
+    ("nan", "must be a finite number of seconds, got nan"),
+    ("inf", "must be a finite number of seconds, got inf"),
+    ("-inf", "must be a finite number of seconds, got -inf"),
+    ("-1", "must be (>=|>) 0 seconds, got -1"),
+    ("1e300", "must be at most 1e\\+08 seconds"),
+])
+def test_every_seconds_option_refuses_nan_infinite_negative_and_huge(option, value, message):
+    """A NaN grace never expires (every comparison with NaN is false): a job
+    whose ranks ignore SIGTERM would never be stopped."""
+    with pytest.raises(DsrunUsageError, match=f"^{option} {message}"):
+        cli.parse_spec([option, value, "t.py"])
+
+
+def test_every_float_option_of_run_is_checked():
+    """A new float option must join the test above."""
+    floats = {p.opts[0] for p in cli.run_command.params
+              if isinstance(p, click.Option) and p.type is click.FLOAT}
+    assert floats == {"--kill_grace", "--timeout", "--heartbeat_timeout", "--ssh_timeout"}
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "inf"])
+def test_straggler_interval_variable_is_checked_before_anything_starts(value, tmp_path,
+                                                                       monkeypatch, capsys):
+    from dsrun.launcher import launch
+
+    monkeypatch.setenv("DSRUN_STRAGGLER_INTERVAL", value)
+    monkeypatch.setattr(launch, "resolve_cluster", pytest.fail)  # nothing may be started
+    script = tmp_path / "t.py"
+    script.write_text("pass\n")
+    assert cli.main(["--cpu", str(script)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("dsrun: error: DSRUN_STRAGGLER_INTERVAL (environment) must be")
+    assert launch.straggler_interval({"DSRUN_STRAGGLER_INTERVAL": "0"}) is None
+    assert launch.straggler_interval({}) == 30.0
