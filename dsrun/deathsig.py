@@ -38,6 +38,9 @@ _PR_SET_PDEATHSIG = 1
 AFFINITY_VAR = "DSRUN_CPU_AFFINITY"
 #: Exit status of a rank whose agent died before it could arm the signal.
 ORPHANED = 137
+#: CPU numbers are below this. Linux builds for at most 8192 CPUs (NR_CPUS);
+#: a bigger number is a typo, and a range up to it would fill memory.
+MAX_CPU = 1 << 16
 
 
 def die_with_parent(parent: int | None) -> bool:
@@ -80,16 +83,25 @@ def agent_pid(environ: dict[str, str] | os._Environ[str]) -> int | None:
     return int(value) if value.isdigit() else None
 
 
+def _number(text: str) -> bool:
+    return text.isascii() and text.isdigit()
+
+
 def cpu_set(text: str) -> set[int]:
     """``"0-3,8"`` -> ``{0, 1, 2, 3, 8}``; ValueError naming a bad entry."""
     cpus: set[int] = set()
     for part in text.replace(" ", "").split(","):
         first, dash, last = part.partition("-")
-        if not first.isdigit() or (dash and not last.isdigit()):
+        if not _number(first) or (dash and not _number(last)):
             raise ValueError(f"{part!r} is not a CPU number or a range A-B")
+        if max(len(first.lstrip("0")), len(last.lstrip("0"))) > len(str(MAX_CPU)):
+            # int() of a 5000-digit string fails; a long number is too big anyway
+            raise ValueError(f"{part!r}: CPU numbers must be below {MAX_CPU}")
         low, high = int(first), int(last) if dash else int(first)
         if high < low:
             raise ValueError(f"{part!r} is not a range of CPU numbers (A-B needs A <= B)")
+        if high >= MAX_CPU:
+            raise ValueError(f"{part!r}: CPU numbers must be below {MAX_CPU}")
         cpus.update(range(low, high + 1))
     return cpus
 

@@ -40,6 +40,11 @@ _DIGITS = re.compile(r"[0-9]+", re.ASCII)
 _LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?", re.ASCII)
 _DOTTED_NUMBERS = re.compile(r"[0-9.]+", re.ASCII)
 _SLOTS_PREFIX = "slots="
+#: The most slots (ranks) one host may have. The largest GPU boards hold 8 to
+#: 16 GPUs (DGX/HGX), and a CPU host's slots count CPU ranks, one per core at
+#: most; 1024 is above both, so a larger count is a typo (and dsrun would
+#: build a rank table of that size before noticing).
+MAX_SLOTS = 1024
 
 
 # --------------------------------------------------------------------------
@@ -71,10 +76,9 @@ class HostEntry:
         reason = host_problem(self.host)
         if reason is not None:
             raise HostfileError(f"invalid host {self.host!r}: {reason}")
-        if isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 1:
-            raise HostfileError(
-                f"slots of host {self.host!r} must be a positive integer, got {self.slots!r}"
-            )
+        reason = slots_problem(self.slots)
+        if reason is not None:
+            raise HostfileError(f"slots of host {self.host!r} {reason}")
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,15 @@ def host_problem(host: str) -> str | None:
     return None
 
 
+def slots_problem(slots: object) -> str | None:
+    """Why ``slots`` is not a slot count (``must be ...``), or None if it is."""
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        return f"must be a positive integer, got {slots!r}"
+    if slots > MAX_SLOTS:
+        return f"must be at most {MAX_SLOTS} (no host runs more ranks), got {slots}"
+    return None
+
+
 def host_key(host: str) -> str:
     """Identity of a host: lower-case name or normalised address."""
     try:
@@ -208,9 +221,12 @@ def _parse_slots(start: int, token: str) -> tuple[int | None, tuple[int, str] | 
     if not token.startswith(_SLOTS_PREFIX):
         return None, (start + 1, f"expected 'slots=N' after the host, got {token!r}")
     value = token[len(_SLOTS_PREFIX):]
+    col = start + len(_SLOTS_PREFIX) + 1
     if not _DIGITS.fullmatch(value) or int(value) < 1:
-        col = start + len(_SLOTS_PREFIX) + 1
         return None, (col, f"slots must be a positive integer, got {value!r}")
+    reason = slots_problem(int(value))
+    if reason is not None:
+        return None, (col, f"slots {reason}")
     return int(value), None
 
 
@@ -320,8 +336,9 @@ def _check_new_entry(host: str | None, slots: int) -> None:
         reason = host_problem(host)
         if reason is not None:
             raise HostfileError(f"invalid host {host!r}: {reason}")
-    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-        raise HostfileError(f"slots must be a positive integer, got {slots!r}")
+    reason = slots_problem(slots)
+    if reason is not None:
+        raise HostfileError(f"slots {reason}")
 
 
 def add_host(text: str, host: str, slots: int, path: str = LOCAL_HOSTFILE) -> str:

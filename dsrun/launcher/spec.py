@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from dsrun.errors import DsrunUsageError
 from dsrun.launcher.cores import parse_cpu_list
+from dsrun.launcher.hostfile import MAX_SLOTS
 
 # Spellings of the argument DeepSpeed's launcher (--local_rank) and
 # torch.distributed.launch >= 2.0 (--local-rank) append to a script's argv.
@@ -128,6 +129,9 @@ class HostsSpec:
             raise DsrunUsageError("--slurm_args needs --launcher slurm")
         if self.num_gpus is not None and self.num_gpus < 1:
             raise DsrunUsageError(f"--num_gpus must be at least 1, got {self.num_gpus}")
+        if self.num_gpus is not None and self.num_gpus > MAX_SLOTS:
+            raise DsrunUsageError(f"--num_gpus must be at most {MAX_SLOTS} (ranks on one "
+                                  f"host), got {self.num_gpus}")
         if self.num_nodes is not None and self.num_nodes < 1:
             raise DsrunUsageError(f"--num_nodes must be at least 1, got {self.num_nodes}")
         if self.master_port is not None and not 1 <= self.master_port <= 65535:

@@ -33,7 +33,9 @@ def test_cpu_list_cases() -> None:
     assert format_cpu_list((8, 0, 1, 2, 3, 10, 11)) == "0-3,8,10-11"
     for bad, why in [("", "'' is not a CPU number"), ("1,,2", "'' is not"),
                      ("a", "'a' is not"), ("3-1", "needs A <= B"), ("-1", "'-1' is not"),
-                     ("1-", "'1-' is not")]:
+                     ("1-", "'1-' is not"), ("²", "'²' is not"),
+                     ("0-99999999999", "CPU numbers must be below 65536"),
+                     ("65536", "must be below 65536"), ("9" * 5000, "must be below")]:
         with pytest.raises(DsrunUsageError, match=f"--bind_core_list '{bad}': .*{why}"):
             parse_cpu_list(bad)
 
@@ -97,6 +99,11 @@ def test_a_draft_plan_says_the_shares_are_found_at_launch() -> None:
     assert dict(env.dsrun)["DSRUN_CPU_AFFINITY"].startswith("<chosen at launch>")
 
 
+def test_the_highest_cpu_number_is_bounded_not_the_memory() -> None:
+    assert parse_cpu_list("65534-0065535") == (65534, 65535)
+    assert deathsig.MAX_CPU == 65536
+
+
 def test_bad_bindings_are_usage_errors_before_anything_starts() -> None:
     with pytest.raises(DsrunUsageError, match="--bind_core_list '0-': "):
         LaunchSpec(script="t.py", bind_core_list="0-")
@@ -130,9 +137,9 @@ def test_bind_cpus_pins_this_process_and_explains_a_failure() -> None:
         assert deathsig.bind_cpus({"DSRUN_CPU_AFFINITY": str(one)}) is None
         assert os.sched_getaffinity(0) == {one}
         assert deathsig.bind_cpus({}) is None and os.sched_getaffinity(0) == {one}
-        failed = deathsig.bind_cpus({"DSRUN_CPU_AFFINITY": "100000"})
+        failed = deathsig.bind_cpus({"DSRUN_CPU_AFFINITY": "65000"})
         assert failed is not None and failed.startswith(
-            "cannot bind this rank to CPUs 100000 (DSRUN_CPU_AFFINITY, from "
+            "cannot bind this rank to CPUs 65000 (DSRUN_CPU_AFFINITY, from "
             "--bind_cores_to_rank): Invalid argument; this process may run on CPUs ")
     finally:
         os.sched_setaffinity(0, before)

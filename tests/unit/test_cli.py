@@ -42,6 +42,7 @@ def test_dashed_spellings_are_accepted():
 @pytest.mark.parametrize("argv,message", [
     (["--num_gpus", "0", "s.py"], "--num_gpus must be at least 1, got 0"),
     (["--num_gpus", "-2", "s.py"], "--num_gpus must be at least 1, got -2"),
+    (["--num_gpus", "99999999999", "s.py"], "--num_gpus must be at most 1024 .*got 99999999999"),
     (["--master_port", "70000", "s.py"], "--master_port must be in 1..65535"),
     (["-m", "--no_python", "s.py"], "--module and --no_python cannot be used together"),
     (["--max_restarts", "-1", "s.py"], "--max_restarts must be >= 0"),

@@ -9,6 +9,7 @@ import pytest
 from dsrun.errors import HostfileError
 from dsrun.launcher import hostfile as hf
 from dsrun.launcher.hostfile import (
+    MAX_SLOTS,
     HostEntry,
     Hostfile,
     add_host,
@@ -93,6 +94,11 @@ INVALID = [
     pytest.param("[::1] slots=1\n", [(1, 1, "without brackets")], id="bracketed-ipv6"),
     pytest.param("slots=4\n", [(1, 1, "invalid host 'slots=4'"), (1, 8, "missing")],
                  id="no-host"),
+    pytest.param("localhost slots=99999999999999999999\n",
+                 [(1, 17, "slots must be at most 1024 (no host runs more ranks), got "
+                          "99999999999999999999")], id="slots-overflow"),
+    pytest.param("localhost slots=30000000\n", [(1, 17, "at most 1024")], id="slots-huge"),
+    pytest.param("localhost slots=1025\n", [(1, 17, "at most 1024")], id="slots-over-max"),
 ]
 
 
@@ -106,6 +112,12 @@ def test_invalid_hostfiles(text: str, expected: list[tuple[int, int, str]]) -> N
     with pytest.raises(HostfileError) as info:
         parse_hostfile(text, "hf")
     assert str(info.value).splitlines() == [str(p) for p in problems]
+
+
+def test_the_most_slots_parse() -> None:
+    assert parse_hostfile("a slots=1024\n", "hf").total_slots == MAX_SLOTS == 1024
+    with pytest.raises(HostfileError, match="slots of host 'a' must be at most 1024"):
+        HostEntry("a", 1025, 1)
 
 
 def test_problem_message_format() -> None:
@@ -267,7 +279,9 @@ def test_add_host_keeps_comments_and_goes_before_trailing_blanks() -> None:
     [("WORKER-0", 2, r"hf:3: host 'worker-0' is already listed \(slots=8\)"),
      ("bad_host", 2, "invalid host 'bad_host'"),
      ("w9", 0, "slots must be a positive integer, got 0"),
-     ("w9", -3, "got -3")],
+     ("w9", -3, "got -3"),
+     ("w9", 99999999999999999999, "slots must be at most 1024"),
+     ("w9", 1025, "slots must be at most 1024 .*got 1025")],
 )
 def test_add_host_refuses_invalid_result(host: str, slots: int, message: str) -> None:
     with pytest.raises(HostfileError, match=message):

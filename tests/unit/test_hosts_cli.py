@@ -110,6 +110,14 @@ def test_validate_lists_every_problem(workdir: Path) -> None:
     assert "6 problems in hf" in result.stderr
 
 
+def test_validate_reports_a_slot_count_no_host_has(workdir: Path) -> None:
+    (workdir / "hostfile").write_text("w1 slots=99999999999999999999\n")
+    result = invoke("validate")
+    assert result.exit_code == 1
+    assert "./hostfile:1:10: slots must be at most 1024" in result.stdout
+    assert "ok" not in result.stdout
+
+
 def test_validate_empty_file_fails(workdir: Path) -> None:
     (workdir / "hostfile").write_text("# nothing yet\n")
     result = invoke("validate")
@@ -179,7 +187,9 @@ def test_add_rm_set_slots_keep_comments_and_order(workdir: Path) -> None:
      (["add", "bad_name", "--slots", "1"], "invalid host 'bad_name'"),
      (["rm", "worker-7"], "host 'worker-7' is not in ./hostfile"),
      (["set-slots", "worker-0", "0"], "slots must be a positive integer, got 0"),
-     (["set-slots", "nope", "3"], "host 'nope' is not in")],
+     (["set-slots", "nope", "3"], "host 'nope' is not in"),
+     (["set-slots", "worker-0", "99999999999999999999"], "slots must be at most 1024"),
+     (["add", "w1", "--slots", "99999999999999999999"], "slots must be at most 1024")],
 )
 def test_invalid_edits_are_refused_and_write_nothing(
     workdir: Path, args: list[str], message: str
