@@ -278,12 +278,16 @@ def master_peers(cluster: Cluster, backend: Backend) -> tuple[list[str], str | N
     return list(dict.fromkeys(peers)), fallback
 
 
-def check_master_port(hs: HostsSpec, cluster: Cluster) -> None:
-    """An explicit --master_port taken on this host (the master) is bad input."""
-    if hs.master_port is None or not cluster.local[0]:
+def check_master(hs: HostsSpec, cluster: Cluster) -> None:
+    """An explicit --master_addr or --master_port that cannot work on the
+    master host is bad input; checked here when that host is this one (the
+    master's agent checks it on another host, in the probe)."""
+    if not cluster.local[0]:
         return
-    from dsrun.launcher.netinfo import port_problem
+    from dsrun.launcher.netinfo import master_addr_problem, port_problem
 
-    problem = port_problem(hs.master_addr or "127.0.0.1", hs.master_port)
+    problem = master_addr_problem(hs.master_addr) if hs.master_addr is not None else None
+    if problem is None and hs.master_port is not None:
+        problem = port_problem(hs.master_addr or "127.0.0.1", hs.master_port)
     if problem:
         raise DsrunUsageError(problem)

@@ -41,7 +41,7 @@ from dsrun.launcher.backends.base import Backend, JobHandle
 from dsrun.launcher.cluster import (
     Cluster,
     ProbeOutcome,
-    check_master_port,
+    check_master,
     describe_source,
     here_facts,
     probe_cluster,
@@ -136,7 +136,7 @@ def run(spec: LaunchSpec) -> int:
     straggler_interval(os.environ)  # a bad value is an error before anything starts
     cwd = os.getcwd()
     cluster, backend = resolve_cluster(spec.hosts, cwd)
-    check_master_port(spec.hosts, cluster)
+    check_master(spec.hosts, cluster)
     env = user_env(spec, cwd, remote=cluster.remote and backend.login_env)
     job_id = uuid.uuid4().hex
     draft = _plan(spec, cluster, backend, env, job_id, 0)

@@ -227,6 +227,32 @@ def port_problem(addr: str, port: int) -> str | None:
     return None
 
 
+def master_addr_problem(addr: str) -> str | None:
+    """Why ``--master_addr addr`` cannot be the rendezvous held on this host,
+    or None. The master's port is held here and the ranks connect to
+    ``addr``: a name that does not resolve, or an address that is not this
+    host's, would leave every rank waiting in ``init_process_group`` until
+    its timeout. One resolved address that this host can bind is enough."""
+    try:
+        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return f"--master_addr {addr!r} does not resolve ({reason})"
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as s:
+            try:
+                s.bind((sockaddr[0], 0, *sockaddr[2:]))
+                return None
+            except OSError:
+                continue
+    found = ", ".join(dict.fromkeys(str(info[4][0]) for info in infos))
+    resolved = "" if found == addr else f" ({found})"
+    return (f"--master_addr {addr!r}{resolved} is not an address of {socket.gethostname()}, "
+            f"the host that holds the rendezvous (the first host of the job); the ranks "
+            f"would wait for it until they time out: give one of its addresses, or leave "
+            f"--master_addr out")
+
+
 def check_reach(addr: str, port: int, timeout: float) -> str | None:
     """None if a TCP connection to addr:port succeeds, else why not."""
     try:
@@ -290,6 +316,10 @@ def _probe_master(msg: Mapping[str, Any], facts: dict[str, Any]) -> HeldPort | N
             addr = choose_master_addr(sources, hostname_addresses())
     master: dict[str, Any] = {"addr": addr, "port": msg.get("port"), "error": None}
     facts["master"] = master
+    if msg.get("addr"):
+        master["error"] = master_addr_problem(str(addr))
+        if master["error"]:
+            return None
     if addr and not msg.get("single"):
         facts["ifname"] = route_interface(addr)
     try:

@@ -284,3 +284,23 @@ def test_straggler_interval_variable_is_checked_before_anything_starts(value, tm
     assert line.startswith("dsrun: error: DSRUN_STRAGGLER_INTERVAL (environment) must be")
     assert launch.straggler_interval({"DSRUN_STRAGGLER_INTERVAL": "0"}) is None
     assert launch.straggler_interval({}) == 30.0
+
+
+@pytest.mark.parametrize("addr,message", [
+    ("192.0.2.1", "--master_addr '192.0.2.1' is not an address of"),
+    ("", "--master_addr '' does not resolve"),
+])
+def test_a_master_addr_of_another_host_is_an_error_before_anything_starts(
+        addr, message, tmp_path, monkeypatch, capsys):
+    from dsrun.launcher import hostfile as hf
+
+    monkeypatch.setattr(hf, "DEFAULT_JOB_HOSTFILE", str(tmp_path / "no-job-hostfile"))
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "t.py"
+    script.write_text("pass\n")
+    for dry in ([], ["--dry-run"]):
+        monkeypatch.setattr("dsrun.launcher.launch.ControlServer", pytest.fail)
+        assert cli.main([*dry, "--cpu", "--master_addr", addr, str(script)]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"dsrun: error: {message}")
+    assert cli.main(["--dry-run", "--cpu", "--master_addr", "localhost", str(script)]) == 0

@@ -103,3 +103,28 @@ def test_probe_master_holds_a_port_that_a_worker_reaches():
     worker, _ = netinfo.probe_reply({"cmd": "probe", "role": "worker", "addr": "127.0.0.1",
                                      "port": held.port, "timeout": 2})
     assert "cannot connect to 127.0.0.1" in worker["reach"]["error"]
+
+
+def test_master_addr_must_be_an_address_of_the_master_host(monkeypatch):
+    """A --master_addr that is not this host's would leave the ranks waiting
+    for a rendezvous that nobody holds, until their timeout."""
+    assert netinfo.master_addr_problem("127.0.0.1") is None
+    assert netinfo.master_addr_problem("localhost") is None
+    problem = netinfo.master_addr_problem("192.0.2.1")  # TEST-NET-1: nobody's address
+    assert problem is not None and problem.startswith(
+        f"--master_addr '192.0.2.1' is not an address of {socket.gethostname()}, the host "
+        f"that holds the rendezvous")
+
+    def no_such_name(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_such_name)
+    assert netinfo.master_addr_problem("nosuchhost") == \
+        "--master_addr 'nosuchhost' does not resolve (Name or service not known)"
+
+
+def test_the_master_agent_checks_an_explicit_master_addr():
+    facts, held = netinfo.probe_reply({"cmd": "probe", "role": "master", "single": False,
+                                       "addr": "192.0.2.1", "peers": []})
+    assert held is None
+    assert "is not an address of" in facts["master"]["error"]
