@@ -29,10 +29,10 @@ of input before the plan means "exit, nothing was started". Guarantees:
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import queue
+import select
 import signal
 import subprocess
 import sys
@@ -45,6 +45,7 @@ from dsrun.launcher import procs
 from dsrun.launcher.envlayers import apply_layers
 from dsrun.launcher.guard import Guard
 from dsrun.launcher.link import END, Link
+from dsrun.launcher.outlines import PARTIAL_IDLE, LineSplitter, Segment, Tail
 
 if TYPE_CHECKING:
     from dsrun.launcher import netinfo
@@ -100,7 +101,7 @@ class Rank:
         self.leader = leader
         self.error_file = error_file
         self.stack_file = stack_file
-        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.tail = Tail(TAIL_LINES)
         self.readers: list[threading.Thread] = []
         self.log: IO[str] | None = None
         self.reported = False
@@ -241,15 +242,36 @@ class Agent:
             rank.readers.append(t)
 
     def _pump(self, rank: Rank, fd: int, stream: IO[bytes]) -> None:
-        for raw in iter(stream.readline, b""):
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            rank.tail.append(line)
+        """Forward one output stream of ``rank`` line by line (outlines.py):
+        ``\r`` ends a line too, and text without a line end goes out after
+        a short silence or once it is LINE_LIMIT long."""
+        splitter = LineSplitter()
+        poller = select.poll()
+        poller.register(stream.fileno(), select.POLLIN)
+        idle_ms = int(PARTIAL_IDLE * 1000)
+        while True:
+            if splitter.pending and not poller.poll(idle_ms):
+                segments = splitter.flush()
+            else:
+                data = os.read(stream.fileno(), 65536)
+                if not data:
+                    break
+                segments = splitter.feed(data)
+            self._forward(rank, fd, segments)
+        self._forward(rank, fd, splitter.flush(final=True))
+        stream.close()
+
+    def _forward(self, rank: Rank, fd: int, segments: list[Segment]) -> None:
+        for segment in segments:
+            rank.tail.add(fd, segment)
+            if not segment.forward:
+                continue
             if rank.log is not None:
                 with self.log_lock:
-                    rank.log.write(line + "\n")
+                    rank.log.write(segment.text + "\n")
                     rank.log.flush()
-            self.emit({"ev": "out", "rank": rank.rank, "fd": fd, "line": line}, control=False)
-        stream.close()
+            self.emit({"ev": "out", "rank": rank.rank, "fd": fd, "line": segment.text},
+                      control=False)
 
     def _read_commands(self) -> None:
         while True:
@@ -342,7 +364,7 @@ class Agent:
             "code": code if code >= 0 else None,
             "signal": -code if code < 0 else None,
             "time": now_wall - age, "age": round(age, 6), "during_stop": during_stop,
-            "error": error, "tail": list(rank.tail),
+            "error": error, "tail": rank.tail.lines(),
         })
         if failed:
             self.failed = True
