@@ -14,7 +14,10 @@ Sources, lowest precedence first (a later source overrides an earlier one):
 3. launcher variables matching a ``--env_prefix P`` (remote jobs only);
 4. env files: ``~/.deepspeed_env``, ``~/.dsrun_env``, then
    ``./.deepspeed_env``, ``./.dsrun_env`` (working directory wins over home,
-   dsrun's own name over DeepSpeed's);
+   dsrun's own name over DeepSpeed's). ``DS_ENV_FILE`` in the launcher's
+   environment names DeepSpeed's file instead of ``.deepspeed_env``, as in
+   DeepSpeed (looked up in ``~`` and ``.``; an absolute path is one file);
+   when it is set, the file must exist;
 5. ``--env KEY=VALUE`` on the command line.
 
 dsrun's own per-rank variables (RANK, WORLD_SIZE, MASTER_ADDR, ...) are set
@@ -60,6 +63,8 @@ NEVER_FORWARDED = frozenset({
 })
 #: Env file names, in the order they are read within one directory.
 ENV_FILE_NAMES = (".deepspeed_env", ".dsrun_env")
+#: DeepSpeed's variable naming its env file instead of ``.deepspeed_env``.
+DS_ENV_FILE_VAR = "DS_ENV_FILE"
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
@@ -132,10 +137,26 @@ def parse_env_file(text: str, path: str) -> list[EnvEntry]:
     return entries
 
 
-def env_file_paths(cwd: str, home: str) -> list[str]:
-    """Env files in precedence order (later wins): home first, then cwd."""
+def env_file_paths(cwd: str, home: str, environ: Mapping[str, str] | None = None) -> list[str]:
+    """Env files in precedence order (later wins): home first, then cwd;
+    ``DS_ENV_FILE`` in ``environ`` replaces DeepSpeed's name (see above)."""
+    ds_name = (environ or {}).get(DS_ENV_FILE_VAR) or ENV_FILE_NAMES[0]
+    names = (os.path.expanduser(ds_name), *ENV_FILE_NAMES[1:])
     dirs = [home] if os.path.realpath(home) == os.path.realpath(cwd) else [home, cwd]
-    return [os.path.join(d, name) for d in dirs for name in ENV_FILE_NAMES]
+    paths = [os.path.join(d, name) for d in dirs for name in names]
+    return list(dict.fromkeys(paths))  # an absolute DS_ENV_FILE: read once
+
+
+def check_ds_env_file(cwd: str, home: str, environ: Mapping[str, str]) -> None:
+    """A ``DS_ENV_FILE`` that names no existing file is a usage error (a
+    typo would silently leave the ranks without its variables)."""
+    name = environ.get(DS_ENV_FILE_VAR)
+    if not name:
+        return
+    candidates = dict.fromkeys(os.path.join(d, os.path.expanduser(name)) for d in (home, cwd))
+    if not any(os.path.isfile(p) for p in candidates):
+        raise DsrunUsageError(f"{DS_ENV_FILE_VAR}={name!r} (environment) names no file: "
+                              f"looked for {', '.join(candidates)}")
 
 
 def read_env_files(paths: Iterable[str]) -> list[EnvEntry]:

@@ -50,7 +50,13 @@ from dsrun.launcher.cluster import (
 from dsrun.launcher.configcheck import check_config
 from dsrun.launcher.console import Console
 from dsrun.launcher.control import ControlServer
-from dsrun.launcher.envpolicy import JobEnv, env_file_paths, job_env, read_env_files
+from dsrun.launcher.envpolicy import (
+    JobEnv,
+    check_ds_env_file,
+    env_file_paths,
+    job_env,
+    read_env_files,
+)
 from dsrun.launcher.plan import LaunchPlan, build_plan, describe
 from dsrun.launcher.preflight import PreflightFailed
 from dsrun.launcher.report import JobResult, report_lines
@@ -116,7 +122,9 @@ def check_log_dir(path: str | None) -> None:
 
 def user_env(spec: LaunchSpec, cwd: str, remote: bool) -> JobEnv:
     """The user's variables for the ranks (envpolicy.py): files, --env, forwarded."""
-    files = read_env_files(env_file_paths(cwd, os.path.expanduser("~")))
+    home = os.path.expanduser("~")
+    check_ds_env_file(cwd, home, os.environ)
+    files = read_env_files(env_file_paths(cwd, home, os.environ))
     return job_env(os.environ, remote=remote, env_prefixes=spec.env_prefixes,
                    file_entries=files, cli_env=spec.extra_env)
 

@@ -7,6 +7,7 @@ import pytest
 from dsrun.errors import DsrunUsageError
 from dsrun.launcher.envpolicy import (
     EnvEntry,
+    check_ds_env_file,
     env_file_paths,
     forward_defaults,
     forward_prefixes,
@@ -124,3 +125,42 @@ def test_an_agents_connect_back_variables_are_never_forwarded():
 
     environ = {name: "x" for name in AGENT_BOOTSTRAP_VARS}
     assert job_env(environ, remote=True).keys() == ()
+
+
+def test_ds_env_file_names_deepspeeds_env_file(tmp_path):
+    """DeepSpeed reads os.getenv("DS_ENV_FILE", ".deepspeed_env") from ~ and ."""
+    home, cwd = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    cwd.mkdir()
+    environ = {"DS_ENV_FILE": "custom_env"}
+    assert env_file_paths(str(cwd), str(home), environ) == [
+        f"{home}/custom_env", f"{home}/.dsrun_env", f"{cwd}/custom_env", f"{cwd}/.dsrun_env"]
+    (cwd / "custom_env").write_text("MYV=custom\n")
+    (cwd / ".deepspeed_env").write_text("MYV=ignored\nOTHER=ignored\n")
+    check_ds_env_file(str(cwd), str(home), environ)
+    entries = read_env_files(env_file_paths(str(cwd), str(home), environ))
+    assert job_env({}, remote=False, file_entries=entries).as_dict() == {"MYV": "custom"}
+    absolute = {"DS_ENV_FILE": str(cwd / "custom_env")}
+    assert env_file_paths(str(cwd), str(home), absolute) == [
+        str(cwd / "custom_env"), f"{home}/.dsrun_env", f"{cwd}/.dsrun_env"]
+    check_ds_env_file(str(cwd), str(home), {"DS_ENV_FILE": ""})  # unset: no check
+    with pytest.raises(DsrunUsageError, match=r"^DS_ENV_FILE='typo' \(environment\) names no "
+                                              rf"file: looked for {home}/typo, {cwd}/typo$"):
+        check_ds_env_file(str(cwd), str(home), {"DS_ENV_FILE": "typo"})
+
+
+def test_dsrun_reads_the_file_ds_env_file_names(tmp_path, monkeypatch, capsys):
+    from dsrun.launcher import cli
+    from dsrun.launcher import hostfile as hf
+
+    monkeypatch.setattr(hf, "DEFAULT_JOB_HOSTFILE", str(tmp_path / "no-job-hostfile"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text("pass\n")
+    (tmp_path / "custom_env").write_text("MYV9=fromcustom\n")
+    monkeypatch.setenv("DS_ENV_FILE", "custom_env")
+    assert cli.main(["--dry-run", "--cpu", "t.py"]) == 0
+    assert f"MYV9=<value not shown> ({tmp_path}/custom_env:1)" in capsys.readouterr().out
+    monkeypatch.setenv("DS_ENV_FILE", "nope_env")
+    assert cli.main(["--dry-run", "--cpu", "t.py"]) == 2
+    assert capsys.readouterr().err.startswith("dsrun: error: DS_ENV_FILE='nope_env'")
