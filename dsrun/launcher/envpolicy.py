@@ -164,7 +164,7 @@ def read_env_files(paths: Iterable[str]) -> list[EnvEntry]:
     entries: list[EnvEntry] = []
     for path in paths:
         try:
-            with open(path, encoding="utf-8") as f:
+            with open(path, encoding="utf-8-sig") as f:  # a BOM (Windows editors) is no key
                 text = f.read()
         except FileNotFoundError:
             continue

@@ -164,3 +164,10 @@ def test_dsrun_reads_the_file_ds_env_file_names(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DS_ENV_FILE", "nope_env")
     assert cli.main(["--dry-run", "--cpu", "t.py"]) == 2
     assert capsys.readouterr().err.startswith("dsrun: error: DS_ENV_FILE='nope_env'")
+
+
+def test_an_env_file_may_start_with_a_byte_order_mark(tmp_path):
+    path = tmp_path / ".dsrun_env"
+    path.write_bytes("\ufeffFIRST=1\nSECOND=ü\n".encode())
+    entries = read_env_files([str(path)])
+    assert [(e.key, e.value) for e in entries] == [("FIRST", "1"), ("SECOND", "ü")]
