@@ -59,6 +59,7 @@ from dsrun.launcher.envpolicy import (
 )
 from dsrun.launcher.plan import LaunchPlan, build_plan, describe
 from dsrun.launcher.preflight import PreflightFailed
+from dsrun.launcher.rankenv import check_user_env
 from dsrun.launcher.report import JobResult, report_lines
 from dsrun.launcher.spec import LaunchSpec, check_seconds, cpu_by_deepspeed_variable
 from dsrun.launcher.supervisor import Interrupted, Supervisor, Watch, raise_interrupted
@@ -148,6 +149,7 @@ def run(spec: LaunchSpec) -> int:
     env = user_env(spec, cwd, remote=cluster.remote and backend.login_env)
     job_id = uuid.uuid4().hex
     draft = _plan(spec, cluster, backend, env, job_id, 0)
+    check_user_env(draft)
     if spec.config is not None:
         check_config(spec.config, draft.world_size, {**os.environ, **dict(spec.extra_env)})
     source = describe_source(spec.hosts, cluster, cwd)

@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dsrun.errors import DsrunUsageError
 from dsrun.launcher.cores import AFFINITY_VAR, format_cpu_list
 from dsrun.launcher.envlayers import apply_layers
 from dsrun.launcher.envpolicy import JobEnv
@@ -45,6 +46,19 @@ AGENT_VARS = {
 }
 
 Pairs = tuple[tuple[str, str], ...]
+
+_SLOTS = "--include/--exclude/--num_nodes/--num_gpus (which slots run)"
+#: What to use instead of giving a variable that dsrun sets for each rank.
+INSTEAD = {
+    "RANK": _SLOTS, "LOCAL_RANK": _SLOTS, "NODE_RANK": _SLOTS, "WORLD_SIZE": _SLOTS,
+    "LOCAL_WORLD_SIZE": _SLOTS, "NNODES": _SLOTS,
+    "MASTER_ADDR": "--master_addr", "MASTER_PORT": "--master_port",
+    "CUDA_VISIBLE_DEVICES": "--include HOST:SLOTS, or CUDA_VISIBLE_DEVICES in dsrun's own "
+                            "environment (the slots then count those GPUs)",
+    AFFINITY_VAR: "--bind_core_list", "DSRUN_ACCELERATOR": "--cpu",
+    "DSRUN_DIST_BACKEND": "--dist_backend", "DSRUN_CONFIG": "--config",
+    "DSRUN_LOCAL_RANK_FILL": "--no_local_rank",
+}
 
 
 @dataclass(frozen=True)
@@ -104,6 +118,25 @@ def rank_env(plan: LaunchPlan, node: NodePlan, slot: RankSlot) -> RankEnv:
                    node.path_prepend)
 
 
+def check_user_env(plan: LaunchPlan) -> None:
+    """A variable given with ``--env`` or in an env file that dsrun sets for
+    each rank (layers 5-6) would be silently replaced: a usage error naming
+    what to use instead. Variables forwarded from the launcher's environment
+    are left to lose quietly (a parent job's MASTER_ADDR is no mistake)."""
+    decided = set(AGENT_VARS)
+    for node in plan.nodes:
+        for slot in node.ranks[:1]:
+            decided.update(key for key, _ in rank_env(plan, node, slot).dsrun)
+    for entry in plan.user_env.entries:
+        if entry.key not in decided or entry.source == "forwarded" \
+                or entry.source.startswith("--env_prefix"):
+            continue
+        instead = INSTEAD.get(entry.key)
+        advice = f"use {instead}" if instead else "it cannot be set"
+        raise DsrunUsageError(f"{entry.source} sets {entry.key}, which dsrun sets for each "
+                              f"rank: {advice}")
+
+
 def materialize(env: RankEnv, inherited: Mapping[str, str], user: Mapping[str, str],
                 agent: Mapping[str, str]) -> dict[str, str]:
     """The process environment of a rank: layers 1-6 in order (the agent's
@@ -121,7 +154,8 @@ def describe(env: RankEnv, user: JobEnv, base: str,
             lines.append(f"{key}={value} (unless set in {base})")
         elif key not in inherited:
             lines.append(f"{key}={value}")
-    lines.extend(user.describe())
+    ours = dict(env.dsrun)  # a user value of these is replaced: do not list it
+    lines.extend(JobEnv(tuple(e for e in user.entries if e.key not in ours)).describe())
     if env.path_prepend:
         lines.append(f"PATH=<{os.pathsep.join(env.path_prepend)} in front of the PATH of "
                      f"{base}>")

@@ -304,3 +304,16 @@ def test_a_master_addr_of_another_host_is_an_error_before_anything_starts(
         (line,) = capsys.readouterr().err.splitlines()
         assert line.startswith(f"dsrun: error: {message}")
     assert cli.main(["--dry-run", "--cpu", "--master_addr", "localhost", str(script)]) == 0
+
+
+def test_env_of_a_variable_dsrun_sets_is_an_error_even_in_a_dry_run(tmp_path, monkeypatch,
+                                                                     capsys):
+    from dsrun.launcher import hostfile as hf
+
+    monkeypatch.setattr(hf, "DEFAULT_JOB_HOSTFILE", str(tmp_path / "no-job-hostfile"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text("pass\n")
+    assert cli.main(["--dry-run", "--cpu", "--env", "MASTER_ADDR=10.1.1.1", "t.py"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "dsrun: error: --env sets MASTER_ADDR, which dsrun sets for each rank: use "
+        "--master_addr"]

@@ -9,9 +9,10 @@ from dsrun.launcher import launch
 from dsrun.launcher.backends.local import LocalBackend
 from dsrun.launcher.cluster import Cluster, this_host_pool
 from dsrun.launcher.configcheck import check_config
-from dsrun.launcher.envpolicy import job_env
+from dsrun.launcher.envpolicy import EnvEntry, job_env
 from dsrun.launcher.plan import NodeFacts, NodeSlots, build_plan, layout, rank_command
-from dsrun.launcher.rankenv import RankEnv, materialize, rank_env
+from dsrun.launcher.rankenv import RankEnv, check_user_env, materialize, rank_env
+from dsrun.launcher.rankenv import describe as describe_env
 from dsrun.launcher.resources import select_resources
 from dsrun.launcher.spec import HostsSpec, LaunchSpec
 
@@ -217,3 +218,53 @@ def test_dry_run_with_cpu_on_a_gpu_host(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "ranks [0,1]  local ranks [0,1]  devices [cpu]" in out
     assert "    DSRUN_ACCELERATOR=cpu" in out and "    CUDA_VISIBLE_DEVICES=" in out
+
+
+@pytest.mark.parametrize("key,instead", [
+    ("RANK", "use --include/--exclude/--num_nodes/--num_gpus"),
+    ("WORLD_SIZE", "use --include/--exclude/--num_nodes/--num_gpus"),
+    ("MASTER_ADDR", "use --master_addr"), ("MASTER_PORT", "use --master_port"),
+    ("DSRUN_AGENT_ID", "it cannot be set"),
+    ("DSRUN_DIST_BACKEND", "use --dist_backend"),
+])
+def test_a_variable_dsrun_sets_for_each_rank_cannot_be_given(key, instead):
+    """It would be replaced without a word (dsrun's layer wins)."""
+    plan = _plan(dist_backend="gloo", extra_env=((key, "5"),))
+    with pytest.raises(DsrunUsageError, match=f"^--env sets {key}, which dsrun sets for each "
+                                              f"rank: {instead}"):
+        check_user_env(plan)
+
+
+def test_given_gpus_or_binding_make_their_variables_dsruns():
+    check_user_env(_plan(extra_env=(("CUDA_VISIBLE_DEVICES", "1"),)))  # CPU ranks: theirs
+    with pytest.raises(DsrunUsageError, match="sets CUDA_VISIBLE_DEVICES.*--include HOST:"):
+        check_user_env(_plan(devices=(0, 1), extra_env=(("CUDA_VISIBLE_DEVICES", "1"),)))
+    spec = LaunchSpec(script="t.py", num_gpus=2, bind_cores_to_rank=True,
+                      extra_env=(("DSRUN_CPU_AFFINITY", "0"),))
+    cluster = Cluster("<this host>", ("here",), ((0, 1),), (True,), "local")
+    plan = build_plan(spec, cluster, job_env({}, remote=False, cli_env=spec.extra_env), "j",
+                      facts=[NodeFacts((), 4, cpu_list=(0, 1, 2, 3))], python="/py", cwd="/w",
+                      master=("127.0.0.1", 4242))
+    with pytest.raises(DsrunUsageError, match="sets DSRUN_CPU_AFFINITY.*--bind_core_list"):
+        check_user_env(plan)
+
+
+def test_forwarded_and_file_variables_that_dsrun_sets():
+    spec = LaunchSpec(script="train.py", num_gpus=2)
+    slots = _local_slots(2, (), 4)
+    cluster = Cluster("<this host>", ("here",), (slots,), (True,), "local")
+    files = [EnvEntry("MASTER_PORT", "1", "/w/.dsrun_env:3")]
+    for entries, fails in ((files, True), ([EnvEntry("RANK", "3", "forwarded"),
+                                            EnvEntry("MASTER_ADDR", "x", "--env_prefix MA")],
+                                           False)):
+        env = job_env({}, remote=False, file_entries=entries)
+        plan = build_plan(spec, cluster, env, "job1", facts=[NodeFacts((), 4)], python="/py",
+                          cwd="/w", master=("127.0.0.1", 4242))
+        if fails:
+            with pytest.raises(DsrunUsageError, match="^/w/.dsrun_env:3 sets MASTER_PORT"):
+                check_user_env(plan)
+            continue
+        check_user_env(plan)  # a parent job's variables lose quietly
+        lines = describe_env(rank_env(plan, *_first(plan)), plan.user_env, "dsrun's env")
+        assert "RANK=0" in lines and "MASTER_ADDR=127.0.0.1" in lines
+        assert not [ln for ln in lines if "not shown" in ln]  # no hint that theirs wins
