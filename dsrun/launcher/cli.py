@@ -108,7 +108,8 @@ _HOST_OPTIONS = (
                  help="Use all hosts/slots but these (same syntax as --include)."),
     click.option("--num_nodes", "--num-nodes", "num_nodes", type=int, default=None,
                  help="Number of hosts to use (the first N of the selection)."),
-    click.option("--num_gpus", "--num-gpus", "num_gpus", type=int, default=None,
+    click.option("--num_gpus", "--num-gpus", "--num_accelerators", "--num-accelerators",
+                 "num_gpus", type=int, default=None,
                  help="Ranks per host (GPUs; on a host without GPUs, CPU ranks). "
                       "Default: all selected slots; without a hostfile all GPUs, or 2 CPU "
                       "ranks on a CPU-only host."),
@@ -333,7 +334,12 @@ def _dispatch(args: list[str]) -> tuple[click.Command, list[str]]:
 _NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
 
-#: DeepSpeed launcher flags dsrun does not take, and what to do instead.
+_NO_QUIET = ("dsrun has no quiet mode: its own lines (a few at start, warnings, errors, the "
+             "failure report) are the stderr lines starting with 'dsrun:'")
+
+#: DeepSpeed launcher flags dsrun does not take, and what to do instead
+#: (every flag of DeepSpeed 0.19.8's runner.py that dsrun lacks, and a few of
+#: older versions).
 DEEPSPEED_ONLY_FLAGS = {
     "--enable_each_rank_log": "DeepSpeed's --enable_each_rank_log DIR is dsrun's --log_dir DIR "
                               "(one rank_N.log per rank)",
@@ -347,6 +353,19 @@ DEEPSPEED_ONLY_FLAGS = {
     "--elastic_training": "Not implemented: --max_restarts N restarts the job after a failure",
     "--min_elastic_nodes": "Not implemented: --max_restarts N restarts the job after a failure",
     "--max_elastic_nodes": "Not implemented: --max_restarts N restarts the job after a failure",
+    "--node_rank": "dsrun starts every host of the job itself from one launcher (over SSH, "
+                   "or with --launcher openmpi/slurm), so no host is started by hand with its "
+                   "node rank; --include HOST runs on one host of the hostfile",
+    "--no_ssh": "dsrun starts every host of the job itself from one launcher, with SSH "
+                "(paramiko: no ssh or pdsh binary needed) or --launcher openmpi/slurm; there "
+                "is no per-host manual mode: run dsrun once, on one host",
+    "--venv_script": "Not needed: remote ranks run the launcher's Python interpreter, and its "
+                     "directory comes first on their PATH; set variables with --env or in "
+                     "./.dsrun_env",
+    "--log_level": "dsrun has no log levels: its own lines (a few at start, warnings, "
+                   "errors, the failure report) are the stderr lines starting with 'dsrun:'",
+    "--quiet": _NO_QUIET,
+    "-q": _NO_QUIET,
     "--comment": "Pass Slurm options with --slurm_args",
     "--account": "Pass Slurm options with --slurm_args",
 }

@@ -317,3 +317,46 @@ def test_env_of_a_variable_dsrun_sets_is_an_error_even_in_a_dry_run(tmp_path, mo
     assert capsys.readouterr().err.splitlines() == [
         "dsrun: error: --env sets MASTER_ADDR, which dsrun sets for each rank: use "
         "--master_addr"]
+
+
+#: Every option of DeepSpeed 0.19.8's launcher (deepspeed/launcher/runner.py).
+DEEPSPEED_FLAGS = (
+    "-H", "--hostfile", "-i", "--include", "-e", "--exclude", "--num_nodes", "--num_gpus",
+    "--num_accelerators", "--master_port", "--master_addr", "--node_rank", "--launcher",
+    "--launcher_args", "--module", "--no_python", "--no_local_rank", "--no_ssh",
+    "--no_ssh_check", "--force_multi", "--save_pid", "--enable_each_rank_log", "--autotuning",
+    "--bind_cores_to_rank", "--bind_core_list", "--ssh_port", "--venv_script", "--log_level",
+    "-q", "--quiet")
+
+
+def test_every_deepspeed_launcher_flag_is_taken_or_explained():
+    taken = {opt for p in cli.run_command.params if isinstance(p, click.Option)
+             for opt in p.opts}
+    missing = [f for f in DEEPSPEED_FLAGS if f not in taken and f not in cli.DEEPSPEED_ONLY_FLAGS]
+    assert missing == []
+    assert cli.parse_spec(["--num_accelerators", "3", "t.py"]).num_gpus == 3
+
+
+def test_the_flag_list_is_deepspeeds(request):
+    """Against DeepSpeed's runner.py where the benchmark venv has it."""
+    import re
+
+    runner = (request.config.rootpath / "bench" / ".venv-ds" / "lib" / "python3.11" /
+              "site-packages" / "deepspeed" / "launcher" / "runner.py")
+    if not runner.exists():
+        pytest.skip("no DeepSpeed in bench/.venv-ds")
+    source = runner.read_text()
+    parser = source[source.index("def parse_args"):source.index("def fetch_hostfile")]
+    found = set(re.findall(r"""["'](-{1,2}[A-Za-z][a-z_]*)["']""", parser))
+    assert found == set(DEEPSPEED_FLAGS)
+
+
+@pytest.mark.parametrize(("flag", "advice"), [
+    ("--node_rank", "--include HOST runs on one host"), ("--no_ssh", "run dsrun once"),
+    ("--venv_script", "Not needed"), ("--log_level", "no log levels"),
+    ("-q", "no quiet mode"), ("--quiet", "no quiet mode")])
+def test_deepspeed_flags_dsrun_lacks_say_what_to_use(flag, advice, capsys):
+    assert cli.main([flag, "1", "train.py"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"dsrun: error: No such option '{flag}' (a DeepSpeed launcher flag)")
+    assert advice in line and "Did you mean" not in line
