@@ -125,7 +125,8 @@ _HOST_OPTIONS = (
     click.option("--launcher", "launcher", default=None, metavar="NAME",
                  help=f"How node agents start: {', '.join(LAUNCHERS)} "
                       f"({', '.join(f'{a} = {b}' for a, b in LAUNCHER_ALIASES.items())}). "
-                      f"Default: ssh when a selected host is not this one, else local."),
+                      f"Default: ssh when a selected host is not this one, else local. Any "
+                      f"case; DeepSpeed's pdsh is dsrun's ssh (paramiko, no pdsh needed)."),
     click.option("--launcher_args", "--launcher-args", "launcher_args", default=None,
                  metavar="ARGS",
                  help="Extra mpirun options for --launcher openmpi, one shell-quoted string "

@@ -32,8 +32,17 @@ DEFAULT_SSH_TIMEOUT = 10.0
 #: (agent side) is declared lost; heartbeats flow every quarter of it.
 DEFAULT_HEARTBEAT_TIMEOUT = 15.0
 #: --launcher names (the backend registry has one entry per name) and aliases.
+#: ``pdsh`` is DeepSpeed's default launcher: dsrun's ``ssh`` backend
+#: (paramiko, no pdsh binary) does its job, so the name means ``ssh``.
 LAUNCHERS = ("local", "openmpi", "slurm", "ssh")
-LAUNCHER_ALIASES = {"mpirun": "openmpi"}
+LAUNCHER_ALIASES = {"mpirun": "openmpi", "pdsh": "ssh"}
+#: DeepSpeed launchers dsrun has no backend for, and what to do instead.
+UNSUPPORTED_LAUNCHERS = dict.fromkeys(
+    ("mvapich", "impi", "mpich"),
+    "dsrun drives Open MPI's mpirun (--launcher openmpi) and Slurm's srun (--launcher "
+    "slurm); with MVAPICH, Intel MPI or MPICH, start the ranks with that MPI's own mpirun "
+    "and plain python (dsrun's runtime reads their MV2_/PMI_ rank variables), or use "
+    "--launcher ssh")
 #: The longest span a seconds option (--timeout, --kill_grace, ...) takes:
 #: 10**8 s is over three years. Longer is a typo, and timers overflow near
 #: 9.2e9 s (``threading.TIMEOUT_MAX``).
@@ -56,10 +65,15 @@ def check_seconds(option: str, value: float, *, zero: bool) -> None:
 
 
 def launcher_name(name: str | None) -> str | None:
-    """The backend a --launcher value names (aliases resolved), or a usage error."""
+    """The backend a --launcher value names (any case, aliases resolved), or a
+    usage error."""
     if name is None:
         return None
-    canonical = LAUNCHER_ALIASES.get(name, name)
+    lowered = name.lower()  # DeepSpeed lower-cases it too
+    if lowered in UNSUPPORTED_LAUNCHERS:
+        raise DsrunUsageError(f"--launcher {name!r} is not supported: "
+                              f"{UNSUPPORTED_LAUNCHERS[lowered]}")
+    canonical = LAUNCHER_ALIASES.get(lowered, lowered)
     if canonical not in LAUNCHERS:
         choices = ", ".join(sorted((*LAUNCHERS, *(f"{a} (= {b})" for a, b in
                                                    LAUNCHER_ALIASES.items()))))

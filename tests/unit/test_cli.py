@@ -360,3 +360,17 @@ def test_deepspeed_flags_dsrun_lacks_say_what_to_use(flag, advice, capsys):
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"dsrun: error: No such option '{flag}' (a DeepSpeed launcher flag)")
     assert advice in line and "Did you mean" not in line
+
+
+@pytest.mark.parametrize("name,backend", [("SSH", "ssh"), ("Local", "local"),
+                                          ("pdsh", "ssh"), ("PDSH", "ssh"),
+                                          ("MPIRUN", "openmpi"), ("OpenMPI", "openmpi")])
+def test_launcher_names_in_any_case_and_deepspeeds_pdsh(name, backend):
+    assert cli.parse_spec(["--launcher", name, "t.py"]).backend == backend
+
+
+@pytest.mark.parametrize("name", ["mvapich", "IMPI", "mpich"])
+def test_deepspeeds_other_mpi_launchers_say_what_is_supported(name):
+    with pytest.raises(DsrunUsageError, match=f"^--launcher '{name}' is not supported: dsrun "
+                                              f"drives Open MPI's mpirun .*--launcher slurm"):
+        cli.parse_spec(["--launcher", name, "t.py"])
