@@ -195,10 +195,11 @@ def test_slurm_needs_an_allocation_or_slurm_args():
 def test_launcher_names():
     assert list(LAUNCHERS) == names()
     assert HostsSpec(launcher="mpirun").launcher == "openmpi"
+    assert HostsSpec(launcher="pdsh").launcher == "ssh"  # DeepSpeed's default launcher
     with pytest.raises(DsrunUsageError) as info:
-        HostsSpec(launcher="pdsh")
-    assert str(info.value) == ("--launcher 'pdsh' does not exist; choose one of local, "
-                               "mpirun (= openmpi), openmpi, slurm, ssh")
+        HostsSpec(launcher="pbs")
+    assert str(info.value) == ("--launcher 'pbs' does not exist; choose one of local, "
+                               "mpirun (= openmpi), openmpi, pdsh (= ssh), slurm, ssh")
     with pytest.raises(DsrunUsageError, match="--launcher_args is for --launcher openmpi"):
         HostsSpec(launcher="slurm", launcher_args=("-x", "A"))
     with pytest.raises(DsrunUsageError, match="--slurm_args needs --launcher slurm"):
