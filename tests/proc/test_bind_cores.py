@@ -73,7 +73,7 @@ def test_a_binding_the_rank_cannot_take_is_one_clear_error(tmp_path, runtime: bo
     runs (e.g. a batch system's narrower cgroup than the probe saw)."""
     script = tmp_path / "never.py"
     script.write_text("print('the script ran')\n")
-    env = {**os.environ, "DSRUN_CPU_AFFINITY": "100000", "DSRUN_DIST_BACKEND": "none",
+    env = {**os.environ, "DSRUN_CPU_AFFINITY": "65000", "DSRUN_DIST_BACKEND": "none",
            "PYTHONPATH": str(ROOT)}
     if runtime:
         argv = [sys.executable, "-m", "dsrun.runtime.bootstrap", "--script", str(script)]
@@ -84,6 +84,6 @@ def test_a_binding_the_rank_cannot_take_is_one_clear_error(tmp_path, runtime: bo
     res = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
     assert res.returncode == 1
     assert "the script ran" not in res.stdout
-    assert "cannot bind this rank to CPUs 100000 (DSRUN_CPU_AFFINITY, from " \
+    assert "cannot bind this rank to CPUs 65000 (DSRUN_CPU_AFFINITY, from " \
            "--bind_cores_to_rank): Invalid argument" in res.stderr
     assert len(res.stderr.strip().splitlines()) <= 2, res.stderr  # no traceback
