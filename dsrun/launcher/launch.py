@@ -98,12 +98,26 @@ suspension = _Suspension()
 
 
 def check_script(spec: LaunchSpec) -> None:
+    """The script must be runnable as ``python SCRIPT`` (a file, or a directory
+    or zip file with a ``__main__.py``) or, with --no_python, as the shell
+    would run it (a bare name is looked up on PATH only)."""
     if spec.module:
         return
-    if spec.no_python and os.sep not in spec.script and shutil.which(spec.script):
-        return
+    if spec.no_python and os.sep not in spec.script:
+        if shutil.which(spec.script):
+            return
+        if os.path.exists(spec.script):
+            raise DsrunUsageError(f"--no_python: {spec.script!r} is not on PATH (a bare name "
+                                  f"is looked up there, as the shell does); did you mean "
+                                  f"./{spec.script}?")
+        raise DsrunUsageError(f"--no_python: {spec.script!r} is not on PATH")
     if not os.path.exists(spec.script):
         raise DsrunUsageError(f"script {spec.script!r} does not exist")
+    if not spec.no_python and os.path.isdir(spec.script):
+        if not os.path.isfile(os.path.join(spec.script, "__main__.py")):
+            raise DsrunUsageError(f"script {spec.script!r} is a directory without a "
+                                  f"__main__.py (python runs a directory's __main__.py)")
+        return
     if not os.path.isfile(spec.script):
         raise DsrunUsageError(f"script {spec.script!r} is not a file")
     if spec.no_python and not os.access(spec.script, os.X_OK):

@@ -26,13 +26,21 @@ so the launcher's report shows it once for the whole job.
 
 from __future__ import annotations
 
+import builtins
+import importlib.machinery
+import io
 import json
 import os
+import pkgutil
 import runpy
+import signal
 import socket
 import sys
 import time
 import traceback
+import types
+import zipfile
+import zipimport
 from types import TracebackType
 
 import dsrun
@@ -107,13 +115,49 @@ def report_dsrun_error(env: DistEnv, exc: DsrunError) -> None:
 
 
 def _run_target(mode: str, target: str, args: list[str]) -> None:
+    sys.argv = [target, *args]
     if mode == "--module":
-        sys.argv = [target, *args]
         runpy.run_module(target, run_name="__main__", alter_sys=True)
         return
-    sys.argv = [target, *args]
-    sys.path[0] = os.path.dirname(os.path.realpath(target))
-    runpy.run_path(target, run_name="__main__")
+    run_script(target)
+
+
+def run_script(target: str) -> None:
+    """Run ``target`` as ``python target`` does (3.9+): ``__file__`` and the
+    code's file name absolute (tracebacks too), ``sys.argv[0]`` as given;
+    ``sys.path[0]`` the script's real directory, or the directory or zip
+    file itself when that holds the ``__main__.py``. (runpy.run_path would
+    also set ``sys.argv[0]`` to the path it is given.)"""
+    path = os.path.abspath(target)
+    loader: object
+    if os.path.isdir(path) or zipfile.is_zipfile(path):
+        sys.path[0] = path
+        if os.path.isdir(path):
+            path = os.path.join(path, "__main__.py")
+        else:
+            loader = zipimport.zipimporter(path)
+            code = loader.get_code("__main__")
+            _exec_main(code, loader.get_filename("__main__"), loader)
+            return
+    else:
+        sys.path[0] = os.path.dirname(os.path.realpath(path))
+    loader = importlib.machinery.SourceFileLoader("__main__", path)
+    with io.open_code(path) as f:
+        code = pkgutil.read_code(f)  # a .pyc file; None for source
+    if code is None:
+        with io.open_code(path) as f:
+            code = compile(f.read(), path, "exec", dont_inherit=True)
+    _exec_main(code, path, loader)
+
+
+def _exec_main(code: types.CodeType, filename: str, loader: object) -> None:
+    """Run ``code`` as the ``__main__`` module (which pickle and
+    multiprocessing look up in sys.modules)."""
+    module = types.ModuleType("__main__")
+    module.__dict__.update(__file__=filename, __loader__=loader, __builtins__=builtins,
+                           __cached__=None, __spec__=None, __package__=None)
+    sys.modules["__main__"] = module
+    exec(code, module.__dict__)
 
 
 def _mpi_size() -> int:
@@ -162,10 +206,12 @@ def main() -> int:
         raise
     except BaseException as exc:  # noqa: BLE001 - every uncaught error is reported
         text = _user_traceback(exc)
-        record_error(env, exc, text)
+        # Python exits 130 (128 + SIGINT) after an uncaught KeyboardInterrupt.
+        code = 128 + signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
+        record_error(env, exc, text, exit_code=code)
         sys.stderr.write(text)
         sys.stderr.flush()
-        return 1
+        return code
     finally:
         if dist_on and "dsrun.runtime.dist" in sys.modules:
             sys.modules["dsrun.runtime.dist"].shutdown()

@@ -6,11 +6,13 @@ One rank, --dist_backend none: each test costs about one interpreter start.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import pytest
 
-from tests.conftest import start_dsrun
+from tests.conftest import run_dsrun, start_dsrun
 
 pytestmark = pytest.mark.proc
 ONE = ["--cpu", "--num_gpus", "1", "--dist_backend", "none"]
@@ -47,3 +49,50 @@ def test_a_progress_bar_without_newlines_is_forwarded_while_the_rank_runs(tmp_pa
     assert "step 2/2" in tail and "step 1/2" not in tail  # redrawn, as a terminal shows it
     log = (tmp_path / "logs" / "rank_0.log").read_text().splitlines()
     assert log[1:] == [" step 1/2", " step 2/2", "failing now"]
+
+
+SHOW = ("import sys\n"
+        "print(__name__, __file__, sys.argv[0], sys.path[0])\n"
+        "raise ValueError('from ' + __file__)\n")
+
+
+def _target(tmp_path, kind):
+    work = tmp_path / "work"
+    (work / "app").mkdir(parents=True)
+    if kind == "file":
+        (work / "app" / "main.py").write_text(SHOW)
+        return work, "app/main.py"
+    (work / "app" / "__main__.py").write_text(SHOW)
+    if kind == "dir":
+        return work, "app"
+    import zipfile
+
+    with zipfile.ZipFile(work / "app.pyz", "w") as zf:
+        zf.write(work / "app" / "__main__.py", "__main__.py")
+    return work, "app.pyz"
+
+
+@pytest.mark.parametrize("kind", ["file", "dir", "zip"])
+def test_a_script_sees_what_plain_python_gives_it(tmp_path, kind):
+    """__file__ absolute (Python 3.9+), sys.argv[0] as given, sys.path[0] the
+    script's directory or the directory/zip holding __main__.py; the traceback
+    names the absolute path."""
+    work, target = _target(tmp_path, kind)
+    plain = subprocess.run([sys.executable, target], cwd=work, capture_output=True, text=True)
+    res = run_dsrun(*ONE, target, cwd=str(work))
+    assert plain.returncode == res.returncode == 1, res.stderr
+    (line,) = [ln.split("] ", 1)[1] for ln in res.stdout.splitlines() if ln.startswith("[")]
+    assert line == plain.stdout.strip()
+    assert plain.stdout.split()[1].startswith(str(work))  # absolute
+    frame = [ln.strip() for ln in plain.stderr.splitlines() if ln.strip().startswith("File")]
+    assert frame and frame[-1] in res.stderr
+
+
+def test_an_uncaught_keyboard_interrupt_exits_130_as_python_does(tmp_path):
+    script = tmp_path / "ki.py"
+    script.write_text("raise KeyboardInterrupt\n")
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    res = run_dsrun(*ONE, str(script))
+    assert plain.returncode in (130, -2)  # python kills itself with SIGINT
+    assert res.returncode == 130, res.stderr
+    assert "failed first: exit code 130" in res.stderr and "KeyboardInterrupt" in res.stderr

@@ -85,6 +85,8 @@ def test_main_missing_script_exits_2(tmp_path, capsys):
     assert cli.main([str(tmp_path / "nope.py")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert cli.main([str(tmp_path)]) == 2
+    assert "is a directory without a __main__.py" in capsys.readouterr().err
+    assert cli.main(["--no_python", str(tmp_path)]) == 2
     assert "is not a file" in capsys.readouterr().err
 
 
@@ -374,3 +376,28 @@ def test_deepspeeds_other_mpi_launchers_say_what_is_supported(name):
     with pytest.raises(DsrunUsageError, match=f"^--launcher '{name}' is not supported: dsrun "
                                               f"drives Open MPI's mpirun .*--launcher slurm"):
         cli.parse_spec(["--launcher", name, "t.py"])
+
+
+def test_no_python_with_a_bare_name_in_the_cwd_but_not_on_path(tmp_path, monkeypatch, capsys):
+    """The shell does not run ./run.sh for 'run.sh' either: it failed at launch with 127."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    run = tmp_path / "run.sh"
+    run.write_text("#!/bin/sh\necho hi\n")
+    run.chmod(0o755)
+    assert cli.main(["--no_python", "--dry-run", "run.sh"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "dsrun: error: --no_python: 'run.sh' is not on PATH (a bare name is looked up there, "
+        "as the shell does); did you mean ./run.sh?"]
+    assert cli.main(["--no_python", "--dry-run", "nothere"]) == 2
+    assert "--no_python: 'nothere' is not on PATH" in capsys.readouterr().err
+    (tmp_path / "bin").mkdir()
+    run.rename(tmp_path / "bin" / "run.sh")
+    assert cli.main(["--no_python", "--dry-run", "--cpu", "run.sh"]) == 0
+
+
+def test_a_directory_with_a_main_file_is_a_script(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "__main__.py").write_text("print(1)\n")
+    assert cli.main(["--dry-run", "--cpu", "app"]) == 0
