@@ -2,7 +2,8 @@
 
 A hostfile lists one host per line as ``hostname slots=N``; ``#`` starts a
 comment (whole-line or trailing) and blank lines are ignored. Hosts are
-RFC 1123 host names, IPv4 or IPv6 addresses. Parsing is strict: every
+RFC 1123 host names (also with '_', as ssh_config aliases and /etc/hosts
+names may have), IPv4 or IPv6 addresses. Parsing is strict: every
 problem is reported as ``path:line:col: message`` (1-based line and
 column), and all problems of a file are reported at once.
 
@@ -37,7 +38,9 @@ LOCAL_HOSTFILE = "hostfile"
 
 _TOKEN = re.compile(r"\S+")
 _DIGITS = re.compile(r"[0-9]+", re.ASCII)
-_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?", re.ASCII)
+# RFC 1123 labels, plus '_': ssh_config and docker-compose aliases and
+# /etc/hosts entries often hold one, and DeepSpeed accepts them.
+_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]*[A-Za-z0-9_])?", re.ASCII)
 _DOTTED_NUMBERS = re.compile(r"[0-9.]+", re.ASCII)
 _SLOTS_PREFIX = "slots="
 #: The most slots (ranks) one host may have. The largest GPU boards hold 8 to
@@ -156,7 +159,7 @@ def host_problem(host: str) -> str | None:
             return f"label {label!r} is longer than 63 characters"
         if not _LABEL.fullmatch(label):
             return (
-                f"label {label!r} may only hold letters, digits and '-', "
+                f"label {label!r} may only hold letters, digits, '-' and '_', "
                 "and must not start or end with '-'"
             )
     return None

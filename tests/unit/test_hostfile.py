@@ -83,7 +83,7 @@ INVALID = [
                  id="duplicate-ipv6"),
     pytest.param("a slots=1\n  a slots=2\n", [(2, 3, "duplicate host 'a' (already on line 1)")],
                  id="duplicate-indented"),
-    pytest.param("bad_host slots=1\n", [(1, 1, "invalid host 'bad_host'")], id="underscore"),
+    pytest.param("bad!host slots=1\n", [(1, 1, "invalid host 'bad!host'")], id="bang"),
     pytest.param("-a slots=1\n", [(1, 1, "must not start or end with '-'")], id="leading-dash"),
     pytest.param("a..b slots=1\n", [(1, 1, "empty label")], id="empty-label"),
     pytest.param("a. slots=1\n", [(1, 1, "empty label")], id="trailing-dot"),
@@ -128,7 +128,7 @@ def test_problem_message_format() -> None:
 
 
 def test_all_problems_reported_in_file_order() -> None:
-    text = "a slots=x\nb\nc slots=1 junk\na slots=2\n_ slots=1\n"
+    text = "a slots=x\nb\nc slots=1 junk\na slots=2\n-x slots=1\n"
     problems = hostfile_problems(text, "p")
     assert [(p.line, p.col) for p in problems] == [(1, 9), (2, 2), (3, 11), (4, 1), (5, 1)]
     with pytest.raises(HostfileError) as info:
@@ -171,7 +171,8 @@ def test_local_hostfile() -> None:
 @pytest.mark.parametrize(
     "host, ok",
     [("worker-0", True), ("a1.b2.c3", True), ("192.168.1.10", True), ("2001:db8::7", True),
-     ("a_b", False), ("a-", False), ("1.2.3", False), ("1.2.3.4.5", False), ("", False),
+     ("a_b", True), ("gpu_node_1.cluster", True), ("_a", True), ("a-", False),
+     ("-a", False), ("a!b", False), ("1.2.3", False), ("1.2.3.4.5", False), ("", False),
      ("Ä", False), ("a:b", False)],
 )
 def test_host_problem(host: str, ok: bool) -> None:
@@ -277,7 +278,7 @@ def test_add_host_keeps_comments_and_goes_before_trailing_blanks() -> None:
 @pytest.mark.parametrize(
     "host, slots, message",
     [("WORKER-0", 2, r"hf:3: host 'worker-0' is already listed \(slots=8\)"),
-     ("bad_host", 2, "invalid host 'bad_host'"),
+     ("bad!host", 2, "invalid host 'bad!host'"),
      ("w9", 0, "slots must be a positive integer, got 0"),
      ("w9", -3, "got -3"),
      ("w9", 99999999999999999999, "slots must be at most 1024"),

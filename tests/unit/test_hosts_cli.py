@@ -184,7 +184,7 @@ def test_add_rm_set_slots_keep_comments_and_order(workdir: Path) -> None:
     "args, message",
     [(["add", "worker-1", "--slots", "2"], "host 'worker-1' is already listed"),
      (["add", "new", "--slots", "0"], "slots must be a positive integer, got 0"),
-     (["add", "bad_name", "--slots", "1"], "invalid host 'bad_name'"),
+     (["add", "bad!name", "--slots", "1"], "invalid host 'bad!name'"),
      (["rm", "worker-7"], "host 'worker-7' is not in ./hostfile"),
      (["set-slots", "worker-0", "0"], "slots must be a positive integer, got 0"),
      (["set-slots", "nope", "3"], "host 'nope' is not in"),
