@@ -301,16 +301,29 @@ def parse_spec(argv: Sequence[str]) -> LaunchSpec:
     return spec_from_params(ctx.params)
 
 
+#: Options (by parameter name) warned about when they follow the script: those
+#: only a launcher has. Flags that scripts commonly take themselves (--config,
+#: --timeout, --log_dir, --env, --dry-run, --cpu, --dist_backend,
+#: --master_addr/--master_port, --include/--exclude, -m) pass without a word.
+WARN_AFTER_SCRIPT = frozenset({
+    "hostfile", "num_nodes", "num_gpus", "launcher", "launcher_args", "slurm_args",
+    "ssh_port", "ssh_user", "ssh_key", "ssh_config", "ssh_insecure", "ssh_timeout",
+    "no_python", "bind_cores_to_rank", "bind_core_list", "no_preflight", "env_prefixes",
+    "kill_grace", "heartbeat_timeout", "max_restarts", "local_rank_arg", "no_local_rank",
+})
+
+
 def _dsrun_flag_names() -> set[str]:
     names = set()
     for param in run_command.params:
-        if isinstance(param, click.Option):
+        if isinstance(param, click.Option) and param.name in WARN_AFTER_SCRIPT:
             names.update(o for o in param.opts if o.startswith("--"))
     return names
 
 
 def warn_flags_after_script(script_args: Sequence[str]) -> list[str]:
-    """Warn (once per flag) about dsrun flags that will go to the script."""
+    """Warn (once per flag) about launcher-only dsrun flags that will go to
+    the script (see :data:`WARN_AFTER_SCRIPT`)."""
     known = _dsrun_flag_names()
     seen = []
     for arg in script_args:
