@@ -19,8 +19,9 @@ gets there the way torch DDP's reducer does:
   stream). Launching strictly in bucket order keeps the sequence of
   collectives identical on all ranks even if hooks fire in different orders.
 * **Finish** (after ``loss.backward()`` returns): buckets not yet launched
-  (parameters that got no gradient this backward are filled with zeros, as
-  DeepSpeed does) are launched in order, every handle is waited on, and each
+  are launched in order - a parameter that got no gradient this backward
+  contributes the one it accumulated in earlier micro-steps or ``no_sync()``
+  backwards, or zeros if it has none (as DeepSpeed) - every handle is waited on, and each
   parameter's ``.grad`` becomes a view of its slot (no copy back) - or is
   copied from it when the communication dtype differs from the gradient's.
 
@@ -192,8 +193,14 @@ class GradSync:
         for b in range(self._next, len(self.buckets)):
             bucket = self.buckets[b]
             for index in bucket.indices:
-                if index not in bucket.ready:  # no gradient this backward: contribute zeros
+                if index in bucket.ready:
+                    continue
+                # no gradient this backward: what earlier micro-steps accumulated, or zeros
+                grad = self.params[index].grad
+                if grad is None:
                     self._view(index).zero_()
+                else:
+                    self._fill(index, grad)
             self._launch(b)
         for bucket in self.buckets:
             work, bucket.work = bucket.work, None

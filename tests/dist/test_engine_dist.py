@@ -150,6 +150,19 @@ def test_unused_parameter_and_no_sync(two_ranks: list[dict[str, Any]]) -> None:
                         "unused_unchanged": True}
 
 
+@pytest.mark.parametrize("name", ["branch_in_earlier_micro_steps",
+                                  "branch_in_earlier_micro_steps_zero2"])
+def test_a_gradient_from_an_earlier_micro_step_is_reduced(two_ranks: list[dict[str, Any]],
+                                                          name: str) -> None:
+    """Branch ``a`` runs only in a micro-step that does not synchronise; the
+    optimizer must see its gradient averaged over the ranks (stage 0 once
+    replaced it by zeros)."""
+    for fact in case(two_ranks, name):
+        assert fact["accumulation"] <= 1e-5 and fact.get("no_sync", 0.0) <= 1e-5, fact
+    # ZeRO stage 2 reduces during every backward: no_sync() is refused there
+    assert ("no_sync" in fact) == name.endswith("steps")
+
+
 def test_dataloader_shards_the_dataset(two_ranks: list[dict[str, Any]]) -> None:
     for fact in case(two_ranks, "dataloader"):
         assert fact["sizes"] == [5] * 4 and fact["train_batch"] == 20

@@ -5,8 +5,8 @@ run in this order):
 
 * *straight* (2 ranks, 2 stages): each case trains N=3 steps from the
   engine's dataloader (LR schedule, clipping, AdamW; "tied-dropout" with
-  dropout, "mlp-fp16" with a growing loss scale), saves, trains M=4 more; a plain data-parallel engine does the
-  same with the "mlp" pipeline's names;
+  dropout, "mlp-fp16" with a growing loss scale), saves, trains M=4 more; a
+  plain data-parallel engine does the same with the "mlp" pipeline's names;
 * *resume* (2 ranks, 2 stages, new processes): each case built from
   another seed loads and trains M steps - losses, learning rates and final
   parameters bitwise equal to the straight run (fp32 on gloo, the same

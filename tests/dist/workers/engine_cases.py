@@ -300,6 +300,55 @@ def unused_and_no_sync() -> dict[str, Any]:
                                     zip(unused_before, engine.module.unused.parameters()))}
 
 
+class Branchy(torch.nn.Module):
+    """A branch ``a`` that some micro-batches use and others do not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = make_model(6)
+        self.a = torch.nn.Linear(FEATURES, CLASSES)
+
+    def forward(self, x: torch.Tensor, use_a: bool) -> torch.Tensor:
+        out = self.body(x)
+        return out + self.a(x) if use_a else out
+
+
+def branch_in_earlier_micro_steps(stage: int) -> dict[str, Any]:
+    """A parameter with a gradient from an earlier micro-step (accumulation,
+    or a no_sync() backward) but none in the synchronising one keeps it: the
+    reduction averages it like every other gradient."""
+    _, world = rank_world()
+    grads: dict[str, list[torch.Tensor]] = {}
+    for how in ("accumulation", "no_sync") if stage == 0 else ("accumulation",):
+        gas = 2 if how == "accumulation" else 1
+        config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
+                  "steps_per_print": 1000, "zero_optimization": {"stage": stage},
+                  "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+        engine, _, _, _ = dsrun.initialize(model=Branchy(), config=config)
+        ref = Branchy()
+        ref.load_state_dict(engine.module.state_dict())
+        before = [p.detach().clone() for p in ref.a.parameters()]
+        for micro, use_a in enumerate((True, False)):
+            x, y = batch(0, micro)
+            context = engine.no_sync() if how == "no_sync" and use_a else contextlib.nullcontext()
+            with context:
+                engine.backward(F.cross_entropy(engine(x, use_a), y))
+            (F.cross_entropy(ref(x, use_a), y) / gas).backward()
+            if how == "accumulation":
+                engine.step()  # a boundary after the second micro-step only
+        if how == "no_sync":
+            engine.step()
+        assert engine.global_steps == 1
+        expect = [p.grad.clone() for p in ref.a.parameters()]
+        for g in expect:
+            dist.all_reduce(g)
+            g /= world
+        # SGD, lr 0.1: the update is -0.1 x the averaged gradient
+        grads[how] = [(b - p.detach()) / 0.1 - e
+                      for b, p, e in zip(before, engine.module.a.parameters(), expect)]
+    return {how: max(float(d.abs().max()) for d in diffs) for how, diffs in grads.items()}
+
+
 def dataloader(n: int = 40) -> dict[str, Any]:
     rank, world = rank_world()
     data = torch.utils.data.TensorDataset(torch.arange(n).float().unsqueeze(1), torch.arange(n))
@@ -401,6 +450,8 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "fp16_overflow": fp16_overflow,
     "bf16_autocast": bf16_autocast,
     "unused_and_no_sync": unused_and_no_sync,
+    "branch_in_earlier_micro_steps": lambda: branch_in_earlier_micro_steps(0),
+    "branch_in_earlier_micro_steps_zero2": lambda: branch_in_earlier_micro_steps(2),
     "dataloader": dataloader,
     "comms_logger": comms_logged,
     "flops_profiler": flops_profiled,
