@@ -13,18 +13,33 @@ started.
 
 from __future__ import annotations
 
-import importlib
-import os
 import signal
 import sys
-from collections.abc import Sequence
 
-import click
 
-from dsrun import __version__
-from dsrun.errors import DsrunError
-from dsrun.launcher import launch
-from dsrun.launcher.spec import (
+def _interrupted_while_starting(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # quiet: no traceback of half-done imports
+
+
+# Ctrl-C while this module's imports run (most of dsrun's start-up time) ends
+# dsrun quietly with 130, as later; restored at the end of this module.
+_PREVIOUS_SIGINT = None
+if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not ignored (nohup, &)
+    try:
+        _PREVIOUS_SIGINT = signal.signal(signal.SIGINT, _interrupted_while_starting)
+    except ValueError:  # imported outside the main thread
+        pass
+
+import importlib  # noqa: E402
+import os  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+
+import click  # noqa: E402
+
+from dsrun import __version__  # noqa: E402
+from dsrun.errors import DsrunError  # noqa: E402
+from dsrun.launcher import launch  # noqa: E402
+from dsrun.launcher.spec import (  # noqa: E402
     DEFAULT_HEARTBEAT_TIMEOUT,
     DEFAULT_SSH_TIMEOUT,
     DIST_BACKENDS,
@@ -226,7 +241,24 @@ def host_options(func):
 def run_command(**params: object) -> int:
     """Launch SCRIPT on every selected rank."""
     warn_flags_after_script(params["script_args"])  # type: ignore[arg-type]
-    return launch.run(spec_from_params(params))
+    try:
+        return launch.run(spec_from_params(params))
+    except BrokenPipeError:
+        # `dsrun ... | head`: the job has been stopped on the way out (the
+        # supervisor's finally); exit as a command killed by SIGPIPE would,
+        # without a word and without a second error when Python flushes.
+        _discard_output()
+        return 128 + signal.SIGPIPE
+
+
+def _discard_output() -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+    os.close(devnull)
 
 
 def _ssh_options(params: dict[str, object]) -> SshOptions:
@@ -405,6 +437,13 @@ def _message(exc: click.ClickException) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before a command took over the signals
+        return 128 + signal.SIGINT
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         command, rest = _dispatch(args)
@@ -432,6 +471,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     return result if isinstance(result, int) else 0
 
+
+if _PREVIOUS_SIGINT is not None:  # the imports are done: Ctrl-C as before
+    signal.signal(signal.SIGINT, _PREVIOUS_SIGINT)
 
 if __name__ == "__main__":
     sys.exit(main())

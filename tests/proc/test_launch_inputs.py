@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from tests.conftest import run_dsrun, start_dsrun
+from tests.conftest import run_dsrun, start_dsrun, wait_gone
 
 pytestmark = pytest.mark.proc
 ONE = ["--cpu", "--num_gpus", "1", "--dist_backend", "none"]
@@ -96,3 +96,40 @@ def test_an_uncaught_keyboard_interrupt_exits_130_as_python_does(tmp_path):
     assert plain.returncode in (130, -2)  # python kills itself with SIGINT
     assert res.returncode == 130, res.stderr
     assert "failed first: exit code 130" in res.stderr and "KeyboardInterrupt" in res.stderr
+
+
+def test_ctrl_c_while_dsrun_imports_exits_130_without_a_traceback():
+    """A SIGINT arrives while cli.py imports click (as a Ctrl-C in the first
+    quarter second would)."""
+    code = ("import importlib.abc, os, signal, sys\n"
+            "class Hook(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path, target=None):\n"
+            "        if name == 'click':\n"
+            "            os.kill(os.getpid(), signal.SIGINT)\n"
+            "sys.meta_path.insert(0, Hook())\n"
+            "from dsrun.launcher.cli import main\n"
+            "print('not reached')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert (res.returncode, res.stdout, res.stderr) == (130, "", "")
+
+
+def test_a_closed_stdout_pipe_stops_the_job_quietly(tmp_path, pid_dir):
+    script = tmp_path / "ticks.py"
+    script.write_text(
+        "import os, sys, time\n"
+        f"open(os.path.join({str(pid_dir)!r}, os.environ['RANK']), 'w').write(str(os.getpid()))\n"
+        "while True:\n"
+        "    print('tick', flush=True); time.sleep(0.02)\n")
+    proc = start_dsrun("--cpu", "--num_gpus", "2", "--dist_backend", "none", str(script))
+    try:
+        assert "tick" in proc.stdout.readline()  # like `dsrun ... | head -1`
+        proc.stdout.close()
+        err = proc.stderr.read()
+        assert proc.wait(timeout=30) == 128 + 13  # as if killed by SIGPIPE
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "Traceback" not in err and "Error" not in err, err
+    pids = [int(p.read_text()) for p in pid_dir.iterdir()]
+    assert len(pids) == 2 and wait_gone(pids, 10) == []
