@@ -331,7 +331,6 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
             with self.monitor.optimizer_step(self), self._profiling("step"):
                 self._take_model_step(lr_kwargs)
         self.micro_steps += 1
-        self._boundary_override = None
 
     def _take_model_step(self, lr_kwargs: Optional[dict[str, Any]]) -> None:
         if self.optimizer is None:
@@ -410,8 +409,41 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
         self._round_origin = self.micro_steps
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """Override the boundary for the current micro-step (DeepSpeed API)."""
+        """Whether the following micro-steps end an accumulation round, until
+        set again (DeepSpeed's API and semantics: the value stays; it
+        replaces the count of gradient_accumulation_steps)."""
         self._boundary_override = bool(is_boundary)
+
+    def __getattr__(self, name: str) -> Any:
+        """Attributes of the engine, then (public names only) of the wrapped
+        module, as DeepSpeed's engine passes them through (``engine.generate``,
+        ``engine.config`` of a transformers model)."""
+        try:
+            return super().__getattr__(name)  # torch.nn.Module: parameters, submodules
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name.startswith("_"):
+                raise
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                raise AttributeError(f"'{type(self).__name__}' object has no attribute "
+                                     f"{name!r}, nor has its module "
+                                     f"({type(module).__name__})") from None
+
+    def module_state_dict(self, destination: Any = None, prefix: str = "",
+                          keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False) -> dict[str, Any]:
+        """The module's ``state_dict()`` (DeepSpeed's name), without frozen
+        parameters when asked (at ZeRO stage 3 the parameters hold only
+        this rank's: gather with ``GatheredParameters`` or use ``save_16bit_model``)."""
+        state = self.module.state_dict(destination=destination, prefix=prefix,
+                                       keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            for name, param in self.module.named_parameters():
+                if not param.requires_grad:
+                    state.pop(prefix + name, None)
+        return state
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

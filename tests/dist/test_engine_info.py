@@ -91,3 +91,54 @@ def test_no_memory_line_by_default(solo: None, caplog: pytest.LogCaptureFixture)
         engine.step()
     assert "step=1" in caplog.text and "memory:" not in caplog.text
     assert "dump_state" not in caplog.text
+
+
+class WithExtras(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(4, 2)
+        self.frozen = torch.nn.Linear(2, 2)
+        self.frozen.requires_grad_(False)
+        self.hidden_size = 4
+        self._private = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.frozen(self.body(x))
+
+    def generate(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x).argmax(-1)
+
+
+def test_module_attributes_pass_through(solo: None) -> None:
+    """As DeepSpeed's engine: what the engine does not have, its module may."""
+    torch.manual_seed(0)
+    engine, _, _, _ = dsrun.initialize(model=WithExtras(), config={
+        "train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    x = torch.randn(2, 4)
+    assert engine.hidden_size == 4 and torch.equal(engine.generate(x), engine.module.generate(x))
+    assert engine.body is engine.module.body  # submodules too
+    with pytest.raises(AttributeError, match="no attribute 'nothing', nor has its module "
+                                             r"\(WithExtras\)"):
+        engine.nothing  # noqa: B018
+    assert not hasattr(engine, "_private")  # private names stay the engine's own
+    assert sorted(engine.module_state_dict()) == ["body.bias", "body.weight", "frozen.bias",
+                                                  "frozen.weight"]
+    assert sorted(engine.module_state_dict(exclude_frozen_parameters=True)) == [
+        "body.bias", "body.weight"]
+
+
+def test_the_accumulation_boundary_set_by_hand_stays(solo: None) -> None:
+    """DeepSpeed's pattern: False for every micro-step but the last, one step()."""
+    engine = build({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+                    "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    engine.set_gradient_accumulation_boundary(False)
+    for _ in range(3):
+        engine.backward(engine(torch.randn(2, 4)).sum())
+        engine.step()  # not a boundary: the value set stays
+    assert engine.global_steps == 0 and not engine.is_gradient_accumulation_boundary()
+    engine.set_gradient_accumulation_boundary(True)
+    engine.backward(engine(torch.randn(2, 4)).sum())
+    engine.step()
+    engine.backward(engine(torch.randn(2, 4)).sum())
+    engine.step()
+    assert engine.global_steps == 2 and engine.is_gradient_accumulation_boundary()
