@@ -11,10 +11,13 @@ loss_scaler.py ``DynamicLossScaler.update_scale``:
 * an overflow when the hysteresis budget is down to 1 shrinks the scale by
   ``scale_factor`` (2), never below ``min_scale``; with budget left it only
   spends one unit of hysteresis;
-* growth: after ``window`` consecutive clean steps since the last overflow
-  (or since the start), the scale grows by ``scale_factor`` and the
-  hysteresis budget is refilled (``consecutive_hysteresis`` refills it on
-  every clean step instead);
+* growth: at the clean step ``window + 1`` steps after the last overflow
+  (its first ``window`` clean steps do not count it; from the start: at step
+  ``window``, counted from 0) and every ``window`` steps after, the scale
+  grows by ``scale_factor`` and the hysteresis budget is refilled
+  (``consecutive_hysteresis`` refills it on every clean step instead) -
+  DeepSpeed's ``stable_interval = (iter - last_overflow_iter) - 1``, tested
+  against its scaler;
 * an overflow at ``min_scale`` with no hysteresis left raises
   :class:`LossScaleError` when ``raise_at_min_scale`` (DeepSpeed's
   behaviour: training has diverged), else the step is just skipped.
@@ -89,7 +92,8 @@ class LossScaler:
     def _on_clean(self) -> None:
         if self.consecutive_hysteresis:
             self.hysteresis_left = self.hysteresis
-        if (self.iteration - self.last_overflow_iteration) % self.window == 0:
+        stable = self.iteration - self.last_overflow_iteration - 1
+        if stable > 0 and stable % self.window == 0:
             if not self.consecutive_hysteresis:
                 self.hysteresis_left = self.hysteresis
             self.scale *= self.scale_factor

@@ -35,16 +35,53 @@ def test_hysteresis_is_refilled_only_at_growth_unless_consecutive() -> None:
 
 def test_growth_after_window_clean_steps_from_start_and_after_overflow() -> None:
     scaler = LossScaler(scale=8.0, hysteresis=1, window=3)
-    scales = [scale for _, scale in run(scaler, "...")]
-    assert scales == [8.0, 8.0, 16.0]  # grows on the 3rd clean step
-    scales = [scale for _, scale in run(scaler, "x...")]
-    assert scales == [8.0, 8.0, 8.0, 16.0]  # 3 clean steps after the overflow, then it grows
+    scales = [scale for _, scale in run(scaler, "....")]
+    assert scales == [8.0, 8.0, 8.0, 16.0]  # grows on the 4th clean step, as DeepSpeed
+    scales = [scale for _, scale in run(scaler, "x....")]
+    assert scales == [8.0, 8.0, 8.0, 8.0, 16.0]  # 3 clean steps after the overflow don't count it
 
 
 def test_growth_refills_hysteresis() -> None:
     scaler = LossScaler(scale=64.0, hysteresis=2, window=2)
-    run(scaler, "x..")  # overflow spends hysteresis, 2 clean steps grow and refill
+    run(scaler, "x..")  # overflow spends hysteresis; 2 clean steps are not yet a growth
+    assert scaler.scale == 64.0 and scaler.hysteresis_left == 1
+    run(scaler, ".")  # the third grows and refills
     assert scaler.scale == 128.0 and scaler.hysteresis_left == 2
+
+
+def deepspeed_scales(steps: str, scale: float, window: int, hysteresis: int,
+                     consecutive: bool) -> list[float]:
+    """DeepSpeed 0.19.8's DynamicLossScaler.update_scale, restated: the scale
+    after each step ('x' overflow, '.' clean)."""
+    cur_iter, last_overflow, cur_hysteresis, out = 0, -1, hysteresis, []
+    for c in steps:
+        if c == "x":
+            if hysteresis == 1 or cur_hysteresis == 1:
+                scale = max(scale / 2, 1.0)
+            else:
+                cur_hysteresis -= 1
+            last_overflow = cur_iter
+        else:
+            if consecutive:
+                cur_hysteresis = hysteresis
+            stable_interval = (cur_iter - last_overflow) - 1
+            if stable_interval > 0 and stable_interval % window == 0:
+                if not consecutive:
+                    cur_hysteresis = hysteresis
+                scale *= 2
+        cur_iter += 1
+        out.append(scale)
+    return out
+
+
+@given(st.text(alphabet="x.", max_size=60), st.integers(1, 4), st.integers(1, 5),
+       st.booleans())
+def test_scales_are_deepspeeds(steps: str, hysteresis: int, window: int,
+                               consecutive: bool) -> None:
+    scaler = LossScaler(scale=2.0**20, hysteresis=hysteresis, window=window, min_scale=1.0,
+                        raise_at_min_scale=False, consecutive_hysteresis=consecutive)
+    assert [scale for _, scale in run(scaler, steps)] == \
+        deepspeed_scales(steps, 2.0**20, window, hysteresis, consecutive)
 
 
 def test_min_scale_clamps_then_raises_like_deepspeed() -> None:
@@ -85,7 +122,7 @@ def test_invariants(steps: str, hysteresis: int, window: int) -> None:
         clean_run = 0 if c == "x" else clean_run + 1
         if c == "x":
             assert scaler.scale in (before, max(before / 2, 1.0))
-        else:
-            grew = clean_run % window == 0
+        else:  # the first clean step after an overflow (or the start) does not count
+            grew = clean_run > 1 and (clean_run - 1) % window == 0
             assert scaler.scale == (before * 2 if grew else before)
         assert 1 <= scaler.hysteresis_left <= hysteresis
