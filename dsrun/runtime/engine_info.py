@@ -48,8 +48,9 @@ class EngineInfo:
                 for group in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> Optional[float]:
-        """Global gradient norm of the last step, before clipping (None unless
-        clipping or fp16 computed it, as in DeepSpeed)."""
+        """Global gradient norm of the last step, before clipping: as in
+        DeepSpeed, at ZeRO stages, in fp16 and bf16, and with clipping; None
+        for fp32 at stage 0 without clipping."""
         return None if self._grad_norm is None else float(self._grad_norm)
 
     def was_step_applied(self) -> bool:

@@ -123,6 +123,15 @@ class BF16Autocast(FullPrecision):
     def autocast(self) -> Any:
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
+    def step(self, optimizer: Optimizer, max_norm: float) -> StepResult:
+        """As fp32, with the norm measured also without clipping (DeepSpeed's
+        bf16 optimizer always computes it)."""
+        if max_norm > 0:
+            return super().step(optimizer, max_norm)
+        norm = global_norm([p.grad for p in self.params if p.grad is not None])
+        optimizer.step()
+        return StepResult(True, norm)
+
 
 class FP16Scaling(FullPrecision):
     """fp16 model and loss scaling, without master weights of its own: what

@@ -142,3 +142,21 @@ def test_the_accumulation_boundary_set_by_hand_stays(solo: None) -> None:
     engine.backward(engine(torch.randn(2, 4)).sum())
     engine.step()
     assert engine.global_steps == 2 and engine.is_gradient_accumulation_boundary()
+
+
+@pytest.mark.parametrize("stage, bf16", [(0, True), (1, False), (2, False), (3, False)])
+def test_the_grad_norm_is_reported_where_deepspeed_reports_it(solo: None, stage: int,
+                                                              bf16: bool) -> None:
+    """ZeRO stages and bf16 report the step's norm without clipping too (a
+    clip that never acts gives the same norm); fp32 at stage 0 does not."""
+    norms = []
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    for clip in (0.0, 1e9):
+        engine = build({"train_batch_size": 2, "gradient_clipping": clip,
+                        "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16},
+                        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        engine.backward(engine(x).float().pow(2).sum())
+        engine.step()
+        norms.append(engine.get_global_grad_norm())
+    assert norms[0] is not None and norms[0] > 0
+    assert norms[0] == pytest.approx(norms[1], rel=1e-6)

@@ -186,8 +186,11 @@ class PipelineEngine(DsrunEngine):
                                replica=grid.data_parallel_id)
 
     def _apply_step(self) -> StepResult:
-        result = pipeline_step(self, measure_norm=self.monitor.enabled)
-        if self.config.gradient_clipping > 0 or self.precision.name == "fp16":
+        # the step's norm, where DeepSpeed reports it: with clipping, fp16, bf16 or ZeRO
+        reported = self.config.gradient_clipping > 0 or self.precision.name != "fp32" or \
+            self.zero_stage > 0
+        result = pipeline_step(self, measure_norm=self.monitor.enabled or reported)
+        if reported:
             return result
         # measured for the monitor alone: get_global_grad_norm() stays None
         self.monitor.note_grad_norm(result.grad_norm)

@@ -104,7 +104,9 @@ def zero_step(zero: Union[ZeroOptimizer, ZeroStage3], precision: FullPrecision,
         overflow = zero.has_overflow()  # one all_reduce: every rank agrees
         if scaler.update(overflow):
             return StepResult(False, None, overflow)
-    norm: Optional[torch.Tensor] = zero.clip_grad_norm(max_norm) if max_norm > 0 else None
+    # the norm always, as DeepSpeed's ZeRO optimizers: get_global_grad_norm() reports it
+    norm: Optional[torch.Tensor] = zero.clip_grad_norm(max_norm) if max_norm > 0 \
+        else zero.grad_norm()
     zero.step()
     return StepResult(True, norm)
 
