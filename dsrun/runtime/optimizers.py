@@ -28,6 +28,7 @@ listing the valid ones with a did-you-mean suggestion.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any, Callable, Optional
 
@@ -42,14 +43,17 @@ class Lamb(Optimizer):
     """LAMB (You et al. 2019) with DeepSpeed FusedLamb's semantics.
 
     Per parameter tensor, at step t with ``bc1 = 1 - beta1**t``,
-    ``bc2 = 1 - beta2**t`` (1 when ``bias_correction`` is false)::
+    ``bc2 = 1 - beta2**t``, as DeepSpeed's kernel
+    (``csrc/lamb/fused_lamb_cuda_kernel.cu``) computes it::
 
         m = beta1 m + (1 - beta1) g          v = beta2 v + (1 - beta2) g^2
-        update = (m / bc1) / (sqrt(v / bc2) + eps) + weight_decay * w
+        update = m / (sqrt(v) + eps) + weight_decay * w      (moments uncorrected)
         trust = clamp(||w|| / ||update||, min_coeff, max_coeff)  (1 if a norm is 0)
-        w = w - lr * trust * update
+        w = w - step_size * trust * update,  step_size = lr * sqrt(bc2) / bc1
 
-    ``eps_inside_sqrt`` puts eps under the root: ``sqrt(v / bc2 + eps)``.
+    (``step_size = lr`` when ``bias_correction`` is false): the bias
+    correction scales the step, not the update the trust ratio is taken
+    of. ``eps_inside_sqrt`` puts eps under the root: ``sqrt(v + eps)``.
     The trust ratio needs whole-tensor norms: a sharded (ZeRO) optimizer
     must not run this per shard. ``get_lamb_coeffs()`` returns the last
     step's trust ratios, as FusedLamb does.
@@ -102,22 +106,22 @@ class Lamb(Optimizer):
         grad, exp_avg, exp_avg_sq = param.grad, state["exp_avg"], state["exp_avg_sq"]
         exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-        bc1, bc2 = 1.0, 1.0
+        step_size = group["lr"]
         if group["bias_correction"]:
             bc1, bc2 = 1.0 - beta1 ** state["step"], 1.0 - beta2 ** state["step"]
-        v_hat = exp_avg_sq / bc2
+            step_size = step_size * math.sqrt(bc2) / bc1
         if group["eps_inside_sqrt"]:
-            denom = v_hat.add_(group["eps"]).sqrt_()
+            denom = exp_avg_sq.add(group["eps"]).sqrt_()
         else:
-            denom = v_hat.sqrt_().add_(group["eps"])
-        update = (exp_avg / bc1).div_(denom)
+            denom = exp_avg_sq.sqrt().add_(group["eps"])
+        update = exp_avg / denom
         if group["weight_decay"]:
             update.add_(param, alpha=group["weight_decay"])
         w_norm, u_norm = param.norm(), update.norm()
         trust = torch.where((w_norm > 0) & (u_norm > 0),
                             (w_norm / u_norm).clamp(group["min_coeff"], group["max_coeff"]),
                             torch.ones_like(w_norm))
-        param.sub_(update.mul_(trust * group["lr"]))
+        param.sub_(update.mul_(trust * step_size))
         return trust
 
     def get_lamb_coeffs(self) -> list[float]:

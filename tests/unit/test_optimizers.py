@@ -139,23 +139,25 @@ def lamb_reference(w: list[float], grads: list[list[float]], lr: float = 1e-3,
                    weight_decay: float = 0.0, bias_correction: bool = True,
                    eps_inside_sqrt: bool = False, max_coeff: float = 10.0,
                    min_coeff: float = 0.01) -> list[float]:
-    """LAMB in plain Python floats, written from the FusedLamb kernel."""
+    """LAMB in plain Python floats, written from DeepSpeed's FusedLamb kernel
+    (fused_lamb_cuda_kernel.cu): the update from the uncorrected moments, the
+    bias correction in the step size."""
     m, v = [0.0] * len(w), [0.0] * len(w)
     for step, g in enumerate(grads, start=1):
         b1, b2 = betas
         m = [b1 * mi + (1 - b1) * gi for mi, gi in zip(m, g)]
         v = [b2 * vi + (1 - b2) * gi * gi for vi, gi in zip(v, g)]
-        bc1, bc2 = (1 - b1**step, 1 - b2**step) if bias_correction else (1.0, 1.0)
+        step_size = lr * math.sqrt(1 - b2**step) / (1 - b1**step) if bias_correction else lr
         update = []
         for mi, vi, wi in zip(m, v, w):
-            denom = math.sqrt(vi / bc2 + eps) if eps_inside_sqrt else math.sqrt(vi / bc2) + eps
-            update.append(mi / bc1 / denom + weight_decay * wi)
+            denom = math.sqrt(vi + eps) if eps_inside_sqrt else math.sqrt(vi) + eps
+            update.append(mi / denom + weight_decay * wi)
         w_norm = math.sqrt(sum(x * x for x in w))
         u_norm = math.sqrt(sum(x * x for x in update))
         trust = 1.0
         if w_norm and u_norm:
             trust = min(max(w_norm / u_norm, min_coeff), max_coeff)
-        w = [wi - lr * trust * ui for wi, ui in zip(w, update)]
+        w = [wi - step_size * trust * ui for wi, ui in zip(w, update)]
     return w
 
 
@@ -169,20 +171,24 @@ def run_lamb(w: list[float], grads: list[list[float]], **hp: Any) -> tuple[list[
 
 
 def test_lamb_first_step_by_hand() -> None:
-    # m_hat = g, v_hat = g^2, so update = [u, u] with u = 0.5 / (0.5 + eps);
-    # trust = ||w|| / ||update|| = sqrt(5) / (sqrt(2) u), so the step is lr * sqrt(2.5).
+    # m = 0.1 g, v = 0.001 g^2: update = [u, u] with u = 0.05 / (sqrt(0.00025) + eps);
+    # trust = ||w|| / ||update|| = sqrt(5) / (sqrt(2) u), and the step size
+    # lr sqrt(1 - 0.999) / (1 - 0.9): each weight moves lr sqrt(0.001) / 0.1 sqrt(2.5)
     got, opt = run_lamb([1.0, -2.0], [[0.5, 0.5]], lr=0.1)
-    step = 0.1 * math.sqrt(2.5)
-    assert got == pytest.approx([1.0 - step, -2.0 - step], rel=1e-12)
-    u = 0.5 / (0.5 + 1e-8)
+    step = 0.1 * math.sqrt(0.001) / 0.1 * math.sqrt(2.5)
+    assert got == pytest.approx([1.0 - step, -2.0 - step], rel=1e-10)
+    u = 0.05 / (math.sqrt(0.00025) + 1e-8)
     assert opt.get_lamb_coeffs() == pytest.approx([math.sqrt(2.5) / u], rel=1e-7)
 
 
 def test_lamb_weight_decay_by_hand() -> None:
-    # w = [3, 4] (norm 5), update = [1, 1] + 0.1 * w = [1.3, 1.4]
+    # w = [3, 4] (norm 5); m / sqrt(v) = 0.05 / sqrt(0.00025) = sqrt(10) per element
     got, _ = run_lamb([3.0, 4.0], [[0.5, 0.5]], lr=0.01, weight_decay=0.1, eps=0.0)
-    trust = 5.0 / math.sqrt(1.3**2 + 1.4**2)
-    assert got == pytest.approx([3.0 - 0.01 * trust * 1.3, 4.0 - 0.01 * trust * 1.4], rel=1e-12)
+    update = [math.sqrt(10) + 0.3, math.sqrt(10) + 0.4]
+    trust = 5.0 / math.hypot(*update)
+    step_size = 0.01 * math.sqrt(0.001) / 0.1
+    assert got == pytest.approx([3.0 - step_size * trust * update[0],
+                                 4.0 - step_size * trust * update[1]], rel=1e-10)
 
 
 @pytest.mark.parametrize(("w", "trust"), [
