@@ -383,10 +383,10 @@ def parse_monitors(known: Mapping[str, Any], ctx: Ctx) -> dict[str, Any]:
 OPTIMIZER_NAMES: Mapping[str, str] = MappingProxyType({
     "adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "sgd": "SGD", "adagrad": "Adagrad",
     "rmsprop": "RMSprop", "adamax": "Adamax", "nadam": "NAdam", "radam": "RAdam",
-    "adadelta": "Adadelta",
+    "adadelta": "Adadelta", "lion": "Lion",
 })
 # DeepSpeed optimizers built on custom CUDA kernels / compressed communication.
-UNSUPPORTED_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb", "lion", "muon")
+UNSUPPORTED_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb", "muon")
 
 _ADAM_AUTO = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 # What "auto" becomes when no client value is given: DeepSpeed's defaults
@@ -398,6 +398,7 @@ AUTO_OPTIMIZER_DEFAULTS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
     "adagrad": {"lr": 1e-2, "eps": 1e-10, "weight_decay": 0.0},
     "rmsprop": {"lr": 1e-2, "eps": 1e-8, "weight_decay": 0.0},
     "adadelta": {"lr": 1.0, "eps": 1e-6, "weight_decay": 0.0},
+    "lion": {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.0},
 })
 
 _WARMUP_TYPE = Check("str", choices=("log", "linear"))

@@ -128,12 +128,68 @@ class Lamb(Optimizer):
         return [float(coeff) for coeff in self.lamb_coeffs]
 
 
+class Lion(Optimizer):
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization
+    Algorithms") as DeepSpeed's FusedLion / DeepSpeedCPULion compute it,
+    per element::
+
+        c = beta1 m + (1 - beta1) g
+        w = w (1 - lr weight_decay) - lr sign(c)
+        m = beta2 m + (1 - beta2) g
+
+    Where ``c`` is exactly 0 (a gradient and momentum of zeros) the weight
+    only decays: ``sign(0) = 0``, where DeepSpeed's kernels move it by
+    ``lr`` in a direction their sign trick picks. Elementwise, so ZeRO
+    stages shard it. DeepSpeed's defaults: ``lr=1e-3``, ``betas=(0.9, 0.999)``.
+    """
+
+    #: keep the momentum of 16-bit parameters in fp32 (DeepSpeedCPULion's default)
+    fp32_states = False
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.0) -> None:
+        if not (lr >= 0.0 and weight_decay >= 0.0 and len(betas) == 2
+                and all(0.0 <= b < 1.0 for b in betas)):
+            raise DsrunConfigError(f"Lion: invalid lr={lr}, betas={betas} or "
+                                   f"weight_decay={weight_decay}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if param.grad.is_sparse:
+                    raise RuntimeError("Lion does not support sparse gradients")
+                state = self.state[param]
+                if not state:
+                    dtype = torch.float32 if self.fp32_states else param.dtype
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(param, dtype=dtype,
+                                                        memory_format=torch.preserve_format)
+                state["step"] += 1
+                exp_avg = state["exp_avg"]
+                grad = param.grad.to(exp_avg.dtype)
+                direction = exp_avg.mul(beta1).add_(grad, alpha=1.0 - beta1).sign_()
+                if group["weight_decay"]:
+                    param.mul_(1.0 - group["lr"] * group["weight_decay"])
+                param.add_(direction.to(param.dtype), alpha=-group["lr"])
+                exp_avg.mul_(beta2).add_(grad, alpha=1.0 - beta2)
+        return loss
+
+
 # lower-case type -> torch class ("adam" picks Adam or AdamW from its params)
 OPTIMIZER_CLASSES: Mapping[str, type[Optimizer]] = {
     "adam": torch.optim.AdamW, "adamw": torch.optim.AdamW, "lamb": Lamb,
     "sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "rmsprop": torch.optim.RMSprop,
     "adamax": torch.optim.Adamax, "nadam": torch.optim.NAdam, "radam": torch.optim.RAdam,
-    "adadelta": torch.optim.Adadelta,
+    "adadelta": torch.optim.Adadelta, "lion": Lion,
 }
 ADAM_EXTRAS = ("adam_w_mode", "torch_adam", "bias_correction")
 assert set(OPTIMIZER_CLASSES) == set(OPTIMIZER_NAMES), "config and optimizers disagree on types"

@@ -41,7 +41,7 @@ import pytest
 import torch
 
 from dsrun.errors import DsrunConfigError, DsrunError
-from dsrun.runtime.optimizers import Lamb
+from dsrun.runtime.optimizers import Lamb, Lion
 from dsrun.runtime.zero import (
     CommStrategy,
     ZeroOptimizer,
@@ -364,6 +364,29 @@ def test_adagrad_from_the_config_matches_torch_adagrad(solo: None, stage: int) -
               "zero_optimization": {"stage": stage}}
     engine, *_ = dsrun.initialize(model=mine, config=config)
     assert type(engine.optimizer.optimizer) is torch.optim.Adagrad
+    g = torch.Generator().manual_seed(1)
+    for _ in range(8):
+        engine.backward(engine(torch.randn(4, 7, generator=g)).square().mean())
+        engine.step()
+    full = engine.optimizer.module_state_dict() if stage == 3 else mine.state_dict()
+    for name, value in ref.state_dict().items():
+        assert (value - full[name]).abs().max().item() <= TOLERANCE, name
+    engine.destroy()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_lion_from_the_config_is_sharded_and_matches_plain_lion(solo: None, stage: int) -> None:
+    """Lion is elementwise: a ZeRO stage steps each partition as the whole."""
+    import dsrun
+
+    params = {"lr": 0.01, "betas": [0.9, 0.99], "weight_decay": 0.1}
+    ref, mine = small_model(), small_model()
+    train(ref, Lion(ref.parameters(), **{**params, "betas": (0.9, 0.99)}), 1, 0.0, zero=False)
+    config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000,
+              "optimizer": {"type": "Lion", "params": params},
+              "zero_optimization": {"stage": stage}}
+    engine, *_ = dsrun.initialize(model=mine, config=config)
+    assert type(engine.optimizer.optimizer) is Lion
     g = torch.Generator().manual_seed(1)
     for _ in range(8):
         engine.backward(engine(torch.randn(4, 7, generator=g)).square().mean())

@@ -14,6 +14,7 @@ from dsrun.runtime.config import AUTO_OPTIMIZER_DEFAULTS, OPTIMIZER_NAMES, Optim
 from dsrun.runtime.optimizers import (
     OPTIMIZER_CLASSES,
     Lamb,
+    Lion,
     build_optimizer,
     optimizer_class_and_kwargs,
 )
@@ -237,3 +238,55 @@ def test_lamb_from_config() -> None:
     opt = build_optimizer(OptimizerConfig("LAMB", {"lr": 0.1, "weight_decay": 0.01,
                                                    "bias_correction": True}), [param([1.0])])
     assert isinstance(opt, Lamb) and opt.defaults["weight_decay"] == 0.01
+
+
+# -------------------------------------------------------------------- Lion
+
+
+def lion_reference(w: list[float], grads: list[list[float]], lr: float = 1e-3,
+                   betas: tuple[float, float] = (0.9, 0.999),
+                   weight_decay: float = 0.0) -> list[float]:
+    """Lion in plain Python floats, as DeepSpeed's kernels step it (sign(0) = 0)."""
+    m = [0.0] * len(w)
+    b1, b2 = betas
+    for g in grads:
+        c = [b1 * mi + (1 - b1) * gi for mi, gi in zip(m, g)]
+        w = [wi * (1 - lr * weight_decay) - lr * ((ci > 0) - (ci < 0)) for wi, ci in zip(w, c)]
+        m = [b2 * mi + (1 - b2) * gi for mi, gi in zip(m, g)]
+    return w
+
+
+@pytest.mark.parametrize("hp", [{}, {"lr": 0.05, "weight_decay": 0.1},
+                                {"betas": (0.5, 0.6), "lr": 0.01}])
+def test_lion_matches_the_reference(hp: dict) -> None:
+    grads = [[0.5, -0.25, 0.0], [0.1, 0.2, 0.0], [-0.4, 0.05, 0.0], [-1.0, -1.0, 0.0]]
+    p = param([0.5, -1.5, 2.0])
+    opt = Lion([p], **hp)
+    for g in grads:
+        p.grad = torch.tensor(g, dtype=torch.float64)
+        opt.step()
+    assert p.tolist() == pytest.approx(lion_reference([0.5, -1.5, 2.0], grads, **hp), rel=1e-12)
+    # the third weight saw only zero gradients: it decays, never moves by lr
+    assert p.tolist()[2] == pytest.approx(2.0 * (1 - hp.get("lr", 1e-3)
+                                                 * hp.get("weight_decay", 0.0)) ** 4)
+
+
+def test_lion_from_config_and_deepspeeds_classes() -> None:
+    from dsrun.ops.lion import DeepSpeedCPULion, FusedLion
+
+    opt = build_optimizer(OptimizerConfig("lion", {"lr": 0.01, "betas": [0.9, 0.99]}),
+                          [param([1.0])])
+    assert type(opt) is Lion and opt.defaults["betas"] == (0.9, 0.99)
+    with pytest.raises(DsrunConfigError, match='unknown parameter "eps"'):
+        build_optimizer(OptimizerConfig("lion", {"eps": 1e-8}), [param([1.0])])
+    half = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+    half.grad = torch.full((3,), 0.5, dtype=torch.float16)
+    cpu = DeepSpeedCPULion([half], lr=0.125)
+    cpu.step()
+    assert cpu.state[half]["exp_avg"].dtype == torch.float32  # fp32_optimizer_states
+    assert half.tolist() == [0.875] * 3
+    fused = FusedLion([half], lr=0.125)
+    fused.step()
+    assert fused.state[half]["exp_avg"].dtype == torch.float16
+    with pytest.raises(DsrunConfigError, match="Lion: invalid"):
+        Lion([param([1.0])], betas=(1.0, 0.9))
