@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -124,6 +125,9 @@ def test_a_closed_stdout_pipe_stops_the_job_quietly(tmp_path, pid_dir):
     proc = start_dsrun("--cpu", "--num_gpus", "2", "--dist_backend", "none", str(script))
     try:
         assert "tick" in proc.stdout.readline()  # like `dsrun ... | head -1`
+        deadline = time.monotonic() + 60  # both ranks up (the pipe holds their ticks)
+        while len(list(pid_dir.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         proc.stdout.close()
         err = proc.stderr.read()
         assert proc.wait(timeout=30) == 128 + 13  # as if killed by SIGPIPE

@@ -205,7 +205,7 @@ def test_bad_input_is_one_error_and_nothing_starts(tmp_path, job_tag, case):
         "mpich": "is not Open MPI's mpirun (its --version says 'HYDRA build details:')",
         "no mpi4py": "mpi4py cannot be used by",
         "bad launcher": "--launcher 'opnmpi' does not exist; choose one of local, mpirun "
-                        "(= openmpi), openmpi, slurm, ssh",
+                        "(= openmpi), openmpi, pdsh (= ssh), slurm, ssh",
         "too many ranks": "--num_gpus 3 asks for more slots than available",
         "launcher_args places ranks": "--launcher_args: '-np' decides where ranks run",
     }[case]
