@@ -287,6 +287,7 @@ class Agent:
     def commands(self) -> dict[str, Any]:
         """Launcher commands (protocol.COMMANDS) -> what the agent does."""
         return {"stop": lambda msg: self.events.put("stop"),
+                "kill": lambda msg: self.events.put("kill"),
                 "stack": lambda msg: threading.Thread(
                     target=self._stacks, args=(msg.get("req"),), daemon=True).start()}
 
@@ -308,7 +309,12 @@ class Agent:
                 event = self.events.get(timeout=0.05)
             except queue.Empty:
                 event = None
-            if event in ("stop", "eof") or self.link.lost():
+            if event == "kill" or (event == "eof" and self.stopping):
+                # Nobody waits for the grace any more: the launcher was
+                # signalled twice, or went away while the job was stopping.
+                self._begin_stop()
+                self.deadline = min(self.deadline, time.monotonic())
+            elif event in ("stop", "eof") or self.link.lost():
                 self._begin_stop()
             self._reap()
             now = time.monotonic()

@@ -297,5 +297,16 @@ def _run_attempts(spec: LaunchSpec, attempt: Callable[[int], JobResult]) -> int:
         for line in report_lines(result):
             say(line)
     if result.interrupted is not None:
-        say(f"stopped by {signal.Signals(result.interrupted).name}; every rank was stopped")
+        say(stopped_line(result))
     return result.exit_code
+
+
+def stopped_line(result: JobResult) -> str:
+    """dsrun's last word after a signal: only what it knows."""
+    name = signal.Signals(result.interrupted or signal.SIGINT).name
+    if not result.unconfirmed:
+        return f"stopped by {name}; every rank was stopped"
+    hosts = ", ".join(result.unconfirmed)
+    return (f"stopped by {name}; could not confirm that the ranks on {hosts} stopped "
+            f"(their agents did not answer; an agent stops its ranks when its "
+            f"connection closes)")

@@ -172,8 +172,12 @@ def signal_job(leaders: Iterable[Proc], marker: str | None, sig: int,
                since: float = 0.0) -> None:
     """Send ``sig`` to each group and to every marked process of the job."""
     leaders = list(leaders)
+    groups = set(live_groups(leaders))
     signal_groups(leaders, sig)
     for proc in job_processes(leaders, marker, since):
+        facts = _facts(proc.pid)
+        if facts is not None and facts[1] in groups:
+            continue  # its group's signal reached it: once is enough
         send(proc, sig)
 
 
@@ -190,9 +194,7 @@ def stop_job(leaders: Iterable[Proc], marker: str | None, grace: float, *,
     if not procs:
         return 0
     if not already_termed:
-        signal_groups(leaders, signal.SIGTERM)
-        for proc in procs:
-            send(proc, signal.SIGTERM)
+        signal_job(leaders, marker, signal.SIGTERM, since)
     end = time.monotonic() + grace if deadline is None else deadline
     while time.monotonic() < end:
         if not job_processes(leaders, marker, since):

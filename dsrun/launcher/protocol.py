@@ -57,6 +57,8 @@ whether it runs the injected runtime (``runtime``) and its environment
 layers (rankenv.py); then it may write commands (:data:`COMMANDS`):
 
   stop                                     stop every rank (SIGTERM, grace, SIGKILL)
+  kill                                     SIGKILL every rank now (a second Ctrl-C);
+                                           end of input while stopping does the same
   stack    {req}                           each running rank's Python stacks
 
 The agent writes events:
@@ -81,7 +83,7 @@ import json
 from typing import IO, Any
 
 #: Commands the launcher may send once the job runs (and "hb" in every phase).
-COMMANDS = ("stop", "stack")
+COMMANDS = ("stop", "kill", "stack")
 
 #: The launcher's "addr:port" candidates, space-separated (IPv6 as [addr]:port).
 LAUNCHER_VAR = "DSRUN_LAUNCHER"

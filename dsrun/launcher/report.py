@@ -80,6 +80,9 @@ class JobResult:
     running: tuple[RunningRank, ...] = ()  # ranks still running at the timeout
     stacks: tuple[str, ...] = ()  # their Python stacks, "[host:rank] line"
     clock: str = ""  # the launcher's host, whose clock ordered the failures
+    #: Hosts given up on before their agent said ``done`` (lost, or dropped
+    #: at the stop deadline): their ranks could not be confirmed stopped.
+    unconfirmed: tuple[str, ...] = ()
 
     @property
     def root_cause(self) -> RankFailure | None:

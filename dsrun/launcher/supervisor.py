@@ -37,6 +37,9 @@ AGENT_SLACK = 10.0
 #: Seconds agents get to send the stacks of a --timeout / of ``dsrun stack``.
 TIMEOUT_STACK_WAIT = 5.0
 QUERY_STACK_WAIT = 10.0
+#: Seconds agents get to confirm a kill (second signal) before their
+#: transports are dropped.
+KILL_WAIT = 3.0
 
 
 class Interrupted(Exception):
@@ -79,6 +82,7 @@ class _State:
     running_at_timeout: tuple[RunningRank, ...] = ()
     collections: dict[int, StackCollection] = field(default_factory=dict)
     timeout_stacks: StackCollection | None = None
+    unconfirmed: set[int] = field(default_factory=set)  # given up on before ``done``
     next_req: int = 1
 
 
@@ -103,7 +107,7 @@ class Supervisor:
                     self._step()
                 except Interrupted as exc:
                     if st.interrupted is not None:  # second signal: no more patience
-                        self.handle.kill()
+                        self._kill_now()
                     st.interrupted = exc.signum
                     self._stop()
         finally:
@@ -111,8 +115,10 @@ class Supervisor:
             for collection in list(st.collections.values()):
                 self._finish_collection(collection)
         stacks = tuple(st.timeout_stacks.lines) if st.timeout_stacks is not None else ()
+        unconfirmed = tuple(st.hosts[i] for i in sorted(st.unconfirmed - st.done))
         return JobResult(tuple(st.failures), st.interrupted, st.killed,
-                         timed_out=st.timed_out, running=st.running_at_timeout, stacks=stacks)
+                         timed_out=st.timed_out, running=st.running_at_timeout, stacks=stacks,
+                         unconfirmed=unconfirmed)
 
     def _stop(self) -> None:
         st = self.state
@@ -120,6 +126,22 @@ class Supervisor:
             st.stopping = True
             st.deadline = time.monotonic() + self.grace + AGENT_SLACK
             self.handle.stop()
+
+    def _kill_now(self) -> None:
+        """A second signal: every agent SIGKILLs its ranks at once; agents
+        that do not confirm within KILL_WAIT lose their transport."""
+        st = self.state
+        self._stop()
+        self.handle.send_all({"cmd": "kill"}, only=sorted(st.open_nodes - st.done))
+        st.deadline = min(st.deadline, time.monotonic() + KILL_WAIT)
+
+    def _give_up(self) -> None:
+        """The stop deadline passed: drop every agent that has not said
+        ``done``; whether its ranks are gone is then not known here."""
+        st = self.state
+        st.unconfirmed |= st.open_nodes - st.done
+        self.handle.kill()
+        st.deadline = float("inf")
 
     def _step(self) -> None:
         st = self.state
@@ -131,8 +153,7 @@ class Supervisor:
             self._handle(index, msg)
         now = time.monotonic()
         if st.stopping and now > st.deadline:
-            self.handle.kill()
-            st.deadline = float("inf")
+            self._give_up()
         self._check_liveness(now)
         self._check_timeout(now)
         self._serve_queries(now)
@@ -212,6 +233,7 @@ class Supervisor:
                 message=(f"nothing heard from it for {silent:.1f}s (--heartbeat_timeout "
                          f"{limit:g}){ranks}")))
             st.open_nodes.discard(index)
+            st.unconfirmed.add(index)
             for collection in st.collections.values():
                 collection.ended([index])
             self.handle.drop(index)

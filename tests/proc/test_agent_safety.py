@@ -198,3 +198,52 @@ def test_an_exited_rank_is_unreaped_until_teardown(pid_dir):
     finally:
         proc.kill()
 
+
+
+_IGNORES_TERM = ("import signal, sys, time\n"
+                 "signal.signal(signal.SIGTERM, lambda *a: print('TERM', flush=True))\n"
+                 "print('up', flush=True)\n"
+                 "time.sleep(60)\n")
+
+
+@pytest.mark.parametrize("second", ["kill", "eof"])
+def test_a_kill_or_the_end_of_input_while_stopping_skips_the_grace(tmp_path, second):
+    """A rank ignoring SIGTERM, a 30 s grace: ``kill`` (a second Ctrl-C at
+    the launcher), or the launcher going away while the job stops, SIGKILLs
+    it at once; and it gets SIGTERM once, not once per way it was found."""
+    payload = {"job_id": "c" * 32, "kill_grace": 30, "cwd": str(tmp_path), "env": {},
+               "ranks": [_rank(0, [sys.executable, "-c", _IGNORES_TERM])]}
+    proc = subprocess.Popen([sys.executable, "-m", "dsrun.launcher.agent"], cwd=str(ROOT),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write((json.dumps(payload) + "\n").encode())
+        proc.stdin.flush()
+        events = []
+        for line in proc.stdout:
+            events.append(json.loads(line))
+            if events[-1].get("line") == "up":
+                break
+        proc.stdin.write(b'{"cmd":"stop"}\n')
+        proc.stdin.flush()
+        time.sleep(1.0)
+        began = time.monotonic()
+        if second == "kill":
+            proc.stdin.write(b'{"cmd":"kill"}\n')
+            proc.stdin.flush()
+        else:
+            proc.stdin.close()
+        rank_pid = next(e["pid"] for e in events if e.get("ev") == "started")
+        left = wait_gone([rank_pid], timeout=10)
+        took = time.monotonic() - began
+        events += [json.loads(line) for line in proc.stdout]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not left, "the rank was only to be killed at the end of the 30 s grace"
+    assert took < 10
+    terms = [e for e in events if e.get("ev") == "out" and e.get("line") == "TERM"]
+    assert len(terms) == 1, events
+    if second == "kill":  # the launcher is still there to hear of it
+        exits = [e for e in events if e.get("ev") == "exit"]
+        assert exits and exits[0]["signal"] == signal.SIGKILL, events

@@ -193,3 +193,79 @@ def test_dead_code_is_gone():
     assert '"fatal"' not in inspect.getsource(protocol) and "fatal " not in \
         inspect.getsource(protocol)
     assert "straggler_interval" in {f.name for f in dataclasses.fields(Watch)}
+
+
+class _Gone:
+    def wait(self, timeout=None) -> None:
+        return None
+
+    def exit_signal(self) -> None:
+        return None
+
+
+class _RecordingHandle:
+    """A job handle that records what the supervisor sends; agents answer
+    ``done`` only to a kill, as agents whose ranks ignore SIGTERM do."""
+
+    def __init__(self, hosts: int, answer_kill: bool = True) -> None:
+        self.events: queue.Queue = queue.Queue()
+        self.channels = [_Gone() for _ in range(hosts)]
+        self.last_seen = [0.0] * hosts
+        self.sent: list[tuple[int, str]] = []
+        self.killed = False
+        self.answer_kill = answer_kill
+
+    def stop(self) -> None:
+        self.send_all({"cmd": "stop"})
+
+    def send_all(self, obj, only=None) -> None:
+        for i in range(len(self.channels)) if only is None else only:
+            self.sent.append((i, obj["cmd"]))
+            if obj["cmd"] == "kill" and self.answer_kill:
+                self.events.put((i, {"ev": "done", "killed": 1}))
+                self.events.put((i, {"ev": "eof"}))
+
+    def kill(self) -> None:
+        self.killed = True
+        for i in range(len(self.channels)):
+            self.events.put((i, {"ev": "eof"}))
+
+    def close(self) -> None: ...
+    def exit_message(self, index, code) -> str: return "gone"
+
+
+def _interrupted_twice(sup: Supervisor) -> None:
+    from dsrun.launcher.supervisor import Interrupted
+
+    real, signals = sup._step, [2, 2]
+
+    def step() -> None:
+        if signals:
+            raise Interrupted(signals.pop())
+        real()
+    sup._step = step  # type: ignore[method-assign]
+
+
+def test_a_second_signal_tells_every_agent_to_kill_its_ranks_now():
+    h = _RecordingHandle(2)
+    sup = Supervisor(h, ["a", "b"], lambda *a: None, 30.0)  # type: ignore[arg-type]
+    _interrupted_twice(sup)
+    result = sup.run()
+    assert sorted(h.sent) == [(0, "kill"), (0, "stop"), (1, "kill"), (1, "stop")]
+    assert not h.killed and result.unconfirmed == ()
+    from dsrun.launcher.launch import stopped_line
+    assert stopped_line(result) == "stopped by SIGINT; every rank was stopped"
+
+
+def test_agents_that_do_not_confirm_a_kill_are_named_not_claimed_stopped(monkeypatch):
+    from dsrun.launcher import supervisor
+    from dsrun.launcher.launch import stopped_line
+
+    monkeypatch.setattr(supervisor, "KILL_WAIT", 0.3)
+    h = _RecordingHandle(2, answer_kill=False)
+    sup = Supervisor(h, ["a", "b"], lambda *a: None, 30.0)  # type: ignore[arg-type]
+    _interrupted_twice(sup)
+    result = sup.run()
+    assert h.killed and result.unconfirmed == ("a", "b")
+    line = stopped_line(result)
+    assert "every rank was stopped" not in line and "a, b" in line
