@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed import P2POp, ReduceOp
+from torch.distributed import ReduceOp
 
 from dsrun.runtime.commlog import LOGGER, straggler_ms, summary_table
 from dsrun.runtime.dist import init_distributed
@@ -74,17 +74,61 @@ def _wait(result: Any) -> None:
             work.wait()
 
 
+class _TimedWork:
+    """A point-to-point operation's work handle, timed until it completes:
+    its entry is logged when the last handle of its call is waited on (or
+    seen completed)."""
+
+    def __init__(self, work: Any, finish: Callable[[], None]) -> None:
+        self._work = work
+        self._finish: Optional[Callable[[], None]] = finish
+
+    def _done(self) -> None:
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._work.wait(*args, **kwargs)
+        self._done()
+        return result
+
+    def is_completed(self) -> bool:
+        completed = bool(self._work.is_completed())
+        if completed:
+            self._done()
+        return completed
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
 def _call(kind: str, log_name: str, prof: bool, group: Any, size: Callable[[], int],
           device_of: Optional[torch.Tensor], fn: Callable[..., Any], /, *args: Any,
-          **kwargs: Any) -> Any:
+          point_to_point: bool = False, **kwargs: Any) -> Any:
     """Run ``fn(*args, **kwargs)``; when the logger profiles ``log_name``,
-    blocking and timed, filed as operation ``kind``."""
+    blocking and timed, filed as operation ``kind``. Asynchronous
+    ``point_to_point`` operations are not waited for here (an ``isend``
+    waiting for its ``irecv``, posted after it by both ranks, would never
+    return): they are timed until their handles complete."""
     if not LOGGER.enabled or not LOGGER.wants(log_name, prof):
         return fn(*args, **kwargs)
     name = LOGGER.name_for(log_name)
     _sync(device_of)
     start = time.perf_counter()
     result = fn(*args, **kwargs)
+    if point_to_point:
+        works = result if isinstance(result, list) else [result]
+        left = [len(works)]
+
+        def finish() -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                _sync(device_of)
+                LOGGER.append(kind, name, time.perf_counter() - start, size(),
+                              dist.get_world_size(group))
+        timed = [_TimedWork(work, finish) for work in works]
+        return timed if isinstance(result, list) else timed[0]
     _wait(result)
     _sync(device_of)
     elapsed = time.perf_counter() - start
@@ -297,21 +341,46 @@ def recv(tensor: torch.Tensor, src: Optional[int] = None, group: Any = None, tag
 def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0, prof: bool = False,
           log_name: str = "isend", debug: Any = None) -> Any:
     return _call("isend", log_name, prof, group, lambda: _nbytes(tensor), tensor, dist.isend,
-                 tensor, dst=dst, group=group, tag=tag)
+                 tensor, dst=dst, group=group, tag=tag, point_to_point=True)
 
 
 def irecv(tensor: torch.Tensor, src: Optional[int] = None, group: Any = None, tag: int = 0,
           prof: bool = False, log_name: str = "irecv", debug: Any = None) -> Any:
     return _call("irecv", log_name, prof, group, lambda: _nbytes(tensor), tensor, dist.irecv,
-                 tensor, src=src, group=group, tag=tag)
+                 tensor, src=src, group=group, tag=tag, point_to_point=True)
 
 
-def batch_isend_irecv(p2p_op_list: list[P2POp], prof: bool = False,
+class P2POp:
+    """One operation of :func:`batch_isend_irecv` (DeepSpeed's
+    ``deepspeed.comm.P2POp``): ``op`` is :func:`isend` or :func:`irecv` -
+    this module's or ``torch.distributed``'s."""
+
+    def __init__(self, op: Callable[..., Any], tensor: torch.Tensor, peer: Optional[int] = None,
+                 group: Any = None, tag: int = 0, group_peer: Optional[int] = None) -> None:
+        if op in (isend, dist.isend):
+            self.op: Callable[..., Any] = dist.isend
+        elif op in (irecv, dist.irecv):
+            self.op = dist.irecv
+        else:
+            raise ValueError(f"P2POp: op must be isend or irecv (deepspeed.comm's or "
+                             f"torch.distributed's), got {op!r}")
+        self.tensor, self.peer, self.group, self.tag = tensor, peer, group, tag
+        self.group_peer = group_peer
+
+    def torch_op(self) -> dist.P2POp:
+        if self.group_peer is not None:
+            return dist.P2POp(self.op, self.tensor, group=self.group, tag=self.tag,
+                              group_peer=self.group_peer)
+        return dist.P2POp(self.op, self.tensor, self.peer, self.group, self.tag)
+
+
+def batch_isend_irecv(p2p_op_list: list[Any], prof: bool = False,
                       log_name: str = "batch_isend_irecv", debug: Any = None) -> Any:
     ops = list(p2p_op_list)
     return _call("batch_isend_irecv", log_name, prof, ops[0].group if ops else None,
                  lambda: sum(_nbytes(o.tensor) for o in ops), ops[0].tensor if ops else None,
-                 dist.batch_isend_irecv, ops)
+                 dist.batch_isend_irecv, [op.torch_op() if isinstance(op, P2POp) else op
+                                          for op in ops], point_to_point=True)
 
 
 # ------------------------------------------------------------ groups, ranks

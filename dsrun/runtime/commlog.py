@@ -39,12 +39,20 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-log = logging.getLogger("dsrun.comm")
+# under dsrun.runtime: printed (rank 0) once ensure_visible() has run
+log = logging.getLogger("dsrun.runtime.comm")
 
 ALL_REDUCE_OPS = frozenset({"all_reduce", "inference_all_reduce", "all_reduce_coalesced"})
 SCATTER_GATHER_OPS = frozenset({
     "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
     "all_to_all", "all_to_all_single", "all_gather_coalesced"})
+
+
+def _is_first_rank() -> bool:
+    """Global rank 0, or no process group (DeepSpeed prints these lines on rank 0)."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def bus_factor(op: str, world_size: int) -> float:
@@ -141,7 +149,9 @@ class CommsLogger:
         if record is None:
             record = self.records[log_name][size] = OpRecord(op, size, world_size)
         record.latencies.append(seconds)
-        if self.verbose:
+        if self.verbose and _is_first_rank():
+            from dsrun.runtime.progress import ensure_visible
+            ensure_visible()
             algbw = gbps(size, seconds)
             log.info("comm op: %s | time (ms): %.2f | msg size: %s | algbw (Gbps): %.2f | "
                      "busbw (Gbps): %.2f", log_name, seconds * 1e3, size_str(size), algbw,

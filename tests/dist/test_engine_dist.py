@@ -163,6 +163,18 @@ def test_a_gradient_from_an_earlier_micro_step_is_reduced(two_ranks: list[dict[s
     assert ("no_sync" in fact) == name.endswith("steps")
 
 
+def test_point_to_point_exchange_with_the_comms_logger(two_ranks: list[dict[str, Any]]
+                                                        ) -> None:
+    """isend before irecv on both ranks completes with the logger on (it
+    waited inside isend and deadlocked); DeepSpeed's P2POp takes
+    deepspeed.comm's isend/irecv; the operations are logged."""
+    for rank, fact in enumerate(case(two_ranks, "logged_exchange")):
+        peer = 1 - rank
+        assert fact["received"] == [float(peer)] * 4
+        assert fact["batched"] == [2.0 * peer] * 4
+        assert set(fact["logged"]) >= {"isend", "irecv", "batch_isend_irecv"}
+
+
 def test_dataloader_shards_the_dataset(two_ranks: list[dict[str, Any]]) -> None:
     for fact in case(two_ranks, "dataloader"):
         assert fact["sizes"] == [5] * 4 and fact["train_batch"] == 20

@@ -96,9 +96,13 @@ def test_debug_names_the_caller() -> None:
 def test_verbose_prints_each_operation(caplog: pytest.LogCaptureFixture) -> None:
     logger = CommsLogger()
     logger.configure(enabled=True, verbose=True)
-    with caplog.at_level(logging.INFO, logger="dsrun.comm"):
+    with caplog.at_level(logging.INFO, logger="dsrun.runtime.comm"):
         logger.append("all_reduce", "all_reduce", 0.001, 2048, 2)
     assert "comm op: all_reduce | time (ms): 1.00 | msg size: 2.00 KB" in caplog.text
+    # printed, not only logged: dsrun's runtime logger got its handler and level
+    runtime = logging.getLogger("dsrun.runtime")
+    assert runtime.handlers and runtime.getEffectiveLevel() <= logging.INFO
+    assert logging.getLogger("dsrun.runtime.comm").parent is runtime
 
 
 def test_straggler_is_the_spread_between_ranks() -> None:

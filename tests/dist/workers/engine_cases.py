@@ -396,6 +396,34 @@ def comms_logged(steps: int = 3) -> dict[str, Any]:
     return out
 
 
+def logged_exchange() -> dict[str, Any]:
+    """Both ranks isend then irecv with the comms logger on (a wait inside
+    isend would deadlock), then the same through DeepSpeed's P2POp idiom
+    (deepspeed.comm's isend/irecv in P2POp, batch_isend_irecv)."""
+    from dsrun import comm
+
+    rank, world = rank_world()
+    peer = (rank + 1) % world
+    comm.reset_log()
+    comm.configure(enabled=True, prof_all=True)
+    try:
+        mine, theirs = torch.full((4,), float(rank)), torch.empty(4)
+        works = [comm.isend(mine, peer), comm.irecv(theirs, peer)]
+        for work in works:
+            work.wait()
+        got = torch.empty(4)
+        batch = comm.batch_isend_irecv([comm.P2POp(comm.isend, mine * 2, peer),
+                                        comm.P2POp(comm.irecv, got, peer)])
+        for work in batch:
+            work.wait()
+        logged = {name: sorted(by_size) for name, by_size in comm.log_summary(
+            return_dict=True)["summary"].items()}
+    finally:
+        comm.configure(enabled=False)
+        comm.reset_log()
+    return {"received": theirs.tolist(), "batched": got.tolist(), "logged": logged}
+
+
 def flops_profiled(steps: int = 3) -> dict[str, Any]:
     """The flops profiler at ZeRO stage 3: rank 0 writes the report (whole
     parameter counts although each rank holds a shard), other ranks write
@@ -455,6 +483,7 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "dataloader": dataloader,
     "comms_logger": comms_logged,
     "flops_profiler": flops_profiled,
+    "logged_exchange": logged_exchange,
 }
 
 
