@@ -42,9 +42,12 @@ class RankFailure:
     def exit_code(self) -> int:
         if self.signal is not None:
             return 128 + self.signal
-        return self.code if self.code else 1
+        # None or negative (no status known, e.g. a lost connection): 1.
+        return self.code if self.code is not None and self.code > 0 else 1
 
     def cause(self) -> str:
+        if self.rank is None and self.message:  # the agent's channel said why
+            return self.message
         if self.signal is not None:
             return f"killed by signal {signal_name(self.signal)}"
         if self.message:

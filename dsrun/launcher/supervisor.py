@@ -206,9 +206,11 @@ class Supervisor:
         for collection in st.collections.values():
             collection.ended([index])
         if index not in st.done:
-            code = self.handle.channels[index].wait(timeout=1)
+            channel = self.handle.channels[index]
+            code = channel.wait(timeout=1)
+            sig = channel.exit_signal()
             st.failures.append(RankFailure(
-                host=host, rank=None, code=code, signal=None, time=time.time(),
+                host=host, rank=None, code=code, signal=sig, time=time.time(),
                 during_stop=st.stopping, message=self.handle.exit_message(index, code),
                 seen=time.monotonic()))
             self._stop()

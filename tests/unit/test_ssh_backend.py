@@ -168,4 +168,46 @@ class _Chan:
 def test_channel_exit_messages(code, tail, message):
     channel = SshChannel.__new__(SshChannel)  # no connection needed for the wording
     channel.host, channel.cwd, channel.python = "h", "/w", "/py"
+    channel.chan = paramiko.Channel(1)
     assert channel.exit_message(code, tail) == message
+
+
+class _Transport:
+    server_object = None
+
+
+def test_an_agent_killed_by_a_signal_is_reported_as_such():
+    """sshd sends exit-signal (no exit-status): paramiko leaves exit_status
+    at -1, which was reported as a lost connection with exit code -1."""
+    from dsrun.launcher.backends.ssh import _channel_request
+    from dsrun.launcher.report import RankFailure
+
+    chan = paramiko.Channel(1)
+    chan.transport = _Transport()  # type: ignore[assignment]
+    m = paramiko.Message()
+    m.add_string("exit-signal")
+    m.add_boolean(False)
+    m.add_string("KILL")
+    m.add_boolean(False)
+    m.add_string("")
+    m.add_string("")
+    m.rewind()
+    _channel_request(chan, m)
+    chan.status_event.set()  # the channel closed; exit_status is still -1
+    channel = SshChannel.__new__(SshChannel)
+    channel.host, channel.cwd, channel.python, channel.chan = "node2", "/w", "/py", chan
+    code = channel.wait(0)
+    assert code is None and channel.exit_signal() == 9
+    message = channel.exit_message(code, [])
+    assert message == "node agent on node2 killed by SIGKILL"
+    failure = RankFailure(host="node2", rank=None, code=code, signal=9, time=0.0,
+                          message=message)
+    assert failure.exit_code == 137 and failure.cause() == message
+
+
+def test_an_unknown_agent_status_never_makes_a_negative_exit_code():
+    from dsrun.launcher.report import RankFailure
+
+    for code in (None, -1):
+        failure = RankFailure(host="h", rank=None, code=code, signal=None, time=0.0)
+        assert failure.exit_code == 1

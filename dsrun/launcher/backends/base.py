@@ -166,6 +166,10 @@ class AgentChannel(ABC):
     def wait(self, timeout: float | None = None) -> int | None:
         """Exit status of the agent, or None if unknown / still running."""
 
+    def exit_signal(self) -> int | None:
+        """The signal the agent died of, where the transport tells (SSH)."""
+        return None
+
     def on_eof(self) -> None:  # noqa: B027 - only some channels track it
         """Called once the agent's output has ended."""
 

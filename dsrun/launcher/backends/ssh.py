@@ -29,6 +29,7 @@ import io
 import logging
 import os
 import shlex
+import signal
 import socket
 import sys
 import threading
@@ -285,6 +286,43 @@ def _connect_error(target: SshTarget, exc: Exception) -> str:
 
 
 # --------------------------------------------------------------------------
+# exit signals: sshd reports a command killed by a signal with an
+# "exit-signal" request (RFC 4254 6.10), which paramiko does not read (its
+# exit_status stays -1). A handler in front of paramiko's records it.
+
+#: Attribute of a paramiko Channel: the signal name ("KILL") its command died of.
+EXIT_SIGNAL_ATTR = "dsrun_exit_signal"
+
+
+def _channel_request(chan: paramiko.Channel, m: paramiko.Message) -> None:
+    start = m.packet.tell()
+    try:
+        if m.get_text() == "exit-signal":
+            m.get_boolean()  # want_reply: always false for exit-signal
+            setattr(chan, EXIT_SIGNAL_ATTR, m.get_text())
+    except Exception:  # noqa: BLE001 - a malformed request is paramiko's to judge
+        pass
+    m.packet.seek(start)
+    paramiko.Channel._handle_request(chan, m)
+
+
+def watch_exit_signals(transport: paramiko.Transport) -> None:
+    """Record exit-signal requests on this transport's channels."""
+    table = dict(transport._channel_handler_table)
+    table[paramiko.common.MSG_CHANNEL_REQUEST] = _channel_request
+    transport._channel_handler_table = table  # type: ignore[misc]
+
+
+def signal_number(name: str | None) -> int | None:
+    if not name:
+        return None
+    try:
+        return int(signal.Signals[name if name.startswith("SIG") else f"SIG{name}"])
+    except KeyError:
+        return None
+
+
+# --------------------------------------------------------------------------
 # channels
 
 
@@ -301,6 +339,7 @@ class SshChannel(AgentChannel):
         self.python = python
         transport = client.get_transport()
         assert transport is not None
+        watch_exit_signals(transport)
         self.chan = transport.open_session(timeout=target.timeout)
         self.chan.exec_command(command)
         self._in = self.chan.makefile_stdin("wb")  # close() sends EOF
@@ -323,10 +362,19 @@ class SshChannel(AgentChannel):
     def wait(self, timeout: float | None = None) -> int | None:
         if not self.chan.status_event.wait(timeout):
             return None
-        return self.chan.exit_status
+        # paramiko's -1: no exit-status came (a signal, or the connection ended)
+        code = self.chan.exit_status
+        return None if code < 0 else code
+
+    def exit_signal(self) -> int | None:
+        return signal_number(getattr(self.chan, EXIT_SIGNAL_ATTR, None))
 
     def exit_message(self, code: int | None, err_tail: Sequence[str]) -> str:
         last = next((ln.strip() for ln in reversed(err_tail) if ln.strip()), "")
+        sig = getattr(self.chan, EXIT_SIGNAL_ATTR, None)
+        if sig is not None and code is None:
+            name = sig if sig.startswith("SIG") else f"SIG{sig}"
+            return f"node agent on {self.host} killed by {name}"
         if code == CWD_MISSING:
             return f"working directory {self.cwd} does not exist on {self.host}"
         if code == 127:
