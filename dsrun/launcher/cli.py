@@ -322,6 +322,9 @@ def stack_command(job: str | None) -> int:
     chosen = control.choose_job(control.running_jobs(), job)
     try:
         received = control.stream_stacks(chosen["socket"], click.echo)
+    except BrokenPipeError:  # `dsrun stack | head`: quietly, as `dsrun run` does
+        _discard_output()
+        return 128 + signal.SIGPIPE
     except OSError as exc:
         raise DsrunError(f"job {chosen['job_id'][:12]}: {exc.strerror or exc}") from None
     return 0 if received else 1

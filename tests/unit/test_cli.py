@@ -411,3 +411,22 @@ def test_a_directory_with_a_main_file_is_a_script(tmp_path, monkeypatch, capsys)
     (tmp_path / "app").mkdir()
     (tmp_path / "app" / "__main__.py").write_text("print(1)\n")
     assert cli.main(["--dry-run", "--cpu", "app"]) == 0
+
+
+def test_stack_into_a_closed_pipe_exits_quietly_with_141(monkeypatch, capsys):
+    """`dsrun stack | head -1` said "error: job ...: Broken pipe" and exited 1."""
+    from dsrun.launcher import cli as cli_mod
+    from dsrun.launcher import control
+
+    def stream(path, write, timeout=30.0):
+        write("[node1:0] first line")
+        raise BrokenPipeError(32, "Broken pipe")
+
+    discarded = []
+    monkeypatch.setattr(control, "running_jobs", lambda: [])
+    monkeypatch.setattr(control, "choose_job", lambda jobs, job: {"socket": "s",
+                                                                  "job_id": "f" * 32})
+    monkeypatch.setattr(control, "stream_stacks", stream)
+    monkeypatch.setattr(cli_mod, "_discard_output", lambda: discarded.append(True))
+    assert cli_mod.main(["stack"]) == 141
+    assert discarded and "Broken pipe" not in capsys.readouterr().err
