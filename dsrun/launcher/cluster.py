@@ -39,7 +39,13 @@ from dsrun.launcher.hostfile import (
 )
 from dsrun.launcher.netinfo import is_local_host, is_loopback, own_addresses
 from dsrun.launcher.plan import NodeFacts
-from dsrun.launcher.preflight import Expectations, HostReport, Rendezvous, evaluate
+from dsrun.launcher.preflight import (
+    Expectations,
+    HostReport,
+    Rendezvous,
+    evaluate,
+    same_machines,
+)
 from dsrun.launcher.resources import select_resources
 from dsrun.launcher.spec import DEFAULT_CPU_RANKS, HostsSpec
 
@@ -215,10 +221,12 @@ class _Probe:
 
 
 def probe_cluster(handle: JobHandle, cluster: Cluster, backend: Backend, hs: HostsSpec,
-                  versions: bool, expect: Expectations | None = None) -> ProbeOutcome:
+                  versions: bool, expect: Expectations | None = None,
+                  script: str | None = None) -> ProbeOutcome:
     """Probe the master, then every other host; see the module docstring.
 
     ``versions``: also compare python/dsrun/torch versions with the launcher's.
+    ``script``: a path every host must have (relative to the working directory).
     """
     expect = expect or Expectations.here()
     start = time.monotonic()
@@ -227,13 +235,14 @@ def probe_cluster(handle: JobHandle, cluster: Cluster, backend: Backend, hs: Hos
     peers, fallback = master_peers(cluster, backend)
     handle.send(handle.leaders[0], {"cmd": "probe", "role": "master", "addr": hs.master_addr,
                                     "port": hs.master_port, "peers": peers, "single": n == 1,
-                                    "versions": versions})
+                                    "versions": versions, "script": script})
     try:
         st.collect({0})
         master, master_problem = _rendezvous(cluster.hosts[0], st.facts[0], fallback)
         rest = {i for i in range(1, n) if st.errors[i] is None}
         for i in sorted(rest):
-            request: dict[str, Any] = {"cmd": "probe", "role": None, "versions": versions}
+            request: dict[str, Any] = {"cmd": "probe", "role": None, "versions": versions,
+                                       "script": script}
             if master is not None:
                 request.update(role="worker", addr=master.addr, port=master.port,
                                timeout=min(hs.ssh.timeout, 5.0))
@@ -243,8 +252,10 @@ def probe_cluster(handle: JobHandle, cluster: Cluster, backend: Backend, hs: Hos
         st.requeue()
     reports = [evaluate(host, st.facts[i], st.errors[i], expect, cluster.slots[i],
                         "master" if i == 0 else "worker", master,
-                        master_problem if i == 0 else None, cpu=hs.cpu)
+                        master_problem if i == 0 else None, cpu=hs.cpu, script=script)
                for i, host in enumerate(cluster.hosts)]
+    for i, problem in same_machines(cluster.hosts, st.facts).items():
+        reports[i] = replace(reports[i], errors=(*reports[i].errors, problem))
     return ProbeOutcome(tuple(reports), master if master_problem is None else None,
                         time.monotonic() - start, tuple(st.facts))
 

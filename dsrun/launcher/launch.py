@@ -124,6 +124,15 @@ def check_script(spec: LaunchSpec) -> None:
         raise DsrunUsageError(f"--no_python: {spec.script!r} is not executable")
 
 
+def probed_script(spec: LaunchSpec) -> str | None:
+    """The path every host's probe checks (as check_script does here):
+    not for -m (finding a module needs the rank's own PYTHONPATH and may
+    import its packages), nor for a --no_python program found on PATH."""
+    if spec.module or (spec.no_python and os.sep not in spec.script):
+        return None
+    return spec.script
+
+
 def check_log_dir(path: str | None) -> None:
     if path is None:
         return
@@ -229,7 +238,8 @@ def _attempt(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv,
         suspension.handle = handle
         if not cluster.named:
             cluster = cluster.renamed([handle.channels[i].host for i in handle.leaders])
-        outcome = probe_cluster(handle, cluster, backend, spec.hosts, versions=multi)
+        outcome = probe_cluster(handle, cluster, backend, spec.hosts, versions=multi,
+                                script=probed_script(spec))
         _check_preflight(spec, outcome)
         plan = _plan(spec, cluster, backend, env, job_id, restart, outcome)
         if multi:

@@ -297,6 +297,9 @@ def probe_reply(msg: Mapping[str, Any]) -> tuple[dict[str, Any], HeldPort | None
     if msg.get("versions", True):
         facts.update(python=python_version(), dsrun=__version__,
                      torch=package_version("torch"))
+    facts["machine"] = machine_identity()
+    if msg.get("script"):
+        facts["script"] = script_problem(str(msg["script"]))
     held = None
     role = msg.get("role")
     if role == "master":
@@ -337,3 +340,25 @@ def _probe_worker(msg: Mapping[str, Any], facts: dict[str, Any]) -> None:
     start = time.monotonic()
     facts["reach"] = {"error": check_reach(addr, port, float(msg.get("timeout", 5.0))),
                       "seconds": round(time.monotonic() - start, 3)}
+
+
+def machine_identity() -> str:
+    """Who this machine is, for finding one host listed twice (by name and
+    by address): the kernel's boot id (one per booted machine) and the host
+    name (which hosts sharing a kernel, like containers, do not share)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{boot}/{socket.gethostname()}"
+
+
+def script_problem(path: str) -> str | None:
+    """Why ``python PATH`` cannot run here (relative to the working
+    directory, which the ranks share), or None."""
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "__main__.py")):
+            return None
+        return "is a directory without a __main__.py"
+    return None if os.path.exists(path) else "does not exist"

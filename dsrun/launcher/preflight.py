@@ -4,7 +4,8 @@
 :class:`HostReport`:
 
 - errors: the job cannot run there (unreachable, no agent, working
-  directory missing, fewer GPUs than selected slots, master port taken);
+  directory missing, script missing, fewer GPUs than selected slots,
+  master port taken, the same machine as another hostfile entry);
 - mismatches: python/dsrun/torch versions differ from the launcher's, or
   master:port is not reachable from the host; these fail the preflight
   unless ``--no_preflight``.
@@ -103,9 +104,10 @@ def _notes(facts: dict[str, Any]) -> list[str]:
 def evaluate(host: str, facts: dict[str, Any] | None, error: str | None,
              expect: Expectations, slots: Sequence[int], role: str,
              master: Rendezvous | None, master_problem: str | None = None,
-             cpu: bool = False) -> HostReport:
+             cpu: bool = False, script: str | None = None) -> HostReport:
     """One host's verdict from its probe answer (or the error instead of one);
-    ``cpu``: the job asked for CPU ranks (--cpu), so GPUs are not checked."""
+    ``cpu``: the job asked for CPU ranks (--cpu), so GPUs are not checked;
+    ``script``: the script the probe looked for (its answer: facts["script"])."""
     if facts is None:
         return HostReport(host, None, errors=(error or "no answer",))
     errors: list[str] = []
@@ -127,4 +129,27 @@ def evaluate(host: str, facts: dict[str, Any] | None, error: str | None,
         notes.append(f"reaches master {master.addr}:{master.port}")
     if facts.get("ifname"):
         notes.append(f"via {facts['ifname']}")
+    if script is not None and facts.get("script"):
+        errors.append(f"script {script!r} {facts['script']} on {host} "
+                      f"(in {facts.get('cwd') or 'the working directory'})")
     return HostReport(host, facts, tuple(errors), tuple(mismatches), tuple(notes))
+
+
+def same_machines(hosts: Sequence[str],
+                  facts: Sequence[dict[str, Any] | None]) -> dict[int, str]:
+    """Hostfile entries that are one machine (by name and by address, say):
+    the later entry's index -> why. Hosts whose agent did not say who it
+    is (an older dsrun) are not compared."""
+    first: dict[str, int] = {}
+    problems: dict[int, str] = {}
+    for i, answer in enumerate(facts):
+        who = (answer or {}).get("machine")
+        if not who:
+            continue
+        if who in first:
+            j = first[who]
+            problems[i] = (f"{hosts[j]} and {hosts[i]} in the hostfile are the same machine "
+                           f"(host name {(answer or {}).get('host')}); list it once")
+        else:
+            first[who] = i
+    return problems

@@ -149,3 +149,26 @@ def test_include_without_hostfile_on_a_cpu_host(tmp_path, capsys, script, monkey
     monkeypatch.setattr("dsrun.launcher.hostfile.DEFAULT_JOB_HOSTFILE", str(tmp_path / "x"))
     code, err = _main_err(capsys, ["--include", "localhost:0", script])
     assert code == 2 and "select GPUs of this host, which has none" in err[0]
+
+
+def test_one_machine_listed_twice_is_refused_naming_both():
+    from dsrun.launcher.preflight import same_machines
+
+    facts = [{**FACTS, "host": "node2", "machine": "boot1/node2"},
+             {**FACTS, "host": "node3", "machine": "boot1/node3"},
+             {**FACTS, "host": "node2", "machine": "boot1/node2"},
+             None,                      # no answer: its own error says why
+             {**FACTS, "host": "node2"}]  # an older agent: not compared
+    problems = same_machines(["node2", "node3", "10.0.0.12", "node4", "old"], facts)
+    assert problems == {2: "node2 and 10.0.0.12 in the hostfile are the same machine "
+                           "(host name node2); list it once"}
+
+
+def test_a_script_missing_on_a_host_fails_its_preflight():
+    report = evaluate("n2", {**FACTS, "script": "does not exist", "cwd": "/w"}, None, EXPECT,
+                      (0,), "worker", MASTER, script="train.py")
+    assert not report.ok(strict=False)
+    assert report.errors == ("script 'train.py' does not exist on n2 (in /w)",)
+    ok = evaluate("n2", {**FACTS, "script": None}, None, EXPECT, (0,), "worker", MASTER,
+                  script="train.py")
+    assert ok.ok()

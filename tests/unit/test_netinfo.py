@@ -128,3 +128,22 @@ def test_the_master_agent_checks_an_explicit_master_addr():
                                        "addr": "192.0.2.1", "peers": []})
     assert held is None
     assert "is not an address of" in facts["master"]["error"]
+
+
+def test_probe_says_who_the_machine_is_and_whether_the_script_is_there(tmp_path,
+                                                                      monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "pkg").mkdir()
+    facts, _ = netinfo.probe_reply({"cmd": "probe", "role": None, "versions": False,
+                                    "script": "train.py"})
+    assert facts["script"] is None and socket.gethostname() in facts["machine"]
+    missing, _ = netinfo.probe_reply({"cmd": "probe", "role": None, "versions": False,
+                                      "script": "sub/train.py"})
+    assert missing["script"] == "does not exist"
+    assert missing["machine"] == facts["machine"]
+    bare, _ = netinfo.probe_reply({"cmd": "probe", "role": None, "versions": False,
+                                   "script": "pkg"})
+    assert bare["script"] == "is a directory without a __main__.py"
+    plain, _ = netinfo.probe_reply({"cmd": "probe", "role": None, "versions": False})
+    assert "script" not in plain
