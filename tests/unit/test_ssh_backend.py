@@ -211,3 +211,19 @@ def test_an_unknown_agent_status_never_makes_a_negative_exit_code():
     for code in (None, -1):
         failure = RankFailure(host="h", rank=None, code=code, signal=None, time=0.0)
         assert failure.exit_code == 1
+
+
+def test_a_changed_host_key_names_the_known_hosts_file_to_fix(tmp_path):
+    """The hint said `ssh-keygen -R HOST`, which edits ~/.ssh/known_hosts,
+    although the key came from ssh_config's UserKnownHostsFile."""
+    from dsrun.launcher.backends.ssh import _connect_error
+
+    old = paramiko.RSAKey.generate(1024)
+    new = paramiko.RSAKey.generate(1024)
+    known = tmp_path / "kh"
+    known.write_text(f"[node9]:2222 {old.get_name()} {old.get_base64()}\n")
+    target = resolve_target("node9", SshOptions(port=2222), {
+        "userknownhostsfile": str(known)}, "me")
+    message = _connect_error(target, paramiko.BadHostKeyException("[node9]:2222", new, old))
+    assert f"`ssh-keygen -R '[node9]:2222' -f {known}`" in message
+    assert f"does NOT match known_hosts ({known})" in message

@@ -217,6 +217,28 @@ def _unknown_key_message(target: SshTarget, key: paramiko.PKey) -> str:
             f" >> {user_file}`, or pass --ssh_insecure to skip host key checks")
 
 
+def _bad_key_message(target: SshTarget, name: str) -> str:
+    """The fix names the known_hosts file that holds the old key (it may
+    come from ssh_config's UserKnownHostsFile, which ssh-keygen -R without
+    -f would not touch)."""
+    where = next((path for path in target.known_hosts if _holds_key(path, name)), None)
+    fix = f"ssh-keygen -R {shlex.quote(name)}"
+    if where is not None:
+        fix += f" -f {shlex.quote(where)}"
+    return (f"{target.host}: host key of {target.address} does NOT match known_hosts"
+            f"{f' ({where})' if where else ''} (someone may be intercepting the connection; "
+            f"if the host was reinstalled, remove the old key with `{fix}`)")
+
+
+def _holds_key(path: str, name: str) -> bool:
+    known = paramiko.HostKeys()
+    try:
+        known.load(path)
+    except (OSError, paramiko.SSHException):
+        return False
+    return known.lookup(name) is not None
+
+
 def _open_socket(target: SshTarget) -> socket.socket:
     t = target.timeout
     try:
@@ -266,9 +288,7 @@ def _connect_error(target: SshTarget, exc: Exception) -> str:
     if isinstance(exc, _UnknownHostKey):
         return _unknown_key_message(target, exc.key)
     if isinstance(exc, paramiko.BadHostKeyException):
-        return (f"{target.host}: host key of {target.address} does NOT match known_hosts "
-                f"(someone may be intercepting the connection; if the host was reinstalled, "
-                f"remove the old key with `ssh-keygen -R {target.hostname}`)")
+        return _bad_key_message(target, exc.hostname)
     if isinstance(exc, paramiko.PasswordRequiredException):
         return f"{target.host}: the ssh key is encrypted; load it into ssh-agent first"
     if isinstance(exc, paramiko.AuthenticationException):
