@@ -180,6 +180,77 @@ def _rms_norm(args: tuple, kwargs: dict, out: Any) -> Cost:
     return per * args[0].numel(), 0
 
 
+# Pointwise flops per hidden unit and step of one recurrent cell, besides its
+# two matrix products: the products' sum (one add per gate row) and the gate
+# activations and state updates (LSTM: 3 sigmoids and 2 tanh, 3 muls, 1 add;
+# GRU: 2 sigmoids and 1 tanh, 3 muls, 2 adds, 1 sub; RNN: its activation).
+_RNN_POINTWISE = {0: 1 + 1, 1: 1 + 1, 2: 4 + 9, 3: 3 + 9}  # cuDNN/oneDNN mode numbers
+
+
+def _rnn_products(inputs: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor) -> int:
+    """MACs of one recurrent layer and direction: at every step of every
+    sequence, the input times ``w_ih`` and the hidden state times ``w_hh``."""
+    steps = inputs.numel() // inputs.shape[-1]  # sequence length x batch
+    return steps * w_ih.shape[0] * (w_ih.shape[1] + w_hh.shape[1])
+
+
+def _rnn_layer(args: tuple, kwargs: dict, out: Any) -> Cost:
+    # mkldnn_rnn_layer(input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, batch_sizes, mode,
+    #                  hidden_size, num_layers, has_biases, ...): one layer, one direction
+    inputs, w_ih, w_hh, mode, hidden, has_biases = (args[0], args[1], args[2], args[9],
+                                                    args[10], args[12])
+    macs = _rnn_products(inputs, w_ih, w_hh)
+    steps = inputs.numel() // inputs.shape[-1]
+    biases = 2 * w_ih.shape[0] * steps if has_biases else 0
+    return 2 * macs + biases + _RNN_POINTWISE.get(mode, 0) * hidden * steps, macs
+
+
+def _rnn_layer_backward(args: tuple, kwargs: dict, out: Any) -> Cost:
+    # the gradients of the input/hidden state and of both weights: twice the products
+    macs = 2 * _rnn_products(args[0], args[1], args[2])
+    return 2 * macs, macs
+
+
+def _attention_block(q_rows: int, kv_rows: int, batch: int, lq: int, lk: int, embed: int,
+                     heads: int) -> Cost:
+    """A multi-head attention block with its input and output projections
+    (biases included): what torch's fused kernels compute in one call."""
+    projections = (q_rows + 2 * kv_rows) * embed * embed + q_rows * embed * embed
+    attention = 2 * batch * lq * lk * embed  # QK^T and the weighted sum, all heads
+    scores = batch * heads * lq * lk
+    macs = projections + attention
+    biases = (q_rows + 2 * kv_rows) * embed + q_rows * embed
+    return 2 * macs + biases + 5 * scores + q_rows * embed, macs  # + softmax, q scaling
+
+
+def _rows(t: torch.Tensor) -> int:
+    return t.numel() // t.shape[-1]
+
+
+def _native_mha(args: tuple, kwargs: dict, out: Any) -> Cost:
+    # _native_multi_head_attention(query, key, value, embed_dim, num_head, ...): the
+    # fast path of nn.MultiheadAttention (eval, batch_first)
+    q, k = args[0], args[1]
+    batch = q.shape[0] if q.dim() == 3 else 1
+    return _attention_block(_rows(q), _rows(k), batch, q.shape[-2], k.shape[-2], args[3],
+                            args[4])
+
+
+def _encoder_layer(args: tuple, kwargs: dict, out: Any) -> Cost:
+    # _transformer_encoder_layer_fwd(src, embed_dim, num_heads, ..., ffn_weight_1 (F, E)
+    # at 14, ...): nn.TransformerEncoderLayer's fast path in eval
+    src, embed, heads, ffn_w1 = args[0], args[1], args[2], args[14]
+    rows, batch, length = _rows(src), (src.shape[0] if src.dim() == 3 else 1), src.shape[-2]
+    flops, macs = _attention_block(rows, rows, batch, length, length, embed, heads)
+    hidden = ffn_w1.shape[0]
+    ffn = 2 * rows * embed * hidden
+    # the feed-forward products and biases, its activation, two layer norms
+    # (5 per element + weight + bias) and two residual adds
+    flops += 2 * ffn + rows * (hidden + embed) + rows * hidden + 2 * 7 * rows * embed \
+        + 2 * rows * embed
+    return flops, macs + ffn
+
+
 _RULES: dict[Any, Callable[[tuple, dict, Any], Cost]] = {
     aten.mm.default: _product(0, 1),
     aten.bmm.default: _product(0, 1),
@@ -226,6 +297,10 @@ for _name in ("_scaled_dot_product_flash_attention_backward",
     _optional(_name, _attention_backward)
 for _name in ("cudnn_convolution", "mkldnn_convolution", "miopen_convolution"):
     _optional(_name, _conv_impl)
+_optional("mkldnn_rnn_layer", _rnn_layer)
+_optional("mkldnn_rnn_layer_backward", _rnn_layer_backward)
+_optional("_native_multi_head_attention", _native_mha)
+_optional("_transformer_encoder_layer_fwd", _encoder_layer)
 _optional("_fused_rms_norm", _rms_norm)
 _optional("rms_norm", _rms_norm)
 

@@ -6,6 +6,7 @@ count the same ops."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -354,3 +355,57 @@ def test_summary_lines() -> None:
         fwd_macs=0, bwd_flops=0, fwd_latency=0.0, bwd_latency=None, step_latency=None)))
     assert "bwd latency" not in forward_only and "n/a" in forward_only
     assert "samples per rank:" in forward_only and "unknown" in forward_only
+
+
+def test_get_model_profile_runs_in_eval_mode_and_restores_the_mode() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5))
+    before = model[1].running_mean.clone()
+    _, macs, _ = get_model_profile(model, input_shape=(3, 4), as_string=False,
+                                   print_profile=False)
+    assert macs == 3 * 4 * 4
+    assert torch.equal(model[1].running_mean, before)  # BatchNorm did not update
+    assert int(model[1].num_batches_tracked) == 0 and model.training  # mode restored
+    model.eval()
+    get_model_profile(model, input_shape=(3, 4), print_profile=False)
+    assert not model.training
+
+
+@pytest.mark.parametrize("name, build, shape, macs", [
+    # seq 5 x batch 2 steps of 4 gates x 16 units over (8 inputs + 16 hidden)
+    ("lstm", lambda: nn.LSTM(8, 16, batch_first=True), (2, 5, 8), 2 * 5 * 64 * (8 + 16)),
+    # the fused eval path of one encoder layer: q, k, v and output projections
+    # (4 x 12 x 16 x 16), scores and weighted sum (2 x 2 x 6 x 6 x 16), the
+    # feed-forward (2 x 12 x 16 x 32): what DeepSpeed's profiler counts too
+    ("encoder", lambda: nn.TransformerEncoderLayer(16, 2, 32, batch_first=True),
+     (2, 6, 16), 4 * 12 * 16 * 16 + 2 * 2 * 6 * 6 * 16 + 2 * 12 * 16 * 32),
+])
+def test_fused_recurrent_and_attention_kernels_are_counted(name: str, build: Callable,
+                                                           shape: tuple, macs: int) -> None:
+    """torch runs these as single aten ops on the CPU (mkldnn_rnn_layer,
+    _transformer_encoder_layer_fwd, _native_multi_head_attention): counted
+    as the products they compute, in eval (fused) as in training (not)."""
+    torch.manual_seed(0)
+    model = build()
+    _, counted, _ = get_model_profile(model, input_shape=shape, as_string=False,
+                                      print_profile=False)
+    assert counted == macs
+    prof = FlopsProfiler(model)
+    prof.start_profile()
+    model.train()(torch.ones(shape))  # training: the unfused path where torch has one
+    prof.stop_profile()
+    assert prof.get_total_macs() >= macs
+
+
+def test_fused_self_attention_matches_the_unfused_count() -> None:
+    attention = nn.MultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 6, 16)
+    counts = []
+    for training in (False, True):
+        attention.train(training)
+        prof = FlopsProfiler(attention)
+        prof.start_profile()
+        with torch.no_grad():
+            attention(x, x, x)
+        prof.stop_profile()
+        counts.append(prof.get_total_macs())
+    assert counts[0] == counts[1] == 4 * 12 * 16 * 16 + 2 * 2 * 6 * 6 * 16

@@ -344,7 +344,8 @@ def get_model_profile(model: torch.nn.Module, input_shape: Optional[tuple[int, .
                       ignore_modules: Optional[Iterable[type]] = None,
                       mode: str = "forward") -> tuple[Any, Any, Any]:
     """Profile one forward (``mode="generate"``: one ``model.generate``)
-    after ``warm_up`` unprofiled ones; returns ``(flops, macs, params)``,
+    after ``warm_up`` unprofiled ones, in eval mode and without gradients
+    (the model's mode is restored after); returns ``(flops, macs, params)``,
     as strings unless ``as_string=False``.
 
     The input is ``args``/``kwargs``, or, with ``input_shape``, one tensor
@@ -365,15 +366,20 @@ def get_model_profile(model: torch.nn.Module, input_shape: Optional[tuple[int, .
     if not args and not kwargs:
         raise ValueError("get_model_profile needs input_shape, args or kwargs for the model")
     run = model.generate if mode == "generate" else model  # type: ignore[operator]
-    with torch.no_grad():
-        for _ in range(warm_up):
-            run(*args, **kwargs)
-        prof = FlopsProfiler(model)
-        prof.start_profile(ignore_list=ignore_modules)
-        try:
-            run(*args, **kwargs)
-        finally:
-            prof.stop_profile()
+    was_training = model.training
+    model.eval()  # as DeepSpeed: no dropout, BatchNorm's running statistics untouched
+    try:
+        with torch.no_grad():
+            for _ in range(warm_up):
+                run(*args, **kwargs)
+            prof = FlopsProfiler(model)
+            prof.start_profile(ignore_list=ignore_modules)
+            try:
+                run(*args, **kwargs)
+            finally:
+                prof.stop_profile()
+    finally:
+        model.train(was_training)  # DeepSpeed leaves the model in eval mode
     flops, macs, params = prof.get_total_flops(), prof.get_total_macs(), prof.get_total_params()
     if print_profile:
         prof.print_model_profile(profile_step=warm_up, module_depth=module_depth,
