@@ -227,3 +227,39 @@ def test_a_changed_host_key_names_the_known_hosts_file_to_fix(tmp_path):
     message = _connect_error(target, paramiko.BadHostKeyException("[node9]:2222", new, old))
     assert f"`ssh-keygen -R '[node9]:2222' -f {known}`" in message
     assert f"does NOT match known_hosts ({known})" in message
+
+
+class _DeadChannelFile(paramiko.file.BufferedFile):
+    """A channel file whose flush fails, as at exit with 3+ hosts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._set_mode("wb", bufsize=4096)
+
+    def _write(self, data):
+        raise OSError("Socket is closed")
+
+
+class _Client:
+    def close(self) -> None: ...
+
+
+def test_closing_a_dead_channel_leaves_nothing_for_the_finalizers(monkeypatch):
+    """paramiko's BufferedFile.close flushes before it marks itself closed;
+    a failing flush left the file open and its __del__ printed
+    'Exception ignored ... ValueError: I/O operation on closed file'."""
+    import gc
+    import sys
+
+    raised = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda info: raised.append(info.exc_value))
+    channel = SshChannel.__new__(SshChannel)
+    channel.client = _Client()
+    files = [_DeadChannelFile() for _ in range(3)]
+    files[0].write(b"pending")          # the flush raises OSError
+    files[1]._wbuffer.close()           # the buffer was finalized first: ValueError
+    channel._in, channel._out, channel._err = files
+    channel.close()
+    del channel, files
+    gc.collect()
+    assert raised == []

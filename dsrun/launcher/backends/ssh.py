@@ -411,12 +411,27 @@ class SshChannel(AgentChannel):
     def close(self) -> None:
         # Closed here, not by their finalizers at interpreter exit, when
         # paramiko's buffers may already be gone ("Exception ignored" noise).
+        # paramiko's close() flushes first and marks the file closed only
+        # after that: a flush that raises (the channel or its buffer is
+        # gone) left it open, and its __del__ flushed again, raising where
+        # nobody catches. So whatever close() did, nothing is left to flush.
         for stream in (self._in, self._out, self._err):
             try:
                 stream.close()
-            except (OSError, ValueError, EOFError):
+            except (OSError, ValueError, EOFError, paramiko.SSHException):
                 pass
+            finally:
+                stream._wbuffer = _Flushed()  # type: ignore[union-attr]
+                stream._closed = True  # type: ignore[union-attr]
         self.client.close()
+
+
+class _Flushed:
+    """A paramiko file's write buffer after close: always empty (no
+    finalizer of its own, unlike the BytesIO it replaces)."""
+
+    def getvalue(self) -> bytes:
+        return b""
 
 
 class FailedChannel(AgentChannel):
