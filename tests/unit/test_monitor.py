@@ -148,9 +148,15 @@ def test_check_events_accepts_numbers_and_one_element_tensors() -> None:
         def item(self) -> float:
             return 2.5
 
+    class IntElement(OneElement):  # a 0-d integer tensor as the step
+        def item(self) -> int:  # type: ignore[override]
+            return 7
+
     assert check_events([("a", 1, 3), ["b", OneElement(), 4]]) == [("a", 1.0, 3), ("b", 2.5, 4)]
-    for bad in [("a", 1.0), ("", 1.0, 1), ("a", "x", 1), ("a", 1.0, 1.5), ("a", True, 1),
-                "a,1,1"]:
+    # bools are 0 and 1 (TensorBoard takes them), a one-element integer tensor is a step
+    assert check_events([("a", True, IntElement())]) == [("a", 1.0, 7)]
+    for bad in [("a", 1.0), ("", 1.0, 1), ("a", "x", 1), ("a", 1.0, 1.5), ("a", 1.0, True),
+                ("a", 1.0, OneElement()), "a,1,1"]:
         with pytest.raises(DsrunError, match="event 1 is"):
             check_events([("ok", 0.0, 0), bad])
 
@@ -187,8 +193,11 @@ def test_only_rank_0_builds_writers_and_disabled_writes_nothing(tmp_path: Path) 
 
     other = Monitor(enabled_config(tmp_path), rank=1, build=build)
     assert other.enabled and not other.writers and not built
-    other.write_events([("bad event",)])  # a no-op off rank 0, as in DeepSpeed
+    other.write_events([("x", 1.0, 1)])  # nothing to write off rank 0
+    with pytest.raises(DsrunError, match="event 0"):  # but the same error as rank 0's
+        other.write_events([("bad event",)])
     off = Monitor(res({}), rank=0, build=build)
+    off.write_events([("bad event",)])  # no monitor: ignored, as in DeepSpeed
     assert not off.enabled and not built
     on = Monitor(enabled_config(tmp_path), rank=0, build=build)
     on.write_events([("x", 1.0, 1)])

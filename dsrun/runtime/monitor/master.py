@@ -31,12 +31,19 @@ log = logging.getLogger("dsrun.runtime.monitor")
 
 
 def _as_number(value: Any) -> Optional[float]:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, numbers.Real):
+    if isinstance(value, numbers.Real):  # bools too: 0 or 1, as TensorBoard takes them
         return float(value)
     if hasattr(value, "numel") and hasattr(value, "item"):  # a one-element tensor
         return float(value.item()) if value.numel() == 1 else None
+    return None
+
+
+def _as_step(step: Any) -> Optional[int]:
+    if isinstance(step, numbers.Integral) and not isinstance(step, bool):
+        return int(step)
+    if hasattr(step, "numel") and hasattr(step, "item") and step.numel() == 1:
+        item = step.item()  # a one-element integer tensor (engine.global_samples kept as one)
+        return int(item) if isinstance(item, int) and not isinstance(item, bool) else None
     return None
 
 
@@ -46,13 +53,13 @@ def check_events(events: Iterable[Any]) -> list[Event]:
     for index, event in enumerate(events):
         ok = isinstance(event, (tuple, list)) and len(event) == 3
         name, value, step = event if ok else (None, None, None)
-        number = _as_number(value)
+        number, at = _as_number(value), _as_step(step)
         if not (ok and isinstance(name, str) and name and number is not None
-                and isinstance(step, numbers.Integral) and not isinstance(step, bool)):
+                and at is not None):
             raise DsrunError(f"monitor.write_events: event {index} is {event!r}; each event "
-                             "must be (name: str, value: number or one-element tensor, "
-                             "step: int)")
-        checked.append((name, number, int(step)))
+                             "must be (name: str, value: number, bool or one-element tensor, "
+                             "step: int or one-element integer tensor)")
+        checked.append((name, number, at))
     return checked
 
 
@@ -73,10 +80,14 @@ class Monitor:
             log.info("monitors: %s", ", ".join(_describe(w) for w in self.writers))
 
     def write_events(self, events: Sequence[Any]) -> None:
-        """Write ``[(name, value, step), ...]`` to every writer (rank 0)."""
-        if not self.writers:
+        """Write ``[(name, value, step), ...]`` to every writer (rank 0).
+        With a monitor enabled every rank checks the events, so a bad one is
+        the same error on every rank; without one they are ignored."""
+        if not self.enabled:
             return
         checked = check_events(events)
+        if not self.writers:
+            return
         for writer in list(self.writers):
             try:
                 writer.write(checked)

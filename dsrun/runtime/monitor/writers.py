@@ -154,8 +154,10 @@ class WandbWriter:
 
 
 class CometWriter:
-    """A Comet experiment (``comet_ml.start``); an event is logged when its
-    step is a multiple of ``samples_log_interval`` (DeepSpeed's rule)."""
+    """A Comet experiment (``comet_ml.start``); each event name is logged
+    the first time it comes, then whenever ``samples_log_interval`` samples
+    or more have passed since it was last logged (DeepSpeed's
+    ``EventsLogScheduler``)."""
 
     name = "comet"
 
@@ -166,13 +168,16 @@ class CometWriter:
                                "online")
                    if getattr(section, key) is not None}
         self._interval = section.samples_log_interval
+        self._last_logged: dict[str, int] = {}
         self._experiment = comet_ml.start(**options)
         if section.experiment_name:
             self._experiment.set_name(section.experiment_name)
 
     def write(self, events: Sequence[Event]) -> None:
         for name, value, step in events:
-            if step % self._interval == 0:
+            last = self._last_logged.get(name)
+            if last is None or step - last >= self._interval:
+                self._last_logged[name] = step
                 self._experiment.log_metric(name, value, step=step)
 
     def close(self) -> None:
