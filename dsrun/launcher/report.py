@@ -86,6 +86,8 @@ class JobResult:
     #: Hosts given up on before their agent said ``done`` (lost, or dropped
     #: at the stop deadline): their ranks could not be confirmed stopped.
     unconfirmed: tuple[str, ...] = ()
+    #: Hosts that sent no stacks when --timeout asked for them.
+    no_stacks: tuple[str, ...] = ()
 
     @property
     def root_cause(self) -> RankFailure | None:
@@ -144,6 +146,7 @@ def report_lines(result: JobResult) -> list[str]:
         lines.append(f"(failures ordered on the clock of {result.clock or socket.gethostname()}"
                      f", where dsrun runs: when it learned of each, less the delay each "
                      f"agent measured; host clocks are never compared)")
+    lines.extend(_unconfirmed_lines(result))
     lines.append(f"exit code {result.exit_code}")
     return lines
 
@@ -194,8 +197,20 @@ def timeout_lines(result: JobResult) -> list[str]:
     if result.stacks:
         lines.append("their Python stacks when the timeout hit:")
         lines.extend(f"  {line}" for line in result.stacks)
+    if result.no_stacks:
+        lines.append(f"no stacks from {', '.join(result.no_stacks)}: its agent did not "
+                     f"answer in time (host down or unreachable?)")
+    lines.extend(_unconfirmed_lines(result))
     lines.append(f"exit code {result.exit_code}")
     return lines
+
+
+def _unconfirmed_lines(result: JobResult) -> list[str]:
+    if not result.unconfirmed:
+        return []
+    return [f"the ranks on {', '.join(result.unconfirmed)} could not be confirmed stopped "
+            f"(no answer from the agent; it stops them when its connection closes, or "
+            f"when it hears nothing from dsrun for --heartbeat_timeout)"]
 
 
 def _tail_before_traceback(tail: Sequence[str]) -> tuple[str, ...]:

@@ -83,6 +83,8 @@ class _State:
     collections: dict[int, StackCollection] = field(default_factory=dict)
     timeout_stacks: StackCollection | None = None
     unconfirmed: set[int] = field(default_factory=set)  # given up on before ``done``
+    no_stacks: set[int] = field(default_factory=set)  # silent when the --timeout asked
+    timeout_asked: float = 0.0  # when the --timeout's stack request went out
     next_req: int = 1
 
 
@@ -118,7 +120,8 @@ class Supervisor:
         unconfirmed = tuple(st.hosts[i] for i in sorted(st.unconfirmed - st.done))
         return JobResult(tuple(st.failures), st.interrupted, st.killed,
                          timed_out=st.timed_out, running=st.running_at_timeout, stacks=stacks,
-                         unconfirmed=unconfirmed)
+                         unconfirmed=unconfirmed,
+                         no_stacks=tuple(st.hosts[i] for i in sorted(st.no_stacks)))
 
     def _stop(self) -> None:
         st = self.state
@@ -257,6 +260,7 @@ class Supervisor:
             for r, s in sorted(st.ranks.items()) if s.ended is None)
         self.watch.say(f"--timeout {timeout:g}s reached with {len(st.running_at_timeout)} "
                        f"rank(s) still running: collecting their stacks, then stopping the job")
+        st.timeout_asked = now
         st.timeout_stacks = self._ask_stacks(now + TIMEOUT_STACK_WAIT, lambda line: None)
 
     # -- stacks ---------------------------------------------------------------
@@ -293,9 +297,30 @@ class Supervisor:
         st = self.state
         for collection in list(st.collections.values()):
             if collection.complete(now):
+                if collection is st.timeout_stacks:
+                    self._drop_silent(collection.pending)
                 self._finish_collection(collection)
                 if collection is st.timeout_stacks:
                     self._stop()
+
+    def _drop_silent(self, silent: set[int]) -> None:
+        """Hosts whose agents sent nothing at all since a --timeout asked for
+        stacks (a link down, heartbeats off) would not confirm a stop either:
+        they are not waited for. Their agents stop the ranks when the
+        connection ends (or when dsrun falls silent, with heartbeats on)."""
+        st = self.state
+        asked = st.timeout_asked
+        # Agents heard from since the request are alive (slow to dump hung ranks).
+        silent = {i for i in silent & st.open_nodes if self.handle.last_seen[i] < asked}
+        for index in sorted(silent):
+            st.no_stacks.add(index)
+            st.unconfirmed.add(index)
+            st.open_nodes.discard(index)
+            self.handle.drop(index)
+        if silent:
+            hosts = ", ".join(st.hosts[i] for i in sorted(silent))
+            self.watch.say(f"no stacks from {hosts} within {TIMEOUT_STACK_WAIT:g}s; "
+                           f"not waiting for it to stop")
 
     def _finish_collection(self, collection: StackCollection) -> None:
         st = self.state

@@ -269,3 +269,53 @@ def test_agents_that_do_not_confirm_a_kill_are_named_not_claimed_stopped(monkeyp
     assert h.killed and result.unconfirmed == ("a", "b")
     line = stopped_line(result)
     assert "every rank was stopped" not in line and "a, b" in line
+
+
+class _OneSilentHandle(_RecordingHandle):
+    """Host 0 answers stack requests and stops; host 1's link is down."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.dropped: list[int] = []
+
+    def send_all(self, obj, only=None) -> None:
+        import time
+
+        for i in range(2) if only is None else only:
+            self.sent.append((i, obj["cmd"]))
+            if i == 1:
+                continue
+            self.last_seen[0] = time.monotonic() + 1
+            if obj["cmd"] == "stack":
+                self.events.put((0, {"ev": "stack", "req": obj["req"], "rank": 0,
+                                     "text": "  File \"t.py\", line 1\n"}))
+                self.events.put((0, {"ev": "stack_end", "req": obj["req"]}))
+            elif obj["cmd"] == "stop":
+                self.events.put((0, {"ev": "done", "killed": 0}))
+                self.events.put((0, {"ev": "eof"}))
+
+    def drop(self, index: int) -> None:
+        self.dropped.append(index)
+        self.events.put((index, {"ev": "eof"}))
+
+
+def test_a_timeout_does_not_wait_for_a_host_that_cannot_answer(monkeypatch):
+    """--timeout with a host whose link is down (heartbeats off): exit 124
+    came ~20 s later and the report silently lacked that host's stacks."""
+    import time
+
+    from dsrun.launcher import supervisor
+
+    monkeypatch.setattr(supervisor, "TIMEOUT_STACK_WAIT", 0.5)
+    h = _OneSilentHandle()
+    h.events.put((0, {"ev": "started", "rank": 0, "pid": 10}))
+    h.events.put((1, {"ev": "started", "rank": 1, "pid": 11}))
+    start = time.monotonic()
+    result = Supervisor(h, ["a", "b"], lambda *a: None, 5.0,  # type: ignore[arg-type]
+                        Watch(timeout=0.2)).run()
+    assert time.monotonic() - start < 4
+    assert result.exit_code == 124 and h.dropped == [1]
+    assert result.no_stacks == ("b",) and result.unconfirmed == ("b",)
+    text = "\n".join(report_lines(result))
+    assert "[a:0]" in text and "no stacks from b" in text
+    assert "the ranks on b could not be confirmed stopped" in text
