@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from dsrun.runtime.commlog import LOGGER, straggler_ms, summary_table
+from dsrun.runtime.commlog import LOGGER, straggler_analysis, straggler_ms, summary_table
 from dsrun.runtime.dist import init_distributed
 
 __all__ = [
@@ -479,26 +479,31 @@ def log_summary(show_straggler: bool = False, return_dict: bool = False
                 ) -> Optional[dict[str, Any]]:
     """Print (rank 0) and/or return this rank's logged operations:
     ``{"summary": {log name: {size: {...}}}, "straggler_analysis": ...,
-    "metadata": {...}}``. Collective (barriers; with ``show_straggler``
-    an all-gather of every rank's totals): every rank must call it."""
+    "metadata": {...}}``, the analysis in DeepSpeed's layout
+    (:func:`~dsrun.runtime.commlog.straggler_analysis`; the printed table's
+    straggler column is the spread of the ranks' total latencies).
+    Collective (barriers; with ``show_straggler`` an all-gather of every
+    rank's latencies): every rank must call it."""
     grouped = is_initialized()
     if grouped:  # its own communication is not logged
         dist.barrier()
     summary = LOGGER.summary()
-    straggler = None
+    spread = analysis = None
     if show_straggler:
-        everyone: list[Any] = [LOGGER.totals()]
+        everyone: list[Any] = [LOGGER.latencies()]
         if grouped:
             everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, LOGGER.totals())
-        straggler = straggler_ms(everyone)
+            dist.all_gather_object(everyone, LOGGER.latencies())
+        spread = straggler_ms([{key: sum(lats) for key, lats in ranks.items()}
+                               for ranks in everyone])
+        analysis = straggler_analysis(everyone, get_rank() if grouped else 0)
     if get_rank() == 0:
-        print(summary_table(summary, straggler), flush=True)
+        print(summary_table(summary, spread), flush=True)
     if grouped:
         dist.barrier()
     if not return_dict:
         return None
-    return {"summary": summary, "straggler_analysis": straggler,
+    return {"summary": summary, "straggler_analysis": analysis,
             "metadata": {"world_size": get_world_size(), "rank": get_rank(),
                          "timestamp": datetime.datetime.now().isoformat(timespec="seconds")}}
 

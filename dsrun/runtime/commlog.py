@@ -165,6 +165,11 @@ class CommsLogger:
         return {name: {size: rec.as_dict() for size, rec in sorted(by_size.items())}
                 for name, by_size in sorted(self.records.items())}
 
+    def latencies(self) -> dict[tuple[str, int], list[float]]:
+        """(log name, size) -> every logged call's latency in seconds."""
+        return {(name, size): list(rec.latencies) for name, by_size in self.records.items()
+                for size, rec in by_size.items()}
+
     def totals(self) -> dict[tuple[str, int], float]:
         """(log name, size) -> total latency in seconds (for straggler analysis)."""
         return {(name, size): sum(rec.latencies) for name, by_size in self.records.items()
@@ -184,6 +189,38 @@ def straggler_ms(totals_per_rank: Iterable[Mapping[tuple[str, int], float]]
     out: dict[str, dict[int, float]] = {}
     for (name, size), values in sorted(spread.items()):
         out.setdefault(name, {})[size] = (max(values) - min(values)) * 1e3
+    return out
+
+
+def trimmed_mean(values: Iterable[float], trim: float = 0.1) -> float:
+    """The mean without the lowest and highest ``trim`` share of ``values``
+    (DeepSpeed's average of latencies)."""
+    ordered = sorted(values)
+    cut = int(len(ordered) * trim)
+    kept = ordered[cut:len(ordered) - cut] or ordered
+    return sum(kept) / len(kept) if kept else 0.0
+
+
+def straggler_analysis(latencies_per_rank: list[Mapping[tuple[str, int], list[float]]],
+                       rank: int) -> dict[str, dict[int, dict[str, Any]]]:
+    """DeepSpeed's ``straggler_analysis`` for ``rank``: for each (log name,
+    size) it logged, the latency of each call is compared with the fastest
+    rank's for the same call (the element-wise minimum over the ranks that
+    logged it, on the calls they all made): ``total_comm_lat_ms`` sums those
+    minima, ``total_straggler_ms`` this rank's excess over them (its waiting
+    for late peers), the averages are 10 %-trimmed means (pure)."""
+    out: dict[str, dict[int, dict[str, Any]]] = {}
+    for key, mine in sorted(latencies_per_rank[rank].items()):
+        others = [lats[key] for lats in latencies_per_rank if key in lats]
+        calls = min(len(lats) for lats in others)
+        fastest = [min(lats[i] for lats in others) * 1e3 for i in range(calls)]
+        excess = [mine[i] * 1e3 - fastest[i] for i in range(calls)]
+        name, size = key
+        out.setdefault(name, {})[size] = {
+            "count": len(mine), "total_comm_lat_ms": sum(fastest),
+            "total_straggler_ms": sum(excess), "avg_comm_lat_ms": trimmed_mean(fastest),
+            "avg_straggler_ms": trimmed_mean(excess), "msg_size_bytes": size,
+            "msg_size_str": size_str(size)}
     return out
 
 

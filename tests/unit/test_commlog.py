@@ -12,8 +12,10 @@ from dsrun.runtime.commlog import (
     bus_factor,
     gbps,
     size_str,
+    straggler_analysis,
     straggler_ms,
     summary_table,
+    trimmed_mean,
 )
 from dsrun.runtime.config import resolve
 
@@ -103,6 +105,21 @@ def test_verbose_prints_each_operation(caplog: pytest.LogCaptureFixture) -> None
     runtime = logging.getLogger("dsrun.runtime")
     assert runtime.handlers and runtime.getEffectiveLevel() <= logging.INFO
     assert logging.getLogger("dsrun.runtime.comm").parent is runtime
+
+
+def test_straggler_analysis_is_deepspeeds() -> None:
+    """Per call, the fastest rank's latency; a rank's straggling is its
+    excess over it (calls all ranks made; a 10 %-trimmed mean)."""
+    ranks = [{("all_reduce", 8): [0.001, 0.004, 0.002]},
+             {("all_reduce", 8): [0.003, 0.001, 0.002], ("barrier", 0): [0.5]}]
+    got = straggler_analysis(ranks, 0)["all_reduce"][8]
+    assert got["count"] == 3 and got["msg_size_str"] == "8 B"
+    assert got["total_comm_lat_ms"] == pytest.approx(1.0 + 1.0 + 2.0)
+    assert got["total_straggler_ms"] == pytest.approx(0.0 + 3.0 + 0.0)
+    assert got["avg_straggler_ms"] == pytest.approx(1.0)
+    assert straggler_analysis(ranks, 1)["barrier"][0]["total_straggler_ms"] == 0.0
+    assert trimmed_mean(range(10)) == pytest.approx(4.5) and trimmed_mean([]) == 0.0
+    assert trimmed_mean([0, 1, 2, 3, 4, 5, 6, 7, 8, 100]) == pytest.approx(4.5)
 
 
 def test_straggler_is_the_spread_between_ranks() -> None:
