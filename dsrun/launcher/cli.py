@@ -32,12 +32,13 @@ if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not ignored
 
 import importlib  # noqa: E402
 import os  # noqa: E402
+import shlex  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 
 import click  # noqa: E402
 
 from dsrun import __version__  # noqa: E402
-from dsrun.errors import DsrunError  # noqa: E402
+from dsrun.errors import DsrunError, DsrunUsageError  # noqa: E402
 from dsrun.launcher import launch  # noqa: E402
 from dsrun.launcher.spec import (  # noqa: E402
     DEFAULT_HEARTBEAT_TIMEOUT,
@@ -240,6 +241,9 @@ def host_options(func):
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def run_command(**params: object) -> int:
     """Launch SCRIPT on every selected rank."""
+    script = str(params["script"])
+    if script in SUBCOMMANDS and not os.path.exists(script):
+        raise CommandNotFirst(script)
     warn_flags_after_script(params["script_args"])  # type: ignore[arg-type]
     try:
         return launch.run(spec_from_params(params))
@@ -249,6 +253,24 @@ def run_command(**params: object) -> int:
         # without a word and without a second error when Python flushes.
         _discard_output()
         return 128 + signal.SIGPIPE
+
+
+class CommandNotFirst(DsrunUsageError):
+    """An option came before a command's name (`dsrun --ssh_config X doctor`),
+    so the name was taken as the script of a run."""
+
+    def __init__(self, command: str) -> None:
+        super().__init__(f"{command!r} is a dsrun command, and commands come first")
+        self.command = command
+
+
+def _command_first(args: Sequence[str], command: str) -> str:
+    """The message for CommandNotFirst, with the command line reordered."""
+    rest = list(args)
+    rest.remove(command)
+    fixed = shlex.join(["dsrun", command, *rest])
+    return (f"{command!r} is a dsrun command, and commands come first: `{fixed}` "
+            f"(`dsrun {command} -h` lists the options it takes)")
 
 
 def _discard_output() -> None:
@@ -468,6 +490,9 @@ def _main(argv: Sequence[str] | None) -> int:
     except click.ClickException as exc:
         hint = _usage_hint(exc, subcommand)
         click.echo(f"dsrun: error: {_message(exc)}{hint}", err=True)
+        return exc.exit_code
+    except CommandNotFirst as exc:
+        click.echo(f"dsrun: error: {_command_first(args, exc.command)}", err=True)
         return exc.exit_code
     except DsrunError as exc:
         click.echo(f"dsrun: error: {exc}", err=True)

@@ -138,6 +138,10 @@ def host_problem(host: str) -> str | None:
     """Why ``host`` is not a valid host name or IP address, or None if it is."""
     if host.startswith("[") and host.endswith("]"):
         return "write IPv6 addresses without brackets"
+    name, colon, port = host.partition(":")
+    if colon and name and port.isascii() and port.isdigit():  # IPv6 has 2+ colons
+        return (f"HOST:PORT is not supported (put the port in ssh_config: "
+                f"'Host {name}' / 'Port {port}', or pass --ssh_port)")
     if ":" in host:
         try:
             ipaddress.IPv6Address(host)

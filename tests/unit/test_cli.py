@@ -430,3 +430,13 @@ def test_stack_into_a_closed_pipe_exits_quietly_with_141(monkeypatch, capsys):
     monkeypatch.setattr(cli_mod, "_discard_output", lambda: discarded.append(True))
     assert cli_mod.main(["stack"]) == 141
     assert discarded and "Broken pipe" not in capsys.readouterr().err
+
+
+def test_an_option_before_a_command_name_says_commands_come_first(capsys, tmp_path,
+                                                                  monkeypatch):
+    """`dsrun --ssh_config X doctor -H hf` said "script 'doctor' does not exist"."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["--ssh_config", "my cfg", "doctor", "-H", "hf"]) == 2
+    err = capsys.readouterr().err
+    assert ("'doctor' is a dsrun command, and commands come first: "
+            "`dsrun doctor --ssh_config 'my cfg' -H hf`") in err

@@ -298,3 +298,14 @@ def test_reports_errors_exit_code_and_format() -> None:
     result = CliRunner().invoke(boom, [])
     assert result.exit_code == 2
     assert "dsrun: error: bad things" in result.output
+
+
+def test_host_with_a_port_says_ports_go_in_ssh_config():
+    """`dsrun hosts add node5:22` said "not a valid IPv6 address"."""
+    from dsrun.launcher.hostfile import host_problem
+
+    assert host_problem("node5:22") == ("HOST:PORT is not supported (put the port in "
+                                        "ssh_config: 'Host node5' / 'Port 22', or pass "
+                                        "--ssh_port)")
+    assert host_problem("fe80::1") is None
+    assert host_problem("a:b") == "not a valid IPv6 address"
