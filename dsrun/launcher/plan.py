@@ -71,6 +71,9 @@ class NodePlan:
     cpus: int | None = None  # usable CPUs of the host; None: not known yet (draft)
     path_prepend: tuple[str, ...] = ()  # in front of the PATH the agent starts with
     cpu_list: tuple[int, ...] | None = None  # which CPUs those are; None: not known
+    #: The hostfile slot indices selected, while it is not known whether they
+    #: are GPUs (draft plan of a remote host; --dry-run shows them).
+    slot_indices: tuple[DeviceId, ...] = ()
 
     @property
     def has_gpus(self) -> bool:
@@ -165,7 +168,7 @@ def layout(nodes: Sequence[NodeSlots]) -> tuple[NodePlan, ...]:
         devices = tuple(node.slots) if node.gpus else ()
         plans.append(NodePlan(node.host, node_rank, ranks, devices, node.local,
                               node.gpus is not None, node.env, node.cpus, node.path_prepend,
-                              node.cpu_list))
+                              node.cpu_list, tuple(node.slots) if node.gpus is None else ()))
     return tuple(plans)
 
 
@@ -320,7 +323,9 @@ def describe(plan: LaunchPlan) -> list[str]:
         local = ",".join(str(r.local_rank) for r in node.ranks)
         devices = ",".join(str(d) for d in node.devices) if node.devices else "cpu"
         if not node.gpus_known:
-            devices = "GPUs if the host has them, else cpu: found at launch"
+            slots = ",".join(str(s) for s in node.slot_indices)
+            devices = (f"GPUs {slots} if the host has them, else cpu: found at launch"
+                       if slots else "GPUs if the host has them, else cpu: found at launch")
         lines.append(
             f"  {node.host}: ranks [{ranks}]  local ranks [{local}]  devices [{devices}]"
         )

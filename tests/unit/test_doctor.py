@@ -127,6 +127,22 @@ def test_local_only_hostfile_runs_locally_without_ssh(tmp_path, capsys, script, 
     assert "node " in out and "ssh" not in out
 
 
+@pytest.mark.parametrize("include,shown", [("far-a:1,2", "GPUs 1,2 if"),
+                                           ("far-a:0,1", "GPUs 0,1 if")])
+def test_dry_run_shows_the_slots_selected_on_a_remote_host(tmp_path, capsys, script,
+                                                           include, shown):
+    """--include far-a:1,2 and far-a:0,1 printed the same rank map."""
+    hostfile = tmp_path / "hf"
+    hostfile.write_text("far-a slots=4\n")
+    config = tmp_path / "ssh_config"
+    config.write_text("Host far-*\n    HostName 192.0.2.1\n    User u\n")  # TEST-NET
+    code = cli.main(["-H", str(hostfile), "--ssh_config", str(config), "--dry-run",
+                     "--include", include, script])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert f"far-a: ranks [0,1]  local ranks [0,1]  devices [{shown} the host has them" in out
+
+
 def test_dry_run_of_remote_hosts_connects_to_nothing(tmp_path, capsys, script):
     hostfile = tmp_path / "hf"
     hostfile.write_text("far-a slots=2\nfar-b slots=1\n")
@@ -138,7 +154,7 @@ def test_dry_run_of_remote_hosts_connects_to_nothing(tmp_path, capsys, script):
     assert code == 0
     assert ("world size 3 on 2 node(s), master <address of far-a, found there at launch>:"
             "<free port chosen on far-a at launch>") in out
-    assert "far-b: ranks [2]  local ranks [0]  devices [GPUs if the host has them" in out
+    assert "far-b: ranks [2]  local ranks [0]  devices [GPUs 0 if the host has them" in out
     assert "node far-a: ssh u@192.0.2.1:22: cd " in out
     assert "MASTER_PORT=<chosen at launch>" in out
 
