@@ -74,6 +74,16 @@ class NodePlan:
     #: The hostfile slot indices selected, while it is not known whether they
     #: are GPUs (draft plan of a remote host; --dry-run shows them).
     slot_indices: tuple[DeviceId, ...] = ()
+    hostname: str | None = None  # the host's own name, as its probe said
+
+    @property
+    def label(self) -> str:
+        """The hostfile entry, and the host's own name where that differs
+        (an address: output lines are prefixed with the name)."""
+        if not self.hostname or self.hostname == self.host \
+                or self.host.startswith(f"{self.hostname}."):
+            return self.host
+        return f"{self.host} ({self.hostname})"
 
     @property
     def has_gpus(self) -> bool:
@@ -95,6 +105,7 @@ class NodeSlots:
     cpus: int | None = None
     path_prepend: tuple[str, ...] = ()
     cpu_list: tuple[int, ...] | None = None
+    hostname: str | None = None
 
 
 @dataclass(frozen=True)
@@ -106,13 +117,15 @@ class NodeFacts:
     cpus: int
     ifname: str | None = None
     cpu_list: tuple[int, ...] | None = None  # the usable CPUs (None: an older agent)
+    hostname: str | None = None  # the host's own name (None: not probed)
 
     @classmethod
     def from_probe(cls, facts: Mapping[str, Any]) -> NodeFacts:
         cpu_list = facts.get("cpu_list")
         return cls(tuple(facts.get("devices") or ()), int(facts.get("cpus") or 1),
                    facts.get("ifname") or None,
-                   tuple(int(c) for c in cpu_list) if cpu_list else None)
+                   tuple(int(c) for c in cpu_list) if cpu_list else None,
+                   facts.get("host") or None)
 
 
 @dataclass(frozen=True)
@@ -168,7 +181,8 @@ def layout(nodes: Sequence[NodeSlots]) -> tuple[NodePlan, ...]:
         devices = tuple(node.slots) if node.gpus else ()
         plans.append(NodePlan(node.host, node_rank, ranks, devices, node.local,
                               node.gpus is not None, node.env, node.cpus, node.path_prepend,
-                              node.cpu_list, tuple(node.slots) if node.gpus is None else ()))
+                              node.cpu_list, tuple(node.slots) if node.gpus is None else (),
+                              node.hostname))
     return tuple(plans)
 
 
@@ -176,13 +190,15 @@ def host_slots(host: str, slots: Sequence[int], local: bool,
                devices: Sequence[DeviceId] | None,
                env: Mapping[str, str] | None = None, cpus: int | None = None,
                path_prepend: Sequence[str] = (),
-               cpu_list: Sequence[int] | None = None) -> NodeSlots:
+               cpu_list: Sequence[int] | None = None,
+               hostname: str | None = None) -> NodeSlots:
     """A hostfile node: GPU ranks on the selected devices when its host has
     GPUs (``devices``: the host's visible devices), else one CPU rank per slot.
     ``devices`` None: not known yet (draft plan)."""
     pairs = tuple(sorted((env or {}).items()))
     extra = {"cpus": cpus, "path_prepend": tuple(path_prepend),
-             "cpu_list": tuple(cpu_list) if cpu_list is not None else None}
+             "cpu_list": tuple(cpu_list) if cpu_list is not None else None,
+             "hostname": hostname}
     if devices is None:
         return NodeSlots(host, tuple(slots), None, local, pairs, **extra)
     if not devices:
@@ -267,7 +283,8 @@ def build_plan(spec: LaunchSpec, cluster: Cluster, env: JobEnv, job_id: str, *,
             host, cluster.slots[i], cluster.local[i], devices,
             socket_env(ifname, env.keys()), known.cpus if known is not None else None,
             () if cluster.local[i] else remote_path,
-            known.cpu_list if known is not None else None))
+            known.cpu_list if known is not None else None,
+            known.hostname if known is not None else None))
     if master is not None:
         addr, port = master
     else:
@@ -327,7 +344,7 @@ def describe(plan: LaunchPlan) -> list[str]:
             devices = (f"GPUs {slots} if the host has them, else cpu: found at launch"
                        if slots else "GPUs if the host has them, else cpu: found at launch")
         lines.append(
-            f"  {node.host}: ranks [{ranks}]  local ranks [{local}]  devices [{devices}]"
+            f"  {node.label}: ranks [{ranks}]  local ranks [{local}]  devices [{devices}]"
         )
         if plan.bind_cores:
             pool = "--bind_core_list" if plan.bind_core_list else "the CPUs the host may use"

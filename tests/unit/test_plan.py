@@ -268,3 +268,19 @@ def test_forwarded_and_file_variables_that_dsrun_sets():
         lines = describe_env(rank_env(plan, *_first(plan)), plan.user_env, "dsrun's env")
         assert "RANK=0" in lines and "MASTER_ADDR=127.0.0.1" in lines
         assert not [ln for ln in lines if "not shown" in ln]  # no hint that theirs wins
+
+
+def test_rank_map_names_a_host_listed_by_address_by_its_name_too():
+    """Output lines say [node3:2] (the agent's host name); the rank map said
+    only 10.0.0.13, the hostfile entry."""
+    from dsrun.launcher.plan import describe
+
+    spec = LaunchSpec(script="t.py", cpu=True)
+    cluster = Cluster("hf", ("node1", "10.0.0.13", "node2.example"), ((0,), (0,), (0,)),
+                      (False, False, False), "ssh")
+    facts = [NodeFacts.from_probe({"host": name, "cpus": 1})
+             for name in ("node1", "node3", "node2")]
+    plan = build_plan(spec, cluster, job_env({}, remote=True), "j", facts=facts,
+                      python="/py", cwd="/", master=("10.0.0.11", 29500))
+    assert [line.split(":")[0].strip() for line in describe(plan)[1:]] == \
+        ["node1", "10.0.0.13 (node3)", "node2.example"]
