@@ -129,3 +129,33 @@ def test_a_suspended_launcher_is_not_taken_for_a_lost_one(sim_cluster: SimCluste
         proc.kill()
     assert proc.returncode == 0, err
     assert "[node2:1] rank 1 done" in out and "lost" not in err
+
+
+def test_timeout_with_a_host_that_cannot_answer(sim_cluster: SimCluster,
+                                                tmp_path: Path) -> None:
+    """--timeout while node2's link is down and heartbeats are off: dsrun
+    does not wait out the kill grace and the agent slack for node2 (exit 124
+    came ~20 s after the cut), and the report says node2 sent no stacks."""
+    hostfile = write_hostfile(sim_cluster, tmp_path / "hostfile", ["node1", "node2"], slots=1)
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    proc = start(sim_cluster, "-H", hostfile, *ssh_flags(sim_cluster), "--dist_backend",
+                 "none", "--kill_grace", "1", "--heartbeat_timeout", "0", "--timeout", "8",
+                 HANG, "--pid_dir", str(pid_dir), "--finish", "none", on="node1")
+    try:
+        wait_files(pid_dir, 2)
+        sim_cluster.link_down("node2")
+        cut = time.monotonic()
+        try:
+            out, err = proc.communicate(timeout=40)
+            ended_in = time.monotonic() - cut
+        finally:
+            sim_cluster.link_up("node2")
+    finally:
+        proc.kill()
+        # node2's agent never heard the end (heartbeats off, link was down)
+        sim_cluster.kill_strays()
+    assert proc.returncode == 124, err
+    assert ended_in < 8 + 5 + 4, ended_in  # --timeout, the stack wait, node1's stop
+    assert "[node1:0]" in err and "no stacks from node2" in err
+    assert "the ranks on node2 could not be confirmed stopped" in err
