@@ -139,3 +139,30 @@ def test_lost_ssh_connection_stops_the_job(sim_cluster: SimCluster, tmp_path: Pa
     assert proc.returncode != 0
     assert "the node agent on host node2 failed first: lost the SSH connection to node2" \
         in err, err
+
+
+def test_a_second_sigint_kills_remote_ranks_that_ignore_sigterm(sim_cluster: SimCluster,
+                                                                tmp_path: Path) -> None:
+    """The second Ctrl-C used to close the SSH connections, which node2's
+    agent took as one more stop: its rank ran on until the 30 s grace ended,
+    while dsrun had already said every rank was stopped."""
+    hostfile = write_hostfile(sim_cluster, tmp_path / "hostfile", ["node1", "node2"], slots=1)
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    proc = start(sim_cluster, *_behave(sim_cluster, hostfile, "--pid_dir", str(pid_dir),
+                                       "--ignore_term_rank", "1", grace=30), on="node1")
+    try:
+        pids = wait_files(pid_dir, 2)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(1)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=20)
+        left = wait_gone(list(pids.values()), 1)
+        err = proc.stderr.read() if proc.stderr else ""
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == 130, err
+    assert left == [], "node2's rank outlived dsrun's 'every rank was stopped'"
+    assert "stopped by SIGINT; every rank was stopped" in err
+    sim_cluster.wait_clean(5)
