@@ -18,7 +18,9 @@ of input before the plan means "exit, nothing was started". Guarantees:
   SIGKILL after ``kill_grace`` seconds;
 - a stop command, end of input (launcher, SSH channel or connection gone),
   a launcher silent for longer than its heartbeat timeout (link.py), or a
-  signal to the agent stops every rank the same way;
+  signal to the agent stops every rank the same way; a kill command (a
+  second signal at the launcher), or end of input while stopping, SIGKILLs
+  the ranks at once instead of waiting out the grace;
 - exited ranks stay unreaped until the teardown is over, so their pids and
   group ids cannot name anyone else's processes meanwhile (procs.py);
 - before ``done`` is sent every process of the job on this host is gone,
