@@ -405,8 +405,9 @@ def _dispatch(args: list[str]) -> tuple[click.Command, list[str]]:
 _NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
 
-_NO_QUIET = ("dsrun has no quiet mode: its own lines (a few at start, warnings, errors, the "
-             "failure report) are the stderr lines starting with 'dsrun:'")
+_OWN_LINES = ("its own lines (a few at start, warnings, errors, the failure report) are the "
+              "stderr lines starting with 'dsrun:'")
+_NO_QUIET = f"dsrun has no quiet mode: {_OWN_LINES}"
 
 #: DeepSpeed launcher flags dsrun does not take, and what to do instead
 #: (every flag of DeepSpeed 0.19.8's runner.py that dsrun lacks, and a few of
@@ -433,8 +434,7 @@ DEEPSPEED_ONLY_FLAGS = {
     "--venv_script": "Not needed: remote ranks run the launcher's Python interpreter, and its "
                      "directory comes first on their PATH; set variables with --env or in "
                      "./.dsrun_env",
-    "--log_level": "dsrun has no log levels: its own lines (a few at start, warnings, "
-                   "errors, the failure report) are the stderr lines starting with 'dsrun:'",
+    "--log_level": f"dsrun has no log levels: {_OWN_LINES}",
     "--quiet": _NO_QUIET,
     "-q": _NO_QUIET,
     "--comment": "Pass Slurm options with --slurm_args",

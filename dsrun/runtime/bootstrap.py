@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import builtins
 import importlib.machinery
+import importlib.util
 import io
 import json
+import marshal
 import os
-import pkgutil
 import runpy
 import signal
 import socket
@@ -129,25 +130,23 @@ def run_script(target: str) -> None:
     file itself when that holds the ``__main__.py``. (runpy.run_path would
     also set ``sys.argv[0]`` to the path it is given.)"""
     path = os.path.abspath(target)
-    loader: object
-    if os.path.isdir(path) or zipfile.is_zipfile(path):
+    if not os.path.isdir(path) and zipfile.is_zipfile(path):
         sys.path[0] = path
-        if os.path.isdir(path):
-            path = os.path.join(path, "__main__.py")
-        else:
-            loader = zipimport.zipimporter(path)
-            code = loader.get_code("__main__")
-            _exec_main(code, loader.get_filename("__main__"), loader)
-            return
+        importer = zipimport.zipimporter(path)
+        _exec_main(importer.get_code("__main__"), importer.get_filename("__main__"), importer)
+        return
+    if os.path.isdir(path):
+        sys.path[0] = path
+        path = os.path.join(path, "__main__.py")
     else:
         sys.path[0] = os.path.dirname(os.path.realpath(path))
-    loader = importlib.machinery.SourceFileLoader("__main__", path)
     with io.open_code(path) as f:
-        code = pkgutil.read_code(f)  # a .pyc file; None for source
-    if code is None:
-        with io.open_code(path) as f:
-            code = compile(f.read(), path, "exec", dont_inherit=True)
-    _exec_main(code, path, loader)
+        data = f.read()
+    if data[:4] == importlib.util.MAGIC_NUMBER:  # a .pyc file: 16 bytes of header
+        code = marshal.loads(data[16:])
+    else:
+        code = compile(data, path, "exec", dont_inherit=True)
+    _exec_main(code, path, importlib.machinery.SourceFileLoader("__main__", path))
 
 
 def _exec_main(code: types.CodeType, filename: str, loader: object) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Callable, Optional
 
 import torch
@@ -37,6 +37,25 @@ from torch.optim import Optimizer
 
 from dsrun.errors import DsrunConfigError
 from dsrun.runtime.config import OPTIMIZER_NAMES, OptimizerConfig, did_you_mean
+
+
+def _closure_loss(closure: Optional[Callable[[], Any]]) -> Any:
+    """``closure()`` with gradients enabled (inside an optimizer's step), or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def _with_grads(optimizer: Optimizer, name: str) -> Iterator[tuple[dict[str, Any], Any]]:
+    """``(group, param)`` for every parameter with a dense gradient."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            if param.grad.is_sparse:
+                raise RuntimeError(f"{name} does not support sparse gradients")
+            yield group, param
 
 
 class Lamb(Optimizer):
@@ -81,18 +100,9 @@ class Lamb(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.lamb_coeffs = []
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                if param.grad.is_sparse:
-                    raise RuntimeError("Lamb does not support sparse gradients")
-                self.lamb_coeffs.append(self._update(param, group))
+        loss = _closure_loss(closure)
+        self.lamb_coeffs = [self._update(param, group)
+                            for group, param in _with_grads(self, "Lamb")]
         return loss
 
     def _update(self, param: torch.Tensor, group: Mapping[str, Any]) -> torch.Tensor:
@@ -156,31 +166,23 @@ class Lion(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
+        loss = _closure_loss(closure)
+        for group, param in _with_grads(self, "Lion"):
             beta1, beta2 = group["betas"]
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                if param.grad.is_sparse:
-                    raise RuntimeError("Lion does not support sparse gradients")
-                state = self.state[param]
-                if not state:
-                    dtype = torch.float32 if self.fp32_states else param.dtype
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(param, dtype=dtype,
-                                                        memory_format=torch.preserve_format)
-                state["step"] += 1
-                exp_avg = state["exp_avg"]
-                grad = param.grad.to(exp_avg.dtype)
-                direction = exp_avg.mul(beta1).add_(grad, alpha=1.0 - beta1).sign_()
-                if group["weight_decay"]:
-                    param.mul_(1.0 - group["lr"] * group["weight_decay"])
-                param.add_(direction.to(param.dtype), alpha=-group["lr"])
-                exp_avg.mul_(beta2).add_(grad, alpha=1.0 - beta2)
+            state = self.state[param]
+            if not state:
+                dtype = torch.float32 if self.fp32_states else param.dtype
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(param, dtype=dtype,
+                                                    memory_format=torch.preserve_format)
+            state["step"] += 1
+            exp_avg = state["exp_avg"]
+            grad = param.grad.to(exp_avg.dtype)
+            direction = exp_avg.mul(beta1).add_(grad, alpha=1.0 - beta1).sign_()
+            if group["weight_decay"]:
+                param.mul_(1.0 - group["lr"] * group["weight_decay"])
+            param.add_(direction.to(param.dtype), alpha=-group["lr"])
+            exp_avg.mul_(beta2).add_(grad, alpha=1.0 - beta2)
         return loss
 
 

@@ -351,47 +351,31 @@ def test_worker_file_exists() -> None:
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_adagrad_from_the_config_matches_torch_adagrad(solo: None, stage: int) -> None:
-    """Adagrad makes its state (``sum``, a zero ``step``) in its constructor:
-    that is not a stepped optimizer; ZeRO's rebuilt one steps as torch's."""
+@pytest.mark.parametrize("name, cls, params", [
+    # Adagrad makes its state (``sum``, a zero ``step``) in its constructor:
+    # that is not a stepped optimizer
+    ("Adagrad", torch.optim.Adagrad,
+     {"lr": 0.1, "initial_accumulator_value": 0.2, "lr_decay": 0.01}),
+    # Lion is elementwise: a ZeRO stage steps each partition as the whole
+    ("Lion", Lion, {"lr": 0.01, "betas": (0.9, 0.99), "weight_decay": 0.1}),
+])
+def test_config_optimizers_at_zero_stages_match_the_unsharded_one(
+        solo: None, stage: int, name: str, cls: type, params: dict) -> None:
+    """ZeRO's rebuilt optimizer steps as the same optimizer over the whole model."""
     import dsrun
 
-    params = {"lr": 0.1, "initial_accumulator_value": 0.2, "lr_decay": 0.01}
     ref, mine = small_model(), small_model()
-    train(ref, torch.optim.Adagrad(ref.parameters(), **params), 1, 0.0, zero=False)
+    train(ref, cls(ref.parameters(), **params), 1, 0.0, zero=False)
     config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000,
-              "optimizer": {"type": "Adagrad", "params": params},
+              "optimizer": {"type": name, "params": params},
               "zero_optimization": {"stage": stage}}
     engine, *_ = dsrun.initialize(model=mine, config=config)
-    assert type(engine.optimizer.optimizer) is torch.optim.Adagrad
+    assert type(engine.optimizer.optimizer) is cls
     g = torch.Generator().manual_seed(1)
     for _ in range(8):
         engine.backward(engine(torch.randn(4, 7, generator=g)).square().mean())
         engine.step()
     full = engine.optimizer.module_state_dict() if stage == 3 else mine.state_dict()
-    for name, value in ref.state_dict().items():
-        assert (value - full[name]).abs().max().item() <= TOLERANCE, name
-    engine.destroy()
-
-
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_lion_from_the_config_is_sharded_and_matches_plain_lion(solo: None, stage: int) -> None:
-    """Lion is elementwise: a ZeRO stage steps each partition as the whole."""
-    import dsrun
-
-    params = {"lr": 0.01, "betas": [0.9, 0.99], "weight_decay": 0.1}
-    ref, mine = small_model(), small_model()
-    train(ref, Lion(ref.parameters(), **{**params, "betas": (0.9, 0.99)}), 1, 0.0, zero=False)
-    config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000,
-              "optimizer": {"type": "Lion", "params": params},
-              "zero_optimization": {"stage": stage}}
-    engine, *_ = dsrun.initialize(model=mine, config=config)
-    assert type(engine.optimizer.optimizer) is Lion
-    g = torch.Generator().manual_seed(1)
-    for _ in range(8):
-        engine.backward(engine(torch.randn(4, 7, generator=g)).square().mean())
-        engine.step()
-    full = engine.optimizer.module_state_dict() if stage == 3 else mine.state_dict()
-    for name, value in ref.state_dict().items():
-        assert (value - full[name]).abs().max().item() <= TOLERANCE, name
+    for key, value in ref.state_dict().items():
+        assert (value - full[key]).abs().max().item() <= TOLERANCE, key
     engine.destroy()

@@ -637,10 +637,9 @@ class PipelineEngine(DsrunEngine):
 
     # ------------------------------------------------------------ the step
 
-    def _aggregate_loss(self, state: BatchState, reduce_output: Optional[str] = "avg"
-                        ) -> Any:
-        """The mean loss over micro-batches and replicas, on every rank
-        (``reduce_output=None``: per micro-batch, averaged over replicas)."""
+    def _aggregate_loss(self, state: BatchState) -> torch.Tensor:
+        """The training batch's mean loss over micro-batches and replicas, on
+        every rank."""
         count = state.micro_batches
         if self.grid.is_last_stage:
             values = torch.stack(state.loss_values).to(self.device)
@@ -655,7 +654,7 @@ class PipelineEngine(DsrunEngine):
         if self.num_stages > 1:
             collectives.broadcast(values, src=self.grid.stage_to_global(self.num_stages - 1),
                            group=self.grid.pipe_group)
-        return values.mean() if reduce_output == "avg" else list(values.unbind())
+        return values.mean()
 
     def _optimizer_step(self, ins: sched.OptimizerStep, state: BatchState) -> None:
         with self.monitor.optimizer_step(self):  # the step's events, the breakdown
