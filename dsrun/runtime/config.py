@@ -101,6 +101,7 @@ from dsrun.runtime.config_sections import (
     PipelineConfig,
     SchedulerConfig,
     TensorBoardConfig,
+    TorchAutocastConfig,
     WandbConfig,
     ZeroConfig,
     canonical_optimizer_type,
@@ -122,7 +123,7 @@ __all__ = [
     "CsvMonitorConfig", "DsrunConfig",
     "DsrunOptions", "FP16Config", "MONITOR_SECTIONS", "OffloadOptimizerConfig",
     "OffloadParamConfig", "OptimizerConfig", "PipelineConfig", "SchedulerConfig",
-    "TensorBoardConfig", "WandbConfig",
+    "TensorBoardConfig", "TorchAutocastConfig", "WandbConfig",
     "ZeroConfig", "canonical_optimizer_type", "canonical_scheduler_type", "check_scheduler_params",
     "check_value", "did_you_mean", "inert_settings", "is_auto", "load_config", "resolve",
     "resolve_batch",
@@ -137,7 +138,7 @@ PASSTHROUGH_KEYS = frozenset({
     "compile", "compression_training", "curriculum_learning", "data_efficiency",
     "data_types", "eigenvalue", "elasticity", "hybrid_engine", "nebula",
     "progressive_layer_drop", "quantize_training", "sparse_attention",
-    "tensor_parallel", "timers", "torch_autocast",
+    "tensor_parallel", "timers",
     "use_data_before_expert_parallelism", "weight_quantization",
 })
 
@@ -178,6 +179,7 @@ class DsrunConfig:
     activation_checkpointing: ActivationCheckpointingConfig = subsection(
         ActivationCheckpointingConfig)
     pipeline: PipelineConfig = subsection(PipelineConfig)
+    torch_autocast: TorchAutocastConfig = subsection(TorchAutocastConfig)
     memory_breakdown: bool = opt("bool", False)
     dump_state: bool = opt("bool", False)
     communication_data_type: Optional[str] = opt("str", None, choices=("fp16", "bf16", "fp32"))
@@ -203,6 +205,14 @@ class DsrunConfig:
         if self.fp16.enabled and self.bf16.enabled:
             raise DsrunConfigError(f"fp16.enabled and bf16.enabled are both true in {self.source}; "
                                    "enable at most one")
+        if self.torch_autocast.enabled and self.precision != "fp32":
+            raise DsrunConfigError(
+                f"torch_autocast.enabled and {self.precision}.enabled are both true in "
+                f"{self.source}; enable one ("
+                + ("fp16 converts the model to float16; torch_autocast keeps fp32 weights"
+                   if self.precision == "fp16" else
+                   "dsrun's bf16 already is a bfloat16 autocast over fp32 weights")
+                + ")")
         resolve_batch(self.train_batch_size, self.train_micro_batch_size_per_gpu,
                       self.gradient_accumulation_steps, self.dp_size, self.dp_size_source,
                       source=self.source)
@@ -244,7 +254,9 @@ class DsrunConfig:
             f"batch: train {self.train_batch_size} = micro {self.train_micro_batch_size_per_gpu}"
             f" x accumulation {self.gradient_accumulation_steps} x data-parallel {self.dp_size}"
             f" ({self.dp_size_source})",
-            f"precision: {self.precision}{self._loss_scale_note()}",
+            f"precision: {self.precision}{self._loss_scale_note()}"
+            + (f", torch_autocast {self.torch_autocast.dtype or 'the device default'}"
+               if self.torch_autocast.enabled else ""),
             f"zero: stage {zero.stage}" + (f", offload optimizer to {zero.offload_optimizer.device}"
                                            if zero.offload_optimizer else "")
             + (f", offload params to {zero.offload_param.device}" if zero.offload_param else ""),
@@ -455,6 +467,8 @@ def resolve(config: ConfigInput, *, dp_size: int, dp_source: str,
                                         ("flops_profiler",), ctx),
         "activation_checkpointing": parse_activation_checkpointing(known, ctx),
         "pipeline": parse_section(PipelineConfig, known.get("pipeline", {}), ("pipeline",), ctx),
+        "torch_autocast": parse_section(TorchAutocastConfig, known.get("torch_autocast", {}),
+                                        ("torch_autocast",), ctx),
         **parse_monitors(known, ctx),
     }
     if is_auto(known.get("gradient_clipping")):

@@ -10,7 +10,7 @@ follow DeepSpeed's own config classes. Nothing here imports torch.
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Optional
@@ -207,6 +207,43 @@ class BF16Config:
 
     def __post_init__(self) -> None:
         validate_fields(self)
+
+
+# torch_autocast's dtype names (DeepSpeed's DtypeEnum spellings) -> torch dtype name
+AUTOCAST_DTYPES: Mapping[str, str] = MappingProxyType({
+    **dict.fromkeys(("fp16", "float16", "half", "torch.float16"), "float16"),
+    **dict.fromkeys(("bf16", "bfloat16", "torch.bfloat16"), "bfloat16")})
+
+
+@dataclass(frozen=True)
+class TorchAutocastConfig:
+    """``torch_autocast``: fp32 parameters, gradients and optimizer state,
+    and the forward under ``torch.autocast(device, dtype)``, as DeepSpeed's
+    section. ``dtype`` unset is torch's default for the device (CUDA
+    float16, CPU bfloat16); float16 scales the loss dynamically as
+    ``torch.amp.GradScaler`` does. ``lower_precision_safe_modules``
+    (dotted class names, checked importable) is where DeepSpeed reduces
+    gradients in the autocast dtype; dsrun reduces every gradient in fp32,
+    so it changes nothing here."""
+
+    enabled: bool = opt("bool", False)
+    dtype: Optional[str] = opt("str", None, choices=tuple(AUTOCAST_DTYPES))
+    lower_precision_safe_modules: Any = opt("json", None)
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+        names = self.lower_precision_safe_modules
+        if names is not None and (isinstance(names, str) or not isinstance(names, Sequence)
+                                  or not all(isinstance(n, str) and "." in n for n in names)):
+            raise DsrunConfigError("torch_autocast.lower_precision_safe_modules must be a list "
+                                   'of dotted class names like "torch.nn.Linear", got '
+                                   f"{names!r}")
+
+    def torch_dtype(self, device_type: str) -> str:
+        """The autocast dtype's torch name on ``device_type``."""
+        if self.dtype is None:
+            return "float16" if device_type == "cuda" else "bfloat16"
+        return AUTOCAST_DTYPES[self.dtype]
 
 
 # ------------------------------------------------------------------- monitors

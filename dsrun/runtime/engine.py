@@ -356,7 +356,7 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
         self.zero_grad(set_to_none=False)  # ZeRO keeps its partition accumulators
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
-        extra = f"loss_scale={self.precision.loss_scale:g}" if self.precision.name == "fp16" \
+        extra = f"loss_scale={self.precision.loss_scale:g}" if hasattr(self.precision, "scaler") \
             else None
         self.progress.step(self.global_steps, self.skipped_steps, self.get_lr(), extra)
 

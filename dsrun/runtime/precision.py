@@ -19,6 +19,11 @@ optimizer updates, and how a step is checked and applied.
   real fp16 arithmetic on every device, CPU included (slow there, but
   correct: overflows are the ones a GPU run would see).
 
+* :class:`TorchAutocast` / :class:`TorchAutocastFP16` (the
+  ``torch_autocast`` section): fp32 weights, the forward under a bfloat16 or
+  float16 autocast; float16 scales the loss with ``torch.amp.GradScaler``'s
+  rule (:class:`GradScalerRule`).
+
 A precision's :meth:`step` returns a :class:`StepResult`; the engine does the
 bookkeeping (counters, LR scheduler, logs).
 """
@@ -26,6 +31,7 @@ bookkeeping (counters, LR scheduler, logs).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -131,6 +137,75 @@ class BF16Autocast(FullPrecision):
         norm = global_norm([p.grad for p in self.params if p.grad is not None])
         optimizer.step()
         return StepResult(True, norm)
+
+
+class TorchAutocast(FullPrecision):
+    """The ``torch_autocast`` section with a bfloat16 dtype: fp32 weights,
+    gradients and optimizer state, the forward under ``torch.autocast``
+    (what dsrun's ``bf16`` does too, under another name)."""
+
+    name = "autocast-bf16"
+
+    def autocast(self) -> Any:
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+
+class TorchAutocastFP16(TorchAutocast):
+    """``torch_autocast`` with float16: fp32 weights, the forward under a
+    float16 autocast, and the loss scaled as ``torch.amp.GradScaler``
+    scales it (DeepSpeed uses one for this section): from 2^16, halved on
+    every overflow (the step is skipped), doubled after 2000 clean steps in
+    a row. Gradients are fp32 and unscaled in place before the step."""
+
+    name = "autocast-fp16"
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
+                 device: torch.device) -> None:
+        super().__init__(params, names, device)
+        self.scaler = GradScalerRule()
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def autocast(self) -> Any:
+        return torch.autocast(self.device.type, dtype=torch.float16)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss.float() * self.scaler.scale
+
+    @torch.no_grad()
+    def unscale_(self) -> None:
+        """Divide this rank's gradients by the loss scale (ZeRO stage 0)."""
+        inverse = 1.0 / self.scaler.scale
+        for param in self.params:
+            if param.grad is not None:
+                param.grad.mul_(inverse)
+
+    def step(self, optimizer: Optimizer, max_norm: float) -> StepResult:
+        self.unscale_()
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm) if max_norm > 0 \
+            else global_norm(grads)
+        overflow = not bool(torch.isfinite(norm))
+        if self.scaler.update(overflow):
+            return StepResult(False, norm, overflow)
+        optimizer.step()
+        return StepResult(True, norm)
+
+
+class GradScalerRule(LossScaler):
+    """:class:`LossScaler` with ``torch.amp.GradScaler``'s default rule:
+    scale 2^16, halved on every overflow (no hysteresis, no floor), doubled
+    at every 2000th clean step in a row."""
+
+    def __init__(self) -> None:
+        super().__init__(scale=2.0**16, dynamic=True, window=2000, hysteresis=1,
+                         min_scale=0.0, raise_at_min_scale=False)
+
+    def _on_clean(self) -> None:
+        if (self.iteration - self.last_overflow_iteration) % self.window == 0:
+            self.scale *= self.scale_factor
 
 
 class FP16Scaling(FullPrecision):
@@ -257,4 +332,23 @@ def make_precision(config: DsrunConfig, module: torch.nn.Module,
         return (FP16Master if masters else FP16Scaling)(params, names, device, config)
     if config.bf16.enabled:
         return BF16Autocast(params, names, device)
+    autocast = config.torch_autocast
+    if autocast.enabled:
+        _check_importable(autocast.lower_precision_safe_modules or ())
+        half = autocast.torch_dtype(device.type) == "float16"
+        return (TorchAutocastFP16 if half else TorchAutocast)(params, names, device)
     return FullPrecision(params, names, device)
+
+
+def _check_importable(class_names: Iterable[str]) -> None:
+    """Each dotted name names a class (DeepSpeed imports them too)."""
+    for dotted in class_names:
+        module_name, _, attr = dotted.rpartition(".")
+        try:
+            found = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise DsrunConfigError(f"torch_autocast.lower_precision_safe_modules: cannot import "
+                                   f"{dotted!r}: {err}") from None
+        if not isinstance(found, type):
+            raise DsrunConfigError(f"torch_autocast.lower_precision_safe_modules: {dotted!r} is "
+                                   "not a class")

@@ -77,7 +77,7 @@ def measure_grad_norm(engine: Any) -> Optional[float]:
     if engine.config.gradient_clipping > 0:
         return None
     if engine.zero_stage == 0:
-        if engine.precision.name == "fp16":
+        if hasattr(engine.precision, "scaler"):
             return None
         grads = [p.grad for p in engine.precision.params if p.grad is not None]
         if not grads:
@@ -215,7 +215,7 @@ class EngineMonitor:
         if loss is not None:
             events.append((ev.TRAIN_LOSS, loss, step))
         events += [(ev.lr_event(i), lr, step) for i, lr in enumerate(engine.get_lr())]
-        if engine.precision.name == "fp16":
+        if hasattr(engine.precision, "scaler"):
             events.append((ev.LOSS_SCALE, float(engine.loss_scale), step))
         norm = engine.get_global_grad_norm()
         norm = self._grad_norm if norm is None else norm

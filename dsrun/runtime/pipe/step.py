@@ -31,7 +31,7 @@ import torch.distributed as dist
 from dsrun import comm as collectives
 from dsrun.errors import DsrunConfigError
 from dsrun.runtime.monitor.timers import comm_wait
-from dsrun.runtime.precision import FP16Master, FullPrecision, StepResult
+from dsrun.runtime.precision import FP16Master, FullPrecision, StepResult, TorchAutocastFP16
 from dsrun.runtime.zero.masters import CLIP_EPS
 
 
@@ -75,6 +75,8 @@ def _stage_grads(precision: FullPrecision, duplicates: set[int]
         pairs = list(zip(precision.params, precision.masters))
         grads = [(p, m.grad) for p, m in pairs if m.grad is not None]
     else:
+        if isinstance(precision, TorchAutocastFP16):
+            precision.unscale_()
         grads = [(p, p.grad) for p in precision.params if p.grad is not None]
     return [g for _, g in grads], [g for p, g in grads if id(p) not in duplicates]
 
