@@ -284,10 +284,30 @@ def _check_preflight(spec: LaunchSpec, outcome: ProbeOutcome) -> None:
     raise PreflightFailed(f"preflight failed on {names}: no rank was started{hint}")
 
 
+#: Signals dsrun takes over while a job runs, and what it does on each.
+#: All but SIGTERM stay ignored when dsrun started with them ignored:
+#: ``nohup`` ignores SIGHUP, and a non-interactive shell's ``&`` SIGINT, so
+#: that the job outlives the terminal (as DeepSpeed's launcher does).
+JOB_SIGNALS: dict[signal.Signals, Callable[[int, object], None]] = {
+    signal.SIGINT: raise_interrupted, signal.SIGTERM: raise_interrupted,
+    signal.SIGHUP: raise_interrupted, signal.SIGTSTP: suspension.on_tstp,
+}
+ALWAYS_HANDLED = frozenset({signal.SIGTERM})
+
+
+def take_signals() -> dict[signal.Signals, object]:
+    """Install the job's signal handlers; return the previous ones (to put
+    back) of the signals taken over."""
+    previous: dict[signal.Signals, object] = {}
+    for sig, handler in JOB_SIGNALS.items():
+        if sig not in ALWAYS_HANDLED and signal.getsignal(sig) == signal.SIG_IGN:
+            continue
+        previous[sig] = signal.signal(sig, handler)
+    return previous
+
+
 def _run_attempts(spec: LaunchSpec, attempt: Callable[[int], JobResult]) -> int:
-    previous = {s: signal.signal(s, raise_interrupted)
-                for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, suspension.on_tstp)
+    previous = take_signals()
     try:
         for restart in range(spec.max_restarts + 1):
             result = attempt(restart)
@@ -301,7 +321,7 @@ def _run_attempts(spec: LaunchSpec, attempt: Callable[[int], JobResult]) -> int:
                     f"({restart + 1}/{spec.max_restarts})")
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, handler)  # type: ignore[arg-type]
     # After Ctrl-C, ranks killed by dsrun's own stop are not a failure to report.
     if result.interrupted is None or any(not f.during_stop for f in result.failures):
         for line in report_lines(result):

@@ -8,14 +8,17 @@ Every test checks that no process of the job is left.
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 
 import psutil
 import pytest
 
 from tests.conftest import (
+    ROOT,
     WORKERS,
     descendants,
+    dsrun_argv,
     run_dsrun,
     start_dsrun,
     wait_for_pids,
@@ -101,6 +104,24 @@ def test_signal_to_dsrun_stops_everything(pid_dir, sig, code):
     assert proc.returncode == code, err
     assert f"stopped by {signal.Signals(sig).name}" in err
     assert wait_gone(sorted(job), 2) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGINT])
+def test_a_signal_ignored_at_start_stays_ignored(pid_dir, sig):
+    """``nohup dsrun ...`` (SIGHUP ignored) and a non-interactive shell's
+    ``dsrun ... &`` (SIGINT ignored): the job outlives that signal."""
+    argv = dsrun_argv(*_behave("--pid_dir", str(pid_dir), "--sleep", "2"))
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=str(ROOT), preexec_fn=lambda: signal.signal(sig, signal.SIG_IGN))
+    try:
+        wait_for_pids(pid_dir, 2)
+        time.sleep(0.3)  # the ranks are up: dsrun's handlers are in place
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=15)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "stopped by" not in err
 
 
 def test_sigkill_to_agent_kills_its_ranks(pid_dir):
