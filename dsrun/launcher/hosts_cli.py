@@ -9,7 +9,10 @@ Edits go through the pure text functions of :mod:`dsrun.launcher.hostfile`,
 so the user's comments, blank lines and order survive, and an edit that
 would make the file invalid is refused (exit 2) before anything is
 written. Files are replaced atomically (temporary file in the same
-directory, then ``os.replace``) keeping their mode. ``validate`` exits 1
+directory, then ``os.replace``) keeping their mode, and every edit (read,
+change, replace) holds the hostfile's edit lock (:func:`edit_lock`), so
+concurrent edits of one hostfile (nodes adding themselves at boot) all
+land, one after the other. ``validate`` exits 1
 when the file has problems; every other error is printed as ``dsrun:
 error: <message>`` with the error's exit code.
 """
@@ -18,11 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import fcntl
 import functools
 import os
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NoReturn, TypeVar
 
@@ -134,6 +138,75 @@ def write_text_atomic(path: str, text: str) -> None:
         raise
 
 
+def _lock_file(path: str) -> str:
+    """The edit lock of hostfile ``path``: ``.NAME.lock`` next to the file
+    it names (through symlinks), so every path to one hostfile shares it."""
+    directory, name = os.path.split(os.path.realpath(path))
+    return os.path.join(directory, f".{name}.lock")
+
+
+def _open_lock(path: str, lock: str) -> int:
+    try:
+        return os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    except PermissionError as exc:  # another user's lock file: reading is enough for flock
+        try:
+            return os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            pass
+        raise HostfileError(f"cannot write hostfile {path!r}: {exc.strerror}") from None
+    except OSError as exc:
+        directory = os.path.dirname(lock)
+        reason = exc.strerror or str(exc)
+        if not os.path.isdir(directory):
+            shown = directory if os.path.islink(path) else os.path.dirname(path) or os.curdir
+            what = "is not a directory" if os.path.lexists(directory) else "does not exist"
+            reason = f"the directory {shown!r} {what}"
+        raise HostfileError(f"cannot write hostfile {path!r}: {reason}") from None
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+
+@contextlib.contextmanager
+def edit_lock(path: str) -> Iterator[None]:
+    """Hold hostfile ``path``'s edit lock (waiting for other editors).
+
+    The lock is ``flock`` on a lock file beside the hostfile (a lock on the
+    hostfile itself would be lost to ``os.replace``, and the file may not
+    exist yet). The holder removes the lock file before it lets go; a
+    waiter that then wakes holding a removed file tries again, so at most
+    one editor holds the current one. An editor killed while it holds the
+    lock leaves the (empty) lock file behind and the next edit removes it.
+    On a file system without ``flock`` the edit goes ahead unlocked.
+    """
+    lock = _lock_file(path)
+    while True:
+        fd = _open_lock(path, lock)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:  # a file system without locks: edit unlocked, as before
+                break
+            if _same_file(fd, lock):
+                break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(lock)
+        os.close(fd)
+
+
 def _plural(count: int, word: str) -> str:
     return f"{count} {word}{'' if count == 1 else 's'}"
 
@@ -158,9 +231,12 @@ def _edit(ctx: click.Context, change: Callable[[str, str], str],
     """Apply ``change(text, path)`` to the hostfile and write it:
     (its path, whether it was created)."""
     path = _hostfile_path(ctx, create=create)
-    exists = os.path.lexists(path)
-    text = hf.read_hostfile_text(path) if exists or not create else ""
-    write_text_atomic(path, change(text, path))
+    if not create and not os.path.lexists(path):
+        raise HostfileError(f"hostfile {path!r} does not exist")
+    with edit_lock(path):
+        exists = os.path.lexists(path)
+        text = hf.read_hostfile_text(path) if exists or not create else ""
+        write_text_atomic(path, change(text, path))
     return path, not exists
 
 
@@ -268,17 +344,20 @@ def validate(ctx: click.Context, hostfile: str | None) -> None:
 def fmt(ctx: click.Context, check: bool, hostfile: str | None) -> None:
     """Normalise lines to 'HOST slots=N', keeping comments, blank lines, order."""
     path = _hostfile_path(ctx)
-    text = hf.read_hostfile_text(path)
-    formatted = hf.format_text(text, path)
-    if formatted == text:
-        click.echo(f"{path} is already formatted")
-        return
-    if check:
-        diff = difflib.unified_diff(
-            text.splitlines(keepends=True), formatted.splitlines(keepends=True), path, path
-        )
-        click.echo("".join(diff), nl=False)
-        click.echo(f"{path} would be reformatted")
-        ctx.exit(1)
-    write_text_atomic(path, formatted)
+    if not os.path.lexists(path):
+        raise HostfileError(f"hostfile {path!r} does not exist")
+    with contextlib.nullcontext() if check else edit_lock(path):
+        text = hf.read_hostfile_text(path)
+        formatted = hf.format_text(text, path)
+        if formatted == text:
+            click.echo(f"{path} is already formatted")
+            return
+        if check:
+            diff = difflib.unified_diff(
+                text.splitlines(keepends=True), formatted.splitlines(keepends=True), path, path
+            )
+            click.echo("".join(diff), nl=False)
+            click.echo(f"{path} would be reformatted")
+            ctx.exit(1)
+        write_text_atomic(path, formatted)
     click.echo(f"formatted {path}")

@@ -228,6 +228,74 @@ def test_edit_named_file_keeps_mode_and_symlink(workdir: Path) -> None:
     assert only_files(workdir) == ["link", "real"]
 
 
+def _concurrently(count: int, args: list[list[str]]) -> list[int]:
+    """Run ``invoke(*args[i])`` in ``count`` forked processes released at
+    once; their exit codes."""
+    read, write = os.pipe()
+    pids = []
+    for i in range(count):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child never returns
+            code = 99
+            try:
+                os.close(write)
+                os.read(read, 1)
+                code = invoke(*args[i]).exit_code
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    os.close(read)
+    os.write(write, b"x" * count)
+    os.close(write)
+    return [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+
+
+@pytest.mark.proc
+@pytest.mark.parametrize("existing", [True, False])
+def test_concurrent_edits_all_land(workdir: Path, monkeypatch: pytest.MonkeyPatch,
+                                   existing: bool) -> None:
+    """Hosts adding themselves to one hostfile at once (also when it does
+    not exist yet): each edit is read-change-write under the edit lock, so
+    none is lost. The change is slowed down so that, without the lock,
+    every editor would read the file before any of them wrote it."""
+    import time
+
+    slow_add = hf.add_host
+
+    def add_host(*args: object, **kwargs: object) -> str:
+        time.sleep(0.15)
+        return slow_add(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(hf, "add_host", add_host)
+    path = workdir / "hostfile"
+    if existing:
+        path.write_text("a slots=1\n")
+    codes = _concurrently(5, [["add", f"h{i}", "--slots", "1"] for i in range(5)])
+    assert codes == [0] * 5
+    hosts_now = hf.load_hostfile(str(path)).hosts
+    assert sorted(hosts_now) == sorted(["a"] * existing + [f"h{i}" for i in range(5)])
+    assert only_files(workdir) == ["hostfile"]  # no lock or temporary file left
+
+
+def test_a_stale_lock_file_is_taken_over_and_removed(workdir: Path) -> None:
+    """An editor killed while editing leaves its lock file; the next edit
+    takes it (no process holds its flock any more) and removes it."""
+    (workdir / "hostfile").write_text(TEXT)
+    (workdir / ".hostfile.lock").write_text("")
+    assert invoke("set-slots", "worker-1", "2").exit_code == 0
+    assert only_files(workdir) == ["hostfile"]
+
+
+def test_editing_in_a_missing_directory_names_it(workdir: Path) -> None:
+    result = invoke("add", "x", "--slots", "1", "-H", "nodir/hostfile")
+    assert result.exit_code == 2
+    assert result.stderr == ("dsrun: error: cannot write hostfile 'nodir/hostfile': the "
+                             "directory 'nodir' does not exist\n")
+    result = invoke("rm", "x", "-H", "nodir/hostfile")
+    assert result.stderr == "dsrun: error: hostfile 'nodir/hostfile' does not exist\n"
+    assert only_files(workdir) == []
+
+
 # --------------------------------------------------------------------------
 # fmt
 
