@@ -68,6 +68,7 @@ def ds_config(stage: int, precision: str, zero: dict[str, Any] | None = None,
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": tt.BATCH, "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9, "zero_optimization": {"stage": stage, **(zero or {})},
+        "gradient_clipping": 0.0,  # as the torch runners: no clipping
         "optimizer": {"type": "AdamW", "params": optimizer}}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}

@@ -135,6 +135,7 @@ Step = Callable[[list[Any]], None]
 def _config(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
     return {"train_micro_batch_size_per_gpu": args.micro_batch,
             "gradient_accumulation_steps": args.micro_batches, "steps_per_print": 10**9,
+            "gradient_clipping": 0.0,  # as DDP: no clipping
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0,
                                                       "torch_adam": True}}, **extra}
 

@@ -88,6 +88,7 @@ def _config(stage: int, precision: str, zero: dict[str, Any]) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9, "zero_optimization": {"stage": stage, **zero},
+        "gradient_clipping": 0.0,  # as the torch runners: no clipping
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}

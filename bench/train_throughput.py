@@ -152,6 +152,7 @@ def _plain_step(module: Any, opt: Any) -> Step:
 def _ds_config(stage: int) -> dict[str, Any]:
     return {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
             "steps_per_print": 10**9, "zero_optimization": {"stage": stage},
+            "gradient_clipping": 0.0,  # as the torch runners: no clipping
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0,
                                                       "torch_adam": True}}}
 

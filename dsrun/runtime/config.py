@@ -131,12 +131,14 @@ __all__ = [
 
 # ---------------------------------------------------------------- the config
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # DeepSpeed's log_level names
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # Documented DeepSpeed sections dsrun accepts but does not act on.
 PASSTHROUGH_KEYS = frozenset({
     "aio", "amp", "autotuning",
     "compile", "compression_training", "curriculum_learning", "data_efficiency",
-    "data_types", "eigenvalue", "elasticity", "hybrid_engine", "nebula",
+    "data_types", "eigenvalue", "elasticity", "expert_parallel",
+    "hybrid_engine", "nebula",
     "progressive_layer_drop", "quantize_training", "sparse_attention",
     "tensor_parallel", "timers",
     "use_data_before_expert_parallelism", "weight_quantization",
@@ -163,7 +165,7 @@ class DsrunConfig:
     gradient_accumulation_steps: int = opt("int", 1, low=1)
     optimizer: Optional[OptimizerConfig] = subsection(OptimizerConfig, optional=True)
     scheduler: Optional[SchedulerConfig] = subsection(SchedulerConfig, optional=True)
-    gradient_clipping: float = opt("float", 0.0, low=0.0)
+    gradient_clipping: float = opt("float", 1.0, low=0.0)  # DeepSpeed 0.19.8 default
     fp16: FP16Config = subsection(FP16Config)
     bf16: BF16Config = subsection(BF16Config)
     zero_optimization: ZeroConfig = subsection(ZeroConfig)
@@ -183,7 +185,12 @@ class DsrunConfig:
     memory_breakdown: bool = opt("bool", False)
     dump_state: bool = opt("bool", False)
     communication_data_type: Optional[str] = opt("str", None, choices=("fp16", "bf16", "fp32"))
-    seq_parallel_comm_data_type: str = opt("str", "fp32", choices=("fp16", "bf16", "fp32"))
+    seq_parallel_communication_data_type: str = opt("str", "fp32",
+                                                    choices=("fp16", "bf16", "fp32"))
+    gradient_allreduce_op: str = opt("str", "mean", choices=("mean", "sum"))
+    managed_gradient_accumulation: bool = opt("bool", True)
+    disable_python_gc: bool = opt("bool", False)
+    log_level: Optional[str] = opt("str", None, choices=LOG_LEVELS)
     prescale_gradients: bool = opt("bool", False)
     gradient_predivide_factor: float = opt("float", 1.0, low=0.0)
     sparse_gradients: bool = opt("bool", False)
@@ -216,6 +223,16 @@ class DsrunConfig:
         resolve_batch(self.train_batch_size, self.train_micro_batch_size_per_gpu,
                       self.gradient_accumulation_steps, self.dp_size, self.dp_size_source,
                       source=self.source)
+        if self.gradient_allreduce_op == "sum":
+            raise DsrunConfigError(
+                f'gradient_allreduce_op "sum" in {self.source} is not implemented: dsrun always '
+                "averages gradients over the data-parallel group; multiply the loss by the "
+                'data-parallel size for summed gradients, or use "mean"')
+        if not self.managed_gradient_accumulation:
+            raise DsrunConfigError(
+                f"managed_gradient_accumulation false in {self.source} is not implemented: the "
+                "engine reduces gradients at the accumulation boundary of "
+                "gradient_accumulation_steps; remove the key or set it true")
         if self.gradient_predivide_factor <= 0:
             raise DsrunConfigError(f"gradient_predivide_factor in {self.source} must be > 0, got "
                                    f"{self.gradient_predivide_factor:g}")
@@ -378,6 +395,11 @@ def _without_auto_enabled(raw: Any) -> Any:
 
 def _passthrough(known: Mapping[str, Any], ctx: Ctx) -> dict[str, Any]:
     kept = {k: v for k, v in known.items() if k in PASSTHROUGH_KEYS}
+    amp = kept.get("amp")
+    if isinstance(amp, Mapping) and amp.get("enabled") is True:
+        # DeepSpeed 0.19.8 refuses it the same way: Apex AMP support is gone
+        raise DsrunConfigError(f'"amp" (NVIDIA Apex AMP) is enabled in {ctx.source}: it is not '
+                               'supported; use "bf16", "fp16" or "torch_autocast" instead')
 
     def disabled(value: Any) -> bool:
         if isinstance(value, Mapping):
@@ -394,7 +416,7 @@ def _passthrough(known: Mapping[str, Any], ctx: Ctx) -> dict[str, Any]:
 # does not act on, with their defaults (one warning names those that are set).
 INERT_KEYS: Mapping[str, Any] = MappingProxyType({
     "sparse_gradients": False, "disable_allgather": False, "graph_harvesting": False,
-    "vocabulary_size": None, "seq_parallel_comm_data_type": "fp32"})
+    "vocabulary_size": None, "seq_parallel_communication_data_type": "fp32"})
 
 
 def inert_settings(config: DsrunConfig) -> list[str]:

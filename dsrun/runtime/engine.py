@@ -39,6 +39,7 @@ optimizer step.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import Iterable, Iterator
@@ -50,6 +51,7 @@ from torch.optim import Optimizer
 
 from dsrun.errors import DsrunConfigError, DsrunError
 from dsrun.profiling.engine_step import make_flops_profiler
+from dsrun.runtime import python_gc
 from dsrun.runtime.checkpoint import engine_io as checkpoint_io
 from dsrun.runtime.config import DsrunConfig
 from dsrun.runtime.dist import compute_device
@@ -62,7 +64,7 @@ from dsrun.runtime.monitor.training import EngineMonitor
 from dsrun.runtime.optimizers import build_optimizer
 from dsrun.runtime.param_links import link_params
 from dsrun.runtime.precision import FullPrecision, StepResult, make_precision
-from dsrun.runtime.progress import Progress
+from dsrun.runtime.progress import LOGGER_NAME, Progress
 from dsrun.runtime.zero.stepping import (
     DEEPSPEED_DEFAULT_BUCKET,
     memory_lines,
@@ -122,6 +124,9 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
                              "dsrun.initialize(), or call dsrun.init_distributed() first")
         env = env or DistEnv.detect()
         self.config = config
+        if config.log_level is not None:  # DeepSpeed's: the runtime logger's level
+            logging.getLogger(LOGGER_NAME).setLevel(config.log_level.upper())
+        self._gc_held = python_gc.hold() if config.disable_python_gc else False
         self.local_rank = env.local_rank
         self.dp_group = mpu.get_data_parallel_group() if mpu is not None else None
         self.dp_world_size = dist.get_world_size(self.dp_group)
@@ -521,18 +526,24 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
 
         return zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters)
 
+    def collect_python_gc(self) -> int:
+        """One cyclic garbage collection now (DeepSpeed's, for
+        ``disable_python_gc`` runs: call it where a pause does no harm);
+        returns the number of objects collected."""
+        return gc.collect()
+
     def destroy(self) -> None:
         """Wait for an asynchronous checkpoint save (raising its failure) and
         remove the gradient hooks (the module can then be trained by other means)."""
         try:
             checkpoint_io.wait(self)
         finally:
+            if self._gc_held:
+                self._gc_held = False
+                python_gc.release()
             if self._grad_sync is not None:
                 self._grad_sync.close()
                 self._grad_sync = None
-
-
-DeepSpeedEngine = DsrunEngine
 
 
 def _check_prepartitioned(module: torch.nn.Module, config: DsrunConfig) -> None:

@@ -13,6 +13,7 @@ and live on the engine (:mod:`dsrun.runtime.batch_size`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -20,6 +21,13 @@ import torch
 from dsrun.runtime.config import OPTIMIZER_NAMES, DsrunConfig
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# DeepSpeed's DtypeEnum spellings, for data_types.grad_accum_dtype
+_DTYPE_NAMES = {**_DTYPES, **{f"{prefix}{name}": dtype for prefix in ("", "torch.")
+                              for name, dtype in (("float16", torch.float16),
+                                                  ("half", torch.float16),
+                                                  ("bfloat16", torch.bfloat16),
+                                                  ("float32", torch.float32),
+                                                  ("float", torch.float32))}}
 
 
 class EngineInfo:
@@ -89,14 +97,25 @@ class EngineInfo:
         return False
 
     def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
-        """(the model's training dtype, the gradient reduction dtype)."""
+        """DeepSpeed's (model dtype, gradient accumulation dtype): the dtype
+        of the ``fp16``/``bf16`` section (else fp32), and
+        ``data_types.grad_accum_dtype`` where set, else the model dtype."""
         model = _DTYPES[self.config.precision]
-        comm = self.config.communication_data_type
-        return model, _DTYPES[comm] if comm else model
+        data_types = self.config.passthrough.get("data_types")
+        accum = data_types.get("grad_accum_dtype") if isinstance(data_types, Mapping) else None
+        return model, _DTYPE_NAMES.get(accum, model) if isinstance(accum, str) else model
 
     @property
     def communication_data_type(self) -> torch.dtype:
-        return self.get_data_types()[1]
+        """``communication_data_type`` where set, else the model dtype."""
+        comm = self.config.communication_data_type
+        return _DTYPES[comm] if comm else _DTYPES[self.config.precision]
+
+    def managed_gradient_accumulation(self) -> bool:
+        return self.config.managed_gradient_accumulation
+
+    def log_level(self) -> Optional[str]:
+        return self.config.log_level
 
     def zero_optimization(self) -> bool:
         return self.config.zero_optimization.stage > 0

@@ -52,6 +52,7 @@ def test_full_values_gradients_and_state_match_a_plain_model(solo: None, stage: 
 def engine_for(stage: int, **extra: Any) -> Any:
     torch.manual_seed(0)
     config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+              "gradient_clipping": 0.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}},
               "zero_optimization": {"stage": stage}, **extra}
     engine, *_ = dsrun.initialize(model=Net(), config=config)
@@ -236,6 +237,7 @@ def test_safe_get_on_a_pipeline_engine(solo: None, stage: int) -> None:
     plain = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     engine, *_ = dsrun.initialize(model=module, config={
         "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}},
         "zero_optimization": {"stage": stage}})
     opt = torch.optim.AdamW(plain.parameters(), lr=0.01, weight_decay=0.0)

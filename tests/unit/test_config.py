@@ -324,10 +324,12 @@ def test_inert_settings_are_named_once(caplog: pytest.LogCaptureFixture) -> None
     assert inert_settings(res(base())) == []
     with caplog.at_level(logging.WARNING, logger="dsrun.runtime.config"):
         config = res(base(sparse_gradients=True, vocabulary_size=50257,
-                          seq_parallel_comm_data_type="bf16", gradient_predivide_factor=4.0,
+                          seq_parallel_communication_data_type="bf16",
+                          gradient_predivide_factor=4.0,
                           zero_optimization={"stage": 2}))
     notes = inert_settings(config)
-    assert notes[:3] == ["sparse_gradients", "vocabulary_size", "seq_parallel_comm_data_type"]
+    assert notes[:3] == ["sparse_gradients", "vocabulary_size",
+                         "seq_parallel_communication_data_type"]
     assert notes[3].startswith("gradient_predivide_factor (ZeRO stages")
     assert caplog.text.count("does not act on") == 1 and "vocabulary_size" in caplog.text
     # stage 0 applies the predivide factor; defaults set explicitly are not notes
@@ -604,7 +606,10 @@ def test_summary_mentions_the_resolved_choices() -> None:
 
 def test_defaults() -> None:
     config = res({"train_micro_batch_size_per_gpu": 1}, dp=1)
-    assert (config.steps_per_print, config.gradient_clipping, config.precision) == (10, 0.0, "fp32")
+    # gradient_clipping 1.0: DeepSpeed 0.19.8's default (its constants.py); 0 turns it off
+    assert (config.steps_per_print, config.gradient_clipping, config.precision) == (10, 1.0, "fp32")
+    assert res({"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0}, dp=1
+               ).gradient_clipping == 0.0
     assert config.optimizer is None and config.scheduler is None
     assert config.zero_optimization == ZeroConfig()
     assert config.communication_data_type is None and config.gradient_predivide_factor == 1.0
@@ -635,3 +640,42 @@ def test_nested_mappings_are_frozen_and_predivide_must_be_positive() -> None:
         zero.zeropp_loco_param["err_beta"] = 0.1  # type: ignore[index]
     with pytest.raises(DsrunConfigError, match="gradient_predivide_factor .* must be > 0"):
         res(base(gradient_predivide_factor=0))
+
+
+# DeepSpeed 0.19.8's newer top-level keys: taken, applied or refused by name
+
+
+@pytest.mark.parametrize("extra, attr, value", [
+    ({"gradient_allreduce_op": "mean"}, "gradient_allreduce_op", "mean"),
+    ({"managed_gradient_accumulation": True}, "managed_gradient_accumulation", True),
+    ({"disable_python_gc": True}, "disable_python_gc", True),
+    ({"log_level": "warning"}, "log_level", "warning"),
+    ({"seq_parallel_communication_data_type": "bf16"}, "seq_parallel_communication_data_type",
+     "bf16"),
+])
+def test_newer_deepspeed_keys_are_taken(extra: dict, attr: str, value: object) -> None:
+    assert getattr(res(base(**extra)), attr) == value
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"gradient_allreduce_op": "sum"}, 'gradient_allreduce_op "sum" in config dict is not '
+                                       "implemented"),
+    ({"gradient_allreduce_op": "max"}, '"gradient_allreduce_op" in config dict must be one of'),
+    ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation false in config "
+                                               "dict is not implemented"),
+    ({"log_level": "verbose"}, '"log_level" in config dict must be one of'),
+    ({"amp": {"enabled": True}}, r'"amp" \(NVIDIA Apex AMP\) is enabled in config dict'),
+    # dsrun's old spelling of the key was never DeepSpeed's
+    ({"seq_parallel_comm_data_type": "bf16"},
+     'did you mean "seq_parallel_communication_data_type"'),
+])
+def test_newer_deepspeed_keys_refused_by_name(extra: dict, message: str) -> None:
+    with pytest.raises(DsrunConfigError, match=message):
+        res(base(**extra))
+
+
+def test_expert_parallel_and_disabled_amp_pass_through(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="dsrun.runtime.config"):
+        config = res(base(expert_parallel={"enabled": True}, amp={"enabled": False}))
+    assert set(config.passthrough) == {"expert_parallel", "amp"}
+    assert "does not implement: expert_parallel" in caplog.text

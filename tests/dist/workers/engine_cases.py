@@ -323,7 +323,7 @@ def branch_in_earlier_micro_steps(stage: int) -> dict[str, Any]:
         gas = 2 if how == "accumulation" else 1
         config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
                   "steps_per_print": 1000, "zero_optimization": {"stage": stage},
-                  "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+                  "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "gradient_clipping": 0.0}
         engine, _, _, _ = dsrun.initialize(model=Branchy(), config=config)
         ref = Branchy()
         ref.load_state_dict(engine.module.state_dict())

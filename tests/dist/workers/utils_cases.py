@@ -62,7 +62,7 @@ def build(stage: int, gas: int = 1) -> tuple[Any, Net]:
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 12},
-              "steps_per_print": 1000}
+              "steps_per_print": 1000, "gradient_clipping": 0.0}
     engine, *_ = dsrun.initialize(model=model, config=config)
     return engine, reference
 
