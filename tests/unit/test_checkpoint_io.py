@@ -231,6 +231,46 @@ def test_to_fp32_and_get_fp32_state_dict(tmp_path: Path) -> None:
         to_fp32(str(tmp_path / "none"), str(tmp_path / "x.pt"))
 
 
+@pytest.mark.parametrize("out,why", [
+    ("nodir/out.pt", "the directory nodir does not exist"),
+    ("afile/out.pt", "afile is not a directory"),
+    ("afile/sub/", "afile is not a directory"),
+])
+@pytest.mark.parametrize("safetensors", [False, True])
+def test_to_fp32_refuses_an_output_it_cannot_write_before_any_work(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        out: str, why: str, safetensors: bool) -> None:
+    from dsrun.launcher import cli
+    from dsrun.runtime.checkpoint import consolidate
+
+    save(tmp_path / "ckpt", DictSource(tensors()))
+    (tmp_path / "afile").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(consolidate, "iter_tensors", None)  # no tensor is to be read
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(CheckpointError, match=why):
+        to_fp32("ckpt", out, safetensors=safetensors)
+    flags = ["--safetensors"] if safetensors else []
+    assert cli.main(["checkpoint", "to-fp32", "ckpt", out, *flags]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("dsrun: error: ") and err.count("\n") == 1 and out in err, err
+    assert why in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing left behind
+
+
+def test_to_fp32_failing_to_write_removes_its_file(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    save(tmp_path / "ckpt", DictSource(tensors()))
+
+    def full(*args: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(TorchSaveWriter, "write", full)
+    with pytest.raises(CheckpointError, match="out.pt failed: No space left on device"):
+        to_fp32(str(tmp_path / "ckpt"), str(tmp_path / "out.pt"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
 def test_info_describes_the_tags(tmp_path: Path) -> None:
     save(tmp_path, DictSource(tensors()), tag="first")
     save(tmp_path, DictSource(tensors()), tag="second")

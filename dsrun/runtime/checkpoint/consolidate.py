@@ -20,6 +20,12 @@ accepts it.
   ``get_fp32_state_dict_from_zero_checkpoint``), or with ``lazy`` a dict of
   :class:`LazyTensor` that each read their tensor when asked.
 
+The output is checked before any tensor is read: its directory must exist
+(one named with a trailing separator is created) and be writable, else a
+:class:`~dsrun.errors.CheckpointError` names it and nothing is written; a
+write that fails later (a full disk) removes its partial file and raises
+one too.
+
 ``exclude_frozen`` leaves out the parameters no optimizer param group
 updates (frozen ones; the checkpoint records which tensors each group has,
 not ``requires_grad``) and their tied names. Bad input - no checkpoint
@@ -138,6 +144,44 @@ def iter_tensors(path: str, manifest: Manifest, exclude: Collection[str] = ()
         reader.abandon()
 
 
+def _not_a_directory(path: str) -> Optional[str]:
+    """The nearest existing one of ``path`` and its parents, when that is
+    not a directory (what stops ``path`` from being created)."""
+    path = os.path.abspath(path)
+    while not os.path.lexists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+    return None if os.path.isdir(path) else path
+
+
+def make_output_dir(directory: str) -> None:
+    """Create ``directory`` (and its parents) for the output, or raise
+    CheckpointError saying why it cannot be."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        blocker = _not_a_directory(directory)
+        reason = f"{blocker} is not a directory" if blocker else exc.strerror or str(exc)
+        raise CheckpointError(f"cannot create the output directory {directory}: "
+                              f"{reason}") from None
+
+
+def check_output(out: str) -> None:
+    """Raise CheckpointError unless file ``out`` can be created (its
+    directory exists, is one, and is writable): before any work is done."""
+    directory = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(directory):
+        blocker = _not_a_directory(directory)
+        reason = (f"{blocker} is not a directory" if blocker else
+                  f"the directory {os.path.dirname(out) or os.curdir} does not exist")
+        raise CheckpointError(f"cannot write {out}: {reason}")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise CheckpointError(f"cannot write {out}: the directory {directory} is not "
+                              f"writable")
+
+
 def _stream(path: str, manifest: Manifest, files: Sequence[tuple[str, Shard]],
             safetensors: bool, floating: torch.dtype, exclude: Collection[str]) -> list[int]:
     """Write each ``(output path, shard)`` from one pass over the tensors:
@@ -152,8 +196,10 @@ def _stream(path: str, manifest: Manifest, files: Sequence[tuple[str, Shard]],
         left.append(len(stored))
     writers: dict[int, Any] = {}
     sizes: list[int] = []
+    current = [files[0][0] if files else ""]  # the file being written, for errors
 
     def writer(f: int) -> Any:
+        current[0] = files[f][0]
         if f not in writers:
             out, shard = files[f]
             specs = [Spec(k, tuple(manifest.tensors[k].shape), _fp32(manifest.tensors[k], floating))
@@ -175,9 +221,12 @@ def _stream(path: str, manifest: Manifest, files: Sequence[tuple[str, Shard]],
             left[f] -= 1
             if left[f] == 0:
                 writers.pop(f).close()
-    except BaseException:
+    except BaseException as exc:
         for open_writer in writers.values():
             open_writer.abort()
+        if isinstance(exc, OSError):  # reading raises CheckpointError: this is the output
+            raise CheckpointError(f"writing {current[0]} failed: "
+                                  f"{exc.strerror or exc}") from None
         raise
     return sizes
 
@@ -191,9 +240,10 @@ def to_fp32(checkpoint_dir: str, out: str, tag: Optional[str] = None,
     trailing ``/``)."""
     path, manifest = open_checkpoint(checkpoint_dir, tag)
     if out.endswith(tuple(sep for sep in (os.sep, os.altsep) if sep)):
-        os.makedirs(out, exist_ok=True)
+        make_output_dir(out)
     if os.path.isdir(out):
         out = os.path.join(out, "model.safetensors" if safetensors else "pytorch_model.bin")
+    check_output(out)
     exclude = frozen_names(manifest) if exclude_frozen else set()
     order = state_dict_order(manifest, exclude)
     shard = Shard(os.path.basename(out), tuple(order))
@@ -218,9 +268,10 @@ def write_shards(checkpoint_dir: str, out_dir: str, tag: Optional[str] = None, *
     order = state_dict_order(manifest, exclude)
     nbytes = {n: e.numel * _fp32(e, dtype).itemsize for n, e in manifest.tensors.items()}
     shards = plan_shards(order, nbytes, manifest.aliases, limit, safetensors)
-    os.makedirs(out_dir, exist_ok=True)
+    make_output_dir(out_dir)
     files = [(os.path.abspath(os.path.join(out_dir, s.file)), s) for s in shards]
     index = os.path.abspath(os.path.join(out_dir, index_name(safetensors)))
+    check_output(index)
     if os.path.exists(index):  # a previous run's: it would name files this run may not write
         os.unlink(index)
     sizes = _stream(path, manifest, files, safetensors, dtype, exclude)
