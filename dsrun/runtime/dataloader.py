@@ -4,18 +4,20 @@ As DeepSpeed's ``DeepSpeedDataLoader``: batches of the micro-batch size, each
 data-parallel rank reading its own shard through a ``DistributedSampler``
 (shuffled, seed 0; a dataset that does not divide evenly is padded by
 repeating samples, as the sampler does), ``collate_fn`` honoured, the last
-incomplete batch dropped when ``dataloader_drop_last`` is set. Unlike a bare
-DataLoader it reshuffles every epoch: each ``iter()`` starts a new epoch. A
-pipeline engine's loader shuffles too (DeepSpeed's pipeline loader reads in
-order), so the same data order - and a checkpoint's data position - holds
-whether a model trains as a pipeline or not.
+incomplete batch dropped when ``dataloader_drop_last`` is set. As in
+DeepSpeed, every epoch comes in the same shuffled order unless the script
+reshuffles with ``loader.data_sampler.set_epoch(epoch)`` (the sampler's
+shuffle epoch is the script's; dsrun counts epochs only for the data
+position). A pipeline engine's loader shuffles too (DeepSpeed's pipeline
+loader reads in order), so the same data order - and a checkpoint's data
+position - holds whether a model trains as a pipeline or not.
 
 :class:`RepeatingLoader` (DeepSpeed's ``deepspeed.utils.RepeatingLoader``)
 is an endless iterator over any loader, restarting it when it runs out.
 
 Its position is checkpointed (``state_dict``/``load_state_dict``, which
-``engine.save_checkpoint``/``load_checkpoint`` call): the epoch and how many
-batches of it were handed out. After ``load_state_dict`` the next
+``engine.save_checkpoint``/``load_checkpoint`` call): the epoch, how many
+batches of it were handed out, and the sampler's shuffle epoch. After ``load_state_dict`` the next
 ``iter()`` continues that epoch with the next batch (the sampler skips the
 indices already used, no sample is loaded to skip it); when the epoch was
 used up, it starts the next one.
@@ -61,6 +63,7 @@ class DsrunDataLoader:
                                  collate_fn=collate_fn, drop_last=drop_last,
                                  pin_memory=pin_memory,
                                  generator=torch.Generator().manual_seed(seed))
+        self.data_sampler = self.sampler  # DeepSpeed's name for it
         self.num_replicas = num_replicas
         self.epoch = 0          # the epoch the next iter() starts
         self.batches = 0        # batches handed out of the epoch in progress
@@ -68,7 +71,6 @@ class DsrunDataLoader:
         self._started = False   # an iter() since construction or load_state_dict
 
     def __iter__(self) -> Iterator[Any]:
-        self.sampler.set_epoch(self.epoch)
         self.sampler.skip = self._resume_at * self.batch_size
         self.batches, self._resume_at = self._resume_at, 0
         self.epoch += 1
@@ -84,17 +86,22 @@ class DsrunDataLoader:
         return len(self.loader)
 
     def state_dict(self) -> dict[str, int]:
-        """The position of the next batch: ``epoch`` and ``batch`` within it."""
+        """The position of the next batch: ``epoch`` and ``batch`` within
+        it; ``shuffle_epoch``: the sampler's epoch (its order)."""
+        order = {"batch_size": self.batch_size, "shuffle_epoch": int(self.sampler.epoch)}
         if not self._started:
-            return {"epoch": self.epoch, "batch": self._resume_at, "batch_size": self.batch_size}
+            return {"epoch": self.epoch, "batch": self._resume_at, **order}
         current = self.epoch - 1
         if self.batches >= len(self):
-            return {"epoch": current + 1, "batch": 0, "batch_size": self.batch_size}
-        return {"epoch": current, "batch": self.batches, "batch_size": self.batch_size}
+            return {"epoch": current + 1, "batch": 0, **order}
+        return {"epoch": current, "batch": self.batches, **order}
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
-        """Continue at ``state``'s position with the next ``iter()``."""
+        """Continue at ``state``'s position with the next ``iter()``. A
+        position saved before the shuffle epoch was recorded (when every
+        epoch reshuffled) keeps that epoch's order."""
         epoch, batch = int(state["epoch"]), int(state["batch"])
+        self.sampler.set_epoch(int(state.get("shuffle_epoch", epoch)))
         if batch >= len(self):
             epoch, batch = epoch + 1, 0
         self.epoch, self._resume_at, self.batches = epoch, batch, 0
@@ -112,7 +119,8 @@ class DsrunDataLoader:
                         "number of batches at %d ranks: resuming at the batch before it",
                         consumed, state["epoch"], replicas)
         return {"epoch": int(state["epoch"]), "batch": consumed // per_batch,
-                "batch_size": self.batch_size}
+                "batch_size": self.batch_size,
+                "shuffle_epoch": int(state.get("shuffle_epoch", state["epoch"]))}
 
 
 def build_dataloader(training_data: Any, *, micro_batch_size: int, num_replicas: int, rank: int,

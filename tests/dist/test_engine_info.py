@@ -29,7 +29,9 @@ def test_accessors_follow_the_config(solo: None) -> None:
     assert engine.get_batch_info() == (6, 2, 3)
     assert engine.get_lr() == [0.01] and engine.get_mom() == [(0.8, 0.9)]
     assert engine.bf16_enabled() and engine.bfloat16_enabled() and not engine.fp16_enabled()
-    assert engine.get_data_types() == (torch.bfloat16, torch.float32)
+    # DeepSpeed's pair: (model dtype, gradient accumulation dtype - the
+    # model's unless data_types.grad_accum_dtype says otherwise)
+    assert engine.get_data_types() == (torch.bfloat16, torch.bfloat16)
     assert engine.communication_data_type == torch.float32
     assert engine.zero_optimization() and engine.zero_optimization_stage() == 2
     assert engine.zero_offload_optimizer() and engine.zero_cpu_offload()

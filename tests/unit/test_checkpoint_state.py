@@ -73,7 +73,7 @@ def test_dataloader_position_resumes_with_the_next_batch() -> None:
     it = iter(straight)
     batches(it, 2)
     state = straight.state_dict()
-    assert state == {"epoch": 0, "batch": 2, "batch_size": 4}
+    assert state == {"epoch": 0, "batch": 2, "batch_size": 4, "shuffle_epoch": 0}
     rest = batches(it, 4) + batches(iter(straight), 2)
     resumed = loader()
     resumed.load_state_dict(state)
@@ -90,6 +90,30 @@ def test_a_finished_epoch_resumes_with_the_next_one() -> None:
     resumed = loader()
     resumed.load_state_dict({"epoch": 0, "batch": 6, "batch_size": 4})
     assert [b[0].tolist() for b in resumed] == [b[0].tolist() for b in straight]
+
+
+def test_epochs_repeat_one_order_unless_the_script_sets_the_epoch() -> None:
+    """DeepSpeed's loader never calls set_epoch itself: every epoch has the
+    same shuffled order until ``data_sampler.set_epoch`` changes it; that
+    shuffle epoch is part of the position."""
+    plain = loader()
+    first, second = [[b[0].tolist() for b in plain] for _ in range(2)]
+    assert first == second and first != sorted(first)
+    plain.data_sampler.set_epoch(1)
+    third = [b[0].tolist() for b in plain]
+    assert third != first
+    plain.data_sampler.set_epoch(5)
+    it = iter(plain)
+    batches(it, 2)
+    state = plain.state_dict()
+    assert state["shuffle_epoch"] == 5 and state["epoch"] == 3
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert batches(iter(resumed), 4) == batches(it, 4)
+    # a position saved when every epoch reshuffled keeps its epoch's order
+    old = loader()
+    old.load_state_dict({"epoch": 2, "batch": 0, "batch_size": 4})
+    assert old.data_sampler.epoch == 2
 
 
 def test_a_position_saved_at_another_world_size_counts_samples() -> None:
