@@ -28,6 +28,7 @@ TARGET = "dsrun"
 # DeepSpeed module paths whose dsrun module has another name.
 RENAMED = {
     "deepspeed.runtime.zero.partition_parameters": "dsrun.zero",  # Init, GatheredParameters...
+    "deepspeed.runtime.activation_checkpointing.checkpointing": "dsrun.checkpointing",
 }
 
 

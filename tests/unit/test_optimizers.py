@@ -290,3 +290,35 @@ def test_lion_from_config_and_deepspeeds_classes() -> None:
     assert fused.state[half]["exp_avg"].dtype == torch.float16
     with pytest.raises(DsrunConfigError, match="Lion: invalid"):
         Lion([param([1.0])], betas=(1.0, 0.9))
+
+
+def test_deepspeed_lamb_and_adagrad_classes_match_the_config_optimizers() -> None:
+    """``deepspeed.ops.lamb.FusedLamb`` and ``deepspeed.ops.adagrad.
+    DeepSpeedCPUAdagrad`` take DeepSpeed's arguments and step exactly as
+    the config's "Lamb" and "Adagrad" do."""
+    import deepspeed.ops.adagrad
+    import deepspeed.ops.lamb
+
+    from dsrun.ops.adagrad import DeepSpeedCPUAdagrad
+    from dsrun.ops.lamb import FusedLamb
+
+    assert deepspeed.ops.lamb.FusedLamb is FusedLamb
+    assert deepspeed.ops.adagrad.DeepSpeedCPUAdagrad is DeepSpeedCPUAdagrad
+    grads = [[0.3, -0.2, 0.1], [-0.1, 0.4, 0.2], [0.05, 0.0, -0.3]]
+    cases = [(FusedLamb, {"lr": 0.01, "weight_decay": 0.1, "max_grad_norm": 0.0},
+              OptimizerConfig("lamb", {"lr": 0.01, "weight_decay": 0.1})),
+             (DeepSpeedCPUAdagrad, {"lr": 0.05, "weight_decay": 0.01, "eps": 1e-10},
+              OptimizerConfig("adagrad", {"lr": 0.05, "weight_decay": 0.01}))]
+    for cls, kwargs, config in cases:
+        ours, theirs = param([0.5, -1.5, 2.0]), param([0.5, -1.5, 2.0])
+        mine, reference = cls([ours], **kwargs), build_optimizer(config, [theirs])
+        for g in grads:
+            ours.grad = torch.tensor(g, dtype=torch.float64)
+            theirs.grad = torch.tensor(g, dtype=torch.float64)
+            mine.step()
+            reference.step()
+        assert torch.equal(ours, theirs) and not torch.equal(ours, param([0.5, -1.5, 2.0]))
+    with pytest.raises(DsrunConfigError, match='clip with the config\'s "gradient_clipping"'):
+        FusedLamb([param([1.0])], max_grad_norm=1.0)
+    with pytest.raises(DsrunConfigError, match="amsgrad"):
+        DeepSpeedCPUAdagrad([param([1.0])], amsgrad=True)

@@ -93,12 +93,15 @@ def test_deepspeed_runtime_module_paths() -> None:
          "from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology\n"
          "from deepspeed.runtime.utils import see_memory_usage\n"
          "from deepspeed.runtime.lr_schedules import WarmupLR\n"
-         "from deepspeed.profiling.flops_profiler import get_model_profile\n", ns)
+         "from deepspeed.profiling.flops_profiler import get_model_profile\n"
+         "from deepspeed.runtime.activation_checkpointing import checkpointing\n"
+         "import deepspeed.runtime.activation_checkpointing.checkpointing as ac\n", ns)
     assert ns["DeepSpeedEngine"] is dsrun.runtime.engine.DsrunEngine
     assert ns["ZeroParamStatus"] is dsrun.zero.ZeroParamStatus
     assert ns["GatheredParameters"] is dsrun.zero.GatheredParameters
     assert ns["PipelineEngine"] is PipelineEngine and ns["LayerSpec"] is dsrun.pipe.LayerSpec
     assert sys.modules["deepspeed.runtime.zero.partition_parameters"] is dsrun.zero
+    assert ns["checkpointing"] is dsrun.checkpointing and ns["ac"] is dsrun.checkpointing
 
 
 def test_see_memory_usage(caplog: pytest.LogCaptureFixture) -> None:
