@@ -19,12 +19,17 @@ of input before the plan means "exit, nothing was started". Guarantees:
 - a stop command, end of input (launcher, SSH channel or connection gone),
   a launcher silent for longer than its heartbeat timeout (link.py), or a
   signal to the agent stops every rank the same way; a kill command (a
-  second signal at the launcher), or end of input while stopping, SIGKILLs
-  the ranks at once instead of waiting out the grace;
+  second signal at the launcher), end of input while stopping, or a second
+  signal to the agent, SIGKILLs the ranks at once instead of waiting out
+  the grace;
 - exited ranks stay unreaped until the teardown is over, so their pids and
   group ids cannot name anyone else's processes meanwhile (procs.py);
 - before ``done`` is sent every process of the job on this host is gone,
   including descendants that left their group (found by the job marker);
+- a signal never cuts the teardown short (ranks unreaped, the temporary
+  directory left, no ``done``): after the first, signals only hurry it
+  (mpirun's orted sends SIGTERM on MPI_Abort, which may come while the
+  agent is already stopping);
 - if the agent itself is SIGKILLed, its guard (forked before any thread
   starts; guard.py) kills the job.
 """
@@ -40,6 +45,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any
 
 from dsrun import deathsig, stackdump
@@ -58,12 +64,30 @@ TAIL_LINES = 20
 # psutil and the probe's network helpers are not among them.
 
 
+#: The signals that stop the agent.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 class Stop(Exception):
     """Raised by the agent's signal handlers."""
 
 
 def _raise_stop(signum: int, frame: object) -> None:
     raise Stop(signal.Signals(signum).name)
+
+
+def stop_raising(then: Callable[[], None] | None = None) -> None:
+    """From now on the stop signals do not raise Stop: the teardown has
+    begun and must run to its end. ``then`` runs on each one instead."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # an agent driven by a test's thread: signals are not its own
+
+    def on_signal(signum: int, frame: object) -> None:
+        if then is not None:
+            then()
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_signal)
 
 
 def hostname() -> str:
@@ -127,6 +151,7 @@ class Agent:
         self.log_lock = threading.Lock()
         self.stack_lock = threading.Lock()
         self.stopping = False
+        self.hurried = False  # a signal during the teardown: SIGKILL now
         self.hard_killed = False
         self.deadline = 0.0
         self.stop_mono = float("inf")  # time.monotonic() when stopping began
@@ -148,12 +173,19 @@ class Agent:
                 self._start()
                 self._loop()
             except Stop:
+                stop_raising(self._hurry)  # a further signal SIGKILLs, as "kill" does
                 self._begin_stop()
                 self._loop()
         finally:
+            stop_raising(self._hurry)  # for good: main() drains the link after this
             killed = self._finish()
             self.emit({"ev": "done", "killed": killed})
         return 1 if self.failed else 0
+
+    def _hurry(self) -> None:
+        # Only a flag: a signal handler must not take a lock the interrupted
+        # code may hold (the event queue's).
+        self.hurried = True
 
     def _start(self) -> None:
         self.emit({"ev": "hello", "host": hostname(), "pid": os.getpid()})
@@ -311,9 +343,10 @@ class Agent:
                 event = self.events.get(timeout=0.05)
             except queue.Empty:
                 event = None
-            if event == "kill" or (event == "eof" and self.stopping):
-                # Nobody waits for the grace any more: the launcher was
-                # signalled twice, or went away while the job was stopping.
+            if event == "kill" or self.hurried or (event == "eof" and self.stopping):
+                # Nobody waits for the grace any more: the launcher (or this
+                # agent) was signalled twice, or went away while the job was
+                # stopping.
                 self._begin_stop()
                 self.deadline = min(self.deadline, time.monotonic())
             elif event in ("stop", "eof") or self.link.lost():
@@ -383,7 +416,7 @@ class Agent:
         deadline = self.deadline if self.stopping else None
         killed = procs.stop_job(self._leaders(), self.marker, self.grace,
                                 already_termed=self.stopping, deadline=deadline,
-                                since=self.since)
+                                since=self.since, hurry=lambda: self.hurried)
         for rank in self.ranks:
             if rank.status is None:  # only after a second signal
                 rank.popen.kill()
@@ -470,7 +503,7 @@ def _exit_now(code: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     connect = "--connect" in args
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, _raise_stop)
     guard = Guard()  # before any thread exists: forking is safe only then
     try:
@@ -483,12 +516,14 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write(f"{exc}\n")
             return 3
         if not payload:  # told to exit before the start (an empty line: a broken launcher)
+            stop_raising()
             link.drain(2.0)
             return 2 if payload == {} and not connect else 0
-        code = Agent(payload, link, guard).run()
+        code = Agent(payload, link, guard).run()  # the signals no longer raise after it
         if not link.drain(5.0):
             _exit_now(0 if connect else code)
     finally:
+        stop_raising()
         guard.done()
     # Under mpirun/srun a non-zero exit makes the tool abort the job and print
     # its own report; the launcher already knows the ranks' codes and stops

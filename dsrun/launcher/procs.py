@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 JOB_MARKER = "DSRUN_AGENT_ID"
@@ -183,11 +183,12 @@ def signal_job(leaders: Iterable[Proc], marker: str | None, sig: int,
 
 def stop_job(leaders: Iterable[Proc], marker: str | None, grace: float, *,
              already_termed: bool = False, deadline: float | None = None,
-             since: float = 0.0) -> int:
+             since: float = 0.0, hurry: Callable[[], bool] | None = None) -> int:
     """Stop every process of the job; return how many needed SIGKILL.
 
     ``deadline`` (a ``time.monotonic()`` value) overrides ``grace`` when the
     caller already sent SIGTERM earlier and the grace period is running.
+    ``hurry``: once it returns True, the grace is over (SIGKILL at once).
     """
     leaders = list(leaders)
     procs = job_processes(leaders, marker, since)
@@ -196,7 +197,7 @@ def stop_job(leaders: Iterable[Proc], marker: str | None, grace: float, *,
     if not already_termed:
         signal_job(leaders, marker, signal.SIGTERM, since)
     end = time.monotonic() + grace if deadline is None else deadline
-    while time.monotonic() < end:
+    while time.monotonic() < end and not (hurry is not None and hurry()):
         if not job_processes(leaders, marker, since):
             return 0
         time.sleep(0.05)

@@ -5,6 +5,7 @@ its own (root)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -247,3 +248,72 @@ def test_a_kill_or_the_end_of_input_while_stopping_skips_the_grace(tmp_path, sec
     if second == "kill":  # the launcher is still there to hear of it
         exits = [e for e in events if e.get("ev") == "exit"]
         assert exits and exits[0]["signal"] == signal.SIGKILL, events
+
+
+
+# A rank that dies on SIGTERM but leaves a process of the job (marked, in a
+# session of its own) that ignores it: the teardown waits the grace for it.
+_LEAVES_A_SURVIVOR = (
+    "import subprocess, sys\n"
+    "code = ('import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); '\n"
+    "        'print(1, flush=True); time.sleep(60)')\n"
+    "child = subprocess.Popen([sys.executable, '-c', code], stdout=subprocess.PIPE,\n"
+    "                         start_new_session=True)\n"
+    "child.stdout.readline()\n"
+    "print('up', child.pid, flush=True)\n"
+    "import time; time.sleep(60)\n")
+
+
+@pytest.mark.parametrize("where", ["stopping", "teardown"])
+def test_a_second_signal_to_the_agent_hurries_the_stop_without_a_traceback(tmp_path, where):
+    """Signals to the agent itself (mpirun's orted sends SIGTERM on
+    MPI_Abort): the first stops the job, with a 30 s grace; a second one,
+    while the ranks stop (``stopping``: a rank ignores SIGTERM) or while the
+    teardown waits for a survivor (``teardown``), SIGKILLs at once. The
+    teardown runs to its end: ``done``, the temporary directory removed,
+    no traceback."""
+    argv = _IGNORES_TERM if where == "stopping" else _LEAVES_A_SURVIVOR
+    payload = {"job_id": "d" * 32, "kill_grace": 30, "cwd": str(tmp_path), "env": {},
+               "ranks": [_rank(0, [sys.executable, "-c", argv])]}
+    proc = subprocess.Popen([sys.executable, "-m", "dsrun.launcher.agent"], cwd=str(ROOT),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    job: list[int] = []
+    try:
+        proc.stdin.write((json.dumps(payload) + "\n").encode())
+        proc.stdin.flush()
+        events = []
+        for line in proc.stdout:
+            events.append(json.loads(line))
+            if str(events[-1].get("line")).startswith("up"):
+                break
+        job = [next(e["pid"] for e in events if e.get("ev") == "started")]
+        job += [int(w) for w in events[-1]["line"].split()[1:]]
+        tmpdir = os.path.dirname(psutil.Process(job[0]).environ()["DSRUN_ERROR_FILE"])
+        proc.send_signal(signal.SIGTERM)
+        # stopping: the rank says it got SIGTERM; teardown: the rank's exit is
+        # reported (every rank is, so the teardown has begun)
+        for line in proc.stdout:
+            events.append(json.loads(line))
+            if events[-1].get("line") == "TERM" or events[-1].get("ev") == "exit":
+                break
+        time.sleep(0.3)
+        began = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        left = wait_gone(job, timeout=10)
+        took = time.monotonic() - began
+        events += [json.loads(line) for line in proc.stdout]
+        proc.stdin.close()
+        err = proc.stderr.read().decode()
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+        proc.wait()
+        for pid in job:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
+    assert not left and took < 10, "the job was only killed at the end of the 30 s grace"
+    assert "Traceback" not in err, err
+    assert events[-1]["ev"] == "done", events
+    assert not os.path.exists(tmpdir), "the agent left its temporary directory"
