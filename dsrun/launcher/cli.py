@@ -264,13 +264,60 @@ class CommandNotFirst(DsrunUsageError):
         self.command = command
 
 
+def _option_names(command: click.Command) -> set[str]:
+    """Every spelling of ``command``'s own options (a group's, not its
+    subcommands'), help included."""
+    names = set(HELP_OPTIONS)
+    for param in command.params:
+        if isinstance(param, click.Option):
+            names.update(param.opts)
+            names.update(param.secondary_opts)
+    return names
+
+
+def _leading_options(args: Sequence[str]) -> tuple[list[tuple[str, list[str]]], list[str]]:
+    """The ``run`` options before the first word that is not one, each as
+    (its name, its words), and the words from that first word on."""
+    takes_value = {}
+    for param in run_command.params:
+        if isinstance(param, click.Option):
+            for opt in (*param.opts, *param.secondary_opts):
+                takes_value[opt] = not (param.is_flag or param.count)
+    found: list[tuple[str, list[str]]] = []
+    i = 0
+    while i < len(args) and args[i].startswith("-") and args[i] != "--":
+        word = args[i]
+        name = word.split("=", 1)[0] if word.startswith("--") else word[:2]
+        attached = "=" in word if word.startswith("--") else len(word) > 2
+        width = 2 if takes_value.get(name) and not attached else 1
+        found.append((name, list(args[i:i + width])))
+        i += width
+    return found, list(args[i:])
+
+
 def _command_first(args: Sequence[str], command: str) -> str:
-    """The message for CommandNotFirst, with the command line reordered."""
-    rest = list(args)
-    rest.remove(command)
-    fixed = shlex.join(["dsrun", command, *rest])
+    """The message for CommandNotFirst, with the command line reordered:
+    the options the command takes move after its name; the others are
+    left out, and named."""
+    options, rest = _leading_options(args)
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    if rest[:1] == [command]:
+        rest = rest[1:]
+    try:
+        accepted = _option_names(load_command(command))
+    except Exception:  # noqa: BLE001 - a hint must not fail: keep every option
+        accepted = {name for name, _ in options}
+    kept = [word for name, words in options if name in accepted for word in words]
+    dropped = list(dict.fromkeys(name for name, _ in options if name not in accepted))
+    fixed = shlex.join(["dsrun", command, *kept, *rest])
+    if not dropped:
+        return (f"{command!r} is a dsrun command, and commands come first: `{fixed}` "
+                f"(`dsrun {command} -h` lists the options it takes)")
+    which = ", ".join(dropped)
     return (f"{command!r} is a dsrun command, and commands come first: `{fixed}` "
-            f"(`dsrun {command} -h` lists the options it takes)")
+            f"(left out: {which}, which `dsrun {command}` does not take; "
+            f"`dsrun {command} -h` lists the options it takes)")
 
 
 def _discard_output() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 
 import click
@@ -440,3 +441,30 @@ def test_an_option_before_a_command_name_says_commands_come_first(capsys, tmp_pa
     err = capsys.readouterr().err
     assert ("'doctor' is a dsrun command, and commands come first: "
             "`dsrun doctor --ssh_config 'my cfg' -H hf`") in err
+
+
+@pytest.mark.parametrize("argv,fixed,left_out", [
+    (["--num_gpus", "2", "hosts", "list"], "`dsrun hosts list`", "--num_gpus"),
+    (["--num_gpus=2", "-H", "hf", "--cpu", "hosts", "list"], "`dsrun hosts -H hf list`",
+     "--num_gpus, --cpu"),
+    (["--num_gpus", "2", "stack"], "`dsrun stack`", "--num_gpus"),
+    (["--launcher", "openmpi", "--log_dir", "d", "doctor"],
+     "`dsrun doctor --launcher openmpi`", "--log_dir"),
+    (["--cpu", "-Hhf", "run", "x.py", "--num_gpus", "1"],
+     "`dsrun run --cpu -Hhf x.py --num_gpus 1`", None),
+])
+def test_the_commands_first_hint_moves_only_the_options_the_command_takes(
+        capsys, tmp_path, monkeypatch, argv, fixed, left_out):
+    """`dsrun --num_gpus 2 hosts list` suggested `dsrun hosts --num_gpus 2
+    list`, which fails too: options the command does not take are left out
+    of the suggestion, and named."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"commands come first: {fixed}" in err, err
+    if left_out is None:
+        assert "left out" not in err
+    else:
+        assert f"(left out: {left_out}, which" in err, err
+    words = shlex.split(fixed.strip("`"))
+    cli.load_command(words[1]).make_context(f"dsrun {words[1]}", words[2:])  # it parses
