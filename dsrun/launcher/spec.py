@@ -141,13 +141,18 @@ class HostsSpec:
                                   f"go in --slurm_args")
         if self.slurm_args and self.launcher != "slurm":
             raise DsrunUsageError("--slurm_args needs --launcher slurm")
+        for name in ("num_gpus", "num_nodes"):
+            if getattr(self, name) == -1:  # DeepSpeed's default value: all of them
+                object.__setattr__(self, name, None)
         if self.num_gpus is not None and self.num_gpus < 1:
-            raise DsrunUsageError(f"--num_gpus must be at least 1, got {self.num_gpus}")
+            raise DsrunUsageError(f"--num_gpus must be at least 1 (or -1: all, as in "
+                                  f"DeepSpeed), got {self.num_gpus}")
         if self.num_gpus is not None and self.num_gpus > MAX_SLOTS:
             raise DsrunUsageError(f"--num_gpus must be at most {MAX_SLOTS} (ranks on one "
                                   f"host), got {self.num_gpus}")
         if self.num_nodes is not None and self.num_nodes < 1:
-            raise DsrunUsageError(f"--num_nodes must be at least 1, got {self.num_nodes}")
+            raise DsrunUsageError(f"--num_nodes must be at least 1 (or -1: all, as in "
+                                  f"DeepSpeed), got {self.num_nodes}")
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
             raise DsrunUsageError(f"--master_port must be in 1..65535, got {self.master_port}")
 
@@ -189,6 +194,9 @@ class LaunchSpec:
     bind_core_list: str | None = None  # "0-7,16-23": share these CPUs (implies binding)
 
     def __post_init__(self) -> None:
+        for name in ("num_gpus", "num_nodes"):
+            if getattr(self, name) == -1:  # DeepSpeed's default value: all of them
+                object.__setattr__(self, name, None)
         if self.bind_core_list is not None:
             parse_cpu_list(self.bind_core_list)  # one clear error before anything starts
             object.__setattr__(self, "bind_cores_to_rank", True)

@@ -35,14 +35,21 @@ def test_all_options_parse_into_the_spec():
         extra_env=(("A", "1"), ("B", "x=y")))
 
 
+def test_minus_one_is_deepspeeds_all():
+    spec = cli.parse_spec(["--num_gpus", "-1", "--num_nodes", "-1", "s.py"])
+    assert (spec.num_gpus, spec.num_nodes) == (None, None)
+
+
 def test_dashed_spellings_are_accepted():
     spec = cli.parse_spec(["--num-gpus", "2", "--master-port", "99", "s.py"])
     assert (spec.num_gpus, spec.master_port) == (2, 99)
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--num_gpus", "0", "s.py"], "--num_gpus must be at least 1, got 0"),
-    (["--num_gpus", "-2", "s.py"], "--num_gpus must be at least 1, got -2"),
+    (["--num_gpus", "0", "s.py"], r"--num_gpus must be at least 1 \(or -1: all, as in "
+                                  r"DeepSpeed\), got 0"),
+    (["--num_gpus", "-2", "s.py"], "--num_gpus must be at least 1 .*got -2"),
+    (["--num_nodes", "-3", "s.py"], "--num_nodes must be at least 1 .*got -3"),
     (["--num_gpus", "99999999999", "s.py"], "--num_gpus must be at most 1024 .*got 99999999999"),
     (["--master_port", "70000", "s.py"], "--master_port must be in 1..65535"),
     (["-m", "--no_python", "s.py"], "--module and --no_python cannot be used together"),
