@@ -79,6 +79,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from dsrun.errors import DsrunError
+from dsrun.runtime.zero import estimate as _estimate
 from dsrun.runtime.zero.divergence import DivergenceGuard, shared_guard
 from dsrun.runtime.zero.fetch import ParamFetcher
 from dsrun.runtime.zero.flat import FlatGrads, alias_or_copy, clear_flat_grads, trim_host_heap
@@ -472,3 +473,13 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
         self.reducer.reset()
         if self._own_guard:
             self.guard.close()
+
+
+# DeepSpeed's names at this module path: the optimizer class for isinstance
+# checks, and the stage-3 memory estimators (dsrun's numbers: .estimate)
+DeepSpeedZeroOptimizer_Stage3 = ZeroStage3
+estimate_zero3_model_states_mem_needs = _estimate.estimate_zero3_model_states_mem_needs
+estimate_zero3_model_states_mem_needs_all_cold = \
+    _estimate.estimate_zero3_model_states_mem_needs_all_cold
+estimate_zero3_model_states_mem_needs_all_live = \
+    _estimate.estimate_zero3_model_states_mem_needs_all_live
