@@ -69,3 +69,12 @@ def test_deepspeed_paths_and_the_printed_tables(capsys: pytest.CaptureFixture[st
     out = capsys.readouterr().out
     assert out.count("per CPU  |  per GPU |   Options") == 2
     assert out.count("zero_init=") == 6 and out.count("offload_optimizer=") == 8
+
+
+def test_deepspeeds_zero_enums() -> None:
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+    assert ZeroStageEnum.weights == 3 and ZeroStageEnum.max_stage is ZeroStageEnum.weights
+    assert ZeroStageEnum(2) is ZeroStageEnum.gradients
+    assert OffloadDeviceEnum("cpu") is OffloadDeviceEnum.cpu and OffloadDeviceEnum.cpu == "cpu"
