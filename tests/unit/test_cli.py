@@ -242,6 +242,23 @@ def test_dry_run_names_the_hostfile_it_uses(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out.splitlines()[0] == f"hostfile: {other} (-H)"
 
 
+@pytest.mark.parametrize("launcher", ["ssh", "pdsh"])
+def test_ssh_launcher_without_a_hostfile_is_a_local_job(launcher, tmp_path, monkeypatch):
+    """DeepSpeed's ``--launcher pdsh`` on one host runs locally: a shared
+    launch script keeps working on a single box."""
+    from dsrun.launcher import hostfile as hf
+
+    monkeypatch.setattr(hf, "DEFAULT_JOB_HOSTFILE", str(tmp_path / "no-job-hostfile"))
+    monkeypatch.chdir(tmp_path)
+    from dsrun.launcher.cluster import resolve_cluster
+
+    spec = cli.parse_spec(["--cpu", "--launcher", launcher, "t.py"])
+    cluster, backend = resolve_cluster(spec.hosts, str(tmp_path))
+    assert backend.name == "local" and len(cluster.hosts) == 1
+    (tmp_path / "hostfile").write_text("localhost slots=2\n")  # with one: over ssh
+    assert resolve_cluster(spec.hosts, str(tmp_path))[1].name == "ssh"
+
+
 def test_a_group_named_alone_prints_its_help(capsys):
     assert cli.main(["hosts"]) == 0
     captured = capsys.readouterr()

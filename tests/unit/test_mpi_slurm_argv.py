@@ -219,3 +219,24 @@ def test_placement_must_match_the_plan():
         in placement_problem(plan, by_node, "mpirun")
     same = {0: _hello("a", 0), 1: _hello("a", 1), 2: _hello("a", 0), 3: _hello("a", 1)}
     assert "on the same host a" in placement_problem(plan, same, "srun")
+
+
+@pytest.mark.parametrize("tail, expected", [
+    # Open MPI frames its message in rules: the ssh line, not the last rule
+    # nor its generic summary
+    (["ssh: Could not resolve hostname nosuch: Name or service not known",
+      "--------------------------------------------------------------------------",
+      "ORTE was unable to reliably start one or more daemons.",
+      "--------------------------------------------------------------------------"],
+     "ssh: Could not resolve hostname nosuch: Name or service not known"),
+    # srun: its complaint, not the pointer to --help after it
+    (["srun: unrecognized option '--bogus'", 'Try "srun --help" for more information'],
+     "srun: unrecognized option '--bogus'"),
+    (["starting", "=====", ""], "starting"),
+    (["-----"], ""),
+    ([], ""),
+])
+def test_the_failure_summary_quotes_the_telling_line(tail: list[str], expected: str) -> None:
+    from dsrun.launcher.backends.connect import telling_line
+
+    assert telling_line(tail) == expected

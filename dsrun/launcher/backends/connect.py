@@ -24,7 +24,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import IO, Any
 
 from dsrun.errors import LaunchError
@@ -79,9 +79,7 @@ class LaunchTool:
         """'mpirun exited with status 1 <when>: <its last error line>'."""
         for t in self._pumps:
             t.join(timeout=1)
-        lines = [ln.strip() for ln in self.tail if ln.strip()]
-        last = next((ln for ln in reversed(lines) if "error" in ln.lower()),
-                    lines[-1] if lines else "")
+        last = telling_line(self.tail)
         text = f"{self.name} exited with status {self.proc.returncode}{when}"
         return f"{text}: {last}" if last else text
 
@@ -96,6 +94,31 @@ class LaunchTool:
                     self.proc.terminate()
         self.proc.kill()
         self.proc.wait()
+
+
+# words of a launch tool's line that says what went wrong
+_TELLING = ("error", "unrecognized", "unrecognised", "invalid", "could not", "cannot",
+            "can't", "not found", "no such", "denied", "refused", "failed", "unknown",
+            "unable")
+
+
+def telling_line(lines: Iterable[str]) -> str:
+    """The line of a launch tool's output tail that best says why it failed
+    (pure): a line naming a problem, else the last that is neither a
+    rule of dashes or equals signs nor a "Try --help" pointer. Of several
+    lines naming a problem the first wins: tools say the cause before
+    their summary ("ssh: Could not resolve hostname" before Open MPI's "was
+    unable to reliably start one or more daemons")."""
+    kept = [ln.strip() for ln in lines if ln.strip() and not _filler(ln.strip())]
+    telling = [ln for ln in kept if any(word in ln.lower() for word in _TELLING)]
+    return telling[0] if telling else (kept or [""])[-1]
+
+
+def _filler(line: str) -> bool:
+    if not any(ch.isalnum() for ch in line):
+        return True  # "-----", "=====", "***"
+    lower = line.lower()
+    return lower.startswith("try ") and "--help" in lower
 
 
 class SocketChannel(AgentChannel):

@@ -41,14 +41,13 @@ from typing import IO, Any
 
 import paramiko
 
-from dsrun.errors import DsrunUsageError, LaunchError, SelectionError
+from dsrun.errors import DsrunUsageError, LaunchError
 from dsrun.launcher.backends.base import (
     AGENT_MODULE,
     AgentChannel,
     AgentRequest,
     Backend,
     ConnectSink,
-    HostPool,
     JobHandle,
     OutputSink,
     Request,
@@ -483,10 +482,6 @@ class SshBackend(Backend):
             user = self._user or getpass.getuser()
             self._targets[host] = resolve_target(host, self.options, self._lookup(host), user)
         return self._targets[host]
-
-    def pool_without_hostfile(self) -> HostPool | None:
-        raise SelectionError("--launcher ssh needs a hostfile: name one with -H/--hostfile"
-                             " (neither ./hostfile nor /job/hostfile exists)")
 
     def local_hosts(self, hosts: Sequence[str], hostname: str,
                     addresses: Sequence[str]) -> list[bool]:
