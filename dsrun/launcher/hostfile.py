@@ -262,7 +262,9 @@ def _parse_line(number: int, text: str) -> _Line:
     if len(tokens) > 2:
         junk_start = tokens[2][0]
         junk = body[junk_start:].rstrip()
-        problems.append((junk_start + 1, f"unexpected text after slots: {junk!r}"))
+        hint = " (Open MPI's max_slots= is not a hostfile key here: remove it)" \
+            if junk.startswith("max_slots") else ""
+        problems.append((junk_start + 1, f"unexpected text after slots: {junk!r}{hint}"))
     return _Line(number, text, host, host_start + 1, slots, span, comment, tuple(problems))
 
 
