@@ -3,8 +3,16 @@
 ``init_distributed()`` is what the bootstrap calls before the user's first
 line, and what scripts started some other way (plain python, torchrun,
 ``mpirun``, ``srun``) may call themselves; it is a no-op when a default
-process group exists. World size 1 without a rendezvous address uses an
-in-memory store: no ports.
+process group exists, whatever backend it asks for (as DeepSpeed's
+``init_distributed``, which wraps an existing group). World size 1 without
+a rendezvous address uses an in-memory store: no ports.
+
+NCCL on a rank without a GPU (CPU ranks: no CUDA, or ``dsrun --cpu``) is
+refused by :func:`check_backend` with one :class:`DsrunError` that says
+what to do, before anything is changed: whether ``init_distributed``
+would create the group or a script's own
+``torch.distributed.init_process_group(backend="nccl")`` would replace
+dsrun's gloo group (which is kept, working, for the error report).
 """
 
 from __future__ import annotations
@@ -28,16 +36,34 @@ _original_init = dist.init_process_group
 _owned_by_dsrun = False
 
 
+def rank_has_gpu(env: DistEnv) -> bool:
+    """Whether this rank can use a GPU: CUDA sees one for its local rank and
+    the launcher did not ask for CPU ranks (``dsrun --cpu``)."""
+    if env.accelerator == "cpu":
+        return False
+    return torch.cuda.is_available() and torch.cuda.device_count() > env.local_rank
+
+
 def default_backend(env: DistEnv) -> str:
     """nccl when this rank has a GPU, gloo otherwise (unless the launcher chose);
     gloo for CPU ranks asked for with ``dsrun --cpu`` (``env.accelerator``)."""
     if env.backend and env.backend != "none":
         return env.backend
-    if env.accelerator == "cpu":
-        return "gloo"
-    if torch.cuda.is_available() and torch.cuda.device_count() > env.local_rank:
-        return "nccl"
-    return "gloo"
+    return "nccl" if rank_has_gpu(env) else "gloo"
+
+
+def check_backend(backend: str, env: DistEnv, asked_by: str) -> None:
+    """Refuse a backend this rank cannot run (NCCL without a GPU), naming
+    ``asked_by`` (the call that asked) and what to do instead."""
+    if str(backend).lower() != "nccl" or rank_has_gpu(env):
+        return
+    why = "dsrun --cpu asked for CPU ranks" if env.accelerator == "cpu" else \
+        f"torch sees no CUDA device for local rank {env.local_rank}"
+    raise DsrunError(
+        f"{asked_by} asked for the NCCL backend, but NCCL needs GPUs and rank {env.rank} is a "
+        f"CPU rank ({why}); CPU ranks communicate with gloo. Leave the backend out (dsrun "
+        f"starts gloo on CPU ranks and NCCL on GPU ranks), or pass backend=\"gloo\", or "
+        f"\"nccl\" if torch.cuda.is_available() else \"gloo\"")
 
 
 def compute_device() -> torch.device:
@@ -62,9 +88,13 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
     """
     global _owned_by_dsrun
     if dist.is_initialized():
+        _note_kept_group(backend or compat.get("dist_backend"))
         return
     env = env or DistEnv.detect(mpi_size=_mpi_world_size)
-    backend = backend or compat.get("dist_backend") or default_backend(env)
+    asked = backend or compat.get("dist_backend")
+    backend = asked or default_backend(env)
+    check_backend(backend, env, f"init_distributed(dist_backend={asked!r})" if asked
+                  else "DSRUN_DIST_BACKEND (the launcher's environment)")
     rank = compat.get("rank", -1)
     world = compat.get("world_size", -1)
     kwargs: dict[str, Any] = {"backend": backend,
@@ -85,6 +115,15 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
     atexit.register(shutdown)
     log.debug("process group up: rank %d/%d backend %s (from %s)", env.rank, env.world_size,
               backend, env.source)
+
+
+def _note_kept_group(asked: str | None) -> None:
+    """init_distributed with a group up keeps it, as DeepSpeed's does; say
+    so (rank 0) when the call named another backend."""
+    have = dist.get_backend()
+    if asked and str(asked).lower() != have and dist.get_rank() == 0:
+        log.info("init_distributed(dist_backend=%r): the process group exists already "
+                 "(backend %s) and is kept, as DeepSpeed keeps an existing group", asked, have)
 
 
 def _rendezvous(env: DistEnv, backend: str, timeout: datetime.timedelta | None,
@@ -155,6 +194,8 @@ def tolerant_init_process_group(*args: Any, **kwargs: Any) -> None:
     device_id, pg_options = req.get("device_id"), req.get("pg_options")
     if wanted != dist.get_backend() or pg_options is not None or \
             (device_id is not None and not _same_device(device_id)):
+        check_backend(wanted, DistEnv.detect(mpi_size=_mpi_world_size),
+                      f"torch.distributed.init_process_group(backend={backend!r})")
         dist.destroy_process_group()
         _owned_by_dsrun = False
         init_distributed(backend=wanted, timeout=req.get("timeout"),

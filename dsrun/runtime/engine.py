@@ -10,10 +10,12 @@ Invariants:
 
 * After construction every data-parallel rank holds rank 0's parameters and
   buffers (broadcast, as DDP does).
-* ``backward`` at an accumulation boundary (outside ``no_sync()``) leaves
-  every rank with the gradient averaged over the data-parallel group,
-  reduced in buckets overlapped with backward (:mod:`grad_sync`); other
-  micro-steps accumulate locally.
+* ``backward`` at an accumulation boundary (outside ``no_sync()``, and
+  unless the script set ``enable_backward_allreduce = False`` to call
+  ``allreduce_gradients()`` itself: :mod:`engine_controls`) leaves every
+  rank with the gradient averaged over the data-parallel group, reduced in
+  buckets overlapped with backward (:mod:`grad_sync`); other micro-steps
+  accumulate locally.
 * ``step`` at a boundary: one optimizer step (clipping, fp16 overflow check
   and loss scale in :mod:`precision`), then the LR scheduler steps once -
   unless the step was skipped - then gradients are cleared and
@@ -33,7 +35,9 @@ Rank 0 logs one block of model-state bytes (formula vs held) after the
 first step, when optimizer state exists. ``engine.monitor``
 (:mod:`dsrun.runtime.monitor.training`) times forward/backward/step for
 ``wall_clock_breakdown`` and writes DeepSpeed's monitor events per
-optimizer step.
+optimizer step; ``engine.tput_timer`` (DeepSpeed's ThroughputTimer,
+:mod:`dsrun.utils.timer`) is started by ``forward`` and stopped by
+``step``; ``engine.timers`` is an empty timer group for the script.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ from dsrun.runtime.zero.stepping import (
     wrap_optimizer,
     zero_step,
 )
+from dsrun.utils.timer import SynchronizedWallClockTimer, ThroughputTimer, ThroughputTimerConfig
 
 log = logging.getLogger("dsrun.runtime.engine")
 
@@ -128,6 +133,10 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
             logging.getLogger(LOGGER_NAME).setLevel(config.log_level.upper())
         self._gc_held = python_gc.hold() if config.disable_python_gc else False
         self.local_rank = env.local_rank
+        self.client_optimizer = optimizer  # DeepSpeed's: initialize()'s arguments as given
+        self.client_lr_scheduler = lr_scheduler
+        self._mpu = mpu
+        self._backward_allreduce = True  # engine.enable_backward_allreduce
         self.dp_group = mpu.get_data_parallel_group() if mpu is not None else None
         self.dp_world_size = dist.get_world_size(self.dp_group)
         self.global_rank = dist.get_rank()
@@ -169,6 +178,10 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
         self.progress = Progress(config.steps_per_print, config.train_batch_size,
                                  enabled=self.global_rank == 0, memory=config.memory_breakdown)
         self.monitor = self._make_monitor()
+        self.timers = SynchronizedWallClockTimer()  # DeepSpeed's, for the script's own timing
+        self.tput_timer = ThroughputTimer(
+            ThroughputTimerConfig.from_section(config.passthrough.get("timers"), config.source),
+            batch_size=config.train_batch_size, steps_per_output=config.steps_per_print)
         self.flops_profiler, self._step_profiler = make_flops_profiler(self)
         self._compiled: Any = None  # engine.compile()
         link_params(self)  # for dsrun.utils.safe_get_full_fp32_param(param) and friends
@@ -287,6 +300,7 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
     # --------------------------------------------------------- training
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.tput_timer.start()  # a micro-step's interval: forward to step (DeepSpeed's)
         with self.monitor.timed("forward"):
             self.monitor.saw_inputs(args, kwargs)
             args, kwargs = self.precision.cast_inputs((args, kwargs))
@@ -308,8 +322,8 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
         if scale_wrt_gas and gas > 1:
             scaled = scaled / gas
         scaled = self.precision.scale_loss(scaled)
-        sync = (self._grad_sync is not None and not self._inside_no_sync
-                and self.is_gradient_accumulation_boundary())
+        sync = (self._grad_sync is not None and self._backward_allreduce
+                and not self._inside_no_sync and self.is_gradient_accumulation_boundary())
         if sync:
             self._grad_sync.arm()
         try:
@@ -332,9 +346,12 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
             raise DsrunError("engine.step() inside engine.no_sync(): gradients were not "
                              "all-reduced; leave the no_sync() block before stepping")
         self._step_applied = False
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             with self.monitor.optimizer_step(self), self._profiling("step"):
                 self._take_model_step(lr_kwargs)
+        # dsrun's progress line reports samples/s: the timer only measures
+        self.tput_timer.stop(global_step=boundary, report_speed=False)
         self.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs: Optional[dict[str, Any]]) -> None:

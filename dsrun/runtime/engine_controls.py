@@ -1,25 +1,184 @@
-"""What a running engine's owner may change: DeepSpeed's
+"""What a running engine's owner may change or ask it to do: DeepSpeed's
 ``set_train_batch_size`` / ``set_train_micro_batch_size``
-(:mod:`dsrun.runtime.batch_size`) and ``compile`` (:mod:`dsrun.runtime.compile`),
-as a mixin of :class:`~dsrun.runtime.engine.DsrunEngine`."""
+(:mod:`dsrun.runtime.batch_size`), ``compile`` (:mod:`dsrun.runtime.compile`),
+``enable_backward_allreduce`` with ``allreduce_gradients()``,
+``deepspeed_io`` (a data loader over a dataset) and
+``load_module_state_dict``, as a mixin of
+:class:`~dsrun.runtime.engine.DsrunEngine`.
+
+``enable_backward_allreduce`` (default True): at ZeRO stage 0, False makes
+``backward()`` leave each rank's local gradients (the gradient-sync hooks
+stay disarmed) until the script calls ``allreduce_gradients()``, which
+averages them with the same buckets and arithmetic the hooks use, so the
+result is bitwise what ``backward()`` would have left. ZeRO stages 1-3
+reduce inside their optimizer (during backward or at the step), so there
+False is refused by name; so are DeepSpeed attributes dsrun cannot honour
+(``gradient_average = False``): setting them must not be a silent no-op.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Callable, Optional
 
+import torch
+
+from dsrun.errors import DsrunError
 from dsrun.runtime.batch_size import resize_batch
 from dsrun.runtime.compile import compile_module
+from dsrun.runtime.dataloader import build_dataloader
 
-__all__ = ["EngineControls"]
+__all__ = ["EngineControls", "MEMORY_OPT_ALLREDUCE_SIZE", "ROUTE_EVAL", "ROUTE_PREDICT",
+           "ROUTE_TRAIN"]
+
+# DeepSpeed's names (deepspeed.runtime.constants / engine)
+MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
+ROUTE_TRAIN, ROUTE_EVAL, ROUTE_PREDICT = "train", "eval", "predict"
 
 
 class EngineControls:
-    """Mixed into the engine: reads and sets its ``_compiled``, ``config``
-    and counters."""
+    """Mixed into the engine: reads and sets its ``_compiled``, ``config``,
+    gradient-sync switch and counters."""
 
     module: Any
+    config: Any
+    zero_stage: int
+    is_pipe_parallel: bool
+    dp_world_size: int
+    device: torch.device
     _compiled: Any
     _step_profiler: Any
+    _grad_sync: Any
+    _backward_allreduce: bool
+    _mpu: Any
+
+    # ------------------------------------------------- gradient reduction
+
+    @property
+    def enable_backward_allreduce(self) -> bool:
+        """Whether ``backward()`` averages gradients over the data-parallel
+        group (module docstring). False on a pipeline engine, as in
+        DeepSpeed: its schedule reduces them."""
+        return self._backward_allreduce and not self.is_pipe_parallel
+
+    @enable_backward_allreduce.setter
+    def enable_backward_allreduce(self, value: bool) -> None:
+        value = bool(value)
+        if self.is_pipe_parallel:
+            if value:
+                raise DsrunError("engine.enable_backward_allreduce = True on a pipeline engine: "
+                                 "its schedule reduces gradients once per batch; leave it False")
+            return
+        if not value and self.zero_stage > 0:
+            raise DsrunError(
+                f"engine.enable_backward_allreduce = False is not implemented at ZeRO stage "
+                f"{self.zero_stage}: dsrun's ZeRO optimizer reduces gradients itself (during "
+                "backward or at the step). Use ZeRO stage 0 to reduce them yourself with "
+                "engine.allreduce_gradients(), or engine.no_sync() to skip reductions while "
+                "accumulating")
+        self._backward_allreduce = value
+
+    @property
+    def gradient_average(self) -> bool:
+        """Gradients are averaged (not summed) over the data-parallel group:
+        always in dsrun (DeepSpeed's ``gradient_allreduce_op`` ``"mean"``)."""
+        return True
+
+    @gradient_average.setter
+    def gradient_average(self, value: bool) -> None:
+        if not value:
+            raise DsrunError("engine.gradient_average = False (summing gradients over ranks "
+                             "instead of averaging) is not implemented in dsrun; scale the "
+                             "loss by the data-parallel size instead")
+
+    def allreduce_gradients(self, bucket_size: int = MEMORY_OPT_ALLREDUCE_SIZE) -> None:
+        """Average the gradients the parameters hold over the data-parallel
+        group now (DeepSpeed's; ``bucket_size`` is not used: the engine's
+        buckets are). At ZeRO stage 0 and an accumulation boundary only, as
+        DeepSpeed; a parameter without a gradient contributes zeros. ZeRO
+        stages reduce inside their optimizer: nothing to do there."""
+        if self.zero_stage > 0 or self._grad_sync is None or \
+                not self.is_gradient_accumulation_boundary():
+            return
+        with self.monitor.comm_wait("reduce"):
+            self._grad_sync.all_reduce_accumulated()
+
+    # ---------------------------------------------------- data and weights
+
+    def deepspeed_io(self, dataset: Any, batch_size: Optional[int] = None,
+                     route: str = ROUTE_TRAIN, pin_memory: bool = True,
+                     data_sampler: Any = None,
+                     collate_fn: Optional[Callable[[list[Any]], Any]] = None,
+                     num_local_io_workers: Optional[int] = None) -> Any:
+        """A data loader over ``dataset`` for this data-parallel rank, as
+        DeepSpeed's: ``route="train"`` (default) gives the loader
+        ``initialize(training_data=)`` gives (this rank's shard, shuffled,
+        the micro-batch size); ``"eval"``/``"predict"`` this rank's shard in
+        order; a ``data_sampler`` is used as given. The config's
+        ``dataloader_drop_last`` applies."""
+        if not (self.is_map_style_dataset(dataset) or self.is_iterable_style_dataset(dataset)):
+            raise ValueError("Training data must be a torch Dataset")
+        size = self.config.train_micro_batch_size_per_gpu if batch_size is None else batch_size
+        replicas, rank = self.dp_world_size, self._dp_rank()
+        pin = pin_memory and self.device.type == "cuda"
+        if data_sampler is None and route == ROUTE_TRAIN and num_local_io_workers is None:
+            return build_dataloader(dataset, micro_batch_size=size, num_replicas=replicas,
+                                    rank=rank, collate_fn=collate_fn,
+                                    drop_last=self.config.dataloader_drop_last,
+                                    device=self.device)
+        if data_sampler is None:
+            data_sampler = torch.utils.data.DistributedSampler(
+                dataset, num_replicas=replicas, rank=rank, shuffle=route == ROUTE_TRAIN)
+        return torch.utils.data.DataLoader(
+            dataset, batch_size=size, sampler=data_sampler, collate_fn=collate_fn,
+            drop_last=self.config.dataloader_drop_last, pin_memory=pin,
+            num_workers=num_local_io_workers or 0)
+
+    def _dp_rank(self) -> int:
+        if self._mpu is not None:
+            return int(self._mpu.get_data_parallel_rank())
+        return torch.distributed.get_rank(self.data_parallel_group)
+
+    def load_module_state_dict(self, checkpoint: dict[str, Any], strict: bool = True,
+                               custom_load_fn: Any = None, fetch_z3_params: bool = False,
+                               z3_params_to_fetch: Any = None,
+                               allowed_missing_keys: Any = None) -> None:
+        """Load ``checkpoint["module"]`` into the module (DeepSpeed's;
+        ``custom_load_fn(src=, dst=)`` instead when given); every rank loads
+        the same dict. The fp32 masters (fp16, ZeRO stages) take the loaded
+        values, so the next step trains from them; at ZeRO stage 3 the
+        parameters are gathered around the load (``fetch_z3_params`` is
+        implied) and re-partitioned from rank 0's values."""
+        state = checkpoint["module"]
+        with self._gathered_for_load():
+            if custom_load_fn is not None:
+                custom_load_fn(src=state, dst=self.module)
+            else:
+                result = self.module.load_state_dict(
+                    state, strict=strict and allowed_missing_keys is None)
+                if strict and allowed_missing_keys is not None:
+                    missing = set(result.missing_keys) - set(allowed_missing_keys)
+                    if missing or result.unexpected_keys:
+                        raise RuntimeError(
+                            f"load_module_state_dict: missing keys {sorted(missing)}, "
+                            f"unexpected keys {sorted(result.unexpected_keys)}")
+        if self.zero_stage != 3:
+            from dsrun.utils.tensor_fragment import safe_set_full_fp32_param
+
+            with torch.no_grad():
+                for param in self.module.parameters():
+                    safe_set_full_fp32_param(param, param.detach().float().clone())
+
+    def _gathered_for_load(self) -> Any:
+        """Stage 3: every parameter gathered, rank 0's values published on
+        exit (shards and masters refreshed); other stages: nothing."""
+        if self.zero_stage != 3:
+            return contextlib.nullcontext()
+        from dsrun.runtime.zero.init import GatheredParameters
+
+        return GatheredParameters(list(self.module.parameters()), modifier_rank=0)
+
+    # ------------------------------------------------- compile and batch size
 
     def _forward_module(self) -> Any:
         """The compiled module after engine.compile(), except on the flops

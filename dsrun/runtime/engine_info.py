@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from dsrun.runtime.config import OPTIMIZER_NAMES, DsrunConfig
 
@@ -37,8 +38,14 @@ class EngineInfo:
     optimizer: Any
     precision: Any
     zero_stage: int
+    dp_group: Any
+    _mpu: Any
     _grad_norm: Optional[torch.Tensor]
     _step_applied: bool
+
+    # DeepSpeed's base engine sets it to None and never fills it (its
+    # pipeline engine keeps the last batch's loss there).
+    losses: Any = None
 
     # ------------------------------------------------------------ training state
 
@@ -67,6 +74,43 @@ class EngineInfo:
     @property
     def loss_scale(self) -> float:
         return self.precision.loss_scale
+
+    def get_type(self) -> list[Any]:
+        """Per param group: its ``"type"`` entry, 0.0 where it has none (DeepSpeed's)."""
+        if self.optimizer is None:
+            return []
+        return [group.get("type", 0.0) for group in self.optimizer.param_groups]
+
+    # ------------------------------------------------------------ groups
+
+    @property
+    def data_parallel_group(self) -> Any:
+        """The data-parallel process group: the mpu's, else the world group."""
+        return self.dp_group if self.dp_group is not None else dist.group.WORLD
+
+    @property
+    def mp_world_size(self) -> int:
+        """Model-parallel size: the mpu's, else 1 (DeepSpeed's attribute)."""
+        if self._mpu is None:
+            return 1
+        return int(self._mpu.get_model_parallel_world_size())
+
+    def get_model_parallel_rank(self) -> int:
+        """This rank in its model-parallel group: the mpu's, else 0."""
+        if self._mpu is None:
+            return 0
+        return int(self._mpu.get_model_parallel_rank())
+
+    # ------------------------------------------------------------ datasets
+
+    @staticmethod
+    def is_map_style_dataset(obj: Any) -> bool:
+        """Indexable with a length (DeepSpeed's test: ``__getitem__`` and ``__len__``)."""
+        return hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
+
+    @staticmethod
+    def is_iterable_style_dataset(obj: Any) -> bool:
+        return isinstance(obj, torch.utils.data.IterableDataset)
 
     # ------------------------------------------------------------ the config
 
@@ -136,6 +180,32 @@ class EngineInfo:
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """``stage3_gather_16bit_weights_on_model_save`` (DeepSpeed's)."""
         return bool(self.config.zero_optimization.gather_16bit_weights_on_model_save)
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        """Gradients partitioned: ZeRO stage 2 or 3."""
+        return self.config.zero_optimization.stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        """Parameters partitioned: ZeRO stage 3."""
+        return self.config.zero_optimization.stage >= 3
+
+    is_first_weights_partition_group = zero_optimization_partition_weights
+
+    def dynamic_loss_scale(self) -> bool:
+        """``fp16.loss_scale`` is 0 (DeepSpeed's test; also true without fp16,
+        whose default loss_scale is 0)."""
+        return self.config.fp16.loss_scale == 0
+
+    def postscale_gradients(self) -> bool:
+        """Not ``prescale_gradients``."""
+        return not self.config.prescale_gradients
+
+    def gradient_predivide_factor(self) -> float:
+        return self.config.gradient_predivide_factor
+
+    def dump_state(self) -> bool:
+        """The config's ``dump_state`` (dsrun logs the resolved config at start then)."""
+        return self.config.dump_state
 
     def gradient_clipping(self) -> float:
         return self.config.gradient_clipping

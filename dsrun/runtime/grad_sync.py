@@ -27,7 +27,12 @@ gets there the way torch DDP's reducer does:
 
 Hooks act only between :meth:`GradSync.arm` and :meth:`GradSync.finish`;
 backward passes outside (gradient accumulation micro-steps, ``no_sync()``,
-user code calling ``loss.backward()`` directly) only accumulate locally.
+``engine.enable_backward_allreduce = False``, user code calling
+``loss.backward()`` directly) only accumulate locally.
+:meth:`GradSync.all_reduce_accumulated` averages what they accumulated
+afterwards (``engine.allreduce_gradients()``): the same buckets, fill and
+launch order as a synchronising backward whose hooks all came late, so the
+result is bitwise the one that backward would have left.
 
 With 2 ranks the result is bitwise what DDP computes: the same
 ``grad * (1/2)`` products, and ``a + b == b + a`` in IEEE arithmetic
@@ -219,6 +224,12 @@ class GradSync:
             param.grad = view.to(param.dtype)
         else:
             param.grad.copy_(view)
+
+    def all_reduce_accumulated(self) -> None:
+        """Average every parameter's current ``.grad`` (zeros where None) now,
+        outside backward (module docstring)."""
+        self.arm()
+        self.finish()
 
     def disarm(self) -> None:
         """Backward failed: forget this round (launched reductions are left to finish)."""

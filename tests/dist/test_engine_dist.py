@@ -150,6 +150,18 @@ def test_unused_parameter_and_no_sync(two_ranks: list[dict[str, Any]]) -> None:
                         "unused_unchanged": True}
 
 
+def test_backward_allreduce_off_then_allreduce_gradients(two_ranks: list[dict[str, Any]]
+                                                          ) -> None:
+    """DeepSpeed's ``enable_backward_allreduce = False`` at stage 0: local
+    gradients after backward, averaged by ``allreduce_gradients()``
+    bitwise as the hooks average them (and as all_reduce / 2)."""
+    for fact in case(two_ranks, "no_backward_allreduce"):
+        assert fact["flag"] is False
+        assert fact["local"] == [True] * 3 and fact["ranks_differ_before"] == [True] * 3
+        assert fact["as_hooks"] == [True] * 3 and fact["as_all_reduce"] == [True] * 3
+        assert fact["params_equal"] and fact["ranks_agree"]
+
+
 @pytest.mark.parametrize("name", ["branch_in_earlier_micro_steps",
                                   "branch_in_earlier_micro_steps_zero2"])
 def test_a_gradient_from_an_earlier_micro_step_is_reduced(two_ranks: list[dict[str, Any]],
@@ -232,6 +244,8 @@ def test_world_size_one_under_plain_python(tmp_path: Path) -> None:
     assert fp16["skipped_steps"] == 3 and fp16["scale"][-1] == 512.0
     (loader,) = case([results], "dataloader")
     assert loader["sizes"] == [5] * 8 and loader["train_batch"] == 10
+    (manual,) = case([results], "no_backward_allreduce")
+    assert manual["local"] == manual["as_hooks"] == [True] * 3 and manual["params_equal"]
     (unused,) = case([results], "unused_and_no_sync")
     assert unused["averaged"] and unused["unused_unchanged"]
     # no reduction at world size 1: an unused parameter keeps no gradient

@@ -9,7 +9,9 @@ import logging
 import pytest
 import torch
 
+from dsrun.errors import DsrunError
 from dsrun.runtime import dist as rdist
+from dsrun.runtime.env import DistEnv
 
 
 class FakeWorld:
@@ -67,3 +69,47 @@ def test_wrong_rank_or_world_size_is_warned_about(world, caplog):
     text = caplog.text
     assert "init_process_group(rank=0) ignored: this rank's rank is 1" in text
     assert "init_process_group(world_size=4) ignored" in text
+
+
+REAL_INIT_DISTRIBUTED = rdist.init_distributed  # the world fixture stubs it
+CPU_RANK = DistEnv(rank=1, world_size=2, local_rank=1, local_world_size=2, accelerator="cpu")
+
+
+def test_check_backend_refuses_nccl_on_a_cpu_rank(monkeypatch):
+    with pytest.raises(DsrunError) as info:
+        rdist.check_backend("NCCL", CPU_RANK, "torch.distributed.init_process_group(...)")
+    text = str(info.value)
+    assert text.startswith("torch.distributed.init_process_group(...) asked for the NCCL "
+                           "backend, but NCCL needs GPUs and rank 1 is a CPU rank (dsrun --cpu")
+    assert "gloo" in text and "Leave the backend out" in text
+    rdist.check_backend("gloo", CPU_RANK, "x")  # fine
+    no_cuda = DistEnv(rank=0, world_size=1)
+    monkeypatch.setattr(rdist.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DsrunError, match="torch sees no CUDA device for local rank 0"):
+        rdist.check_backend("nccl", no_cuda, "x")
+    monkeypatch.setattr(rdist.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(rdist.torch.cuda, "device_count", lambda: 1)
+    rdist.check_backend("nccl", no_cuda, "x")  # a GPU rank: fine
+    with pytest.raises(DsrunError):
+        rdist.check_backend("nccl", CPU_RANK, "x")  # dsrun --cpu on a GPU host
+
+
+def test_nccl_on_a_cpu_rank_is_refused_before_the_group_is_touched(world, monkeypatch):
+    monkeypatch.setattr(rdist.DistEnv, "detect", classmethod(lambda cls, **kw: CPU_RANK))
+    with pytest.raises(DsrunError, match=r"init_process_group\(backend='nccl'\) asked for the "
+                                         "NCCL backend"):
+        rdist.tolerant_init_process_group(backend="nccl")
+    assert world.alive and world.inits == []  # the gloo group is kept, working
+
+
+def test_init_distributed_keeps_an_existing_group_as_deepspeed(world, monkeypatch, caplog):
+    """deepspeed.init_distributed(dist_backend="nccl") with a group up keeps
+    it (DeepSpeed wraps an existing group); rank 0 says so."""
+    monkeypatch.setattr(rdist.dist, "get_rank", lambda group=None: 0)
+    with caplog.at_level(logging.INFO, logger="dsrun.runtime"):
+        REAL_INIT_DISTRIBUTED(dist_backend="nccl")
+        REAL_INIT_DISTRIBUTED()  # nothing asked: nothing said
+    assert world.alive and world.inits == []
+    assert [r.getMessage() for r in caplog.records] == [
+        "init_distributed(dist_backend='nccl'): the process group exists already (backend "
+        "gloo) and is kept, as DeepSpeed keeps an existing group"]

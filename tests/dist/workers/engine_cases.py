@@ -448,6 +448,46 @@ def flops_profiled(steps: int = 3) -> dict[str, Any]:
             "whole": sum(p.numel() for p in make_model(0).parameters()), "report": text}
 
 
+def no_backward_allreduce(steps: int = 3) -> dict[str, Any]:
+    """``enable_backward_allreduce = False`` at stage 0: ``backward`` leaves
+    each rank its local gradients (equal to a plain backward of the same
+    model), ``allreduce_gradients()`` then averages them - bitwise as the
+    hooks of a twin engine left at the default, and as a plain
+    ``all_reduce`` / world size."""
+    rank, world = rank_world()
+    config = {"train_micro_batch_size_per_gpu": MICRO, "optimizer": ADAM}
+    manual, _, _, _ = dsrun.initialize(model=make_model(1 + rank), config=config)
+    hooked, _, _, _ = dsrun.initialize(model=make_model(1 + rank), config=config)
+    manual.enable_backward_allreduce = False
+    facts: dict[str, Any] = {"flag": manual.enable_backward_allreduce, "local": [],
+                             "ranks_differ_before": [], "as_hooks": [], "as_all_reduce": []}
+    for step in range(steps):
+        x, y = batch(step, 0)
+        ref = make_model(0)
+        ref.load_state_dict(manual.module.state_dict())
+        F.cross_entropy(ref(x), y).backward()
+        manual.backward(F.cross_entropy(manual(x), y))
+        local = [p.grad.clone() for p in manual.module.parameters()]
+        facts["local"].append(all(torch.equal(g, r.grad) for g, r in zip(local, ref.parameters())))
+        facts["ranks_differ_before"].append(not ranks_agree(local))
+        manual.allreduce_gradients()
+        hooked.backward(F.cross_entropy(hooked(x), y))
+        pairs = zip(manual.module.parameters(), hooked.module.parameters())
+        facts["as_hooks"].append(all(torch.equal(a.grad, b.grad) for a, b in pairs))
+        plain = [g.clone() for g in local]
+        for g in plain:
+            dist.all_reduce(g)
+            g.div_(world)
+        facts["as_all_reduce"].append(all(torch.equal(a, p.grad) for a, p in
+                                          zip(plain, manual.module.parameters())))
+        manual.step()
+        hooked.step()
+    facts["params_equal"] = all(torch.equal(a, b) for a, b in
+                                zip(manual.module.parameters(), hooked.module.parameters()))
+    facts["ranks_agree"] = ranks_agree(params_of(manual.module))
+    return facts
+
+
 CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "parity_gas1": lambda: parity(gas=1, clip=0.0, schedule=False, bucket_elements=None),
     "parity_gas4_clip_schedule": lambda: parity(gas=4, clip=0.05, schedule=True,
@@ -478,6 +518,7 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "fp16_overflow": fp16_overflow,
     "bf16_autocast": bf16_autocast,
     "unused_and_no_sync": unused_and_no_sync,
+    "no_backward_allreduce": no_backward_allreduce,
     "branch_in_earlier_micro_steps": lambda: branch_in_earlier_micro_steps(0),
     "branch_in_earlier_micro_steps_zero2": lambda: branch_in_earlier_micro_steps(2),
     "dataloader": dataloader,
