@@ -145,6 +145,9 @@ class ZeroConfig:
     override_module_apply: bool = opt("bool", True)
     log_trace_cache_warnings: bool = opt("bool", False)
     enable_sanity_checks: bool = opt("bool", False)
+    # ZeRO-3 leaf modules (dsrun.utils.z3_leaf_module): {"classes", "names",
+    # "name_suffixes"}, each a list of strings or one string; None: DeepSpeed's
+    # default classes (its Hugging Face sparse-MoE blocks)
     leaf_module: Optional[Mapping[str, Any]] = opt("mapping", None)
     zenflow: Optional[Mapping[str, Any]] = opt("mapping", None)
 
@@ -162,10 +165,29 @@ class ZeroConfig:
                                OffloadParamConfig(device="cpu", pin_memory=pin))
         for legacy in ("cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory"):
             object.__setattr__(self, legacy, None)
+        if self.leaf_module is not None:
+            object.__setattr__(self, "leaf_module", _leaf_module(self.leaf_module))
         ratio = self.offload_optimizer.ratio if self.offload_optimizer else 1.0
         if ratio < 1.0 and self.stage != 3:
             raise DsrunConfigError(f"zero_optimization.offload_optimizer.ratio={ratio:g} (partial "
                                    f"offload) needs ZeRO stage 3, got stage {self.stage}")
+
+
+def _leaf_module(section: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``zero_optimization.leaf_module`` checked: known keys, each a string or
+    a list of strings (a string becomes a list of one, as in DeepSpeed)."""
+    out = {}
+    for key, value in section.items():
+        where = f"zero_optimization.leaf_module.{key}"
+        keys = ("classes", "names", "name_suffixes")
+        if key not in keys:
+            raise DsrunConfigError(f"{where} is not a leaf_module key ({', '.join(keys)})"
+                                   f"{did_you_mean(key, keys)}")
+        items = (value,) if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
+            raise DsrunConfigError(f"{where} must be a list of strings, got {show(value)}")
+        out[key] = tuple(dict.fromkeys(items))
+    return freeze(out)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,10 @@
 * :mod:`.tensor_fragment` - ``safe_get_full_fp32_param``,
   ``safe_get_full_grad``, ``safe_get_full_optimizer_state``, their setters
   and the ``*_local_*`` (stage 3) variants;
+* :mod:`.z3_leaf_module` - ``set_z3_leaf_modules`` and the other ZeRO-3
+  leaf-module helpers (``unset_z3_leaf_modules``, ``get_z3_leaf_modules``,
+  ``z3_leaf_module``, ``z3_leaf_parameter``, ``set_z3_leaf_module``,
+  ``set_z3_leaf_modules_by_name``, ``set_z3_leaf_modules_by_suffix``);
 * ``RepeatingLoader`` (from :mod:`dsrun.runtime.dataloader`).
 
 ``import dsrun.utils`` imports neither torch nor the submodules; the names
@@ -30,6 +34,10 @@ _LAZY = {name: "dsrun.utils.tensor_fragment" for name in (
 _LAZY.update({name: "dsrun.utils.zero_to_fp32" for name in (
     "get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
     "convert_zero_checkpoint_to_state_dict", "load_state_dict_from_zero_checkpoint")})
+_LAZY.update({name: "dsrun.utils.z3_leaf_module" for name in (
+    "set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module",
+    "z3_leaf_parameter", "set_z3_leaf_module", "set_z3_leaf_modules_by_name",
+    "set_z3_leaf_modules_by_suffix")})
 _LAZY["RepeatingLoader"] = "dsrun.runtime.dataloader"
 _SUBMODULES = ("logging", "tensor_fragment", "zero_to_fp32")
 

@@ -87,10 +87,33 @@ from dsrun.runtime.zero.stage3_plan import (
     plan_prefetch,
     plan_reuse_keep,
 )
+from dsrun.utils.z3_leaf_module import (
+    mark_leaf_parameters,
+    unmark_leaf_parameters,
+    z3_leaf_module,
+)
 
 
 def external_params(module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
     return tuple(module.__dict__.get("ds_external_parameters", ()))
+
+
+def hooked_modules(root: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    """``root.named_modules()`` without what lies inside a leaf module
+    (:mod:`dsrun.utils.z3_leaf_module`): a leaf is hooked as one unit."""
+    seen: set[int] = set()
+
+    def walk(prefix: str, module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        yield prefix, module
+        if z3_leaf_module(module):
+            return
+        for name, child in module.named_children():
+            yield from walk(f"{prefix}.{name}" if prefix else name, child)
+
+    yield from walk("", root)
 
 
 def output_tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -149,12 +172,19 @@ class ParamFetcher:
         self.modules: list[torch.nn.Module] = []
         self.names: list[str] = []
         self._direct: list[tuple[torch.Tensor, ...]] = []
-        for name, module in root.named_modules():
-            own = tuple(p for p in module.parameters(recurse=False) if is_zero_param(p))
-            if module is root or own or external_params(module):
+        self.leaves: dict[int, tuple[torch.Tensor, ...]] = {}  # index -> its subtree's params
+        for name, module in hooked_modules(root):
+            leaf = z3_leaf_module(module)
+            own = tuple(p for p in module.parameters(recurse=leaf) if is_zero_param(p))
+            if module is root or own or self._externals(module):
+                if leaf:
+                    self.leaves[len(self.modules)] = own
+                    mark_leaf_parameters(module)
                 self.modules.append(module)
-                self.names.append(f"{name or '<root>'} ({type(module).__name__})")
+                self.names.append(f"{name or '<root>'} ({type(module).__name__}"
+                                  f"{', leaf' if leaf else ''})")
                 self._direct.append(own)
+        self._leaf_runs: dict[int, None] = {}  # leaves run with grad since the last take
         self.by_id: dict[int, torch.Tensor] = {
             p.ds_id: p for p in root.parameters() if is_zero_param(p)}
         self._numels = {pid: p.ds_numel for pid, p in self.by_id.items()}
@@ -173,7 +203,7 @@ class ParamFetcher:
         self._round = 0
         self._end_hooks: list[Callable[[], None]] = []
         self._handles: list[Any] = []
-        if self.active:
+        if self.active or self.leaves:  # leaves: their runs decide what backward reduces
             for index, module in enumerate(self.modules):
                 self._handles.append(module.register_forward_pre_hook(
                     self._pre_hook(index), prepend=True))
@@ -182,10 +212,16 @@ class ParamFetcher:
 
     # ------------------------------------------------------------- queries
 
+    def _externals(self, module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+        """External parameters of ``module`` - of its whole subtree for a leaf."""
+        if not z3_leaf_module(module):
+            return external_params(module)
+        return tuple(p for sub in module.modules() for p in external_params(sub))
+
     def fetchable(self, index: int) -> tuple[torch.Tensor, ...]:
         """Module ``index``'s partitioned, non-persistent parameters (its own
-        and its external ones), each once."""
-        external = external_params(self.modules[index])
+        - a leaf's subtree's - and its external ones), each once."""
+        external = self._externals(self.modules[index])
         cached = self._fetchable.get(index)
         if cached is not None and cached[0] == len(external):
             return cached[1]
@@ -197,6 +233,17 @@ class ParamFetcher:
                 self.by_id[p.ds_id], self._numels[p.ds_id] = p, p.ds_numel
         self._fetchable[index] = (len(external), out)
         return out
+
+    def leaf_params(self) -> tuple[torch.Tensor, ...]:
+        """Every partitioned parameter inside a hooked leaf module, each once."""
+        return tuple({id(p): p for params in self.leaves.values() for p in params}.values())
+
+    def take_leaf_runs(self) -> tuple[torch.Tensor, ...]:
+        """The parameters of the leaves whose forward ran with grad enabled
+        since the last call (module order, each once); forgets them. Every
+        rank that ran the same modules answers the same list."""
+        runs, self._leaf_runs = sorted(self._leaf_runs), {}
+        return tuple({id(p): p for index in runs for p in self.leaves[index]}.values())
 
     def on_backward_end(self, hook: Callable[[], None]) -> None:
         """Run ``hook`` at the end of every backward, before the release."""
@@ -223,6 +270,8 @@ class ParamFetcher:
                 if self._linear is not None:
                     self._linear.install()
             self._root_depth += 1
+        if index in self.leaves and torch.is_grad_enabled():
+            self._leaf_runs[index] = None
         on_track = self.forward_trace.visit(index)
         params = self.fetchable(index)
         for p in params:
@@ -421,4 +470,6 @@ class ParamFetcher:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        for index in self.leaves:
+            unmark_leaf_parameters(self.modules[index])
         self._release_unused(reset_users=True)

@@ -406,6 +406,21 @@ def refresh_full(params: Iterable[torch.Tensor], strategy: Optional[CommStrategy
                 offset += size
 
 
+@torch.no_grad()
+def zero_full_grad(param: torch.Tensor) -> None:
+    """Give ``param`` a zero gradient of its full (logical) shape, gathered
+    or not, without communication: the ``grad`` setter checks the size
+    against ``data``, so a released parameter briefly holds an uninitialised
+    full-size ``data`` (its status is unchanged)."""
+    held = param.data
+    if held.shape != param.ds_shape:
+        param.data = torch.empty(param.ds_shape, dtype=held.dtype, device=param.ds_device)
+    try:
+        param.grad = torch.zeros(param.ds_shape, dtype=held.dtype, device=param.ds_device)
+    finally:
+        param.data = held
+
+
 def full_numel_held(params: Iterable[torch.Tensor]) -> int:
     """Elements of full data currently held by partitioned, non-persistent
     ``params`` (0 outside forward/backward and gather contexts)."""

@@ -13,10 +13,14 @@ optimizer class, and:
    after each step one all-gather refreshes them, as in DeepSpeed);
 2. installs :class:`~.fetch.ParamFetcher` hooks: parameters are gathered
    before each module's forward and backward, released after, prefetched by
-   trace;
+   trace; a leaf module (:mod:`dsrun.utils.z3_leaf_module`, flagged by the
+   script or by ``leaf_module``: the config's section, None for DeepSpeed's
+   default classes) is hooked as one unit, its whole subtree gathered;
 3. reduces every gradient, as autograd produces it, into this rank's shard
    (:class:`~.reduce3.ShardGradReducer`: mean over ``group``, as DDP), and
-   frees the full gradient;
+   frees the full gradient; a leaf's gradients wait for the end of backward
+   and are reduced together - zeros where this rank's pass used none of a
+   parameter, so ranks that ran different experts reduce the same tensors;
 4. re-creates the client optimizer over **fp32 masters**: per param group,
    the trainable parameters' shards are views of one flat buffer
    (:class:`~.stage3_plan.MasterLayout` order, :mod:`~.flat`) and the
@@ -100,6 +104,7 @@ from dsrun.runtime.zero.partitioned import (
     move_param,
     offload_shard,
     refresh_full,
+    zero_full_grad,
 )
 from dsrun.runtime.zero.reduce3 import ShardGradReducer
 from dsrun.runtime.zero.stage3_plan import MasterLayout
@@ -109,6 +114,7 @@ from dsrun.runtime.zero.stage3_setup import (
     partition_for_optimizer,
 )
 from dsrun.runtime.zero.state_io import Stage3StateIO
+from dsrun.utils.z3_leaf_module import apply_zero_leaf_module_config
 
 
 class ZeroStage3(Stage3StateIO, MasterGradients):
@@ -119,7 +125,8 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
     def __init__(self, module: torch.nn.Module, params: Optional[Iterable[Any]],
                  optimizer_cls: type[Optimizer], defaults: Optional[Mapping[str, Any]] = None,
                  *, group: Any = None, settings: Optional[Stage3Settings] = None,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None,
+                 leaf_module: Optional[Mapping[str, Any]] = None) -> None:
         _check_optimizer_cls(optimizer_cls, 3)
         if not dist.is_initialized():
             raise DsrunError("ZeRO stage 3 needs torch.distributed: call "
@@ -135,6 +142,8 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
             params = [p for p in module.parameters() if p.requires_grad]
         groups = _normalise_groups(params)
         self.param_groups_full = [list(g["params"]) for g in groups]
+        # before the fetcher decides what it hooks; None: DeepSpeed's default classes
+        apply_zero_leaf_module_config(module, leaf_module or {})
         self._check_membership()
         self._partition_module()
         if device is not None:
@@ -180,12 +189,14 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
     @classmethod
     def from_optimizer(cls, module: torch.nn.Module, optimizer: Optimizer, *, group: Any = None,
                        settings: Optional[Stage3Settings] = None,
-                       device: Optional[torch.device] = None) -> ZeroStage3:
+                       device: Optional[torch.device] = None,
+                       leaf_module: Optional[Mapping[str, Any]] = None) -> ZeroStage3:
         """Rebuild a client optimizer (not stepped yet) over the shards: same
         class, same per-group hyperparameters."""
         check_not_stepped(optimizer, "shards")
         return cls(module, [dict(g) for g in optimizer.param_groups], type(optimizer),
-                   optimizer.defaults, group=group, settings=settings, device=device)
+                   optimizer.defaults, group=group, settings=settings, device=device,
+                   leaf_module=leaf_module)
 
     # ------------------------------------------------------------ set-up
 
@@ -246,6 +257,7 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
             max_reuse=self.settings.max_reuse_distance,
             memory_efficient_linear=self.settings.memory_efficient_linear)
         self.fetcher.on_backward_end(self._finish_round)
+        self._leaf_ids = frozenset(p.ds_id for p in self.fetcher.leaf_params())
         self._hooks = [] if self._local else [
             p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
         reload = weakref.WeakMethod(self._reload_master)
@@ -270,8 +282,23 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
 
     def _on_grad(self, param: torch.Tensor) -> None:
         self.fetcher.begin_backward()
-        self.reducer.add(param)
+        if param.ds_id not in self._leaf_ids:  # a leaf's wait for the end of backward
+            self.reducer.add(param)
         self.fetcher.after_grad(param)
+
+    def _reduce_leaf_grads(self) -> None:
+        """The gradients of every trainable parameter of the leaf modules that
+        ran (:mod:`dsrun.utils.z3_leaf_module`), in module order, zero where
+        this rank's pass gave none: the same reductions on every rank,
+        whichever experts each one ran."""
+        if self._local:
+            return  # flat gradients, nothing reduced
+        for p in self.fetcher.take_leaf_runs():
+            if p.ds_id not in self._slot:
+                continue  # frozen
+            if p.grad is None:
+                zero_full_grad(p)
+            self.reducer.add(p)
 
     def _accumulator(self, param: torch.Tensor) -> torch.Tensor:
         g, offset = self._slot[param.ds_id]
@@ -294,6 +321,7 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
     def _finish_round(self) -> None:
         """End of a backward: flush the reduction; in a step's first round,
         zero the accumulator slices of parameters that got no gradient."""
+        self._reduce_leaf_grads()
         self.reducer.finish()
         if not any(self._fresh):
             return

@@ -1,0 +1,70 @@
+"""ZeRO models whose ranks run different modules, on 2 gloo ranks through
+the engine (workers/zero3_dynamic.py runs every case in one job).
+
+* ZeRO-3 leaf modules: a mixture-of-experts block whose ranks pick
+  different experts trains at stage 3 equal to stage 0 when the block is a
+  leaf (``set_z3_leaf_modules``, or the ``leaf_module`` config section), and
+  stops with the divergence error when it is not.
+
+Tolerance 1e-6: stage 0 all-reduces each gradient bucket while stage 3
+reduces the leaf's gradients in another bucket layout, and Adam's fused
+kernel rounds flat shards and whole tensors differently (~1 ulp per step).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.conftest import ROOT, run_dsrun
+
+pytestmark = pytest.mark.dist
+
+WORKER = ROOT / "tests" / "dist" / "workers" / "zero3_dynamic.py"
+TOLERANCE = 1e-6
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("zero3_dynamic")
+    res = run_dsrun("--cpu", "--num_gpus", "2", str(WORKER), str(out), timeout=180,
+                    env={"OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _max_diff(a: dict[str, list[float]], b: dict[str, list[float]]) -> float:
+    assert a.keys() == b.keys()
+    return max(abs(x - y) for name in a for x, y in zip(a[name], b[name], strict=True))
+
+
+def test_moe_ranks_route_to_different_experts(job: list[dict[str, Any]]) -> None:
+    used = [set(sum(r["moe"]["used"], [])) for r in job]
+    assert used[0] != used[1], used
+    assert {0, 1, 2} - (used[0] | used[1]), "an expert unused on both ranks is part of the case"
+
+
+@pytest.mark.parametrize("case", ["leaf_api", "leaf_config", "leaf_persistent"])
+def test_moe_leaf_trains_equal_to_stage0(job: list[dict[str, Any]], case: str) -> None:
+    for result in job:
+        moe = result["moe"]
+        ref = moe["stage0"]
+        assert max(abs(a - b) for a, b in zip(ref["losses"], moe[case]["losses"])) <= TOLERANCE
+        assert _max_diff(ref["params"], moe[case]["params"]) <= TOLERANCE
+    assert _max_diff(job[0]["moe"][case]["params"], job[1]["moe"][case]["params"]) == 0.0
+
+
+def test_leaf_parameters_are_known(job: list[dict[str, Any]]) -> None:
+    flags = job[0]["moe"]["leaf_parameter"]
+    assert job[0]["moe"]["leaves"] == ["MoE"]
+    assert {name for name, leaf in flags.items() if leaf} == {
+        name for name in flags if name.startswith("moe.")}
+    assert len(flags) > sum(flags.values()) > 0
+
+
+def test_moe_without_leaf_stops_with_the_divergence_error(job: list[dict[str, Any]]) -> None:
+    for result in job:
+        message = result["moe"]["unflagged"]
+        assert "diverged" in message and "moe.experts." in message, message

@@ -1,0 +1,160 @@
+"""ZeRO models whose ranks do different things, through the engine, in one
+2-rank dsrun job; each rank writes ``OUT_DIR/rank<R>.json`` and
+tests/dist/test_zero3_dynamic.py judges.
+
+* **moe**: a gate and three experts (each a small MLP); every token runs the
+  expert its gate picks, and the ranks' data (positive on rank 0, negative
+  on rank 1) make them pick different experts. Trained at stage 0 (the
+  DDP-style reference), at stage 3 with the block flagged by
+  ``deepspeed.utils.set_z3_leaf_modules``, at stage 3 through the
+  ``zero_optimization.leaf_module`` section (ZeroStage3's ``leaf_module``),
+  at stage 3 with every parameter kept whole (the persistence threshold),
+  and at stage 3 unflagged, which must stop with dsrun's divergence error.
+
+Usage: ``dsrun --num_gpus 2 zero3_dynamic.py OUT_DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import dsrun as deepspeed
+from dsrun.errors import DsrunError
+
+STEPS = 4
+
+
+def config(stage: int, **zero: Any) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+                                  "reduce_bucket_size": 50, **zero}}
+
+
+class MoE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(4, 3)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 4)) for _ in range(3))
+        self.used: list[list[int]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = self.gate(x).softmax(-1)
+        choice = weights.argmax(-1)
+        out = torch.zeros_like(x)
+        used = []
+        for i, expert in enumerate(self.experts):
+            mask = choice == i
+            if mask.any():
+                used.append(i)
+                out = out.index_put((mask,), expert(x[mask]) * weights[mask, i:i + 1])
+        self.used.append(used)
+        return out
+
+
+class MoEModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.moe = MoE()
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.moe(self.inp(x)))
+
+
+def moe_batches(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7 + rank)
+    sign = 1.0 if rank == 0 else -1.0
+    return [torch.rand(4, 4, generator=g) * sign for _ in range(STEPS)]
+
+
+def train(model: nn.Module, cfg: dict[str, Any], batches: list[torch.Tensor],
+          build: Callable[..., Any] = deepspeed.initialize) -> dict[str, Any]:
+    engine, *_ = build(model=model, model_parameters=model.parameters(), config=cfg)
+    losses = []
+    for x in batches:
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    params = {}
+    for name, p in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([p]):
+            params[name] = p.detach().flatten().tolist()
+    return {"losses": losses, "params": params}
+
+
+def moe_model() -> MoEModel:
+    torch.manual_seed(0)
+    return MoEModel()
+
+
+def moe_cases(rank: int) -> dict[str, Any]:
+    batches = moe_batches(rank)
+    out: dict[str, Any] = {}
+    ref = moe_model()
+    out["stage0"] = train(ref, config(0), batches)
+    out["used"] = ref.moe.used
+    flagged = moe_model()
+    out["leaves"] = [type(m).__name__ for m in
+                     deepspeed.utils.set_z3_leaf_modules(flagged, [MoE])]
+    out["leaf_api"] = train(flagged, config(3), batches)
+    out["leaf_parameter"] = {name: deepspeed.utils.z3_leaf_parameter(p)
+                             for name, p in flagged.named_parameters()}
+    whole = moe_model()  # every parameter kept whole (default threshold): no gathers
+    deepspeed.utils.set_z3_leaf_modules(whole, ["MoE"])
+    cfg = config(3)
+    del cfg["zero_optimization"]["stage3_param_persistence_threshold"]
+    out["leaf_persistent"] = train(whole, cfg, batches)
+    named = moe_model()
+    out["leaf_config"] = train(named, config(3, leaf_module={"names": ["moe"]}), batches,
+                               build=_build_with_leaf_config)
+    try:
+        train(moe_model(), config(3), batches)
+        out["unflagged"] = "trained"
+    except DsrunError as exc:
+        out["unflagged"] = str(exc)
+    return out
+
+
+def _build_with_leaf_config(model: nn.Module, model_parameters: Any, config: dict[str, Any]
+                            ) -> Any:
+    """The engine with its stage-3 optimizer built from the config's
+    leaf_module section (what the engine passes to ZeroStage3)."""
+    from dsrun.runtime.config_sections import ZeroConfig
+    from dsrun.runtime.zero import stepping
+
+    section = ZeroConfig(**{"stage": 3, "leaf_module": config["zero_optimization"]
+                            ["leaf_module"]}).leaf_module
+    original = stepping.ZeroStage3.from_optimizer
+
+    def from_optimizer(*args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("leaf_module", section)
+        return original(*args, **kwargs)
+
+    stepping.ZeroStage3.from_optimizer = from_optimizer  # type: ignore[method-assign]
+    try:
+        return deepspeed.initialize(model=model, model_parameters=model_parameters,
+                                    config=config)
+    finally:
+        stepping.ZeroStage3.from_optimizer = original  # type: ignore[method-assign]
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    rank = dist.get_rank()
+    result: dict[str, Any] = {"rank": rank, "moe": moe_cases(rank)}
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
