@@ -143,6 +143,9 @@ PASSTHROUGH_KEYS = frozenset({
     "tensor_parallel", "timers",
     "use_data_before_expert_parallelism", "weight_quantization",
 })
+# Passthrough sections the engine reads itself (``timers.throughput``: its
+# tput_timer, dsrun.utils.timer): kept raw, but not "not acted on".
+READ_BY_ENGINE = frozenset({"timers"})
 
 
 def _internal(default: Any) -> Any:
@@ -289,7 +292,9 @@ class DsrunConfig:
             lines.append("monitors: " + ", ".join(monitors or ["none"])
                          + (", wall_clock_breakdown" if self.wall_clock_breakdown else ""))
         if self.passthrough:
-            lines.append("accepted, not acted on: " + ", ".join(sorted(self.passthrough)))
+            unread = sorted(set(self.passthrough) - READ_BY_ENGINE)
+            if unread:
+                lines.append("accepted, not acted on: " + ", ".join(unread))
         if self.ignored_keys:
             lines.append("ignored unknown keys: " + ", ".join(self.ignored_keys))
         return "\n".join(lines)
@@ -406,7 +411,7 @@ def _passthrough(known: Mapping[str, Any], ctx: Ctx) -> dict[str, Any]:
             return value.get("enabled") is False or is_auto(value.get("enabled"))
         return value is None or value is False
 
-    active = sorted(k for k, v in kept.items() if not disabled(v))
+    active = sorted(k for k, v in kept.items() if not disabled(v) and k not in READ_BY_ENGINE)
     if active:
         log.warning("%s: dsrun accepts but does not implement: %s", ctx.source, ", ".join(active))
     return kept

@@ -679,3 +679,14 @@ def test_expert_parallel_and_disabled_amp_pass_through(caplog: pytest.LogCapture
         config = res(base(expert_parallel={"enabled": True}, amp={"enabled": False}))
     assert set(config.passthrough) == {"expert_parallel", "amp"}
     assert "does not implement: expert_parallel" in caplog.text
+
+
+def test_timers_section_is_read_not_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    """``timers.throughput`` drives the engine's tput_timer: no "does not
+    implement" warning, not listed as "not acted on"."""
+    with caplog.at_level(logging.WARNING, logger="dsrun.runtime.config"):
+        config = res(base(timers={"throughput": {"enabled": True, "synchronized": False}}))
+    assert "does not implement" not in caplog.text
+    assert config.passthrough["timers"]["throughput"]["enabled"] is True
+    assert "not acted on" not in config.summary()
+    assert "not acted on: autotuning" in res(base(autotuning={"enabled": True})).summary()
