@@ -81,3 +81,15 @@ def test_get_data_types_is_model_and_accumulation_dtype(solo: None) -> None:
     assert engine.communication_data_type == torch.float16
     assert engine_for(bf16={"enabled": True}).get_data_types() == (torch.bfloat16,) * 2
     assert engine.managed_gradient_accumulation()
+
+
+def test_the_configs_leaf_module_section_reaches_zero_stage3(solo: None) -> None:
+    """``zero_optimization.leaf_module`` flags the modules it names when the
+    engine builds its ZeRO-3 optimizer (an MoE block then is one unit)."""
+    from dsrun.utils import z3_leaf_module
+
+    engine = engine_for(zero_optimization={"stage": 3, "leaf_module": {"names": ["2"]}},
+                        optimizer={"type": "AdamW", "params": {"lr": 0.01}})
+    assert z3_leaf_module(engine.module[2]) and not z3_leaf_module(engine.module[0])
+    engine.backward(engine(torch.randn(4, 8)).square().mean())
+    engine.step()

@@ -59,7 +59,8 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, zero_config: Any, stage: in
             overrides["prefetch_bucket_size"] = DEFAULT_PREFETCH
         return ZeroStage3.from_optimizer(
             module, optimizer, group=group, device=device,
-            settings=Stage3Settings.from_config(zero_config, **overrides))
+            settings=Stage3Settings.from_config(zero_config, **overrides),
+            leaf_module=zero_config.leaf_module)
     order = list(reversed([p for p in module.parameters() if p.requires_grad]))
     settings = ZeroSettings.from_config(zero_config, **overrides)
     return ZeroOptimizer.from_optimizer(optimizer, stage=stage, group=group,
