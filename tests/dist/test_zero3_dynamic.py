@@ -4,7 +4,9 @@ the engine (workers/zero3_dynamic.py runs every case in one job).
 * ZeRO-3 leaf modules: a mixture-of-experts block whose ranks pick
   different experts trains at stage 3 equal to stage 0 when the block is a
   leaf (``set_z3_leaf_modules``, or the ``leaf_module`` config section), and
-  stops with the divergence error when it is not.
+  stops with the divergence error when it is not;
+* a parameter read in its parent's forward (a tied output projection)
+  trains at stage 3 equal to stage 0 without register_external_parameter.
 
 Tolerance 1e-6: stage 0 all-reduces each gradient bucket while stage 3
 reduces the leaf's gradients in another bucket layout, and Adam's fused
@@ -68,3 +70,14 @@ def test_moe_without_leaf_stops_with_the_divergence_error(job: list[dict[str, An
     for result in job:
         message = result["moe"]["unflagged"]
         assert "diverged" in message and "moe.experts." in message, message
+
+
+def test_weight_read_in_the_parents_forward_is_gathered(job: list[dict[str, Any]]) -> None:
+    for result in job:
+        tied = result["tied"]
+        ref, zero = tied["stage0"], tied["stage3"]
+        assert max(abs(a - b) for a, b in zip(ref["losses"], zero["losses"])) <= TOLERANCE
+        assert _max_diff(ref["params"], zero["params"]) <= TOLERANCE
+        # registered as the root's external parameter, as DeepSpeed does
+        assert tied["stage3_external"] == ["ZeroParameter"] and tied["stage0_external"] == []
+

@@ -52,6 +52,20 @@ distance larger than the model keeps every parameter from forward to
 backward: no gather in backward, for the memory of the whole model's
 parameters at the turn.
 
+**A parameter read outside its module's forward** (``x @
+self.emb.weight.t()`` in a parent's forward, a tied head): while a hooked
+module's forward runs, reading a released parameter through a module
+attribute gathers it (one guard event, like any gather) and registers it as
+an external parameter of the innermost hooked module running
+(:func:`~.init.register_external_parameter`), as DeepSpeed's
+``ZeROOrderedDict`` does: from the next pass on that module's pre-hook
+gathers it with its own, its backward too, and its post-hook releases it.
+The modules' ``_parameters`` dicts are :class:`GatheringParameters` for that
+while the hooks are installed (plain dicts again after :meth:`ParamFetcher.close`;
+a copy or pickle of the module gets a plain dict). A read that does not go
+through the module attribute (a parameter kept in a list or a closure) is
+not seen: register it yourself.
+
 Autograd keeps the parameter object itself for backward (a leaf is saved by
 reference), so emptying ``param.data`` after forward and refilling it
 before backward is invisible to it. An operator that saves a *view* of a
@@ -64,6 +78,7 @@ operators that save a view of a weight still keep it until backward.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any, Callable, Optional
@@ -73,11 +88,13 @@ import torch
 from dsrun.errors import DsrunError
 from dsrun.runtime.zero.comm import CommStrategy
 from dsrun.runtime.zero.divergence import DivergenceGuard
+from dsrun.runtime.zero.init import register_external_parameter
 from dsrun.runtime.zero.linear import patched_linear
 from dsrun.runtime.zero.partitioned import (
     ZeroParamStatus,
     finish_gather,
     is_zero_param,
+    param_name,
     release,
     start_gathers,
 )
@@ -92,6 +109,28 @@ from dsrun.utils.z3_leaf_module import (
     unmark_leaf_parameters,
     z3_leaf_module,
 )
+
+log = logging.getLogger("dsrun.runtime.zero")
+
+_READING: list[ParamFetcher] = []  # fetchers inside a hooked forward, innermost last
+
+
+class GatheringParameters(dict):
+    """A module's ``_parameters`` that gathers a released partitioned
+    parameter read during a hooked forward (module docstring)."""
+
+    __slots__ = ()
+
+    def __getitem__(self, key: str) -> Any:
+        param = dict.__getitem__(self, key)
+        status = getattr(param, "ds_status", None)
+        if (_READING and status is not None and status is not ZeroParamStatus.AVAILABLE
+                and not torch.compiler.is_compiling()):
+            _READING[-1].fetch_read(param)
+        return param
+
+    def __reduce__(self) -> Any:
+        return dict, (dict(self),)
 
 
 def external_params(module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
@@ -185,6 +224,7 @@ class ParamFetcher:
                                   f"{', leaf' if leaf else ''})")
                 self._direct.append(own)
         self._leaf_runs: dict[int, None] = {}  # leaves run with grad since the last take
+        self._running: list[int] = []  # hooked modules inside their forward, innermost last
         self.by_id: dict[int, torch.Tensor] = {
             p.ds_id: p for p in root.parameters() if is_zero_param(p)}
         self._numels = {pid: p.ds_numel for pid, p in self.by_id.items()}
@@ -209,6 +249,9 @@ class ParamFetcher:
                     self._pre_hook(index), prepend=True))
                 self._handles.append(module.register_forward_hook(
                     self._post_hook(index), always_call=True))
+            for module in root.modules():
+                if type(module.__dict__.get("_parameters")) is dict:
+                    module._parameters = GatheringParameters(module._parameters)
 
     # ------------------------------------------------------------- queries
 
@@ -262,6 +305,9 @@ class ParamFetcher:
         return hook
 
     def _pre_forward(self, index: int) -> None:
+        if not self._running:
+            _READING.append(self)
+        self._running.append(index)
         if self.modules[index] is self.root:
             if self._root_depth == 0:
                 self._release_unused(reset_users=True)
@@ -324,6 +370,10 @@ class ParamFetcher:
             param.ds_id in self._turn_keep and trace.position >= self._turn_from)
 
     def _post_forward(self, index: int, output: Any) -> None:
+        if index in self._running:  # also unwinds modules whose forward raised
+            del self._running[len(self._running) - 1 - self._running[::-1].index(index):]
+            if not self._running and self in _READING:
+                _READING.remove(self)
         params = self.fetchable(index)
         for p in params:
             users = self._users.get(p.ds_id, 1) - 1
@@ -342,6 +392,17 @@ class ParamFetcher:
                     self._linear.restore()
                 self._release_unused(reset_users=False, keep=self._turn_keep | self._reuse_keep
                                      if torch.is_grad_enabled() else frozenset())
+
+    def fetch_read(self, param: torch.Tensor) -> None:
+        """A released (or in-flight) ``param`` was read in the forward of the
+        innermost hooked module running: it becomes that module's external
+        parameter and is gathered now (module docstring)."""
+        index = self._running[-1]
+        register_external_parameter(self.modules[index], param)
+        log.debug("ZeRO-3: %s read in the forward of %s: registered as its external "
+                  "parameter", param_name(param), self.names[index])
+        self._fetch(index, (param,), "forward", ahead=False)
+        finish_gather(param)
 
     def _hook_outputs(self, index: int, output: Any) -> None:
         tensors = [t for t in output_tensors(output) if t.requires_grad]
@@ -472,4 +533,10 @@ class ParamFetcher:
         self._handles = []
         for index in self.leaves:
             unmark_leaf_parameters(self.modules[index])
+        for module in self.root.modules():
+            if type(module.__dict__.get("_parameters")) is GatheringParameters:
+                module._parameters = dict(module._parameters)
+        if self in _READING:
+            _READING.remove(self)
+        self._running = []
         self._release_unused(reset_users=True)

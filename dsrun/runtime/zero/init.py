@@ -35,7 +35,12 @@ of that module.
 
 **register_external_parameter(module, parameter).** ``parameter`` (of
 another module) is used in ``module``'s forward: stage 3 gathers it with
-``module``'s own. Register before the optimizer/engine is built.
+``module``'s own (forward and backward). A parameter read through a module
+attribute during a forward (``x @ self.emb.weight.t()`` in the parent's
+forward) needs no registration: the stage-3 hooks gather it at that read and
+register it with the innermost hooked module running, as DeepSpeed does
+(:mod:`~.fetch`). Register explicitly what is reached another way (a
+parameter kept in a list, a closure or a plain attribute).
 """
 
 from __future__ import annotations

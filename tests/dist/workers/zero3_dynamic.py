@@ -10,6 +10,8 @@ tests/dist/test_zero3_dynamic.py judges.
   ``zero_optimization.leaf_module`` section (ZeroStage3's ``leaf_module``),
   at stage 3 with every parameter kept whole (the persistence threshold),
   and at stage 3 unflagged, which must stop with dsrun's divergence error.
+* **tied**: a parent's forward reads its embedding's weight (a tied output
+  projection) with no register_external_parameter: stage 3 equals stage 0.
 
 Usage: ``dsrun --num_gpus 2 zero3_dynamic.py OUT_DIR``.
 """
@@ -149,10 +151,36 @@ def _build_with_leaf_config(model: nn.Module, model_parameters: Any, config: dic
         stepping.ZeroStage3.from_optimizer = original  # type: ignore[method-assign]
 
 
+class Tied(nn.Module):
+    """An embedding whose weight the parent's forward reads again (a tied
+    output projection), without register_external_parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.body = nn.Linear(4, 4)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.body(self.emb(idx))) @ self.emb.weight.t()
+
+
+def tied_cases(rank: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(3 + rank)
+    batches = [torch.randint(0, 10, (4,), generator=g) for _ in range(STEPS)]
+    out: dict[str, Any] = {}
+    for name, stage in (("stage0", 0), ("stage3", 3)):
+        torch.manual_seed(0)
+        model = Tied()
+        out[name] = train(model, config(stage), batches)
+        out[f"{name}_external"] = [type(p).__name__ for p in
+                                   model.__dict__.get("ds_external_parameters", [])]
+    return out
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     rank = dist.get_rank()
-    result: dict[str, Any] = {"rank": rank, "moe": moe_cases(rank)}
+    result: dict[str, Any] = {"rank": rank, "moe": moe_cases(rank), "tied": tied_cases(rank)}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 
 
