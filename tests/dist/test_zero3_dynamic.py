@@ -6,7 +6,10 @@ the engine (workers/zero3_dynamic.py runs every case in one job).
   leaf (``set_z3_leaf_modules``, or the ``leaf_module`` config section), and
   stops with the divergence error when it is not;
 * a parameter read in its parent's forward (a tied output projection)
-  trains at stage 3 equal to stage 0 without register_external_parameter.
+  trains at stage 3 equal to stage 0 without register_external_parameter;
+* at stages 0-2 (fp32, and fp16 with its separate fp32 masters), an edit
+  made on one rank inside ``GatheredParameters(modifier_rank=...)`` reaches
+  every rank's parameters and masters.
 
 Tolerance 1e-6: stage 0 all-reduces each gradient bucket while stage 3
 reduces the leaf's gradients in another bucket layout, and Adam's fused
@@ -81,3 +84,11 @@ def test_weight_read_in_the_parents_forward_is_gathered(job: list[dict[str, Any]
         # registered as the root's external parameter, as DeepSpeed does
         assert tied["stage3_external"] == ["ZeroParameter"] and tied["stage0_external"] == []
 
+
+@pytest.mark.parametrize("case", [f"stage{s}-{p}" for s in (0, 1, 2) for p in ("fp32", "fp16")])
+def test_modifier_rank_edit_of_whole_parameters_holds_everywhere(
+        job: list[dict[str, Any]], case: str) -> None:
+    for result in job:
+        seen = result["modify"][case]
+        assert set(seen["params"]) == {0.5}, seen["params"]
+        assert seen["masters_of"] == 4 and set(seen["masters"]) == {0.5}, seen

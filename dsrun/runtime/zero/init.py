@@ -33,6 +33,15 @@ is released. Without ``modifier_rank`` modifications are dropped (as in
 DeepSpeed). ``fwd_module`` registers the parameters as external parameters
 of that module.
 
+Parameters that are not partitioned (stages 0-2) are whole on every rank
+already: nothing is gathered. With ``modifier_rank``, those an engine trains
+(:mod:`~dsrun.runtime.param_links`) get that rank's values on exit too - a
+broadcast over the engine's data-parallel group, then the engine's master
+of each (its fp32 copy, or this rank's part of it at stages 1-2) is set
+from them, as ``safe_set_full_fp32_param`` does - so the edit holds on every
+rank and survives the next step (DeepSpeed leaves them alone: the edit is
+lost at its next step, and at stages 1-2 only part of it was kept).
+
 **register_external_parameter(module, parameter).** ``parameter`` (of
 another module) is used in ``module``'s forward: stage 3 gathers it with
 ``module``'s own (forward and backward). A parameter read through a module
@@ -58,6 +67,7 @@ from dsrun.errors import DsrunConfigError, DsrunError
 from dsrun.runtime.config_schema import Ctx
 from dsrun.runtime.config_sections import ZeroConfig, parse_zero
 from dsrun.runtime.dist import compute_device
+from dsrun.runtime.param_links import engine_of
 from dsrun.runtime.zero.divergence import group_ranks, shared_guard
 from dsrun.runtime.zero.partitioned import (
     ZeroParamStatus,
@@ -359,6 +369,10 @@ class GatheredParameters:
         items = [params] if isinstance(params, torch.Tensor) else list(params or ())
         self.params = [p for p in dict.fromkeys(items) if is_zero_param(p)]
         self.modifier_rank = modifier_rank
+        # whole parameters an engine trains: published on exit too (module docstring)
+        self.whole = [p for p in dict.fromkeys(items) if not is_zero_param(p)
+                      and engine_of(p) is not None] if enabled and modifier_rank is not None \
+            else []
         self.enabled = bool(enabled) and bool(self.params)
         self._gathered: list[torch.Tensor] = []
         if self.enabled:
@@ -384,6 +398,8 @@ class GatheredParameters:
         self._gathered = need
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if self.whole and exc_type is None:
+            publish_whole(self.whole, self.modifier_rank)  # type: ignore[arg-type]
         if not self.enabled:
             return
         for p in self.params:
@@ -420,3 +436,33 @@ class GatheredParameters:
             if method is not None:
                 method(p)
 
+
+
+def publish_whole(params: list[torch.Tensor], modifier_rank: int) -> None:
+    """Whole (stage 0-2) parameters an engine trains: ``modifier_rank``'s
+    values to every rank of the engine's data-parallel group, then into the
+    engine's masters (module docstring)."""
+    from dsrun.runtime.zero.param_state import param_state
+
+    by_engine: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+    for p in params:
+        engine = engine_of(p)
+        by_engine.setdefault(id(engine), (engine, []))[1].append(p)
+    for engine, owned in by_engine.values():
+        group = engine.dp_group
+        world = dist.get_world_size(group)
+        if not 0 <= modifier_rank < world:
+            raise DsrunError(f"modifier_rank {modifier_rank} outside the engine's "
+                             f"data-parallel group of {world} ranks")
+        if world > 1:
+            src = dist.get_global_rank(group, modifier_rank) if group is not None \
+                else modifier_rank
+            with torch.no_grad():
+                works = [collectives.broadcast(p.data, src=src, group=group, async_op=True)
+                         for p in owned if p.numel()]
+                for work in works:
+                    work.wait()
+        for p in owned:
+            state = param_state(p)
+            if state is not None:  # frozen parameters have no master
+                state.set_value(p.data)

@@ -12,6 +12,9 @@ tests/dist/test_zero3_dynamic.py judges.
   and at stage 3 unflagged, which must stop with dsrun's divergence error.
 * **tied**: a parent's forward reads its embedding's weight (a tied output
   projection) with no register_external_parameter: stage 3 equals stage 0.
+* **modify**: at stages 0, 1 and 2 (fp32 and fp16: separate fp32 masters),
+  ``GatheredParameters(params, modifier_rank=1)`` with an edit on rank 1
+  only; with lr 0 every rank's parameters and masters must keep the edit.
 
 Usage: ``dsrun --num_gpus 2 zero3_dynamic.py OUT_DIR``.
 """
@@ -177,10 +180,49 @@ def tied_cases(rank: int) -> dict[str, Any]:
     return out
 
 
+def modify_case(stage: int, precision: str) -> dict[str, Any]:
+    """One step, then rank 1 alone sets every parameter to 0.5 inside
+    GatheredParameters(modifier_rank=1); two more steps with lr 0."""
+    cfg = config(stage)
+    cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.0}}
+    if precision != "fp32":
+        cfg[precision] = {"enabled": True}
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3), nn.Tanh(), nn.Linear(3, 1))
+    model[0].requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[
+        p for p in model.parameters() if p.requires_grad], config=cfg)
+    dtype = next(engine.module.parameters()).dtype
+
+    def step() -> None:
+        loss = engine(torch.ones(2, 4, dtype=dtype)).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+
+    step()
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=1):
+        if dist.get_rank() == 1:
+            for p in params:
+                p.data.fill_(0.5)
+    step()
+    step()
+    masters = [deepspeed.utils.safe_get_full_fp32_param(p) for p in params]
+    return {"params": [v for p in params for v in p.detach().float().flatten().tolist()],
+            "masters": [v for m in masters if m is not None for v in m.flatten().tolist()],
+            "masters_of": sum(m is not None for m in masters)}
+
+
+def modify_cases() -> dict[str, Any]:
+    return {f"stage{stage}-{precision}": modify_case(stage, precision)
+            for stage in (0, 1, 2) for precision in ("fp32", "fp16")}
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     rank = dist.get_rank()
-    result: dict[str, Any] = {"rank": rank, "moe": moe_cases(rank), "tied": tied_cases(rank)}
+    result: dict[str, Any] = {"rank": rank, "moe": moe_cases(rank), "tied": tied_cases(rank),
+                              "modify": modify_cases()}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 
 
