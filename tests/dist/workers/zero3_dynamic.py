@@ -7,7 +7,7 @@ tests/dist/test_zero3_dynamic.py judges.
   on rank 1) make them pick different experts. Trained at stage 0 (the
   DDP-style reference), at stage 3 with the block flagged by
   ``deepspeed.utils.set_z3_leaf_modules``, at stage 3 through the
-  ``zero_optimization.leaf_module`` section (ZeroStage3's ``leaf_module``),
+  ``zero_optimization.leaf_module`` section,
   at stage 3 with every parameter kept whole (the persistence threshold),
   and at stage 3 unflagged, which must stop with dsrun's divergence error.
 * **tied**: a parent's forward reads its embedding's weight (a tied output
@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -82,9 +82,9 @@ def moe_batches(rank: int) -> list[torch.Tensor]:
     return [torch.rand(4, 4, generator=g) * sign for _ in range(STEPS)]
 
 
-def train(model: nn.Module, cfg: dict[str, Any], batches: list[torch.Tensor],
-          build: Callable[..., Any] = deepspeed.initialize) -> dict[str, Any]:
-    engine, *_ = build(model=model, model_parameters=model.parameters(), config=cfg)
+def train(model: nn.Module, cfg: dict[str, Any], batches: list[torch.Tensor]) -> dict[str, Any]:
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=cfg)
     losses = []
     for x in batches:
         loss = engine(x).pow(2).mean()
@@ -121,37 +121,13 @@ def moe_cases(rank: int) -> dict[str, Any]:
     del cfg["zero_optimization"]["stage3_param_persistence_threshold"]
     out["leaf_persistent"] = train(whole, cfg, batches)
     named = moe_model()
-    out["leaf_config"] = train(named, config(3, leaf_module={"names": ["moe"]}), batches,
-                               build=_build_with_leaf_config)
+    out["leaf_config"] = train(named, config(3, leaf_module={"names": ["moe"]}), batches)
     try:
         train(moe_model(), config(3), batches)
         out["unflagged"] = "trained"
     except DsrunError as exc:
         out["unflagged"] = str(exc)
     return out
-
-
-def _build_with_leaf_config(model: nn.Module, model_parameters: Any, config: dict[str, Any]
-                            ) -> Any:
-    """The engine with its stage-3 optimizer built from the config's
-    leaf_module section (what the engine passes to ZeroStage3)."""
-    from dsrun.runtime.config_sections import ZeroConfig
-    from dsrun.runtime.zero import stepping
-
-    section = ZeroConfig(**{"stage": 3, "leaf_module": config["zero_optimization"]
-                            ["leaf_module"]}).leaf_module
-    original = stepping.ZeroStage3.from_optimizer
-
-    def from_optimizer(*args: Any, **kwargs: Any) -> Any:
-        kwargs.setdefault("leaf_module", section)
-        return original(*args, **kwargs)
-
-    stepping.ZeroStage3.from_optimizer = from_optimizer  # type: ignore[method-assign]
-    try:
-        return deepspeed.initialize(model=model, model_parameters=model_parameters,
-                                    config=config)
-    finally:
-        stepping.ZeroStage3.from_optimizer = original  # type: ignore[method-assign]
 
 
 class Tied(nn.Module):
