@@ -73,6 +73,7 @@ def test_moe_without_leaf_stops_with_the_divergence_error(job: list[dict[str, An
     for result in job:
         message = result["moe"]["unflagged"]
         assert "diverged" in message and "moe.experts." in message, message
+        assert "set_z3_leaf_modules(model, [BlockClass])" in message, message
 
 
 def test_weight_read_in_the_parents_forward_is_gathered(job: list[dict[str, Any]]) -> None:

@@ -67,7 +67,10 @@ TIMEOUT_ENV = "DSRUN_ZERO_TIMEOUT"
 POLL_S = 0.5
 HINT = ("under ZeRO stage 3 every rank must run the same modules in the same order "
         "(a data-dependent branch that skips, adds or swaps a module makes the parameter "
-        "all-gathers of the ranks differ)")
+        "all-gathers of the ranks differ); a block whose ranks run different parts, such as "
+        "an MoE layer routing to different experts, can be made one unit: "
+        "deepspeed.utils.set_z3_leaf_modules(model, [BlockClass]) or "
+        "zero_optimization.leaf_module")
 
 
 @dataclass(frozen=True)
