@@ -201,6 +201,28 @@ def test_an_exited_rank_is_unreaped_until_teardown(pid_dir):
 
 
 
+def _start_agent(payload: dict, stderr: object = None
+                 ) -> tuple[subprocess.Popen, list[dict]]:
+    """A node agent fed ``payload``, and its events up to its rank's first
+    line starting with "up" (the rank is running)."""
+    proc = subprocess.Popen([sys.executable, "-m", "dsrun.launcher.agent"], cwd=str(ROOT),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr)
+    assert proc.stdin is not None and proc.stdout is not None
+    events: list[dict] = []
+    try:
+        proc.stdin.write((json.dumps(payload) + "\n").encode())
+        proc.stdin.flush()
+        for line in proc.stdout:
+            events.append(json.loads(line))
+            if str(events[-1].get("line")).startswith("up"):
+                break
+    except BaseException:
+        proc.kill()  # the agent stops its ranks when its input ends
+        proc.wait()
+        raise
+    return proc, events
+
+
 _IGNORES_TERM = ("import signal, sys, time\n"
                  "signal.signal(signal.SIGTERM, lambda *a: print('TERM', flush=True))\n"
                  "print('up', flush=True)\n"
@@ -214,17 +236,9 @@ def test_a_kill_or_the_end_of_input_while_stopping_skips_the_grace(tmp_path, sec
     it at once; and it gets SIGTERM once, not once per way it was found."""
     payload = {"job_id": "c" * 32, "kill_grace": 30, "cwd": str(tmp_path), "env": {},
                "ranks": [_rank(0, [sys.executable, "-c", _IGNORES_TERM])]}
-    proc = subprocess.Popen([sys.executable, "-m", "dsrun.launcher.agent"], cwd=str(ROOT),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc, events = _start_agent(payload)
     assert proc.stdin is not None and proc.stdout is not None
     try:
-        proc.stdin.write((json.dumps(payload) + "\n").encode())
-        proc.stdin.flush()
-        events = []
-        for line in proc.stdout:
-            events.append(json.loads(line))
-            if events[-1].get("line") == "up":
-                break
         proc.stdin.write(b'{"cmd":"stop"}\n')
         proc.stdin.flush()
         time.sleep(1.0)
@@ -275,19 +289,10 @@ def test_a_second_signal_to_the_agent_hurries_the_stop_without_a_traceback(tmp_p
     argv = _IGNORES_TERM if where == "stopping" else _LEAVES_A_SURVIVOR
     payload = {"job_id": "d" * 32, "kill_grace": 30, "cwd": str(tmp_path), "env": {},
                "ranks": [_rank(0, [sys.executable, "-c", argv])]}
-    proc = subprocess.Popen([sys.executable, "-m", "dsrun.launcher.agent"], cwd=str(ROOT),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    proc, events = _start_agent(payload, stderr=subprocess.PIPE)
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
     job: list[int] = []
     try:
-        proc.stdin.write((json.dumps(payload) + "\n").encode())
-        proc.stdin.flush()
-        events = []
-        for line in proc.stdout:
-            events.append(json.loads(line))
-            if str(events[-1].get("line")).startswith("up"):
-                break
         job = [next(e["pid"] for e in events if e.get("ev") == "started")]
         job += [int(w) for w in events[-1]["line"].split()[1:]]
         tmpdir = os.path.dirname(psutil.Process(job[0]).environ()["DSRUN_ERROR_FILE"])
