@@ -27,6 +27,18 @@ def run_dsrun(*args: str, timeout: float = 60, env: dict | None = None,
                           env=full_env, cwd=cwd or str(ROOT))
 
 
+def rank_results(worker: Path, out: Path, world: int, timeout: float,
+                 env: dict | None = None) -> list[dict]:
+    """Run ``worker OUT`` on ``world`` CPU ranks (it writes ``OUT/rankR.json``);
+    the job must succeed; each rank's results in rank order."""
+    import json
+
+    res = run_dsrun("--cpu", "--num_gpus", str(world), str(worker), str(out),
+                    timeout=timeout, env=env)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
 def start_dsrun(*args: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(dsrun_argv(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, **(env or {})}, cwd=str(ROOT))

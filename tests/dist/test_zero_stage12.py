@@ -51,7 +51,7 @@ from dsrun.runtime.zero import (
     reduce_scatter_mean,
     zero_model_state_bytes,
 )
-from tests.conftest import ROOT, run_dsrun
+from tests.conftest import ROOT, rank_results, run_dsrun
 from tests.dist.world1 import small_model, train, two_groups
 
 pytestmark = pytest.mark.dist
@@ -68,10 +68,7 @@ def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     """One dsrun job per world size; every case runs inside it."""
     world = request.param
     out = tmp_path_factory.mktemp(f"zero{world}")
-    res = run_dsrun("--cpu", "--num_gpus", str(world), str(WORKER), str(out), timeout=300)
-    assert res.returncode == 0, res.stderr[-4000:]
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-    return {"world": world, "ranks": ranks}
+    return {"world": world, "ranks": rank_results(WORKER, out, world, timeout=300)}
 
 
 def _max_diff(a: list[float], b: list[float]) -> float:

@@ -51,7 +51,7 @@ from dsrun.runtime.zero import (
     paper_model_state_bytes,
 )
 from dsrun.runtime.zero.partitioned import full_numel_held
-from tests.conftest import ROOT, run_dsrun
+from tests.conftest import ROOT, rank_results, run_dsrun
 from tests.dist.world1 import small_model, train, two_groups
 
 pytestmark = pytest.mark.dist
@@ -65,10 +65,7 @@ BITWISE_ON_2_RANKS = ("gas1-noclip", "gas1-noclip-subgroups")
 def job(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """One 3-rank dsrun job for the module; every case runs inside it."""
     out = tmp_path_factory.mktemp("zero3")
-    res = run_dsrun("--cpu", "--num_gpus", "3", str(WORKER), str(out), timeout=280,
-                    env={"OMP_NUM_THREADS": "1"})
-    assert res.returncode == 0, res.stderr[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
+    return rank_results(WORKER, out, 3, timeout=280, env={"OMP_NUM_THREADS": "1"})
 
 
 def _cases(job: list[dict[str, Any]]) -> Iterator[tuple[str, int, str, dict[str, Any]]]:
