@@ -7,6 +7,7 @@ Every test checks that no process of the job is left.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -200,3 +201,23 @@ def test_start_banner_names_the_hostfile(tmp_path):
     assert res.returncode == 0, res.stderr
     assert res.stderr.splitlines()[0].startswith(
         f"dsrun: hostfile: {tmp_path / 'hostfile'} (found in the working directory")
+
+
+def test_a_launch_tools_failure_quotes_its_cause_after_a_long_help_block():
+    """Open MPI prints the ssh error, then a help block longer than the kept
+    tail: the summary still quotes the ssh line (a real process standing in
+    for mpirun, so no MPI is needed)."""
+    from dsrun.launcher.backends.connect import TOOL_TAIL, LaunchTool
+
+    block = "\n".join(["-" * 70, "ORTE was unable to reliably start one or more daemons.",
+                       *[f"help text line {i}" for i in range(TOOL_TAIL + 5)], "-" * 70])
+    script = ("echo 'ssh: Could not resolve hostname nosuch: Name or service not known' >&2\n"
+              f"cat <<'EOF'\n{block}\nEOF\nexit 255\n")
+    lines: list[str] = []
+    tool = LaunchTool("mpirun", ["sh", "-c", script], dict(os.environ), str(ROOT),
+                      lambda name, kind, fd, line: lines.append(line))
+    tool.proc.wait(timeout=30)
+    text = tool.exit_text(" before the agents connected back")
+    assert text == ("mpirun exited with status 255 before the agents connected back: "
+                    "ssh: Could not resolve hostname nosuch: Name or service not known")
+    assert len(lines) > TOOL_TAIL + 5  # every line was forwarded

@@ -53,6 +53,9 @@ class LaunchTool:
         self.name = name
         self.sink = sink
         self.tail: collections.deque[str] = collections.deque(maxlen=TOOL_TAIL)
+        # the first line naming a problem, kept however much output follows
+        # (Open MPI's help block after an ssh error is longer than the tail)
+        self.first_telling: str | None = None
         try:
             # Own session: Ctrl-C reaches the launcher, which stops the job in order.
             self.proc = subprocess.Popen(list(argv), env=dict(env), cwd=cwd,
@@ -69,6 +72,8 @@ class LaunchTool:
         for raw in iter(stream.readline, b""):
             line = raw.decode("utf-8", "replace").rstrip("\n")
             self.tail.append(line)
+            if self.first_telling is None and telling(line):
+                self.first_telling = line.strip()
             self.sink(self.name, TOOL_LINE, fd, line)
         stream.close()
 
@@ -79,7 +84,7 @@ class LaunchTool:
         """'mpirun exited with status 1 <when>: <its last error line>'."""
         for t in self._pumps:
             t.join(timeout=1)
-        last = telling_line(self.tail)
+        last = self.first_telling or telling_line(self.tail)
         text = f"{self.name} exited with status {self.proc.returncode}{when}"
         return f"{text}: {last}" if last else text
 
@@ -110,8 +115,15 @@ def telling_line(lines: Iterable[str]) -> str:
     their summary ("ssh: Could not resolve hostname" before Open MPI's "was
     unable to reliably start one or more daemons")."""
     kept = [ln.strip() for ln in lines if ln.strip() and not _filler(ln.strip())]
-    telling = [ln for ln in kept if any(word in ln.lower() for word in _TELLING)]
-    return telling[0] if telling else (kept or [""])[-1]
+    named = [ln for ln in kept if telling(ln)]
+    return named[0] if named else (kept or [""])[-1]
+
+
+def telling(line: str) -> bool:
+    """Whether a tool's output line names a problem (pure)."""
+    stripped = line.strip()
+    return bool(stripped) and not _filler(stripped) and \
+        any(word in stripped.lower() for word in _TELLING)
 
 
 def _filler(line: str) -> bool:
