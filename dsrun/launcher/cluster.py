@@ -77,11 +77,10 @@ def this_host_pool(hs: HostsSpec, devices: Sequence[DeviceId], cpus: int,
     """The pool of a job without a hostfile: this host (pure)."""
     name = hostname if host_problem(hostname) is None else "localhost"
     if hs.include is not None or hs.exclude is not None:
-        if not devices:
-            raise SelectionError(
-                "--include/--exclude without a hostfile select GPUs of this host, which has "
-                "none; use --num_gpus N for CPU ranks, or name a hostfile with -H")
-        return HostPool(Hostfile(THIS_HOST, (HostEntry("localhost", len(devices), 0),)))
+        # slots: this host's GPUs, or on a host without any, one per usable
+        # CPU (CPU ranks; DeepSpeed with DS_ACCELERATOR=cpu runs these too)
+        return HostPool(Hostfile(THIS_HOST,
+                                 (HostEntry("localhost", len(devices) or max(cpus, 1), 0),)))
     if hs.num_nodes not in (None, 1):
         raise SelectionError(f"--num_nodes {hs.num_nodes} needs a hostfile: name one with "
                              f"-H/--hostfile (neither ./hostfile nor /job/hostfile exists)")

@@ -163,8 +163,15 @@ def test_include_without_hostfile_on_a_cpu_host(tmp_path, capsys, script, monkey
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("DSRUN_FAKE_GPUS", "0")
     monkeypatch.setattr("dsrun.launcher.hostfile.DEFAULT_JOB_HOSTFILE", str(tmp_path / "x"))
-    code, err = _main_err(capsys, ["--include", "localhost:0", script])
-    assert code == 2 and "select GPUs of this host, which has none" in err[0]
+    monkeypatch.setattr("dsrun.launcher.cluster.usable_cpus", lambda: 4)
+    # CPU ranks on the slots named (one per usable CPU), as DeepSpeed with
+    # DS_ACCELERATOR=cpu runs them
+    assert cli.main(["--dry-run", "--include", "localhost:0,2", script]) == 0
+    assert "ranks [0,1]  local ranks [0,1]  devices [cpu]" in capsys.readouterr().out
+    assert cli.main(["--dry-run", "--exclude", "localhost:3", script]) == 0
+    assert "ranks [0,1,2]  local ranks [0,1,2]  devices [cpu]" in capsys.readouterr().out
+    code, err = _main_err(capsys, ["--include", "localhost:4", script])
+    assert code == 2 and "4" in err[0]
 
 
 def test_one_machine_listed_twice_is_refused_naming_both():
