@@ -201,7 +201,7 @@ def test_streamed_torch_save_file_loads_like_torch_save(tmp_path: Path) -> None:
         assert all(torch.equal(loaded[n], values[n]) and loaded[n].dtype == values[n].dtype
                    for n in values)
         assert loaded["tied"].data_ptr() == loaded["w"].data_ptr()
-    assert not (tmp_path / "m.pt.tmp").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["m.pt"]  # no temporary file left
 
 
 def test_streamed_safetensors_file(tmp_path: Path) -> None:
@@ -261,6 +261,8 @@ def test_to_fp32_refuses_an_output_it_cannot_write_before_any_work(
 def test_to_fp32_failing_to_write_removes_its_file(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     save(tmp_path / "ckpt", DictSource(tensors()))
+    (tmp_path / "old.pt").write_text("old")
+    (tmp_path / "old.pt.tmp").write_text("the user's")
 
     def full(*args: object) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -268,7 +270,65 @@ def test_to_fp32_failing_to_write_removes_its_file(tmp_path: Path,
     monkeypatch.setattr(TorchSaveWriter, "write", full)
     with pytest.raises(CheckpointError, match="out.pt failed: No space left on device"):
         to_fp32(str(tmp_path / "ckpt"), str(tmp_path / "out.pt"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    with pytest.raises(CheckpointError, match="old.pt failed: No space left on device"):
+        to_fp32(str(tmp_path / "ckpt"), str(tmp_path / "old.pt"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "old.pt", "old.pt.tmp"]
+    assert (tmp_path / "old.pt").read_text() == "old"
+    assert (tmp_path / "old.pt.tmp").read_text() == "the user's"
+
+
+@pytest.mark.parametrize("safetensors", [False, True])
+def test_to_fp32_writes_through_a_symlink_and_leaves_other_files_alone(
+        tmp_path: Path, safetensors: bool) -> None:
+    save(tmp_path / "ckpt", DictSource(tensors()))
+    (tmp_path / "tgt").mkdir()
+    (tmp_path / "tgt" / "model.bin").write_text("old")
+    (tmp_path / "tgt" / "model.bin").chmod(0o640)
+    (tmp_path / "link.bin").symlink_to(tmp_path / "tgt" / "model.bin")
+    (tmp_path / "link.bin.tmp").write_text("the user's")
+    (tmp_path / "tgt" / "model.bin.tmp").write_text("the user's too")
+    done = to_fp32(str(tmp_path / "ckpt"), str(tmp_path / "link.bin"), safetensors=safetensors)
+    assert done.path == str(tmp_path / "link.bin")
+    assert (tmp_path / "link.bin").is_symlink()
+    target = tmp_path / "tgt" / "model.bin"
+    assert target.stat().st_mode & 0o777 == 0o640  # the old file's mode
+    if safetensors:
+        loaded = pytest.importorskip("safetensors.torch").load_file(str(target))
+    else:
+        loaded = torch.load(target)
+    assert torch.equal(loaded["a.weight"], tensors()["a.weight"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "link.bin", "link.bin.tmp",
+                                                          "tgt"]
+    assert sorted(p.name for p in (tmp_path / "tgt").iterdir()) == ["model.bin",
+                                                                    "model.bin.tmp"]
+    assert (tmp_path / "link.bin.tmp").read_text() == "the user's"
+
+
+@pytest.mark.parametrize("make,why", [
+    (lambda p: os.mkfifo(p), "it is a FIFO, not a regular file"),
+    (lambda p: p.symlink_to(p.name), "Too many levels of symbolic links"),
+    (lambda p: p.symlink_to("/dev/null"), "it is a character device, not a regular file"),
+    (lambda p: (p.mkdir(), (p / "pytorch_model.bin").mkdir()),
+     "it is a directory, not a regular file"),
+], ids=["fifo", "symlink-loop", "device", "directory"])
+def test_to_fp32_refuses_an_output_that_is_not_a_regular_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        make: Any, why: str) -> None:
+    from dsrun.launcher import cli
+    from dsrun.runtime.checkpoint import consolidate
+
+    save(tmp_path / "ckpt", DictSource(tensors()))
+    make(tmp_path / "out")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(consolidate, "iter_tensors", None)  # no tensor is to be read
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    with pytest.raises(CheckpointError, match=why):
+        to_fp32("ckpt", "out")
+    assert cli.main(["checkpoint", "to-fp32", "ckpt", "out"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("dsrun: error: cannot write out") and err.count("\n") == 1, err
+    assert why in err
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # nothing replaced or left
 
 
 def test_info_describes_the_tags(tmp_path: Path) -> None:

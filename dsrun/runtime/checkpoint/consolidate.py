@@ -21,10 +21,12 @@ accepts it.
   :class:`LazyTensor` that each read their tensor when asked.
 
 The output is checked before any tensor is read: its directory must exist
-(one named with a trailing separator is created) and be writable, else a
+(one named with a trailing separator is created) and be writable, and an
+existing output must be a regular file (a symlink is written through, to
+the file it names; a FIFO, device, socket or directory is refused), else a
 :class:`~dsrun.errors.CheckpointError` names it and nothing is written; a
-write that fails later (a full disk) removes its partial file and raises
-one too.
+write that fails later (a full disk) removes its own temporary file (never
+another file) and raises one too.
 
 ``exclude_frozen`` leaves out the parameters no optimizer param group
 updates (frozen ones; the checkpoint records which tensors each group has,
@@ -38,6 +40,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import stat
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -168,14 +171,30 @@ def make_output_dir(directory: str) -> None:
                               f"{reason}") from None
 
 
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"))
+
+
 def check_output(out: str) -> None:
-    """Raise CheckpointError unless file ``out`` can be created (its
-    directory exists, is one, and is writable): before any work is done."""
-    directory = os.path.dirname(os.path.abspath(out))
+    """Raise CheckpointError unless file ``out`` can be written (through a
+    symlink, into the file it names): an existing ``out`` is a regular file,
+    and its directory exists, is one, and is writable. Before any work."""
+    try:
+        mode = os.stat(out).st_mode
+    except (FileNotFoundError, NotADirectoryError):  # a new file; its directory: below
+        mode = None
+    except OSError as exc:  # a symlink loop, a file used as a directory
+        raise CheckpointError(f"cannot write {out}: {exc.strerror or exc}") from None
+    if mode is not None and not stat.S_ISREG(mode):
+        kind = next((k for test, k in _KINDS if test(mode)), "not a regular file")
+        raise CheckpointError(f"cannot write {out}: it is {kind}, not a regular file")
+    directory = os.path.dirname(os.path.realpath(out))
     if not os.path.isdir(directory):
         blocker = _not_a_directory(directory)
+        shown = directory if os.path.islink(out) else os.path.dirname(out) or os.curdir
         reason = (f"{blocker} is not a directory" if blocker else
-                  f"the directory {os.path.dirname(out) or os.curdir} does not exist")
+                  f"the directory {shown} does not exist")
         raise CheckpointError(f"cannot write {out}: {reason}")
     if not os.access(directory, os.W_OK | os.X_OK):
         raise CheckpointError(f"cannot write {out}: the directory {directory} is not "
@@ -271,7 +290,8 @@ def write_shards(checkpoint_dir: str, out_dir: str, tag: Optional[str] = None, *
     make_output_dir(out_dir)
     files = [(os.path.abspath(os.path.join(out_dir, s.file)), s) for s in shards]
     index = os.path.abspath(os.path.join(out_dir, index_name(safetensors)))
-    check_output(index)
+    for out in [index, *(f for f, _ in files)]:
+        check_output(out)
     if os.path.exists(index):  # a previous run's: it would name files this run may not write
         os.unlink(index)
     sizes = _stream(path, manifest, files, safetensors, dtype, exclude)

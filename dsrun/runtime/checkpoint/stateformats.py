@@ -19,17 +19,27 @@ memory, never the whole model.
   dsrun writes it itself; the ``safetensors`` package is only needed to
   read it.
 
-Both write into ``PATH.tmp`` and rename it to ``PATH`` on :meth:`close`.
+Both write a temporary file of their own (``tempfile.mkstemp``) beside the
+file ``PATH`` names - through symlinks, as ``torch.save`` writes through
+them - and rename it over that file on :meth:`close`, so a reader sees the
+old file or the new one, and no other file is touched (``abort`` removes
+only its own temporary file). The new file keeps the old one's mode, or
+gets the umask's default as ``torch.save``'s would. Refusing an output that
+is not a regular file is the caller's check, before any work
+(:func:`~dsrun.runtime.checkpoint.consolidate.check_output`).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import json
 import os
 import pickle
+import stat
 import struct
+import tempfile
 import zipfile
 from collections.abc import Mapping, Sequence
 from typing import Any, BinaryIO, NamedTuple
@@ -98,9 +108,14 @@ class TorchSaveWriter:
     def __init__(self, path: str, specs: Sequence[Spec], aliases: Mapping[str, str],
                  order: Sequence[str]) -> None:
         self.path, self.specs = path, list(specs)
-        self.tmp = f"{path}.tmp"
         self.archive = os.path.splitext(os.path.basename(path))[0] or "archive"
-        self.zip = zipfile.ZipFile(self.tmp, "w", zipfile.ZIP_STORED, allowZip64=True)
+        self.output = _Output(path)
+        try:
+            self.zip = zipfile.ZipFile(self.output.file, "w", zipfile.ZIP_STORED,
+                                       allowZip64=True)
+        except BaseException:
+            self.output.abort()
+            raise
         self.keys = {s.name: i for i, s in enumerate(self.specs)}
         self.written: set[str] = set()
         storages = {s.name: _Storage(str(i), s.dtype, s.nbytes // s.dtype.itemsize)
@@ -146,11 +161,12 @@ class TorchSaveWriter:
             raise ValueError(f"{len(self.specs) - len(self.written)} tensors were not written")
         self._record("version", b"3\n")
         self.zip.close()
-        _finish(self.tmp, self.path)
+        self.output.finish()
 
     def abort(self) -> None:
-        self.zip.close()
-        _remove(self.tmp)
+        with contextlib.suppress(Exception):
+            self.zip.close()
+        self.output.abort()
 
 
 class SafetensorsWriter:
@@ -159,7 +175,7 @@ class SafetensorsWriter:
     def __init__(self, path: str, specs: Sequence[Spec], aliases: Mapping[str, str],
                  order: Sequence[str]) -> None:
         by_name = {s.name: s for s in specs}
-        self.path, self.tmp = path, f"{path}.tmp"
+        self.path = path
         self.order = [(name, by_name[aliases.get(name, name)]) for name in order]
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         offset = 0
@@ -171,8 +187,13 @@ class SafetensorsWriter:
             offset += spec.nbytes
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)
-        self.file: BinaryIO = open(self.tmp, "wb")  # noqa: SIM115 - closed in close/abort
-        self.file.write(struct.pack("<Q", len(text)) + text)
+        self.output = _Output(path)
+        self.file: BinaryIO = self.output.file
+        try:
+            self.file.write(struct.pack("<Q", len(text)) + text)
+        except BaseException:
+            self.output.abort()
+            raise
         self.pending: dict[str, list[str]] = {}
         for name, spec in self.order:
             self.pending.setdefault(spec.name, []).append(name)
@@ -200,25 +221,46 @@ class SafetensorsWriter:
     def close(self) -> None:
         if len(self.written) != len(self.order):
             raise ValueError(f"{len(self.order) - len(self.written)} tensors were not written")
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        _finish(self.tmp, self.path)
+        self.output.finish()
 
     def abort(self) -> None:
-        self.file.close()
-        _remove(self.tmp)
+        self.output.abort()
 
 
-def _finish(tmp: str, path: str) -> None:
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+def _current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
+class _Output:
+    """A temporary file beside the file ``path`` names (through symlinks)
+    that :meth:`finish` renames over it and :meth:`abort` removes."""
+
+    def __init__(self, path: str) -> None:
+        self.target = os.path.realpath(path)
+        try:
+            self.mode = stat.S_IMODE(os.stat(self.target).st_mode)
+        except FileNotFoundError:
+            self.mode = 0o666 & ~_current_umask()
+        directory, name = os.path.split(self.target)
+        fd, self.tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+        self.file: BinaryIO = os.fdopen(fd, "wb")
+
+    def finish(self) -> None:
+        try:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+            os.chmod(self.tmp, self.mode)
+            os.replace(self.tmp, self.target)
+        except BaseException:
+            self.abort()
+            raise
+        fsync_dir(os.path.dirname(self.target))
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self.file.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.tmp)
