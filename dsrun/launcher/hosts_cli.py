@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import errno
 import fcntl
 import functools
 import os
@@ -145,16 +146,20 @@ def _lock_file(path: str) -> str:
     return os.path.join(directory, f".{name}.lock")
 
 
-def _open_lock(path: str, lock: str) -> int:
+def _open_lock(path: str, lock: str) -> int | None:
+    """The lock file's descriptor; None when it cannot be created for lack
+    of permission or on a read-only file system (a read-only directory: the
+    edit goes on unlocked, as no other editor can write there either)."""
     try:
         return os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-    except PermissionError as exc:  # another user's lock file: reading is enough for flock
+    except PermissionError:  # another user's lock file: reading is enough for flock
         try:
             return os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
-            pass
-        raise HostfileError(f"cannot write hostfile {path!r}: {exc.strerror}") from None
+            return None
     except OSError as exc:
+        if exc.errno == errno.EROFS:
+            return None
         directory = os.path.dirname(lock)
         reason = exc.strerror or str(exc)
         if not os.path.isdir(directory):
@@ -183,11 +188,17 @@ def edit_lock(path: str) -> Iterator[None]:
     waiter that then wakes holding a removed file tries again, so at most
     one editor holds the current one. An editor killed while it holds the
     lock leaves the (empty) lock file behind and the next edit removes it.
-    On a file system without ``flock`` the edit goes ahead unlocked.
+    On a file system without ``flock``, and where the lock file cannot be
+    created (a read-only directory or file system), the edit goes ahead
+    unlocked: reading and "nothing to change" work, and a write that is
+    really needed reports its own error.
     """
     lock = _lock_file(path)
     while True:
         fd = _open_lock(path, lock)
+        if fd is None:
+            yield
+            return
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -284,6 +285,34 @@ def test_a_stale_lock_file_is_taken_over_and_removed(workdir: Path) -> None:
     (workdir / ".hostfile.lock").write_text("")
     assert invoke("set-slots", "worker-1", "2").exit_code == 0
     assert only_files(workdir) == ["hostfile"]
+
+
+@pytest.mark.parametrize("code", [errno.EPERM, errno.EACCES, errno.EROFS],
+                         ids=["EPERM", "EACCES", "EROFS"])
+def test_a_read_only_directory_needs_no_lock_for_what_writes_nothing(
+        workdir: Path, monkeypatch: pytest.MonkeyPatch, code: int) -> None:
+    """Where no file can be created (chattr +i, a read-only mount), fmt of a
+    formatted file and rm of an absent host answer as in a writable
+    directory (no lock file is needed); a real change reports the write."""
+    (workdir / "hostfile").write_text(TIDY)
+    real_open = os.open
+
+    def read_only(path: str, flags: int, *args: int, **kwargs: int) -> int:
+        if flags & os.O_CREAT and os.path.dirname(os.path.abspath(path)) == str(workdir):
+            raise OSError(code, os.strerror(code), path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only)
+    result = invoke("fmt")
+    assert (result.exit_code, result.stdout) == (0, "./hostfile is already formatted\n")
+    result = invoke("rm", "zzz")
+    assert result.exit_code == 2 and "'zzz' is not in" in result.stderr, result.stderr
+    result = invoke("rm", "worker-1")
+    assert result.exit_code == 2
+    assert result.stderr == (f"dsrun: error: cannot write hostfile './hostfile': "
+                             f"{os.strerror(code)}\n")
+    assert invoke("list").exit_code == 0
+    assert (workdir / "hostfile").read_text() == TIDY and only_files(workdir) == ["hostfile"]
 
 
 def test_editing_in_a_missing_directory_names_it(workdir: Path) -> None:
