@@ -71,14 +71,18 @@ class DsrunDataLoader:
         self._started = False   # an iter() since construction or load_state_dict
 
     def __iter__(self) -> Iterator[Any]:
+        return self._epoch()
+
+    def _epoch(self) -> Iterator[Any]:
+        """One epoch, started at its first ``next()`` (a generator runs
+        nothing before that): an iterator made before ``load_state_dict``
+        - ``RepeatingLoader(loader)`` right after ``initialize``, then
+        ``load_checkpoint`` - still starts at the loaded position."""
         self.sampler.skip = self._resume_at * self.batch_size
         self.batches, self._resume_at = self._resume_at, 0
         self.epoch += 1
         self._started = True
-        return self._count(iter(self.loader))
-
-    def _count(self, batches: Iterator[Any]) -> Iterator[Any]:
-        for batch in batches:
+        for batch in self.loader:
             self.batches += 1
             yield batch
 

@@ -136,3 +136,20 @@ def test_loss_scaler_state_round_trips() -> None:
     for overflow in (True, False, False):
         assert other.update(overflow) == scaler.update(overflow)
         assert other.scale == scaler.scale
+
+
+def test_an_iterator_made_before_the_load_starts_at_the_loaded_position() -> None:
+    """``RepeatingLoader(loader)`` (which calls ``iter()``) right after
+    ``initialize``, then ``load_checkpoint``: the data continues where the
+    checkpoint stopped, not at the start of an epoch."""
+    from dsrun.runtime.dataloader import RepeatingLoader
+
+    straight = loader()
+    it = RepeatingLoader(straight)
+    batches(it, 8)  # one epoch of 6, two of the next
+    state = straight.state_dict()
+    rest = batches(it, 6)
+    resumed = loader()
+    early = RepeatingLoader(resumed)
+    resumed.load_state_dict(state)
+    assert batches(early, 6) == rest
