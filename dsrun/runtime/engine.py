@@ -399,7 +399,9 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
         self._overflow_log = (now, 0)
         if self.global_rank != 0:
             return
-        name = self.precision.first_bad_param() or "(none found)"
+        name = self.precision.first_bad_param() or (
+            "(none in rank 0's gradient partition: another rank holds it)"
+            if self.zero_stage > 0 else "(none found)")
         more = f"; {since} more overflow(s) since the last such line" if since else ""
         log.info("fp16 gradient overflow at step %d: skipping it (first non-finite gradient: "
                  "%s); loss scale %g -> %g; %d step(s) skipped so far%s", self.global_steps + 1,

@@ -104,7 +104,8 @@ def zero_step(zero: Union[ZeroOptimizer, ZeroStage3], precision: FullPrecision,
         zero.scale_grads_(1.0 / scaler.scale)
         overflow = zero.has_overflow()  # one all_reduce: every rank agrees
         if scaler.update(overflow):
-            return StepResult(False, None, overflow)
+            # the norm of non-finite gradients, as stage 0 and DeepSpeed's ZeRO report it
+            return StepResult(False, torch.tensor(float("inf")), overflow)
     # the norm always, as DeepSpeed's ZeRO optimizers: get_global_grad_norm() reports it
     norm: Optional[torch.Tensor] = zero.clip_grad_norm(max_norm) if max_norm > 0 \
         else zero.grad_norm()
