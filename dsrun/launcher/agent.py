@@ -26,6 +26,8 @@ of input before the plan means "exit, nothing was started". Guarantees:
   group ids cannot name anyone else's processes meanwhile (procs.py);
 - before ``done`` is sent every process of the job on this host is gone,
   including descendants that left their group (found by the job marker);
+- a signal to the agent is reported (a ``signal`` event) before it stops
+  the ranks, so the launcher blames the signal, not the ranks it stopped;
 - a signal never cuts the teardown short (ranks unreaped, the temporary
   directory left, no ``done``): after the first, signals only hurry it
   (mpirun's orted sends SIGTERM on MPI_Abort, which may come while the
@@ -71,9 +73,13 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 class Stop(Exception):
     """Raised by the agent's signal handlers."""
 
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = int(signum)
+
 
 def _raise_stop(signum: int, frame: object) -> None:
-    raise Stop(signal.Signals(signum).name)
+    raise Stop(signum)
 
 
 def stop_raising(then: Callable[[], None] | None = None) -> None:
@@ -172,8 +178,11 @@ class Agent:
             try:
                 self._start()
                 self._loop()
-            except Stop:
+            except Stop as stop:
                 stop_raising(self._hurry)  # a further signal SIGKILLs, as "kill" does
+                # The launcher must blame the signal, not the ranks it stops.
+                self.emit({"ev": "signal", "signal": stop.signum, "time": time.time(),
+                           "age": 0.0, "during_stop": self.stopping})
                 self._begin_stop()
                 self._loop()
         finally:

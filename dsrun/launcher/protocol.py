@@ -70,6 +70,10 @@ The agent writes events:
            (age: seconds, on the agent's monotonic clock, between the
            failure and this event; the launcher orders failures by
            when it read the event less ``age``, never by ``time``)
+  signal   {signal, time, age, during_stop}
+           the agent itself got a stop signal (SIGTERM, SIGINT, SIGHUP:
+           an admin, a scheduler, orted); it now stops its ranks, whose
+           exits are consequences of it
   stack    {req, rank, pid, text}          a rank's stacks (text null: no handler)
   stack_end {req}                          every running rank answered
   done     {killed}                        every process of the job is gone

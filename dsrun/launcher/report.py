@@ -37,6 +37,7 @@ class RankFailure:
     message: str = ""
     seen: float | None = None  # launcher's monotonic clock: when it happened, as learned
     lost: bool = False  # the host went silent (heartbeat timeout)
+    signalled: bool = False  # the node agent itself got a stop signal (``signal``)
 
     @property
     def exit_code(self) -> int:
@@ -56,12 +57,27 @@ class RankFailure:
 
     @classmethod
     def from_event(cls, host: str, msg: dict[str, Any]) -> RankFailure:
-        recv = msg.get("_recv")
-        seen = None if recv is None else float(recv) - float(msg.get("age") or 0.0)
+        """A rank's ``exit`` event."""
         return cls(host=host, rank=msg.get("rank"), code=msg.get("code"),
                    signal=msg.get("signal"), time=float(msg.get("time", 0.0)),
                    during_stop=bool(msg.get("during_stop")), error=msg.get("error"),
-                   tail=tuple(msg.get("tail") or ()), seen=seen)
+                   tail=tuple(msg.get("tail") or ()), seen=_seen(msg))
+
+    @classmethod
+    def from_signal_event(cls, host: str, msg: dict[str, Any]) -> RankFailure:
+        """A node agent's ``signal`` event: the agent was signalled, and the
+        ranks it then stopped are consequences."""
+        sig = int(msg["signal"])
+        return cls(host=host, rank=None, code=None, signal=sig,
+                   time=float(msg.get("time", 0.0)), during_stop=bool(msg.get("during_stop")),
+                   message=f"got {signal_name(sig)} (a signal to the agent, not a rank failure)",
+                   seen=_seen(msg), signalled=True)
+
+
+def _seen(msg: dict[str, Any]) -> float | None:
+    """When the event's failure happened on the launcher's monotonic clock."""
+    recv = msg.get("_recv")
+    return None if recv is None else float(recv) - float(msg.get("age") or 0.0)
 
 
 @dataclass(frozen=True)
@@ -133,6 +149,9 @@ def report_lines(result: JobResult) -> list[str]:
         return []
     if cause.lost:
         lines = [f"job failed: host {cause.host} was lost first: {cause.cause()}"]
+    elif cause.signalled:
+        lines = [f"job failed: node agent on host {cause.host} {cause.cause()}; it stopped "
+                 f"its ranks"]
     else:
         lines = [f"job failed: {_who(cause)} failed first: {cause.cause()}"]
     lines.extend(_error_lines(cause))

@@ -1,7 +1,8 @@
 """The launcher's event loop over a running job.
 
 It streams rank output to the console, collects rank exits, and stops
-every node when the first failure arrives, when dsrun itself is signalled,
+every node when the first failure arrives (a rank's exit, or a node agent
+saying it was signalled itself), when dsrun itself is signalled,
 when ``--timeout`` expires, or when a host goes silent for longer than the
 heartbeat timeout (it is then *lost*: its transport is dropped, since a
 dead link stalls instead of closing, and the report names it). It ends
@@ -21,7 +22,7 @@ import queue
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dsrun.launcher.backends.base import JobHandle
@@ -181,6 +182,10 @@ class Supervisor:
             self.watch.on_started(len(st.ranks))
         elif ev == "exit":
             self._exited(index, host, msg)
+        elif ev == "signal":  # the agent itself was signalled: it stops its ranks
+            failure = RankFailure.from_signal_event(host, msg)
+            st.failures.append(replace(failure, during_stop=failure.during_stop or st.stopping))
+            self._stop()
         elif ev in ("stack", "stack_end"):
             self._stack_event(index, host, msg)
         elif ev == "done":

@@ -142,6 +142,43 @@ def test_sigkill_to_agent_kills_its_ranks(pid_dir):
     assert "killed by SIGKILL" in err and "the node agent on host" in err
 
 
+@pytest.mark.parametrize("twice", [False, True], ids=["once", "twice"])
+def test_a_signal_to_an_agent_is_blamed_on_the_agent_not_a_rank(pid_dir, tmp_path, twice):
+    """SIGTERM to a node agent (an admin, a scheduler, orted): the report
+    names the signal to the agent, not the rank it stopped first. A second
+    one hurries the stop past a rank ignoring SIGTERM and a long grace."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    extra = ("--ignore_term_rank", "1") if twice else ()
+    argv = _behave("--pid_dir", str(pid_dir), *extra, grace=20.0 if twice else 1.0)
+    proc = start_dsrun(*argv, env={"TMPDIR": str(tmp)})
+    try:
+        pids = wait_for_pids(pid_dir, 2)
+        time.sleep(0.3)  # the ranks are up: their signal dispositions are set
+        agents = [c for c in psutil.Process(proc.pid).children()
+                  if "dsrun.launcher.agent" in " ".join(c.cmdline())]
+        assert len(agents) == 1
+        job = set(pids.values()) | set(descendants(agents[0].pid)) | {agents[0].pid}
+        start = time.monotonic()
+        agents[0].terminate()
+        if twice:
+            time.sleep(0.2)
+            agents[0].terminate()
+        out, err = proc.communicate(timeout=15)
+        took = time.monotonic() - start
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert (f"job failed: node agent on host {os.uname().nodename} got SIGTERM (a signal to "
+            f"the agent, not a rank failure)") in err, err
+    assert "2 other rank(s) stopped as a consequence" in err, err
+    assert "failed first" not in err, err
+    assert took < 10, took  # not the 20 s grace
+    assert wait_gone(sorted(job), 2) == []
+    control = f"dsrun-{os.getuid()}"  # the launcher's control sockets' directory
+    assert [p.name for p in tmp.iterdir() if p.name != control] == []  # the agent's is gone
+
+
 def test_max_restarts_recovers_from_one_failure(pid_dir):
     res = run_dsrun("--max_restarts", "1", *_behave("--flaky"))
     assert res.returncode == 0, res.stderr

@@ -66,3 +66,20 @@ def test_a_rank_raising_the_same_error_after_the_stop_began_failed_with_it():
     other = _f(1, 1.01, code=1, during_stop=True,
                error={"exc_type": "RuntimeError", "message": "connection closed"})
     assert "1 other rank(s) stopped as a consequence" in report_lines(JobResult((cause, other)))
+
+
+def test_a_signal_to_the_agent_is_the_cause_of_the_exits_it_brings():
+    """The agent's ``signal`` event comes before the exits of the ranks it
+    stops (during_stop); a rank that failed on its own before it still wins."""
+    signalled = RankFailure.from_signal_event(
+        "vm", {"ev": "signal", "signal": 15, "time": 5.0, "age": 0.0, "_recv": 10.0})
+    stopped = RankFailure.from_event("vm", {"rank": 1, "code": None, "signal": 15,
+                                            "during_stop": True, "_recv": 10.2})
+    result = JobResult((signalled, stopped))
+    assert result.root_cause is signalled and result.exit_code == 143
+    lines = report_lines(result)
+    assert lines[0] == ("job failed: node agent on host vm got SIGTERM (a signal to the "
+                        "agent, not a rank failure); it stopped its ranks")
+    assert "1 other rank(s) stopped as a consequence" in lines
+    failed = RankFailure.from_event("vm", {"rank": 0, "code": 3, "_recv": 9.0})
+    assert root_cause([signalled, stopped, failed]) is failed
