@@ -7,6 +7,12 @@ the engine (workers/zero3_dynamic.py runs every case in one job).
   stops with the divergence error when it is not;
 * a parameter read in its parent's forward (a tied output projection)
   trains at stage 3 equal to stage 0 without register_external_parameter;
+* activation checkpointing at stage 3: a block under torch's
+  non-reentrant checkpoint (``memory_efficient_linear`` on and off), under
+  ``deepspeed.checkpointing.checkpoint`` and under the reentrant one, and a
+  leaf MoE block under a non-reentrant checkpoint, train equal to stage 0
+  and leave nothing gathered (the recomputation in backward gathers the
+  block's parameters again);
 * at stages 0-2 (fp32, and fp16 with its separate fp32 masters), an edit
   made on one rank inside ``GatheredParameters(modifier_rank=...)`` reaches
   every rank's parameters and masters.
@@ -81,6 +87,27 @@ def test_weight_read_in_the_parents_forward_is_gathered(job: list[dict[str, Any]
         assert _max_diff(ref["params"], zero["params"]) <= TOLERANCE
         # registered as the root's external parameter, as DeepSpeed does
         assert tied["stage3_external"] == ["ZeroParameter"] and tied["stage0_external"] == []
+
+
+@pytest.mark.parametrize("case", ["torch", "torch_plain_linear", "deepspeed", "reentrant"])
+def test_checkpointed_block_trains_equal_to_stage0(job: list[dict[str, Any]], case: str) -> None:
+    for result in job:
+        ckpt = result["ckpt"]
+        ref, zero = ckpt["stage0"], ckpt[case]
+        assert "error" not in zero, zero["error"]
+        assert max(abs(a - b) for a, b in zip(ref["losses"], zero["losses"])) <= TOLERANCE
+        assert _max_diff(ref["params"], zero["params"]) <= TOLERANCE
+        assert zero["gathered"] == []
+    assert _max_diff(job[0]["ckpt"][case]["params"], job[1]["ckpt"][case]["params"]) == 0.0
+
+
+def test_checkpointed_leaf_trains_equal_to_stage0(job: list[dict[str, Any]]) -> None:
+    for result in job:
+        ref, leaf = result["moe"]["stage0"], result["ckpt"]["leaf"]
+        assert "error" not in leaf, leaf["error"]
+        assert max(abs(a - b) for a, b in zip(ref["losses"], leaf["losses"])) <= TOLERANCE
+        assert _max_diff(ref["params"], leaf["params"]) <= TOLERANCE
+        assert leaf["gathered"] == []
 
 
 @pytest.mark.parametrize("case", [f"stage{s}-{p}" for s in (0, 1, 2) for p in ("fp32", "fp16")])

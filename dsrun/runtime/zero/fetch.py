@@ -52,6 +52,19 @@ distance larger than the model keeps every parameter from forward to
 backward: no gather in backward, for the memory of the whole model's
 parameters at the turn.
 
+**Activation checkpointing.** A module forward that runs while autograd
+runs a backward (``torch._C._current_graph_task_id() != -1``) is a
+checkpoint's recomputation - ``torch.utils.checkpoint`` reentrant or not,
+``deepspeed.checkpointing``. Its pre-hook gathers the module's parameters
+(a ``recompute`` guard event: every rank recomputes the same modules) under
+the ``F.linear`` the original forward used (:mod:`~.linear`: a
+non-reentrant checkpoint requires the recomputation to save the same
+tensors), leaves the forward trace and prefetching alone, and its post-hook
+does not release them: the backward the recomputation serves runs next and
+uses them (the module's own output hook may already have fired - it is what
+started the recomputation). :meth:`ParamFetcher.after_grad` releases them,
+or the end of backward.
+
 **A parameter read outside its module's forward** (``x @
 self.emb.weight.t()`` in a parent's forward, a tied head): while a hooked
 module's forward runs, reading a released parameter through a module
@@ -113,6 +126,12 @@ from dsrun.utils.z3_leaf_module import (
 log = logging.getLogger("dsrun.runtime.zero")
 
 _READING: list[ParamFetcher] = []  # fetchers inside a hooked forward, innermost last
+
+
+def _in_autograd() -> bool:
+    """True while autograd's engine runs a backward on this thread: a module
+    forward there is activation checkpointing's recomputation."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class GatheringParameters(dict):
@@ -239,6 +258,7 @@ class ParamFetcher:
         self._turn_from = 0  # forward-trace position from which they are kept
         self._last_use: dict[int, int] = {}  # id -> last forward-trace position using it
         self._root_depth = 0
+        self._recompute_depth = 0  # hooked module forwards running inside backward
         self._in_backward = False
         self._round = 0
         self._end_hooks: list[Callable[[], None]] = []
@@ -308,6 +328,9 @@ class ParamFetcher:
         if not self._running:
             _READING.append(self)
         self._running.append(index)
+        if _in_autograd():
+            self._pre_recompute(index)
+            return
         if self.modules[index] is self.root:
             if self._root_depth == 0:
                 self._release_unused(reset_users=True)
@@ -374,6 +397,9 @@ class ParamFetcher:
             del self._running[len(self._running) - 1 - self._running[::-1].index(index):]
             if not self._running and self in _READING:
                 _READING.remove(self)
+        if _in_autograd():
+            self._post_recompute(index, output)
+            return
         params = self.fetchable(index)
         for p in params:
             users = self._users.get(p.ds_id, 1) - 1
@@ -392,6 +418,36 @@ class ParamFetcher:
                     self._linear.restore()
                 self._release_unused(reset_users=False, keep=self._turn_keep | self._reuse_keep
                                      if torch.is_grad_enabled() else frozenset())
+
+    def _pre_recompute(self, index: int) -> None:
+        """A module's forward inside backward: activation checkpointing
+        recomputing it (module docstring). Gather its parameters (every rank
+        recomputes the same modules) without touching the forward trace or
+        prefetching, under the ``F.linear`` the original forward used."""
+        self.begin_backward()
+        if self._recompute_depth == 0 and self._linear is not None:
+            self._linear.install()
+        self._recompute_depth += 1
+        if index in self.leaves and torch.is_grad_enabled():
+            self._leaf_runs[index] = None
+        params = self.fetchable(index)
+        for p in params:
+            self._users[p.ds_id] = self._users.get(p.ds_id, 0) + 1
+        self._fetch(index, params, "recompute", ahead=False)
+        for p in params:
+            finish_gather(p)
+
+    def _post_recompute(self, index: int, output: Any) -> None:
+        """End of a recomputed forward: keep its parameters - the backward
+        about to run uses them - until :meth:`after_grad` (trainable) or the
+        end of backward (frozen) releases them."""
+        for p in self.fetchable(index):
+            self._users[p.ds_id] = max(self._users.get(p.ds_id, 1) - 1, 0)
+        if torch.is_grad_enabled():  # reentrant checkpointing backpropagates these outputs
+            self._hook_outputs(index, output)
+        self._recompute_depth = max(self._recompute_depth - 1, 0)
+        if self._recompute_depth == 0 and self._linear is not None:
+            self._linear.restore()
 
     def fetch_read(self, param: torch.Tensor) -> None:
         """A released (or in-flight) ``param`` was read in the forward of the

@@ -13,7 +13,10 @@ gradients agree with torch's bitwise for contiguous inputs.
 It only takes over for partitioned (``ds_id``) weights outside autocast;
 everything else goes to the original. :class:`patched_linear` installs it
 as ``torch.nn.functional.linear`` for the duration of a forward pass (the
-root module's forward hooks do that), restoring what was there after.
+root module's forward hooks do that), restoring what was there after, and
+for an activation checkpoint's recomputation of a module in backward (its
+forward hooks do that): the recomputation must save the tensors the
+original forward saved.
 """
 
 from __future__ import annotations

@@ -12,6 +12,12 @@ tests/dist/test_zero3_dynamic.py judges.
   and at stage 3 unflagged, which must stop with dsrun's divergence error.
 * **tied**: a parent's forward reads its embedding's weight (a tied output
   projection) with no register_external_parameter: stage 3 equals stage 0.
+* **ckpt**: activation checkpointing at stage 3 (every parameter
+  partitioned): a block checkpointed by torch's non-reentrant checkpoint
+  (``memory_efficient_linear`` on and off), by ``deepspeed.checkpointing``
+  and by torch's reentrant one, and the MoE leaf inside a non-reentrant
+  checkpoint, each equal to stage 0 and with nothing left gathered; the
+  recomputation in backward runs the block's forward again.
 * **modify**: at stages 0, 1 and 2 (fp32 and fp16: separate fp32 masters),
   ``GatheredParameters(params, modifier_rank=1)`` with an edit on rank 1
   only; with lr 0 every rank's parameters and masters must keep the edit.
@@ -28,10 +34,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 
 import dsrun as deepspeed
 from dsrun.errors import DsrunError
+from dsrun.runtime.zero.partitioned import ZeroParamStatus
 
 STEPS = 4
 
@@ -92,10 +100,13 @@ def train(model: nn.Module, cfg: dict[str, Any], batches: list[torch.Tensor]) ->
         engine.step()
         losses.append(loss.item())
     params = {}
+    gathered = [name for name, p in engine.module.named_parameters()
+                if getattr(p, "ds_status", ZeroParamStatus.NOT_AVAILABLE)
+                is not ZeroParamStatus.NOT_AVAILABLE and not p.ds_persist]
     for name, p in engine.module.named_parameters():
         with deepspeed.zero.GatheredParameters([p]):
             params[name] = p.detach().flatten().tolist()
-    return {"losses": losses, "params": params}
+    return {"losses": losses, "params": params, "gathered": gathered}
 
 
 def moe_model() -> MoEModel:
@@ -156,6 +167,59 @@ def tied_cases(rank: int) -> dict[str, Any]:
     return out
 
 
+def checkpointed(how: str, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if how == "reentrant":
+        return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
+    if how == "deepspeed":
+        return deepspeed.checkpointing.checkpoint(block, x)
+    if how == "torch":
+        return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+    return block(x)
+
+
+class Checkpointed(nn.Module):
+    """Linear -> checkpoint(Linear, Tanh, Linear) -> Linear."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.inp = nn.Linear(4, 4)
+        self.block = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 4))
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(checkpointed(self.how, self.block, self.inp(x)))
+
+
+class CheckpointedMoE(MoEModel):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(checkpointed("torch", self.moe, self.inp(x)))
+
+
+def ckpt_cases(rank: int) -> dict[str, Any]:
+    batches = moe_batches(rank)
+    out: dict[str, Any] = {}
+    runs = [("stage0", "none", 0, {}), ("torch", "torch", 3, {}),
+            ("torch_plain_linear", "torch", 3, {"memory_efficient_linear": False}),
+            ("deepspeed", "deepspeed", 3, {}), ("reentrant", "reentrant", 3, {})]
+    for name, how, stage, zero in runs:
+        torch.manual_seed(0)
+        out[name] = _guarded(lambda: train(Checkpointed(how), config(stage, **zero), batches))
+    torch.manual_seed(0)
+    leaf = CheckpointedMoE()
+    deepspeed.utils.set_z3_leaf_modules(leaf, [MoE])
+    out["leaf"] = _guarded(lambda: train(leaf, config(3), batches))
+    return out
+
+
+def _guarded(run: Any) -> dict[str, Any]:
+    """A failing case is reported, not fatal to the job's other cases."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
 def modify_case(stage: int, precision: str) -> dict[str, Any]:
     """One step, then rank 1 alone sets every parameter to 0.5 inside
     GatheredParameters(modifier_rank=1); two more steps with lr 0."""
@@ -198,6 +262,7 @@ def main() -> None:
     out_dir = Path(sys.argv[1])
     rank = dist.get_rank()
     result: dict[str, Any] = {"rank": rank, "moe": moe_cases(rank), "tied": tied_cases(rank),
+                              "ckpt": ckpt_cases(rank),
                               "modify": modify_cases()}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 
