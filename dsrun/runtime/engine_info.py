@@ -203,6 +203,38 @@ class EngineInfo:
     def gradient_predivide_factor(self) -> float:
         return self.config.gradient_predivide_factor
 
+    def checkpoint_tag_validation_enabled(self) -> bool:
+        """True: every save checks that all ranks pass the same tag."""
+        return True
+
+    def checkpoint_tag_validation_fail(self) -> bool:
+        """True: different tags are always an error in dsrun, whatever
+        ``checkpoint.tag_validation`` says (they would not make one checkpoint)."""
+        return True
+
+    # DeepSpeed features whose config sections dsrun accepts but does not
+    # act on (passthrough): they are never on here.
+    def curriculum_learning_enabled(self) -> bool:
+        return False
+
+    def data_efficiency_enabled(self) -> bool:
+        return False
+
+    def random_ltd_enabled(self) -> bool:
+        return False
+
+    def autotuning_enabled(self) -> bool:
+        return False
+
+    def elasticity_enabled(self) -> bool:
+        return False
+
+    def pld_enabled(self) -> bool:
+        return False
+
+    def eigenvalue_enabled(self) -> bool:
+        return False
+
     def dump_state(self) -> bool:
         """The config's ``dump_state`` (dsrun logs the resolved config at start then)."""
         return self.config.dump_state

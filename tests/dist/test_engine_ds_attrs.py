@@ -153,3 +153,19 @@ def _full_state(engine: dsrun.DsrunEngine) -> dict[str, torch.Tensor]:
     params = list(engine.module.parameters())
     with dsrun.zero.GatheredParameters(params):
         return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+
+
+def test_feature_switches_of_sections_dsrun_does_not_act_on(solo: None) -> None:
+    """DeepSpeed's ``*_enabled()`` for curriculum learning, autotuning and
+    the like answer False even when the (passthrough) section is on, and
+    tag validation always fails on different tags."""
+    model = torch.nn.Linear(4, 2)
+    engine, _, _, _ = dsrun.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "curriculum_learning": {"enabled": True}, "elasticity": {"enabled": True},
+        "checkpoint": {"tag_validation": "Ignore"}})
+    assert not any(getattr(engine, f"{name}_enabled")() for name in (
+        "curriculum_learning", "data_efficiency", "random_ltd", "autotuning", "elasticity",
+        "pld", "eigenvalue"))
+    assert engine.checkpoint_tag_validation_enabled() and engine.checkpoint_tag_validation_fail()
