@@ -121,24 +121,6 @@ class FullPrecision:
         return None
 
 
-class BF16Autocast(FullPrecision):
-    """fp32 master weights, bf16 autocast forward (module docstring)."""
-
-    name = "bf16"
-
-    def autocast(self) -> Any:
-        return torch.autocast(self.device.type, dtype=torch.bfloat16)
-
-    def step(self, optimizer: Optimizer, max_norm: float) -> StepResult:
-        """As fp32, with the norm measured also without clipping (DeepSpeed's
-        bf16 optimizer always computes it)."""
-        if max_norm > 0:
-            return super().step(optimizer, max_norm)
-        norm = global_norm([p.grad for p in self.params if p.grad is not None])
-        optimizer.step()
-        return StepResult(True, norm)
-
-
 class TorchAutocast(FullPrecision):
     """The ``torch_autocast`` section with a bfloat16 dtype: fp32 weights,
     gradients and optimizer state, the forward under ``torch.autocast``
@@ -148,6 +130,21 @@ class TorchAutocast(FullPrecision):
 
     def autocast(self) -> Any:
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+
+class BF16Autocast(TorchAutocast):
+    """dsrun's ``bf16``: the bfloat16 autocast of :class:`TorchAutocast`, with
+    the norm measured also without clipping (DeepSpeed's bf16 optimizer
+    always computes it)."""
+
+    name = "bf16"
+
+    def step(self, optimizer: Optimizer, max_norm: float) -> StepResult:
+        if max_norm > 0:
+            return super().step(optimizer, max_norm)
+        norm = global_norm([p.grad for p in self.params if p.grad is not None])
+        optimizer.step()
+        return StepResult(True, norm)
 
 
 class TorchAutocastFP16(TorchAutocast):
