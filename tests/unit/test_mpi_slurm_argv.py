@@ -235,8 +235,14 @@ def test_placement_must_match_the_plan():
     (["starting", "=====", ""], "starting"),
     (["-----"], ""),
     ([], ""),
+    # the cause, then more output than the kept tail holds
+    (["srun: error: Unable to allocate resources", *[f"line {i}" for i in range(50)]],
+     "srun: error: Unable to allocate resources"),
 ])
 def test_the_failure_summary_quotes_the_telling_line(tail: list[str], expected: str) -> None:
-    from dsrun.launcher.backends.connect import telling_line
+    from dsrun.launcher.backends.connect import ToolOutput
 
-    assert telling_line(tail) == expected
+    output = ToolOutput(keep=20)
+    for line in tail:
+        output.add(line)
+    assert output.summary() == expected

@@ -24,7 +24,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 from dsrun.errors import LaunchError
@@ -52,10 +52,7 @@ class LaunchTool:
                  sink: OutputSink) -> None:
         self.name = name
         self.sink = sink
-        self.tail: collections.deque[str] = collections.deque(maxlen=TOOL_TAIL)
-        # the first line naming a problem, kept however much output follows
-        # (Open MPI's help block after an ssh error is longer than the tail)
-        self.first_telling: str | None = None
+        self.output = ToolOutput()
         try:
             # Own session: Ctrl-C reaches the launcher, which stops the job in order.
             self.proc = subprocess.Popen(list(argv), env=dict(env), cwd=cwd,
@@ -71,9 +68,7 @@ class LaunchTool:
     def _pump(self, fd: int, stream: IO[bytes]) -> None:
         for raw in iter(stream.readline, b""):
             line = raw.decode("utf-8", "replace").rstrip("\n")
-            self.tail.append(line)
-            if self.first_telling is None and telling(line):
-                self.first_telling = line.strip()
+            self.output.add(line)
             self.sink(self.name, TOOL_LINE, fd, line)
         stream.close()
 
@@ -84,7 +79,7 @@ class LaunchTool:
         """'mpirun exited with status 1 <when>: <its last error line>'."""
         for t in self._pumps:
             t.join(timeout=1)
-        last = self.first_telling or telling_line(self.tail)
+        last = self.output.summary()
         text = f"{self.name} exited with status {self.proc.returncode}{when}"
         return f"{text}: {last}" if last else text
 
@@ -107,23 +102,28 @@ _TELLING = ("error", "unrecognized", "unrecognised", "invalid", "could not", "ca
             "unable")
 
 
-def telling_line(lines: Iterable[str]) -> str:
-    """The line of a launch tool's output tail that best says why it failed
-    (pure): a line naming a problem, else the last that is neither a
-    rule of dashes or equals signs nor a "Try --help" pointer. Of several
-    lines naming a problem the first wins: tools say the cause before
-    their summary ("ssh: Could not resolve hostname" before Open MPI's "was
-    unable to reliably start one or more daemons")."""
-    kept = [ln.strip() for ln in lines if ln.strip() and not _filler(ln.strip())]
-    named = [ln for ln in kept if telling(ln)]
-    return named[0] if named else (kept or [""])[-1]
+class ToolOutput:
+    """A launch tool's output, reduced to the line that best says why it
+    failed (pure): the first line naming a problem - tools say the cause
+    before their summary ("ssh: Could not resolve hostname" before Open
+    MPI's "was unable to reliably start one or more daemons"), and it is
+    kept however much output follows - else the last of the kept tail that
+    is neither a rule of dashes or equals signs nor a "Try --help" pointer."""
 
+    def __init__(self, keep: int = TOOL_TAIL) -> None:
+        self.first_telling: str | None = None
+        self.tail: collections.deque[str] = collections.deque(maxlen=keep)
 
-def telling(line: str) -> bool:
-    """Whether a tool's output line names a problem (pure)."""
-    stripped = line.strip()
-    return bool(stripped) and not _filler(stripped) and \
-        any(word in stripped.lower() for word in _TELLING)
+    def add(self, line: str) -> None:
+        stripped = line.strip()
+        if not stripped or _filler(stripped):
+            return
+        self.tail.append(stripped)
+        if self.first_telling is None and any(w in stripped.lower() for w in _TELLING):
+            self.first_telling = stripped
+
+    def summary(self) -> str:
+        return self.first_telling or (self.tail[-1] if self.tail else "")
 
 
 def _filler(line: str) -> bool:
