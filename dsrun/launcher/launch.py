@@ -57,6 +57,7 @@ from dsrun.launcher.envpolicy import (
     job_env,
     read_env_files,
 )
+from dsrun.launcher.netinfo import script_problem
 from dsrun.launcher.plan import LaunchPlan, build_plan, describe
 from dsrun.launcher.preflight import PreflightFailed
 from dsrun.launcher.rankenv import check_user_env
@@ -114,9 +115,10 @@ def check_script(spec: LaunchSpec) -> None:
     if not os.path.exists(spec.script):
         raise DsrunUsageError(f"script {spec.script!r} does not exist")
     if not spec.no_python and os.path.isdir(spec.script):
-        if not os.path.isfile(os.path.join(spec.script, "__main__.py")):
-            raise DsrunUsageError(f"script {spec.script!r} is a directory without a "
-                                  f"__main__.py (python runs a directory's __main__.py)")
+        problem = script_problem(spec.script)  # the remote preflight's test, here
+        if problem:
+            raise DsrunUsageError(f"script {spec.script!r} {problem} (python runs a "
+                                  f"directory's __main__.py)")
         return
     if not os.path.isfile(spec.script):
         raise DsrunUsageError(f"script {spec.script!r} is not a file")
