@@ -102,9 +102,8 @@ def resolve_cluster(hs: HostsSpec, cwd: str) -> tuple[Cluster, Backend]:
     if pool is None:
         devices = () if hs.cpu else visible_devices()
         pool = this_host_pool(hs, devices, usable_cpus(), socket.gethostname())
-        if backend is not None and backend.name == "ssh":
-            # as DeepSpeed's launcher (pdsh): one host is a local job
-            backend = get_backend("local", hosts=hs)
+        if backend is not None and backend.hostfile_only:
+            backend = None  # chosen below, as for any job on this host
     num_gpus = hs.num_gpus if hs.num_gpus is not None else pool.default_ranks
     nodes = select_resources(pool.hostfile, hs.include, hs.exclude, hs.num_nodes, num_gpus)
     hosts = tuple(n.host for n in nodes)

@@ -353,6 +353,9 @@ class Backend(ABC):
     agent_per_rank: ClassVar[bool] = False
     #: Agents on other hosts start in the host's login environment.
     login_env: ClassVar[bool] = False
+    #: Only reaches hosts a hostfile names: without one the job is this
+    #: host's, started as any job on this host is (DeepSpeed's pdsh runner).
+    hostfile_only: ClassVar[bool] = False
 
     def __init__(self, hosts: HostsSpec | None = None, python: str = sys.executable) -> None:
         self.hosts = hosts or HostsSpec()

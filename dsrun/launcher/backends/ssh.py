@@ -464,6 +464,7 @@ class FailedChannel(AgentChannel):
 class SshBackend(Backend):
     name = "ssh"
     login_env = True
+    hostfile_only = True
 
     def __init__(self, hosts: HostsSpec | None = None, python: str = sys.executable,
                  lookup: Lookup | None = None, user: str | None = None,
