@@ -229,12 +229,18 @@ def _parse_slots(start: int, token: str) -> tuple[int | None, tuple[int, str] | 
         return None, (start + 1, f"expected 'slots=N' after the host, got {token!r}")
     value = token[len(_SLOTS_PREFIX):]
     col = start + len(_SLOTS_PREFIX) + 1
-    if not _DIGITS.fullmatch(value) or int(value) < 1:
+    if not _DIGITS.fullmatch(value) or not value.strip("0"):
         return None, (col, f"slots must be a positive integer, got {value!r}")
-    reason = slots_problem(int(value))
+    digits = value.lstrip("0")
+    if len(digits) > len(str(MAX_SLOTS)):  # int() of thousands of digits raises
+        shown = digits if len(digits) <= 30 else f"a {len(digits)}-digit number"
+        return None, (col, f"slots must be at most {MAX_SLOTS} (no host runs more ranks), "
+                           f"got {shown}")
+    count = int(digits)
+    reason = slots_problem(count)
     if reason is not None:
         return None, (col, f"slots {reason}")
-    return int(value), None
+    return count, None
 
 
 def _parse_line(number: int, text: str) -> _Line:

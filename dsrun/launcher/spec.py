@@ -194,9 +194,6 @@ class LaunchSpec:
     bind_core_list: str | None = None  # "0-7,16-23": share these CPUs (implies binding)
 
     def __post_init__(self) -> None:
-        for name in ("num_gpus", "num_nodes"):
-            if getattr(self, name) == -1:  # DeepSpeed's default value: all of them
-                object.__setattr__(self, name, None)
         if self.bind_core_list is not None:
             parse_cpu_list(self.bind_core_list)  # one clear error before anything starts
             object.__setattr__(self, "bind_cores_to_rank", True)

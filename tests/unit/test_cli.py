@@ -37,7 +37,7 @@ def test_all_options_parse_into_the_spec():
 
 def test_minus_one_is_deepspeeds_all():
     spec = cli.parse_spec(["--num_gpus", "-1", "--num_nodes", "-1", "s.py"])
-    assert (spec.num_gpus, spec.num_nodes) == (None, None)
+    assert (spec.hosts.num_gpus, spec.hosts.num_nodes) == (None, None)
 
 
 def test_dashed_spellings_are_accepted():

@@ -76,6 +76,9 @@ INVALID = [
     pytest.param("worker-0 # slots=2\n", [(1, 9, "missing 'slots=N'")], id="slots-in-comment"),
     pytest.param("a slots=2 gpus=8\n", [(1, 11, "unexpected text after slots: 'gpus=8'")],
                  id="trailing-junk"),
+    pytest.param("a slots=" + "9" * 5000 + "\n",
+                 [(1, 9, "slots must be at most 1024 (no host runs more ranks), got a "
+                         "5000-digit number")], id="thousands-of-digits"),
     pytest.param("a slots=2 max_slots=4\n",
                  [(1, 11, "'max_slots=4' (Open MPI's max_slots= is not a hostfile key")],
                  id="open-mpi-max-slots"),
