@@ -131,7 +131,9 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
         self.config = config
         if config.log_level is not None:  # DeepSpeed's: the runtime logger's level
             logging.getLogger(LOGGER_NAME).setLevel(config.log_level.upper())
-        self._gc_held = python_gc.hold() if config.disable_python_gc else False
+        self._gc_held = config.disable_python_gc
+        if self._gc_held:
+            python_gc.hold()
         self.local_rank = env.local_rank
         self.client_optimizer = optimizer  # DeepSpeed's: initialize()'s arguments as given
         self.client_lr_scheduler = lr_scheduler
@@ -378,7 +380,7 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
         self.zero_grad(set_to_none=False)  # ZeRO keeps its partition accumulators
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
-        extra = f"loss_scale={self.precision.loss_scale:g}" if hasattr(self.precision, "scaler") \
+        extra = f"loss_scale={self.precision.loss_scale:g}" if self.precision.scaler is not None \
             else None
         self.progress.step(self.global_steps, self.skipped_steps, self.get_lr(), extra)
 

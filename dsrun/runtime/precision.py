@@ -66,6 +66,11 @@ class FullPrecision:
     """fp32 training (module docstring)."""
 
     name = "fp32"
+    #: the step always measures the global gradient norm (DeepSpeed reports
+    #: it then); otherwise only with clipping
+    reports_norm = False
+    #: the loss scaler of a loss-scaling precision
+    scaler: Optional[LossScaler] = None
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  device: torch.device) -> None:
@@ -138,6 +143,7 @@ class BF16Autocast(TorchAutocast):
     always computes it)."""
 
     name = "bf16"
+    reports_norm = True
 
     def step(self, optimizer: Optimizer, max_norm: float) -> StepResult:
         if max_norm > 0:
@@ -155,6 +161,7 @@ class TorchAutocastFP16(TorchAutocast):
     a row. Gradients are fp32 and unscaled in place before the step."""
 
     name = "autocast-fp16"
+    reports_norm = True
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  device: torch.device) -> None:
@@ -210,6 +217,7 @@ class FP16Scaling(FullPrecision):
     the ZeRO stages use, whose optimizer keeps fp32 partitions as masters."""
 
     name = "fp16"
+    reports_norm = True
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  device: torch.device, config: DsrunConfig) -> None:

@@ -22,9 +22,9 @@ _holders = 0
 _restore = False
 
 
-def hold() -> bool:
-    """Disable automatic collection (collecting once first); True: this
-    caller must :func:`release` it."""
+def hold() -> None:
+    """Disable automatic collection (collecting once first); each call is
+    undone by one :func:`release`."""
     global _holders, _restore
     with _lock:
         if _holders == 0:
@@ -35,7 +35,6 @@ def hold() -> bool:
                 log.info("disable_python_gc: automatic cyclic GC off (collected %d objects "
                          "first); engine.collect_python_gc() collects on demand", collected)
         _holders += 1
-    return True
 
 
 def release() -> None:

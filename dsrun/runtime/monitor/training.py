@@ -73,19 +73,16 @@ def count_tokens(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
 
 def measure_grad_norm(engine: Any) -> Optional[float]:
     """The global gradient norm before the step, where the step will not
-    compute it (no clipping; fp16 at stage 0 always computes it)."""
-    if engine.config.gradient_clipping > 0:
+    compute it: stage 0 without clipping in a precision that does not always
+    measure it (ZeRO steps always do)."""
+    if engine.config.gradient_clipping > 0 or engine.zero_stage > 0 or \
+            engine.precision.reports_norm:
         return None
-    if engine.zero_stage == 0:
-        if hasattr(engine.precision, "scaler"):
-            return None
-        grads = [p.grad for p in engine.precision.params if p.grad is not None]
-        if not grads:
-            return None
-        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
-        return float(torch.linalg.vector_norm(norms))
-    # ZeRO: partition gradients, still multiplied by the loss scale in fp16
-    return float(engine.optimizer.grad_norm()) / engine.precision.loss_scale
+    grads = [p.grad for p in engine.precision.params if p.grad is not None]
+    if not grads:
+        return None
+    norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
+    return float(torch.linalg.vector_norm(norms))
 
 
 class EngineMonitor:
@@ -215,7 +212,7 @@ class EngineMonitor:
         if loss is not None:
             events.append((ev.TRAIN_LOSS, loss, step))
         events += [(ev.lr_event(i), lr, step) for i, lr in enumerate(engine.get_lr())]
-        if hasattr(engine.precision, "scaler"):
+        if engine.precision.scaler is not None:
             events.append((ev.LOSS_SCALE, float(engine.loss_scale), step))
         norm = engine.get_global_grad_norm()
         norm = self._grad_norm if norm is None else norm

@@ -187,7 +187,7 @@ class PipelineEngine(DsrunEngine):
 
     def _apply_step(self) -> StepResult:
         # the step's norm, where DeepSpeed reports it: with clipping, fp16, bf16 or ZeRO
-        reported = self.config.gradient_clipping > 0 or self.precision.name != "fp32" or \
+        reported = self.config.gradient_clipping > 0 or self.precision.reports_norm or \
             self.zero_stage > 0
         result = pipeline_step(self, measure_norm=self.monitor.enabled or reported)
         if reported:
