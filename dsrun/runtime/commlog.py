@@ -194,9 +194,10 @@ def straggler_ms(totals_per_rank: Iterable[Mapping[tuple[str, int], float]]
 
 def trimmed_mean(values: Iterable[float], trim: float = 0.1) -> float:
     """The mean without the lowest and highest ``trim`` share of ``values``
-    (DeepSpeed's average of latencies)."""
+    (DeepSpeed's ``trim_mean``, rounding the share as it does; all of them
+    where nothing would be left; 0 for none)."""
     ordered = sorted(values)
-    cut = int(len(ordered) * trim)
+    cut = int(round(len(ordered) * trim))
     kept = ordered[cut:len(ordered) - cut] or ordered
     return sum(kept) / len(kept) if kept else 0.0
 

@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from dsrun.errors import DsrunConfigError
+from dsrun.runtime.commlog import trimmed_mean
 from dsrun.utils.logging import log_dist
 
 log = logging.getLogger("dsrun.runtime")
@@ -62,13 +63,7 @@ def trim_mean(data: Iterable[float], trim_percent: float) -> float:
     fraction of values (0 for no data)."""
     if not 0.0 <= trim_percent <= 1.0:
         raise ValueError(f"trim_percent must be in [0, 1], got {trim_percent}")
-    values = sorted(data)
-    n = len(values)
-    if n == 0:
-        return 0.0
-    k = int(round(n * trim_percent))
-    kept = values[k:n - k]
-    return sum(kept) / len(kept) if kept else float("nan")
+    return trimmed_mean(data, trim_percent)
 
 
 class SynchronizedWallClockTimer:

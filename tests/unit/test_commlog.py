@@ -161,3 +161,10 @@ def test_config_section() -> None:
                          ({"verbose": "yes"}, "true or false")):
         with pytest.raises(DsrunConfigError, match=message):
             resolve({"train_batch_size": 1, "comms_logger": bad}, dp_size=1, dp_source="t")
+
+
+def test_trimmed_mean_rounds_the_share_as_deepspeed() -> None:
+    """15 values at 10%: DeepSpeed's trim_mean drops round(1.5) = 2 from each
+    end (int() would drop one), so the 2nd-lowest and 2nd-highest go too."""
+    values = [-1000.0, -100.0, *[1.0] * 11, 100.0, 1000.0]
+    assert trimmed_mean(values) == 1.0
