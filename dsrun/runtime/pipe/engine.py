@@ -113,11 +113,9 @@ def _stage_copy(inputs: Any) -> Any:
 def _apply_pipeline_config(config: DsrunConfig, module: PipelineModule) -> None:
     """The config's ``pipeline`` section on the module, as DeepSpeed applies it."""
     section = config.pipeline
-    if section.use_reentrant is not None and \
-            module.activation_checkpoint_func is checkpointing.checkpoint:
-        module.activation_checkpoint_func = checkpointing.checkpoint \
-            if not section.use_reentrant else functools.partial(
-                torch.utils.checkpoint.checkpoint, use_reentrant=True)
+    if section.use_reentrant and module.activation_checkpoint_func is checkpointing.checkpoint:
+        module.activation_checkpoint_func = functools.partial(torch.utils.checkpoint.checkpoint,
+                                                              use_reentrant=True)
     if section.activation_checkpoint_interval > 0:
         module.activation_checkpoint_interval = section.activation_checkpoint_interval
 

@@ -121,10 +121,7 @@ class PipelineModule(torch.nn.Module):
                  dynamic_shape: bool = False) -> None:
         super().__init__()
         specs = _check_layers(layers)
-        interval = activation_checkpoint_interval
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
-            raise DsrunConfigError(f"activation_checkpoint_interval must be an integer >= 0, "
-                                   f"got {interval!r}")
+        interval = _checked_interval(activation_checkpoint_interval)
         if loss_fn is not None and not callable(loss_fn):
             raise DsrunConfigError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if not dist.is_initialized():
@@ -305,10 +302,7 @@ class PipelineModule(torch.nn.Module):
 
     def set_checkpoint_interval(self, interval: int) -> None:
         """Checkpoint activations every ``interval`` layers from the next forward on."""
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
-            raise DsrunConfigError(f"activation_checkpoint_interval must be an integer >= 0, "
-                                   f"got {interval!r}")
-        self.activation_checkpoint_interval = interval
+        self.activation_checkpoint_interval = _checked_interval(interval)
 
     def get_additional_losses(self) -> Optional[dict[str, torch.Tensor]]:
         """Losses besides the main one to report: none (DeepSpeed's hook for
@@ -330,3 +324,11 @@ class PipelineModule(torch.nn.Module):
     @property
     def num_layers(self) -> int:
         return self._num_layers
+
+
+def _checked_interval(interval: Any) -> int:
+    """An ``activation_checkpoint_interval``: an integer >= 0 (0: none)."""
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+        raise DsrunConfigError(f"activation_checkpoint_interval must be an integer >= 0, "
+                               f"got {interval!r}")
+    return interval

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from dsrun.runtime.zero.memory import zero_model_state_bytes
+
 __all__ = [
     "estimate_zero2_model_states_mem_needs", "estimate_zero2_model_states_mem_needs_all_cold",
     "estimate_zero2_model_states_mem_needs_all_live", "estimate_zero3_model_states_mem_needs",
@@ -66,11 +68,12 @@ def estimate_zero2_model_states_mem_needs(total_params: int, num_gpus_per_node: 
     """(host bytes per node, device bytes per rank) at ZeRO stage 2."""
     ranks = _check(total_params, num_gpus_per_node, num_nodes)
     share = total_params / ranks
+    # the engine's formula; offloaded optimizer state is not on the device
+    device = zero_model_state_bytes(total_params, ranks, 2, param_bytes=HALF, grad_bytes=HALF,
+                                    optimizer_bytes=0 if cpu_offload else MASTER_STATE)
     if cpu_offload:
-        device = HALF * total_params + HALF * share
         host = HOST_STATE * share * num_gpus_per_node
     else:
-        device = HALF * total_params + (HALF + MASTER_STATE) * share
         host = 4 * total_params * num_gpus_per_node
     return int(host * additional_buffer_factor), int(device)
 
@@ -87,14 +90,16 @@ def estimate_zero3_model_states_mem_needs(total_params: int, largest_layer_param
     ranks = _check(total_params, num_gpus_per_node, num_nodes)
     share = total_params / ranks
     layer = HALF * largest_layer_params
+    # the engine's formula plus the gathered layer; what is offloaded is not
+    # on the device (gradients always are)
+    device = layer + zero_model_state_bytes(
+        total_params, ranks, 3, param_bytes=0 if cpu_offload and cpu_offload_params else HALF,
+        grad_bytes=HALF, optimizer_bytes=0 if cpu_offload else MASTER_STATE)
     if cpu_offload and cpu_offload_params:
-        device = HALF * share + layer
         host = (HOST_STATE + HALF) * share * num_gpus_per_node
     elif cpu_offload:
-        device = 2 * HALF * share + layer
         host = HOST_STATE * share * num_gpus_per_node
     else:
-        device = (2 * HALF + MASTER_STATE) * share + layer
         host = 4 * largest_layer_params * num_gpus_per_node if zero_init else 0
     if not zero_init:
         host = max(host, 4 * total_params * num_gpus_per_node)
