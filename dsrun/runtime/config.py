@@ -101,6 +101,7 @@ from dsrun.runtime.config_sections import (
     PipelineConfig,
     SchedulerConfig,
     TensorBoardConfig,
+    TimersConfig,
     TorchAutocastConfig,
     WandbConfig,
     ZeroConfig,
@@ -140,12 +141,9 @@ PASSTHROUGH_KEYS = frozenset({
     "data_types", "eigenvalue", "elasticity", "expert_parallel",
     "hybrid_engine", "nebula",
     "progressive_layer_drop", "quantize_training", "sparse_attention",
-    "tensor_parallel", "timers",
+    "tensor_parallel",
     "use_data_before_expert_parallelism", "weight_quantization",
 })
-# Passthrough sections the engine reads itself (``timers.throughput``: its
-# tput_timer, dsrun.utils.timer): kept raw, but not "not acted on".
-READ_BY_ENGINE = frozenset({"timers"})
 
 
 def _internal(default: Any) -> Any:
@@ -185,6 +183,7 @@ class DsrunConfig:
         ActivationCheckpointingConfig)
     pipeline: PipelineConfig = subsection(PipelineConfig)
     torch_autocast: TorchAutocastConfig = subsection(TorchAutocastConfig)
+    timers: TimersConfig = subsection(TimersConfig)
     memory_breakdown: bool = opt("bool", False)
     dump_state: bool = opt("bool", False)
     communication_data_type: Optional[str] = opt("str", None, choices=("fp16", "bf16", "fp32"))
@@ -292,9 +291,7 @@ class DsrunConfig:
             lines.append("monitors: " + ", ".join(monitors or ["none"])
                          + (", wall_clock_breakdown" if self.wall_clock_breakdown else ""))
         if self.passthrough:
-            unread = sorted(set(self.passthrough) - READ_BY_ENGINE)
-            if unread:
-                lines.append("accepted, not acted on: " + ", ".join(unread))
+            lines.append("accepted, not acted on: " + ", ".join(sorted(self.passthrough)))
         if self.ignored_keys:
             lines.append("ignored unknown keys: " + ", ".join(self.ignored_keys))
         return "\n".join(lines)
@@ -411,7 +408,7 @@ def _passthrough(known: Mapping[str, Any], ctx: Ctx) -> dict[str, Any]:
             return value.get("enabled") is False or is_auto(value.get("enabled"))
         return value is None or value is False
 
-    active = sorted(k for k, v in kept.items() if not disabled(v) and k not in READ_BY_ENGINE)
+    active = sorted(k for k, v in kept.items() if not disabled(v))
     if active:
         log.warning("%s: dsrun accepts but does not implement: %s", ctx.source, ", ".join(active))
     return kept
@@ -496,6 +493,7 @@ def resolve(config: ConfigInput, *, dp_size: int, dp_source: str,
         "pipeline": parse_section(PipelineConfig, known.get("pipeline", {}), ("pipeline",), ctx),
         "torch_autocast": parse_section(TorchAutocastConfig, known.get("torch_autocast", {}),
                                         ("torch_autocast",), ctx),
+        "timers": parse_section(TimersConfig, known.get("timers", {}), ("timers",), ctx),
         **parse_monitors(known, ctx),
     }
     if is_auto(known.get("gradient_clipping")):

@@ -231,6 +231,28 @@ class BF16Config:
         validate_fields(self)
 
 
+@dataclass(frozen=True)
+class ThroughputConfig:
+    """``timers.throughput``: the engine's ``tput_timer`` (DeepSpeed's keys
+    and defaults: on, synchronising the device around the timed step)."""
+
+    enabled: bool = opt("bool", True)
+    synchronized: bool = opt("bool", True)
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
+@dataclass(frozen=True)
+class TimersConfig:
+    """``timers`` (DeepSpeed's): only its ``throughput`` subsection."""
+
+    throughput: ThroughputConfig = subsection(ThroughputConfig)
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+
 # torch_autocast's dtype names (DeepSpeed's DtypeEnum spellings) -> torch dtype name
 AUTOCAST_DTYPES: Mapping[str, str] = MappingProxyType({
     **dict.fromkeys(("fp16", "float16", "half", "torch.float16"), "float16"),

@@ -76,7 +76,7 @@ from dsrun.runtime.zero.stepping import (
     wrap_optimizer,
     zero_step,
 )
-from dsrun.utils.timer import SynchronizedWallClockTimer, ThroughputTimer, ThroughputTimerConfig
+from dsrun.utils.timer import SynchronizedWallClockTimer, ThroughputTimer
 
 log = logging.getLogger("dsrun.runtime.engine")
 
@@ -181,9 +181,9 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
                                  enabled=self.global_rank == 0, memory=config.memory_breakdown)
         self.monitor = self._make_monitor()
         self.timers = SynchronizedWallClockTimer()  # DeepSpeed's, for the script's own timing
-        self.tput_timer = ThroughputTimer(
-            ThroughputTimerConfig.from_section(config.passthrough.get("timers"), config.source),
-            batch_size=config.train_batch_size, steps_per_output=config.steps_per_print)
+        self.tput_timer = ThroughputTimer(config.timers.throughput,
+                                          batch_size=config.train_batch_size,
+                                          steps_per_output=config.steps_per_print)
         self.flops_profiler, self._step_profiler = make_flops_profiler(self)
         self._compiled: Any = None  # engine.compile()
         link_params(self)  # for dsrun.utils.safe_get_full_fp32_param(param) and friends

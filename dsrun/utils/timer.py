@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
-from dsrun.errors import DsrunConfigError
 from dsrun.runtime.commlog import trimmed_mean
 from dsrun.utils.logging import log_dist
 
@@ -207,23 +206,12 @@ class NoopTimer:
 
 @dataclass(frozen=True)
 class ThroughputTimerConfig:
-    """The config's ``timers.throughput`` section (DeepSpeed's keys and defaults)."""
+    """A ``timers.throughput`` section for a timer built by a script
+    (DeepSpeed's defaults; the engine's comes from its config:
+    :class:`dsrun.runtime.config_sections.ThroughputConfig`)."""
 
     enabled: bool = True
     synchronized: bool = True
-
-    @classmethod
-    def from_section(cls, timers: Any, source: str = "the config") -> ThroughputTimerConfig:
-        """From the config's ``timers`` section (a mapping, or absent)."""
-        section = timers.get("throughput") if isinstance(timers, Mapping) else None
-        if not isinstance(section, Mapping):
-            return cls()
-        unknown = sorted(set(section) - {"enabled", "synchronized"})
-        if unknown:
-            raise DsrunConfigError(f"timers.throughput in {source}: unknown key(s) "
-                                   f"{', '.join(unknown)} (known: enabled, synchronized)")
-        return cls(enabled=bool(section.get("enabled", True)),
-                   synchronized=bool(section.get("synchronized", True)))
 
 
 class ThroughputTimer:

@@ -109,14 +109,27 @@ def test_throughput_timer_reports_and_can_be_disabled(clock: Clock) -> None:
         clock.now += 0.25
         tput.stop(global_step=True)
     assert len(lines) == 2 and "global_step=4, RunningAvgSamplesPerSec=16.0" in lines[1]
-    off = ThroughputTimer(ThroughputTimerConfig.from_section({"throughput": {"enabled": False}}),
-                          batch_size=4)
+    off = ThroughputTimer(ThroughputTimerConfig(enabled=False), batch_size=4)
     off.start()
     off.stop(global_step=True)
     assert off.global_step_count == 0 and not off.started
-    assert ThroughputTimerConfig.from_section(None) == ThroughputTimerConfig(True, True)
-    with pytest.raises(DsrunConfigError, match="timers.throughput in cfg.json: unknown key"):
-        ThroughputTimerConfig.from_section({"throughput": {"enable": True}}, "cfg.json")
+
+
+def test_the_configs_timers_section_is_checked_with_the_rest() -> None:
+    """``timers.throughput`` is a config section: a wrong key or value is a
+    config error where every other one is (also in the launcher's check)."""
+    from dsrun.runtime.config import resolve
+
+    def timers(section: dict) -> object:
+        return resolve({"train_batch_size": 4, "timers": section}, dp_size=1,
+                       dp_source="test").timers.throughput
+
+    assert timers({}) == timers({"throughput": {}})
+    assert timers({"throughput": {"enabled": False}}).enabled is False
+    with pytest.raises(DsrunConfigError, match='did you mean "enabled"'):
+        timers({"throughput": {"enable": True}})
+    with pytest.raises(DsrunConfigError, match='"timers.throughput.synchronized"'):
+        timers({"throughput": {"synchronized": "false"}})
 
 
 def test_deepspeed_module_path() -> None:
