@@ -25,14 +25,13 @@ import errno
 import fcntl
 import functools
 import os
-import stat
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NoReturn, TypeVar
 
 import click
 
+from dsrun.atomicfile import AtomicFile
 from dsrun.errors import DsrunError, DsrunUsageError, HostfileError
 from dsrun.launcher import hostfile as hf
 
@@ -99,43 +98,21 @@ def _hostfile_path(ctx: click.Context, create: bool = False) -> str:
     )
 
 
-def _current_umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def write_text_atomic(path: str, text: str) -> None:
-    """Replace the file at ``path`` (through symlinks) with ``text`` atomically.
-
-    A temporary file in the same directory is written, synced, given the
-    old file's mode (or the umask default for a new file) and renamed over
-    the target, so readers see the old or the new file, never a part.
-    """
-    target = os.path.realpath(path)
+    """Replace the file at ``path`` (through symlinks) with ``text``
+    atomically (:class:`dsrun.atomicfile.AtomicFile`)."""
     try:
-        mode = stat.S_IMODE(os.stat(target).st_mode)
-    except FileNotFoundError:
-        mode = 0o666 & ~_current_umask()
-    directory, name = os.path.split(target)
-    try:
-        fd, temp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+        out = AtomicFile(path)
     except OSError as exc:
         raise HostfileError(f"cannot write hostfile {path!r}: {exc.strerror or exc}") from None
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temp, mode)
-        os.replace(temp, target)
+        out.file.write(text.encode("utf-8"))
+        out.finish()
     except BaseException as exc:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
+        out.abort()  # only the temporary file
         if isinstance(exc, OSError):
             raise HostfileError(
-                f"cannot write hostfile {path!r}: {exc.strerror or exc}"
-            ) from None
+                f"cannot write hostfile {path!r}: {exc.strerror or exc}") from None
         raise
 
 

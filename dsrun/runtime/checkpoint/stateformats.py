@@ -37,16 +37,15 @@ import io
 import json
 import os
 import pickle
-import stat
 import struct
-import tempfile
 import zipfile
 from collections.abc import Mapping, Sequence
 from typing import Any, BinaryIO, NamedTuple
 
 import torch
 
-from dsrun.runtime.checkpoint.storage import fsync_dir, tensor_bytes
+from dsrun.atomicfile import AtomicFile
+from dsrun.runtime.checkpoint.storage import tensor_bytes
 
 ALIGN = 64
 _SAFETENSORS_DTYPES = {
@@ -109,7 +108,7 @@ class TorchSaveWriter:
                  order: Sequence[str]) -> None:
         self.path, self.specs = path, list(specs)
         self.archive = os.path.splitext(os.path.basename(path))[0] or "archive"
-        self.output = _Output(path)
+        self.output = AtomicFile(path)
         try:
             self.zip = zipfile.ZipFile(self.output.file, "w", zipfile.ZIP_STORED,
                                        allowZip64=True)
@@ -187,7 +186,7 @@ class SafetensorsWriter:
             offset += spec.nbytes
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)
-        self.output = _Output(path)
+        self.output = AtomicFile(path)
         self.file: BinaryIO = self.output.file
         try:
             self.file.write(struct.pack("<Q", len(text)) + text)
@@ -226,41 +225,3 @@ class SafetensorsWriter:
     def abort(self) -> None:
         self.output.abort()
 
-
-def _current_umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-class _Output:
-    """A temporary file beside the file ``path`` names (through symlinks)
-    that :meth:`finish` renames over it and :meth:`abort` removes."""
-
-    def __init__(self, path: str) -> None:
-        self.target = os.path.realpath(path)
-        try:
-            self.mode = stat.S_IMODE(os.stat(self.target).st_mode)
-        except FileNotFoundError:
-            self.mode = 0o666 & ~_current_umask()
-        directory, name = os.path.split(self.target)
-        fd, self.tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
-        self.file: BinaryIO = os.fdopen(fd, "wb")
-
-    def finish(self) -> None:
-        try:
-            self.file.flush()
-            os.fsync(self.file.fileno())
-            self.file.close()
-            os.chmod(self.tmp, self.mode)
-            os.replace(self.tmp, self.target)
-        except BaseException:
-            self.abort()
-            raise
-        fsync_dir(os.path.dirname(self.target))
-
-    def abort(self) -> None:
-        with contextlib.suppress(OSError):
-            self.file.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self.tmp)

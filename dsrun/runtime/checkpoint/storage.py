@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from dsrun.atomicfile import fsync_dir
 from dsrun.errors import CheckpointError
 
 log = logging.getLogger("dsrun.runtime.checkpoint")
@@ -155,14 +156,6 @@ class DataFile:
     def __exit__(self, *exc: Any) -> None:
         if exc[0] is not None:
             self._release()
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def atomic_write(path: str, data: bytes, sync_dir: bool = True, durable: bool = True) -> None:
