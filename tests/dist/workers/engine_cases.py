@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import dsrun
+from dsrun.errors import DsrunError
 from dsrun.runtime.lr_schedules import WarmupDecayLR
 
 MICRO = 4
@@ -346,7 +347,16 @@ def branch_in_earlier_micro_steps(stage: int) -> dict[str, Any]:
         # SGD, lr 0.1: the update is -0.1 x the averaged gradient
         grads[how] = [(b - p.detach()) / 0.1 - e
                       for b, p, e in zip(before, engine.module.a.parameters(), expect)]
-    return {how: max(float(d.abs().max()) for d in diffs) for how, diffs in grads.items()}
+    fact: dict[str, Any] = {how: max(float(d.abs().max()) for d in diffs)
+                            for how, diffs in grads.items()}
+    if stage > 0:  # ZeRO stage 2 reduces during every backward: no_sync() is refused
+        try:
+            with engine.no_sync():
+                pass
+            fact["no_sync_refused"] = False
+        except DsrunError as err:
+            fact["no_sync_refused"] = "not possible at ZeRO stage 2" in str(err)
+    return fact
 
 
 def dataloader(n: int = 40) -> dict[str, Any]:
