@@ -34,7 +34,6 @@ from torch.optim import Optimizer
 
 from dsrun.errors import DsrunConfigError
 from dsrun.runtime.config import ConfigInput, DsrunConfig, load_config, resolve
-from dsrun.runtime.dataloader import build_dataloader
 from dsrun.runtime.dist import init_distributed
 from dsrun.runtime.engine import DsrunEngine, check_zero_stage
 from dsrun.runtime.env import DistEnv
@@ -214,10 +213,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
     engine = engine_cls(model, resolved, optimizer=optimizer, lr_scheduler=lr_scheduler,
                          model_parameters=model_parameters, env=env, mpu=mpu)
     _log_start(resolved, choice.origin, engine)
-    if training_data is not None:
-        rank = mpu.get_data_parallel_rank() if mpu is not None else dist.get_rank()
-        engine.training_dataloader = build_dataloader(
-            training_data, micro_batch_size=resolved.train_micro_batch_size_per_gpu,
-            num_replicas=dp_size, rank=rank, collate_fn=collate_fn,
-            drop_last=resolved.dataloader_drop_last, device=engine.device)
+    if isinstance(training_data, torch.utils.data.DataLoader):
+        engine.training_dataloader = training_data  # the script's own, as it is
+    elif training_data is not None:  # DeepSpeed's initialize goes through deepspeed_io too
+        engine.training_dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
