@@ -82,14 +82,3 @@ def split_micro_batch(batch: Any, micro_batch: int) -> tuple[Any, Any]:
     raise DsrunError(f"micro-batch {micro_batch} from the data iterator is {what}: a "
                      "pipeline micro-batch is a pair (inputs, labels), inputs a tensor or a "
                      "tuple of tensors (use engine.set_batch_fn() to convert other formats)")
-
-
-def repeat(loader: Any) -> Iterator[Any]:
-    """``loader``'s batches, epoch after epoch (DeepSpeed's RepeatingLoader)."""
-    while True:
-        empty = True
-        for item in loader:
-            empty = False
-            yield item
-        if empty:
-            raise DsrunError("the training dataloader yields no batches")

@@ -57,12 +57,12 @@ from dsrun import checkpointing
 from dsrun import comm as collectives
 from dsrun.errors import DsrunConfigError, DsrunError
 from dsrun.runtime.config import DsrunConfig
+from dsrun.runtime.dataloader import RepeatingLoader
 from dsrun.runtime.engine import DsrunEngine
 from dsrun.runtime.pipe import schedule as sched
 from dsrun.runtime.pipe.batch import (
     BatchState,
     next_micro_batch,
-    repeat,
     split_micro_batch,
     to_device,
 )
@@ -231,7 +231,7 @@ class PipelineEngine(DsrunEngine):
         if not self.grid.is_first_stage:
             return None
         if self._data_iterator is None and self.training_dataloader is not None:
-            self._data_iterator = repeat(self.training_dataloader)
+            self._data_iterator = RepeatingLoader(self.training_dataloader)
             self._iterating_loader = True
         return self._data_iterator
 
@@ -251,7 +251,7 @@ class PipelineEngine(DsrunEngine):
 
     def set_dataloader(self, loader: Any) -> None:
         """Train on ``loader`` from now on, repeating it epoch after epoch."""
-        self.set_dataiterator(repeat(loader))
+        self.set_dataiterator(RepeatingLoader(loader))
 
     # ------------------------------------------------------------ checkpoints
 
