@@ -114,6 +114,11 @@ class FullPrecision:
         optimizer.step()
         return StepResult(True, norm)
 
+    def unscaled_grads(self) -> list[tuple[torch.nn.Parameter, Optional[torch.Tensor]]]:
+        """Each parameter with the gradient its optimizer steps on, divided by
+        the loss scale where there is one (ZeRO stage 0 and pipelines)."""
+        return [(param, param.grad) for param in self.params]
+
     def zero_grad(self) -> None:
         for param in self.params:
             param.grad = None
@@ -179,23 +184,17 @@ class TorchAutocastFP16(TorchAutocast):
         return loss.float() * self.scaler.scale
 
     @torch.no_grad()
-    def unscale_(self) -> None:
-        """Divide this rank's gradients by the loss scale (ZeRO stage 0)."""
+    def unscaled_grads(self) -> list[tuple[torch.nn.Parameter, Optional[torch.Tensor]]]:
+        """This rank's gradients, divided by the loss scale in place."""
         inverse = 1.0 / self.scaler.scale
         for param in self.params:
             if param.grad is not None:
                 param.grad.mul_(inverse)
+        return super().unscaled_grads()
 
     def step(self, optimizer: Optimizer, max_norm: float) -> StepResult:
-        self.unscale_()
-        grads = [p.grad for p in self.params if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm) if max_norm > 0 \
-            else global_norm(grads)
-        overflow = not bool(torch.isfinite(norm))
-        if self.scaler.update(overflow):
-            return StepResult(False, norm, overflow)
-        optimizer.step()
-        return StepResult(True, norm)
+        self.unscaled_grads()
+        return _scaled_step(self.scaler, optimizer, self.params, max_norm)
 
 
 class GradScalerRule(LossScaler):
@@ -297,28 +296,41 @@ class FP16Master(FP16Scaling):
         for group in optimizer.param_groups:
             group["params"] = [self._master(p) for p in group["params"]]
 
-    def step(self, optimizer: Optimizer, max_norm: float) -> StepResult:
+    def unscaled_grads(self) -> list[tuple[torch.nn.Parameter, Optional[torch.Tensor]]]:
+        """Each parameter with its master's gradient: its own, unscaled into fp32."""
         inverse = 1.0 / self.scaler.scale
         for param, master in zip(self.params, self.masters):
             master.grad = None if param.grad is None else param.grad.float().mul_(inverse)
-        with_grad = [m for m in self.masters if m.grad is not None]
-        if max_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
-        else:
-            norm = global_norm([m.grad for m in with_grad])
-        overflow = not bool(torch.isfinite(norm))
-        if self.scaler.update(overflow):
-            return StepResult(False, norm, overflow)
-        optimizer.step()
-        with torch.no_grad():
-            for param, master in zip(self.params, self.masters):
-                param.copy_(master)
-        return StepResult(True, norm)
+        return [(param, master.grad) for param, master in zip(self.params, self.masters)]
+
+    def step(self, optimizer: Optimizer, max_norm: float) -> StepResult:
+        self.unscaled_grads()
+        result = _scaled_step(self.scaler, optimizer, self.masters, max_norm)
+        if result.applied:
+            with torch.no_grad():
+                for param, master in zip(self.params, self.masters):
+                    param.copy_(master)
+        return result
 
     def zero_grad(self) -> None:
         super().zero_grad()
         for master in self.masters:
             master.grad = None
+
+
+def _scaled_step(scaler: LossScaler, optimizer: Optimizer, owners: Sequence[torch.Tensor],
+                 max_norm: float) -> StepResult:
+    """The step of a loss-scaling precision once its gradients (those of
+    ``owners``) are unscaled: clip or measure their norm, skip the step on
+    a non-finite one (the scaler decides the scale), else step."""
+    with_grad = [t for t in owners if t.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm) if max_norm > 0 \
+        else global_norm([t.grad for t in with_grad])
+    overflow = not bool(torch.isfinite(norm))
+    if scaler.update(overflow):
+        return StepResult(False, norm, overflow)
+    optimizer.step()
+    return StepResult(True, norm)
 
 
 def _as_list(params: Any) -> list[Any]:

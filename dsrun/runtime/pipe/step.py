@@ -31,7 +31,7 @@ import torch.distributed as dist
 from dsrun import comm as collectives
 from dsrun.errors import DsrunConfigError
 from dsrun.runtime.monitor.timers import comm_wait
-from dsrun.runtime.precision import FP16Master, FullPrecision, StepResult, TorchAutocastFP16
+from dsrun.runtime.precision import FP16Master, FullPrecision, StepResult
 from dsrun.runtime.zero.masters import CLIP_EPS
 
 
@@ -61,23 +61,10 @@ def _zero_duplicate_squares(zero: Any, duplicates: set[int], device: torch.devic
     return total
 
 
-def _unscale_into_masters(precision: FP16Master) -> None:
-    inverse = 1.0 / precision.scaler.scale
-    for param, master in zip(precision.params, precision.masters):
-        master.grad = None if param.grad is None else param.grad.float().mul_(inverse)
-
-
 def _stage_grads(precision: FullPrecision, duplicates: set[int]
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(every gradient to clip, those that count in the norm) at ZeRO stage 0."""
-    if isinstance(precision, FP16Master):
-        _unscale_into_masters(precision)
-        pairs = list(zip(precision.params, precision.masters))
-        grads = [(p, m.grad) for p, m in pairs if m.grad is not None]
-    else:
-        if isinstance(precision, TorchAutocastFP16):
-            precision.unscale_()
-        grads = [(p, p.grad) for p in precision.params if p.grad is not None]
+    grads = [(p, g) for p, g in precision.unscaled_grads() if g is not None]
     return [g for _, g in grads], [g for p, g in grads if id(p) not in duplicates]
 
 
