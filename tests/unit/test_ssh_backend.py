@@ -198,7 +198,7 @@ def test_an_agent_killed_by_a_signal_is_reported_as_such():
     channel.host, channel.cwd, channel.python, channel.chan = "node2", "/w", "/py", chan
     code = channel.wait(0)
     assert code is None and channel.exit_signal() == 9
-    message = channel.exit_message(code, [])
+    message = channel.exit_reason(code, [])
     assert message == "node agent on node2 killed by SIGKILL"
     failure = RankFailure(host="node2", rank=None, code=code, signal=9, time=0.0,
                           message=message)

@@ -46,6 +46,7 @@ from dsrun.launcher.netinfo import is_local_host
 from dsrun.launcher.plan import LaunchPlan, NodePlan, RankSlot, format_command, rank_argv
 from dsrun.launcher.rankenv import RankEnv, rank_env
 from dsrun.launcher.rankenv import describe as describe_env
+from dsrun.launcher.report import signal_name
 from dsrun.launcher.spec import HostsSpec
 
 if TYPE_CHECKING:
@@ -184,8 +185,16 @@ class AgentChannel(ABC):
         """The agent's stderr when the launcher must relay it (None: inherited)."""
         return None
 
+    def exit_reason(self, code: int | None, err_tail: Sequence[str]) -> str:
+        """Why the agent went away before saying ``done``: the signal it died
+        of where the transport tells, else :meth:`exit_message`."""
+        sig = self.exit_signal()
+        if sig is not None:
+            return f"node agent on {self.host} killed by {signal_name(sig)}"
+        return self.exit_message(code, err_tail)
+
     def exit_message(self, code: int | None, err_tail: Sequence[str]) -> str:
-        """Why the agent went away before saying ``done``."""
+        """Why the agent went away, from its exit status and last lines."""
         return f"node agent exited unexpectedly (status {code})"
 
     def close(self) -> None:  # noqa: B027 - most channels hold nothing to release
@@ -306,7 +315,7 @@ class JobHandle:
             pass
 
     def exit_message(self, index: int, code: int | None) -> str:
-        return self.channels[index].exit_message(code, tuple(self.err_tails[index]))
+        return self.channels[index].exit_reason(code, tuple(self.err_tails[index]))
 
     @staticmethod
     def _send(channel: AgentChannel, obj: dict[str, Any]) -> None:

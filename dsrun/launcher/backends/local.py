@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import IO, TYPE_CHECKING
 
 from dsrun.errors import DsrunUsageError
@@ -21,7 +21,6 @@ from dsrun.launcher.backends.base import (
     ignore_connect,
 )
 from dsrun.launcher.plan import LaunchPlan, format_command
-from dsrun.launcher.report import signal_name
 from dsrun.launcher.spec import HostsSpec
 
 if TYPE_CHECKING:
@@ -64,12 +63,6 @@ class LocalChannel(AgentChannel):
     def exit_signal(self) -> int | None:
         code = self.proc.returncode
         return -code if code is not None and code < 0 else None
-
-    def exit_message(self, code: int | None, err_tail: Sequence[str]) -> str:
-        sig = self.exit_signal()
-        if sig is not None:
-            return f"node agent on {self.host} killed by {signal_name(sig)}"
-        return super().exit_message(code, err_tail)
 
 
 def local_request(backend: Backend, plan: LaunchPlan, index: int,

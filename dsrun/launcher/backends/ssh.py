@@ -390,10 +390,6 @@ class SshChannel(AgentChannel):
 
     def exit_message(self, code: int | None, err_tail: Sequence[str]) -> str:
         last = next((ln.strip() for ln in reversed(err_tail) if ln.strip()), "")
-        sig = getattr(self.chan, EXIT_SIGNAL_ATTR, None)
-        if sig is not None and code is None:
-            name = sig if sig.startswith("SIG") else f"SIG{sig}"
-            return f"node agent on {self.host} killed by {name}"
         if code == CWD_MISSING:
             return f"working directory {self.cwd} does not exist on {self.host}"
         if code == 127:
