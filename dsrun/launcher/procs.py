@@ -123,7 +123,12 @@ def job_processes(leaders: Iterable[Proc], marker: str | None,
     ``since``: the start time (as :class:`Proc` has it) of the agent; every
     process of the job started later, so older ones are not even read.
     """
-    groups = set(live_groups(leaders))
+    return [proc for proc, _ in _scan(set(live_groups(leaders)), marker, since)]
+
+
+def _scan(groups: set[int], marker: str | None, since: float) -> list[tuple[Proc, int]]:
+    """The job's live processes (:func:`job_processes`) with their process
+    group, read in the same pass."""
     me = os.getpid()
     found = []
     for pid in _pids():
@@ -133,7 +138,7 @@ def job_processes(leaders: Iterable[Proc], marker: str | None,
         if facts is None or facts[0] or facts[2] < since:
             continue
         if facts[1] in groups or (marker and _has_marker(pid, marker)):
-            found.append(Proc(pid, facts[2]))
+            found.append((Proc(pid, facts[2]), facts[1]))
     return found
 
 
@@ -161,7 +166,11 @@ def send(proc: Proc, sig: int) -> None:
 
 def signal_groups(leaders: Iterable[Proc], sig: int) -> None:
     """``sig`` to the group of every leader that is still ours."""
-    for pgid in live_groups(leaders):
+    _killpgs(live_groups(leaders), sig)
+
+
+def _killpgs(groups: Iterable[int], sig: int) -> None:
+    for pgid in groups:
         try:
             os.killpg(pgid, sig)
         except (ProcessLookupError, PermissionError):
@@ -171,14 +180,11 @@ def signal_groups(leaders: Iterable[Proc], sig: int) -> None:
 def signal_job(leaders: Iterable[Proc], marker: str | None, sig: int,
                since: float = 0.0) -> None:
     """Send ``sig`` to each group and to every marked process of the job."""
-    leaders = list(leaders)
     groups = set(live_groups(leaders))
-    signal_groups(leaders, sig)
-    for proc in job_processes(leaders, marker, since):
-        facts = _facts(proc.pid)
-        if facts is not None and facts[1] in groups:
-            continue  # its group's signal reached it: once is enough
-        send(proc, sig)
+    _killpgs(groups, sig)
+    for proc, pgid in _scan(groups, marker, since):
+        if pgid not in groups:  # a group member got its group's signal: once is enough
+            send(proc, sig)
 
 
 def stop_job(leaders: Iterable[Proc], marker: str | None, grace: float, *,
