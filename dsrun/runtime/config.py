@@ -80,6 +80,7 @@ from dsrun.runtime.config_schema import (
 from dsrun.runtime.config_sections import (
     AUTO_OPTIMIZER_DEFAULTS,
     DEFAULT_WARMUP_NUM_STEPS,
+    DTYPE_NAMES,
     MONITOR_SECTIONS,
     OPTIMIZER_NAMES,
     SCHEDULER_PARAMS,
@@ -92,6 +93,7 @@ from dsrun.runtime.config_sections import (
     CometConfig,
     CommsLoggerConfig,
     CsvMonitorConfig,
+    DataTypesConfig,
     DsrunOptions,
     FlopsProfilerConfig,
     FP16Config,
@@ -116,10 +118,10 @@ from dsrun.runtime.config_sections import (
 
 __all__ = [
     "ALLOW_UNKNOWN_ENV", "AUTO", "AUTO_OPTIMIZER_DEFAULTS", "BATCH_KEYS",
-    "DEFAULT_WARMUP_NUM_STEPS", "DICT_SOURCE", "INERT_KEYS", "OPTIMIZER_NAMES",
+    "DEFAULT_WARMUP_NUM_STEPS", "DTYPE_NAMES", "DICT_SOURCE", "INERT_KEYS", "OPTIMIZER_NAMES",
     "PASSTHROUGH_KEYS",
     "SCHEDULER_PARAMS", "SCHEDULER_REQUIRED", "UNSUPPORTED_OPTIMIZERS", "ZERO_AUTO_KEYS",
-    "ActivationCheckpointingConfig", "BF16Config", "Check", "CheckpointConfig",
+    "ActivationCheckpointingConfig", "DataTypesConfig", "BF16Config", "Check", "CheckpointConfig",
     "CometConfig", "CommsLoggerConfig", "ConfigInput", "FlopsProfilerConfig",
     "CsvMonitorConfig", "DsrunConfig",
     "DsrunOptions", "FP16Config", "MONITOR_SECTIONS", "OffloadOptimizerConfig",
@@ -138,7 +140,7 @@ BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_ac
 PASSTHROUGH_KEYS = frozenset({
     "aio", "amp", "autotuning",
     "compile", "compression_training", "curriculum_learning", "data_efficiency",
-    "data_types", "eigenvalue", "elasticity", "expert_parallel",
+    "eigenvalue", "elasticity", "expert_parallel",
     "hybrid_engine", "nebula",
     "progressive_layer_drop", "quantize_training", "sparse_attention",
     "tensor_parallel",
@@ -184,6 +186,7 @@ class DsrunConfig:
     pipeline: PipelineConfig = subsection(PipelineConfig)
     torch_autocast: TorchAutocastConfig = subsection(TorchAutocastConfig)
     timers: TimersConfig = subsection(TimersConfig)
+    data_types: DataTypesConfig = subsection(DataTypesConfig)
     memory_breakdown: bool = opt("bool", False)
     dump_state: bool = opt("bool", False)
     communication_data_type: Optional[str] = opt("str", None, choices=("fp16", "bf16", "fp32"))
@@ -438,6 +441,11 @@ def inert_settings(config: DsrunConfig) -> list[str]:
     if not (pipe.pipe_partitioned and pipe.grad_partitioned):
         notes.append("pipeline.pipe_partitioned/grad_partitioned (they only matter with tensor "
                      "parallelism)")
+    accum = config.data_types.grad_accum_dtype
+    trained = "float16" if config.precision == "fp16" else "float32"
+    if accum is not None and DTYPE_NAMES[accum] != trained:
+        notes.append(f"data_types.grad_accum_dtype {accum!r} (dsrun accumulates gradients in "
+                     f"the trained parameters' dtype, {trained} here)")
     if config.gradient_predivide_factor != 1.0 and config.zero_optimization.stage > 0:
         notes.append("gradient_predivide_factor (ZeRO stages divide gradients by the "
                      "data-parallel size before reducing them)")
@@ -494,6 +502,8 @@ def resolve(config: ConfigInput, *, dp_size: int, dp_source: str,
         "torch_autocast": parse_section(TorchAutocastConfig, known.get("torch_autocast", {}),
                                         ("torch_autocast",), ctx),
         "timers": parse_section(TimersConfig, known.get("timers", {}), ("timers",), ctx),
+        "data_types": parse_section(DataTypesConfig, known.get("data_types", {}),
+                                    ("data_types",), ctx),
         **parse_monitors(known, ctx),
     }
     if is_auto(known.get("gradient_clipping")):

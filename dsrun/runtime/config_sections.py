@@ -253,10 +253,28 @@ class TimersConfig:
         validate_fields(self)
 
 
-# torch_autocast's dtype names (DeepSpeed's DtypeEnum spellings) -> torch dtype name
-AUTOCAST_DTYPES: Mapping[str, str] = MappingProxyType({
+# DeepSpeed's DtypeEnum spellings of the floating dtypes -> torch dtype name
+DTYPE_NAMES: Mapping[str, str] = MappingProxyType({
     **dict.fromkeys(("fp16", "float16", "half", "torch.float16"), "float16"),
-    **dict.fromkeys(("bf16", "bfloat16", "torch.bfloat16"), "bfloat16")})
+    **dict.fromkeys(("bf16", "bfloat16", "torch.bfloat16"), "bfloat16"),
+    **dict.fromkeys(("fp32", "float32", "float", "torch.float32"), "float32")})
+# the ones torch.autocast takes
+AUTOCAST_DTYPES: Mapping[str, str] = MappingProxyType(
+    {name: dtype for name, dtype in DTYPE_NAMES.items() if dtype != "float32"})
+
+
+@dataclass(frozen=True)
+class DataTypesConfig:
+    """``data_types``: DeepSpeed's gradient accumulation dtype, reported by
+    ``engine.get_data_types()``. dsrun accumulates gradients in the dtype of
+    the parameters it trains (fp32 under ``bf16`` and ``torch_autocast``,
+    whose weights stay fp32; float16 under ``fp16``), so a different one is
+    reported as not acted on."""
+
+    grad_accum_dtype: Optional[str] = opt("str", None, choices=tuple(DTYPE_NAMES))
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
 
 
 @dataclass(frozen=True)

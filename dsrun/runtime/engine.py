@@ -67,7 +67,7 @@ from dsrun.runtime.lr_schedules import build_scheduler
 from dsrun.runtime.monitor.training import EngineMonitor
 from dsrun.runtime.optimizers import build_optimizer
 from dsrun.runtime.param_links import link_params
-from dsrun.runtime.precision import FullPrecision, StepResult, make_precision
+from dsrun.runtime.precision import FullPrecision, StepResult, make_precision, torch_dtype
 from dsrun.runtime.progress import LOGGER_NAME, Progress
 from dsrun.runtime.zero.stepping import (
     DEEPSPEED_DEFAULT_BUCKET,
@@ -81,7 +81,6 @@ from dsrun.utils.timer import SynchronizedWallClockTimer, ThroughputTimer
 log = logging.getLogger("dsrun.runtime.engine")
 
 OVERFLOW_LOG_INTERVAL_S = 60.0
-_COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 IMPLEMENTED_STAGES = (0, 1, 2, 3)
@@ -207,7 +206,7 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
         if self.dp_world_size == 1:
             return None
         comm = self.config.communication_data_type
-        comm_dtype = _COMM_DTYPES[comm] if comm else None
+        comm_dtype = torch_dtype(comm) if comm else None
         elements = bucket_elements(self.config)
         params = self.precision.params
         size = (comm_dtype or (params[0].dtype if params else torch.float32)).itemsize

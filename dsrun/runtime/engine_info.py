@@ -13,22 +13,13 @@ and live on the engine (:mod:`dsrun.runtime.batch_size`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from dsrun.runtime.config import OPTIMIZER_NAMES, DsrunConfig
-
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-# DeepSpeed's DtypeEnum spellings, for data_types.grad_accum_dtype
-_DTYPE_NAMES = {**_DTYPES, **{f"{prefix}{name}": dtype for prefix in ("", "torch.")
-                              for name, dtype in (("float16", torch.float16),
-                                                  ("half", torch.float16),
-                                                  ("bfloat16", torch.bfloat16),
-                                                  ("float32", torch.float32),
-                                                  ("float", torch.float32))}}
+from dsrun.runtime.precision import torch_dtype
 
 
 class EngineInfo:
@@ -144,16 +135,15 @@ class EngineInfo:
         """DeepSpeed's (model dtype, gradient accumulation dtype): the dtype
         of the ``fp16``/``bf16`` section (else fp32), and
         ``data_types.grad_accum_dtype`` where set, else the model dtype."""
-        model = _DTYPES[self.config.precision]
-        data_types = self.config.passthrough.get("data_types")
-        accum = data_types.get("grad_accum_dtype") if isinstance(data_types, Mapping) else None
-        return model, _DTYPE_NAMES.get(accum, model) if isinstance(accum, str) else model
+        model = torch_dtype(self.config.precision)
+        accum = self.config.data_types.grad_accum_dtype
+        return model, model if accum is None else torch_dtype(accum)
 
     @property
     def communication_data_type(self) -> torch.dtype:
         """``communication_data_type`` where set, else the model dtype."""
         comm = self.config.communication_data_type
-        return _DTYPES[comm] if comm else _DTYPES[self.config.precision]
+        return torch_dtype(comm or self.config.precision)
 
     def managed_gradient_accumulation(self) -> bool:
         return self.config.managed_gradient_accumulation

@@ -41,7 +41,7 @@ import torch
 from torch.optim import Optimizer
 
 from dsrun.errors import DsrunConfigError
-from dsrun.runtime.config import DsrunConfig
+from dsrun.runtime.config import DTYPE_NAMES, DsrunConfig
 from dsrun.runtime.loss_scaler import LossScaler
 
 log = logging.getLogger(__name__)
@@ -356,6 +356,12 @@ def make_precision(config: DsrunConfig, module: torch.nn.Module,
         return (TorchAutocastFP16 if half else TorchAutocast)(params, names, device)
     return FullPrecision(params, names, device)
 
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a config's dtype name (DeepSpeed's DtypeEnum
+    spellings: ``"bf16"``, ``"torch.float16"``, ``"float"`` ...)."""
+    return getattr(torch, DTYPE_NAMES[name])
 
 def _check_importable(class_names: Iterable[str]) -> None:
     """Each dotted name names a class (DeepSpeed imports them too)."""

@@ -43,6 +43,8 @@ from dsrun.runtime.checkpoint.consolidate import (
     get_fp32_state_dict,
     write_shards,
 )
+from dsrun.runtime.config import DTYPE_NAMES
+from dsrun.runtime.precision import torch_dtype
 
 log = logging.getLogger("dsrun.runtime.checkpoint")
 
@@ -52,14 +54,9 @@ __all__ = [
     "load_state_dict_from_zero_checkpoint", "to_torch_tensor",
 ]
 
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-           "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-
-
 def _output_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
-    resolved = _DTYPES.get(dtype.lower().removeprefix("torch.")) if isinstance(dtype, str) \
-        else dtype
+    name = dtype.lower() if isinstance(dtype, str) else None
+    resolved = dtype if name is None else torch_dtype(name) if name in DTYPE_NAMES else None
     if resolved not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"unsupported output dtype {dtype!r}: use float32, float16 or "
                          "bfloat16 (fp32, fp16, bf16)")

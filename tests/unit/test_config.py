@@ -690,3 +690,22 @@ def test_timers_section_is_read_not_warned_about(caplog: pytest.LogCaptureFixtur
     assert config.timers.throughput.synchronized is False and "timers" not in config.passthrough
     assert "not acted on" not in config.summary()
     assert "not acted on: autotuning" in res(base(autotuning={"enabled": True})).summary()
+
+
+def test_data_types_is_checked_and_named_when_not_what_dsrun_accumulates_in() -> None:
+    from dsrun.runtime.config import inert_settings
+
+    # DeepSpeed's DtypeEnum spellings; fp32 under bf16 is what dsrun does anyway
+    for name in ("fp32", "float", "torch.float32"):
+        assert inert_settings(res(base(bf16={"enabled": True},
+                                       data_types={"grad_accum_dtype": name}))) == []
+    assert inert_settings(res(base(fp16={"enabled": True},
+                                   data_types={"grad_accum_dtype": "half"}))) == []
+    notes = inert_settings(res(base(bf16={"enabled": True},
+                                    data_types={"grad_accum_dtype": "bf16"})))
+    assert notes == ["data_types.grad_accum_dtype 'bf16' (dsrun accumulates gradients in the "
+                     "trained parameters' dtype, float32 here)"]
+    with pytest.raises(DsrunConfigError, match="data_types.grad_accum_dtype"):
+        res(base(data_types={"grad_accum_dtype": "int8"}))
+    with pytest.raises(DsrunConfigError, match="grad_accum_dtype"):
+        res(base(data_types={"grad_acum_dtype": "fp32"}))
