@@ -304,6 +304,25 @@ def test_to_fp32_writes_through_a_symlink_and_leaves_other_files_alone(
     assert (tmp_path / "link.bin.tmp").read_text() == "the user's"
 
 
+def test_shards_and_their_index_are_written_through_symlinks(tmp_path: Path) -> None:
+    import json
+
+    from dsrun.runtime.checkpoint.consolidate import write_shards
+
+    save(tmp_path / "ckpt", DictSource(tensors()))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "kept").mkdir()
+    index = tmp_path / "kept" / "index.json"
+    index.write_text("a previous run's")
+    (tmp_path / "out" / "pytorch_model.bin.index.json").symlink_to(index)
+    done = write_shards(str(tmp_path / "ckpt"), str(tmp_path / "out"), max_shard_size=1)
+    assert len(done.files) > 1 and done.index is not None
+    assert (tmp_path / "out" / "pytorch_model.bin.index.json").is_symlink()
+    weight_map = json.loads(index.read_text())["weight_map"]
+    assert set(weight_map) == set(tensors())
+    assert set(weight_map.values()) == {os.path.basename(f) for f in done.files}
+
+
 @pytest.mark.parametrize("make,why", [
     (lambda p: os.mkfifo(p), "it is a FIFO, not a regular file"),
     (lambda p: p.symlink_to(p.name), "Too many levels of symbolic links"),

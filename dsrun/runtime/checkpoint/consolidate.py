@@ -292,12 +292,13 @@ def write_shards(checkpoint_dir: str, out_dir: str, tag: Optional[str] = None, *
     index = os.path.abspath(os.path.join(out_dir, index_name(safetensors)))
     for out in [index, *(f for f, _ in files)]:
         check_output(out)
-    if os.path.exists(index):  # a previous run's: it would name files this run may not write
-        os.unlink(index)
+    target = os.path.realpath(index)  # written through a symlink, as the shards are
+    if os.path.exists(target):  # a previous run's: it would name files this run may not write
+        os.unlink(target)
     sizes = _stream(path, manifest, files, safetensors, dtype, exclude)
     total = sum(sizes)
     if len(shards) > 1:
-        atomic_write(index, index_json(shards, total).encode())
+        atomic_write(target, index_json(shards, total).encode())
     log.info("wrote %d file(s) in %s: %d tensors, %.1f MiB", len(files), out_dir, len(sizes),
              total / 2**20)
     return ShardedOutput([f for f, _ in files], index if len(shards) > 1 else None,
