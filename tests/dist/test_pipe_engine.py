@@ -188,6 +188,9 @@ def test_train_batch_is_the_plain_loop_at_world_size_one(solo: None) -> None:
             float(total / case.micro_batches)
     assert all(torch.equal(a, b) for a, b in zip(engine.module.parameters(), ref.parameters()))
     assert (engine.global_steps, engine.micro_steps, engine.global_samples) == (3, 12, 48)
+    tput = engine.tput_timer  # one interval per train_batch, the first two left out (warm-up)
+    assert (tput.batch_size, tput.global_step_count, tput.micro_step_count) == (16, 3, 3)
+    assert tput.total_elapsed_time > 0 and not tput.started and tput.avg_samples_per_sec() > 0
 
 
 def test_eval_and_inference_passes(solo: None) -> None:

@@ -286,10 +286,12 @@ class PipelineEngine(DsrunEngine):
             self.set_dataiterator(data_iter)
         self.module.train()
         self.monitor.batch_started()
+        self.tput_timer.start()  # one interval per batch, as DeepSpeed's pipeline counts steps
         state = self._new_batch("train", self.micro_batches, self._train_source())
         program = sched.train_schedule(self.num_stages, self.micro_batches, self.stage_id,
                                        labels=self.module.loss_fn is not None)
         self._run(program, state)
+        self.tput_timer.stop(global_step=True, report_speed=False)
         self.monitor.batch_finished()
         assert self.agg_train_loss is not None
         return self.agg_train_loss
