@@ -63,7 +63,7 @@ from dsrun.launcher.preflight import PreflightFailed
 from dsrun.launcher.rankenv import check_user_env
 from dsrun.launcher.report import JobResult, report_lines
 from dsrun.launcher.spec import LaunchSpec, check_seconds, cpu_by_deepspeed_variable
-from dsrun.launcher.supervisor import Interrupted, Supervisor, Watch, raise_interrupted
+from dsrun.launcher.supervisor import SIGNALS, Interrupted, Supervisor, Watch
 from dsrun.launcher.watch import DEFAULT_STRAGGLER_INTERVAL
 
 #: Seconds before the first "still running" line once some ranks have exited.
@@ -230,6 +230,7 @@ def _attempt(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv,
     handle: JobHandle | None = None
     multi = cluster.remote or len(cluster.hosts) > 1
     try:
+        SIGNALS.arm()  # a signal aborts the start; from hold() on, the supervisor reads them
         draft = _plan(spec, cluster, backend, env, job_id, restart)
         if multi:
             console.start_progress(len(draft.nodes) if not backend.agent_per_rank
@@ -252,6 +253,7 @@ def _attempt(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv,
             say(f"job id {job_id[:12]} (dsrun stack {job_id[:12]} prints every rank's Python "
                 f"stack while it runs)")
         handle.start(backend.prepare(plan))
+        SIGNALS.hold()
     except Interrupted as exc:
         suspension.handle = None
         console.end_progress()
@@ -259,6 +261,7 @@ def _attempt(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv,
             handle.close()
         return JobResult(interrupted=exc.signum)
     except BaseException:
+        SIGNALS.hold()
         suspension.handle = None
         console.end_progress()
         if handle is not None:
@@ -291,8 +294,8 @@ def _check_preflight(spec: LaunchSpec, outcome: ProbeOutcome) -> None:
 #: ``nohup`` ignores SIGHUP, and a non-interactive shell's ``&`` SIGINT, so
 #: that the job outlives the terminal (as DeepSpeed's launcher does).
 JOB_SIGNALS: dict[signal.Signals, Callable[[int, object], None]] = {
-    signal.SIGINT: raise_interrupted, signal.SIGTERM: raise_interrupted,
-    signal.SIGHUP: raise_interrupted, signal.SIGTSTP: suspension.on_tstp,
+    signal.SIGINT: SIGNALS, signal.SIGTERM: SIGNALS,
+    signal.SIGHUP: SIGNALS, signal.SIGTSTP: suspension.on_tstp,
 }
 ALWAYS_HANDLED = frozenset({signal.SIGTERM})
 
@@ -300,6 +303,7 @@ ALWAYS_HANDLED = frozenset({signal.SIGTERM})
 def take_signals() -> dict[signal.Signals, object]:
     """Install the job's signal handlers; return the previous ones (to put
     back) of the signals taken over."""
+    SIGNALS.reset()
     previous: dict[signal.Signals, object] = {}
     for sig, handler in JOB_SIGNALS.items():
         if sig not in ALWAYS_HANDLED and signal.getsignal(sig) == signal.SIG_IGN:

@@ -51,8 +51,47 @@ class Interrupted(Exception):
         self.signum = signum
 
 
-def raise_interrupted(signum: int, frame: object) -> None:
-    raise Interrupted(signum)
+class SignalLatch:
+    """The launcher's handler of SIGINT, SIGTERM and SIGHUP.
+
+    While a job starts (:meth:`arm`) the first signal raises
+    :class:`Interrupted`, which aborts a blocking connect or preflight.
+    Every other signal - the ones after it, and all of them while the job is
+    supervised or stopped (:meth:`hold`) - is only recorded in ``pending``
+    for the supervisor's loop to act on, so none can escape from the middle
+    of stopping the job or of a message to an agent."""
+
+    def __init__(self) -> None:
+        self.pending: list[int] = []
+        self.raising = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.raising:
+            self.raising = False
+            raise Interrupted(signum)
+        self.pending.append(signum)
+
+    def reset(self) -> None:
+        self.pending.clear()
+        self.raising = False
+
+    def arm(self) -> None:
+        """Raise from now on; a signal recorded before raises at once."""
+        if self.pending:
+            raise Interrupted(self.pending.pop(0))
+        self.raising = True
+
+    def hold(self) -> None:
+        self.raising = False
+
+    def take(self) -> list[int]:
+        """The signals recorded since the last call, oldest first."""
+        taken, self.pending[:] = list(self.pending), []
+        return taken
+
+
+#: The one latch the launcher's signal handlers are (launch.JOB_SIGNALS).
+SIGNALS = SignalLatch()
 
 
 @dataclass(frozen=True)
@@ -91,8 +130,10 @@ class _State:
 
 class Supervisor:
     def __init__(self, handle: JobHandle, hosts: list[str], sink: OutputSink,
-                 kill_grace: float, watch: Watch | None = None) -> None:
+                 kill_grace: float, watch: Watch | None = None,
+                 signals: SignalLatch = SIGNALS) -> None:
         self.handle = handle
+        self.signals = signals
         self.sink = sink
         self.grace = kill_grace
         self.watch = watch or Watch()
@@ -106,13 +147,7 @@ class Supervisor:
         st = self.state
         try:
             while st.open_nodes:
-                try:
-                    self._step()
-                except Interrupted as exc:
-                    if st.interrupted is not None:  # second signal: no more patience
-                        self._kill_now()
-                    st.interrupted = exc.signum
-                    self._stop()
+                self._step()
         finally:
             self.handle.close()
             for collection in list(st.collections.values()):
@@ -147,8 +182,18 @@ class Supervisor:
         self.handle.kill()
         st.deadline = float("inf")
 
+    def _signalled(self, signum: int) -> None:
+        st = self.state
+        if st.interrupted is not None:  # second signal: no more patience
+            self._kill_now()
+            return
+        st.interrupted = signum
+        self._stop()
+
     def _step(self) -> None:
         st = self.state
+        for signum in self.signals.take():
+            self._signalled(signum)
         try:
             index, msg = self.handle.events.get(timeout=0.2)
         except queue.Empty:

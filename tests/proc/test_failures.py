@@ -107,6 +107,26 @@ def test_signal_to_dsrun_stops_everything(pid_dir, sig, code):
     assert wait_gone(sorted(job), 2) == []
 
 
+def test_a_burst_of_signals_while_the_job_stops_ends_in_one_clean_exit(pid_dir):
+    """Ctrl-C pressed again and again (or ``timeout`` signalling dsrun and its
+    group): the signals that land while the stop is being sent are taken as
+    the second signal, never as a traceback."""
+    proc = start_dsrun(*_behave("--pid_dir", str(pid_dir), "--ignore_term_rank", "1",
+                                grace=30.0))
+    try:
+        pids = wait_for_pids(pid_dir, 2)
+        job = set(pids.values()) | set(descendants(proc.pid))
+        for _ in range(20):
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.002)
+        out, err = proc.communicate(timeout=15)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "stopped by SIGINT; every rank was stopped" in err
+    assert wait_gone(sorted(job), 2) == []
+
+
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGINT])
 def test_a_signal_ignored_at_start_stays_ignored(pid_dir, sig):
     """``nohup dsrun ...`` (SIGHUP ignored) and a non-interactive shell's

@@ -8,6 +8,7 @@ import dataclasses
 import inspect
 import io
 import queue
+import signal
 import threading
 from typing import IO
 
@@ -234,27 +235,70 @@ class _RecordingHandle:
     def exit_message(self, index, code) -> str: return "gone"
 
 
-def _interrupted_twice(sup: Supervisor) -> None:
-    from dsrun.launcher.supervisor import Interrupted
+def _interrupted_twice(h: _RecordingHandle) -> Supervisor:
+    from dsrun.launcher.supervisor import SignalLatch
 
-    real, signals = sup._step, [2, 2]
-
-    def step() -> None:
-        if signals:
-            raise Interrupted(signals.pop())
-        real()
-    sup._step = step  # type: ignore[method-assign]
+    latch = SignalLatch()
+    latch(2, None)  # held (a supervised job): recorded, not raised
+    latch(2, None)
+    assert latch.pending == [2, 2]
+    return Supervisor(h, ["a", "b"], lambda *a: None, 30.0,  # type: ignore[arg-type]
+                      signals=latch)
 
 
 def test_a_second_signal_tells_every_agent_to_kill_its_ranks_now():
     h = _RecordingHandle(2)
-    sup = Supervisor(h, ["a", "b"], lambda *a: None, 30.0)  # type: ignore[arg-type]
-    _interrupted_twice(sup)
-    result = sup.run()
+    result = _interrupted_twice(h).run()
     assert sorted(h.sent) == [(0, "kill"), (0, "stop"), (1, "kill"), (1, "stop")]
     assert not h.killed and result.unconfirmed == ()
     from dsrun.launcher.launch import stopped_line
     assert stopped_line(result) == "stopped by SIGINT; every rank was stopped"
+
+
+class _SignalledWhileStopping(_RecordingHandle):
+    """A second Ctrl-C arrives while the stop is being sent to the agents."""
+
+    def __init__(self, latch) -> None:
+        super().__init__(2)
+        self.latch = latch
+
+    def send_all(self, obj, only=None) -> None:
+        if obj["cmd"] == "stop":
+            self.latch(signal.SIGINT, None)  # the handler runs in the middle of the write
+        super().send_all(obj, only)
+
+
+def test_a_signal_while_the_job_is_being_stopped_cannot_escape():
+    from dsrun.launcher.supervisor import SignalLatch
+
+    latch = SignalLatch()
+    latch(signal.SIGTERM, None)
+    h = _SignalledWhileStopping(latch)
+    result = Supervisor(h, ["a", "b"], lambda *a: None, 30.0,  # type: ignore[arg-type]
+                        signals=latch).run()
+    assert result.interrupted == signal.SIGTERM  # the first signal is the cause
+    assert sorted(h.sent) == [(0, "kill"), (0, "stop"), (1, "kill"), (1, "stop")]
+
+
+def test_the_latch_raises_only_while_a_job_starts():
+    import pytest
+
+    from dsrun.launcher.supervisor import Interrupted, SignalLatch
+
+    latch = SignalLatch()
+    latch(signal.SIGHUP, None)  # before the start: kept
+    with pytest.raises(Interrupted) as first:
+        latch.arm()
+    assert first.value.signum == signal.SIGHUP and latch.pending == []
+    latch.arm()
+    with pytest.raises(Interrupted):
+        latch(signal.SIGINT, None)
+    latch(signal.SIGINT, None)  # a second one while the start is undone: recorded only
+    assert latch.take() == [signal.SIGINT] and latch.take() == []
+    latch.arm()
+    latch.hold()
+    latch(signal.SIGTERM, None)
+    assert latch.pending == [signal.SIGTERM]
 
 
 def test_agents_that_do_not_confirm_a_kill_are_named_not_claimed_stopped(monkeypatch):
@@ -263,9 +307,7 @@ def test_agents_that_do_not_confirm_a_kill_are_named_not_claimed_stopped(monkeyp
 
     monkeypatch.setattr(supervisor, "KILL_WAIT", 0.3)
     h = _RecordingHandle(2, answer_kill=False)
-    sup = Supervisor(h, ["a", "b"], lambda *a: None, 30.0)  # type: ignore[arg-type]
-    _interrupted_twice(sup)
-    result = sup.run()
+    result = _interrupted_twice(h).run()
     assert h.killed and result.unconfirmed == ("a", "b")
     line = stopped_line(result)
     assert "every rank was stopped" not in line and "a, b" in line
