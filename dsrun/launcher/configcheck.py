@@ -12,7 +12,8 @@ micro batch size comes from the script's dataloader, so the batch triple
 is then only checked for what any micro batch size needs; and a script may
 train with fewer data-parallel ranks than the world size (pipeline or
 model parallelism through an ``mpu``), so a batch size that fits the world
-size or one of its divisors passes.
+size or one of its divisors passes - with a warning when it does not fit the
+world size itself, the data-parallel size of a plain data-parallel script.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ from dsrun.errors import DsrunConfigError, DsrunUsageError
 MICRO = "train_micro_batch_size_per_gpu"
 
 
-def check_config(path: str, world_size: int, environ: Mapping[str, str]) -> None:
-    """Raise DsrunUsageError naming ``path:line`` when the config is invalid."""
+def check_config(path: str, world_size: int, environ: Mapping[str, str]) -> str | None:
+    """Raise DsrunUsageError naming ``path:line`` when the config is invalid;
+    return a warning when it is valid only at a data-parallel size below
+    ``world_size`` (None: nothing to say)."""
     from dsrun.runtime import config as cfg
 
     text = _read(path)
@@ -49,16 +52,18 @@ def check_config(path: str, world_size: int, environ: Mapping[str, str]) -> None
     try:
         first = _try(cfg, view, world_size, environ)
         if first is None:
-            return
-        for dp in sorted(_divisors(world_size), reverse=True):
-            if _try(cfg, view, dp, environ) is None:
-                return
+            return None
+        fits = next((dp for dp in sorted(_divisors(world_size), reverse=True)
+                     if _try(cfg, view, dp, environ) is None), None)
     finally:
         quiet.setLevel(level)
     message = str(first).replace(cfg.DICT_SOURCE, path)
     line = key_lines(text).get(error_path(message))
     where = f"{path}:{line}" if line else path
-    raise DsrunUsageError(f"--config {where}: {message}")
+    if fits is None:
+        raise DsrunUsageError(f"--config {where}: {message}")
+    return (f"warning: --config {where}: {message}; it fits {fits} data-parallel rank(s), "
+            "so the job fails unless the script trains with pipeline or model parallelism")
 
 
 def _read(path: str) -> str:

@@ -176,7 +176,10 @@ def run(spec: LaunchSpec) -> int:
     draft = _plan(spec, cluster, backend, env, job_id, 0)
     check_user_env(draft)
     if spec.config is not None:
-        check_config(spec.config, draft.world_size, {**os.environ, **dict(spec.extra_env)})
+        warning = check_config(spec.config, draft.world_size,
+                               {**os.environ, **dict(spec.extra_env)})
+        if warning:
+            say(warning)
     source = describe_source(spec.hosts, cluster, cwd)
     if spec.dry_run:
         for line in [source, *describe(draft), *backend.prepare(draft).describe()]:

@@ -83,7 +83,10 @@ def test_batch_size_that_fits_a_divisor_of_the_world_passes(tmp_path):
     # 2 pipeline stages x 2 data-parallel ranks: the script's mpu says dp = 2
     path = _write(tmp_path, {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
                              "gradient_accumulation_steps": 2})
-    check_config(path, 4, {})
+    warning = check_config(path, 4, {})
+    assert warning is not None and warning.startswith(f"warning: --config {path}:")
+    assert "data-parallel size 4" in warning and "it fits 2 data-parallel rank(s)" in warning
+    assert check_config(path, 2, {}) is None  # fits the world size itself: nothing to say
 
 
 def test_auto_micro_batch_is_judged_only_as_far_as_the_launcher_can(tmp_path):
