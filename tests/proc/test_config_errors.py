@@ -35,6 +35,16 @@ def test_indivisible_batch_size_is_found_before_the_ranks_start(tmp_path):
     assert "data-parallel size 2" in res.stderr and res.stdout == ""
 
 
+def test_batch_size_only_a_pipeline_could_use_is_a_warning_before_the_ranks_start(tmp_path):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text('{\n  "train_batch_size": 3\n}\n')  # 3 samples do not split over 2 ranks
+    res = run_dsrun("--cpu", "--num_gpus", "2", "--config", str(cfg), "--dry-run",
+                    str(WORKERS / "hang.py"))
+    assert res.returncode == 0, res.stderr
+    assert f"dsrun: warning: --config {cfg}:2: " in res.stderr
+    assert "it fits 1 data-parallel rank(s)" in res.stderr
+
+
 def test_config_error_inside_the_ranks_is_one_message_without_dsrun_frames():
     res = run_dsrun("--cpu", "--num_gpus", "2", str(WORKERS / "bad_config.py"), timeout=120)
     assert res.returncode == 1, res.stderr
