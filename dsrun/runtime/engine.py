@@ -136,7 +136,7 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
         self.local_rank = env.local_rank
         self.client_optimizer = optimizer  # DeepSpeed's: initialize()'s arguments as given
         self.client_lr_scheduler = lr_scheduler
-        self._mpu = mpu
+        self.mpu = mpu
         self._backward_allreduce = True  # engine.enable_backward_allreduce
         self.dp_group = mpu.get_data_parallel_group() if mpu is not None else None
         self.dp_world_size = dist.get_world_size(self.dp_group)

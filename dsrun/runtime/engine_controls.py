@@ -50,7 +50,7 @@ class EngineControls:
     _step_profiler: Any
     _grad_sync: Any
     _backward_allreduce: bool
-    _mpu: Any
+    mpu: Any
 
     # ------------------------------------------------- gradient reduction
 
@@ -135,8 +135,8 @@ class EngineControls:
             num_workers=num_local_io_workers or 0)
 
     def _dp_rank(self) -> int:
-        if self._mpu is not None:
-            return int(self._mpu.get_data_parallel_rank())
+        if self.mpu is not None:
+            return int(self.mpu.get_data_parallel_rank())
         return torch.distributed.get_rank(self.data_parallel_group)
 
     def load_module_state_dict(self, checkpoint: dict[str, Any], strict: bool = True,

@@ -30,7 +30,7 @@ class EngineInfo:
     precision: Any
     zero_stage: int
     dp_group: Any
-    _mpu: Any
+    mpu: Any
     _grad_norm: Optional[torch.Tensor]
     _step_applied: bool
 
@@ -82,15 +82,15 @@ class EngineInfo:
     @property
     def mp_world_size(self) -> int:
         """Model-parallel size: the mpu's, else 1 (DeepSpeed's attribute)."""
-        if self._mpu is None:
+        if self.mpu is None:
             return 1
-        return int(self._mpu.get_model_parallel_world_size())
+        return int(self.mpu.get_model_parallel_world_size())
 
     def get_model_parallel_rank(self) -> int:
         """This rank in its model-parallel group: the mpu's, else 0."""
-        if self._mpu is None:
+        if self.mpu is None:
             return 0
-        return int(self._mpu.get_model_parallel_rank())
+        return int(self.mpu.get_model_parallel_rank())
 
     # ------------------------------------------------------------ datasets
 

@@ -86,6 +86,7 @@ def test_stage0_backward_allreduce_off_one_rank(solo: None) -> None:
 def test_tput_timer_is_driven_by_forward_and_step(solo: None) -> None:
     engine = build({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
                     "optimizer": SGD})
+    assert engine.mpu is None  # no mpu= given (DeepSpeed's attribute)
     tput = engine.tput_timer
     assert tput.batch_size == 4 and tput.avg_samples_per_sec() == -math.inf
     for _ in range(4 * 2):

@@ -295,6 +295,7 @@ def test_a_reentrant_checkpoint_trains_the_first_stage(solo: None) -> None:
 def test_deepspeeds_module_engine_and_grid_accessors(solo: None) -> None:
     engine, case = _engine("mlp")
     module, grid = engine.module, engine.grid
+    assert engine.mpu is grid  # DeepSpeed's: initialize() takes the module's mpu()
     assert module.topology() is grid.topology() and module.topology().get_dim("pipe") == 1
     assert module.num_pipeline_stages() == 1 and module.partitions() == (0, 6)
     assert [module.stage_owner(i) for i in range(6)] == [0] * 6
