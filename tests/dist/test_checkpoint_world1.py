@@ -89,11 +89,19 @@ def saved(solo: None, tmp_path: Path) -> tuple[Any, Path]:
 # ------------------------------------------------------------- bad input
 
 
-def test_missing_directory_is_an_error(solo: None, tmp_path: Path) -> None:
+def test_missing_directory_is_an_error_when_a_tag_is_asked_for(
+        solo: None, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     engine = engine_for()
     before = snapshot(engine)
     with pytest.raises(CheckpointError, match="does not exist"):
-        engine.load_checkpoint(tmp_path / "nowhere")
+        engine.load_checkpoint(tmp_path / "nowhere", tag="global_step1")
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(CheckpointError, match="afile is not a directory"):
+        engine.load_checkpoint(tmp_path / "afile")
+    # no tag: a resume-if-possible before the first save loads nothing, as DeepSpeed
+    with caplog.at_level(logging.WARNING, logger="dsrun.runtime.checkpoint"):
+        assert engine.load_checkpoint(tmp_path / "nowhere") == (None, None)
+    assert "(the directory does not exist): nothing loaded" in caplog.text
     assert_same(before, snapshot(engine))
 
 

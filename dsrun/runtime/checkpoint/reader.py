@@ -321,6 +321,10 @@ def _resolve(request: LoadRequest) -> tuple[Optional[str], Optional[str]]:
     """(tag, problem) on this rank."""
     root = os.path.abspath(request.load_dir)
     if not os.path.isdir(root):
+        if os.path.exists(root):
+            return request.tag, f"the checkpoint directory {root} is not a directory"
+        if request.tag is None:  # a resume-if-there-is-one before the first save (DeepSpeed)
+            return None, None
         return request.tag, f"the checkpoint directory {root} does not exist"
     if request.tag is not None:
         return str(request.tag), None
@@ -341,8 +345,9 @@ def load_state(request: LoadRequest, sources: Sequence[StateSource], names: Mapp
     raise_failures([e["problem"] for e in everyone], "loading a checkpoint")
     check_same([e["tag"] for e in everyone], "the checkpoint tag to load")
     if tag is None:
-        log.warning("no tag given and no 'latest' file in %s: nothing loaded",
-                    os.path.abspath(request.load_dir))
+        root = os.path.abspath(request.load_dir)
+        log.warning("no tag given and no 'latest' file in %s%s: nothing loaded", root,
+                    "" if os.path.isdir(root) else " (the directory does not exist)")
         return None
     phase, status = _Phase(), None
     try:
