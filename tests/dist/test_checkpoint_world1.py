@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -111,6 +112,36 @@ def test_no_latest_and_no_tag_loads_nothing(solo: None, tmp_path: Path,
     with caplog.at_level(logging.WARNING, logger="dsrun.runtime.checkpoint"):
         assert engine.load_checkpoint(tmp_path) == (None, None)
     assert "no 'latest' file" in caplog.text
+
+
+def test_a_deepspeed_checkpoint_is_named_with_what_to_do(solo: None, tmp_path: Path) -> None:
+    engine = engine_for()
+    (tmp_path / "global_step4").mkdir()
+    (tmp_path / "global_step4" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (tmp_path / "latest").write_text("global_step4")
+    with pytest.raises(CheckpointError, match="is a DeepSpeed checkpoint, which dsrun does "
+                                              "not read: .* zero_to_fp32.py"):
+        engine.load_checkpoint(tmp_path)
+    from dsrun.runtime.checkpoint.info import checkpoint_info
+    with pytest.raises(CheckpointError, match="is a DeepSpeed checkpoint"):
+        checkpoint_info(str(tmp_path))
+
+
+def test_the_save_directory_gets_a_zero_to_fp32_script_as_in_deepspeed(
+        saved: tuple[Any, Path], tmp_path_factory: pytest.TempPathFactory) -> None:
+    engine, root = saved
+    script = root / "zero_to_fp32.py"
+    out = tmp_path_factory.mktemp("fp32")
+    res = subprocess.run([sys.executable, str(script), str(root), str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    written = torch.load(out / "pytorch_model.bin")
+    want = engine.module.state_dict()
+    assert written.keys() == want.keys()
+    assert all(torch.equal(written[k].to(want[k].dtype), want[k]) for k in want)
+    before = script.stat().st_mtime_ns
+    engine.save_checkpoint(root, tag="again")  # the same text is left alone
+    assert script.stat().st_mtime_ns == before
 
 
 def test_missing_tag_lists_the_tags_there(saved: tuple[Any, Path]) -> None:

@@ -123,6 +123,8 @@ def checkpoint_info(checkpoint_dir: str, tag: Optional[str] = None) -> DirInfo:
     chosen = tag if tag is not None else (latest if latest in tags else
                                           (tags[-1] if tags else None))
     if chosen is None:
+        if not tags and latest is not None and os.path.isdir(os.path.join(root, latest)):
+            tag_dir(root, latest)  # raises, saying what it holds (a DeepSpeed checkpoint?)
         if not tags:
             raise CheckpointError(f"{root} holds no dsrun checkpoint (no tag directory with a "
                                   f"{MANIFEST})" + (f"; interrupted saves: "

@@ -68,6 +68,10 @@ def list_tags(root: str) -> tuple[list[str], list[str]]:
     return complete, partial
 
 
+# files a DeepSpeed save_checkpoint writes into a tag's directory
+DEEPSPEED_FILES = ("mp_rank_", "zero_pp_rank_", "bf16_zero_pp_rank_", "layer_")
+
+
 def tag_dir(root: str, tag: str) -> str:
     """The directory of complete tag ``tag`` under ``root``, or an error
     that lists the tags there are."""
@@ -82,6 +86,11 @@ def tag_dir(root: str, tag: str) -> str:
     if tag in partial and not os.path.isdir(path):
         why = (f"its save never finished (only {tag}{TMP_SUFFIX}/ exists: the job stopped "
                "during the save)")
+    elif os.path.isdir(path) and any(n.startswith(DEEPSPEED_FILES) for n in os.listdir(path)):
+        why = (f"{path} is a DeepSpeed checkpoint, which dsrun does not read: write its "
+               "weights as a state dict with DeepSpeed's own zero_to_fp32.py (saved next to "
+               "it) and load that with model.load_state_dict() before dsrun.initialize() or "
+               "engine.load_module_state_dict() after")
     elif os.path.isdir(path):
         why = f"{path} has no {MANIFEST}: it is not a dsrun checkpoint"
     else:

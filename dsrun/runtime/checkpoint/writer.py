@@ -13,7 +13,8 @@ through :mod:`.engine_io`; a pipeline engine with its own sources)::
                   engine_state.pt - all into SAVE_DIR/TAG.tmp/
     4. commit     once every rank has finished, rank 0 merges the records
                   into manifest.json (fsynced), renames TAG.tmp/ to TAG/,
-                  then writes ``latest`` (temp file + rename)
+                  then writes ``latest`` (temp file + rename) and, as
+                  DeepSpeed copies its script there, SAVE_DIR/zero_to_fp32.py
 
 A crash at any point leaves ``latest`` naming the previous tag, whose
 directory is untouched. Synchronous saves learn each other's outcome after
@@ -184,6 +185,42 @@ class RankWrite:
             log.warning("could not tell rank 0 that this rank's save failed", exc_info=True)
 
 
+RECOVERY_SCRIPT = "zero_to_fp32.py"
+_RECOVERY_TEXT = b'''#!/usr/bin/env python
+"""The checkpoints in this directory as a plain fp32 state dict (written by
+dsrun's save_checkpoint, where DeepSpeed copies its zero_to_fp32.py):
+
+    python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR [-t TAG] [--safe_serialization]
+        [--max_shard_size 5GB] [--exclude_frozen_parameters]
+
+It runs dsrun.utils.zero_to_fp32 (dsrun must be importable).
+"""
+import sys
+
+from dsrun.utils.zero_to_fp32 import main
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''
+
+
+def write_recovery_script(save_dir: str) -> None:
+    """``SAVE_DIR/zero_to_fp32.py`` (the commit's last step, rank 0), left
+    alone when it is already this text; a failure to write it is logged,
+    the checkpoint stands."""
+    path = os.path.join(save_dir, RECOVERY_SCRIPT)
+    try:
+        with open(path, "rb") as f:
+            if f.read() == _RECOVERY_TEXT:
+                return
+    except OSError:
+        pass
+    try:
+        atomic_write(path, _RECOVERY_TEXT, durable=False)
+    except OSError as exc:
+        log.warning("could not write %s: %s (the checkpoint is complete)", path, exc)
+
+
 @dataclass(frozen=True)
 class Commit:
     """Step 4, run by rank 0 once every rank's record exists."""
@@ -223,6 +260,7 @@ class Commit:
         if self.save_latest:
             atomic_write(os.path.join(self.save_dir, LATEST), self.tag.encode(),
                          durable=self.durable)
+        write_recovery_script(self.save_dir)
 
     def wait_for_records(self, timeout_s: float, others_only: bool = False) -> None:
         """Asynchronous saves: wait until every rank's record (or error) is
