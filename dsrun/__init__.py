@@ -31,6 +31,7 @@ _LAZY = {
     "get_accelerator": "dsrun.accelerator:get_accelerator",
     "log_dist": "dsrun.utils:log_dist",
     "logger": "dsrun.utils:logger",
+    "OnDevice": "dsrun.utils.init_on_device:OnDevice",
 }
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500  # DeepSpeed's (and torch's) default master port
 

@@ -21,6 +21,13 @@ import torch.distributed as dist
 from dsrun.runtime.config import OPTIMIZER_NAMES, DsrunConfig
 from dsrun.runtime.precision import torch_dtype
 
+# DeepSpeed's wall-clock timer names -> dsrun's breakdown parts
+# (dsrun.runtime.monitor.events.DEEPSPEED_PARTS). DeepSpeed's per-micro-step
+# timers ("fwd_microstep", ...) have no dsrun counterpart: dsrun times
+# each phase per optimizer step, over all its micro-steps.
+WALL_CLOCK_TIMERS = {"fwd": "forward", "bwd": "backward", "bwd_inner": "backward_inner",
+                     "bwd_allreduce": "backward_allreduce", "step": "step"}
+
 
 class EngineInfo:
     """DeepSpeed's engine accessors (module docstring)."""
@@ -28,6 +35,7 @@ class EngineInfo:
     config: DsrunConfig
     optimizer: Any
     precision: Any
+    monitor: Any
     zero_stage: int
     dp_group: Any
     mpu: Any
@@ -247,6 +255,20 @@ class EngineInfo:
 
     def wall_clock_breakdown(self) -> bool:
         return self.config.wall_clock_breakdown
+
+    def get_wall_clock_timers(self) -> dict[str, float]:
+        """With ``wall_clock_breakdown``: DeepSpeed's timer names (``fwd``,
+        ``bwd``, ``bwd_inner``, ``bwd_allreduce``, ``step``) to the
+        milliseconds each phase took in the last optimizer step, summed
+        over its micro-steps; empty before the first step and without
+        ``wall_clock_breakdown`` (DeepSpeed's)."""
+        if not self.config.wall_clock_breakdown:
+            return {}
+        last = self.monitor.timers.last_step_ms()
+        return {name: last[part] for name, part in WALL_CLOCK_TIMERS.items() if part in last}
+
+    def memory_breakdown(self) -> bool:
+        return self.config.memory_breakdown
 
     def dataloader_drop_last(self) -> bool:
         return self.config.dataloader_drop_last

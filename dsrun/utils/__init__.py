@@ -1,6 +1,10 @@
 """``dsrun.utils``: what DeepSpeed scripts use as ``deepspeed.utils``.
 
-* :mod:`.logging` - ``logger`` (dsrun's runtime logger) and ``log_dist``;
+* :mod:`.logging` - ``logger`` (dsrun's runtime logger) and ``log_dist``
+  (and in the module: ``print_json_dist``, ``LoggerFactory``,
+  ``set_log_level_from_string``, ``get_current_level``, ``should_log_le``);
+* :mod:`.init_on_device` - ``OnDevice`` (build modules on a device, in a dtype);
+* :mod:`.nvtx` - ``instrument_w_nvtx`` (an NVTX range per call on CUDA);
 * :mod:`.zero_to_fp32` - ``get_fp32_state_dict_from_zero_checkpoint``,
   ``convert_zero_checkpoint_to_fp32_state_dict``,
   ``load_state_dict_from_zero_checkpoint`` and
@@ -39,7 +43,9 @@ _LAZY.update({name: "dsrun.utils.z3_leaf_module" for name in (
     "z3_leaf_parameter", "set_z3_leaf_module", "set_z3_leaf_modules_by_name",
     "set_z3_leaf_modules_by_suffix")})
 _LAZY["RepeatingLoader"] = "dsrun.runtime.dataloader"
-_SUBMODULES = ("logging", "tensor_fragment", "zero_to_fp32")
+_LAZY["OnDevice"] = "dsrun.utils.init_on_device"
+_LAZY["instrument_w_nvtx"] = "dsrun.utils.nvtx"
+_SUBMODULES = ("logging", "tensor_fragment", "zero_to_fp32", "init_on_device", "nvtx")
 
 __all__ = ["get_dist_msg", "log_dist", "logger", *_LAZY]
 

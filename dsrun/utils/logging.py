@@ -19,17 +19,25 @@ does not import torch.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
 from collections.abc import Iterable
-from typing import Optional
+from typing import Any, Optional
 
 from dsrun.runtime.progress import LOGGER_NAME, ensure_visible
 
 logger = logging.getLogger(LOGGER_NAME)
 ensure_visible()
 
-__all__ = ["get_dist_msg", "log_dist", "logger"]
+__all__ = ["LoggerFactory", "get_current_level", "get_dist_msg", "get_log_level_from_string",
+           "log_dist", "log_levels", "logger", "print_json_dist", "set_log_level_from_string",
+           "should_log_le"]
+
+log_levels = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+              "error": logging.ERROR, "critical": logging.CRITICAL}
+_FACTORY_MARK = "_dsrun_logger_factory"
 
 
 def _rank() -> Optional[int]:
@@ -41,14 +49,21 @@ def _rank() -> Optional[int]:
     return dist.get_rank()
 
 
-def get_dist_msg(message: str, ranks: Optional[Iterable[int]] = None) -> Optional[str]:
-    """``message`` with its rank prefix when this rank should log it (module
+def _logging_rank(ranks: Optional[Iterable[int]]) -> Optional[int]:
+    """The rank to name when this rank should log for ``ranks`` (module
     docstring), else None."""
     rank = _rank()
     wanted = list(ranks or ())
     if rank is not None and -1 not in wanted and rank not in wanted:
         return None
-    return f"[Rank {0 if rank is None else rank}] {message}"
+    return 0 if rank is None else rank
+
+
+def get_dist_msg(message: str, ranks: Optional[Iterable[int]] = None) -> Optional[str]:
+    """``message`` with its rank prefix when this rank should log it (module
+    docstring), else None."""
+    rank = _logging_rank(ranks)
+    return None if rank is None else f"[Rank {rank}] {message}"
 
 
 def log_dist(message: str, ranks: Optional[Iterable[int]] = None,
@@ -57,3 +72,76 @@ def log_dist(message: str, ranks: Optional[Iterable[int]] = None,
     text = get_dist_msg(message, ranks)
     if text is not None:
         logger.log(level, text)
+
+
+def print_json_dist(message: dict[str, Any], ranks: Optional[Iterable[int]] = None,
+                    path: Optional[str] = None) -> None:
+    """On the ranks :func:`log_dist` would log on: set ``message["rank"]`` and
+    write ``message`` as JSON to ``path`` (synced to disk)."""
+    rank = _logging_rank(ranks)
+    if rank is None:
+        return
+    if path is None:
+        raise ValueError("print_json_dist needs path= (the JSON file to write)")
+    message["rank"] = rank
+    with open(path, "w", encoding="utf-8") as out:
+        json.dump(message, out)
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def get_log_level_from_string(log_level_str: str) -> int:
+    """``"info"`` -> ``logging.INFO`` (any case); ValueError naming the valid ones."""
+    level = log_levels.get(log_level_str.lower())
+    if level is None:
+        raise ValueError(f"log level {log_level_str!r} is not one of {sorted(log_levels)}")
+    return level
+
+
+def set_log_level_from_string(log_level_str: str,
+                              custom_logger: Optional[logging.Logger] = None) -> None:
+    """Set ``custom_logger`` (default: dsrun's :data:`logger`) and its handlers
+    to the named level."""
+    level = get_log_level_from_string(log_level_str)
+    target = logger if custom_logger is None else custom_logger
+    target.setLevel(level)
+    for handler in target.handlers:
+        handler.setLevel(level)
+
+
+def get_current_level() -> int:
+    """The effective level of dsrun's :data:`logger`."""
+    return logger.getEffectiveLevel()
+
+
+def should_log_le(max_log_level_str: str) -> bool:
+    """True when dsrun's logger logs at ``max_log_level_str`` or below
+    (``should_log_le("info")``: the level is INFO or DEBUG)."""
+    if not isinstance(max_log_level_str, str):
+        raise ValueError(f"should_log_le wants a level name, got {max_log_level_str!r}")
+    return get_current_level() <= get_log_level_from_string(max_log_level_str)
+
+
+class LoggerFactory:
+    """DeepSpeed's logger factory (module docstring)."""
+
+    @staticmethod
+    def create_logger(name: Optional[str] = None, level: int = logging.WARNING
+                      ) -> logging.Logger:
+        """The logger ``name`` at ``level``, not propagating, with one stdout
+        handler formatted ``[time] [LEVEL] [file:line:function] message``."""
+        if name is None:
+            raise ValueError("LoggerFactory.create_logger needs a name")
+        made = logging.getLogger(name)
+        made.setLevel(level)
+        made.propagate = False
+        ours = [h for h in made.handlers if getattr(h, _FACTORY_MARK, False)]
+        handler = ours[0] if ours else logging.StreamHandler(stream=sys.stdout)
+        handler.setLevel(level)
+        if not ours:
+            handler.setFormatter(logging.Formatter(
+                "[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] "
+                "%(message)s"))
+            setattr(handler, _FACTORY_MARK, True)
+            made.addHandler(handler)
+        return made

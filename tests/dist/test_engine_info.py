@@ -162,3 +162,62 @@ def test_the_grad_norm_is_reported_where_deepspeed_reports_it(solo: None, stage:
         norms.append(engine.get_global_grad_norm())
     assert norms[0] is not None and norms[0] > 0
     assert norms[0] == pytest.approx(norms[1], rel=1e-6)
+
+
+def _train(engine: dsrun.DsrunEngine, steps: int) -> None:
+    for _ in range(steps):
+        for _ in range(engine.gradient_accumulation_steps()):
+            loss = engine(torch.randn(2, 4)).float().pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+
+
+def test_memory_breakdown_is_the_config_flag(solo: None) -> None:
+    assert not build({"train_batch_size": 2}).memory_breakdown()
+    assert build({"train_batch_size": 2, "memory_breakdown": True}).memory_breakdown()
+
+
+def test_wall_clock_timers_empty_without_the_breakdown(solo: None) -> None:
+    engine = build({"train_batch_size": 2, "optimizer": {"type": "sgd", "params": {"lr": 0.1}}})
+    _train(engine, 2)
+    assert engine.get_wall_clock_timers() == {}  # DeepSpeed's: never filled then
+
+
+@pytest.mark.xfail(strict=True, reason="needs StepTimers.last_step_ms() in "
+                   "dsrun/runtime/monitor/timers.py (the last optimizer step's parts, ms)")
+def test_wall_clock_timers_hold_the_last_step(solo: None) -> None:
+    engine = build({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                    "wall_clock_breakdown": True, "steps_per_print": 100,
+                    "optimizer": {"type": "sgd", "params": {"lr": 0.1}}})
+    assert engine.get_wall_clock_timers() == {}  # before the first step, as DeepSpeed
+    _train(engine, 2)
+    timers = engine.get_wall_clock_timers()
+    assert set(timers) == {"fwd", "bwd", "bwd_inner", "bwd_allreduce", "step"}
+    assert all(v >= 0 for v in timers.values()) and timers["fwd"] > 0
+    assert timers["bwd"] == pytest.approx(timers["bwd_inner"] + timers["bwd_allreduce"])
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_zero_optimizer_scale_is_one_without_fp16(solo: None, stage: int,
+                                                   precision: str) -> None:
+    config: dict = {"train_batch_size": 2, "zero_optimization": {"stage": stage},
+                    "optimizer": {"type": "adam", "params": {"lr": 0.01}}}
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    engine = build(config)
+    _train(engine, 1)
+    # DeepSpeed's ZeRO optimizers: 1.0 without loss scaling, under both names
+    assert engine.optimizer.cur_scale == 1.0 and engine.optimizer.loss_scale == 1.0
+
+
+@pytest.mark.xfail(strict=True, reason="engine.py's _make_zero_optimizer must pass "
+                   "loss_scaler=self.precision.scaler to wrap_optimizer")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_optimizer_scale_is_the_fp16_scale(solo: None, stage: int) -> None:
+    engine = build({"train_batch_size": 2, "zero_optimization": {"stage": stage},
+                    "fp16": {"enabled": True, "initial_scale_power": 8},
+                    "optimizer": {"type": "adam", "params": {"lr": 0.01}}})
+    assert engine.optimizer.cur_scale == 256.0  # before any step too
+    engine.precision.scaler.scale = 2.0**5  # the scaler the steps update
+    assert engine.optimizer.cur_scale == engine.optimizer.loss_scale == 32.0

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from dsrun import comm as collectives
+from dsrun.runtime.loss_scaler import LossScaler
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 HOST_PIECE = 1 << 20  # elements per piece for non-fused steps in host memory (4 MiB fp32)
@@ -143,9 +144,20 @@ class MasterGradients:
     group: Any
     world_size: int
     comm_device: torch.device
+    #: the engine's fp16 loss scaler (:func:`~.stepping.wrap_optimizer`);
+    #: None: no loss scaling
+    loss_scaler: Optional[LossScaler] = None
 
     def reduce_gradients(self) -> None:  # pragma: no cover - every subclass defines it
         raise NotImplementedError
+
+    @property
+    def cur_scale(self) -> float:
+        """DeepSpeed's ZeRO attribute: the current loss scale (fp16: the
+        dynamic or static scale; 1.0 without loss scaling)."""
+        return 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
+
+    loss_scale = cur_scale  # DeepSpeed's other name for it
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

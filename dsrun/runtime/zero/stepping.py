@@ -4,7 +4,8 @@
   optimizer as a :class:`~.sharded.ZeroOptimizer` (stages 1-2) or
   :class:`~.stage3.ZeroStage3` over this rank's partitions, with the
   config's ``zero_optimization`` knobs and gradient buckets in backward
-  order (the reverse of ``module.parameters()``).
+  order (the reverse of ``module.parameters()``), and links the
+  precision's loss scaler (fp16) for DeepSpeed's ``cur_scale``.
 * :func:`zero_step` is the boundary step: reduce (stage 1), unscale and
   agree on overflow across ranks (fp16), clip by the global norm computed
   from all partitions, step, all-gather the updated partitions.
@@ -23,6 +24,7 @@ from typing import Any, Optional, Union
 import torch
 
 from dsrun.errors import DsrunConfigError
+from dsrun.runtime.loss_scaler import LossScaler
 from dsrun.runtime.precision import FullPrecision, StepResult
 from dsrun.runtime.zero.comm import CommStrategy, strategy_for
 from dsrun.runtime.zero.memory import model_state_bytes, paper_model_state_bytes
@@ -46,8 +48,19 @@ DEFAULT_PREFETCH = 12_500_000  # elements: 50 MB of fp32
 
 def wrap_optimizer(optimizer: torch.optim.Optimizer, zero_config: Any, stage: int,
                    group: Any, module: torch.nn.Module, accumulation: int = 1,
-                   device: Optional[torch.device] = None) -> Union[ZeroOptimizer, ZeroStage3]:
-    """``accumulation`` 1: stage 1 also reduces during backward (overlapped)."""
+                   device: Optional[torch.device] = None,
+                   loss_scaler: Optional[LossScaler] = None) -> Union[ZeroOptimizer, ZeroStage3]:
+    """``accumulation`` 1: stage 1 also reduces during backward (overlapped).
+    ``loss_scaler``: the precision's (fp16), which the optimizer's
+    ``cur_scale`` / ``loss_scale`` report."""
+    wrapped = _wrap(optimizer, zero_config, stage, group, module, accumulation, device)
+    wrapped.loss_scaler = loss_scaler
+    return wrapped
+
+
+def _wrap(optimizer: torch.optim.Optimizer, zero_config: Any, stage: int, group: Any,
+          module: torch.nn.Module, accumulation: int, device: Optional[torch.device]
+          ) -> Union[ZeroOptimizer, ZeroStage3]:
     overrides = {}
     if zero_config.reduce_bucket_size == DEEPSPEED_DEFAULT_BUCKET:
         # DeepSpeed's default makes one bucket of the whole model: no overlap
