@@ -39,15 +39,21 @@ __all__ = [
     "P2POp", "ReduceOp", "all_gather", "all_gather_coalesced", "all_gather_into_tensor",
     "all_gather_object", "all_reduce", "all_reduce_coalesced", "all_to_all",
     "all_to_all_single", "allgather_fn", "barrier", "batch_isend_irecv", "broadcast",
-    "broadcast_object_list", "configure", "destroy_process_group", "gather",
+    "broadcast_object_list", "comms_logger", "configure", "destroy_process_group", "gather",
     "get_all_ranks_from_group", "get_comm_operation_count", "get_global_rank",
-    "get_local_rank", "get_logged_comm_ops", "get_rank", "get_world_group", "get_world_size",
+    "get_local_rank", "get_local_rank_from_launcher", "get_logged_comm_ops", "get_rank",
+    "get_world_group", "get_world_rank_from_launcher", "get_world_size",
+    "get_world_size_from_launcher",
     "has_all_gather_into_tensor", "has_all_reduce_coalesced", "has_coalescing_manager",
     "has_comm_data", "has_reduce_scatter_tensor", "inference_all_reduce", "init_distributed",
     "irecv", "is_available", "is_initialized", "isend", "log_summary", "monitored_barrier",
     "new_group", "recv", "reduce", "reduce_scatter", "reduce_scatter_fn",
     "reduce_scatter_tensor", "reset_log", "scatter", "send",
 ]
+
+#: DeepSpeed's module-level logger object (``deepspeed.comm.comms_logger``):
+#: ``.enabled``, ``.comms_dict`` (its records in DeepSpeed's layout), ...
+comms_logger = LOGGER
 
 # torch 2.13's non-deprecated names of the tensor-form collectives
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -199,7 +205,7 @@ def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None,
                async_op: bool = False, prof: bool = False, log_name: str = "all_gather",
                debug: Any = None) -> Any:
-    return _call("all_gather", log_name, prof, group, lambda: _list_bytes(tensor_list), tensor,
+    return _call("all_gather", log_name, prof, group, lambda: _nbytes(tensor), tensor,
                  dist.all_gather, tensor_list, tensor, group=group, async_op=async_op)
 
 
@@ -207,7 +213,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor,
                            group: Any = None, async_op: bool = False, prof: bool = False,
                            log_name: str = "all_gather_into_tensor", debug: Any = None) -> Any:
     return _call("all_gather_into_tensor", log_name, prof, group,
-                 lambda: _nbytes(output_tensor), tensor, _all_gather_single, output_tensor,
+                 lambda: _nbytes(tensor), tensor, _all_gather_single, output_tensor,
                  tensor, group=group, async_op=async_op)
 
 
@@ -233,7 +239,7 @@ def all_gather_coalesced(output_tensors: Sequence[torch.Tensor],
         _wait(works)
         return None
     return _call("all_gather_coalesced", log_name, prof, group,
-                 lambda: _list_bytes([out for out, _ in pairs]),
+                 lambda: _list_bytes([inp for _, inp in pairs]),
                  pairs[0][1] if pairs else None, run)
 
 
@@ -418,6 +424,30 @@ def get_local_rank() -> int:
     return DistEnv.detect().local_rank
 
 
+def _launcher_env() -> Any:
+    from dsrun.runtime.env import DistEnv
+    from dsrun.runtime.rendezvous import mpi_comm
+
+    return DistEnv.detect(mpi_size=lambda: int(mpi_comm().Get_size()))
+
+
+def get_world_rank_from_launcher() -> int:
+    """This process's global rank as the launcher set it (dsrun's or
+    torchrun's ``RANK``, MPI's, Slurm's; 0 for a single process), with or
+    without a process group."""
+    return _launcher_env().rank
+
+
+def get_world_size_from_launcher() -> int:
+    """The job's world size as the launcher set it (1 for a single process)."""
+    return _launcher_env().world_size
+
+
+def get_local_rank_from_launcher() -> int:
+    """This process's rank on its host as the launcher set it."""
+    return _launcher_env().local_rank
+
+
 def get_global_rank(group: Any = None, group_rank: int = 0) -> int:
     return dist.get_global_rank(group, group_rank) if group is not None else group_rank
 
@@ -514,13 +544,12 @@ def reset_log() -> None:
 
 
 def has_comm_data() -> bool:
-    return bool(LOGGER.records)
+    return LOGGER.has_data()
 
 
 def get_comm_operation_count() -> int:
     """Profiled operations logged so far (all names and sizes)."""
-    return sum(len(rec.latencies) for by_size in LOGGER.records.values()
-               for rec in by_size.values())
+    return LOGGER.get_total_operations()
 
 
 def get_logged_comm_ops() -> list[str]:

@@ -9,9 +9,13 @@ arguments/output to ``(flops, macs)``, reading only shapes.
 
 The rules (documented in the README's flops-profiler section):
 
-* matrix products (``mm``, ``bmm``, ``addmm``, ``baddbmm``, ``mv``, ``dot``...):
-  one MAC per multiply-add, 2 flops per MAC, plus one flop per element of an
-  added ``input`` term;
+* matrix products (``mm``, ``bmm``, ``addmm``, ``baddbmm``, ``mv``, ``dot``,
+  ``addr``..., also their ``out=`` and in-place forms): one MAC per
+  multiply-add, 2 flops per MAC, plus one flop per element of an added
+  ``input`` term (and of ``_addmm_activation``'s activation);
+* ``_trilinear`` (``nn.Bilinear``, ``F.bilinear``, and their backward): one
+  MAC per point of the three inputs' broadcast product (batch x out x in1 x
+  in2 for a bilinear layer), 2 flops per MAC;
 * convolutions: output elements x input channels per group x kernel size
   MACs (transposed: input elements x output channels per group x kernel);
   their backward: one forward's MACs per gradient asked for;
@@ -40,7 +44,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["op_cost", "matmul_macs", "conv_macs", "attention_macs"]
+__all__ = ["op_cost", "matmul_macs", "conv_macs", "attention_macs", "trilinear_macs"]
 
 Cost = tuple[int, int]  # (flops, macs)
 _NONE: Cost = (0, 0)
@@ -111,6 +115,39 @@ def _product(a_index: int, b_index: int, adds_input: bool = False
                 flops += out.numel()
         return flops, macs
     return rule
+
+
+def _addmm_activation(args: tuple, kwargs: dict, out: Any) -> Cost:
+    """``act(beta * input + mat1 @ mat2)`` (addmm fused with ReLU or GELU)."""
+    flops, macs = _product(1, 2, adds_input=True)(args, kwargs, out)
+    return flops + (out.numel() if isinstance(out, torch.Tensor) else 0), macs
+
+
+def _outer_product(args: tuple, kwargs: dict, out: Any) -> Cost:
+    """``addr``: ``beta * input + vec1 (x) vec2``, a matrix product with k = 1."""
+    macs = int(args[1].numel()) * int(args[2].numel())
+    beta = kwargs.get("beta", 1)
+    return 2 * macs + (macs if beta != 0 else 0), macs
+
+
+def trilinear_macs(shapes: Sequence[Sequence[int]], expands: Sequence[Sequence[int]]) -> int:
+    """MACs of ``aten._trilinear``: each input gets size-1 dimensions at its
+    ``expand`` positions, the three are multiplied with broadcasting and the
+    product is summed over some dimensions - one MAC per point of the
+    broadcast product."""
+    full = []
+    for shape, expand in zip(shapes, expands):
+        dims = list(shape)
+        for position in sorted(expand):
+            dims.insert(position, 1)
+        full.append(tuple(dims))
+    return _numel(torch.broadcast_shapes(*full))
+
+
+def _trilinear(args: tuple, kwargs: dict, out: Any) -> Cost:
+    # _trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim)
+    macs = trilinear_macs([a.shape for a in args[:3]], args[3:6])
+    return 2 * macs, macs
 
 
 def _dot(args: tuple, kwargs: dict, out: Any) -> Cost:
@@ -252,15 +289,6 @@ def _encoder_layer(args: tuple, kwargs: dict, out: Any) -> Cost:
 
 
 _RULES: dict[Any, Callable[[tuple, dict, Any], Cost]] = {
-    aten.mm.default: _product(0, 1),
-    aten.bmm.default: _product(0, 1),
-    aten.mv.default: _product(0, 1),
-    aten.addmm.default: _product(1, 2, adds_input=True),
-    aten.baddbmm.default: _product(1, 2, adds_input=True),
-    aten.addbmm.default: _product(1, 2, adds_input=True),
-    aten.addmv.default: _product(1, 2, adds_input=True),
-    aten.dot.default: _dot,
-    aten.vdot.default: _dot,
     aten.convolution.default: _convolution,
     aten._convolution.default: _convolution,
     aten.convolution_backward.default: _convolution_backward,
@@ -286,6 +314,18 @@ def _optional(name: str, rule: Callable[[tuple, dict, Any], Cost]) -> None:
             _RULES[getattr(packet, overload)] = rule
 
 
+# Every overload (``.default``, ``.out``) and the in-place forms: the
+# operands sit at the same positions in all of them.
+for _name in ("mm", "bmm", "mv"):
+    _optional(_name, _product(0, 1))
+for _name in ("addmm", "addmm_", "baddbmm", "baddbmm_", "addbmm", "addbmm_", "addmv", "addmv_"):
+    _optional(_name, _product(1, 2, adds_input=True))
+for _name in ("dot", "vdot"):
+    _optional(_name, _dot)
+for _name in ("addr", "addr_"):
+    _optional(_name, _outer_product)
+_optional("_addmm_activation", _addmm_activation)
+_optional("_trilinear", _trilinear)
 for _name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
               "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
               "_flash_attention_forward", "_efficient_attention_forward"):

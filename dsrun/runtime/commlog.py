@@ -15,15 +15,18 @@ it would have overlapped - DeepSpeed does the same, and training runs slower
 while everything is profiled. ``verbose`` prints one line per operation;
 ``debug`` appends the calling function's name to the log name.
 
-**Sizes and bandwidths** (nccl-tests' definitions): the message size is
-the bytes of the whole result for gathers and of the whole input for
-reductions (a reduce-scatter's input, an all-reduce's tensor), one tensor
-for broadcast, reduce, gather, scatter and point-to-point, and the sum of
-the lists for the list forms. ``algbw = size / latency``; ``busbw`` corrects it for the bytes
-each rank actually moves: ``algbw * 2(n-1)/n`` for all-reduce,
-``algbw * (n-1)/n`` for all-gather, reduce-scatter and all-to-all,
-``algbw`` for the rest (``n``: the group's size). Reported in Gbit/s, as
-DeepSpeed does. Object collectives (``all_gather_object``,
+**Sizes and bandwidths.** The message size an operation is filed under
+is DeepSpeed's: the bytes of its input tensor - one rank's contribution for
+the all-gathers, the whole input for reductions (a reduce-scatter's input,
+an all-reduce's tensor), one tensor for broadcast, reduce, gather, scatter
+and point-to-point - and the sum of the input lists for the list forms.
+Bandwidths follow nccl-tests: ``algbw = data / latency``, where ``data``
+is the message size, except for the all-gathers, whose data is the whole
+gathered result (size x ``n``, as DeepSpeed multiplies it);
+``busbw`` corrects it for the bytes each rank actually moves:
+``algbw * 2(n-1)/n`` for all-reduce, ``algbw * (n-1)/n`` for all-gather,
+reduce-scatter and all-to-all, ``algbw`` for the rest (``n``: the group's
+size). Reported in Gbit/s, as DeepSpeed does. Object collectives (``all_gather_object``,
 ``broadcast_object_list``) and barriers are counted and timed with size 0.
 
 :class:`CommsLogger` holds the records and does the arithmetic (no
@@ -43,6 +46,8 @@ from typing import Any, Optional
 log = logging.getLogger("dsrun.runtime.comm")
 
 ALL_REDUCE_OPS = frozenset({"all_reduce", "inference_all_reduce", "all_reduce_coalesced"})
+# Filed under one rank's input; their bandwidth counts the gathered result.
+GATHER_OPS = frozenset({"all_gather", "all_gather_into_tensor", "all_gather_coalesced"})
 SCATTER_GATHER_OPS = frozenset({
     "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
     "all_to_all", "all_to_all_single", "all_gather_coalesced"})
@@ -63,6 +68,18 @@ def bus_factor(op: str, world_size: int) -> float:
     if op in SCATTER_GATHER_OPS:
         return (n - 1) / n
     return 1.0
+
+
+def data_bytes(op: str, size: int, world_size: int) -> int:
+    """The bytes ``algbw`` counts for an ``op`` filed under ``size`` (module
+    docstring): the gathered result for all-gathers, else ``size``."""
+    return size * max(world_size, 1) if op in GATHER_OPS else size
+
+
+def bandwidths(op: str, size: int, world_size: int, seconds: float) -> tuple[float, float]:
+    """(algbw, busbw) in Gbit/s of one ``op`` of message size ``size``."""
+    algbw = gbps(data_bytes(op, size, world_size), seconds)
+    return algbw, algbw * bus_factor(op, world_size)
 
 
 def gbps(size_bytes: int, seconds: float) -> float:
@@ -93,10 +110,10 @@ class OpRecord:
         total = sum(self.latencies)
         count = len(self.latencies)
         average = total / count if count else 0.0
-        algbw = gbps(self.size, average)
+        algbw, busbw = bandwidths(self.op, self.size, self.world_size, average)
         return {"count": count, "total_latency_ms": total * 1e3,
                 "avg_latency_ms": average * 1e3, "tput_avg_gbps": algbw,
-                "busbw_avg_gbps": algbw * bus_factor(self.op, self.world_size),
+                "busbw_avg_gbps": busbw,
                 "msg_size_bytes": self.size, "msg_size_str": size_str(self.size)}
 
 
@@ -152,13 +169,58 @@ class CommsLogger:
         if self.verbose and _is_first_rank():
             from dsrun.runtime.progress import ensure_visible
             ensure_visible()
-            algbw = gbps(size, seconds)
+            algbw, busbw = bandwidths(op, size, world_size, seconds)
             log.info("comm op: %s | time (ms): %.2f | msg size: %s | algbw (Gbps): %.2f | "
                      "busbw (Gbps): %.2f", log_name, seconds * 1e3, size_str(size), algbw,
-                     algbw * bus_factor(op, world_size))
+                     busbw)
 
     def reset(self) -> None:
         self.records = {}
+
+    # DeepSpeed's CommsLogger API (``deepspeed.comm.comms_logger``)
+
+    @property
+    def comms_dict(self) -> dict[str, dict[int, list[Any]]]:
+        """The records in DeepSpeed's layout, a snapshot: log name -> message
+        size -> ``[count, [latency ms], [algbw Gbps], [busbw Gbps]]``, one
+        entry per call in the lists."""
+        out: dict[str, dict[int, list[Any]]] = {}
+        for name, by_size in self.records.items():
+            for size, rec in by_size.items():
+                bws = [bandwidths(rec.op, size, rec.world_size, s) for s in rec.latencies]
+                out.setdefault(name, {})[size] = [
+                    len(rec.latencies), [s * 1e3 for s in rec.latencies],
+                    [a for a, _ in bws], [b for _, b in bws]]
+        return out
+
+    def get_raw_data(self) -> dict[str, dict[int, list[Any]]]:
+        return self.comms_dict
+
+    def has_data(self) -> bool:
+        return bool(self.records)
+
+    def reset_data(self) -> None:
+        self.reset()
+
+    def get_operation_names(self) -> list[str]:
+        return list(self.records)
+
+    def get_total_operations(self) -> int:
+        return sum(len(rec.latencies) for by_size in self.records.values()
+                   for rec in by_size.values())
+
+    def start_profiling_comms(self) -> None:
+        self.prof_all = True
+
+    def stop_profiling_comms(self) -> None:
+        self.prof_all = False
+
+    def start_profiling_op(self, op_name_list: Iterable[str]) -> None:
+        self.prof_ops = sorted(set(self.prof_ops) | set(op_name_list))
+
+    def stop_profiling_op(self, op_name_list: Iterable[str]) -> None:
+        drop = set(op_name_list)
+        self.prof_ops = [op for op in self.prof_ops if op not in drop]
 
     def summary(self) -> dict[str, dict[int, dict[str, Any]]]:
         """log name -> message size -> :meth:`OpRecord.as_dict`."""

@@ -163,6 +163,42 @@ def test_before_a_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (comm.get_rank(), comm.get_world_size()) == (2, 4)
 
 
+def test_rank_and_size_from_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed's ``get_*_from_launcher``: what the launcher's environment
+    says (dsrun's/torchrun's variables, else MPI's), without a group."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "5")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "8")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")
+    assert comm.get_world_rank_from_launcher() == 5
+    assert comm.get_world_size_from_launcher() == 8
+    assert comm.get_local_rank_from_launcher() == 1
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert (comm.get_world_rank_from_launcher(), comm.get_world_size_from_launcher()) == (2, 3)
+
+
+def test_the_module_level_comms_logger(solo: None, logger: None) -> None:
+    """``deepspeed.comm.comms_logger``: the logger itself, its records in
+    DeepSpeed's ``comms_dict`` layout."""
+    from deepspeed.comm import comms_logger  # the alias finder
+
+    assert comms_logger is LOGGER and comms_logger.enabled
+    comm.all_reduce(torch.ones(4))
+    count, latencies_ms, algbws, busbws = comms_logger.comms_dict["all_reduce"][16]
+    assert count == 1 and len(latencies_ms) == len(algbws) == len(busbws) == 1
+    assert latencies_ms[0] == pytest.approx(LOGGER.summary()["all_reduce"][16]
+                                            ["total_latency_ms"])
+    from deepspeed.utils.comms_logging import CommsLogger, calc_bw_log
+
+    assert isinstance(comms_logger, CommsLogger)
+    assert calc_bw_log("all_reduce", 16, latencies_ms[0]) == pytest.approx(
+        (algbws[0], busbws[0]))
+
+
 def test_deepspeed_spelling() -> None:
     import dsrun as deepspeed
 

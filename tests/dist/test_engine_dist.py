@@ -189,6 +189,20 @@ def test_point_to_point_exchange_with_the_comms_logger(two_ranks: list[dict[str,
         assert set(fact["logged"]) >= {"isend", "irecv", "batch_isend_irecv"}
 
 
+def test_comms_logger_files_gathers_under_one_ranks_input(two_ranks: list[dict[str, Any]]
+                                                           ) -> None:
+    """As DeepSpeed: all_gather, all_gather_into_tensor and allgather_fn of
+    1 KiB per rank are filed under 1024 bytes, not the 2 KiB gathered; the
+    algbw counts the 2 KiB result."""
+    for fact in case(two_ranks, "logged_gathers"):
+        assert fact["gathered"] == [0.0, 1.0]
+        assert set(fact["sizes"]) == {"all_gather", "all_gather_into_tensor", "allgather_fn"}
+        for name, by_size in fact["sizes"].items():
+            assert list(by_size) == ["1024"], name
+            algbw, latency_ms = by_size["1024"]
+            assert algbw == pytest.approx(2048 * 8 / (latency_ms / 1e3) / 1e9), name
+
+
 def test_dataloader_shards_the_dataset(two_ranks: list[dict[str, Any]]) -> None:
     for fact in case(two_ranks, "dataloader"):
         assert fact["sizes"] == [5] * 4 and fact["train_batch"] == 20

@@ -9,6 +9,7 @@ import pytest
 from dsrun.errors import DsrunConfigError
 from dsrun.runtime.commlog import (
     CommsLogger,
+    bandwidths,
     bus_factor,
     gbps,
     size_str,
@@ -61,6 +62,69 @@ def test_records_per_name_and_size() -> None:
                                ("params", 100): pytest.approx(0.001)}
     logger.reset()
     assert logger.summary() == {}
+
+
+def test_gathers_are_filed_per_rank_and_their_bandwidth_counts_the_result() -> None:
+    """DeepSpeed files an all-gather under one rank's input; algbw counts
+    the gathered result (size x n), busbw (n-1)/n of that."""
+    logger = CommsLogger()
+    logger.append("all_gather_into_tensor", "all_gather_into_tensor", 0.001, 1024, 4)
+    logger.append("reduce_scatter_tensor", "reduce_scatter_tensor", 0.001, 4096, 4)
+    summary = logger.summary()
+    gather = summary["all_gather_into_tensor"][1024]
+    assert gather["tput_avg_gbps"] == pytest.approx(gbps(4096, 0.001))
+    assert gather["busbw_avg_gbps"] == pytest.approx(gbps(4096, 0.001) * 0.75)
+    # the same bytes reduce-scattered: the same bandwidths
+    scatter = summary["reduce_scatter_tensor"][4096]
+    assert scatter["tput_avg_gbps"] == pytest.approx(gather["tput_avg_gbps"])
+    assert bandwidths("all_gather", 10, 1, 1.0) == (gbps(10, 1.0), 0.0)
+    assert bandwidths("broadcast", 10, 4, 1.0) == (gbps(10, 1.0), gbps(10, 1.0))
+
+
+def test_deepspeeds_comms_dict_and_logger_methods() -> None:
+    logger = CommsLogger()
+    logger.append("all_reduce", "all_reduce", 0.002, 4000, 2)
+    logger.append("all_reduce", "all_reduce", 0.004, 4000, 2)
+    logger.append("all_gather", "all_gather", 0.001, 100, 2)
+    raw = logger.comms_dict
+    count, lats, algbws, busbws = raw["all_reduce"][4000]
+    assert count == 2 and lats == pytest.approx([2.0, 4.0])  # ms, as DeepSpeed
+    assert algbws == pytest.approx([gbps(4000, 0.002), gbps(4000, 0.004)])
+    assert busbws == pytest.approx(algbws)  # 2(n-1)/n = 1 on 2 ranks
+    assert raw["all_gather"][100][2] == pytest.approx([gbps(200, 0.001)])
+    assert logger.get_raw_data() == raw and logger.has_data()
+    assert logger.get_operation_names() == ["all_reduce", "all_gather"]
+    assert logger.get_total_operations() == 3
+    logger.stop_profiling_comms()
+    logger.start_profiling_op(["broadcast", "all_reduce"])
+    logger.stop_profiling_op(["all_reduce"])
+    assert not logger.prof_all and logger.prof_ops == ["broadcast"]
+    logger.start_profiling_comms()
+    assert logger.prof_all
+    logger.reset_data()
+    assert logger.comms_dict == {} and not logger.has_data()
+
+
+def test_deepspeeds_comms_logging_helpers() -> None:
+    from dsrun.utils import comms_logging
+
+    assert comms_logging.CommsLogger is CommsLogger
+    assert comms_logging.convert_size(0) == "0B"
+    assert comms_logging.convert_size(1024) == "1.0 KB"
+    assert comms_logging.convert_size(1536 * 1024) == "1.5 MB"
+    assert comms_logging.convert_size(1000) == "1000.0 B"
+    # no process group: world size 1 - an all-gather moves nothing between ranks
+    assert comms_logging.calc_bw_log("all_gather", 1000, 2.0) == \
+        pytest.approx((gbps(1000, 0.002), 0.0))
+    assert comms_logging.calc_bw_log("broadcast", 1000, 2.0) == \
+        pytest.approx((gbps(1000, 0.002),) * 2)
+    with pytest.raises(ValueError, match="unknown communication operation"):
+        comms_logging.calc_bw_log("all_sideways", 1, 1.0)
+
+    def my_caller() -> str:
+        return comms_logging.get_caller_func(frame=1)
+
+    assert my_caller() == "my_caller"
 
 
 def test_what_is_profiled() -> None:

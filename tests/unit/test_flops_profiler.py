@@ -53,6 +53,39 @@ def test_matrix_products() -> None:
     assert counting.matmul_macs((5,), (5, 2)) == 10
 
 
+def test_out_and_in_place_matrix_products_and_fused_forms() -> None:
+    a, b = torch.ones(3, 5), torch.ones(5, 7)
+    assert cost(aten.mm.out, a, b, out=torch.empty(3, 7)) == (210, 105)
+    assert cost(aten.addmm_.default, torch.zeros(3, 7), a, b) == (210 + 21, 105)
+    x, y = torch.ones(2, 3, 5), torch.ones(2, 5, 7)
+    assert cost(aten.bmm.out, x, y, out=torch.empty(2, 3, 7)) == (420, 210)
+    assert cost(aten.baddbmm_.default, torch.zeros(2, 3, 7), x, y) == (420 + 42, 210)
+    assert cost(aten.addbmm_.default, torch.zeros(3, 7), x, y) == (420 + 21, 210)
+    assert cost(aten.addmv_.default, torch.zeros(3), a, torch.ones(5)) == (30 + 3, 15)
+    # an outer product added to a matrix: k = 1
+    assert cost(aten.addr.default, torch.zeros(3, 4), torch.ones(3), torch.ones(4)) == \
+        (2 * 12 + 12, 12)
+    # addmm fused with its activation: + one flop per output element
+    assert cost(aten._addmm_activation.default, torch.zeros(7), a, b) == (210 + 21 + 21, 105)
+
+
+def test_bilinear_counts_batch_out_in1_in2_macs() -> None:
+    batch, in1, in2, out = 2, 4, 5, 3
+    layer = nn.Bilinear(in1, in2, out)
+    x1, x2 = torch.randn(batch, in1), torch.randn(batch, in2)
+    macs = batch * out * in1 * in2  # the hand count: y[b,o] = sum_ij x1[b,i] W[o,i,j] x2[b,j]
+    flops, counted_macs, _ = get_model_profile(layer, args=[x1, x2], print_profile=False,
+                                               as_string=False)
+    assert counted_macs == macs
+    assert flops == 2 * macs + batch * out  # + the bias
+    assert counting.trilinear_macs([(2, 4), (3, 4, 5), (2, 5)], [(1, 3), (0,), (1, 2)]) == macs
+    out_sum = layer(x1, x2).sum()
+    prof = FlopsProfiler(layer)
+    with prof.counting("backward"):  # the weight's gradient: the same product space
+        out_sum.backward()
+    assert prof.backward_macs == macs
+
+
 @pytest.mark.parametrize(("conv", "x_shape"), [
     (nn.Conv2d(3, 8, 3, padding=1), (2, 3, 10, 10)),
     (nn.Conv2d(4, 8, 3, stride=2, groups=2, bias=False), (1, 4, 9, 9)),

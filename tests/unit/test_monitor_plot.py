@@ -74,7 +74,30 @@ def test_find_runs_descends_one_level_and_names_runs_uniquely(tmp_path: Path) ->
     (tmp_path / "out" / "tb").mkdir()  # tensorboard files only: not a CSV run
     fake_run(tmp_path / "other" / "a", steps=2)
     runs = find_runs([str(tmp_path / "out"), str(tmp_path / "other" / "a")])
-    assert [r.label for r in runs] == ["out/a", "out/b", "other/a"]
+    assert [r.label for r in runs] == ["out/a", "b", "other/a"]
+
+
+def test_labels_are_the_shortest_distinguishing_path_suffix(tmp_path: Path) -> None:
+    """``exp1/csv/job`` and ``exp2/csv/job`` (only output_path changed) were
+    both labelled ``csv/job``."""
+    runs = find_runs([str(fake_run(tmp_path / "exp1" / "csv" / "job", steps=2)),
+                      str(fake_run(tmp_path / "exp2" / "csv" / "job", steps=2)),
+                      str(fake_run(tmp_path / "solo", steps=2))])
+    assert [r.label for r in runs] == ["exp1/csv/job", "exp2/csv/job", "solo"]
+    same = str(tmp_path / "solo")
+    assert len({r.label for r in find_runs([same, same])}) == 1  # one run given twice
+
+
+def test_runs_in_steps_and_in_samples_share_the_samples_axis(tmp_path: Path) -> None:
+    from dsrun.runtime.monitor.runs import common_x
+
+    dsrun_run = read_run(str(fake_run(tmp_path / "dsrun", steps=3, batch=8)))
+    deepspeed_run = read_run(str(fake_run(tmp_path / "ds", steps=3, batch=8, info=False)))
+    assert common_x([dsrun_run]) == [dsrun_run]  # one unit: left alone
+    both = common_x([dsrun_run, deepspeed_run])
+    assert [r.x_label for r in both] == ["samples", "samples"]
+    assert both[0].get(ev.TRAIN_LOSS).x == both[1].get(ev.TRAIN_LOSS).x == (8.0, 16.0, 24.0)
+    assert both[0].get(ev.TRAIN_LOSS).values == dsrun_run.get(ev.TRAIN_LOSS).values
 
 
 def test_no_metrics_and_missing_directories_are_clear_errors(tmp_path: Path) -> None:

@@ -10,7 +10,8 @@ communication wait, the optimizer step and the monitor's own work - and
 for a pipeline also reading data, the receive waits, sends and the
 tied-gradient reduction - stacked, with the measured iteration time on top; with several runs, per
 run the timed total, the communication wait and the monitor's work).
-Several runs share each panel, one colour per run. matplotlib is an
+Several runs share each panel, one colour per run, against one x unit
+(samples as soon as one run has no batch size to count steps with). matplotlib is an
 optional extra (``pip install 'dsrun[plot]'``).
 """
 
@@ -24,7 +25,7 @@ from typing import Any, Callable, Optional
 
 from dsrun.errors import DsrunError, DsrunUsageError
 from dsrun.runtime.monitor import events as ev
-from dsrun.runtime.monitor.runs import Run, Series, stem
+from dsrun.runtime.monitor.runs import Run, Series, common_x, stem
 
 PANEL_WIDTH_IN, PANEL_HEIGHT_IN, DPI = 6.4, 3.4, 100
 OUTLIER_FACTOR = 4.0  # breakdown values above this many medians are drawn off scale
@@ -235,6 +236,7 @@ def plot_runs(runs: Sequence[Run], output: str, smooth_weight: float = 0.6) -> i
         raise DsrunUsageError(f"-o {output!r}: dsrun plot writes PNG files; end the name "
                               "with .png")
     smooth([], smooth_weight)  # validates the weight before any drawing
+    runs = common_x(runs)  # one x unit per axis: never steps and samples mixed
     panels = [p for p in PANELS if any(p.wanted(run) for run in runs)]
     if not panels:
         keys = sorted({k for run in runs for k in run.series})
@@ -247,12 +249,11 @@ def plot_runs(runs: Sequence[Run], output: str, smooth_weight: float = 0.6) -> i
     fig = Figure(figsize=(PANEL_WIDTH_IN * columns, PANEL_HEIGHT_IN * rows + 0.6), dpi=DPI,
                  layout="constrained")
     colors = [f"C{i % 10}" for i in range(len(runs))]
-    x_labels = sorted({run.x_label for run in runs})
     for index, panel in enumerate(panels):
         ax = fig.add_subplot(rows, columns, index + 1)
         note = panel.draw(ax, runs, colors, smooth_weight)
         ax.set_title(panel.title + (f"\n({note})" if note else ""))
-        ax.set_xlabel(" / ".join(x_labels))
+        ax.set_xlabel(runs[0].x_label)
         ax.grid(True, alpha=0.3)
         handles, _ = ax.get_legend_handles_labels()
         if handles:

@@ -8,7 +8,8 @@ directory without CSV files whose subdirectories hold them (an
 Steps: the engine's events carry ``global_samples``. When dsrun wrote the
 directory, its ``dsrun_run.json`` gives ``train_batch_size`` and the
 samples become optimizer steps; a directory DeepSpeed wrote is read with
-samples on the x axis. Files are appended to by every run that writes
+samples on the x axis; runs of both kinds plotted together are all drawn
+against samples (:func:`common_x`). Files are appended to by every run that writes
 into the directory (as DeepSpeed does), so a later row for a step replaces
 an earlier one (a run resumed from a checkpoint rewrites the steps after
 it) and the points are sorted by step. Rows that are not two numbers (a
@@ -140,13 +141,44 @@ def find_runs(paths: Sequence[str]) -> list[Run]:
     return _unique_labels(runs)
 
 
+def _parts(path: str) -> list[str]:
+    return [p for p in os.path.abspath(path).split(os.sep) if p]
+
+
+def _suffix_labels(paths: Sequence[str]) -> list[str]:
+    """Each path's shortest trailing part (``job``, ``exp1/csv/job``...)
+    that no other path ends with at the same length; the same directory
+    given twice keeps its whole path."""
+    parts = [_parts(p) for p in paths]
+    labels = []
+    for i, mine in enumerate(parts):
+        others = [p for j, p in enumerate(parts) if j != i and p != mine]
+        depth = 1
+        while depth < len(mine) and any(o[-depth:] == mine[-depth:] for o in others):
+            depth += 1
+        labels.append("/".join(mine[-depth:]))
+    return labels
+
+
 def _unique_labels(runs: list[Run]) -> list[Run]:
-    labels = [r.label for r in runs]
-    if len(set(labels)) == len(labels):
-        return runs
-    out = []
-    for run in runs:
-        parent = os.path.basename(os.path.dirname(os.path.normpath(run.path)))
-        label = f"{parent}/{run.label}" if parent else run.path
-        out.append(Run(label, run.path, run.x_label, run.series, run.info))
-    return out
+    labels = _suffix_labels([r.path for r in runs])
+    return [Run(label, r.path, r.x_label, r.series, r.info) for label, r in zip(labels, runs)]
+
+
+def in_samples(run: Run) -> Run:
+    """``run`` against samples: a run read in optimizer steps (dsrun's, with
+    its ``train_batch_size``) has its steps multiplied back."""
+    batch = run.info.get("train_batch_size")
+    if run.x_label == "samples" or not isinstance(batch, (int, float)) or batch <= 0:
+        return run
+    series = {key: Series(s.key, s.header, tuple(x * batch for x in s.x), s.values)
+              for key, s in run.series.items()}
+    return Run(run.label, run.path, "samples", MappingProxyType(series), run.info)
+
+
+def common_x(runs: Sequence[Run]) -> list[Run]:
+    """``runs`` on one x unit: optimizer steps when every run has them, else
+    samples (a DeepSpeed run has no batch size to turn samples into steps)."""
+    if len({r.x_label for r in runs}) <= 1:
+        return list(runs)
+    return [in_samples(r) for r in runs]

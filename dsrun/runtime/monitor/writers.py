@@ -117,15 +117,15 @@ class TensorBoardWriter:
         from torch.utils.tensorboard import SummaryWriter
 
         self.log_dir = log_dir
-        self._writer = SummaryWriter(log_dir=log_dir)
+        self.summary_writer = SummaryWriter(log_dir=log_dir)
 
     def write(self, events: Sequence[Event]) -> None:
         for name, value, step in events:
-            self._writer.add_scalar(name, value, step)
-        self._writer.flush()
+            self.summary_writer.add_scalar(name, value, step)
+        self.summary_writer.flush()
 
     def close(self) -> None:
-        self._writer.close()
+        self.summary_writer.close()
 
 
 class WandbWriter:
@@ -136,21 +136,21 @@ class WandbWriter:
 
     def __init__(self, project: str, group: Any, team: Any, source: str) -> None:
         wandb = require("wandb", self.name, source)
-        self._run = wandb.init(project=project, group=group, entity=team)
+        self.run = wandb.init(project=project, group=group, entity=team)
 
     def write(self, events: Sequence[Event]) -> None:
         batch: dict[str, float] = {}
         current = None
         for name, value, step in events:
             if batch and step != current:
-                self._run.log(batch, step=current)
+                self.run.log(batch, step=current)
                 batch = {}
             batch[name], current = value, step
         if batch:
-            self._run.log(batch, step=current)
+            self.run.log(batch, step=current)
 
     def close(self) -> None:
-        self._run.finish()
+        self.run.finish()
 
 
 class CometWriter:
@@ -169,19 +169,19 @@ class CometWriter:
                    if getattr(section, key) is not None}
         self._interval = section.samples_log_interval
         self._last_logged: dict[str, int] = {}
-        self._experiment = comet_ml.start(**options)
+        self.experiment = comet_ml.start(**options)
         if section.experiment_name:
-            self._experiment.set_name(section.experiment_name)
+            self.experiment.set_name(section.experiment_name)
 
     def write(self, events: Sequence[Event]) -> None:
         for name, value, step in events:
             last = self._last_logged.get(name)
             if last is None or step - last >= self._interval:
                 self._last_logged[name] = step
-                self._experiment.log_metric(name, value, step=step)
+                self.experiment.log_metric(name, value, step=step)
 
     def close(self) -> None:
-        self._experiment.end()
+        self.experiment.end()
 
 
 def run_info(config: Any) -> dict[str, Any]:

@@ -434,6 +434,30 @@ def logged_exchange() -> dict[str, Any]:
     return {"received": theirs.tolist(), "batched": got.tolist(), "logged": logged}
 
 
+def logged_gathers() -> dict[str, Any]:
+    """The all-gathers with the comms logger on: the message size each is
+    filed under (DeepSpeed's: one rank's input) and the algbw it reports."""
+    from dsrun import comm
+
+    rank, world = rank_world()
+    comm.reset_log()
+    comm.configure(enabled=True, prof_all=True)
+    try:
+        x = torch.full((256,), float(rank))  # 1 KiB per rank
+        parts = [torch.empty(256) for _ in range(world)]
+        comm.all_gather(parts, x)
+        out = torch.empty(256 * world)
+        comm.all_gather_into_tensor(out, x)
+        comm.allgather_fn(out, x)
+        summary = comm.log_summary(return_dict=True)["summary"]
+    finally:
+        comm.configure(enabled=False)
+        comm.reset_log()
+    return {"gathered": out.tolist()[::256], "sizes": {
+        name: {str(size): [row["tput_avg_gbps"], row["avg_latency_ms"]]
+               for size, row in by_size.items()} for name, by_size in summary.items()}}
+
+
 def flops_profiled(steps: int = 3) -> dict[str, Any]:
     """The flops profiler at ZeRO stage 3: rank 0 writes the report (whole
     parameter counts although each rank holds a shard), other ranks write
@@ -535,6 +559,7 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "comms_logger": comms_logged,
     "flops_profiler": flops_profiled,
     "logged_exchange": logged_exchange,
+    "logged_gathers": logged_gathers,
 }
 
 

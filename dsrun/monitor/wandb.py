@@ -1,0 +1,33 @@
+"""DeepSpeed's ``deepspeed.monitor.wandb``: :class:`WandbMonitor`, dsrun's
+wandb writer (``wandb.init(project=, group=, entity=team)`` on rank 0)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from dsrun.monitor._base import WriterMonitor, global_rank
+from dsrun.monitor.config import SOURCE
+from dsrun.runtime.monitor.writers import WandbWriter
+
+__all__ = ["WandbMonitor"]
+
+
+class WandbMonitor(WriterMonitor):
+    section = "wandb"
+
+    def __init__(self, wandb_config: Any) -> None:
+        self.group = wandb_config.group
+        self.team = wandb_config.team
+        self.project = wandb_config.project
+        super().__init__(wandb_config, self._make)
+
+    def _make(self) -> WandbWriter:
+        return WandbWriter(self.project, self.group, self.team, SOURCE)
+
+    def log(self, data: dict[str, Any], step: Optional[int] = None,
+            commit: Optional[bool] = None) -> Any:
+        """``wandb.log`` on the monitor's run (rank 0; elsewhere nothing)."""
+        run = getattr(self.writer, "run", None)
+        if self.enabled and run is not None and global_rank() == 0:
+            return run.log(data, step=step, commit=commit)
+        return None
