@@ -247,7 +247,8 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
         self._check_unsupported()
         return wrap_optimizer(self.optimizer, self.config.zero_optimization,
                               self.zero_stage, self.dp_group, self.module,
-                              self._zero_accumulation(), self.device)
+                              self._zero_accumulation(), self.device,
+                              loss_scaler=self.precision.scaler)
 
     def _zero_accumulation(self) -> int:
         """The micro-steps per optimizer step ZeRO plans for (with 1, stage 1

@@ -183,8 +183,6 @@ def test_wall_clock_timers_empty_without_the_breakdown(solo: None) -> None:
     assert engine.get_wall_clock_timers() == {}  # DeepSpeed's: never filled then
 
 
-@pytest.mark.xfail(strict=True, reason="needs StepTimers.last_step_ms() in "
-                   "dsrun/runtime/monitor/timers.py (the last optimizer step's parts, ms)")
 def test_wall_clock_timers_hold_the_last_step(solo: None) -> None:
     engine = build({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
                     "wall_clock_breakdown": True, "steps_per_print": 100,
@@ -211,8 +209,6 @@ def test_zero_optimizer_scale_is_one_without_fp16(solo: None, stage: int,
     assert engine.optimizer.cur_scale == 1.0 and engine.optimizer.loss_scale == 1.0
 
 
-@pytest.mark.xfail(strict=True, reason="engine.py's _make_zero_optimizer must pass "
-                   "loss_scaler=self.precision.scaler to wrap_optimizer")
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_optimizer_scale_is_the_fp16_scale(solo: None, stage: int) -> None:
     engine = build({"train_batch_size": 2, "zero_optimization": {"stage": stage},

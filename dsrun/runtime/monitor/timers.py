@@ -99,6 +99,7 @@ class StepTimers:
         self._comm = comm
         self._clock = clock
         self._step = dict.fromkeys(parts, 0.0)  # seconds, this optimizer step
+        self._last: dict[str, float] = {}  # milliseconds, the last step that ended
         self._sums = dict.fromkeys(parts, 0.0)  # seconds, this interval
         self._steps = 0
         self._comm_mark = comm.snapshot()
@@ -146,6 +147,7 @@ class StepTimers:
         step["iteration"] = iteration_s
         for part, seconds in step.items():
             self._sums[part] += seconds
+        self._last = {part: 1000.0 * seconds for part, seconds in step.items()}
         self._steps += 1
         self._step = dict.fromkeys(self.parts, 0.0)
         self._comm_mark = now
@@ -159,6 +161,11 @@ class StepTimers:
         self._sums = dict.fromkeys(self.parts, 0.0)
         self._steps = 0
         return means
+
+    def last_step_ms(self) -> dict[str, float]:
+        """Milliseconds of every part in the last optimizer step that ended
+        (empty before one has)."""
+        return dict(self._last)
 
     @property
     def steps_pending(self) -> int:
