@@ -116,6 +116,7 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
     is_pipe_parallel = False  # DeepSpeed's attribute; True on a PipelineEngine
     # DeepSpeed's: the data-parallel size of the last checkpoint loaded
     loaded_checkpoint_dp_world_size: Optional[int] = None
+    loaded_checkpoint_mp_world_size: Optional[int] = None
 
     def __init__(self, model: torch.nn.Module, config: DsrunConfig, *,
                  optimizer: Any = None, lr_scheduler: Any = None,

@@ -210,6 +210,21 @@ class EngineInfo:
         ``checkpoint.tag_validation`` says (they would not make one checkpoint)."""
         return True
 
+    def load_universal_checkpoint(self) -> bool:
+        """``checkpoint.load_universal`` as configured; dsrun's checkpoints
+        load at any world size and stage either way."""
+        return self.config.checkpoint.load_universal
+
+    def use_node_local_storage(self) -> bool:
+        """``checkpoint.use_node_local_storage`` as configured (dsrun's
+        ranks always write their own files)."""
+        return self.config.checkpoint.use_node_local_storage
+
+    def zero_load_from_fp32_weights(self) -> bool:
+        """``zero_optimization.load_from_fp32_weights``: dsrun always loads
+        the fp32 masters it saved."""
+        return self.config.zero_optimization.load_from_fp32_weights
+
     # DeepSpeed features whose config sections dsrun accepts but does not
     # act on (passthrough): they are never on here.
     def curriculum_learning_enabled(self) -> bool:

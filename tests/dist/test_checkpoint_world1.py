@@ -480,6 +480,9 @@ def test_deepspeeds_16bit_model_api(solo: None, tmp_path: Path) -> None:
         "stage": 3, "stage3_gather_16bit_weights_on_model_save": True})
     assert engine.zero_gather_16bit_weights_on_model_save() is True
     assert engine.loaded_checkpoint_dp_world_size is None
+    assert engine.loaded_checkpoint_mp_world_size is None
+    assert not engine.load_universal_checkpoint() and not engine.use_node_local_storage()
+    assert engine.zero_load_from_fp32_weights()  # DeepSpeed's defaults
     train(engine)
     full = engine.optimizer.module_state_dict()
     state = engine._zero3_consolidated_16bit_state_dict()
@@ -495,4 +498,8 @@ def test_deepspeeds_16bit_model_api(solo: None, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="requires ZeRO stage 3"):
         fresh._zero3_consolidated_16bit_state_dict()
     fresh.load_checkpoint(tmp_path / "ckpt")
-    assert fresh.loaded_checkpoint_dp_world_size == 1
+    assert fresh.loaded_checkpoint_dp_world_size == fresh.loaded_checkpoint_mp_world_size == 1
+    flags = engine_for(checkpoint={"load_universal": True, "use_node_local_storage": True},
+                       zero_optimization={"stage": 1, "load_from_fp32_weights": False})
+    assert flags.load_universal_checkpoint() and flags.use_node_local_storage()
+    assert not flags.zero_load_from_fp32_weights()

@@ -247,6 +247,7 @@ def load(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool =
     meta = loaded.manifest.meta
     engine.loaded_checkpoint_dp_world_size = int(meta.get("dp_world_size",
                                                           loaded.manifest.world_size))
+    engine.loaded_checkpoint_mp_world_size = 1  # dsrun saves no model-parallel slices
     if accumulating:  # gradients of the interrupted accumulation round are stale now
         engine.zero_grad(set_to_none=False)
     state = loaded.engine_state or {}
