@@ -278,7 +278,8 @@ def test_disk_full_is_a_clear_error_and_the_previous_checkpoint_survives(
         engine.save_checkpoint(root)
     monkeypatch.setattr(storage, "write_all", real)
     assert (root / "latest").read_text() == "global_step2"
-    assert sorted(p.name for p in root.iterdir()) == ["global_step2", "latest"]
+    assert sorted(p.name for p in root.iterdir()) == ["global_step2", "latest",
+                                                         "zero_to_fp32.py"]
     fresh = engine_for(stage=1, seed=3)
     assert fresh.load_checkpoint(root)[0] == str(root / "global_step2")
 
@@ -308,7 +309,8 @@ def test_a_real_full_file_system_refuses_before_writing(solo: None, small_tmpfs:
     with pytest.raises(CheckpointError, match="not enough space .* MiB are free"):
         big.save_checkpoint(small_tmpfs)
     assert (small_tmpfs / "latest").read_text() == "global_step2"
-    assert sorted(p.name for p in small_tmpfs.iterdir()) == ["global_step2", "latest"]
+    assert sorted(p.name for p in small_tmpfs.iterdir()) == ["global_step2", "latest",
+                                                                "zero_to_fp32.py"]
     assert engine_for(stage=0, seed=2).load_checkpoint(small_tmpfs)[0]
 
 
@@ -395,7 +397,7 @@ def test_async_failures_are_raised_by_the_next_save_and_by_destroy(
         engine.destroy()
     monkeypatch.setattr(storage, "write_all", real)
     assert (tmp_path / "latest").read_text() == "next"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "next"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "next", "zero_to_fp32.py"]
 
 
 # ------------------------------------------------------- what is loaded
@@ -423,7 +425,8 @@ def test_same_tag_saved_twice_and_save_latest_false(saved: tuple[Any, Path]) -> 
     engine.save_checkpoint(root, tag="global_step2")  # overwritten in place
     engine.save_checkpoint(root, tag="side", save_latest=False)
     assert (root / "latest").read_text() == "global_step2"
-    assert sorted(p.name for p in root.iterdir()) == ["global_step2", "latest", "side"]
+    assert sorted(p.name for p in root.iterdir()) == ["global_step2", "latest", "side",
+                                                         "zero_to_fp32.py"]
     state = get_fp32_state_dict(str(root))
     assert torch.equal(state["a.weight"], engine.module.a.weight)
 
