@@ -446,9 +446,10 @@ class PipelineConfig:
 @dataclass(frozen=True)
 class CometConfig:
     """``comet``: a Comet experiment on rank 0 through ``comet_ml.start``
-    (needs the ``comet_ml`` package); an event is logged when its step
-    (``global_samples``) is a multiple of ``samples_log_interval``, as in
-    DeepSpeed. ``api_key`` is never logged (``COMET_API_KEY`` works too)."""
+    (needs the ``comet_ml`` package); an event name is logged the first time
+    it comes, then once ``samples_log_interval`` samples (``global_samples``)
+    have passed since it was last logged, as in DeepSpeed. ``api_key`` is
+    never logged (``COMET_API_KEY`` works too)."""
 
     enabled: bool = opt("bool", False)
     samples_log_interval: int = opt("int", 100, low=1)

@@ -45,7 +45,8 @@ _LAZY.update({name: "dsrun.utils.z3_leaf_module" for name in (
 _LAZY["RepeatingLoader"] = "dsrun.runtime.dataloader"
 _LAZY["OnDevice"] = "dsrun.utils.init_on_device"
 _LAZY["instrument_w_nvtx"] = "dsrun.utils.nvtx"
-_SUBMODULES = ("logging", "tensor_fragment", "zero_to_fp32", "init_on_device", "nvtx")
+_SUBMODULES = ("logging", "tensor_fragment", "zero_to_fp32", "init_on_device", "nvtx",
+               "comms_logging")
 
 __all__ = ["get_dist_msg", "log_dist", "logger", *_LAZY]
 
