@@ -242,10 +242,11 @@ def test_the_data_iterator_persists_as_in_deepspeed(solo: None) -> None:
     fresh, _ = _engine("mlp-noclip")
     assert [float(fresh.train_batch(iter(case.batch(step, 0)))) for step in (0, 1)] == \
         [float(first), float(second)]
-    for call in (lambda: engine.train_batch(case.batch(0, 0)),
-                 lambda: engine.eval_batch(case.eval_data()),
-                 lambda: engine.set_dataiterator(case.batch(0, 0))):
-        with pytest.raises(DsrunError, match=r"takes an iterator, got a list: pass iter\(\.\.\.\) "
+    for name, call in (("train_batch", lambda: engine.train_batch(case.batch(0, 0))),
+                       ("eval_batch", lambda: engine.eval_batch(case.eval_data())),
+                       ("set_dataiterator", lambda: engine.set_dataiterator(case.batch(0, 0)))):
+        with pytest.raises(DsrunError, match=rf"^engine\.{name}\(data_iter=\.\.\.\) takes an "
+                                             r"iterator, got a list: pass iter\(\.\.\.\) "
                                              r"of it, or RepeatingLoader"):
             call()
     with pytest.raises(DsrunError, match=r"eval_batch\(data_iter\) needs the data"):
@@ -314,11 +315,99 @@ def test_deepspeeds_module_engine_and_grid_accessors(solo: None) -> None:
     PipelineModule([LayerSpec(nn.Linear, 2, 2)], num_stages=1, dynamic_shape=True)
 
 
+def test_deepspeeds_megatron_style_engine_and_module_names(solo: None) -> None:
+    """The PipelineEngine / PipelineModule attributes Megatron-DeepSpeed-style
+    code reads, with their values in a one-stage pipeline."""
+    engine, case = _engine("mlp-noclip")
+    module = engine.module
+    assert engine.total_loss is None and engine.num_pipe_buffers == 0 and module.micro_offset == 0
+    assert engine.get_pipeline_parallel_rank() == 0
+    assert not engine.is_pipe_partitioned and not engine.is_grad_partitioned
+    assert not engine.has_bool_tensors and not engine.has_attention_mask
+    engine.set_has_attention_mask(True)
+    assert engine.has_attention_mask
+    with pytest.raises(DsrunError, match="takes a bool, got int"):
+        engine.set_has_attention_mask(1)  # type: ignore[arg-type]
+    assert engine.pipeline_enable_backward_allreduce
+    engine.pipeline_enable_backward_allreduce = True
+    with pytest.raises(DsrunError, match="pipeline_enable_backward_allreduce = False is not"):
+        engine.pipeline_enable_backward_allreduce = False
+    # total_loss: the sum of the batch's micro-batch losses, before averaging
+    ref = cases.build("mlp-noclip", 1)
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.01)
+    for step in range(2):
+        total = None
+        for x, y in case.batch(step, 0):
+            loss = F.cross_entropy(ref(x), y)
+            (loss / case.micro_batches).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        opt.step()
+        opt.zero_grad()
+        engine.train_batch(iter(case.batch(step, 0)))
+        assert torch.equal(engine.total_loss, total)
+    engine.eval_batch(iter(case.eval_data()))
+    assert torch.equal(engine.total_loss, total)  # a training batch's
+    assert engine.num_pipe_buffers == 1  # one stage holds one micro-batch at a time
+    assert module.micro_offset == 2 * case.micro_batches + len(case.eval_data())
+    # batch_fn: set_batch_fn's function, the one state
+    assert engine.batch_fn is None
+
+    def to_pair(item: dict) -> tuple:
+        return item["x"], item["y"]
+
+    engine.set_batch_fn(to_pair)
+    assert engine.batch_fn is to_pair
+    engine.train_batch(iter({"x": x, "y": y} for x, y in case.batch(2, 0)))
+    engine.batch_fn = None
+    engine.train_batch(iter(case.batch(3, 0)))
+    # the module: the world, its layers, DeepSpeed's file names
+    assert (module.global_rank, module.local_rank, module.world_size) == (0, 0, 1)
+    assert module.world_group is torch.distributed.group.WORLD
+    assert module.tied_comms == {}  # one stage: nothing tied across stages (as DeepSpeed)
+    assert module._find_layer_type("linear") == [3, 5]
+    assert module._find_layer_type("AFFINE") == [0, 1]
+    assert module._find_layer_type("^double$") == [2]  # a function's name
+    with pytest.raises(DsrunConfigError, match="no layer class name matches 'conv'"):
+        module._find_layer_type("conv")
+    assert module.ckpt_layer_path("/ck", 4) == "/ck/layer_04-model_states.pt"
+    from dsrun.pipe import PipeModelDataParallelTopology
+
+    three_axes = PipelineModule(case.layers(), topology=PipeModelDataParallelTopology(1, 1, 1))
+    assert three_axes.ckpt_layer_path("/ck", 0) == "/ck/layer_00-model_00-model_states.pt"
+
+
+def test_deepspeeds_grid_names_and_constructor(solo: None) -> None:
+    from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+
+    from dsrun.pipe import PipeDataParallelTopology, ProcessTopology
+
+    engine, _ = _engine()
+    grid = engine.grid
+    assert isinstance(grid, PipelineParallelGrid)
+    assert (grid.pipe_parallel_size, grid.data_parallel_size, grid.model_parallel_size) == \
+        (1, 1, 1)
+    assert grid.p2p_groups == [[0, 0]]  # DeepSpeed's: the last stage wraps to the first
+    assert grid.stage_to_global(stage_id=0) == grid.stage_to_global(0, data=0) == 0
+    with pytest.raises(ValueError, match=r"model is not a coordinate besides the stage "
+                                         r"\(the others are \['data'\]\)"):
+        grid.stage_to_global(stage_id=0, model=0)
+    built = PipelineParallelGrid()  # DeepSpeed's: a grid of the whole world
+    assert built.topology() == PipeDataParallelTopology(1, 1) and built.stage_id == 0
+    given = PipelineParallelGrid(topology=ProcessTopology(["pipe", "data"], [1, 1]),
+                                 process_group=torch.distributed.group.WORLD)
+    assert given.get_pipe_parallel_world_size() == 1 and given.p2p_groups == [[0, 0]]
+    with pytest.raises(DsrunConfigError, match="does not match the world size 1"):
+        PipelineParallelGrid(topology=PipeDataParallelTopology(2, 1))
+
+
 def test_backward_and_step_point_to_train_batch(solo: None) -> None:
+    from deepspeed.runtime.pipe.engine import PipelineError  # the alias: dsrun's class
+
     engine, case = _engine()
     for call in (lambda: engine.backward(torch.zeros(())), engine.step):
-        with pytest.raises(DsrunError, match=r"engine.train_batch\(data_iter\)"):
+        with pytest.raises(PipelineError, match=r"engine.train_batch\(data_iter\)") as info:
             call()
+        assert isinstance(info.value, DsrunError)
     with pytest.raises(DsrunError, match="exactly one argument"):
         engine(torch.zeros(2, 6), torch.zeros(2))
 
@@ -496,3 +585,63 @@ def test_errors_at_a_stage_boundary_fail_the_job(tmp_path: Any, layers: str,
     if "forward pass" in message and sys.version_info < (3, 11):
         return  # exception notes are printed from Python 3.11 on
     assert message in res.stdout + res.stderr, res.stderr[-3000:]
+
+
+# ------------------------------------------- DeepSpeed's names on 2 stages x 2 replicas
+
+TIED_JOB = '''
+import os
+import torch, torch.nn as nn, torch.nn.functional as F
+import torch.distributed as dist
+import dsrun
+from dsrun.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+dsrun.init_distributed()
+rank = dist.get_rank()
+stage, replica = divmod(rank, 2)  # rank = stage * replicas + replica
+layers = [TiedLayerSpec("embed", nn.Linear, 4, 4), LayerSpec(nn.Linear, 4, 4), nn.ReLU(),
+          TiedLayerSpec("embed", nn.Linear, 4, 4), TiedLayerSpec("head", nn.Linear, 4, 2)]
+module = PipelineModule(layers, num_stages=2, loss_fn=F.cross_entropy,
+                        partition_method=[0, 2, 5])
+engine, _, _, _ = dsrun.initialize(model=module, config={"train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+grid = engine.grid
+assert engine.get_pipeline_parallel_rank() == stage == grid.get_stage_id()
+assert grid.p2p_groups == [[0, 2], [1, 3], [2, 0], [3, 1]], grid.p2p_groups
+assert grid.stage_to_global(stage_id=1) == 2 + replica
+assert grid.stage_to_global(stage_id=1, data=0) == 2 and grid.stage_to_global(0, data=1) == 1
+assert (grid.pipe_parallel_size, grid.data_parallel_size) == (2, 2)
+assert (module.global_rank, module.local_rank) == (rank, int(os.environ["LOCAL_RANK"]))
+comms = module.tied_comms
+# the ranks of this replica that hold each key, lowest stage first
+assert sorted(comms) == (["embed"] if stage == 0 else ["embed", "head"]), comms
+assert comms["embed"]["ranks"] == [replica, 2 + replica]
+assert comms["embed"]["module"] is module.tied_modules["embed"]
+assert comms["embed"]["weight_attr"] == ["weight"]
+value = torch.tensor([float(rank)])
+dist.all_reduce(value, group=comms["embed"]["group"])
+assert float(value) == 2 * replica + 2  # its group is those ranks
+if stage == 1:
+    assert comms["head"]["ranks"] == [rank]  # one owner: a group of this rank alone
+    alone = torch.tensor([float(rank)])
+    dist.all_reduce(alone, group=comms["head"]["group"])
+    assert float(alone) == rank
+torch.manual_seed(7)  # every replica reads the same data: its mean is the batch's
+data = [(torch.randn(2, 4), torch.tensor([0, 1])) for _ in range(2)]
+loss = engine.train_batch(iter(data))
+if stage == 1:  # the sum of this replica's micro-batch losses
+    assert abs(float(engine.total_loss) / 2 - float(loss)) < 1e-6, (engine.total_loss, loss)
+else:
+    assert engine.total_loss is None  # as DeepSpeed: only the last stage computes losses
+assert engine.num_pipe_buffers == (2 if stage == 0 else 1)  # 1F1B: stage 0 holds 2
+print(f"NAMES OK {rank}", flush=True)
+'''
+
+
+def test_deepspeeds_names_on_two_stages_and_two_replicas(tmp_path: Any) -> None:
+    script = tmp_path / "names.py"
+    script.write_text(TIED_JOB)
+    res = run_dsrun("--cpu", "--num_gpus", "4", str(script), timeout=180, cwd=str(ROOT))
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    assert sorted(line.split("NAMES OK ")[1][:1] for line in res.stdout.splitlines()
+                  if "NAMES OK " in line) == ["0", "1", "2", "3"], res.stdout[-3000:]

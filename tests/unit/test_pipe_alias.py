@@ -115,3 +115,29 @@ def test_see_memory_usage(caplog: pytest.LogCaptureFixture) -> None:
         see_memory_usage("after the model", force=True)
     (record,) = caplog.records
     assert record.getMessage().startswith("after the model | memory: host RSS ")
+
+
+def test_deepspeeds_pipeline_module_paths() -> None:
+    """Names Megatron-DeepSpeed-style code imports from DeepSpeed's pipeline
+    modules: dsrun's classes under DeepSpeed's paths."""
+    from deepspeed.runtime.pipe import (  # type: ignore[import-not-found]
+        engine,
+        module,
+        schedule,
+        topology,
+    )
+
+    import dsrun.runtime.pipe.grid
+    import dsrun.runtime.pipe.schedule as sc
+    from dsrun.errors import DsrunError
+
+    assert topology.PipelineParallelGrid is dsrun.runtime.pipe.grid.PipelineGrid
+    assert schedule is sc
+    for name in ("TrainSchedule", "InferenceSchedule", "PipeSchedule", "PipeInstruction",
+                 "ForwardPass", "BackwardPass", "LoadMicroBatch", "OptimizerStep"):
+        assert isinstance(getattr(schedule, name), type), name
+    assert engine.PipelineError is module.PipelineError
+    assert issubclass(engine.PipelineError, DsrunError)
+    assert engine.is_even(4) and not engine.is_even(3)
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchGrid'"):
+        topology.NoSuchGrid  # noqa: B018

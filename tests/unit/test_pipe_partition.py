@@ -21,6 +21,7 @@ from dsrun.runtime.pipe.topology import (
     PipeModelDataParallelTopology,
     PipeTopology,
     ProcessTopology,
+    default_topology,
     topology_for,
 )
 
@@ -189,3 +190,13 @@ def test_topologies_from_either_argument() -> None:
     assert topology_for(4, 4, PipeTopology(4, 1)) == PipeTopology(4, 1)
     with pytest.raises(DsrunConfigError, match="tensor .model. parallelism"):
         PipeModelDataParallelTopology(2, 2, 1)
+
+
+@pytest.mark.parametrize("world, stages, replicas", [
+    (1, 1, 1), (2, 2, 1), (4, 2, 2), (6, 2, 3), (7, 7, 1), (8, 4, 2), (12, 6, 2),
+    (30, 10, 3), (16, 4, 4)])
+def test_default_topology_deals_prime_factors_as_deepspeed(world: int, stages: int,
+                                                           replicas: int) -> None:
+    """DeepSpeed's PipelineParallelGrid without a topology: prime factors,
+    smallest first, alternately to stages and replicas."""
+    assert default_topology(world) == PipeTopology(stages, replicas)

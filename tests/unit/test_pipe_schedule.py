@@ -159,3 +159,57 @@ def test_two_stages_two_micro_batches_exactly() -> None:
 def test_bad_arguments(args: tuple) -> None:
     with pytest.raises(ValueError):
         sc.train_schedule(*args)
+
+
+# ------------------------------------------------ DeepSpeed's schedule classes
+
+
+@pytest.mark.parametrize("stages", STAGES)
+@pytest.mark.parametrize("micro_batches", MICRO_BATCHES)
+def test_train_schedule_class_gives_the_program_in_steps(stages: int,
+                                                         micro_batches: int) -> None:
+    run = simulate(stages, micro_batches)
+    for s in range(stages):
+        schedule = sc.TrainSchedule(micro_batches=micro_batches, stages=stages, stage_id=s)
+        steps = list(schedule)
+        assert [i for step in steps for i in step] == run.traces[s]  # what the stage runs
+        assert list(schedule) == steps  # iterable again, as DeepSpeed's
+        # one pass per step, its sends after it; the batch's end in the last step
+        assert len(steps) == 2 * micro_batches
+        for step in steps:
+            passes = [i for i in step if isinstance(i, (sc.ForwardPass, sc.BackwardPass))]
+            assert len(passes) == 1
+            after = step[step.index(passes[0]) + 1:]
+            assert all(isinstance(i, (sc.SendActivation, sc.SendGrad)) for i in after
+                       if i not in (sc.ReduceGrads(), sc.ReduceTiedGrads(), sc.OptimizerStep()))
+        assert steps[-1][-3:] == [sc.ReduceGrads(), sc.ReduceTiedGrads(), sc.OptimizerStep()]
+        assert schedule.num_pipe_buffers() == run.max_in_flight[s]
+        assert (schedule.stage, schedule.num_stages, schedule.num_micro_batches) == \
+            (s, stages, micro_batches)
+        assert (schedule.is_first_stage, schedule.is_last_stage) == (s == 0, s == stages - 1)
+        assert (schedule.prev_stage, schedule.next_stage) == (s - 1, s + 1)
+
+
+def test_inference_schedule_class_and_instruction_names() -> None:
+    for s in range(3):
+        steps = list(sc.InferenceSchedule(4, 3, s))
+        assert [i for step in steps for i in step] == list(sc.inference_schedule(3, 4, s))
+        assert [[type(i) for i in step if isinstance(i, sc.ForwardPass)] for step in steps] \
+            == [[sc.Forward]] * 4
+        assert sc.InferenceSchedule(4, 3, s).num_pipe_buffers() == 1
+    assert sc.ForwardPass is sc.Forward and sc.BackwardPass is sc.Backward
+    assert isinstance(sc.OptimizerStep(), sc.PipeInstruction)
+    assert isinstance(sc.TrainSchedule(1, 1, 0), sc.PipeSchedule)
+    backward = sc.BackwardPass(3, reduce_grads=True)
+    assert (backward.name, backward.kwargs) == ("Backward", {"micro_batch": 3,
+                                                             "reduce_grads": True})
+    assert (sc.ReduceGrads().name, sc.ReduceGrads().kwargs) == ("ReduceGrads", {})
+    with pytest.raises(ValueError, match="stage must be in"):
+        sc.TrainSchedule(4, 2, 2)
+
+    class Custom(sc.PipeSchedule):
+        def steps(self):  # type: ignore[no-untyped-def]
+            yield [sc.LoadMicroBatch(0), sc.ForwardPass(0)]
+
+    assert list(Custom(2, 1, 0)) == [[sc.LoadMicroBatch(0), sc.Forward(0)]]
+    assert Custom(2, 1, 0).num_pipe_buffers() == 2  # DeepSpeed's default: micro_batches

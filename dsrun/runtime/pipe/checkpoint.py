@@ -173,7 +173,7 @@ class PipelineLayout(CheckpointLayout):
             mine.update(keys=list(module.state_dict(keep_vars=True)), aliases=aliases(module),
                         excluded=excluded, groups=_encoded_groups(exports))
         everyone = self._everyone(coord, "engine.save_checkpoint()", mine)
-        stages = [everyone[grid.stage_to_global(s, 0)] for s in range(grid.stages)]
+        stages = [everyone[grid.stage_to_global(s, data=0)] for s in range(grid.stages)]
         difference = group_difference([s["groups"] for s in stages])
         if difference:
             raise CheckpointError(

@@ -33,6 +33,15 @@ pipelines, stage 2 when no tied weights span stages; stage 3 is refused.
 events per ``train_batch`` and times each schedule instruction for
 ``wall_clock_breakdown``.
 
+DeepSpeed's engine attributes read by Megatron-DeepSpeed-style code hold
+dsrun's true values: ``total_loss`` (the last stage's sum of the batch's
+micro-batch losses), ``num_pipe_buffers`` (the most micro-batches this
+stage has held at once), ``batch_fn``, ``has_attention_mask`` /
+``has_bool_tensors`` (stored declarations: any dtype crosses stages),
+``is_pipe_partitioned`` / ``is_grad_partitioned`` (False: no tensor
+parallelism) and ``pipeline_enable_backward_allreduce`` (True; False is
+refused, not ignored).
+
 ``save_checkpoint`` / ``load_checkpoint`` are the engine's (DeepSpeed's
 signatures and guarantees); :mod:`~.checkpoint` tells the checkpoint
 package what each stage's ranks hold, so a pipeline checkpoint is keyed by
@@ -68,7 +77,7 @@ from dsrun.runtime.pipe.batch import (
 )
 from dsrun.runtime.pipe.checkpoint import PipelineLayout, save_16bit_model
 from dsrun.runtime.pipe.metrics import PipelineMonitor
-from dsrun.runtime.pipe.module import PipelineModule
+from dsrun.runtime.pipe.module import PipelineError, PipelineModule
 from dsrun.runtime.pipe.p2p import (
     Header,
     PendingSends,
@@ -83,9 +92,16 @@ from dsrun.runtime.precision import StepResult
 
 log = logging.getLogger("dsrun.runtime")
 
+__all__ = ["PipelineEngine", "PipelineError", "is_even"]
+
 _TRAIN_ONLY = ("engine.{name}() is not how a pipeline trains: engine.train_batch(data_iter) "
                "runs forward, backward and the optimizer step of all "
                "gradient_accumulation_steps micro-batches through the stages together")
+
+
+def is_even(number: int) -> bool:
+    """DeepSpeed's helper (its schedules alternate on even and odd stages)."""
+    return number % 2 == 0
 
 
 def _annotate(exc: BaseException, note: str) -> None:
@@ -143,6 +159,15 @@ class PipelineEngine(DsrunEngine):
         self.prev_stage, self.next_stage = self.stage_id - 1, self.stage_id + 1
         self.is_data_parallel = self.grid.get_data_parallel_world_size() > 1
         self.is_model_parallel = False
+        # no tensor parallelism: nothing is partitioned across model-parallel
+        # ranks (DeepSpeed: is_model_parallel and the config's pipeline flags)
+        self.is_pipe_partitioned = self.is_grad_partitioned = False
+        # DeepSpeed's declarations that the stages exchange bool tensors (it
+        # converts them); dsrun's messages carry every dtype, so they change nothing
+        self.has_bool_tensors = False
+        self.has_attention_mask = type(model).__name__ == "GPT2ModelPipe"  # as DeepSpeed
+        self.total_loss: Optional[torch.Tensor] = None
+        self.num_pipe_buffers = 0
         self._warned_no_grad = False
         self.agg_train_loss: Optional[torch.Tensor] = None
         self.agg_eval_loss: Optional[torch.Tensor] = None
@@ -151,7 +176,7 @@ class PipelineEngine(DsrunEngine):
         self._pending = PendingSends()
         self._data_iterator: Optional[Iterator[Any]] = None
         self._iterating_loader = False  # _data_iterator repeats training_dataloader
-        self._batch_fn: Optional[Callable[[Any], Any]] = None
+        self.batch_fn: Optional[Callable[[Any], Any]] = None  # set_batch_fn's
         self._handlers: dict[type, Callable[[Any, BatchState], None]] = {
             sched.LoadMicroBatch: self._load, sched.SendLabels: self._send_labels,
             sched.RecvLabels: self._recv_labels, sched.RecvActivation: self._recv_activation,
@@ -214,14 +239,44 @@ class PipelineEngine(DsrunEngine):
 
     def set_dataiterator(self, iterator: Iterator[Any]) -> None:
         """The iterator ``train_batch()`` reads when given none."""
-        self._check_iterator(iterator, "set_dataiterator")
+        self._set_iterator(iterator, "set_dataiterator")
+
+    def _set_iterator(self, iterator: Iterator[Any], call: str) -> None:
+        self._check_iterator(iterator, call)
         self._data_iterator = iterator
         self._iterating_loader = False
 
     def set_batch_fn(self, fn: Callable[[Any], Any]) -> None:
         """Applied to each item of the data iterator before it is split into
-        ``(inputs, labels)``."""
-        self._batch_fn = fn
+        ``(inputs, labels)`` (``engine.batch_fn``)."""
+        self.batch_fn = fn
+
+    def set_has_attention_mask(self, value: bool) -> None:
+        """DeepSpeed's declaration that the model's inputs carry a bool
+        attention mask (it converts bool tensors to send them). Stored as
+        ``has_attention_mask``; dsrun's messages already carry bool tensors,
+        so it changes nothing."""
+        if not isinstance(value, bool):
+            raise DsrunError(f"set_has_attention_mask() takes a bool, got "
+                             f"{type(value).__name__}")
+        self.has_attention_mask = value
+
+    def get_pipeline_parallel_rank(self) -> int:
+        """This rank's pipeline stage."""
+        return self.stage_id
+
+    @property
+    def pipeline_enable_backward_allreduce(self) -> bool:
+        """Whether the schedule averages gradients over the data-parallel
+        group (DeepSpeed's switch): always in dsrun."""
+        return True
+
+    @pipeline_enable_backward_allreduce.setter
+    def pipeline_enable_backward_allreduce(self, value: bool) -> None:
+        if not value:
+            raise DsrunError("engine.pipeline_enable_backward_allreduce = False is not "
+                             "implemented in dsrun: train_batch() always averages gradients "
+                             "over the data-parallel group before the optimizer step")
 
     def reset_activation_shape(self) -> None:
         """DeepSpeed needs this after a shape change; shapes travel with every
@@ -283,8 +338,9 @@ class PipelineEngine(DsrunEngine):
             raise DsrunError("engine.train_batch() was called with gradients disabled "
                              "(inside torch.no_grad()?)")
         if data_iter is not None:  # as DeepSpeed: later calls without one go on reading it
-            self.set_dataiterator(data_iter)
+            self._set_iterator(data_iter, "train_batch")
         self.module.train()
+        self.total_loss = None
         self.monitor.batch_started()
         self.tput_timer.start()  # one interval per batch, as DeepSpeed's pipeline counts steps
         state = self._new_batch("train", self.micro_batches, self._train_source())
@@ -410,10 +466,10 @@ class PipelineEngine(DsrunEngine):
         return state.results[-1] if self.grid.is_last_stage else None
 
     def backward(self, *args: Any, **kwargs: Any) -> Any:
-        raise DsrunError(_TRAIN_ONLY.format(name="backward"))
+        raise PipelineError(_TRAIN_ONLY.format(name="backward"))
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        raise DsrunError(_TRAIN_ONLY.format(name="step"))
+        raise PipelineError(_TRAIN_ONLY.format(name="step"))
 
     # ------------------------------------------------------------ running
 
@@ -422,6 +478,9 @@ class PipelineEngine(DsrunEngine):
         return BatchState(kind, self._batches, micro_batches, source)
 
     def _run(self, program: tuple[sched.Instruction, ...], state: BatchState) -> None:
+        # DeepSpeed's count of pipeline buffers: here the most micro-batches
+        # this stage has held at once (its state is kept per micro-batch)
+        self.num_pipe_buffers = max(self.num_pipe_buffers, sched.peak_in_flight(program))
         start = time.perf_counter()
         try:
             for instruction in program:
@@ -479,8 +538,8 @@ class PipelineEngine(DsrunEngine):
     def _load(self, ins: sched.LoadMicroBatch, state: BatchState) -> None:
         k = ins.micro_batch
         item = next_micro_batch(state.source, k, state.micro_batches)
-        if self._batch_fn is not None:
-            item = self._batch_fn(item)
+        if self.batch_fn is not None:
+            item = self.batch_fn(item)
         inputs, labels = split_micro_batch(item, k)
         flatten_payload(inputs, f"the inputs of micro-batch {k}")
         if state.kind == "train":  # tokens/s: counts a (batch, seq) integer first input
@@ -556,6 +615,9 @@ class PipelineEngine(DsrunEngine):
                 raise DsrunError(self._not_a_loss(k, loss))
             state.losses[k] = loss
             state.loss_values.append(loss.detach().float().reshape(()))
+            # DeepSpeed's: the sum of this batch's micro-batch losses (last stage)
+            self.total_loss = loss.detach().clone() if self.total_loss is None else \
+                self.total_loss + loss.detach()
             return
         parts = loss if isinstance(loss, (tuple, list)) else (loss,)
         if not all(isinstance(t, torch.Tensor) for t in parts):

@@ -14,6 +14,12 @@ Groups, for a :class:`~dsrun.runtime.pipe.topology.PipeTopology`:
   activations could otherwise wait behind a receive of gradients between
   the same two ranks. Within a channel, messages keep their order.
 
+``PipelineGrid(topology=None, process_group=None)`` is also DeepSpeed's
+``PipelineParallelGrid`` constructor (importable under that name from
+:mod:`~dsrun.runtime.pipe.topology`): without a topology, the world's prime
+factors are dealt alternately to stages and replicas, as DeepSpeed does;
+the grid always spans the whole world.
+
 ``torch.distributed.new_group`` is collective over the whole world: every
 rank creates every group, in the same order. Groups are cached per default
 process group and purpose (:func:`cached_group`), so building several
@@ -26,7 +32,13 @@ from typing import Any, NamedTuple, Optional
 
 import torch.distributed as dist
 
-from dsrun.runtime.pipe.topology import PipeTopology
+from dsrun.errors import DsrunConfigError
+from dsrun.runtime.pipe.topology import (
+    PipeTopology,
+    ProcessTopology,
+    default_topology,
+    topology_for,
+)
 
 _CACHE: dict[Any, Any] = {}
 
@@ -55,10 +67,24 @@ class Channel(NamedTuple):
 class PipelineGrid:
     """This rank's place in the topology, its groups and channels (module docstring)."""
 
-    def __init__(self, topology: PipeTopology) -> None:
+    def __init__(self, topology: Optional[ProcessTopology] = None,
+                 process_group: Any = None) -> None:
+        world = dist.get_world_size()
+        if process_group is not None and dist.get_world_size(process_group) != world:
+            raise DsrunConfigError(
+                f"PipelineParallelGrid(process_group=...): a group of "
+                f"{dist.get_world_size(process_group)} of the {world} ranks; a pipeline grid "
+                "spans the whole world (pass process_group=None)")
+        topology = default_topology(world) if topology is None else \
+            topology_for(world, None, topology)
         self._topo = topology
         self._model_group: Any = None
         self.global_rank = dist.get_rank()
+        # DeepSpeed's attributes
+        self.world_size = world
+        self.pipe_parallel_size = topology.stages
+        self.data_parallel_size = topology.replicas
+        self.model_parallel_size = self.slice_parallel_size = 1  # no tensor parallelism
         self.stage_id, self.data_parallel_id = topology.coords(self.global_rank)
         stages, replicas = topology.stages, topology.replicas
         self.dp_group = None
@@ -110,8 +136,27 @@ class PipelineGrid:
     def is_last_stage(self) -> bool:
         return self.stage_id == self._topo.stages - 1
 
-    def stage_to_global(self, stage: int, replica: Optional[int] = None) -> int:
-        return self._topo.rank(stage, self.data_parallel_id if replica is None else replica)
+    def stage_to_global(self, stage_id: int, **coords: int) -> int:
+        """The global rank of stage ``stage_id`` at this rank's other
+        coordinates, or those given (DeepSpeed's: ``stage_to_global(1, data=0)``)."""
+        others = [axis for axis in self._topo.get_axis_names() if axis != "pipe"]
+        unknown = sorted(set(coords) - set(others))
+        if unknown:
+            raise ValueError(f"stage_to_global(): {', '.join(unknown)} is not a coordinate "
+                             f"besides the stage (the others are {others})")
+        here = self._topo.get_coord(self.global_rank)._replace(pipe=stage_id, **coords)
+        return self._topo.get_rank(**here._asdict())
+
+    @property
+    def p2p_groups(self) -> list[list[int]]:
+        """DeepSpeed's: for every rank in order, ``[rank, the rank of the next
+        stage in its pipeline]`` (the last stage wraps to the first). dsrun
+        sends over the channels above, not over groups built from these."""
+        pairs = []
+        for rank in range(self._topo.world_size()):
+            stage, replica = self._topo.coords(rank)
+            pairs.append([rank, self._topo.rank((stage + 1) % self.stages, replica)])
+        return pairs
 
     # ------------------------------------------- mpu interface (DeepSpeed's names)
 

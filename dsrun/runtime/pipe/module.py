@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any, Callable, Optional
 
@@ -33,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from dsrun import checkpointing
-from dsrun.errors import DsrunConfigError
+from dsrun.errors import DsrunConfigError, DsrunError
+from dsrun.runtime.env import DistEnv
 from dsrun.runtime.pipe.costs import layer_flops
 from dsrun.runtime.pipe.grid import PipelineGrid, cached_group
 from dsrun.runtime.pipe.layers import LayerSpec, TiedLayerSpec, count_parameters, layer_name
@@ -43,6 +46,12 @@ from dsrun.runtime.pipe.topology import PipeTopology, topology_for
 from dsrun.runtime.progress import ensure_visible
 
 log = logging.getLogger("dsrun.runtime")
+
+
+class PipelineError(DsrunError):
+    """A pipeline used in a way it cannot work (DeepSpeed's name, also a
+    :class:`~dsrun.errors.DsrunError`): ``engine.backward()`` or
+    ``engine.step()`` on a pipeline engine."""
 
 
 def _check_layers(layers: Iterable[Any]) -> list[Any]:
@@ -151,6 +160,15 @@ class PipelineModule(torch.nn.Module):
                                       self.layer_flops)
         self._grid = PipelineGrid(self._topology)
         self.stage_id = self._grid.stage_id
+        # DeepSpeed's attributes: the world (the whole default group), this
+        # rank in it and on its host, and the number of forward() calls
+        self.world_group = dist.group.WORLD
+        self.global_rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.local_rank = DistEnv.detect().local_rank
+        self.micro_offset = 0
+        self._layer_names = names
+        self._tied_comms: Optional[dict[str, dict[str, Any]]] = None
         self._local_start = self.parts[self.stage_id]
         self._local_stop = self.parts[self.stage_id + 1]
         self.tied_modules = torch.nn.ModuleDict()
@@ -219,18 +237,21 @@ class PipelineModule(torch.nn.Module):
                 layer = specs[index]
                 if isinstance(layer, TiedLayerSpec) and stage not in owners.get(layer.key, []):
                     owners.setdefault(layer.key, []).append(stage)
+        attrs: dict[str, tuple[str, ...]] = {}
+        for layer in specs:
+            if isinstance(layer, TiedLayerSpec):
+                attrs.setdefault(layer.key, layer.tied_weight_attr)
         entries = []
         rank = dist.get_rank()
         for key in sorted(owners):
             stages = owners[key]
-            if len(stages) < 2:
-                continue
             for replica in range(self._topology.replicas):
                 ranks = tuple(self._topology.rank(s, replica) for s in stages)
-                group = cached_group(f"tied:{key}", ranks)
+                group = cached_group(f"tied:{key}", ranks) if len(stages) > 1 else None
                 if rank in ranks:
                     entries.append(TiedEntry(key, self.tied_modules[key], group,
-                                             primary=rank == ranks[0]))
+                                             primary=rank == ranks[0], ranks=ranks,
+                                             weight_attr=attrs[key]))
         return TiedWeights(entries)
 
     def describe(self, names: Sequence[str], counts: Optional[Sequence[int]]) -> str:
@@ -265,6 +286,7 @@ class PipelineModule(torch.nn.Module):
         return any(m is not None and any(True for _ in m.parameters()) for m in modules)
 
     def forward(self, x: Any) -> Any:
+        self.micro_offset += 1
         count = len(self.forward_funcs)
         interval = self.activation_checkpoint_interval
         if interval == 0 or not torch.is_grad_enabled():
@@ -311,6 +333,47 @@ class PipelineModule(torch.nn.Module):
 
     def mpu(self) -> PipelineGrid:
         return self._grid
+
+    @property
+    def tied_comms(self) -> dict[str, dict[str, Any]]:
+        """DeepSpeed's index of this rank's tied modules, key ->
+        ``{"ranks", "group", "weight_attr", "module"}``: the ranks of this
+        replica that hold the module (lowest stage first), their group (a
+        group of this rank alone when it is the only owner, made on first
+        use), the ``tied_weight_attr`` names and the module. Empty with one
+        stage, as DeepSpeed's."""
+        if self._tied_comms is None:
+            comms: dict[str, dict[str, Any]] = {}
+            for entry in self.tied_weights.held if self.num_stages > 1 else ():
+                group = entry.group if entry.group is not None else dist.new_group(
+                    [self.global_rank], use_local_synchronization=True)
+                comms[entry.key] = {"ranks": list(entry.ranks), "group": group,
+                                    "weight_attr": list(entry.weight_attr),
+                                    "module": entry.module}
+            self._tied_comms = comms
+        return self._tied_comms
+
+    def ckpt_layer_path(self, ckpt_dir: str, local_layer_idx: int) -> str:
+        """DeepSpeed's file for this stage's layer ``local_layer_idx`` in a
+        checkpoint (``layer_07-model_states.pt``). dsrun's checkpoints do not
+        use these files: they store the model by parameter name
+        (:mod:`~dsrun.runtime.pipe.checkpoint`)."""
+        path = os.path.join(ckpt_dir, f"layer_{local_layer_idx + self._local_start:02d}")
+        rank_repr = self._topology.get_rank_repr(rank=self.global_rank)
+        if rank_repr:
+            path += f"-{rank_repr}"
+        return path + "-model_states.pt"
+
+    def _find_layer_type(self, layername: str) -> list[int]:
+        """The indices of the layers whose class name matches the regular
+        expression ``layername`` (case-insensitive search), as
+        ``partition_method="type:..."`` counts them."""
+        regex = re.compile(layername, re.IGNORECASE)
+        found = [i for i, name in enumerate(self._layer_names) if regex.search(name)]
+        if not found:
+            raise DsrunConfigError(f"no layer class name matches {layername!r} (layers: "
+                                   f"{', '.join(sorted(set(self._layer_names)))})")
+        return found
 
     @property
     def grid(self) -> PipelineGrid:

@@ -32,11 +32,24 @@ order, streamed through the stages.
 Invariants (tested by simulating all stages together): every micro-batch is
 forwarded and backwarded once per stage, in dependency order; every receive
 gets the message of the micro-batch it names; no stage ever waits forever.
+
+**DeepSpeed's names.** :class:`TrainSchedule` and :class:`InferenceSchedule`
+(subclasses of :class:`PipeSchedule`) iterate over the same programs cut
+into steps (:func:`program_steps`); ``PipeInstruction``, ``ForwardPass``
+and ``BackwardPass`` are :class:`Instruction`, :class:`Forward` and
+:class:`Backward`. Two differences: an instruction names its micro-batch
+(``micro_batch``), not a buffer slot (DeepSpeed's ``buffer_id``), and a
+step is one pass with its communication, so there are no idle steps. The
+engine runs :func:`train_schedule` and :func:`inference_schedule` itself:
+a ``PipeSchedule`` subclass does not change what it runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, Optional
 
 
 @dataclass(frozen=True)
@@ -46,6 +59,16 @@ class Instruction:
     def __str__(self) -> str:
         fields = ", ".join(str(v) for v in self.__dict__.values())
         return f"{type(self).__name__}({fields})"
+
+    @property
+    def name(self) -> str:
+        """The instruction's class name (DeepSpeed's ``PipeInstruction.name``)."""
+        return type(self).__name__
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The instruction's fields by name (DeepSpeed's ``PipeInstruction.kwargs``)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 @dataclass(frozen=True)
@@ -172,3 +195,132 @@ def inference_schedule(stages: int, micro_batches: int, stage: int, labels: bool
     for k in range(micro_batches):
         out += _forward(k, stage, stages, labels)
     return tuple(out)
+
+
+# ---------------------------------------------------------------- DeepSpeed's names
+
+PipeInstruction = Instruction
+ForwardPass = Forward
+BackwardPass = Backward
+_PASSES = (Forward, Backward)
+_AFTER_A_PASS = (SendActivation, SendGrad, ReduceGrads, ReduceTiedGrads, OptimizerStep)
+
+
+def program_steps(program: tuple[Instruction, ...]) -> list[list[Instruction]]:
+    """``program`` cut into steps: each holds one forward or backward pass,
+    the loads and receives before it and the sends after it; the batch's
+    closing reductions and optimizer step join the last step (as in
+    DeepSpeed). Joined again, the steps are ``program``."""
+    steps: list[list[Instruction]] = []
+    current: list[Instruction] = []
+    has_pass = False
+    for ins in program:
+        if has_pass and not isinstance(ins, _AFTER_A_PASS):
+            steps.append(current)
+            current, has_pass = [], False
+        current.append(ins)
+        has_pass = has_pass or isinstance(ins, _PASSES)
+    if current:
+        steps.append(current)
+    return steps
+
+
+def peak_in_flight(program: tuple[Instruction, ...]) -> int:
+    """The most micro-batches a stage running ``program`` holds at once:
+    forwarded and not yet backwarded (training), or one at a time (forward
+    passes only); 0 for a program without passes."""
+    held = peak = 0
+    for ins in program:
+        if isinstance(ins, Forward):
+            held += 1
+            peak = max(peak, held)
+        elif isinstance(ins, Backward):
+            held -= 1
+    if not any(isinstance(ins, Backward) for ins in program):
+        return min(peak, 1)
+    return peak
+
+
+class PipeSchedule:
+    """DeepSpeed's schedule interface: iterating gives the steps (lists of
+    instructions) of one batch of ``micro_batches`` on ``stage_id`` of
+    ``stages``. Subclasses define :meth:`steps`."""
+
+    def __init__(self, micro_batches: int, stages: int, stage_id: int) -> None:
+        self.micro_batches = micro_batches
+        self.stages = stages
+        self.stage_id = stage_id
+        self.prev_stage = stage_id - 1
+        self.next_stage = stage_id + 1
+        self._it: Optional[Iterator[list[Instruction]]] = None
+
+    def steps(self) -> Iterator[list[Instruction]]:
+        raise NotImplementedError(f"{type(self).__name__} must define steps()")
+
+    def num_pipe_buffers(self) -> int:
+        """The most micro-batches this stage holds at once (an upper bound
+        here: all of them; subclasses give the exact number)."""
+        return self.micro_batches
+
+    @property
+    def stage(self) -> int:
+        return self.stage_id
+
+    @property
+    def num_stages(self) -> int:
+        return self.stages
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.micro_batches
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.stages - 1
+
+    def __iter__(self) -> PipeSchedule:
+        self._it = None
+        return self
+
+    def __next__(self) -> list[Instruction]:
+        if self._it is None:
+            self._it = self.steps()
+        return next(self._it)
+
+
+class _ProgramSchedule(PipeSchedule):
+    """A schedule whose steps are a program of this module, cut by
+    :func:`program_steps`; ``labels`` as for the program."""
+
+    def __init__(self, micro_batches: int, stages: int, stage_id: int,
+                 labels: bool = True) -> None:
+        super().__init__(micro_batches, stages, stage_id)
+        self.labels = labels
+        self.program = self._make(stages, micro_batches, stage_id, labels)
+
+    @staticmethod
+    def _make(stages: int, micro_batches: int, stage: int, labels: bool
+              ) -> tuple[Instruction, ...]:
+        raise NotImplementedError
+
+    def steps(self) -> Iterator[list[Instruction]]:
+        yield from program_steps(self.program)
+
+    def num_pipe_buffers(self) -> int:
+        return peak_in_flight(self.program)
+
+
+class TrainSchedule(_ProgramSchedule):
+    """The 1F1B training schedule (:func:`train_schedule`) as steps."""
+
+    _make = staticmethod(train_schedule)
+
+
+class InferenceSchedule(_ProgramSchedule):
+    """The forward-only schedule (:func:`inference_schedule`) as steps."""
+
+    _make = staticmethod(inference_schedule)

@@ -32,13 +32,16 @@ class TiedEntry(NamedTuple):
     module: torch.nn.Module
     group: Any  # None: this stage is the key's only owner
     primary: bool
+    ranks: tuple[int, ...]  # the owners in this replica, lowest stage first
+    weight_attr: tuple[str, ...]  # the TiedLayerSpec's tied_weight_attr
 
 
 class TiedWeights:
     """The tied modules of this rank and their groups (module docstring)."""
 
     def __init__(self, entries: list[TiedEntry]) -> None:
-        self.entries = [e for e in entries if e.group is not None]
+        self.held = list(entries)  # every tied module of this rank
+        self.entries = [e for e in entries if e.group is not None]  # those shared
 
     def __bool__(self) -> bool:
         return bool(self.entries)

@@ -20,6 +20,10 @@ axis varies fastest) with its query methods (``get_rank(pipe=1, data=0)``,
 ``PipeModelDataParallelTopology`` (with one model-parallel rank: tensor
 parallelism is not implemented) build one under DeepSpeed's names.
 
+``PipelineParallelGrid`` (DeepSpeed imports it from this module) is
+:class:`dsrun.runtime.pipe.grid.PipelineGrid`, loaded on first use: this
+module stays free of torch.
+
 Invariants: :meth:`PipeTopology.coords` and :meth:`PipeTopology.rank` are
 inverse bijections between ``range(world_size())`` and the grid; the
 data-parallel groups partition the ranks, and so do the pipeline groups.
@@ -243,3 +247,29 @@ def topology_for(world_size: int, num_stages: object = None, topology: object = 
                                f"{world_size}: every data-parallel replica needs all "
                                f"{stages} stages")
     return PipeTopology(stages, world_size // stages)
+
+
+def default_topology(world_size: int) -> PipeTopology:
+    """DeepSpeed's grid when none is given: the prime factors of
+    ``world_size``, smallest first, dealt alternately to the stages and the
+    replicas (12 = 2 * 2 * 3: 6 stages x 2 replicas)."""
+    _positive("the world size", world_size)
+    stages = replicas = 1
+    n, factor, index = world_size, 2, 0
+    while n > 1:
+        while n % factor == 0:
+            if index % 2 == 0:
+                stages *= factor
+            else:
+                replicas *= factor
+            n //= factor
+            index += 1
+        factor += 1
+    return PipeTopology(stages, replicas)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PipelineParallelGrid":
+        from dsrun.runtime.pipe.grid import PipelineGrid
+        return PipelineGrid
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
