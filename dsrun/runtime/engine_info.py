@@ -70,9 +70,11 @@ class EngineInfo:
     def was_step_applied(self) -> bool:
         return self._step_applied
 
-    @property
     def loss_scale(self) -> float:
-        return self.precision.loss_scale
+        """DeepSpeed's: the config's static ``fp16.loss_scale`` (0: dynamic).
+        The scale in use is ``engine.precision.loss_scale`` (and a ZeRO
+        optimizer's ``cur_scale``)."""
+        return float(self.config.fp16.loss_scale)
 
     def get_type(self) -> list[Any]:
         """Per param group: its ``"type"`` entry, 0.0 where it has none (DeepSpeed's)."""

@@ -449,7 +449,7 @@ def test_fp16_loss_scale_and_masters_round_trip(solo: None, tmp_path: Path) -> N
     engine.save_checkpoint(tmp_path)
     fresh = engine_for(stage=0, seed=9, **cfg)
     fresh.load_checkpoint(tmp_path)
-    assert fresh.loss_scale == engine.loss_scale != 2.0**8
+    assert fresh.precision.loss_scale == engine.precision.loss_scale != 2.0**8
     assert fresh.precision.scaler.state_dict() == engine.precision.scaler.state_dict()
     assert all(torch.equal(a, b) for a, b in zip(fresh.precision.masters,
                                                   engine.precision.masters))

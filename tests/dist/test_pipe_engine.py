@@ -491,7 +491,7 @@ def test_fp16_overflow_skips_the_step_on_every_stage(solo: None) -> None:
     before = [p.detach().clone() for p in engine.module.parameters()]
     loss = engine.train_batch(iter(case.batch(0, 0)))
     assert math.isfinite(float(loss))
-    assert engine.skipped_steps == 1 and engine.loss_scale == 2.0 ** 39
+    assert engine.skipped_steps == 1 and engine.precision.loss_scale == 2.0 ** 39
     assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
     for step in range(1, 40):
         engine.train_batch(iter(case.batch(step, 0)))

@@ -68,9 +68,9 @@ def test_fp16_matches_torch_autocast_and_grad_scaler(solo: None, stage: int) -> 
             assert not torch.isfinite(loss)
             if stage > 0:  # the skipped step's norm: inf, as DeepSpeed's ZeRO reports it
                 assert engine.get_global_grad_norm() == float("inf")
-        assert engine.loss_scale == scaler.get_scale(), i
+        assert engine.precision.loss_scale == scaler.get_scale(), i
     assert engine.skipped_steps == 1 and engine.global_steps == 6
-    assert engine.loss_scale == 2.0**15
+    assert engine.precision.loss_scale == 2.0**15
     for ref, got in zip(model.parameters(), engine.module.parameters()):
         assert got.dtype == torch.float32
         if stage == 0:
@@ -89,7 +89,7 @@ def test_fp16_scaler_state_survives_a_checkpoint(solo: None, tmp_path: Path) -> 
     after = [engine_step(engine, x) for x in data[4:]]
     resumed = engine_for(1, "float16")
     resumed.load_checkpoint(tmp_path)
-    assert resumed.loss_scale == 2.0**15 and resumed.skipped_steps == 1
+    assert resumed.precision.loss_scale == 2.0**15 and resumed.skipped_steps == 1
     assert resumed.precision.scaler.state_dict() == saved
     assert [engine_step(resumed, x) for x in data[4:]] == after
 
@@ -109,7 +109,7 @@ def test_bf16_runs_the_forward_in_bfloat16_over_fp32_weights(solo: None) -> None
         assert engine_step(engine, x) == float(loss.detach())
     assert seen == [torch.bfloat16] * OVERFLOW_AT
     assert all(p.dtype == torch.float32 for p in engine.module.parameters())
-    assert engine.loss_scale == 1.0 and not engine.bfloat16_enabled()
+    assert engine.precision.loss_scale == 1.0 and not engine.bfloat16_enabled()
 
 
 def test_safe_modules_that_do_not_import_are_named(solo: None) -> None:

@@ -213,7 +213,7 @@ class EngineMonitor:
             events.append((ev.TRAIN_LOSS, loss, step))
         events += [(ev.lr_event(i), lr, step) for i, lr in enumerate(engine.get_lr())]
         if engine.precision.scaler is not None:
-            events.append((ev.LOSS_SCALE, float(engine.loss_scale), step))
+            events.append((ev.LOSS_SCALE, float(engine.precision.loss_scale), step))
         norm = engine.get_global_grad_norm()
         norm = self._grad_norm if norm is None else norm
         if norm is not None and math.isfinite(norm):

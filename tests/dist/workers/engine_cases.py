@@ -231,7 +231,7 @@ def fp16_overflow(steps: int = 14, inject: tuple[int, ...] = (3, 7, 8)) -> dict[
             engine.backward(loss)
             engine.step()
             facts["skipped"].append(not engine.was_step_applied())
-            facts["scale"].append(engine.loss_scale)
+            facts["scale"].append(engine.precision.loss_scale)
             facts["unchanged"].append(all(torch.equal(a, b) for a, b in
                                           zip(before, engine.module.parameters())))
             facts["loss"].append(loss.item())

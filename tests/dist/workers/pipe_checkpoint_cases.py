@@ -181,7 +181,7 @@ def train(engine: Any, steps: int, save: Callable[[int], None] = lambda step: No
         lrs.append(engine.get_lr()[0])
     return {"start": start, "losses": losses, "lrs": lrs, "global_steps": engine.global_steps,
             "stage": engine.stage_id, "replica": engine.grid.data_parallel_id,
-            "loss_scale": engine.loss_scale}
+            "loss_scale": engine.precision.loss_scale}
 
 
 class Batches:

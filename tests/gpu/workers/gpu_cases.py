@@ -168,7 +168,7 @@ def fp16_overflow() -> dict[str, Any]:
         if step == 0:
             unchanged_after_first = all(torch.equal(a, b) for a, b in
                                         zip(before, full_params(engine.module)))
-        scales.append(engine.loss_scale)
+        scales.append(engine.precision.loss_scale)
         skipped.append(engine.skipped_steps)
     out = {"scales": scales, "skipped": skipped, "grad_dtypes": sorted(grad_dtypes),
            "unchanged_after_first": unchanged_after_first,
