@@ -49,6 +49,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 
 from dsrun.errors import DsrunConfigError, DsrunError
+from dsrun.runtime.dist import group_uses_nccl
 
 log = logging.getLogger("dsrun.runtime")
 
@@ -93,7 +94,7 @@ def is_configured() -> bool:
 
 
 def _on_gpu() -> bool:
-    return dist.is_initialized() and dist.get_backend() == "nccl"
+    return group_uses_nccl()
 
 
 def _get_rng_state() -> torch.Tensor:
@@ -300,20 +301,39 @@ def _to_host(value: Any) -> Any:
     return value
 
 
+def anchor_devices(devices: list[Optional[torch.device]]) -> list[torch.device]:
+    """The devices that get an empty anchor argument when ``cpu_checkpointing``
+    moves the arguments to the host (each non-CPU device once, in order)."""
+    return list(dict.fromkeys(d for d in devices if d is not None and d.type != "cpu"))
+
+
+def _on_host(function: Callable[..., Any],
+             args: tuple[Any, ...]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """(function, args) with the tensor arguments in host memory until the
+    recomputation moves them back. torch's checkpoint saves and restores the
+    RNG state only of the devices its tensor arguments are on, so each device
+    the arguments came from is kept as an empty anchor argument (no memory):
+    the recomputation then draws the forward's dropout masks on the GPU too,
+    as DeepSpeed's CheckpointFunction does by saving the CUDA RNG state."""
+    devices = [a.device if isinstance(a, torch.Tensor) else None for a in args]
+    anchors = tuple(torch.empty(0, device=d) for d in anchor_devices(devices))
+    count = len(args)
+
+    def run(*host: Any, **kw: Any) -> Any:
+        back = [h.to(d) if d is not None and isinstance(h, torch.Tensor) else h
+                for h, d in zip(host[:count], devices)]
+        return function(*back, **kw)
+
+    return run, (*(_to_host(a) for a in args), *anchors)
+
+
 def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``function(*args, **kwargs)``, recomputed in backward instead of
     keeping its activations (module docstring)."""
     run = function
-    if _settings.cpu_checkpointing:
-        devices = [a.device if isinstance(a, torch.Tensor) else None for a in args]
-        if any(d is not None and d.type != "cpu" for d in devices):
-            args = tuple(_to_host(a) for a in args)
-
-            def run(*host: Any, **kw: Any) -> Any:
-                back = [h.to(d) if d is not None and isinstance(h, torch.Tensor) else h
-                        for h, d in zip(host, devices)]
-                return function(*back, **kw)
-
+    if _settings.cpu_checkpointing and anchor_devices(
+            [a.device if isinstance(a, torch.Tensor) else None for a in args]):
+        run, args = _on_host(function, args)
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False,
                                              context_fn=_contexts, **kwargs)
 

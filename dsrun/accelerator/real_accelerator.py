@@ -49,7 +49,7 @@ def rank_device_type() -> str:
     if dist.is_available() and dist.is_initialized():
         return rank_dist.compute_device().type
     env = DistEnv.detect(mpi_size=rank_dist._mpi_world_size)
-    return "cuda" if rank_dist.default_backend(env) == "nccl" else "cpu"
+    return "cuda" if rank_dist.uses_nccl(rank_dist.default_backend(env)) else "cpu"
 
 
 def get_accelerator() -> Accelerator:

@@ -13,6 +13,29 @@ what to do, before anything is changed: whether ``init_distributed``
 would create the group or a script's own
 ``torch.distributed.init_process_group(backend="nccl")`` would replace
 dsrun's gloo group (which is kept, working, for the error report).
+
+Backend and device, the same rule everywhere (DeepSpeed's):
+
+* A group "is NCCL" when it runs NCCL for CUDA tensors, read from
+  ``dist.get_backend_config()`` by the pure :func:`uses_nccl`: ``"nccl"``
+  (config ``cuda:nccl``), ``"cpu:gloo,cuda:nccl"``, and a group made with no
+  backend on a GPU host (``get_backend()`` says ``"undefined"``, the config
+  ``cuda:nccl``). Plain gloo's config is ``cpu:gloo,cuda:gloo``: not NCCL.
+* dsrun's own choice is NCCL when ``torch.cuda.is_available()`` (the same on
+  every rank, so no job mixes NCCL and gloo ranks) and the launcher did not
+  ask for CPU ranks.
+* The rank's GPU (:func:`local_device_index`, pure): its local rank when it
+  sees that many devices (the launcher gives every rank the node's devices),
+  device 0 when it sees exactly one (``srun --gpus-per-task=1`` and other
+  per-task binding), else one error naming the local rank, the count and
+  ``CUDA_VISIBLE_DEVICES``.
+* On an NCCL group :func:`compute_device` also makes that GPU the current
+  device, as DeepSpeed's engine does (``_set_distributed_vars``), so a script
+  that made its group itself (torchrun, ``srun``, ``mpirun``) without
+  ``torch.cuda.set_device`` does not put every rank on GPU 0; the engine,
+  ``zero.Init`` and the memory statistics all use this device. A device the
+  script chose itself (the group's ``device_id``, or a current device other
+  than 0) is kept (:func:`choose_cuda_device`).
 """
 
 from __future__ import annotations
@@ -21,6 +44,7 @@ import atexit
 import datetime
 import inspect
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,12 +60,42 @@ _original_init = dist.init_process_group
 _owned_by_dsrun = False
 
 
+def cuda_backend(spec: str | None) -> str | None:
+    """The backend that ``spec`` uses for CUDA tensors (pure), or None.
+
+    ``spec`` is a backend as ``init_process_group`` takes it (``"nccl"``,
+    ``"GLOO"``, ``"cpu:gloo,cuda:nccl"``) or a group's
+    ``dist.get_backend_config()`` (``"cuda:nccl"``, ``"cpu:gloo,cuda:gloo"``,
+    ``"cpu:gloo"``). None when it names none for CUDA: ``"cpu:gloo"``, and
+    ``None``/``""``/``"undefined"`` (torch then picks by the accelerator).
+    """
+    text = str(spec or "").strip().lower()
+    if ":" in text:
+        pairs = dict(part.split(":", 1) for part in text.split(",") if ":" in part)
+        return pairs.get("cuda") or None
+    return None if text in ("", "undefined") else text
+
+
+def uses_nccl(spec: str | None) -> bool:
+    """Whether ``spec`` (see :func:`cuda_backend`) runs NCCL for CUDA tensors."""
+    return cuda_backend(spec) == "nccl"
+
+
+def group_uses_nccl(group: Any = None) -> bool:
+    """Whether ``group`` (default: the default group) exists and runs NCCL
+    for CUDA tensors (from its backend config, not ``get_backend()``)."""
+    return dist.is_available() and dist.is_initialized() and \
+        uses_nccl(dist.get_backend_config(group))
+
+
 def rank_has_gpu(env: DistEnv) -> bool:
-    """Whether this rank can use a GPU: CUDA sees one for its local rank and
-    the launcher did not ask for CPU ranks (``dsrun --cpu``)."""
+    """Whether this rank trains on a GPU: CUDA is available and the launcher
+    did not ask for CPU ranks (``dsrun --cpu``). Not the local rank against the
+    device count: that differs between ranks under per-task GPU binding, and
+    every rank must choose the same backend."""
     if env.accelerator == "cpu":
         return False
-    return torch.cuda.is_available() and torch.cuda.device_count() > env.local_rank
+    return torch.cuda.is_available()
 
 
 def default_backend(env: DistEnv) -> str:
@@ -52,13 +106,38 @@ def default_backend(env: DistEnv) -> str:
     return "nccl" if rank_has_gpu(env) else "gloo"
 
 
+def local_device_index(local_rank: int, visible: int, cuda_visible_devices: str | None,
+                       source: str = "the launcher") -> int:
+    """The CUDA device index of a rank (pure; the module docstring's rule):
+    ``local_rank`` when ``visible`` devices include it, 0 when the rank sees
+    exactly one (per-task binding), else a :class:`DsrunError`."""
+    if 0 <= local_rank < visible:
+        return local_rank
+    if visible == 1:
+        return 0
+    raise DsrunError(
+        f"local rank {local_rank} (LOCAL_RANK, from {source}) has no GPU of its own: torch "
+        f"sees {visible} CUDA device(s) (CUDA_VISIBLE_DEVICES={cuda_visible_devices!r}). "
+        f"Give every rank of a node all of the node's GPUs (one per local rank), or each "
+        f"rank exactly one (srun --gpus-per-task=1), or start fewer ranks per node")
+
+
+def cuda_device_index(env: DistEnv) -> int:
+    """This rank's CUDA device index (:func:`local_device_index` on torch's count)."""
+    return local_device_index(env.local_rank, torch.cuda.device_count(),
+                              env.cuda_visible_devices, env.source)
+
+
 def check_backend(backend: str, env: DistEnv, asked_by: str) -> None:
-    """Refuse a backend this rank cannot run (NCCL without a GPU), naming
-    ``asked_by`` (the call that asked) and what to do instead."""
-    if str(backend).lower() != "nccl" or rank_has_gpu(env):
+    """Refuse a backend this rank cannot run (NCCL without a GPU, or without a
+    GPU of its own), naming ``asked_by`` (the call that asked) and what to do."""
+    if not uses_nccl(backend):
+        return
+    if rank_has_gpu(env):
+        cuda_device_index(env)  # raises when the local rank has no device
         return
     why = "dsrun --cpu asked for CPU ranks" if env.accelerator == "cpu" else \
-        f"torch sees no CUDA device for local rank {env.local_rank}"
+        "torch sees no CUDA device (torch.cuda.is_available() is False)"
     raise DsrunError(
         f"{asked_by} asked for the NCCL backend, but NCCL needs GPUs and rank {env.rank} is a "
         f"CPU rank ({why}); CPU ranks communicate with gloo. Leave the backend out (dsrun "
@@ -66,12 +145,36 @@ def check_backend(backend: str, env: DistEnv, asked_by: str) -> None:
         f"\"nccl\" if torch.cuda.is_available() else \"gloo\"")
 
 
-def compute_device() -> torch.device:
+def choose_cuda_device(current: int, bound: int | None, expected: Callable[[], int]) -> int:
+    """The device a rank of an existing NCCL group trains on (pure): the
+    group's bound device (``init_process_group(device_id=...)``), else the
+    current device when the script chose one (not 0, the default), else
+    ``expected()`` (:func:`cuda_device_index`; called only then, as it may
+    raise)."""
+    if bound is not None:
+        return bound
+    if current != 0:
+        return current
+    return expected()
+
+
+def compute_device(env: DistEnv | None = None) -> torch.device:
     """The device this rank trains on: its GPU when the default process group
-    is NCCL, else the CPU (gloo ranks, also on hosts that have GPUs)."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    runs NCCL for CUDA tensors, else the CPU (gloo ranks, also on hosts with
+    GPUs). On an NCCL group that GPU is made the current device (module
+    docstring); ``env`` is read from the environment when not given."""
+    if not group_uses_nccl():
+        return torch.device("cpu")
+    bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+    current = torch.cuda.current_device()
+    index = choose_cuda_device(
+        current, bound.index if bound is not None and bound.type == "cuda" else None,
+        lambda: cuda_device_index(env or DistEnv.detect(mpi_size=_mpi_world_size)))
+    if index != current:
+        torch.cuda.set_device(index)
+        log.debug("NCCL group made outside dsrun: cuda:%d is now the current device (was "
+                  "cuda:%d)", index, current)
+    return torch.device("cuda", index)
 
 
 def init_distributed(backend: str | None = None, timeout: datetime.timedelta | None = None,
@@ -89,6 +192,7 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
     global _owned_by_dsrun
     if dist.is_initialized():
         _note_kept_group(backend or compat.get("dist_backend"))
+        compute_device(env)  # an NCCL group made by the script: its rank's GPU
         return
     env = env or DistEnv.detect(mpi_size=_mpi_world_size)
     asked = backend or compat.get("dist_backend")
@@ -105,8 +209,8 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
     for key in ("device_id", "pg_options"):  # a script's own, when it re-creates the group
         if compat.get(key) is not None:
             kwargs[key] = compat[key]
-    if backend == "nccl":
-        torch.cuda.set_device(env.local_rank)
+    if uses_nccl(backend):
+        torch.cuda.set_device(cuda_device_index(env))
     kwargs.update(_rendezvous(env, backend, timeout, compat))
     _original_init(**kwargs)
     _owned_by_dsrun = True

@@ -33,6 +33,8 @@ come from the rank's node agent: the rank dies with that process
 ``fill_local_rank`` is False when the launcher was given ``--no_local_rank``
 (``DSRUN_LOCAL_RANK_FILL=0``): the runtime then leaves ``--local_rank`` to
 the script (localrank.py).
+``cuda_visible_devices`` is ``CUDA_VISIBLE_DEVICES`` as the rank got it; dist.py
+names it when the local rank has no GPU of its own.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class DistEnv:
     agent_pid: int | None = None  # DSRUN_AGENT_PID: the node agent that started the rank
     stack_file: str | None = None  # DSRUN_STACK_FILE: where stacks go on request
     fill_local_rank: bool = True  # DSRUN_LOCAL_RANK_FILL != "0"
+    cuda_visible_devices: str | None = None  # CUDA_VISIBLE_DEVICES, for error messages
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -125,6 +128,7 @@ class DistEnv:
             agent_pid=_int(env, "DSRUN_AGENT_PID", None),
             stack_file=env.get("DSRUN_STACK_FILE") or None,
             fill_local_rank=env.get("DSRUN_LOCAL_RANK_FILL", "1") != "0",
+            cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
         )
         for src in SOURCES:
             if src.rank in env and src.size in env:

@@ -117,3 +117,9 @@ def test_world_size_one_step_needs_no_host_sync(results, stage):
     assert facts["error"] is None, facts["error"]
     assert not facts["backward_hooks"]
     assert facts["master_is_param_buffer"]
+
+
+def test_client_state_comes_back_in_host_memory(results):
+    facts = case(results, "client_state_cuda")
+    assert facts["client_device"] == "cpu" and facts["client_equal"]
+    assert facts["client_step"] == 7 and facts["param_devices"] == ["cuda:0"]

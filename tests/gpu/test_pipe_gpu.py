@@ -3,8 +3,10 @@
 CUDA are not exercised here; their device handling is the same code as the
 gloo path the dist tier runs). Checks the CUDA placement of data, labels,
 losses and the cross-stage norm against plain torch on the same GPU:
-fp32 without clipping bitwise (parameters), with clipping within 1e-6; bf16 and fp16
-train (finite, falling loss) and keep their dtypes."""
+fp32 without clipping bitwise (parameters), with clipping within 1e-6; with
+clipping, ZeRO stage 1 and the optimizer offloaded (its gradients in host
+memory, the norm on the GPU) within 1e-5 (the update runs on the CPU);
+bf16 and fp16 train (finite, falling loss) and keep their dtypes."""
 
 from __future__ import annotations
 
@@ -52,9 +54,9 @@ def config(clip, **extra):
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
             **extra}
 
-def parity(clip):
+def parity(clip, **extra):
     module = PipelineModule(layers(), num_stages=1, loss_fn=F.cross_entropy, seed_layers=True)
-    engine, _, _, _ = dsrun.initialize(model=module, config=config(clip))
+    engine, _, _, _ = dsrun.initialize(model=module, config=config(clip, **extra))
     ref = PipelineModule(layers(), num_stages=1, seed_layers=True).cuda()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
     losses, ref_losses = [], []
@@ -89,8 +91,10 @@ def precision(name):
     return {"losses": losses, "dtype": str(next(engine.module.parameters()).dtype),
             "skipped": engine.skipped_steps}
 
+OFFLOAD = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
 json.dump({"noclip": parity(0.0), "clip": parity(0.05), "bf16": precision("bf16"),
-           "fp16": precision("fp16")}, open(sys.argv[1], "w"))
+           "fp16": precision("fp16"), "offload_clip": parity(0.05, **OFFLOAD)},
+          open(sys.argv[1], "w"))
 '''
 
 
@@ -204,3 +208,11 @@ def test_pipeline_monitor_on_the_gpu(tmp_path: Path) -> None:
         total = sum(values[at] for values in parts.values())
         assert abs(total - measured) <= 0.10 * measured, (at, total, measured)
         assert parts["forward"][at] > 0 and parts["batch_input"][at] > 0
+
+
+def test_pipeline_clips_offloaded_gradients(results: dict[str, Any]) -> None:
+    """The clipping coefficient (a CUDA scalar) scales host gradients."""
+    offload = results["offload_clip"]
+    assert offload["device"] == "cuda:0"
+    assert max(abs(a - b) for a, b in zip(offload["losses"], offload["ref_losses"])) <= 1e-5
+    assert offload["param_diff"] <= 1e-5

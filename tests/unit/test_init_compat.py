@@ -22,12 +22,17 @@ class FakeWorld:
         self.inits: list[dict] = []
 
 
+#: dist.get_backend_config() of groups made with these backends (torch 2.13)
+CONFIGS = {"gloo": "cpu:gloo,cuda:gloo", "nccl": "cuda:nccl", "mpi": "cpu:mpi,cuda:mpi"}
+
+
 @pytest.fixture
 def world(monkeypatch):
     w = FakeWorld()
     d = rdist.dist
     monkeypatch.setattr(d, "is_initialized", lambda: w.alive)
     monkeypatch.setattr(d, "get_backend", lambda group=None: w.backend)
+    monkeypatch.setattr(d, "get_backend_config", lambda group=None: CONFIGS[w.backend])
     monkeypatch.setattr(d, "get_rank", lambda group=None: 1)
     monkeypatch.setattr(d, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(d, "destroy_process_group", lambda group=None: setattr(w, "alive",
@@ -85,7 +90,7 @@ def test_check_backend_refuses_nccl_on_a_cpu_rank(monkeypatch):
     rdist.check_backend("gloo", CPU_RANK, "x")  # fine
     no_cuda = DistEnv(rank=0, world_size=1)
     monkeypatch.setattr(rdist.torch.cuda, "is_available", lambda: False)
-    with pytest.raises(DsrunError, match="torch sees no CUDA device for local rank 0"):
+    with pytest.raises(DsrunError, match=r"torch sees no CUDA device \(torch.cuda.is_available"):
         rdist.check_backend("nccl", no_cuda, "x")
     monkeypatch.setattr(rdist.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(rdist.torch.cuda, "device_count", lambda: 1)

@@ -227,7 +227,9 @@ def load(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool =
          load_module_only: bool = False, custom_load_fn: Any = None
          ) -> tuple[Optional[str], Optional[Any]]:
     """``engine.load_checkpoint`` -> ``(path of the tag's directory,
-    client_state)``; ``(None, None)`` when there is nothing to load."""
+    client_state)``; ``(None, None)`` when there is nothing to load. The
+    client state comes back as saved, its tensors in host memory (loaded to
+    the CPU on every rank, as DeepSpeed does)."""
     if custom_load_fn is not None:
         raise CheckpointError("load_checkpoint(custom_load_fn=...) is not supported by dsrun")
     ck = checkpointer(engine)

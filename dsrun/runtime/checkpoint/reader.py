@@ -427,7 +427,10 @@ def _read(request: LoadRequest, phase: _Phase, skip: set[str], rank: int) -> Loa
         blob = _read_checked(phase.path, manifest, ENGINE_STATE)
     saved_rank = rank if rank < manifest.world_size else 0
     record = json.loads(_read_checked(phase.path, manifest, record_file(saved_rank)))
-    state = torch.load(io.BytesIO(blob), weights_only=False) if blob is not None else None
+    # To host memory, as DeepSpeed loads it: rank 0 wrote it, so its CUDA tensors
+    # (client_state's) would otherwise go to rank 0's device on every rank.
+    state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=False) \
+        if blob is not None else None
     return Loaded(phase.path, manifest, state, record.get("extra") or {}, saved_rank,
                   [] if not skip else sorted(skip))
 

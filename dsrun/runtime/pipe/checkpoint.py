@@ -226,7 +226,7 @@ def _save(state: Mapping[str, torch.Tensor], path: str) -> None:
 def _merge16(path: str, first: Mapping[str, torch.Tensor], parts: Sequence[str]) -> None:
     """Rank 0: stage 0's state and the other stages' part files -> ``path``."""
     try:
-        states = [first, *(torch.load(p, weights_only=True) for p in parts)]
+        states = [first, *(torch.load(p, map_location="cpu", weights_only=True) for p in parts)]
         values: dict[str, torch.Tensor] = {}
         for state in states:
             for key, value in state.items():

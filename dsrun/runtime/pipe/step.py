@@ -100,8 +100,8 @@ def pipeline_step(engine: Any, measure_norm: bool = False) -> StepResult:
     if max_norm > 0:
         assert norm is not None
         coefficient = torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0)
-        for grad in to_clip:
-            grad.mul_(coefficient.to(grad.dtype))
+        for grad in to_clip:  # offloaded masters' grads are in host memory
+            grad.mul_(coefficient.to(device=grad.device, dtype=grad.dtype))
     if zero is not None:
         zero.step()
         return StepResult(True, norm)

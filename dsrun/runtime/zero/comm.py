@@ -99,17 +99,39 @@ STRATEGIES: Mapping[str, CommStrategy] = MappingProxyType({
 DEFAULT_STRATEGY = STRATEGIES["gloo"]  # needs only all_reduce and broadcast
 
 
+def backend_by_device(config: str) -> dict[str, str]:
+    """``dist.get_backend_config()``'s string as ``{device type: backend}``
+    (pure): ``"cpu:gloo,cuda:nccl"``; a bare name (``"nccl"``) maps ``""``."""
+    text = str(config).strip().lower()
+    if ":" not in text:
+        return {"": text}
+    return dict(part.split(":", 1) for part in text.split(",") if ":" in part)
+
+
+def strategy_for_config(config: str, device_type: Optional[str] = None) -> CommStrategy:
+    """The strategy for a group whose backend config is ``config``, for
+    tensors of ``device_type`` (pure). None: the group's backend when it has
+    one for every device, else its CPU backend."""
+    per_device = backend_by_device(config)
+    if device_type is not None and device_type in per_device:
+        backend = per_device[device_type]
+    elif len(set(per_device.values())) == 1:
+        backend = next(iter(per_device.values()))
+    else:
+        backend = per_device.get("cpu", "")
+    return STRATEGIES.get(backend, DEFAULT_STRATEGY)
+
+
 def strategy_for(group: Any = None, device: Optional[torch.device] = None) -> CommStrategy:
     """The strategy for ``group``'s backend, for tensors on ``device``.
 
-    A group with several backends (``"cpu:gloo,cuda:nccl"``) uses nccl's
-    strategy for CUDA tensors and gloo's for the others.
+    Read from the group's backend config, not its name: a group made with
+    no backend (``get_backend()`` says ``"undefined"``) is ``cuda:nccl`` on a
+    GPU host, and one with several backends (``"cpu:gloo,cuda:nccl"``) uses
+    nccl's strategy for CUDA tensors and gloo's for the others.
     """
-    backend = str(dist.get_backend(group)).lower()
-    if ":" in backend:
-        per_device = dict(part.split(":", 1) for part in backend.split(","))
-        backend = per_device.get(device.type if device is not None else "cpu", backend)
-    return STRATEGIES.get(backend, DEFAULT_STRATEGY)
+    return strategy_for_config(dist.get_backend_config(group),
+                               device.type if device is not None else None)
 
 
 class Pending:

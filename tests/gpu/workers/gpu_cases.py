@@ -20,6 +20,7 @@ import contextlib
 import gc
 import json
 import os
+import tempfile
 import traceback
 from typing import Any, Callable
 
@@ -297,6 +298,25 @@ def no_host_sync(stage: int) -> dict[str, Any]:
     return out
 
 
+def client_state_cuda() -> dict[str, Any]:
+    """A checkpoint whose client_state holds a CUDA tensor: load_checkpoint
+    hands it back in host memory (loaded to the CPU on every rank, as
+    DeepSpeed loads), the model's state on the GPU."""
+    with tempfile.TemporaryDirectory() as save_dir:
+        engine, *_ = dsrun.initialize(model=make_model(), config=config(1, "fp32"))
+        train(engine, steps=2)
+        saved = torch.arange(4.0, device="cuda")
+        engine.save_checkpoint(save_dir, client_state={"t": saved, "step": 7})
+        _release(engine)
+        engine, *_ = dsrun.initialize(model=make_model(seed=1), config=config(1, "fp32"))
+        _, client = engine.load_checkpoint(save_dir)
+        out = {"client_device": str(client["t"].device), "client_step": client["step"],
+               "client_equal": torch.equal(client["t"], saved.cpu()),
+               "param_devices": sorted({str(p.device) for p in engine.module.parameters()})}
+        _release(engine)
+    return out
+
+
 def _release(engine: Any) -> None:
     engine.destroy()
     del engine
@@ -313,6 +333,7 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "offload_s2": lambda: offload(2, param=False),
     "offload_s3": lambda: offload(3, param=True),
     "memory": memory,
+    "client_state_cuda": client_state_cuda,
     **{f"no_host_sync_s{s}": (lambda s=s: no_host_sync(s)) for s in (1, 2, 3)},
 }
 
