@@ -8,8 +8,15 @@ dsrun``) adds a finder that answers ``deepspeed`` and ``deepspeed.<name>``
 with the modules ``dsrun`` and ``dsrun.<name>`` themselves - the same
 objects, not copies - but only while no real ``deepspeed`` package is on
 ``sys.path`` (then the finder stays out of the way, and ``import deepspeed``
-gets DeepSpeed). The alias has no distribution metadata, so tools that ask
-``importlib.metadata`` whether DeepSpeed is installed still hear no.
+gets DeepSpeed).
+
+The same finder answers ``importlib.metadata`` for the distribution
+``deepspeed`` under the same condition, with version
+``0.19.8+dsrun.<dsrun's version>`` (the DeepSpeed release whose API dsrun
+follows): Hugging Face's Trainer and Accelerate check the metadata before
+they use DeepSpeed, and so run on dsrun. It answers queries of the default
+search path only (not a listing of given directories, as pip makes), and
+``DSRUN_DEEPSPEED_METADATA=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -17,14 +24,21 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import importlib.util
+import os
+import pathlib
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Any, Optional
 
 ALIAS = "deepspeed"
 TARGET = "dsrun"
+#: the DeepSpeed release whose API dsrun follows (the metadata's version)
+DEEPSPEED_API_VERSION = "0.19.8"
+METADATA_SWITCH = "DSRUN_DEEPSPEED_METADATA"
 # DeepSpeed module paths whose dsrun module has another name.
 RENAMED = {
     "deepspeed.runtime.zero.partition_parameters": "dsrun.zero",  # Init, GatheredParameters...
@@ -37,11 +51,43 @@ def target_name(fullname: str) -> str:
     return RENAMED.get(fullname) or TARGET + fullname[len(ALIAS):]
 
 
+def _deepspeed_installed() -> bool:
+    return importlib.machinery.PathFinder.find_spec(ALIAS) is not None
+
+
+class _AliasDistribution(importlib.metadata.Distribution):
+    """The metadata of the ``deepspeed`` alias (module docstring)."""
+
+    def read_text(self, filename: str) -> Optional[str]:
+        if filename == "METADATA":
+            from dsrun import __version__
+
+            return (f"Metadata-Version: 2.1\nName: {ALIAS}\n"
+                    f"Version: {DEEPSPEED_API_VERSION}+dsrun.{__version__}\n"
+                    f"Summary: dsrun answering for DeepSpeed (import dsrun as deepspeed)\n")
+        if filename == "top_level.txt":
+            return ALIAS + "\n"
+        return None
+
+    def locate_file(self, path: Any) -> pathlib.Path:
+        return pathlib.Path(__file__).parent / str(path)
+
+
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_distributions(self, context: Any = None
+                           ) -> Iterator[importlib.metadata.Distribution]:
+        name = getattr(context, "name", None)
+        if name is not None and re.sub(r"[-_.]+", "-", name).lower() != ALIAS:
+            return iter(())
+        if "path" in getattr(context, "__dict__", {}) or os.environ.get(METADATA_SWITCH) == "0" \
+                or _deepspeed_installed():
+            return iter(())  # directories were named, turned off, or the real one is there
+        return iter((_AliasDistribution(),))
+
     def find_spec(self, fullname: str, path: Optional[Sequence[str]] = None,
                   target: Any = None) -> Optional[importlib.machinery.ModuleSpec]:
         if fullname == ALIAS:
-            if importlib.machinery.PathFinder.find_spec(ALIAS) is not None:
+            if _deepspeed_installed():
                 return None  # the real DeepSpeed is installed: leave it alone
         elif not fullname.startswith(ALIAS + ".") or \
                 sys.modules.get(ALIAS) is not sys.modules.get(TARGET):

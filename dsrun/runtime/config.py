@@ -173,7 +173,8 @@ class DsrunConfig:
     bf16: BF16Config = subsection(BF16Config)
     zero_optimization: ZeroConfig = subsection(ZeroConfig)
     checkpoint: CheckpointConfig = subsection(CheckpointConfig)
-    steps_per_print: int = opt("int", 10, low=1)
+    # None: never (JSON null, or Infinity, which Accelerate always writes)
+    steps_per_print: Optional[int] = opt("int", 10, low=1, optional=True)
     wall_clock_breakdown: bool = opt("bool", False)
     csv_monitor: CsvMonitorConfig = subsection(CsvMonitorConfig)
     tensorboard: TensorBoardConfig = subsection(TensorBoardConfig)
@@ -258,6 +259,8 @@ class DsrunConfig:
         feeding it back to :func:`resolve` with the same dp size gives an
         equal config)."""
         out = to_dict(self)
+        if self.steps_per_print is None:
+            out["steps_per_print"] = None  # never (left out, it would read as the default)
         out.update(thaw(self.passthrough))
         return out
 
@@ -506,6 +509,8 @@ def resolve(config: ConfigInput, *, dp_size: int, dp_source: str,
                                     ("data_types",), ctx),
         **parse_monitors(known, ctx),
     }
+    if known.get("steps_per_print") == float("inf"):
+        known["steps_per_print"] = None  # Accelerate's way to say never
     if is_auto(known.get("gradient_clipping")):
         known["gradient_clipping"] = 1.0  # what HF's integration fills in
     for key, f in top.items():

@@ -476,10 +476,12 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients without all-reducing them."""
         if self.zero_stage > 0 and self.optimizer.backward_hook_installed:
+            why = "stage 1 without gradient accumulation" if self.zero_stage == 1 else \
+                f"stage {self.zero_stage}"
             raise DsrunError(f"engine.no_sync() is not possible at ZeRO stage "
                              f"{self.zero_stage} here: gradients are reduced during every "
-                             "backward (stage 2, or stage 1 without gradient accumulation); "
-                             "use gradient_accumulation_steps > 1 with stage 1, or stage 0")
+                             f"backward ({why}), as in DeepSpeed; use "
+                             "gradient_accumulation_steps > 1 with stage 1, or stage 0")
         previous, self._inside_no_sync = self._inside_no_sync, True
         try:
             yield

@@ -267,8 +267,10 @@ class EngineInfo:
         inner = getattr(self.optimizer, "optimizer", self.optimizer)
         return type(inner).__name__
 
-    def steps_per_print(self) -> int:
-        return self.config.steps_per_print
+    def steps_per_print(self) -> float:
+        """The config's; infinity where it says never (null or Infinity)."""
+        every = self.config.steps_per_print
+        return float("inf") if every is None else every
 
     def wall_clock_breakdown(self) -> bool:
         return self.config.wall_clock_breakdown

@@ -400,6 +400,9 @@ SCHEDULERS: Mapping[str, type[_DeepSpeedSchedule]] = {
     "WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR,
     "OneCycle": OneCycle, "LRRangeTest": LRRangeTest,
 }
+#: DeepSpeed's list of its scheduler names (Accelerate checks a client
+#: scheduler's class name against it)
+VALID_LR_SCHEDULES = list(SCHEDULERS)
 
 
 def build_scheduler(config: Optional[SchedulerConfig], optimizer: Any

@@ -44,7 +44,7 @@ def ensure_visible() -> None:
 class Progress:
     """Accumulates losses and samples between progress lines (rank 0 prints)."""
 
-    def __init__(self, steps_per_print: int, samples_per_step: int, enabled: bool,
+    def __init__(self, steps_per_print: Optional[int], samples_per_step: int, enabled: bool,
                  memory: bool = False) -> None:
         self.steps_per_print = steps_per_print
         self.samples_per_step = samples_per_step
@@ -65,7 +65,8 @@ class Progress:
              extra: Optional[str] = None) -> None:
         """Called after every optimizer step (applied or skipped)."""
         self._steps += 1
-        if not self.enabled or global_steps % self.steps_per_print:
+        if not self.enabled or self.steps_per_print is None \
+                or global_steps % self.steps_per_print:
             return
         elapsed = max(time.perf_counter() - self._since, 1e-9)
         rate = self._steps * self.samples_per_step / elapsed

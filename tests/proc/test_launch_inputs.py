@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.conftest import run_dsrun, start_dsrun, wait_gone
+from tests.conftest import ROOT, run_dsrun, start_dsrun, wait_gone
 
 pytestmark = pytest.mark.proc
 ONE = ["--cpu", "--num_gpus", "1", "--dist_backend", "none"]
@@ -137,3 +137,11 @@ def test_a_closed_stdout_pipe_stops_the_job_quietly(tmp_path, pid_dir):
     assert "Traceback" not in err and "Error" not in err, err
     pids = [int(p.read_text()) for p in pid_dir.iterdir()]
     assert len(pids) == 2 and wait_gone(pids, 10) == []
+
+
+def test_python_m_dsrun_is_the_dsrun_command():
+    """`python -m dsrun`: what runs dsrun with another interpreter (its ranks use it too)."""
+    res = subprocess.run([sys.executable, "-m", "dsrun", "--version"], capture_output=True,
+                         text=True, timeout=60, cwd=str(ROOT))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("dsrun ")

@@ -709,3 +709,24 @@ def test_data_types_is_checked_and_named_when_not_what_dsrun_accumulates_in() ->
         res(base(data_types={"grad_accum_dtype": "int8"}))
     with pytest.raises(DsrunConfigError, match="grad_accum_dtype"):
         res(base(data_types={"grad_acum_dtype": "fp32"}))
+
+
+def test_steps_per_print_infinity_or_null_means_never(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Accelerate's DeepSpeedPlugin always sets steps_per_print to Infinity."""
+    from dsrun.runtime.progress import LOGGER_NAME, Progress
+
+    for never in (float("inf"), None):
+        config = res(base(steps_per_print=never))
+        assert config.steps_per_print is None
+        again = res(json.loads(json.dumps(config.to_dict())))
+        assert again == config
+    with pytest.raises(DsrunConfigError, match="steps_per_print"):
+        res(base(steps_per_print=0))
+    with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
+        for every, lines in ((None, 0), (1, 3)):
+            caplog.clear()
+            progress = Progress(every, 8, enabled=True)
+            for step in range(1, 4):
+                progress.step(step, 0, [0.1])
+            assert sum("step=" in r.getMessage() for r in caplog.records) == lines

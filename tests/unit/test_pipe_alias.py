@@ -43,8 +43,23 @@ def test_deepspeed_names_are_dsrun_modules() -> None:
                                                   dsrun.pipe.LayerSpec, dsrun.zero.Init)
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("deepspeed.no_such_module")
+
+
+def test_the_alias_has_deepspeeds_metadata_for_hugging_face(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """transformers' and accelerate's is_deepspeed_available(): find_spec, then metadata."""
+    from packaging.version import Version
+
+    assert importlib.util.find_spec("deepspeed") is not None
+    version = importlib.metadata.version("deepspeed")
+    assert version == f"0.19.8+dsrun.{dsrun.__version__}" and Version(version) >= Version("0.9.3")
+    assert importlib.metadata.metadata("DeepSpeed")["Name"] == "deepspeed"  # normalised name
+    assert "deepspeed" in {d.metadata["Name"] for d in importlib.metadata.distributions()}
+    # a listing of named directories (pip's) does not see it; the switch turns it off
+    assert not list(importlib.metadata.distributions(name="deepspeed", path=[str(tmp_path)]))
+    monkeypatch.setenv("DSRUN_DEEPSPEED_METADATA", "0")
     with pytest.raises(importlib.metadata.PackageNotFoundError):
-        importlib.metadata.version("deepspeed")  # nobody is told DeepSpeed is installed
+        importlib.metadata.version("deepspeed")
 
 
 def test_a_real_deepspeed_is_left_alone(monkeypatch: pytest.MonkeyPatch,
@@ -57,6 +72,8 @@ def test_a_real_deepspeed_is_left_alone(monkeypatch: pytest.MonkeyPatch,
     real = importlib.import_module("deepspeed")
     assert real is not dsrun and real.REAL
     assert importlib.import_module("deepspeed.pipe").REAL_PIPE
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("deepspeed")  # the real package's own metadata only
 
 
 def test_deepspeeds_top_level_names() -> None:
@@ -141,3 +158,24 @@ def test_deepspeeds_pipeline_module_paths() -> None:
     assert engine.is_even(4) and not engine.is_even(3)
     with pytest.raises(AttributeError, match="no attribute 'NoSuchGrid'"):
         topology.NoSuchGrid  # noqa: B018
+
+
+def test_what_hugging_face_imports_from_deepspeed() -> None:
+    """Accelerate's _prepare_deepspeed / get_state_dict and `accelerate launch`."""
+    import torch
+
+    from dsrun.runtime.lr_schedules import SCHEDULERS
+
+    ns: dict[str, object] = {}
+    exec("from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES\n"
+         "from deepspeed.checkpoint.utils import clone_tensors_for_torch_save\n"
+         "from deepspeed.launcher.runner import DEEPSPEED_ENVIRONMENT_NAME\n", ns)
+    assert ns["VALID_LR_SCHEDULES"] == list(SCHEDULERS) and "WarmupDecayLR" in SCHEDULERS
+    assert ns["DEEPSPEED_ENVIRONMENT_NAME"] == ".deepspeed_env"
+    clone = ns["clone_tensors_for_torch_save"]
+    flat = torch.arange(10.0)
+    state = {"a": [flat[:2], (flat[2:4],)], "n": 3}
+    copied = clone(state)  # type: ignore[operator]
+    assert copied["n"] == 3 and torch.equal(copied["a"][1][0], flat[2:4])
+    assert copied["a"][0].untyped_storage().nbytes() == 2 * 4  # its own storage, not the view's
+    assert copied["a"][0].data_ptr() != flat.data_ptr()

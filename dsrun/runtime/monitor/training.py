@@ -162,7 +162,8 @@ class EngineMonitor:
         breakdown. That work cannot be in the interval it reports: it is
         added to the next step's ``step`` and ``monitor`` parts."""
         self.timers.end_step(iteration)
-        if not self.timers.enabled or engine.global_steps % self._print_every:
+        if not self.timers.enabled or self._print_every is None \
+                or engine.global_steps % self._print_every:
             return
         start = time.perf_counter()
         steps = self.timers.steps_pending
