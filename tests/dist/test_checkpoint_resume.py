@@ -132,6 +132,26 @@ def test_async_save_equals_a_sync_save_of_the_same_state(runs: dict[str, Any]) -
     assert (root / "first" / "manifest.json").exists()
 
 
+def test_a_full_disk_on_one_rank_during_an_async_save_fails_fast_naming_the_file(
+        runs: dict[str, Any]) -> None:
+    """Rank 1's background write hits ENOSPC (checkpoint.timeout is the
+    default 600 s): the failure reaches rank 0 through the store, not the
+    full directory, so the next save raises it at once on both ranks, its
+    file and cause first; TAG.tmp/ is gone and the previous tag intact."""
+    rank0, rank1 = extra(runs, "async_disk_full")
+    for fact in (rank0, rank1):
+        assert fact["error_text"] is not None
+        assert fact["error_text"].startswith("no space left on the device writing "), fact
+        assert "bad.tmp/rank_00001.bin" in fact["error_text"]
+        assert "(the asynchronous save of tag 'bad' failed on rank 1)" in fact["error_text"]
+        assert fact["seconds"] < 30, fact
+        assert fact["listing"] == ["good", "latest", "zero_to_fp32.py"]
+        assert fact["latest"] == "good"
+    assert rank0["error_text"] == rank1["error_text"]
+    manifest = runs["ckpt"] / "async_full" / "good" / "manifest.json"
+    assert json.loads(manifest.read_text())["tensors"]
+
+
 def test_consolidation_equals_the_full_state_dict(runs: dict[str, Any], tmp_path: Path) -> None:
     from dsrun.runtime.checkpoint.consolidate import to_fp32
 

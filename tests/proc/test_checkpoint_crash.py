@@ -90,7 +90,7 @@ def test_an_async_save_failing_after_the_script_ended_fails_the_process(tmp_path
                          cwd=str(ROOT))
     assert "script done" in res.stdout
     assert res.returncode == 1
-    assert "dsrun: error: the asynchronous save of tag 'doomed' failed" in res.stderr
+    assert "(the asynchronous save of tag 'doomed' failed on rank 0)" in res.stderr
 
 
 def test_an_async_save_failing_while_the_script_raises_reports_both(tmp_path: Path) -> None:
@@ -103,4 +103,4 @@ def test_an_async_save_failing_while_the_script_raises_reports_both(tmp_path: Pa
                          cwd=str(ROOT))
     assert res.returncode == 1, res.stderr[-3000:]
     assert "RuntimeError: the script's own error" in res.stderr
-    assert "dsrun: error: the asynchronous save of tag 'doomed' failed" in res.stderr
+    assert "(the asynchronous save of tag 'doomed' failed on rank 0)" in res.stderr

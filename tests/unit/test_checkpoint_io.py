@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -16,9 +18,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsrun.errors import CheckpointError
-from dsrun.runtime.checkpoint import storage
+from dsrun.runtime.checkpoint import storage, writer
 from dsrun.runtime.checkpoint.consolidate import get_fp32_state_dict, to_fp32
-from dsrun.runtime.checkpoint.coord import Coordinator, check_same, raise_failures
+from dsrun.runtime.checkpoint.coord import (
+    Coordinator,
+    Failure,
+    SaveBoard,
+    check_same,
+    raise_failures,
+    raise_first,
+)
 from dsrun.runtime.checkpoint.fragments import (
     ExportedState,
     Fragment,
@@ -31,7 +40,16 @@ from dsrun.runtime.checkpoint.fragments import (
 from dsrun.runtime.checkpoint.info import checkpoint_info, format_info
 from dsrun.runtime.checkpoint.reader import LoadRequest, load_state
 from dsrun.runtime.checkpoint.stateformats import SafetensorsWriter, Spec, TorchSaveWriter
-from dsrun.runtime.checkpoint.writer import SaveRequest, own_share, save_state
+from dsrun.runtime.checkpoint.tags import remove_stale_saves
+from dsrun.runtime.checkpoint.writer import (
+    Commit,
+    RankFailed,
+    RankPlan,
+    RankWrite,
+    SaveRequest,
+    own_share,
+    save_state,
+)
 
 
 class DictSource:
@@ -147,6 +165,128 @@ def test_a_full_disk_names_the_file_and_keeps_the_previous_checkpoint(
         save(tmp_path, DictSource(tensors()), tag="new")
     assert sorted(os.listdir(tmp_path)) == ["latest", "old", "zero_to_fp32.py"]
     assert (tmp_path / "latest").read_text() == "old"
+
+
+def test_a_write_failing_midway_says_how_much_was_written_before(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int, data: memoryview) -> None:
+        os.write(fd, data[:40])
+        raise storage.WriteFailed(OSError(errno.ENOSPC, "No space left on device"), 40)
+
+    monkeypatch.setattr(storage, "write_all", full)
+    with pytest.raises(CheckpointError) as caught:
+        save(tmp_path, DictSource(tensors()), tag="new")
+    text = str(caught.value)
+    assert "(No space left on device; 40 bytes of this rank's 400 bytes were written before " \
+           "the write failed)" in text, text
+    assert storage.size_texts(400 << 10, 410 << 10) == ["400.0 KiB", "410.0 KiB"]
+    assert storage.size_texts(5 << 20, 5 << 20) == ["5.0 MiB", "5.0 MiB"]
+    assert storage.size_texts(2**20, 2**20 + 1) == ["1.000000 MiB", "1.000001 MiB"]
+    assert storage.size_texts(2**20, 2**20 + 2**11) == ["1.000 MiB", "1.002 MiB"]
+
+
+def test_the_space_check_shows_its_margin_and_different_numbers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(writer, "free_bytes", lambda _path: 405)  # data: 400 bytes
+    with pytest.raises(CheckpointError) as caught:
+        save(tmp_path, DictSource(tensors()), tag="t")
+    text = str(caught.value)
+    assert "needs 408 bytes (400 bytes of data + 2% for records and file-system " \
+           "overhead), 405 bytes are free" in text, text
+    assert not (tmp_path / "t.tmp").exists()
+
+
+def board(world: int = 3) -> SaveBoard:
+    return SaveBoard(torch.distributed.HashStore(), "dsrun/checkpoint/7/failed/", world)
+
+
+def test_the_board_reports_the_first_failure_first_hand_before_consequences() -> None:
+    shared = board()
+    assert shared.first() is None and shared.posted() == {}
+    shared.post(Failure(2, "rank 2 stopped: rank 1's error", cause=False))
+    shared.post(Failure(1, "no space left on the device writing x/rank_00001.bin"))
+    other = SaveBoard(shared.store, shared.prefix, 3)  # another rank's view
+    assert other.first() == Failure(1, "no space left on the device writing x/rank_00001.bin")
+    assert other.first([2]) == Failure(2, "rank 2 stopped: rank 1's error", False)
+    assert other.first([0]) is None
+
+
+def commit_of(root: Path, world: int = 3) -> Commit:
+    return Commit(str(root), "t", world, {}, {}, True)
+
+
+def test_a_posted_failure_ends_the_commits_wait_at_once(tmp_path: Path) -> None:
+    commit, shared = commit_of(tmp_path), board()
+    os.makedirs(commit.tmp_dir)
+    (Path(commit.tmp_dir) / "rank_00000.json").write_text("{}")
+    threading.Timer(0.2, shared.post, [Failure(1, "no space left writing rank_00001.bin")]).start()
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match="no space left writing rank_00001.bin") as caught:
+        commit.wait_for_records(600, board=shared)
+    assert caught.value.failure.rank == 1
+    assert time.monotonic() - start < 5
+    # settle: a failure counts as finished; rank 2 still writes until it records
+    threading.Timer(0.2, (Path(commit.tmp_dir) / "rank_00002.json").write_text, ["{}"]).start()
+    commit.wait_for_records(600, others_only=True, board=shared, settle=True)
+    assert (Path(commit.tmp_dir) / "rank_00002.json").exists()
+
+
+def test_without_a_store_a_failure_goes_into_an_error_file(tmp_path: Path) -> None:
+    commit = commit_of(tmp_path, world=2)
+
+    class Broken:
+        def set(self, *_: Any) -> None:
+            raise RuntimeError("store gone")
+
+    write = RankWrite(commit.tmp_dir, 1, RankPlan(), {},
+                      board=SaveBoard(Broken(), "p/", 2))
+    os.makedirs(commit.tmp_dir)
+    write.fail(Failure(1, "no space left writing rank_00001.bin"))
+    with pytest.raises(RankFailed, match="no space left writing rank_00001.bin"):
+        commit.wait_for_records(600, others_only=True)
+
+
+def test_a_writer_stops_when_another_rank_failed(tmp_path: Path) -> None:
+    shared = board(2)
+    shared.post(Failure(0, "committing: disk full"))
+    plan = writer.plan_rank([DictSource(tensors()).export_state({})])
+    write = RankWrite(str(tmp_path / "t.tmp"), 1, plan, {}, board=shared)
+    old = writer.BOARD_CHECK_S
+    writer.BOARD_CHECK_S = 0.0
+    try:
+        with pytest.raises(RankFailed, match="committing: disk full"):
+            write.run()
+    finally:
+        writer.BOARD_CHECK_S = old
+    write.fail(Failure(0, "committing: disk full"))
+    assert shared.posted()[1] == Failure(1, "committing: disk full", cause=False)
+
+
+def test_previous_failures_are_raised_cause_first() -> None:
+    raise_first([None, None], "the previous asynchronous save")
+    with pytest.raises(CheckpointError) as caught:
+        raise_first([None, "no space ... rank_00001.bin", "no space ... rank_00001.bin"], "x")
+    assert str(caught.value) == "no space ... rank_00001.bin"
+    with pytest.raises(CheckpointError) as caught:
+        raise_first(["A", "B", "A"], "the save")
+    assert str(caught.value) == "A\n  the save also failed on rank 1: B"
+
+
+def test_stale_interrupted_saves_of_other_tags_are_removed(tmp_path: Path) -> None:
+    old = time.time() - 1000
+    for name, files in (("global_step9.tmp", ["rank_00000.bin", "rank_00001.json.tmp.77"]),
+                        ("fresh.tmp", ["rank_00000.bin"]),
+                        ("mine.tmp", ["rank_00000.bin", "notes.txt"]),
+                        ("empty.tmp", []), ("t.tmp", ["rank_00000.bin"])):
+        (tmp_path / name).mkdir()
+        for f in files:
+            (tmp_path / name / f).write_bytes(b"x")
+            if name != "fresh.tmp":
+                os.utime(tmp_path / name / f, (old, old))
+        if name != "fresh.tmp":
+            os.utime(tmp_path / name, (old, old))
+    assert remove_stale_saves(str(tmp_path), "t", 600) == ["global_step9"]
+    assert sorted(os.listdir(tmp_path)) == ["empty.tmp", "fresh.tmp", "mine.tmp", "t.tmp"]
 
 
 def test_fragments_reject_wrong_lengths_and_unshardable_state() -> None:
@@ -353,11 +493,14 @@ def test_to_fp32_refuses_an_output_that_is_not_a_regular_file(
 def test_info_describes_the_tags(tmp_path: Path) -> None:
     save(tmp_path, DictSource(tensors()), tag="first")
     save(tmp_path, DictSource(tensors()), tag="second")
+    save(tmp_path, DictSource(tensors()), tag="step12", save_latest=False)
+    save(tmp_path, DictSource(tensors()), tag="step3", save_latest=False)
     (tmp_path / "third.tmp").mkdir()
     info = checkpoint_info(str(tmp_path))
     text = "\n".join(format_info(info))
-    assert "tags: first, second (latest)" in text
-    assert "interrupted saves (not loadable): third" in text
+    assert "tags: first, second (latest), step3, step12" in text
+    assert "interrupted saves (not loadable): third - a later save removes them once " \
+           f"unchanged for checkpoint.timeout, or remove them: rm -r {tmp_path}/third.tmp" in text
     assert "tag second: saved" in text and "ZeRO stage 2" in text and "step 4" in text
     assert "parameters: 52 in 3 tensors (52 trained)" in text
     assert "optimizer: Fake" in text and "largest tensor a.weight [5, 7]" in text

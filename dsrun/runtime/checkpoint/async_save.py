@@ -6,7 +6,13 @@ and returns. A background thread then **stages** the rest - copies every
 other chunk into the same host buffer (pinned on CUDA, on a side stream
 after the work already queued) - and then writes this rank's files and, on
 rank 0, commits (waiting for the other ranks' records on the file system:
-no collective runs in the thread). Staged chunks are the masters,
+no collective runs in the thread; gloo and NCCL groups are not safe to use
+from two threads, and the training loop owns them). A rank whose part
+fails posts its error on the save's :class:`~.coord.SaveBoard` (a key in
+the c10d store, which needs no disk space): rank 0's committer and the
+other ranks' writers see it within a poll and stop, rank 0 removes
+``TAG.tmp/`` once no rank writes there any more, and every rank's error
+is that first failure, its cause and file first. Staged chunks are the masters,
 parameters and optimizer state, which only the optimizer step changes:
 ``engine.step()`` calls :meth:`AsyncSaver.wait_staged` before it updates
 anything, so a step overlaps the staging with its forward and backward and
@@ -31,12 +37,14 @@ import sys
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
+from dsrun.errors import CheckpointError
+from dsrun.runtime.checkpoint.coord import Failure, SaveBoard
 from dsrun.runtime.checkpoint.storage import remove_tree
-from dsrun.runtime.checkpoint.writer import Commit, Planned, RankWrite, _status
+from dsrun.runtime.checkpoint.writer import Commit, Planned, RankFailed, RankWrite
 
 log = logging.getLogger("dsrun.runtime.checkpoint")
 # Savers with a save in flight or an error nobody collected yet: held here
@@ -68,8 +76,10 @@ class AsyncSaver:
                                        pin_memory=cuda and torch.cuda.is_available())
         return self._buffer
 
-    def start(self, write: RankWrite, commit: Optional[Commit], tag: str) -> None:
-        """Copy the volatile chunks, then stage, write and commit in a thread."""
+    def start(self, write: RankWrite, commit: Optional[Commit], tag: str,
+              board: Optional[SaveBoard] = None) -> None:
+        """Copy the volatile chunks, then stage, write and commit in a thread;
+        failures go on ``board`` (module docstring)."""
         assert not self.in_flight, "wait() before starting another save"
         plan = write.plan
         cuda = any(c.tensor.is_cuda for c in plan.chunks)
@@ -83,6 +93,7 @@ class AsyncSaver:
             ready = torch.cuda.Event()
             ready.record()
         write.plan = replace(plan, chunks=chunks)
+        write.board = board
         self._tag, self._error = tag, None
         self._staged.clear()
         self._thread = threading.Thread(target=self._run, args=(rest, ready, write, commit),
@@ -93,36 +104,47 @@ class AsyncSaver:
     def _run(self, rest: list[tuple[Planned, torch.Tensor]], ready: Any, write: RankWrite,
              commit: Optional[Commit]) -> None:
         try:
-            try:
-                if write.pause:
-                    write.pause.reached(write.rank, "stage", write.tag)
-                _copy(rest, ready is not None, ready)
-            finally:
-                self._staged.set()
-            self._write_and_commit(write, commit)
+            failure = _attempt(write.rank, lambda: self._stage(rest, ready, write))
+            self._write_and_commit(write, commit, failure)
         except BaseException as exc:  # noqa: BLE001 - never lost: wait() raises it
-            self._error = self._error or f"{type(exc).__name__}: {exc}"
+            self._error = self._error or (f"{type(exc).__name__}: {exc} (the asynchronous "
+                                          f"save of tag {self._tag!r} failed)")
         if self._error is None:
             _PENDING.discard(self)
 
-    def _write_and_commit(self, write: RankWrite, commit: Optional[Commit]) -> None:
-        status = _status(write.run)
-        if status:
-            write.fail(status)
-            self._error = status
-            if commit is not None:  # rank 0 clears TAG.tmp once the others stopped writing
-                _status(lambda: commit.wait_for_records(self.timeout_s, others_only=True))
-                remove_tree(commit.tmp_dir)
+    def _stage(self, rest: list[tuple[Planned, torch.Tensor]], ready: Any,
+               write: RankWrite) -> None:
+        try:
+            if write.pause:
+                write.pause.reached(write.rank, "stage", write.tag)
+            _copy(rest, ready is not None, ready)
+        finally:
+            self._staged.set()
+
+    def _write_and_commit(self, write: RankWrite, commit: Optional[Commit],
+                          failure: Optional[Failure]) -> None:
+        failure = failure or _attempt(write.rank, write.run)
+        if failure is not None:
+            write.fail(failure)
+        elif commit is not None:
+            failure = _attempt(0, lambda: commit.wait_for_records(self.timeout_s,
+                                                                  board=write.board),
+                               "committing: ")
+            if failure is None:
+                failure = _attempt(0, commit.run, "committing: ")
+                if failure is not None:
+                    write.fail(failure)  # stops writers still at it (rank 0 only commits)
+        if failure is None:
+            if commit is not None:
+                log.info("saved checkpoint %s (asynchronously)",
+                         os.path.join(commit.save_dir, commit.tag))
             return
-        if commit is None:
-            return
-        status = _status(lambda: (commit.wait_for_records(self.timeout_s), commit.run()))
-        if status:
+        if commit is not None:  # rank 0 clears TAG.tmp once the others stopped writing
+            commit.wait_for_records(self.timeout_s, others_only=True, board=write.board,
+                                    settle=True)
             remove_tree(commit.tmp_dir)
-            self._error = f"committing: {status}"
-        else:
-            log.info("saved checkpoint %s (asynchronously)",
-                     os.path.join(commit.save_dir, commit.tag))
+        self._error = (f"{failure.message} (the asynchronous save of tag {self._tag!r} "
+                       f"failed on rank {failure.rank})")
 
     def wait_staged(self) -> None:
         """Block until the save in flight no longer reads the live tensors."""
@@ -138,9 +160,22 @@ class AsyncSaver:
             self._thread = None
         error, self._error = self._error, None
         _PENDING.discard(self)
-        if error:
-            return f"the asynchronous save of tag {self._tag!r} failed: {error}"
-        return None
+        return error
+
+
+def _attempt(rank: int, run: Callable[[], None], what: str = "") -> Optional[Failure]:
+    """Run one step of the save: None, or the failure to report - another
+    rank's when it made this one stop (:class:`RankFailed`)."""
+    try:
+        run()
+    except RankFailed as exc:
+        return exc.failure
+    except CheckpointError as exc:
+        return Failure(rank, f"{what}{exc}")
+    except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised
+        log.exception("checkpoint step failed")
+        return Failure(rank, f"{what}{type(exc).__name__}: {exc}")
+    return None
 
 
 def _nbytes(chunk: Planned) -> int:

@@ -15,6 +15,14 @@ how ranks learn each other's results after the agreement: it runs on a
 gloo group of its own (created on first use, after an agreement, so all
 ranks are there), never on the training group, whatever the training
 backend.
+
+:class:`SaveBoard` is how the background threads of an asynchronous save
+tell each other that a rank failed: a key per rank in the same store,
+under the number of the save's agreement. It needs no disk space (a full
+disk is the usual failure) and no collective (the thread must not run one:
+:mod:`.async_save`); the store's client serialises calls from several
+threads. Only failures are posted, so a save that succeeds costs one store
+round trip per poll of rank 0's committer.
 """
 
 from __future__ import annotations
@@ -23,8 +31,8 @@ import datetime
 import itertools
 import json
 import logging
-from collections.abc import Sequence
-from typing import Any, Optional
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple, Optional
 
 import torch.distributed as dist
 
@@ -50,6 +58,7 @@ class Coordinator:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self._group: Any = None
         self._broken: Optional[str] = None
+        self._last_call: Optional[int] = None
 
     def _store(self) -> Any:
         try:
@@ -61,7 +70,7 @@ class Coordinator:
         """Every rank's ``payload`` for this call, in rank order (module docstring)."""
         if self._broken:
             raise CheckpointError(f"{what} refused: {self._broken}")
-        call = next(_calls)
+        call = self._last_call = next(_calls)
         if self.world == 1:
             return [payload]
         store = self._store()
@@ -89,6 +98,14 @@ class Coordinator:
                 pass
         return out
 
+    def board(self) -> Optional[SaveBoard]:
+        """The :class:`SaveBoard` of the save just agreed on; None at world
+        size 1 or without a store (the ranks then fall back to error files)."""
+        store = self._store() if self.world > 1 and self._last_call is not None else None
+        if store is None:
+            return None
+        return SaveBoard(store, f"dsrun/checkpoint/{self._last_call}/failed/", self.world)
+
     def exchange(self, obj: Any) -> list[Any]:
         """``obj`` of every rank, in rank order (an all-gather on the
         checkpoint group; world size 1: no communication)."""
@@ -108,6 +125,59 @@ class Coordinator:
         return out
 
 
+class Failure(NamedTuple):
+    """A rank's failed part of a save; ``cause`` False: it stopped because
+    another rank failed (``message`` is then that rank's)."""
+
+    rank: int
+    message: str
+    cause: bool = True
+
+
+class SaveBoard:
+    """Failures of one asynchronous save, in the c10d store (module docstring)."""
+
+    def __init__(self, store: Any, prefix: str, world: int) -> None:
+        self.store, self.prefix, self.world = store, prefix, world
+        self._seen: dict[int, Failure] = {}
+        self._count = 0
+
+    def post(self, failure: Failure) -> bool:
+        """Tell every rank; False when the store cannot be reached."""
+        try:
+            self.store.set(self.prefix + str(failure.rank),
+                           json.dumps({"message": failure.message, "cause": failure.cause}))
+            self.store.add(self.prefix + "count", 1)
+        except Exception:  # noqa: BLE001 - the caller falls back to an error file
+            log.warning("could not post rank %d's checkpoint failure to the store", failure.rank,
+                        exc_info=True)
+            return False
+        return True
+
+    def posted(self) -> dict[int, Failure]:
+        """Every failure posted so far, by rank (never blocks on a missing key)."""
+        try:
+            count = int(self.store.add(self.prefix + "count", 0))
+            if count > self._count:
+                for rank in range(self.world):
+                    key = self.prefix + str(rank)
+                    if rank not in self._seen and self.store.check([key]):
+                        value = json.loads(self.store.get(key))
+                        self._seen[rank] = Failure(rank, value["message"], value["cause"])
+                self._count = len(self._seen)
+        except Exception:  # noqa: BLE001 - a store gone means the job is ending anyway
+            log.debug("cannot read checkpoint failures from the store", exc_info=True)
+        return dict(self._seen)
+
+    def first(self, ranks: Optional[Iterable[int]] = None) -> Optional[Failure]:
+        """The failure to report (among ``ranks``): the lowest rank that
+        failed first-hand, else the lowest that stopped; None when none did."""
+        posted = self.posted()
+        found = [posted[r] for r in (range(self.world) if ranks is None else ranks)
+                 if r in posted]
+        return min(found, key=lambda f: (not f.cause, f.rank), default=None)
+
+
 def check_same(values: Sequence[Any], what: str) -> None:
     """One error naming which ranks gave which value when they differ."""
     if all(v == values[0] for v in values):
@@ -118,6 +188,22 @@ def check_same(values: Sequence[Any], what: str) -> None:
     parts = "; ".join(f"{describe_ranks(ranks)}: {value}" for value, ranks in by_value.items())
     raise CheckpointError(f"the ranks disagree on {what} ({parts}): every rank must pass the "
                           "same value")
+
+
+def raise_first(statuses: Sequence[Optional[str]], what: str) -> None:
+    """Raise (on every rank) the failure that rank 0 reported, else the
+    lowest rank's, as it is - its cause first; different ones reported by
+    other ranks follow it."""
+    by_text: dict[str, list[int]] = {}
+    for rank, text in enumerate(statuses):
+        if text:
+            by_text.setdefault(text, []).append(rank)
+    if not by_text:
+        return
+    first, *others = by_text.items()
+    also = "".join(f"\n  {what} also failed on {describe_ranks(ranks)}: {text}"
+                   for text, ranks in others)
+    raise CheckpointError(first[0] + also)
 
 
 def raise_failures(statuses: Sequence[Optional[str]], what: str) -> None:

@@ -210,7 +210,7 @@ def save(engine: Any, save_dir: str, tag: Any = None, client_state: Any = None,
         save_state(request, exports, ck.coord, ck.settings.pause)
         return True
     write, commit = begin_save(request, exports, ck.coord, ck.settings.pause)
-    ck.saver.start(write, commit if rank == 0 else None, tag)
+    ck.saver.start(write, commit if rank == 0 else None, tag, ck.coord.board())
     return True
 
 

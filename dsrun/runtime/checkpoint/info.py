@@ -1,8 +1,9 @@
 """``dsrun checkpoint info``: what a checkpoint directory holds (no torch).
 
 :func:`checkpoint_info` reads only JSON (the manifest) and file sizes, so it
-answers in milliseconds on any machine: the tags present (and which one
-``latest`` names, and saves that never finished), and for one tag who
+answers in milliseconds on any machine: the tags present in natural order
+(and which one ``latest`` names, and saves that never finished, with how
+to remove them), and for one tag who
 saved it (world size, ZeRO stage, precision, versions), the training
 position, the number of parameters and tensors, the optimizer and its
 state, and the sizes on disk and of the fp32 model.
@@ -11,6 +12,7 @@ state, and the sizes on disk and of the fp32 model.
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -18,6 +20,7 @@ from dsrun.errors import CheckpointError
 from dsrun.runtime.checkpoint.manifest import (
     ITEMSIZE,
     MANIFEST,
+    TMP_SUFFIX,
     VALUE,
     Manifest,
     parse_manifest,
@@ -142,7 +145,10 @@ def format_info(info: DirInfo) -> list[str]:
         marked = [f"{t} (latest)" if t == info.latest else t for t in info.tags]
         lines.append(f"tags: {', '.join(marked)}")
     if info.interrupted:
-        lines.append(f"interrupted saves (not loadable): {', '.join(info.interrupted)}")
+        lines.append(f"interrupted saves (not loadable): {', '.join(info.interrupted)} - a later "
+                     "save removes them once unchanged for checkpoint.timeout, or remove them: "
+                     + shlex.join(["rm", "-r", *(os.path.join(info.root, t + TMP_SUFFIX)
+                                                 for t in info.interrupted)]))
     lines.extend(f"note: {n}" for n in info.notes)
     if info.selected is None:
         return lines

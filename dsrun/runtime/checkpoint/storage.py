@@ -78,19 +78,50 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
+def size_texts(*sizes: int) -> list[str]:
+    """``sizes`` (bytes) in the unit of the largest, with as many decimals
+    as it takes for different sizes to read differently (a message that
+    says "needs 0.4 MiB, 0.4 MiB are free" is not true on its face)."""
+    top = max(sizes, default=0)
+    unit, scale = next(((u, f) for u, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+                        if top >= f), ("bytes", 1))
+    for places in range(1 if scale > 1 else 0, 7 if scale > 1 else 1):
+        texts = [f"{n / scale:,.{places}f} {unit}" for n in sizes]
+        if len(set(texts)) == len(set(sizes)):
+            return texts
+    return [f"{n:,} bytes" for n in sizes]
+
+
 def disk_full_error(path: str, exc: OSError, written: int, total: int) -> CheckpointError:
+    done, whole = size_texts(written, total)
+    progress = (f"all {whole} of this rank's data was written, flushing it failed"
+                if written >= total else
+                f"{done} of this rank's {whole} were written before the write failed")
     return CheckpointError(
         f"no space left on the device writing {path} ({os.strerror(exc.errno or 0)}; "
-        f"{written / 2**20:,.1f} of {total / 2**20:,.1f} MiB of this rank's data written): "
-        "free space or save to another directory; the previous checkpoint is intact")
+        f"{progress}): free space or save to another directory; the previous checkpoint is "
+        "intact")
+
+
+class WriteFailed(OSError):
+    """An ``OSError`` of :func:`write_all` that knows how many bytes went
+    out before it (``done``)."""
+
+    def __init__(self, exc: OSError, done: int) -> None:
+        super().__init__(exc.errno, exc.strerror)
+        self.done = done
 
 
 def write_all(fd: int, data: memoryview) -> None:
-    """Write every byte of ``data`` to ``fd``."""
+    """Write every byte of ``data`` to ``fd``; a failure says how many
+    were written before it (:class:`WriteFailed`)."""
     view = data
-    while len(view):
-        done = os.write(fd, view[:WRITE_BLOCK])
-        view = view[done:]
+    try:
+        while len(view):
+            done = os.write(fd, view[:WRITE_BLOCK])
+            view = view[done:]
+    except OSError as exc:
+        raise WriteFailed(exc, len(data) - len(view)) from exc
 
 
 class DataFile:
@@ -118,7 +149,8 @@ class DataFile:
             self._crcs.append(done)
         try:
             write_all(self.fd, data)
-        except OSError as exc:
+        except OSError as exc:  # a test's write_all may raise a plain OSError
+            self.written += getattr(exc, "done", 0)
             raise self._error(exc) from None
         self.written += len(data)
         if self.durable and _SYNC_FILE_RANGE is not None and \
@@ -127,9 +159,10 @@ class DataFile:
                              SYNC_FILE_RANGE_WRITE)
             self._flushed = self.written
 
-    def _error(self, exc: OSError) -> CheckpointError:
-        if exc.errno in DISK_FULL:
-            return disk_full_error(self.path, exc, self.written, self.total)
+    def _error(self, exc: OSError, flushing: bool = False) -> CheckpointError:
+        if exc.errno in DISK_FULL:  # flushing: every byte was written, the fsync failed
+            return disk_full_error(self.path, exc, self.written,
+                                   self.written if flushing else self.total)
         return CheckpointError(f"writing {self.path} failed: {exc}")
 
     def close(self) -> list[int]:
@@ -138,7 +171,7 @@ class DataFile:
             if self.durable:
                 os.fsync(self.fd)
         except OSError as exc:
-            raise self._error(exc) from None
+            raise self._error(exc, flushing=True) from None
         finally:
             self._release()
         return [f.result() for f in self._crcs]

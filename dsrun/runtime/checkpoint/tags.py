@@ -4,16 +4,34 @@ A tag names one directory under the save directory, so it must be one
 plain path component: not empty, no ``/`` or ``\\``, not ``.``/``..``,
 not ``latest``, not ending in ``.tmp`` or ``.replaced`` (the names a save
 in progress and a replaced tag use), without control characters.
-``latest`` holds the newest complete tag as text, as in DeepSpeed.
+``latest`` holds the newest complete tag as text, as in DeepSpeed. Tags
+are listed in natural order (``global_step3`` before ``global_step12``).
+
+:func:`remove_stale_saves` (rank 0, after a successful commit) removes
+interrupted saves of *other* tags: ``OTHER.tmp/`` directories that hold
+only the files a save writes and none of which changed for
+``checkpoint.timeout`` seconds - the time after which a committer gives a
+silent rank up, so no save still running can be writing there. Anything
+else under a ``.tmp`` name is left alone.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
+import shutil
+import time
 from typing import Any, Optional
 
 from dsrun.errors import CheckpointError
 from dsrun.runtime.checkpoint.manifest import LATEST, MANIFEST, REPLACED_SUFFIX, TMP_SUFFIX
+
+log = logging.getLogger("dsrun.runtime.checkpoint")
+
+# the files (and their atomic_write temporaries) a save puts into TAG.tmp/
+SAVE_FILE = re.compile(r"(rank_\d{5}\.(bin|json|error)|engine_state\.pt|manifest\.json)"
+                       r"(\.tmp\.\d+)?")
 
 
 def tag_problem(tag: Any) -> Optional[str]:
@@ -50,11 +68,17 @@ def read_latest(root: str) -> Optional[str]:
     return tag
 
 
+def natural_key(name: str) -> list[Any]:
+    """Sort key that orders the numbers in a name by value."""
+    return [(0, int(part), part) if part.isdigit() else (1, 0, part)
+            for part in re.split(r"(\d+)", name) if part]
+
+
 def list_tags(root: str) -> tuple[list[str], list[str]]:
-    """(complete tags, interrupted saves) under ``root``, sorted."""
+    """(complete tags, interrupted saves) under ``root``, in natural order."""
     complete, partial = [], []
     try:
-        names = sorted(os.listdir(root))
+        names = sorted(os.listdir(root), key=natural_key)
     except OSError:
         return [], []
     for name in names:
@@ -98,3 +122,32 @@ def tag_dir(root: str, tag: str) -> str:
     have = ", ".join(complete) if complete else "none"
     raise CheckpointError(f"cannot load tag {tag!r} from {root}: {why}; complete tags there: "
                           f"{have}")
+
+
+def remove_stale_saves(save_dir: str, tag: str, idle_s: float) -> list[str]:
+    """Remove interrupted saves of tags other than ``tag`` that no save
+    can be writing any more (module docstring); the tags removed. Never
+    raises: what cannot go is logged."""
+    now, removed = time.time(), []
+    try:
+        names = os.listdir(save_dir)
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(save_dir, name)
+        if not name.endswith(TMP_SUFFIX) or name == tag + TMP_SUFFIX or os.path.islink(path):
+            continue
+        try:
+            entries = os.listdir(path)
+            if not entries or not all(SAVE_FILE.fullmatch(e) for e in entries):
+                continue  # not (only) a save's files: not ours to remove
+            newest = max(os.stat(p).st_mtime
+                         for p in (path, *(os.path.join(path, e) for e in entries)))
+        except OSError:
+            continue
+        if now - newest >= idle_s:
+            log.info("removing %s: a save interrupted %.0f s ago", path, now - newest)
+            shutil.rmtree(path, onerror=lambda _f, p, e: log.warning("cannot remove %s: %s",
+                                                                     p, e[1]))
+            removed.append(name[: -len(TMP_SUFFIX)])
+    return removed

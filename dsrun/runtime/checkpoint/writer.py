@@ -22,7 +22,15 @@ steps 3 and 4 through ``Coordinator.exchange`` and all raise the same
 error; an asynchronous save (:mod:`.async_save`) copies the fragments to
 host memory in the caller's thread and runs steps 3-4 in a background
 thread, where rank 0 waits for the other ranks' records on the shared
-file system (no collective runs outside the caller's thread).
+file system (no collective runs outside the caller's thread); a rank whose
+part fails posts its error on the save's :class:`~.coord.SaveBoard` (the
+store: a full disk cannot stop it), where rank 0's committer and the
+other ranks' writers see it within a poll and stop.
+
+After a successful commit rank 0 removes interrupted saves of *other* tags
+(``OTHER.tmp/``) that hold only dsrun's files and have not changed for
+``checkpoint.timeout`` seconds - the time after which a committer gives a
+silent rank up - so no save still running can be writing them.
 """
 
 from __future__ import annotations
@@ -40,7 +48,14 @@ from typing import Any, Callable, Optional
 import torch
 
 from dsrun.errors import CheckpointError
-from dsrun.runtime.checkpoint.coord import Coordinator, check_same, raise_failures
+from dsrun.runtime.checkpoint.coord import (
+    Coordinator,
+    Failure,
+    SaveBoard,
+    check_same,
+    raise_failures,
+    raise_first,
+)
 from dsrun.runtime.checkpoint.fragments import ExportedState, Fragment
 from dsrun.runtime.checkpoint.manifest import (
     ENGINE_STATE,
@@ -64,15 +79,25 @@ from dsrun.runtime.checkpoint.storage import (
     fsync_dir,
     read_file,
     remove_tree,
+    size_texts,
     tensor_bytes,
 )
-from dsrun.runtime.checkpoint.tags import check_tag
+from dsrun.runtime.checkpoint.tags import check_tag, remove_stale_saves
 from dsrun.runtime.zero.partition import partition_group
 
 log = logging.getLogger("dsrun.runtime.checkpoint")
 
 SPACE_MARGIN = 1.02  # records, manifest and file-system overhead
 POLL_S = 0.05
+BOARD_CHECK_S = 0.2  # how often a writer looks for another rank's failure
+
+
+class RankFailed(CheckpointError):
+    """Another rank's part of an asynchronous save failed (``failure``)."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
 
 
 @dataclass(frozen=True)
@@ -150,15 +175,20 @@ class RankWrite:
     pause: Optional[PausePoint] = None
     tag: str = ""
     durable: bool = True
+    board: Optional[SaveBoard] = None  # asynchronous saves of several ranks
 
     def run(self) -> None:
         os.makedirs(self.tmp_dir, exist_ok=True)
         path = os.path.join(self.tmp_dir, rank_file(self.rank))
         halfway = len(self.plan.chunks) // 2
+        check_at = time.monotonic() + BOARD_CHECK_S
         with DataFile(path, self.plan.bytes, self.durable) as out:
             for i, chunk in enumerate(self.plan.chunks):
                 if i == halfway and self.pause:
                     self.pause.reached(self.rank, "write", self.tag)
+                if self.board is not None and time.monotonic() >= check_at:
+                    self._stop_if_another_failed()
+                    check_at = time.monotonic() + BOARD_CHECK_S
                 out.append(tensor_bytes(chunk.tensor))
             crcs = out.close()
         records = [ChunkRecord(c.name, c.item, c.dtype, c.offset, c.start, c.end, crc)
@@ -176,11 +206,23 @@ class RankWrite:
                      json.dumps(record.to_json(), separators=(",", ":")).encode(), False,
                      self.durable)
 
-    def fail(self, message: str) -> None:
-        """Tell rank 0's committer (asynchronous saves) that this rank failed."""
+    def _stop_if_another_failed(self) -> None:
+        assert self.board is not None
+        failure = self.board.first()
+        if failure is not None and failure.rank != self.rank:
+            raise RankFailed(failure)
+
+    def fail(self, failure: Failure) -> None:
+        """Tell rank 0's committer and the other writers (asynchronous
+        saves) that this rank stopped: on the board, else (no store) in an
+        error file next to the data."""
+        if failure.rank != self.rank:  # stopped by that rank's failure
+            failure = Failure(self.rank, failure.message, cause=False)
+        if self.board is not None and self.board.post(failure):
+            return
         try:
-            atomic_write(os.path.join(self.tmp_dir, error_file(self.rank)), message.encode(),
-                         False)
+            atomic_write(os.path.join(self.tmp_dir, error_file(self.rank)),
+                         failure.message.encode(), False)
         except Exception:  # noqa: BLE001 - rank 0 then times out waiting, naming this rank
             log.warning("could not tell rank 0 that this rank's save failed", exc_info=True)
 
@@ -233,6 +275,7 @@ class Commit:
     save_latest: bool
     pause: Optional[PausePoint] = None
     durable: bool = True
+    stale_after_s: float = 600.0  # remove_stale_saves: checkpoint.timeout
 
     @property
     def tmp_dir(self) -> str:
@@ -261,21 +304,28 @@ class Commit:
             atomic_write(os.path.join(self.save_dir, LATEST), self.tag.encode(),
                          durable=self.durable)
         write_recovery_script(self.save_dir)
+        remove_stale_saves(self.save_dir, self.tag, self.stale_after_s)
 
-    def wait_for_records(self, timeout_s: float, others_only: bool = False) -> None:
-        """Asynchronous saves: wait until every rank's record (or error) is
-        there (``others_only``: every rank but 0's); the deadline moves
-        while some rank's data file still grows."""
+    def wait_for_records(self, timeout_s: float, others_only: bool = False,
+                         board: Optional[SaveBoard] = None, settle: bool = False) -> None:
+        """Asynchronous saves: wait until every rank's record is there
+        (``others_only``: every rank but 0's); a rank's failure (on the
+        ``board``, else in its error file) is raised at once as
+        :class:`RankFailed`. ``settle``: wait only until every rank has a
+        record or a failure, raising nothing (then ``TAG.tmp/`` can go).
+        The deadline moves while some rank's data file still grows."""
         deadline = time.monotonic() + timeout_s
         sizes: dict[int, int] = {}
+        ranks = range(1 if others_only else 0, self.world)
         while True:
-            missing = []
-            for rank in range(1 if others_only else 0, self.world):
-                if os.path.exists(os.path.join(self.tmp_dir, error_file(rank))):
-                    text = read_file(os.path.join(self.tmp_dir, error_file(rank)), "error")
-                    raise CheckpointError(f"rank {rank} failed: {text.decode(errors='replace')}")
-                if not os.path.exists(os.path.join(self.tmp_dir, record_file(rank))):
-                    missing.append(rank)
+            posted = board.posted() if board is not None else {}
+            failed = [posted.get(r) or self._error_file(r) for r in ranks]
+            failed_ranks = {f.rank for f in failed if f is not None}
+            if failed_ranks and not settle:
+                raise RankFailed(min((f for f in failed if f is not None),
+                                     key=lambda f: (not f.cause, f.rank)))
+            missing = [r for r in ranks if r not in failed_ranks
+                       and not os.path.exists(os.path.join(self.tmp_dir, record_file(r)))]
             if not missing:
                 return
             grew = False
@@ -286,11 +336,25 @@ class Commit:
             if grew:
                 deadline = time.monotonic() + timeout_s
             if time.monotonic() > deadline:
+                if settle:
+                    log.warning("rank(s) %s still have not finished writing to %s; removing it",
+                                ", ".join(map(str, missing)), self.tmp_dir)
+                    return
                 raise CheckpointError(
                     f"rank(s) {', '.join(map(str, missing))} wrote nothing for {timeout_s:g} s "
                     f"and left no record in {self.tmp_dir} (a rank died, or the directory is "
                     "not on a file system every rank shares)")
             time.sleep(POLL_S)
+
+    def _error_file(self, rank: int) -> Optional[Failure]:
+        """A failure a rank could not post (no store): its error file."""
+        path = os.path.join(self.tmp_dir, error_file(rank))
+        if not os.path.exists(path):
+            return None
+        try:
+            return Failure(rank, read_file(path, "error").decode(errors="replace"))
+        except CheckpointError as exc:
+            return Failure(rank, str(exc))
 
 
 def _size(path: str) -> int:
@@ -374,20 +438,22 @@ def begin_save(request: SaveRequest, exports: Sequence[ExportedState], coord: Co
     everyone = coord.agree("engine.save_checkpoint()", mine)
     check_same([e["tag"] for e in everyone], "the checkpoint tag")
     check_same([e["save_latest"] for e in everyone], "save_latest")
-    raise_failures([e["previous"] for e in everyone], "the previous asynchronous save")
+    raise_first([e["previous"] for e in everyone], "the previous asynchronous save")
     raise_failures([e["problem"] for e in everyone], f"saving checkpoint {request.tag!r}")
     total = sum(e["bytes"] for e in everyone)
     free = everyone[0]["free"]
     if free is not None and total * SPACE_MARGIN > free:
+        need, data, have = size_texts(int(total * SPACE_MARGIN), total, free)
         raise CheckpointError(
-            f"not enough space in {save_dir} for checkpoint {request.tag!r}: it needs "
-            f"{total / 2**20:,.1f} MiB, {free / 2**20:,.1f} MiB are free; free space or save to "
-            "another directory (nothing was written; the previous checkpoint is intact)")
+            f"not enough space in {save_dir} for checkpoint {request.tag!r}: it needs {need} "
+            f"({data} of data + {SPACE_MARGIN - 1:.0%} for records and file-system overhead), "
+            f"{have} are free; free space or save to another directory (nothing was written; "
+            "the previous checkpoint is intact)")
     tmp_dir = os.path.join(save_dir, f"{request.tag}{TMP_SUFFIX}")
     write = RankWrite(tmp_dir, coord.rank, plan, request.extra, blob, pause, request.tag,
                       request.durable)
     commit = Commit(save_dir, request.tag, coord.world, request.meta, request.aliases,
-                    request.save_latest, pause, request.durable)
+                    request.save_latest, pause, request.durable, coord.timeout_s)
     return write, commit
 
 

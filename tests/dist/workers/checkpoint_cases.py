@@ -23,8 +23,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import json
 import os
+import time
 import traceback
 from typing import Any
 
@@ -200,6 +202,41 @@ def only_rank0(args: argparse.Namespace) -> dict[str, Any]:
     return {"error_text": text}
 
 
+def async_disk_full(args: argparse.Namespace) -> dict[str, Any]:
+    """An asynchronous save whose data file hits a full disk on rank 1 (the
+    default checkpoint.timeout of 600 s): the next save must raise rank 1's
+    error at once, on both ranks."""
+    from dsrun.runtime.checkpoint import storage
+
+    root = os.path.join(args.ckpt, "async_full")
+    engine, loader = build(2, seed=0, checkpoint={"async": True})
+    batches = Batches(loader)
+    train(engine, batches, 1)
+    engine.save_checkpoint(root, tag="good")
+    engine.wait_for_checkpoint()
+    real = storage.write_all
+
+    def full(fd: int, data: memoryview) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if dist.get_rank() == 1:
+        storage.write_all = full
+    text, start = None, time.monotonic()
+    try:
+        engine.save_checkpoint(root, tag="bad")
+        train(engine, batches, 1)
+        engine.save_checkpoint(root, tag="next")
+    except CheckpointError as exc:
+        text = str(exc)
+    finally:
+        storage.write_all = real
+    seconds = time.monotonic() - start
+    dist.barrier()
+    engine.destroy()
+    return {"error_text": text, "seconds": seconds, "listing": sorted(os.listdir(root)),
+            "latest": open(os.path.join(root, "latest")).read()}
+
+
 class Scaled(Net):
     """Net times a learned 0-d scale."""
 
@@ -297,6 +334,7 @@ def extras(args: argparse.Namespace, out: dict[str, Any]) -> None:
     case(out, "scalar_param", scalar_param, args)
     case(out, "unfreeze", unfreeze, args)
     case(out, "refused_on_one_rank", refused_on_one_rank, args)
+    case(out, "async_disk_full", async_disk_full, args)
     case(out, "only_rank0", only_rank0, args)  # last: the coordinator is unusable after it
 
 
