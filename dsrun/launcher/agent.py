@@ -155,6 +155,7 @@ class Agent:
         self.events: queue.Queue[str] = queue.Queue()
         self.ranks: list[Rank] = []
         self.log_lock = threading.Lock()
+        self.exit_lock = threading.Lock()  # a rank's status and exit time, set once
         self.stack_lock = threading.Lock()
         self.stopping = False
         self.hurried = False  # a signal during the teardown: SIGKILL now
@@ -214,14 +215,37 @@ class Agent:
             info = os.waitid(os.P_PID, rank.popen.pid, os.WEXITED | os.WNOWAIT)
         except ChildProcessError:
             info = None
-        rank.exit_mono = time.monotonic()
         if info is None:
-            rank.status = rank.popen.wait()
-        elif info.si_code == os.CLD_EXITED:
-            rank.status = info.si_status
+            mono = time.monotonic()
+            self._exited(rank, rank.popen.wait(), mono)
         else:
-            rank.status = -info.si_status
+            self._exited(rank, _status(info), time.monotonic())
         self.events.put("exit")
+
+    def _exited(self, rank: Rank, status: int, mono: float) -> None:
+        """Record a rank's exit, once (its wait thread, or _poll_exits)."""
+        with self.exit_lock:
+            if rank.status is None:
+                rank.exit_mono = mono
+                rank.status = status
+
+    def _poll_exits(self) -> None:
+        """Note the ranks already dead whose wait thread has not woken yet.
+
+        Before a stop begins: a rank that died on its own (``os._exit``, a
+        signal) wakes its peers with a closed connection before its wait
+        thread runs, so the peer's failure can start the stop first, and
+        the dead rank would look like one the stop ended."""
+        for rank in self.ranks:
+            if rank.status is not None:
+                continue
+            try:
+                info = os.waitid(os.P_PID, rank.popen.pid,
+                                 os.WEXITED | os.WNOWAIT | os.WNOHANG)
+            except ChildProcessError:
+                continue
+            if info is not None:
+                self._exited(rank, _status(info), time.monotonic())
 
     def _agent_vars(self, rank: int) -> dict[str, str]:
         return {procs.JOB_MARKER: self.marker,
@@ -377,6 +401,7 @@ class Agent:
     def _begin_stop(self) -> None:
         if self.stopping:
             return
+        self._poll_exits()  # ranks dead by now did not die of this stop
         self.stopping = True
         self.stop_mono = time.monotonic()
         self.deadline = self.stop_mono + self.grace
@@ -416,9 +441,22 @@ class Agent:
             "time": now_wall - age, "age": round(age, 6), "during_stop": during_stop,
             "error": error, "tail": rank.tail.lines(),
         })
+        if failed and error is not None:
+            self._log_error(rank, error)
         if failed:
             self.failed = True
             self._begin_stop()
+
+    def _log_error(self, rank: Rank, error: dict[str, Any]) -> None:
+        """A recorded error the rank did not print (a dsrun error is only
+        recorded under an agent) goes into its --log_dir file too."""
+        if rank.log is None or error.get("traceback") or not error.get("message"):
+            return
+        message = str(error["message"]).replace("\n", "\n#   ")
+        where = f"\n#   at {error['where']}" if error.get("where") else ""
+        with self.log_lock:
+            rank.log.write(f"# dsrun: rank {rank.rank} failed: {message}{where}\n")
+            rank.log.flush()
 
     def _finish(self) -> int:
         """Make sure nothing of the job is left on this host; return #SIGKILLed."""
@@ -436,6 +474,11 @@ class Agent:
             self.guard.done()
         remove_tmpdir(self.tmpdir)
         return killed
+
+
+def _status(info: os.waitid_result) -> int:
+    """As Popen.returncode: the exit code, or minus the signal's number."""
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
 def _read_error(path: str) -> dict[str, Any] | None:

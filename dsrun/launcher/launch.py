@@ -61,7 +61,7 @@ from dsrun.launcher.netinfo import script_problem
 from dsrun.launcher.plan import LaunchPlan, build_plan, describe
 from dsrun.launcher.preflight import PreflightFailed
 from dsrun.launcher.rankenv import check_user_env
-from dsrun.launcher.report import JobResult, report_lines
+from dsrun.launcher.report import JobResult, report_lines, restartable
 from dsrun.launcher.spec import LaunchSpec, check_seconds, cpu_by_deepspeed_variable
 from dsrun.launcher.supervisor import SIGNALS, Interrupted, Supervisor, Watch
 from dsrun.launcher.watch import DEFAULT_STRAGGLER_INTERVAL
@@ -199,9 +199,10 @@ def run(spec: LaunchSpec) -> int:
         "job_id": job_id, "pid": os.getpid(), "script": spec.script,
         "hosts": list(cluster.hosts), "ranks": draft.world_size,
         "seconds": time.monotonic() - began}).start()
+    clock = JobClock()
     try:
         return _run_attempts(spec, lambda restart: _attempt(
-            spec, cluster, backend, env, job_id, restart, control))
+            spec, cluster, backend, env, job_id, restart, control, clock), clock)
     finally:
         control.close()
 
@@ -220,15 +221,30 @@ def straggler_interval(environ: Mapping[str, str]) -> float | None:
     return value if value > 0 else None
 
 
-def _watch(spec: LaunchSpec, control: ControlServer) -> Watch:
-    return Watch(timeout=spec.timeout, heartbeat_timeout=spec.heartbeat_timeout,
+class JobClock:
+    """When the job's --timeout started counting: when the first attempt's
+    ranks were started (a restart does not reset it)."""
+
+    def __init__(self) -> None:
+        self.started: float | None = None
+
+    def left(self, timeout: float | None) -> float | None:
+        """Seconds of --timeout left (None: no timeout, or not started)."""
+        if timeout is None or self.started is None:
+            return None
+        return timeout - (time.monotonic() - self.started)
+
+
+def _watch(spec: LaunchSpec, control: ControlServer, clock: JobClock) -> Watch:
+    return Watch(timeout=spec.timeout, started=clock.started,
+                 heartbeat_timeout=spec.heartbeat_timeout,
                  straggler_interval=straggler_interval(os.environ),
                  queries=control.queries, say=say, job_id=control.job_id,
                  on_started=console.started)
 
 
 def _attempt(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv,
-             job_id: str, restart: int, control: ControlServer) -> JobResult:
+             job_id: str, restart: int, control: ControlServer, clock: JobClock) -> JobResult:
     """Open, probe (preflight), plan, start, supervise: one attempt."""
     handle: JobHandle | None = None
     multi = cluster.remote or len(cluster.hosts) > 1
@@ -271,12 +287,15 @@ def _attempt(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv,
             handle.close()
         raise
     try:
-        result = Supervisor(handle, handle.hosts, console.line, plan.kill_grace,
-                            _watch(spec, control)).run()
+        supervisor = Supervisor(handle, handle.hosts, console.line, plan.kill_grace,
+                                _watch(spec, control, clock))
+        if clock.started is None:
+            clock.started = supervisor.started
+        result = supervisor.run()
     finally:
         suspension.handle = None
         console.end_progress()
-    return replace(result, clock=socket.gethostname())
+    return replace(result, clock=socket.gethostname(), restarts=restart)
 
 
 def _check_preflight(spec: LaunchSpec, outcome: ProbeOutcome) -> None:
@@ -315,19 +334,20 @@ def take_signals() -> dict[signal.Signals, object]:
     return previous
 
 
-def _run_attempts(spec: LaunchSpec, attempt: Callable[[int], JobResult]) -> int:
+def _run_attempts(spec: LaunchSpec, attempt: Callable[[int], JobResult],
+                  clock: JobClock | None = None) -> int:
     previous = take_signals()
     try:
         for restart in range(spec.max_restarts + 1):
             result = attempt(restart)
             if result.exit_code == 0 or result.interrupted is not None \
-                    or result.timed_out is not None:
+                    or result.timed_out is not None or restart == spec.max_restarts:
                 break
-            if restart < spec.max_restarts:
-                cause = result.root_cause
-                say(f"attempt {restart + 1} failed ({cause.cause() if cause else 'unknown'} "
-                    f"on rank {cause.rank if cause else '?'}); restarting "
-                    f"({restart + 1}/{spec.max_restarts})")
+            why_not = _no_restart(spec, result, clock or JobClock())
+            say(attempt_line(result, restart,
+                             why_not or f"restarting ({restart + 1}/{spec.max_restarts})"))
+            if why_not:
+                break
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
@@ -338,6 +358,30 @@ def _run_attempts(spec: LaunchSpec, attempt: Callable[[int], JobResult]) -> int:
     if result.interrupted is not None:
         say(stopped_line(result))
     return result.exit_code
+
+
+def attempt_line(result: JobResult, restart: int, then: str) -> str:
+    """One line on a failed attempt that is not the last: who failed, and
+    what it reported (a dsrun error is only in its record, so this line is
+    the only place the terminal shows it), then what happens next."""
+    cause = result.root_cause
+    if cause is None:
+        return f"attempt {restart + 1} failed; {then}"
+    who = f"on rank {cause.rank}" if cause.rank is not None else f"on host {cause.host}"
+    said = cause.summary()
+    return (f"attempt {restart + 1} failed ({cause.cause()} {who})"
+            f"{': ' + said if said else ''}; {then}")
+
+
+def _no_restart(spec: LaunchSpec, result: JobResult, clock: JobClock) -> str | None:
+    """Why a failed attempt is not restarted, or None to restart it."""
+    if not restartable(result.root_cause):
+        return "not restarting: this error recurs on every attempt (the same script, " \
+               "config and world size)"
+    left = clock.left(spec.timeout)
+    if left is not None and left <= 0:
+        return f"not restarting: the job's --timeout of {spec.timeout:g}s has passed"
+    return None
 
 
 def stopped_line(result: JobResult) -> str:

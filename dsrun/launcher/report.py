@@ -10,6 +10,14 @@ clock when it read the agent's report, less the delay the agent measured
 on its own monotonic clock between the failure and sending the report
 (``age``). Only the launcher's host's clock is used; the report says which
 host that is when failures came from more than one host.
+
+A rank whose collective failed because a peer died ("Connection reset by
+peer" from gloo, an NCCL remote error, dsrun's "could not exchange" between
+ranks) often looks earlier than the death itself: its record is stamped
+when its error was raised, the death only when its agent woke up to it.
+Such a *peer-loss* failure yields the root cause to any other failure up to
+:data:`PEER_WINDOW` seconds after it (a rank that died without a traceback,
+by a signal, or with an error of its own), and is counted as a consequence.
 """
 
 from __future__ import annotations
@@ -22,6 +30,19 @@ from typing import Any
 
 #: Exit status of a job ended by --timeout (as GNU timeout).
 TIMEOUT_EXIT = 124
+
+#: Seconds by which a peer-loss failure may look earlier than the failure
+#: that caused it (the agents' wake-ups on a loaded host, a network hop).
+PEER_WINDOW = 5.0
+#: What the error of a rank that lost a peer says (lower case): gloo's
+#: "Connection reset/closed by peer", a write into a closed socket, the c10d
+#: store's "Connection was likely closed" (rank 0, its server, died), NCCL's
+#: remote error, dsrun's checkpoint exchange "(a rank died or stopped ...)".
+PEER_LOSS_MARKS = ("by peer", "broken pipe", "connection was likely closed",
+                   "ncclremoteerror", "remote process exit", "a rank died or stopped")
+#: Errors recorded by the runtime that recur on every attempt: a restart
+#: cannot clear them (the same script, arguments, config and world size).
+NOT_RESTARTABLE = ("DsrunConfigError", "DsrunUsageError")
 
 
 @dataclass(frozen=True)
@@ -45,6 +66,22 @@ class RankFailure:
             return 128 + self.signal
         # None or negative (no status known, e.g. a lost connection): 1.
         return self.code if self.code is not None and self.code > 0 else 1
+
+    @property
+    def peer_loss(self) -> bool:
+        """The rank failed because a peer went away (its own record says so)."""
+        message = str((self.error or {}).get("message") or "").lower()
+        return any(mark in message for mark in PEER_LOSS_MARKS)
+
+    def summary(self) -> str:
+        """One line of what the rank reported: its recorded message (a dsrun
+        error, ``sys.exit``) or the last line of its traceback; "" if none."""
+        error = self.error or {}
+        lines = str(error.get("message") or "").strip().splitlines()
+        if error.get("traceback"):
+            lines = str(error["traceback"]).strip().splitlines() or lines
+            return lines[-1] if lines else ""
+        return lines[0] if lines else ""
 
     def cause(self) -> str:
         if self.rank is None and self.message:  # the agent's channel said why
@@ -96,6 +133,7 @@ class JobResult:
     interrupted: int | None = None  # signal that stopped dsrun
     killed: int = 0  # processes that needed SIGKILL during teardown
     timed_out: float | None = None  # --timeout seconds, when it ended the job
+    restarts: int = 0  # attempts before this one (--timeout counts them too)
     running: tuple[RunningRank, ...] = ()  # ranks still running at the timeout
     stacks: tuple[str, ...] = ()  # their Python stacks, "[host:rank] line"
     clock: str = ""  # the launcher's host, whose clock ordered the failures
@@ -133,11 +171,28 @@ def _order(failure: RankFailure) -> tuple[int, float]:
 
 
 def root_cause(failures: Sequence[RankFailure]) -> RankFailure | None:
-    """The earliest failure that was not a consequence of stopping the job."""
+    """The earliest failure that was not a consequence of stopping the job,
+    nor of a peer's failure within PEER_WINDOW after it (module docstring)."""
     if not failures:
         return None
-    genuine = [f for f in failures if not f.during_stop]
-    return min(genuine or failures, key=_order)
+    genuine = [f for f in failures if not f.during_stop] or list(failures)
+    first = min(genuine, key=_order)
+    if not first.peer_loss:
+        return first
+    causes = [f for f in genuine if not f.peer_loss and _within(first, f, PEER_WINDOW)]
+    return min(causes, key=_order) if causes else first
+
+
+def _within(first: RankFailure, later: RankFailure, seconds: float) -> bool:
+    """``later`` happened at most ``seconds`` after ``first`` (same clock only:
+    a stamped and an unstamped failure cannot be compared, so they count)."""
+    a, b = _order(first), _order(later)
+    return a[0] != b[0] or b[1] - a[1] <= seconds
+
+
+def restartable(failure: RankFailure | None) -> bool:
+    """False when the failure recurs on every attempt (NOT_RESTARTABLE)."""
+    return failure is None or (failure.error or {}).get("exc_type") not in NOT_RESTARTABLE
 
 
 def report_lines(result: JobResult) -> list[str]:
@@ -155,12 +210,20 @@ def report_lines(result: JobResult) -> list[str]:
     else:
         lines = [f"job failed: {_who(cause)} failed first: {cause.cause()}"]
     lines.extend(_error_lines(cause))
+    if cause.peer_loss:
+        lines.append("(this rank lost a peer, and no other failure was reported close to it: "
+                     "look for a host or process that went away)")
     others = [f for f in result.failures if f is not cause]
     same = [f for f in others if _same_error(f, cause)]
+    peers = [f for f in others if f.peer_loss and not _same_error(f, cause)]
     if same:
         lines.append(f"{len(same)} other rank(s) failed with the same error")
-    if len(others) > len(same):
-        lines.append(f"{len(others) - len(same)} other rank(s) stopped as a consequence")
+    if peers:
+        lines.append(f"{len(peers)} other rank(s) failed as a consequence: their connection "
+                     f"to a rank that went away was closed")
+    if len(others) > len(same) + len(peers):
+        lines.append(f"{len(others) - len(same) - len(peers)} other rank(s) stopped as a "
+                     f"consequence")
     if len({f.host for f in result.failures}) > 1:
         lines.append(f"(failures ordered on the clock of {result.clock or socket.gethostname()}"
                      f", where dsrun runs: when it learned of each, less the delay each "
@@ -208,7 +271,9 @@ def _same_error(failure: RankFailure, cause: RankFailure) -> bool:
 def timeout_lines(result: JobResult) -> list[str]:
     """The report of a job ended by --timeout: who still ran, and where."""
     running = result.running
-    lines = [f"job timed out after {result.timed_out:g}s (--timeout): "
+    counted = f", counted from the first of {result.restarts + 1} attempts" \
+        if result.restarts else ""
+    lines = [f"job timed out after {result.timed_out:g}s (--timeout{counted}): "
              f"{len(running)} rank(s) still running"]
     for r in running:
         pid = f", pid {r.pid}" if r.pid is not None else ""

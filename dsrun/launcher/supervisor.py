@@ -99,6 +99,7 @@ class Watch:
     """What the supervisor watches for, besides exits (all optional)."""
 
     timeout: float | None = None  # --timeout seconds
+    started: float | None = None  # monotonic start of the timeout (earlier attempts); None: now
     heartbeat_timeout: float = 0.0  # 0: no liveness check
     straggler_interval: float | None = None  # None: no straggler lines
     queries: queue.Queue[StackQuery] | None = None  # dsrun stack requests
@@ -138,7 +139,8 @@ class Supervisor:
         self.grace = kill_grace
         self.watch = watch or Watch()
         self.state = _State(hosts=list(hosts), open_nodes=set(range(len(hosts))))
-        self.started = time.monotonic()
+        self.started = self.watch.started if self.watch.started is not None \
+            else time.monotonic()
         hint = f" (dsrun stack {self.watch.job_id[:12]} shows their Python stacks)" \
             if self.watch.job_id else ""
         self.stragglers = Stragglers(self.watch.straggler_interval or 0.0, hint)

@@ -53,6 +53,22 @@ def test_segfault_reports_the_signal(pid_dir):
     assert wait_gone(list(wait_for_pids(pid_dir, 2, 1).values()), 2) == []
 
 
+@pytest.mark.parametrize("how,code", [("exit", 3), ("segv", 128 + signal.SIGSEGV),
+                                      ("kill", 128 + signal.SIGKILL)])
+def test_a_rank_dying_without_a_traceback_is_blamed_not_the_peer_it_reset(pid_dir, how, code):
+    """explore10 F2: rank 0, inside a gloo all_reduce with rank 1, gets
+    "Connection closed by peer" when rank 1 dies; its record is stamped
+    when gloo raised, rank 1's death only when its agent woke up to it, so
+    rank 0 was often blamed (exit 1)."""
+    res = run_dsrun("--cpu", "--num_gpus", "2", "--kill_grace", "1",
+                    str(WORKERS / "peer_death.py"), "--how", how, "--pid_dir", str(pid_dir),
+                    timeout=90)
+    assert res.returncode == code, res.stderr
+    assert "job failed: rank 1 on host" in res.stderr, res.stderr
+    assert "1 other rank(s) " in res.stderr and "as a consequence" in res.stderr
+    assert wait_gone(list(wait_for_pids(pid_dir, 2, 1).values()), 2) == []
+
+
 def test_python_exception_traceback_in_report(pid_dir):
     res = run_dsrun(*_behave("--pid_dir", str(pid_dir), "--raise_rank", "1"))
     assert res.returncode == 1

@@ -83,3 +83,86 @@ def test_a_signal_to_the_agent_is_the_cause_of_the_exits_it_brings():
     assert "1 other rank(s) stopped as a consequence" in lines
     failed = RankFailure.from_event("vm", {"rank": 0, "code": 3, "_recv": 9.0})
     assert root_cause([signalled, stopped, failed]) is failed
+
+
+GLOO_RESET = ("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:57555: Connection reset "
+              "by peer. This is typically caused by a remote worker hanging")
+
+
+def _exit_event(rank, recv, age, code=1, sig=None, error=None):
+    return RankFailure.from_event("vm", {"rank": rank, "code": code, "signal": sig,
+                                         "time": 0.0, "age": age, "_recv": recv,
+                                         "error": error})
+
+
+def test_a_peer_reset_stamped_before_the_death_that_caused_it_is_not_blamed():
+    """The race of explore10 F2: rank 1 died by os._exit(3) (no record); its
+    closed socket woke rank 0, whose record is stamped when gloo raised,
+    while rank 1 is stamped only when its agent's wait thread woke up."""
+    reset = {"exc_type": "RuntimeError", "message": GLOO_RESET, "traceback": "Traceback ...\n"
+             f"RuntimeError: {GLOO_RESET}\n"}
+    peer = _exit_event(0, recv=10.0, age=0.050, error=reset)  # seen 9.950
+    dead = _exit_event(1, recv=10.0, age=0.020, code=3)  # seen 9.980: "later"
+    assert peer.peer_loss and not dead.peer_loss
+    for failures in ([peer, dead], [dead, peer]):
+        result = JobResult(tuple(failures))
+        assert result.root_cause is dead and result.exit_code == 3
+        lines = report_lines(result)
+        assert lines[0] == "job failed: rank 1 on host vm failed first: exit code 3"
+        assert ("1 other rank(s) failed as a consequence: their connection to a rank that "
+                "went away was closed") in lines
+        assert not any("stopped as a consequence" in ln for ln in lines)
+    # by signal (SIGSEGV, SIGKILL): the same
+    segv = _exit_event(1, recv=10.2, age=0.0, code=None, sig=11)
+    assert JobResult((peer, segv)).exit_code == 139
+    # dsrun's checkpoint exchange with a dead rank, and NCCL's remote error
+    ckpt = {"exc_type": "CheckpointError", "message": "CheckpointError: ranks could not "
+            "exchange checkpoint status: [pair.cc:553] Connection closed by peer (a rank died "
+            "or stopped during the save or load)", "traceback": ""}
+    nccl = {"exc_type": "DistBackendError", "message": "NCCL error: remote process exited or "
+            "there was a network error, NCCL version 2.21.5\nncclRemoteError: ..."}
+    for error in (ckpt, nccl):
+        consequence = _exit_event(0, recv=10.0, age=0.3, error=error)
+        assert root_cause([consequence, _exit_event(1, recv=10.1, age=0.0, sig=9,
+                                                    code=None)]).rank == 1
+
+
+def test_a_peer_reset_is_blamed_when_nothing_else_failed_near_it():
+    reset = {"exc_type": "RuntimeError", "message": GLOO_RESET}
+    peer = _exit_event(0, recv=10.0, age=0.0, error=reset)
+    stopped = RankFailure.from_event("vm", {"rank": 1, "code": None, "signal": 15,
+                                            "during_stop": True, "_recv": 10.1})
+    result = JobResult((peer, stopped))
+    assert result.root_cause is peer  # a teardown's SIGTERM is no cause
+    lines = report_lines(result)
+    assert any("lost a peer" in ln for ln in lines)
+    # an unrelated failure long after it is not the cause either
+    late = _exit_event(1, recv=30.0, age=0.0, code=5)
+    assert root_cause([late, peer]) is peer
+    # a genuine error of its own, before the peer loss, stays first
+    own = _exit_event(1, recv=9.0, age=0.0, code=2,
+                      error={"exc_type": "ValueError", "message": "boom"})
+    assert root_cause([peer, own]) is own
+
+
+def test_summary_and_which_errors_a_restart_cannot_clear():
+    from dsrun.launcher.report import restartable
+
+    tb = "Traceback (most recent call last):\n  File \"t.py\", line 1\nValueError: boom\n"
+    assert _f(0, 1.0, error={"traceback": tb, "message": "boom"}).summary() == \
+        "ValueError: boom"
+    ck = {"exc_type": "CheckpointError", "message": "CheckpointError: no tag\nmore",
+          "traceback": ""}
+    assert _f(0, 1.0, error=ck).summary() == "CheckpointError: no tag"
+    assert _f(0, 1.0).summary() == ""
+    assert restartable(_f(0, 1.0, error=ck)) and restartable(_f(0, 1.0)) and restartable(None)
+    config = {"exc_type": "DsrunConfigError", "message": 'DsrunConfigError: unknown key "x"'}
+    assert not restartable(_f(0, 1.0, error=config))
+
+
+def test_a_timeout_across_restarts_says_so():
+    result = JobResult(timed_out=8.0, restarts=1)
+    assert report_lines(result)[0] == ("job timed out after 8s (--timeout, counted from the "
+                                       "first of 2 attempts): 0 rank(s) still running")
+    assert report_lines(JobResult(timed_out=8.0))[0].startswith(
+        "job timed out after 8s (--timeout): ")

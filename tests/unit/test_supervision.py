@@ -361,3 +361,54 @@ def test_a_timeout_does_not_wait_for_a_host_that_cannot_answer(monkeypatch):
     text = "\n".join(report_lines(result))
     assert "[a:0]" in text and "no stacks from b" in text
     assert "the ranks on b could not be confirmed stopped" in text
+
+
+def test_a_failed_attempt_says_what_the_rank_reported_and_whether_it_restarts():
+    import time
+
+    from dsrun.launcher import launch
+    from dsrun.launcher.spec import LaunchSpec
+
+    ck = {"exc_type": "CheckpointError", "message": "CheckpointError: no checkpoint 'x' in ck",
+          "traceback": ""}
+    failure = RankFailure(host="vm", rank=1, code=1, signal=None, time=1.0, error=ck)
+    result = JobResult((failure,))
+    assert launch.attempt_line(result, 0, "restarting (1/2)") == (
+        "attempt 1 failed (exit code 1 on rank 1): CheckpointError: no checkpoint 'x' in ck; "
+        "restarting (1/2)")
+    spec = dataclasses.replace(LaunchSpec(script="t.py"), max_restarts=2, timeout=10.0)
+    clock = launch.JobClock()
+    assert launch._no_restart(spec, result, clock) is None  # not started: nothing spent
+    clock.started = time.monotonic() - 11.0
+    assert "--timeout of 10s has passed" in str(launch._no_restart(spec, result, clock))
+    config = {"exc_type": "DsrunConfigError", "message": "DsrunConfigError: bad"}
+    bad = JobResult((dataclasses.replace(failure, error=config),))
+    assert "recurs on every attempt" in str(launch._no_restart(spec, bad, launch.JobClock()))
+
+
+def test_the_timeout_counts_from_the_jobs_start_not_the_attempts():
+    import time
+
+    class Handle:
+        def __init__(self) -> None:
+            self.events: queue.Queue = queue.Queue()
+            self.channels = [object()]
+            self.last_seen = [time.monotonic() + 60]
+            self.stopped = False
+
+        def stop(self) -> None:
+            self.events.put((0, {"ev": "done", "killed": 0}))
+            self.events.put((0, {"ev": "eof"}))
+
+        def close(self) -> None: ...
+        def kill(self) -> None: ...
+
+        def send_all(self, obj, only=None) -> None:
+            self.events.put((0, {"ev": "stack_end", "req": obj["req"]}))
+
+    h = Handle()
+    h.events.put((0, {"ev": "started", "rank": 0, "pid": 10}))
+    begun = time.monotonic()
+    watch = Watch(timeout=5.0, started=begun - 4.8)  # an earlier attempt spent 4.8 s
+    result = Supervisor(h, ["a"], lambda *a: None, 1.0, watch).run()  # type: ignore[arg-type]
+    assert result.timed_out == 5.0 and time.monotonic() - begun < 2.0
