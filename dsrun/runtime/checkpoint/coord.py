@@ -190,14 +190,20 @@ def check_same(values: Sequence[Any], what: str) -> None:
                           "same value")
 
 
-def raise_first(statuses: Sequence[Optional[str]], what: str) -> None:
-    """Raise (on every rank) the failure that rank 0 reported, else the
-    lowest rank's, as it is - its cause first; different ones reported by
-    other ranks follow it."""
+def _by_text(statuses: Sequence[Optional[str]]) -> dict[str, list[int]]:
+    """The ranks reporting each error text, in the order of the first rank."""
     by_text: dict[str, list[int]] = {}
     for rank, text in enumerate(statuses):
         if text:
             by_text.setdefault(text, []).append(rank)
+    return by_text
+
+
+def raise_first(statuses: Sequence[Optional[str]], what: str) -> None:
+    """Raise (on every rank) the failure that rank 0 reported, else the
+    lowest rank's, as it is - its cause first; different ones reported by
+    other ranks follow it."""
+    by_text = _by_text(statuses)
     if not by_text:
         return
     first, *others = by_text.items()
@@ -209,10 +215,7 @@ def raise_first(statuses: Sequence[Optional[str]], what: str) -> None:
 def raise_failures(statuses: Sequence[Optional[str]], what: str) -> None:
     """Raise (on every rank) when any rank reported an error; ranks that
     report the same error are named together."""
-    by_text: dict[str, list[int]] = {}
-    for rank, text in enumerate(statuses):
-        if text:
-            by_text.setdefault(text, []).append(rank)
+    by_text = _by_text(statuses)
     if not by_text:
         return
     if len(by_text) == 1:
