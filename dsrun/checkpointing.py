@@ -310,13 +310,17 @@ def anchor_devices(devices: list[Optional[torch.device]]) -> list[torch.device]:
 def _on_host(function: Callable[..., Any],
              args: tuple[Any, ...]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     """(function, args) with the tensor arguments in host memory until the
-    recomputation moves them back. torch's checkpoint saves and restores the
+    recomputation moves them back (unchanged when none is off the host).
+    torch's checkpoint saves and restores the
     RNG state only of the devices its tensor arguments are on, so each device
     the arguments came from is kept as an empty anchor argument (no memory):
     the recomputation then draws the forward's dropout masks on the GPU too,
     as DeepSpeed's CheckpointFunction does by saving the CUDA RNG state."""
     devices = [a.device if isinstance(a, torch.Tensor) else None for a in args]
-    anchors = tuple(torch.empty(0, device=d) for d in anchor_devices(devices))
+    off_host = anchor_devices(devices)
+    if not off_host:
+        return function, args
+    anchors = tuple(torch.empty(0, device=d) for d in off_host)
     count = len(args)
 
     def run(*host: Any, **kw: Any) -> Any:
@@ -331,8 +335,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``function(*args, **kwargs)``, recomputed in backward instead of
     keeping its activations (module docstring)."""
     run = function
-    if _settings.cpu_checkpointing and anchor_devices(
-            [a.device if isinstance(a, torch.Tensor) else None for a in args]):
+    if _settings.cpu_checkpointing:
         run, args = _on_host(function, args)
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False,
                                              context_fn=_contexts, **kwargs)

@@ -259,8 +259,6 @@ class DsrunConfig:
         feeding it back to :func:`resolve` with the same dp size gives an
         equal config)."""
         out = to_dict(self)
-        if self.steps_per_print is None:
-            out["steps_per_print"] = None  # never (left out, it would read as the default)
         out.update(thaw(self.passthrough))
         return out
 

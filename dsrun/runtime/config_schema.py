@@ -274,7 +274,8 @@ def to_dict(obj: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in fields(obj):
         value = getattr(obj, f.name)
-        if f.metadata.get("internal") or value is None:
+        # None is left out where it is the default; elsewhere it is a setting
+        if f.metadata.get("internal") or (value is None and f.default is None):
             continue
         out[json_key(f)] = to_dict(value) if is_dataclass(value) else thaw(value)
     return out

@@ -60,6 +60,16 @@ _original_init = dist.init_process_group
 _owned_by_dsrun = False
 
 
+def backend_by_device(config: str | None) -> dict[str, str]:
+    """A backend spec or ``dist.get_backend_config()``'s string as
+    ``{device type: backend}`` (pure): ``"cpu:gloo,cuda:nccl"``; a bare
+    name (``"nccl"``) maps ``""``."""
+    text = str(config or "").strip().lower()
+    if ":" not in text:
+        return {"": text}
+    return dict(part.split(":", 1) for part in text.split(",") if ":" in part)
+
+
 def cuda_backend(spec: str | None) -> str | None:
     """The backend that ``spec`` uses for CUDA tensors (pure), or None.
 
@@ -69,11 +79,9 @@ def cuda_backend(spec: str | None) -> str | None:
     ``"cpu:gloo"``). None when it names none for CUDA: ``"cpu:gloo"``, and
     ``None``/``""``/``"undefined"`` (torch then picks by the accelerator).
     """
-    text = str(spec or "").strip().lower()
-    if ":" in text:
-        pairs = dict(part.split(":", 1) for part in text.split(",") if ":" in part)
-        return pairs.get("cuda") or None
-    return None if text in ("", "undefined") else text
+    per_device = backend_by_device(spec)
+    backend = per_device.get("cuda", per_device.get(""))
+    return None if backend in (None, "", "undefined") else backend
 
 
 def uses_nccl(spec: str | None) -> bool:

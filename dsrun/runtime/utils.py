@@ -20,8 +20,7 @@ when one is not finite or negative). ``empty_cache()`` releases the
 accelerator's cached memory and resets its peak statistics. ``DummyOptim
 (params)`` is DeepSpeed's stand-in with one param group holding ``params``.
 
-``RepeatingLoader`` is :class:`dsrun.runtime.dataloader.RepeatingLoader`
-(imported on first use: it needs torch).
+``RepeatingLoader`` is :class:`dsrun.runtime.dataloader.RepeatingLoader`.
 """
 
 from __future__ import annotations
@@ -32,18 +31,14 @@ from collections.abc import Iterable
 from typing import Any, Union
 
 import torch
+import torch.distributed as dist
 
+from dsrun.runtime.dataloader import RepeatingLoader
 from dsrun.runtime.progress import LOGGER_NAME, ensure_visible, memory_line
+from dsrun.runtime.zero.masters import CLIP_EPS
 
-__all__ = ["DummyOptim", "RepeatingLoader",  # noqa: F822 - RepeatingLoader is lazy
+__all__ = ["DummyOptim", "RepeatingLoader",
            "clip_grad_norm_", "empty_cache", "get_global_norm", "see_memory_usage"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "RepeatingLoader":
-        from dsrun.runtime.dataloader import RepeatingLoader
-        return RepeatingLoader
-    raise AttributeError(f"module 'dsrun.runtime.utils' has no attribute {name!r}")
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -51,8 +46,6 @@ log = logging.getLogger(LOGGER_NAME)
 def see_memory_usage(message: str, force: bool = False) -> None:
     if not force:
         return
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
     ensure_visible()
@@ -70,27 +63,30 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     returns the total norm before clipping (module docstring)."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+    if not grads and mpu is None:
         return torch.zeros(())
+    # a rank without gradients still joins its model-parallel group's reduction
+    device = (grads or params)[0].device if grads or params else torch.device("cpu")
     norm_type = float(norm_type)
     group = None if mpu is None else mpu.get_model_parallel_group()
     if norm_type == math.inf:
-        total = torch.stack([g.detach().abs().max().float() for g in grads]).max()
+        total = torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads \
+            else torch.zeros((), device=device)
         if group is not None:
-            torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX, group=group)
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
     else:
+        replicated_counts = mpu is None or mpu.get_model_parallel_rank() == 0
         counted = [p.grad for p in params if p.grad is not None and (
-            mpu is None or mpu.get_model_parallel_rank() == 0
-            or _split_across_model_parallel(p))]
-        total = torch.zeros((), device=grads[0].device)
+            replicated_counts or _split_across_model_parallel(p))]
+        total = torch.zeros((), device=device)
         if counted:
             norms = torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type)
                                  for g in counted])
             total = norms.pow(norm_type).sum()
         if group is not None:
-            torch.distributed.all_reduce(total, group=group)
+            dist.all_reduce(total, group=group)
         total = total.pow(1.0 / norm_type)
-    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    coef = torch.clamp(float(max_norm) / (total + CLIP_EPS), max=1.0)
     for grad in grads:
         grad.detach().mul_(coef.to(grad.device, grad.dtype))
     return total

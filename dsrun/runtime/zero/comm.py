@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from dsrun import comm as collectives
+from dsrun.runtime.dist import backend_by_device
 from dsrun.runtime.monitor.timers import comm_wait
 
 _UNTIMED = contextlib.nullcontext()
@@ -97,15 +98,6 @@ STRATEGIES: Mapping[str, CommStrategy] = MappingProxyType({
     "gloo": CommStrategy(reduce="all_reduce", owner_reduce="all_reduce", gather="broadcast"),
 })
 DEFAULT_STRATEGY = STRATEGIES["gloo"]  # needs only all_reduce and broadcast
-
-
-def backend_by_device(config: str) -> dict[str, str]:
-    """``dist.get_backend_config()``'s string as ``{device type: backend}``
-    (pure): ``"cpu:gloo,cuda:nccl"``; a bare name (``"nccl"``) maps ``""``."""
-    text = str(config).strip().lower()
-    if ":" not in text:
-        return {"": text}
-    return dict(part.split(":", 1) for part in text.split(",") if ":" in part)
 
 
 def strategy_for_config(config: str, device_type: Optional[str] = None) -> CommStrategy:
