@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from dsrun.runtime.commlog import LOGGER, straggler_analysis, straggler_ms, summary_table
-from dsrun.runtime.dist import init_distributed
+from dsrun.runtime.dist import _mpi_world_size, init_distributed
 
 __all__ = [
     "P2POp", "ReduceOp", "all_gather", "all_gather_coalesced", "all_gather_into_tensor",
@@ -426,9 +426,8 @@ def get_local_rank() -> int:
 
 def _launcher_env() -> Any:
     from dsrun.runtime.env import DistEnv
-    from dsrun.runtime.rendezvous import mpi_comm
 
-    return DistEnv.detect(mpi_size=lambda: int(mpi_comm().Get_size()))
+    return DistEnv.detect(mpi_size=_mpi_world_size)
 
 
 def get_world_rank_from_launcher() -> int:

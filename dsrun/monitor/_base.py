@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 
 from dsrun.monitor.config import SOURCE
 from dsrun.runtime.monitor.master import check_events
-from dsrun.runtime.monitor.writers import PACKAGES, Writer, require
+from dsrun.runtime.monitor.writers import Writer, check_package
 
 
 def global_rank() -> int:
@@ -44,8 +44,7 @@ class WriterMonitor(Monitor):
         self.writer: Optional[Writer] = None
         if not self.enabled:
             return
-        if self.section in PACKAGES:
-            require(PACKAGES[self.section], self.section, SOURCE)
+        check_package(self.section, SOURCE)
         if global_rank() == 0:
             self.writer = make()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from dsrun.monitor._base import WriterMonitor, global_rank
+from dsrun.monitor._base import WriterMonitor
 from dsrun.monitor.config import SOURCE
 from dsrun.runtime.monitor.writers import WandbWriter
 
@@ -26,8 +26,6 @@ class WandbMonitor(WriterMonitor):
 
     def log(self, data: dict[str, Any], step: Optional[int] = None,
             commit: Optional[bool] = None) -> Any:
-        """``wandb.log`` on the monitor's run (rank 0; elsewhere nothing)."""
+        """``wandb.log`` on the monitor's run (rank 0 when enabled; elsewhere nothing)."""
         run = getattr(self.writer, "run", None)
-        if self.enabled and run is not None and global_rank() == 0:
-            return run.log(data, step=step, commit=commit)
-        return None
+        return None if run is None else run.log(data, step=step, commit=commit)

@@ -41,6 +41,12 @@ def ensure_visible() -> None:
         log.setLevel(logging.INFO)
 
 
+def every(step: int, n: Optional[int]) -> bool:
+    """Whether ``step`` is a multiple of ``n``: a print step of
+    ``steps_per_print=n`` (``None``: never)."""
+    return n is not None and step % n == 0
+
+
 class Progress:
     """Accumulates losses and samples between progress lines (rank 0 prints)."""
 
@@ -65,8 +71,7 @@ class Progress:
              extra: Optional[str] = None) -> None:
         """Called after every optimizer step (applied or skipped)."""
         self._steps += 1
-        if not self.enabled or self.steps_per_print is None \
-                or global_steps % self.steps_per_print:
+        if not self.enabled or not every(global_steps, self.steps_per_print):
             return
         elapsed = max(time.perf_counter() - self._since, 1e-9)
         rate = self._steps * self.samples_per_step / elapsed

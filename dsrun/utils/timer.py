@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from dsrun.runtime.commlog import trimmed_mean
+from dsrun.runtime.progress import every
 from dsrun.utils.logging import log_dist
 
 log = logging.getLogger("dsrun.runtime")
@@ -283,8 +284,7 @@ class ThroughputTimer:
             self.step_elapsed_time = 0.0
 
     def _is_report_boundary(self) -> bool:
-        return self.steps_per_output is not None and \
-            self.global_step_count % self.steps_per_output == 0
+        return every(self.global_step_count, self.steps_per_output)
 
     def _report(self) -> None:
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()

@@ -148,7 +148,7 @@ def _parts(path: str) -> list[str]:
 def _suffix_labels(paths: Sequence[str]) -> list[str]:
     """Each path's shortest trailing part (``job``, ``exp1/csv/job``...)
     that no other path ends with at the same length; the same directory
-    given twice keeps its whole path."""
+    given twice gets one label."""
     parts = [_parts(p) for p in paths]
     labels = []
     for i, mine in enumerate(parts):

@@ -57,6 +57,7 @@ from dsrun import comm as collectives
 from dsrun.runtime.monitor import events as ev
 from dsrun.runtime.monitor.master import Monitor
 from dsrun.runtime.monitor.timers import StepTimers, comm_wait, cuda_sync, format_breakdown
+from dsrun.runtime.progress import every
 
 log = logging.getLogger("dsrun.runtime.monitor")
 
@@ -162,8 +163,7 @@ class EngineMonitor:
         breakdown. That work cannot be in the interval it reports: it is
         added to the next step's ``step`` and ``monitor`` parts."""
         self.timers.end_step(iteration)
-        if not self.timers.enabled or self._print_every is None \
-                or engine.global_steps % self._print_every:
+        if not self.timers.enabled or not every(engine.global_steps, self._print_every):
             return
         start = time.perf_counter()
         steps = self.timers.steps_pending

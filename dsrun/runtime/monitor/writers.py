@@ -194,18 +194,25 @@ def run_info(config: Any) -> dict[str, Any]:
             "steps_per_print": config.steps_per_print, "step_unit": "global_samples"}
 
 
+def check_package(section: str, source: str) -> None:
+    """Fail (on every rank, without importing anything) when the enabled
+    ``section``'s package is missing; a section needing none passes."""
+    package = PACKAGES.get(section)
+    if package is None:
+        return
+    try:
+        found = importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a module entry of None or without a spec
+        found = False
+    if not found:
+        require(package, section, source)  # raises with the import error
+
+
 def check_packages(config: Any) -> None:
-    """Fail (on every rank, without importing anything) when an enabled
-    section's package is missing."""
-    for section, package in PACKAGES.items():
-        if not getattr(config, section).enabled:
-            continue
-        try:
-            found = importlib.util.find_spec(package) is not None
-        except (ImportError, ValueError):  # a module entry of None or without a spec
-            found = False
-        if not found:
-            require(package, section, config.source)  # raises with the import error
+    """:func:`check_package` for each enabled monitor section of ``config``."""
+    for section in PACKAGES:
+        if getattr(config, section).enabled:
+            check_package(section, config.source)
 
 
 def build_writers(config: Any) -> list[Writer]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import re
 from collections.abc import Iterable, Sequence
 from typing import Any, Callable, Optional
 
@@ -40,7 +39,7 @@ from dsrun.runtime.env import DistEnv
 from dsrun.runtime.pipe.costs import layer_flops
 from dsrun.runtime.pipe.grid import PipelineGrid, cached_group
 from dsrun.runtime.pipe.layers import LayerSpec, TiedLayerSpec, count_parameters, layer_name
-from dsrun.runtime.pipe.partition import partition_layers
+from dsrun.runtime.pipe.partition import partition_layers, type_matches
 from dsrun.runtime.pipe.tied import TiedEntry, TiedWeights
 from dsrun.runtime.pipe.topology import PipeTopology, topology_for
 from dsrun.runtime.progress import ensure_visible
@@ -232,15 +231,14 @@ class PipelineModule(torch.nn.Module):
     def _tie(self, specs: list[Any]) -> TiedWeights:
         """Groups of the stages sharing each tied key (collective, all keys)."""
         owners: dict[str, list[int]] = {}
+        attrs: dict[str, tuple[str, ...]] = {}
         for stage in range(self.num_stages):
             for index in range(self.parts[stage], self.parts[stage + 1]):
                 layer = specs[index]
-                if isinstance(layer, TiedLayerSpec) and stage not in owners.get(layer.key, []):
-                    owners.setdefault(layer.key, []).append(stage)
-        attrs: dict[str, tuple[str, ...]] = {}
-        for layer in specs:
-            if isinstance(layer, TiedLayerSpec):
-                attrs.setdefault(layer.key, layer.tied_weight_attr)
+                if isinstance(layer, TiedLayerSpec):
+                    attrs.setdefault(layer.key, layer.tied_weight_attr)
+                    if stage not in owners.get(layer.key, []):
+                        owners.setdefault(layer.key, []).append(stage)
         entries = []
         rank = dist.get_rank()
         for key in sorted(owners):
@@ -368,12 +366,7 @@ class PipelineModule(torch.nn.Module):
         """The indices of the layers whose class name matches the regular
         expression ``layername`` (case-insensitive search), as
         ``partition_method="type:..."`` counts them."""
-        regex = re.compile(layername, re.IGNORECASE)
-        found = [i for i, name in enumerate(self._layer_names) if regex.search(name)]
-        if not found:
-            raise DsrunConfigError(f"no layer class name matches {layername!r} (layers: "
-                                   f"{', '.join(sorted(set(self._layer_names)))})")
-        return found
+        return [i for i, hit in enumerate(type_matches(layername, self._layer_names)) if hit]
 
     @property
     def grid(self) -> PipelineGrid:

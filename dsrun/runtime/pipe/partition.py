@@ -107,6 +107,23 @@ def check_boundaries(bounds: Sequence[object], num_layers: int, stages: int) -> 
     return tuple(values)  # type: ignore[arg-type]
 
 
+def type_matches(pattern: str, names: Sequence[str], where: str = "") -> list[bool]:
+    """Whether each layer class name in ``names`` matches the regular
+    expression ``pattern`` (case-insensitive search), as ``"type:REGEX"``
+    counts them. A bad pattern, or one matching no name, is a
+    :class:`DsrunConfigError` (its message prefixed with ``where``)."""
+    try:
+        regex = re.compile(pattern, re.IGNORECASE)
+    except re.error as exc:
+        raise DsrunConfigError(f"{where}{pattern!r} is not a valid regular expression "
+                               f"({exc})") from None
+    hits = [regex.search(name) is not None for name in names]
+    if not any(hits):
+        raise DsrunConfigError(f"{where}no layer class name matches {pattern!r} (layers: "
+                               f"{', '.join(sorted(set(names)))})")
+    return hits
+
+
 def layer_weights(method: str, names: Sequence[str], param_counts: Sequence[int],
                   flops: Optional[Sequence[int]] = None) -> list[int]:
     """Per-layer weights for a named ``method`` (module docstring);
@@ -121,17 +138,8 @@ def layer_weights(method: str, names: Sequence[str], param_counts: Sequence[int]
     if lowered == "uniform":
         return [1] * len(names)
     if lowered.startswith("type:"):
-        pattern = method[len("type:"):]
-        try:
-            regex = re.compile(pattern, re.IGNORECASE)
-        except re.error as exc:
-            raise DsrunConfigError(f"partition_method={method!r}: {pattern!r} is not a valid "
-                                   f"regular expression ({exc})") from None
-        weights = [1 if regex.search(name) else 0 for name in names]
-        if not any(weights):
-            raise DsrunConfigError(f"partition_method={method!r}: no layer class name matches "
-                                   f"{pattern!r} (layers: {', '.join(sorted(set(names)))})")
-        return weights
+        hits = type_matches(method[len("type:"):], names, f"partition_method={method!r}: ")
+        return [1 if hit else 0 for hit in hits]
     if lowered == "profile":
         raise DsrunConfigError("partition_method='profile' (timing each layer) is not "
                                "implemented in dsrun; 'flops' balances each layer's counted "
