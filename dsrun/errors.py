@@ -39,3 +39,9 @@ class LaunchError(DsrunError):
 class CheckpointError(DsrunError):
     """A checkpoint that cannot be saved or loaded: it names the file, tag,
     tensor or rank at fault, and the engine is left as it was."""
+
+
+#: What a checkpoint error says when a peer went away during a save or load
+#: (the checkpoint coordinator writes it; the launcher's report reads it to
+#: blame the rank that died rather than this one).
+RANK_LOST = "a rank died or stopped"

@@ -235,8 +235,8 @@ class JobClock:
         return timeout - (time.monotonic() - self.started)
 
 
-def _watch(spec: LaunchSpec, control: ControlServer, clock: JobClock) -> Watch:
-    return Watch(timeout=spec.timeout, started=clock.started,
+def _watch(spec: LaunchSpec, control: ControlServer, started: float) -> Watch:
+    return Watch(timeout=spec.timeout, started=started,
                  heartbeat_timeout=spec.heartbeat_timeout,
                  straggler_interval=straggler_interval(os.environ),
                  queries=control.queries, say=say, job_id=control.job_id,
@@ -286,11 +286,11 @@ def _attempt(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv,
         if handle is not None:
             handle.close()
         raise
+    if clock.started is None:  # the first attempt's ranks start the --timeout
+        clock.started = time.monotonic()
     try:
         supervisor = Supervisor(handle, handle.hosts, console.line, plan.kill_grace,
-                                _watch(spec, control, clock))
-        if clock.started is None:
-            clock.started = supervisor.started
+                                _watch(spec, control, clock.started))
         result = supervisor.run()
     finally:
         suspension.handle = None
@@ -335,7 +335,7 @@ def take_signals() -> dict[signal.Signals, object]:
 
 
 def _run_attempts(spec: LaunchSpec, attempt: Callable[[int], JobResult],
-                  clock: JobClock | None = None) -> int:
+                  clock: JobClock) -> int:
     previous = take_signals()
     try:
         for restart in range(spec.max_restarts + 1):
@@ -343,7 +343,7 @@ def _run_attempts(spec: LaunchSpec, attempt: Callable[[int], JobResult],
             if result.exit_code == 0 or result.interrupted is not None \
                     or result.timed_out is not None or restart == spec.max_restarts:
                 break
-            why_not = _no_restart(spec, result, clock or JobClock())
+            why_not = _no_restart(spec, result, clock)
             say(attempt_line(result, restart,
                              why_not or f"restarting ({restart + 1}/{spec.max_restarts})"))
             if why_not:

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dsrun.errors import RANK_LOST
+
 #: Exit status of a job ended by --timeout (as GNU timeout).
 TIMEOUT_EXIT = 124
 
@@ -37,9 +39,9 @@ PEER_WINDOW = 5.0
 #: What the error of a rank that lost a peer says (lower case): gloo's
 #: "Connection reset/closed by peer", a write into a closed socket, the c10d
 #: store's "Connection was likely closed" (rank 0, its server, died), NCCL's
-#: remote error, dsrun's checkpoint exchange "(a rank died or stopped ...)".
+#: remote error, dsrun's checkpoint exchange (``errors.RANK_LOST``).
 PEER_LOSS_MARKS = ("by peer", "broken pipe", "connection was likely closed",
-                   "ncclremoteerror", "remote process exit", "a rank died or stopped")
+                   "ncclremoteerror", "remote process exit", RANK_LOST.lower())
 #: Errors recorded by the runtime that recur on every attempt: a restart
 #: cannot clear them (the same script, arguments, config and world size).
 NOT_RESTARTABLE = ("DsrunConfigError", "DsrunUsageError")

@@ -99,7 +99,8 @@ class Watch:
     """What the supervisor watches for, besides exits (all optional)."""
 
     timeout: float | None = None  # --timeout seconds
-    started: float | None = None  # monotonic start of the timeout (earlier attempts); None: now
+    # monotonic start of the --timeout (launch: the first attempt's); default: now
+    started: float = field(default_factory=time.monotonic)
     heartbeat_timeout: float = 0.0  # 0: no liveness check
     straggler_interval: float | None = None  # None: no straggler lines
     queries: queue.Queue[StackQuery] | None = None  # dsrun stack requests
@@ -139,8 +140,6 @@ class Supervisor:
         self.grace = kill_grace
         self.watch = watch or Watch()
         self.state = _State(hosts=list(hosts), open_nodes=set(range(len(hosts))))
-        self.started = self.watch.started if self.watch.started is not None \
-            else time.monotonic()
         hint = f" (dsrun stack {self.watch.job_id[:12]} shows their Python stacks)" \
             if self.watch.job_id else ""
         self.stragglers = Stragglers(self.watch.straggler_interval or 0.0, hint)
@@ -304,7 +303,7 @@ class Supervisor:
         timeout = self.watch.timeout
         if timeout is None or st.timed_out is not None or st.stopping:
             return
-        if now - self.started < timeout:
+        if now - self.watch.started < timeout:
             return
         st.timed_out = timeout
         st.running_at_timeout = tuple(

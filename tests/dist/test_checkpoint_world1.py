@@ -268,7 +268,7 @@ def test_disk_full_is_a_clear_error_and_the_previous_checkpoint_survives(
 
     def full_after_first(fd: int, data: memoryview) -> None:
         if os.fstat(fd).st_size > 0:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            raise storage.WriteFailed(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), 0)
         real(fd, data)
 
     monkeypatch.setattr(storage, "write_all", full_after_first)
@@ -382,7 +382,7 @@ def test_async_failures_are_raised_by_the_next_save_and_by_destroy(
     real = storage.write_all
 
     def disk_full(fd: int, data: memoryview) -> None:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        raise storage.WriteFailed(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), 0)
 
     monkeypatch.setattr(storage, "write_all", disk_full)
     engine.save_checkpoint(tmp_path, tag="doomed")  # returns: the write is in the background

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from dsrun.errors import CheckpointError
 from dsrun.runtime.checkpoint import storage, writer
+from dsrun.runtime.checkpoint.async_save import AsyncSaver
 from dsrun.runtime.checkpoint.consolidate import get_fp32_state_dict, to_fp32
 from dsrun.runtime.checkpoint.coord import (
     Coordinator,
@@ -37,7 +38,7 @@ from dsrun.runtime.checkpoint.fragments import (
     install_state,
     split_state,
 )
-from dsrun.runtime.checkpoint.info import checkpoint_info, format_info
+from dsrun.runtime.checkpoint.info import checkpoint_info, format_info, human_bytes, size_texts
 from dsrun.runtime.checkpoint.reader import LoadRequest, load_state
 from dsrun.runtime.checkpoint.stateformats import SafetensorsWriter, Spec, TorchSaveWriter
 from dsrun.runtime.checkpoint.tags import remove_stale_saves
@@ -157,7 +158,7 @@ def test_a_full_disk_names_the_file_and_keeps_the_previous_checkpoint(
     save(tmp_path, DictSource(tensors()), tag="old")
 
     def full(fd: int, data: memoryview) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise storage.WriteFailed(OSError(errno.ENOSPC, "No space left on device"), 0)
 
     monkeypatch.setattr(storage, "write_all", full)
     with pytest.raises(CheckpointError, match=r"no space left .*new\.tmp/rank_00000\.bin.*"
@@ -179,10 +180,11 @@ def test_a_write_failing_midway_says_how_much_was_written_before(
     text = str(caught.value)
     assert "(No space left on device; 40 bytes of this rank's 400 bytes were written before " \
            "the write failed)" in text, text
-    assert storage.size_texts(400 << 10, 410 << 10) == ["400.0 KiB", "410.0 KiB"]
-    assert storage.size_texts(5 << 20, 5 << 20) == ["5.0 MiB", "5.0 MiB"]
-    assert storage.size_texts(2**20, 2**20 + 1) == ["1.000000 MiB", "1.000001 MiB"]
-    assert storage.size_texts(2**20, 2**20 + 2**11) == ["1.000 MiB", "1.002 MiB"]
+    assert size_texts(400 << 10, 410 << 10) == ["400.0 KiB", "410.0 KiB"]
+    assert size_texts(5 << 20, 5 << 20) == ["5.0 MiB", "5.0 MiB"]
+    assert size_texts(2**20, 2**20 + 1) == ["1.000000 MiB", "1.000001 MiB"]
+    assert size_texts(2**20, 2**20 + 2**11) == ["1.000 MiB", "1.002 MiB"]
+    assert [human_bytes(n) for n in (512, 1536, 3 << 30)] == ["512 bytes", "1.5 KiB", "3.0 GiB"]
 
 
 def test_the_space_check_shows_its_margin_and_different_numbers(
@@ -229,6 +231,20 @@ def test_a_posted_failure_ends_the_commits_wait_at_once(tmp_path: Path) -> None:
     threading.Timer(0.2, (Path(commit.tmp_dir) / "rank_00002.json").write_text, ["{}"]).start()
     commit.wait_for_records(600, others_only=True, board=shared, settle=True)
     assert (Path(commit.tmp_dir) / "rank_00002.json").exists()
+
+
+def test_an_async_commit_giving_a_silent_rank_up_removes_the_save_without_waiting_again(
+        tmp_path: Path) -> None:
+    commit = commit_of(tmp_path, world=2)  # rank 1 never writes anything
+    plan = writer.plan_rank([DictSource(tensors()).export_state({})])
+    saver = AsyncSaver(timeout_s=2.0)
+    start = time.monotonic()
+    saver.start(RankWrite(commit.tmp_dir, 0, plan, {}, tag="t"), commit, "t", board(2))
+    error = saver.wait()
+    took = time.monotonic() - start
+    assert error is not None and "rank(s) 1 wrote nothing for 2 s" in error, error
+    assert 2.0 <= took < 3.5, took  # one timeout, not a second one waiting for rank 1 again
+    assert not os.path.exists(commit.tmp_dir)
 
 
 def test_without_a_store_a_failure_goes_into_an_error_file(tmp_path: Path) -> None:

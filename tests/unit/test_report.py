@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dsrun.errors import RANK_LOST
 from dsrun.launcher.report import JobResult, RankFailure, report_lines, root_cause
 
 
@@ -117,8 +118,9 @@ def test_a_peer_reset_stamped_before_the_death_that_caused_it_is_not_blamed():
     assert JobResult((peer, segv)).exit_code == 139
     # dsrun's checkpoint exchange with a dead rank, and NCCL's remote error
     ckpt = {"exc_type": "CheckpointError", "message": "CheckpointError: ranks could not "
-            "exchange checkpoint status: [pair.cc:553] Connection closed by peer (a rank died "
-            "or stopped during the save or load)", "traceback": ""}
+            "exchange checkpoint status: [unbound_buffer.cc:81] Timed out waiting 1800000ms for "
+            f"recv operation to complete ({RANK_LOST} during the save or load)",
+            "traceback": ""}
     nccl = {"exc_type": "DistBackendError", "message": "NCCL error: remote process exited or "
             "there was a network error, NCCL version 2.21.5\nncclRemoteError: ..."}
     for error in (ckpt, nccl):

@@ -44,7 +44,13 @@ import torch
 from dsrun.errors import CheckpointError
 from dsrun.runtime.checkpoint.coord import Failure, SaveBoard
 from dsrun.runtime.checkpoint.storage import remove_tree
-from dsrun.runtime.checkpoint.writer import Commit, Planned, RankFailed, RankWrite
+from dsrun.runtime.checkpoint.writer import (
+    Commit,
+    Planned,
+    RankFailed,
+    RankWrite,
+    RecordsTimedOut,
+)
 
 log = logging.getLogger("dsrun.runtime.checkpoint")
 # Savers with a save in flight or an error nobody collected yet: held here
@@ -124,12 +130,16 @@ class AsyncSaver:
     def _write_and_commit(self, write: RankWrite, commit: Optional[Commit],
                           failure: Optional[Failure]) -> None:
         failure = failure or _attempt(write.rank, write.run)
+        writers_left = True  # rank 0 waits for them to stop before removing TAG.tmp/
         if failure is not None:
             write.fail(failure)
         elif commit is not None:
-            failure = _attempt(0, lambda: commit.wait_for_records(self.timeout_s,
-                                                                  board=write.board),
-                               "committing: ")
+            try:
+                failure = _attempt(0, lambda: commit.wait_for_records(self.timeout_s,
+                                                                      board=write.board),
+                                   "committing: ")
+            except RecordsTimedOut as exc:  # the ranks missing are silent: none to wait for
+                failure, writers_left = Failure(0, f"committing: {exc}"), False
             if failure is None:
                 failure = _attempt(0, commit.run, "committing: ")
                 if failure is not None:
@@ -139,9 +149,10 @@ class AsyncSaver:
                 log.info("saved checkpoint %s (asynchronously)",
                          os.path.join(commit.save_dir, commit.tag))
             return
-        if commit is not None:  # rank 0 clears TAG.tmp once the others stopped writing
-            commit.wait_for_records(self.timeout_s, others_only=True, board=write.board,
-                                    settle=True)
+        if commit is not None:  # rank 0 clears TAG.tmp/
+            if writers_left:
+                commit.wait_for_records(self.timeout_s, others_only=True, board=write.board,
+                                        settle=True)
             remove_tree(commit.tmp_dir)
         self._error = (f"{failure.message} (the asynchronous save of tag {self._tag!r} "
                        f"failed on rank {failure.rank})")
@@ -170,6 +181,8 @@ def _attempt(rank: int, run: Callable[[], None], what: str = "") -> Optional[Fai
         run()
     except RankFailed as exc:
         return exc.failure
+    except RecordsTimedOut:
+        raise  # the caller removes TAG.tmp/ at once (AsyncSaver._write_and_commit)
     except CheckpointError as exc:
         return Failure(rank, f"{what}{exc}")
     except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple, Optional
 import torch.distributed as dist
 
 from dsrun import comm as collectives
-from dsrun.errors import CheckpointError
+from dsrun.errors import RANK_LOST, CheckpointError
 
 log = logging.getLogger("dsrun.runtime.checkpoint")
 
@@ -120,8 +120,8 @@ class Coordinator:
             collectives.all_gather_object(out, obj, group=self._group)
         except RuntimeError as exc:
             self._broken = f"a checkpoint exchange between ranks failed ({exc})"
-            raise CheckpointError(f"ranks could not exchange checkpoint status: {exc} (a rank "
-                                  "died or stopped during the save or load)") from None
+            raise CheckpointError(f"ranks could not exchange checkpoint status: {exc} "
+                                  f"({RANK_LOST} during the save or load)") from None
         return out
 
 
@@ -134,13 +134,19 @@ class Failure(NamedTuple):
     cause: bool = True
 
 
+def first_failure(failures: Iterable[Optional[Failure]]) -> Optional[Failure]:
+    """The one to report: the lowest rank that failed first-hand, else the
+    lowest that stopped because of another; None when there is none."""
+    return min((f for f in failures if f is not None), key=lambda f: (not f.cause, f.rank),
+               default=None)
+
+
 class SaveBoard:
     """Failures of one asynchronous save, in the c10d store (module docstring)."""
 
     def __init__(self, store: Any, prefix: str, world: int) -> None:
         self.store, self.prefix, self.world = store, prefix, world
         self._seen: dict[int, Failure] = {}
-        self._count = 0
 
     def post(self, failure: Failure) -> bool:
         """Tell every rank; False when the store cannot be reached."""
@@ -158,24 +164,22 @@ class SaveBoard:
         """Every failure posted so far, by rank (never blocks on a missing key)."""
         try:
             count = int(self.store.add(self.prefix + "count", 0))
-            if count > self._count:
+            if count > len(self._seen):
                 for rank in range(self.world):
                     key = self.prefix + str(rank)
                     if rank not in self._seen and self.store.check([key]):
                         value = json.loads(self.store.get(key))
                         self._seen[rank] = Failure(rank, value["message"], value["cause"])
-                self._count = len(self._seen)
         except Exception:  # noqa: BLE001 - a store gone means the job is ending anyway
             log.debug("cannot read checkpoint failures from the store", exc_info=True)
         return dict(self._seen)
 
     def first(self, ranks: Optional[Iterable[int]] = None) -> Optional[Failure]:
-        """The failure to report (among ``ranks``): the lowest rank that
-        failed first-hand, else the lowest that stopped; None when none did."""
+        """The failure to report (among ``ranks``): :func:`first_failure`."""
         posted = self.posted()
         found = [posted[r] for r in (range(self.world) if ranks is None else ranks)
                  if r in posted]
-        return min(found, key=lambda f: (not f.cause, f.rank), default=None)
+        return first_failure(found)
 
 
 def check_same(values: Sequence[Any], what: str) -> None:

@@ -66,11 +66,22 @@ class TagInfo:
         }
 
 
+def size_texts(*sizes: int) -> list[str]:
+    """``sizes`` (bytes) in the unit of the largest, with as many decimals
+    as it takes for different sizes to read differently (a message that
+    says "needs 0.4 MiB, 0.4 MiB are free" is not true on its face)."""
+    top = max(sizes, default=0)
+    unit, scale = next(((u, f) for u, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+                        if top >= f), ("bytes", 1))
+    for places in range(1 if scale > 1 else 0, 7 if scale > 1 else 1):
+        texts = [f"{n / scale:,.{places}f} {unit}" for n in sizes]
+        if len(set(texts)) == len(set(sizes)):
+            return texts
+    return [f"{n:,} bytes" for n in sizes]
+
+
 def human_bytes(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:,.1f} {unit}"
-    return f"{n} B"
+    return size_texts(n)[0]
 
 
 def _floating(dtype: str) -> bool:

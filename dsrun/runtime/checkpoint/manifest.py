@@ -53,16 +53,20 @@ ITEMSIZE: Mapping[str, int] = {
 }
 
 
+RANK_PREFIX = "rank_"  # then the rank, 5 digits or more (rank_00007, rank_100000)
+DATA_SUFFIX, RECORD_SUFFIX, ERROR_SUFFIX = ".bin", ".json", ".error"
+
+
 def rank_file(rank: int) -> str:
-    return f"rank_{rank:05d}.bin"
+    return f"{RANK_PREFIX}{rank:05d}{DATA_SUFFIX}"
 
 
 def record_file(rank: int) -> str:
-    return f"rank_{rank:05d}.json"
+    return f"{RANK_PREFIX}{rank:05d}{RECORD_SUFFIX}"
 
 
 def error_file(rank: int) -> str:
-    return f"rank_{rank:05d}.error"
+    return f"{RANK_PREFIX}{rank:05d}{ERROR_SUFFIX}"
 
 
 def itemsize(dtype: str, where: str = "") -> int:

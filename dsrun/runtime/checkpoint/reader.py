@@ -54,6 +54,7 @@ from dsrun.runtime.checkpoint.manifest import (
     itemsize,
     parse_manifest,
     plan_reads,
+    rank_file,
     record_file,
 )
 from dsrun.runtime.checkpoint.storage import read_file, read_into, torch_dtype
@@ -179,7 +180,7 @@ class ChunkReader:
 
     def _fd(self, rank: int) -> int:
         if rank not in self.fds:
-            self.fds[rank] = os.open(os.path.join(self.path, f"rank_{rank:05d}.bin"), os.O_RDONLY)
+            self.fds[rank] = os.open(os.path.join(self.path, rank_file(rank)), os.O_RDONLY)
         return self.fds[rank]
 
     def fill(self, entry: TensorEntry, key: str, item: Item, target: LoadTarget,
@@ -194,7 +195,7 @@ class ChunkReader:
             direct = whole and dest.device.type == "cpu" and dest.dtype == stored
             buffer = dest if direct else torch.empty(chunk.end - chunk.start, dtype=stored)
             view = memoryview(buffer.view(torch.uint8).numpy()).cast("B")
-            file = os.path.join(self.path, f"rank_{chunk.rank:05d}.bin")
+            file = os.path.join(self.path, rank_file(chunk.rank))
             read_into(self._fd(chunk.rank), file, chunk.offset, view)
             where = (f"{file} is corrupt: the checksum of tensor {entry.name!r} ({key}, elements "
                      f"[{chunk.start}, {chunk.end}), bytes {chunk.offset}-"

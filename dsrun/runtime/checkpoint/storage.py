@@ -36,6 +36,7 @@ import torch
 
 from dsrun.atomicfile import fsync_dir
 from dsrun.errors import CheckpointError
+from dsrun.runtime.checkpoint.info import size_texts
 
 log = logging.getLogger("dsrun.runtime.checkpoint")
 
@@ -76,20 +77,6 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     if flat.numel() == 0:
         return memoryview(b"")
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
-
-
-def size_texts(*sizes: int) -> list[str]:
-    """``sizes`` (bytes) in the unit of the largest, with as many decimals
-    as it takes for different sizes to read differently (a message that
-    says "needs 0.4 MiB, 0.4 MiB are free" is not true on its face)."""
-    top = max(sizes, default=0)
-    unit, scale = next(((u, f) for u, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
-                        if top >= f), ("bytes", 1))
-    for places in range(1 if scale > 1 else 0, 7 if scale > 1 else 1):
-        texts = [f"{n / scale:,.{places}f} {unit}" for n in sizes]
-        if len(set(texts)) == len(set(sizes)):
-            return texts
-    return [f"{n:,} bytes" for n in sizes]
 
 
 def disk_full_error(path: str, exc: OSError, written: int, total: int) -> CheckpointError:
@@ -149,8 +136,8 @@ class DataFile:
             self._crcs.append(done)
         try:
             write_all(self.fd, data)
-        except OSError as exc:  # a test's write_all may raise a plain OSError
-            self.written += getattr(exc, "done", 0)
+        except WriteFailed as exc:
+            self.written += exc.done
             raise self._error(exc) from None
         self.written += len(data)
         if self.durable and _SYNC_FILE_RANGE is not None and \

@@ -25,13 +25,29 @@ import time
 from typing import Any, Optional
 
 from dsrun.errors import CheckpointError
-from dsrun.runtime.checkpoint.manifest import LATEST, MANIFEST, REPLACED_SUFFIX, TMP_SUFFIX
+from dsrun.runtime.checkpoint.manifest import (
+    DATA_SUFFIX,
+    ENGINE_STATE,
+    ERROR_SUFFIX,
+    LATEST,
+    MANIFEST,
+    RANK_PREFIX,
+    RECORD_SUFFIX,
+    REPLACED_SUFFIX,
+    TMP_SUFFIX,
+)
 
 log = logging.getLogger("dsrun.runtime.checkpoint")
 
+
+def _either(*names: str) -> str:
+    return "(?:" + "|".join(map(re.escape, names)) + ")"
+
+
 # the files (and their atomic_write temporaries) a save puts into TAG.tmp/
-SAVE_FILE = re.compile(r"(rank_\d{5}\.(bin|json|error)|engine_state\.pt|manifest\.json)"
-                       r"(\.tmp\.\d+)?")
+SAVE_FILE = re.compile(
+    "(?:" + _either(ENGINE_STATE, MANIFEST) + "|" + re.escape(RANK_PREFIX) + r"\d{5,}"
+    + _either(DATA_SUFFIX, RECORD_SUFFIX, ERROR_SUFFIX) + r")(?:\.tmp\.\d+)?")
 
 
 def tag_problem(tag: Any) -> Optional[str]:

@@ -53,10 +53,12 @@ from dsrun.runtime.checkpoint.coord import (
     Failure,
     SaveBoard,
     check_same,
+    first_failure,
     raise_failures,
     raise_first,
 )
 from dsrun.runtime.checkpoint.fragments import ExportedState, Fragment
+from dsrun.runtime.checkpoint.info import size_texts
 from dsrun.runtime.checkpoint.manifest import (
     ENGINE_STATE,
     LATEST,
@@ -79,7 +81,6 @@ from dsrun.runtime.checkpoint.storage import (
     fsync_dir,
     read_file,
     remove_tree,
-    size_texts,
     tensor_bytes,
 )
 from dsrun.runtime.checkpoint.tags import check_tag, remove_stale_saves
@@ -98,6 +99,10 @@ class RankFailed(CheckpointError):
     def __init__(self, failure: Failure) -> None:
         super().__init__(failure.message)
         self.failure = failure
+
+
+class RecordsTimedOut(CheckpointError):
+    """Rank 0's commit gave up on ranks that wrote nothing for the timeout."""
 
 
 @dataclass(frozen=True)
@@ -311,7 +316,8 @@ class Commit:
         """Asynchronous saves: wait until every rank's record is there
         (``others_only``: every rank but 0's); a rank's failure (on the
         ``board``, else in its error file) is raised at once as
-        :class:`RankFailed`. ``settle``: wait only until every rank has a
+        :class:`RankFailed`; ranks that write nothing for ``timeout_s``:
+        :class:`RecordsTimedOut`. ``settle``: wait only until every rank has a
         record or a failure, raising nothing (then ``TAG.tmp/`` can go).
         The deadline moves while some rank's data file still grows."""
         deadline = time.monotonic() + timeout_s
@@ -321,9 +327,9 @@ class Commit:
             posted = board.posted() if board is not None else {}
             failed = [posted.get(r) or self._error_file(r) for r in ranks]
             failed_ranks = {f.rank for f in failed if f is not None}
-            if failed_ranks and not settle:
-                raise RankFailed(min((f for f in failed if f is not None),
-                                     key=lambda f: (not f.cause, f.rank)))
+            first = first_failure(failed)
+            if first is not None and not settle:
+                raise RankFailed(first)
             missing = [r for r in ranks if r not in failed_ranks
                        and not os.path.exists(os.path.join(self.tmp_dir, record_file(r)))]
             if not missing:
@@ -340,7 +346,7 @@ class Commit:
                     log.warning("rank(s) %s still have not finished writing to %s; removing it",
                                 ", ".join(map(str, missing)), self.tmp_dir)
                     return
-                raise CheckpointError(
+                raise RecordsTimedOut(
                     f"rank(s) {', '.join(map(str, missing))} wrote nothing for {timeout_s:g} s "
                     f"and left no record in {self.tmp_dir} (a rank died, or the directory is "
                     "not on a file system every rank shares)")

@@ -217,7 +217,7 @@ def async_disk_full(args: argparse.Namespace) -> dict[str, Any]:
     real = storage.write_all
 
     def full(fd: int, data: memoryview) -> None:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        raise storage.WriteFailed(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), 0)
 
     if dist.get_rank() == 1:
         storage.write_all = full
