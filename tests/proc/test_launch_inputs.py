@@ -49,7 +49,9 @@ def test_a_progress_bar_without_newlines_is_forwarded_while_the_rank_runs(tmp_pa
     tail = err[err.index("line(s) of rank 0's output"):]
     assert "step 2/2" in tail and "step 1/2" not in tail  # redrawn, as a terminal shows it
     log = (tmp_path / "logs" / "rank_0.log").read_text().splitlines()
-    assert log[1:] == [" step 1/2", " step 2/2", "failing now"]
+    # the runtime's record of the exit follows the output (as for --max_restarts attempts)
+    assert log[1:] == [" step 1/2", " step 2/2", "failing now",
+                       "# dsrun: rank 0 failed: the script called sys.exit(3)"]
 
 
 SHOW = ("import sys\n"

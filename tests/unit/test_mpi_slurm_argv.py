@@ -246,3 +246,19 @@ def test_the_failure_summary_quotes_the_telling_line(tail: list[str], expected: 
     for line in tail:
         output.add(line)
     assert output.summary() == expected
+
+
+def test_stderrs_telling_line_wins_whatever_order_the_pipes_were_read() -> None:
+    """Two threads read stdout and stderr: a help block on stdout may come in
+    first, the cause on stderr is still the summary."""
+    from dsrun.launcher.backends.connect import ToolOutput
+
+    output = ToolOutput(keep=20)
+    output.add("ORTE was unable to reliably start one or more daemons.", 1)
+    output.add("ssh: Could not resolve hostname nosuch: Name or service not known", 2)
+    output.add("error: a later line", 2)
+    assert output.summary().startswith("ssh: Could not resolve hostname")
+    only_stdout = ToolOutput(keep=20)
+    only_stdout.add("mpirun was unable to launch", 1)
+    only_stdout.add("help text", 1)
+    assert only_stdout.summary() == "mpirun was unable to launch"

@@ -68,7 +68,7 @@ class LaunchTool:
     def _pump(self, fd: int, stream: IO[bytes]) -> None:
         for raw in iter(stream.readline, b""):
             line = raw.decode("utf-8", "replace").rstrip("\n")
-            self.output.add(line)
+            self.output.add(line, fd)
             self.sink(self.name, TOOL_LINE, fd, line)
         stream.close()
 
@@ -108,22 +108,25 @@ class ToolOutput:
     before their summary ("ssh: Could not resolve hostname" before Open
     MPI's "was unable to reliably start one or more daemons"), and it is
     kept however much output follows - else the last of the kept tail that
-    is neither a rule of dashes or equals signs nor a "Try --help" pointer."""
+    is neither a rule of dashes or equals signs nor a "Try --help" pointer.
+    Stderr's first such line wins over stdout's: the two pipes are read
+    apart, so their order is not known, and the cause goes to stderr."""
 
     def __init__(self, keep: int = TOOL_TAIL) -> None:
-        self.first_telling: str | None = None
+        self.first_telling: dict[int, str] = {}  # by fd
         self.tail: collections.deque[str] = collections.deque(maxlen=keep)
 
-    def add(self, line: str) -> None:
+    def add(self, line: str, fd: int = 2) -> None:
         stripped = line.strip()
         if not stripped or _filler(stripped):
             return
         self.tail.append(stripped)
-        if self.first_telling is None and any(w in stripped.lower() for w in _TELLING):
-            self.first_telling = stripped
+        if fd not in self.first_telling and any(w in stripped.lower() for w in _TELLING):
+            self.first_telling[fd] = stripped
 
     def summary(self) -> str:
-        return self.first_telling or (self.tail[-1] if self.tail else "")
+        telling = self.first_telling.get(2) or self.first_telling.get(1)
+        return telling or (self.tail[-1] if self.tail else "")
 
 
 def _filler(line: str) -> bool:
