@@ -3,6 +3,10 @@
 # the GPU tier, the rest of the suite with CPU ranks, and bench/gpu_step.py.
 #
 #   bash scripts/gpu_checks.sh [OUT_DIR]       # OUT_DIR defaults to $OUT, else ./gpu-checks
+#   STEPS="gpu-tier bench" bash scripts/gpu_checks.sh OUT_DIR   # some steps only
+#
+# The steps' limits add up to more than a device session's 600 s per
+# command: run "gpu-tier bench" in one command and "suite" in another.
 #
 # A host without network access gets what it lacks (paramiko and its
 # dependencies; DeepSpeed 0.19.8 and its for the DeepSpeed anchors) as
@@ -15,6 +19,10 @@ set -u
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-gpu-checks}}
 mkdir -p "$out"
+steps=" ${STEPS:-gpu-tier suite bench} "
+for name in $steps; do
+    case $name in gpu-tier|suite|bench) ;; *) echo "gpu-checks: unknown step $name in STEPS (gpu-tier, suite, bench)" >&2; exit 2;; esac
+done
 python3 -c "import torch; print('torch', torch.__version__)" || exit 2
 if ! python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
     echo "gpu-checks: torch.cuda.is_available() is False here: run this on a GPU host" >&2
@@ -37,6 +45,7 @@ nvidia-smi -L 2>&1 | head -4
 status=0
 step() {  # NAME LIMIT_S COMMAND...: run, keep the output, print one summary line
     local name=$1 limit=$2 start rc
+    [[ $steps == *" $name "* ]] || return 0
     shift 2
     start=$(date +%s)
     timeout "$limit" "$@" > "$out/$name.txt" 2>&1
@@ -54,5 +63,5 @@ step suite "${SUITE_S:-300}" python3 -m pytest -q -p no:cacheprovider "${workers
 step bench "${BENCH_S:-240}" python3 bench/gpu_step.py \
     --runners "${BENCH_RUNNERS:-torch,torch-fused,dsrun-s0,dsrun-s1,dsrun-s2,dsrun-s3,dsrun-s2-off,dsrun-s3-off}" \
     --json "$out/bench.json"
-grep -v "done$" "$out/bench.txt" | tail -20
+[[ $steps == *" bench "* ]] && grep -v "done$" "$out/bench.txt" | tail -20
 exit "$status"

@@ -32,3 +32,12 @@ def test_gpu_checks_script_needs_cuda(tmp_path):
     assert res.returncode == 2, res.stdout + res.stderr
     assert "torch.cuda.is_available() is False here: run this on a GPU host" in res.stderr
     assert not (tmp_path / "suite.txt").exists()  # nothing started
+
+
+def test_gpu_checks_steps_are_checked_before_anything_runs(tmp_path):
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_checks.sh"), str(tmp_path)],
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "STEPS": "gpu-tier suit"})
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stderr.strip() == ("gpu-checks: unknown step suit in STEPS "
+                                  "(gpu-tier, suite, bench)")
