@@ -390,13 +390,14 @@ def stack_command(job: str | None) -> int:
 
     chosen = control.choose_job(control.running_jobs(), job)
     try:
-        received = control.stream_stacks(chosen["socket"], click.echo)
+        received, complete = control.stream_stacks(
+            chosen["socket"], click.echo, note=lambda line: click.echo(line, err=True))
     except BrokenPipeError:  # `dsrun stack | head`: quietly, as `dsrun run` does
         _discard_output()
         return 128 + signal.SIGPIPE
     except OSError as exc:
         raise DsrunError(f"job {chosen['job_id'][:12]}: {exc.strerror or exc}") from None
-    return 0 if received else 1
+    return 0 if received and complete else 1
 
 
 def parse_spec(argv: Sequence[str]) -> LaunchSpec:

@@ -228,15 +228,28 @@ def _listing(jobs: list[dict[str, Any]]) -> str:
     return ":\n" + "\n".join(rows)
 
 
-def stream_stacks(path: str, write: Callable[[str], None], timeout: float = 30.0) -> int:
+#: how the launcher's answer to "stack" names hosts whose agents did not answer
+NO_ANSWER = "dsrun: no stacks in time from "
+
+
+def stream_stacks(path: str, write: Callable[[str], None], timeout: float = 30.0,
+                  note: Callable[[str], None] | None = None) -> tuple[int, bool]:
     """Ask the launcher at ``path`` for every rank's stack; lines to
-    ``write``; the number of lines received."""
-    count = 0
+    ``write`` (a line saying some host did not answer to ``note``, default
+    ``write``); (the number of stack lines received, whether every host
+    answered)."""
+    count, complete = 0, True
     deadline = time.monotonic() + timeout
     with _request(path, "stack", timeout) as sock:
         for raw in sock.makefile("rb"):
-            write(raw.decode("utf-8", "replace").rstrip("\n"))
-            count += 1
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            if line.startswith(NO_ANSWER):
+                complete = False
+                (note or write)(line)
+            else:
+                write(line)
+                count += 1
             if time.monotonic() > deadline:
+                complete = False
                 break
-    return count
+    return count, complete

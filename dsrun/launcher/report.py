@@ -275,8 +275,9 @@ def timeout_lines(result: JobResult) -> list[str]:
     running = result.running
     counted = f", counted from the first of {result.restarts + 1} attempts" \
         if result.restarts else ""
-    lines = [f"job timed out after {result.timed_out:g}s (--timeout{counted}): "
-             f"{len(running)} rank(s) still running"]
+    still = f"{len(running)} rank(s) still running" if running else \
+        "no rank had reported running yet (the attempt was starting)"
+    lines = [f"job timed out after {result.timed_out:g}s (--timeout{counted}): {still}"]
     for r in running:
         pid = f", pid {r.pid}" if r.pid is not None else ""
         lines.append(f"  rank {r.rank} on host {r.host}{pid}, running for {r.seconds:.0f}s")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dsrun.launcher.backends.base import JobHandle
-from dsrun.launcher.control import StackQuery
+from dsrun.launcher.control import NO_ANSWER, StackQuery
 from dsrun.launcher.report import JobResult, RankFailure, RunningRank
 from dsrun.launcher.watch import RankState, StackCollection, Stragglers
 
@@ -188,6 +188,13 @@ class Supervisor:
         if st.interrupted is not None:  # second signal: no more patience
             self._kill_now()
             return
+        if st.stopping or st.timed_out is not None:
+            # a failure, a lost host or --timeout is ending the job already: it
+            # stays the cause (and the exit code); the signal only hurries it
+            self.watch.say(f"{signal.Signals(signum).name} while the job is being stopped: "
+                           "every rank is killed now")
+            self._kill_now()
+            return
         st.interrupted = signum
         self._stop()
 
@@ -309,8 +316,10 @@ class Supervisor:
         st.running_at_timeout = tuple(
             RunningRank(s.host, r, s.pid, now - s.started)
             for r, s in sorted(st.ranks.items()) if s.ended is None)
-        self.watch.say(f"--timeout {timeout:g}s reached with {len(st.running_at_timeout)} "
-                       f"rank(s) still running: collecting their stacks, then stopping the job")
+        running = f"{len(st.running_at_timeout)} rank(s) still running" if st.ranks else \
+            "the ranks still starting"
+        self.watch.say(f"--timeout {timeout:g}s reached with {running}: collecting their "
+                       "stacks, then stopping the job")
         st.timeout_asked = now
         st.timeout_stacks = self._ask_stacks(now + TIMEOUT_STACK_WAIT, lambda line: None)
 
@@ -378,6 +387,6 @@ class Supervisor:
         st.collections.pop(collection.req, None)
         if collection.pending:
             silent = ", ".join(sorted({st.hosts[i] for i in collection.pending}))
-            collection.write(f"(no answer in time from {silent})")
+            collection.write(f"{NO_ANSWER}{silent} (host down or unreachable?)")
         if collection.close is not None:
             collection.close()

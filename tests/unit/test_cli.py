@@ -443,7 +443,7 @@ def test_stack_into_a_closed_pipe_exits_quietly_with_141(monkeypatch, capsys):
     from dsrun.launcher import cli as cli_mod
     from dsrun.launcher import control
 
-    def stream(path, write, timeout=30.0):
+    def stream(path, write, timeout=30.0, note=None):
         write("[node1:0] first line")
         raise BrokenPipeError(32, "Broken pipe")
 
@@ -455,6 +455,26 @@ def test_stack_into_a_closed_pipe_exits_quietly_with_141(monkeypatch, capsys):
     monkeypatch.setattr(cli_mod, "_discard_output", lambda: discarded.append(True))
     assert cli_mod.main(["stack"]) == 141
     assert discarded and "Broken pipe" not in capsys.readouterr().err
+
+
+def test_stack_with_a_host_that_did_not_answer_says_so_and_exits_1(monkeypatch, capsys):
+    """A script collecting stacks must be able to tell an incomplete answer."""
+    import socket
+
+    from dsrun.launcher import control
+
+    ours, theirs = socket.socketpair()
+    theirs.sendall(b"[node1:0] File 'train.py', line 3\n"
+                   + f"{control.NO_ANSWER}node2 (host down or unreachable?)\n".encode())
+    theirs.close()
+    monkeypatch.setattr(control, "_request", lambda path, cmd, timeout: ours)
+    monkeypatch.setattr(control, "running_jobs", lambda: [])
+    monkeypatch.setattr(control, "choose_job", lambda jobs, job: {"socket": "s",
+                                                                  "job_id": "f" * 32})
+    assert cli.main(["stack"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "[node1:0] File 'train.py', line 3\n"
+    assert err == "dsrun: no stacks in time from node2 (host down or unreachable?)\n"
 
 
 def test_an_option_before_a_command_name_says_commands_come_first(capsys, tmp_path,

@@ -163,8 +163,13 @@ def test_summary_and_which_errors_a_restart_cannot_clear():
 
 
 def test_a_timeout_across_restarts_says_so():
-    result = JobResult(timed_out=8.0, restarts=1)
-    assert report_lines(result)[0] == ("job timed out after 8s (--timeout, counted from the "
-                                       "first of 2 attempts): 0 rank(s) still running")
-    assert report_lines(JobResult(timed_out=8.0))[0].startswith(
-        "job timed out after 8s (--timeout): ")
+    from dsrun.launcher.report import RunningRank
+
+    result = JobResult(timed_out=8.0, restarts=1, running=(RunningRank("h", 3, 7, 2.0),))
+    assert report_lines(result)[:2] == [
+        "job timed out after 8s (--timeout, counted from the first of 2 attempts): "
+        "1 rank(s) still running", "  rank 3 on host h, pid 7, running for 2s"]
+    # the deadline came while a restart's ranks were starting: not "0 still running"
+    assert report_lines(JobResult(timed_out=8.0))[0] == (
+        "job timed out after 8s (--timeout): no rank had reported running yet (the attempt "
+        "was starting)")

@@ -280,6 +280,24 @@ def test_a_signal_while_the_job_is_being_stopped_cannot_escape():
     assert sorted(h.sent) == [(0, "kill"), (0, "stop"), (1, "kill"), (1, "stop")]
 
 
+def test_a_signal_while_a_failure_stops_the_job_hurries_it_and_keeps_the_cause():
+    """Ctrl-C while dsrun waits out the grace after a rank failed: the ranks are
+    killed at once, and the failure stays the cause and the exit code."""
+    import time
+
+    from dsrun.launcher.supervisor import SignalLatch
+
+    latch = SignalLatch()
+    said: list[str] = []
+    h = _SignalledWhileStopping(latch)
+    h.events.put((1, _exit(1, time.time(), time.monotonic(), 0.0) | {"code": 4}))
+    result = Supervisor(h, ["a", "b"], lambda *a: None, 30.0,  # type: ignore[arg-type]
+                        watch=Watch(say=said.append), signals=latch).run()
+    assert result.interrupted is None and result.exit_code == 4
+    assert sorted(h.sent) == [(0, "kill"), (0, "stop"), (1, "kill"), (1, "stop")]
+    assert said == ["SIGINT while the job is being stopped: every rank is killed now"]
+
+
 def test_the_latch_raises_only_while_a_job_starts():
     import pytest
 
