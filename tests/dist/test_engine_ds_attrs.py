@@ -170,3 +170,14 @@ def test_feature_switches_of_sections_dsrun_does_not_act_on(solo: None) -> None:
         "curriculum_learning", "data_efficiency", "random_ltd", "autotuning", "elasticity",
         "pld", "eigenvalue"))
     assert engine.checkpoint_tag_validation_enabled() and engine.checkpoint_tag_validation_fail()
+
+
+def test_a_module_added_after_initialize_at_stage3_is_refused_by_name(solo: None) -> None:
+    """It failed at step() with "'Parameter' object has no attribute 'ds_status'"."""
+    engine = build({"train_batch_size": 2, "optimizer": SGD, "zero_optimization": {"stage": 3}})
+    engine.backward(engine(torch.ones(2, 4)).sum())
+    engine.step()
+    engine.module.extra = torch.nn.Linear(2, 2)
+    with pytest.raises(DsrunError, match="parameter 'extra.weight' was added to the model "
+                                         r"after dsrun.initialize\(\)"):
+        engine.step()

@@ -89,6 +89,17 @@ def test_weight_read_in_the_parents_forward_is_gathered(job: list[dict[str, Any]
         assert tied["stage3_external"] == ["ZeroParameter"] and tied["stage0_external"] == []
 
 
+def test_weight_norm_under_a_modifier_gather_trains_equal_to_stage0(
+        job: list[dict[str, Any]]) -> None:
+    """nn.Parameter(zero_param) (weight_norm's right_inverse) failed at stage 3."""
+    for result in job:
+        ref, zero = result["weight_norm"]["stage0"], result["weight_norm"]["stage3"]
+        assert sorted(ref["params"]) == sorted(zero["params"])
+        assert "conv.parametrizations.weight.original1" in zero["params"]
+        assert max(abs(a - b) for a, b in zip(ref["losses"], zero["losses"])) <= TOLERANCE
+        assert _max_diff(ref["params"], zero["params"]) <= TOLERANCE
+
+
 @pytest.mark.parametrize("case", ["torch", "torch_plain_linear", "deepspeed", "reentrant"])
 def test_checkpointed_block_trains_equal_to_stage0(job: list[dict[str, Any]], case: str) -> None:
     for result in job:

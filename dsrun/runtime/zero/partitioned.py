@@ -63,6 +63,7 @@ from __future__ import annotations
 import copy
 import enum
 import itertools
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
@@ -92,6 +93,9 @@ class ZeroParamStatus(enum.Enum):
     INFLIGHT = 3
 
 
+_PARAMETER_NEW = torch.nn.Parameter.__new__.__code__
+
+
 class ZeroParameter(torch.nn.Parameter):
     """A partitioned parameter reporting its logical shape (module docstring)."""
 
@@ -116,6 +120,18 @@ class ZeroParameter(torch.nn.Parameter):
         return torch.Tensor.numel(self) if numel is None else numel
 
     nelement = numel
+
+    def detach(self) -> torch.Tensor:  # type: ignore[override]
+        """This data without autograd, a plain tensor - except to
+        ``torch.nn.Parameter(p)``, which needs ``detach()`` to keep a
+        subclass's type: it gets a ``ZeroParameter`` that ZeRO does not
+        manage (no ``ds_*`` state), so ``Parameter(p)`` is a new parameter
+        sharing the data, as with DeepSpeed's plain parameters
+        (``weight_norm`` and other parametrizations call it on the weight)."""
+        detached = torch.Tensor.detach(self)
+        if sys._getframe(1).f_code is _PARAMETER_NEW:
+            return detached.as_subclass(ZeroParameter)
+        return detached
 
     def __repr__(self) -> str:  # type: ignore[override]
         status = self.__dict__.get("ds_status")

@@ -101,6 +101,7 @@ from dsrun.runtime.zero.memory import StateBytes, count_bytes, tensors_in
 from dsrun.runtime.zero.offload import HOST, HostFence, Landing, Placement, pinning
 from dsrun.runtime.zero.partitioned import (
     ZeroParamStatus,
+    is_zero_param,
     move_param,
     offload_shard,
     refresh_full,
@@ -275,8 +276,16 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
         return [p for ps in self.param_groups_full for p in ps if p.requires_grad]
 
     def managed_params(self) -> list[torch.Tensor]:
-        """Every parameter of the module (all partitioned), each once."""
-        return list(dict.fromkeys(self.module.parameters()))
+        """Every parameter of the module (all partitioned), each once; one
+        added to the module after initialize() is refused by name."""
+        params = list(dict.fromkeys(self.module.parameters()))
+        if not all(is_zero_param(p) for p in params):
+            late = next(n for n, p in self.module.named_parameters() if not is_zero_param(p))
+            raise DsrunError(
+                f"parameter {late!r} was added to the model after dsrun.initialize(): ZeRO "
+                "stage 3 partitions the parameters it is given then; build every module "
+                "before initialize() (or inside deepspeed.zero.Init)")
+        return params
 
     # ------------------------------------------------------------ gradients
 
@@ -388,6 +397,7 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
         parameters' storage; whole (persistent) parameters are refreshed."""
         if closure is not None:
             raise DsrunError("ZeroStage3.step() takes no closure")
+        self.managed_params()  # refuses a module added since initialize()
         self.reduce_gradients()
         self._fence.wait()  # the last host -> device copies read the masters
         self._step_inner(self._publish if self._publishing else None)

@@ -18,6 +18,9 @@ tests/dist/test_zero3_dynamic.py judges.
   and by torch's reentrant one, and the MoE leaf inside a non-reentrant
   checkpoint, each equal to stage 0 and with nothing left gathered; the
   recomputation in backward runs the block's forward again.
+* **weight_norm**: a convolution weight-normed inside
+  ``GatheredParameters(modifier_rank=0)`` under ``zero.Init`` (Hugging
+  Face's speech models): stage 3 equals stage 0.
 * **modify**: at stages 0, 1 and 2 (fp32 and fp16: separate fp32 masters),
   ``GatheredParameters(params, modifier_rank=1)`` with an edit on rank 1
   only; with lr 0 every rank's parameters and masters must keep the edit.
@@ -167,6 +170,35 @@ def tied_cases(rank: int) -> dict[str, Any]:
     return out
 
 
+class Normed(nn.Module):
+    """A weight-normed convolution made as Hugging Face's speech models make
+    theirs: ``weight_norm`` inside ``GatheredParameters(modifier_rank=0)``
+    (under ``zero.Init`` at stage 3), which calls ``nn.Parameter(weight)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(2, 2, 3, padding=1)
+        with deepspeed.zero.GatheredParameters(self.conv.weight, modifier_rank=0):
+            self.conv = nn.utils.parametrizations.weight_norm(self.conv, name="weight", dim=2)
+        self.out = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.conv(x)).mean(-1))
+
+
+def weight_norm_cases(rank: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(5 + rank)
+    batches = [torch.randn(4, 2, 5, generator=g) for _ in range(STEPS)]
+    out: dict[str, Any] = {}
+    torch.manual_seed(0)
+    out["stage0"] = train(Normed(), config(0), batches)
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=config(3)):
+        model = Normed()
+    out["stage3"] = train(model, config(3), batches)
+    return out
+
+
 def checkpointed(how: str, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if how == "reentrant":
         return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
@@ -262,7 +294,7 @@ def main() -> None:
     out_dir = Path(sys.argv[1])
     rank = dist.get_rank()
     result: dict[str, Any] = {"rank": rank, "moe": moe_cases(rank), "tied": tied_cases(rank),
-                              "ckpt": ckpt_cases(rank),
+                              "ckpt": ckpt_cases(rank), "weight_norm": weight_norm_cases(rank),
                               "modify": modify_cases()}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 
