@@ -308,7 +308,10 @@ def test_all_frozen_group_and_external_registration(solo: None) -> None:
     groups = [{"params": list(extra.parameters())}, *two_groups(model)]
     zero.register_external_parameter(model[2], extra.weight)
     zero.register_external_parameter(model[2], extra.weight)  # once only
-    assert model[2].ds_external_parameters == [extra.weight]
+    # DeepSpeed's: a method over {id: parameter}, and all_parameters()
+    assert list(model[2].ds_external_parameters()) == [(id(extra.weight), extra.weight)]
+    assert [p for _, p in model[2].all_parameters()] == [*model[2].parameters(recurse=False),
+                                                         extra.weight]
     stage3 = ZeroStage3(model, groups, torch.optim.AdamW, {"lr": 0.01})
     assert stage3.masters[0].numel() == 0 and stage3.master_shard(extra.weight) is None
     frozen = extra.weight.detach().clone()
@@ -316,7 +319,7 @@ def test_all_frozen_group_and_external_registration(solo: None) -> None:
     stage3.step()
     assert torch.equal(frozen, extra.weight)
     zero.unregister_external_parameter(model[2], extra.weight)
-    assert model[2].ds_external_parameters == []
+    assert list(model[2].ds_external_parameters()) == []
     stage3.close()
 
 

@@ -153,7 +153,7 @@ class GatheringParameters(dict):
 
 
 def external_params(module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
-    return tuple(module.__dict__.get("ds_external_parameters", ()))
+    return tuple(module.__dict__.get("_external_params", {}).values())
 
 
 def hooked_modules(root: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:

@@ -55,6 +55,8 @@ parameter kept in a list, a closure or a plain attribute).
 from __future__ import annotations
 
 import functools
+import itertools
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -345,15 +347,33 @@ def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Par
     if not isinstance(parameter, torch.nn.Parameter):
         raise DsrunError(f"register_external_parameter needs a Parameter, got "
                          f"{type(parameter).__name__}")
-    external = module.__dict__.setdefault("ds_external_parameters", [])
-    if all(p is not parameter for p in external):
-        external.append(parameter)
+    _external_store(module)[id(parameter)] = parameter
 
 
 def unregister_external_parameter(module: torch.nn.Module,
                                   parameter: torch.nn.Parameter) -> None:
-    external = module.__dict__.get("ds_external_parameters", [])
-    module.__dict__["ds_external_parameters"] = [p for p in external if p is not parameter]
+    _external_store(module).pop(id(parameter), None)
+
+
+def _external_store(module: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
+    """``module._external_params`` ({id: parameter}, registration order),
+    made on first use with DeepSpeed's two methods over it:
+    ``module.ds_external_parameters()`` (its items) and
+    ``module.all_parameters()`` (the module's own, then the external ones)."""
+    store = module.__dict__.get("_external_params")
+    if store is None:  # bound methods: a deep copy of the module rebinds them
+        store = module.__dict__["_external_params"] = {}
+        module.__dict__["ds_external_parameters"] = types.MethodType(_external_items, module)
+        module.__dict__["all_parameters"] = types.MethodType(_all_parameters, module)
+    return store
+
+
+def _external_items(module: torch.nn.Module) -> Any:
+    return module.__dict__["_external_params"].items()
+
+
+def _all_parameters(module: torch.nn.Module) -> Any:
+    return itertools.chain(module.named_parameters(recurse=False), _external_items(module))
 
 
 def _describe(params: list[torch.Tensor]) -> str:

@@ -165,8 +165,8 @@ def tied_cases(rank: int) -> dict[str, Any]:
         torch.manual_seed(0)
         model = Tied()
         out[name] = train(model, config(stage), batches)
-        out[f"{name}_external"] = [type(p).__name__ for p in
-                                   model.__dict__.get("ds_external_parameters", [])]
+        out[f"{name}_external"] = [type(p).__name__ for _, p in
+                                   getattr(model, "ds_external_parameters", dict)()]
     return out
 
 
