@@ -278,7 +278,7 @@ def _attempt(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv,
         console.end_progress()
         if handle is not None:
             handle.close()
-        return JobResult(interrupted=exc.signum)
+        return JobResult(interrupted=exc.signum, starting=True)
     except BaseException:
         SIGNALS.hold()
         suspension.handle = None
@@ -387,6 +387,8 @@ def _no_restart(spec: LaunchSpec, result: JobResult, clock: JobClock) -> str | N
 def stopped_line(result: JobResult) -> str:
     """dsrun's last word after a signal: only what it knows."""
     name = signal.Signals(result.interrupted or signal.SIGINT).name
+    if result.starting:
+        name += " while the job was starting"
     if not result.unconfirmed:
         return f"stopped by {name}; every rank was stopped"
     hosts = ", ".join(result.unconfirmed)

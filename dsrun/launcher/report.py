@@ -144,6 +144,8 @@ class JobResult:
     unconfirmed: tuple[str, ...] = ()
     #: Hosts that sent no stacks when --timeout asked for them.
     no_stacks: tuple[str, ...] = ()
+    #: The signal came while the job was starting (before supervision).
+    starting: bool = False
 
     @property
     def root_cause(self) -> RankFailure | None:

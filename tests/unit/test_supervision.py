@@ -253,6 +253,9 @@ def test_a_second_signal_tells_every_agent_to_kill_its_ranks_now():
     assert not h.killed and result.unconfirmed == ()
     from dsrun.launcher.launch import stopped_line
     assert stopped_line(result) == "stopped by SIGINT; every rank was stopped"
+    # a signal before supervision (connects, preflight, the ranks' start) says so
+    assert stopped_line(JobResult(interrupted=signal.SIGINT, starting=True)) == (
+        "stopped by SIGINT while the job was starting; every rank was stopped")
 
 
 class _SignalledWhileStopping(_RecordingHandle):
