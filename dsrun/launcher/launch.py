@@ -375,6 +375,8 @@ def attempt_line(result: JobResult, restart: int, then: str) -> str:
 
 def _no_restart(spec: LaunchSpec, result: JobResult, clock: JobClock) -> str | None:
     """Why a failed attempt is not restarted, or None to restart it."""
+    if result.hurried is not None:
+        return f"not restarting: stopped by {signal.Signals(result.hurried).name}"
     if not restartable(result.root_cause):
         return "not restarting: this error recurs on every attempt (the same script, " \
                "config and world size)"

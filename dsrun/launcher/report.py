@@ -144,8 +144,11 @@ class JobResult:
     unconfirmed: tuple[str, ...] = ()
     #: Hosts that sent no stacks when --timeout asked for them.
     no_stacks: tuple[str, ...] = ()
-    #: The signal came while the job was starting (before supervision).
+    #: No rank had reported starting (a signal or --timeout during the start).
     starting: bool = False
+    #: A signal that came while a failure was already ending the job: it
+    #: hurried the stop without becoming the cause (no restart after it).
+    hurried: int | None = None
 
     @property
     def root_cause(self) -> RankFailure | None:
@@ -278,7 +281,8 @@ def timeout_lines(result: JobResult) -> list[str]:
     counted = f", counted from the first of {result.restarts + 1} attempts" \
         if result.restarts else ""
     still = f"{len(running)} rank(s) still running" if running else \
-        "no rank had reported running yet (the attempt was starting)"
+        "no rank had reported running yet (the attempt was starting)" if result.starting else \
+        "no rank still running"
     lines = [f"job timed out after {result.timed_out:g}s (--timeout{counted}): {still}"]
     for r in running:
         pid = f", pid {r.pid}" if r.pid is not None else ""

@@ -119,6 +119,7 @@ class _State:
     stopping: bool = False
     deadline: float = 0.0
     interrupted: int | None = None
+    hurried: int | None = None  # a signal while the job was already being stopped
     killed: int = 0
     timed_out: float | None = None
     running_at_timeout: tuple[RunningRank, ...] = ()
@@ -158,7 +159,8 @@ class Supervisor:
         return JobResult(tuple(st.failures), st.interrupted, st.killed,
                          timed_out=st.timed_out, running=st.running_at_timeout, stacks=stacks,
                          unconfirmed=unconfirmed,
-                         no_stacks=tuple(st.hosts[i] for i in sorted(st.no_stacks)))
+                         no_stacks=tuple(st.hosts[i] for i in sorted(st.no_stacks)),
+                         starting=not st.ranks, hurried=st.hurried)
 
     def _stop(self) -> None:
         st = self.state
@@ -193,6 +195,7 @@ class Supervisor:
             # stays the cause (and the exit code); the signal only hurries it
             self.watch.say(f"{signal.Signals(signum).name} while the job is being stopped: "
                            "every rank is killed now")
+            st.hurried = signum
             self._kill_now()
             return
         st.interrupted = signum

@@ -177,7 +177,9 @@ def test_a_module_added_after_initialize_at_stage3_is_refused_by_name(solo: None
     engine = build({"train_batch_size": 2, "optimizer": SGD, "zero_optimization": {"stage": 3}})
     engine.backward(engine(torch.ones(2, 4)).sum())
     engine.step()
-    engine.module.extra = torch.nn.Linear(2, 2)
+    with dsrun.zero.Init(config_dict_or_path={"train_batch_size": 2,
+                                              "zero_optimization": {"stage": 3}}):
+        engine.module.extra = torch.nn.Linear(2, 2)  # partitioned, but unknown to the engine
     with pytest.raises(DsrunError, match="parameter 'extra.weight' was added to the model "
                                          r"after dsrun.initialize\(\)"):
         engine.step()

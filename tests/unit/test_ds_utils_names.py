@@ -147,3 +147,18 @@ def test_get_global_norm_empty_cache_dummy_optim() -> None:
     rt_utils.empty_cache()  # CPU: nothing cached, no error
     params = [torch.nn.Parameter(torch.ones(1))]
     assert rt_utils.DummyOptim(params).param_groups == [{"params": params}]
+
+
+def test_an_unmanaged_zero_parameter_deep_copies_as_a_plain_one() -> None:
+    """nn.Parameter(p) of a partitioned p is a ZeroParameter without ZeRO
+    state (weight_norm makes one); copy.deepcopy(model) must copy it."""
+    import copy
+
+    from dsrun.runtime.zero.partitioned import ZeroParameter, is_zero_param
+
+    param = ZeroParameter(torch.arange(3.0))
+    param.note = "kept"
+    twin = copy.deepcopy(param)
+    assert type(twin) is ZeroParameter and not is_zero_param(twin)
+    assert torch.equal(twin, param) and twin.data_ptr() != param.data_ptr()
+    assert twin.note == "kept" and twin.shape == (3,)

@@ -170,6 +170,8 @@ def test_a_timeout_across_restarts_says_so():
         "job timed out after 8s (--timeout, counted from the first of 2 attempts): "
         "1 rank(s) still running", "  rank 3 on host h, pid 7, running for 2s"]
     # the deadline came while a restart's ranks were starting: not "0 still running"
-    assert report_lines(JobResult(timed_out=8.0))[0] == (
+    assert report_lines(JobResult(timed_out=8.0, starting=True))[0] == (
         "job timed out after 8s (--timeout): no rank had reported running yet (the attempt "
         "was starting)")
+    assert report_lines(JobResult(timed_out=8.0))[0] == (
+        "job timed out after 8s (--timeout): no rank still running")

@@ -248,6 +248,8 @@ def _interrupted_twice(h: _RecordingHandle) -> Supervisor:
 
 def test_a_second_signal_tells_every_agent_to_kill_its_ranks_now():
     h = _RecordingHandle(2)
+    for i in range(2):
+        h.events.put((i, {"ev": "started", "rank": i, "pid": 100 + i}))
     result = _interrupted_twice(h).run()
     assert sorted(h.sent) == [(0, "kill"), (0, "stop"), (1, "kill"), (1, "stop")]
     assert not h.killed and result.unconfirmed == ()
@@ -299,6 +301,12 @@ def test_a_signal_while_a_failure_stops_the_job_hurries_it_and_keeps_the_cause()
     assert result.interrupted is None and result.exit_code == 4
     assert sorted(h.sent) == [(0, "kill"), (0, "stop"), (1, "kill"), (1, "stop")]
     assert said == ["SIGINT while the job is being stopped: every rank is killed now"]
+    # and --max_restarts does not start another attempt after it
+    from dsrun.launcher.launch import JobClock, _no_restart
+    from dsrun.launcher.spec import LaunchSpec
+
+    spec = LaunchSpec(script="x.py", max_restarts=3)
+    assert _no_restart(spec, result, JobClock()) == "not restarting: stopped by SIGINT"
 
 
 def test_the_latch_raises_only_while_a_job_starts():

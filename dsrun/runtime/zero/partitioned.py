@@ -147,6 +147,11 @@ class ZeroParameter(torch.nn.Parameter):
     def __deepcopy__(self, memo: dict[int, Any]) -> ZeroParameter:
         if id(self) in memo:
             return memo[id(self)]
+        if "ds_id" not in self.__dict__:  # nn.Parameter(p) of a partitioned p: not managed
+            plain = type(self)(self.data.clone(), self.requires_grad)
+            memo[id(self)] = plain
+            plain.__dict__.update(copy.deepcopy(self.__dict__, memo))
+            return plain
         if self.__dict__.get("ds_status") is ZeroParamStatus.INFLIGHT:
             raise DsrunError(f"cannot copy {param_name(self)} while its gather is in flight")
         result = type(self)(self.data.clone(), self.requires_grad)

@@ -101,7 +101,6 @@ from dsrun.runtime.zero.memory import StateBytes, count_bytes, tensors_in
 from dsrun.runtime.zero.offload import HOST, HostFence, Landing, Placement, pinning
 from dsrun.runtime.zero.partitioned import (
     ZeroParamStatus,
-    is_zero_param,
     move_param,
     offload_shard,
     refresh_full,
@@ -147,6 +146,7 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
         apply_zero_leaf_module_config(module, leaf_module or {})
         self._check_membership()
         self._partition_module()
+        self._known_ids = {id(p) for p in self.module.parameters()}
         if device is not None:
             for p in self.managed_params():
                 move_param(p, torch.device(device), keep_host_shard=self.settings.offload_param)
@@ -279,12 +279,13 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
         """Every parameter of the module (all partitioned), each once; one
         added to the module after initialize() is refused by name."""
         params = list(dict.fromkeys(self.module.parameters()))
-        if not all(is_zero_param(p) for p in params):
-            late = next(n for n, p in self.module.named_parameters() if not is_zero_param(p))
+        known = self.__dict__.get("_known_ids")
+        if known is not None and any(id(p) not in known for p in params):
+            late = next(n for n, p in self.module.named_parameters() if id(p) not in known)
             raise DsrunError(
                 f"parameter {late!r} was added to the model after dsrun.initialize(): ZeRO "
-                "stage 3 partitions the parameters it is given then; build every module "
-                "before initialize() (or inside deepspeed.zero.Init)")
+                "stage 3 partitions, hooks and steps the parameters it is given then; "
+                "build every module before initialize()")
         return params
 
     # ------------------------------------------------------------ gradients
@@ -397,11 +398,11 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
         parameters' storage; whole (persistent) parameters are refreshed."""
         if closure is not None:
             raise DsrunError("ZeroStage3.step() takes no closure")
-        self.managed_params()  # refuses a module added since initialize()
+        params = self.managed_params()  # refuses a module added since initialize()
         self.reduce_gradients()
         self._fence.wait()  # the last host -> device copies read the masters
         self._step_inner(self._publish if self._publishing else None)
-        self._write_back(copy=not self._publishing)  # else published piece by piece
+        self._write_back(copy=not self._publishing, params=params)  # else piece by piece
         self._reduced = False
         self.guard.step += 1
 
@@ -417,7 +418,8 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
             master, non_blocking=master.is_pinned() and flat.device.type == "cuda")
 
     @torch.no_grad()
-    def _write_back(self, copy: bool = True) -> None:
+    def _write_back(self, copy: bool = True,
+                    params: Optional[list[torch.Tensor]] = None) -> None:
         """Masters into the shards (with ``copy``: one copy per group unless
         aliased), then the whole (persistent) parameters refreshed."""
         if copy:
@@ -428,7 +430,8 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
             self._fence.after_copies(self.placement.device)
         if self._local:
             return  # every parameter is its shard, which the master just updated
-        whole = [p for p in self.managed_params() if p.ds_status is ZeroParamStatus.AVAILABLE]
+        whole = [p for p in (self.managed_params() if params is None else params)
+                 if p.ds_status is ZeroParamStatus.AVAILABLE]
         if whole and self.world_size > 1:
             self.guard.event("step", "refresh whole parameters", [p.ds_id for p in whole],
                              [p.ds_numel for p in whole])
