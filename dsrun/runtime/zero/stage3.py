@@ -279,9 +279,9 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
         """Every parameter of the module (all partitioned), each once; one
         added to the module after initialize() is refused by name."""
         params = list(dict.fromkeys(self.module.parameters()))
-        known = self.__dict__.get("_known_ids")
-        if known is not None and any(id(p) not in known for p in params):
-            late = next(n for n, p in self.module.named_parameters() if id(p) not in known)
+        if any(id(p) not in self._known_ids for p in params):
+            late = next(n for n, p in self.module.named_parameters()
+                        if id(p) not in self._known_ids)
             raise DsrunError(
                 f"parameter {late!r} was added to the model after dsrun.initialize(): ZeRO "
                 "stage 3 partitions, hooks and steps the parameters it is given then; "
