@@ -12,8 +12,12 @@
 
 all configured by one ``slurm.conf`` in a temp dir (``SLURM_CONF`` points
 clients at it: :meth:`SlurmCluster.env`). Processes are tracked by PID and
-stopped by PID at teardown. The leak check of the hosts ignores ``slurmd``
-(a service, like sshd) but not ``slurmstepd`` or anything a job left.
+stopped by PID at teardown. Each run records its owner and its daemons
+(PID and start time) in ``run.json`` in its temp dir; a new run first ends
+the daemons of runs whose owner is gone (a test session stopped by a
+signal), as :class:`simhosts.SimCluster` does for its namespaces. The
+leak check of the hosts ignores ``slurmd`` (a service, like sshd) but not
+``slurmstepd`` or anything a job left.
 
 Plugins are the ones that need no cgroup setup or accounting: proctrack
 linuxproc, task none, select cons_tres with CR_CPU, no accounting storage.
@@ -26,6 +30,9 @@ when it can): missing binaries, or not root.
 
 from __future__ import annotations
 
+import glob
+import json
+import logging
 import os
 import shutil
 import socket
@@ -37,6 +44,8 @@ from typing import Optional
 
 import psutil
 from simhosts import SimCluster, kill_procs
+
+log = logging.getLogger(__name__)
 
 BINARIES = ("munged", "slurmctld", "slurmd", "srun", "sinfo", "salloc")
 CPUS_PER_NODE = 4
@@ -66,10 +75,45 @@ def _cgroup_conf() -> str:
     return "CgroupPlugin=autodetect\n"
 
 
+def _record_alive(pid: int, ctime: float) -> Optional[psutil.Process]:
+    """The process ``pid`` if it is still the one that started at ``ctime``."""
+    try:
+        proc = psutil.Process(pid)
+        return proc if abs(proc.create_time() - ctime) < 1.0 else None
+    except psutil.NoSuchProcess:
+        return None
+
+
+def reap_dead_runs(tmpdir: str | None = None) -> list[str]:
+    """End the daemons of test Slurms whose owner process is gone; return their dirs.
+
+    Only processes recorded by such a run, with the recorded start time, are
+    signalled; runs of live owners are never touched.
+    """
+    reaped = []
+    pattern = os.path.join(tmpdir or tempfile.gettempdir(), "dsrun-slurm-*", "run.json")
+    for path in sorted(glob.glob(pattern)):
+        try:
+            record = json.loads(Path(path).read_text())
+            if _record_alive(int(record["owner_pid"]), float(record["owner_ctime"])):
+                continue
+            daemons = [(int(d["pid"]), float(d["ctime"])) for d in record["daemons"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        live = [p for p in (_record_alive(pid, ct) for pid, ct in daemons) if p is not None]
+        log.warning("ending %d daemon(s) of test Slurm %s left by dead process %s",
+                    len(live), os.path.dirname(path), record["owner_pid"])
+        kill_procs(live, grace=5.0)
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        reaped.append(os.path.dirname(path))
+    return reaped
+
+
 class SlurmCluster:
     """Slurm over an already started SimCluster; see the module docstring."""
 
     def __init__(self, sim: SimCluster) -> None:
+        reap_dead_runs()
         self.sim = sim
         self.workdir = Path(tempfile.mkdtemp(prefix="dsrun-slurm-"))
         os.chmod(self.workdir, 0o755)  # munged wants its socket directory reachable
@@ -86,6 +130,27 @@ class SlurmCluster:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
         return {**env, "SLURM_CONF": str(self.conf), **extra}
 
+    def _spawn(self, argv: list[str], log_name: str, env: dict[str, str] | None = None) -> None:
+        self.procs.append(subprocess.Popen(
+            argv, env=env, stdout=self._log(log_name), stderr=subprocess.STDOUT,
+            start_new_session=True))
+        self._write_record()
+
+    def _write_record(self) -> None:
+        # Lets a later run end these daemons if this process dies without teardown().
+        me = psutil.Process()
+        daemons = []
+        for proc in self.procs:
+            try:
+                live = psutil.Process(proc.pid)
+                daemons.append({"pid": live.pid, "ctime": live.create_time()})
+            except psutil.NoSuchProcess:
+                pass
+        record = {"owner_pid": me.pid, "owner_ctime": me.create_time(), "daemons": daemons}
+        tmp = self.workdir / "run.json.tmp"
+        tmp.write_text(json.dumps(record))
+        tmp.replace(self.workdir / "run.json")
+
     def _log(self, name: str):  # noqa: ANN202 - a file object
         return open(self.workdir / f"{name}.out", "wb")
 
@@ -94,16 +159,11 @@ class SlurmCluster:
             self._start_munge()
             self._write_conf()
             env = self.env()
-            self.procs.append(subprocess.Popen(
-                ["slurmctld", "-D", "-i", "-f", str(self.conf)], env=env,
-                stdout=self._log("slurmctld"), stderr=subprocess.STDOUT,
-                start_new_session=True))
+            self._spawn(["slurmctld", "-D", "-i", "-f", str(self.conf)], "slurmctld", env)
             for host in self.sim.hosts:
                 (self.workdir / f"spool-{host.name}").mkdir()
-                self.procs.append(subprocess.Popen(
-                    self.sim.nsenter_argv(host, ["slurmd", "-D", "-f", str(self.conf)]),
-                    env=env, stdout=self._log(f"slurmd-{host.name}"),
-                    stderr=subprocess.STDOUT, start_new_session=True))
+                self._spawn(self.sim.nsenter_argv(host, ["slurmd", "-D", "-f", str(self.conf)]),
+                            f"slurmd-{host.name}", env)
             self._wait_idle(timeout)
         except BaseException:
             self.teardown()
@@ -115,11 +175,10 @@ class SlurmCluster:
         key.write_bytes(os.urandom(128))
         key.chmod(0o600)
         self.munge_socket = self.workdir / "munge.sock"
-        self.procs.append(subprocess.Popen(
-            ["munged", "-F", "--force", f"--socket={self.munge_socket}", f"--key-file={key}",
-             f"--pid-file={self.workdir}/munged.pid", f"--log-file={self.workdir}/munged.log",
-             f"--seed-file={self.workdir}/munged.seed"],
-            stdout=self._log("munged"), stderr=subprocess.STDOUT, start_new_session=True))
+        self._spawn(["munged", "-F", "--force", f"--socket={self.munge_socket}",
+                     f"--key-file={key}", f"--pid-file={self.workdir}/munged.pid",
+                     f"--log-file={self.workdir}/munged.log",
+                     f"--seed-file={self.workdir}/munged.seed"], "munged")
         deadline = time.monotonic() + 10
         while not self.munge_socket.exists():
             if time.monotonic() > deadline or self.procs[-1].poll() is not None:
