@@ -52,8 +52,12 @@ class DsrunDataLoader:
 
     def __init__(self, dataset: Dataset, batch_size: int, *, num_replicas: int, rank: int,
                  collate_fn: Optional[Callable[[list[Any]], Any]] = None,
-                 drop_last: bool = False, pin_memory: bool = False, seed: int = 0) -> None:
+                 drop_last: bool = False, pin_memory: bool = False, seed: int = 0,
+                 tput_timer: Any = None) -> None:
         self.dataset = dataset
+        # The engine's ThroughputTimer: started before each batch is fetched,
+        # so its figure includes data loading (DeepSpeed's loader does this).
+        self.tput_timer = tput_timer
         self.batch_size = batch_size
         self.sampler = ResumableSampler(dataset, num_replicas=num_replicas, rank=rank,
                                         shuffle=True, seed=seed)
@@ -82,7 +86,17 @@ class DsrunDataLoader:
         self.batches, self._resume_at = self._resume_at, 0
         self.epoch += 1
         self._started = True
-        for batch in self.loader:
+        batches = iter(self.loader)
+        while True:
+            timer = self.tput_timer
+            if timer is not None and not timer.started:  # a pipeline's batch started it
+                timer.start()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                if timer is not None:
+                    timer.started = False  # no batch came: no interval
+                return
             self.batches += 1
             yield batch
 
@@ -129,13 +143,13 @@ class DsrunDataLoader:
 
 def build_dataloader(training_data: Any, *, micro_batch_size: int, num_replicas: int, rank: int,
                      collate_fn: Optional[Callable[[list[Any]], Any]], drop_last: bool,
-                     device: torch.device) -> Any:
+                     device: torch.device, tput_timer: Any = None) -> Any:
     """A :class:`DsrunDataLoader` over a Dataset; a DataLoader passes through as is."""
     if isinstance(training_data, DataLoader):
         return training_data
     return DsrunDataLoader(training_data, micro_batch_size, num_replicas=num_replicas,
                            rank=rank, collate_fn=collate_fn, drop_last=drop_last,
-                           pin_memory=device.type == "cuda")
+                           pin_memory=device.type == "cuda", tput_timer=tput_timer)
 
 
 class RepeatingLoader:

@@ -303,7 +303,8 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
     # --------------------------------------------------------- training
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.tput_timer.start()  # a micro-step's interval: forward to step (DeepSpeed's)
+        if not self.tput_timer.started:  # else the engine's dataloader started it
+            self.tput_timer.start()  # a micro-step's interval: forward to step (DeepSpeed's)
         with self.monitor.timed("forward"):
             self.monitor.saw_inputs(args, kwargs)
             args, kwargs = self.precision.cast_inputs((args, kwargs))

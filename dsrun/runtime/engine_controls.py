@@ -125,7 +125,7 @@ class EngineControls:
             return build_dataloader(dataset, micro_batch_size=size, num_replicas=replicas,
                                     rank=rank, collate_fn=collate_fn,
                                     drop_last=self.config.dataloader_drop_last,
-                                    device=self.device)
+                                    device=self.device, tput_timer=self.tput_timer)
         if data_sampler is None:
             data_sampler = torch.utils.data.DistributedSampler(
                 dataset, num_replicas=replicas, rank=rank, shuffle=route == ROUTE_TRAIN)

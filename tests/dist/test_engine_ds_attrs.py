@@ -7,6 +7,7 @@ behaviour of ``enable_backward_allreduce`` is in test_engine_dist.py."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -106,6 +107,44 @@ def test_tput_timer_is_driven_by_forward_and_step(solo: None) -> None:
     assert off.tput_timer.global_step_count == 0
     with pytest.raises(DsrunConfigError, match="timers.throughput"):
         build({"train_batch_size": 2, "timers": {"throughput": {"on": True}}})
+
+
+class SlowData(torch.utils.data.Dataset):
+    """Each sample takes ``delay`` seconds to load."""
+
+    def __init__(self, n: int, delay: float) -> None:
+        self.n, self.delay = n, delay
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(self.delay)
+        return torch.ones(4)
+
+
+def test_tput_timer_counts_the_engine_dataloaders_loading_time(solo: None) -> None:
+    delay = 0.02
+    engine = build({"train_micro_batch_size_per_gpu": 2, "optimizer": SGD},
+                   training_data=SlowData(12, delay))
+    loader = engine.training_dataloader
+    for batch in loader:
+        engine.backward(engine(batch).sum())
+        engine.step()
+    tput = engine.tput_timer
+    assert tput.global_step_count == 6 and not tput.started
+    # 4 timed steps (the first 2 are left out), each waiting 2 samples' load
+    assert tput.total_elapsed_time >= 4 * 2 * delay * 0.9
+    eval_loader = engine.deepspeed_io(SlowData(4, 0.0), route="eval")
+    next(iter(eval_loader))
+    assert not tput.started  # only the training route drives it
+    own = build({"train_micro_batch_size_per_gpu": 2, "optimizer": SGD})
+    slow = torch.utils.data.DataLoader(SlowData(12, delay), batch_size=2)
+    for batch in slow:  # the script's own loader: forward starts it
+        own.backward(own(batch).sum())
+        own.step()
+    assert own.tput_timer.global_step_count == 6
+    assert own.tput_timer.total_elapsed_time < 4 * 2 * delay * 0.5
 
 
 def test_deepspeed_io_routes(solo: None) -> None:
