@@ -15,7 +15,11 @@ of input before the plan means "exit, nothing was started". Guarantees:
   between fork and exec;
 - spawning stops at the first rank that cannot be started;
 - the first rank to fail stops the others: SIGTERM to each group, then
-  SIGKILL after ``kill_grace`` seconds;
+  SIGKILL after ``kill_grace`` seconds. A stop for a Ctrl-C (the launcher's
+  ``stop`` with ``"signal": "SIGINT"``, or SIGINT to the agent itself)
+  sends SIGINT instead of SIGTERM, as a terminal's Ctrl-C reaches plain
+  python: the script's ``finally`` blocks, ``except KeyboardInterrupt``
+  handlers and ``atexit`` run within the grace;
 - a stop command, end of input (launcher, SSH channel or connection gone),
   a launcher silent for longer than its heartbeat timeout (link.py), or a
   signal to the agent stops every rank the same way; a kill command (a
@@ -158,6 +162,7 @@ class Agent:
         self.exit_lock = threading.Lock()  # a rank's status and exit time, set once
         self.stack_lock = threading.Lock()
         self.stopping = False
+        self.stop_signal = signal.SIGTERM  # what the launcher's ``stop`` sends first
         self.hurried = False  # a signal during the teardown: SIGKILL now
         self.hard_killed = False
         self.deadline = 0.0
@@ -184,7 +189,8 @@ class Agent:
                 # The launcher must blame the signal, not the ranks it stops.
                 self.emit({"ev": "signal", "signal": stop.signum, "time": time.time(),
                            "age": 0.0, "during_stop": self.stopping})
-                self._begin_stop()
+                self._begin_stop(signal.SIGINT if stop.signum == signal.SIGINT
+                                 else signal.SIGTERM)
                 self._loop()
         finally:
             stop_raising(self._hurry)  # for good: main() drains the link after this
@@ -329,16 +335,19 @@ class Agent:
         stream.close()
 
     def _forward(self, rank: Rank, fd: int, segments: list[Segment]) -> None:
+        """One ``out`` event for the lines of one read (a chunk holds many)."""
+        lines = []
         for segment in segments:
             rank.tail.add(fd, segment)
-            if not segment.forward:
-                continue
-            if rank.log is not None:
-                with self.log_lock:
-                    rank.log.write(segment.text + "\n")
-                    rank.log.flush()
-            self.emit({"ev": "out", "rank": rank.rank, "fd": fd, "line": segment.text},
-                      control=False)
+            if segment.forward:
+                lines.append(segment.text)
+        if not lines:
+            return
+        if rank.log is not None:
+            with self.log_lock:
+                rank.log.write("".join(f"{text}\n" for text in lines))
+                rank.log.flush()
+        self.emit({"ev": "out", "rank": rank.rank, "fd": fd, "lines": lines}, control=False)
 
     def _read_commands(self) -> None:
         while True:
@@ -353,10 +362,17 @@ class Agent:
     @property
     def commands(self) -> dict[str, Any]:
         """Launcher commands (protocol.COMMANDS) -> what the agent does."""
-        return {"stop": lambda msg: self.events.put("stop"),
+        return {"stop": self._stop_command,
                 "kill": lambda msg: self.events.put("kill"),
+                "pause": lambda msg: self.link.pause_output(True),
+                "resume": lambda msg: self.link.pause_output(False),
                 "stack": lambda msg: threading.Thread(
                     target=self._stacks, args=(msg.get("req"),), daemon=True).start()}
+
+    def _stop_command(self, msg: dict[str, Any]) -> None:
+        if msg.get("signal") == "SIGINT":
+            self.stop_signal = signal.SIGINT  # the job was Ctrl-C'd: the ranks are too
+        self.events.put("stop")
 
     def _stacks(self, req: Any) -> None:
         """Each running rank's Python stacks (stackdump.py), then ``stack_end``."""
@@ -382,7 +398,9 @@ class Agent:
                 # stopping.
                 self._begin_stop()
                 self.deadline = min(self.deadline, time.monotonic())
-            elif event in ("stop", "eof") or self.link.lost():
+            elif event == "stop":
+                self._begin_stop(self.stop_signal)
+            elif event == "eof" or self.link.lost():
                 self._begin_stop()
             self._reap()
             now = time.monotonic()
@@ -398,14 +416,14 @@ class Agent:
     def _running_leaders(self) -> list[procs.Leader]:
         return [r.leader for r in self.ranks if r.leader is not None and r.status is None]
 
-    def _begin_stop(self) -> None:
+    def _begin_stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
         if self.stopping:
             return
         self._poll_exits()  # ranks dead by now did not die of this stop
         self.stopping = True
         self.stop_mono = time.monotonic()
         self.deadline = self.stop_mono + self.grace
-        procs.signal_job(self._leaders(), self.marker, signal.SIGTERM, self.since)
+        procs.signal_job(self._leaders(), self.marker, sig, self.since)
 
     def _reap(self) -> None:
         for rank in self.ranks:

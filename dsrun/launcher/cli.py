@@ -510,6 +510,9 @@ def _message(exc: click.ClickException) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    for name in ("stdout", "stderr"):  # started with it closed (`>&-`): output is dropped
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "w"))  # noqa: SIM115 - for the process's life
     try:
         return _main(argv)
     except KeyboardInterrupt:  # before a command took over the signals

@@ -10,10 +10,21 @@ other line is written, and redrawn after it); in a log (stderr not a
 terminal) plain lines, at most one every :data:`PLAIN_EVERY` seconds and
 one when each phase completes. Either way a last line says how long the
 start took. Updates may come from any thread.
+
+While a job runs (:meth:`Console.start_writer` to :meth:`Console.close`)
+the console writes from a thread of its own, in the order things were
+said: whoever reports a line or a message never waits for the terminal or
+the pipe behind dsrun's stdout. :attr:`Console.backlog` is the bytes still
+to write; the supervisor pauses the agents' output while it is high
+(link.py), which is what bounds it. Consecutive texts for one stream go out
+in one write and one flush. A stream that fails (a closed pipe:
+``dsrun ... | head``) takes nothing more, and the next line or message for
+it raises ``BrokenPipeError`` in the caller, as a direct write would.
 """
 
 from __future__ import annotations
 
+import collections
 import sys
 import threading
 import time
@@ -29,12 +40,27 @@ _CLEAR = "\r\x1b[K"
 class Console:
     def __init__(self, out: IO[str] | None = None, err: IO[str] | None = None,
                  tty: bool | None = None) -> None:
-        self.out = out or sys.stdout
-        self.err = err or sys.stderr
+        self._out = out  # None: sys.stdout / sys.stderr at each write (main()
+        self._err = err  # replaces a closed one by os.devnull)
         self.tty = _isatty(self.err) if tty is None else tty
         self._lock = threading.RLock()
         self._progress: _Progress | None = None
         self._shown = False  # the progress line is on the terminal now
+        # the writer thread's queue: (stream, text), and what it holds
+        self._queue: collections.deque[tuple[IO[str], str]] = collections.deque()
+        self._cond = threading.Condition(self._lock)
+        self._writer: threading.Thread | None = None
+        self._busy = False  # the writer is writing what it took
+        self._broken: set[int] = set()  # id() of streams that failed
+        self.backlog = 0  # bytes queued, not yet written
+
+    @property
+    def out(self) -> IO[str]:
+        return self._out or sys.stdout
+
+    @property
+    def err(self) -> IO[str]:
+        return self._err or sys.stderr
 
     # -- plain output -----------------------------------------------------------
     def line(self, host: str, rank: int, fd: int, text: str) -> None:
@@ -42,18 +68,91 @@ class Console:
         who = f"{host}:{rank}" if rank >= 0 else f"{host}:agent" if rank == AGENT_LINE else host
         self._write(self.out if fd == 1 else self.err, f"[{who}] {text}\n")
 
+    def lines(self, host: str, rank: int, fd: int, texts: list[str]) -> None:
+        """Several lines of one rank's stream, at once."""
+        prefix = f"[{host}:{rank}] "
+        self._write(self.out if fd == 1 else self.err,
+                    "".join(f"{prefix}{text}\n" for text in texts))
+
     def say(self, message: str) -> None:
         self._write(self.err, f"dsrun: {message}\n")
 
     def _write(self, stream: IO[str], text: str) -> None:
         with self._lock:
             if self._shown:
-                self.err.write(_CLEAR)
-                self.err.flush()
+                self._put(self.err, _CLEAR)
                 self._shown = False
+            self._put(stream, text)
+            self._redraw()
+
+    def _put(self, stream: IO[str], text: str) -> None:
+        """Write ``text`` now, or queue it for the writer thread (lock held)."""
+        if id(stream) in self._broken:
+            raise BrokenPipeError(f"dsrun's output stream is closed ({text[:40]!r} lost)")
+        if self._writer is None:
             stream.write(text)
             stream.flush()
-            self._redraw()
+            return
+        self._queue.append((stream, text))
+        self.backlog += len(text)
+        self._cond.notify_all()
+
+    # -- the writer thread --------------------------------------------------
+    def start_writer(self) -> None:
+        """From now on write from a thread of our own (module docstring)."""
+        with self._lock:
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_queued, daemon=True,
+                                                name="dsrun-console")
+                self._writer.start()
+
+    def close(self) -> None:
+        """Write everything queued (waiting for the reader as long as it
+        takes), then write directly again."""
+        with self._lock:
+            writer = self._writer
+            if writer is None:
+                return
+            while self._queue or self._busy:
+                self._cond.wait(0.5)
+            self._writer = None
+            self._cond.notify_all()
+        writer.join()
+
+    def _take(self) -> tuple[IO[str], str] | None:
+        """The next queued texts for one stream, joined (lock held); None
+        once the writer is to end."""
+        while not self._queue:
+            if self._writer is not threading.current_thread():
+                return None
+            self._cond.wait()
+        stream, text = self._queue.popleft()
+        parts = [text]
+        while self._queue and self._queue[0][0] is stream:
+            parts.append(self._queue.popleft()[1])
+        return stream, "".join(parts)
+
+    def _write_queued(self) -> None:
+        while True:
+            with self._lock:
+                taken = self._take()
+                if taken is None:
+                    return
+                self._busy = True
+            stream, text = taken
+            try:
+                _write_text(stream, text)
+            except Exception:  # noqa: BLE001 - a closed pipe or file: it takes nothing more
+                with self._lock:
+                    self._broken.add(id(stream))
+                    for item in [q for q in self._queue if q[0] is stream]:
+                        self._queue.remove(item)
+                        self.backlog -= len(item[1])
+            finally:
+                with self._lock:
+                    self._busy = False
+                    self.backlog -= len(text)
+                    self._cond.notify_all()
 
     # -- progress -----------------------------------------------------------
     def start_progress(self, hosts: int, ranks: int, unit: str = "hosts") -> None:
@@ -84,11 +183,10 @@ class Console:
             if progress is None:
                 return
             if self._shown:
-                self.err.write(_CLEAR)
+                self._put(self.err, _CLEAR)
                 self._shown = False
             took = time.monotonic() - progress.began
-            self.err.write(f"dsrun: {progress.text()} in {took:.1f}s\n")
-            self.err.flush()
+            self._put(self.err, f"dsrun: {progress.text()} in {took:.1f}s\n")
 
     def _update(self, force: bool = False) -> None:
         progress = self._progress
@@ -100,13 +198,11 @@ class Console:
         now = time.monotonic()
         if force or now - progress.printed >= PLAIN_EVERY:
             progress.printed = now
-            self.err.write(f"dsrun: {progress.text()}\n")
-            self.err.flush()
+            self._put(self.err, f"dsrun: {progress.text()}\n")
 
     def _redraw(self) -> None:
         if self.tty and self._progress is not None:
-            self.err.write(f"{_CLEAR}dsrun: {self._progress.text()}")
-            self.err.flush()
+            self._put(self.err, f"{_CLEAR}dsrun: {self._progress.text()}")
             self._shown = True
 
 
@@ -123,6 +219,15 @@ class _Progress:
     def text(self) -> str:
         return (f"connected {self.connected}/{self.hosts} {self.unit}, "
                 f"{self.started}/{self.ranks} ranks started")
+
+
+def _write_text(stream: IO[str], text: str) -> None:
+    try:
+        stream.write(text)
+    except UnicodeEncodeError:  # a stream that cannot encode everything: as "replace"
+        encoding = getattr(stream, "encoding", None) or "ascii"
+        stream.write(text.encode(encoding, "replace").decode(encoding))
+    stream.flush()
 
 
 def _isatty(stream: IO[str]) -> bool:

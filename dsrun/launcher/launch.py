@@ -200,11 +200,13 @@ def run(spec: LaunchSpec) -> int:
         "hosts": list(cluster.hosts), "ranks": draft.world_size,
         "seconds": time.monotonic() - began}).start()
     clock = JobClock()
+    console.start_writer()  # no reporter waits for dsrun's stdout from here on
     try:
         return _run_attempts(spec, lambda restart: _attempt(
             spec, cluster, backend, env, job_id, restart, control, clock), clock)
     finally:
         control.close()
+        console.close()
 
 
 def straggler_interval(environ: Mapping[str, str]) -> float | None:
@@ -240,7 +242,7 @@ def _watch(spec: LaunchSpec, control: ControlServer, started: float) -> Watch:
                  heartbeat_timeout=spec.heartbeat_timeout,
                  straggler_interval=straggler_interval(os.environ),
                  queries=control.queries, say=say, job_id=control.job_id,
-                 on_started=console.started)
+                 on_started=console.started, output_backlog=lambda: console.backlog)
 
 
 def _attempt(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv,
@@ -290,7 +292,8 @@ def _attempt(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv,
         clock.started = time.monotonic()
     try:
         supervisor = Supervisor(handle, handle.hosts, console.line, plan.kill_grace,
-                                _watch(spec, control, clock.started))
+                                _watch(spec, control, clock.started),
+                                sink_lines=console.lines)
         result = supervisor.run()
     finally:
         suspension.handle = None

@@ -6,9 +6,17 @@ channel) or a TCP connection the agent opened back to the launcher
 
 - nothing the agent's supervision loop does ever blocks on the channel:
   :meth:`Link.send` queues, and the writer thread writes. Rank output
-  waits while :data:`OUTPUT_BACKLOG` lines are queued (the back-pressure a
-  direct write would give); control events (exits, ``done``, heartbeats,
-  stacks) never wait;
+  waits while :data:`OUTPUT_BACKLOG` bytes of it are queued (the
+  back-pressure a direct write would give: the ranks' pumps stop reading,
+  the ranks block in their writes); control events (exits, ``done``,
+  heartbeats, stacks) never wait and go out before queued output;
+- output flow control: after the launcher's ``pause`` command no rank
+  output is written (control events still are) until ``resume``; the
+  launcher pauses its agents while its own console cannot keep up, so a
+  slow reader of dsrun's stdout slows the ranks instead of filling the
+  launcher's memory. :meth:`Link.drain` (the agent's last act) writes
+  what is queued even when paused;
+- the writer sends queued output in batches, one write and one flush each;
 - the reader thread splits the input into messages; heartbeats
   (``{"cmd": "hb", "timeout": T}``) only refresh :attr:`Link.heard` and set
   the heartbeat timeout, every other message goes to :meth:`Link.get`;
@@ -36,8 +44,10 @@ from dsrun.launcher import protocol
 if TYPE_CHECKING:
     import socket
 
-#: Rank output lines queued before the ranks' pumps wait.
-OUTPUT_BACKLOG = 10_000
+#: Bytes of rank output queued before the ranks' pumps wait.
+OUTPUT_BACKLOG = 4 * 1024 * 1024
+#: The most bytes of queued output written in one go.
+WRITE_BATCH = 256 * 1024
 #: Seconds to hear the launcher's first heartbeat before giving up on it.
 FIRST_CONTACT = 120.0
 #: What :meth:`Link.get` returns once the input has ended.
@@ -61,6 +71,9 @@ class Link:
         self._cond = threading.Condition()
         self._control: collections.deque[bytes] = collections.deque()
         self._output: collections.deque[bytes] = collections.deque()
+        self._output_bytes = 0
+        self.paused = False  # the launcher's ``pause``: hold rank output
+        self._draining = False  # drain(): write output even when paused
         self._writing = False
         self._reader = threading.Thread(target=self._read, daemon=True, name="dsrun-link-in")
         self._writer = threading.Thread(target=self._write, daemon=True, name="dsrun-link-out")
@@ -108,6 +121,12 @@ class Link:
             return
         self._inbox.put(msg)
 
+    def pause_output(self, paused: bool) -> None:
+        """The launcher's ``pause`` / ``resume`` (see the module docstring)."""
+        with self._cond:
+            self.paused = paused
+            self._cond.notify_all()
+
     def get(self, timeout: float | None) -> dict[str, Any] | None:
         """The next message; :data:`END` at end of input; raises queue.Empty."""
         return self._inbox.get(timeout=timeout)
@@ -125,12 +144,29 @@ class Link:
         data = protocol.encode(obj)
         with self._cond:
             if not control:
-                while len(self._output) >= OUTPUT_BACKLOG and not self._gone():
+                while self._output_bytes >= OUTPUT_BACKLOG and not self._gone():
                     self._cond.wait(0.5)
             if self._gone():
                 return
-            (self._control if control else self._output).append(data)
+            if control:
+                self._control.append(data)
+            else:
+                self._output.append(data)
+                self._output_bytes += len(data)
             self._cond.notify_all()
+
+    def _output_ready(self) -> bool:
+        return bool(self._output) and (not self.paused or self._draining)
+
+    def _take_output(self) -> bytes:
+        """Queued output up to WRITE_BATCH bytes (at least one message)."""
+        parts, size = [], 0
+        while self._output and (not parts or size + len(self._output[0]) <= WRITE_BATCH):
+            part = self._output.popleft()
+            parts.append(part)
+            size += len(part)
+        self._output_bytes -= size
+        return b"".join(parts)
 
     def _gone(self) -> bool:
         return self.closed or self.lost()
@@ -146,15 +182,18 @@ class Link:
         while True:
             with self._cond:
                 data = b""
-                while not self._control and not self._output:
+                while not self._control and not self._output_ready():
                     due = self._beat_due(last_write)
                     if due is not None and due <= 0 and not self._gone():
                         data = _HEARTBEAT
                         break
                     self._cond.wait(due)
                 if not data:
-                    queue_ = self._control if self._control else self._output
-                    data = queue_.popleft()
+                    if self._control:
+                        data = b"".join(self._control)
+                        self._control.clear()
+                    else:
+                        data = self._take_output()
                 self._writing = True
                 self._cond.notify_all()
             try:
@@ -165,6 +204,7 @@ class Link:
                     self.closed = True
                     self._control.clear()
                     self._output.clear()
+                    self._output_bytes = 0
             finally:
                 last_write = time.monotonic()
                 with self._cond:
@@ -175,6 +215,8 @@ class Link:
         """Wait until everything queued is written; False if that did not happen."""
         end = time.monotonic() + timeout
         with self._cond:
+            self._draining = True
+            self._cond.notify_all()
             while (self._control or self._output or self._writing) and not self._gone():
                 left = end - time.monotonic()
                 if left <= 0:

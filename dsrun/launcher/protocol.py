@@ -56,16 +56,21 @@ values only ever here, never on a command line) and per rank its argv,
 whether it runs the injected runtime (``runtime``) and its environment
 layers (rankenv.py); then it may write commands (:data:`COMMANDS`):
 
-  stop                                     stop every rank (SIGTERM, grace, SIGKILL)
+  stop     {signal}                        stop every rank (SIGTERM, grace, SIGKILL;
+                                           "signal": "SIGINT": SIGINT first, for a
+                                           Ctrl-C of the launcher)
   kill                                     SIGKILL every rank now (a second Ctrl-C);
                                            end of input while stopping does the same
   stack    {req}                           each running rank's Python stacks
+  pause / resume                           hold rank output / send it again (the
+                                           launcher's console is behind: link.py)
 
 The agent writes events:
 
   hello    {host, pid}                     the agent is up
   started  {rank, pid}                     a rank process exists
-  out      {rank, fd, line}                one line of rank output (fd 1|2)
+  out      {rank, fd, lines}               lines of rank output (fd 1|2), the
+                                           lines of one read of the rank's pipe
   exit     {rank, code, signal, time, age, during_stop, error, tail}
            (age: seconds, on the agent's monotonic clock, between the
            failure and this event; the launcher orders failures by
@@ -87,7 +92,7 @@ import json
 from typing import IO, Any
 
 #: Commands the launcher may send once the job runs (and "hb" in every phase).
-COMMANDS = ("stop", "kill", "stack")
+COMMANDS = ("stop", "kill", "stack", "pause", "resume")
 
 #: The launcher's "addr:port" candidates, space-separated (IPv6 as [addr]:port).
 LAUNCHER_VAR = "DSRUN_LAUNCHER"

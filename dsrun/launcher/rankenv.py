@@ -51,7 +51,8 @@ _SLOTS = "--include/--exclude/--num_nodes/--num_gpus (which slots run)"
 #: What to use instead of giving a variable that dsrun sets for each rank.
 INSTEAD = {
     "RANK": _SLOTS, "LOCAL_RANK": _SLOTS, "NODE_RANK": _SLOTS, "WORLD_SIZE": _SLOTS,
-    "LOCAL_WORLD_SIZE": _SLOTS, "NNODES": _SLOTS,
+    "LOCAL_WORLD_SIZE": _SLOTS, "NNODES": _SLOTS, "CROSS_RANK": _SLOTS, "CROSS_SIZE": _SLOTS,
+    "LOCAL_SIZE": _SLOTS,
     "MASTER_ADDR": "--master_addr", "MASTER_PORT": "--master_port",
     "CUDA_VISIBLE_DEVICES": "--include HOST:SLOTS, or CUDA_VISIBLE_DEVICES in dsrun's own "
                             "environment (the slots then count those GPUs)",
@@ -96,6 +97,12 @@ def rank_env(plan: LaunchPlan, node: NodePlan, slot: RankSlot) -> RankEnv:
         LOCAL_WORLD_SIZE=str(len(node.ranks)),
         NODE_RANK=str(node.node_rank),
         NNODES=str(len(plan.nodes)),
+        # DeepSpeed's launcher's names for the same three (its CPU
+        # accelerator counts devices by LOCAL_SIZE; its checkpoint writers
+        # read CROSS_RANK / CROSS_SIZE)
+        CROSS_RANK=str(node.node_rank),
+        CROSS_SIZE=str(len(plan.nodes)),
+        LOCAL_SIZE=str(len(node.ranks)),
         MASTER_ADDR=plan.master_addr or PENDING,
         MASTER_PORT=PENDING if plan.master_port is None else str(plan.master_port),
         DSRUN_JOB_ID=plan.job_id,

@@ -1,6 +1,9 @@
 """The launcher's event loop over a running job.
 
-It streams rank output to the console, collects rank exits, and stops
+It streams rank output to the console (pausing the agents' output while
+the console is behind: a slow reader of dsrun's stdout then slows the
+ranks, as a direct write would, and the launcher's memory stays bounded),
+collects rank exits, and stops
 every node when the first failure arrives (a rank's exit, or a node agent
 saying it was signalled itself), when dsrun itself is signalled,
 when ``--timeout`` expires, or when a host goes silent for longer than the
@@ -32,6 +35,12 @@ from dsrun.launcher.watch import RankState, StackCollection, Stragglers
 
 # (host, rank, fd, line) -> None
 OutputSink = Callable[[str, int, int, str], None]
+# (host, rank, fd, lines) -> None: the lines of one ``out`` event
+LinesSink = Callable[[str, int, int, list[str]], None]
+#: Console backlog (bytes) above which the agents hold rank output, and
+#: below which they send it again.
+OUTPUT_HIGH = 2 * 1024 * 1024
+OUTPUT_LOW = 256 * 1024
 
 # Extra seconds an agent gets beyond the kill grace to report ``done``.
 AGENT_SLACK = 10.0
@@ -107,6 +116,9 @@ class Watch:
     say: Callable[[str], None] = lambda message: None
     job_id: str = ""  # named in straggler lines, for dsrun stack
     on_started: Callable[[int], None] = lambda count: None  # ranks started so far
+    # bytes of output the console has still to write: above OUTPUT_HIGH the
+    # agents hold their ranks' output until it is below OUTPUT_LOW (link.py)
+    output_backlog: Callable[[], int] = lambda: 0
 
 
 @dataclass
@@ -134,10 +146,13 @@ class _State:
 class Supervisor:
     def __init__(self, handle: JobHandle, hosts: list[str], sink: OutputSink,
                  kill_grace: float, watch: Watch | None = None,
-                 signals: SignalLatch = SIGNALS) -> None:
+                 signals: SignalLatch = SIGNALS, sink_lines: LinesSink | None = None) -> None:
         self.handle = handle
         self.signals = signals
         self.sink = sink
+        self.sink_lines = sink_lines or (lambda host, rank, fd, lines: [
+            sink(host, rank, fd, line) for line in lines])
+        self.output_paused = False
         self.grace = kill_grace
         self.watch = watch or Watch()
         self.state = _State(hosts=list(hosts), open_nodes=set(range(len(hosts))))
@@ -162,12 +177,14 @@ class Supervisor:
                          no_stacks=tuple(st.hosts[i] for i in sorted(st.no_stacks)),
                          starting=not st.ranks, hurried=st.hurried)
 
-    def _stop(self) -> None:
+    def _stop(self, interrupt: bool = False) -> None:
+        """Stop every agent's ranks; ``interrupt``: dsrun got a Ctrl-C, so
+        they get SIGINT first (their KeyboardInterrupt handlers run), not SIGTERM."""
         st = self.state
         if not st.stopping:
             st.stopping = True
             st.deadline = time.monotonic() + self.grace + AGENT_SLACK
-            self.handle.stop()
+            self.handle.stop(interrupt=interrupt)
 
     def _kill_now(self) -> None:
         """A second signal: every agent SIGKILLs its ranks at once; agents
@@ -199,7 +216,7 @@ class Supervisor:
             self._kill_now()
             return
         st.interrupted = signum
-        self._stop()
+        self._stop(interrupt=signum == signal.SIGINT)
 
     def _step(self) -> None:
         st = self.state
@@ -214,6 +231,7 @@ class Supervisor:
         now = time.monotonic()
         if st.stopping and now > st.deadline:
             self._give_up()
+        self._pace_output()
         self._check_liveness(now)
         self._check_timeout(now)
         self._serve_queries(now)
@@ -223,13 +241,25 @@ class Supervisor:
             if line:
                 self.watch.say(line)
 
+    def _pace_output(self) -> None:
+        """Hold the ranks' output while the console is behind (see Watch)."""
+        backlog = self.watch.output_backlog()
+        if not self.output_paused and backlog > OUTPUT_HIGH:
+            self.output_paused = True
+            self.handle.send_all({"cmd": "pause"})
+        elif self.output_paused and backlog < OUTPUT_LOW:
+            self.output_paused = False
+            self.handle.send_all({"cmd": "resume"})
+
     # -- events ---------------------------------------------------------------
     def _handle(self, index: int, msg: dict[str, Any]) -> None:
         st = self.state
         ev = msg.get("ev")
         host = st.hosts[index]
         if ev == "out":
-            self.sink(host, msg["rank"], msg["fd"], msg["line"])
+            lines = msg["lines"] if "lines" in msg else [msg["line"]]
+            self.sink_lines(host, msg["rank"], msg["fd"], lines)
+            self._pace_output()
         elif ev == "hello":
             st.hosts[index] = msg.get("host") or host
         elif ev == "started":

@@ -214,7 +214,7 @@ def _start_agent(payload: dict, stderr: object = None
         proc.stdin.flush()
         for line in proc.stdout:
             events.append(json.loads(line))
-            if str(events[-1].get("line")).startswith("up"):
+            if str((events[-1].get("lines") or [""])[-1]).startswith("up"):
                 break
     except BaseException:
         proc.kill()  # the agent stops its ranks when its input ends
@@ -257,7 +257,7 @@ def test_a_kill_or_the_end_of_input_while_stopping_skips_the_grace(tmp_path, sec
         proc.wait()
     assert not left, "the rank was only to be killed at the end of the 30 s grace"
     assert took < 10
-    terms = [e for e in events if e.get("ev") == "out" and e.get("line") == "TERM"]
+    terms = [e for e in events if e.get("ev") == "out" and "TERM" in e["lines"]]
     assert len(terms) == 1, events
     if second == "kill":  # the launcher is still there to hear of it
         exits = [e for e in events if e.get("ev") == "exit"]
@@ -294,14 +294,14 @@ def test_a_second_signal_to_the_agent_hurries_the_stop_without_a_traceback(tmp_p
     job: list[int] = []
     try:
         job = [next(e["pid"] for e in events if e.get("ev") == "started")]
-        job += [int(w) for w in events[-1]["line"].split()[1:]]
+        job += [int(w) for w in events[-1]["lines"][-1].split()[1:]]
         tmpdir = os.path.dirname(psutil.Process(job[0]).environ()["DSRUN_ERROR_FILE"])
         proc.send_signal(signal.SIGTERM)
         # stopping: the rank says it got SIGTERM; teardown: the rank's exit is
         # reported (every rank is, so the teardown has begun)
         for line in proc.stdout:
             events.append(json.loads(line))
-            if events[-1].get("line") == "TERM" or events[-1].get("ev") == "exit":
+            if "TERM" in events[-1].get("lines", ()) or events[-1].get("ev") == "exit":
                 break
         time.sleep(0.3)
         began = time.monotonic()

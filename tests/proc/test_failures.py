@@ -294,3 +294,41 @@ def test_a_launch_tools_failure_quotes_its_cause_after_a_long_help_block():
     assert text == ("mpirun exited with status 255 before the agents connected back: "
                     "ssh: Could not resolve hostname nosuch: Name or service not known")
     assert len(lines) > TOOL_TAIL + 5  # every line was forwarded
+
+
+_CLEANS_UP = (
+    "import os, sys, time\n"
+    "rank = os.environ['RANK']\n"
+    "out = sys.argv[1]\n"
+    "open(os.path.join(out, 'rank_' + rank + '.pid'), 'w').write(str(os.getpid()))\n"
+    "try:\n"
+    "    time.sleep(60)\n"
+    "except KeyboardInterrupt:\n"
+    "    open(os.path.join(out, 'interrupted_' + rank), 'w').close()\n"
+    "    raise\n"
+    "finally:\n"
+    "    open(os.path.join(out, 'finally_' + rank), 'w').close()\n")
+
+
+@pytest.mark.parametrize("sig,cleaned", [(signal.SIGINT, True), (signal.SIGTERM, False)])
+def test_ctrl_c_reaches_the_ranks_as_sigint_so_their_cleanup_runs(tmp_path, pid_dir, sig,
+                                                                  cleaned):
+    """A Ctrl-C of dsrun is a Ctrl-C of every rank (SIGINT, as a terminal
+    gives plain python and torchrun passes on): ``except KeyboardInterrupt``
+    and ``finally`` run. SIGTERM to dsrun stays SIGTERM to the ranks."""
+    script = tmp_path / "cleanup.py"
+    script.write_text(_CLEANS_UP)
+    proc = start_dsrun("--cpu", "--num_gpus", "2", "--dist_backend", "none", "--kill_grace",
+                       "10", str(script), str(pid_dir))
+    try:
+        pids = wait_for_pids(pid_dir, 2)
+        time.sleep(0.3)  # dsrun's handlers are in place once the ranks run
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig, err
+    assert wait_gone(sorted(pids.values()), 2) == []
+    marks = sorted(p.name for p in pid_dir.iterdir() if not p.name.endswith(".pid"))
+    assert marks == (["finally_0", "finally_1", "interrupted_0", "interrupted_1"]
+                     if cleaned else []), err

@@ -6,14 +6,16 @@ One rank, --dist_backend none: each test costs about one interpreter start.
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import threading
 import time
 
+import psutil
 import pytest
 
-from tests.conftest import ROOT, run_dsrun, start_dsrun, wait_gone
+from tests.conftest import ROOT, dsrun_argv, run_dsrun, start_dsrun, wait_gone
 
 pytestmark = pytest.mark.proc
 ONE = ["--cpu", "--num_gpus", "1", "--dist_backend", "none"]
@@ -147,3 +149,51 @@ def test_python_m_dsrun_is_the_dsrun_command():
                          text=True, timeout=60, cwd=str(ROOT))
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("dsrun ")
+
+
+def test_a_slow_reader_slows_the_rank_and_the_launchers_memory_stays_bounded(tmp_path):
+    """40 MB of output behind a reader that takes nothing for a while: the
+    launcher holds a bounded backlog (the agents pause, the rank blocks in
+    its writes), then every line arrives once, in order."""
+    count, width = 400_000, 100
+    script = tmp_path / "flood.py"
+    script.write_text(
+        "import sys\n"
+        f"for i in range({count}):\n"
+        f"    sys.stdout.write(f'{{i:09d}}' + 'x' * {width - 10} + '\\n')\n")
+    proc = start_dsrun(*ONE, str(script))
+    try:
+        launcher = psutil.Process(proc.pid)
+        base = launcher.memory_info().rss
+        peak = base
+        for _ in range(60):  # 6 s: unread, the old launcher grew by ~7x the output
+            time.sleep(0.1)
+            peak = max(peak, launcher.memory_info().rss)
+        got = 0
+        for line in proc.stdout:
+            assert line == f"[{socket.gethostname()}:0] {got:09d}{'x' * (width - 10)}\n", line
+            got += 1
+        assert proc.wait(timeout=120) == 0, proc.stderr.read()[-2000:]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert got == count
+    assert peak - base < 60 * 2 ** 20, f"launcher grew by {(peak - base) / 2 ** 20:.0f} MiB"
+
+
+@pytest.mark.parametrize("closed", ["stdout", "stderr"])
+def test_a_closed_stdout_or_stderr_at_start_drops_that_output_and_runs_the_job(tmp_path,
+                                                                              closed):
+    script = tmp_path / "both.py"
+    script.write_text("import sys\nprint('to stdout')\nprint('to stderr', file=sys.stderr)\n"
+                      "sys.exit(3)\n")
+    fd = 1 if closed == "stdout" else 2
+    res = subprocess.run(
+        ["sh", "-c", f'exec "$@" {fd}>&-', "sh", *dsrun_argv(*ONE, str(script))],
+        capture_output=False, stdout=subprocess.PIPE if fd == 2 else None,
+        stderr=subprocess.PIPE if fd == 1 else None, text=True, timeout=60, cwd=str(ROOT))
+    assert res.returncode == 3  # the rank's exit code, not a crash of dsrun's output
+    if fd == 1:
+        assert "to stderr" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    else:
+        assert "to stdout" in res.stdout

@@ -72,7 +72,9 @@ def test_rank_env_for_each_rank():
     envs = [_env(plan, node, s) for s in node.ranks]
     for i, env in enumerate(envs):
         assert env["RANK"] == env["LOCAL_RANK"] == str(i)
-        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "3"
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == env["LOCAL_SIZE"] == "3"
+        assert env["NODE_RANK"] == env["CROSS_RANK"] == "0"
+        assert env["NNODES"] == env["CROSS_SIZE"] == "1"
         assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == "4242"
         assert env["DSRUN_DIST_BACKEND"] == "gloo"
         assert "FOO" not in env  # user values travel apart, never printed

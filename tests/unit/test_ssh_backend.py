@@ -101,9 +101,10 @@ def test_prepare_golden(monkeypatch):
     def rank(r, local, node, extra, defaults, tail):
         return [
             f"  rank {r} (local {local}): /venv/bin/python -m dsrun.runtime.bootstrap "
-            "--script train.py --lr 1",
+            "--script train.py --lr 1", f"    CROSS_RANK={node}", "    CROSS_SIZE=2",
             *extra, "    DSRUN_DIST_BACKEND=gloo", "    DSRUN_JOB_ID=j0b",
-            "    DSRUN_RESTART_COUNT=0", f"    LOCAL_RANK={local}", "    LOCAL_WORLD_SIZE=2",
+            "    DSRUN_RESTART_COUNT=0", f"    LOCAL_RANK={local}", "    LOCAL_SIZE=2",
+            "    LOCAL_WORLD_SIZE=2",
             "    MASTER_ADDR=10.0.0.1", "    MASTER_PORT=29500", "    NNODES=2",
             f"    NODE_RANK={node}", f"    RANK={r}", "    WORLD_SIZE=4",
             *defaults, *user, *tail]

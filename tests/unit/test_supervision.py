@@ -99,7 +99,7 @@ def test_supervisor_orders_failures_by_when_the_launcher_learned_of_them():
             self.channels = [object(), object()]
             self.last_seen = [0.0, 0.0]
 
-        def stop(self) -> None: ...
+        def stop(self, interrupt: bool = False) -> None: ...
         def close(self) -> None: ...
         def kill(self) -> None: ...
         def send_all(self, obj, only=None) -> None: ...
@@ -216,8 +216,8 @@ class _RecordingHandle:
         self.killed = False
         self.answer_kill = answer_kill
 
-    def stop(self) -> None:
-        self.send_all({"cmd": "stop"})
+    def stop(self, interrupt: bool = False) -> None:
+        self.send_all({"cmd": "stop", "signal": "SIGINT"} if interrupt else {"cmd": "stop"})
 
     def send_all(self, obj, only=None) -> None:
         for i in range(len(self.channels)) if only is None else only:
@@ -425,7 +425,7 @@ def test_the_timeout_counts_from_the_jobs_start_not_the_attempts():
             self.last_seen = [time.monotonic() + 60]
             self.stopped = False
 
-        def stop(self) -> None:
+        def stop(self, interrupt: bool = False) -> None:
             self.events.put((0, {"ev": "done", "killed": 0}))
             self.events.put((0, {"ev": "eof"}))
 

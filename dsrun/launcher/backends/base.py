@@ -324,9 +324,10 @@ class JobHandle:
         except (BrokenPipeError, OSError, ValueError, EOFError):
             pass  # the agent is gone; its eof event reports it
 
-    def stop(self) -> None:
-        """Ask every agent to stop its ranks (SIGTERM, grace, SIGKILL)."""
-        self.send_all({"cmd": "stop"})
+    def stop(self, interrupt: bool = False) -> None:
+        """Ask every agent to stop its ranks (SIGTERM - SIGINT when
+        ``interrupt`` - then the grace, then SIGKILL)."""
+        self.send_all({"cmd": "stop", "signal": "SIGINT"} if interrupt else {"cmd": "stop"})
 
     def kill(self) -> None:
         for channel in self.channels:

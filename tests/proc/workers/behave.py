@@ -34,8 +34,9 @@ def note(name: str, pid: int) -> None:
             f.write(str(pid))
 
 
-if args.ignore_term_rank == rank:
+if args.ignore_term_rank == rank:  # ignores what a stop sends first (SIGINT for a Ctrl-C)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 if args.grandchild:
     code = "import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
     child = subprocess.Popen([sys.executable, "-c", code],

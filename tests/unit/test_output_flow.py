@@ -1,0 +1,164 @@
+"""Rank output on its way to dsrun's stdout, without processes: the
+console's writer thread (nobody waits for a slow reader; order kept; a
+closed pipe raises in the caller), the agent link's pause/resume and
+batches, and the supervisor pausing the agents while the console is
+behind."""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import threading
+
+import pytest
+
+from dsrun.launcher import link as link_mod
+from dsrun.launcher import protocol
+from dsrun.launcher.console import Console
+from dsrun.launcher.link import Link
+from dsrun.launcher.supervisor import OUTPUT_HIGH, OUTPUT_LOW, Supervisor, Watch
+
+
+class SlowStream(io.StringIO):
+    """A stdout whose reader takes nothing until ``go`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+        self.writes = 0
+
+    def write(self, text: str) -> int:
+        self.go.wait()
+        self.writes += 1
+        return super().write(text)
+
+
+class ClosedPipe(io.StringIO):
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_console_writer_never_makes_the_caller_wait_and_keeps_order() -> None:
+    out, err = SlowStream(), SlowStream()
+    c = Console(out, err, tty=False)
+    c.start_writer()
+    for i in range(1000):
+        c.lines("h", 0, 1, [f"a{i}", f"b{i}"])  # returns although nothing is read
+    c.say("after the lines")
+    assert c.backlog > 1000 * 2 * len("[h:0] a0\n")
+    out.go.set()
+    err.go.set()
+    c.close()
+    assert c.backlog == 0
+    expected = "".join(f"[h:0] a{i}\n[h:0] b{i}\n" for i in range(1000))
+    assert out.getvalue() == expected
+    assert err.getvalue() == "dsrun: after the lines\n"
+    assert out.writes < 1000  # queued texts of one stream go out together
+    c.line("h", 1, 1, "direct again")  # after close(): written at once
+    assert out.getvalue().endswith("[h:1] direct again\n")
+
+
+def test_a_closed_pipe_raises_in_the_caller_and_other_streams_go_on() -> None:
+    err = io.StringIO()
+    c = Console(ClosedPipe(), err, tty=False)
+    c.start_writer()
+    c.line("h", 0, 1, "first")  # queued: the writer finds the pipe closed
+    c.say("still said")
+    with pytest.raises(BrokenPipeError):
+        for _ in range(200):
+            c.line("h", 0, 1, "more")
+            threading.Event().wait(0.01)
+    c.close()
+    assert err.getvalue() == "dsrun: still said\n"
+    assert c.backlog == 0
+
+
+def test_a_stream_that_cannot_encode_gets_replacements_not_a_dead_console() -> None:
+    raw = io.BytesIO()
+    ascii_out = io.TextIOWrapper(raw, encoding="ascii", write_through=True)
+    c = Console(ascii_out, io.StringIO(), tty=False)
+    c.start_writer()
+    c.line("h", 0, 1, "caf\u00e9")
+    c.line("h", 0, 1, "next")
+    c.close()
+    assert raw.getvalue() == b"[h:0] caf?\n[h:0] next\n"
+
+
+def _link() -> tuple[Link, int, io.BufferedReader]:
+    r_in, w_in = os.pipe()  # launcher -> agent
+    r_out, w_out = os.pipe()  # agent -> launcher
+    link = Link(r_in, os.fdopen(w_out, "wb")).start()
+    return link, w_in, os.fdopen(r_out, "rb")
+
+
+def _read_events(stream: io.BufferedReader, count: int) -> list[dict]:
+    return [protocol.decode(stream.readline()) for _ in range(count)]
+
+
+def test_a_paused_link_holds_output_but_not_control_events() -> None:
+    link, w_in, stream = _link()
+    try:
+        link.pause_output(True)
+        link.send({"ev": "out", "rank": 0, "fd": 1, "lines": ["held"]}, control=False)
+        link.send({"ev": "exit", "rank": 0})
+        assert _read_events(stream, 1) == [{"ev": "exit", "rank": 0}]
+        link.pause_output(False)
+        assert _read_events(stream, 1)[0]["lines"] == ["held"]
+        link.pause_output(True)
+        link.send({"ev": "out", "rank": 0, "fd": 1, "lines": ["last"]}, control=False)
+        assert link.drain(5.0)  # the agent's last act writes it even when paused
+        assert _read_events(stream, 1)[0]["lines"] == ["last"]
+    finally:
+        os.close(w_in)
+        stream.close()
+
+
+def test_a_full_output_backlog_makes_the_ranks_pumps_wait(monkeypatch) -> None:
+    monkeypatch.setattr(link_mod, "OUTPUT_BACKLOG", 1000)
+    link, w_in, stream = _link()
+    try:
+        link.pause_output(True)
+        msg = {"ev": "out", "rank": 0, "fd": 1, "lines": ["x" * 600]}
+        link.send(msg, control=False)
+        link.send(msg, control=False)  # 2 x ~650 bytes: now over the backlog
+        third = threading.Thread(target=link.send, args=(msg,), kwargs={"control": False})
+        third.start()
+        third.join(1.0)
+        assert third.is_alive(), "a pump must wait while the backlog is full"
+        link.pause_output(False)
+        third.join(5.0)
+        assert not third.is_alive()
+        assert [e["lines"] for e in _read_events(stream, 3)] == [["x" * 600]] * 3
+    finally:
+        os.close(w_in)
+        stream.close()
+
+
+class _Handle:
+    def __init__(self) -> None:
+        self.events: queue.Queue = queue.Queue()
+        self.sent: list[str] = []
+
+    def send_all(self, obj, only=None) -> None:
+        self.sent.append(obj["cmd"])
+
+
+def test_supervisor_pauses_agents_while_the_console_is_behind() -> None:
+    backlog = [0]
+    handle = _Handle()
+    got: list[tuple[str, int, int, list[str]]] = []
+    sup = Supervisor(handle, ["a"], lambda *a: None, 1.0,  # type: ignore[arg-type]
+                     Watch(output_backlog=lambda: backlog[0]),
+                     sink_lines=lambda *a: got.append(a))
+    backlog[0] = OUTPUT_HIGH + 1
+    sup._handle(0, {"ev": "out", "rank": 3, "fd": 2, "lines": ["x", "y"]})
+    assert got == [("a", 3, 2, ["x", "y"])] and handle.sent == ["pause"]
+    sup._handle(0, {"ev": "out", "rank": 3, "fd": 1, "line": "old agent"})
+    assert got[-1] == ("a", 3, 1, ["old agent"]) and handle.sent == ["pause"]
+    backlog[0] = (OUTPUT_HIGH + OUTPUT_LOW) // 2
+    sup._pace_output()
+    assert handle.sent == ["pause"]  # between the marks: no change
+    backlog[0] = OUTPUT_LOW - 1
+    sup._pace_output()
+    assert handle.sent == ["pause", "resume"]
