@@ -143,6 +143,7 @@ class Rank:
         self.reported = False
         self.status: int | None = None  # as Popen.returncode, known before it is reaped
         self.exit_mono = 0.0  # time.monotonic() when the exit was seen
+        self.settled = False  # its wait thread saw the exit and its output is read
 
 
 class Agent:
@@ -226,6 +227,11 @@ class Agent:
             self._exited(rank, rank.popen.wait(), mono)
         else:
             self._exited(rank, _status(info), time.monotonic())
+        # Its last output before its exit (the pumps may wait while the
+        # launcher holds output): here, so the supervision loop never waits.
+        for t in rank.readers:
+            t.join(timeout=0.5)
+        rank.settled = True
         self.events.put("exit")
 
     def _exited(self, rank: Rank, status: int, mono: float) -> None:
@@ -427,11 +433,9 @@ class Agent:
 
     def _reap(self) -> None:
         for rank in self.ranks:
-            if rank.reported or rank.status is None:
+            if rank.reported or not rank.settled:
                 continue
             rank.reported = True
-            for t in rank.readers:
-                t.join(timeout=0.5)
             self._report_exit(rank)
 
     def _report_exit(self, rank: Rank) -> None:
@@ -590,7 +594,9 @@ def main(argv: list[str] | None = None) -> int:
             link.drain(2.0)
             return 2 if payload == {} and not connect else 0
         code = Agent(payload, link, guard).run()  # the signals no longer raise after it
-        if not link.drain(5.0):
+        # With heartbeats a launcher that stops reading is found lost, so the
+        # output held back at the end is not cut at a fixed time.
+        if not link.drain(None if link.timeout > 0 else 5.0):
             _exit_now(0 if connect else code)
     finally:
         stop_raising()

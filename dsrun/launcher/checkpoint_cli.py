@@ -5,10 +5,12 @@
   latest tag or ``--tag``, who saved it (world size, ZeRO stage, precision),
   the step, parameter and tensor counts, optimizer, and sizes. Reads JSON
   only: no torch is imported.
-* ``dsrun checkpoint to-fp32 CKPT_DIR OUT [--tag T] [--safetensors]``: one
-  plain fp32 state dict that ``torch.load`` + ``model.load_state_dict``
-  accept (or a safetensors file), written tensor by tensor so memory stays
-  near the largest tensor. torch is imported only here.
+* ``dsrun checkpoint to-fp32 CKPT_DIR OUT [--tag T] [--safetensors]
+  [--exclude_frozen_parameters]``: one plain fp32 state dict that
+  ``torch.load`` + ``model.load_state_dict`` accept (or a safetensors
+  file), written tensor by tensor so memory stays near the largest tensor;
+  without the frozen parameters when asked (as ``zero_to_fp32``). torch is
+  imported only here.
 
 Errors are one ``dsrun: error: ...`` line and a non-zero exit status.
 """
@@ -56,11 +58,14 @@ def info_command(ckpt_dir: str, tag: Optional[str], as_json: bool) -> None:
 @click.option("--tag", default=None, help="The tag to convert (default: latest).")
 @click.option("--safetensors", "safetensors", is_flag=True,
               help="Write the safetensors format instead of torch.save's.")
+@click.option("--exclude_frozen_parameters", "--exclude-frozen-parameters", "exclude_frozen",
+              is_flag=True, help="Leave out the parameters that were frozen when saved.")
 @reports_errors
-def to_fp32_command(ckpt_dir: str, out: str, tag: Optional[str], safetensors: bool) -> None:
+def to_fp32_command(ckpt_dir: str, out: str, tag: Optional[str], safetensors: bool,
+                    exclude_frozen: bool) -> None:
     """Write CKPT_DIR's weights to OUT as one fp32 state dict."""
     from dsrun.runtime.checkpoint.consolidate import to_fp32
 
-    done = to_fp32(ckpt_dir, out, tag, safetensors=safetensors)
+    done = to_fp32(ckpt_dir, out, tag, safetensors=safetensors, exclude_frozen=exclude_frozen)
     click.echo(f"wrote {done.path}: {done.tensors} tensors, {done.bytes / 2**20:,.1f} MiB; "
                f"largest {done.largest} ({done.largest_bytes / 2**20:,.1f} MiB)")

@@ -14,12 +14,13 @@ start took. Updates may come from any thread.
 While a job runs (:meth:`Console.start_writer` to :meth:`Console.close`)
 the console writes from a thread of its own, in the order things were
 said: whoever reports a line or a message never waits for the terminal or
-the pipe behind dsrun's stdout. :attr:`Console.backlog` is the bytes still
+the pipe behind dsrun's stdout. :meth:`Console.pending` is the bytes still
 to write; the supervisor pauses the agents' output while it is high
 (link.py), which is what bounds it. Consecutive texts for one stream go out
 in one write and one flush. A stream that fails (a closed pipe:
-``dsrun ... | head``) takes nothing more, and the next line or message for
-it raises ``BrokenPipeError`` in the caller, as a direct write would.
+``dsrun ... | head``) takes nothing more: the next line or message for it,
+and :meth:`Console.pending` (the supervisor asks at every step), raise
+``BrokenPipeError`` in the caller, as a direct write would.
 """
 
 from __future__ import annotations
@@ -65,14 +66,13 @@ class Console:
     # -- plain output -----------------------------------------------------------
     def line(self, host: str, rank: int, fd: int, text: str) -> None:
         """One line of a rank (rank >= 0), an agent or a launching tool."""
-        who = f"{host}:{rank}" if rank >= 0 else f"{host}:agent" if rank == AGENT_LINE else host
-        self._write(self.out if fd == 1 else self.err, f"[{who}] {text}\n")
+        self.lines(host, rank, fd, [text])
 
     def lines(self, host: str, rank: int, fd: int, texts: list[str]) -> None:
-        """Several lines of one rank's stream, at once."""
-        prefix = f"[{host}:{rank}] "
+        """Lines of one rank's (agent's, tool's) stream, written together."""
+        who = f"{host}:{rank}" if rank >= 0 else f"{host}:agent" if rank == AGENT_LINE else host
         self._write(self.out if fd == 1 else self.err,
-                    "".join(f"{prefix}{text}\n" for text in texts))
+                    "".join(f"[{who}] {text}\n" for text in texts))
 
     def say(self, message: str) -> None:
         self._write(self.err, f"dsrun: {message}\n")
@@ -90,8 +90,7 @@ class Console:
         if id(stream) in self._broken:
             raise BrokenPipeError(f"dsrun's output stream is closed ({text[:40]!r} lost)")
         if self._writer is None:
-            stream.write(text)
-            stream.flush()
+            _write_text(stream, text)
             return
         self._queue.append((stream, text))
         self.backlog += len(text)
@@ -106,18 +105,27 @@ class Console:
                                                 name="dsrun-console")
                 self._writer.start()
 
-    def close(self) -> None:
+    def pending(self) -> int:
+        """Bytes still to write; raises ``BrokenPipeError`` once a stream
+        has failed (the job then stops, as a failed direct write stops it)."""
+        with self._lock:
+            if self._broken:
+                raise BrokenPipeError("dsrun's output stream is closed")
+            return self.backlog
+
+    def close(self) -> bool:
         """Write everything queued (waiting for the reader as long as it
-        takes), then write directly again."""
+        takes), then write directly again; True if a stream failed."""
         with self._lock:
             writer = self._writer
-            if writer is None:
-                return
-            while self._queue or self._busy:
-                self._cond.wait(0.5)
-            self._writer = None
-            self._cond.notify_all()
-        writer.join()
+            if writer is not None:
+                while self._queue or self._busy:
+                    self._cond.wait(0.5)
+                self._writer = None
+                self._cond.notify_all()
+        if writer is not None:
+            writer.join()
+        return bool(self._broken)
 
     def _take(self) -> tuple[IO[str], str] | None:
         """The next queued texts for one stream, joined (lock held); None

@@ -202,11 +202,14 @@ def run(spec: LaunchSpec) -> int:
     clock = JobClock()
     console.start_writer()  # no reporter waits for dsrun's stdout from here on
     try:
-        return _run_attempts(spec, lambda restart: _attempt(
+        code = _run_attempts(spec, lambda restart: _attempt(
             spec, cluster, backend, env, job_id, restart, control, clock), clock)
     finally:
         control.close()
-        console.close()
+        broken = console.close()
+    if broken:  # a closed pipe took the last lines (`dsrun ... | head`)
+        raise BrokenPipeError("dsrun's output stream is closed")
+    return code
 
 
 def straggler_interval(environ: Mapping[str, str]) -> float | None:
@@ -242,7 +245,7 @@ def _watch(spec: LaunchSpec, control: ControlServer, started: float) -> Watch:
                  heartbeat_timeout=spec.heartbeat_timeout,
                  straggler_interval=straggler_interval(os.environ),
                  queries=control.queries, say=say, job_id=control.job_id,
-                 on_started=console.started, output_backlog=lambda: console.backlog)
+                 on_started=console.started, output_backlog=console.pending)
 
 
 def _attempt(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv,
@@ -291,9 +294,8 @@ def _attempt(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv,
     if clock.started is None:  # the first attempt's ranks start the --timeout
         clock.started = time.monotonic()
     try:
-        supervisor = Supervisor(handle, handle.hosts, console.line, plan.kill_grace,
-                                _watch(spec, control, clock.started),
-                                sink_lines=console.lines)
+        supervisor = Supervisor(handle, handle.hosts, console.lines, plan.kill_grace,
+                                _watch(spec, control, clock.started))
         result = supervisor.run()
     finally:
         suspension.handle = None

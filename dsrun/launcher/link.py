@@ -211,14 +211,15 @@ class Link:
                     self._writing = False
                     self._cond.notify_all()
 
-    def drain(self, timeout: float) -> bool:
-        """Wait until everything queued is written; False if that did not happen."""
-        end = time.monotonic() + timeout
+    def drain(self, timeout: float | None) -> bool:
+        """Wait until everything queued is written (``timeout`` None: or the
+        link is gone or lost); False if that did not happen."""
+        end = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             self._draining = True
             self._cond.notify_all()
             while (self._control or self._output or self._writing) and not self._gone():
-                left = end - time.monotonic()
+                left = 1.0 if end is None else end - time.monotonic()
                 if left <= 0:
                     return False
                 self._cond.wait(left)

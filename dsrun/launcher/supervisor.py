@@ -33,8 +33,6 @@ from dsrun.launcher.control import NO_ANSWER, StackQuery
 from dsrun.launcher.report import JobResult, RankFailure, RunningRank
 from dsrun.launcher.watch import RankState, StackCollection, Stragglers
 
-# (host, rank, fd, line) -> None
-OutputSink = Callable[[str, int, int, str], None]
 # (host, rank, fd, lines) -> None: the lines of one ``out`` event
 LinesSink = Callable[[str, int, int, list[str]], None]
 #: Console backlog (bytes) above which the agents hold rank output, and
@@ -144,14 +142,12 @@ class _State:
 
 
 class Supervisor:
-    def __init__(self, handle: JobHandle, hosts: list[str], sink: OutputSink,
+    def __init__(self, handle: JobHandle, hosts: list[str], sink: LinesSink,
                  kill_grace: float, watch: Watch | None = None,
-                 signals: SignalLatch = SIGNALS, sink_lines: LinesSink | None = None) -> None:
+                 signals: SignalLatch = SIGNALS) -> None:
         self.handle = handle
         self.signals = signals
         self.sink = sink
-        self.sink_lines = sink_lines or (lambda host, rank, fd, lines: [
-            sink(host, rank, fd, line) for line in lines])
         self.output_paused = False
         self.grace = kill_grace
         self.watch = watch or Watch()
@@ -258,8 +254,7 @@ class Supervisor:
         host = st.hosts[index]
         if ev == "out":
             lines = msg["lines"] if "lines" in msg else [msg["line"]]
-            self.sink_lines(host, msg["rank"], msg["fd"], lines)
-            self._pace_output()
+            self.sink(host, msg["rank"], msg["fd"], lines)
         elif ev == "hello":
             st.hosts[index] = msg.get("host") or host
         elif ev == "started":
@@ -280,7 +275,7 @@ class Supervisor:
         elif ev == "eof":
             self._ended(index, host)
         elif ev in ("garbage", "agent_err"):
-            self.sink(host, -1, 2, msg["line"])
+            self.sink(host, -1, 2, [msg["line"]])
 
     def _exited(self, index: int, host: str, msg: dict[str, Any]) -> None:
         st = self.state

@@ -123,6 +123,26 @@ def _netns_names() -> set[str]:
     return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 
+def same_process(pid: int, ctime: float) -> Optional[psutil.Process]:
+    """The process ``pid`` if it is still the one that started at ``ctime``."""
+    try:
+        proc = psutil.Process(pid)
+        return proc if abs(proc.create_time() - ctime) < 1.0 else None
+    except psutil.NoSuchProcess:
+        return None
+
+
+def owner_record() -> dict[str, Any]:
+    """This process, as a run's record names its owner."""
+    me = psutil.Process()
+    return {"owner_pid": me.pid, "owner_ctime": me.create_time()}
+
+
+def owner_alive(record: dict[str, Any]) -> bool:
+    """Whether a record's owner still runs (KeyError/TypeError/ValueError: a torn record)."""
+    return same_process(int(record["owner_pid"]), float(record["owner_ctime"])) is not None
+
+
 def _reap_dead_runs() -> None:
     """Tear down runs whose recorded owner process is gone (crashed, SIGKILLed).
 
@@ -131,11 +151,8 @@ def _reap_dead_runs() -> None:
     for path in sorted(REGISTRY_DIR.glob("*.json")):
         try:
             record = json.loads(path.read_text())
-            owner = psutil.Process(record["owner_pid"])
-            if abs(owner.create_time() - record["owner_ctime"]) < 1.0:
+            if owner_alive(record):
                 continue
-        except psutil.NoSuchProcess:
-            pass
         except (OSError, ValueError, KeyError, TypeError):
             continue
         log.warning("tearing down sim cluster %s left by dead process %s",
@@ -328,8 +345,7 @@ class SimCluster:
 
     def _write_record(self) -> None:
         # Lets a later run tear this one down if this process dies without teardown().
-        me = psutil.Process()
-        record = {"owner_pid": me.pid, "owner_ctime": me.create_time(), "tag": self.tag,
+        record = {**owner_record(), "tag": self.tag,
                   "octet": int(self.bridge_address.split(".")[2]),
                   "num_hosts": self.num_hosts, "workdir": str(self.workdir)}
         (REGISTRY_DIR / f"{self.tag}.json").write_text(json.dumps(record))

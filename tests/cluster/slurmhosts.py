@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Optional
 
 import psutil
-from simhosts import SimCluster, kill_procs
+from simhosts import SimCluster, kill_procs, owner_alive, owner_record, same_process
 
 log = logging.getLogger(__name__)
 
@@ -75,15 +75,6 @@ def _cgroup_conf() -> str:
     return "CgroupPlugin=autodetect\n"
 
 
-def _record_alive(pid: int, ctime: float) -> Optional[psutil.Process]:
-    """The process ``pid`` if it is still the one that started at ``ctime``."""
-    try:
-        proc = psutil.Process(pid)
-        return proc if abs(proc.create_time() - ctime) < 1.0 else None
-    except psutil.NoSuchProcess:
-        return None
-
-
 def reap_dead_runs(tmpdir: str | None = None) -> list[str]:
     """End the daemons of test Slurms whose owner process is gone; return their dirs.
 
@@ -95,12 +86,12 @@ def reap_dead_runs(tmpdir: str | None = None) -> list[str]:
     for path in sorted(glob.glob(pattern)):
         try:
             record = json.loads(Path(path).read_text())
-            if _record_alive(int(record["owner_pid"]), float(record["owner_ctime"])):
+            if owner_alive(record):
                 continue
             daemons = [(int(d["pid"]), float(d["ctime"])) for d in record["daemons"]]
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        live = [p for p in (_record_alive(pid, ct) for pid, ct in daemons) if p is not None]
+        live = [p for p in (same_process(pid, ct) for pid, ct in daemons) if p is not None]
         log.warning("ending %d daemon(s) of test Slurm %s left by dead process %s",
                     len(live), os.path.dirname(path), record["owner_pid"])
         kill_procs(live, grace=5.0)
@@ -138,15 +129,13 @@ class SlurmCluster:
 
     def _write_record(self) -> None:
         # Lets a later run end these daemons if this process dies without teardown().
-        me = psutil.Process()
         daemons = []
         for proc in self.procs:
             try:
-                live = psutil.Process(proc.pid)
-                daemons.append({"pid": live.pid, "ctime": live.create_time()})
+                daemons.append({"pid": proc.pid, "ctime": psutil.Process(proc.pid).create_time()})
             except psutil.NoSuchProcess:
                 pass
-        record = {"owner_pid": me.pid, "owner_ctime": me.create_time(), "daemons": daemons}
+        record = {**owner_record(), "daemons": daemons}
         tmp = self.workdir / "run.json.tmp"
         tmp.write_text(json.dumps(record))
         tmp.replace(self.workdir / "run.json")

@@ -322,3 +322,42 @@ def test_a_second_signal_to_the_agent_hurries_the_stop_without_a_traceback(tmp_p
     assert "Traceback" not in err, err
     assert events[-1]["ev"] == "done", events
     assert not os.path.exists(tmpdir), "the agent left its temporary directory"
+
+
+_FLOODS = ("import sys, time\n"
+           "print('up', flush=True)\n"
+           "try:\n"
+           "    while True:\n"
+           "        sys.stdout.write('y' * 199 + '\\n')\n"
+           "except BrokenPipeError:\n"
+           "    time.sleep(60)\n")
+
+
+def test_ranks_blocked_by_paused_output_do_not_stall_the_agents_teardown(tmp_path):
+    """The launcher holds output (``pause``), so every rank blocks in its
+    writes and every pump in the agent waits; a stop must still report all
+    exits and ``done`` at once, not wait out each rank's pumps in turn."""
+    count = 6
+    payload = {"job_id": "e" * 32, "kill_grace": 30, "cwd": str(tmp_path), "env": {},
+               "ranks": [_rank(r, [sys.executable, "-c", _FLOODS]) for r in range(count)]}
+    proc, events = _start_agent(payload)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write(b'{"cmd":"pause"}\n')
+        proc.stdin.flush()
+        time.sleep(2.0)  # the agent's backlog fills, the pumps and ranks block
+        began = time.monotonic()
+        proc.stdin.write(b'{"cmd":"stop"}\n')
+        proc.stdin.flush()
+        exits = 0
+        for line in proc.stdout:
+            event = json.loads(line)
+            exits += event.get("ev") == "exit"
+            if event.get("ev") == "done":
+                break
+        took = time.monotonic() - began
+    finally:
+        proc.kill()
+        proc.wait()
+    assert exits == count
+    assert took < 0.5 * count, f"the teardown took {took:.1f}s"

@@ -197,3 +197,26 @@ def test_a_closed_stdout_or_stderr_at_start_drops_that_output_and_runs_the_job(t
         assert "to stderr" in res.stderr and "Traceback" not in res.stderr, res.stderr
     else:
         assert "to stdout" in res.stdout
+
+
+def test_a_closed_pipe_stops_the_job_even_when_its_last_write_failed(tmp_path, pid_dir):
+    """The rank writes once more after the reader left, then only waits: the
+    failed write alone must stop the job (exit 141), not the rank's end."""
+    script = tmp_path / "twice.py"
+    script.write_text(
+        "import os, time\n"
+        f"open(os.path.join({str(pid_dir)!r}, 'rank'), 'w').write(str(os.getpid()))\n"
+        "print('A', flush=True); time.sleep(1.0)\n"
+        "print('B', flush=True); time.sleep(60)\n")
+    proc = start_dsrun(*ONE, str(script))
+    try:
+        assert "A" in proc.stdout.readline()
+        proc.stdout.close()
+        began = time.monotonic()
+        assert proc.wait(timeout=30) == 128 + 13
+        took = time.monotonic() - began
+    finally:
+        proc.kill()
+        proc.wait()
+    assert took < 15
+    assert wait_gone([int((pid_dir / "rank").read_text())], 10) == []

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 import queue
+import select
 import threading
 
 import pytest
@@ -66,12 +67,18 @@ def test_a_closed_pipe_raises_in_the_caller_and_other_streams_go_on() -> None:
     c.line("h", 0, 1, "first")  # queued: the writer finds the pipe closed
     c.say("still said")
     with pytest.raises(BrokenPipeError):
-        for _ in range(200):
-            c.line("h", 0, 1, "more")
+        for _ in range(200):  # the supervisor asks at every step
+            c.pending()
             threading.Event().wait(0.01)
-    c.close()
+    with pytest.raises(BrokenPipeError):
+        c.line("h", 0, 1, "more")
+    assert c.close() is True  # the last write failed: the caller learns it here too
     assert err.getvalue() == "dsrun: still said\n"
     assert c.backlog == 0
+    ok = Console(io.StringIO(), io.StringIO(), tty=False)
+    ok.start_writer()
+    ok.line("h", 0, 1, "x")
+    assert ok.close() is False
 
 
 def test_a_stream_that_cannot_encode_gets_replacements_not_a_dead_console() -> None:
@@ -103,6 +110,7 @@ def test_a_paused_link_holds_output_but_not_control_events() -> None:
         link.send({"ev": "out", "rank": 0, "fd": 1, "lines": ["held"]}, control=False)
         link.send({"ev": "exit", "rank": 0})
         assert _read_events(stream, 1) == [{"ev": "exit", "rank": 0}]
+        assert select.select([stream], [], [], 0.5)[0] == []  # the output is held
         link.pause_output(False)
         assert _read_events(stream, 1)[0]["lines"] == ["held"]
         link.pause_output(True)
@@ -148,13 +156,14 @@ def test_supervisor_pauses_agents_while_the_console_is_behind() -> None:
     backlog = [0]
     handle = _Handle()
     got: list[tuple[str, int, int, list[str]]] = []
-    sup = Supervisor(handle, ["a"], lambda *a: None, 1.0,  # type: ignore[arg-type]
-                     Watch(output_backlog=lambda: backlog[0]),
-                     sink_lines=lambda *a: got.append(a))
+    sup = Supervisor(handle, ["a"], lambda *a: got.append(a), 1.0,  # type: ignore[arg-type]
+                     Watch(output_backlog=lambda: backlog[0]))
     backlog[0] = OUTPUT_HIGH + 1
     sup._handle(0, {"ev": "out", "rank": 3, "fd": 2, "lines": ["x", "y"]})
+    sup._pace_output()
     assert got == [("a", 3, 2, ["x", "y"])] and handle.sent == ["pause"]
     sup._handle(0, {"ev": "out", "rank": 3, "fd": 1, "line": "old agent"})
+    sup._pace_output()
     assert got[-1] == ("a", 3, 1, ["old agent"]) and handle.sent == ["pause"]
     backlog[0] = (OUTPUT_HIGH + OUTPUT_LOW) // 2
     sup._pace_output()
