@@ -69,6 +69,7 @@ from dsrun.runtime.optimizers import build_optimizer
 from dsrun.runtime.param_links import link_params
 from dsrun.runtime.precision import FullPrecision, StepResult, make_precision, torch_dtype
 from dsrun.runtime.progress import LOGGER_NAME, Progress
+from dsrun.runtime.zero.stage3_setup import NO_OPTIMIZER
 from dsrun.runtime.zero.stepping import (
     DEEPSPEED_DEFAULT_BUCKET,
     memory_lines,
@@ -159,8 +160,8 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
         _check_prepartitioned(self.module, config)
         self.precision: FullPrecision = make_precision(config, self.module, self.device,
                                                        masters=self.zero_stage == 0)
-        self._grad_sync = self._make_grad_sync() if self.zero_stage == 0 else None
         self.optimizer = self._make_optimizer(optimizer, model_parameters)
+        self._grad_sync = self._make_grad_sync() if self.zero_stage == 0 else None
         client_optimizer = self.optimizer
         if self.zero_stage > 0:
             self.optimizer = self._make_zero_optimizer()
@@ -213,20 +214,34 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
         size = (comm_dtype or (params[0].dtype if params else torch.float32)).itemsize
         bucket_bytes = elements * size if elements else DEFAULT_BUCKET_BYTES
         predivide = self.config.gradient_predivide_factor
-        return GradSync(params, group=self.dp_group, bucket_bytes=bucket_bytes,
+        bucketed = [p for p in params if p.requires_grad]
+        late = [p for p in params if not p.requires_grad]
+        return GradSync(bucketed, group=self.dp_group, bucket_bytes=bucket_bytes,
                         comm_dtype=comm_dtype, predivide=0.0 if predivide == 1.0 else predivide,
-                        names=self.precision.names)
+                        names=[n for n, p in zip(self.precision.names, params)
+                               if p.requires_grad], late=late)
 
     def _make_optimizer(self, client: Any, model_parameters: Optional[Iterable[Any]]
                         ) -> Optional[Optimizer]:
         if client is not None and self.config.optimizer is not None:
             log.warning("an optimizer was passed to initialize() and the config has an "
                         "\"optimizer\" section; using the client's (as DeepSpeed does)")
+        built = self._build_optimizer(client, model_parameters)
+        if built is not None:
+            # DeepSpeed drops param groups without parameters (get_lr() has none for them)
+            built.param_groups[:] = [g for g in built.param_groups if len(g["params"])]
+            if self.zero_stage == 0:
+                # frozen parameters in the optimizer: they train once unfrozen, as with torch
+                self.precision.track(self.module, built)
+        return built
+
+    def _build_optimizer(self, client: Any, model_parameters: Optional[Iterable[Any]]
+                         ) -> Optional[Optimizer]:
         if isinstance(client, Optimizer):
             self.precision.adopt(client)
             return client
         source = self.module.parameters() if model_parameters is None else model_parameters
-        params = self.precision.optimizer_params(_trainable(source))
+        params = self.precision.optimizer_params(source)
         if client is not None:
             if not callable(client):
                 raise DsrunConfigError(f"optimizer= must be a torch.optim.Optimizer or a callable "
@@ -241,7 +256,10 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
         return build_optimizer(self.config.optimizer, params)
 
     def _make_zero_optimizer(self) -> Any:
-        if self.optimizer is None:
+        """The ZeRO optimizer over the client's; at stage 3 without one, the
+        partitioning alone (DeepSpeed's ZeRO-Offload engine: reference and
+        EMA models, evaluation), which refuses backward and step."""
+        if self.optimizer is None and self.zero_stage != 3:
             raise DsrunConfigError(
                 f"ZeRO stage {self.zero_stage} needs an optimizer: add an \"optimizer\" "
                 f"section to {self.config.source} or pass optimizer= to initialize()")
@@ -319,6 +337,8 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
 
     def _backward(self, loss: torch.Tensor, retain_graph: bool, scale_wrt_gas: bool
                   ) -> torch.Tensor:
+        if self._partition_only:
+            raise DsrunError(f"engine.backward(): {NO_OPTIMIZER}")
         self.progress.record_loss(loss)
         self.monitor.record_loss(loss)
         scaled = loss
@@ -359,6 +379,8 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
         self.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs: Optional[dict[str, Any]]) -> None:
+        if self._partition_only:
+            raise DsrunError(f"engine.step(): {NO_OPTIMIZER}")
         if self.optimizer is None:
             raise DsrunConfigError("engine.step() needs an optimizer: add an \"optimizer\" "
                                    "section to the config or pass optimizer= to initialize()")
@@ -385,6 +407,11 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
         extra = f"loss_scale={self.precision.loss_scale:g}" if self.precision.scaler is not None \
             else None
         self.progress.step(self.global_steps, self.skipped_steps, self.get_lr(), extra)
+
+    @property
+    def _partition_only(self) -> bool:
+        """Stage 3 built without an optimizer (:meth:`_make_zero_optimizer`)."""
+        return bool(getattr(self.optimizer, "partition_only", False))
 
     def _apply_step(self) -> StepResult:
         """Clip, check and apply the optimizer step (a pipeline engine takes
@@ -586,10 +613,6 @@ def _check_prepartitioned(module: torch.nn.Module, config: DsrunConfig) -> None:
                                "in another dtype: build it under "
                                "dsrun.zero.Init(dtype=torch.float16)")
 
-
-def _trainable(source: Iterable[Any]) -> list[Any]:
-    """model_parameters without frozen tensors (param-group dicts pass through)."""
-    return [p for p in source if isinstance(p, dict) or getattr(p, "requires_grad", True)]
 
 
 DeepSpeedEngine = DsrunEngine  # DeepSpeed's name: from deepspeed.runtime.engine import ...

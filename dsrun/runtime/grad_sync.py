@@ -24,6 +24,15 @@ gets there the way torch DDP's reducer does:
   backwards, or zeros if it has none (as DeepSpeed) - every handle is waited on, and each
   parameter's ``.grad`` becomes a view of its slot (no copy back) - or is
   copied from it when the communication dtype differs from the gradient's.
+  A parameter frozen since (``requires_grad`` False) that got no gradient
+  keeps ``.grad`` None (its zeros still fill the slot, so every rank
+  reduces the same buckets): the optimizer does not step it, as in torch
+  and DeepSpeed.
+* **Late** parameters (``late``: frozen when the buckets were laid out,
+  in the optimizer all the same) have no bucket: once one is trainable,
+  its gradient (zeros where a rank has none) is all-reduced after the
+  buckets, one flat tensor per dtype, in module order - so unfreezing
+  one trains it on every rank alike, with no gradient memory before then.
 
 Hooks act only between :meth:`GradSync.arm` and :meth:`GradSync.finish`;
 backward passes outside (gradient accumulation micro-steps, ``no_sync()``,
@@ -103,11 +112,13 @@ class GradSync:
     def __init__(self, params: Sequence[torch.nn.Parameter], *, group: Any = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  comm_dtype: Optional[torch.dtype] = None, predivide: float = 0.0,
-                 names: Optional[Sequence[str]] = None) -> None:
+                 names: Optional[Sequence[str]] = None,
+                 late: Sequence[torch.nn.Parameter] = ()) -> None:
         """``predivide``: divide by this before the reduction and by
         ``world_size / predivide`` after (DeepSpeed's gradient_predivide_factor);
         0 means divide by the world size before, as DDP does."""
         self.params = list(params)
+        self.late = list(late)
         self.names = list(names) if names is not None else [str(i) for i in range(len(params))]
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -213,7 +224,29 @@ class GradSync:
             if self.post_scale != 1.0:
                 bucket.buffer.mul_(self.post_scale)
             for index in bucket.indices:
-                self._hand_back(index)
+                param = self.params[index]
+                if param.grad is not None or param.requires_grad:
+                    self._hand_back(index)  # else frozen since: no gradient, no step
+        self._reduce_late()
+
+    def _reduce_late(self) -> None:
+        """All-reduce the gradients of the late parameters trainable now
+        (module docstring), one flat tensor per dtype."""
+        live = [p for p in self.late if p.requires_grad]
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for p in live:
+            by_dtype.setdefault(self._dtype(p), []).append(p)
+        for dtype, params in by_dtype.items():
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
+                              .reshape(-1).to(dtype) for p in params])
+            flat.mul_(self.pre_scale)
+            collectives.all_reduce(flat, group=self.group)
+            if self.post_scale != 1.0:
+                flat.mul_(self.post_scale)
+            offset = 0
+            for p in params:
+                p.grad = flat[offset:offset + p.numel()].view_as(p).to(p.dtype)
+                offset += p.numel()
 
     def _hand_back(self, index: int) -> None:
         param = self.params[index]

@@ -92,8 +92,22 @@ class FullPrecision:
         return loss
 
     def optimizer_params(self, source: Iterable[Any]) -> list[Any]:
-        """What to build an optimizer over, given the client's model_parameters."""
+        """What to build an optimizer over, given the client's model_parameters
+        (frozen ones too, as torch's optimizers take them: they train once
+        unfrozen at stage 0; the ZeRO stages leave out what is frozen at
+        initialize())."""
         return list(source)
+
+    def track(self, module: torch.nn.Module, optimizer: Optimizer) -> None:
+        """Also cover (clipping, norms, gradient all-reduce) the parameters of
+        ``module`` in ``optimizer`` that were frozen when this was built."""
+        known = {id(p) for p in self.params}
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for name, param in module.named_parameters():
+            if id(param) in held and id(param) not in known:
+                known.add(id(param))
+                self.params.append(param)
+                self.names.append(name)
 
     def adopt(self, optimizer: Optimizer) -> None:
         """Prepare a client-built optimizer (nothing to do in fp32)."""
@@ -264,13 +278,18 @@ class FP16Master(FP16Scaling):
         self._master_of = {id(p): m for p, m in zip(self.params, self.masters)}
 
     def optimizer_params(self, source: Iterable[Any]) -> list[Any]:
+        """The masters of the trainable parameters (frozen ones have none)."""
         out: list[Any] = []
         for item in source:
             if isinstance(item, dict):
-                out.append({**item, "params": [self._master(p) for p in _as_list(item["params"])]})
-            else:
+                out.append({**item, "params": [self._master(p) for p in _as_list(item["params"])
+                                               if p.requires_grad]})
+            elif getattr(item, "requires_grad", True):
                 out.append(self._master(item))
         return out
+
+    def track(self, module: torch.nn.Module, optimizer: Optimizer) -> None:
+        """Nothing to add: the optimizer holds masters of trainable parameters only."""
 
     def _master(self, param: torch.Tensor) -> torch.Tensor:
         master = self._master_of.get(id(param))

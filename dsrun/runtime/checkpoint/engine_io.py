@@ -67,7 +67,13 @@ class Checkpointer:
         return self._coord
 
     def wait(self) -> Optional[str]:
-        """Join an asynchronous save in flight; its error message, or None."""
+        """Join an asynchronous save in flight; its error message, or None.
+
+        Only rank 0 commits a save (the rename, ``latest``), so when one was
+        in flight the ranks then agree: no rank goes on (reads ``latest``,
+        starts the next save) before rank 0 has committed. Every rank calls
+        this at the same points (save, load, ``wait_for_checkpoint``), and
+        every rank had the same saves in flight."""
         return self.saver.wait()
 
 
@@ -237,7 +243,8 @@ def load(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool =
     names = parameter_names(engine.module)
     layout = layout_of(engine)
     optimizer_states = bool(load_optimizer_states) and not load_module_only \
-        and engine.optimizer is not None
+        and engine.optimizer is not None \
+        and not getattr(engine.optimizer, "partition_only", False)  # stage 3 without one
     sources = layout.sources(names)
     request = LoadRequest(str(load_dir), None if tag is None else str(tag),
                           bool(load_module_strict), optimizer_states,

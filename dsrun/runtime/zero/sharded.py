@@ -283,7 +283,10 @@ class ZeroOptimizer(ShardedStateIO, MasterGradients):
             self._reduce_flat()
         self._landing.wait()  # under offload: the host now holds every gradient
         for g in range(len(self.masters)):
-            self._accumulator(g)
+            accumulator = self._accumulator(g)
+            if self._reducer is not None and self._fresh[g]:
+                # no backward since zero_grad: the kept buffer holds the last step's
+                accumulator.zero_()
         self._fresh = [False] * len(self.masters)
         self._reduced = True
 

@@ -28,8 +28,10 @@ optimizer class, and:
    (fp32/bf16 training; under ``offload_optimizer`` only with
    ``offload_param``, whose shards live in host memory too), else a
    separate fp32 copy; it sits in a param group with the client group's
-   hyperparameters. Frozen parameters are partitioned but have no master
-   and are never updated;
+   hyperparameters. Parameters in no param group (frozen ones, or
+   trainable ones the client left out, as DeepSpeed allows) are
+   partitioned but have no master and are never updated; the gradients
+   of trainable ones are dropped as autograd produces them;
 5. :meth:`step` runs the inner optimizer; an aliased master *is* the shards,
    otherwise one cast (or host -> device) copy per group writes the shards:
    the shard is the parameter's storage until the next forward gathers it.
@@ -58,6 +60,12 @@ Interface for the engine (same call order as
 The engine must not broadcast or move parameters itself (build the module on
 its device first; broadcast *buffers* only), and cannot defer gradient
 synchronisation (``no_sync``): reduction happens in every backward.
+
+**Without an optimizer** (``optimizer_cls`` None, no param groups:
+:meth:`ZeroStage3.partition_only`, DeepSpeed's ``DeepSpeedZeRoOffload``
+for reference and EMA models and evaluation) the parameters are
+partitioned and gathered around each forward exactly as above, there is
+no master and :meth:`step` raises.
 
 **World size 1** (without ``offload_param``) collapses to plain training
 with nothing per parameter in the step: every parameter persists and is a
@@ -109,6 +117,8 @@ from dsrun.runtime.zero.partitioned import (
 from dsrun.runtime.zero.reduce3 import ShardGradReducer
 from dsrun.runtime.zero.stage3_plan import MasterLayout
 from dsrun.runtime.zero.stage3_setup import (
+    NO_OPTIMIZER,
+    NoOptimizer,
     check_membership,
     flatten_shards,
     partition_for_optimizer,
@@ -123,11 +133,15 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
     stage = 3
 
     def __init__(self, module: torch.nn.Module, params: Optional[Iterable[Any]],
-                 optimizer_cls: type[Optimizer], defaults: Optional[Mapping[str, Any]] = None,
+                 optimizer_cls: Optional[type[Optimizer]],
+                 defaults: Optional[Mapping[str, Any]] = None,
                  *, group: Any = None, settings: Optional[Stage3Settings] = None,
                  device: Optional[torch.device] = None,
                  leaf_module: Optional[Mapping[str, Any]] = None) -> None:
-        _check_optimizer_cls(optimizer_cls, 3)
+        #: no optimizer: partition and gather only (module docstring)
+        self.partition_only = optimizer_cls is None
+        if optimizer_cls is not None:
+            _check_optimizer_cls(optimizer_cls, 3)
         if not dist.is_initialized():
             raise DsrunError("ZeRO stage 3 needs torch.distributed: call "
                              "dsrun.init_distributed() first")
@@ -138,9 +152,9 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
         self._own_guard = self.settings.guard is not None
         self.guard: DivergenceGuard = (DivergenceGuard(group, self.settings.guard)
                                        if self._own_guard else shared_guard(group))
-        if params is None:
+        if params is None and not self.partition_only:
             params = [p for p in module.parameters() if p.requires_grad]
-        groups = _normalise_groups(params)
+        groups = [] if self.partition_only else _normalise_groups(params or [])
         self.param_groups_full = [list(g["params"]) for g in groups]
         # before the fetcher decides what it hooks; None: DeepSpeed's default classes
         apply_zero_leaf_module_config(module, leaf_module or {})
@@ -177,9 +191,11 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
         self._written: set[int] = set()
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         self._publishing = not all(self._aliased) and self.settings.offload_optimizer
-        self.optimizer: Optimizer = self._build_inner(
+        self.optimizer: Optimizer = NoOptimizer() if optimizer_cls is None else self._build_inner(
             optimizer_cls, hyper, _constructor_kwargs(optimizer_cls, defaults or {}),
             self.settings.sub_group_size, offload=self._publishing)
+        if optimizer_cls is None:
+            self._pieces, self.inner_impl = [], "none"
         self._landing = Landing()
         self._fence = HostFence()
         self._reduced = False
@@ -197,6 +213,16 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
         check_not_stepped(optimizer, "shards")
         return cls(module, [dict(g) for g in optimizer.param_groups], type(optimizer),
                    optimizer.defaults, group=group, settings=settings, device=device,
+                   leaf_module=leaf_module)
+
+    @classmethod
+    def partition_only(cls, module: torch.nn.Module, *, group: Any = None,
+                       settings: Optional[Stage3Settings] = None,
+                       device: Optional[torch.device] = None,
+                       leaf_module: Optional[Mapping[str, Any]] = None) -> ZeroStage3:
+        """Stage 3 without an optimizer (DeepSpeed's ``DeepSpeedZeRoOffload``):
+        partitioned parameters gathered for forward, nothing to train."""
+        return cls(module, None, None, group=group, settings=settings, device=device,
                    leaf_module=leaf_module)
 
     # ------------------------------------------------------------ set-up
@@ -261,6 +287,10 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
         self._leaf_ids = frozenset(p.ds_id for p in self.fetcher.leaf_params())
         self._hooks = [] if self._local else [
             p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
+        # trainable parameters in no param group: their gradients are not kept
+        self._drop_hooks = [p.register_post_accumulate_grad_hook(self._drop_grad)
+                            for p in self.managed_params()
+                            if p.requires_grad and p.ds_id not in self._slot]
         reload = weakref.WeakMethod(self._reload_master)
         for p in trainable:
             p._ds_on_modified = reload
@@ -274,6 +304,10 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
 
     def trainable_params(self) -> list[torch.Tensor]:
         return [p for ps in self.param_groups_full for p in ps if p.requires_grad]
+
+    def _slotted(self) -> list[torch.Tensor]:
+        """The parameters with a master slice (trainable at initialize())."""
+        return [p for ps in self.param_groups_full for p in ps if p.ds_id in self._slot]
 
     def managed_params(self) -> list[torch.Tensor]:
         """Every parameter of the module (all partitioned), each once; one
@@ -294,6 +328,13 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
         self.fetcher.begin_backward()
         if param.ds_id not in self._leaf_ids:  # a leaf's wait for the end of backward
             self.reducer.add(param)
+        self.fetcher.after_grad(param)
+
+    def _drop_grad(self, param: torch.Tensor) -> None:
+        """A parameter in no param group: nothing trains it (as in
+        DeepSpeed), so its full gradient goes at once."""
+        self.fetcher.begin_backward()
+        param.grad = None
         self.fetcher.after_grad(param)
 
     def _reduce_leaf_grads(self) -> None:
@@ -330,12 +371,14 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
 
     def _finish_round(self) -> None:
         """End of a backward: flush the reduction; in a step's first round,
-        zero the accumulator slices of parameters that got no gradient."""
+        zero the accumulator slices of parameters that got no gradient -
+        every parameter with a master slice, also one frozen since
+        initialize() (its slice would keep an earlier step's gradient)."""
         self._reduce_leaf_grads()
         self.reducer.finish()
         if not any(self._fresh):
             return
-        for p in self.trainable_params():
+        for p in self._slotted():
             if p.ds_id not in self._written and self._fresh[self._slot[p.ds_id][0]]:
                 self._accumulator(p).zero_()
         self._written.clear()
@@ -398,6 +441,8 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
         parameters' storage; whole (persistent) parameters are refreshed."""
         if closure is not None:
             raise DsrunError("ZeroStage3.step() takes no closure")
+        if self.partition_only:
+            raise DsrunError(NO_OPTIMIZER)
         params = self.managed_params()  # refuses a module added since initialize()
         self.reduce_gradients()
         self._fence.wait()  # the last host -> device copies read the masters
@@ -507,9 +552,9 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
 
     def close(self) -> None:
         """Remove every hook; parameters stay partitioned."""
-        for handle in self._hooks:
+        for handle in [*self._hooks, *self._drop_hooks]:
             handle.remove()
-        self._hooks = []
+        self._hooks, self._drop_hooks = [], []
         self.fetcher.close()
         self.reducer.reset()
         if self._own_guard:

@@ -1,15 +1,18 @@
 """Setting up a ZeRO stage-3 optimizer's parameters: which ones it owns,
 partitioning them with its settings, and its flat shard buffers.
 
-* :func:`check_membership` - every trainable parameter of the module in
-  exactly one param group, nothing from outside the module;
+* :func:`check_membership` - every parameter of the groups is one of the
+  module's, in one place only (trainable parameters in no group are
+  accepted and not trained, as in DeepSpeed);
 * :func:`partition_for_optimizer` - partition what ``zero.Init`` did not
   (rank 0's values, broadcast), check what it did (same group size), and
   apply the optimizer's persistence threshold (``offload_param`` makes
   parameters host-resident: fetched on demand even at world size 1);
 * :func:`flatten_shards` - a group's trainable shards as views of one flat
   buffer in master layout; at world size 1 without host residency the
-  whole parameters too (their data and shards are the same elements).
+  whole parameters too (their data and shards are the same elements);
+* :class:`NoOptimizer` - the inner optimizer of a stage 3 built without
+  one (partition only): no groups, no state, no step.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from dsrun.errors import DsrunConfigError
+from dsrun.errors import DsrunConfigError, DsrunError
 from dsrun.runtime.zero.comm import CommStrategy
 from dsrun.runtime.zero.divergence import DivergenceGuard
 from dsrun.runtime.zero.flat import flatten_into
@@ -32,11 +35,38 @@ from dsrun.runtime.zero.partitioned import (
 )
 from dsrun.runtime.zero.stage3_plan import is_persistent
 
+NO_OPTIMIZER = ("this ZeRO stage 3 engine has no optimizer (none in the config, none passed "
+                "to initialize()): it partitions the parameters for forward only, as "
+                "DeepSpeed's ZeRO-Offload engine; add an \"optimizer\" section or pass "
+                "optimizer= to train it")
+
+
+class NoOptimizer:
+    """The inner optimizer of a partition-only stage 3: nothing to step."""
+
+    def __init__(self) -> None:
+        self.param_groups: list[dict[str, Any]] = []
+        self.state: dict[Any, Any] = {}
+        self.defaults: dict[str, Any] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"state": {}, "param_groups": []}
+
+    def load_state_dict(self, state: Any) -> None:
+        """Nothing to restore."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """No gradients are kept."""
+
+    def step(self, closure: Any = None) -> None:
+        raise DsrunError(NO_OPTIMIZER)
+
 
 def check_membership(module: torch.nn.Module, groups: Sequence[Sequence[torch.Tensor]]
                      ) -> None:
-    """Raise unless the groups hold every trainable parameter of ``module``
-    once and nothing else."""
+    """Raise unless every parameter of the groups is one of ``module``'s, in
+    one place only. A trainable parameter in no group is accepted (DeepSpeed
+    does): it is partitioned and never updated."""
     owned = {id(p) for p in module.parameters()}
     seen: set[int] = set()
     for g, params in enumerate(groups):
@@ -48,10 +78,6 @@ def check_membership(module: torch.nn.Module, groups: Sequence[Sequence[torch.Te
                 raise DsrunConfigError(f"{where} is not a parameter of the module: ZeRO "
                                        "stage 3 partitions the module's parameters")
             seen.add(id(p))
-    for name, p in module.named_parameters():
-        if p.requires_grad and id(p) not in seen:
-            raise DsrunConfigError(f"trainable parameter {name!r} is in no param group: "
-                                   "freeze it (requires_grad_(False)) or add it")
 
 
 def partition_for_optimizer(module: torch.nn.Module, *, group: Any, world_size: int,

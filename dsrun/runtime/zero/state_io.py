@@ -228,11 +228,13 @@ class ShardedStateIO(MasterStateIO):
 
 
 class Stage3StateIO(MasterStateIO):
-    """Stage 3: every parameter's own shard; frozen ones without a master."""
+    """Stage 3: every parameter's own shard; those without a master (frozen
+    at initialize(), or in no param group) saved from their shards."""
 
     layouts: Any
     param_groups_full: list[list[torch.Tensor]]
     rank: int
+    _slot: dict[int, tuple[int, int]]
 
     def _name(self, names: Mapping[int, str], param: torch.Tensor) -> str:
         name = names.get(id(param))
@@ -259,16 +261,18 @@ class Stage3StateIO(MasterStateIO):
         return runs
 
     def _declared(self, names: Mapping[int, str]) -> dict[str, TensorInfo]:
-        """Every managed parameter: trainable ones with their group, frozen
-        ones (partitioned too, without a master) with none."""
+        """Every managed parameter: those with a master with their group, the
+        others (partitioned too) with none."""
         group_of = {id(p): g for g, ps in enumerate(self.param_groups_full) for p in ps
-                    if p.requires_grad}
+                    if p.ds_id in self._slot}
         return {self._name(names, p): TensorInfo(self._name(names, p), tuple(p.ds_shape),
                                                  p.ds_tensor.dtype, "param", group_of.get(id(p)))
                 for p in self.managed_params()}
 
     def _frozen(self) -> list[torch.Tensor]:
-        return [p for p in self.managed_params() if not p.requires_grad]
+        """The parameters without a master (by slot, not by the current
+        ``requires_grad``: one frozen since initialize() keeps its master)."""
+        return [p for p in self.managed_params() if p.ds_id not in self._slot]
 
     def _extra_fragments(self, names: Mapping[int, str]) -> list[Fragment]:
         """Frozen parameters' shards, in their own dtype."""

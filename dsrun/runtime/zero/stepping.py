@@ -46,19 +46,20 @@ DEEPSPEED_DEFAULT_PREFETCH = 50_000_000  # elements
 DEFAULT_PREFETCH = 12_500_000  # elements: 50 MB of fp32
 
 
-def wrap_optimizer(optimizer: torch.optim.Optimizer, zero_config: Any, stage: int,
+def wrap_optimizer(optimizer: Optional[torch.optim.Optimizer], zero_config: Any, stage: int,
                    group: Any, module: torch.nn.Module, accumulation: int = 1,
                    device: Optional[torch.device] = None,
                    loss_scaler: Optional[LossScaler] = None) -> Union[ZeroOptimizer, ZeroStage3]:
     """``accumulation`` 1: stage 1 also reduces during backward (overlapped).
     ``loss_scaler``: the precision's (fp16), which the optimizer's
-    ``cur_scale`` / ``loss_scale`` report."""
+    ``cur_scale`` / ``loss_scale`` report. ``optimizer`` None (stage 3
+    only): partition the module without training it."""
     wrapped = _wrap(optimizer, zero_config, stage, group, module, accumulation, device)
     wrapped.loss_scaler = loss_scaler
     return wrapped
 
 
-def _wrap(optimizer: torch.optim.Optimizer, zero_config: Any, stage: int, group: Any,
+def _wrap(optimizer: Optional[torch.optim.Optimizer], zero_config: Any, stage: int, group: Any,
           module: torch.nn.Module, accumulation: int, device: Optional[torch.device]
           ) -> Union[ZeroOptimizer, ZeroStage3]:
     overrides = {}
@@ -70,10 +71,14 @@ def _wrap(optimizer: torch.optim.Optimizer, zero_config: Any, stage: int, group:
     if stage == 3:
         if zero_config.prefetch_bucket_size == DEEPSPEED_DEFAULT_PREFETCH:
             overrides["prefetch_bucket_size"] = DEFAULT_PREFETCH
-        return ZeroStage3.from_optimizer(
-            module, optimizer, group=group, device=device,
-            settings=Stage3Settings.from_config(zero_config, **overrides),
-            leaf_module=zero_config.leaf_module)
+        settings3 = Stage3Settings.from_config(zero_config, **overrides)
+        if optimizer is None:
+            return ZeroStage3.partition_only(module, group=group, device=device,
+                                             settings=settings3,
+                                             leaf_module=zero_config.leaf_module)
+        return ZeroStage3.from_optimizer(module, optimizer, group=group, device=device,
+                                         settings=settings3, leaf_module=zero_config.leaf_module)
+    assert optimizer is not None, "stages 1-2 need an optimizer (the engine checks)"
     order = list(reversed([p for p in module.parameters() if p.requires_grad]))
     settings = ZeroSettings.from_config(zero_config, **overrides)
     return ZeroOptimizer.from_optimizer(optimizer, stage=stage, group=group,

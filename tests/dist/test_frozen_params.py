@@ -1,0 +1,85 @@
+"""Parameters frozen, unfrozen or left out of the param groups after or at
+initialize(), and stage 3 without an optimizer, on 2 gloo ranks through the
+engine (workers/frozen_cases.py runs every case in one job), as torch and
+DeepSpeed behave:
+
+* stage 3 without an optimizer partitions and gathers for forward (the
+  reference/EMA engines of RLHF, evaluation), saves and gathers whole
+  weights, and refuses backward and step; stages 1-2 refuse to start;
+* a parameter frozen after initialize() is not moved by SGD at any stage
+  (stage 3 used to apply its last gradient again every step), and at
+  stage 0 has no gradient; stages 1-2 apply nothing on a step with no
+  backward;
+* at stage 0 a parameter passed in model_parameters but frozen at
+  initialize() trains once unfrozen, alike on every rank;
+* a trainable parameter in no param group is accepted (stage 3 too) and
+  not trained;
+* empty param groups are dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.conftest import ROOT, rank_results
+
+pytestmark = pytest.mark.dist
+
+WORKER = ROOT / "tests" / "dist" / "workers" / "frozen_cases.py"
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("frozen")
+    return rank_results(WORKER, out, 2, timeout=180, env={"OMP_NUM_THREADS": "1"})
+
+
+def test_stage3_without_optimizer_partitions_and_gathers(job: list[dict[str, Any]]) -> None:
+    for result in job:
+        case = result["noopt"]
+        assert case["forward_diff"] < 1e-6
+        assert case["partitioned"]
+        assert case["gathered_diff"] == 0.0
+        assert "no optimizer" in case["backward"] and "no optimizer" in case["step"]
+        assert case["get_lr"] == []
+        assert "needs an optimizer" in case["stage1"] and "needs an optimizer" in case["stage2"]
+    rank0 = job[0]["noopt"]
+    assert rank0["state_dict_diff"] == 0.0 and rank0["saved_diff"] == 0.0
+    assert rank0["saved_keys"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+
+@pytest.mark.parametrize("stage", ["0", "1", "2", "3"])
+def test_parameter_frozen_after_initialize_does_not_move(job: list[dict[str, Any]],
+                                                         stage: str) -> None:
+    for result in job:
+        case = result["refreeze"][stage]
+        assert case["frozen_moved"] == 0.0
+        if stage in ("1", "2"):
+            assert case["no_backward_moved"] == 0.0
+
+
+def test_stage0_frozen_has_no_grad_and_unfrozen_trains(job: list[dict[str, Any]]) -> None:
+    for result in job:
+        case = result["stage0"]
+        assert case["frozen_grad_none"]
+        assert case["frozen_moved"] == 0.0
+        assert case["unfrozen_moved"] > 0.0
+    assert job[0]["stage0"]["unfrozen_value"] == job[1]["stage0"]["unfrozen_value"]
+
+
+@pytest.mark.parametrize("stage", ["0", "2", "3"])
+def test_trainable_parameter_in_no_group_is_not_trained(job: list[dict[str, Any]],
+                                                        stage: str) -> None:
+    for result in job:
+        case = result["unlisted"][stage]
+        assert case["unlisted_moved"] == 0.0
+        assert case["listed_moved"] > 0.0
+
+
+@pytest.mark.parametrize("stage", ["0", "3"])
+def test_empty_param_group_is_dropped(job: list[dict[str, Any]], stage: str) -> None:
+    for result in job:
+        case = result["empty_group"][stage]
+        assert case["groups"] == 2 and len(case["lrs"]) == 2
