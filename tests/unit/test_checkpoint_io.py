@@ -542,3 +542,24 @@ def test_to_fp32_into_a_new_directory_named_with_a_trailing_slash(
     assert out.is_dir() and [p.name for p in out.iterdir()] == [name]
     if not safetensors:
         assert torch.equal(torch.load(out / name)["a.weight"], tensors()["a.weight"].float())
+
+
+def test_to_fp32_cli_can_exclude_frozen_parameters(tmp_path: Path) -> None:
+    """``--exclude_frozen_parameters``, as the Python API and zero_to_fp32 have it."""
+    from click.testing import CliRunner
+
+    from dsrun.launcher.checkpoint_cli import checkpoint
+
+    class FrozenB(DictSource):
+        def _infos(self) -> dict[str, TensorInfo]:  # "b" in no param group: frozen
+            return {n: TensorInfo(n, tuple(t.shape), t.dtype, "param", None if n == "b" else 0)
+                    for n, t in self.tensors.items()}
+
+    save(tmp_path / "ckpt", FrozenB(tensors()))
+    for flags, keys in (([], ["a.weight", "b", "half"]),
+                        (["--exclude_frozen_parameters"], ["a.weight", "half"])):
+        out = tmp_path / f"out{len(flags)}.bin"
+        result = CliRunner().invoke(checkpoint, ["to-fp32", str(tmp_path / "ckpt"), str(out),
+                                                 *flags])
+        assert result.exit_code == 0, result.output
+        assert sorted(torch.load(out)) == keys
