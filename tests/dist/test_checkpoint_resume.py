@@ -132,6 +132,14 @@ def test_async_save_equals_a_sync_save_of_the_same_state(runs: dict[str, Any]) -
     assert (root / "first" / "manifest.json").exists()
 
 
+def test_every_rank_sees_an_async_save_committed_once_it_waited(runs: dict[str, Any]) -> None:
+    """load_checkpoint() without a tag right after an asynchronous save, and
+    wait_for_checkpoint(), wait for rank 0's commit on every rank."""
+    for seen in extra(runs, "async_then_latest"):
+        assert seen == {"ok": True, "after_wait": "first", "loaded": "second",
+                        "latest_after_wait": "third"}
+
+
 def test_a_full_disk_on_one_rank_during_an_async_save_fails_fast_naming_the_file(
         runs: dict[str, Any]) -> None:
     """Rank 1's background write hits ENOSPC (checkpoint.timeout is the

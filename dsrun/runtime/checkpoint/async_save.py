@@ -164,6 +164,10 @@ class AsyncSaver:
             self._staged.wait()
             self.stage_wait_s += time.perf_counter() - start
 
+    def pending(self) -> bool:
+        """A save was started and not waited for (running or finished)."""
+        return self._thread is not None
+
     def wait(self) -> Optional[str]:
         """Join the save in flight; its error (once), or None."""
         if self._thread is not None:

@@ -74,7 +74,11 @@ class Checkpointer:
         starts the next save) before rank 0 has committed. Every rank calls
         this at the same points (save, load, ``wait_for_checkpoint``), and
         every rank had the same saves in flight."""
-        return self.saver.wait()
+        in_flight = self.saver.pending()
+        error = self.saver.wait()
+        if in_flight:
+            self.coord.agree("waiting for the asynchronous save", {})
+        return error
 
 
 def checkpointer(engine: Any) -> Checkpointer:

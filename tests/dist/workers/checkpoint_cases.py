@@ -26,6 +26,7 @@ import dataclasses
 import errno
 import json
 import os
+import threading
 import time
 import traceback
 from typing import Any
@@ -35,6 +36,7 @@ import torch.distributed as dist
 
 import dsrun
 from dsrun.errors import CheckpointError
+from dsrun.runtime.checkpoint.settings import PausePoint
 
 FEATURES, HIDDEN, CLASSES = 12, 24, 5
 SAMPLES = 64
@@ -173,6 +175,35 @@ def async_vs_sync(args: argparse.Namespace) -> dict[str, Any]:
     train(engine, batches, 2)  # changes every parameter while the save may still be writing
     engine.destroy()  # waits for the save, raises its failure
     return {}
+
+
+def async_then_latest(args: argparse.Namespace) -> dict[str, Any]:
+    """An asynchronous save, then at once ``load_checkpoint`` without a tag
+    (and ``wait_for_checkpoint``): rank 0 is held before it writes
+    ``latest``, so a rank that read ``latest`` without waiting for rank 0's
+    commit would find the old tag."""
+    root = os.path.join(args.ckpt, "async_latest")
+    engine, loader = build(1, seed=0, checkpoint={"async": True})
+    batches = Batches(loader)
+    train(engine, batches, 1)
+    engine.save_checkpoint(root, tag="first")
+    engine.wait_for_checkpoint()
+    seen = {"after_wait": open(os.path.join(root, "latest")).read()}
+    ck = engine._checkpointer
+    release = os.path.join(args.ckpt, "async_latest_release")
+    if dist.get_rank() == 0:
+        ck.settings = dataclasses.replace(ck.settings, pause=PausePoint(
+            0, "latest", release=release, tag="second"))
+        threading.Timer(1.5, lambda: open(release, "w").close()).start()
+    train(engine, batches, 1)
+    engine.save_checkpoint(root, tag="second")
+    path, _ = engine.load_checkpoint(root)
+    seen["loaded"] = os.path.basename(path)
+    engine.save_checkpoint(root, tag="third")
+    engine.wait_for_checkpoint()
+    seen["latest_after_wait"] = open(os.path.join(root, "latest")).read()
+    engine.destroy()
+    return seen
 
 
 def consolidation(args: argparse.Namespace) -> dict[str, Any]:
@@ -330,6 +361,7 @@ def refused_on_one_rank(args: argparse.Namespace) -> dict[str, Any]:
 def extras(args: argparse.Namespace, out: dict[str, Any]) -> None:
     case(out, "tag_mismatch", tag_mismatch, args)
     case(out, "async_vs_sync", async_vs_sync, args)
+    case(out, "async_then_latest", async_then_latest, args)
     case(out, "consolidation", consolidation, args)
     case(out, "scalar_param", scalar_param, args)
     case(out, "unfreeze", unfreeze, args)
