@@ -144,6 +144,7 @@ class Rank:
         self.status: int | None = None  # as Popen.returncode, known before it is reaped
         self.exit_mono = 0.0  # time.monotonic() when the exit was seen
         self.settled = False  # its wait thread saw the exit and its output is read
+        self.shm_name = ""  # DeepSpeed's shared-memory all-reduce buffer, if it makes one
 
 
 class Agent:
@@ -300,6 +301,7 @@ class Agent:
         rank = Rank(spec["rank"], spec["local_rank"], popen, leader,
                     agent_vars["DSRUN_ERROR_FILE"], agent_vars[stackdump.STACK_FILE_VAR])
         rank.log = self._open_log(rank.rank)
+        rank.shm_name = deepspeed_shm_name(env, rank.rank)
         self.ranks.append(rank)
         self.emit({"ev": "started", "rank": rank.rank, "pid": popen.pid})
         return True
@@ -495,7 +497,27 @@ class Agent:
         if self.guard is not None:
             self.guard.done()
         remove_tmpdir(self.tmpdir)
+        for rank in self.ranks:
+            remove_own_shm(rank.shm_name)
         return killed
+
+
+def deepspeed_shm_name(env: dict[str, str], rank: int) -> str:
+    """The shared-memory segment DeepSpeed's CPU all-reduce creates for
+    ``rank`` when every rank is on one host (its ``shm.cpp``: uid, master
+    address and port, rank), and never removes: a job of dsrun's gets a new
+    port each time, so the agent removes it when the job's processes are gone."""
+    return (f"deepspeed_allreduce_buffer_{os.getuid()}_{env.get('MASTER_ADDR', '')}_"
+            f"{env.get('MASTER_PORT', '')}_{rank}")
+
+
+def remove_own_shm(name: str) -> None:
+    path = os.path.join("/dev/shm", name)
+    try:
+        if name and "/" not in name and os.stat(path).st_uid == os.getuid():
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def _status(info: os.waitid_result) -> int:

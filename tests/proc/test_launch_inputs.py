@@ -6,6 +6,7 @@ One rank, --dist_backend none: each test costs about one interpreter start.
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -220,3 +221,27 @@ def test_a_closed_pipe_stops_the_job_even_when_its_last_write_failed(tmp_path, p
         proc.wait()
     assert took < 15
     assert wait_gone([int((pid_dir / "rank").read_text())], 10) == []
+
+
+def test_deepspeeds_shared_memory_buffer_of_the_job_is_removed(tmp_path):
+    """Real DeepSpeed on CPU ranks of one host makes a /dev/shm segment per
+    rank named after the job's master port and never removes it; the agent
+    does, and leaves any other segment alone."""
+    other = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_1_0"
+    script = tmp_path / "shm.py"
+    script.write_text(
+        "import os\n"
+        "name = ('/dev/shm/deepspeed_allreduce_buffer_%d_%s_%s_%s' % (os.getuid(), "
+        "os.environ['MASTER_ADDR'], os.environ['MASTER_PORT'], os.environ['RANK']))\n"
+        "open(name, 'w').close()\n"
+        "print(name, flush=True)\n")
+    open(other, "w").close()
+    try:
+        res = run_dsrun(*ONE[:-2], "--dist_backend", "gloo", str(script))
+        assert res.returncode == 0, res.stderr
+        made = res.stdout.split()[-1]
+        assert made.startswith("/dev/shm/deepspeed_allreduce_buffer_")
+        assert not os.path.exists(made)
+        assert os.path.exists(other)
+    finally:
+        os.unlink(other)
