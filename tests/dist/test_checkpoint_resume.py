@@ -160,6 +160,15 @@ def test_a_full_disk_on_one_rank_during_an_async_save_fails_fast_naming_the_file
     assert json.loads(manifest.read_text())["tensors"]
 
 
+def test_a_failed_async_commit_on_rank_0_raises_on_every_rank(runs: dict[str, Any]) -> None:
+    """Rank 0's commit fails after rank 1's write succeeded: the agreement
+    that ends the wait carries the error, so wait_for_checkpoint raises it,
+    the same, on rank 1 too."""
+    rank0, rank1 = extra(runs, "async_commit_fails")
+    assert rank0["error_text"] is not None and "injected commit failure" in rank0["error_text"]
+    assert rank1["error_text"] == rank0["error_text"]
+
+
 def test_consolidation_equals_the_full_state_dict(runs: dict[str, Any], tmp_path: Path) -> None:
     from dsrun.runtime.checkpoint.consolidate import to_fp32
 

@@ -28,9 +28,9 @@ the file it names; a FIFO, device, socket or directory is refused), else a
 write that fails later (a full disk) removes its own temporary file (never
 another file) and raises one too.
 
-``exclude_frozen`` leaves out the parameters no optimizer param group
-updates (frozen ones; the checkpoint records which tensors each group has,
-not ``requires_grad``) and their tied names. Bad input - no checkpoint
+``exclude_frozen`` leaves out the parameters frozen when the checkpoint was
+saved (the manifest's ``frozen`` meta; in older checkpoints, the parameters
+in no optimizer param group) and their tied names. Bad input - no checkpoint
 directory, no ``latest`` and no tag, a missing, truncated or corrupt file -
 raises :class:`~dsrun.errors.CheckpointError` naming it.
 """
@@ -106,8 +106,15 @@ def _fp32(entry: TensorEntry, floating: torch.dtype = torch.float32) -> torch.dt
 
 
 def frozen_names(manifest: Manifest) -> set[str]:
-    """Parameters no optimizer param group updates, and their tied names."""
-    frozen = {n for n, e in manifest.tensors.items() if e.kind == "param" and e.group is None}
+    """Parameters frozen (``requires_grad`` False) when the checkpoint was
+    saved, as DeepSpeed decides, and their tied names. Checkpoints from
+    before the manifest recorded them: parameters in no param group."""
+    recorded = manifest.meta.get("frozen")
+    if recorded is not None:
+        frozen = set(recorded) & set(manifest.tensors)
+    else:
+        frozen = {n for n, e in manifest.tensors.items()
+                  if e.kind == "param" and e.group is None}
     return frozen | {alias for alias, target in manifest.aliases.items() if target in frozen}
 
 

@@ -35,7 +35,7 @@ import torch
 import dsrun
 from dsrun.errors import CheckpointError
 from dsrun.runtime.checkpoint.async_save import AsyncSaver
-from dsrun.runtime.checkpoint.coord import Coordinator
+from dsrun.runtime.checkpoint.coord import Coordinator, raise_first
 from dsrun.runtime.checkpoint.fragments import ExportedState, StateSource
 from dsrun.runtime.checkpoint.rank_state import (
     capture_rng,
@@ -66,19 +66,24 @@ class Checkpointer:
             self._coord = Coordinator(self.settings.timeout_s)
         return self._coord
 
-    def wait(self) -> Optional[str]:
-        """Join an asynchronous save in flight; its error message, or None.
+    def wait(self) -> None:
+        """Join an asynchronous save in flight; raise its failure on every rank.
 
         Only rank 0 commits a save (the rename, ``latest``), so when one was
-        in flight the ranks then agree: no rank goes on (reads ``latest``,
-        starts the next save) before rank 0 has committed. Every rank calls
-        this at the same points (save, load, ``wait_for_checkpoint``), and
-        every rank had the same saves in flight."""
+        in flight the ranks then agree, carrying each rank's error: no rank
+        goes on (reads ``latest``, starts the next save) before rank 0 has
+        committed, and a failure seen by one rank's thread (rank 0's commit,
+        rank 1's write) is raised, the same, on all of them. Every rank calls
+        this at the same points (save, load, ``wait_for_checkpoint``,
+        ``destroy``, ``save_16bit_model``), and every rank had the same saves
+        in flight."""
         in_flight = self.saver.pending()
         error = self.saver.wait()
         if in_flight:
-            self.coord.agree("waiting for the asynchronous save", {})
-        return error
+            seen = self.coord.agree("waiting for the asynchronous save", {"error": error})
+            raise_first([e["error"] for e in seen], "the asynchronous save")
+        elif error:
+            raise CheckpointError(error)
 
 
 def checkpointer(engine: Any) -> Checkpointer:
@@ -93,9 +98,8 @@ def checkpointer(engine: Any) -> Checkpointer:
 def wait(engine: Any) -> None:
     """Wait for an asynchronous save in flight and raise its failure."""
     found = getattr(engine, "_checkpointer", None)
-    error = found.wait() if found is not None else None
-    if error:
-        raise CheckpointError(error)
+    if found is not None:
+        found.wait()
 
 
 def _replica(engine: Any) -> tuple[int, int]:
@@ -123,7 +127,8 @@ def frozen_names(module: torch.nn.Module) -> list[str]:
 @dataclass(frozen=True)
 class SaveParts:
     """What a layout contributes to one save: this rank's exports, the
-    model-wide meta (``state_dict_keys``, ``excluded_frozen``, ...), the
+    model-wide meta (``state_dict_keys``, ``excluded_frozen``, ``frozen``:
+    the parameters frozen when saved, ...), the
     model's aliases and entries of this rank's record that replace the
     engine's (e.g. ``data``)."""
 
@@ -155,8 +160,8 @@ class CheckpointLayout:
         if excluded:
             exports = [without(e, set(excluded)) for e in exports]
         keys = [k for k in module.state_dict(keep_vars=True) if k not in excluded]
-        return SaveParts(exports, {"excluded_frozen": excluded, "state_dict_keys": keys},
-                         aliases(module))
+        return SaveParts(exports, {"excluded_frozen": excluded, "frozen": frozen_names(module),
+                                   "state_dict_keys": keys}, aliases(module))
 
     def load_aliases(self, coord: Coordinator) -> dict[str, str]:
         """The model's aliases; equal on every rank (the load compares with them)."""
@@ -201,7 +206,7 @@ def save(engine: Any, save_dir: str, tag: Any = None, client_state: Any = None,
          save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
     """``engine.save_checkpoint`` (DeepSpeed's signature; returns True)."""
     ck = checkpointer(engine)
-    previous = ck.wait()
+    ck.wait()
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
     if engine.micro_in_round():
         log.warning("save_checkpoint at micro-step %d, inside a gradient accumulation round: "
@@ -214,7 +219,7 @@ def save(engine: Any, save_dir: str, tag: Any = None, client_state: Any = None,
     request = SaveRequest(
         save_dir, tag, save_latest, _meta(engine, parts.meta), parts.aliases,
         _engine_state(engine, {} if client_state is None else client_state) if rank == 0
-        else None, {**extra, **parts.extra}, previous, ck.settings.fsync)
+        else None, {**extra, **parts.extra}, ck.settings.fsync)
     exports = parts.exports
     if not ck.settings.async_save:
         save_state(request, exports, ck.coord, ck.settings.pause)
@@ -243,16 +248,15 @@ def load(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool =
     if custom_load_fn is not None:
         raise CheckpointError("load_checkpoint(custom_load_fn=...) is not supported by dsrun")
     ck = checkpointer(engine)
-    previous = ck.wait()
+    ck.wait()
     names = parameter_names(engine.module)
     layout = layout_of(engine)
     optimizer_states = bool(load_optimizer_states) and not load_module_only \
-        and engine.optimizer is not None \
-        and not getattr(engine.optimizer, "partition_only", False)  # stage 3 without one
+        and engine.optimizer is not None and not engine._partition_only
     sources = layout.sources(names)
     request = LoadRequest(str(load_dir), None if tag is None else str(tag),
                           bool(load_module_strict), optimizer_states,
-                          layout.load_aliases(ck.coord), previous)
+                          layout.load_aliases(ck.coord))
     accumulating = engine.micro_in_round() != 0
     loaded = load_state(request, sources, names, ck.coord)
     if loaded is None:

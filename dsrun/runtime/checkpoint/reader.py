@@ -71,7 +71,6 @@ class LoadRequest:
     strict: bool = True
     optimizer_states: bool = True
     model_aliases: Mapping[str, str] = field(default_factory=dict)
-    previous_error: Optional[str] = None   # of an asynchronous save, raised on every rank
 
 
 @dataclass
@@ -340,9 +339,7 @@ def load_state(request: LoadRequest, sources: Sequence[StateSource], names: Mapp
     """A load (module docstring); None when there is nothing to load (no
     tag given and no ``latest``), as DeepSpeed. Every rank must call it."""
     tag, problem = _resolve(request)
-    everyone = coord.agree("engine.load_checkpoint()", {"tag": tag, "problem": problem,
-                                                         "previous": request.previous_error})
-    raise_failures([e["previous"] for e in everyone], "the previous asynchronous save")
+    everyone = coord.agree("engine.load_checkpoint()", {"tag": tag, "problem": problem})
     raise_failures([e["problem"] for e in everyone], "loading a checkpoint")
     check_same([e["tag"] for e in everyone], "the checkpoint tag to load")
     if tag is None:

@@ -55,7 +55,6 @@ from dsrun.runtime.checkpoint.coord import (
     check_same,
     first_failure,
     raise_failures,
-    raise_first,
 )
 from dsrun.runtime.checkpoint.fragments import ExportedState, Fragment
 from dsrun.runtime.checkpoint.info import size_texts
@@ -409,7 +408,6 @@ class SaveRequest:
     aliases: Mapping[str, str] = field(default_factory=dict)
     engine_state: Optional[Mapping[str, Any]] = None
     extra: Mapping[str, Any] = field(default_factory=dict)
-    previous_error: Optional[str] = None
     durable: bool = True   # fsync files and directories ("checkpoint": {"fsync": ...})
 
 
@@ -440,11 +438,10 @@ def begin_save(request: SaveRequest, exports: Sequence[ExportedState], coord: Co
     except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable client_state
         problem = f"{type(exc).__name__}: {exc}"
     mine = {"tag": str(request.tag), "save_latest": request.save_latest, "bytes": plan.bytes,
-            "free": free, "previous": request.previous_error, "problem": problem}
+            "free": free, "problem": problem}
     everyone = coord.agree("engine.save_checkpoint()", mine)
     check_same([e["tag"] for e in everyone], "the checkpoint tag")
     check_same([e["save_latest"] for e in everyone], "save_latest")
-    raise_first([e["previous"] for e in everyone], "the previous asynchronous save")
     raise_failures([e["problem"] for e in everyone], f"saving checkpoint {request.tag!r}")
     total = sum(e["bytes"] for e in everyone)
     free = everyone[0]["free"]

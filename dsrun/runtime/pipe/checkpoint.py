@@ -171,7 +171,8 @@ class PipelineLayout(CheckpointLayout):
                                 if grid.is_first_stage else None}
         if grid.data_parallel_id == 0:  # one rank per stage tells the stage's names
             mine.update(keys=list(module.state_dict(keep_vars=True)), aliases=aliases(module),
-                        excluded=excluded, groups=_encoded_groups(exports))
+                        excluded=excluded, frozen=frozen_names(module),
+                        groups=_encoded_groups(exports))
         everyone = self._everyone(coord, "engine.save_checkpoint()", mine)
         stages = [everyone[grid.stage_to_global(s, data=0)] for s in range(grid.stages)]
         difference = group_difference([s["groups"] for s in stages])
@@ -189,6 +190,7 @@ class PipelineLayout(CheckpointLayout):
         for stage in stages:
             merged_aliases.update(stage["aliases"])
         meta = {"excluded_frozen": left_out,
+                "frozen": sorted({n for s in stages for n in s["frozen"]}),
                 "state_dict_keys": [k for k in merge_state_dict_keys(per_stage)
                                     if k not in left_out],
                 "pipeline": {"stages": grid.stages, "replicas": grid.topology().replicas,

@@ -62,7 +62,7 @@ its device first; broadcast *buffers* only), and cannot defer gradient
 synchronisation (``no_sync``): reduction happens in every backward.
 
 **Without an optimizer** (``optimizer_cls`` None, no param groups:
-:meth:`ZeroStage3.partition_only`, DeepSpeed's ``DeepSpeedZeRoOffload``
+:meth:`ZeroStage3.without_optimizer`, DeepSpeed's ``DeepSpeedZeRoOffload``
 for reference and EMA models and evaluation) the parameters are
 partitioned and gathered around each forward exactly as above, there is
 no master and :meth:`step` raises.
@@ -216,10 +216,10 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
                    leaf_module=leaf_module)
 
     @classmethod
-    def partition_only(cls, module: torch.nn.Module, *, group: Any = None,
-                       settings: Optional[Stage3Settings] = None,
-                       device: Optional[torch.device] = None,
-                       leaf_module: Optional[Mapping[str, Any]] = None) -> ZeroStage3:
+    def without_optimizer(cls, module: torch.nn.Module, *, group: Any = None,
+                          settings: Optional[Stage3Settings] = None,
+                          device: Optional[torch.device] = None,
+                          leaf_module: Optional[Mapping[str, Any]] = None) -> ZeroStage3:
         """Stage 3 without an optimizer (DeepSpeed's ``DeepSpeedZeRoOffload``):
         partitioned parameters gathered for forward, nothing to train."""
         return cls(module, None, None, group=group, settings=settings, device=device,

@@ -73,9 +73,9 @@ def _wrap(optimizer: Optional[torch.optim.Optimizer], zero_config: Any, stage: i
             overrides["prefetch_bucket_size"] = DEFAULT_PREFETCH
         settings3 = Stage3Settings.from_config(zero_config, **overrides)
         if optimizer is None:
-            return ZeroStage3.partition_only(module, group=group, device=device,
-                                             settings=settings3,
-                                             leaf_module=zero_config.leaf_module)
+            return ZeroStage3.without_optimizer(module, group=group, device=device,
+                                                settings=settings3,
+                                                leaf_module=zero_config.leaf_module)
         return ZeroStage3.from_optimizer(module, optimizer, group=group, device=device,
                                          settings=settings3, leaf_module=zero_config.leaf_module)
     assert optimizer is not None, "stages 1-2 need an optimizer (the engine checks)"

@@ -268,6 +268,35 @@ def async_disk_full(args: argparse.Namespace) -> dict[str, Any]:
             "latest": open(os.path.join(root, "latest")).read()}
 
 
+def async_commit_fails(args: argparse.Namespace) -> dict[str, Any]:
+    """An asynchronous save whose commit (rank 0 alone renames TAG.tmp/)
+    fails after rank 1's write succeeded: ``wait_for_checkpoint`` must raise
+    rank 0's error on rank 1 too."""
+    from dsrun.runtime.checkpoint import writer
+
+    root = os.path.join(args.ckpt, "async_commit")
+    engine, loader = build(1, seed=0, checkpoint={"async": True})
+    train(engine, Batches(loader), 1)
+    real = writer.replace_dir
+
+    def broken(tmp: str, final: str) -> None:
+        raise OSError(errno.EIO, "injected commit failure")
+
+    if dist.get_rank() == 0:
+        writer.replace_dir = broken
+    text = None
+    try:
+        engine.save_checkpoint(root, tag="bad")
+        engine.wait_for_checkpoint()
+    except CheckpointError as exc:
+        text = str(exc)
+    finally:
+        writer.replace_dir = real
+    dist.barrier()
+    engine.destroy()
+    return {"error_text": text}
+
+
 class Scaled(Net):
     """Net times a learned 0-d scale."""
 
@@ -367,6 +396,7 @@ def extras(args: argparse.Namespace, out: dict[str, Any]) -> None:
     case(out, "unfreeze", unfreeze, args)
     case(out, "refused_on_one_rank", refused_on_one_rank, args)
     case(out, "async_disk_full", async_disk_full, args)
+    case(out, "async_commit_fails", async_commit_fails, args)
     case(out, "only_rank0", only_rank0, args)  # last: the coordinator is unusable after it
 
 

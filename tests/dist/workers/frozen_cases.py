@@ -16,6 +16,10 @@ tests/dist/test_frozen_params.py judges.
 * **unlisted**: at stage 3 a trainable parameter in no param group is
   accepted, used in forward and backward, and not trained.
 * **empty_group**: a param group without parameters is dropped.
+* **saved**: checkpoints of those states save, load back into an engine
+  built alike, and consolidate (``exclude_frozen_parameters``) without the
+  parameters frozen when saved; an AdamW checkpoint loads into a stage-3
+  engine without an optimizer.
 
 Usage: ``dsrun --num_gpus 2 frozen_cases.py OUT_DIR``.
 """
@@ -166,13 +170,15 @@ def unlisted_case(stage: int) -> dict[str, Any]:
                                       config=config(stage))
     head = engine.module[2].weight
     before_head, before_first = full(engine, head), full(engine, engine.module[0].weight)
+    grad_none = []
     for s in range(3):
         engine.backward(engine(data(s)).pow(2).mean())
+        grad_none.append(head.grad is None)  # right after backward: no full gradient kept
         engine.step()
     return {"unlisted_moved": (full(engine, head) - before_head).abs().max().item(),
             "listed_moved": (full(engine, engine.module[0].weight)
                              - before_first).abs().max().item(),
-            "unlisted_grad_none": head.grad is None}
+            "unlisted_grad_none": all(grad_none)}
 
 
 def empty_group_case(stage: int) -> dict[str, Any]:
@@ -184,6 +190,44 @@ def empty_group_case(stage: int) -> dict[str, Any]:
     engine.backward(engine(data(0)).pow(2).mean())
     engine.step()
     return {"lrs": engine.get_lr(), "groups": len(optimizer.param_groups)}
+
+
+def built(stage: int, how: str) -> tuple[Any, torch.nn.Sequential]:
+    """An engine in state ``how`` after two steps (none without an optimizer)."""
+    m = model()
+    if how == "frozen_init":  # frozen throughout, yet passed in model_parameters
+        m[0].weight.requires_grad_(False)
+    groups: Any = [{"params": list(m[0].parameters())}] if how == "unlisted" else m.parameters()
+    optimizer = None if how == "noopt" else "AdamW" if how == "adamw" else "SGD"
+    engine, *_ = deepspeed.initialize(model=m, model_parameters=groups,
+                                      config=config(stage, optimizer))
+    if how == "refreeze":
+        engine.module[0].weight.requires_grad_(False)
+    for s in range(2 if optimizer else 0):
+        engine.backward(engine(data(s)).pow(2).mean())
+        engine.step()
+    return engine, m
+
+
+def saved_case(out_dir: Path, stage: int, how: str, into: str = "") -> dict[str, Any]:
+    """Save in state ``how``, load into an engine built as ``into`` (default
+    alike), compare the full weights; rank 0 consolidates without frozen ones."""
+    from dsrun.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    root = str(out_dir / f"saved_{how}_{stage}_{into}")
+    engine, _ = built(stage, how)
+    engine.save_checkpoint(root, tag="t")
+    want = {n: full(engine, p) for n, p in engine.module.named_parameters()}
+    dist.barrier()
+    kept: list[str] = []
+    if dist.get_rank() == 0:
+        kept = sorted(get_fp32_state_dict_from_zero_checkpoint(
+            root, tag="t", exclude_frozen_parameters=True))
+    other, _ = built(stage, into or how)
+    path, _ = other.load_checkpoint(root, tag="t")
+    got = {n: full(other, p) for n, p in other.module.named_parameters()}
+    return {"loaded": path is not None, "kept": kept,
+            "diff": max((got[n] - want[n]).abs().max().item() for n in want)}
 
 
 def guarded(case: Any, *args: Any) -> dict[str, Any]:
@@ -204,6 +248,11 @@ def main() -> None:
         "stage0": guarded(stage0_case),
         "unlisted": {str(stage): guarded(unlisted_case, stage) for stage in (0, 2, 3)},
         "empty_group": {str(stage): guarded(empty_group_case, stage) for stage in (0, 3)},
+        "saved": {f"{how}{stage}": guarded(saved_case, out_dir, stage, how)
+                  for how, stages in (("frozen_init", (0, 1, 2, 3)), ("refreeze", (1, 2, 3)),
+                                      ("unlisted", (3,)), ("noopt", (3,)))
+                  for stage in stages},
+        "adamw_into_noopt": guarded(saved_case, out_dir, 3, "adamw", "noopt"),
     }
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 
