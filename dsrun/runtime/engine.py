@@ -106,6 +106,20 @@ def bucket_elements(config: DsrunConfig) -> Optional[int]:
     return None if size == DEEPSPEED_DEFAULT_BUCKET else size
 
 
+def _check_droppable(optimizer: Optimizer, client: Any, scheduler: Any) -> None:
+    """Empty param groups are dropped (as DeepSpeed does); a client LR
+    scheduler already built over the client's optimizer counts its groups
+    (torch's LambdaLR would fail at its first step), so refuse that at once."""
+    empty = [i for i, g in enumerate(optimizer.param_groups) if not len(g["params"])]
+    if empty and optimizer is client and hasattr(scheduler, "step") \
+            and getattr(scheduler, "optimizer", None) is client:
+        raise DsrunConfigError(
+            f"param group(s) {', '.join(map(str, empty))} of the optimizer passed to "
+            "initialize() have no parameters: dsrun drops empty param groups (as DeepSpeed "
+            "does), which breaks the lr_scheduler built over that optimizer; remove the empty "
+            "groups before building the scheduler, or pass lr_scheduler as a callable that "
+            "takes the optimizer")
+
 class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
     """Wraps the client model for data-parallel training (module docstring).
 
@@ -229,6 +243,7 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
         built = self._build_optimizer(client, model_parameters)
         if built is not None:
             # DeepSpeed drops param groups without parameters (get_lr() has none for them)
+            _check_droppable(built, client, self.client_lr_scheduler)
             built.param_groups[:] = [g for g in built.param_groups if len(g["params"])]
             if self.zero_stage == 0:
                 # frozen parameters in the optimizer: they train once unfrozen, as with torch

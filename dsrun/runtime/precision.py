@@ -272,30 +272,43 @@ class FP16Master(FP16Scaling):
     """fp16 model, fp32 master weights, dynamic or static loss scale."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
-                 device: torch.device, config: DsrunConfig) -> None:
+                 device: torch.device, config: DsrunConfig,
+                 frozen: Sequence[tuple[str, torch.nn.Parameter]] = ()) -> None:
         super().__init__(params, names, device, config)
         self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
         self._master_of = {id(p): m for p, m in zip(self.params, self.masters)}
+        #: the module's parameters frozen at initialize(): a master only when
+        #: handed to the optimizer (they train once unfrozen, as DeepSpeed's
+        #: fp16 optimizer flattens every parameter of its groups)
+        self._frozen = {id(p): (n, p) for n, p in frozen}
 
     def optimizer_params(self, source: Iterable[Any]) -> list[Any]:
-        """The masters of the trainable parameters (frozen ones have none)."""
+        """The masters of the parameters handed over (frozen ones too: they
+        train once unfrozen, as in fp32)."""
         out: list[Any] = []
         for item in source:
             if isinstance(item, dict):
-                out.append({**item, "params": [self._master(p) for p in _as_list(item["params"])
-                                               if p.requires_grad]})
-            elif getattr(item, "requires_grad", True):
+                out.append({**item, "params": [self._master(p)
+                                               for p in _as_list(item["params"])]})
+            else:
                 out.append(self._master(item))
         return out
 
     def track(self, module: torch.nn.Module, optimizer: Optimizer) -> None:
-        """Nothing to add: the optimizer holds masters of trainable parameters only."""
+        """Nothing to add: :meth:`_master` covered each parameter it gave a master."""
 
     def _master(self, param: torch.Tensor) -> torch.Tensor:
         master = self._master_of.get(id(param))
+        if master is None and id(param) in self._frozen:
+            name, _ = self._frozen.pop(id(param))
+            master = torch.nn.Parameter(param.detach().float().clone())
+            self.params.append(param)  # clipping, norms, gradient all-reduce, copy-back
+            self.names.append(name)
+            self.masters.append(master)
+            self._master_of[id(param)] = master
         if master is None:
             raise DsrunConfigError("with fp16 enabled, the optimizer's parameters must be "
-                                   "trainable parameters of the model passed to initialize()")
+                                   "parameters of the model passed to initialize()")
         return master
 
     def optimizer_tensor(self, param: torch.Tensor) -> torch.Tensor:
@@ -364,8 +377,11 @@ def make_precision(config: DsrunConfig, module: torch.nn.Module,
         FP16Master.convert_module(module)
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     names, params = [n for n, _ in named], [p for _, p in named]
+    if config.fp16.enabled and masters:
+        frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+        return FP16Master(params, names, device, config, frozen)
     if config.fp16.enabled:
-        return (FP16Master if masters else FP16Scaling)(params, names, device, config)
+        return FP16Scaling(params, names, device, config)
     if config.bf16.enabled:
         return BF16Autocast(params, names, device)
     autocast = config.torch_autocast

@@ -14,7 +14,8 @@ DeepSpeed behave:
   initialize() trains once unfrozen, alike on every rank;
 * a trainable parameter in no param group is accepted (stage 3 too) and
   not trained;
-* empty param groups are dropped;
+* empty param groups are dropped (refused under a client LR scheduler
+  built over the client optimizer, which counts its groups);
 * checkpoints of these states save and load back, and consolidation with
   exclude_frozen_parameters leaves out what was frozen when saved.
 """
@@ -68,6 +69,7 @@ def test_stage0_frozen_has_no_grad_and_unfrozen_trains(job: list[dict[str, Any]]
         assert case["frozen_grad_none"]
         assert case["frozen_moved"] == 0.0
         assert case["unfrozen_moved"] > 0.0
+        assert case["fp16_unfrozen_moved"] > 0.0
     assert job[0]["stage0"]["unfrozen_value"] == job[1]["stage0"]["unfrozen_value"]
 
 
@@ -87,6 +89,12 @@ def test_empty_param_group_is_dropped(job: list[dict[str, Any]], stage: str) -> 
     for result in job:
         case = result["empty_group"][stage]
         assert case["groups"] == 2 and len(case["lrs"]) == 2
+
+
+
+def test_empty_group_under_a_client_scheduler_is_refused(job: list[dict[str, Any]]) -> None:
+    for result in job:
+        assert "param group(s) 1 of the optimizer" in result["empty_group_scheduler"]
 
 
 KEYS = ["0.bias", "0.weight", "2.bias", "2.weight"]

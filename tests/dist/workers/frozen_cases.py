@@ -12,10 +12,11 @@ tests/dist/test_frozen_params.py judges.
   backward since the last one moves nothing either.
 * **stage0**: a parameter frozen after initialize() has no gradient after
   backward; one frozen at initialize() but passed in model_parameters
-  trains once unfrozen, alike on both ranks.
+  trains once unfrozen, alike on both ranks (with fp16 masters too).
 * **unlisted**: at stage 3 a trainable parameter in no param group is
   accepted, used in forward and backward, and not trained.
-* **empty_group**: a param group without parameters is dropped.
+* **empty_group**: a param group without parameters is dropped; a client
+  LR scheduler built over the client optimizer with one is refused.
 * **saved**: checkpoints of those states save, load back into an engine
   built alike, and consolidate (``exclude_frozen_parameters``) without the
   parameters frozen when saved; an AdamW checkpoint loads into a stage-3
@@ -160,7 +161,25 @@ def stage0_case() -> dict[str, Any]:
         engine.step()
     out["unfrozen_moved"] = (late - initial).abs().max().item()
     out["unfrozen_value"] = late.detach().flatten().tolist()
+    out["fp16_unfrozen_moved"] = fp16_unfrozen_moved()
     return out
+
+
+def fp16_unfrozen_moved() -> float:
+    """fp16 (fp32 masters) at stage 0: a weight frozen at initialize() and
+    passed in model_parameters trains once unfrozen, as in fp32."""
+    m = model()
+    m[0].weight.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config={
+        **config(0), "fp16": {"enabled": True, "loss_scale": 128, "auto_cast": True}})
+    late = engine.module[0].weight
+    initial = late.detach().float().clone()
+    for s in range(3):
+        if s == 1:
+            late.requires_grad_(True)
+        engine.backward(engine(data(s)).float().pow(2).mean())
+        engine.step()
+    return (late.float() - initial).abs().max().item()
 
 
 def unlisted_case(stage: int) -> dict[str, Any]:
@@ -230,6 +249,17 @@ def saved_case(out_dir: Path, stage: int, how: str, into: str = "") -> dict[str,
             "diff": max((got[n] - want[n]).abs().max().item() for n in want)}
 
 
+def empty_group_scheduler_case() -> str:
+    """A client LR scheduler built over a client optimizer with an empty
+    param group: refused at initialize(), the group named."""
+    m = model()
+    client = torch.optim.SGD([{"params": list(m.parameters())}, {"params": [], "lr": 0.5}],
+                             lr=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(client, lambda step: 1.0)
+    return refused(lambda: deepspeed.initialize(model=m, optimizer=client,
+                                                lr_scheduler=schedule, config=config(0, None)))
+
+
 def guarded(case: Any, *args: Any) -> dict[str, Any]:
     """A case's facts, or the error it raised (each test then fails alone)."""
     try:
@@ -248,6 +278,7 @@ def main() -> None:
         "stage0": guarded(stage0_case),
         "unlisted": {str(stage): guarded(unlisted_case, stage) for stage in (0, 2, 3)},
         "empty_group": {str(stage): guarded(empty_group_case, stage) for stage in (0, 3)},
+        "empty_group_scheduler": guarded(empty_group_scheduler_case),
         "saved": {f"{how}{stage}": guarded(saved_case, out_dir, stage, how)
                   for how, stages in (("frozen_init", (0, 1, 2, 3)), ("refreeze", (1, 2, 3)),
                                       ("unlisted", (3,)), ("noopt", (3,)))
