@@ -201,6 +201,12 @@ def test_an_exited_rank_is_unreaped_until_teardown(pid_dir):
 
 
 
+def _up_line(event: dict) -> str | None:
+    """The first line of an ``out`` event starting with "up" (a batch may
+    hold more lines after it)."""
+    return next((line for line in event.get("lines", ()) if line.startswith("up")), None)
+
+
 def _start_agent(payload: dict, stderr: object = None
                  ) -> tuple[subprocess.Popen, list[dict]]:
     """A node agent fed ``payload``, and its events up to its rank's first
@@ -214,7 +220,7 @@ def _start_agent(payload: dict, stderr: object = None
         proc.stdin.flush()
         for line in proc.stdout:
             events.append(json.loads(line))
-            if str((events[-1].get("lines") or [""])[-1]).startswith("up"):
+            if _up_line(events[-1]) is not None:
                 break
     except BaseException:
         proc.kill()  # the agent stops its ranks when its input ends
@@ -294,7 +300,7 @@ def test_a_second_signal_to_the_agent_hurries_the_stop_without_a_traceback(tmp_p
     job: list[int] = []
     try:
         job = [next(e["pid"] for e in events if e.get("ev") == "started")]
-        job += [int(w) for w in events[-1]["lines"][-1].split()[1:]]
+        job += [int(w) for w in str(_up_line(events[-1])).split()[1:]]
         tmpdir = os.path.dirname(psutil.Process(job[0]).environ()["DSRUN_ERROR_FILE"])
         proc.send_signal(signal.SIGTERM)
         # stopping: the rank says it got SIGTERM; teardown: the rank's exit is
