@@ -378,7 +378,10 @@ class Stage3Param(ZeroParam):
 
 
 def _stage0(param: torch.Tensor, engine: Any) -> Optional[ParamState]:
-    if engine.optimizer is None:
+    # A frozen parameter is handed to the optimizer at stage 0 (it trains
+    # once unfrozen), but while frozen it has no trained state to answer
+    # for: None, as for a parameter frozen since initialize() at stages 1-3.
+    if engine.optimizer is None or not param.requires_grad:
         return None
     tensor = engine.precision.optimizer_tensor(param)
     stepped = any(t is tensor for g in engine.optimizer.param_groups for t in g["params"])
