@@ -177,17 +177,25 @@ def async_vs_sync(args: argparse.Namespace) -> dict[str, Any]:
     return {}
 
 
+def saved_async(args: argparse.Namespace, name: str, stage: int, tag: str
+                ) -> tuple[str, Any, Batches]:
+    """An asynchronous-saving engine at ``stage`` that trained one step and
+    saved ``tag`` under ``args.ckpt/name``, the save waited for."""
+    root = os.path.join(args.ckpt, name)
+    engine, loader = build(stage, seed=0, checkpoint={"async": True})
+    batches = Batches(loader)
+    train(engine, batches, 1)
+    engine.save_checkpoint(root, tag=tag)
+    engine.wait_for_checkpoint()
+    return root, engine, batches
+
+
 def async_then_latest(args: argparse.Namespace) -> dict[str, Any]:
     """An asynchronous save, then at once ``load_checkpoint`` without a tag
     (and ``wait_for_checkpoint``): rank 0 is held before it writes
     ``latest``, so a rank that read ``latest`` without waiting for rank 0's
     commit would find the old tag."""
-    root = os.path.join(args.ckpt, "async_latest")
-    engine, loader = build(1, seed=0, checkpoint={"async": True})
-    batches = Batches(loader)
-    train(engine, batches, 1)
-    engine.save_checkpoint(root, tag="first")
-    engine.wait_for_checkpoint()
+    root, engine, batches = saved_async(args, "async_latest", 1, "first")
     seen = {"after_wait": open(os.path.join(root, "latest")).read()}
     ck = engine._checkpointer
     release = os.path.join(args.ckpt, "async_latest_release")
@@ -239,12 +247,7 @@ def async_disk_full(args: argparse.Namespace) -> dict[str, Any]:
     error at once, on both ranks."""
     from dsrun.runtime.checkpoint import storage
 
-    root = os.path.join(args.ckpt, "async_full")
-    engine, loader = build(2, seed=0, checkpoint={"async": True})
-    batches = Batches(loader)
-    train(engine, batches, 1)
-    engine.save_checkpoint(root, tag="good")
-    engine.wait_for_checkpoint()
+    root, engine, batches = saved_async(args, "async_full", 2, "good")
     real = storage.write_all
 
     def full(fd: int, data: memoryview) -> None:
