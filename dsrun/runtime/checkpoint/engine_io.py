@@ -82,8 +82,9 @@ class Checkpointer:
         if in_flight:
             seen = self.coord.agree("waiting for the asynchronous save", {"error": error})
             raise_first([e["error"] for e in seen], "the asynchronous save")
-        elif error:
-            raise CheckpointError(error)
+        # with nothing in flight the saver has no error to give (start()
+        # resets it, wait() clears it with the thread)
+        assert in_flight or error is None, error
 
 
 def checkpointer(engine: Any) -> Checkpointer:
@@ -156,11 +157,12 @@ class CheckpointLayout:
                    coord: Coordinator) -> SaveParts:
         module = self.engine.module
         exports = [s.export_state(names) for s in self.sources(names)]
-        excluded = frozen_names(module) if exclude_frozen else []
+        frozen = frozen_names(module)
+        excluded = frozen if exclude_frozen else []
         if excluded:
             exports = [without(e, set(excluded)) for e in exports]
         keys = [k for k in module.state_dict(keep_vars=True) if k not in excluded]
-        return SaveParts(exports, {"excluded_frozen": excluded, "frozen": frozen_names(module),
+        return SaveParts(exports, {"excluded_frozen": excluded, "frozen": frozen,
                                    "state_dict_keys": keys}, aliases(module))
 
     def load_aliases(self, coord: Coordinator) -> dict[str, str]:

@@ -163,7 +163,8 @@ class PipelineLayout(CheckpointLayout):
         engine, grid = self.engine, self.engine.grid
         module = engine.module
         exports = [s.export_state(names) for s in self.sources(names)]
-        excluded = frozen_names(module) if exclude_frozen else []
+        frozen = frozen_names(module)
+        excluded = frozen if exclude_frozen else []
         if excluded:
             exports = [without(e, set(excluded)) for e in exports]
         mine: dict[str, Any] = {"data": loader_state(engine.training_dataloader,
@@ -171,7 +172,7 @@ class PipelineLayout(CheckpointLayout):
                                 if grid.is_first_stage else None}
         if grid.data_parallel_id == 0:  # one rank per stage tells the stage's names
             mine.update(keys=list(module.state_dict(keep_vars=True)), aliases=aliases(module),
-                        excluded=excluded, frozen=frozen_names(module),
+                        excluded=excluded, frozen=frozen,
                         groups=_encoded_groups(exports))
         everyone = self._everyone(coord, "engine.save_checkpoint()", mine)
         stages = [everyone[grid.stage_to_global(s, data=0)] for s in range(grid.stages)]
