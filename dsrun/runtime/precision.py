@@ -77,6 +77,10 @@ class FullPrecision:
         self.params = list(params)
         self.names = list(names)
         self.device = device
+        #: ids of the parameters trainable at initialize() (the stage-0
+        #: ``safe_get_*`` rule: a parameter frozen then and still frozen has
+        #: no trained state, as at stages 1-3)
+        self.trainable_at_start = frozenset(id(p) for p in self.params)
 
     @property
     def loss_scale(self) -> float:
@@ -120,6 +124,10 @@ class FullPrecision:
     def sync_from_optimizer(self, param: torch.Tensor) -> None:
         """After ``optimizer_tensor(param)`` was overwritten (a checkpoint
         load): make ``param`` follow it (nothing to do here)."""
+
+    def full_value(self, param: torch.Tensor) -> torch.Tensor:
+        """The value to save and report for ``param`` (its optimizer tensor)."""
+        return self.optimizer_tensor(param)
 
     def step(self, optimizer: Optimizer, max_norm: float) -> StepResult:
         norm = None
@@ -281,6 +289,10 @@ class FP16Master(FP16Scaling):
         #: handed to the optimizer (they train once unfrozen, as DeepSpeed's
         #: fp16 optimizer flattens every parameter of its groups)
         self._frozen = {id(p): (n, p) for n, p in frozen}
+        #: ids of the parameters seen frozen (at a step, or handed over
+        #: frozen): while frozen the fp16 parameter is the value (anything
+        #: may write it), so the master follows it when it trains again
+        self._stale: set[int] = set()
 
     def optimizer_params(self, source: Iterable[Any]) -> list[Any]:
         """The masters of the parameters handed over (frozen ones too: they
@@ -302,6 +314,7 @@ class FP16Master(FP16Scaling):
         if master is None and id(param) in self._frozen:
             name, _ = self._frozen.pop(id(param))
             master = torch.nn.Parameter(param.detach().float().clone())
+            self._stale.add(id(param))
             self.params.append(param)  # clipping, norms, gradient all-reduce, copy-back
             self.names.append(name)
             self.masters.append(master)
@@ -320,6 +333,14 @@ class FP16Master(FP16Scaling):
         if master is not None:
             param.copy_(master)
 
+    def full_value(self, param: torch.Tensor) -> torch.Tensor:
+        """The master of ``param``; for a parameter frozen now, the parameter
+        itself (upcast) where it was written since its master was made."""
+        master = self._master_of.get(id(param))
+        if master is None:
+            return param
+        return master if param.requires_grad else _following(param, master)
+
     def adopt(self, optimizer: Optimizer) -> None:
         """Point a client-built optimizer at the fp32 masters (DeepSpeed's FP16 wrapper)."""
         if optimizer.state:
@@ -328,10 +349,18 @@ class FP16Master(FP16Scaling):
         for group in optimizer.param_groups:
             group["params"] = [self._master(p) for p in group["params"]]
 
+    @torch.no_grad()
     def unscaled_grads(self) -> list[tuple[torch.nn.Parameter, Optional[torch.Tensor]]]:
-        """Each parameter with its master's gradient: its own, unscaled into fp32."""
+        """Each parameter with its master's gradient: its own, unscaled into
+        fp32. A parameter with a gradient again after being frozen first has
+        its master follow the value it holds."""
         inverse = 1.0 / self.scaler.scale
         for param, master in zip(self.params, self.masters):
+            if not param.requires_grad:
+                self._stale.add(id(param))
+            elif param.grad is not None and id(param) in self._stale:
+                self._stale.discard(id(param))
+                master.copy_(_following(param, master))
             master.grad = None if param.grad is None else param.grad.float().mul_(inverse)
         return [(param, master.grad) for param, master in zip(self.params, self.masters)]
 
@@ -339,10 +368,17 @@ class FP16Master(FP16Scaling):
         self.unscaled_grads()
         result = _scaled_step(self.scaler, optimizer, self.masters, max_norm)
         if result.applied:
-            with torch.no_grad():
-                for param, master in zip(self.params, self.masters):
-                    param.copy_(master)
+            self.copy_back()
         return result
+
+    @torch.no_grad()
+    def copy_back(self) -> None:
+        """After an applied step: the stepped masters (those with a gradient)
+        into their parameters. A master without one was not stepped (torch
+        optimizers skip it), and a frozen parameter keeps what it holds."""
+        for param, master in zip(self.params, self.masters):
+            if master.grad is not None:
+                param.copy_(master)
 
     def zero_grad(self) -> None:
         super().zero_grad()
@@ -363,6 +399,14 @@ def _scaled_step(scaler: LossScaler, optimizer: Optimizer, owners: Sequence[torc
         return StepResult(False, norm, overflow)
     optimizer.step()
     return StepResult(True, norm)
+
+
+def _following(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    """``master``, or ``param`` upcast where it no longer rounds to it (it was
+    written since): kept fp32 digits are not thrown away for nothing."""
+    if torch.equal(master.to(param.dtype), param):
+        return master
+    return param.detach().to(master.dtype)
 
 
 def _as_list(params: Any) -> list[Any]:

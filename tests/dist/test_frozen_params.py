@@ -69,8 +69,23 @@ def test_stage0_frozen_has_no_grad_and_unfrozen_trains(job: list[dict[str, Any]]
         assert case["frozen_grad_none"]
         assert case["frozen_moved"] == 0.0
         assert case["unfrozen_moved"] > 0.0
-        assert case["fp16_unfrozen_moved"] > 0.0
+        assert case["fp16_unfrozen"]["frozen_moved"] == 0.0
+        assert case["fp16_unfrozen"]["moved"] > 0.0
     assert job[0]["stage0"]["unfrozen_value"] == job[1]["stage0"]["unfrozen_value"]
+    assert job[0]["stage0"]["fp16_unfrozen"]["value"] == job[1]["stage0"]["fp16_unfrozen"]["value"]
+
+
+def test_fp16_stage0_frozen_weight_written_after_initialize_is_kept(
+        job: list[dict[str, Any]]) -> None:
+    """Its fp32 master, made at initialize(), neither overwrites it at a
+    step nor is what the checkpoint saves, and it trains from the written
+    value once unfrozen."""
+    for result in job:
+        case = result["fp16_edited"]
+        assert case.get("error") is None, case
+        assert case["after_step"] == 0.0
+        assert case["unfrozen_moved"] and case["unfrozen_from"] < 0.05, case
+    assert job[0]["fp16_edited"]["saved"] == 0.0
 
 
 @pytest.mark.parametrize("stage", ["0", "2", "3"])

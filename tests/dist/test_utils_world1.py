@@ -9,6 +9,8 @@
   truncated files) named as dsrun's consolidation names it.
 * log_dist without a process group and with one.
 * safe_get on a one-stage pipeline engine (ZeRO 0 and 1) against a plain model.
+* a parameter frozen after initialize() still answers at every stage; fp16
+  at stage 0 on a pipeline keeps a frozen weight written after initialize().
 """
 
 from __future__ import annotations
@@ -116,6 +118,34 @@ def test_none_and_errors(solo: None, stage: int) -> None:
             utils.safe_get_local_fp32_param(mid)
     with pytest.raises(DsrunError, match="ZeRO stage 3 parameters only.*no dsrun engine"):
         utils.safe_get_local_grad(stranger)
+    engine.destroy()
+
+
+@pytest.mark.parametrize("stage,fp16", [(0, False), (0, True), (1, False), (2, False),
+                                        (3, False)])
+def test_parameter_frozen_after_initialize_still_answers(solo: None, stage: int,
+                                                         fp16: bool) -> None:
+    """One rule at every stage: only a parameter frozen at initialize() and
+    still frozen answers None; one frozen later keeps its trained master
+    and optimizer state (under fp16 at stage 0 its value is then what the
+    fp16 parameter holds)."""
+    extra = {"fp16": {"enabled": True, "loss_scale": 128}} if fp16 else {}
+    engine = engine_for(stage, **extra)
+    mid = engine.module.mid.weight
+    train(engine)
+    value = utils.safe_get_full_fp32_param(mid)
+    mid.requires_grad_(False)
+    got = utils.safe_get_full_fp32_param(mid)
+    assert got is not None and torch.equal(got, value)
+    assert utils.safe_get_full_optimizer_state(mid, "exp_avg") is not None
+    new = torch.full((10, 10), 0.25)
+    if fp16:  # written while frozen: the parameter is the value
+        with torch.no_grad():
+            mid.fill_(0.25)
+    else:
+        utils.safe_set_full_fp32_param(mid, new)
+    assert torch.equal(utils.safe_get_full_fp32_param(mid), new)
+    assert utils.safe_get_full_fp32_param(engine.module.frozen) is None
     engine.destroy()
 
 
@@ -257,3 +287,27 @@ def test_safe_get_on_a_pipeline_engine(solo: None, stage: int) -> None:
                                    rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(utils.safe_get_full_optimizer_state(p, "exp_avg"),
                                    opt.state[ref]["exp_avg"], rtol=1e-5, atol=1e-7)
+
+
+def test_pipeline_fp16_keeps_a_frozen_weight_written_after_initialize(solo: None) -> None:
+    """fp16 at stage 0 on a pipeline: the step copies back only the stepped
+    masters, so 0.5 written into a frozen layer after initialize() stays."""
+    from dsrun.pipe import LayerSpec, PipelineModule
+
+    torch.manual_seed(0)
+    module = PipelineModule([LayerSpec(torch.nn.Linear, 6, 8), LayerSpec(torch.nn.Tanh),
+                             LayerSpec(torch.nn.Linear, 8, 2)], num_stages=1,
+                            loss_fn=lambda out, y: torch.nn.functional.mse_loss(out.float(), y))
+    engine, *_ = dsrun.initialize(model=module, config={
+        "train_micro_batch_size_per_gpu": 3, "steps_per_print": 1000,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "fp16": {"enabled": True, "loss_scale": 128, "auto_cast": True}})
+    first, last = list(engine.module.parameters())[0], list(engine.module.parameters())[-1]
+    first.requires_grad_(False)
+    with torch.no_grad():
+        first.fill_(0.5)
+    before = last.detach().clone()
+    gen = torch.Generator().manual_seed(5)
+    engine.train_batch(iter([(torch.randn(3, 6, generator=gen), torch.randn(3, 2, generator=gen))]))
+    assert not torch.equal(last.detach(), before)  # the step was applied
+    assert torch.equal(first.detach(), torch.full_like(first, 0.5))

@@ -109,12 +109,14 @@ class Stage0State:
     def export_state(self, names: Mapping[int, str]) -> ExportedState:
         fragments = []
         entries = self._entries(names)
-        for info, _, tensor in entries:
+        for info, param, tensor in entries:
             if info.numel == 0:
                 continue
             elementwise, scalars = split_state(self.optimizer.state.get(tensor, {}),
                                                tuple(tensor.shape), info.name)
-            fragments.append(Fragment(info.name, 0, info.numel, _flat(tensor), elementwise,
+            # a frozen fp16 parameter is its own value, not its master's
+            value = self.precision.full_value(param)
+            fragments.append(Fragment(info.name, 0, info.numel, _flat(value), elementwise,
                                       scalars, replicated=True))
         return ExportedState({i.name: i for i, _, _ in entries}, tuple(fragments),
                              group_hyperparameters(self.optimizer),

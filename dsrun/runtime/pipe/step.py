@@ -107,9 +107,7 @@ def pipeline_step(engine: Any, measure_norm: bool = False) -> StepResult:
         return StepResult(True, norm)
     engine.optimizer.step()
     if isinstance(precision, FP16Master):
-        with torch.no_grad():
-            for param, master in zip(precision.params, precision.masters):
-                param.copy_(master)
+        precision.copy_back()
     return StepResult(True, norm)
 
 

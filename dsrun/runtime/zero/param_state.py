@@ -123,7 +123,8 @@ class Stage0Param(ParamState):
         self.device = tensor.device
 
     def value(self) -> Part:
-        return Part(0, self.numel, self.tensor.detach().reshape(-1))
+        value = self.engine.precision.full_value(self.param)
+        return Part(0, self.numel, value.detach().reshape(-1))
 
     def grad(self) -> Optional[Part]:
         grad = self.param.grad
@@ -378,10 +379,13 @@ class Stage3Param(ZeroParam):
 
 
 def _stage0(param: torch.Tensor, engine: Any) -> Optional[ParamState]:
-    # A frozen parameter is handed to the optimizer at stage 0 (it trains
-    # once unfrozen), but while frozen it has no trained state to answer
-    # for: None, as for a parameter frozen since initialize() at stages 1-3.
-    if engine.optimizer is None or not param.requires_grad:
+    # A parameter frozen at initialize() is handed to the optimizer at stage
+    # 0 (it trains once unfrozen), but until then it has no trained state:
+    # None while it is still frozen, the rule of stages 1-3. One frozen
+    # later keeps its trained master and state and answers, as there.
+    if engine.optimizer is None:
+        return None
+    if not param.requires_grad and id(param) not in engine.precision.trainable_at_start:
         return None
     tensor = engine.precision.optimizer_tensor(param)
     stepped = any(t is tensor for g in engine.optimizer.param_groups for t in g["params"])

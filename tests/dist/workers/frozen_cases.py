@@ -12,7 +12,10 @@ tests/dist/test_frozen_params.py judges.
   backward since the last one moves nothing either.
 * **stage0**: a parameter frozen after initialize() has no gradient after
   backward; one frozen at initialize() but passed in model_parameters
-  trains once unfrozen, alike on both ranks (with fp16 masters too).
+  trains once unfrozen, alike on both ranks (with fp16 masters too: not
+  moved while frozen); under fp16 a value written into a frozen weight
+  after initialize() survives steps and checkpoints, and the weight trains
+  from it once unfrozen (the fp32 master made at initialize() is stale).
 * **unlisted**: at stage 3 a trainable parameter in no param group is
   accepted, used in forward and backward, and not trained.
 * **empty_group**: a param group without parameters is dropped; a client
@@ -20,7 +23,8 @@ tests/dist/test_frozen_params.py judges.
 * **saved**: checkpoints of those states save, load back into an engine
   built alike, and consolidate (``exclude_frozen_parameters``) without the
   parameters frozen when saved; an AdamW checkpoint loads into a stage-3
-  engine without an optimizer.
+  engine without an optimizer (each loading engine is offset first, so
+  equal weights after the load mean the load restored them).
 
 Usage: ``dsrun --num_gpus 2 frozen_cases.py OUT_DIR``.
 """
@@ -161,25 +165,63 @@ def stage0_case() -> dict[str, Any]:
         engine.step()
     out["unfrozen_moved"] = (late - initial).abs().max().item()
     out["unfrozen_value"] = late.detach().flatten().tolist()
-    out["fp16_unfrozen_moved"] = fp16_unfrozen_moved()
+    out["fp16_unfrozen"] = fp16_unfrozen()
     return out
 
 
-def fp16_unfrozen_moved() -> float:
+FP16 = {"enabled": True, "loss_scale": 128, "auto_cast": True}
+
+
+def fp16_unfrozen() -> dict[str, Any]:
     """fp16 (fp32 masters) at stage 0: a weight frozen at initialize() and
-    passed in model_parameters trains once unfrozen, as in fp32."""
+    passed in model_parameters stays put while frozen and trains once
+    unfrozen, alike on both ranks, as in fp32."""
     m = model()
     m[0].weight.requires_grad_(False)
-    engine, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config={
-        **config(0), "fp16": {"enabled": True, "loss_scale": 128, "auto_cast": True}})
+    engine, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(),
+                                      config={**config(0), "fp16": FP16})
     late = engine.module[0].weight
     initial = late.detach().float().clone()
+    frozen_moved = -1.0
     for s in range(3):
         if s == 1:
+            frozen_moved = (late.float() - initial).abs().max().item()
             late.requires_grad_(True)
         engine.backward(engine(data(s)).float().pow(2).mean())
         engine.step()
-    return (late.float() - initial).abs().max().item()
+    return {"frozen_moved": frozen_moved, "moved": (late.float() - initial).abs().max().item(),
+            "value": late.detach().float().flatten().tolist()}
+
+
+def fp16_edited_case(out_dir: Path) -> dict[str, Any]:
+    """fp16 at stage 0: 0.5 written into a weight frozen at initialize()
+    (a base model loaded afterwards) survives a step and a checkpoint, and
+    the weight trains from it once unfrozen."""
+    from dsrun.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    m = model()
+    m[0].weight.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=m, config={**config(0), "fp16": FP16})
+    weight = engine.module[0].weight
+    with torch.no_grad():
+        weight.fill_(0.5)
+    engine.backward(engine(data(0)).float().pow(2).mean())
+    engine.step()
+    out: dict[str, Any] = {"after_step": (weight.float() - 0.5).abs().max().item()}
+    root = str(out_dir / "fp16_edited")
+    engine.save_checkpoint(root, tag="t")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        saved = get_fp32_state_dict_from_zero_checkpoint(root, tag="t")["0.weight"]
+        out["saved"] = (saved - 0.5).abs().max().item()
+    weight.requires_grad_(True)
+    engine.backward(engine(data(1)).float().pow(2).mean())
+    engine.step()
+    # one SGD step from 0.5 moves it a little; from its stale master (its
+    # random value at initialize()) it would land far from 0.5
+    out["unfrozen_from"] = (weight.float() - 0.5).abs().max().item()
+    out["unfrozen_moved"] = out["unfrozen_from"] > 0.0
+    return out
 
 
 def unlisted_case(stage: int) -> dict[str, Any]:
@@ -209,6 +251,16 @@ def empty_group_case(stage: int) -> dict[str, Any]:
     engine.backward(engine(data(0)).pow(2).mean())
     engine.step()
     return {"lrs": engine.get_lr(), "groups": len(optimizer.param_groups)}
+
+
+def offset(engine: Any, by: float = 1.0) -> None:
+    """Add ``by`` to every weight (gathered at stage 3), so that a load must
+    write them all to make them equal to the saved ones."""
+    for param in engine.module.parameters():
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0,
+                                               enabled=hasattr(param, "ds_id")):
+            with torch.no_grad():
+                param.add_(by)
 
 
 def built(stage: int, how: str) -> tuple[Any, torch.nn.Sequential]:
@@ -243,6 +295,7 @@ def saved_case(out_dir: Path, stage: int, how: str, into: str = "") -> dict[str,
         kept = sorted(get_fp32_state_dict_from_zero_checkpoint(
             root, tag="t", exclude_frozen_parameters=True))
     other, _ = built(stage, into or how)
+    offset(other)
     path, _ = other.load_checkpoint(root, tag="t")
     got = {n: full(other, p) for n, p in other.module.named_parameters()}
     return {"loaded": path is not None, "kept": kept,
@@ -276,6 +329,7 @@ def main() -> None:
         "noopt": guarded(noopt_case, out_dir),
         "refreeze": {str(stage): guarded(refreeze_case, stage) for stage in (0, 1, 2, 3)},
         "stage0": guarded(stage0_case),
+        "fp16_edited": guarded(fp16_edited_case, out_dir),
         "unlisted": {str(stage): guarded(unlisted_case, stage) for stage in (0, 2, 3)},
         "empty_group": {str(stage): guarded(empty_group_case, stage) for stage in (0, 3)},
         "empty_group_scheduler": guarded(empty_group_scheduler_case),
