@@ -153,9 +153,9 @@ class Console:
             except Exception:  # noqa: BLE001 - a closed pipe or file: it takes nothing more
                 with self._lock:
                     self._broken.add(id(stream))
-                    for item in [q for q in self._queue if q[0] is stream]:
-                        self._queue.remove(item)
-                        self.backlog -= len(item[1])
+                    dropped = sum(len(t) for s, t in self._queue if s is stream)
+                    self._queue = collections.deque(q for q in self._queue if q[0] is not stream)
+                    self.backlog -= dropped
             finally:
                 with self._lock:
                     self._busy = False
