@@ -425,6 +425,17 @@ def _prepare(request: SaveRequest, exports: Sequence[ExportedState], rank: int, 
     return plan, blob, free_bytes(save_dir)
 
 
+def check_space(save_dir: str, tag: str, total: int, free: Optional[int]) -> None:
+    """Step 2: the ``total`` bytes of all ranks (and a margin) against the free space."""
+    if free is not None and total * SPACE_MARGIN > free:
+        need, data, have = size_texts(int(total * SPACE_MARGIN), total, free)
+        raise CheckpointError(
+            f"not enough space in {save_dir} for checkpoint {tag!r}: it needs {need} "
+            f"({data} of data + {SPACE_MARGIN - 1:.0%} for records and file-system overhead), "
+            f"{have} are free; free space or save to another directory (nothing was written; "
+            "the previous checkpoint is intact)")
+
+
 def begin_save(request: SaveRequest, exports: Sequence[ExportedState], coord: Coordinator,
                pause: Optional[PausePoint] = None) -> tuple[RankWrite, Commit]:
     """Steps 1-2 (module docstring): returns this rank's write and the commit.
@@ -443,15 +454,7 @@ def begin_save(request: SaveRequest, exports: Sequence[ExportedState], coord: Co
     check_same([e["tag"] for e in everyone], "the checkpoint tag")
     check_same([e["save_latest"] for e in everyone], "save_latest")
     raise_failures([e["problem"] for e in everyone], f"saving checkpoint {request.tag!r}")
-    total = sum(e["bytes"] for e in everyone)
-    free = everyone[0]["free"]
-    if free is not None and total * SPACE_MARGIN > free:
-        need, data, have = size_texts(int(total * SPACE_MARGIN), total, free)
-        raise CheckpointError(
-            f"not enough space in {save_dir} for checkpoint {request.tag!r}: it needs {need} "
-            f"({data} of data + {SPACE_MARGIN - 1:.0%} for records and file-system overhead), "
-            f"{have} are free; free space or save to another directory (nothing was written; "
-            "the previous checkpoint is intact)")
+    check_space(save_dir, request.tag, sum(e["bytes"] for e in everyone), everyone[0]["free"])
     tmp_dir = os.path.join(save_dir, f"{request.tag}{TMP_SUFFIX}")
     write = RankWrite(tmp_dir, coord.rank, plan, request.extra, blob, pause, request.tag,
                       request.durable)
@@ -475,3 +478,25 @@ def save_state(request: SaveRequest, exports: Sequence[ExportedState], coord: Co
     raise_failures(coord.exchange(status), f"committing checkpoint {request.tag!r}")
     log.info("saved checkpoint %s", os.path.join(commit.save_dir, request.tag))
     return os.path.join(commit.save_dir, request.tag)
+
+
+def save_alone(request: SaveRequest, exports: Sequence[ExportedState]) -> str:
+    """A save written by this process alone, as the one rank of a world of
+    one, with no process group: for offline tools that write a checkpoint
+    (the DeepSpeed importer). Steps 2-4 of the module docstring, the same
+    files and guarantees; a failure removes ``TAG.tmp/``. Returns the tag's
+    directory."""
+    save_dir = os.path.abspath(str(request.save_dir))
+    plan, blob, free = _prepare(request, exports, 0, save_dir)
+    check_space(save_dir, request.tag, plan.bytes, free)
+    write = RankWrite(os.path.join(save_dir, f"{request.tag}{TMP_SUFFIX}"), 0, plan,
+                      request.extra, blob, tag=request.tag, durable=request.durable)
+    commit = Commit(save_dir, request.tag, 1, request.meta, request.aliases, request.save_latest,
+                    durable=request.durable)
+    try:
+        write.run()
+        commit.run()
+    except BaseException:
+        remove_tree(commit.tmp_dir)
+        raise
+    return os.path.join(save_dir, request.tag)
