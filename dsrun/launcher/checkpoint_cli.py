@@ -11,6 +11,11 @@
   file), written tensor by tensor so memory stays near the largest tensor;
   without the frozen parameters when asked (as ``zero_to_fp32``). torch is
   imported only here.
+* ``dsrun checkpoint from-deepspeed DS_DIR OUT_DIR [--tag T]``: a
+  checkpoint DeepSpeed's ``save_checkpoint`` wrote, as a dsrun checkpoint
+  of the same tag (``engine.load_checkpoint(OUT_DIR)`` then loads it at any
+  world size and stage); a kind of DeepSpeed checkpoint it does not import
+  exits with status 2 and writes nothing.
 
 Errors are one ``dsrun: error: ...`` line and a non-zero exit status.
 """
@@ -69,3 +74,16 @@ def to_fp32_command(ckpt_dir: str, out: str, tag: Optional[str], safetensors: bo
     done = to_fp32(ckpt_dir, out, tag, safetensors=safetensors, exclude_frozen=exclude_frozen)
     click.echo(f"wrote {done.path}: {done.tensors} tensors, {done.bytes / 2**20:,.1f} MiB; "
                f"largest {done.largest} ({done.largest_bytes / 2**20:,.1f} MiB)")
+
+
+@checkpoint.command("from-deepspeed", context_settings=CONTEXT)
+@click.argument("ds_dir", type=click.Path(file_okay=False))
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--tag", default=None, help="The DeepSpeed tag to import (default: its latest).")
+@reports_errors
+def from_deepspeed_command(ds_dir: str, out_dir: str, tag: Optional[str]) -> None:
+    """Import DS_DIR, a DeepSpeed checkpoint, into OUT_DIR as a dsrun checkpoint."""
+    from dsrun.runtime.checkpoint.from_deepspeed import import_deepspeed_checkpoint
+
+    path = import_deepspeed_checkpoint(ds_dir, out_dir, tag)
+    click.echo(f"wrote {path} (load it with engine.load_checkpoint({out_dir!r}))")
