@@ -226,9 +226,10 @@ def _by_rank(path: str, names: Sequence[str], pattern: re.Pattern[str], what: st
     for rank in range(max(ranks) + 1):
         if rank not in ranks:
             example = ranks[max(ranks)].replace(f"rank_{max(ranks)}_", f"rank_{rank}_", 1)
+            have = ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, sorted(ranks)))
             raise CheckpointError(f"{os.path.join(path, example)} is missing: the {what} of "
-                                  f"ranks {', '.join(map(str, sorted(ranks)))} are there, not "
-                                  f"rank {rank}'s (the save did not finish on every rank?)")
+                                  f"{have} are there, not rank {rank}'s (the save did not finish "
+                                  "on every rank?)")
     return tuple(os.path.join(path, ranks[r]) for r in range(len(ranks)))
 
 
