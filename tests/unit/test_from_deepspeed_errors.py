@@ -227,3 +227,13 @@ def test_a_failed_write_leaves_no_out_dir(tmp_path: Path,
     with pytest.raises(CheckpointError):
         from_deepspeed.import_deepspeed_checkpoint(str(DATA / "stage2_bf16"), str(existing))
     assert sorted(p.name for p in existing.iterdir()) == ["other"]  # its own files stay
+
+
+def test_a_file_lacking_a_key_of_its_kind_is_an_error_naming_the_tag(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def lacking(data: dict[str, Any], _: str) -> None:
+        del data["optimizer_state_dict"]["single_partition_of_fp32_groups"]
+
+    edited(monkeypatch, "rank_1_mp_rank_00_optim_states.pt", lacking)
+    assert_refused(run(DATA / "stage2_bf16", tmp_path), 1, str(DATA / "stage2_bf16" / TAG),
+                   "KeyError", "single_partition_of_fp32_groups")

@@ -358,14 +358,27 @@ def read_deepspeed_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpe
     optims = [load(p) for p in files.optim_files]
     for data, path in zip(optims, files.optim_files):
         check_version(data, path)
+    try:
+        return _rebuild(files, version, models, optims)
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:
+        raise CheckpointError(f"{files.path}: a DeepSpeed file lacks what its kind holds "
+                              f"({type(exc).__name__}: {exc}): the checkpoint is damaged or "
+                              "not one dsrun imports") from None
+
+
+def _rebuild(files: Inventory, version: str, models: Sequence[dict[str, Any]],
+             optims: Sequence[dict[str, Any]]) -> DeepSpeedCheckpoint:
     model, path = models[0], files.model_files[0]
     config = model.get("ds_config") if isinstance(model.get("ds_config"), Mapping) else {}
-    buffers = set(model["buffer_names"])
     shared = model.get("shared_params")
     aliases = dict(shared) if isinstance(shared, Mapping) else _tied(model["module"])
     if optims:
         osd = _optimizer_dict(optims[0], files.optim_files[0])
         stage = int(enum_value(osd["zero_stage"]))
+        if (stage == 3) != files.stage3:
+            raise CheckpointError(f"{files.optim_files[0]} says ZeRO stage {stage} but the model "
+                                  f"states are {os.path.basename(path)}'s kind: the tag mixes "
+                                  "two saves")
         world = _partition_count(osd, len(optims), files.optim_files[0])
         params, groups = (_zero3 if stage == 3 else _zero12)(models, optims, files)
     elif model.get("param_shapes") is not None:
@@ -376,7 +389,7 @@ def read_deepspeed_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpe
         stage, world = 0, int(model.get("dp_world_size") or 1)
         params, groups = _stage0(model, path, aliases)
     plain = _plain(stage, models, {p.name for p in params}, aliases, path)
-    precision = _precision(model, buffers)
+    precision = _precision(model, set(model["buffer_names"]))
     return DeepSpeedCheckpoint(
         files, version, stage, precision, world, params, plain, groups,
         optimizer_name(config, groups), aliases, list(model["module"]),
