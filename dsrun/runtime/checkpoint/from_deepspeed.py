@@ -133,11 +133,17 @@ def _optimizer_dict(data: Mapping[str, Any], path: str) -> dict[str, Any]:
     if not isinstance(osd, Mapping):
         raise CheckpointError(f"{path} has no 'optimizer_state_dict': it is not a DeepSpeed "
                               "optimizer-states file")
-    if "zero_stage" not in osd:
-        raise UnsupportedCheckpoint(
-            f"{path}: saved by DeepSpeed's BF16_Optimizer (bf16 at ZeRO stage 1 with fp32 "
-            "gradient accumulation, or a pipeline), whose layout dsrun does not import")
+    if "zero_stage" not in osd and not bf16_optimizer(osd):
+        raise CheckpointError(f"{path} has no 'zero_stage': it is not a DeepSpeed ZeRO "
+                              "optimizer-states file")
     return dict(osd)
+
+
+def bf16_optimizer(osd: Mapping[str, Any]) -> bool:
+    """Whether DeepSpeed's BF16_Optimizer wrote ``osd`` (bf16 at stage 1 with
+    fp32 gradient accumulation): stage 1's keys without ``zero_stage``."""
+    return "zero_stage" not in osd and "single_partition_of_fp32_groups" in osd \
+        and "base_optimizer_state" in osd
 
 
 def _partition_count(osd: Mapping[str, Any], files: int, path: str) -> int:
@@ -179,14 +185,16 @@ def _zero12(models: Sequence[dict[str, Any]], optims: Sequence[dict[str, Any]],
                 raise CheckpointError(f"{path}: param group {g} of the inner optimizer holds "
                                       f"{len(group['params'])} tensors, not one flat partition")
             states.append(base["state"].get(group["params"][0]))
+        whole = bf16_optimizer(osd)  # partitions saved with their padding
         ranks.append(RankGroups(path, osd["single_partition_of_fp32_groups"], states,
-                                [int(p) for p in osd["group_paddings"]]))
+                                () if whole else [int(p) for p in osd["group_paddings"]]))
     first = _optimizer_dict(optims[0], files.optim_files[0])
     shapes = models[0]["param_shapes"]
     if len(shapes) != len(ranks[0].flat):
         raise CheckpointError(f"{files.model_files[0]} lists {len(shapes)} param groups, "
                               f"{files.optim_files[0]} holds {len(ranks[0].flat)}")
-    params = zero12_params(shapes, ranks, first.get("param_alignment_paddings"))
+    slack = 2 * len(ranks) if bf16_optimizer(first) else 1  # its groups' alignment
+    params = zero12_params(shapes, ranks, first.get("param_alignment_paddings"), slack)
     return params, _hyperparameters(first["base_optimizer_state"]["param_groups"])
 
 
@@ -374,7 +382,7 @@ def _rebuild(files: Inventory, version: str, models: Sequence[dict[str, Any]],
     aliases = dict(shared) if isinstance(shared, Mapping) else _tied(model["module"])
     if optims:
         osd = _optimizer_dict(optims[0], files.optim_files[0])
-        stage = int(enum_value(osd["zero_stage"]))
+        stage = 1 if bf16_optimizer(osd) else int(enum_value(osd["zero_stage"]))
         if (stage == 3) != files.stage3:
             raise CheckpointError(f"{files.optim_files[0]} says ZeRO stage {stage} but the model "
                                   f"states are {os.path.basename(path)}'s kind: the tag mixes "

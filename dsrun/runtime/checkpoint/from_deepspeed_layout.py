@@ -12,7 +12,10 @@ parameters are cut out of it:
   nonzero on the last ranks only) and the inner optimizer's state of the
   whole padded partition (``exp_avg`` ..., one flat tensor per group, plus
   ``step``). Concatenating the ranks' partitions (the state trimmed like
-  the masters) gives the group's flat buffer.
+  the masters) gives the group's flat buffer. DeepSpeed's BF16_Optimizer
+  (bf16 at stage 1 with fp32 gradient accumulation) lays its groups out
+  the same way without alignment padding between parameters, and saves
+  whole partitions, padding included.
 * **ZeRO 3** (:func:`zero3_params`): every parameter is split into
   ``ceil(numel / world)`` elements per rank (the last rank padded); per
   sub-group, a rank's flat fp32 buffer and optimizer state are its slices
@@ -116,10 +119,14 @@ def _joined(ranks: Sequence[RankGroups], g: int, lengths: Sequence[int]
 
 
 def zero12_params(shapes: Shapes, ranks: Sequence[RankGroups],
-                  alignment: Optional[Sequence[Sequence[int]]] = None) -> list[Param]:
+                  alignment: Optional[Sequence[Sequence[int]]] = None,
+                  slack: int = 1) -> list[Param]:
     """Stages 1-2 (module docstring): ``shapes[g]`` names group ``g``'s
     parameters in flat order; ``ranks[r]`` is rank ``r``'s lean fp32
-    partitions, optimizer state and trailing paddings."""
+    partitions, optimizer state and trailing paddings - or, for
+    DeepSpeed's BF16_Optimizer, its whole partitions (no ``paddings``),
+    whose joined length exceeds the parameters' by the group's alignment
+    padding: less than ``slack`` elements."""
     out = []
     for g, names in enumerate(shapes):
         lengths = [rank.flat[g].numel() for rank in ranks]
@@ -139,7 +146,7 @@ def zero12_params(shapes: Shapes, ranks: Sequence[RankGroups],
                              {k: v[offset:offset + n] for k, v in state.items()}, scalars))
             offset += n + int(pad)
         need = sum(_numel(s) for s in names.values()) + sum(int(p) for p in pads)
-        if need != flat.numel():
+        if not 0 <= flat.numel() - need < slack:
             raise CheckpointError(
                 f"{ranks[0].where}: param group {g}'s partitions hold {flat.numel()} elements "
                 f"over {len(ranks)} ranks, its {len(names)} parameters need {need}: the files "
