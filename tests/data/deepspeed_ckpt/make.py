@@ -89,13 +89,15 @@ def add_offline_views(ckpt: Path, stage: int) -> None:
 
     facts = torch.load(ckpt / "expected.pt", weights_only=False)
     tag = (ckpt / "latest").read_text().strip()
-    if stage == 0:
-        facts["zero_to_fp32"] = None  # DeepSpeed's tool refuses stage 0: the module is the model
-    else:
+    facts["zero_to_fp32"] = None  # stage 0: DeepSpeed's tool refuses it (the module is the model)
+    if stage > 0:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        consolidated = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag)
-        facts["zero_to_fp32"] = {k: v.clone() for k, v in consolidated.items()}
+        try:
+            consolidated = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag)
+            facts["zero_to_fp32"] = {k: v.clone() for k, v in consolidated.items()}
+        except ValueError as exc:  # BF16_Optimizer's files: "is not a zero checkpoint"
+            print(f"{ckpt.name}: zero_to_fp32 refuses it ({exc}); ds_to_universal only")
         with tempfile.TemporaryDirectory() as tmp:
             subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
                             "--input_folder", str(ckpt / tag), "--output_folder", tmp,
@@ -176,8 +178,8 @@ def expected(engine: Any) -> dict[str, Any]:
     from deepspeed.utils import safe_get_full_fp32_param
 
     params: dict[str, Any] = {}
-    live = engine.optimizer if not hasattr(engine.optimizer, "single_partition_of_fp32_groups") \
-        and not hasattr(engine.optimizer, "fp32_partitioned_groups_flat") else None
+    # stage 0 fp32: the torch optimizer itself (DeepSpeed's wrappers are no torch optimizers)
+    live = engine.optimizer if isinstance(engine.optimizer, torch.optim.Optimizer) else None
     for name, p in engine.module.named_parameters():
         if p.requires_grad:
             if live is None:

@@ -39,6 +39,7 @@ WORLD = 2           # ranks that saved every fixture
 FIXTURES: dict[str, tuple[int, str]] = {
     "stage0_fp32": (0, "fp32"),
     "stage1_fp16": (1, "fp16"),
+    "stage1_bf16": (1, "bf16"),  # fp32 gradient accumulation: DeepSpeed's BF16_Optimizer
     "stage2_bf16": (2, "bf16"),
     "stage3_fp32": (3, "fp32"),
     "stage3_bf16": (3, "bf16"),
@@ -108,4 +109,6 @@ def config(stage: int, precision: str, world: int) -> dict[str, Any]:
                        "hysteresis": 2, "min_loss_scale": 1}
     elif precision == "bf16":
         cfg["bf16"] = {"enabled": True}
+        if stage == 1:  # makes DeepSpeed pick its BF16_Optimizer (bf16_zero_* files)
+            cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     return cfg
