@@ -2,8 +2,8 @@
 input is one error naming the file, and nothing is written.
 
 Kinds told by file names are made by adding or removing files in a copy
-of a fixture; kinds told by content (another DeepSpeed version, the
-BF16_Optimizer, an elastic checkpoint, optimizer state that is not per
+of a fixture; kinds told by content (another DeepSpeed version, an
+elastic checkpoint, optimizer state that is not per
 element, stage-0 fp16) by changing what :func:`load` returns for a file,
 since DeepSpeed's own classes in the optimizer files cannot be written
 back without DeepSpeed. The command line exits 2 for an unsupported kind
@@ -94,8 +94,9 @@ def _version(data: dict[str, Any], _: str) -> None:
     data["ds_version"] = "0.14.2"
 
 
-def _bf16_optimizer(data: dict[str, Any], _: str) -> None:
+def _not_zero(data: dict[str, Any], _: str) -> None:
     del data["optimizer_state_dict"]["zero_stage"]
+    del data["optimizer_state_dict"]["single_partition_of_fp32_groups"]
 
 
 def _elastic(data: dict[str, Any], _: str) -> None:
@@ -131,7 +132,6 @@ def _pipeline(data: dict[str, Any], _: str) -> None:
     ("stage2_bf16", "rank_1_mp_rank_00_optim_states.pt", _version,
      ["DeepSpeed 0.14.2", "0.19.x"]),
     ("stage3_fp32", "model_states.pt", _version, ["DeepSpeed 0.14.2"]),
-    ("stage1_fp16", "rank_0_mp_rank_00_optim_states.pt", _bf16_optimizer, ["BF16_Optimizer"]),
     ("stage1_fp16", "rank_0_mp_rank_00_optim_states.pt", _elastic, ["elastic_checkpoint"]),
     ("stage1_fp16", "rank_0_mp_rank_00_optim_states.pt", _factored,
      ["'exp_avg_sq'", "not one value per element"]),
@@ -150,9 +150,17 @@ def test_kinds_told_by_their_content_exit_2(name: str, suffix: str, edit: Edit,
     assert str(file) in res.output if name != "stage3_fp32" else "model_states.pt" in res.output
 
 
+def test_an_optimizer_file_of_no_zero_kind_is_named(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    edited(monkeypatch, "rank_1_mp_rank_00_optim_states.pt", _not_zero)
+    assert_refused(run(DATA / "stage1_fp16", tmp_path), 1,
+                   str(DATA / "stage1_fp16" / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+                   "not a DeepSpeed ZeRO optimizer-states file")
+
+
 def test_the_python_api_raises_the_unsupported_error(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    edited(monkeypatch, "rank_0_mp_rank_00_optim_states.pt", _bf16_optimizer)
+    edited(monkeypatch, "rank_0_mp_rank_00_optim_states.pt", _elastic)
     with pytest.raises(UnsupportedCheckpoint) as info:
         from_deepspeed.import_deepspeed_checkpoint(str(DATA / "stage1_fp16"),
                                                    str(tmp_path / "out"))
