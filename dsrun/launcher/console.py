@@ -12,20 +12,32 @@ one when each phase completes. Either way a last line says how long the
 start took. Updates may come from any thread.
 
 While a job runs (:meth:`Console.start_writer` to :meth:`Console.close`)
-the console writes from a thread of its own, in the order things were
-said: whoever reports a line or a message never waits for the terminal or
-the pipe behind dsrun's stdout. :meth:`Console.pending` is the bytes still
-to write; the supervisor pauses the agents' output while it is high
+the console writes from threads of its own: whoever reports a line or a
+message never waits for the terminal or the pipe behind dsrun's output.
+There is one writer per destination. When stdout and stderr are the same
+file (a terminal, ``>log 2>&1``, ``2>&1 | ...``) one writer writes both in
+the order things were said; otherwise each stream has its own writer and
+keeps its own order, so stderr (dsrun's messages, its report, the ranks'
+stderr) never waits behind a slow reader of stdout, and there is no order
+between the two streams (as when two processes write them directly).
+
+:meth:`Console.pending` is the bytes still to write, both streams
+together; the supervisor pauses the agents' output while it is high
 (link.py), which is what bounds it. Consecutive texts for one stream go out
-in one write and one flush. A stream that fails (a closed pipe:
-``dsrun ... | head``) takes nothing more: the next line or message for it,
-and :meth:`Console.pending` (the supervisor asks at every step), raise
-``BrokenPipeError`` in the caller, as a direct write would.
+in one write and one flush of at most :data:`CHUNK` characters, so a
+writer's progress is seen even behind a slow reader (:meth:`Console.stuck`).
+A stream that fails (a closed pipe: ``dsrun ... | head``) takes nothing
+more: the next line or message for it, and :meth:`Console.pending` (the
+supervisor asks at every step), raise ``BrokenPipeError`` in the caller,
+as a direct write would. A stream given up on (:meth:`Console.drop`: its
+reader stopped reading after the job ended, or a signal) loses what is
+queued for it and silently takes nothing more.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import sys
 import threading
 import time
@@ -35,7 +47,25 @@ from dsrun.launcher.backends.base import AGENT_LINE
 
 #: Seconds between two progress lines when stderr is not a terminal.
 PLAIN_EVERY = 2.0
+#: The most characters one write takes (a pipe's capacity).
+CHUNK = 64 * 1024
 _CLEAR = "\r\x1b[K"
+OUT, ERR = 1, 2
+
+
+class _Writer:
+    """One thread writing one destination's queued texts, in order (the
+    console's lock guards every field)."""
+
+    def __init__(self, fds: set[int]) -> None:
+        self.fds = fds  # OUT, ERR, or both when they are the same file
+        self.queue: collections.deque[tuple[int, str]] = collections.deque()
+        self.busy = False  # writing what it took
+        self.progress = time.monotonic()  # last write done, or work begun after idling
+        self.thread: threading.Thread | None = None
+
+    def has_work(self) -> bool:
+        return bool(self.queue) or self.busy
 
 
 class Console:
@@ -45,15 +75,14 @@ class Console:
         self._err = err  # replaces a closed one by os.devnull)
         self.tty = _isatty(self.err) if tty is None else tty
         self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._progress: _Progress | None = None
         self._shown = False  # the progress line is on the terminal now
-        # the writer thread's queue: (stream, text), and what it holds
-        self._queue: collections.deque[tuple[IO[str], str]] = collections.deque()
-        self._cond = threading.Condition(self._lock)
-        self._writer: threading.Thread | None = None
-        self._busy = False  # the writer is writing what it took
-        self._broken: set[int] = set()  # id() of streams that failed
-        self.backlog = 0  # bytes queued, not yet written
+        self._writers: dict[int, _Writer] = {}  # by stream; empty: write directly
+        self._ending = False  # close(): writers end once their queue is empty
+        self._broken: set[int] = set()  # streams that failed
+        self._dropped: set[int] = set()  # streams given up on (drop())
+        self._backlog = {OUT: 0, ERR: 0}  # characters queued or being written
 
     @property
     def out(self) -> IO[str]:
@@ -63,6 +92,13 @@ class Console:
     def err(self) -> IO[str]:
         return self._err or sys.stderr
 
+    @property
+    def backlog(self) -> int:
+        return self._backlog[OUT] + self._backlog[ERR]
+
+    def _stream(self, fd: int) -> IO[str]:
+        return self.out if fd == OUT else self.err
+
     # -- plain output -----------------------------------------------------------
     def line(self, host: str, rank: int, fd: int, text: str) -> None:
         """One line of a rank (rank >= 0), an agent or a launching tool."""
@@ -71,95 +107,168 @@ class Console:
     def lines(self, host: str, rank: int, fd: int, texts: list[str]) -> None:
         """Lines of one rank's (agent's, tool's) stream, written together."""
         who = f"{host}:{rank}" if rank >= 0 else f"{host}:agent" if rank == AGENT_LINE else host
-        self._write(self.out if fd == 1 else self.err,
+        self._write(OUT if fd == 1 else ERR,
                     "".join(f"[{who}] {text}\n" for text in texts))
 
     def say(self, message: str) -> None:
-        self._write(self.err, f"dsrun: {message}\n")
+        self._write(ERR, f"dsrun: {message}\n")
 
-    def _write(self, stream: IO[str], text: str) -> None:
+    def _write(self, fd: int, text: str) -> None:
         with self._lock:
             if self._shown:
-                self._put(self.err, _CLEAR)
+                self._put(ERR, _CLEAR)
                 self._shown = False
-            self._put(stream, text)
+            self._put(fd, text)
             self._redraw()
 
-    def _put(self, stream: IO[str], text: str) -> None:
-        """Write ``text`` now, or queue it for the writer thread (lock held)."""
-        if id(stream) in self._broken:
+    def _put(self, fd: int, text: str) -> None:
+        """Write ``text`` now, or queue it for its writer (lock held)."""
+        if fd in self._broken:
             raise BrokenPipeError(f"dsrun's output stream is closed ({text[:40]!r} lost)")
-        if self._writer is None:
-            _write_text(stream, text)
+        if fd in self._dropped:
             return
-        self._queue.append((stream, text))
-        self.backlog += len(text)
+        writer = self._writers.get(fd)
+        if writer is None:
+            _write_text(self._stream(fd), text)
+            return
+        if not writer.has_work():
+            writer.progress = time.monotonic()  # a stall counts from here
+        writer.queue.append((fd, text))
+        self._backlog[fd] += len(text)
         self._cond.notify_all()
 
-    # -- the writer thread --------------------------------------------------
+    # -- the writer threads -------------------------------------------------
     def start_writer(self) -> None:
-        """From now on write from a thread of our own (module docstring)."""
+        """From now on write from threads of our own (module docstring)."""
         with self._lock:
-            if self._writer is None:
-                self._writer = threading.Thread(target=self._write_queued, daemon=True,
-                                                name="dsrun-console")
-                self._writer.start()
+            if self._writers:
+                return
+            self._ending = False
+            if _same_file(self.out, self.err):
+                both = _Writer({OUT, ERR})
+                self._writers = {OUT: both, ERR: both}
+            else:
+                self._writers = {OUT: _Writer({OUT}), ERR: _Writer({ERR})}
+            for writer in self._unique():
+                name = "dsrun-console" if len(writer.fds) > 1 else \
+                    f"dsrun-{'stdout' if OUT in writer.fds else 'stderr'}"
+                writer.thread = threading.Thread(target=self._write_queued, args=(writer,),
+                                                 daemon=True, name=name)
+                writer.thread.start()
+
+    def _unique(self) -> list[_Writer]:
+        return list({id(w): w for w in self._writers.values()}.values())
 
     def pending(self) -> int:
-        """Bytes still to write; raises ``BrokenPipeError`` once a stream
-        has failed (the job then stops, as a failed direct write stops it)."""
+        """Characters still to write, both streams; raises ``BrokenPipeError``
+        once a stream has failed (the job then stops, as a failed direct
+        write stops it)."""
         with self._lock:
             if self._broken:
                 raise BrokenPipeError("dsrun's output stream is closed")
             return self.backlog
 
-    def close(self) -> bool:
-        """Write everything queued (waiting for the reader as long as it
-        takes), then write directly again; True if a stream failed."""
+    def behind(self, fd: int) -> int:
+        """Characters still to write to one stream (1: stdout, 2: stderr)."""
         with self._lock:
-            writer = self._writer
-            if writer is not None:
-                while self._queue or self._busy:
-                    self._cond.wait(0.5)
-                self._writer = None
-                self._cond.notify_all()
-        if writer is not None:
-            writer.join()
+            return self._backlog[fd]
+
+    def stuck(self, fd: int, since: float = 0.0) -> float:
+        """Seconds the writer of stream ``fd`` has had work but written
+        nothing, counted from ``since`` at the earliest; 0 when it is idle."""
+        with self._lock:
+            writer = self._writers.get(fd)
+            if writer is None or not writer.has_work():
+                return 0.0
+            return max(0.0, time.monotonic() - max(writer.progress, since))
+
+    def written(self, timeout: float | None = None) -> bool:
+        """Wait until every writer has written what it was given, except
+        for streams given up on; False if ``timeout`` passed first."""
+        with self._lock:
+            return self._cond.wait_for(self._all_written, timeout)
+
+    def _all_written(self) -> bool:
+        return all(not w.has_work() or w.fds <= self._dropped for w in self._unique())
+
+    def drop(self, fd: int) -> tuple[int, int]:
+        """Give up on stream ``fd``: what is queued for it is dropped, and it
+        takes nothing more (a write already under way may still end). The
+        lines and bytes (UTF-8) dropped."""
+        with self._lock:
+            self._dropped.add(fd)
+            writer = self._writers.get(fd)
+            gone = self._drop_queued(writer, fd) if writer is not None else []
+            self._cond.notify_all()
+        return (sum(text.count("\n") for text in gone),
+                sum(len(text.encode("utf-8", "replace")) for text in gone))
+
+    def _drop_queued(self, writer: _Writer, fd: int) -> list[str]:
+        gone = [text for f, text in writer.queue if f == fd]
+        writer.queue = collections.deque(q for q in writer.queue if q[0] != fd)
+        self._backlog[fd] -= sum(len(text) for text in gone)
+        return gone
+
+    def close(self, wait: bool = True) -> bool:
+        """End the writer threads and write directly again; True if a stream
+        failed. ``wait``: first write everything queued, waiting for the
+        readers as long as it takes; else what is still queued is dropped
+        and a writer blocked in a write is left behind (a daemon thread)."""
+        if wait:
+            self.written()
+        with self._lock:
+            if not wait:
+                for fd in (OUT, ERR):
+                    if self._writers.get(fd) is not None and self._writers[fd].has_work():
+                        self.drop(fd)
+            writers = self._unique()
+            self._ending = True
+            self._writers = {}
+            self._cond.notify_all()
+        for writer in writers:
+            if writer.thread is not None and not (writer.busy and not wait):
+                writer.thread.join()
         return bool(self._broken)
 
-    def _take(self) -> tuple[IO[str], str] | None:
-        """The next queued texts for one stream, joined (lock held); None
-        once the writer is to end."""
-        while not self._queue:
-            if self._writer is not threading.current_thread():
+    def _take(self, writer: _Writer) -> tuple[int, str] | None:
+        """The next queued texts of one stream, joined up to CHUNK
+        characters (lock held); None once the writer is to end."""
+        while not writer.queue:
+            if self._ending:
                 return None
             self._cond.wait()
-        stream, text = self._queue.popleft()
-        parts = [text]
-        while self._queue and self._queue[0][0] is stream:
-            parts.append(self._queue.popleft()[1])
-        return stream, "".join(parts)
+        fd, text = writer.queue.popleft()
+        parts, size = [text], len(text)
+        while writer.queue and writer.queue[0][0] == fd \
+                and size + len(writer.queue[0][1]) <= CHUNK:
+            size += len(writer.queue[0][1])
+            parts.append(writer.queue.popleft()[1])
+        if size > CHUNK:  # one long text: its first lines now, the rest next
+            cut = text.rfind("\n", 0, CHUNK) + 1 or text.find("\n", CHUNK) + 1 or len(text)
+            if cut < len(text):
+                writer.queue.appendleft((fd, text[cut:]))
+                parts = [text[:cut]]
+        return fd, "".join(parts)
 
-    def _write_queued(self) -> None:
+    def _write_queued(self, writer: _Writer) -> None:
         while True:
             with self._lock:
-                taken = self._take()
+                taken = self._take(writer)
                 if taken is None:
                     return
-                self._busy = True
-            stream, text = taken
+                writer.busy = True
+            fd, text = taken
             try:
-                _write_text(stream, text)
+                _write_text(self._stream(fd), text)
             except Exception:  # noqa: BLE001 - a closed pipe or file: it takes nothing more
                 with self._lock:
-                    self._broken.add(id(stream))
-                    dropped = sum(len(t) for s, t in self._queue if s is stream)
-                    self._queue = collections.deque(q for q in self._queue if q[0] is not stream)
-                    self.backlog -= dropped
+                    self._broken.add(fd)
+                    self._drop_queued(writer, fd)
             finally:
                 with self._lock:
-                    self._busy = False
-                    self.backlog -= len(text)
+                    writer.busy = False
+                    writer.progress = time.monotonic()
+                    self._backlog[fd] -= len(text)
                     self._cond.notify_all()
 
     # -- progress -----------------------------------------------------------
@@ -191,10 +300,10 @@ class Console:
             if progress is None:
                 return
             if self._shown:
-                self._put(self.err, _CLEAR)
+                self._put(ERR, _CLEAR)
                 self._shown = False
             took = time.monotonic() - progress.began
-            self._put(self.err, f"dsrun: {progress.text()} in {took:.1f}s\n")
+            self._put(ERR, f"dsrun: {progress.text()} in {took:.1f}s\n")
 
     def _update(self, force: bool = False) -> None:
         progress = self._progress
@@ -206,11 +315,11 @@ class Console:
         now = time.monotonic()
         if force or now - progress.printed >= PLAIN_EVERY:
             progress.printed = now
-            self._put(self.err, f"dsrun: {progress.text()}\n")
+            self._put(ERR, f"dsrun: {progress.text()}\n")
 
     def _redraw(self) -> None:
         if self.tty and self._progress is not None:
-            self._put(self.err, f"{_CLEAR}dsrun: {self._progress.text()}")
+            self._put(ERR, f"{_CLEAR}dsrun: {self._progress.text()}")
             self._shown = True
 
 
@@ -236,6 +345,17 @@ def _write_text(stream: IO[str], text: str) -> None:
         encoding = getattr(stream, "encoding", None) or "ascii"
         stream.write(text.encode(encoding, "replace").decode(encoding))
     stream.flush()
+
+
+def _same_file(a: IO[str], b: IO[str]) -> bool:
+    """Whether two streams write to one file (a terminal, a pipe, a log)."""
+    if a is b:
+        return True
+    try:
+        sa, sb = os.fstat(a.fileno()), os.fstat(b.fileno())
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
 def _isatty(stream: IO[str]) -> bool:

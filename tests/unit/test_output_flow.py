@@ -1,8 +1,8 @@
 """Rank output on its way to dsrun's stdout, without processes: the
-console's writer thread (nobody waits for a slow reader; order kept; a
-closed pipe raises in the caller), the agent link's pause/resume and
-batches, and the supervisor pausing the agents while the console is
-behind."""
+console's writer threads (nobody waits for a slow reader; stderr does not
+wait behind stdout; order kept; a closed pipe raises in the caller; a
+stalled stream given up on), the agent link's pause/resume and batches, and the
+supervisor pausing the agents while the console is behind."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ import os
 import queue
 import select
 import threading
+import time
 
 import pytest
 
+from dsrun.launcher import console as console_mod
 from dsrun.launcher import link as link_mod
 from dsrun.launcher import protocol
 from dsrun.launcher.console import Console
@@ -90,6 +92,92 @@ def test_a_stream_that_cannot_encode_gets_replacements_not_a_dead_console() -> N
     c.line("h", 0, 1, "next")
     c.close()
     assert raw.getvalue() == b"[h:0] caf?\n[h:0] next\n"
+
+
+def _wait(cond, timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_stderr_does_not_wait_behind_a_stalled_stdout() -> None:
+    out, err = SlowStream(), io.StringIO()
+    c = Console(out, err, tty=False)
+    c.start_writer()
+    for i in range(100):
+        c.lines("h", 0, 1, [f"out {i}"])
+    c.lines("h", 0, 2, ["a rank's stderr"])
+    c.say("the report")
+    assert _wait(lambda: err.getvalue() == "[h:0] a rank's stderr\ndsrun: the report\n")
+    assert out.getvalue() == "" and c.behind(1) > 0 and c.behind(2) == 0
+    assert c.pending() == c.behind(1)  # the pause mark counts both streams
+    assert not c.written(0.1)  # stdout still waits for its reader
+    out.go.set()
+    assert c.close() is False
+    assert out.getvalue() == "".join(f"[h:0] out {i}\n" for i in range(100))
+
+
+def test_one_file_behind_both_streams_keeps_the_order_things_were_said(tmp_path) -> None:
+    path = tmp_path / "log"
+    with open(path, "w") as out, open(os.dup(out.fileno()), "w") as err:
+        assert console_mod._same_file(out, err)  # `>log 2>&1`: one file, one writer
+        assert not console_mod._same_file(out, io.StringIO())
+        c = Console(out, err, tty=False)
+        c.start_writer()
+        for i in range(200):
+            c.line("h", 0, 1 + i % 2, f"line {i}")
+            if i % 50 == 49:
+                c.say(f"said after {i}")
+        c.close()
+    got = path.read_text().splitlines()
+    expected = []
+    for i in range(200):
+        expected.append(f"[h:0] line {i}")
+        if i % 50 == 49:
+            expected.append(f"dsrun: said after {i}")
+    assert got == expected
+
+
+def test_a_long_text_goes_out_in_chunks_cut_at_line_ends() -> None:
+    out = io.StringIO()
+    sizes: list[int] = []
+    real_write = out.write
+    out.write = lambda text: sizes.append(len(text)) or real_write(text)  # type: ignore
+    c = Console(out, io.StringIO(), tty=False)
+    c.start_writer()
+    lines = [f"{i:06d}" + "z" * 993 for i in range(300)]  # 300 KB in one call
+    c.lines("h", 0, 1, lines)
+    c.close()
+    assert out.getvalue() == "".join(f"[h:0] {line}\n" for line in lines)
+    assert len(sizes) > 4 and max(sizes) <= console_mod.CHUNK
+    assert all(size % 1006 == 0 for size in sizes)  # whole lines only
+
+
+def test_a_stalled_stream_is_seen_and_can_be_given_up_on() -> None:
+    out, err = SlowStream(), io.StringIO()
+    c = Console(out, err, tty=False)
+    c.start_writer()
+    assert c.stuck(1) == 0.0  # idle is not stuck
+    c.lines("h", 0, 1, ["first"])  # taken by the writer, which blocks in its write
+    assert _wait(lambda: c._writers[1].busy)
+    c.lines("h", 0, 1, ["x\u00e9"] * 10)  # queued behind it
+    time.sleep(0.3)
+    assert 0.25 <= c.stuck(1) and c.stuck(1, since=time.monotonic()) < 0.1
+    assert c.drop(1) == (10, 10 * len("[h:0] x\u00e9\n".encode()))
+    assert c.written(0.1)  # a stream given up on is not waited for
+    c.line("h", 0, 1, "after the drop")  # silently taken: nobody can read it
+    c.say("still said")
+    assert c.written(1.0)
+    began = time.monotonic()
+    assert c.close(wait=False) is False  # the blocked writer is left behind
+    assert time.monotonic() - began < 1
+    c.line("h", 0, 1, "after close")  # still dropped: a direct write would block
+    assert err.getvalue() == "dsrun: still said\n"
+    out.go.set()
+    assert _wait(lambda: out.getvalue() == "[h:0] first\n")
 
 
 def _link() -> tuple[Link, int, io.BufferedReader]:
