@@ -12,7 +12,10 @@ job size. All validation that can fail happens before any process starts
    preflight verdicts, and a failed preflight starts no rank anywhere;
 3. plan: the one plan builder (plan.py) over the probed facts;
 4. start: each agent gets its part of the plan;
-5. supervise until every agent is done; one root-cause report.
+5. supervise until every agent is done; one root-cause report;
+6. finish the output (:func:`finish_output`): stderr at once, stdout as
+   long as its reader takes something, with the job's signal handling
+   still in force; the exit code is the job's.
 
 ``--dry-run`` prints the draft plan (what is known before any host is
 asked) through the same builder and the backend's request. Both it and the
@@ -48,7 +51,7 @@ from dsrun.launcher.cluster import (
     resolve_cluster,
 )
 from dsrun.launcher.configcheck import check_config
-from dsrun.launcher.console import Console
+from dsrun.launcher.console import ERR, OUT, Console
 from dsrun.launcher.control import ControlServer
 from dsrun.launcher.envpolicy import (
     JobEnv,
@@ -68,6 +71,9 @@ from dsrun.launcher.watch import DEFAULT_STRAGGLER_INTERVAL
 
 #: Seconds before the first "still running" line once some ranks have exited.
 STRAGGLER_VAR = "DSRUN_STRAGGLER_INTERVAL"
+#: Seconds the ended job's stdout waits for a reader that takes nothing.
+OUTPUT_WAIT_VAR = "DSRUN_OUTPUT_WAIT"
+DEFAULT_OUTPUT_WAIT = 60.0
 
 console = Console()
 
@@ -168,6 +174,7 @@ def _plan(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv, job
 def run(spec: LaunchSpec) -> int:
     check_script(spec)
     straggler_interval(os.environ)  # a bad value is an error before anything starts
+    patience = output_wait(os.environ)
     cwd = os.getcwd()
     cluster, backend = resolve_cluster(spec.hosts, cwd)
     check_master(spec.hosts, cluster)
@@ -200,13 +207,20 @@ def run(spec: LaunchSpec) -> int:
         "hosts": list(cluster.hosts), "ranks": draft.world_size,
         "seconds": time.monotonic() - began}).start()
     clock = JobClock()
+    previous = take_signals()  # in force until the console is closed
     console.start_writer()  # no reporter waits for dsrun's stdout from here on
     try:
-        code = _run_attempts(spec, lambda restart: _attempt(
-            spec, cluster, backend, env, job_id, restart, control, clock), clock)
+        try:
+            code = _run_attempts(spec, lambda restart: _attempt(
+                spec, cluster, backend, env, job_id, restart, control, clock), clock)
+        finally:
+            SIGNALS.hold()  # from here a signal is only recorded, for finish_output
+            control.close()
+            finish_output(patience)
+            broken = console.close(wait=False)
     finally:
-        control.close()
-        broken = console.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
     if broken:  # a closed pipe took the last lines (`dsrun ... | head`)
         raise BrokenPipeError("dsrun's output stream is closed")
     return code
@@ -224,6 +238,60 @@ def straggler_interval(environ: Mapping[str, str]) -> float | None:
         raise DsrunUsageError(f"{STRAGGLER_VAR}={text!r} is not a number of seconds") from None
     check_seconds(f"{STRAGGLER_VAR} (environment)", value, zero=True)
     return value if value > 0 else None
+
+
+def output_wait(environ: Mapping[str, str]) -> float | None:
+    """Seconds the ended job's stdout waits for a reader that takes nothing
+    (``DSRUN_OUTPUT_WAIT``; 0: as long as it takes), or a usage error."""
+    text = environ.get(OUTPUT_WAIT_VAR)
+    if not text:
+        return DEFAULT_OUTPUT_WAIT
+    try:
+        value = float(text)
+    except ValueError:
+        raise DsrunUsageError(f"{OUTPUT_WAIT_VAR}={text!r} is not a number of seconds") from None
+    check_seconds(f"{OUTPUT_WAIT_VAR} (environment)", value, zero=True)
+    return value if value > 0 else None
+
+
+def finish_output(patience: float | None) -> None:
+    """The job has ended (its report said): write what the console holds.
+
+    stderr does not wait behind stdout (console.py), so the report is out
+    at once unless stderr's own reader stalls. stdout is waited for as long
+    as its reader takes something; once a stream's writer has written
+    nothing for ``patience`` seconds since the job ended (None: no limit),
+    the rest of it is dropped, and a dropped stdout is said on stderr. The
+    first signal drops stdout's rest at once (stderr is still written); a
+    second one returns at once. Either way the exit code stays the job's."""
+    began = time.monotonic()
+    signals: list[int] = []
+    dropped: set[int] = set()
+    while not console.written(0.2):
+        signals += SIGNALS.take()
+        if len(signals) > 1:
+            return  # a second signal: no more waiting (close() drops the rest)
+        if signals and OUT not in dropped:
+            dropped.add(OUT)
+            _drop_output(OUT, f"{signal.Signals(signals[0]).name} after the job ended")
+        for fd in (OUT, ERR) if patience is not None else ():
+            if fd not in dropped and console.stuck(fd, began) >= patience:
+                dropped.add(fd)
+                _drop_output(fd, f"nothing was read from dsrun's stdout for {patience:g}s "
+                             f"after the job ended ({OUTPUT_WAIT_VAR})")
+
+
+def _drop_output(fd: int, why: str) -> None:
+    """Give up on one stream; say on stderr what stdout lost."""
+    lines, size = console.drop(fd)
+    if fd == OUT and size:
+        say(f"{why}: dropped {lines} line(s) ({_amount(size)}) of output not yet written "
+            f"to stdout")
+
+
+def _amount(size: int) -> str:
+    return f"{size} bytes" if size < 10 * 1024 else \
+        f"{size / 1024:.0f} KiB" if size < 10 * 2 ** 20 else f"{size / 2 ** 20:.0f} MiB"
 
 
 class JobClock:
@@ -341,21 +409,16 @@ def take_signals() -> dict[signal.Signals, object]:
 
 def _run_attempts(spec: LaunchSpec, attempt: Callable[[int], JobResult],
                   clock: JobClock) -> int:
-    previous = take_signals()
-    try:
-        for restart in range(spec.max_restarts + 1):
-            result = attempt(restart)
-            if result.exit_code == 0 or result.interrupted is not None \
-                    or result.timed_out is not None or restart == spec.max_restarts:
-                break
-            why_not = _no_restart(spec, result, clock)
-            say(attempt_line(result, restart,
-                             why_not or f"restarting ({restart + 1}/{spec.max_restarts})"))
-            if why_not:
-                break
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+    for restart in range(spec.max_restarts + 1):
+        result = attempt(restart)
+        if result.exit_code == 0 or result.interrupted is not None \
+                or result.timed_out is not None or restart == spec.max_restarts:
+            break
+        why_not = _no_restart(spec, result, clock)
+        say(attempt_line(result, restart,
+                         why_not or f"restarting ({restart + 1}/{spec.max_restarts})"))
+        if why_not:
+            break
     # After Ctrl-C, ranks killed by dsrun's own stop are not a failure to report.
     if result.interrupted is None or any(not f.during_stop for f in result.failures):
         for line in report_lines(result):

@@ -1,7 +1,8 @@
 """Rank output on its way to dsrun's stdout, without processes: the
 console's writer threads (nobody waits for a slow reader; stderr does not
 wait behind stdout; order kept; a closed pipe raises in the caller; a
-stalled stream given up on), the agent link's pause/resume and batches, and the
+stalled stream given up on), the end of a job's output (signals, the
+bounded wait), the agent link's pause/resume and batches, and the
 supervisor pausing the agents while the console is behind."""
 
 from __future__ import annotations
@@ -10,17 +11,19 @@ import io
 import os
 import queue
 import select
+import signal
 import threading
 import time
 
 import pytest
 
+from dsrun.errors import DsrunUsageError
 from dsrun.launcher import console as console_mod
+from dsrun.launcher import launch, protocol
 from dsrun.launcher import link as link_mod
-from dsrun.launcher import protocol
 from dsrun.launcher.console import Console
 from dsrun.launcher.link import Link
-from dsrun.launcher.supervisor import OUTPUT_HIGH, OUTPUT_LOW, Supervisor, Watch
+from dsrun.launcher.supervisor import OUTPUT_HIGH, OUTPUT_LOW, SIGNALS, Supervisor, Watch
 
 
 class SlowStream(io.StringIO):
@@ -178,6 +181,65 @@ def test_a_stalled_stream_is_seen_and_can_be_given_up_on() -> None:
     assert err.getvalue() == "dsrun: still said\n"
     out.go.set()
     assert _wait(lambda: out.getvalue() == "[h:0] first\n")
+
+
+@pytest.fixture
+def job_console(monkeypatch):
+    """launch's console over a stdout nobody reads, with lines queued."""
+    out, err = SlowStream(), io.StringIO()
+    c = Console(out, err, tty=False)
+    monkeypatch.setattr(launch, "console", c)
+    SIGNALS.reset()
+    c.start_writer()
+    c.lines("h", 0, 1, ["line 0"])  # the writer blocks in this write
+    assert _wait(lambda: c._writers[1].busy)
+    c.lines("h", 0, 1, [f"line {i}" for i in range(1, 1000)])
+    c.say("job failed: rank 1 ...")
+    yield c, out, err
+    SIGNALS.reset()
+    out.go.set()
+
+
+def test_a_signal_while_the_output_drains_drops_stdout_and_writes_stderr(job_console) -> None:
+    c, out, err = job_console
+    SIGNALS(signal.SIGINT, None)  # recorded, as while the job ran
+    began = time.monotonic()
+    launch.finish_output(60.0)
+    assert time.monotonic() - began < 2
+    c.close(wait=False)
+    lines = err.getvalue().splitlines()
+    assert lines[0] == "dsrun: job failed: rank 1 ..."
+    assert lines[1].startswith("dsrun: SIGINT after the job ended: dropped 999 line(s) (")
+
+
+def test_a_second_signal_ends_the_wait_at_once(job_console) -> None:
+    c, out, err = job_console
+    c._writers[2] = c._writers[1]  # stderr behind the same stalled reader (`2>&1 |`)
+    c._writers[1].fds = {1, 2}
+    c.say("waits behind stdout")
+    SIGNALS(signal.SIGTERM, None)
+    SIGNALS(signal.SIGTERM, None)
+    began = time.monotonic()
+    launch.finish_output(60.0)
+    assert time.monotonic() - began < 1
+
+
+def test_a_reader_that_takes_nothing_is_waited_for_patience_seconds(job_console) -> None:
+    c, out, err = job_console
+    began = time.monotonic()
+    launch.finish_output(0.5)
+    assert 0.5 <= time.monotonic() - began < 2
+    assert err.getvalue().splitlines()[-1].startswith(
+        "dsrun: nothing was read from dsrun's stdout for 0.5s after the job ended "
+        "(DSRUN_OUTPUT_WAIT): dropped 999 line(s) (")
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "inf", "soon"])
+def test_the_output_wait_variable_is_checked(value) -> None:
+    with pytest.raises(DsrunUsageError, match="DSRUN_OUTPUT_WAIT"):
+        launch.output_wait({"DSRUN_OUTPUT_WAIT": value})
+    assert launch.output_wait({"DSRUN_OUTPUT_WAIT": "0"}) is None
+    assert launch.output_wait({}) == launch.DEFAULT_OUTPUT_WAIT
 
 
 def _link() -> tuple[Link, int, io.BufferedReader]:
