@@ -242,6 +242,23 @@ def test_the_output_wait_variable_is_checked(value) -> None:
     assert launch.output_wait({}) == launch.DEFAULT_OUTPUT_WAIT
 
 
+def test_a_straggler_line_says_when_stdout_holds_the_output(monkeypatch) -> None:
+    c = Console(SlowStream(), io.StringIO(), tty=False)
+    monkeypatch.setattr(launch, "console", c)
+    said: list[str] = []
+    monkeypatch.setattr(launch, "say", said.append)
+    line = "1 of 2 rank(s) finished 30s ago; still running: rank 0 on a (running 31s)"
+    launch._watch_say(line)
+    c.start_writer()
+    c.lines("h", 0, 1, ["x" * 1000] * (OUTPUT_LOW // 1000 + 1))
+    launch._watch_say(line)
+    launch._watch_say("another line")
+    assert said == [line, line + " (output paused: dsrun's stdout reader is slow)",
+                    "another line"]
+    c._out.go.set()  # type: ignore[union-attr]
+    c.close()
+
+
 def _link() -> tuple[Link, int, io.BufferedReader]:
     r_in, w_in = os.pipe()  # launcher -> agent
     r_out, w_out = os.pipe()  # agent -> launcher
