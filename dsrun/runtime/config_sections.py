@@ -479,14 +479,27 @@ def parse_monitors(known: Mapping[str, Any], ctx: Ctx) -> dict[str, Any]:
 # ------------------------------------------------------- optimizer, scheduler
 
 # DeepSpeed's optimizer names (it lower-cases them) plus the torch.optim
-# classes DeepSpeed reaches by name; value: the name users see in messages.
+# classes DeepSpeed reaches by name (``getattr(torch.optim, type)``); value:
+# the name users see in messages (torch's spelling). Adafactor needs torch >=
+# 2.5 (the optimizer builder says so); like Lamb it is not elementwise, so
+# the ZeRO stages refuse it.
 OPTIMIZER_NAMES: Mapping[str, str] = MappingProxyType({
     "adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "sgd": "SGD", "adagrad": "Adagrad",
     "rmsprop": "RMSprop", "adamax": "Adamax", "nadam": "NAdam", "radam": "RAdam",
-    "adadelta": "Adadelta", "lion": "Lion",
+    "adadelta": "Adadelta", "lion": "Lion", "asgd": "ASGD", "rprop": "Rprop",
+    "adafactor": "Adafactor",
 })
-# DeepSpeed optimizers built on custom CUDA kernels / compressed communication.
-UNSUPPORTED_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb", "muon")
+_CUSTOM_KERNELS = "a DeepSpeed optimizer that needs its custom CUDA/communication kernels"
+# Names refused with the reason why (lower-case name -> reason).
+REFUSED_OPTIMIZERS: Mapping[str, str] = MappingProxyType({
+    "onebitadam": _CUSTOM_KERNELS, "zerooneadam": _CUSTOM_KERNELS,
+    "onebitlamb": _CUSTOM_KERNELS, "muon": _CUSTOM_KERNELS,
+    "lbfgs": "torch's LBFGS re-evaluates the model through a closure that engine.step() "
+             "does not have",
+    "sparseadam": "torch's SparseAdam steps sparse gradients only, and dsrun reduces dense "
+                  "ones",
+})
+UNSUPPORTED_OPTIMIZERS = tuple(REFUSED_OPTIMIZERS)
 
 _ADAM_AUTO = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 # What "auto" becomes when no client value is given: DeepSpeed's defaults
@@ -499,6 +512,8 @@ AUTO_OPTIMIZER_DEFAULTS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
     "rmsprop": {"lr": 1e-2, "eps": 1e-8, "weight_decay": 0.0},
     "adadelta": {"lr": 1.0, "eps": 1e-6, "weight_decay": 0.0},
     "lion": {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.0},
+    "asgd": {"lr": 1e-2, "weight_decay": 0}, "rprop": {"lr": 1e-2},  # Rprop has no decay
+    "adafactor": {"lr": 1e-2, "weight_decay": 0.0},
 })
 
 _WARMUP_TYPE = Check("str", choices=("log", "linear"))
@@ -515,15 +530,16 @@ SCHEDULER_PARAMS: Mapping[str, Mapping[str, Check]] = MappingProxyType({
         "total_num_steps": Check("int", low=1), "warmup_min_ratio": Check("float", 0.0, 1.0),
         "warmup_num_steps": Check("int", low=1), "cos_min_ratio": Check("float", 0.0, 1.0),
         "warmup_type": _WARMUP_TYPE, "last_batch_iteration": _LAST},
-    "OneCycle": {
-        "cycle_min_lr": Check("float", low=0.0), "cycle_max_lr": Check("float", low=0.0),
+    "OneCycle": {  # lr and momentum bounds: one value, or one per param group
+        "cycle_min_lr": Check("floats", low=0.0), "cycle_max_lr": Check("floats", low=0.0),
         "decay_lr_rate": Check("float", low=0.0),
         "cycle_first_step_size": Check("int", low=1),
-        "cycle_second_step_size": Check("int", low=1, optional=True),
+        # 0: no second half - the lr climbs for the whole cycle, then drops
+        "cycle_second_step_size": Check("int", low=0, optional=True),
         "cycle_first_stair_count": Check("int", low=0),
         "cycle_second_stair_count": Check("int", low=0, optional=True),
         "decay_step_size": Check("int", low=0), "cycle_momentum": Check("bool"),
-        "cycle_min_mom": Check("float", 0.0, 1.0), "cycle_max_mom": Check("float", 0.0, 1.0),
+        "cycle_min_mom": Check("floats", 0.0, 1.0), "cycle_max_mom": Check("floats", 0.0, 1.0),
         "decay_mom_rate": Check("float"), "last_batch_iteration": _LAST},
     "LRRangeTest": {
         "lr_range_test_min_lr": Check("floats", low=0.0),
@@ -535,36 +551,75 @@ SCHEDULER_REQUIRED: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "WarmupDecayLR": ("total_num_steps",), "WarmupCosineLR": ("total_num_steps",),
     "OneCycle": ("cycle_min_lr", "cycle_max_lr"),
 })
+# torch.optim.lr_scheduler classes a config may name: DeepSpeed falls back to
+# getattr(torch.optim.lr_scheduler, type)(optimizer, **params) and steps it
+# once per optimizer step. Their params are checked against the installed
+# torch's signature when the scheduler is built (lr_schedules.py): this
+# module imports no torch. ReduceLROnPlateau is stepped by the script, with
+# its metric (the engine's docs).
+TORCH_SCHEDULERS = ("StepLR", "MultiStepLR", "ConstantLR", "LinearLR", "ExponentialLR",
+                    "PolynomialLR", "CosineAnnealingLR", "CosineAnnealingWarmRestarts",
+                    "CyclicLR", "OneCycleLR", "ReduceLROnPlateau")
+_IN_SCRIPT = ("build it in the script and pass it as lr_scheduler= to initialize() (or a "
+              "callable that takes the optimizer)")
+REFUSED_SCHEDULERS: Mapping[str, str] = MappingProxyType({
+    "lambdalr": f"its lr_lambda is a Python function, which JSON cannot hold: {_IN_SCRIPT}",
+    "multiplicativelr": f"its lr_lambda is a Python function, which JSON cannot hold: "
+                        f"{_IN_SCRIPT}",
+    "sequentiallr": f"it chains scheduler objects, which JSON cannot hold: {_IN_SCRIPT}",
+    "chainedscheduler": f"it chains scheduler objects, which JSON cannot hold: {_IN_SCRIPT}",
+})
 DEFAULT_WARMUP_NUM_STEPS = 1000
 
 
-def _choose(value: Any, names: Mapping[str, str], what: str, where: str) -> str:
-    """Case-insensitive lookup of a type name; error lists the valid ones."""
+def _choose(value: Any, names: Mapping[str, str], what: str, where: str,
+            refused: Mapping[str, str]) -> str:
+    """Case-insensitive lookup of a type name -> its canonical spelling (the
+    ``names`` value); the error lists the valid ones, or says why a name
+    is ``refused``."""
     if isinstance(value, str) and value.lower() in names:
-        return value.lower() if names is OPTIMIZER_NAMES else names[value.lower()]
+        return names[value.lower()]
     shown = ", ".join(names.values())
     extra = did_you_mean(str(value), list(names.values()))
-    if isinstance(value, str) and value.lower() in UNSUPPORTED_OPTIMIZERS:
-        extra = " (a DeepSpeed optimizer that needs its custom CUDA/communication kernels)"
+    if isinstance(value, str) and value.lower() in refused:
+        extra = f" ({refused[value.lower()]})"
     raise DsrunConfigError(f"{where}: unknown {what} {show(value)}{extra}; valid: {shown}")
 
 
 def canonical_optimizer_type(value: Any, where: str = "optimizer.type") -> str:
     """Lower-case optimizer name (``"AdamW"`` -> ``"adamw"``) or an error."""
-    return _choose(value, OPTIMIZER_NAMES, "optimizer type", where)
+    if isinstance(value, str) and value.lower() in OPTIMIZER_NAMES:
+        return value.lower()
+    return _choose(value, OPTIMIZER_NAMES, "optimizer type", where, REFUSED_OPTIMIZERS)
 
 
-_SCHEDULER_NAMES = MappingProxyType({name.lower(): name for name in SCHEDULER_PARAMS})
+_SCHEDULER_NAMES = MappingProxyType({name.lower(): name
+                                     for name in (*SCHEDULER_PARAMS, *TORCH_SCHEDULERS)})
 
 
 def canonical_scheduler_type(value: Any, where: str = "scheduler.type") -> str:
-    """DeepSpeed's spelling of a scheduler name (case-insensitive input)."""
-    return _choose(value, _SCHEDULER_NAMES, "scheduler type", where)
+    """DeepSpeed's or torch's spelling of a scheduler name (case-insensitive input)."""
+    return _choose(value, _SCHEDULER_NAMES, "scheduler type", where, REFUSED_SCHEDULERS)
+
+
+def _check_torch_scheduler_params(kind: str, params: Mapping[str, Any], path: tuple[str, ...],
+                                  ctx: Ctx) -> dict[str, Any]:
+    """A torch scheduler's params: any JSON values (their names are checked
+    against torch's signature when it is built), never "auto"."""
+    out = dict(check_value(params, Check("mapping"), ctx.where(path)))
+    for key, value in out.items():
+        if is_auto(value):
+            raise DsrunConfigError(f'{ctx.where((*path, key))} is "auto", which dsrun resolves '
+                                   f"only for DeepSpeed's schedulers, not torch's {kind}")
+    return out
 
 
 def check_scheduler_params(kind: str, params: Mapping[str, Any], path: tuple[str, ...] = (
         "scheduler", "params"), ctx: Ctx = STRICT) -> dict[str, Any]:
-    """Check scheduler ``params`` against DeepSpeed's signature for ``kind``."""
+    """Check scheduler ``params`` against DeepSpeed's signature for ``kind``
+    (a torch scheduler's when it is built)."""
+    if kind not in SCHEDULER_PARAMS:
+        return _check_torch_scheduler_params(kind, params, path, ctx)
     specs = SCHEDULER_PARAMS[kind]
     known = pick(params, path, ctx, specs)
     out = {key: check_value(value, specs[key], ctx.where((*path, key)))
@@ -595,7 +650,7 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """``scheduler``: DeepSpeed ``type`` name and its checked ``params``."""
+    """``scheduler``: a DeepSpeed or torch ``type`` name and its checked ``params``."""
 
     type: str
     params: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
@@ -701,7 +756,7 @@ def parse_scheduler(raw: Any, ctx: Ctx, lr: Any, total_num_steps: Optional[int],
     why = {"warmup_max_lr": "there is no optimizer lr to take it from",
            "total_num_steps": "no total step count was given (total_num_steps)"}
     for key, value in params.items():
-        if is_auto(value) and key in autos and key in SCHEDULER_PARAMS[kind]:
+        if is_auto(value) and key in autos and key in SCHEDULER_PARAMS.get(kind, {}):
             if autos[key] is None:
                 raise DsrunConfigError(f'{ctx.where((*path, "params", key))} is "auto" but '
                                        f"{why[key]}")

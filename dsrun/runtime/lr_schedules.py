@@ -24,9 +24,11 @@ optimizer's param groups. Semantics follow deepspeed/runtime/lr_schedules.py:
   ``ratio = max(0, cos_min + (1 - cos_min) * (1 + cos(pi * p)) / 2)`` (the
   clamp of ``p`` is current DeepSpeed's: the ratio stays at ``cos_min``
   after T instead of rising again).
+* WarmupLR without ``warmup_max_lr`` warms each param group up to its own
+  lr (a list of bounds, one per group, works for every DeepSpeed schedule).
 * OneCycle: triangular cycle of ``first + second`` steps (optionally in
-  stairs), then ``lr = cycle_min_lr / (1 + decay_lr_rate * k / decay_step_size)``
-  for the k-th step after the cycle. Momentum moves inversely between
+  stairs; ``second`` may be 0), then ``lr = cycle_min_lr / (1 + decay_lr_rate
+  * k / decay_step_size)`` for the k-th step after the cycle. Momentum moves inversely between
   ``cycle_max_mom`` and ``cycle_min_mom`` and is written as ``betas[0]``,
   with ``betas[1]`` forced to 0.99 exactly as DeepSpeed does; optimizers
   without ``betas`` (SGD) get no momentum cycling (DeepSpeed warns the same).
@@ -36,10 +38,17 @@ optimizer's param groups. Semantics follow deepspeed/runtime/lr_schedules.py:
 The classes subclass ``torch.optim.lr_scheduler.LRScheduler`` for
 ``isinstance`` checks in client code but do not run its ``__init__``: its
 step counting and initial step differ from DeepSpeed's.
+
+A config ``"scheduler"`` type that is not DeepSpeed's names a
+``torch.optim.lr_scheduler`` class, built over the torch optimizer with the
+params as keyword arguments (DeepSpeed's fallback) after they are checked
+against its signature (:func:`build_scheduler`). :func:`needs_metric` tells
+the engine which schedulers it must not step itself (ReduceLROnPlateau).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -51,6 +60,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from dsrun.errors import DsrunConfigError
 from dsrun.runtime.config import SchedulerConfig
+from dsrun.runtime.config_schema import did_you_mean, thaw
 
 log = logging.getLogger(__name__)
 
@@ -178,9 +188,10 @@ def _torch_optimizer(optimizer: Any) -> Optimizer:
     raise TypeError(f"{type(optimizer).__name__} is not a torch.optim.Optimizer")
 
 
-def _positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise DsrunConfigError(f"{name} must be a positive integer, got {value!r}")
+def _positive_int(value: Any, name: str, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        what = "a positive integer" if low == 1 else f"an integer >= {low}"
+        raise DsrunConfigError(f"{name} must be {what}, got {value!r}")
     return value
 
 
@@ -253,15 +264,15 @@ class _DeepSpeedSchedule(LRScheduler):
 class WarmupLR(_DeepSpeedSchedule):
     """Warm up from ``warmup_min_lr`` to ``warmup_max_lr``, then hold.
 
-    ``warmup_max_lr=None`` takes the optimizer's lr (current DeepSpeed).
+    ``warmup_max_lr=None`` takes each param group's own lr (current DeepSpeed).
     """
 
     def __init__(self, optimizer: Any, warmup_min_lr: PerGroup = 0.0,
                  warmup_max_lr: Optional[PerGroup] = None, warmup_num_steps: int = 1000,
                  warmup_type: str = "log", last_batch_iteration: int = -1) -> None:
         super().__init__(optimizer, last_batch_iteration)
-        if warmup_max_lr is None:
-            warmup_max_lr = self.base_lrs[0]
+        if warmup_max_lr is None:  # each group's own lr, as DeepSpeed
+            warmup_max_lr = list(self.base_lrs)
         self.min_lrs = self._per_group(warmup_min_lr, "warmup_min_lr")
         self.max_lrs = self._per_group(warmup_max_lr, "warmup_max_lr")
         self.warmup_num_steps = max(2, _positive_int(warmup_num_steps, "warmup_num_steps"))
@@ -328,26 +339,36 @@ class WarmupCosineLR(_DeepSpeedSchedule):
 
 
 class OneCycle(_DeepSpeedSchedule):
-    """1Cycle: a triangular lr cycle, then decay; momentum cycled inversely."""
+    """1Cycle: a triangular lr cycle, then decay; momentum cycled inversely.
 
-    def __init__(self, optimizer: Any, cycle_min_lr: float, cycle_max_lr: float,
+    ``cycle_min_lr``/``cycle_max_lr``/``cycle_min_mom``/``cycle_max_mom``
+    are one value for every param group or a list with one per group
+    (DeepSpeed's ``_format_param``); each group follows the same cycle
+    between its own bounds. ``cycle_second_step_size`` 0 (DeepSpeed allows
+    it) makes a cycle of the rising half only.
+    """
+
+    def __init__(self, optimizer: Any, cycle_min_lr: PerGroup, cycle_max_lr: PerGroup,
                  decay_lr_rate: float = 0.0, cycle_first_step_size: int = 2000,
                  cycle_second_step_size: Optional[int] = None, cycle_first_stair_count: int = 0,
                  cycle_second_stair_count: Optional[int] = None, decay_step_size: int = 0,
-                 cycle_momentum: bool = True, cycle_min_mom: float = 0.8,
-                 cycle_max_mom: float = 0.9, decay_mom_rate: float = 0.0,
+                 cycle_momentum: bool = True, cycle_min_mom: PerGroup = 0.8,
+                 cycle_max_mom: PerGroup = 0.9, decay_mom_rate: float = 0.0,
                  last_batch_iteration: int = -1) -> None:
         super().__init__(optimizer, last_batch_iteration)
         _positive_int(cycle_first_step_size, "cycle_first_step_size")
         if cycle_second_step_size is not None:
-            _positive_int(cycle_second_step_size, "cycle_second_step_size")
+            _positive_int(cycle_second_step_size, "cycle_second_step_size", low=0)
+        self.bounds = list(zip(
+            self._per_group(cycle_min_lr, "cycle_min_lr"),
+            self._per_group(cycle_max_lr, "cycle_max_lr"),
+            self._per_group(cycle_min_mom, "cycle_min_mom"),
+            self._per_group(cycle_max_mom, "cycle_max_mom")))
         self.shape = dict(
-            cycle_min_lr=float(cycle_min_lr), cycle_max_lr=float(cycle_max_lr),
             decay_lr_rate=float(decay_lr_rate), cycle_first_step_size=cycle_first_step_size,
             cycle_second_step_size=cycle_second_step_size,
             cycle_first_stair_count=cycle_first_stair_count,
             cycle_second_stair_count=cycle_second_stair_count, decay_step_size=decay_step_size,
-            cycle_min_mom=float(cycle_min_mom), cycle_max_mom=float(cycle_max_mom),
             decay_mom_rate=float(decay_mom_rate))
         self.cycle_momentum = bool(cycle_momentum)
         if self.cycle_momentum and "betas" not in self.optimizer.defaults:
@@ -357,16 +378,20 @@ class OneCycle(_DeepSpeedSchedule):
         if last_batch_iteration == -1:
             self._apply()
 
+    def _at(self) -> list[tuple[float, float]]:
+        """``(lr, momentum)`` per param group at the current iteration."""
+        return [one_cycle_at(self.last_batch_iteration, cycle_min_lr=low, cycle_max_lr=high,
+                             cycle_min_mom=low_mom, cycle_max_mom=high_mom, **self.shape)
+                for low, high, low_mom, high_mom in self.bounds]
+
     def get_lr(self) -> list[float]:
-        lr, _ = one_cycle_at(self.last_batch_iteration, **self.shape)
-        return [lr] * len(self.optimizer.param_groups)
+        return [lr for lr, _ in self._at()]
 
     def get_mom(self) -> Optional[list[tuple[float, float]]]:
         """``betas`` per group, or None when momentum is not cycled."""
         if not self.cycle_momentum:
             return None
-        _, momentum = one_cycle_at(self.last_batch_iteration, **self.shape)
-        return [(momentum, 0.99)] * len(self.optimizer.param_groups)
+        return [(momentum, 0.99) for _, momentum in self._at()]
 
     def _apply(self) -> None:
         super()._apply()
@@ -405,12 +430,52 @@ SCHEDULERS: Mapping[str, type[_DeepSpeedSchedule]] = {
 VALID_LR_SCHEDULES = list(SCHEDULERS)
 
 
-def build_scheduler(config: Optional[SchedulerConfig], optimizer: Any
-                    ) -> Optional[_DeepSpeedSchedule]:
-    """The scheduler ``config`` describes (None for None); its params were
-    checked against these signatures when the config was resolved."""
+def build_scheduler(config: Optional[SchedulerConfig], optimizer: Any) -> Optional[Any]:
+    """The scheduler ``config`` describes (None for None): DeepSpeed's (its
+    params were checked against these signatures when the config was
+    resolved), else the torch.optim.lr_scheduler class of that name over
+    the torch optimizer, its params checked here against torch's signature."""
     if config is None:
         return None
-    params = {key: list(value) if isinstance(value, tuple) else value
-              for key, value in config.params.items()}
-    return SCHEDULERS[config.type](optimizer, **params)
+    params = {key: thaw(value) for key, value in config.params.items()}
+    if config.type in SCHEDULERS:
+        return SCHEDULERS[config.type](optimizer, **params)
+    return _torch_scheduler(config.type, params, _torch_optimizer(optimizer))
+
+
+def _torch_scheduler(name: str, params: dict[str, Any], optimizer: Optimizer) -> Any:
+    cls = getattr(torch.optim.lr_scheduler, name, None)
+    if not isinstance(cls, type):
+        raise DsrunConfigError(f'scheduler.type "{name}": torch {torch.__version__} has no '
+                               f"torch.optim.lr_scheduler.{name}")
+    where = f"scheduler.params for {name} (torch.optim.lr_scheduler.{name})"
+    signature = inspect.signature(cls.__init__).parameters
+    valid = [key for key, p in signature.items() if key not in ("self", "optimizer")
+             and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    unknown = [key for key in params if key not in valid]
+    if unknown:
+        named = ", ".join(f'"{key}"{did_you_mean(key, valid)}' for key in unknown)
+        raise DsrunConfigError(f"unknown parameter(s) {named} in {where}; valid: "
+                               f"{', '.join(valid)}")
+    missing = [key for key in valid if signature[key].default is inspect.Parameter.empty
+               and key not in params]
+    if missing:
+        raise DsrunConfigError(f"{where} needs " + ", ".join(f'"{key}"' for key in missing))
+    try:
+        return cls(optimizer, **params)
+    except (TypeError, ValueError) as err:
+        raise DsrunConfigError(f"{where}: torch rejected {params}: {err}") from err
+
+
+def needs_metric(scheduler: Any) -> bool:
+    """True when ``scheduler.step()`` needs an argument - torch's
+    ReduceLROnPlateau needs the metric - so the engine cannot step it."""
+    step = getattr(scheduler, "step", None)
+    if step is None:
+        return False
+    try:
+        parameters = inspect.signature(step).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+               for p in parameters)

@@ -18,7 +18,11 @@ DeepSpeed semantics kept here (deepspeed/runtime/engine.py,
 * ``"Lamb"`` is :class:`Lamb` below (DeepSpeed's FusedLamb, on any device).
 * ``max_grad_norm`` is rejected in favour of ``gradient_clipping`` (checked
   when the config is resolved), as in DeepSpeed.
-* Other types are torch.optim classes with their own parameter names.
+* Other types are torch.optim classes with their own parameter names
+  (DeepSpeed builds any ``torch.optim`` class by name; dsrun's list is in
+  the config module, which says why LBFGS and SparseAdam are refused).
+  Those whose update is not elementwise (Adafactor) are refused at the ZeRO
+  stages (:data:`~dsrun.runtime.zero.groups.UNSHARDABLE_OPTIMIZERS`).
 
 Parameter names are checked against the chosen class's signature (they
 depend on the installed torch): a bad name is a :class:`DsrunConfigError`
@@ -187,14 +191,14 @@ class Lion(Optimizer):
 
 
 # lower-case type -> torch class ("adam" picks Adam or AdamW from its params)
+# (only the classes the installed torch has: Adafactor came with torch 2.5)
 OPTIMIZER_CLASSES: Mapping[str, type[Optimizer]] = {
-    "adam": torch.optim.AdamW, "adamw": torch.optim.AdamW, "lamb": Lamb,
-    "sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "rmsprop": torch.optim.RMSprop,
-    "adamax": torch.optim.Adamax, "nadam": torch.optim.NAdam, "radam": torch.optim.RAdam,
-    "adadelta": torch.optim.Adadelta, "lion": Lion,
+    "adam": torch.optim.AdamW, "adamw": torch.optim.AdamW, "lamb": Lamb, "lion": Lion,
+    **{kind: getattr(torch.optim, name) for kind, name in OPTIMIZER_NAMES.items()
+       if kind not in ("adam", "adamw", "lamb", "lion") and hasattr(torch.optim, name)},
 }
 ADAM_EXTRAS = ("adam_w_mode", "torch_adam", "bias_correction")
-assert set(OPTIMIZER_CLASSES) == set(OPTIMIZER_NAMES), "config and optimizers disagree on types"
+assert set(OPTIMIZER_CLASSES) <= set(OPTIMIZER_NAMES), "config and optimizers disagree on types"
 
 
 def parameter_names(cls: type[Optimizer]) -> tuple[str, ...]:
@@ -208,6 +212,10 @@ def parameter_names(cls: type[Optimizer]) -> tuple[str, ...]:
 def optimizer_class_and_kwargs(config: OptimizerConfig) -> tuple[type[Optimizer], dict[str, Any]]:
     """The torch class and keyword arguments ``config`` stands for (pure)."""
     kwargs = dict(config.params)
+    if config.type not in OPTIMIZER_CLASSES:
+        name = OPTIMIZER_NAMES[config.type]
+        raise DsrunConfigError(f'optimizer.type "{name}": torch {torch.__version__} has no '
+                               f"torch.optim.{name}; a newer torch has it")
     cls = OPTIMIZER_CLASSES[config.type]
     extras: tuple[str, ...] = ()
     if config.type in ("adam", "adamw"):
