@@ -63,7 +63,7 @@ from dsrun.runtime.engine_controls import EngineControls
 from dsrun.runtime.engine_info import EngineInfo
 from dsrun.runtime.env import DistEnv
 from dsrun.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradSync, broadcast_tensors
-from dsrun.runtime.lr_schedules import build_scheduler
+from dsrun.runtime.lr_schedules import build_scheduler, needs_metric
 from dsrun.runtime.monitor.training import EngineMonitor
 from dsrun.runtime.optimizers import build_optimizer
 from dsrun.runtime.param_links import link_params
@@ -176,10 +176,9 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
                                                        masters=self.zero_stage == 0)
         self.optimizer = self._make_optimizer(optimizer, model_parameters)
         self._grad_sync = self._make_grad_sync() if self.zero_stage == 0 else None
-        client_optimizer = self.optimizer
         if self.zero_stage > 0:
             self.optimizer = self._make_zero_optimizer()
-        self.lr_scheduler = self._make_scheduler(lr_scheduler, client_optimizer)
+        self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.training_dataloader: Any = None
         self.global_steps = 0
         self.global_samples = 0
@@ -311,7 +310,21 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
                                          self.device, self.config.source):
             log.log(level, "%s", text)
 
-    def _make_scheduler(self, client: Any, client_optimizer: Any = None) -> Any:
+    def _make_scheduler(self, client: Any) -> Any:
+        """The client's scheduler (a callable is called with the torch
+        optimizer that steps: at ZeRO stages the client's own object, which
+        the ZeRO optimizer keeps - so a scheduler built over it needs no
+        re-pointing), else the config's; a scheduler whose ``step()`` needs a
+        metric is left to the script (:meth:`_step_scheduler`)."""
+        scheduler = self._pick_scheduler(client)
+        if needs_metric(scheduler) and self.global_rank == 0:
+            log.info("lr_scheduler %s: its step() needs a metric, so engine.step() does not "
+                     "step it; call engine.lr_scheduler.step(metric) after each evaluation "
+                     "(as Hugging Face's Trainer does), or pass engine.step(lr_kwargs=...)",
+                     type(scheduler).__name__)
+        return scheduler
+
+    def _pick_scheduler(self, client: Any) -> Any:
         if client is not None:
             if self.config.scheduler is not None:
                 log.warning("an lr_scheduler was passed to initialize() and the config has a "
@@ -321,10 +334,6 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
                 # ZeRO stages that is the inner one, whose param_groups step
                 inner = self.optimizer.optimizer if self.zero_stage > 0 else self.optimizer
                 return client(inner)
-            if self.zero_stage > 0 and getattr(client, "optimizer", None) is client_optimizer:
-                # The client built it over its own optimizer, which ZeRO rebuilt
-                # over partitions: the schedule must now drive the inner one.
-                client.optimizer = self.optimizer.optimizer
             return client
         if self.config.scheduler is None:
             return None
@@ -410,8 +419,7 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
         self._grad_norm = result.grad_norm
         self._step_applied = result.applied
         if result.applied:
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step(**(lr_kwargs or {}))
+            self._step_scheduler(lr_kwargs)
         else:
             self.skipped_steps += 1
             if result.overflow:
@@ -422,6 +430,15 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
         extra = f"loss_scale={self.precision.loss_scale:g}" if self.precision.scaler is not None \
             else None
         self.progress.step(self.global_steps, self.skipped_steps, self.get_lr(), extra)
+
+    def _step_scheduler(self, lr_kwargs: Optional[dict[str, Any]]) -> None:
+        """Once per applied optimizer step, as DeepSpeed. A scheduler whose
+        ``step()`` needs a metric (ReduceLROnPlateau) is stepped only with
+        ``lr_kwargs``: DeepSpeed passes it ``train_batch_size`` as the metric,
+        which reads as a plateau and cuts the lr every ``patience + 1`` steps."""
+        if self.lr_scheduler is None or (not lr_kwargs and needs_metric(self.lr_scheduler)):
+            return
+        self.lr_scheduler.step(**(lr_kwargs or {}))
 
     @property
     def _partition_only(self) -> bool:

@@ -54,11 +54,11 @@ class EngineInfo:
         return [float(group["lr"]) for group in self.optimizer.param_groups]
 
     def get_mom(self) -> list[Any]:
-        """Per param group: Adam's ``betas``, else SGD's ``momentum`` (None
-        where the optimizer has neither)."""
+        """Per param group: Adam's ``betas``, else SGD's ``momentum``, else
+        0.0 (Adagrad, ...: DeepSpeed's value for a group without the key)."""
         if self.optimizer is None:
             return []
-        return [group["betas"] if "betas" in group else group.get("momentum")
+        return [group["betas"] if "betas" in group else group.get("momentum", 0.0)
                 for group in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> Optional[float]:

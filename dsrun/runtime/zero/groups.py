@@ -110,15 +110,53 @@ def comm_strategy(reduce_scatter: bool, strategy: Optional[CommStrategy]
 
 def check_not_stepped(optimizer: Optimizer, where: str) -> None:
     """ZeRO rebuilds a client optimizer over its partitions, so it must not
-    have stepped: its state would be lost. State an optimizer creates in its
+    have stepped (its state would be lost), nor be stepping for another
+    ZeRO optimizer already (:func:`take_over`). State an optimizer creates in its
     constructor (Adagrad's ``sum`` and zero ``step``) is not stepping - the
     rebuilt optimizer creates it again - so only a state with a nonzero
     ``step``, or without one (SGD's momentum, made by the first step), is."""
+    if getattr(optimizer, TAKEN_OVER, False):
+        raise DsrunConfigError("this optimizer already steps for a ZeRO engine built before "
+                               "(its param groups hold that engine's partitions, as in "
+                               "DeepSpeed): build a new optimizer for each engine")
     for state in optimizer.state.values():
         step = state.get("step")
         if step is None or float(step) != 0:
             raise DsrunConfigError("pass an optimizer that has not stepped yet: ZeRO rebuilds "
                                    f"it over this rank's {where} and would drop its state")
+
+
+# Instance attributes of the client's optimizer that stay its own when it
+# takes over the rebuilt one's: what the script (or an LR scheduler built
+# over it) attached - hooks, torch's step wrapper, its step-called flag.
+_CLIENT_OWNED = ("step", "_opt_called")
+TAKEN_OVER = "_dsrun_zero_inner"  # set on a client optimizer once a ZeRO optimizer steps it
+
+
+def take_over(client: Optimizer, built: Optimizer) -> Optimizer:
+    """Make the script's ``client`` optimizer object the one that steps, as
+    DeepSpeed does (its ZeRO optimizers keep the client's object, with the
+    params of each group swapped for flat partitions): ``client`` gets
+    ``built``'s state, defaults and constructor-made attributes, and its own
+    param-group dicts - the very ones the script may hold - get ``built``'s
+    entries (partition params, hyperparameters, the implementation dsrun
+    picked). So ``for g in optimizer.param_groups: g["lr"] = ...`` on the
+    script's object, an LR scheduler built over it (its ``step`` wrapper
+    stays, and is what runs) and hooks registered on it all act on the real
+    step. ``built`` (same class, built over the partitions) is discarded;
+    its group ``i`` is ``client``'s group ``i``."""
+    if len(client.param_groups) != len(built.param_groups):  # pragma: no cover - invariant
+        raise DsrunError(f"{len(client.param_groups)} client param groups, "
+                         f"{len(built.param_groups)} rebuilt")
+    for mine, theirs in zip(client.param_groups, built.param_groups):
+        mine.clear()
+        mine.update(theirs)
+    for name, value in vars(built).items():
+        if name == "param_groups" or name in _CLIENT_OWNED or name.startswith("_optimizer_"):
+            continue  # the hook registries ("_optimizer_*_hooks") stay the client's
+        setattr(client, name, value)
+    setattr(client, TAKEN_OVER, True)
+    return client
 
 
 def _normalise_groups(params: Iterable[Any]) -> list[dict[str, Any]]:

@@ -57,7 +57,8 @@ config.zero_optimization))``), per optimizer step of ``gas`` micro-steps::
     zero.zero_grad(set_to_none=False)           # keep the flat buffers
 
 ``zero.optimizer`` is the inner torch optimizer (LR schedulers step it;
-``zero.param_groups`` is its param_groups). Gradients reduced in every
+``zero.param_groups`` is its param_groups); built by :meth:`from_optimizer`
+it is the client's own optimizer object, its groups over the partitions. Gradients reduced in every
 backward (:attr:`backward_hook_installed`) cannot defer synchronisation
 (``no_sync``). World size 1 collapses to the plain update with no
 communication, no hook and no copy (fp32/bf16): elementwise updates on a
@@ -96,6 +97,7 @@ from dsrun.runtime.zero.groups import (  # noqa: F401 - re-exported for older im
     comm_strategy,
     restore_partition_state,
     settings_values,
+    take_over,
 )
 from dsrun.runtime.zero.masters import MasterGradients
 from dsrun.runtime.zero.memory import StateBytes, count_bytes, tensors_in
@@ -170,12 +172,17 @@ class ZeroOptimizer(ShardedStateIO, MasterGradients):
                        backward_order: Optional[Sequence[torch.Tensor]] = None,
                        reduce_in_backward: Optional[bool] = None) -> ZeroOptimizer:
         """Rebuild a client optimizer (not stepped yet) as a ZeRO one: same
-        class, same per-group hyperparameters."""
+        class, same per-group hyperparameters, and ``optimizer`` itself -
+        its param-group dicts, now over the partitions - is the inner one
+        that steps (:func:`~.groups.take_over`): the script's changes to it
+        take effect, as in DeepSpeed."""
         check_not_stepped(optimizer, "partition")
         groups = [dict(g) for g in optimizer.param_groups]
-        return cls(groups, type(optimizer), optimizer.defaults, stage=stage, group=group,
+        zero = cls(groups, type(optimizer), optimizer.defaults, stage=stage, group=group,
                    settings=settings, backward_order=backward_order,
                    reduce_in_backward=reduce_in_backward)
+        zero.optimizer = take_over(optimizer, zero.optimizer)
+        return zero
 
     # ------------------------------------------------------------ set-up
 

@@ -102,6 +102,7 @@ from dsrun.runtime.zero.groups import (
     _normalise_groups,
     check_not_stepped,
     restore_partition_state,
+    take_over,
 )
 from dsrun.runtime.zero.init import GatheredParameters
 from dsrun.runtime.zero.masters import MasterGradients, reduce_on_device
@@ -209,11 +210,15 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
                        device: Optional[torch.device] = None,
                        leaf_module: Optional[Mapping[str, Any]] = None) -> ZeroStage3:
         """Rebuild a client optimizer (not stepped yet) over the shards: same
-        class, same per-group hyperparameters."""
+        class, same per-group hyperparameters; ``optimizer`` itself, its
+        param-group dicts now over the masters, is the inner one that steps
+        (:func:`~.groups.take_over`), as in DeepSpeed."""
         check_not_stepped(optimizer, "shards")
-        return cls(module, [dict(g) for g in optimizer.param_groups], type(optimizer),
+        zero = cls(module, [dict(g) for g in optimizer.param_groups], type(optimizer),
                    optimizer.defaults, group=group, settings=settings, device=device,
                    leaf_module=leaf_module)
+        zero.optimizer = take_over(optimizer, zero.optimizer)
+        return zero
 
     @classmethod
     def without_optimizer(cls, module: torch.nn.Module, *, group: Any = None,

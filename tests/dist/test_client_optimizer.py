@@ -1,0 +1,197 @@
+"""The script's own optimizer and LR scheduler after initialize(), at ZeRO
+stages 0-3, as DeepSpeed: the client's optimizer object is the one that
+steps (its param groups over the partitions), so a hand-written schedule
+or weight-decay change on it takes effect; a ReduceLROnPlateau is stepped
+by the script with its metric, never by engine.step(); config schedulers
+and optimizers that name torch classes; get_mom() for optimizers without
+momentum.
+
+The 2-rank cases run in one dsrun job (workers/client_optim_cases.py); a
+stage's numbers must match stage 0's (the same arithmetic: <= 1e-6, the
+ZeRO parity tolerance, see test_zero_stage12.py). The rest run on a
+one-rank group in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from typing import Any
+
+import pytest
+import torch
+
+import dsrun
+from dsrun.errors import DsrunConfigError
+from tests.conftest import ROOT, dsrun_argv
+
+pytestmark = pytest.mark.dist
+
+WORKER = ROOT / "tests" / "dist" / "workers" / "client_optim_cases.py"
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", "DSRUN_CONFIG", "DSRUN_JOB_ID")
+TOLERANCE = 1e-6
+ZERO = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("client_optim")
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    res = subprocess.run(dsrun_argv("--cpu", "--num_gpus", "2", str(WORKER), "--out", str(out)),
+                         capture_output=True, text=True, timeout=600, env=env, cwd=str(ROOT))
+    files = sorted(out.glob("rank*.json"))
+    assert res.returncode == 0 and files, f"job failed ({res.returncode}):\n{res.stderr[-4000:]}"
+    results = [json.loads(f.read_text()) for f in files]
+    assert [r["world_size"] for r in results] == [2, 2]
+    return results
+
+
+def facts(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    found = [r[name] for r in results]
+    for rank, fact in enumerate(found):
+        assert fact["ok"], f"{name}, rank {rank}:\n{fact['error']}"
+    return found
+
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("stage", ZERO)
+def test_hand_written_schedule_on_the_client_optimizer(two_ranks: list[dict[str, Any]],
+                                                       stage: int) -> None:
+    """lr 0 for the weights at step 2, the biases' weight_decay 0.1 -> 0.5,
+    then lr 0.02 for all at step 4: the same run as at stage 0."""
+    for ref, got in zip(facts(two_ranks, "hand_s0"), facts(two_ranks, f"hand_s{stage}")):
+        assert got["client_steps"] and got["client_has_state"]
+        assert got["returned_groups_are_clients"] == [True, True]
+        assert got["lrs"] == ref["lrs"]
+        assert got["lrs"][2] == [0.0, 0.003] and got["lrs"][5] == [0.02, 0.02]
+        assert got["weights_moved_at_lr0"] == 0.0 == ref["weights_moved_at_lr0"]
+        assert max_diff(got["losses"], ref["losses"]) <= TOLERANCE
+        assert max_diff(got["params"], ref["params"]) <= TOLERANCE
+        # after save + load, the client's object still drives the step
+        assert got["after_load_weights_moved_at_lr0"] == 0.0
+        assert got["after_load_lr"] == [0.0, 0.02]
+
+
+@pytest.mark.parametrize("stage", (0, *ZERO))
+def test_plateau_scheduler_is_stepped_by_the_script(two_ranks: list[dict[str, Any]],
+                                                    stage: int) -> None:
+    """engine.step() leaves ReduceLROnPlateau alone (DeepSpeed passes it
+    train_batch_size as a metric, halving the lr at every step here);
+    engine.lr_scheduler.step(metric) and lr_kwargs reach the lr that steps."""
+    for ref, got in zip(facts(two_ranks, "plateau_s0"), facts(two_ranks, f"plateau_s{stage}")):
+        assert got["returned_is_client"]
+        assert got["trained_lr"] == [0.01]
+        assert got["after_metric_lr"] == [0.005]
+        assert got["after_lr_kwargs_lr"] == [0.0025]
+        assert max_diff(got["losses"], ref["losses"]) <= TOLERANCE
+        assert max_diff(got["params"], ref["params"]) <= TOLERANCE
+
+
+@pytest.mark.parametrize("stage", (0, *ZERO))
+def test_client_torch_scheduler_gives_no_torch_warning(two_ranks: list[dict[str, Any]],
+                                                       stage: int) -> None:
+    for got in facts(two_ranks, f"warnings_s{stage}"):
+        assert got["scheduler_warnings"] == []
+        expected = torch.optim.lr_scheduler.CosineAnnealingLR
+        assert got["lrs"] == got["last_lr"] and got["lrs"][0] == pytest.approx(
+            0.01 * (1 + torch.cos(torch.tensor(3 / 4 * torch.pi)).item()) / 2), expected
+
+
+# ------------------------------------------------------------ one rank
+
+def engine_for(config: dict[str, Any], **kwargs: Any) -> Any:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    engine, _, _, _ = dsrun.initialize(model=model, config={"train_batch_size": 2, **config},
+                                       **kwargs)
+    return engine
+
+
+def train(engine: Any, steps: int) -> None:
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        engine.backward(engine(torch.randn(2, 4, generator=gen)).pow(2).mean())
+        engine.step()
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_get_mom_is_zero_without_momentum(solo: None, stage: int) -> None:
+    """DeepSpeed's _get_optimizer_param: 0.0 for a group without the key."""
+    engine = engine_for({"optimizer": {"type": "Adagrad", "params": {"lr": 0.1}},
+                         "zero_optimization": {"stage": stage}})
+    assert engine.get_mom() == [0.0]
+    assert f"{engine.get_mom()[0]:.3f}" == "0.000"
+
+
+def test_config_torch_scheduler_steps_once_per_optimizer_step(solo: None) -> None:
+    engine = engine_for({"train_batch_size": 4, "gradient_accumulation_steps": 2,
+                         "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+                         "scheduler": {"type": "StepLR",
+                                       "params": {"step_size": 2, "gamma": 0.5}},
+                         "zero_optimization": {"stage": 2}})
+    assert type(engine.lr_scheduler) is torch.optim.lr_scheduler.StepLR
+    seen = []
+    for _ in range(4):
+        train(engine, 2)  # one optimizer step (2 micro-steps)
+        seen.append(engine.get_lr()[0])
+    assert seen == pytest.approx([0.1, 0.05, 0.05, 0.025])
+
+
+def test_config_plateau_scheduler_is_left_to_the_script(solo: None) -> None:
+    engine = engine_for({"optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                         "scheduler": {"type": "ReduceLROnPlateau",
+                                       "params": {"patience": 0, "factor": 0.1}}})
+    train(engine, 3)
+    assert engine.get_lr() == [0.1]
+    engine.lr_scheduler.step(1.0)
+    engine.lr_scheduler.step(1.0)
+    assert engine.get_lr() == pytest.approx([0.01])
+
+
+def test_config_torch_optimizers(solo: None) -> None:
+    engine = engine_for({"optimizer": {"type": "Rprop", "params": {"lr": 0.01}},
+                         "zero_optimization": {"stage": 2}})
+    assert type(engine.optimizer.optimizer) is torch.optim.Rprop
+    train(engine, 2)
+    if hasattr(torch.optim, "Adafactor"):
+        engine = engine_for({"optimizer": {"type": "Adafactor"}})
+        assert type(engine.optimizer) is torch.optim.Adafactor
+        train(engine, 2)
+        with pytest.raises(DsrunConfigError, match="Adafactor needs whole-tensor"):
+            engine_for({"optimizer": {"type": "Adafactor"}, "zero_optimization": {"stage": 1}})
+
+
+def test_client_optimizer_object_steps_at_world_size_1(solo: None) -> None:
+    """The world-size-1 path of the same rule (stage 3 without hooks)."""
+    for stage in ZERO:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        engine, _, _, _ = dsrun.initialize(model=model, optimizer=opt, config={
+            "train_batch_size": 2, "zero_optimization": {"stage": stage}})
+        for group in opt.param_groups:
+            group["lr"] = 0.0
+        params = list(engine.module.parameters())
+        with dsrun.zero.GatheredParameters(params, enabled=stage == 3):
+            before = [p.detach().clone() for p in params]
+        train(engine, 2)
+        with dsrun.zero.GatheredParameters(params, enabled=stage == 3):
+            assert all(torch.equal(a, p) for a, p in zip(before, params)), stage
+        assert engine.get_lr() == [0.0] and engine.optimizer.optimizer is opt
+
+
+def test_an_optimizer_stepping_for_one_zero_engine_is_refused_by_another(solo: None) -> None:
+    """Its param groups hold the first engine's partitions: a second engine
+    would step those, never its own model (silently)."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    config = {"train_batch_size": 2, "zero_optimization": {"stage": 2}}
+    dsrun.initialize(model=model, optimizer=opt, config=config)
+    with pytest.raises(DsrunConfigError, match="already steps for a ZeRO engine"):
+        dsrun.initialize(model=torch.nn.Linear(4, 1), optimizer=opt, config=config)
