@@ -228,32 +228,30 @@ def run(spec: LaunchSpec) -> int:
     return code
 
 
-def straggler_interval(environ: Mapping[str, str]) -> float | None:
-    """Seconds before the first "still running" line (``DSRUN_STRAGGLER_INTERVAL``;
-    0: never), or a usage error for a value that is not a number of seconds."""
-    text = environ.get(STRAGGLER_VAR)
+def _seconds_var(environ: Mapping[str, str], name: str, default: float) -> float | None:
+    """The seconds an environment variable gives (``default`` when unset;
+    0: ``None``, no limit), or a usage error naming it."""
+    text = environ.get(name)
     if not text:
-        return DEFAULT_STRAGGLER_INTERVAL
+        return default
     try:
         value = float(text)
     except ValueError:
-        raise DsrunUsageError(f"{STRAGGLER_VAR}={text!r} is not a number of seconds") from None
-    check_seconds(f"{STRAGGLER_VAR} (environment)", value, zero=True)
+        raise DsrunUsageError(f"{name}={text!r} is not a number of seconds") from None
+    check_seconds(f"{name} (environment)", value, zero=True)
     return value if value > 0 else None
+
+
+def straggler_interval(environ: Mapping[str, str]) -> float | None:
+    """Seconds before the first "still running" line (``DSRUN_STRAGGLER_INTERVAL``;
+    0: never), or a usage error for a value that is not a number of seconds."""
+    return _seconds_var(environ, STRAGGLER_VAR, DEFAULT_STRAGGLER_INTERVAL)
 
 
 def output_wait(environ: Mapping[str, str]) -> float | None:
     """Seconds the ended job's stdout waits for a reader that takes nothing
     (``DSRUN_OUTPUT_WAIT``; 0: as long as it takes), or a usage error."""
-    text = environ.get(OUTPUT_WAIT_VAR)
-    if not text:
-        return DEFAULT_OUTPUT_WAIT
-    try:
-        value = float(text)
-    except ValueError:
-        raise DsrunUsageError(f"{OUTPUT_WAIT_VAR}={text!r} is not a number of seconds") from None
-    check_seconds(f"{OUTPUT_WAIT_VAR} (environment)", value, zero=True)
-    return value if value > 0 else None
+    return _seconds_var(environ, OUTPUT_WAIT_VAR, DEFAULT_OUTPUT_WAIT)
 
 
 def finish_output(patience: float | None) -> None:
