@@ -66,7 +66,7 @@ from dsrun.launcher.preflight import PreflightFailed
 from dsrun.launcher.rankenv import check_user_env
 from dsrun.launcher.report import JobResult, report_lines, restartable
 from dsrun.launcher.spec import LaunchSpec, check_seconds, cpu_by_deepspeed_variable
-from dsrun.launcher.supervisor import OUTPUT_LOW, SIGNALS, Interrupted, Supervisor, Watch
+from dsrun.launcher.supervisor import SIGNALS, Interrupted, Supervisor, Watch
 from dsrun.launcher.watch import DEFAULT_STRAGGLER_INTERVAL
 
 #: Seconds before the first "still running" line once some ranks have exited.
@@ -74,8 +74,6 @@ STRAGGLER_VAR = "DSRUN_STRAGGLER_INTERVAL"
 #: Seconds the ended job's stdout waits for a reader that takes nothing.
 OUTPUT_WAIT_VAR = "DSRUN_OUTPUT_WAIT"
 DEFAULT_OUTPUT_WAIT = 60.0
-#: What marks a straggler line (watch.Stragglers.line).
-STILL_RUNNING = "; still running: "
 
 console = Console()
 
@@ -312,17 +310,8 @@ def _watch(spec: LaunchSpec, control: ControlServer, started: float) -> Watch:
     return Watch(timeout=spec.timeout, started=started,
                  heartbeat_timeout=spec.heartbeat_timeout,
                  straggler_interval=straggler_interval(os.environ),
-                 queries=control.queries, say=_watch_say, job_id=control.job_id,
+                 queries=control.queries, say=say, job_id=control.job_id,
                  on_started=console.started, output_backlog=console.pending)
-
-
-def _watch_say(message: str) -> None:
-    """The supervisor's lines; a straggler line says when the ranks' output
-    is held for a slow reader of stdout (the ranks still running may only be
-    blocked in their writes)."""
-    if STILL_RUNNING in message and console.behind(OUT) >= OUTPUT_LOW:
-        message += " (output paused: dsrun's stdout reader is slow)"
-    say(message)
 
 
 def _attempt(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv,

@@ -233,7 +233,7 @@ class Supervisor:
         self._serve_queries(now)
         self._check_collections(now)
         if not st.stopping and self.watch.straggler_interval:
-            line = self.stragglers.line(now, st.ranks)
+            line = self.stragglers.line(now, st.ranks, paused=self.output_paused)
             if line:
                 self.watch.say(line)
 

@@ -56,8 +56,10 @@ class Stragglers:
             self.interval = self.first_interval
             self.next_at = now + self.interval
 
-    def line(self, now: float, ranks: dict[int, RankState]) -> str | None:
-        """The line due at ``now``, if any (then the next one is scheduled)."""
+    def line(self, now: float, ranks: dict[int, RankState], paused: bool = False) -> str | None:
+        """The line due at ``now``, if any (then the next one is scheduled);
+        ``paused``: the ranks' output is held for a slow reader of dsrun's
+        stdout, so the ranks still running may only be blocked in their writes."""
         if self.next_at is None or now < self.next_at or self.first_exit is None:
             return None
         running = sorted(r for r, s in ranks.items() if s.ended is None)
@@ -69,8 +71,9 @@ class Stragglers:
         shown = ", ".join(f"rank {r} on {ranks[r].host} (running "
                           f"{duration(now - ranks[r].started)})" for r in running[:SHOWN])
         more = f" and {len(running) - SHOWN} more" if len(running) > SHOWN else ""
+        note = " (output paused: dsrun's stdout reader is slow)" if paused else ""
         return (f"{finished} of {len(ranks)} rank(s) finished {duration(now - self.first_exit)}"
-                f" ago; still running: {shown}{more}{self.hint}")
+                f" ago; still running: {shown}{more}{self.hint}{note}")
 
 
 def stack_lines(host: str, rank: int, text: str | None) -> list[str]:

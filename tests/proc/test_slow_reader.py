@@ -157,3 +157,31 @@ def test_a_reader_that_never_reads_does_not_keep_dsrun_after_the_job(tmp_path):
     assert "dsrun: nothing was read from dsrun's stdout for 1s after the job ended " \
            "(DSRUN_OUTPUT_WAIT): dropped " in text, text[-2000:]
     assert "Traceback" not in text and "Fatal Python error" not in text
+
+
+# Rank 1 ends well at once; rank 0 floods stdout until stopped.
+FLOOD_AFTER_PEER = """\
+import os, sys
+rank = os.environ["RANK"]
+open(os.path.join(sys.argv[1], "rank" + rank), "w").write(str(os.getpid()))
+i = 0
+while rank == "0":
+    sys.stdout.write(f"L{i:08d} {'z' * 200}\\n")
+    i += 1
+"""
+
+
+def test_a_straggler_held_by_a_stalled_stdout_is_said_to_be(tmp_path, pid_dir):
+    script = tmp_path / "flood_after_peer.py"
+    script.write_text(FLOOD_AFTER_PEER)
+    proc = _start(script, str(pid_dir), world=2, env={"DSRUN_STRAGGLER_INTERVAL": "1"})
+    try:
+        err = Stderr(proc)
+        # Nobody reads stdout: the agents are paused, and the straggler line says so.
+        assert err.wait_for("(output paused: dsrun's stdout reader is slow)", 30), \
+            "".join(err.lines)[-3000:]
+        assert any("still running: rank 0 on" in line for line in err.lines)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert wait_gone(list(read_pids(pid_dir).values()), 10) == []

@@ -24,6 +24,7 @@ from dsrun.launcher import link as link_mod
 from dsrun.launcher.console import Console
 from dsrun.launcher.link import Link
 from dsrun.launcher.supervisor import OUTPUT_HIGH, OUTPUT_LOW, SIGNALS, Supervisor, Watch
+from dsrun.launcher.watch import RankState, Stragglers
 
 
 class SlowStream(io.StringIO):
@@ -242,21 +243,16 @@ def test_the_output_wait_variable_is_checked(value) -> None:
     assert launch.output_wait({}) == launch.DEFAULT_OUTPUT_WAIT
 
 
-def test_a_straggler_line_says_when_stdout_holds_the_output(monkeypatch) -> None:
-    c = Console(SlowStream(), io.StringIO(), tty=False)
-    monkeypatch.setattr(launch, "console", c)
-    said: list[str] = []
-    monkeypatch.setattr(launch, "say", said.append)
-    line = "1 of 2 rank(s) finished 30s ago; still running: rank 0 on a (running 31s)"
-    launch._watch_say(line)
-    c.start_writer()
-    c.lines("h", 0, 1, ["x" * 1000] * (OUTPUT_LOW // 1000 + 1))
-    launch._watch_say(line)
-    launch._watch_say("another line")
-    assert said == [line, line + " (output paused: dsrun's stdout reader is slow)",
-                    "another line"]
-    c._out.go.set()  # type: ignore[union-attr]
-    c.close()
+def test_a_straggler_line_says_when_the_output_is_paused() -> None:
+    ranks = {0: RankState("a", 1, 0.0), 1: RankState("b", 2, 0.0)}
+    ranks[1].ended = 10.0
+    s = Stragglers(30.0)
+    s.exited(10.0)
+    plain = s.line(40.0, ranks)
+    held = s.line(100.0, ranks, paused=True)
+    assert plain is not None and "still running: rank 0 on a" in plain
+    assert "output paused" not in plain
+    assert held is not None and held.endswith(" (output paused: dsrun's stdout reader is slow)")
 
 
 def _link() -> tuple[Link, int, io.BufferedReader]:
