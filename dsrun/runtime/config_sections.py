@@ -223,7 +223,8 @@ class BF16Config:
 
     enabled: bool = opt("bool", False)
     immediate_grad_update: bool = opt("bool", False)
-    check_grad_overflow: bool = opt("bool", False)
+    #: a non-finite gradient norm skips the step (DeepSpeed's default, true)
+    check_grad_overflow: bool = opt("bool", True)
     bf16_master_weights_and_grads: bool = opt("bool", False)
     bf16_optimizer_states: bool = opt("bool", False)
 

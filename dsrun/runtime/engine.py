@@ -179,6 +179,7 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
         if self.zero_stage > 0:
             self.optimizer = self._make_zero_optimizer()
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
+        self.publish_step_state()
         self.training_dataloader: Any = None
         self.global_steps = 0
         self.global_samples = 0
@@ -418,6 +419,7 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
                 log.info("%s", line)
         self._grad_norm = result.grad_norm
         self._step_applied = result.applied
+        self.publish_step_state(result.overflow)
         if result.applied:
             self._step_scheduler(lr_kwargs)
         else:
@@ -452,6 +454,21 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
             return zero_step(self.optimizer, self.precision, self.config.gradient_clipping)
         return self.precision.step(self.optimizer, self.config.gradient_clipping)
 
+    def publish_step_state(self, overflow: bool = False) -> None:
+        """DeepSpeed's attributes on the optimizer ``initialize()`` returned:
+        ``overflow`` (the last step was skipped for a non-finite gradient;
+        Accelerate's ``step_was_skipped`` reads it), and at stage 0 under
+        fp16/bf16, where that optimizer is the torch one itself,
+        ``cur_scale``/``loss_scale`` (DeepSpeed's fp16 wrapper's; ZeRO's
+        optimizers compute them)."""
+        optimizer = self.optimizer
+        if optimizer is None:
+            return
+        optimizer.overflow = overflow
+        if self.zero_stage == 0 and self.config.precision != "fp32" and \
+                not hasattr(type(optimizer), "cur_scale"):
+            optimizer.cur_scale = optimizer.loss_scale = float(self.precision.loss_scale)
+
     def _log_overflow(self, scale_before: float) -> None:
         """One line per OVERFLOW_LOG_INTERVAL_S at most, counting the ones in between."""
         last, since = self._overflow_log
@@ -466,6 +483,13 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
             "(none in rank 0's gradient partition: another rank holds it)"
             if self.zero_stage > 0 else "(none found)")
         more = f"; {since} more overflow(s) since the last such line" if since else ""
+        if self.precision.scaler is None:
+            off = "; bf16.check_grad_overflow false steps on" if self.config.bf16.enabled else ""
+            log.warning("non-finite gradient norm at step %d (%s): skipping the step (first "
+                        "non-finite gradient: %s); %d step(s) skipped so far%s%s",
+                        self.global_steps + 1, self.precision.name, name, self.skipped_steps,
+                        more, off)
+            return
         log.info("fp16 gradient overflow at step %d: skipping it (first non-finite gradient: "
                  "%s); loss scale %g -> %g; %d step(s) skipped so far%s", self.global_steps + 1,
                  name, scale_before, self.precision.loss_scale, self.skipped_steps, more)
@@ -583,8 +607,11 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
                         custom_load_fn: Any = None) -> tuple[Optional[str], Any]:
         """Resume from a checkpoint -> ``(its directory, client_state)``;
         ``(None, None)`` when ``load_dir`` has no ``latest`` and no tag is given."""
-        return checkpoint_io.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                                  load_lr_scheduler_states, load_module_only, custom_load_fn)
+        loaded = checkpoint_io.load(self, load_dir, tag, load_module_strict,
+                                    load_optimizer_states, load_lr_scheduler_states,
+                                    load_module_only, custom_load_fn)
+        self.publish_step_state()  # the loaded loss scale
+        return loaded
 
     def wait_for_checkpoint(self) -> None:
         """Block until an asynchronous save (``"checkpoint": {"async": true}``)

@@ -4,10 +4,12 @@ optimizer updates, and how a step is checked and applied.
 * :class:`FullPrecision` (fp32): the optimizer updates the model's own
   parameters; ``gradient_clipping`` clips their global norm.
 * :class:`BF16Autocast` (``bf16.enabled``): parameters, gradients and
-  optimizer state stay fp32 - the parameters *are* the fp32 master weights -
-  and the forward runs under ``torch.autocast(device, dtype=bfloat16)``
-  (on CPU ``torch.autocast('cpu', ...)``). bf16 has fp32's range: no loss
-  scaling.
+  optimizer state stay fp32 - the parameters *are* the fp32 master weights
+  (a model handed over in bf16 or fp16 is upcast at stage 0) - and the
+  forward runs under ``torch.autocast(device, dtype=bfloat16)`` (on CPU
+  ``torch.autocast('cpu', ...)``). bf16 has fp32's range: no loss
+  scaling, but a non-finite gradient norm skips the step
+  (``bf16.check_grad_overflow``, true by default as in DeepSpeed).
 * :class:`FP16Master` (``fp16.enabled``): as DeepSpeed does, the module is
   converted to fp16 (``module.half()``; the script feeds fp16 inputs, or
   sets ``fp16.auto_cast`` to have floating-point inputs cast), and the
@@ -25,7 +27,9 @@ optimizer updates, and how a step is checked and applied.
   rule (:class:`GradScalerRule`).
 
 A precision's :meth:`step` returns a :class:`StepResult`; the engine does the
-bookkeeping (counters, LR scheduler, logs).
+bookkeeping (counters, LR scheduler, logs). A skipped step (fp16 overflow,
+or a non-finite norm where :attr:`FullPrecision.skips_nonfinite`) reports
+the norm as ``inf``, as DeepSpeed does.
 """
 
 from __future__ import annotations
@@ -51,7 +55,19 @@ log = logging.getLogger(__name__)
 class StepResult:
     applied: bool
     grad_norm: Optional[torch.Tensor] = None  # before clipping; None when not computed
-    overflow: bool = False  # fp16: a non-finite gradient; the step was skipped
+    #: a non-finite gradient (fp16 overflow, or a non-finite norm where the
+    #: precision skips those): the step was skipped
+    overflow: bool = False
+
+
+INF = float("inf")
+
+
+def skipped(norm: Optional[torch.Tensor] = None) -> StepResult:
+    """A step skipped for a non-finite gradient: its norm reads ``inf`` (as
+    DeepSpeed reports it), a NaN one included."""
+    device = norm.device if norm is not None else None
+    return StepResult(False, torch.tensor(INF, device=device), True)
 
 
 def global_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -71,6 +87,10 @@ class FullPrecision:
     reports_norm = False
     #: the loss scaler of a loss-scaling precision
     scaler: Optional[LossScaler] = None
+    #: without a loss scaler: a non-finite global gradient norm skips the
+    #: step (DeepSpeed's rule: fp32 at ZeRO 1-3 and bf16 with
+    #: ``check_grad_overflow``; plain fp32 at stage 0 steps, as torch does)
+    skips_nonfinite = False
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  device: torch.device) -> None:
@@ -133,6 +153,10 @@ class FullPrecision:
         norm = None
         if max_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        elif self.reports_norm or self.skips_nonfinite:
+            norm = global_norm([p.grad for p in self.params if p.grad is not None])
+        if self.skips_nonfinite and norm is not None and not bool(torch.isfinite(norm)):
+            return skipped(norm)
         optimizer.step()
         return StepResult(True, norm)
 
@@ -172,12 +196,20 @@ class BF16Autocast(TorchAutocast):
     name = "bf16"
     reports_norm = True
 
-    def step(self, optimizer: Optimizer, max_norm: float) -> StepResult:
-        if max_norm > 0:
-            return super().step(optimizer, max_norm)
-        norm = global_norm([p.grad for p in self.params if p.grad is not None])
-        optimizer.step()
-        return StepResult(True, norm)
+    @staticmethod
+    @torch.no_grad()
+    def convert_module(module: torch.nn.Module) -> list[str]:
+        """Stage 0: the parameters are the fp32 masters, so a model handed
+        over in a 16-bit dtype is upcast (its parameters keep their
+        identity; the forward still runs in bf16 under the autocast).
+        Returns the names of the parameters upcast."""
+        upcast = [name for name, p in module.named_parameters()
+                  if p.is_floating_point() and p.dtype != torch.float32]
+        if upcast:
+            for param in module.parameters():
+                if param.is_floating_point() and param.dtype != torch.float32:
+                    param.data = param.data.float()
+        return upcast
 
 
 class TorchAutocastFP16(TorchAutocast):
@@ -396,7 +428,7 @@ def _scaled_step(scaler: LossScaler, optimizer: Optimizer, owners: Sequence[torc
         else global_norm([t.grad for t in with_grad])
     overflow = not bool(torch.isfinite(norm))
     if scaler.update(overflow):
-        return StepResult(False, norm, overflow)
+        return skipped(norm)
     optimizer.step()
     return StepResult(True, norm)
 
@@ -415,10 +447,26 @@ def _as_list(params: Any) -> list[Any]:
 
 def make_precision(config: DsrunConfig, module: torch.nn.Module,
                    device: torch.device, masters: bool = True) -> FullPrecision:
-    """The precision ``config`` asks for; fp16 converts ``module`` first.
-    ``masters`` False: the optimizer keeps fp32 masters itself (ZeRO)."""
+    """The precision ``config`` asks for; fp16 converts ``module`` first (and
+    bf16 at stage 0 upcasts a 16-bit one). ``masters`` False: the
+    optimizer keeps fp32 masters itself (ZeRO)."""
+    precision = _make_precision(config, module, device, masters)
+    if precision.scaler is None:
+        precision.skips_nonfinite = config.bf16.check_grad_overflow if config.bf16.enabled \
+            else not masters
+    return precision
+
+
+def _make_precision(config: DsrunConfig, module: torch.nn.Module,
+                    device: torch.device, masters: bool) -> FullPrecision:
     if config.fp16.enabled:
         FP16Master.convert_module(module)
+    if config.bf16.enabled and masters:
+        upcast = BF16Autocast.convert_module(module)
+        if upcast:
+            log.info("bf16 at ZeRO stage 0: %d parameter(s) of the model (%s%s) upcast to fp32 "
+                     "to be the master weights; the forward runs under a bfloat16 autocast",
+                     len(upcast), ", ".join(upcast[:3]), ", ..." if len(upcast) > 3 else "")
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     names, params = [n for n, _ in named], [p for _, p in named]
     if config.fp16.enabled and masters:

@@ -15,7 +15,8 @@ world of each rank's share of the squared norm:
 Tied weights held by several stages count once: copies that are not the
 primary one are left out (:meth:`~.tied.TiedWeights.duplicates`). A
 non-finite norm is an fp16 overflow on every rank at once (inf and NaN
-survive the sum), so all stages skip the step together. Everything then
+survive the sum), so all stages skip the step together; so is it in bf16
+and fp32 where the precision skips those (``skips_nonfinite``). Everything then
 proceeds as in one process: the same clip coefficient (torch's rule), the
 same update. With ``measure_norm`` (a monitor writes the norm) the norm's
 all-reduce runs even when neither clipping nor fp16 needs it.
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from dsrun import comm as collectives
 from dsrun.errors import DsrunConfigError
 from dsrun.runtime.monitor.timers import comm_wait
-from dsrun.runtime.precision import FP16Master, FullPrecision, StepResult
+from dsrun.runtime.precision import FP16Master, FullPrecision, StepResult, skipped
 from dsrun.runtime.zero.masters import CLIP_EPS
 
 
@@ -90,13 +91,16 @@ def pipeline_step(engine: Any, measure_norm: bool = False) -> StepResult:
         to_clip, counted = _stage_grads(precision, duplicates)
         share = _squares(counted, device) / engine.dp_world_size
     norm: Optional[torch.Tensor] = None
-    if max_norm > 0 or scaler is not None or measure_norm:
+    checked = scaler is not None or precision.skips_nonfinite
+    if max_norm > 0 or checked or measure_norm:
         if dist.get_world_size() > 1:
             collectives.all_reduce(share)
         norm = share.clamp(min=0).sqrt().float()
-    overflow = scaler is not None and not bool(torch.isfinite(norm))
-    if scaler is not None and scaler.update(overflow):
-        return StepResult(False, norm, overflow)
+    overflow = checked and not bool(torch.isfinite(norm))
+    if scaler is not None:
+        scaler.update(overflow)
+    if overflow:
+        return skipped(norm)
     if max_norm > 0:
         assert norm is not None
         coefficient = torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0)

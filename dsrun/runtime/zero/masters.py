@@ -147,6 +147,9 @@ class MasterGradients:
     #: the engine's fp16 loss scaler (:func:`~.stepping.wrap_optimizer`);
     #: None: no loss scaling
     loss_scaler: Optional[LossScaler] = None
+    #: DeepSpeed's: the last step was skipped for a non-finite gradient
+    #: (the engine sets it; Accelerate's ``step_was_skipped`` reads it)
+    overflow: bool = False
 
     def reduce_gradients(self) -> None:  # pragma: no cover - every subclass defines it
         raise NotImplementedError

@@ -8,7 +8,9 @@
   precision's loss scaler (fp16) for DeepSpeed's ``cur_scale``.
 * :func:`zero_step` is the boundary step: reduce (stage 1), unscale and
   agree on overflow across ranks (fp16), clip by the global norm computed
-  from all partitions, step, all-gather the updated partitions.
+  from all partitions - a non-finite one skips the step in fp32 and bf16
+  (as DeepSpeed's ZeRO optimizers; the norm is the same on every rank) -,
+  step, all-gather the updated partitions.
 * :func:`memory_lines` is the one-block report of model-state bytes (the
   paper's formula for this config next to what this rank really holds)
   and of the communication per optimizer step (:func:`comm_volume`).
@@ -25,7 +27,7 @@ import torch
 
 from dsrun.errors import DsrunConfigError
 from dsrun.runtime.loss_scaler import LossScaler
-from dsrun.runtime.precision import FullPrecision, StepResult
+from dsrun.runtime.precision import FullPrecision, StepResult, skipped
 from dsrun.runtime.zero.comm import CommStrategy, strategy_for
 from dsrun.runtime.zero.memory import model_state_bytes, paper_model_state_bytes
 from dsrun.runtime.zero.sharded import ZeroOptimizer, ZeroSettings
@@ -123,10 +125,12 @@ def zero_step(zero: Union[ZeroOptimizer, ZeroStage3], precision: FullPrecision,
         overflow = zero.has_overflow()  # one all_reduce: every rank agrees
         if scaler.update(overflow):
             # the norm of non-finite gradients, as stage 0 and DeepSpeed's ZeRO report it
-            return StepResult(False, torch.tensor(float("inf")), overflow)
+            return skipped()
     # the norm always, as DeepSpeed's ZeRO optimizers: get_global_grad_norm() reports it
     norm: Optional[torch.Tensor] = zero.clip_grad_norm(max_norm) if max_norm > 0 \
         else zero.grad_norm()
+    if precision.skips_nonfinite and not bool(torch.isfinite(norm)):
+        return skipped()
     zero.step()
     return StepResult(True, norm)
 
