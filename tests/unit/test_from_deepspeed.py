@@ -159,6 +159,13 @@ def test_the_command_line_writes_the_same_checkpoint(tmp_path: Path,
     assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
 
 
+def test_the_importer_is_exported_by_the_checkpoint_package() -> None:
+    import dsrun.runtime.checkpoint as package
+
+    assert package.import_deepspeed_checkpoint is import_deepspeed_checkpoint
+    assert "import_deepspeed_checkpoint" in package.__all__
+
+
 def test_a_tag_already_there_is_refused_and_kept(imported: dict[str, Path]) -> None:
     root = imported["stage3_fp32"]
     before = (root / "global_step4" / "manifest.json").read_bytes()

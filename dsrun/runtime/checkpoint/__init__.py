@@ -13,7 +13,8 @@
 * :mod:`.consolidate` (:func:`to_fp32`, :func:`write_shards`,
   :func:`get_fp32_state_dict`; shard planning in :mod:`.shards`) and
   :mod:`.info` - offline tools behind ``dsrun checkpoint to-fp32|info`` and
-  ``dsrun.utils.zero_to_fp32``.
+  ``dsrun.utils.zero_to_fp32``; :mod:`.from_deepspeed`
+  (:func:`import_deepspeed_checkpoint`, ``dsrun checkpoint from-deepspeed``).
 
 Names are loaded lazily so that ``import dsrun.runtime.checkpoint.info``
 (the launcher's ``dsrun checkpoint info``) needs no torch.
@@ -34,6 +35,7 @@ _LAZY = {
     "write_shards": "dsrun.runtime.checkpoint.consolidate",
     "get_fp32_state_dict": "dsrun.runtime.checkpoint.consolidate",
     "checkpoint_info": "dsrun.runtime.checkpoint.info",
+    "import_deepspeed_checkpoint": "dsrun.runtime.checkpoint.from_deepspeed",
 }
 
 __all__ = list(_LAZY)
