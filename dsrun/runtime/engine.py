@@ -464,10 +464,13 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
         optimizer = self.optimizer
         if optimizer is None:
             return
-        optimizer.overflow = overflow
-        if self.zero_stage == 0 and self.config.precision != "fp32" and \
-                not hasattr(type(optimizer), "cur_scale"):
-            optimizer.cur_scale = optimizer.loss_scale = float(self.precision.loss_scale)
+        try:
+            optimizer.overflow = overflow
+            if self.zero_stage == 0 and self.config.precision != "fp32" and \
+                    not hasattr(type(optimizer), "cur_scale"):
+                optimizer.cur_scale = optimizer.loss_scale = float(self.precision.loss_scale)
+        except AttributeError:  # a client optimizer class with read-only attributes of these names
+            pass
 
     def _log_overflow(self, scale_before: float) -> None:
         """One line per OVERFLOW_LOG_INTERVAL_S at most, counting the ones in between."""
