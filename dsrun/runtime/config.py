@@ -55,6 +55,21 @@ from types import MappingProxyType
 from typing import Any, Optional
 
 from dsrun.errors import DsrunConfigError
+from dsrun.runtime.config_optim import (
+    AUTO_OPTIMIZER_DEFAULTS,
+    DEFAULT_WARMUP_NUM_STEPS,
+    OPTIMIZER_NAMES,
+    SCHEDULER_PARAMS,
+    SCHEDULER_REQUIRED,
+    UNSUPPORTED_OPTIMIZERS,
+    OptimizerConfig,
+    SchedulerConfig,
+    canonical_optimizer_type,
+    canonical_scheduler_type,
+    check_scheduler_params,
+    parse_optimizer,
+    parse_scheduler,
+)
 from dsrun.runtime.config_schema import (
     ALLOW_UNKNOWN_ENV,
     AUTO,
@@ -78,14 +93,8 @@ from dsrun.runtime.config_schema import (
     validate_fields,
 )
 from dsrun.runtime.config_sections import (
-    AUTO_OPTIMIZER_DEFAULTS,
-    DEFAULT_WARMUP_NUM_STEPS,
     DTYPE_NAMES,
     MONITOR_SECTIONS,
-    OPTIMIZER_NAMES,
-    SCHEDULER_PARAMS,
-    SCHEDULER_REQUIRED,
-    UNSUPPORTED_OPTIMIZERS,
     ZERO_AUTO_KEYS,
     ActivationCheckpointingConfig,
     BF16Config,
@@ -99,20 +108,13 @@ from dsrun.runtime.config_sections import (
     FP16Config,
     OffloadOptimizerConfig,
     OffloadParamConfig,
-    OptimizerConfig,
     PipelineConfig,
-    SchedulerConfig,
     TensorBoardConfig,
     TimersConfig,
     TorchAutocastConfig,
     WandbConfig,
     ZeroConfig,
-    canonical_optimizer_type,
-    canonical_scheduler_type,
-    check_scheduler_params,
     parse_monitors,
-    parse_optimizer,
-    parse_scheduler,
     parse_zero,
 )
 

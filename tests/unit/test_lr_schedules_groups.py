@@ -206,7 +206,7 @@ def test_needs_metric_tells_plateau_apart() -> None:
 def test_torch_scheduler_list_covers_the_installed_torch() -> None:
     """The config module imports no torch, so it lists torch's scheduler
     names itself: every one the installed torch has is listed or refused."""
-    from dsrun.runtime.config_sections import REFUSED_SCHEDULERS, TORCH_SCHEDULERS
+    from dsrun.runtime.config_optim import REFUSED_SCHEDULERS, TORCH_SCHEDULERS
 
     module = torch.optim.lr_scheduler
     installed = {name for name in dir(module) if isinstance(getattr(module, name), type)

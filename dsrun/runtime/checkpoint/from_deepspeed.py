@@ -315,7 +315,7 @@ def optimizer_name(config: Mapping[str, Any], groups: Sequence[Mapping[str, Any]
     unknown (then any engine optimizer takes the state)."""
     section = config.get("optimizer") if isinstance(config, Mapping) else None
     if isinstance(section, Mapping) and section.get("type"):
-        from dsrun.runtime.config_sections import OptimizerConfig
+        from dsrun.runtime.config_optim import OptimizerConfig
         from dsrun.runtime.optimizers import optimizer_class_and_kwargs
 
         try:
