@@ -265,6 +265,9 @@ class DsrunConfig:
         return out
 
     def _loss_scale_note(self) -> str:
+        if self.bf16.enabled and not self.fp16.enabled:
+            return "" if self.bf16.check_grad_overflow else \
+                " (check_grad_overflow false: a non-finite gradient is stepped)"
         if not self.fp16.enabled:
             return ""
         if self.fp16.dynamic_loss_scale:

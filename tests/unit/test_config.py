@@ -603,6 +603,12 @@ def test_summary_mentions_the_resolved_choices() -> None:
                      "offload optimizer to cpu", "gradient clipping: 0.5", "AdamW(lr=0.0001",
                      "WarmupCosineLR(total_num_steps=100", "wandb"):
         assert fragment in text, fragment
+    bf16 = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}}
+    assert "precision: bf16\n" in res(bf16, dp=1).summary() + "\n"
+    assert res(bf16, dp=1).bf16.check_grad_overflow  # DeepSpeed's default
+    off = res({**bf16, "bf16": {"enabled": True, "check_grad_overflow": False}}, dp=1)
+    assert "precision: bf16 (check_grad_overflow false: a non-finite gradient is stepped)" \
+        in off.summary()
 
 
 def test_defaults() -> None:
