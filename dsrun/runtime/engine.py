@@ -30,7 +30,8 @@ masters and optimizer state; at stage 2 gradients too), stage 3 with a
 :class:`~dsrun.runtime.zero.stage3.ZeroStage3` that also partitions the
 parameters and gathers them around each module's forward and backward;
 both are built from the same client/config optimizer
-(:mod:`dsrun.runtime.zero.stepping`).
+(:mod:`dsrun.runtime.zero.stepping`; the engine's set-up is in
+:mod:`engine_setup`).
 Rank 0 logs one block of model-state bytes (formula vs held) after the
 first step, when optimizer state exists. ``engine.monitor``
 (:mod:`dsrun.runtime.monitor.training`) times forward/backward/step for
@@ -51,7 +52,6 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch.optim import Optimizer
 
 from dsrun.errors import DsrunConfigError, DsrunError
 from dsrun.profiling.engine_step import make_flops_profiler
@@ -61,20 +61,17 @@ from dsrun.runtime.config import DsrunConfig
 from dsrun.runtime.dist import compute_device
 from dsrun.runtime.engine_controls import EngineControls
 from dsrun.runtime.engine_info import EngineInfo
+from dsrun.runtime.engine_setup import EngineSetup, check_prepartitioned, check_zero_stage
 from dsrun.runtime.env import DistEnv
-from dsrun.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradSync, broadcast_tensors
-from dsrun.runtime.lr_schedules import build_scheduler, needs_metric
+from dsrun.runtime.grad_sync import broadcast_tensors
+from dsrun.runtime.lr_schedules import needs_metric
 from dsrun.runtime.monitor.training import EngineMonitor
-from dsrun.runtime.optimizers import build_optimizer
 from dsrun.runtime.param_links import link_params
-from dsrun.runtime.precision import FullPrecision, StepResult, make_precision, torch_dtype
+from dsrun.runtime.precision import FullPrecision, StepResult, make_precision
 from dsrun.runtime.progress import LOGGER_NAME, Progress
 from dsrun.runtime.zero.stage3_setup import NO_OPTIMIZER
 from dsrun.runtime.zero.stepping import (
-    DEEPSPEED_DEFAULT_BUCKET,
     memory_lines,
-    offload_notes,
-    wrap_optimizer,
     zero_step,
 )
 from dsrun.utils.timer import SynchronizedWallClockTimer, ThroughputTimer
@@ -84,43 +81,7 @@ log = logging.getLogger("dsrun.runtime.engine")
 OVERFLOW_LOG_INTERVAL_S = 60.0
 
 
-IMPLEMENTED_STAGES = (0, 1, 2, 3)
-
-
-def check_zero_stage(config: DsrunConfig) -> None:
-    stage = config.zero_optimization.stage
-    if stage not in IMPLEMENTED_STAGES:
-        raise DsrunConfigError(
-            f"ZeRO stage {stage} is not implemented yet (zero_optimization.stage in "
-            f"{config.source}); dsrun implements stages "
-            f"{', '.join(map(str, IMPLEMENTED_STAGES))}")
-
-
-def bucket_elements(config: DsrunConfig) -> Optional[int]:
-    """The all-reduce bucket size in elements the config asks for, or None for
-    the default. DeepSpeed's 5e8-element reduce_bucket_size default (sized for
-    ZeRO-2) would make one bucket and no overlap, so it counts as unset."""
-    if config.dsrun.allreduce_bucket_size is not None:
-        return config.dsrun.allreduce_bucket_size
-    size = config.zero_optimization.reduce_bucket_size
-    return None if size == DEEPSPEED_DEFAULT_BUCKET else size
-
-
-def _check_droppable(optimizer: Optimizer, client: Any, scheduler: Any) -> None:
-    """Empty param groups are dropped (as DeepSpeed does); a client LR
-    scheduler already built over the client's optimizer counts its groups
-    (torch's LambdaLR would fail at its first step), so refuse that at once."""
-    empty = [i for i, g in enumerate(optimizer.param_groups) if not len(g["params"])]
-    if empty and optimizer is client and hasattr(scheduler, "step") \
-            and getattr(scheduler, "optimizer", None) is client:
-        raise DsrunConfigError(
-            f"param group(s) {', '.join(map(str, empty))} of the optimizer passed to "
-            "initialize() have no parameters: dsrun drops empty param groups (as DeepSpeed "
-            "does), which breaks the lr_scheduler built over that optimizer; remove the empty "
-            "groups before building the scheduler, or pass lr_scheduler as a callable that "
-            "takes the optimizer")
-
-class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
+class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
     """Wraps the client model for data-parallel training (module docstring).
 
     Build it with :func:`dsrun.initialize`; ``optimizer``/``lr_scheduler`` are
@@ -171,7 +132,7 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
         self._broadcast_state()
         self.zero_stage = config.zero_optimization.stage
         self._check_offload()
-        _check_prepartitioned(self.module, config)
+        check_prepartitioned(self.module, config)
         self.precision: FullPrecision = make_precision(config, self.module, self.device,
                                                        masters=self.zero_stage == 0)
         self.optimizer = self._make_optimizer(optimizer, model_parameters)
@@ -217,131 +178,6 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
     def _make_monitor(self) -> EngineMonitor:
         return EngineMonitor(self.config, rank=self.global_rank, group=self.dp_group,
                              device=self.device)
-
-    def _make_grad_sync(self) -> Optional[GradSync]:
-        if self.dp_world_size == 1:
-            return None
-        comm = self.config.communication_data_type
-        comm_dtype = torch_dtype(comm) if comm else None
-        elements = bucket_elements(self.config)
-        params = self.precision.params
-        size = (comm_dtype or (params[0].dtype if params else torch.float32)).itemsize
-        bucket_bytes = elements * size if elements else DEFAULT_BUCKET_BYTES
-        predivide = self.config.gradient_predivide_factor
-        bucketed = [p for p in params if p.requires_grad]
-        late = [p for p in params if not p.requires_grad]
-        return GradSync(bucketed, group=self.dp_group, bucket_bytes=bucket_bytes,
-                        comm_dtype=comm_dtype, predivide=0.0 if predivide == 1.0 else predivide,
-                        names=[n for n, p in zip(self.precision.names, params)
-                               if p.requires_grad], late=late)
-
-    def _make_optimizer(self, client: Any, model_parameters: Optional[Iterable[Any]]
-                        ) -> Optional[Optimizer]:
-        if client is not None and self.config.optimizer is not None:
-            log.warning("an optimizer was passed to initialize() and the config has an "
-                        "\"optimizer\" section; using the client's (as DeepSpeed does)")
-        built = self._build_optimizer(client, model_parameters)
-        if built is not None:
-            # DeepSpeed drops param groups without parameters (get_lr() has none for them)
-            _check_droppable(built, client, self.client_lr_scheduler)
-            built.param_groups[:] = [g for g in built.param_groups if len(g["params"])]
-            if self.zero_stage == 0:
-                # frozen parameters in the optimizer: they train once unfrozen, as with torch
-                self.precision.track(self.module, built)
-        return built
-
-    def _build_optimizer(self, client: Any, model_parameters: Optional[Iterable[Any]]
-                         ) -> Optional[Optimizer]:
-        if isinstance(client, Optimizer):
-            self.precision.adopt(client)
-            return client
-        source = self.module.parameters() if model_parameters is None else model_parameters
-        params = self.precision.optimizer_params(source)
-        if client is not None:
-            if not callable(client):
-                raise DsrunConfigError(f"optimizer= must be a torch.optim.Optimizer or a callable "
-                                       f"taking parameters, got {type(client).__name__}")
-            built = client(params)
-            if not isinstance(built, Optimizer):
-                raise DsrunConfigError("the optimizer callable passed to initialize() returned "
-                                       f"{type(built).__name__}, not a torch.optim.Optimizer")
-            return built
-        if self.config.optimizer is None:
-            return None
-        return build_optimizer(self.config.optimizer, params)
-
-    def _make_zero_optimizer(self) -> Any:
-        """The ZeRO optimizer over the client's; at stage 3 without one, the
-        partitioning alone (DeepSpeed's ZeRO-Offload engine: reference and
-        EMA models, evaluation), which refuses backward and step."""
-        if self.optimizer is None and self.zero_stage != 3:
-            raise DsrunConfigError(
-                f"ZeRO stage {self.zero_stage} needs an optimizer: add an \"optimizer\" "
-                f"section to {self.config.source} or pass optimizer= to initialize()")
-        self._check_unsupported()
-        return wrap_optimizer(self.optimizer, self.config.zero_optimization,
-                              self.zero_stage, self.dp_group, self.module,
-                              self._zero_accumulation(), self.device,
-                              loss_scaler=self.precision.scaler)
-
-    def _zero_accumulation(self) -> int:
-        """The micro-steps per optimizer step ZeRO plans for (with 1, stage 1
-        also reduces during backward)."""
-        return self.config.gradient_accumulation_steps
-
-    def _check_unsupported(self) -> None:
-        """ZeRO++/MiCS features change what is computed: refuse them when on,
-        rather than train without them."""
-        zc = self.config.zero_optimization
-        enabled = [name for name, on in (
-            ("zero_quantized_weights", zc.zero_quantized_weights),
-            ("zero_quantized_nontrainable_weights", zc.zero_quantized_nontrainable_weights),
-            ("zero_quantized_gradients", zc.zero_quantized_gradients),
-            ("zero_hpz_partition_size", zc.zero_hpz_partition_size > 1),
-            ("mics_shard_size", zc.mics_shard_size > 0)) if on]
-        if enabled:
-            raise DsrunConfigError(f"zero_optimization.{enabled[0]} (ZeRO++/MiCS) is not "
-                                   f"implemented in dsrun ({self.config.source}): remove it")
-
-    def _check_offload(self) -> None:
-        """offload_* sections: "nvme" is refused, sections a stage ignores are
-        warned about, "cpu" on CPU ranks is reported as a no-op (the state
-        is in host memory already); the ZeRO optimizers read the rest."""
-        for level, text in offload_notes(self.config.zero_optimization, self.zero_stage,
-                                         self.device, self.config.source):
-            log.log(level, "%s", text)
-
-    def _make_scheduler(self, client: Any) -> Any:
-        """The client's scheduler (a callable is called with the torch
-        optimizer that steps: at ZeRO stages the client's own object, which
-        the ZeRO optimizer keeps - so a scheduler built over it needs no
-        re-pointing), else the config's; a scheduler whose ``step()`` needs a
-        metric is left to the script (:meth:`_step_scheduler`)."""
-        scheduler = self._pick_scheduler(client)
-        if needs_metric(scheduler) and self.global_rank == 0:
-            log.info("lr_scheduler %s: its step() needs a metric, so engine.step() does not "
-                     "step it; call engine.lr_scheduler.step(metric) after each evaluation "
-                     "(as Hugging Face's Trainer does), or pass engine.step(lr_kwargs=...)",
-                     type(scheduler).__name__)
-        return scheduler
-
-    def _pick_scheduler(self, client: Any) -> Any:
-        if client is not None:
-            if self.config.scheduler is not None:
-                log.warning("an lr_scheduler was passed to initialize() and the config has a "
-                            "\"scheduler\" section; using the client's (as DeepSpeed does)")
-            if callable(client) and not hasattr(client, "step"):
-                # DeepSpeed calls the factory with the torch optimizer; at
-                # ZeRO stages that is the inner one, whose param_groups step
-                inner = self.optimizer.optimizer if self.zero_stage > 0 else self.optimizer
-                return client(inner)
-            return client
-        if self.config.scheduler is None:
-            return None
-        if self.optimizer is None:
-            raise DsrunConfigError(f"the config ({self.config.source}) has a scheduler but no "
-                                   "optimizer: add an \"optimizer\" section or pass optimizer=")
-        return build_scheduler(self.config.scheduler, self.optimizer)
 
     # --------------------------------------------------------- training
 
@@ -658,23 +494,6 @@ class DsrunEngine(EngineInfo, EngineControls, torch.nn.Module):
             if self._grad_sync is not None:
                 self._grad_sync.close()
                 self._grad_sync = None
-
-
-def _check_prepartitioned(module: torch.nn.Module, config: DsrunConfig) -> None:
-    """A model built under ``dsrun.zero.Init`` must already have the dtype
-    training uses: its released parameters cannot be cast afterwards."""
-    partitioned = [p for p in module.parameters() if hasattr(p, "ds_shape")]
-    if not partitioned:
-        return
-    if config.zero_optimization.stage != 3:
-        raise DsrunConfigError(
-            f"the model was built under dsrun.zero.Init (partitioned parameters) but "
-            f"{config.source} sets ZeRO stage {config.zero_optimization.stage}: use stage 3")
-    if config.fp16.enabled and any(p.dtype != torch.float16 for p in partitioned):
-        raise DsrunConfigError("fp16 is enabled but the model was built under dsrun.zero.Init "
-                               "in another dtype: build it under "
-                               "dsrun.zero.Init(dtype=torch.float16)")
-
 
 
 DeepSpeedEngine = DsrunEngine  # DeepSpeed's name: from deepspeed.runtime.engine import ...

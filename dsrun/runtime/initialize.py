@@ -35,7 +35,8 @@ from torch.optim import Optimizer
 from dsrun.errors import DsrunConfigError
 from dsrun.runtime.config import ConfigInput, DsrunConfig, load_config, resolve
 from dsrun.runtime.dist import init_distributed
-from dsrun.runtime.engine import DsrunEngine, check_zero_stage
+from dsrun.runtime.engine import DsrunEngine
+from dsrun.runtime.engine_setup import check_zero_stage
 from dsrun.runtime.env import DistEnv
 from dsrun.runtime.pipe import PipelineEngine, PipelineModule
 from dsrun.runtime.progress import ensure_visible

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dsrun.runtime.config import resolve
-from dsrun.runtime.engine import bucket_elements
+from dsrun.runtime.engine_setup import bucket_elements
 from dsrun.runtime.grad_sync import assign_buckets
 
 
