@@ -244,12 +244,17 @@ class DsrunConfig:
         if self.gradient_predivide_factor <= 0:
             raise DsrunConfigError(f"gradient_predivide_factor in {self.source} must be > 0, got "
                                    f"{self.gradient_predivide_factor:g}")
-        for section, flag in (("fp16", "fp16_master_weights_and_grads"),
-                              ("bf16", "bf16_master_weights_and_grads"),
-                              ("bf16", "bf16_optimizer_states")):
-            if getattr(getattr(self, section), flag) and self.zero_optimization.stage == 0:
-                raise DsrunConfigError(f"{section}.{flag} in {self.source} needs ZeRO stage 1-3 "
-                                       "(zero_optimization.stage is 0)")
+        for section, flag, what in (
+                ("fp16", "fp16_master_weights_and_grads", "fp16 master weights and gradients"),
+                ("bf16", "bf16_master_weights_and_grads", "bf16 master weights and gradients"),
+                ("bf16", "bf16_optimizer_states", "bf16 optimizer states")):
+            if getattr(getattr(self, section), flag):
+                # DeepSpeed keeps them in 16 bits (with offload_optimizer and
+                # DeepSpeedCPUAdam only): other numbers, less memory
+                raise DsrunConfigError(
+                    f"{section}.{flag} in {self.source}: {what} are not implemented in dsrun, "
+                    "whose ZeRO optimizers keep fp32 master weights, gradients and optimizer "
+                    "state; remove the key (or set it false)")
 
     @property
     def precision(self) -> str:

@@ -446,11 +446,17 @@ def test_zero_partial_offload_needs_stage_3() -> None:
         res(base(zero_optimization={"stage": 2, "offload_optimizer": {"ratio": 0.3}}))
 
 
-def test_master_weights_flags_need_zero() -> None:
-    with pytest.raises(DsrunConfigError, match="fp16_master_weights_and_grads.*ZeRO stage"):
-        res(base(fp16={"enabled": True, "fp16_master_weights_and_grads": True}))
-    res(base(fp16={"enabled": True, "fp16_master_weights_and_grads": True},
-             zero_optimization={"stage": 2}))
+@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("section,flag", [("fp16", "fp16_master_weights_and_grads"),
+                                          ("bf16", "bf16_master_weights_and_grads"),
+                                          ("bf16", "bf16_optimizer_states")])
+def test_16bit_master_weights_and_states_are_refused(stage: int, section: str, flag: str) -> None:
+    """Not silently trained in fp32: dsrun keeps fp32 masters and states."""
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
+    with pytest.raises(DsrunConfigError, match=f"{section}.{flag} in .*not implemented in dsrun"):
+        res(base(**{section: {"enabled": True, flag: True}}, zero_optimization=zero))
+    off = res(base(**{section: {"enabled": True, flag: False}}, zero_optimization=zero))
+    assert not getattr(getattr(off, section), flag)
 
 
 @pytest.mark.parametrize(("given_", "canonical"), [("Adam", "adam"), ("ADAMW", "adamw"),
