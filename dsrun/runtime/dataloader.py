@@ -19,8 +19,14 @@ Its position is checkpointed (``state_dict``/``load_state_dict``, which
 ``engine.save_checkpoint``/``load_checkpoint`` call): the epoch, how many
 batches of it were handed out, and the sampler's shuffle epoch. After ``load_state_dict`` the next
 ``iter()`` continues that epoch with the next batch (the sampler skips the
-indices already used, no sample is loaded to skip it); when the epoch was
-used up, it starts the next one.
+indices already used, no sample is loaded to skip it); when the epoch had
+ended (its iterator raised StopIteration), it starts the next one. Saved
+on an epoch's last batch, inside the script's ``for`` loop, the position
+is "that epoch, nothing left": the resumed ``for`` loop over the epoch
+ends at once, as the uninterrupted one was about to, and the script's next
+``iter()`` starts the next epoch (were it "next epoch", a script that
+resumes its own epoch counter from the checkpoint would train one epoch
+too many).
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ class DsrunDataLoader:
         self.batches = 0        # batches handed out of the epoch in progress
         self._resume_at = 0     # batches the next iter() skips
         self._started = False   # an iter() since construction or load_state_dict
+        self._ended = False     # the epoch in progress raised StopIteration
 
     def __iter__(self) -> Iterator[Any]:
         return self._epoch()
@@ -85,7 +92,7 @@ class DsrunDataLoader:
         self.sampler.skip = self._resume_at * self.batch_size
         self.batches, self._resume_at = self._resume_at, 0
         self.epoch += 1
-        self._started = True
+        self._started, self._ended = True, False
         batches = iter(self.loader)
         while True:
             timer = self.tput_timer
@@ -96,6 +103,7 @@ class DsrunDataLoader:
             except StopIteration:
                 if timer is not None:
                     timer.started = False  # no batch came: no interval
+                self._ended = True
                 return
             self.batches += 1
             yield batch
@@ -110,9 +118,9 @@ class DsrunDataLoader:
         if not self._started:
             return {"epoch": self.epoch, "batch": self._resume_at, **order}
         current = self.epoch - 1
-        if self.batches >= len(self):
+        if self._ended:
             return {"epoch": current + 1, "batch": 0, **order}
-        return {"epoch": current, "batch": self.batches, **order}
+        return {"epoch": current, "batch": min(self.batches, len(self)), **order}
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         """Continue at ``state``'s position with the next ``iter()``. A
@@ -120,8 +128,10 @@ class DsrunDataLoader:
         epoch reshuffled) keeps that epoch's order."""
         epoch, batch = int(state["epoch"]), int(state["batch"])
         self.sampler.set_epoch(int(state.get("shuffle_epoch", epoch)))
-        if batch >= len(self):
-            epoch, batch = epoch + 1, 0
+        # batch == len: the epoch's batches were all handed out but its loop
+        # had not ended (module docstring); more (a position rescaled from
+        # another world size) means the same
+        batch = min(batch, len(self))
         self.epoch, self._resume_at, self.batches = epoch, batch, 0
         self._started = False
 

@@ -88,8 +88,38 @@ def test_a_finished_epoch_resumes_with_the_next_one() -> None:
     state = straight.state_dict()
     assert (state["epoch"], state["batch"]) == (1, 0)
     resumed = loader()
-    resumed.load_state_dict({"epoch": 0, "batch": 6, "batch_size": 4})
+    resumed.load_state_dict(state)
     assert [b[0].tolist() for b in resumed] == [b[0].tolist() for b in straight]
+
+
+def epochs_seen(loader_: DsrunDataLoader, start: int, stop: int, save_at: int = -1
+                ) -> tuple[list[list[float]], dict]:
+    """A script's loop: ``for epoch in range(start, stop): for batch in
+    loader``, saving the position after its ``save_at``-th batch and
+    stopping there (a crash right after a checkpoint)."""
+    seen: list[list[float]] = []
+    for _ in range(start, stop):
+        for batch in loader_:
+            seen.append(batch[0].tolist())
+            if len(seen) == save_at:
+                return seen, loader_.state_dict()
+    return seen, {}
+
+
+@pytest.mark.parametrize("save_at", [5, 6, 12])  # mid-epoch, an epoch's last batch (twice)
+def test_a_save_on_an_epochs_last_batch_resumes_that_epochs_end(save_at: int) -> None:
+    """Saved inside the loop on its last batch, the epoch is not over yet:
+    the resumed script, restarting the same epoch of its own counter, must
+    see its loop end at once and then the next epochs - not an extra one."""
+    everything, _ = epochs_seen(loader(), 0, 3)
+    first, state = epochs_seen(loader(), 0, 3, save_at=save_at)
+    epoch = (save_at - 1) // 6  # the script's epoch when it saved (its client_state)
+    if save_at % 6 == 0:
+        assert state["batch"] == 6 and state["epoch"] == epoch
+    resumed = loader()
+    resumed.load_state_dict(state)
+    rest, _ = epochs_seen(resumed, epoch, 3)
+    assert first + rest == everything
 
 
 def test_epochs_repeat_one_order_unless_the_script_sets_the_epoch() -> None:
