@@ -94,6 +94,7 @@ from dsrun.runtime.config_schema import (
 )
 from dsrun.runtime.config_sections import (
     DTYPE_NAMES,
+    KEEP_IN_FP32_AUTO,
     MONITOR_SECTIONS,
     ZERO_AUTO_KEYS,
     ActivationCheckpointingConfig,
@@ -244,6 +245,7 @@ class DsrunConfig:
         if self.gradient_predivide_factor <= 0:
             raise DsrunConfigError(f"gradient_predivide_factor in {self.source} must be > 0, got "
                                    f"{self.gradient_predivide_factor:g}")
+        self._check_param_dtype()
         for section, flag, what in (
                 ("fp16", "fp16_master_weights_and_grads", "fp16 master weights and gradients"),
                 ("bf16", "bf16_master_weights_and_grads", "bf16 master weights and gradients"),
@@ -255,6 +257,19 @@ class DsrunConfig:
                     f"{section}.{flag} in {self.source}: {what} are not implemented in dsrun, "
                     "whose ZeRO optimizers keep fp32 master weights, gradients and optimizer "
                     "state; remove the key (or set it false)")
+
+    def _check_param_dtype(self) -> None:
+        """``data_types.param_dtype`` is the enabled precision's dtype (DeepSpeed
+        asserts it: its optimizers take the dtype from the fp16/bf16 flags)."""
+        asked = self.data_types.param_dtype
+        trained = {"fp16": "float16", "bf16": "bfloat16"}.get(self.precision, "float32")
+        if asked is not None and DTYPE_NAMES[asked] != trained:
+            enabled = f"{self.precision}.enabled" if self.precision != "fp32" \
+                else "fp32 training (neither fp16 nor bf16 enabled)"
+            raise DsrunConfigError(
+                f'data_types.param_dtype "{asked}" in {self.source} conflicts with {enabled}, '
+                f'whose model dtype is {trained}: set the matching fp16/bf16 "enabled" flag or '
+                "remove data_types.param_dtype")
 
     @property
     def precision(self) -> str:
@@ -457,6 +472,10 @@ def inert_settings(config: DsrunConfig) -> list[str]:
     if accum is not None and DTYPE_NAMES[accum] != trained:
         notes.append(f"data_types.grad_accum_dtype {accum!r} (dsrun accumulates gradients in "
                      f"the trained parameters' dtype, {trained} here)")
+    if config.precision == "fp32" and (config.data_types.buffer_dtype is not None or
+                                       config.data_types.keep_in_fp32_modules != KEEP_IN_FP32_AUTO):
+        notes.append("data_types.buffer_dtype/keep_in_fp32_modules without fp16 or bf16 (as in "
+                     "DeepSpeed, they apply only to fp16/bf16 training)")
     if config.gradient_predivide_factor != 1.0 and config.zero_optimization.stage > 0:
         notes.append("gradient_predivide_factor (ZeRO stages divide gradients by the "
                      "data-parallel size before reducing them)")

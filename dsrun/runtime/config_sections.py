@@ -259,20 +259,49 @@ DTYPE_NAMES: Mapping[str, str] = MappingProxyType({
 # the ones torch.autocast takes
 AUTOCAST_DTYPES: Mapping[str, str] = MappingProxyType(
     {name: dtype for name, dtype in DTYPE_NAMES.items() if dtype != "float32"})
+# data_types.keep_in_fp32_modules: the model's own Hugging Face lists
+KEEP_IN_FP32_AUTO = "auto"
 
 
 @dataclass(frozen=True)
 class DataTypesConfig:
-    """``data_types``: DeepSpeed's gradient accumulation dtype, reported by
-    ``engine.get_data_types()``. dsrun accumulates gradients in the dtype of
-    the parameters it trains (fp32 under ``bf16`` and ``torch_autocast``,
-    whose weights stay fp32; float16 under ``fp16``), so a different one is
-    reported as not acted on."""
+    """``data_types``, DeepSpeed 0.19.8's dtype overrides (names are
+    DeepSpeed's DtypeEnum spellings of fp16, bf16 and fp32):
 
-    grad_accum_dtype: Optional[str] = opt("str", None, choices=tuple(DTYPE_NAMES))
+    * ``grad_accum_dtype``: reported by ``engine.get_data_types()``. dsrun
+      accumulates gradients in the dtype of the parameters it trains (fp32
+      under ``bf16`` and ``torch_autocast``, whose weights stay fp32;
+      float16 under ``fp16``), so a different one is reported as not acted on.
+    * ``param_dtype``: must be the enabled precision's (fp16, bf16, else
+      fp32), checked by :class:`~dsrun.runtime.config.DsrunConfig`.
+    * ``buffer_dtype``: under fp16 or bf16, the floating buffers are cast to
+      it; unset, they keep the dtype the model holds them in.
+    * ``keep_in_fp32_modules``: under fp16 or bf16, the buffers kept in (or
+      upcast to) fp32: ``"auto"`` (the model's Hugging Face lists), a list
+      of name patterns, or ``[]`` (none) - :mod:`dsrun.runtime.buffer_dtypes`.
+    """
+
+    grad_accum_dtype: Optional[str] = opt("str", None)
+    param_dtype: Optional[str] = opt("str", None)
+    buffer_dtype: Optional[str] = opt("str", None)
+    keep_in_fp32_modules: Any = opt("any", KEEP_IN_FP32_AUTO)
 
     def __post_init__(self) -> None:
         validate_fields(self)
+        for key in ("grad_accum_dtype", "param_dtype", "buffer_dtype"):
+            value = getattr(self, key)
+            if value is not None and value not in DTYPE_NAMES:
+                raise DsrunConfigError(
+                    f'"data_types.{key}" must be one of '
+                    + ", ".join(f'"{name}"' for name in DTYPE_NAMES)
+                    + f", got {show(value)}{did_you_mean(value, DTYPE_NAMES)}")
+        keep = self.keep_in_fp32_modules
+        if keep != KEEP_IN_FP32_AUTO and not (
+                isinstance(keep, tuple) and all(isinstance(name, str) for name in keep)):
+            raise DsrunConfigError('"data_types.keep_in_fp32_modules" must be "auto" or a list '
+                                   f"of name patterns, got {show(keep)}"
+                                   + (did_you_mean(keep, (KEEP_IN_FP32_AUTO,))
+                                      if isinstance(keep, str) else ""))
 
 
 @dataclass(frozen=True)

@@ -10,16 +10,18 @@ optimizer updates, and how a step is checked and applied.
   ``torch.autocast('cpu', ...)``). bf16 has fp32's range: no loss
   scaling, but a non-finite gradient norm skips the step
   (``bf16.check_grad_overflow``, true by default as in DeepSpeed).
-* :class:`FP16Master` (``fp16.enabled``): as DeepSpeed does, the module is
-  converted to fp16 (``module.half()``; the script feeds fp16 inputs, or
-  sets ``fp16.auto_cast`` to have floating-point inputs cast), and the
-  optimizer updates fp32 master copies. The loss is multiplied by the loss
-  scale before backward; at a step the fp16 gradients are unscaled into the
-  masters' fp32 gradients, and a non-finite global norm is an overflow: the
-  step is skipped and :class:`LossScaler` shrinks the scale. Otherwise the
-  masters are clipped, stepped and copied back into the fp16 model. This is
-  real fp16 arithmetic on every device, CPU included (slow there, but
-  correct: overflows are the ones a GPU run would see).
+* :class:`FP16Master` (``fp16.enabled``): as DeepSpeed does, the module's
+  parameters are converted to fp16 (its floating buffers follow
+  ``data_types``, :mod:`~dsrun.runtime.buffer_dtypes`: by default they keep
+  their dtype; the script feeds fp16 inputs, or sets ``fp16.auto_cast`` to
+  have floating-point inputs cast), and the optimizer updates fp32 master
+  copies. The loss is multiplied by the loss scale before backward; at a
+  step the fp16 gradients are unscaled into the masters' fp32 gradients,
+  and a non-finite global norm is an overflow: the step is skipped and
+  :class:`LossScaler` shrinks the scale. Otherwise the masters are
+  clipped, stepped and copied back into the fp16 model. This is real fp16
+  arithmetic on every device, CPU included (slow there, but correct:
+  overflows are the ones a GPU run would see).
 
 * :class:`TorchAutocast` / :class:`TorchAutocastFP16` (the
   ``torch_autocast`` section): fp32 weights, the forward under a bfloat16 or
@@ -45,6 +47,7 @@ import torch
 from torch.optim import Optimizer
 
 from dsrun.errors import DsrunConfigError
+from dsrun.runtime.buffer_dtypes import CASTABLE, apply_buffer_rules
 from dsrun.runtime.config import DTYPE_NAMES, DsrunConfig
 from dsrun.runtime.loss_scaler import LossScaler
 
@@ -285,9 +288,15 @@ class FP16Scaling(FullPrecision):
             min_scale=min(fp16.min_loss_scale, fp16.initial_dynamic_scale) if dynamic else 1.0)
 
     @staticmethod
+    @torch.no_grad()
     def convert_module(module: torch.nn.Module) -> None:
-        """The model computes in fp16 (parameters keep their identity)."""
-        module.half()
+        """The model's floating parameters become fp16, keeping their identity
+        (``p.data`` is replaced); buffers are left to
+        :func:`~dsrun.runtime.buffer_dtypes.apply_buffer_rules`, as DeepSpeed
+        casts parameters only."""
+        for param in module.parameters():
+            if param.dtype in CASTABLE and param.dtype != torch.float16:
+                param.data = param.data.half()
 
     @property
     def loss_scale(self) -> float:
@@ -447,8 +456,9 @@ def _as_list(params: Any) -> list[Any]:
 
 def make_precision(config: DsrunConfig, module: torch.nn.Module,
                    device: torch.device, masters: bool = True) -> FullPrecision:
-    """The precision ``config`` asks for; fp16 converts ``module`` first (and
-    bf16 at stage 0 upcasts a 16-bit one). ``masters`` False: the
+    """The precision ``config`` asks for; fp16 converts ``module``'s parameters
+    first (and bf16 at stage 0 upcasts 16-bit ones), and the buffers get the
+    dtypes ``data_types`` gives them. ``masters`` False: the
     optimizer keeps fp32 masters itself (ZeRO)."""
     precision = _make_precision(config, module, device, masters)
     if precision.scaler is None:
@@ -461,6 +471,7 @@ def _make_precision(config: DsrunConfig, module: torch.nn.Module,
                     device: torch.device, masters: bool) -> FullPrecision:
     if config.fp16.enabled:
         FP16Master.convert_module(module)
+    apply_buffer_rules(module, config)
     if config.bf16.enabled and masters:
         upcast = BF16Autocast.convert_module(module)
         if upcast:

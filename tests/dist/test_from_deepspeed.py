@@ -8,10 +8,10 @@ same global batches (resume_dsrun.py, the same model and config). The
 losses are compared with the ones DeepSpeed recorded (oracle.json):
 
 * fp32: within 1e-6 (seen: 1.2e-7, summation order);
-* fp16: within 2e-3. DeepSpeed keeps the fp16 model's buffer ``scale`` in
-  fp32, which promotes the output, so its MSE is in fp32; dsrun's
-  ``module.half()`` halves the buffer too and computes it in fp16: a few
-  fp16 roundings of a loss near 1 (half an ulp is 4.9e-4; seen: 2.0e-4);
+* fp16: within 5e-4, half an fp16 ulp of a loss near 1. Both keep the fp16
+  model's buffer ``scale`` in fp32 (DeepSpeed 0.19.8 casts parameters
+  only), which promotes the output, so the MSE is in fp32 (seen: 0 at 2
+  ranks, 9.7e-5 at 1 rank; 2.0e-4 when dsrun still halved the buffer);
 * bf16: within 3e-3. DeepSpeed runs the model in bf16 weights and
   activations, dsrun in bf16 autocast (fp32 weights cast per matmul,
   LayerNorm and the loss in fp32): a few bf16 roundings of the activations
@@ -42,7 +42,7 @@ pytestmark = pytest.mark.dist
 DATA = Path(__file__).resolve().parents[1] / "data" / "deepspeed_ckpt"
 WORKER = DATA / "resume_dsrun.py"
 ORACLE = json.loads((DATA / "oracle.json").read_text())
-TOLERANCE = {"fp32": 1e-6, "fp16": 2e-3, "bf16": 3e-3}
+TOLERANCE = {"fp32": 1e-6, "fp16": 5e-4, "bf16": 3e-3}
 # the stage each fixture is loaded at by 2 ranks (another one than it was saved at)
 OTHER_STAGE = {"stage0_fp32": 3, "stage1_fp16": 2, "stage1_bf16": 3, "stage2_bf16": 1,
                "stage3_fp32": 2, "stage3_bf16": 0}

@@ -1,9 +1,11 @@
 """``engine.save_16bit_model``: the module's weights in the training's 16-bit
 dtype, as one ``torch.save`` file (DeepSpeed's ``pytorch_model.bin``).
 
-The dtype is the model's under fp16, bfloat16 under bf16 (dsrun's bf16
-keeps fp32 parameters and computes under autocast), and fp32 otherwise (as
-DeepSpeed, which saves the module's own dtype). At ZeRO stage 3 the
+The parameters are written in float16 under fp16, bfloat16 under bf16
+(dsrun's bf16 keeps fp32 parameters and computes under autocast), and fp32
+otherwise; the buffers in the dtype the module holds them in (an fp32
+buffer stays fp32 - ``data_types`` decides it at initialize()), as
+DeepSpeed saves the module's own tensors. At ZeRO stage 3 the
 parameters are partitioned: they are gathered one at a time, so the extra
 memory is one parameter on every rank plus the output on rank 0, and only
 when ``stage3_gather_16bit_weights_on_model_save`` is set - otherwise
@@ -41,15 +43,17 @@ def _dtype(engine: Any) -> torch.dtype:
 
 
 def _host(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A host copy of ``tensor``: a floating parameter in ``dtype``, a buffer
+    as it is."""
     value = tensor.detach()
-    if value.is_floating_point():
+    if value.is_floating_point() and isinstance(tensor, torch.nn.Parameter):
         value = value.to(dtype)
     return value.to("cpu", copy=True)
 
 
 def state_dict16(engine: Any, exclude_frozen: bool, keep: bool) -> OrderedDict:
-    """The module's state dict in the 16-bit dtype (only ``keep`` ranks
-    collect it; at stage 3 every rank takes part in the gathers)."""
+    """The module's state dict, parameters in the 16-bit dtype (only ``keep``
+    ranks collect it; at stage 3 every rank takes part in the gathers)."""
     dtype = _dtype(engine)
     module = engine.module
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
@@ -73,11 +77,12 @@ def zero3_consolidated_16bit_state_dict(engine: Any, exclude_frozen_parameters: 
                                         ) -> Optional[OrderedDict]:
     """DeepSpeed's ``engine._zero3_consolidated_16bit_state_dict`` (what
     Hugging Face Trainer and Accelerate call to save a ZeRO-3 model): the
-    full state dict in the 16-bit dtype on global rank 0, None on the other
-    ranks; tied parameters share one tensor. Every rank must call it (the
-    parameters are gathered one at a time). Only at stage 3 (ValueError
-    otherwise, as DeepSpeed); unlike :func:`save_16bit_model` it does not
-    need ``stage3_gather_16bit_weights_on_model_save``, as in DeepSpeed."""
+    full state dict (parameters in the 16-bit dtype) on global rank 0, None
+    on the other ranks; tied parameters share one tensor. Every rank must
+    call it (the parameters are gathered one at a time). Only at stage 3
+    (ValueError otherwise, as DeepSpeed); unlike :func:`save_16bit_model`
+    it does not need ``stage3_gather_16bit_weights_on_model_save``, as in
+    DeepSpeed."""
     if engine.zero_stage != 3:
         raise ValueError("_zero3_consolidated_16bit_state_dict() requires ZeRO stage 3 (this "
                          f"engine runs stage {engine.zero_stage}): use "

@@ -14,6 +14,10 @@ model built whole on rank 0 with the same seed (partitioning draws no random
 numbers). Wrappers are removed when the last context closes; classes defined
 inside keep a wrapper that does nothing outside a context.
 
+Buffers are not partitioned; their dtype under a 16-bit Init is
+DeepSpeed's (:mod:`~dsrun.runtime.buffer_dtypes`), set when the outermost
+module built in the context is complete.
+
 ``Module.apply(fn)`` called inside the context (a parent's
 ``self.apply(init_weights)``, as HF models do after building their children)
 runs ``fn`` on each module with that module's parameters gathered and
@@ -66,8 +70,14 @@ import torch.distributed as dist
 
 from dsrun import comm as collectives
 from dsrun.errors import DsrunConfigError, DsrunError
-from dsrun.runtime.config_schema import Ctx
-from dsrun.runtime.config_sections import ZeroConfig, parse_zero
+from dsrun.runtime.buffer_dtypes import ConstructorTags, cast_new_buffers
+from dsrun.runtime.config_schema import Ctx, parse_section
+from dsrun.runtime.config_sections import (
+    KEEP_IN_FP32_AUTO,
+    DataTypesConfig,
+    ZeroConfig,
+    parse_zero,
+)
 from dsrun.runtime.dist import compute_device
 from dsrun.runtime.param_links import engine_of
 from dsrun.runtime.zero.divergence import group_ranks, shared_guard
@@ -89,7 +99,8 @@ from dsrun.runtime.zero.stage3_plan import is_persistent
 class InitSettings:
     """How :class:`Init` partitions: over ``group``, keeping parameters of at
     most ``persistence_threshold`` elements whole; optional dtype/device
-    applied to each parameter before it is partitioned."""
+    applied to each parameter before it is partitioned; ``keep_in_fp32``:
+    ``data_types.keep_in_fp32_modules`` (module docstring)."""
 
     group: Any = None
     persistence_threshold: int = ZeroConfig().param_persistence_threshold
@@ -98,6 +109,7 @@ class InitSettings:
     device: Optional[torch.device] = None
     offload: bool = False
     pin_memory: bool = False
+    keep_in_fp32: Any = KEEP_IN_FP32_AUTO
 
     def __post_init__(self) -> None:
         if isinstance(self.persistence_threshold, bool) or self.persistence_threshold < 0:
@@ -108,14 +120,16 @@ class InitSettings:
 @dataclass(frozen=True)
 class ConfigSettings:
     """What ``zero.Init`` takes from a DeepSpeed config: the persistence
-    threshold, the parameter dtype (fp16/bf16 sections), and the
+    threshold, the parameter dtype (fp16/bf16 sections), the
     ``offload_param`` section's device (None: none or "none") and
-    ``pin_memory``, as DeepSpeed's Init does when given a config."""
+    ``pin_memory``, and ``data_types.keep_in_fp32_modules``, as DeepSpeed's
+    Init does when given a config."""
 
     persistence_threshold: int
     dtype: Optional[torch.dtype] = None
     remote_device: Optional[str] = None
     pin_memory: bool = False
+    keep_in_fp32: Any = KEEP_IN_FP32_AUTO
 
 
 def settings_from_config(config: Any) -> ConfigSettings:
@@ -124,13 +138,15 @@ def settings_from_config(config: Any) -> ConfigSettings:
     if config is None:
         return ConfigSettings(ZeroConfig().param_persistence_threshold)
     if hasattr(config, "zero_optimization"):
-        zero = config.zero_optimization
+        zero, types = config.zero_optimization, config.data_types
         fp16, bf16 = config.fp16.enabled, config.bf16.enabled
     else:
         from dsrun.runtime.config import load_config
 
         raw, source = load_config(config)
-        zero = parse_zero(raw.get("zero_optimization", {}), Ctx(source, allow_unknown=True))
+        ctx = Ctx(source, allow_unknown=True)
+        zero = parse_zero(raw.get("zero_optimization", {}), ctx)
+        types = parse_section(DataTypesConfig, raw.get("data_types", {}), ("data_types",), ctx)
         fp16 = _enabled(raw.get("fp16"))
         bf16 = _enabled(raw.get("bf16", raw.get("bfloat16")))
     dtype = torch.float16 if fp16 else torch.bfloat16 if bf16 else None
@@ -138,7 +154,8 @@ def settings_from_config(config: Any) -> ConfigSettings:
     device = getattr(section, "device", None)
     return ConfigSettings(zero.param_persistence_threshold, dtype,
                           None if device in (None, "none") else device,
-                          bool(getattr(section, "pin_memory", False)))
+                          bool(getattr(section, "pin_memory", False)),
+                          types.keep_in_fp32_modules)
 
 
 def _enabled(section: Any) -> bool:
@@ -178,6 +195,7 @@ def partition_module(module: torch.nn.Module, settings: InitSettings) -> None:
 _stack: list[InitSettings] = []
 _depth: dict[int, int] = {}
 _patched: list[tuple[type, Callable[..., None]]] = []
+_tags = ConstructorTags()  # the floating tensors torch's constructors made in the context
 
 
 def _partitioning_init(init: Callable[..., None]) -> Callable[..., None]:
@@ -196,6 +214,9 @@ def _partitioning_init(init: Callable[..., None]) -> Callable[..., None]:
                 del _depth[key]
         if outermost and _stack:
             partition_module(self, _stack[-1])
+            if not _depth:  # no module is being built around this one: a whole model
+                settings = _stack[-1]
+                cast_new_buffers(self, _tags, settings.dtype, settings.keep_in_fp32)
         return None
 
     wrapper._dsrun_zero_init = True  # type: ignore[attr-defined]
@@ -256,6 +277,7 @@ def _patch() -> None:
         _wrap_class(cls)
     torch.nn.Module.__init_subclass__ = classmethod(_on_subclass)  # type: ignore[assignment]
     torch.nn.Module.apply = _gathering_apply(_original_apply)  # type: ignore[method-assign]
+    _tags.install()
 
 
 def _unpatch() -> None:
@@ -266,6 +288,7 @@ def _unpatch() -> None:
         del torch.nn.Module.__init_subclass__
     torch.nn.Module.apply = _original_apply  # type: ignore[method-assign]
     _depth.clear()
+    _tags.remove()
 
 
 def _init_device(remote_device: Optional[str]) -> tuple[Optional[torch.device], bool]:
@@ -321,9 +344,11 @@ class Init:
         device, offload = _init_device(remote_device)
         self.settings = InitSettings(data_parallel_group, found.persistence_threshold,
                                      dtype=dtype or found.dtype, device=device, offload=offload,
-                                     pin_memory=bool(pin_memory))
+                                     pin_memory=bool(pin_memory), keep_in_fp32=found.keep_in_fp32)
         if module is not None:
             partition_module(module, self.settings)
+            # built outside: no constructor made its buffers, only the kept ones change
+            cast_new_buffers(module, _tags, self.settings.dtype, self.settings.keep_in_fp32)
 
     def __enter__(self) -> Init:
         if self.enabled:
