@@ -1,12 +1,14 @@
 """``zero.Init``, ``zero.GatheredParameters`` and external parameters, with
 DeepSpeed's names and arguments.
 
-**Init.** While an :class:`Init` context is open, the ``__init__`` of every
-``torch.nn.Module`` subclass (those that exist when it opens, and those
-defined inside it, through ``Module.__init_subclass__``) is wrapped: when the
-*outermost* ``__init__`` of a module object returns, the module's parameters
-that are not partitioned yet - its own, its children's are already - get
-group rank 0's values (broadcast) and are partitioned
+**Init.** Without a process group, :class:`Init` starts one
+(``init_distributed()``), as DeepSpeed's does. While an :class:`Init`
+context is open, the ``__init__`` of every ``torch.nn.Module`` subclass
+(those that exist when it opens, and those defined inside it, through
+``Module.__init_subclass__``) is wrapped: when the *outermost* ``__init__``
+of a module object returns, the module's parameters that are not
+partitioned yet - its own, its children's are already - get group rank
+0's values (broadcast) and are partitioned
 (:func:`~.partitioned.partition_param`). A model is thus never whole on a
 rank: the transient is one module's own parameters (e.g. one ``Linear``'s
 weight and bias) plus a broadcast of them, not the model. Values equal a
@@ -78,7 +80,7 @@ from dsrun.runtime.config_sections import (
     ZeroConfig,
     parse_zero,
 )
-from dsrun.runtime.dist import compute_device
+from dsrun.runtime.dist import compute_device, init_distributed
 from dsrun.runtime.param_links import engine_of
 from dsrun.runtime.zero.divergence import group_ranks, shared_guard
 from dsrun.runtime.zero.partitioned import (
@@ -305,6 +307,21 @@ def _init_device(remote_device: Optional[str]) -> tuple[Optional[torch.device], 
     return None, False
 
 
+def _ensure_group() -> None:
+    """Start the default process group where none exists, as DeepSpeed's Init
+    does: :func:`~dsrun.runtime.dist.init_distributed` takes the rank from the
+    environment (dsrun, torchrun, MPI or Slurm; a lone process is world size 1)."""
+    if dist.is_initialized():
+        return
+    try:
+        init_distributed()
+    except Exception as err:  # noqa: BLE001 - one error naming what zero.Init needed
+        hint = "" if isinstance(err, DsrunError) else \
+            " (start the script with dsrun or torchrun, or call dsrun.init_distributed() first)"
+        raise DsrunError(f"zero.Init needs torch.distributed and could not start it: "
+                         f"{err}{hint}") from err
+
+
 class Init:
     """DeepSpeed's ``zero.Init`` (module docstring). Accepted and ignored:
     ``mem_efficient_linear``, ``sequence_data_parallel_group``;
@@ -320,9 +337,7 @@ class Init:
         self.enabled = bool(enabled)
         if not self.enabled:
             return
-        if not dist.is_initialized():
-            raise DsrunError("zero.Init needs torch.distributed: start the script with dsrun, "
-                             "or call dsrun.init_distributed() first")
+        _ensure_group()
         unsupported = {"zero_param_parallel_group": zero_param_parallel_group is not None,
                        "zero_quantized_weights": zero_quantized_weights,
                        "zero_quantized_nontrainable_weights": zero_quantized_nontrainable_weights,
