@@ -195,3 +195,31 @@ def test_an_optimizer_stepping_for_one_zero_engine_is_refused_by_another(solo: N
     dsrun.initialize(model=model, optimizer=opt, config=config)
     with pytest.raises(DsrunConfigError, match="already steps for a ZeRO engine"):
         dsrun.initialize(model=torch.nn.Linear(4, 1), optimizer=opt, config=config)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_pipeline_engine_steps_the_client_optimizer_object(solo: None, stage: int) -> None:
+    """The same rule through ``train_batch``: an lr set by hand on the
+    script's optimizer between batches is the one the step uses."""
+    from dsrun.pipe import LayerSpec, PipelineModule
+
+    torch.manual_seed(0)
+    module = PipelineModule([LayerSpec(torch.nn.Linear, 3, 4), LayerSpec(torch.nn.Linear, 4, 1)],
+                            num_stages=1, loss_fn=torch.nn.MSELoss())
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    engine, returned, _, _ = dsrun.initialize(model=module, optimizer=opt, config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+        "zero_optimization": {"stage": stage}})
+    data = iter([(torch.randn(2, 3), torch.randn(2, 1)) for _ in range(6)])
+
+    def moved() -> bool:
+        before = [p.detach().clone() for p in module.parameters()]
+        engine.train_batch(data)
+        return not all(torch.equal(a, p) for a, p in zip(before, module.parameters()))
+
+    assert moved()
+    opt.param_groups[0]["lr"] = 0.0
+    assert not moved() and engine.get_lr() == [0.0]
+    opt.param_groups[0]["lr"] = 0.1
+    assert moved()
+    assert (returned is opt) if stage == 0 else (returned.optimizer is opt)
