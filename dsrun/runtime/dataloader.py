@@ -120,7 +120,7 @@ class DsrunDataLoader:
         current = self.epoch - 1
         if self._ended:
             return {"epoch": current + 1, "batch": 0, **order}
-        return {"epoch": current, "batch": min(self.batches, len(self)), **order}
+        return {"epoch": current, "batch": self.batches, **order}
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         """Continue at ``state``'s position with the next ``iter()``. A

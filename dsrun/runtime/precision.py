@@ -47,7 +47,7 @@ import torch
 from torch.optim import Optimizer
 
 from dsrun.errors import DsrunConfigError
-from dsrun.runtime.buffer_dtypes import CASTABLE, apply_buffer_rules
+from dsrun.runtime.buffer_dtypes import CASTABLE, HALF_DTYPES, apply_buffer_rules
 from dsrun.runtime.config import DTYPE_NAMES, DsrunConfig
 from dsrun.runtime.loss_scaler import LossScaler
 
@@ -206,12 +206,11 @@ class BF16Autocast(TorchAutocast):
         over in a 16-bit dtype is upcast (its parameters keep their
         identity; the forward still runs in bf16 under the autocast).
         Returns the names of the parameters upcast."""
-        upcast = [name for name, p in module.named_parameters()
-                  if p.is_floating_point() and p.dtype != torch.float32]
-        if upcast:
-            for param in module.parameters():
-                if param.is_floating_point() and param.dtype != torch.float32:
-                    param.data = param.data.float()
+        upcast = []
+        for name, param in module.named_parameters():  # a tied parameter is listed once
+            if param.dtype in HALF_DTYPES:
+                param.data = param.data.float()
+                upcast.append(name)
         return upcast
 
 

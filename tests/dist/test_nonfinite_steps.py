@@ -164,3 +164,15 @@ def test_a_bf16_model_trains_on_fp32_masters(solo: None, stage: int) -> None:
     # five Adam steps of lr 1e-5 move each weight by ~5e-5 in fp32; in bf16
     # (spacing ~2e-3 there) nearly all of them would not move at all
     assert float(moved.mean()) > 3e-5
+
+
+def test_stage0_bf16_upcasts_only_16bit_parameters() -> None:
+    from dsrun.runtime.precision import BF16Autocast
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2).to(torch.bfloat16),
+                                torch.nn.Linear(2, 2).to(torch.float16),
+                                torch.nn.Linear(2, 2).to(torch.float64))
+    kept = model[2].weight
+    assert BF16Autocast.convert_module(model) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert [p.dtype for p in model.parameters()] == [torch.float32] * 4 + [torch.float64] * 2
+    assert model[2].weight is kept
