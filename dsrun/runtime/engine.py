@@ -69,6 +69,7 @@ from dsrun.runtime.monitor.training import EngineMonitor
 from dsrun.runtime.param_links import link_params
 from dsrun.runtime.precision import FullPrecision, StepResult, make_precision
 from dsrun.runtime.progress import LOGGER_NAME, Progress
+from dsrun.runtime.zero.misuse import released_use_error
 from dsrun.runtime.zero.stage3_setup import NO_OPTIMIZER
 from dsrun.runtime.zero.stepping import (
     memory_lines,
@@ -214,9 +215,12 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
         try:
             with self._profiling("backward"):
                 scaled.backward(retain_graph=retain_graph)
-        except BaseException:
+        except BaseException as err:
             if sync:
                 self._grad_sync.disarm()
+            explained = released_use_error(self.module, err) if self.zero_stage == 3 else None
+            if explained is not None:
+                raise explained from err
             raise
         if sync:
             with self.monitor.comm_wait("reduce"):

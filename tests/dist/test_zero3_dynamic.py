@@ -15,7 +15,9 @@ the engine (workers/zero3_dynamic.py runs every case in one job).
   block's parameters again);
 * at stages 0-2 (fp32, and fp16 with its separate fp32 masters), an edit
   made on one rank inside ``GatheredParameters(modifier_rank=...)`` reaches
-  every rank's parameters and masters.
+  every rank's parameters and masters;
+* a partitioned parameter used outside any forward (an L2 term in the
+  training loop) stops backward with an error naming it.
 
 Tolerance 1e-6: stage 0 all-reduces each gradient bucket while stage 3
 reduces the leaf's gradients in another bucket layout, and Adam's fused
@@ -128,3 +130,12 @@ def test_modifier_rank_edit_of_whole_parameters_holds_everywhere(
         seen = result["modify"][case]
         assert set(seen["params"]) == {0.5}, seen["params"]
         assert seen["masters_of"] == 4 and set(seen["masters"]) == {0.5}, seen
+
+
+def test_partitioned_parameter_used_outside_forward_is_named(job: list[dict[str, Any]]) -> None:
+    for result in job:
+        outside = result["outside"]
+        assert outside["error"] is not None, "backward must fail"
+        assert "partitioned parameters of that shape: out.weight." in outside["error"]
+        assert "GatheredParameters" in outside["error"]
+        assert outside["cause"] == "RuntimeError"

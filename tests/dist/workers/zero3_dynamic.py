@@ -290,12 +290,23 @@ def modify_cases() -> dict[str, Any]:
             for stage in (0, 1, 2) for precision in ("fp32", "fp16")}
 
 
+def outside_forward_case() -> dict[str, Any]:
+    """An L2 term on a partitioned weight, computed in the training loop."""
+    engine, *_ = deepspeed.initialize(model=moe_model(), config=config(3))
+    loss = engine(torch.ones(4, 4)).pow(2).mean() + engine.module.out.weight.pow(2).sum()
+    try:
+        engine.backward(loss)
+    except DsrunError as err:
+        return {"error": str(err), "cause": type(err.__cause__).__name__}
+    return {"error": None}
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     rank = dist.get_rank()
     result: dict[str, Any] = {"rank": rank, "moe": moe_cases(rank), "tied": tied_cases(rank),
                               "ckpt": ckpt_cases(rank), "weight_norm": weight_norm_cases(rank),
-                              "modify": modify_cases()}
+                              "modify": modify_cases(), "outside": outside_forward_case()}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 
 
