@@ -33,7 +33,6 @@ Expected precision, and why:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -51,7 +50,7 @@ from dsrun.runtime.zero import (
     paper_model_state_bytes,
 )
 from dsrun.runtime.zero.partitioned import full_numel_held
-from tests.conftest import ROOT, rank_results, run_dsrun
+from tests.conftest import ROOT, rank_results
 from tests.dist.world1 import small_model, train, two_groups
 
 pytestmark = pytest.mark.dist

@@ -236,7 +236,8 @@ def ckpt_cases(rank: int) -> dict[str, Any]:
             ("deepspeed", "deepspeed", 3, {}), ("reentrant", "reentrant", 3, {})]
     for name, how, stage, zero in runs:
         torch.manual_seed(0)
-        out[name] = _guarded(lambda: train(Checkpointed(how), config(stage, **zero), batches))
+        cfg = config(stage, **zero)
+        out[name] = _guarded(lambda how=how, cfg=cfg: train(Checkpointed(how), cfg, batches))
     torch.manual_seed(0)
     leaf = CheckpointedMoE()
     deepspeed.utils.set_z3_leaf_modules(leaf, [MoE])
@@ -290,6 +291,57 @@ def modify_cases() -> dict[str, Any]:
             for stage in (0, 1, 2) for precision in ("fp32", "fp16")}
 
 
+class TwoBranches(nn.Module):
+    """A trunk and two heads; ``pick`` chooses the head each forward."""
+
+    def __init__(self, pick: Any) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 1)
+        self.c = nn.Linear(4, 1)
+        self.pick = pick
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        head = self.b if self.pick(self.calls) == "b" else self.c
+        self.calls += 1
+        return head(torch.tanh(self.trunk(x)))
+
+
+def branch_run(stage: int, pick: Any, accumulation: int, rank: int) -> dict[str, Any]:
+    """Losses, gradient norms and parameters over STEPS steps, clipping at 0.1."""
+    torch.manual_seed(0)
+    cfg = {**config(stage), "gradient_clipping": 0.1,
+           "gradient_accumulation_steps": accumulation}
+    engine, *_ = deepspeed.initialize(model=TwoBranches(pick), config=cfg)
+    g = torch.Generator().manual_seed(11 + rank)
+    norms = []
+    for micro in range(STEPS * accumulation):
+        engine.backward(engine(torch.randn(4, 4, generator=g)).pow(2).mean())
+        engine.step()
+        if (micro + 1) % accumulation == 0:
+            norms.append(float(engine.get_global_grad_norm()))
+    params = {}
+    for name, p in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([p]):
+            params[name] = p.detach().flatten().tolist()
+    return {"norms": norms, "params": params}
+
+
+def branch_cases(rank: int) -> dict[str, Any]:
+    """Heads used on alternate steps (or micro-steps), at stages 0-3, and
+    heads that differ between ranks, at stages 0-2."""
+    by_step = lambda calls: "bc"[calls % 2]  # noqa: E731
+    by_rank = lambda calls: "bc"[rank]  # noqa: E731
+    out: dict[str, Any] = {}
+    for stage in (0, 1, 2, 3):
+        out[f"alternate-s{stage}"] = branch_run(stage, by_step, 1, rank)
+        out[f"alternate-gas2-s{stage}"] = branch_run(stage, by_step, 2, rank)
+    for stage in (0, 1, 2):
+        out[f"by_rank-s{stage}"] = branch_run(stage, by_rank, 1, rank)
+    return out
+
+
 def outside_forward_case() -> dict[str, Any]:
     """An L2 term on a partitioned weight, computed in the training loop."""
     engine, *_ = deepspeed.initialize(model=moe_model(), config=config(3))
@@ -306,7 +358,8 @@ def main() -> None:
     rank = dist.get_rank()
     result: dict[str, Any] = {"rank": rank, "moe": moe_cases(rank), "tied": tied_cases(rank),
                               "ckpt": ckpt_cases(rank), "weight_norm": weight_norm_cases(rank),
-                              "modify": modify_cases(), "outside": outside_forward_case()}
+                              "modify": modify_cases(), "branches": branch_cases(rank),
+                              "outside": outside_forward_case()}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 
 
