@@ -411,12 +411,16 @@ def test_module_only_and_no_optimizer_state(saved: tuple[Any, Path]) -> None:
     train(fresh, 1, seed=7)
     opt_before = snapshot(fresh)
     path, client = fresh.load_checkpoint(root, load_module_only=True)
-    assert path and client == {"k": 1}
+    # DeepSpeed hands back the counters that a module-only load leaves alone
+    assert path and client == {"k": 1, "global_steps": 2, "skipped_steps": 0,
+                               "global_samples": engine.global_samples,
+                               "dp_world_size": 1, "mp_world_size": 1}
     assert torch.equal(fresh.module.a.weight, engine.module.a.weight)
     assert fresh.global_steps == 1  # counters are not loaded with the module only
     after = snapshot(fresh)
     assert all(torch.equal(after[k], opt_before[k]) for k in after if k.startswith("o:"))
-    fresh.load_checkpoint(root, load_optimizer_states=False)
+    _, client = fresh.load_checkpoint(root, load_optimizer_states=False)
+    assert client == {"k": 1, "global_samples": engine.global_samples}
     assert fresh.global_steps == 2
     assert all(torch.equal(snapshot(fresh)[k], opt_before[k]) for k in after if k.startswith("o:"))
 
@@ -457,6 +461,11 @@ def test_fp16_loss_scale_and_masters_round_trip(solo: None, tmp_path: Path) -> N
                                                   engine.precision.masters))
     assert fresh.module.a.weight.dtype == torch.float16
     assert torch.equal(fresh.module.a.weight, engine.module.a.weight)
+    # as in DeepSpeed, the scaler is part of the optimizer's state
+    other = engine_for(stage=0, seed=9, **cfg)
+    other.load_checkpoint(tmp_path, load_optimizer_states=False)
+    assert other.precision.loss_scale == 2.0**8
+    assert other.global_steps == engine.global_steps
 
 
 @pytest.mark.parametrize("precision, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16),

@@ -98,7 +98,7 @@ def test_the_load_restores_counters_scaler_and_client_state(
         assert facts["samples"] == spec.SAVE_AFTER * spec.GLOBAL_BATCH
         assert facts["loaded_dp_world_size"] == spec.WORLD
         assert facts["client"] == {"epoch": 3, "note": "client state of make.py",
-                                   "best": [0.25, 0.5]}
+                                   "best": [0.25, 0.5], "global_samples": facts["samples"]}
         if fp16:  # DeepSpeed's scaler after the overflow at step 1: one hysteresis unit spent
             assert facts["scaler"] == {"scale": 256.0, "iteration": 4,
                                        "last_overflow_iteration": 1, "hysteresis_left": 1,

@@ -272,12 +272,29 @@ def load(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool =
     state = loaded.engine_state or {}
     if not load_module_only:
         _restore_engine(engine, state, loaded.record, load_lr_scheduler_states,
-                        loaded.saved_rank == ck.coord.rank)
-    return loaded.path, state.get("client_state") or {}
+                        bool(load_optimizer_states), loaded.saved_rank == ck.coord.rank)
+    return loaded.path, _client_state(state, meta, load_module_only)
+
+
+def _client_state(state: Mapping[str, Any], meta: Mapping[str, Any],
+                  module_only: bool) -> dict[str, Any]:
+    """The saved ``client_state`` plus the engine's keys that DeepSpeed's
+    ``load_checkpoint`` hands back with it: ``global_samples``, and with
+    ``load_module_only`` (which restores no counters) ``global_steps``,
+    ``skipped_steps``, ``dp_world_size`` and ``mp_world_size``. A key the
+    client saved wins, as it overwrites DeepSpeed's own in its file."""
+    counters = state.get("counters") or {}
+    keys = ("global_samples", "global_steps", "skipped_steps") if module_only \
+        else ("global_samples",)
+    out: dict[str, Any] = {k: int(counters[k]) for k in keys if k in counters}
+    if module_only and "dp_world_size" in meta:
+        out.update(dp_world_size=int(meta["dp_world_size"]), mp_world_size=1)
+    out.update(state.get("client_state") or {})
+    return out
 
 
 def _restore_engine(engine: Any, state: Mapping[str, Any], record: Mapping[str, Any],
-                    scheduler: bool, own_record: bool) -> None:
+                    scheduler: bool, loss_scale: bool, own_record: bool) -> None:
     for name, value in (state.get("counters") or {}).items():
         if name in COUNTERS:
             setattr(engine, name, int(value))
@@ -288,7 +305,9 @@ def _restore_engine(engine: Any, state: Mapping[str, Any], record: Mapping[str, 
     if scheduler and sched_state is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(sched_state)
     scaler = getattr(engine.precision, "scaler", None)
-    if scaler is not None and state.get("loss_scaler") is not None:
+    # DeepSpeed keeps the loss scaler in the optimizer's state: it is
+    # loaded with that state only (a fresh scale after a collapse).
+    if loss_scale and scaler is not None and state.get("loss_scaler") is not None:
         scaler.load_state_dict(state["loss_scaler"])
     if own_record and record.get("rng"):
         restore_rng(record["rng"])

@@ -132,8 +132,9 @@ def stage_runs(args: argparse.Namespace, out: dict[str, Any]) -> None:
         else:
             engine, loader = build(stage, seed=1000 + stage)
             path, client = engine.load_checkpoint(ckpt)
+            samples_at_load = engine.global_samples
             record = train(engine, Batches(loader), args.then)
-            record.update(path=path, client_state=client)
+            record.update(path=path, client_state=client, samples_at_load=samples_at_load)
         record["global_steps"] = engine.global_steps
         record["global_samples"] = engine.global_samples
         torch.save(full_params(engine), os.path.join(args.out, f"params_s{stage}_r{rank}.pt"))
