@@ -194,7 +194,8 @@ class FP16Config:
     enabled: bool = opt("bool", False)
     auto_cast: bool = opt("bool", False)
     loss_scale: float = opt("float", 0.0, low=0.0)
-    initial_scale_power: int = opt("int", 16, low=0)
+    #: the scale multiplies the loss in fp32: 2**128 is beyond its range
+    initial_scale_power: int = opt("int", 16, low=0, high=127)
     loss_scale_window: int = opt("int", 1000, low=1)
     hysteresis: int = opt("int", 2, low=1)
     consecutive_hysteresis: bool = opt("bool", False)
@@ -204,6 +205,17 @@ class FP16Config:
 
     def __post_init__(self) -> None:
         validate_fields(self)
+        if not (self.enabled and self.dynamic_loss_scale):
+            return  # DeepSpeed checks the dynamic keys only where they act
+        if self.min_loss_scale <= 0:
+            raise DsrunConfigError(
+                f"fp16.min_loss_scale={self.min_loss_scale:g} must be > 0 with dynamic loss "
+                "scaling (fp16.loss_scale 0): the scale would halve toward 0")
+        if self.min_loss_scale > self.initial_dynamic_scale:
+            raise DsrunConfigError(
+                f"fp16.min_loss_scale={self.min_loss_scale:g} is above the initial loss scale "
+                f"2**fp16.initial_scale_power = {self.initial_dynamic_scale:g}: lower "
+                "min_loss_scale or raise initial_scale_power")
 
     @property
     def dynamic_loss_scale(self) -> bool:

@@ -136,6 +136,7 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
         check_prepartitioned(self.module, config)
         self.precision: FullPrecision = make_precision(config, self.module, self.device,
                                                        masters=self.zero_stage == 0)
+        self._input_cast = self.precision.hook_input_cast(self.module)
         self.optimizer = self._make_optimizer(optimizer, model_parameters)
         self._grad_sync = self._make_grad_sync() if self.zero_stage == 0 else None
         if self.zero_stage > 0:
@@ -187,7 +188,6 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
             self.tput_timer.start()  # a micro-step's interval: forward to step (DeepSpeed's)
         with self.monitor.timed("forward"):
             self.monitor.saw_inputs(args, kwargs)
-            args, kwargs = self.precision.cast_inputs((args, kwargs))
             with self.precision.autocast(), self._profiling("forward", args, kwargs):
                 return self._forward_module()(*args, **kwargs)
 
@@ -498,6 +498,9 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
             if self._grad_sync is not None:
                 self._grad_sync.close()
                 self._grad_sync = None
+            if self._input_cast is not None:
+                self._input_cast.remove()
+                self._input_cast = None
 
 
 DeepSpeedEngine = DsrunEngine  # DeepSpeed's name: from deepspeed.runtime.engine import ...

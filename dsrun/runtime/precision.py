@@ -45,6 +45,7 @@ from typing import Any, Optional
 
 import torch
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from dsrun.errors import DsrunConfigError
 from dsrun.runtime.buffer_dtypes import CASTABLE, HALF_DTYPES, apply_buffer_rules
@@ -114,6 +115,13 @@ class FullPrecision:
 
     def cast_inputs(self, value: Any) -> Any:
         return value
+
+    def hook_input_cast(self, module: torch.nn.Module) -> Optional[RemovableHandle]:
+        """Cast what :meth:`cast_inputs` casts in ``module``'s positional
+        arguments, before every call of it (DeepSpeed's ``fp16.auto_cast``
+        pre-hook: ``engine.module(x)`` and ``generate`` calls are cast too,
+        keyword arguments are not); None where nothing is cast."""
+        return None
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss
@@ -284,7 +292,7 @@ class FP16Scaling(FullPrecision):
             scale=fp16.initial_dynamic_scale if dynamic else fp16.loss_scale, dynamic=dynamic,
             window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
             consecutive_hysteresis=fp16.consecutive_hysteresis,
-            min_scale=min(fp16.min_loss_scale, fp16.initial_dynamic_scale) if dynamic else 1.0)
+            min_scale=fp16.min_loss_scale if dynamic else 1.0)
 
     @staticmethod
     @torch.no_grad()
@@ -300,6 +308,11 @@ class FP16Scaling(FullPrecision):
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale
+
+    def hook_input_cast(self, module: torch.nn.Module) -> Optional[RemovableHandle]:
+        if not self.auto_cast:
+            return None
+        return module.register_forward_pre_hook(lambda _, args: self.cast_inputs(args))
 
     def cast_inputs(self, value: Any) -> Any:
         if not self.auto_cast:

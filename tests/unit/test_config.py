@@ -368,6 +368,22 @@ def test_wrong_types_name_key_and_value(config: dict, fragment: str) -> None:
     assert fragment in str(err.value)
 
 
+@pytest.mark.parametrize(("fp16", "fragment"), [
+    ({"min_loss_scale": 0}, "fp16.min_loss_scale=0 must be > 0 with dynamic loss scaling"),
+    ({"initial_scale_power": 128}, '"fp16.initial_scale_power" in config dict must be an '
+                                   "integer in [0, 127], got 128"),
+    ({"initial_scale_power": 2, "min_loss_scale": 8},
+     "fp16.min_loss_scale=8 is above the initial loss scale 2**fp16.initial_scale_power = 4"),
+])
+def test_dynamic_loss_scale_settings_that_cannot_work(fp16: dict, fragment: str) -> None:
+    with pytest.raises(DsrunConfigError) as err:
+        res(base(fp16={"enabled": True, **fp16}))
+    assert fragment in str(err.value)
+    # as DeepSpeed, the dynamic keys are checked only where they act
+    res(base(fp16={"enabled": True, "loss_scale": 128, "min_loss_scale": 0}))
+    res(base(fp16={"enabled": False, "min_loss_scale": 0}))
+
+
 def test_integral_floats_are_accepted_as_integers() -> None:
     zero = res(base(zero_optimization={"stage": 2.0, "reduce_bucket_size": 5e8,
                                        "allgather_bucket_size": 2e8})).zero_optimization
