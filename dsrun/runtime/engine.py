@@ -58,6 +58,7 @@ from dsrun.profiling.engine_step import make_flops_profiler
 from dsrun.runtime import python_gc
 from dsrun.runtime.checkpoint import engine_io as checkpoint_io
 from dsrun.runtime.config import DsrunConfig
+from dsrun.runtime.direct_backward import DirectBackward
 from dsrun.runtime.dist import compute_device
 from dsrun.runtime.engine_controls import EngineControls
 from dsrun.runtime.engine_info import EngineInfo
@@ -137,6 +138,7 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
         self.precision: FullPrecision = make_precision(config, self.module, self.device,
                                                        masters=self.zero_stage == 0)
         self._input_cast = self.precision.hook_input_cast(self.module)
+        self._direct_backward = DirectBackward()
         self.optimizer = self._make_optimizer(optimizer, model_parameters)
         self._grad_sync = self._make_grad_sync() if self.zero_stage == 0 else None
         if self.zero_stage > 0:
@@ -154,6 +156,7 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
         self._step_applied = False
         self._inside_no_sync = False
         self._boundary_override: Optional[bool] = None
+        self._backwards_since_boundary = 0
         self._overflow_log = (float("-inf"), 0)  # (time of the last line, overflows since)
         self.progress = Progress(config.steps_per_print, config.train_batch_size,
                                  enabled=self.global_rank == 0, memory=config.memory_breakdown)
@@ -189,11 +192,14 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
         with self.monitor.timed("forward"):
             self.monitor.saw_inputs(args, kwargs)
             with self.precision.autocast(), self._profiling("forward", args, kwargs):
-                return self._forward_module()(*args, **kwargs)
+                output = self._forward_module()(*args, **kwargs)
+            self._direct_backward.watch(output)
+            return output
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
-        """Backward of ``loss`` / accumulation steps (x loss scale); returns ``loss``."""
+        """Backward of ``loss`` / accumulation steps (x loss scale); returns ``loss`` /
+        accumulation steps, as DeepSpeed does (unless ``scale_wrt_gas`` is False)."""
         with self.monitor.timed("backward"):
             return self._backward(loss, retain_graph, scale_wrt_gas)
 
@@ -203,17 +209,15 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
             raise DsrunError(f"engine.backward(): {NO_OPTIMIZER}")
         self.progress.record_loss(loss)
         self.monitor.record_loss(loss)
-        scaled = loss
         gas = self.config.gradient_accumulation_steps
-        if scale_wrt_gas and gas > 1:
-            scaled = scaled / gas
-        scaled = self.precision.scale_loss(scaled)
+        accumulated = loss / gas if scale_wrt_gas and gas > 1 else loss
+        scaled = self.precision.scale_loss(accumulated)
         sync = (self._grad_sync is not None and self._backward_allreduce
                 and not self._inside_no_sync and self.is_gradient_accumulation_boundary())
         if sync:
             self._grad_sync.arm()
         try:
-            with self._profiling("backward"):
+            with self._profiling("backward"), self._direct_backward.engine_backward_running():
                 scaled.backward(retain_graph=retain_graph)
         except BaseException as err:
             if sync:
@@ -227,7 +231,8 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
                 self._grad_sync.finish()
         if self.zero_stage > 0:
             self.optimizer.micro_step_done()
-        return loss
+        self._backwards_since_boundary += 1
+        return accumulated  # as DeepSpeed: divided by the accumulation steps
 
     def step(self, lr_kwargs: Optional[dict[str, Any]] = None) -> None:
         """Optimizer step at an accumulation boundary; always counts a micro-step."""
@@ -235,10 +240,15 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
             raise DsrunError("engine.step() inside engine.no_sync(): gradients were not "
                              "all-reduced; leave the no_sync() block before stepping")
         self._step_applied = False
+        self._direct_backward.check_step(
+            zero_stage=self.zero_stage, dp_world_size=self.dp_world_size,
+            accumulation=self.config.gradient_accumulation_steps,
+            scaled=self.precision.scaler is not None)
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             with self.monitor.optimizer_step(self), self._profiling("step"):
                 self._take_model_step(lr_kwargs)
+            self._backwards_since_boundary = 0
         # dsrun's progress line reports samples/s: the timer only measures
         self.tput_timer.stop(global_step=boundary, report_speed=False)
         self.micro_steps += 1
@@ -343,30 +353,6 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
         if self._step_profiler is None:
             return contextlib.nullcontext()
         return getattr(self._step_profiler, phase)(*args)
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        if self._boundary_override is not None:
-            return self._boundary_override
-        return self.micro_in_round() + 1 == self.config.gradient_accumulation_steps
-
-    def micro_in_round(self) -> int:
-        """Micro-steps taken in the current accumulation round (0 at a boundary).
-
-        Rounds are counted from the last change of their length - a new batch
-        size, or a checkpoint loaded into this engine - not from micro-step 0,
-        so a resize or a resume with other accumulation steps starts a full
-        round."""
-        return (self.micro_steps - self._round_origin) % self.config.gradient_accumulation_steps
-
-    def start_accumulation_round(self) -> None:
-        """The next micro-step is the first of an accumulation round."""
-        self._round_origin = self.micro_steps
-
-    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """Whether the following micro-steps end an accumulation round, until
-        set again (DeepSpeed's API and semantics: the value stays; it
-        replaces the count of gradient_accumulation_steps)."""
-        self._boundary_override = bool(is_boundary)
 
     def __getattr__(self, name: str) -> Any:
         """Attributes of the engine, then (public names only) of the wrapped

@@ -2,8 +2,10 @@
 ``set_train_batch_size`` / ``set_train_micro_batch_size``
 (:mod:`dsrun.runtime.batch_size`), ``compile`` (:mod:`dsrun.runtime.compile`),
 ``enable_backward_allreduce`` with ``allreduce_gradients()``,
-``deepspeed_io`` (a data loader over a dataset) and
-``load_module_state_dict``, as a mixin of
+``deepspeed_io`` (a data loader over a dataset),
+``load_module_state_dict`` and the accumulation round
+(``is_gradient_accumulation_boundary``,
+``set_gradient_accumulation_boundary``), as a mixin of
 :class:`~dsrun.runtime.engine.DsrunEngine`.
 
 ``enable_backward_allreduce`` (default True): at ZeRO stage 0, False makes
@@ -51,6 +53,10 @@ class EngineControls:
     _grad_sync: Any
     _backward_allreduce: bool
     mpu: Any
+    micro_steps: int
+    _round_origin: int
+    _boundary_override: Optional[bool]
+    _backwards_since_boundary: int
 
     # ------------------------------------------------- gradient reduction
 
@@ -210,3 +216,35 @@ class EngineControls:
     def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
         """DeepSpeed's: a new micro-batch size, the accumulation steps kept."""
         resize_batch(self, micro=micro_batch_size)
+
+    # ------------------------------------------------ accumulation rounds
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return self.micro_in_round() + 1 == self.config.gradient_accumulation_steps
+
+    def micro_in_round(self) -> int:
+        """Micro-steps taken in the current accumulation round (0 at a boundary).
+
+        Rounds are counted from the last change of their length - a new batch
+        size, or a checkpoint loaded into this engine - not from micro-step 0,
+        so a resize or a resume with other accumulation steps starts a full
+        round. Where the script sets the boundaries
+        (``set_gradient_accumulation_boundary``, Accelerate's way, calling
+        ``step()`` only at a boundary), the backwards since the last
+        boundary step."""
+        if self._boundary_override is not None:
+            return self._backwards_since_boundary
+        return (self.micro_steps - self._round_origin) % self.config.gradient_accumulation_steps
+
+    def start_accumulation_round(self) -> None:
+        """The next micro-step is the first of an accumulation round."""
+        self._round_origin = self.micro_steps
+        self._backwards_since_boundary = 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Whether the following micro-steps end an accumulation round, until
+        set again (DeepSpeed's API and semantics: the value stays; it
+        replaces the count of gradient_accumulation_steps)."""
+        self._boundary_override = bool(is_boundary)

@@ -264,5 +264,29 @@ def test_world_size_one_under_plain_python(tmp_path: Path) -> None:
     assert manual["local"] == manual["as_hooks"] == [True] * 3 and manual["params_equal"]
     (unused,) = case([results], "unused_and_no_sync")
     assert unused["averaged"] and unused["unused_unchanged"]
+    (direct,) = case([results], "direct_backward")
+    check_direct_backward(direct, world=1)
     # no reduction at world size 1: an unused parameter keeps no gradient
     assert unused["unused_grad_zero"] is False
+
+
+
+def check_direct_backward(fact: dict[str, Any], world: int) -> None:
+    if world == 2:
+        assert "only engine.backward all-reduces the gradients" in fact["stage0"]
+        assert not fact["stage0_changed"]
+    else:  # nothing to all-reduce: the direct backward's gradients are right
+        assert fact["stage0"] == "stepped" and fact["stage0_changed"]
+    assert "divides the loss by gradient_accumulation_steps (2)" in fact["stage1_gas2"]
+    assert not fact["stage1_gas2_changed"]
+    assert fact["stage2"] == "stepped" and fact["stage2_changed"]
+    assert "multiplies the loss by the loss scale" in fact["stage2_fp16"]
+    assert not fact["stage2_fp16_changed"]
+    assert fact["returned"] == pytest.approx(fact["loss"] / 2)  # DeepSpeed's return value
+    assert fact["penalty_steps"] == 1
+    assert fact["rounds"] == [1, 2, 0, 1, 2, 0]
+
+
+def test_direct_backward_is_refused_where_wrong(two_ranks: list[dict[str, Any]]) -> None:
+    for fact in case(two_ranks, "direct_backward"):
+        check_direct_backward(fact, world=2)

@@ -522,6 +522,60 @@ def no_backward_allreduce(steps: int = 3) -> dict[str, Any]:
     return facts
 
 
+def direct_backward() -> dict[str, Any]:
+    """``loss.backward()`` called by the script: refused at ``step()`` where its
+    gradients are wrong, applied where they equal ``engine.backward``'s; the
+    value ``engine.backward`` returns; a gradient penalty next to it; and the
+    accumulation round when the script sets the boundaries (Accelerate)."""
+    out: dict[str, Any] = {}
+    x = torch.ones(2, 3)
+
+    def build(stage: int, gas: int = 1, fp16: bool = False) -> Any:
+        torch.manual_seed(0)
+        cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+                               "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
+                               "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                               "zero_optimization": {"stage": stage}}
+        if fp16:
+            cfg["fp16"] = {"enabled": True, "auto_cast": True}
+        return dsrun.initialize(model=torch.nn.Linear(3, 1), config=cfg)[0]
+
+    for name, stage, gas, fp16 in (("stage0", 0, 1, False), ("stage1_gas2", 1, 2, False),
+                                   ("stage2", 2, 1, False), ("stage2_fp16", 2, 1, True)):
+        engine = build(stage, gas, fp16)
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        engine(x).float().pow(2).mean().backward()
+        try:
+            engine.step()
+            out[name] = "stepped"
+        except DsrunError as err:
+            out[name] = str(err)
+        out[f"{name}_changed"] = any(not torch.equal(a, b) for a, b in
+                                     zip(before, engine.module.parameters()))
+    engine = build(0, gas=2)
+    loss = engine(x).pow(2).mean()
+    out["loss"], out["returned"] = loss.item(), engine.backward(loss).item()
+    engine = build(0)  # a gradient penalty: autograd.grad through the output, then backward
+    inputs = x.clone().requires_grad_()
+    y = engine(inputs).pow(2).mean()
+    (penalty,) = torch.autograd.grad(y, inputs, create_graph=True)
+    engine.backward(y + penalty.pow(2).sum())
+    engine.step()
+    out["penalty_steps"] = engine.global_steps
+    engine = build(2, gas=2)  # Accelerate: boundaries set by the script, step() at one only
+    rounds = []
+    for sync in (False, True, False, True):
+        engine.set_gradient_accumulation_boundary(sync)
+        engine.backward(engine(x).pow(2).mean())
+        rounds.append(engine.micro_in_round())
+        if sync:
+            engine.step()
+            rounds.append(engine.micro_in_round())
+    engine.set_train_batch_size(engine.train_batch_size())  # refused inside a round
+    out["rounds"] = rounds
+    return out
+
+
 CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "parity_gas1": lambda: parity(gas=1, clip=0.0, schedule=False, bucket_elements=None),
     "parity_gas4_clip_schedule": lambda: parity(gas=4, clip=0.05, schedule=True,
@@ -556,6 +610,7 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "branch_in_earlier_micro_steps": lambda: branch_in_earlier_micro_steps(0),
     "branch_in_earlier_micro_steps_zero2": lambda: branch_in_earlier_micro_steps(2),
     "dataloader": dataloader,
+    "direct_backward": direct_backward,
     "comms_logger": comms_logged,
     "flops_profiler": flops_profiled,
     "logged_exchange": logged_exchange,
