@@ -32,6 +32,12 @@ what DeepSpeed adds:
 2718 + tensor-parallel rank``, DeepSpeed's (and Megatron's) numbers. The
 tracker works on the accelerator's generator: CUDA on GPU ranks, torch's
 CPU generator on CPU ranks.
+
+:class:`CheckpointFunction` is DeepSpeed's reentrant checkpoint
+(``CheckpointFunction.apply(function, all_outputs, *args)``), with the same
+RNG replay, ``cpu_checkpointing``, synchronisation and profiling; its
+helpers ``extract_tensors`` / ``merge_tensors`` / ``detach_variable`` and
+``get_partition_start`` / ``get_partition_size`` are DeepSpeed's too.
 """
 
 from __future__ import annotations
@@ -57,9 +63,11 @@ MODEL_PARALLEL_RNG = "model-parallel-rng"  # DeepSpeed's / Megatron's tracker na
 SEED_OFFSET = 2718  # DeepSpeed's / Megatron's model-parallel seed offset
 
 __all__ = [
-    "CheckpointSettings", "RNGStatesTracker", "checkpoint", "configure",
-    "get_cuda_rng_tracker", "is_configured", "model_parallel_cuda_manual_seed",
-    "model_parallel_reconfigure_tp_seed", "non_reentrant_checkpoint", "reset",
+    "CheckpointFunction", "CheckpointSettings", "CudaRNGStatesTracker", "RNGStatesTracker",
+    "checkpoint", "configure", "detach_variable", "extract_tensors", "get_cuda_rng_tracker",
+    "get_partition_size", "get_partition_start", "is_configured", "merge_tensors",
+    "model_parallel_cuda_manual_seed", "model_parallel_reconfigure_tp_seed",
+    "non_reentrant_checkpoint", "partition_activations_in_checkpoint", "reset",
     "set_num_layers", "settings",
 ]
 
@@ -158,6 +166,8 @@ class RNGStatesTracker:
             _set_rng_state(outside)
 
 
+CudaRNGStatesTracker = RNGStatesTracker  # DeepSpeed's name
+
 _TRACKER = RNGStatesTracker()
 
 
@@ -232,15 +242,50 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None,
         raise DsrunConfigError("activation checkpointing: contiguous memory optimization needs "
                                "the number of checkpoints (num_checkpoints / "
                                "number_checkpoints)")
-    mp_size = _mp_world_size(_mpu) if _mpu is not None else 1
+    _refuse_partitioning(new)
+    _settings, _configured = new, True
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.info("activation checkpointing: %s", new)
+
+
+def _mp_rank_and_size() -> tuple[int, int]:
+    """(tensor-parallel rank, size) of the mpu :func:`configure` got, else (0, 1)."""
+    return (_tp_rank(), _mp_world_size(_mpu)) if _mpu is not None else (0, 1)
+
+
+def _refuse_partitioning(new: CheckpointSettings) -> None:
+    mp_size = _mp_rank_and_size()[1]
     if new.partition_activations and mp_size > 1:
         raise DsrunConfigError(
             f"activation checkpointing: partition_activations splits checkpoints across the "
             f"model-parallel group ({mp_size} ranks here), and dsrun has no tensor "
             "parallelism; turn partition_activations off")
-    _settings, _configured = new, True
+
+
+def partition_activations_in_checkpoint(partition_activation: bool) -> None:
+    """DeepSpeed's switch for ``partition_activations`` alone (refused on
+    for a model-parallel group of more ranks than one, as in :func:`configure`)."""
+    global _settings
+    new = replace(_settings, partition_activations=bool(partition_activation))
+    _refuse_partitioning(new)
+    _settings = new
     if not dist.is_initialized() or dist.get_rank() == 0:
-        log.info("activation checkpointing: %s", new)
+        log.info("activation checkpointing: partition_activations %s", new.partition_activations)
+
+
+def get_partition_start(item: torch.Tensor) -> int:
+    """Where this tensor-parallel rank's part of ``item`` starts (DeepSpeed's)."""
+    rank, size = _mp_rank_and_size()
+    return item.numel() * rank // size
+
+
+def get_partition_size(item: torch.Tensor) -> int:
+    """The elements of ``item`` each tensor-parallel rank holds (DeepSpeed's)."""
+    size = _mp_rank_and_size()[1]
+    if item.numel() % size:
+        raise DsrunError(f"activation partitioning: {item.numel()} elements do not split "
+                         f"evenly over the {size} model-parallel ranks")
+    return item.numel() // size
 
 
 def set_num_layers(nlayers: int) -> None:
@@ -342,3 +387,119 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 non_reentrant_checkpoint = checkpoint
+
+
+# ------------------------------------------------------------ DeepSpeed's reentrant one
+
+
+def extract_tensors(all_objects: Any) -> tuple[Any, Any, Any]:
+    """(tensors, non-tensors, per-position "is a tensor" flags) of a list or
+    tuple, each in order; tuples for a tuple, else lists (DeepSpeed's)."""
+    tensors = [v for v in all_objects if torch.is_tensor(v)]
+    others = [v for v in all_objects if not torch.is_tensor(v)]
+    flags = [torch.is_tensor(v) for v in all_objects]
+    if type(all_objects) is tuple:
+        return tuple(tensors), tuple(others), tuple(flags)
+    return tensors, others, flags
+
+
+def merge_tensors(tensor_objects: Any, non_tensor_objects: Any, tensor_flags: Any
+                  ) -> tuple[Any, ...]:
+    """The tuple :func:`extract_tensors` split (DeepSpeed's; its extra
+    flags for partitioned activations' sizes never arise here)."""
+    tensors, others = iter(tensor_objects), iter(non_tensor_objects)
+    return tuple(next(tensors) if flag else next(others) for flag in tensor_flags)
+
+
+def detach_variable(inputs: tuple[Any, ...], device: Any = None) -> tuple[Any, ...]:
+    """Each tensor of the tuple detached (moved to ``device`` first, if
+    given), keeping its ``requires_grad``; other values as they are."""
+    if not isinstance(inputs, tuple):
+        raise DsrunError(f"detach_variable takes a tuple, got {type(inputs).__name__}")
+    out = []
+    for value in inputs:
+        if isinstance(value, torch.Tensor):
+            moved = value if device is None else value.to(device=device)
+            detached = moved.detach()
+            detached.requires_grad = value.requires_grad
+            value = detached
+        out.append(value)
+    return tuple(out)
+
+
+def _rng_snapshot() -> tuple[torch.Tensor, Optional[torch.Tensor], dict[str, torch.Tensor]]:
+    """(CPU generator, the rank's GPU generator or None, the tracker's states)."""
+    return (torch.get_rng_state(), torch.cuda.get_rng_state() if _on_gpu() else None,
+            _TRACKER.get_states())
+
+
+def _set_rng_snapshot(snap: tuple[torch.Tensor, Optional[torch.Tensor],
+                                  dict[str, torch.Tensor]]) -> None:
+    torch.set_rng_state(snap[0])
+    if snap[1] is not None:
+        torch.cuda.set_rng_state(snap[1])
+    _TRACKER.set_states(dict(snap[2]))  # a copy: fork() replaces its entries
+
+
+def _is_activation(value: Any) -> bool:
+    return torch.is_tensor(value) and value.is_floating_point()
+
+
+def _kept_on_host(value: torch.Tensor) -> torch.Tensor:
+    """``value`` in host memory until backward, still asking for its grad."""
+    host = _to_host(value.detach())
+    host.requires_grad = value.requires_grad
+    return host
+
+
+class CheckpointFunction(torch.autograd.Function):
+    """DeepSpeed's reentrant checkpoint: ``apply(function, all_outputs,
+    *args)`` runs ``function(*args)`` without grad, appends all its outputs
+    to the list ``all_outputs`` and returns its tensors; backward reruns it
+    with the forward's random state (generators and tracker) and
+    backpropagates through the rerun. As with every reentrant checkpoint,
+    only arguments that require grad get one (not the parameters of a block
+    whose inputs do not), and ``torch.autograd.grad`` is refused."""
+
+    @staticmethod
+    def forward(ctx: Any, run_function: Callable[..., Any], all_outputs: list[Any],
+                *args: Any) -> Any:
+        ctx.run_function = run_function
+        ctx.rng = _rng_snapshot()
+        ctx.devices = [a.device if _is_activation(a) else None for a in args]
+        saved = tuple(_kept_on_host(a) if _settings.cpu_checkpointing and _is_activation(a)
+                      else a for a in args)
+        ctx.saved_args = extract_tensors(saved)
+        with torch.no_grad(), _boundary("forward"):
+            outputs = run_function(*args)
+        tensors = (outputs,) if torch.is_tensor(outputs) else extract_tensors(tuple(outputs))[0]
+        ctx.mark_non_differentiable(*(t for t in tensors if not t.is_floating_point()))
+        if torch.is_tensor(outputs):
+            all_outputs.append(outputs)
+            return outputs
+        all_outputs.extend(outputs)
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        if not torch.autograd._is_checkpoint_valid():
+            raise DsrunError("CheckpointFunction (reentrant) does not work with "
+                             "torch.autograd.grad(): use .backward(), or checkpoint()")
+        tensors, others, flags = ctx.saved_args
+        devices = [d for d, flag in zip(ctx.devices, flags) if flag]
+        back = tuple(t if d is None else t.to(d) for t, d in zip(tensors, devices))
+        inputs = merge_tensors(detach_variable(back), others, flags)
+        now = _rng_snapshot()
+        _set_rng_snapshot(ctx.rng)
+        try:
+            with torch.enable_grad(), _boundary("recomputation"):
+                outputs = ctx.run_function(*inputs)
+        finally:
+            _set_rng_snapshot(now)
+        outputs = (outputs,) if torch.is_tensor(outputs) else tuple(outputs)
+        pairs = [(out, grad) for out, grad in zip(extract_tensors(outputs)[0], grads)
+                 if out.requires_grad]
+        if pairs:
+            torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+        ctx.saved_args = None
+        return (None, None, *(v.grad if torch.is_tensor(v) else None for v in inputs))

@@ -9,15 +9,20 @@ which releases the full parameters ZeRO stage 3 holds gathered (after a
 
 ``set_train_batch_size`` / ``set_train_micro_batch_size`` change training
 and live on the engine (:mod:`dsrun.runtime.batch_size`).
+``offload_states`` / ``reload_states`` (DeepSpeed's moving of the training
+state off the GPU between phases) are here only to refuse with a
+:class:`~dsrun.errors.DsrunError` that says so.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from dsrun.errors import DsrunError
 from dsrun.runtime.config import OPTIMIZER_NAMES, DsrunConfig
 from dsrun.runtime.precision import torch_dtype
 
@@ -28,12 +33,29 @@ from dsrun.runtime.precision import torch_dtype
 WALL_CLOCK_TIMERS = {"fwd": "forward", "bwd": "backward", "bwd_inner": "backward_inner",
                      "bwd_allreduce": "backward_allreduce", "step": "step"}
 
+# DeepSpeed's own optimizer names (deepspeed/runtime/config.py
+# DEEPSPEED_OPTIMIZERS) that dsrun builds: DeepSpeed's config lower-cases
+# these; torch.optim names keep torch's spelling (which DeepSpeed needs to
+# find them in torch.optim).
+DEEPSPEED_LOWER_CASE_OPTIMIZERS = frozenset({"adagrad", "adam", "adamw", "lamb", "lion"})
+
+
+def _plain(value: Any) -> Any:
+    """A config mapping as the JSON it came from: dicts and lists, copied."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
 
 class EngineInfo:
     """DeepSpeed's engine accessors (module docstring)."""
 
     config: DsrunConfig
     optimizer: Any
+    client_optimizer: Any
+    is_pipe_parallel: bool
     precision: Any
     monitor: Any
     zero_stage: int
@@ -45,6 +67,9 @@ class EngineInfo:
     # DeepSpeed's base engine sets it to None and never fills it (its
     # pipeline engine keeps the last batch's loss there).
     losses: Any = None
+    # DeepSpeed's attribute: True when the model has MoE layers, which dsrun
+    # does not have.
+    has_moe_layers = False
 
     # ------------------------------------------------------------ training state
 
@@ -63,8 +88,9 @@ class EngineInfo:
 
     def get_global_grad_norm(self) -> Optional[float]:
         """Global gradient norm of the last step, before clipping: as in
-        DeepSpeed, at ZeRO stages, in fp16 and bf16, and with clipping; None
-        for fp32 at stage 0 without clipping."""
+        DeepSpeed at ZeRO stages and in fp16 and bf16; also for fp32 at stage
+        0 with ``gradient_clipping`` (DeepSpeed 0.19.8 returns None there);
+        None for fp32 at stage 0 without clipping."""
         return None if self._grad_norm is None else float(self._grad_norm)
 
     def was_step_applied(self) -> bool:
@@ -81,6 +107,36 @@ class EngineInfo:
         if self.optimizer is None:
             return []
         return [group.get("type", 0.0) for group in self.optimizer.param_groups]
+
+    @property
+    def basic_optimizer(self) -> Optional[torch.optim.Optimizer]:
+        """The torch optimizer that steps (DeepSpeed's, which its ZeRO and
+        fp16 optimizers wrap): the engine's optimizer at stage 0 (the
+        client's, or the config's), at ZeRO stages the one over this rank's
+        fp32 master shards (``engine.optimizer.optimizer``, of the client's
+        class); None without an optimizer."""
+        if self.optimizer is None:
+            return None
+        if self.zero_stage == 0:
+            return self.optimizer
+        inner = self.optimizer.optimizer
+        return inner if isinstance(inner, torch.optim.Optimizer) else None
+
+    # ------------------------------------------------------------ not supported
+
+    def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """DeepSpeed's: refused (module docstring)."""
+        raise DsrunError(
+            "engine.offload_states() is not supported by dsrun: it does not move the optimizer "
+            "states, gradients and parameters off the GPU between training phases (DeepSpeed's "
+            "ZeRO-3 feature for RLHF frameworks). To keep optimizer states in host memory all "
+            'the time, set zero_optimization.offload_optimizer {"device": "cpu"}')
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """DeepSpeed's counterpart of :meth:`offload_states`: refused too."""
+        raise DsrunError("engine.reload_states() is not supported by dsrun: nothing is ever "
+                         "offloaded by offload_states(), which dsrun does not support either")
 
     # ------------------------------------------------------------ groups
 
@@ -101,6 +157,40 @@ class EngineInfo:
         if self.mpu is None:
             return 0
         return int(self.mpu.get_model_parallel_rank())
+
+    def get_data_parallel_rank(self) -> int:
+        """This rank in :attr:`data_parallel_group`. (DeepSpeed 0.19.8 answers
+        only once AutoTP made its groups; otherwise its assertion fails.)"""
+        return dist.get_rank(self.data_parallel_group)
+
+    def get_tensor_parallel_rank(self) -> int:
+        """This rank in its tensor-parallel group: the mpu's (its
+        ``get_tensor_model_parallel_rank``, else ``get_model_parallel_rank``),
+        else 0 - dsrun has no tensor parallelism of its own. (DeepSpeed 0.19.8
+        answers only under AutoTP, as :meth:`get_data_parallel_rank`.)"""
+        if self.mpu is None:
+            return 0
+        for name in ("get_tensor_model_parallel_rank", "get_model_parallel_rank"):
+            if hasattr(self.mpu, name):
+                return int(getattr(self.mpu, name)())
+        return 0
+
+    def get_sequence_parallel_group(self) -> Any:
+        """None: dsrun has no sequence parallelism. (DeepSpeed 0.19.8 has the
+        group only with sequence parallelism, and raises AttributeError
+        without it.)"""
+        return None
+
+    @property
+    def pipeline_parallelism(self) -> bool:
+        """DeepSpeed's attribute: True on a pipeline engine."""
+        return self.is_pipe_parallel
+
+    @property
+    def dist_backend(self) -> str:
+        """The process group's backend name (``"nccl"``, ``"gloo"``), which is
+        DeepSpeed's accelerator's communication backend."""
+        return str(dist.get_backend())
 
     # ------------------------------------------------------------ datasets
 
@@ -227,6 +317,63 @@ class EngineInfo:
         the fp32 masters it saved."""
         return self.config.zero_optimization.load_from_fp32_weights
 
+    def zero_allow_untested_optimizer(self) -> bool:
+        return self.config.zero_allow_untested_optimizer
+
+    # The zero_optimization values as configured, DeepSpeed's defaults
+    # included; where a size is left at DeepSpeed's default, dsrun's ZeRO
+    # uses its own smaller buckets (dsrun.runtime.zero.stepping), and
+    # overlap_comm is resolved (default: stage 3).
+    def zero_reduce_bucket_size(self) -> int:
+        return self.config.zero_optimization.reduce_bucket_size
+
+    def zero_allgather_bucket_size(self) -> int:
+        return self.config.zero_optimization.allgather_bucket_size
+
+    def zero_overlap_comm(self) -> bool:
+        return bool(self.config.zero_optimization.overlap_comm)
+
+    def zero_contiguous_gradients(self) -> bool:
+        return self.config.zero_optimization.contiguous_gradients
+
+    def zero_max_live_parameters(self) -> int:
+        return self.config.zero_optimization.max_live_parameters
+
+    def zero_prefetch_bucket_size(self) -> int:
+        return self.config.zero_optimization.prefetch_bucket_size
+
+    def zero_param_persistence_threshold(self) -> int:
+        return self.config.zero_optimization.param_persistence_threshold
+
+    def zero_sub_group_size(self) -> int:
+        return self.config.zero_optimization.sub_group_size
+
+    def initial_dynamic_scale(self) -> int:
+        """``2 ** fp16.initial_scale_power`` (DeepSpeed's, with or without fp16)."""
+        return 2 ** self.config.fp16.initial_scale_power
+
+    def dynamic_loss_scale_args(self) -> dict[str, Any]:
+        """The fp16 section's dynamic-scaling settings under DeepSpeed's
+        loss-scaler names (``init_scale``, ``scale_window``,
+        ``delayed_shift``, ``consecutive_hysteresis``, ``min_scale``)."""
+        fp16 = self.config.fp16
+        low = fp16.min_loss_scale
+        return {"init_scale": 2 ** fp16.initial_scale_power,
+                "scale_window": fp16.loss_scale_window, "delayed_shift": fp16.hysteresis,
+                "consecutive_hysteresis": fp16.consecutive_hysteresis,
+                # DeepSpeed's is an int; dsrun also takes fractions
+                "min_scale": int(low) if float(low).is_integer() else low}
+
+    def torch_autocast_enabled(self) -> bool:
+        return self.config.torch_autocast.enabled
+
+    def torch_autocast_dtype(self) -> Optional[torch.dtype]:
+        """``torch_autocast.dtype`` as a torch dtype; None where the config
+        names none (DeepSpeed's; the autocast then uses torch's default for
+        the device)."""
+        dtype = self.config.torch_autocast.dtype
+        return None if dtype is None else torch_dtype(dtype)
+
     # DeepSpeed features whose config sections dsrun accepts but does not
     # act on (passthrough): they are never on here.
     def curriculum_learning_enabled(self) -> bool:
@@ -258,14 +405,38 @@ class EngineInfo:
         return self.config.gradient_clipping
 
     def optimizer_name(self) -> Optional[str]:
-        """The config's optimizer (DeepSpeed's spelling, e.g. ``"AdamW"``),
-        else the client optimizer's class name, else None."""
-        if self.config.optimizer is not None:
-            return OPTIMIZER_NAMES.get(self.config.optimizer.type, self.config.optimizer.type)
-        if self.optimizer is None:
+        """DeepSpeed's: the client optimizer's class name (for a callable,
+        the class of the optimizer it built, where DeepSpeed says
+        ``"function"``), else the config's ``optimizer.type`` as DeepSpeed's
+        config holds it - lower-case for DeepSpeed's own optimizers
+        (``"adamw"``, ``"lamb"``, ...), torch's spelling for torch.optim
+        ones (``"SGD"``, ``"RMSprop"``) - else None."""
+        if self.client_optimizer is not None:
+            basic = self.client_optimizer if isinstance(
+                self.client_optimizer, torch.optim.Optimizer) else self.basic_optimizer
+            return None if basic is None else type(basic).__name__
+        if self.config.optimizer is None:
             return None
-        inner = getattr(self.optimizer, "optimizer", self.optimizer)
-        return type(inner).__name__
+        kind = self.config.optimizer.type
+        return kind if kind in DEEPSPEED_LOWER_CASE_OPTIMIZERS else OPTIMIZER_NAMES[kind]
+
+    def optimizer_params(self) -> Optional[dict[str, Any]]:
+        """The config's ``optimizer.params`` (``"auto"`` values resolved), a
+        new dict; None without them (DeepSpeed's, also with a client
+        optimizer)."""
+        section = self.config.optimizer
+        return _plain(section.params) if section is not None and section.params else None
+
+    def scheduler_name(self) -> Optional[str]:
+        """The config's ``scheduler.type`` (DeepSpeed's or torch's spelling),
+        else None (also with a client scheduler, as DeepSpeed)."""
+        return None if self.config.scheduler is None else self.config.scheduler.type
+
+    def scheduler_params(self) -> Optional[dict[str, Any]]:
+        """The config's ``scheduler.params`` (``"auto"`` values resolved), a
+        new dict; None without them."""
+        section = self.config.scheduler
+        return _plain(section.params) if section is not None and section.params else None
 
     def steps_per_print(self) -> float:
         """The config's; infinity where it says never (null or Infinity)."""

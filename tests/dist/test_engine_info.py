@@ -36,7 +36,7 @@ def test_accessors_follow_the_config(solo: None) -> None:
     assert engine.zero_optimization() and engine.zero_optimization_stage() == 2
     assert engine.zero_offload_optimizer() and engine.zero_cpu_offload()
     assert not engine.zero_offload_param()
-    assert engine.gradient_clipping() == 0.5 and engine.optimizer_name() == "AdamW"
+    assert engine.gradient_clipping() == 0.5 and engine.optimizer_name() == "adamw"
     assert engine.steps_per_print() == 7 and engine.dataloader_drop_last()
     assert not engine.wall_clock_breakdown() and not engine.sparse_gradients_enabled()
     assert not engine.amp_enabled()

@@ -202,6 +202,127 @@ def test_deepspeed_spelling() -> None:
     import dsrun as deepspeed
 
     assert deepspeed.checkpointing is checkpointing
-    from deepspeed.checkpointing import checkpoint
+    from deepspeed.checkpointing import CheckpointFunction, CudaRNGStatesTracker, checkpoint
 
     assert checkpoint is checkpointing.checkpoint
+    assert CudaRNGStatesTracker is checkpointing.RNGStatesTracker
+    assert issubclass(CheckpointFunction, torch.autograd.Function)
+
+
+# ------------------------------------------------------------ DeepSpeed's reentrant one
+
+
+def run_reentrant(block: Block) -> tuple[torch.Tensor, ...]:
+    """:func:`run` through ``CheckpointFunction.apply`` (DeepSpeed's call)."""
+    checkpointing.model_parallel_cuda_manual_seed(3)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    block.zero_grad(set_to_none=True)
+    all_outputs: list[Any] = []
+    y = checkpointing.CheckpointFunction.apply(block, all_outputs, x)
+    assert all_outputs == [y] and all_outputs[0] is y
+    y.square().sum().backward()
+    assert x.grad is not None and block.lin.weight.grad is not None
+    return y.detach(), x.grad, block.lin.weight.grad
+
+
+def test_checkpoint_function_recomputes_with_the_forwards_random_state() -> None:
+    block = Block()
+    plain = run(block, False)
+    block.runs = 0
+    checked = run_reentrant(block)
+    assert block.runs == 2
+    for a, b in zip(plain, checked):
+        assert torch.equal(a, b)
+    checkpointing.configure(None, checkpoint_in_cpu=True, synchronize=True)
+    for a, b in zip(plain, run_reentrant(block)):
+        assert torch.equal(a, b)
+
+
+def test_checkpoint_function_with_non_tensor_arguments_and_outputs() -> None:
+    lin = torch.nn.Linear(3, 3)
+
+    def block(x: torch.Tensor, scale: float, idx: torch.Tensor) -> tuple[Any, ...]:
+        return lin(x) * scale, "tag", idx + 1
+
+    x = torch.randn(2, 3, requires_grad=True)
+    idx = torch.tensor([0, 1])
+    all_outputs: list[Any] = []
+    returned = checkpointing.CheckpointFunction.apply(block, all_outputs, x, 2.0, idx)
+    assert len(returned) == 2 and all_outputs[1] == "tag"
+    y, _, bumped = all_outputs
+    assert torch.equal(bumped, idx + 1) and not bumped.requires_grad
+    y.sum().backward()
+    expected = torch.autograd.grad((lin(x) * 2.0).sum(), (x, lin.weight))
+    assert x.grad is not None and torch.allclose(x.grad, expected[0])
+    assert lin.weight.grad is not None and torch.allclose(lin.weight.grad, expected[1])
+
+
+def test_checkpoint_function_refuses_autograd_grad() -> None:
+    lin = torch.nn.Linear(3, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+    y = checkpointing.CheckpointFunction.apply(lin, [], x)
+    with pytest.raises(DsrunError, match="autograd.grad"):
+        torch.autograd.grad(y.sum(), x)
+
+
+def test_checkpoint_function_profiles(caplog: pytest.LogCaptureFixture) -> None:
+    checkpointing.configure(profile=True)
+    with caplog.at_level(logging.INFO, logger="dsrun.runtime"):
+        run_reentrant(Block())
+    assert "activation checkpoint forward:" in caplog.text
+    assert "activation checkpoint recomputation:" in caplog.text
+
+
+def test_extract_and_merge_tensors() -> None:
+    a, b = torch.ones(1), torch.zeros(2)
+    objects = (a, 1, "x", b, None)
+    tensors, others, flags = checkpointing.extract_tensors(objects)
+    assert tensors == (a, b) and others == (1, "x", None)
+    assert flags == (True, False, False, True, False)
+    merged = checkpointing.merge_tensors(tensors, others, flags)
+    assert type(merged) is tuple and len(merged) == 5
+    assert all(m is o for m, o in zip(merged, objects))
+    as_list = checkpointing.extract_tensors([a, 2])
+    assert as_list == ([a], [2], [True, False])
+    assert checkpointing.merge_tensors(*as_list)[1] == 2  # a tuple, as DeepSpeed's
+
+
+def test_detach_variable() -> None:
+    x = torch.randn(2, requires_grad=True) * 2  # not a leaf
+    n = torch.tensor([1])
+    got = checkpointing.detach_variable((x, n, "s"), device="cpu")
+    assert got[0].requires_grad and got[0].grad_fn is None and torch.equal(got[0], x)
+    assert not got[1].requires_grad and got[2] == "s"
+    with pytest.raises(DsrunError, match="takes a tuple"):
+        checkpointing.detach_variable([x])  # type: ignore[arg-type]
+
+
+class TwoRankMPU:
+    def get_model_parallel_world_size(self) -> int:
+        return 2
+
+    def get_model_parallel_rank(self) -> int:
+        return 1
+
+
+def test_partition_start_and_size() -> None:
+    item = torch.zeros(2, 5)
+    assert checkpointing.get_partition_start(item) == 0
+    assert checkpointing.get_partition_size(item) == 10  # no mpu: one part
+    checkpointing.configure(TwoRankMPU())
+    assert checkpointing.get_partition_start(item) == 5
+    assert checkpointing.get_partition_size(item) == 5
+    assert checkpointing.get_partition_start(torch.zeros(9)) == 4  # DeepSpeed's int(4.5)
+    with pytest.raises(DsrunError, match="9 elements do not split evenly over the 2"):
+        checkpointing.get_partition_size(torch.zeros(9))
+
+
+def test_partition_activations_in_checkpoint() -> None:
+    checkpointing.partition_activations_in_checkpoint(True)
+    assert checkpointing.settings().partition_activations
+    checkpointing.partition_activations_in_checkpoint(False)
+    assert not checkpointing.settings().partition_activations
+    checkpointing.configure(TwoRankMPU())
+    with pytest.raises(DsrunConfigError, match="no tensor parallelism"):
+        checkpointing.partition_activations_in_checkpoint(True)
+    assert not checkpointing.settings().partition_activations
