@@ -214,6 +214,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
     engine = engine_cls(model, resolved, optimizer=optimizer, lr_scheduler=lr_scheduler,
                          model_parameters=model_parameters, env=env, mpu=mpu)
     _log_start(resolved, choice.origin, engine)
+    engine.training_data, engine.collate_fn = training_data, collate_fn  # DeepSpeed's attributes
     if isinstance(training_data, torch.utils.data.DataLoader):
         engine.training_dataloader = training_data  # the script's own, as it is
     elif training_data is not None:  # DeepSpeed's initialize goes through deepspeed_io too

@@ -162,8 +162,6 @@ def test_offload_and_reload_states_are_refused(solo: None) -> None:
         engine.reload_states(non_blocking=True)
 
 
-@pytest.mark.xfail(strict=True, reason="needs dsrun/runtime/initialize.py to set "
-                   "engine.training_data and engine.collate_fn; remove this mark then")
 def test_training_data_and_collate_fn_as_given(solo: None) -> None:
     data = [torch.randn(4) for _ in range(4)]
 

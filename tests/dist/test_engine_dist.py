@@ -290,3 +290,9 @@ def check_direct_backward(fact: dict[str, Any], world: int) -> None:
 def test_direct_backward_is_refused_where_wrong(two_ranks: list[dict[str, Any]]) -> None:
     for fact in case(two_ranks, "direct_backward"):
         check_direct_backward(fact, world=2)
+
+
+def test_zero_grad_inside_a_round_drops_what_was_accumulated(
+        two_ranks: list[dict[str, Any]]) -> None:
+    for fact in case(two_ranks, "zero_grad_mid_round"):
+        assert {fact[f"stage{s}"] for s in (0, 2, 3)} == {0.0}, fact

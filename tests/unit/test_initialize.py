@@ -222,7 +222,8 @@ def test_engine_accumulation_no_sync_and_counters(solo: None) -> None:
     for micro in range(4):
         assert engine.is_gradient_accumulation_boundary() == (micro == 3)
         loss = engine(x).sum()
-        assert engine.backward(loss) is loss  # the unscaled loss comes back
+        returned = engine.backward(loss)  # as DeepSpeed: divided by the accumulation steps
+        assert torch.equal(returned, loss / 4)
         engine.step()
         unchanged = all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
         assert unchanged == (micro < 3)

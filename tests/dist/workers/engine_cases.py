@@ -576,6 +576,34 @@ def direct_backward() -> dict[str, Any]:
     return out
 
 
+def zero_grad_mid_round() -> dict[str, Any]:
+    """``zero_grad()`` between the micro-steps of a round drops what the
+    round accumulated: the same weights as a round whose first micro-step
+    gave zero gradients, at stages 0, 2 and 3 (gradient accumulation 2)."""
+    x1, x2 = torch.full((2, 3), 3.0), torch.ones(2, 3)
+    out: dict[str, Any] = {}
+    for stage in (0, 2, 3):
+        weights = []
+        for drop in (True, False):
+            torch.manual_seed(0)
+            engine = dsrun.initialize(model=torch.nn.Linear(3, 1), config={
+                "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                "gradient_clipping": 0.0, "steps_per_print": 1000,
+                "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                "zero_optimization": {"stage": stage}})[0]
+            first = engine(x1).pow(2).mean()
+            engine.backward(first if drop else first * 0.0)
+            engine.step()
+            if drop:
+                engine.zero_grad()
+            engine.backward(engine(x2).pow(2).mean())
+            engine.step()
+            weights.append(torch.cat([dsrun.utils.safe_get_full_fp32_param(p).flatten()
+                                      for p in engine.module.parameters()]))
+        out[f"stage{stage}"] = (weights[0] - weights[1]).abs().max().item()
+    return out
+
+
 CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "parity_gas1": lambda: parity(gas=1, clip=0.0, schedule=False, bucket_elements=None),
     "parity_gas4_clip_schedule": lambda: parity(gas=4, clip=0.05, schedule=True,
@@ -611,6 +639,7 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "branch_in_earlier_micro_steps_zero2": lambda: branch_in_earlier_micro_steps(2),
     "dataloader": dataloader,
     "direct_backward": direct_backward,
+    "zero_grad_mid_round": zero_grad_mid_round,
     "comms_logger": comms_logged,
     "flops_profiler": flops_profiled,
     "logged_exchange": logged_exchange,
