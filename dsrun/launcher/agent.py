@@ -280,7 +280,8 @@ class Agent:
 
     def _spawn(self, spec: dict[str, Any]) -> bool:
         agent_vars = self._agent_vars(spec["rank"])
-        env = apply_layers(spec["env"], os.environ, self.payload.get("env", {}), agent_vars)
+        env = apply_layers(spec["env"], os.environ, self.payload.get("env", {}), agent_vars,
+                           self.payload.get("env_files", ()))
         try:
             popen = subprocess.Popen(
                 self._argv(spec), env=env, cwd=self.payload.get("cwd") or None,

@@ -4,8 +4,12 @@
 is the same command spelled out. The other subcommands (``hosts``,
 ``doctor``, ``stack``, ...) are listed in :data:`SUBCOMMANDS` and loaded
 only when named; ``dsrun --help`` lists them all in its Commands section.
-Rule: a subcommand name always wins over a file of that name in the working
-directory; such a script runs as ``dsrun ./hosts`` or ``dsrun run hosts``.
+Rule: a subcommand name as SCRIPT, with no file of that name in the working
+directory, is taken for a command given after options (an error saying
+commands come first); a subcommand name as the first word always wins over
+a file of that name. A script named like a command runs as ``dsrun ./hosts``
+or ``dsrun run hosts``; after ``-m``/``--no_python``, or after an explicit
+``run``, SCRIPT is always the program (a module, a program on PATH).
 Everything after SCRIPT goes to the script untouched. Every user error ends
 as one ``dsrun: error: ...`` line and exit status 2, before anything is
 started.
@@ -100,7 +104,7 @@ class RunCommand(click.Command):
         formatter.write_text(
             "dsrun COMMAND --help (or -h) shows a command's options. A command name wins "
             "over a file of that name here: run a script named like a command as "
-            "'dsrun ./hosts' or 'dsrun run hosts'.")
+            "'dsrun ./hosts' or 'dsrun run hosts' (a module: 'dsrun -m hosts').")
 
 
 def _env_pair(ctx: click.Context, param: click.Parameter, values: Sequence[str]):
@@ -232,8 +236,9 @@ def host_options(func):
                    "(but it is on dsrun's own: put secrets in ./.dsrun_env or ~/.dsrun_env).")
 @click.option("--env_prefix", "--env-prefix", "env_prefixes", multiple=True, metavar="PREFIX",
               help="Also forward the launcher's variables starting with PREFIX to remote "
-                   "ranks (repeatable; NCCL_, CUDA_, OMP_, GLOO_, TORCH_, PYTORCH_, DSRUN_, "
-                   "UCX_, MV2_, PYTHONPATH, ... are forwarded by default).")
+                   "ranks (repeatable; NCCL, CUDA_, OMP_, GLOO_, TORCH_, PYTORCH_, DSRUN_, "
+                   "UCX, MV2, MLFLOW, PYTHON (not PYTHONHOME), VIRTUAL_ENV are forwarded by "
+                   "default).")
 @click.option("--no_preflight", "--no-preflight", "no_preflight", is_flag=True,
               help="Start a multi-host job even if versions differ between hosts or the "
                    "master port is not reachable from some host.")
@@ -242,7 +247,8 @@ def host_options(func):
 def run_command(**params: object) -> int:
     """Launch SCRIPT on every selected rank."""
     script = str(params["script"])
-    if script in SUBCOMMANDS and not os.path.exists(script):
+    if script in SUBCOMMANDS and not os.path.exists(script) and not params["module"] \
+            and not params["no_python"] and click.get_current_context().obj is not EXPLICIT_RUN:
         raise CommandNotFirst(script)
     warn_flags_after_script(params["script_args"])  # type: ignore[arg-type]
     try:
@@ -253,6 +259,10 @@ def run_command(**params: object) -> int:
         # without a word and without a second error when Python flushes.
         _discard_output()
         return 128 + signal.SIGPIPE
+
+
+#: ``ctx.obj`` of ``dsrun run ...`` spelled out: its SCRIPT is never a command name.
+EXPLICIT_RUN = "explicit run"
 
 
 class CommandNotFirst(DsrunUsageError):
@@ -342,6 +352,16 @@ def _ssh_options(params: dict[str, object]) -> SshOptions:
 def _tool_args(params: dict[str, object]) -> None:
     for key, option in (("launcher_args", "--launcher_args"), ("slurm_args", "--slurm_args")):
         params[key] = split_args(params.get(key), option)  # type: ignore[arg-type]
+    _empty_is_unset(params)
+
+
+def _empty_is_unset(params: dict[str, object]) -> None:
+    """``--include ""``, ``--exclude ""``, ``--master_addr ""``: not given.
+    DeepSpeed's defaults are these empty strings, and wrapper scripts pass
+    ``--include "$INCLUDE"``."""
+    for key in ("include", "exclude", "master_addr"):
+        if params.get(key) == "":
+            params[key] = None
 
 
 def spec_from_params(params: dict[str, object]) -> LaunchSpec:
@@ -464,7 +484,8 @@ DEEPSPEED_ONLY_FLAGS = {
     "--enable_each_rank_log": "DeepSpeed's --enable_each_rank_log DIR is dsrun's --log_dir DIR "
                               "(one rank_N.log per rank)",
     "--force_multi": "Not needed: dsrun launches over SSH whenever the hosts it selects are "
-                     "not just this one (--launcher ssh asks for it)",
+                     "not just this one (--launcher ssh asks for it); DeepSpeed's env files "
+                     "(~/.deepspeed_env) apply to such jobs, ./.dsrun_env to every job",
     "--save_pid": "Not needed: dsrun prints the job id at start, and 'dsrun stack JOB' "
                   "reaches a running job",
     "--no_ssh_check": "Not needed: dsrun checks every host before starting; --no_preflight "
@@ -530,7 +551,8 @@ def _main(argv: Sequence[str] | None) -> int:
     subcommand = args[0] if command is not run_command or args[:1] == ["run"] else None
     try:
         prog = "dsrun" if command is run_command else f"dsrun {args[0]}"
-        result = command.main(rest, prog_name=prog, standalone_mode=False)
+        obj = EXPLICIT_RUN if subcommand == "run" else None
+        result = command.main(rest, prog_name=prog, standalone_mode=False, obj=obj)
     except click.exceptions.Exit as exc:
         return exc.exit_code
     except click.exceptions.Abort:

@@ -10,14 +10,20 @@ Sources, lowest precedence first (a later source overrides an earlier one):
 
 1. the remote host's login environment (not handled here);
 2. launcher variables matching :data:`DEFAULT_PREFIXES` or
-   :data:`DEFAULT_NAMES` (remote jobs only; see :func:`forward_defaults`);
+   :data:`DEFAULT_NAMES` (remote jobs only; see :func:`forward_defaults`).
+   The prefixes include DeepSpeed's runner's ``EXPORT_ENVS`` (``MLFLOW``,
+   ``PYTHON``, ``MV2``, ``UCX``, and its CUDA accelerator's ``NCCL``), all
+   as plain prefixes as there;
 3. launcher variables matching a ``--env_prefix P`` (remote jobs only);
 4. env files: ``~/.deepspeed_env``, ``~/.dsrun_env``, then
    ``./.deepspeed_env``, ``./.dsrun_env`` (working directory wins over home,
    dsrun's own name over DeepSpeed's). ``DS_ENV_FILE`` in the launcher's
    environment names DeepSpeed's file instead of ``.deepspeed_env``, as in
    DeepSpeed (looked up in ``~`` and ``.``; an absolute path is one file);
-   when it is set, the file must exist;
+   when it is set, the file must exist. DeepSpeed's files apply only to a
+   job on more than one host or on a host that is not this one, as
+   DeepSpeed reads them only on its multi-node path (``multi_node_exec``);
+   dsrun's ``.dsrun_env`` files apply to every job;
 5. ``--env KEY=VALUE`` on the command line.
 
 dsrun's own per-rank variables (RANK, WORLD_SIZE, MASTER_ADDR, ...) are set
@@ -26,16 +32,20 @@ after all of these and cannot be overridden.
 :data:`NEVER_FORWARDED` variables describe the launcher's own host or job
 (``CUDA_VISIBLE_DEVICES``, a parent job's ``DSRUN_JOB_ID``) and are not
 forwarded by a prefix match; naming them in a file or ``--env`` still works.
-``PATH`` is not forwarded (the launcher host's directories need not exist
-elsewhere); instead remote ranks get the launcher interpreter's directory in
-front of their login ``PATH``, so ``python`` and the venv's scripts resolve
-as they do locally.
+``PYTHONHOME`` (the launcher's interpreter's, which remote agents start
+without) is one of them. ``PATH`` is not forwarded (the launcher host's
+directories need not exist elsewhere); instead remote ranks get the
+launcher interpreter's directory in front of their login ``PATH``, so
+``python`` and the venv's scripts resolve as they do locally.
 
 Env file syntax: ``KEY=VALUE`` per line; blank lines and lines starting with
 ``#`` are ignored; ``export KEY=VALUE`` is accepted; one pair of matching
-quotes around the whole value is removed; everything else is literal (no
-expansion, no inline comments). A malformed line is an error naming
-``file:line`` (never the value, which may be a secret).
+quotes around the whole value is removed; no inline comments. ``$NAME`` and
+``${NAME}`` in a value are expanded by the node agent on the host the rank
+runs on (:mod:`dsrun.launcher.envlayers`), as DeepSpeed's remote shell
+expands its ``export KEY="VALUE"`` lines; a value in single quotes is
+literal. A malformed line is an error naming ``file:line`` (never the
+value, which may be a secret).
 """
 
 from __future__ import annotations
@@ -48,16 +58,17 @@ from dataclasses import dataclass
 from dsrun.errors import DsrunUsageError
 
 #: Prefixes of launcher variables forwarded to remote ranks by default.
-DEFAULT_PREFIXES = ("NCCL_", "CUDA_", "OMP_", "GLOO_", "TORCH_", "PYTORCH_", "DSRUN_",
-                    "UCX_", "MV2_")
+DEFAULT_PREFIXES = ("NCCL", "CUDA_", "OMP_", "GLOO_", "TORCH_", "PYTORCH_", "DSRUN_",
+                    "UCX", "MV2", "MLFLOW", "PYTHON")
 #: Whole names forwarded to remote ranks by default.
-DEFAULT_NAMES = ("PYTHONPATH", "PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONFAULTHANDLER",
-                 "VIRTUAL_ENV")
+DEFAULT_NAMES = ("VIRTUAL_ENV",)
 #: Describe the launcher's own host or job: never forwarded by a prefix match.
 NEVER_FORWARDED = frozenset({
     "CUDA_VISIBLE_DEVICES", "DSRUN_JOB_ID", "DSRUN_AGENT_ID", "DSRUN_ERROR_FILE",
     "DSRUN_RESTART_COUNT",
     "DSRUN_FAKE_GPUS", "DSRUN_SSH_CONFIG",
+    # the launcher's interpreter's (agents elsewhere start without them)
+    "PYTHONHOME", "PYTHONEXECUTABLE",
     # an agent's own connect-back variables (protocol.AGENT_BOOTSTRAP_VARS)
     "DSRUN_LAUNCHER", "DSRUN_LAUNCHER_SECRET", "DSRUN_LAUNCHER_TIMEOUT",
 })
@@ -76,6 +87,8 @@ class EnvEntry:
     key: str
     value: str
     source: str
+    #: An env-file value whose ``$NAME`` / ``${NAME}`` the agent expands.
+    expand: bool = False
 
     def __repr__(self) -> str:  # never show the value
         return f"EnvEntry({self.key!r}, <value>, {self.source!r})"
@@ -83,9 +96,15 @@ class EnvEntry:
 
 @dataclass(frozen=True)
 class JobEnv:
-    """The user-level variables every rank gets, by key; values are private."""
+    """The user-level variables every rank gets, by key; values are private.
+
+    ``files``: (key, expand) of the variables whose value comes from an env
+    file, in the order their lines were read (the agent expands them in
+    that order: :func:`dsrun.launcher.envlayers.expand_file_values`).
+    """
 
     entries: tuple[EnvEntry, ...] = ()
+    files: tuple[tuple[str, bool], ...] = ()
 
     def as_dict(self) -> dict[str, str]:
         return {e.key: e.value for e in self.entries}
@@ -93,9 +112,14 @@ class JobEnv:
     def keys(self) -> tuple[str, ...]:
         return tuple(e.key for e in self.entries)
 
+    def expanded_keys(self) -> tuple[str, ...]:
+        """Keys whose value the agent expands on its host."""
+        return tuple(key for key, expand in self.files if expand)
+
     def describe(self) -> list[str]:
         """``KEY=<value not shown> (source)`` lines, sorted by key."""
-        return [f"{e.key}=<value not shown> ({e.source})"
+        return [f"{e.key}=<value not shown> ({e.source}"
+                f"{'; $NAME expanded on the host' if e.expand else ''})"
                 for e in sorted(self.entries, key=lambda e: e.key)]
 
 
@@ -110,10 +134,12 @@ def check_prefix(prefix: str) -> None:
                               "(letters, digits and '_', not starting with a digit)")
 
 
-def _unquote(value: str) -> str:
+def _unquote(value: str) -> tuple[str, bool]:
+    """The value without one pair of matching quotes around it, and whether
+    the agent expands it (it has a ``$``, outside single quotes)."""
     if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-        return value[1:-1]
-    return value
+        return value[1:-1], value[0] == '"' and "$" in value
+    return value, "$" in value
 
 
 def parse_env_file(text: str, path: str) -> list[EnvEntry]:
@@ -133,18 +159,38 @@ def parse_env_file(text: str, path: str) -> list[EnvEntry]:
         if not key:
             raise DsrunUsageError(f"{where}: expected KEY=VALUE (no name before '=')")
         check_name(key, where)
-        entries.append(EnvEntry(key, _unquote(value.strip()), where))
+        text, expand = _unquote(value.strip())
+        entries.append(EnvEntry(key, text, where, expand))
     return entries
 
 
-def env_file_paths(cwd: str, home: str, environ: Mapping[str, str] | None = None) -> list[str]:
-    """Env files in precedence order (later wins): home first, then cwd;
-    ``DS_ENV_FILE`` in ``environ`` replaces DeepSpeed's name (see above)."""
+def _env_files(cwd: str, home: str,
+               environ: Mapping[str, str] | None) -> list[tuple[str, bool]]:
+    """(path, DeepSpeed's) of every env file, in precedence order."""
     ds_name = (environ or {}).get(DS_ENV_FILE_VAR) or ENV_FILE_NAMES[0]
-    names = (os.path.expanduser(ds_name), *ENV_FILE_NAMES[1:])
+    names = ((os.path.expanduser(ds_name), True), *((n, False) for n in ENV_FILE_NAMES[1:]))
     dirs = [home] if os.path.realpath(home) == os.path.realpath(cwd) else [home, cwd]
-    paths = [os.path.join(d, name) for d in dirs for name in names]
-    return list(dict.fromkeys(paths))  # an absolute DS_ENV_FILE: read once
+    files: dict[str, bool] = {}
+    for path, deepspeeds in ((os.path.join(d, n), ds) for d in dirs for n, ds in names):
+        # an absolute DS_ENV_FILE: read once; one naming .dsrun_env: dsrun's
+        files[path] = files.get(path, True) and deepspeeds
+    return list(files.items())
+
+
+def env_file_paths(cwd: str, home: str, environ: Mapping[str, str] | None = None, *,
+                   multi_host: bool = True) -> list[str]:
+    """Env files in precedence order (later wins): home first, then cwd;
+    ``DS_ENV_FILE`` in ``environ`` replaces DeepSpeed's name (see above).
+    DeepSpeed's files only for a ``multi_host`` job (see above)."""
+    return [path for path, deepspeeds in _env_files(cwd, home, environ)
+            if multi_host or not deepspeeds]
+
+
+def unapplied_env_files(cwd: str, home: str, environ: Mapping[str, str]) -> list[str]:
+    """DeepSpeed's env files that exist but a job on this host alone does not
+    apply (for one line in the start banner and --dry-run)."""
+    return [path for path, deepspeeds in _env_files(cwd, home, environ)
+            if deepspeeds and os.path.isfile(path)]
 
 
 def check_ds_env_file(cwd: str, home: str, environ: Mapping[str, str]) -> None:
@@ -220,4 +266,16 @@ def job_env(environ: Mapping[str, str], *, remote: bool, env_prefixes: Sequence[
     if remote:
         forwarded = forward_defaults(environ) + forward_prefixes(environ, env_prefixes)
     cli = [EnvEntry(k, v, "--env") for k, v in cli_env]
-    return compose(forwarded, file_entries, cli)
+    merged = compose(forwarded, file_entries, cli)
+    return JobEnv(merged.entries, file_order(merged, file_entries))
+
+
+def file_order(env: JobEnv, file_entries: Sequence[EnvEntry]) -> tuple[tuple[str, bool], ...]:
+    """(key, expand) of ``env``'s variables that come from ``file_entries``, in
+    the order of the line that set them (a later line of a key moves it)."""
+    last: dict[str, EnvEntry] = {}
+    for entry in file_entries:
+        last.pop(entry.key, None)
+        last[entry.key] = entry
+    winners = {e.key: e for e in env.entries}
+    return tuple((key, entry.expand) for key, entry in last.items() if winners.get(key) is entry)

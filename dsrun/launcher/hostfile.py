@@ -138,6 +138,10 @@ def host_problem(host: str) -> str | None:
     """Why ``host`` is not a valid host name or IP address, or None if it is."""
     if host.startswith("[") and host.endswith("]"):
         return "write IPv6 addresses without brackets"
+    user, at, name = host.rpartition("@")
+    if user and name:
+        return (f"'USER@HOST' is not supported: write the host alone ({name}) and give the "
+                f"user with --ssh_user {user} or as 'User {user}' for it in ssh_config")
     name, colon, port = host.partition(":")
     if colon and name and port.isascii() and port.isdigit():  # IPv6 has 2+ colons
         return (f"HOST:PORT is not supported (put the port in ssh_config: "

@@ -59,6 +59,7 @@ from dsrun.launcher.envpolicy import (
     env_file_paths,
     job_env,
     read_env_files,
+    unapplied_env_files,
 )
 from dsrun.launcher.netinfo import script_problem
 from dsrun.launcher.plan import LaunchPlan, build_plan, describe
@@ -144,6 +145,8 @@ def probed_script(spec: LaunchSpec) -> str | None:
 def check_log_dir(path: str | None) -> None:
     if path is None:
         return
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise DsrunUsageError(f"--log_dir {path!r} is a file, not a directory")
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
@@ -152,13 +155,34 @@ def check_log_dir(path: str | None) -> None:
         raise DsrunUsageError(f"--log_dir {path!r} is not writable")
 
 
-def user_env(spec: LaunchSpec, cwd: str, remote: bool) -> JobEnv:
-    """The user's variables for the ranks (envpolicy.py): files, --env, forwarded."""
+def user_env(spec: LaunchSpec, cwd: str, remote: bool, multi_host: bool) -> JobEnv:
+    """The user's variables for the ranks (envpolicy.py): files, --env, forwarded.
+    DeepSpeed's env files only for a ``multi_host`` job (:func:`spans_hosts`)."""
     home = os.path.expanduser("~")
-    check_ds_env_file(cwd, home, os.environ)
-    files = read_env_files(env_file_paths(cwd, home, os.environ))
+    if multi_host:
+        check_ds_env_file(cwd, home, os.environ)
+    files = read_env_files(env_file_paths(cwd, home, os.environ, multi_host=multi_host))
     return job_env(os.environ, remote=remote, env_prefixes=spec.env_prefixes,
                    file_entries=files, cli_env=spec.extra_env)
+
+
+def spans_hosts(cluster: Cluster) -> bool:
+    """Whether a job takes DeepSpeed's env files: it runs on more than one
+    host, or on one that is not this one (DeepSpeed's multi-node path, which
+    it takes for several hosts or --force_multi)."""
+    return len(cluster.hosts) > 1 or cluster.remote
+
+
+def env_files_note(cwd: str, multi: bool) -> str | None:
+    """One line naming DeepSpeed's env files that a job on this host alone
+    does not apply (None: there are none, or the job applies them)."""
+    unapplied = [] if multi else \
+        unapplied_env_files(cwd, os.path.expanduser("~"), os.environ)
+    if not unapplied:
+        return None
+    return (f"env file {', '.join(unapplied)} not applied: DeepSpeed's env files apply only "
+            f"to jobs on several hosts or on another host, as in DeepSpeed (./.dsrun_env or "
+            f"--env sets variables for a job on this host)")
 
 
 def _plan(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv, job_id: str,
@@ -178,7 +202,8 @@ def run(spec: LaunchSpec) -> int:
     cwd = os.getcwd()
     cluster, backend = resolve_cluster(spec.hosts, cwd)
     check_master(spec.hosts, cluster)
-    env = user_env(spec, cwd, remote=cluster.remote and backend.login_env)
+    multi = spans_hosts(cluster)
+    env = user_env(spec, cwd, remote=cluster.remote and backend.login_env, multi_host=multi)
     job_id = uuid.uuid4().hex
     draft = _plan(spec, cluster, backend, env, job_id, 0)
     check_user_env(draft)
@@ -188,12 +213,16 @@ def run(spec: LaunchSpec) -> int:
         if warning:
             say(warning)
     source = describe_source(spec.hosts, cluster, cwd)
+    note = env_files_note(cwd, multi)
     if spec.dry_run:
-        for line in [source, *describe(draft), *backend.prepare(draft).describe()]:
+        for line in [source, *([note] if note else []), *describe(draft),
+                     *backend.prepare(draft).describe()]:
             click.echo(line)
         return 0
     check_log_dir(spec.log_dir)
     say(source)
+    if note:
+        say(note)
     if spec.cpu:
         why = "DS_ACCELERATOR=cpu" if cpu_by_deepspeed_variable(os.environ) else "--cpu"
         say(f"{why}: starting {draft.world_size} CPU rank(s) with gloo "

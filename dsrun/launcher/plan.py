@@ -268,7 +268,8 @@ def build_plan(spec: LaunchSpec, cluster: Cluster, env: JobEnv, job_id: str, *,
 
     ``facts[i]``: what is known of host i (None: nothing yet, a draft).
     ``master``: the rendezvous the probe settled (None: a draft, whose
-    address is --master_addr, or 127.0.0.1 for a job on this host alone).
+    address is --master_addr, or 127.0.0.1 for a job on this host alone,
+    and whose port is --master_port).
     ``remote_path``: put in front of PATH on hosts that are not this one
     (backends whose agents start in a login environment). With ``--cpu``
     every host counts as GPU-less.
@@ -289,7 +290,9 @@ def build_plan(spec: LaunchSpec, cluster: Cluster, env: JobEnv, job_id: str, *,
         addr, port = master
     else:
         single = not multi and cluster.local[0]
-        addr, port = spec.master_addr or ("127.0.0.1" if single else None), None
+        # an explicit --master_port is the port the ranks get (a draft shows it)
+        addr = spec.master_addr or ("127.0.0.1" if single else None)
+        port = spec.master_port
     core_list = parse_cpu_list(spec.bind_core_list) if spec.bind_core_list else None
     laid_out = layout(nodes)
     if spec.bind_cores_to_rank:

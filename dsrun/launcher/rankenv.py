@@ -11,7 +11,8 @@ whatever the backend. Layers, later ones winning:
    give their processes), less the agent's own bootstrap variables
    (:data:`dsrun.launcher.protocol.AGENT_BOOTSTRAP_VARS`);
 2. user: the user's and forwarded variables (envpolicy.JobEnv, one set per
-   job); their values are never printed or logged;
+   job); their values are never printed or logged; ``$NAME`` in env-file
+   values is expanded against layer 1 on the host (envlayers.py);
 3. defaults: set only where layers 1-2 leave the name unset
    (``OMP_NUM_THREADS``: the host's usable CPUs shared among its ranks, or
    under ``--bind_cores_to_rank`` the rank's own CPUs;
@@ -144,10 +145,13 @@ def check_user_env(plan: LaunchPlan) -> None:
                               f"rank: {advice}")
 
 
-def materialize(env: RankEnv, inherited: Mapping[str, str], user: Mapping[str, str],
+def materialize(env: RankEnv, inherited: Mapping[str, str], user: Mapping[str, str] | JobEnv,
                 agent: Mapping[str, str]) -> dict[str, str]:
     """The process environment of a rank: layers 1-6 in order (the agent's
-    :func:`dsrun.launcher.envlayers.apply_layers` on this RankEnv)."""
+    :func:`dsrun.launcher.envlayers.apply_layers` on this RankEnv; a JobEnv's
+    env-file values are expanded against ``inherited``, as the agent does)."""
+    if isinstance(user, JobEnv):
+        return apply_layers(env.to_json(), inherited, user.as_dict(), agent, user.files)
     return apply_layers(env.to_json(), inherited, user, agent)
 
 

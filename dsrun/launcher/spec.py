@@ -97,6 +97,13 @@ def cpu_by_deepspeed_variable(environ: Mapping[str, str]) -> bool:
     return environ.get("DS_ACCELERATOR", "").strip().lower() == "cpu"
 
 
+_NOT_PDSH = ("dsrun's ssh launcher (DeepSpeed's pdsh) starts hosts with paramiko, not "
+             "pdsh, so pdsh options (such as -f fan-out) have no equivalent; SSH settings "
+             "go in the --ssh_* options or ssh_config")
+#: What to do instead of --launcher_args, by launcher.
+LAUNCHER_ARGS_INSTEAD = {"slurm": "srun options go in --slurm_args", "ssh": _NOT_PDSH}
+
+
 @dataclass(frozen=True)
 class SshOptions:
     """How to reach remote hosts; None means "from ssh_config, else default"."""
@@ -137,8 +144,8 @@ class HostsSpec:
         object.__setattr__(self, "launcher", launcher_name(self.launcher))
         if self.launcher_args and self.launcher != "openmpi":
             raise DsrunUsageError(f"--launcher_args is for --launcher openmpi (mpirun), not "
-                                  f"{self.launcher or 'the default launcher'}; srun options "
-                                  f"go in --slurm_args")
+                                  f"{self.launcher or 'the default launcher'}; "
+                                  f"{LAUNCHER_ARGS_INSTEAD.get(self.launcher, _NOT_PDSH)}")
         if self.slurm_args and self.launcher != "slurm":
             raise DsrunUsageError("--slurm_args needs --launcher slurm")
         for name in ("num_gpus", "num_nodes"):

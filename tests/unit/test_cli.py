@@ -325,7 +325,7 @@ def test_straggler_interval_variable_is_checked_before_anything_starts(value, tm
 
 @pytest.mark.parametrize("addr,message", [
     ("192.0.2.1", "--master_addr '192.0.2.1' is not an address of"),
-    ("", "--master_addr '' does not resolve"),
+    ("no-such-host.invalid", "--master_addr 'no-such-host.invalid' does not resolve"),
 ])
 def test_a_master_addr_of_another_host_is_an_error_before_anything_starts(
         addr, message, tmp_path, monkeypatch, capsys):

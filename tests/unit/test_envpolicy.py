@@ -29,6 +29,14 @@ def test_default_forwarding_by_prefix_and_name():
     keys = [e.key for e in forward_defaults(LAUNCHER)]
     assert keys == ["CUDA_HOME", "DSRUN_X", "GLOO_SOCKET_IFNAME", "NCCL_DEBUG",
                     "OMP_NUM_THREADS", "PYTHONPATH", "TORCH_HOME"]
+    # DeepSpeed's EXPORT_ENVS (MLFLOW, PYTHON, MV2, UCX) and NCCL are plain prefixes
+    more = {"MLFLOW_TRACKING_URI": "http://x", "PYTHONNOUSERSITE": "1", "NCCLX": "1",
+            "UCXX": "1", "MV2X": "1", "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONEXECUTABLE": "/py", "VIRTUAL_ENV": "/v"}
+    keys = [e.key for e in forward_defaults({**LAUNCHER, **more})]
+    assert {"MLFLOW_TRACKING_URI", "PYTHONNOUSERSITE", "NCCLX", "UCXX", "MV2X",
+            "PYTHONDONTWRITEBYTECODE", "VIRTUAL_ENV"} <= set(keys)
+    assert "PYTHONEXECUTABLE" not in keys
     # host-specific or job-specific values never travel by prefix
     assert "CUDA_VISIBLE_DEVICES" not in keys and "DSRUN_JOB_ID" not in keys
     assert {"PATH", "HOME", "PYTHONHOME", "LD_LIBRARY_PATH"}.isdisjoint(keys)
@@ -76,6 +84,9 @@ def test_env_files_home_then_cwd_deepspeed_then_dsrun(tmp_path):
         f"{cwd}/.deepspeed_env", f"{cwd}/.dsrun_env"]
     assert env_file_paths(str(home), str(home)) == [f"{home}/.deepspeed_env",
                                                     f"{home}/.dsrun_env"]
+    # a job on this host alone: dsrun's own files only (DeepSpeed's multi-node rule)
+    assert env_file_paths(str(cwd), str(home), multi_host=False) == [
+        f"{home}/.dsrun_env", f"{cwd}/.dsrun_env"]
     (home / ".dsrun_env").write_text("A=home\nB=home\n")
     (cwd / ".deepspeed_env").write_text("B=ds\nC=ds\n")
     entries = read_env_files(env_file_paths(str(cwd), str(home)))  # missing files skipped
@@ -150,6 +161,7 @@ def test_ds_env_file_names_deepspeeds_env_file(tmp_path):
 
 
 def test_dsrun_reads_the_file_ds_env_file_names(tmp_path, monkeypatch, capsys):
+    """On a job of several hosts, as DeepSpeed (which reads it only there)."""
     from dsrun.launcher import cli
     from dsrun.launcher import hostfile as hf
 
@@ -157,13 +169,16 @@ def test_dsrun_reads_the_file_ds_env_file_names(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.chdir(tmp_path)
     (tmp_path / "t.py").write_text("pass\n")
+    (tmp_path / "hf").write_text("localhost slots=1\nnode-x slots=1\n")
     (tmp_path / "custom_env").write_text("MYV9=fromcustom\n")
     monkeypatch.setenv("DS_ENV_FILE", "custom_env")
-    assert cli.main(["--dry-run", "--cpu", "t.py"]) == 0
+    assert cli.main(["--dry-run", "--cpu", "-H", "hf", "t.py"]) == 0
     assert f"MYV9=<value not shown> ({tmp_path}/custom_env:1)" in capsys.readouterr().out
     monkeypatch.setenv("DS_ENV_FILE", "nope_env")
-    assert cli.main(["--dry-run", "--cpu", "t.py"]) == 2
+    assert cli.main(["--dry-run", "--cpu", "-H", "hf", "t.py"]) == 2
     assert capsys.readouterr().err.startswith("dsrun: error: DS_ENV_FILE='nope_env'")
+    # a job on this host alone reads no DeepSpeed env file, so a wrong name is no error
+    assert cli.main(["--dry-run", "--cpu", "t.py"]) == 0
 
 
 def test_an_env_file_may_start_with_a_byte_order_mark(tmp_path):

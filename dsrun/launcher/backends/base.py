@@ -127,8 +127,10 @@ class Request:
 def agent_payload(plan: LaunchPlan, node: NodePlan,
                   slots: Sequence[RankSlot] | None = None) -> dict[str, Any]:
     """The start message of an agent running ``slots`` of ``node`` (default:
-    all of them), JSON-serialisable. User values appear only here."""
-    return {
+    all of them), JSON-serialisable. User values appear only here.
+    ``env_files`` (only when some env-file value is to be expanded): the
+    order and expansion of the env-file variables, for the agent."""
+    payload: dict[str, Any] = {
         "job_id": plan.job_id,
         "restart_count": plan.restart_count,
         "cwd": plan.cwd,
@@ -141,6 +143,9 @@ def agent_payload(plan: LaunchPlan, node: NodePlan,
             for s in (node.ranks if slots is None else slots)
         ],
     }
+    if plan.user_env.expanded_keys():
+        payload["env_files"] = [list(pair) for pair in plan.user_env.files]
+    return payload
 
 
 class AgentChannel(ABC):
