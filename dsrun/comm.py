@@ -219,9 +219,9 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor,
 
 def allgather_fn(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None,
                  async_op: bool = False, debug: Any = None) -> Any:
-    """DeepSpeed's name for :func:`all_gather_into_tensor`."""
-    return all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op,
-                                  log_name="allgather_fn")
+    """DeepSpeed's name for :func:`all_gather_into_tensor`; logged under that
+    name, as DeepSpeed's (so ``prof_ops: ["all_gather_into_tensor"]`` counts it)."""
+    return all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 def all_gather_coalesced(output_tensors: Sequence[torch.Tensor],
@@ -255,9 +255,10 @@ def reduce_scatter_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor,
 def reduce_scatter_fn(output_tensor: torch.Tensor, tensor: torch.Tensor,
                       op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False,
                       prof: bool = False, debug: Any = None) -> Any:
-    """DeepSpeed's name for :func:`reduce_scatter_tensor`."""
+    """DeepSpeed's name for :func:`reduce_scatter_tensor`; logged under that
+    name, as DeepSpeed's."""
     return reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op,
-                                 prof=prof, log_name="reduce_scatter_fn")
+                                 prof=prof)
 
 
 def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor],

@@ -17,7 +17,12 @@ from typing import Any, Optional
 import psutil
 import torch
 
-from dsrun.accelerator.abstract_accelerator import Accelerator, DeviceIndex, computes_in
+from dsrun.accelerator.abstract_accelerator import (
+    HOST_TENSOR_TYPES,
+    Accelerator,
+    DeviceIndex,
+    computes_in,
+)
 
 
 class HostEvent(getattr(torch.cpu, "Event", object)):  # type: ignore[misc]
@@ -192,6 +197,21 @@ class CpuAccelerator(Accelerator):
     def reset_max_memory_allocated(self, device_index: DeviceIndex = None) -> None:
         self.reset_peak_memory_stats()
 
+    def get_rss(self) -> int:
+        """This process's resident set in bytes (DeepSpeed's CPU name for
+        :meth:`memory_allocated`)."""
+        return self.memory_allocated()
+
+    def reset_rss(self) -> int:
+        """Start the peak over (:meth:`reset_peak_memory_stats`); the resident set."""
+        self.reset_peak_memory_stats()
+        return self._seen_peak
+
+    @property
+    def max_mem(self) -> int:
+        """The peak resident set in bytes (:meth:`max_memory_allocated`)."""
+        return self.max_memory_allocated()
+
     def memory_stats(self, device_index: DeviceIndex = None) -> dict[str, int]:
         """torch.cuda's keys for the current and peak figures."""
         current = self.memory_allocated()
@@ -210,6 +230,22 @@ class CpuAccelerator(Accelerator):
         """``tensor`` itself: pinning speeds copies to a GPU, and a CPU rank
         copies to none (``is_pinned`` stays truthful: False)."""
         return tensor
+
+    def _empty_host(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)  # not page-locked: see pin_memory
+
+    # -- tensor types, the launcher's environment, kernels
+    def tensor_type(self, dtype: torch.dtype) -> type:
+        """torch's legacy host type (``torch.FloatTensor``, ...), as DeepSpeed's
+        CPU accelerator returns."""
+        return HOST_TENSOR_TYPES[dtype]
+
+    def export_envs(self) -> list[str]:
+        return []
+
+    def is_triton_supported(self) -> bool:
+        """False: Triton compiles GPU kernels."""
+        return False
 
     # -- profiling, lazy initialisation, autocast
     def range_push(self, msg: str, domain: Optional[str] = None,

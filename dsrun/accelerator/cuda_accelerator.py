@@ -9,7 +9,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from dsrun.accelerator.abstract_accelerator import Accelerator, DeviceIndex
+from dsrun.accelerator.abstract_accelerator import Accelerator, DeviceIndex, TensorOf
 
 
 class CudaAccelerator(Accelerator):
@@ -126,6 +126,24 @@ class CudaAccelerator(Accelerator):
         """A page-locked copy of host ``tensor`` (fast, asynchronous copies to
         the GPU). ``align_bytes`` is accepted as DeepSpeed does: torch aligns."""
         return tensor.pin_memory()
+
+    def _empty_host(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    # -- tensor types, the launcher's environment, kernels
+    def tensor_type(self, dtype: torch.dtype) -> TensorOf:
+        """``torch.tensor(data)`` in ``dtype`` on the GPU, as DeepSpeed's CUDA
+        accelerator returns (with ``isinstance``: abstract_accelerator)."""
+        return TensorOf(torch.tensor, dtype=dtype, device=self.device_name())
+
+    def export_envs(self) -> list[str]:
+        """``NCCL``: DeepSpeed's runner forwards ``NCCL*`` to other hosts."""
+        return ["NCCL"]
+
+    def is_triton_supported(self) -> bool:
+        """Whether the current GPU is one DeepSpeed runs Triton kernels on
+        (compute capability 8.0 or newer)."""
+        return bool(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8)
 
     # -- profiling, lazy initialisation, autocast
     def range_push(self, msg: str, domain: Optional[str] = None,

@@ -2,10 +2,18 @@
 
 ``init_distributed()`` is what the bootstrap calls before the user's first
 line, and what scripts started some other way (plain python, torchrun,
-``mpirun``, ``srun``) may call themselves; it is a no-op when a default
-process group exists, whatever backend it asks for (as DeepSpeed's
-``init_distributed``, which wraps an existing group). World size 1 without
-a rendezvous address uses an in-memory store: no ports.
+``mpirun``, ``srun``) may call themselves; when a default process group
+exists it keeps it, whatever backend it asks for (as DeepSpeed's
+``init_distributed``, which wraps an existing group), and only sets a
+``timeout`` it is given on it: under dsrun the group exists before the
+script runs, and the script's timeout is what it would have been made
+with. World size 1 without a rendezvous address uses an in-memory store:
+no ports.
+
+The group's collective timeout, when the call gives none: DeepSpeed's
+``DEEPSPEED_TIMEOUT`` (minutes; read by :func:`timeout_from_env`) where it
+is set, else torch's default (30 minutes for gloo, 10 for NCCL; DeepSpeed's
+own default is 10 minutes for both).
 
 NCCL on a rank without a GPU (CPU ranks: no CUDA, or ``dsrun --cpu``) is
 refused by :func:`check_backend` with one :class:`DsrunError` that says
@@ -44,7 +52,8 @@ import atexit
 import datetime
 import inspect
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -58,6 +67,8 @@ log = logging.getLogger("dsrun.runtime")
 
 _original_init = dist.init_process_group
 _owned_by_dsrun = False
+#: DeepSpeed's variable for the default process-group timeout, in minutes.
+TIMEOUT_VARIABLE = "DEEPSPEED_TIMEOUT"
 
 
 def backend_by_device(config: str | None) -> dict[str, str]:
@@ -185,9 +196,26 @@ def compute_device(env: DistEnv | None = None) -> torch.device:
     return torch.device("cuda", index)
 
 
+def timeout_from_env(environ: Mapping[str, str]) -> datetime.timedelta | None:
+    """``DEEPSPEED_TIMEOUT`` (whole minutes, as DeepSpeed reads it) as a
+    timedelta; None when it is unset or empty."""
+    value = environ.get(TIMEOUT_VARIABLE, "").strip()
+    if not value:
+        return None
+    try:
+        minutes = int(value)
+    except ValueError:
+        minutes = 0
+    if minutes <= 0:
+        raise DsrunError(f"{TIMEOUT_VARIABLE}={environ[TIMEOUT_VARIABLE]!r}: the process "
+                         f"group's timeout is a whole number of minutes, at least 1")
+    return datetime.timedelta(minutes=minutes)
+
+
 def init_distributed(backend: str | None = None, timeout: datetime.timedelta | None = None,
                      env: DistEnv | None = None, **compat: Any) -> None:
-    """Initialise the default process group unless one exists.
+    """Initialise the default process group unless one exists; with one,
+    set ``timeout`` on it when given (module docstring).
 
     Where the rank and the master come from: env.py and rendezvous.py
     (dsrun's variables, else MPI or Slurm; world size 1 needs nothing).
@@ -195,13 +223,19 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
     ``backend``), ``distributed_port`` (the port when the master is found
     through MPI or Slurm; by default a free one / one derived from the
     Slurm job), ``init_method``, ``rank`` and ``world_size``; the others
-    (``auto_mpi_discovery``, ``verbose``, ...) have no effect.
+    (``auto_mpi_discovery``, ``verbose``, ...) have no effect. Without
+    ``timeout`` a new group gets ``DEEPSPEED_TIMEOUT``'s, else torch's default.
     """
     global _owned_by_dsrun
     if dist.is_initialized():
         _note_kept_group(backend or compat.get("dist_backend"))
+        if timeout is not None:
+            dist.distributed_c10d._set_pg_timeout(timeout)
+            log.debug("init_distributed: timeout %s set on the existing group", timeout)
         compute_device(env)  # an NCCL group made by the script: its rank's GPU
         return
+    if timeout is None:
+        timeout = timeout_from_env(os.environ)
     env = env or DistEnv.detect(mpi_size=_mpi_world_size)
     asked = backend or compat.get("dist_backend")
     backend = asked or default_backend(env)

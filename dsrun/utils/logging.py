@@ -15,10 +15,17 @@ process group the one process logs; with one, only the ranks listed in
 implicit). The message is prefixed ``[Rank N]`` (N = the global rank; 0
 without a process group, where DeepSpeed writes -1). Importing this module
 does not import torch.
+
+The "once" variants remember what they were called with, per process, as
+DeepSpeed's: :func:`warning_once` (also ``logger.warning_once``) warns once
+per distinct arguments, :func:`log_dist_once` (also
+``logger.log_dist_once``) logs once per distinct message, ranks and level.
+The arguments must be hashable (a ``ranks`` list is turned into a tuple).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -32,8 +39,9 @@ logger = logging.getLogger(LOGGER_NAME)
 ensure_visible()
 
 __all__ = ["LoggerFactory", "get_current_level", "get_dist_msg", "get_log_level_from_string",
-           "log_dist", "log_levels", "logger", "print_json_dist", "set_log_level_from_string",
-           "should_log_le"]
+           "log_dist", "log_dist_once", "log_levels", "logger", "print_configuration",
+           "print_dist", "print_json_dist", "set_log_level_from_string", "should_log_le",
+           "warning_once"]
 
 log_levels = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
               "error": logging.ERROR, "critical": logging.CRITICAL}
@@ -72,6 +80,47 @@ def log_dist(message: str, ranks: Optional[Iterable[int]] = None,
     text = get_dist_msg(message, ranks)
     if text is not None:
         logger.log(level, text)
+
+
+def print_dist(message: str, ranks: Optional[Iterable[int]] = None) -> None:
+    """Print ``message`` (with its rank prefix) to stdout on the ranks
+    :func:`log_dist` would log on, whatever the log level."""
+    text = get_dist_msg(message, ranks)
+    if text is not None:
+        print(text, flush=True)
+
+
+@functools.cache
+def _log_dist_once(message: str, ranks: Optional[tuple[int, ...]], level: int) -> None:
+    log_dist(message, ranks=ranks, level=level)
+
+
+def log_dist_once(message: str, ranks: Optional[Iterable[int]] = None,
+                  level: int = logging.INFO) -> None:
+    """:func:`log_dist`, once per process for each message, ranks and level."""
+    _log_dist_once(message, None if ranks is None else tuple(ranks), level)
+
+
+@functools.cache
+def warning_once(*args: Any, **kwargs: Any) -> None:
+    """``logger.warning(*args, **kwargs)``, once per process for the same
+    arguments (whoever calls: the message is the key)."""
+    kwargs.setdefault("stacklevel", 2)  # the caller's line, not this one
+    logger.warning(*args, **kwargs)
+
+
+# DeepSpeed attaches both to its logger: ``logger.warning_once("...")``.
+logger.warning_once = warning_once  # type: ignore[attr-defined]
+logger.log_dist_once = log_dist_once  # type: ignore[attr-defined]
+
+
+def print_configuration(args: Any, name: str) -> None:
+    """Log ``name:`` then each attribute of ``args`` (an ``argparse.Namespace``
+    or any object with ``vars()``), sorted, one per line at INFO, as
+    DeepSpeed's: ``  lr ........................... 0.001``."""
+    logger.info("%s:", name)
+    for key in sorted(vars(args)):
+        logger.info("  %s %s %s", key, "." * (29 - len(key)), getattr(args, key))
 
 
 def print_json_dist(message: dict[str, Any], ranks: Optional[Iterable[int]] = None,

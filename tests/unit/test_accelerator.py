@@ -221,6 +221,92 @@ def test_compiled_ops_are_refused(cpu: CpuAccelerator, name: str) -> None:
         getattr(cpu, name)("CPUAdamBuilder")
 
 
+@pytest.mark.parametrize("name", ["op_builder_dir", "build_extension"])
+def test_building_ops_is_refused_too(cpu: CpuAccelerator, name: str) -> None:
+    with pytest.raises(DsrunError, match=rf"{name}\(\): dsrun does not build or load"):
+        getattr(cpu, name)()
+
+
+TYPES = {"FloatTensor": torch.float32, "HalfTensor": torch.float16,
+         "BFloat16Tensor": torch.bfloat16, "DoubleTensor": torch.float64,
+         "IntTensor": torch.int32, "LongTensor": torch.int64, "ByteTensor": torch.uint8}
+
+
+@pytest.mark.parametrize(("name", "dtype"), TYPES.items())
+def test_cpu_tensor_types_are_torchs_as_in_deepspeed(cpu: CpuAccelerator, name: str,
+                                                     dtype: torch.dtype) -> None:
+    """DeepSpeed's CPU accelerator gives torch.FloatTensor and the others:
+    sizes make a tensor of that shape (they made a scalar), data a tensor of
+    the data, and isinstance works (it raised TypeError)."""
+    kind = getattr(cpu, name)
+    assert kind is getattr(torch, name)
+    assert kind(3).shape == (3,) and kind(2, 3).shape == (2, 3) and kind().shape == (0,)
+    made = kind([1, 2])
+    assert (made.dtype, made.tolist()) == (dtype, [1, 2])
+    assert isinstance(made, kind) and isinstance(torch.zeros(1, dtype=dtype), kind)
+    other = torch.int8 if dtype != torch.int8 else torch.float32
+    assert not isinstance(torch.zeros(1, dtype=other), kind)
+
+
+def test_cuda_tensor_types_are_deepspeeds_torch_tensor_in_the_dtype() -> None:
+    """DeepSpeed's CUDA accelerator gives ``torch.tensor`` in the dtype on
+    "cuda" (data, not sizes); dsrun's also answers isinstance."""
+    acc = CudaAccelerator()
+    for name, dtype in TYPES.items():
+        kind = getattr(acc, name)
+        assert kind.func is torch.tensor and kind.keywords == {"dtype": dtype,
+                                                               "device": "cuda"}
+        assert not isinstance(torch.zeros(1, dtype=dtype), kind)  # a host tensor
+        assert not isinstance("x", kind)
+    if torch.cuda.is_available():
+        made = acc.LongTensor([4])
+        assert made.tolist() == [4] and made.is_cuda and isinstance(made, acc.LongTensor)
+        assert acc.FloatTensor(3).shape == ()  # the scalar 3.0, as DeepSpeed's
+        assert not isinstance(made, acc.FloatTensor)
+
+
+def test_cpu_older_memory_names(cpu: CpuAccelerator) -> None:
+    """memory_cached & co. (torch.cuda's older names) and DeepSpeed's CPU
+    get_rss / reset_rss / max_mem answer with the resident set."""
+    rss = psutil.Process().memory_info().rss
+    assert abs(cpu.memory_cached() - rss) < 16 * MIB
+    assert abs(cpu.get_rss() - rss) < 16 * MIB
+    block = torch.ones(64 * MIB // 4)
+    during = cpu.get_rss()
+    assert cpu.max_memory_cached() >= during and cpu.max_mem >= during
+    del block
+    cpu.empty_cache()
+    cpu.reset_max_memory_cached()
+    assert cpu.max_memory_cached() < during - 32 * MIB
+    block = torch.ones(64 * MIB // 4)
+    assert cpu.max_mem >= cpu.get_rss() > during - 16 * MIB
+    del block
+    cpu.empty_cache()
+    assert cpu.reset_rss() < during - 32 * MIB
+    assert cpu.max_mem < during - 32 * MIB
+
+
+def test_cpu_pin_empty_and_the_launchers_environment(cpu: CpuAccelerator) -> None:
+    for made in (cpu.pin_empty(2, 3, dtype=torch.float16),
+                 cpu.pin_empty((2, 3), dtype=torch.float16),
+                 cpu.pin_empty_like(torch.ones(2, 3, dtype=torch.float16)),
+                 cpu.pin_empty_like(torch.ones(2, 3), dtype=torch.float16)):
+        assert (made.shape, made.dtype, made.device.type) == ((2, 3), torch.float16, "cpu")
+        assert not cpu.is_pinned(made)  # as DeepSpeed's CPU accelerator: nothing to pin for
+    assert cpu.unpin_memory(torch.ones(1)) is None
+    with pytest.raises(ValueError, match="pin_empty allocates host memory: device must be "
+                                         "'cpu', got 'cuda:0'"):
+        cpu.pin_empty(2, dtype=torch.float32, device="cuda:0")
+    env = {"PATH": "/bin"}
+    assert cpu.visible_devices_envs() == ["CUDA_VISIBLE_DEVICES"]
+    cpu.set_visible_devices_envs(env, [0, 2])
+    assert env == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,2"}
+    assert cpu.export_envs() == [] and CudaAccelerator().export_envs() == ["NCCL"]
+    assert cpu.is_fp64_supported() and not cpu.is_triton_supported()
+    assert CudaAccelerator().is_triton_supported() == (
+        torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8)
+
+
 # ------------------------------------------------------------------ CUDA
 
 
@@ -263,6 +349,11 @@ def test_cuda_memory_streams_and_pinning() -> None:
     assert 0 < acc.available_memory() <= acc.total_memory()
     pinned = acc.pin_memory(torch.ones(4))
     assert acc.is_pinned(pinned)
+    scratch = acc.pin_empty(4, dtype=torch.float16)
+    assert acc.is_pinned(scratch) and scratch.shape == (4,) and scratch.device.type == "cpu"
+    assert acc.is_pinned(acc.pin_empty_like(torch.ones(2, 2)))
+    assert acc.memory_cached() == acc.memory_reserved()
+    assert acc.max_memory_cached() == acc.max_memory_reserved()
     stream = acc.Stream()
     start, end = acc.Event(enable_timing=True), acc.Event(enable_timing=True)
     with acc.stream(stream):

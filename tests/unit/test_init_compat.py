@@ -118,3 +118,46 @@ def test_init_distributed_keeps_an_existing_group_as_deepspeed(world, monkeypatc
     assert [r.getMessage() for r in caplog.records] == [
         "init_distributed(dist_backend='nccl'): the process group exists already (backend "
         "gloo) and is kept, as DeepSpeed keeps an existing group"]
+
+
+def test_init_distributed_sets_its_timeout_on_the_existing_group(world):
+    """Under dsrun the group exists before the script: deepspeed.init_distributed
+    (timeout=...) sets that timeout on it, as DeepSpeed would have made the
+    group with it (it used to be dropped)."""
+    REAL_INIT_DISTRIBUTED(dist_backend="gloo", timeout=datetime.timedelta(seconds=3))
+    assert world.timeouts == [datetime.timedelta(seconds=3)] and world.alive
+    REAL_INIT_DISTRIBUTED()  # no timeout given: the group's stays
+    assert world.timeouts == [datetime.timedelta(seconds=3)]
+
+
+@pytest.mark.parametrize(("value", "minutes"), [(None, None), ("", None), ("1", 1),
+                                                (" 45 ", 45)])
+def test_deepspeed_timeout_is_whole_minutes(value, minutes):
+    environ = {} if value is None else {"DEEPSPEED_TIMEOUT": value}
+    expected = None if minutes is None else datetime.timedelta(minutes=minutes)
+    assert rdist.timeout_from_env(environ) == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "1.5", "ten"])
+def test_a_bad_deepspeed_timeout_is_named(value):
+    with pytest.raises(DsrunError, match=rf"DEEPSPEED_TIMEOUT='{value}': the process group's "
+                                         "timeout is a whole number of minutes"):
+        rdist.timeout_from_env({"DEEPSPEED_TIMEOUT": value})
+
+
+def test_a_new_group_gets_deepspeed_timeout(monkeypatch):
+    """init_distributed() without timeout= makes the group with
+    DEEPSPEED_TIMEOUT's (the bootstrap's call too); an explicit one wins."""
+    made: list[dict] = []
+    monkeypatch.setattr(rdist.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(rdist, "_original_init", lambda **kw: made.append(kw))
+    monkeypatch.setattr(rdist.atexit, "register", lambda fn: fn)
+    monkeypatch.setattr(rdist, "_owned_by_dsrun", False)
+    solo = DistEnv(rank=0, world_size=1, accelerator="cpu")
+    monkeypatch.setenv("DEEPSPEED_TIMEOUT", "2")
+    REAL_INIT_DISTRIBUTED(env=solo)
+    REAL_INIT_DISTRIBUTED(env=solo, timeout=datetime.timedelta(seconds=5))
+    monkeypatch.delenv("DEEPSPEED_TIMEOUT")
+    REAL_INIT_DISTRIBUTED(env=solo)
+    assert [m.get("timeout") for m in made] == [datetime.timedelta(minutes=2),
+                                                datetime.timedelta(seconds=5), None]
