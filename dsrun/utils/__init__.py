@@ -28,7 +28,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from dsrun.utils.logging import get_dist_msg, log_dist, logger
+from dsrun.utils.logging import get_dist_msg, log_dist, log_dist_once, logger
 
 _LAZY = {name: "dsrun.utils.tensor_fragment" for name in (
     "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
@@ -48,7 +48,7 @@ _LAZY["instrument_w_nvtx"] = "dsrun.utils.nvtx"
 _SUBMODULES = ("logging", "tensor_fragment", "zero_to_fp32", "init_on_device", "nvtx",
                "comms_logging")
 
-__all__ = ["get_dist_msg", "log_dist", "logger", *_LAZY]
+__all__ = ["get_dist_msg", "log_dist", "log_dist_once", "logger", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -62,3 +62,9 @@ def test_print_configuration_lists_sorted_attributes(caplog: pytest.LogCaptureFi
         ds_logging.print_configuration(args, "arguments")
     assert [m for _, m in messages(caplog)] == [
         "arguments:", "  batch_size " + "." * 19 + " 8", "  lr " + "." * 27 + " 0.001"]
+
+
+def test_log_dist_once_is_importable_from_deepspeed_utils() -> None:
+    import dsrun.utils
+
+    assert dsrun.utils.log_dist_once is ds_logging.log_dist_once
