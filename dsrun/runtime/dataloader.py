@@ -185,3 +185,7 @@ class RepeatingLoader:
             except StopIteration:
                 raise RuntimeError(f"RepeatingLoader: the {type(self.loader).__name__} "
                                    "yields no batches") from None
+
+
+#: DeepSpeed's name (``from deepspeed.runtime.dataloader import DeepSpeedDataLoader``).
+DeepSpeedDataLoader = DsrunDataLoader

@@ -28,14 +28,16 @@ import torch
 from dsrun.errors import DsrunError
 from dsrun.runtime.batch_size import resize_batch
 from dsrun.runtime.compile import compile_module
+from dsrun.runtime.constants import (  # DeepSpeed's names, also importable from here
+    MEMORY_OPT_ALLREDUCE_SIZE,
+    ROUTE_EVAL,
+    ROUTE_PREDICT,
+    ROUTE_TRAIN,
+)
 from dsrun.runtime.dataloader import build_dataloader
 
 __all__ = ["EngineControls", "MEMORY_OPT_ALLREDUCE_SIZE", "ROUTE_EVAL", "ROUTE_PREDICT",
            "ROUTE_TRAIN"]
-
-# DeepSpeed's names (deepspeed.runtime.constants / engine)
-MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
-ROUTE_TRAIN, ROUTE_EVAL, ROUTE_PREDICT = "train", "eval", "predict"
 
 
 class EngineControls:
@@ -121,12 +123,16 @@ class EngineControls:
         ``initialize(training_data=)`` gives (this rank's shard, shuffled,
         the micro-batch size); ``"eval"``/``"predict"`` this rank's shard in
         order; a ``data_sampler`` is used as given. The config's
-        ``dataloader_drop_last`` applies."""
+        ``dataloader_drop_last`` applies; without ``collate_fn``, the one
+        given to ``initialize()``. Every loader has DeepSpeed's
+        ``data_sampler`` attribute."""
         if not (self.is_map_style_dataset(dataset) or self.is_iterable_style_dataset(dataset)):
             raise ValueError("Training data must be a torch Dataset")
         size = self.config.train_micro_batch_size_per_gpu if batch_size is None else batch_size
         replicas, rank = self.dp_world_size, self._dp_rank()
         pin = pin_memory and self.device.type == "cuda"
+        if collate_fn is None:  # DeepSpeed's fallback: initialize()'s collate_fn
+            collate_fn = self.__dict__.get("collate_fn")
         if data_sampler is None and route == ROUTE_TRAIN and num_local_io_workers is None:
             return build_dataloader(dataset, micro_batch_size=size, num_replicas=replicas,
                                     rank=rank, collate_fn=collate_fn,
@@ -135,10 +141,12 @@ class EngineControls:
         if data_sampler is None:
             data_sampler = torch.utils.data.DistributedSampler(
                 dataset, num_replicas=replicas, rank=rank, shuffle=route == ROUTE_TRAIN)
-        return torch.utils.data.DataLoader(
+        loader = torch.utils.data.DataLoader(
             dataset, batch_size=size, sampler=data_sampler, collate_fn=collate_fn,
             drop_last=self.config.dataloader_drop_last, pin_memory=pin,
             num_workers=num_local_io_workers or 0)
+        loader.data_sampler = data_sampler  # DeepSpeed's name (loader.data_sampler.set_epoch)
+        return loader
 
     def _dp_rank(self) -> int:
         if self.mpu is not None:

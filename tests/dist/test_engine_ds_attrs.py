@@ -159,8 +159,33 @@ def test_deepspeed_io_routes(solo: None) -> None:
     sampler = torch.utils.data.SequentialSampler(data)
     given = engine.deepspeed_io(data, batch_size=7, data_sampler=sampler)
     assert [b[0].tolist() for b in given] == [list(range(7))]
+    # DeepSpeed's data_sampler on every loader (loader.data_sampler.set_epoch)
+    assert given.data_sampler is sampler and train.data_sampler is not None
+    assert isinstance(evaluated.data_sampler, torch.utils.data.DistributedSampler)
     with pytest.raises(ValueError, match="must be a torch Dataset"):
         engine.deepspeed_io([1, 2, 3].__iter__())
+
+
+def test_deepspeed_io_falls_back_to_initializes_collate_fn(solo: None) -> None:
+    def as_dict(items: list[tuple[torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return {"x": torch.stack([item[0] for item in items])}
+
+    data = torch.utils.data.TensorDataset(torch.arange(4.0))
+    engine, *_ = dsrun.initialize(model=torch.nn.Linear(1, 1), training_data=data,
+                                  collate_fn=as_dict, config={
+                                      "train_micro_batch_size_per_gpu": 2, "optimizer": SGD})
+    for route in ("train", "eval"):
+        batch = next(iter(engine.deepspeed_io(data, route=route)))
+        assert set(batch) == {"x"}, route
+    mine = next(iter(engine.deepspeed_io(data, route="eval", collate_fn=lambda b: len(b))))
+    assert mine == 2
+
+
+def test_deepspeed_names_for_loader_and_routes() -> None:
+    from dsrun.runtime import constants, dataloader
+
+    assert dataloader.DeepSpeedDataLoader is dataloader.DsrunDataLoader
+    assert (constants.ROUTE_TRAIN, constants.ROUTE_EVAL) == ("train", "eval")
 
 
 FP16 = {"enabled": True, "loss_scale": 1.0}  # static: no overflow-skipped first step

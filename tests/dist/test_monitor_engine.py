@@ -60,6 +60,9 @@ def test_a_write_failing_after_the_start_warns_once_and_training_goes_on(
         solo: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     engine, *_ = dsrun.initialize(model=model(), config=config(tmp_path))
+    # DeepSpeed's MonitorMaster attributes: the enabled backend's writer, else None
+    assert engine.monitor.csv_monitor is not None and engine.monitor.tb_monitor is None
+    assert engine.monitor.wandb_monitor is None and engine.monitor.comet_monitor is None
     losses = train(engine, 3)
 
     def disk_full(self: CsvWriter, name: str) -> Any:
@@ -74,6 +77,7 @@ def test_a_write_failing_after_the_start_warns_once_and_training_goes_on(
                         "on device); csv_monitor is off for the rest of this run, training "
                         "goes on"]
     assert engine.global_steps == 8 and len(losses) == 8
+    assert engine.monitor.csv_monitor is None  # switched off after the failure
     assert column(tmp_path / "run" / "Train_Samples_train_loss.csv") == \
         pytest.approx(losses[:3], rel=1e-12)
 

@@ -118,6 +118,28 @@ class EngineMonitor:
         """``[(name, value, step), ...]`` to every enabled monitor (rank 0 writes)."""
         self.monitor.write_events(events)
 
+    # DeepSpeed's MonitorMaster attributes: the backend's writer on rank 0,
+    # None where it is disabled, on other ranks, or after it failed
+    # (``tb_monitor.summary_writer`` is the SummaryWriter, for histograms).
+    @property
+    def tb_monitor(self) -> Any:
+        return self._writer("tensorboard")
+
+    @property
+    def csv_monitor(self) -> Any:
+        return self._writer("csv_monitor")
+
+    @property
+    def wandb_monitor(self) -> Any:
+        return self._writer("wandb")
+
+    @property
+    def comet_monitor(self) -> Any:
+        return self._writer("comet")
+
+    def _writer(self, name: str) -> Any:
+        return next((w for w in self.monitor.writers if w.name == name), None)
+
     # ----------------------------------------------------------- engine hooks
 
     def timed(self, phase: str) -> ContextManager[None]:
