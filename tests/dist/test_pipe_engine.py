@@ -237,7 +237,7 @@ def test_the_data_iterator_persists_as_in_deepspeed(solo: None) -> None:
     assert engine.data_iterator is given
     engine.eval_batch(iter(case.eval_data()))  # reads its own data, not the training iterator
     second = engine.train_batch()  # goes on with the iterator given before
-    with pytest.raises(DsrunError, match="ran out at micro-batch 0 of 4"):
+    with pytest.raises(StopIteration, match="ran out at micro-batch 0 of 4"):  # DeepSpeed's
         engine.train_batch()
     fresh, _ = _engine("mlp-noclip")
     assert [float(fresh.train_batch(iter(case.batch(step, 0)))) for step in (0, 1)] == \
@@ -432,7 +432,7 @@ def test_training_data_and_batch_fn(solo: None) -> None:
     (lambda c: iter(c.batch(0, 0)[:2]), "ran out at micro-batch 2 of 4"),
     (lambda c: iter([x for x, _ in c.batch(0, 0)]), "micro-batch 0 from the data iterator is "
                                                      "a Tensor"),
-    (lambda c: iter([(x, y, y) for x, y in c.batch(0, 0)]), "a tuple of 3 items"),
+    (lambda c: iter([(x,) for x, _ in c.batch(0, 0)]), "a tuple of 1 items"),
     (lambda c: None, "needs data: pass data_iter="),
     (lambda c: iter([({"x": x}, y) for x, y in c.batch(0, 0)]), "inputs of micro-batch 0 is "
                                                                  "a dict"),
@@ -445,6 +445,46 @@ def test_bad_data_is_one_clear_error(solo: None, data: Any, message: str) -> Non
     assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
     assert all(p.grad is None for p in engine.module.parameters())  # none left to add to
     assert engine.global_steps == 0
+
+
+def test_micro_batches_are_read_as_deepspeed_reads_them(
+        solo: None, caplog: pytest.LogCaptureFixture) -> None:
+    """Items past (inputs, labels) are ignored with one warning, and list
+    inputs (default_collate's form of tuples) reach the first layer as a
+    tuple - also through a reentrant activation checkpoint, which would cut
+    a list off from autograd and leave the layer untrained."""
+
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, xs: Any) -> torch.Tensor:
+            assert isinstance(xs, tuple), type(xs)
+            return self.lin(xs[0] + xs[1])
+
+    def engine_of(interval: int) -> Any:
+        torch.manual_seed(0)
+        module = PipelineModule([LayerSpec(Pair)], num_stages=1, loss_fn=F.mse_loss,
+                                activation_checkpoint_interval=interval,
+                                activation_checkpoint_func=lambda f, *a: torch.utils.checkpoint
+                                .checkpoint(f, *a, use_reentrant=True))
+        return dsrun.initialize(model=module, config={
+            "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+            "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})[0]
+
+    g = torch.Generator().manual_seed(0)
+    data = [((torch.randn(2, 3, generator=g), torch.randn(2, 3, generator=g)),
+             torch.randn(2, 2, generator=g)) for _ in range(2)]
+    pairs = engine_of(0)
+    with caplog.at_level("WARNING", logger="dsrun.runtime"):
+        as_lists = engine_of(1)
+        loss = as_lists.train_batch(iter([[list(x), y, "id"] for x, y in data]))
+    assert float(loss) == float(pairs.train_batch(iter(data)))
+    assert [p.tolist() for p in as_lists.module.parameters()] == \
+        [p.tolist() for p in pairs.module.parameters()]  # the checkpointed layer trained
+    warned = [r.getMessage() for r in caplog.records if "are ignored" in r.getMessage()]
+    assert len(warned) <= 1 and all("has 3 items" in w for w in warned)
 
 
 def test_the_loss_must_be_a_scalar(solo: None) -> None:

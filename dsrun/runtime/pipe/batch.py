@@ -9,10 +9,18 @@ tensors of at most ``stages - stage`` micro-batches.
 
 Also here: reading a micro-batch from the data iterator, checked
 (:func:`split_micro_batch`), and moving nested tensors to a device.
+As DeepSpeed reads a micro-batch: item 0 is the inputs and item 1 the
+labels (further items are ignored, with one warning), and a list of inputs
+or labels - what torch's ``default_collate`` makes of tuples - becomes a
+tuple, so layers that test ``isinstance(x, tuple)`` and the activation
+checkpoints (which take a tuple's tensors as separate arguments) see one.
+An iterator that runs out raises :class:`DataIteratorExhausted`, a
+``StopIteration`` as in DeepSpeed.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -21,6 +29,14 @@ import torch
 
 from dsrun.errors import DsrunError
 from dsrun.runtime.pipe.p2p import TensorMeta
+
+log = logging.getLogger("dsrun.runtime")
+_warned_extra = False
+
+
+class DataIteratorExhausted(DsrunError, StopIteration):
+    """The data iterator ran out inside a batch: a ``StopIteration`` (what
+    DeepSpeed's engine raises there), with the reason."""
 
 
 @dataclass
@@ -67,16 +83,25 @@ def next_micro_batch(source: Optional[Iterator[Any]], micro_batch: int, micro_ba
     try:
         return next(source)
     except StopIteration:
-        raise DsrunError(f"the data iterator ran out at micro-batch {micro_batch} of "
+        raise DataIteratorExhausted(f"the data iterator ran out at micro-batch {micro_batch} of "
                          f"{micro_batches}: one train_batch()/eval_batch() reads "
                          f"{micro_batches} micro-batches (gradient_accumulation_steps); "
                          "use a longer or repeating iterator") from None
 
 
 def split_micro_batch(batch: Any, micro_batch: int) -> tuple[Any, Any]:
-    """``(inputs, labels)`` of one micro-batch from the data iterator."""
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[0], batch[1]
+    """``(inputs, labels)`` of one micro-batch from the data iterator
+    (module docstring)."""
+    global _warned_extra
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        if len(batch) > 2 and not _warned_extra:
+            _warned_extra = True
+            log.warning("micro-batch %d from the data iterator has %d items: item 0 is the "
+                        "inputs and item 1 the labels, the other %d are ignored (as "
+                        "DeepSpeed does)", micro_batch, len(batch), len(batch) - 2)
+        inputs, labels = batch[0], batch[1]
+        return (tuple(inputs) if isinstance(inputs, list) else inputs,
+                tuple(labels) if isinstance(labels, list) else labels)
     what = f"a {type(batch).__name__}" + (f" of {len(batch)} items"
                                           if isinstance(batch, (tuple, list)) else "")
     raise DsrunError(f"micro-batch {micro_batch} from the data iterator is {what}: a "
