@@ -16,7 +16,6 @@ state off the GPU between phases) are here only to refuse with a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -24,6 +23,7 @@ import torch.distributed as dist
 
 from dsrun.errors import DsrunError
 from dsrun.runtime.config import OPTIMIZER_NAMES, DsrunConfig
+from dsrun.runtime.config_schema import thaw
 from dsrun.runtime.precision import torch_dtype
 
 # DeepSpeed's wall-clock timer names -> dsrun's breakdown parts
@@ -38,15 +38,6 @@ WALL_CLOCK_TIMERS = {"fwd": "forward", "bwd": "backward", "bwd_inner": "backward
 # these; torch.optim names keep torch's spelling (which DeepSpeed needs to
 # find them in torch.optim).
 DEEPSPEED_LOWER_CASE_OPTIMIZERS = frozenset({"adagrad", "adam", "adamw", "lamb", "lion"})
-
-
-def _plain(value: Any) -> Any:
-    """A config mapping as the JSON it came from: dicts and lists, copied."""
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
 
 
 class EngineInfo:
@@ -350,7 +341,7 @@ class EngineInfo:
 
     def initial_dynamic_scale(self) -> int:
         """``2 ** fp16.initial_scale_power`` (DeepSpeed's, with or without fp16)."""
-        return 2 ** self.config.fp16.initial_scale_power
+        return int(self.config.fp16.initial_dynamic_scale)
 
     def dynamic_loss_scale_args(self) -> dict[str, Any]:
         """The fp16 section's dynamic-scaling settings under DeepSpeed's
@@ -358,7 +349,7 @@ class EngineInfo:
         ``delayed_shift``, ``consecutive_hysteresis``, ``min_scale``)."""
         fp16 = self.config.fp16
         low = fp16.min_loss_scale
-        return {"init_scale": 2 ** fp16.initial_scale_power,
+        return {"init_scale": self.initial_dynamic_scale(),
                 "scale_window": fp16.loss_scale_window, "delayed_shift": fp16.hysteresis,
                 "consecutive_hysteresis": fp16.consecutive_hysteresis,
                 # DeepSpeed's is an int; dsrun also takes fractions
@@ -425,7 +416,7 @@ class EngineInfo:
         new dict; None without them (DeepSpeed's, also with a client
         optimizer)."""
         section = self.config.optimizer
-        return _plain(section.params) if section is not None and section.params else None
+        return thaw(section.params) if section is not None and section.params else None
 
     def scheduler_name(self) -> Optional[str]:
         """The config's ``scheduler.type`` (DeepSpeed's or torch's spelling),
@@ -436,7 +427,7 @@ class EngineInfo:
         """The config's ``scheduler.params`` (``"auto"`` values resolved), a
         new dict; None without them."""
         section = self.config.scheduler
-        return _plain(section.params) if section is not None and section.params else None
+        return thaw(section.params) if section is not None and section.params else None
 
     def steps_per_print(self) -> float:
         """The config's; infinity where it says never (null or Infinity)."""
