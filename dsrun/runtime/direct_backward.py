@@ -1,31 +1,35 @@
-"""``loss.backward()`` called by the script instead of ``engine.backward(loss)``.
+"""DeepSpeed's "torch-style backward": ``loss.backward()`` called by the script.
 
-``engine.backward`` divides the loss by ``gradient_accumulation_steps``,
-multiplies it by the fp16 loss scale and, at ZeRO stage 0, all-reduces the
-gradients while backward runs. A backward the script starts itself does
-none of this: the ranks' stage-0 weights drift apart, accumulated updates
-are ``gradient_accumulation_steps`` times too large, and fp16 updates are
-divided by a scale the loss never had - all silently. DeepSpeed refuses a
-direct backward at stage 0 and scales it with output hooks at stages 1-3
-(its "torch-style backward", with ``engine.scale(loss)`` for fp16).
+``engine.backward(loss)`` divides the loss by ``gradient_accumulation_steps``,
+multiplies it by the fp16 loss scale, and around the backward arms and then
+finishes the gradient reduction (the bucketed all-reduce at stage 0, the
+reducers' flush at stages 1-3). A script may instead call
+``loss.backward()`` itself - or ``engine.scale(loss).backward()`` under an
+fp16 loss scale - as DeepSpeed 0.19.8 allows; the result must be the same.
 
-dsrun notices a direct backward with a hook on each tensor the engine's
-forward returns (it only records; gradients pass unchanged) and
-``engine.step()`` refuses to apply a micro-step whose gradients came only
-from one, where the result would be wrong: at stage 0 with more than one
-data-parallel rank, with gradient accumulation, and under a loss scale. At
-ZeRO 1-3 without accumulation or scaling a direct backward gives the same
-gradients as ``engine.backward`` (their reduction runs from gradient hooks),
-and is left alone. A backward of the engine's output inside
-``engine.backward`` (or ``torch.autograd.grad`` next to it, e.g. a gradient
-penalty) is not a direct one.
+A hook on each tensor the engine's forward returns does ``engine.backward``'s
+work for such a backward: the first time a backward pass reaches an output it
+runs the engine's start-of-backward work and queues its end-of-backward work
+on the autograd engine (it runs when that pass has finished), and every
+output's gradient is divided by the accumulation steps before it flows into
+the model. Under a loss scale the loss must come from ``engine.scale`` (one
+scale per backward), else the backward is refused before any parameter
+gradient exists.
+
+Invariants:
+
+* Inside ``engine.backward`` the hooks do nothing (the loss is already
+  divided and scaled there).
+* A pass that accumulates no parameter gradient - ``torch.autograd.grad``
+  through the output, e.g. a gradient penalty - is not a training backward:
+  its gradients are not divided and nothing is armed.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Optional
 
 import torch
 
@@ -33,14 +37,45 @@ from dsrun.errors import DsrunError
 from dsrun.runtime.zero.fetch import output_tensors
 
 
-class DirectBackward:
-    """Records, per micro-step, whether gradients came through
-    ``engine.backward`` and whether a direct backward reached the outputs."""
+class UnscaledBackwardError(DsrunError, RuntimeError):
+    """``loss.backward()`` under an fp16 loss scale without ``engine.scale``
+    (a RuntimeError, as DeepSpeed raises)."""
 
-    def __init__(self) -> None:
+
+def _task_id() -> int:
+    return int(torch._C._current_graph_task_id())
+
+
+def accumulates_into(params: Iterable[torch.nn.Parameter]) -> bool:
+    """Called from a backward hook: does the running pass accumulate a
+    gradient into one of ``params`` (``backward``), or none (``autograd.grad``)?"""
+    for param in params:
+        if not param.requires_grad:
+            continue
+        node = torch.autograd.graph._get_grad_fn_or_grad_acc(param)
+        if node is not None and torch._C._will_engine_execute_node(node):
+            return True
+    return False
+
+
+class DirectBackward:
+    """The engine's side of backward passes the script starts itself.
+
+    ``start`` runs once per such pass and returns its end-of-backward work;
+    ``accumulation`` and ``scaled`` are read at each pass (the script may
+    change the accumulation steps; the fp16 scaler may be disabled)."""
+
+    def __init__(self, params: Callable[[], Iterable[torch.nn.Parameter]],
+                 start: Callable[[], Callable[[], None]],
+                 accumulation: Callable[[], int], scaled: Callable[[], bool]) -> None:
+        self._params = params
+        self._start = start
+        self._accumulation = accumulation
+        self._scaled = scaled
         self._inside = 0  # engine.backward calls running
-        self.engine_backward = False
-        self.direct = False
+        self._task: Optional[int] = None  # the graph task the hooks last saw
+        self._divisor = 1  # for that task's outputs: 1 = leave the gradient alone
+        self.scale_pending = False  # engine.scale(loss) called since the last backward
 
     def watch(self, output: Any) -> None:
         """Hook the engine forward's output tensors that will get gradients."""
@@ -50,9 +85,26 @@ class DirectBackward:
             if tensor.requires_grad:
                 tensor.register_hook(self._on_grad)
 
-    def _on_grad(self, grad: torch.Tensor) -> None:
-        if not self._inside:
-            self.direct = True
+    def _on_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        if self._inside:
+            return grad
+        task = _task_id()
+        if task != self._task:
+            self._task = task
+            self._divisor = self._begin() if accumulates_into(self._params()) else 1
+        return grad / self._divisor if self._divisor > 1 else grad
+
+    def _begin(self) -> int:
+        """First output of a script-started training backward: check the loss
+        scale, arm the reduction, queue its finish; -> the gradient divisor."""
+        if self._scaled() and not self.scale_pending:
+            raise UnscaledBackwardError(
+                "loss.backward() under an fp16 loss scale: the loss was not scaled. Use "
+                "engine.backward(loss), or engine.scale(loss).backward() as in DeepSpeed")
+        self.scale_pending = False
+        finish = self._start()
+        torch.autograd.Variable._execution_engine.queue_callback(finish)
+        return max(1, self._accumulation())
 
     @contextlib.contextmanager
     def engine_backward_running(self) -> Iterator[None]:
@@ -61,26 +113,3 @@ class DirectBackward:
             yield
         finally:
             self._inside -= 1
-        self.engine_backward = True
-
-    def check_step(self, *, zero_stage: int, dp_world_size: int, accumulation: int,
-                   scaled: bool) -> None:
-        """At ``engine.step()``: the error for a micro-step whose gradients
-        only a direct backward made, where they are wrong; then start afresh."""
-        direct_only = self.direct and not self.engine_backward
-        self.direct = self.engine_backward = False
-        if not direct_only:
-            return
-        why = []
-        if zero_stage == 0 and dp_world_size > 1:
-            why.append("at ZeRO stage 0 only engine.backward all-reduces the gradients "
-                       "(DeepSpeed refuses a direct backward there too)")
-        if accumulation > 1:
-            why.append(f"it divides the loss by gradient_accumulation_steps ({accumulation})")
-        if scaled:
-            why.append("it multiplies the loss by the loss scale the step divides by")
-        if why:
-            raise DsrunError(
-                "engine.step() after loss.backward() was called directly: use "
-                "engine.backward(loss) - " + "; ".join(why) + ". The step was not applied "
-                "(dsrun has no engine.scale(loss) for DeepSpeed's torch-style backward)")

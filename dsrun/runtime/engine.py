@@ -44,10 +44,11 @@ optimizer step; ``engine.tput_timer`` (DeepSpeed's ThroughputTimer,
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Optional
 
 import torch
@@ -138,7 +139,10 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
         self.precision: FullPrecision = make_precision(config, self.module, self.device,
                                                        masters=self.zero_stage == 0)
         self._input_cast = self.precision.hook_input_cast(self.module)
-        self._direct_backward = DirectBackward()
+        self._direct_backward = DirectBackward(
+            self.module.parameters, self._backward_start,
+            accumulation=lambda: self.config.gradient_accumulation_steps,
+            scaled=lambda: self.precision.scaler is not None)
         self.optimizer = self._make_optimizer(optimizer, model_parameters)
         self._grad_sync = self._make_grad_sync() if self.zero_stage == 0 else None
         if self.zero_stage > 0:
@@ -205,34 +209,46 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
 
     def _backward(self, loss: torch.Tensor, retain_graph: bool, scale_wrt_gas: bool
                   ) -> torch.Tensor:
-        if self._partition_only:
-            raise DsrunError(f"engine.backward(): {NO_OPTIMIZER}")
         self.progress.record_loss(loss)
         self.monitor.record_loss(loss)
         gas = self.config.gradient_accumulation_steps
         accumulated = loss / gas if scale_wrt_gas and gas > 1 else loss
         scaled = self.precision.scale_loss(accumulated)
-        sync = (self._grad_sync is not None and self._backward_allreduce
-                and not self._inside_no_sync and self.is_gradient_accumulation_boundary())
-        if sync:
-            self._grad_sync.arm()
+        finish = self._backward_start()
         try:
             with self._profiling("backward"), self._direct_backward.engine_backward_running():
                 scaled.backward(retain_graph=retain_graph)
         except BaseException as err:
-            if sync:
+            if self._grad_sync is not None:
                 self._grad_sync.disarm()
             explained = released_use_error(self.module, err) if self.zero_stage == 3 else None
             if explained is not None:
                 raise explained from err
             raise
+        finish()
+        return accumulated  # as DeepSpeed: divided by the accumulation steps
+
+    def _backward_start(self) -> Callable[[], None]:
+        """Before a backward (``engine.backward``'s or one the script started:
+        :mod:`direct_backward`): arm the stage-0 all-reduce at a boundary;
+        -> the work to do once that backward has finished."""
+        if self._partition_only:
+            raise DsrunError(f"engine.backward(): {NO_OPTIMIZER}")
+        sync = (self._grad_sync is not None and self._backward_allreduce
+                and not self._inside_no_sync and self.is_gradient_accumulation_boundary())
+        if self._grad_sync is not None and self._grad_sync.armed:
+            self._grad_sync.disarm()  # a failed backward the script started left it armed
+        if sync:
+            self._grad_sync.arm()
+        return functools.partial(self._backward_end, sync)
+
+    def _backward_end(self, sync: bool) -> None:
         if sync:
             with self.monitor.comm_wait("reduce"):
                 self._grad_sync.finish()
         if self.zero_stage > 0:
             self.optimizer.micro_step_done()
         self._backwards_since_boundary += 1
-        return accumulated  # as DeepSpeed: divided by the accumulation steps
 
     def step(self, lr_kwargs: Optional[dict[str, Any]] = None) -> None:
         """Optimizer step at an accumulation boundary; always counts a micro-step."""
@@ -240,10 +256,6 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
             raise DsrunError("engine.step() inside engine.no_sync(): gradients were not "
                              "all-reduced; leave the no_sync() block before stepping")
         self._step_applied = False
-        self._direct_backward.check_step(
-            zero_stage=self.zero_stage, dp_world_size=self.dp_world_size,
-            accumulation=self.config.gradient_accumulation_steps,
-            scaled=self.precision.scaler is not None)
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             with self.monitor.optimizer_step(self), self._profiling("step"):

@@ -3,7 +3,8 @@
 (:mod:`dsrun.runtime.batch_size`), ``compile`` (:mod:`dsrun.runtime.compile`),
 ``enable_backward_allreduce`` with ``allreduce_gradients()``,
 ``deepspeed_io`` (a data loader over a dataset),
-``load_module_state_dict`` and the accumulation round
+``load_module_state_dict``, ``scale(loss)`` for a script's own
+``loss.backward()`` (:mod:`dsrun.runtime.direct_backward`) and the accumulation round
 (``is_gradient_accumulation_boundary``,
 ``set_gradient_accumulation_boundary``), as a mixin of
 :class:`~dsrun.runtime.engine.DsrunEngine`.
@@ -59,6 +60,10 @@ class EngineControls:
     _round_origin: int
     _boundary_override: Optional[bool]
     _backwards_since_boundary: int
+    _direct_backward: Any
+    _partition_only: bool
+    optimizer: Any
+    precision: Any
 
     # ------------------------------------------------- gradient reduction
 
@@ -215,6 +220,18 @@ class EngineControls:
     @property
     def is_compiled(self) -> bool:
         return self._compiled is not None
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """DeepSpeed's: ``loss`` times the fp16 loss scale (unchanged without
+        one), for a script's own ``engine.scale(loss).backward()``."""
+        if self._partition_only or self.optimizer is None:
+            raise DsrunError("engine.scale(loss) needs an optimizer: the engine was built "
+                             "without one")
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
+            raise DsrunError("engine.scale(loss): loss must be a scalar tensor that requires "
+                             "grad; for another tensor call tensor.backward(gradient)")
+        self._direct_backward.scale_pending = True
+        return self.precision.scale_loss(loss)
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """DeepSpeed's: a new global batch, as more or fewer micro-batches

@@ -264,6 +264,11 @@ class GradSync:
         self.arm()
         self.finish()
 
+    @property
+    def armed(self) -> bool:
+        """Armed and not yet finished (or disarmed)."""
+        return self._armed
+
     def disarm(self) -> None:
         """Backward failed: forget this round (launched reductions are left to finish)."""
         self._armed = False

@@ -523,50 +523,78 @@ def no_backward_allreduce(steps: int = 3) -> dict[str, Any]:
 
 
 def direct_backward() -> dict[str, Any]:
-    """``loss.backward()`` called by the script: refused at ``step()`` where its
-    gradients are wrong, applied where they equal ``engine.backward``'s; the
-    value ``engine.backward`` returns; a gradient penalty next to it; and the
-    accumulation round when the script sets the boundaries (Accelerate)."""
+    """DeepSpeed's torch-style backward: ``loss.backward()`` (with
+    ``engine.scale(loss)`` under fp16) trains bitwise as ``engine.backward``
+    at every stage, with accumulation; an unscaled fp16 one is refused
+    before any gradient lands; ``autograd.grad`` through the output (a
+    gradient penalty) is left alone; the value ``engine.backward`` returns;
+    and the accumulation round when the script sets the boundaries."""
     out: dict[str, Any] = {}
-    x = torch.ones(2, 3)
+    rank, _ = rank_world()
 
     def build(stage: int, gas: int = 1, fp16: bool = False) -> Any:
         torch.manual_seed(0)
         cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
                                "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
-                               "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                               "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
                                "zero_optimization": {"stage": stage}}
         if fp16:
-            cfg["fp16"] = {"enabled": True, "auto_cast": True}
-        return dsrun.initialize(model=torch.nn.Linear(3, 1), config=cfg)[0]
+            cfg["fp16"] = {"enabled": True, "auto_cast": True, "initial_scale_power": 8}
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(),
+                                    torch.nn.Linear(4, 1))
+        return dsrun.initialize(model=model, config=cfg)[0]
 
-    for name, stage, gas, fp16 in (("stage0", 0, 1, False), ("stage1_gas2", 1, 2, False),
-                                   ("stage2", 2, 1, False), ("stage2_fp16", 2, 1, True)):
-        engine = build(stage, gas, fp16)
-        before = [p.detach().clone() for p in engine.module.parameters()]
-        engine(x).float().pow(2).mean().backward()
-        try:
-            engine.step()
-            out[name] = "stepped"
-        except DsrunError as err:
-            out[name] = str(err)
-        out[f"{name}_changed"] = any(not torch.equal(a, b) for a, b in
-                                     zip(before, engine.module.parameters()))
+    def inputs(step: int) -> torch.Tensor:
+        return torch.randn(2, 3, generator=torch.Generator().manual_seed(10 * step + rank))
+
+    def full(engine: Any) -> list[torch.Tensor]:
+        return [dsrun.utils.safe_get_full_fp32_param(p).clone()
+                for p in engine.module.parameters()]
+
+    for stage, gas, fp16 in ((0, 1, False), (0, 2, True), (1, 2, False), (2, 1, True),
+                             (2, 2, False), (3, 2, True), (3, 1, False)):
+        ref, own = build(stage, gas, fp16), build(stage, gas, fp16)
+        for step in range(2 * gas):
+            ref.backward(ref(inputs(step)).float().pow(2).mean())
+            ref.step()
+            loss = own(inputs(step)).float().pow(2).mean()
+            (own.scale(loss) if fp16 else loss).backward()
+            own.step()
+        name = f"stage{stage}_gas{gas}" + ("_fp16" if fp16 else "")
+        out[name] = all(torch.equal(a, b) for a, b in zip(full(ref), full(own)))
+        out[f"{name}_steps"] = own.global_steps
+        out[f"{name}_agree"] = ranks_agree(full(own))
+    engine, twin = build(2, fp16=True), build(2, fp16=True)  # fp16 without engine.scale:
+    try:  # refused before anything lands, the engine trains on as its twin
+        engine(inputs(0)).float().pow(2).mean().backward()
+        out["unscaled"] = "ran"
+    except RuntimeError as err:
+        out["unscaled"] = str(err)
+    for each in (engine, twin):
+        each.backward(each(inputs(1)).float().pow(2).mean())
+        each.step()
+    out["unscaled_then_trains"] = (all(torch.equal(a, b) for a, b in zip(full(engine), full(twin)))
+                                   and engine.global_steps == 1 and engine.skipped_steps == 0)
     engine = build(0, gas=2)
-    loss = engine(x).pow(2).mean()
+    loss = engine(inputs(0)).pow(2).mean()
     out["loss"], out["returned"] = loss.item(), engine.backward(loss).item()
-    engine = build(0)  # a gradient penalty: autograd.grad through the output, then backward
-    inputs = x.clone().requires_grad_()
-    y = engine(inputs).pow(2).mean()
-    (penalty,) = torch.autograd.grad(y, inputs, create_graph=True)
+    # a gradient penalty: autograd.grad through the output is not divided
+    engine, plain = build(0, gas=2), build(0).module
+    x = inputs(0).requires_grad_()
+    y = engine(x).pow(2).mean()
+    (penalty,) = torch.autograd.grad(y, x, create_graph=True)
+    (expected,) = torch.autograd.grad(plain(x).pow(2).mean(), x)
+    out["penalty_undivided"] = torch.equal(penalty, expected)
     engine.backward(y + penalty.pow(2).sum())
+    engine.step()
+    engine.backward(engine(inputs(1)).pow(2).mean())
     engine.step()
     out["penalty_steps"] = engine.global_steps
     engine = build(2, gas=2)  # Accelerate: boundaries set by the script, step() at one only
     rounds = []
     for sync in (False, True, False, True):
         engine.set_gradient_accumulation_boundary(sync)
-        engine.backward(engine(x).pow(2).mean())
+        engine.backward(engine(inputs(0)).pow(2).mean())
         rounds.append(engine.micro_in_round())
         if sync:
             engine.step()
