@@ -42,7 +42,6 @@ of input before the plan means "exit, nothing was started". Guarantees:
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import select
@@ -51,79 +50,33 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 from dsrun import deathsig, stackdump
 from dsrun.launcher import procs
+from dsrun.launcher.agent_os import (
+    STOP_SIGNALS,
+    Stop,
+    deepspeed_shm_name,
+    hostname,
+    make_tmpdir,
+    raise_stop,
+    read_error_file,
+    remove_own_shm,
+    remove_tmpdir,
+    stop_raising,
+    wait_status,
+)
+from dsrun.launcher.agent_prelude import ConnectFailed, connect_link, read_payload
 from dsrun.launcher.envlayers import apply_layers
 from dsrun.launcher.guard import Guard
 from dsrun.launcher.link import END, Link
 from dsrun.launcher.outlines import PARTIAL_IDLE, LineSplitter, Segment, Tail
 
-if TYPE_CHECKING:
-    from dsrun.launcher import netinfo
-
 TAIL_LINES = 20
 # Imports are kept to what every agent needs (one agent starts per host and
 # per attempt, all at once): planning modules, dataclasses, tempfile/shutil,
 # psutil and the probe's network helpers are not among them.
-
-
-#: The signals that stop the agent.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-
-class Stop(Exception):
-    """Raised by the agent's signal handlers."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = int(signum)
-
-
-def _raise_stop(signum: int, frame: object) -> None:
-    raise Stop(signum)
-
-
-def stop_raising(then: Callable[[], None] | None = None) -> None:
-    """From now on the stop signals do not raise Stop: the teardown has
-    begun and must run to its end. ``then`` runs on each one instead."""
-    if threading.current_thread() is not threading.main_thread():
-        return  # an agent driven by a test's thread: signals are not its own
-
-    def on_signal(signum: int, frame: object) -> None:
-        if then is not None:
-            then()
-
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, on_signal)
-
-
-def hostname() -> str:
-    return os.uname().nodename
-
-
-def make_tmpdir(prefix: str) -> str:
-    """A private directory for the ranks' error and stack files."""
-    base = os.environ.get("TMPDIR") or "/tmp"
-    while True:
-        path = os.path.join(base, f"{prefix}{os.urandom(4).hex()}")
-        try:
-            os.mkdir(path, 0o700)
-            return path
-        except FileExistsError:
-            continue
-
-
-def remove_tmpdir(path: str) -> None:
-    try:
-        with os.scandir(path) as entries:
-            for entry in entries:
-                os.unlink(entry.path)
-        os.rmdir(path)
-    except OSError:
-        pass
 
 
 class Rank:
@@ -227,7 +180,7 @@ class Agent:
             mono = time.monotonic()
             self._exited(rank, rank.popen.wait(), mono)
         else:
-            self._exited(rank, _status(info), time.monotonic())
+            self._exited(rank, wait_status(info), time.monotonic())
         # Its last output before its exit (the pumps may wait while the
         # launcher holds output): here, so the supervision loop never waits.
         for t in rank.readers:
@@ -258,7 +211,7 @@ class Agent:
             except ChildProcessError:
                 continue
             if info is not None:
-                self._exited(rank, _status(info), time.monotonic())
+                self._exited(rank, wait_status(info), time.monotonic())
 
     def _agent_vars(self, rank: int) -> dict[str, str]:
         return {procs.JOB_MARKER: self.marker,
@@ -445,7 +398,7 @@ class Agent:
         code = rank.status
         assert code is not None
         failed = code != 0
-        error = _read_error(rank.error_file)
+        error = read_error_file(rank.error_file)
         now_mono, now_wall = time.monotonic(), time.time()
         # The rank's own record is stamped when the error was raised, before
         # the process finished exiting: the earliest evidence. Its wall time
@@ -503,89 +456,6 @@ class Agent:
         return killed
 
 
-def deepspeed_shm_name(env: dict[str, str], rank: int) -> str:
-    """The shared-memory segment DeepSpeed's CPU all-reduce creates for
-    ``rank`` when every rank is on one host (its ``shm.cpp``: uid, master
-    address and port, rank), and never removes: a job of dsrun's gets a new
-    port each time, so the agent removes it when the job's processes are gone."""
-    return (f"deepspeed_allreduce_buffer_{os.getuid()}_{env.get('MASTER_ADDR', '')}_"
-            f"{env.get('MASTER_PORT', '')}_{rank}")
-
-
-def remove_own_shm(name: str) -> None:
-    path = os.path.join("/dev/shm", name)
-    try:
-        if name and "/" not in name and os.stat(path).st_uid == os.getuid():
-            os.unlink(path)
-    except OSError:
-        pass
-
-
-def _status(info: os.waitid_result) -> int:
-    """As Popen.returncode: the exit code, or minus the signal's number."""
-    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-
-
-def _read_error(path: str) -> dict[str, Any] | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def _read_payload(link: Link) -> dict[str, Any] | None:
-    """Answer probes until the start payload arrives; None: told to exit
-    (or the launcher went silent); {}: an empty line (a broken launcher)."""
-    held: netinfo.HeldPort | None = None
-    try:
-        while True:
-            try:
-                msg = link.get(0.2)
-            except queue.Empty:
-                if link.lost():
-                    return None
-                continue
-            if msg is END:
-                return None
-            if not msg:
-                return {}
-            cmd = msg.get("cmd")
-            if cmd is None:
-                return msg
-            if cmd != "probe":  # "stop" before the start: nothing to stop
-                return None
-            from dsrun.launcher import netinfo
-
-            facts, port = netinfo.probe_reply(msg)
-            if port is not None:
-                if held is not None:
-                    held.close()
-                held = port
-            link.send(facts)
-    finally:
-        # The master port is held until now: release it for rank 0's store.
-        if held is not None:
-            held.close()
-
-
-def _connect_link() -> Link:
-    """Connect back to the launcher (agents started by mpirun/srun)."""
-    from dsrun.launcher import callback
-
-    who = callback.identity(os.environ)
-    try:
-        sock = callback.agent_connect(os.environ, who)
-    except (OSError, ValueError, callback.HandshakeError) as exc:
-        raise ConnectFailed(f"dsrun agent of rank {who.rank} on {hostname()}: "
-                            f"cannot connect to the launcher: {exc}") from None
-    return Link(sock.fileno(), sock.makefile("wb"), sock)
-
-
-class ConnectFailed(Exception):
-    """The agent could not reach the launcher (message for stderr)."""
-
-
 def _exit_now(code: int) -> None:
     """Leave without the interpreter's teardown, which would flush stdout
     into a dead channel (and could block there)."""
@@ -601,12 +471,12 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     connect = "--connect" in args
     for sig in STOP_SIGNALS:
-        signal.signal(sig, _raise_stop)
+        signal.signal(sig, raise_stop)
     guard = Guard()  # before any thread exists: forking is safe only then
     try:
         try:
-            link = (_connect_link() if connect else Link(0, sys.stdout.buffer)).start()
-            payload = _read_payload(link)
+            link = (connect_link() if connect else Link(0, sys.stdout.buffer)).start()
+            payload = read_payload(link)
         except Stop:
             return 0
         except (ConnectFailed, ValueError) as exc:
