@@ -217,7 +217,7 @@ def test_an_unknown_agent_status_never_makes_a_negative_exit_code():
 def test_a_changed_host_key_names_the_known_hosts_file_to_fix(tmp_path):
     """The hint said `ssh-keygen -R HOST`, which edits ~/.ssh/known_hosts,
     although the key came from ssh_config's UserKnownHostsFile."""
-    from dsrun.launcher.backends.ssh import _connect_error
+    from dsrun.launcher.backends.ssh_connect import _connect_error
 
     old = paramiko.RSAKey.generate(1024)
     new = paramiko.RSAKey.generate(1024)
