@@ -13,7 +13,12 @@ import torch
 
 import dsrun
 from dsrun.errors import DsrunConfigError
-from dsrun.profiling.flops_profiler import FlopsProfiler, macs_to_string, number_to_string
+from dsrun.profiling.flops_profiler import (
+    FlopsProfiler,
+    get_module_macs,
+    macs_to_string,
+    number_to_string,
+)
 
 pytestmark = pytest.mark.dist
 
@@ -53,7 +58,17 @@ def test_profiles_the_configured_step_once(solo: None, tmp_path: Path, stage: in
     assert isinstance(engine.flops_profiler, FlopsProfiler)
     train(engine, 2)
     assert not out.exists()  # global_steps reaches 2 only after two steps
-    train(engine, 1)
+    model = engine.module
+    assert not hasattr(model, "__flops__")
+    g = torch.Generator().manual_seed(1)
+    for micro in (1, 2):  # the profiled step: DeepSpeed's attributes on the modules
+        loss = engine(torch.randn(4, 6, generator=g)).square().mean()
+        assert model[0].__macs__ == micro * 4 * 6 * 10 and model.__params__ == 103
+        assert get_module_macs(model) == micro * FWD_MACS
+        engine.backward(loss)
+        engine.step()
+    assert not any(hasattr(m, "__flops__") or hasattr(m, "__params__")
+                   for m in model.modules())  # removed with the report (end_profile)
     report = out.read_text()
     assert "Profile summary at step 3:" in report
     assert value(report, "micro-batches profiled") == "2"
@@ -68,7 +83,6 @@ def test_profiles_the_configured_step_once(solo: None, tmp_path: Path, stage: in
         assert value(report, label).endswith(("s", "ms", "us")), label
     assert "depth 1:" in report and "Linear: 103, Tanh: 0" in report
     assert "  0: Linear(70 = 67.96% Params, 480 MACs = 66.67% MACs" in report
-    model = engine.module
     hooks = [h for m in model.modules() for h in (*m._forward_pre_hooks.values(),
                                                   *m._forward_hooks.values())
              if getattr(h, "__self__", None) is engine.flops_profiler]

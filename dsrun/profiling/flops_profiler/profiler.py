@@ -17,6 +17,11 @@ or through the engine with the ``flops_profiler`` config section, which
 profiles one whole optimizer step on global rank 0
 (:mod:`dsrun.profiling.engine_step`).
 
+While profiling, each module carries DeepSpeed's ``__flops__``,
+``__macs__``, ``__params__`` and ``__duration__``, read by
+``get_module_flops`` / ``get_module_macs`` / ``get_module_duration``
+(:mod:`dsrun.profiling.module_attrs`).
+
 How it counts: a ``TorchDispatchMode`` sees every aten op the model runs
 (after autograd and after composite ops decompose), whatever calls it -
 modules, ``torch.nn.functional``, tensor methods, ``@`` - and
@@ -44,7 +49,9 @@ from typing import Any, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dsrun.profiling import module_attrs
 from dsrun.profiling.counting import op_cost
+from dsrun.profiling.module_attrs import get_module_duration, get_module_flops, get_module_macs
 from dsrun.profiling.tree import (
     ModuleStats,
     Summary,
@@ -59,8 +66,9 @@ from dsrun.profiling.tree import (
 )
 
 __all__ = [
-    "FlopsProfiler", "get_model_profile", "duration_to_string", "flops_to_string",
-    "macs_to_string", "number_to_string", "params_to_string",
+    "FlopsProfiler", "get_model_profile", "get_module_duration", "get_module_flops",
+    "get_module_macs", "duration_to_string", "flops_to_string", "macs_to_string",
+    "number_to_string", "params_to_string",
 ]
 
 _HEADER = "-------------------------- dsrun flops profiler --------------------------"
@@ -149,12 +157,16 @@ class FlopsProfiler:
             for _, stats in self._root.walk():
                 stats.own_flops = stats.own_macs = stats.calls = 0
                 stats.duration = 0.0
+            module_attrs.reset(self.model, _param_count)
         self.backward_flops = self.backward_macs = 0
         self._overhead = 0.0
 
     def end_profile(self) -> None:
-        """Stop and forget everything measured."""
+        """Stop and forget everything measured (and remove DeepSpeed's
+        per-module attributes, :mod:`~dsrun.profiling.module_attrs`)."""
         self.stop_profile()
+        if self._root is not None:
+            module_attrs.remove(self.model)
         self._root = None
         self._by_module.clear()
         self._modules.clear()
@@ -245,6 +257,7 @@ class FlopsProfiler:
         self.backward_flops = self.backward_macs = 0
         self._root = self._stats_for("", self.model)
         self._attach(self.model, self._root, ignore)
+        module_attrs.reset(self.model, _param_count)  # DeepSpeed's, on every module
 
     def _stats_for(self, name: str, module: torch.nn.Module) -> ModuleStats:
         stats = ModuleStats(name=name, kind=type(module).__name__, params=_param_count(module),
@@ -320,6 +333,7 @@ class FlopsProfiler:
             if entry is stats:
                 stats.duration += max(now - started - (self._overhead - overhead), 0.0)
                 stats.calls += 1
+                module_attrs.write(module, stats)
                 return
 
 
