@@ -14,6 +14,11 @@ sections), for scripts that build a monitor themselves - DeepSpeed's
 * :mod:`.csv_monitor`, :mod:`.tensorboard`, :mod:`.wandb`, :mod:`.comet` -
   one backend each (``csvMonitor``, ``TensorBoardMonitor``,
   ``WandbMonitor``, ``CometMonitor``), each holding one dsrun writer.
+* :mod:`.utils` - ``check_tb_availability`` and the other package checks.
+
+An engine's ``engine.monitor`` is a ``MonitorMaster`` too
+(:class:`dsrun.runtime.monitor.training.EngineMonitor`), whose writers
+come from the engine's config.
 
 As in DeepSpeed, only global rank 0 (or a process without a process
 group) writes; on other ranks ``write_events`` does nothing.

@@ -6,7 +6,7 @@ dropped) over DeepSpeed's backend objects."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from dsrun.monitor._base import Monitor, global_rank
 from dsrun.monitor.comet import CometMonitor
@@ -27,7 +27,11 @@ class MonitorMaster(master.Monitor, Monitor):
     dict), built on global rank 0 in DeepSpeed's order; ``write_events``
     goes to each of them there and is a no-op on other ranks.
     ``tb_monitor``, ``wandb_monitor``, ``csv_monitor`` and ``comet_monitor``
-    are the backends (None where disabled or not rank 0)."""
+    are the backends (None where disabled or not rank 0).
+
+    An engine's ``engine.monitor`` is one too: its subclass
+    :class:`~dsrun.runtime.monitor.training.EngineMonitor` starts through
+    :meth:`_start` with the writers of the engine's config instead."""
 
     def __init__(self, monitor_config: Any) -> None:
         if isinstance(monitor_config, Mapping):
@@ -35,12 +39,17 @@ class MonitorMaster(master.Monitor, Monitor):
         if not isinstance(monitor_config, DeepSpeedMonitorConfig):
             raise TypeError("MonitorMaster takes a DeepSpeedMonitorConfig (get_monitor_config("
                             f"ds_config)) or a config dict, not {type(monitor_config).__name__}")
-        Monitor.__init__(self, monitor_config)
         self.tb_monitor: Optional[TensorBoardMonitor] = None
         self.wandb_monitor: Optional[WandbMonitor] = None
         self.csv_monitor: Optional[csvMonitor] = None
         self.comet_monitor: Optional[CometMonitor] = None
-        master.Monitor.__init__(self, monitor_config, global_rank(), build=self._build)
+        self._start(monitor_config, global_rank(), self._build)
+
+    def _start(self, config: Any, rank: int, build: Callable[[Any], list[Writer]]) -> None:
+        """Keep ``config`` as DeepSpeed's ``monitor_config`` and start the
+        fan-out: on ``rank`` 0, ``build(config)`` makes the writers."""
+        Monitor.__init__(self, config)
+        master.Monitor.__init__(self, config, rank, build=build)
 
     def _build(self, config: DeepSpeedMonitorConfig) -> list[Writer]:
         backends: list[Any] = []

@@ -60,6 +60,9 @@ def test_a_write_failing_after_the_start_warns_once_and_training_goes_on(
         solo: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     engine, *_ = dsrun.initialize(model=model(), config=config(tmp_path))
+    from deepspeed.monitor.monitor import MonitorMaster
+
+    assert isinstance(engine.monitor, MonitorMaster)  # as DeepSpeed's engine.monitor
     # DeepSpeed's MonitorMaster attributes: the enabled backend's writer, else None
     assert engine.monitor.csv_monitor is not None and engine.monitor.tb_monitor is None
     assert engine.monitor.wandb_monitor is None and engine.monitor.comet_monitor is None
@@ -187,7 +190,7 @@ def test_wandb_in_offline_mode(solo: None, tmp_path: Path,
     assert step in (8, 12) and engine.global_samples == 12
     assert run.summary["Train/Samples/train_loss"] == pytest.approx(losses[step // 4 - 1],
                                                                    rel=1e-12)
-    engine.monitor.monitor.close()
+    engine.monitor.close()
     assert wandb.run is None
     assert glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
 
@@ -244,7 +247,7 @@ def test_comet_experiment_gets_the_events_at_its_interval(
         by_name.setdefault(name, []).append(step)
     assert all(b - a >= 8 for steps in by_name.values() for a, b in zip(steps, steps[1:]))
     assert "SECRET-KEY" not in caplog.text and '"api_key": "<redacted>"' in caplog.text
-    engine.monitor.monitor.close()
+    engine.monitor.close()
     assert experiment.ended
 
 
@@ -271,7 +274,7 @@ def test_comet_offline_with_the_real_package(solo: None, tmp_path: Path,
                                   "samples_log_interval": 8})
     engine, *_ = dsrun.initialize(model=model(), config=cfg)
     losses = train(engine, 4)
-    engine.monitor.monitor.close()
+    engine.monitor.close()
     (archive,) = glob.glob(str(tmp_path / "comet" / "*.zip"))
     with zipfile.ZipFile(archive) as z:
         messages = [json.loads(line) for line in z.read("messages.json").decode().splitlines()]

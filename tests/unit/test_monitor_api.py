@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import dsrun  # noqa: F401 - installs the deepspeed alias
 from dsrun.errors import DsrunConfigError, DsrunError
@@ -145,3 +146,59 @@ def test_missing_package_is_an_error_on_every_rank(monkeypatch: pytest.MonkeyPat
         monkeypatch.setenv("WORLD_SIZE", "2")
         with pytest.raises(DsrunConfigError, match="pip install comet_ml"):
             CometMonitor(CometConfig(enabled=True))
+
+
+def test_availability_checks_print_the_hint_and_raise(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from deepspeed.monitor.utils import (
+        check_comet_availability,
+        check_tb_availability,
+        check_wandb_availability,
+    )
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    with pytest.raises(ImportError):
+        check_wandb_availability()
+    assert "`pip install wandb`" in capsys.readouterr().out
+    monkeypatch.setitem(sys.modules, "wandb", types.ModuleType("wandb"))
+    check_wandb_availability()
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    with pytest.raises(ImportError):
+        check_tb_availability()
+    assert "`pip install tensorboard`" in capsys.readouterr().out
+    for version, ok in (("3.40.9", False), ("3.41.0", True), ("3.41.2rc1", True), ("10.0", True),
+                        ("", False)):
+        comet = types.ModuleType("comet_ml")
+        comet.__version__ = version  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "comet_ml", comet)
+        if ok:
+            check_comet_availability()
+        else:
+            with pytest.raises(ImportError, match="at least version 3.41.0"):
+                check_comet_availability()
+            assert '`pip install "comet_ml>=3.41.0"`' in capsys.readouterr().out
+
+
+def test_an_engines_monitor_is_a_monitor_master(tmp_path: Path) -> None:
+    from deepspeed.monitor.monitor import Monitor, MonitorMaster
+
+    from dsrun.runtime.config import resolve
+    from dsrun.runtime.monitor.training import EngineMonitor
+    from dsrun.runtime.pipe.metrics import PipelineMonitor
+
+    assert issubclass(EngineMonitor, MonitorMaster) and issubclass(PipelineMonitor, EngineMonitor)
+    config = resolve(csv_config(tmp_path), dp_size=1, dp_source="test", environ={})
+    monitor = EngineMonitor(config, rank=0, group=None, device=torch.device("cpu"))
+    assert isinstance(monitor, MonitorMaster) and isinstance(monitor, Monitor)
+    # DeepSpeed's monitor_config: the four sections of the engine's config
+    assert monitor.monitor_config.csv_monitor is config.csv_monitor
+    assert monitor.enabled and monitor.monitor_config.enabled and monitor.tb_monitor is None
+    monitor.write_events([("Train/Samples/custom", 1.5, 8)])
+    monitor.close()
+    job = tmp_path / "out" / "job"
+    assert (job / "Train_Samples_custom.csv").read_text().splitlines() == ["step,custom", "8,1.5"]
+    assert (job / "dsrun_run.json").exists()  # the engine's writers: described for dsrun plot
+    quiet = EngineMonitor(resolve({"train_batch_size": 8}, dp_size=1, dp_source="test",
+                                  environ={}), rank=0, group=None, device=torch.device("cpu"))
+    assert isinstance(quiet, MonitorMaster) and not quiet.enabled
+    assert not quiet.monitor_config.enabled and quiet.csv_monitor is None
