@@ -25,13 +25,22 @@ from dsrun.errors import DsrunError
 from dsrun.runtime.config import OPTIMIZER_NAMES, DsrunConfig
 from dsrun.runtime.config_schema import thaw
 from dsrun.runtime.precision import torch_dtype
+from dsrun.runtime.timer_names import (
+    BACKWARD_GLOBAL_TIMER,
+    BACKWARD_INNER_GLOBAL_TIMER,
+    BACKWARD_REDUCE_GLOBAL_TIMER,
+    FORWARD_GLOBAL_TIMER,
+    STEP_GLOBAL_TIMER,
+)
 
 # DeepSpeed's wall-clock timer names -> dsrun's breakdown parts
 # (dsrun.runtime.monitor.events.DEEPSPEED_PARTS). DeepSpeed's per-micro-step
-# timers ("fwd_microstep", ...) have no dsrun counterpart: dsrun times
+# timers (timer_names.MICRO_TIMERS) have no dsrun counterpart: dsrun times
 # each phase per optimizer step, over all its micro-steps.
-WALL_CLOCK_TIMERS = {"fwd": "forward", "bwd": "backward", "bwd_inner": "backward_inner",
-                     "bwd_allreduce": "backward_allreduce", "step": "step"}
+WALL_CLOCK_TIMERS = {FORWARD_GLOBAL_TIMER: "forward", BACKWARD_GLOBAL_TIMER: "backward",
+                     BACKWARD_INNER_GLOBAL_TIMER: "backward_inner",
+                     BACKWARD_REDUCE_GLOBAL_TIMER: "backward_allreduce",
+                     STEP_GLOBAL_TIMER: "step"}
 
 # DeepSpeed's own optimizer names (deepspeed/runtime/config.py
 # DEEPSPEED_OPTIMIZERS) that dsrun builds: DeepSpeed's config lower-cases

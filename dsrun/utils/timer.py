@@ -32,20 +32,22 @@ import torch
 
 from dsrun.runtime.commlog import trimmed_mean
 from dsrun.runtime.progress import every
+from dsrun.runtime.timer_names import (  # noqa: F401 - DeepSpeed's module exports them
+    BACKWARD_GLOBAL_TIMER,
+    BACKWARD_INNER_GLOBAL_TIMER,
+    BACKWARD_INNER_MICRO_TIMER,
+    BACKWARD_MICRO_TIMER,
+    BACKWARD_REDUCE_GLOBAL_TIMER,
+    BACKWARD_REDUCE_MICRO_TIMER,
+    FORWARD_GLOBAL_TIMER,
+    FORWARD_MICRO_TIMER,
+    STEP_GLOBAL_TIMER,
+    STEP_MICRO_TIMER,
+)
 from dsrun.utils.logging import log_dist
 
 log = logging.getLogger("dsrun.runtime")
 
-FORWARD_MICRO_TIMER = "fwd_microstep"
-FORWARD_GLOBAL_TIMER = "fwd"
-BACKWARD_MICRO_TIMER = "bwd_microstep"
-BACKWARD_GLOBAL_TIMER = "bwd"
-BACKWARD_INNER_MICRO_TIMER = "bwd_inner_microstep"
-BACKWARD_INNER_GLOBAL_TIMER = "bwd_inner"
-BACKWARD_REDUCE_MICRO_TIMER = "bwd_allreduce_microstep"
-BACKWARD_REDUCE_GLOBAL_TIMER = "bwd_allreduce"
-STEP_MICRO_TIMER = "step_microstep"
-STEP_GLOBAL_TIMER = "step"
 TIME_EPSILON = 1e-6
 
 __all__ = ["NoopTimer", "SynchronizedWallClockTimer", "ThroughputTimer",
