@@ -35,3 +35,9 @@ def test_deepspeed_utils_timer_exports_the_same_names() -> None:
 
 def test_wall_clock_timers_report_under_the_global_names() -> None:
     assert tuple(engine_info.WALL_CLOCK_TIMERS) == timer_names.GLOBAL_TIMERS
+
+
+def test_deepspeed_runtime_engine_exports_the_same_names() -> None:
+    import deepspeed.runtime.engine as ds_engine
+
+    assert {name: getattr(ds_engine, name) for name in DEEPSPEED_TIMERS} == DEEPSPEED_TIMERS
