@@ -98,7 +98,7 @@ def worker(args: argparse.Namespace) -> None:
                 engine.step()
                 if step >= args.warmup:
                     steps.append(time.perf_counter() - start)
-            engine.monitor.monitor.close()
+            engine.monitor.close()
             times[name].append(statistics.median(steps))
     if dist.get_rank() == 0:
         Path(args.out, "times.json").write_text(json.dumps(times))
@@ -156,7 +156,7 @@ def pipeline_worker(args: argparse.Namespace) -> None:
                 engine.train_batch(iter(batch))
                 if step >= args.warmup:
                     steps.append(time.perf_counter() - start)
-            engine.monitor.monitor.close()
+            engine.monitor.close()
             times[name].append(statistics.median(steps))
     if dist.get_rank() == 0:
         Path(args.out, "times.json").write_text(json.dumps(times))

@@ -123,12 +123,6 @@ class EngineMonitor(MonitorMaster):
         """The engine's batch size changed (``set_train_batch_size``)."""
         self._batch = config.train_batch_size
 
-    @property
-    def monitor(self) -> EngineMonitor:
-        """This object: the fan-out that ``engine.monitor.monitor`` named
-        when it was a separate object (bench/monitor_overhead.py closes it so)."""
-        return self
-
     # DeepSpeed's MonitorMaster attributes: the backend's writer on rank 0,
     # None where it is disabled, on other ranks, or after it failed
     # (``tb_monitor.summary_writer`` is the SummaryWriter, for histograms).
