@@ -5,10 +5,12 @@ real stage boundary can show."""
 from __future__ import annotations
 
 import math
+import random
 import sys
 from pathlib import Path
 from typing import Any
 
+import numpy
 import pytest
 import torch
 import torch.nn as nn
@@ -18,6 +20,7 @@ import dsrun
 from dsrun.errors import DsrunConfigError, DsrunError
 from dsrun.pipe import LayerSpec, PipelineEngine, PipelineModule, TiedLayerSpec
 from dsrun.runtime.pipe import batch as pipe_batch
+from dsrun.runtime.utils import set_random_seed
 from tests.conftest import ROOT, run_dsrun
 from tests.dist.pipe_support import load_cases
 
@@ -48,15 +51,76 @@ def test_names_do_not_depend_on_the_partition(solo: None) -> None:
                                         "5.weight"]
 
 
-def test_seed_layers_builds_each_layer_from_its_own_seed(solo: None) -> None:
-    before = torch.random.get_rng_state()
+def test_seed_layers_seeds_each_layer_as_deepspeed(solo: None) -> None:
+    """What DeepSpeed 0.19.8 does on the CPU: set_random_seed(base_seed + i)
+    (Python's, numpy's and torch's generators) before building layer i,
+    and the generators are left where the last layer's build left them."""
     module = cases.build("mlp", 1)
-    assert torch.equal(torch.random.get_rng_state(), before)  # the caller's RNG untouched
-    torch.manual_seed(1234 + 3)
+    after = (torch.rand(3), random.random(), float(numpy.random.rand()))
+    set_random_seed(1234 + 5)  # the last layer's seed, then its build
+    nn.Linear(9, 5)
+    assert torch.equal(after[0], torch.rand(3))
+    assert after[1:] == (random.random(), float(numpy.random.rand()))
+    set_random_seed(1234 + 3)
     assert torch.equal(module.get_submodule("3").weight, nn.Linear(9, 9).weight)
     tied = cases.build("tied", 1)
-    torch.manual_seed(1234 + 0)  # a tied module: its first layer's index
+    set_random_seed(1234 + 0)  # a tied module: its first layer's index
     assert torch.equal(tied.tied_modules["embed"].weight, nn.Embedding(11, 8).weight)
+    seeds: list[int] = []  # seed_fn= is called instead, before every layer
+    PipelineModule(cases.mlp_layers(), num_stages=1, seed_layers=True, seed_fn=seeds.append)
+    assert seeds == [1234 + i for i in range(6)]
+
+
+class Noisy(nn.Module):
+    """A layer that draws random numbers in its forward (dropout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(self.linear(x), 0.5, self.training)
+
+
+def test_seed_layers_reseeds_every_forward_as_deepspeed(solo: None) -> None:
+    """DeepSpeed reseeds before running layer i in forward call n with
+    base_seed * (n + 1) + i (micro_offset is n), so a recomputation under
+    activation checkpointing draws the same dropout masks; dsrun numbers a
+    checkpointed chunk's layers by their index (DeepSpeed from the stage's
+    first layer in every chunk)."""
+    seeds: list[int] = []
+    layers = [LayerSpec(Noisy), cases.double, LayerSpec(Noisy), LayerSpec(Noisy)]
+    module = PipelineModule(layers, num_stages=1, seed_layers=True, seed_fn=seeds.append,
+                            base_seed=10, activation_checkpoint_interval=2)
+    seeds.clear()
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        module(x)
+        module(x)
+    assert seeds == [10 * 2 + i for i in range(4)] + [10 * 3 + i for i in range(4)]
+    assert (module.micro_offset, module.curr_layer) == (2, 3)
+    seeds.clear()
+    module(x).sum().backward()  # both chunks recomputed with the same seeds
+    # (torch stops a recomputation once it has what backward needs)
+    assert seeds[:4] == [40, 41, 42, 43] and seeds[4:7] == [42, 43, 40]
+    # the masks: the module run by hand with set_random_seed, checkpointed or not
+    plain = PipelineModule(layers, num_stages=1, seed_layers=True)
+    ckpt = PipelineModule(layers, num_stages=1, seed_layers=True,
+                          activation_checkpoint_interval=1)
+    h = x
+    for i, layer in enumerate([plain.get_submodule("0"), cases.double, plain.get_submodule("2"),
+                               plain.get_submodule("3")]):
+        set_random_seed(1234 * 2 + i)
+        h = layer(h)
+    out = plain(x)
+    assert torch.equal(out, h)
+    out.sum().backward()
+    torch.manual_seed(0)  # whatever the generators hold: every layer reseeds
+    again = ckpt(x)
+    assert torch.equal(again, out)
+    again.sum().backward()  # recomputed: the same masks again, the same gradients
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(),
+                                                           ckpt.parameters()))
 
 
 def test_forward_runs_the_layers_in_order(solo: None) -> None:
@@ -188,7 +252,8 @@ def test_train_batch_is_the_plain_loop_at_world_size_one(solo: None) -> None:
         assert float(engine.train_batch(iter(case.batch(step, 0)))) == \
             float(total / case.micro_batches)
     assert all(torch.equal(a, b) for a, b in zip(engine.module.parameters(), ref.parameters()))
-    assert (engine.global_steps, engine.micro_steps, engine.global_samples) == (3, 12, 48)
+    # DeepSpeed's counters: micro_steps counts engine.step() calls, none here
+    assert (engine.global_steps, engine.micro_steps, engine.global_samples) == (3, 0, 48)
     tput = engine.tput_timer  # one interval per train_batch, the first two left out (warm-up)
     assert (tput.batch_size, tput.global_step_count, tput.micro_step_count) == (16, 3, 3)
     assert tput.total_elapsed_time > 0 and not tput.started and tput.avg_samples_per_sec() > 0
@@ -214,7 +279,9 @@ def test_eval_and_inference_passes(solo: None) -> None:
     local = engine.eval_batch(iter(data), bcast_loss=False)
     assert float(local) == pytest.approx(float(losses.mean()), abs=1e-7)
     assert torch.equal(engine(data[0][0]), outs[0])
-    assert engine.module.training  # eval_batch restored the mode
+    assert not engine.module.training  # left in eval mode, as DeepSpeed
+    engine.train_batch(iter(case.batch(0, 0)))
+    assert engine.module.training
 
 
 def test_eval_without_a_loss_function(solo: None) -> None:
@@ -401,6 +468,122 @@ def test_deepspeeds_grid_names_and_constructor(solo: None) -> None:
         PipelineParallelGrid(topology=PipeDataParallelTopology(2, 1))
 
 
+def test_deepspeeds_grid_group_names(solo: None) -> None:
+    """DeepSpeed's rank lists and process groups on the grid (its names;
+    2 stages x 2 replicas: the 4-rank job below)."""
+    grid = _engine()[0].grid
+    assert (grid.dp_group, grid.dp_groups, grid.pp_group, grid.pipe_groups) == \
+        ([0], [[0]], [0], [[0]])
+    assert grid.get_data_parallel_group_ranks() == grid.dp_group
+    assert grid.get_data_parallel_group() is grid.dp_proc_group
+    assert grid.get_pipe_parallel_group() is grid.pp_proc_group
+    assert grid.slice_group == [0] and grid.slice_proc_group is grid.get_slice_parallel_group()
+    for group in (grid.dp_proc_group, grid.pp_proc_group, grid.slice_proc_group):
+        assert torch.distributed.get_world_size(group) == 1
+
+
+def test_counters_and_the_boundary_as_deepspeed(solo: None) -> None:
+    """DeepSpeed 0.19.8's pipeline engine (run on the CPU): train_batch adds
+    one global step and the batch's samples, micro_steps stays 0 (it counts
+    engine.step() calls); eval_batch moves none of them;
+    is_gradient_accumulation_boundary() is True only while the gradients
+    are reduced or the optimizer steps, also with one micro-batch a batch."""
+    for accumulation in (4, 1):
+        engine, case = _engine("mlp-noclip", gradient_accumulation_steps=accumulation)
+        seen: list[bool] = []
+        engine.optimizer.register_step_pre_hook(
+            lambda *_, seen=seen, engine=engine: seen.append(
+                engine.is_gradient_accumulation_boundary()))
+        engine.train_batch(iter(case.batch(0, 0)))
+        counters = (engine.global_steps, engine.global_samples, engine.micro_steps)
+        assert counters == (1, 4 * accumulation, 0)
+        assert seen == [True] and not engine.is_gradient_accumulation_boundary()
+        engine.eval_batch(iter(case.eval_data()))
+        assert (engine.global_steps, engine.global_samples, engine.micro_steps) == counters
+        engine.set_gradient_accumulation_boundary(True)  # DeepSpeed's pipeline ignores it
+        assert not engine.is_gradient_accumulation_boundary()
+
+
+def test_deepspeeds_module_attributes_and_methods(solo: None, tmp_path: Path) -> None:
+    from dsrun.pipe import PipeModelDataParallelTopology
+
+    mlp = cases.build("mlp", 1)
+    assert mlp.fwd_map == {"0": 0, "1": 1, "3": 3, "4": 4, "5": 5}  # modules, not functions
+    assert mlp.forward_funcs[mlp.fwd_map["3"]] is mlp.get_submodule("3")
+    assert mlp.tied_weight_attrs == {} and mlp.checkpointable_layers is None
+    tied = cases.build("tied", 1)
+    assert tied.fwd_map == {"1": 1, "2": 2, "3": 3} and tied.tied_weight_attrs == {
+        "embed": ["weight"]}
+    # one stage: nothing is tied across stages (the 4-rank job has the rest)
+    assert tied.get_tied_weights_and_groups() == []
+    tied.allreduce_tied_weight_gradients()
+    assert mlp.ckpt_prefix("/ck", "global_step3") == "/ck/global_step3/module-pipe_00"
+    three_axes = PipelineModule(cases.mlp_layers(), topology=PipeModelDataParallelTopology(
+        1, 1, 1))
+    assert three_axes.ckpt_prefix("/ck", 7) == "/ck/7/module-pipe_00-model_00"
+    names = ["layer_03-model_01-model_states.pt", "layer_03-model_00-model_states.pt",
+             "layer_03-model_states.pt", "layer_04-model_00-model_states.pt",
+             "layer_03-model_00-model_states.pt.tmp"]
+    for name in names:
+        (tmp_path / name).touch()
+    assert mlp.ckpt_layer_path_list(str(tmp_path), 3) == [str(tmp_path / n) for n in (
+        "layer_03-model_00-model_states.pt", "layer_03-model_01-model_states.pt",
+        "layer_03-model_states.pt")]
+    # compile(): each layer, as DeepSpeed (the stage's loop stays Python)
+    x = torch.randn(3, 6)
+    expected = mlp(x)
+    mlp.compile(backend="eager")
+    assert all(f._compiled_call_impl is not None for f in mlp.forward_funcs
+               if isinstance(f, nn.Module))
+    assert mlp.forward_funcs[2] is not cases.double and mlp.fwd_map["3"] == 3
+    assert torch.equal(mlp(x), expected)
+
+
+def test_misuse_raises_deepspeeds_exception_class(solo: None) -> None:
+    """Where DeepSpeed 0.19.8 raises RuntimeError, AssertionError,
+    NotImplementedError or TypeError, dsrun's error is one too (and a
+    DsrunError with its own message)."""
+    from dsrun.pipe import PipeDataParallelTopology
+
+    engine, case = _engine("mlp")
+    module = engine.module
+
+    def without_grad() -> None:
+        with torch.no_grad():
+            engine.train_batch(iter(case.batch(0, 0)))
+
+    calls: list[tuple[type, str, Any]] = [
+        (RuntimeError, "gradients disabled", without_grad),
+        (NotImplementedError, "reduce_output='sum'",
+         lambda: engine.eval_batch(iter(case.eval_data()), reduce_output="sum")),
+        (TypeError, "takes an iterator, got a list",
+         lambda: engine.train_batch(case.batch(0, 0))),
+        (TypeError, "needs the data", lambda: engine.eval_batch(None)),
+        (AssertionError, "takes a bool", lambda: engine.set_has_attention_mask(1)),
+        (AssertionError, "layer 6 is outside 0-5", lambda: module.stage_owner(6)),
+        (AssertionError, "integer >= 0", lambda: module.set_checkpoint_interval(-1)),
+        (RuntimeError, "no layer class name matches 'conv'",
+         lambda: module._find_layer_type("conv")),
+        (RuntimeError, "needs num_stages", lambda: PipelineModule(case.layers())),
+        (RuntimeError, "does not divide the world size 1",
+         lambda: PipelineModule(case.layers(), num_stages=2)),
+        (AssertionError, "does not match the world size 1",
+         lambda: PipelineModule(case.layers(), topology=PipeDataParallelTopology(2, 1))),
+        (NotImplementedError, "'profile'",
+         lambda: PipelineModule(case.layers(), num_stages=1, partition_method="profile")),
+        (NotImplementedError, "a pipeline inside a pipeline",
+         lambda: PipelineModule([module], num_stages=1)),
+        (RuntimeError, "torch.nn.Module subclass", lambda: LayerSpec(int)),
+        (TypeError, "torch.nn.Module subclass", lambda: LayerSpec(len)),
+        (AssertionError, "ZeRO stage 3",
+         lambda: _engine("mlp", zero_optimization={"stage": 3})),
+    ]
+    for kind, message, call in calls:
+        with pytest.raises(kind, match=message) as info:
+            call()
+        assert isinstance(info.value, DsrunError), (kind, message)
+
+
 def test_backward_and_step_point_to_train_batch(solo: None) -> None:
     from deepspeed.runtime.pipe.engine import PipelineError  # the alias: dsrun's class
 
@@ -495,8 +678,9 @@ def test_the_loss_must_be_a_scalar(solo: None) -> None:
     engine, _, _, _ = dsrun.initialize(model=module, config=cases.CASES["mlp"].config())
     with pytest.raises(DsrunError, match=r"stage 0 \(layers 0-0\), micro-batch 0: without "
                        r"loss_fn, the last layer's output is the loss, and it is a tensor of "
-                       r"shape \[4, 5\]"):
+                       r"shape \[4, 5\]") as info:
         engine.train_batch(iter(cases.CASES["mlp"].batch(0, 0)))
+    assert isinstance(info.value, RuntimeError)  # DeepSpeed's backward() raises one
 
 
 def test_a_failing_layer_says_where(solo: None) -> None:
@@ -676,6 +860,41 @@ if stage == 1:  # the sum of this replica's micro-batch losses
 else:
     assert engine.total_loss is None  # as DeepSpeed: only the last stage computes losses
 assert engine.num_pipe_buffers == (2 if stage == 0 else 1)  # 1F1B: stage 0 holds 2
+assert (engine.global_steps, engine.global_samples, engine.micro_steps) == (1, 8, 0)
+engine.eval_batch(iter(data))
+assert not module.training  # left in eval mode on every stage, as DeepSpeed
+# DeepSpeed's grid names: every group's ranks, this rank's, its process group
+assert grid.dp_groups == [[0, 1], [2, 3]] and grid.dp_group == grid.dp_groups[stage]
+assert grid.pipe_groups == [[0, 2], [1, 3]] and grid.pp_group == [replica, 2 + replica]
+assert grid.slice_group == [rank]
+for group, ranks in ((grid.dp_proc_group, grid.dp_group), (grid.pp_proc_group, grid.pp_group),
+                     (grid.slice_proc_group, grid.slice_group)):
+    value = torch.tensor([float(rank)])
+    dist.all_reduce(value, group=group)
+    assert float(value) == sum(ranks), (ranks, value)
+# the module's DeepSpeed names
+assert module.fwd_map == ({"1": 1} if stage == 0 else {"2": 0}), module.fwd_map
+assert module.tied_weight_attrs == {key: ["weight"] for key in comms}
+assert module.ckpt_prefix("/ck", "t") == f"/ck/t/module-pipe_{stage:02d}"
+pairs = module.get_tied_weights_and_groups()
+assert [(w is module.tied_modules[k].weight, g is comms[k]["group"])
+        for (w, g), k in zip(pairs, sorted(comms))] == [(True, True)] * len(comms)
+engine.zero_grad()
+for param in module.tied_modules.parameters():
+    param.grad = torch.full_like(param, float(rank))
+module.allreduce_tied_weight_gradients()  # summed over the stages holding each module
+assert all(float(p.grad.min()) == float(p.grad.max()) == 2 * replica + 2
+           for p in module.tied_modules["embed"].parameters())
+if stage == 1:  # held by this stage alone: nothing to sum
+    assert all(float(p.grad.max()) == rank for p in module.tied_modules["head"].parameters())
+# seed_layers: every stage reseeds with the layers' own indices, as DeepSpeed
+seeds = []
+seeded = PipelineModule([LayerSpec(nn.Linear, 4, 4) for _ in range(4)], num_stages=2,
+                        seed_layers=True, seed_fn=seeds.append, partition_method="uniform")
+with torch.no_grad():
+    seeded(torch.zeros(2, 4))
+first = 2 * stage
+assert seeds == [1234 + first, 1235 + first, 2468 + first, 2469 + first], seeds
 print(f"NAMES OK {rank}", flush=True)
 '''
 

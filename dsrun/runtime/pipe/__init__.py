@@ -3,8 +3,9 @@
 (combined with data parallelism and ZeRO stage 1).
 
 Pure parts (no processes): :mod:`.topology`, :mod:`.partition`,
-:mod:`.schedule`, the message headers of :mod:`.p2p`. Torch parts:
-:mod:`.layers`, :mod:`.module`, :mod:`.grid`, :mod:`.tied`, :mod:`.engine`,
+:mod:`.schedule`, the message headers of :mod:`.p2p`, :mod:`.errors`.
+Torch parts: :mod:`.layers`, :mod:`.module` (with DeepSpeed's accessors in
+:mod:`.module_api`), :mod:`.grid`, :mod:`.tied`, :mod:`.engine`,
 :mod:`.step`, :mod:`.metrics`. ``dsrun.pipe`` (``deepspeed.pipe``) is the public
 face.
 """

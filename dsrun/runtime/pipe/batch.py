@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 
 from dsrun.errors import DsrunError
+from dsrun.runtime.pipe.errors import PipeTypeError
 from dsrun.runtime.pipe.p2p import TensorMeta
 
 log = logging.getLogger("dsrun.runtime")
@@ -77,9 +78,9 @@ def to_device(value: Any, device: torch.device) -> Any:
 def next_micro_batch(source: Optional[Iterator[Any]], micro_batch: int, micro_batches: int
                      ) -> Any:
     if source is None:
-        raise DsrunError("the first pipeline stage needs data: pass data_iter= to "
-                         "train_batch()/eval_batch(), call engine.set_dataiterator(), or pass "
-                         "training_data= to dsrun.initialize()")
+        raise PipeTypeError("the first pipeline stage needs data: pass data_iter= to "
+                            "train_batch()/eval_batch(), call engine.set_dataiterator(), or "
+                            "pass training_data= to dsrun.initialize()")
     try:
         return next(source)
     except StopIteration:

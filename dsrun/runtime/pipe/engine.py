@@ -64,16 +64,23 @@ import torch.utils.checkpoint
 
 from dsrun import checkpointing
 from dsrun import comm as collectives
-from dsrun.errors import DsrunConfigError, DsrunError
+from dsrun.errors import DsrunError
 from dsrun.runtime.config import DsrunConfig
 from dsrun.runtime.dataloader import RepeatingLoader
 from dsrun.runtime.engine import DsrunEngine
 from dsrun.runtime.pipe import schedule as sched
 from dsrun.runtime.pipe.batch import BatchState
 from dsrun.runtime.pipe.checkpoint import PipelineLayout, save_16bit_model
+from dsrun.runtime.pipe.errors import (
+    PipeAssertionError,
+    PipelineError,
+    PipeNotImplementedError,
+    PipeRuntimeError,
+    PipeTypeError,
+)
 from dsrun.runtime.pipe.executor import InstructionExecutor
 from dsrun.runtime.pipe.metrics import PipelineMonitor
-from dsrun.runtime.pipe.module import PipelineError, PipelineModule
+from dsrun.runtime.pipe.module import PipelineModule
 from dsrun.runtime.pipe.p2p import PendingSends
 from dsrun.runtime.pipe.step import check_pipeline_zero, pipeline_step
 from dsrun.runtime.precision import StepResult
@@ -106,15 +113,16 @@ class PipelineEngine(InstructionExecutor, DsrunEngine):
     """Pipeline-parallel training engine (module docstring)."""
 
     is_pipe_parallel = True
+    _boundary_now = False  # InstructionExecutor._at_boundary
 
     def __init__(self, model: PipelineModule, config: DsrunConfig, *, mpu: Any = None,
                  **kwargs: Any) -> None:
         if not isinstance(model, PipelineModule):
-            raise DsrunConfigError(f"PipelineEngine needs a PipelineModule, got "
-                                   f"{type(model).__name__}")
+            raise PipeAssertionError(f"PipelineEngine needs a PipelineModule, got "
+                                     f"{type(model).__name__}")
         if mpu is not None and mpu is not model.grid:
-            raise DsrunConfigError("a PipelineModule brings its own topology (num_stages= "
-                                   "or topology=): do not pass mpu= to dsrun.initialize()")
+            raise PipeAssertionError("a PipelineModule brings its own topology (num_stages= "
+                                     "or topology=): do not pass mpu= to dsrun.initialize()")
         check_pipeline_zero(config, model)
         _apply_pipeline_config(config, model)
         super().__init__(model, config, mpu=model.grid, **kwargs)
@@ -216,9 +224,15 @@ class PipelineEngine(InstructionExecutor, DsrunEngine):
         ``has_attention_mask``; dsrun's messages already carry bool tensors,
         so it changes nothing."""
         if not isinstance(value, bool):
-            raise DsrunError(f"set_has_attention_mask() takes a bool, got "
-                             f"{type(value).__name__}")
+            raise PipeAssertionError(f"set_has_attention_mask() takes a bool, got "
+                                     f"{type(value).__name__}")
         self.has_attention_mask = value
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True only while ``train_batch()`` reduces the batch's gradients
+        or steps the optimizer (DeepSpeed's pipeline answer: between calls
+        it is False, whatever ``set_gradient_accumulation_boundary`` said)."""
+        return self._boundary_now
 
     def get_pipeline_parallel_rank(self) -> int:
         """This rank's pipeline stage."""
@@ -253,7 +267,7 @@ class PipelineEngine(InstructionExecutor, DsrunEngine):
     def _check_iterator(data_iter: Any, call: str) -> None:
         if not hasattr(data_iter, "__next__"):
             kind = type(data_iter).__name__
-            raise DsrunError(
+            raise PipeTypeError(
                 f"engine.{call}(data_iter=...) takes an iterator, got a {kind}: pass "
                 f"iter(...) of it, or RepeatingLoader(...) (deepspeed.utils) to read it epoch "
                 f"after epoch (a {kind} would start again from its first batch at every call)")
@@ -277,10 +291,15 @@ class PipelineEngine(InstructionExecutor, DsrunEngine):
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                         custom_load_fn: Any = None) -> tuple[Optional[str], Any]:
         """The engine's ``load_checkpoint``; the next ``train_batch()`` reads
-        the engine's dataloader from the loaded position."""
+        the engine's dataloader from the loaded position. ``micro_steps``
+        stays 0."""
         loaded = super().load_checkpoint(load_dir, tag, load_module_strict,
                                          load_optimizer_states, load_lr_scheduler_states,
                                          load_module_only, custom_load_fn)
+        # a plain engine's checkpoint holds its micro-steps; a pipeline
+        # engine's stay 0 (DeepSpeed's load does not restore them)
+        self.micro_steps = 0
+        self.start_accumulation_round()
         if loaded[0] is not None and self._iterating_loader:
             self._data_iterator, self._iterating_loader = None, False
         return loaded
@@ -294,8 +313,8 @@ class PipelineEngine(InstructionExecutor, DsrunEngine):
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches;
         returns the mean loss (module docstring) on every rank."""
         if not torch.is_grad_enabled():
-            raise DsrunError("engine.train_batch() was called with gradients disabled "
-                             "(inside torch.no_grad()?)")
+            raise PipeRuntimeError("engine.train_batch() was called with gradients disabled "
+                                   "(inside torch.no_grad()?); use eval_batch() to evaluate")
         if data_iter is not None:  # as DeepSpeed: later calls without one go on reading it
             self._set_iterator(data_iter, "train_batch")
         self.module.train()
@@ -328,34 +347,32 @@ class PipelineEngine(InstructionExecutor, DsrunEngine):
           output on the last stage, ``None`` elsewhere).
 
         ``data_iter`` is read for this call only; ``train_batch()`` goes on
-        with its own iterator."""
+        with its own iterator. The module is left in eval mode, as
+        DeepSpeed's (``train_batch()`` puts it back in train mode); the
+        engine's counters do not move."""
         if reduce_output not in ("avg", None):
-            raise DsrunError(f"eval_batch(reduce_output={reduce_output!r}): use 'avg' or None")
+            raise PipeNotImplementedError(f"eval_batch(reduce_output={reduce_output!r}): use "
+                                          "'avg' or None")
         if data_iter is None:
-            raise DsrunError("engine.eval_batch(data_iter) needs the data to evaluate: an "
-                             "iterator of (inputs, labels) micro-batches")
+            raise PipeTypeError("engine.eval_batch(data_iter) needs the data to evaluate: an "
+                                "iterator of (inputs, labels) micro-batches")
         self._check_iterator(data_iter, "eval_batch")
         count = self.micro_batches if num_micro_batches is None else num_micro_batches
         labels = compute_loss and self.module.loss_fn is not None
-        was_training = self.module.training
-        self.module.eval()
-        try:
-            state = self._new_batch("eval", count,
-                                    data_iter if self.grid.is_first_stage else None)
-            state.keep_outputs = return_logits
-            state.compute_loss = compute_loss
-            with torch.no_grad():
-                self._run(sched.inference_schedule(self.num_stages, count, self.stage_id,
-                                                   labels=labels), state)
-                result = self._reduce_eval(state, reduce_output)
-                self.agg_eval_loss = result if compute_loss else None
-                if compute_loss and (bcast_loss or self.monitor.enabled):
-                    shared = self._broadcast_eval(result, reduce_output, count)
-                    result = shared if bcast_loss or self.grid.is_last_stage else None
-                    self.agg_eval_loss = shared
-                    self.monitor.write_eval_loss(shared, self.global_samples)
-        finally:
-            self.module.train(was_training)
+        self.module.eval()  # and left so, as DeepSpeed: train_batch() calls train()
+        state = self._new_batch("eval", count, data_iter if self.grid.is_first_stage else None)
+        state.keep_outputs = return_logits
+        state.compute_loss = compute_loss
+        with torch.no_grad():
+            self._run(sched.inference_schedule(self.num_stages, count, self.stage_id,
+                                               labels=labels), state)
+            result = self._reduce_eval(state, reduce_output)
+            self.agg_eval_loss = result if compute_loss else None
+            if compute_loss and (bcast_loss or self.monitor.enabled):
+                shared = self._broadcast_eval(result, reduce_output, count)
+                result = shared if bcast_loss or self.grid.is_last_stage else None
+                self.agg_eval_loss = shared
+                self.monitor.write_eval_loss(shared, self.global_samples)
         if return_logits:
             return result, state.results[-1] if self.grid.is_last_stage else None
         return result
@@ -376,7 +393,7 @@ class PipelineEngine(InstructionExecutor, DsrunEngine):
             for k, value in enumerate(values[1:], start=1):
                 item = value[i] if isinstance(value, (tuple, list)) else value
                 if item.shape != total.shape:
-                    raise DsrunError(
+                    raise PipeRuntimeError(
                         f"eval_batch(reduce_output='avg'): micro-batch {k} gave shape "
                         f"{list(item.shape)}, micro-batch 0 {list(total.shape)}: outputs of "
                         "different shapes cannot be averaged (use reduce_output=None)")

@@ -15,9 +15,11 @@ the micro-batch.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -32,6 +34,7 @@ from dsrun.runtime.pipe.batch import (
     split_micro_batch,
     to_device,
 )
+from dsrun.runtime.pipe.errors import PipeAssertionError, PipeRuntimeError
 from dsrun.runtime.pipe.p2p import (
     Header,
     TensorMeta,
@@ -84,7 +87,7 @@ class InstructionExecutor:
     zero_stage: int
     dp_world_size: int
     dp_group: Any
-    micro_steps: int
+    _boundary_now: bool
     num_pipe_buffers: int
     total_loss: Any
     agg_train_loss: Any
@@ -179,7 +182,8 @@ class InstructionExecutor:
         if self.batch_fn is not None:
             item = self.batch_fn(item)
         inputs, labels = split_micro_batch(item, k)
-        flatten_payload(inputs, f"the inputs of micro-batch {k}")
+        # DeepSpeed asserts the inputs are tensors
+        flatten_payload(inputs, f"the inputs of micro-batch {k}", PipeAssertionError)
         if state.kind == "train":  # tokens/s: counts a (batch, seq) integer first input
             self.monitor.saw_inputs(inputs if isinstance(inputs, (tuple, list)) else (inputs,),
                                     {})
@@ -250,7 +254,7 @@ class InstructionExecutor:
             loss = outputs
         if state.kind == "train":
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise DsrunError(self._not_a_loss(k, loss))
+                raise PipeRuntimeError(self._not_a_loss(k, loss))
             state.losses[k] = loss
             state.loss_values.append(loss.detach().float().reshape(()))
             # DeepSpeed's: the sum of this batch's micro-batch losses (last stage)
@@ -327,10 +331,21 @@ class InstructionExecutor:
         channel = self.grid.channel("grad", self.stage_id, self.stage_id - 1)
         self._send("gradient", channel, k, state.batch, grads)
 
+    @contextlib.contextmanager
+    def _at_boundary(self) -> Iterator[None]:
+        """``is_gradient_accumulation_boundary()`` is True inside (DeepSpeed's
+        pipeline answer: while it reduces the gradients or steps)."""
+        self._boundary_now = True
+        try:
+            yield
+        finally:
+            self._boundary_now = False
+
     def _reduce_grads(self, ins: sched.ReduceGrads, state: BatchState) -> None:
-        if self._grad_sync is not None:
-            with self.monitor.comm_wait("reduce"):
-                self._grad_sync.finish()
+        with self._at_boundary():
+            if self._grad_sync is not None:
+                with self.monitor.comm_wait("reduce"):
+                    self._grad_sync.finish()
 
     def _reduce_tied_grads(self, ins: sched.ReduceTiedGrads, state: BatchState) -> None:
         self.module.tied_weights.reduce_grads()
@@ -357,10 +372,11 @@ class InstructionExecutor:
         return values.mean()
 
     def _optimizer_step(self, ins: sched.OptimizerStep, state: BatchState) -> None:
-        with self.monitor.optimizer_step(self):  # the step's events, the breakdown
+        # micro_steps stays put, as in DeepSpeed: it counts engine.step()
+        # calls, which a pipeline never makes (global_steps counts batches)
+        with self.monitor.optimizer_step(self), self._at_boundary():  # events, breakdown
             self.agg_train_loss = self._aggregate_loss(state)
             self.progress.record_loss(self.agg_train_loss)
             self.monitor.record_loss(self.agg_train_loss)
             with self._profiling("step"):
                 self._take_model_step(None)
-        self.micro_steps += state.micro_batches

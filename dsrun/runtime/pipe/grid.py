@@ -20,6 +20,15 @@ Groups, for a :class:`~dsrun.runtime.pipe.topology.PipeTopology`:
 factors are dealt alternately to stages and replicas, as DeepSpeed does;
 the grid always spans the whole world.
 
+DeepSpeed's attributes name these: ``dp_groups`` / ``pipe_groups`` (every
+data-parallel / pipeline group's ranks), ``dp_group`` / ``pp_group`` (this
+rank's), ``dp_proc_group`` / ``pp_proc_group`` (its process groups),
+``slice_group`` / ``slice_proc_group`` (this rank alone: no tensor
+parallelism) and ``p2p_groups``. DeepSpeed's ``ds_model_proc_group`` (its
+model-parallel group, the pipeline of a replica) is not there: dsrun's
+model-parallel group is this rank alone (``get_model_parallel_group()``),
+and the pipeline's group is ``pp_proc_group``.
+
 ``torch.distributed.new_group`` is collective over the whole world: every
 rank creates every group, in the same order. Groups are cached per default
 process group and purpose (:func:`cached_group`), so building several
@@ -87,18 +96,24 @@ class PipelineGrid:
         self.model_parallel_size = self.slice_parallel_size = 1  # no tensor parallelism
         self.stage_id, self.data_parallel_id = topology.coords(self.global_rank)
         stages, replicas = topology.stages, topology.replicas
-        self.dp_group = None
+        # DeepSpeed's names: *_groups every group's ranks, *_group this
+        # rank's ranks, *_proc_group this rank's process group
+        self.dp_groups = [list(topology.stage_ranks(stage)) for stage in range(stages)]
+        self.dp_group = self.dp_groups[self.stage_id]
+        self.dp_proc_group: Any = None
         for stage in range(stages):
             group = cached_group("data", topology.stage_ranks(stage))
             if stage == self.stage_id:
-                self.dp_group = group
-        self.dp_ranks = list(topology.stage_ranks(self.stage_id))
-        self.pp_group = list(topology.pipeline_ranks(self.data_parallel_id))  # DeepSpeed's name
-        self.pipe_group = None
+                self.dp_proc_group = group
+        self.pipe_groups = [list(topology.pipeline_ranks(r)) for r in range(replicas)]
+        self.pp_group = self.pipe_groups[self.data_parallel_id]
+        self.pipe_group: Any = None  # dsrun's name; DeepSpeed's is pp_proc_group
         for replica in range(replicas):
             group = cached_group("pipe", topology.pipeline_ranks(replica))
             if replica == self.data_parallel_id:
                 self.pipe_group = group
+        self.pp_proc_group = self.pipe_group
+        self.slice_group = [self.global_rank]  # no tensor parallelism: this rank alone
         self._channels: dict[tuple[str, int, int], Channel] = {}
         for replica in range(replicas):
             for stage in range(stages - 1):
@@ -173,7 +188,7 @@ class PipelineGrid:
         return self.data_parallel_id
 
     def get_data_parallel_group(self) -> Any:
-        return self.dp_group
+        return self.dp_proc_group
 
     def get_data_parallel_world_size(self) -> int:
         return self._topo.replicas
@@ -182,7 +197,7 @@ class PipelineGrid:
         return self.data_parallel_id
 
     def get_data_parallel_group_ranks(self) -> list[int]:
-        return list(self.dp_ranks)
+        return self.dp_group
 
     def get_pipe_parallel_group(self) -> Any:
         return self.pipe_group
@@ -208,6 +223,12 @@ class PipelineGrid:
         return self._model_group
 
     get_slice_parallel_group = get_model_parallel_group
+
+    @property
+    def slice_proc_group(self) -> Any:
+        """DeepSpeed's: the group of :attr:`slice_group`, this rank alone
+        (made on first use)."""
+        return self.get_model_parallel_group()
 
     get_slice_parallel_world_size = get_model_parallel_world_size
     get_slice_parallel_rank = get_model_parallel_rank

@@ -24,6 +24,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from dsrun.errors import DsrunConfigError
+from dsrun.runtime.pipe.errors import PipeConfigRuntimeError, PipeTypeError
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +34,10 @@ class LayerSpec:
 
     def __init__(self, typename: type, *module_args: Any, **module_kwargs: Any) -> None:
         if not isinstance(typename, type) or not issubclass(typename, torch.nn.Module):
-            raise DsrunConfigError(f"LayerSpec needs a torch.nn.Module subclass as its first "
-                                   f"argument, got {typename!r}")
+            # DeepSpeed's classes: issubclass() fails on a non-class, its own check after
+            error = PipeConfigRuntimeError if isinstance(typename, type) else PipeTypeError
+            raise error(f"LayerSpec needs a torch.nn.Module subclass as its first argument, "
+                        f"got {typename!r}")
         self.typename = typename
         self.module_args = module_args
         self.module_kwargs = module_kwargs

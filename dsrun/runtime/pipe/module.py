@@ -17,16 +17,25 @@ any number of stages or replicas.
 
 Construction is collective (it creates process groups): every rank builds
 the same ``PipelineModule``, in the same order as other pipeline modules.
-``seed_layers=True`` builds layer ``i`` under ``torch.manual_seed(base_seed
-+ i)`` (a tied module under its first layer's index), restoring the RNG
-after: the initial weights then do not depend on the partition.
+
+``seed_layers=True`` seeds as DeepSpeed does, with ``seed_fn`` (default
+:func:`dsrun.runtime.utils.set_random_seed`: Python's, numpy's and torch's
+generators) and without restoring the generators after: before building
+layer ``i`` with ``base_seed + i``, so the initial weights do not depend on
+the partition (a tied module a later stage also holds is built under its
+first layer's seed there too, then that layer's seed is set); and before
+running layer ``i`` in the ``n``-th ``forward`` call with ``base_seed * (n
++ 1) + i`` (``n`` is :attr:`micro_offset`), so dropout masks depend on the
+layer and the micro-batch, not on the stage, and a recomputation under
+activation checkpointing sees the same ones. (DeepSpeed's chunked forward
+numbers the layers of a checkpointed chunk from the stage's first layer,
+repeating seeds across chunks; dsrun uses the layer's index.)
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Iterable, Sequence
 from typing import Any, Callable, Optional
 
@@ -34,23 +43,22 @@ import torch
 import torch.distributed as dist
 
 from dsrun import checkpointing
-from dsrun.errors import DsrunConfigError, DsrunError
+from dsrun.errors import DsrunConfigError
 from dsrun.runtime.env import DistEnv
 from dsrun.runtime.pipe.costs import layer_flops
+from dsrun.runtime.pipe.errors import PipelineError, PipeNotImplementedError
 from dsrun.runtime.pipe.grid import PipelineGrid, cached_group
 from dsrun.runtime.pipe.layers import LayerSpec, TiedLayerSpec, count_parameters, layer_name
-from dsrun.runtime.pipe.partition import partition_layers, type_matches
+from dsrun.runtime.pipe.module_api import PipelineModuleAPI, checked_interval
+from dsrun.runtime.pipe.partition import partition_layers
 from dsrun.runtime.pipe.tied import TiedEntry, TiedWeights
 from dsrun.runtime.pipe.topology import PipeTopology, topology_for
 from dsrun.runtime.progress import ensure_visible
+from dsrun.runtime.utils import set_random_seed
 
 log = logging.getLogger("dsrun.runtime")
 
-
-class PipelineError(DsrunError):
-    """A pipeline used in a way it cannot work (DeepSpeed's name, also a
-    :class:`~dsrun.errors.DsrunError`): ``engine.backward()`` or
-    ``engine.step()`` on a pipeline engine."""
+__all__ = ["LayerSpec", "PipelineError", "PipelineModule", "TiedLayerSpec"]
 
 
 def _check_layers(layers: Iterable[Any]) -> list[Any]:
@@ -69,6 +77,10 @@ def _check_layers(layers: Iterable[Any]) -> list[Any]:
                 raise DsrunConfigError(f"layer {i}: TiedLayerSpec {layer.key!r} builds "
                                        f"{layer.name}, but layer {first[0]} with the same key "
                                        f"builds {first[1].__name__}")
+        elif isinstance(layer, PipelineModule):
+            raise PipeNotImplementedError(
+                f"layer {i} is a PipelineModule: a pipeline inside a pipeline is not "
+                "implemented (nor in DeepSpeed); put its layers in this one's list")
         elif isinstance(layer, torch.nn.Module):
             if id(layer) in seen:
                 raise DsrunConfigError(f"layer {i} is the same module object as layer "
@@ -82,7 +94,9 @@ def _check_layers(layers: Iterable[Any]) -> list[Any]:
 
 
 def _module_of(func: Any) -> Optional[torch.nn.Module]:
-    """The module behind a stage function (a tied layer's forward_fn is a partial)."""
+    """The module behind a stage function (a tied layer's forward_fn is a
+    partial, perhaps compiled)."""
+    func = getattr(func, "_torchdynamo_orig_callable", func)
     if isinstance(func, torch.nn.Module):
         return func
     if isinstance(func, functools.partial) and func.args and \
@@ -98,7 +112,7 @@ def _as_parts(run: Callable[[Any], Any]) -> Callable[..., Any]:
     return parts
 
 
-class PipelineModule(torch.nn.Module):
+class PipelineModule(PipelineModuleAPI, torch.nn.Module):
     """Layers partitioned over pipeline stages (module docstring).
 
     ``loss_fn(outputs, labels)`` computes the loss on the last stage (None:
@@ -115,6 +129,15 @@ class PipelineModule(torch.nn.Module):
     input to the first layer (and its labels, for ``loss_fn``), needed by
     ``partition_method="flops"``; only shapes and dtypes are read, so meta
     tensors do (see :mod:`~dsrun.runtime.pipe.costs`).
+
+    DeepSpeed's attributes: ``forward_funcs`` (this stage's layers as
+    called), ``fwd_map`` (``str(i)`` of each module layer -> its index in
+    ``forward_funcs``), ``tied_modules`` and ``tied_weight_attrs`` (key ->
+    its ``tied_weight_attr`` names) of this stage, ``parts``, ``stage_id``,
+    ``num_stages``, ``micro_offset`` (``forward`` calls), ``curr_layer``
+    (the layer running or last run), ``global_rank``, ``local_rank``,
+    ``world_size``, ``world_group``; the methods are
+    :class:`~.module_api.PipelineModuleAPI`'s.
     """
 
     def __init__(self, layers: Sequence[Any], num_stages: Optional[int] = None,
@@ -129,7 +152,7 @@ class PipelineModule(torch.nn.Module):
                  dynamic_shape: bool = False) -> None:
         super().__init__()
         specs = _check_layers(layers)
-        interval = _checked_interval(activation_checkpoint_interval)
+        interval = checked_interval(activation_checkpoint_interval)
         if loss_fn is not None and not callable(loss_fn):
             raise DsrunConfigError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if not dist.is_initialized():
@@ -141,11 +164,11 @@ class PipelineModule(torch.nn.Module):
         self.num_stages = self._topology.stages
         self.loss_fn = loss_fn
         self.seed_layers, self.base_seed = bool(seed_layers), base_seed
-        self.seed_fn = seed_fn or torch.manual_seed
+        self.seed_fn = seed_fn  # None: set_random_seed, as DeepSpeed
         self.activation_checkpoint_interval = interval
         self.activation_checkpoint_func = activation_checkpoint_func or checkpointing.checkpoint
         self.checkpointable_layers = None if checkpointable_layers is None \
-            else set(checkpointable_layers)
+            else list(checkpointable_layers)
         self.partition_method = partition_method
         self._num_layers = len(specs)
         names = [layer_name(layer) for layer in specs]
@@ -166,12 +189,15 @@ class PipelineModule(torch.nn.Module):
         self.world_size = dist.get_world_size()
         self.local_rank = DistEnv.detect().local_rank
         self.micro_offset = 0
+        self.curr_layer: Optional[int] = None
         self._layer_names = names
         self._tied_comms: Optional[dict[str, dict[str, Any]]] = None
         self._local_start = self.parts[self.stage_id]
         self._local_stop = self.parts[self.stage_id + 1]
         self.tied_modules = torch.nn.ModuleDict()
+        self.tied_weight_attrs: dict[str, list[str]] = {}
         self.forward_funcs: list[Callable[[Any], Any]] = []
+        self.fwd_map: dict[str, int] = {}
         self._build(specs)
         self.tied_weights = self._tie(specs)
         if dist.get_rank() == 0:
@@ -195,12 +221,21 @@ class PipelineModule(torch.nn.Module):
         return layer_flops(specs, example_inputs, example_labels=example_labels,
                            loss_fn=self.loss_fn, recomputed=again)
 
-    def _seeded(self, index: int, build: Callable[[], Any]) -> Any:
-        if not self.seed_layers:
-            return build()
-        with torch.random.fork_rng(devices=[]):
-            self.seed_fn(self.base_seed + index)
-            return build()
+    def _reseed(self, seed: int) -> None:
+        """``seed_fn(seed)`` (module docstring: what ``seed_layers`` seeds when)."""
+        (self.seed_fn or set_random_seed)(seed)
+
+    def _build_tied(self, layer: TiedLayerSpec, first_use: int, index: int) -> Any:
+        """The tied module of ``layer`` (layer ``index``, the key's first
+        layer ``first_use``): built under ``first_use``'s seed so that every
+        stage's copy starts equal, leaving ``index``'s seed set after, as
+        DeepSpeed (which builds it under ``index``'s seed)."""
+        if not self.seed_layers or first_use == index:
+            return layer.build()
+        self._reseed(self.base_seed + first_use)
+        module = layer.build()
+        self._reseed(self.base_seed + index)
+        return module
 
     def _build(self, specs: list[Any]) -> None:
         first_use = {}
@@ -209,22 +244,23 @@ class PipelineModule(torch.nn.Module):
                 first_use.setdefault(layer.key, i)
         for index in range(self._local_start, self._local_stop):
             layer = specs[index]
+            if self.seed_layers:  # before every layer, as DeepSpeed
+                self._reseed(self.base_seed + index)
             if isinstance(layer, TiedLayerSpec):
                 if layer.key not in self.tied_modules:
-                    module = self._seeded(first_use[layer.key], layer.build)
+                    module = self._build_tied(layer, first_use[layer.key], index)
                     layer.check_attrs(module)
                     self.tied_modules[layer.key] = module
+                    self.tied_weight_attrs[layer.key] = list(layer.tied_weight_attr)
                 module = self.tied_modules[layer.key]
                 func = functools.partial(layer.forward_fn, module) if layer.forward_fn \
                     else module
                 self.forward_funcs.append(func)
-            elif isinstance(layer, LayerSpec):
-                module = self._seeded(index, layer.build)
+            elif isinstance(layer, (LayerSpec, torch.nn.Module)):
+                module = layer.build() if isinstance(layer, LayerSpec) else layer
                 self.add_module(str(index), module)
                 self.forward_funcs.append(module)
-            elif isinstance(layer, torch.nn.Module):
-                self.add_module(str(index), layer)
-                self.forward_funcs.append(layer)
+                self.fwd_map[str(index)] = len(self.forward_funcs) - 1
             else:
                 self.forward_funcs.append(layer)
 
@@ -267,11 +303,18 @@ class PipelineModule(torch.nn.Module):
 
     # ------------------------------------------------------------ running
 
-    def _run(self, start: int, stop: int) -> Callable[[Any], Any]:
+    def _run(self, start: int, stop: int, offset: int) -> Callable[[Any], Any]:
+        """This stage's layers ``[start, stop)`` (local indices) in order;
+        with ``seed_layers``, each after reseeding for forward call
+        ``offset`` (module docstring)."""
         funcs = self.forward_funcs[start:stop]
+        first = self._local_start + start
 
         def run(x: Any) -> Any:
-            for func in funcs:
+            for index, func in enumerate(funcs, start=first):
+                self.curr_layer = index
+                if self.seed_layers:
+                    self._reseed(self.base_seed * offset + index)
                 x = func(x)
             return x
         return run
@@ -285,13 +328,16 @@ class PipelineModule(torch.nn.Module):
 
     def forward(self, x: Any) -> Any:
         self.micro_offset += 1
+        # DeepSpeed's seed base for this call, fixed here so that a
+        # recomputation in backward draws the same random numbers
+        offset = self.micro_offset + 1
         count = len(self.forward_funcs)
         interval = self.activation_checkpoint_interval
         if interval == 0 or not torch.is_grad_enabled():
-            return self._run(0, count)(x)
+            return self._run(0, count, offset)(x)
         for start in range(0, count, interval):
             stop = min(start + interval, count)
-            run = self._run(start, stop)
+            run = self._run(start, stop, offset)
             if not self._checkpointable(start, stop):
                 x = run(x)
             elif isinstance(x, tuple):
@@ -301,90 +347,3 @@ class PipelineModule(torch.nn.Module):
             else:
                 x = self.activation_checkpoint_func(run, x)
         return x
-
-    # ---------------------------------------------------- DeepSpeed's accessors
-
-    def topology(self) -> PipeTopology:
-        return self._topology
-
-    def num_pipeline_stages(self) -> int:
-        return self.num_stages
-
-    def partitions(self) -> tuple[int, ...]:
-        """The stage boundaries: stage ``s`` owns layers ``[parts[s], parts[s + 1])``."""
-        return self.parts
-
-    def stage_owner(self, layer_idx: int) -> int:
-        """The stage that owns layer ``layer_idx``."""
-        if not 0 <= layer_idx < self._num_layers:
-            raise ValueError(f"layer {layer_idx} is outside 0-{self._num_layers - 1}")
-        return next(s for s in range(self.num_stages) if layer_idx < self.parts[s + 1])
-
-    def set_checkpoint_interval(self, interval: int) -> None:
-        """Checkpoint activations every ``interval`` layers from the next forward on."""
-        self.activation_checkpoint_interval = _checked_interval(interval)
-
-    def get_additional_losses(self) -> Optional[dict[str, torch.Tensor]]:
-        """Losses besides the main one to report: none (DeepSpeed's hook for
-        models that add auxiliary losses)."""
-        return None
-
-    def mpu(self) -> PipelineGrid:
-        return self._grid
-
-    @property
-    def tied_comms(self) -> dict[str, dict[str, Any]]:
-        """DeepSpeed's index of this rank's tied modules, key ->
-        ``{"ranks", "group", "weight_attr", "module"}``: the ranks of this
-        replica that hold the module (lowest stage first), their group (a
-        group of this rank alone when it is the only owner, made on first
-        use), the ``tied_weight_attr`` names and the module. Empty with one
-        stage, as DeepSpeed's."""
-        if self._tied_comms is None:
-            comms: dict[str, dict[str, Any]] = {}
-            for entry in self.tied_weights.held if self.num_stages > 1 else ():
-                group = entry.group if entry.group is not None else dist.new_group(
-                    [self.global_rank], use_local_synchronization=True)
-                comms[entry.key] = {"ranks": list(entry.ranks), "group": group,
-                                    "weight_attr": list(entry.weight_attr),
-                                    "module": entry.module}
-            self._tied_comms = comms
-        return self._tied_comms
-
-    def ckpt_layer_path(self, ckpt_dir: str, local_layer_idx: int) -> str:
-        """DeepSpeed's file for this stage's layer ``local_layer_idx`` in a
-        checkpoint (``layer_07-model_states.pt``). dsrun's checkpoints do not
-        use these files: they store the model by parameter name
-        (:mod:`~dsrun.runtime.pipe.checkpoint`)."""
-        path = os.path.join(ckpt_dir, f"layer_{local_layer_idx + self._local_start:02d}")
-        rank_repr = self._topology.get_rank_repr(rank=self.global_rank)
-        if rank_repr:
-            path += f"-{rank_repr}"
-        return path + "-model_states.pt"
-
-    def _find_layer_type(self, layername: str) -> list[int]:
-        """The indices of the layers whose class name matches the regular
-        expression ``layername`` (case-insensitive search), as
-        ``partition_method="type:..."`` counts them."""
-        return [i for i, hit in enumerate(type_matches(layername, self._layer_names)) if hit]
-
-    @property
-    def grid(self) -> PipelineGrid:
-        return self._grid
-
-    @property
-    def layer_range(self) -> tuple[int, int]:
-        """``[start, stop)`` of this stage's layers in ``layers``."""
-        return self._local_start, self._local_stop
-
-    @property
-    def num_layers(self) -> int:
-        return self._num_layers
-
-
-def _checked_interval(interval: Any) -> int:
-    """An ``activation_checkpoint_interval``: an integer >= 0 (0: none)."""
-    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
-        raise DsrunConfigError(f"activation_checkpoint_interval must be an integer >= 0, "
-                               f"got {interval!r}")
-    return interval

@@ -30,6 +30,7 @@ import torch
 
 from dsrun import comm as collectives
 from dsrun.errors import DsrunError
+from dsrun.runtime.pipe.errors import PipeNotImplementedError
 from dsrun.runtime.pipe.grid import Channel
 
 MAGIC = 0x50495045  # "PIPE"
@@ -124,17 +125,21 @@ def check_metas(got: Sequence[TensorMeta], want: Sequence[TensorMeta], where: st
                                "match")
 
 
-def flatten_payload(value: Any, where: str) -> tuple[list[torch.Tensor], bool]:
+def flatten_payload(value: Any, where: str,
+                    error: type[DsrunError] = PipeNotImplementedError
+                    ) -> tuple[list[torch.Tensor], bool]:
     """``(tensors, is_tuple)`` of what a stage passes on: a tensor or a
-    tuple/list of tensors."""
+    tuple/list of tensors; anything else raises ``error`` (by default also a
+    ``NotImplementedError``, DeepSpeed's class when a stage output cannot
+    be sent)."""
     if isinstance(value, torch.Tensor):
         return [value], False
     if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
         return list(value), True
     kinds = type(value).__name__ if not isinstance(value, (tuple, list)) else \
         f"{type(value).__name__} of ({', '.join(type(v).__name__ for v in value)})"
-    raise DsrunError(f"{where} is a {kinds}: what passes between pipeline stages must be a "
-                     "tensor or a tuple of tensors")
+    raise error(f"{where} is a {kinds}: what passes between pipeline stages must be a "
+                "tensor or a tuple of tensors")
 
 
 class PendingSends:

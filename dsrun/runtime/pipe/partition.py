@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 from dsrun.errors import DsrunConfigError
+from dsrun.runtime.pipe.errors import PipeConfigRuntimeError, PipeNotImplementedError
 
 METHODS = ("parameters", "uniform", "flops", "type:REGEX",
            "explicit boundaries [0, ..., num_layers]")
@@ -111,7 +112,8 @@ def type_matches(pattern: str, names: Sequence[str], where: str = "") -> list[bo
     """Whether each layer class name in ``names`` matches the regular
     expression ``pattern`` (case-insensitive search), as ``"type:REGEX"``
     counts them. A bad pattern, or one matching no name, is a
-    :class:`DsrunConfigError` (its message prefixed with ``where``)."""
+    :class:`DsrunConfigError` (its message prefixed with ``where``); no match
+    is also a ``RuntimeError``, as in DeepSpeed."""
     try:
         regex = re.compile(pattern, re.IGNORECASE)
     except re.error as exc:
@@ -119,8 +121,8 @@ def type_matches(pattern: str, names: Sequence[str], where: str = "") -> list[bo
                                f"({exc})") from None
     hits = [regex.search(name) is not None for name in names]
     if not any(hits):
-        raise DsrunConfigError(f"{where}no layer class name matches {pattern!r} (layers: "
-                               f"{', '.join(sorted(set(names)))})")
+        raise PipeConfigRuntimeError(f"{where}no layer class name matches {pattern!r} "
+                                     f"(layers: {', '.join(sorted(set(names)))})")
     return hits
 
 
@@ -141,12 +143,12 @@ def layer_weights(method: str, names: Sequence[str], param_counts: Sequence[int]
         hits = type_matches(method[len("type:"):], names, f"partition_method={method!r}: ")
         return [1 if hit else 0 for hit in hits]
     if lowered == "profile":
-        raise DsrunConfigError("partition_method='profile' (timing each layer) is not "
-                               "implemented in dsrun; 'flops' balances each layer's counted "
-                               "work (with example_inputs=), or use 'parameters', 'uniform' "
-                               "or 'type:REGEX'")
-    raise DsrunConfigError(f"unknown partition_method={method!r}; use one of: "
-                           f"{', '.join(METHODS)}")
+        raise PipeNotImplementedError(
+            "partition_method='profile' (timing each layer) is not implemented in dsrun; "
+            "'flops' balances each layer's counted work (with example_inputs=), or use "
+            "'parameters', 'uniform' or 'type:REGEX'")
+    raise PipeNotImplementedError(f"unknown partition_method={method!r}; use one of: "
+                                  f"{', '.join(METHODS)}")
 
 
 def partition_layers(method: object, stages: int, names: Sequence[str],

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from dsrun import comm as collectives
-from dsrun.errors import DsrunConfigError
 from dsrun.runtime.monitor.timers import comm_wait
+from dsrun.runtime.pipe.errors import PipeAssertionError
 from dsrun.runtime.precision import FP16Master, FullPrecision, StepResult, skipped
 from dsrun.runtime.zero.masters import CLIP_EPS
 
@@ -120,13 +120,13 @@ def check_pipeline_zero(config: Any, module: Any) -> None:
     without tied weights across stages), else one error saying why."""
     stage = config.zero_optimization.stage
     if stage == 3:
-        raise DsrunConfigError(
+        raise PipeAssertionError(
             f"ZeRO stage 3 ({config.source}) cannot be combined with pipeline parallelism: "
             "each stage already holds only its own layers; use ZeRO stage 1 (or 2) to "
             "partition optimizer state within each stage's data-parallel group")
     if stage == 2 and module.tied_weights:
         keys = sorted({e.key for e in module.tied_weights.entries})
-        raise DsrunConfigError(
+        raise PipeAssertionError(
             f"ZeRO stage 2 ({config.source}) reduces gradients during every backward, "
             f"before the gradients of tied layers {keys} can be summed across the stages "
             "that hold them: use ZeRO stage 1 with TiedLayerSpec layers")

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dsrun.errors import DsrunConfigError
+from dsrun.runtime.pipe.errors import PipeAssertionError, PipeConfigRuntimeError
 
 
 def _positive(name: str, value: object) -> int:
@@ -81,7 +82,7 @@ class ProcessTopology:
                              f"{sorted(coords)} (filter_match() selects several ranks)")
         key = self.ProcessCoord(**coords)
         if key not in self.mapping:
-            raise ValueError(f"{key} is outside the topology (dims {self.dims})")
+            raise PipeAssertionError(f"{key} is outside the topology (dims {self.dims})")
         return self.mapping[key]
 
     def get_coord(self, rank: int) -> Any:
@@ -227,7 +228,7 @@ def topology_for(world_size: int, num_stages: object = None, topology: object = 
     """The topology of a ``PipelineModule(num_stages=..., topology=...)`` on
     ``world_size`` ranks: exactly one of the two is needed (both must agree)."""
     if topology is None and num_stages is None:
-        raise DsrunConfigError("PipelineModule needs num_stages= (or topology=)")
+        raise PipeConfigRuntimeError("PipelineModule needs num_stages= (or topology=)")
     if topology is not None:
         if not isinstance(topology, ProcessTopology):
             raise DsrunConfigError(
@@ -238,14 +239,14 @@ def topology_for(world_size: int, num_stages: object = None, topology: object = 
             raise DsrunConfigError(f"num_stages={num_stages!r} disagrees with the topology "
                                    f"({topology.describe()})")
         if topology.world_size() != world_size:
-            raise DsrunConfigError(f"the topology ({topology.describe()}) does not match the "
-                                   f"world size {world_size}")
+            raise PipeAssertionError(f"the topology ({topology.describe()}) does not match "
+                                     f"the world size {world_size}")
         return topology
     stages = _positive("num_stages", num_stages)
     if world_size % stages:
-        raise DsrunConfigError(f"num_stages={stages} does not divide the world size "
-                               f"{world_size}: every data-parallel replica needs all "
-                               f"{stages} stages")
+        raise PipeConfigRuntimeError(f"num_stages={stages} does not divide the world size "
+                                     f"{world_size}: every data-parallel replica needs all "
+                                     f"{stages} stages")
     return PipeTopology(stages, world_size // stages)
 
 
