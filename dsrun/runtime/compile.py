@@ -41,9 +41,10 @@ def compile_module(engine: Any, backend: Any = None,
                          "which torch.compile cannot capture; use ZeRO stage 0-2, or train "
                          "uncompiled")
     if engine.is_pipe_parallel:
-        raise DsrunError("engine.compile() is not supported on a pipeline engine: compile the "
-                         "layers (torch.compile on each module) before building the "
-                         "PipelineModule")
+        raise DsrunError("engine.compile() is not supported on a pipeline engine: compile "
+                         "its layers with engine.module.compile() (DeepSpeed's "
+                         "PipelineModule.compile), or torch.compile each layer before "
+                         "building the PipelineModule")
     if engine.is_compiled:
         log.warning("engine.compile(): the module is compiled already; nothing to do")
         return None

@@ -39,6 +39,7 @@ from dsrun.runtime.engine import DsrunEngine
 from dsrun.runtime.engine_setup import check_zero_stage
 from dsrun.runtime.env import DistEnv
 from dsrun.runtime.pipe import PipelineEngine, PipelineModule
+from dsrun.runtime.pipe.errors import PipeAssertionError
 from dsrun.runtime.progress import ensure_visible
 
 log = logging.getLogger("dsrun.runtime")
@@ -196,8 +197,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
     engine_cls: type[DsrunEngine] = DsrunEngine
     if isinstance(model, PipelineModule):
         if mpu is not None:
-            raise DsrunConfigError("a PipelineModule brings its own topology (num_stages= or "
-                                   "topology=): do not pass mpu= to dsrun.initialize()")
+            raise PipeAssertionError("a PipelineModule brings its own topology (num_stages= or "
+                                     "topology=): do not pass mpu= to dsrun.initialize()")
         engine_cls, mpu = PipelineEngine, model.grid
     env = DistEnv.detect()
     choice = select_config(config, config_params, args, env.config_path)

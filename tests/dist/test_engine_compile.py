@@ -74,7 +74,8 @@ def test_refusals(solo: None) -> None:
                              loss_fn=torch.nn.MSELoss()),
         config={"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     assert pipe.is_pipe_parallel
-    with pytest.raises(DsrunError, match="pipeline engine"):
+    with pytest.raises(DsrunError, match=r"pipeline engine: compile its layers with "
+                                         r"engine.module.compile\(\)"):
         pipe.compile()
 
 
