@@ -36,6 +36,26 @@ parts), and contiguous parts whose heaviest and lightest part differ the
 least (DeepSpeed's dynamic programme, ties going to the later cut).
 :mod:`dsrun.runtime.pipe.partition` is dsrun's own pipeline partitioning,
 which minimises the heaviest stage instead.
+
+Also DeepSpeed's, with its results: ``noop_decorator(func)`` (``func``
+itself); ``ensure_directory_exists(filename)`` (makes the file's
+directory); ``copy_to_device(item, device, criterion_func)`` (copies of
+the values ``criterion_func`` accepts, through lists, tuples and dicts,
+other values as they are); ``call_to_str(base, *args, **kwargs)``
+(``"base(1, x='a')"``); ``get_only_unique_item(items)`` (the one distinct
+item, else RuntimeError); ``prefix_sum_inc(weights)``;
+``align_dense_tensors(tensors, alignment)`` (a zero tensor appended so the
+elements add up to a multiple of ``alignment``); ``get_tensor_bytes(item)``
+(bytes of the tensors in nested containers); ``filter_empty_parameters``
+and ``is_optimized_parameter`` (parameters with no elements left out);
+``memory_status(msg, print_rank=-1, reset_max=False)`` (prints allocated
+and cached memory with the change since its last call),
+``get_ma_status()``, ``torch_memory_reserved()`` and
+``torch_max_memory_reserved()`` (the accelerator's). The norm helpers
+(``get_weight_norm``, ``get_grad_zeros``, ``get_flattened_grad_norm``,
+``get_global_norm_of_tensors``, ``clip_tensors_by_global_norm``, ...) are
+:mod:`dsrun.runtime.norms`; ``PartitionedTensor`` is
+:mod:`dsrun.runtime.partitioned_tensor`.
 """
 
 from __future__ import annotations
@@ -44,6 +64,7 @@ import contextlib
 import itertools
 import logging
 import math
+import os
 import random
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional, Union
@@ -52,12 +73,33 @@ import torch
 import torch.distributed as dist
 
 from dsrun.runtime.dataloader import RepeatingLoader
+from dsrun.runtime.norms import (
+    clip_tensors_by_global_norm,
+    combine_grad_norm_groups,
+    get_flattened_grad_norm,
+    get_global_norm_of_tensors,
+    get_grad_zeros,
+    get_weight_norm,
+    has_inf_or_nan,
+    is_invalid_grad_norm,
+    is_model_parallel_parameter,
+    mask_nan_or_inf_with_val_inplace,
+)
+from dsrun.runtime.partitioned_tensor import PartitionedTensor
 from dsrun.runtime.progress import LOGGER_NAME, ensure_visible, memory_line
 from dsrun.runtime.zero.masters import CLIP_EPS
 
-__all__ = ["DummyOptim", "RepeatingLoader", "clip_grad_norm_", "empty_cache",
-           "get_global_norm", "move_to_device", "noop_context", "partition_balanced",
-           "partition_uniform", "see_memory_usage", "set_random_seed"]
+__all__ = ["DummyOptim", "PartitionedTensor", "RepeatingLoader", "align_dense_tensors",
+           "call_to_str", "clip_grad_norm_", "clip_tensors_by_global_norm",
+           "combine_grad_norm_groups", "copy_to_device", "empty_cache",
+           "ensure_directory_exists", "filter_empty_parameters", "get_flattened_grad_norm",
+           "get_global_norm", "get_global_norm_of_tensors", "get_grad_zeros", "get_ma_status",
+           "get_only_unique_item", "get_tensor_bytes", "get_weight_norm", "has_inf_or_nan",
+           "is_invalid_grad_norm", "is_model_parallel_parameter", "is_optimized_parameter",
+           "mask_nan_or_inf_with_val_inplace", "memory_status", "move_to_device",
+           "noop_context", "noop_decorator", "partition_balanced", "partition_uniform",
+           "prefix_sum_inc", "see_memory_usage", "set_random_seed", "torch_max_memory_reserved",
+           "torch_memory_reserved"]
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -69,11 +111,6 @@ def see_memory_usage(message: str, force: bool = False) -> None:
         return
     ensure_visible()
     log.info("%s | %s", message, memory_line())
-
-
-def _split_across_model_parallel(param: torch.Tensor) -> bool:
-    return bool(getattr(param, "model_parallel", False)
-                or getattr(param, "tensor_model_parallel", False))
 
 
 def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float,
@@ -96,7 +133,7 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     else:
         replicated_counts = mpu is None or mpu.get_model_parallel_rank() == 0
         counted = [p.grad for p in params if p.grad is not None and (
-            replicated_counts or _split_across_model_parallel(p))]
+            replicated_counts or is_model_parallel_parameter(p))]
         total = torch.zeros((), device=device)
         if counted:
             norms = torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type)
@@ -200,3 +237,150 @@ def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
     for j in range(m, 0, -1):
         bounds.append(start[bounds[-1]][j])
     return bounds[::-1]
+
+
+# ------------------------------------------------------------ small helpers
+
+
+def noop_decorator(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func`` itself (DeepSpeed's stand-in where a decorator is optional)."""
+    return func
+
+
+def ensure_directory_exists(filename: str) -> None:
+    """Make the directory that ``filename`` is to be written in (and its parents)."""
+    os.makedirs(os.path.dirname(filename), exist_ok=True)
+
+
+def copy_to_device(item: Any, device: Any, criterion_func: Callable[[Any], bool]) -> Any:
+    """``item`` with copies on ``device`` of the values ``criterion_func``
+    accepts, through lists, tuples and dicts; other values as they are."""
+    if criterion_func(item):
+        return item.to(device)
+    if isinstance(item, list):
+        return [copy_to_device(v, device, criterion_func) for v in item]
+    if isinstance(item, tuple):
+        return tuple(copy_to_device(v, device, criterion_func) for v in item)
+    if isinstance(item, dict):
+        return {k: copy_to_device(v, device, criterion_func) for k, v in item.items()}
+    return item
+
+
+def call_to_str(base: str, *args: Any, **kwargs: Any) -> str:
+    """``base(*args, **kwargs)`` as text, the arguments by ``repr``."""
+    parts = [repr(arg) for arg in args] + [f"{key}={value!r}" for key, value in kwargs.items()]
+    return f"{base}({', '.join(parts)})"
+
+
+def get_only_unique_item(items: Iterable[Any]) -> Any:
+    """The one distinct value of ``items``; RuntimeError when there are none or several."""
+    items = list(items)
+    distinct = set(items)
+    if len(distinct) != 1:
+        raise RuntimeError(f"expected there to be only one unique element in {items}")
+    return next(iter(distinct))
+
+
+def prefix_sum_inc(weights: Iterable[Any]) -> list[Any]:
+    """The inclusive prefix sums of ``weights``: ``[3, 4, 5]`` -> ``[3, 7, 12]``."""
+    return list(itertools.accumulate(weights))
+
+
+def align_dense_tensors(tensor_list: list[torch.Tensor], alignment: int) -> list[torch.Tensor]:
+    """``tensor_list``, with a zero tensor (the first's dtype and device)
+    appended when its elements do not add up to a multiple of ``alignment``."""
+    remaining = sum(t.numel() for t in tensor_list) % alignment
+    if not remaining:
+        return tensor_list
+    first = tensor_list[0]
+    return [*tensor_list, torch.zeros(alignment - remaining, device=first.device,
+                                      dtype=first.dtype)]
+
+
+def get_tensor_bytes(item: Any) -> int:
+    """The bytes of the tensors in ``item``, through lists, tuples and dicts."""
+    if torch.is_tensor(item):
+        return item.numel() * item.element_size()
+    if isinstance(item, (list, tuple)):
+        return sum(get_tensor_bytes(v) for v in item)
+    if isinstance(item, dict):
+        return sum(get_tensor_bytes(v) for v in item.values())
+    return 0
+
+
+def filter_empty_parameters(params: Any) -> Any:
+    """``params`` (parameters, or param-group dicts) without the parameters
+    that have no elements; a group left with none is dropped."""
+    if not isinstance(params, (list, tuple)) or not params:
+        return params
+    if not isinstance(params[0], dict):
+        return [p for p in params if p.numel() > 0]
+    groups = []
+    for group in params:
+        kept = [p for p in group.get("params", []) if p.numel() > 0]
+        if kept:
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": kept})
+    return groups
+
+
+def is_optimized_parameter(param: Any) -> bool:
+    """Whether an optimizer should own ``param``: it requires grad and has
+    elements (its ZeRO-3 element count where it is partitioned)."""
+    numel = param.ds_numel if hasattr(param, "ds_numel") else param.numel()
+    return bool(param.requires_grad) and numel > 0
+
+
+# ------------------------------------------------------------ memory
+
+
+def torch_memory_reserved(device_index: Any = None) -> int:
+    """The accelerator's reserved memory (DeepSpeed binds the method at import)."""
+    from dsrun.accelerator import get_accelerator
+
+    return get_accelerator().memory_reserved(device_index)
+
+
+def torch_max_memory_reserved(device_index: Any = None) -> int:
+    from dsrun.accelerator import get_accelerator
+
+    return get_accelerator().max_memory_reserved(device_index)
+
+
+# what memory_status saw last, to print the change (per process, as DeepSpeed)
+_last_seen = {"allocated": 0, "cached": 0}
+
+
+def memory_status(msg: str, print_rank: int = -1, reset_max: bool = False) -> None:
+    """Print this rank's allocated and cached memory, their change since the
+    last call and their peaks, in GB (``print_rank``: only that rank prints;
+    ``reset_max`` resets the peaks first)."""
+    from dsrun import comm
+    from dsrun.accelerator import get_accelerator
+
+    rank = comm.get_rank()
+    if print_rank != -1 and rank != print_rank:
+        return
+    acc = get_accelerator()
+    acc.synchronize()
+    if reset_max:
+        acc.reset_max_memory_cached()
+        acc.reset_max_memory_allocated()
+    allocated, cached = acc.memory_allocated(), acc.memory_cached()
+    d_alloc, d_cached = allocated - _last_seen["allocated"], cached - _last_seen["cached"]
+    _last_seen.update(allocated=allocated, cached=cached)
+    gb = 1024 ** 3
+    print(f"RANK={rank} MEMSTATS", msg, f"device={acc.current_device_name()} "
+          f"current alloc={allocated / gb:0.4f}GB (delta={d_alloc / gb:0.4f}GB "
+          f"max={acc.max_memory_allocated() / gb:0.4f}GB) "
+          f"current cache={cached / gb:0.4f}GB (delta={d_cached / gb:0.4f}GB "
+          f"max={acc.max_memory_cached() / gb:0.4f}GB)")
+
+
+def get_ma_status() -> int:
+    """The accelerator's allocated memory on global rank 0; 0 on other ranks."""
+    from dsrun import comm
+    from dsrun.accelerator import get_accelerator
+
+    if comm.is_initialized() and comm.get_rank() != 0:
+        return 0
+    return get_accelerator().memory_allocated()
