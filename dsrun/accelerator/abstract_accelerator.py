@@ -72,6 +72,8 @@ class Accelerator:
     (DeepSpeed's attribute: ``"cuda"``/``"cpu"``)."""
 
     _name = ""
+    #: whether ``range_push`` uses its ``domain`` (torch's NVTX has none)
+    supports_nvtx_domain = False
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self._name}>"
@@ -179,6 +181,36 @@ class Accelerator:
         """Whether ``tensor`` is in page-locked host memory."""
         return bool(tensor.is_pinned())
 
+    def pin_memory(self, tensor: torch.Tensor, make_copy: bool = True, match_shape: bool = True,
+                   *, align_bytes: int = 1) -> torch.Tensor:
+        """Host ``tensor`` in page-locked memory for fast copies to the device:
+        a pinned copy, or with ``make_copy=False`` an uninitialised pinned
+        buffer of its dtype and shape (flat with ``match_shape=False``), as
+        DeepSpeed 0.19.8. ``align_bytes`` (the keyword of DeepSpeed's earlier
+        releases) is accepted: torch aligns its pinned blocks itself."""
+        check_align_bytes(align_bytes)
+        if make_copy:
+            return self._pinned_copy(tensor)
+        shape = tuple(tensor.shape) if match_shape else (tensor.numel(),)
+        return self._empty_host(shape, tensor.dtype)
+
+    def _pinned_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def pin_memory_alignment(self) -> int:
+        """The byte alignment host memory needs to be registered with the
+        device: 1, none (torch's allocations are page-aligned)."""
+        return 1
+
+    def register_host_memory(self, address: int, num_bytes: int) -> bool:
+        """Page-lock existing host memory for the device; False: this device
+        has no such registration."""
+        return False
+
+    def unregister_host_memory(self, address: int) -> None:
+        """Undo :meth:`register_host_memory` (nothing here)."""
+        return None
+
     def _empty_host(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised host tensor, page-locked where that helps this device."""
         raise NotImplementedError
@@ -202,6 +234,16 @@ class Accelerator:
         """Nothing: torch frees page-locked memory with its tensor (DeepSpeed's
         answer too unless its native pinning backend is on)."""
         return None
+
+    # -- graphs: CUDA graphs where the device has them
+    def is_current_stream_capturing(self) -> bool:
+        """Whether the current stream is capturing a graph (never, here)."""
+        return False
+
+    def prefer_triton_grouped_mm(self) -> bool:
+        """Whether DeepSpeed's MoE layers should use their Triton grouped
+        matrix product: False, dsrun has neither MoE layers nor that kernel."""
+        return False
 
     # -- the launcher's environment (DeepSpeed's runner asks these)
     def visible_devices_envs(self) -> list[str]:
@@ -258,6 +300,12 @@ class Accelerator:
             f"{what}: dsrun does not build or load DeepSpeed's compiled "
             "ops (csrc kernels). Its optimizers run on torch: dsrun.ops.adam.FusedAdam and "
             "DeepSpeedCPUAdam, or an \"optimizer\" section in the config")
+
+
+def check_align_bytes(align_bytes: Any) -> None:
+    """``pin_memory``'s ``align_bytes`` is a positive int, else ValueError."""
+    if isinstance(align_bytes, bool) or not isinstance(align_bytes, int) or align_bytes < 1:
+        raise ValueError(f"pin_memory: align_bytes must be a positive int, got {align_bytes!r}")
 
 
 def _require_host(device: Any, what: str) -> None:

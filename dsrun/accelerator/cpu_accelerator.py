@@ -8,6 +8,7 @@ OS instead of caching it, so "allocated" and "reserved" are the same.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from dsrun.accelerator.abstract_accelerator import (
     HOST_TENSOR_TYPES,
     Accelerator,
     DeviceIndex,
+    check_align_bytes,
     computes_in,
 )
 
@@ -226,10 +228,25 @@ class CpuAccelerator(Accelerator):
         """Memory the machine can give without swapping, in bytes (psutil)."""
         return int(psutil.virtual_memory().available)
 
-    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
-        """``tensor`` itself: pinning speeds copies to a GPU, and a CPU rank
-        copies to none (``is_pinned`` stays truthful: False)."""
+    def pin_memory(self, tensor: torch.Tensor, make_copy: bool = True, match_shape: bool = True,
+                   *, align_bytes: int = 1) -> torch.Tensor:
+        """``tensor`` itself, whatever the keywords (DeepSpeed's CPU
+        accelerator's answer): pinning speeds copies to a GPU, and a CPU
+        rank copies to none (``is_pinned`` stays truthful: False)."""
+        check_align_bytes(align_bytes)
         return tensor
+
+    # -- graphs: none on the CPU, DeepSpeed's answers
+    def create_graph(self) -> None:
+        return None
+
+    def capture_to_graph(self, graph: Any, pool: Any = None,
+                         stream: Any = None) -> contextlib.AbstractContextManager[None]:
+        """A context that captures nothing: the work inside runs as usual."""
+        return contextlib.nullcontext()
+
+    def replay_graph(self, graph: Any) -> None:
+        return None
 
     def _empty_host(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)  # not page-locked: see pin_memory

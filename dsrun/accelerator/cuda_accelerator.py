@@ -122,10 +122,33 @@ class CudaAccelerator(Accelerator):
         processes' use counted; this process's cached blocks are not free)."""
         return int(torch.cuda.mem_get_info(device_index)[0])
 
-    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
-        """A page-locked copy of host ``tensor`` (fast, asynchronous copies to
-        the GPU). ``align_bytes`` is accepted as DeepSpeed does: torch aligns."""
+    def _pinned_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.pin_memory()
+
+    def register_host_memory(self, address: int, num_bytes: int) -> bool:
+        """Page-lock ``num_bytes`` of existing host memory at ``address``
+        (``cudaHostRegister``); a CUDA error is raised as torch raises it."""
+        torch.cuda.check_error(int(torch.cuda.cudart().cudaHostRegister(address, num_bytes, 0)))
+        return True
+
+    def unregister_host_memory(self, address: int) -> None:
+        """Undo :meth:`register_host_memory` (``cudaHostUnregister``)."""
+        torch.cuda.check_error(int(torch.cuda.cudart().cudaHostUnregister(address)))
+
+    # -- CUDA graphs
+    def is_current_stream_capturing(self) -> bool:
+        return bool(torch.cuda.is_current_stream_capturing())
+
+    def create_graph(self) -> Any:
+        """An empty ``torch.cuda.CUDAGraph``."""
+        return torch.cuda.CUDAGraph()
+
+    def capture_to_graph(self, graph: Any, pool: Any = None, stream: Any = None) -> Any:
+        """``torch.cuda.graph(graph, pool, stream)``: the work inside is captured."""
+        return torch.cuda.graph(graph, pool, stream)
+
+    def replay_graph(self, graph: Any) -> None:
+        graph.replay()
 
     def _empty_host(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
@@ -135,6 +158,10 @@ class CudaAccelerator(Accelerator):
         """``torch.tensor(data)`` in ``dtype`` on the GPU, as DeepSpeed's CUDA
         accelerator returns (with ``isinstance``: abstract_accelerator)."""
         return TensorOf(torch.tensor, dtype=dtype, device=self.device_name())
+
+    def communication_backend_version(self) -> Any:
+        """The NCCL version torch was built with (``torch.cuda.nccl.version()``)."""
+        return torch.cuda.nccl.version()
 
     def export_envs(self) -> list[str]:
         """``NCCL``: DeepSpeed's runner forwards ``NCCL*`` to other hosts."""

@@ -23,6 +23,7 @@ from dsrun.accelerator import (
     set_accelerator,
 )
 from dsrun.accelerator import real_accelerator as real
+from dsrun.accelerator.abstract_accelerator import Accelerator
 from dsrun.errors import DsrunError
 
 MIB = 1 << 20
@@ -214,6 +215,56 @@ def test_cpu_pinning_streams_events_and_ranges(cpu: CpuAccelerator) -> None:
     assert cpu.amp() is torch.cpu.amp  # autocast, GradScaler (torch may call them deprecated)
 
 
+def test_pin_memory_takes_deepspeeds_keywords(cpu: CpuAccelerator) -> None:
+    """DeepSpeed 0.19.8's ``pin_memory(tensor, make_copy=True,
+    match_shape=True)``, and its earlier releases' ``align_bytes``."""
+    tensor = torch.ones(2, 3)
+    for kwargs in ({}, {"make_copy": False}, {"make_copy": False, "match_shape": False},
+                   {"make_copy": True, "align_bytes": 4096}):
+        assert cpu.pin_memory(tensor, **kwargs) is tensor  # DeepSpeed's CPU answer
+    with pytest.raises(ValueError, match="align_bytes must be a positive int, got 0"):
+        cpu.pin_memory(tensor, align_bytes=0)
+    assert cpu.pin_memory_alignment() == 1
+    assert cpu.register_host_memory(tensor.data_ptr(), 24) is False
+    assert cpu.unregister_host_memory(tensor.data_ptr()) is None
+    assert cpu.supports_nvtx_domain is False and cpu.prefer_triton_grouped_mm() is False
+
+
+class _CopyingHost(CpuAccelerator):
+    """The base class's pin_memory with host copies standing for pinned ones
+    (what CUDA does, without a GPU)."""
+
+    def pin_memory(self, tensor: torch.Tensor, make_copy: bool = True, match_shape: bool = True,
+                   *, align_bytes: int = 1) -> torch.Tensor:
+        return Accelerator.pin_memory(self, tensor, make_copy, match_shape,
+                                      align_bytes=align_bytes)
+
+    def _pinned_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.clone()
+
+
+def test_pin_memory_copies_or_makes_a_buffer() -> None:
+    acc = _CopyingHost()
+    tensor = torch.arange(6.0).reshape(2, 3)
+    copy = acc.pin_memory(tensor)
+    assert torch.equal(copy, tensor) and copy.data_ptr() != tensor.data_ptr()
+    buffer = acc.pin_memory(tensor, make_copy=False)
+    assert buffer.shape == (2, 3) and buffer.dtype == tensor.dtype
+    assert acc.pin_memory(tensor.half(), False, False).shape == (6,)  # positional, as DeepSpeed
+    assert acc.pin_memory(tensor.half(), make_copy=False, match_shape=False).dtype == torch.half
+    with pytest.raises(ValueError, match="align_bytes must be a positive int, got True"):
+        acc.pin_memory(tensor, align_bytes=True)
+
+
+def test_cpu_graphs_are_deepspeeds_stand_ins(cpu: CpuAccelerator) -> None:
+    graph = cpu.create_graph()
+    assert graph is None and not cpu.is_current_stream_capturing()
+    ran = []
+    with cpu.capture_to_graph(graph):
+        ran.append(torch.ones(2).sum().item())
+    assert ran == [2.0] and cpu.replay_graph(graph) is None and ran == [2.0]
+
+
 @pytest.mark.parametrize("name", ["create_op_builder", "get_op_builder"])
 def test_compiled_ops_are_refused(cpu: CpuAccelerator, name: str) -> None:
     with pytest.raises(DsrunError, match="'CPUAdamBuilder': dsrun does not build or load "
@@ -366,3 +417,37 @@ def test_cuda_memory_streams_and_pinning() -> None:
     acc.range_push("step")
     acc.range_pop()
     assert acc.amp() is torch.cuda.amp
+
+
+@needs_cuda
+def test_cuda_pin_memory_keywords_host_registration_and_graphs() -> None:
+    acc = CudaAccelerator()
+    tensor = torch.arange(6.0).reshape(2, 3)
+    copy = acc.pin_memory(tensor, align_bytes=64)
+    assert acc.is_pinned(copy) and torch.equal(copy, tensor) and not acc.is_pinned(tensor)
+    flat = acc.pin_memory(tensor, make_copy=False, match_shape=False)
+    assert acc.is_pinned(flat) and flat.shape == (6,)
+    assert acc.supports_nvtx_domain is False and acc.pin_memory_alignment() == 1
+    assert acc.communication_backend_version() == torch.cuda.nccl.version()
+    host = torch.zeros(1 << 16)  # pageable, then registered in place
+    assert acc.register_host_memory(host.data_ptr(), host.numel() * host.element_size())
+    try:
+        assert acc.is_pinned(host)
+    finally:
+        acc.unregister_host_memory(host.data_ptr())
+    assert not acc.is_pinned(host)
+    static = torch.ones(4, device="cuda")
+    out = torch.empty(4, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture, as torch asks
+        out.copy_(static * 2)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = acc.create_graph()
+    with acc.capture_to_graph(graph):
+        assert acc.is_current_stream_capturing()
+        out.copy_(static * 2)
+    static.fill_(5.0)
+    acc.replay_graph(graph)
+    torch.cuda.synchronize()
+    assert out.tolist() == [10.0] * 4 and not acc.is_current_stream_capturing()
