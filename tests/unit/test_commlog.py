@@ -150,7 +150,7 @@ def test_debug_names_the_caller() -> None:
     def collective() -> str:  # stands for a dsrun.comm function
         return helper()
 
-    def helper() -> str:  # stands for dsrun.comm._call
+    def helper() -> str:  # stands for dsrun.comm.profiled.call
         return logger.name_for("all_reduce")
 
     def training_loop() -> str:
