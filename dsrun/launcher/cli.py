@@ -229,7 +229,9 @@ def host_options(func):
 @click.option("--dist_backend", "--dist-backend", "dist_backend", default=None,
               type=click.Choice(DIST_BACKENDS),
               help="torch.distributed backend for the injected runtime "
-                   "(default: nccl on GPU ranks, gloo on CPU ranks; 'none' skips it).")
+                   "(default: nccl on GPU ranks, gloo on CPU ranks; 'none' skips it; "
+                   "'mpi' only with --launcher openmpi or slurm and a torch built "
+                   "with MPI).")
 @click.option("--env", "env", multiple=True, callback=_env_pair, metavar="KEY=VALUE",
               help="Set an environment variable for every rank (repeatable). The value "
                    "travels to the hosts on the agents' stdin, never on a command line "

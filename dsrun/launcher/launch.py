@@ -195,6 +195,20 @@ def _plan(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv, job
                       remote_path=backend.remote_path())
 
 
+def cpu_ranks_line(spec: LaunchSpec, cluster: Cluster, draft: LaunchPlan) -> None:
+    """Say that the job's ranks are CPU ranks, when they are, and which backend
+    they use (gloo unless --dist_backend names one)."""
+    how = {None: "with gloo", "none": "without a process group"}.get(
+        spec.dist_backend, f"with {spec.dist_backend}")
+    if spec.cpu:
+        why = "DS_ACCELERATOR=cpu" if cpu_by_deepspeed_variable(os.environ) else "--cpu"
+        say(f"{why}: starting {draft.world_size} CPU rank(s) {how} "
+            f"(--num_gpus counts CPU ranks)")
+    elif not cluster.remote and cluster.named and not any(n.devices for n in draft.nodes):
+        say(f"no GPUs on this host: starting {draft.world_size} CPU rank(s) {how} "
+            f"(--num_gpus counts CPU ranks here)")
+
+
 def run(spec: LaunchSpec) -> int:
     check_script(spec)
     straggler_interval(os.environ)  # a bad value is an error before anything starts
@@ -223,13 +237,7 @@ def run(spec: LaunchSpec) -> int:
     say(source)
     if note:
         say(note)
-    if spec.cpu:
-        why = "DS_ACCELERATOR=cpu" if cpu_by_deepspeed_variable(os.environ) else "--cpu"
-        say(f"{why}: starting {draft.world_size} CPU rank(s) with gloo "
-            f"(--num_gpus counts CPU ranks)")
-    elif not cluster.remote and cluster.named and not any(n.devices for n in draft.nodes):
-        say(f"no GPUs on this host: starting {draft.world_size} CPU rank(s) with gloo "
-            f"(--num_gpus counts CPU ranks here)")
+    cpu_ranks_line(spec, cluster, draft)
     began = time.monotonic()
     control = ControlServer(job_id, lambda: {
         "job_id": job_id, "pid": os.getpid(), "script": spec.script,

@@ -21,6 +21,10 @@ from dsrun.launcher.hostfile import MAX_SLOTS
 LOCAL_RANK_FLAGS = (None, "--local_rank", "--local-rank")
 
 DIST_BACKENDS = ("nccl", "gloo", "mpi", "none")
+#: Launchers whose ranks MPI knows (mpirun, srun): torch's MPI backend takes
+#: rank and world size from MPI itself, so under the others (local, ssh:
+#: no mpirun) every rank would be a world of its own.
+MPI_LAUNCHERS = ("openmpi", "slurm")
 
 # On a host without GPUs and without --num_gpus, dsrun starts this many CPU
 # ranks (fewer if the host has fewer CPUs): enough to exercise data
@@ -225,12 +229,19 @@ class LaunchSpec:
             raise DsrunUsageError(f"--max_restarts must be >= 0, got {self.max_restarts}")
         if self.cpu and self.dist_backend == "nccl":
             raise DsrunUsageError("--cpu asks for CPU ranks, which cannot use "
-                                  "--dist_backend nccl (use gloo, mpi or none)")
+                                  "--dist_backend nccl (use gloo or none)")
         if self.dist_backend is not None and self.dist_backend not in DIST_BACKENDS:
             raise DsrunUsageError(
                 f"--dist_backend must be one of {', '.join(DIST_BACKENDS)}, "
                 f"got {self.dist_backend!r}"
             )
+        if self.dist_backend == "mpi" and self.backend not in MPI_LAUNCHERS:
+            raise DsrunUsageError(
+                f"--dist_backend mpi needs --launcher openmpi or slurm, not "
+                f"{self.backend or 'the default launcher'}: torch's MPI backend takes rank "
+                f"and world size from MPI, so without mpirun or srun each rank would be a "
+                f"world of 1 (it also needs a torch built with MPI; pip's wheels are not). "
+                f"Leave --dist_backend out: gloo on CPU ranks, NCCL on GPU ranks")
 
     @property
     def hosts(self) -> HostsSpec:

@@ -62,6 +62,7 @@ import torch.distributed as dist
 from dsrun.errors import DsrunError
 from dsrun.runtime import rendezvous
 from dsrun.runtime.env import DistEnv
+from dsrun.runtime.progress import ensure_visible
 
 log = logging.getLogger("dsrun.runtime")
 
@@ -149,7 +150,15 @@ def cuda_device_index(env: DistEnv) -> int:
 
 def check_backend(backend: str, env: DistEnv, asked_by: str) -> None:
     """Refuse a backend this rank cannot run (NCCL without a GPU, or without a
-    GPU of its own), naming ``asked_by`` (the call that asked) and what to do."""
+    GPU of its own; MPI in a torch built without it), naming ``asked_by`` (the
+    call that asked) and what to do."""
+    if "mpi" in backend_by_device(backend).values() and not dist.is_mpi_available():
+        # torch's own error is a traceback from deep inside init_process_group
+        raise DsrunError(
+            f"{asked_by} asked for the MPI backend, but this torch ({torch.__version__}) "
+            f"was built without MPI (torch.distributed.is_mpi_available() is False; pip's "
+            f"wheels never have it): leave the backend out (gloo on CPU ranks, NCCL on GPU "
+            f"ranks), or build torch from source against an MPI library")
     if not uses_nccl(backend):
         return
     if rank_has_gpu(env):
@@ -240,7 +249,7 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
     asked = backend or compat.get("dist_backend")
     backend = asked or default_backend(env)
     check_backend(backend, env, f"init_distributed(dist_backend={asked!r})" if asked
-                  else "DSRUN_DIST_BACKEND (the launcher's environment)")
+                  else f"dsrun --dist_backend {backend} (DSRUN_DIST_BACKEND)")
     rank = compat.get("rank", -1)
     world = compat.get("world_size", -1)
     kwargs: dict[str, Any] = {"backend": backend,
@@ -268,6 +277,9 @@ def _note_kept_group(asked: str | None) -> None:
     so (rank 0) when the call named another backend."""
     have = dist.get_backend()
     if asked and str(asked).lower() != have and dist.get_rank() == 0:
+        # Scripts call this before initialize(), which would make the
+        # runtime's logger visible: without a handler the line is lost.
+        ensure_visible()
         log.info("init_distributed(dist_backend=%r): the process group exists already "
                  "(backend %s) and is kept, as DeepSpeed keeps an existing group", asked, have)
 

@@ -512,3 +512,31 @@ def test_the_commands_first_hint_moves_only_the_options_the_command_takes(
         assert f"(left out: {left_out}, which" in err, err
     words = shlex.split(fixed.strip("`"))
     cli.load_command(words[1]).make_context(f"dsrun {words[1]}", words[2:])  # it parses
+
+
+@pytest.mark.parametrize("launcher", [[], ["--launcher", "local"], ["--launcher", "ssh"],
+                                      ["--launcher", "pdsh"]])
+def test_mpi_backend_without_mpirun_or_srun_is_refused_before_anything_starts(
+        launcher, tmp_path, monkeypatch, capsys):
+    """torch's MPI backend takes rank and world size from MPI: under the local
+    or ssh launcher every rank would be a world of 1."""
+    from dsrun.launcher import hostfile as hf
+
+    monkeypatch.setattr(hf, "DEFAULT_JOB_HOSTFILE", str(tmp_path / "no-job-hostfile"))
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "t.py"
+    script.write_text("pass\n")
+    monkeypatch.setattr("dsrun.launcher.launch.ControlServer", pytest.fail)
+    for dry in ([], ["--dry-run"]):
+        assert cli.main([*dry, *launcher, "--cpu", "--dist_backend", "mpi", str(script)]) == 2
+        out, err = capsys.readouterr()
+        (line,) = err.splitlines()
+        assert line.startswith("dsrun: error: --dist_backend mpi needs --launcher openmpi or "
+                               "slurm, not ")
+        assert "world of 1" in line and out == ""
+
+
+@pytest.mark.parametrize("launcher", ["openmpi", "mpirun", "slurm"])
+def test_mpi_backend_is_taken_under_mpirun_and_srun(launcher):
+    spec = cli.parse_spec(["--launcher", launcher, "--dist_backend", "mpi", "t.py"])
+    assert spec.dist_backend == "mpi" and spec.backend in ("openmpi", "slurm")

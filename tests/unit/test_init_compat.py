@@ -61,9 +61,26 @@ def test_device_id_other_than_the_ranks_device_recreates_the_group(world):
                             "device_id": torch.device("meta"), "pg_options": None}]
 
 
-def test_other_backend_recreates_the_group(world):
+def test_other_backend_recreates_the_group(world, monkeypatch):
+    monkeypatch.setattr(rdist.dist, "is_mpi_available", lambda: True)  # a torch built with MPI
     rdist.tolerant_init_process_group("mpi")
     assert not world.alive and world.inits[0]["backend"] == "mpi"
+
+
+def test_mpi_without_mpi_in_torch_is_refused_and_the_group_kept(world, monkeypatch):
+    monkeypatch.setattr(rdist.dist, "is_mpi_available", lambda: False)  # pip's wheels
+    with pytest.raises(DsrunError) as info:
+        rdist.tolerant_init_process_group(backend="mpi")
+    assert str(info.value).startswith(
+        "torch.distributed.init_process_group(backend='mpi') asked for the MPI backend, but "
+        f"this torch ({torch.__version__}) was built without MPI "
+        "(torch.distributed.is_mpi_available() is False")
+    assert world.alive and world.inits == []
+    for spec in ("MPI", "cpu:mpi,cuda:nccl"):
+        with pytest.raises(DsrunError, match="built without MPI"):
+            rdist.check_backend(spec, CPU_RANK, "x")
+    monkeypatch.setattr(rdist.dist, "is_mpi_available", lambda: True)
+    rdist.check_backend("mpi", CPU_RANK, "x")  # fine
 
 
 def test_wrong_rank_or_world_size_is_warned_about(world, caplog):
