@@ -160,7 +160,10 @@ def test_missing_matplotlib_is_one_clear_error(tmp_path: Path,
     with pytest.raises(DsrunError) as err:
         plot_runs(runs, str(tmp_path / "r.png"))
     assert "dsrun plot needs matplotlib" in str(err.value)
-    assert "pip install 'dsrun[plot]'" in str(err.value)
+    # dsrun is not on PyPI: the hint is what works, not pip install 'dsrun[plot]'
+    assert "): pip install matplotlib (or, in a dsrun checkout, .venv/bin/pip install -e " \
+           "'.[plot]')" in str(err.value)
+    assert "dsrun[plot]" not in str(err.value)
     assert not (tmp_path / "r.png").exists()
 
 

@@ -12,7 +12,8 @@ tied-gradient reduction - stacked, with the measured iteration time on top; with
 run the timed total, the communication wait and the monitor's work).
 Several runs share each panel, one colour per run, against one x unit
 (samples as soon as one run has no batch size to count steps with). matplotlib is an
-optional extra (``pip install 'dsrun[plot]'``).
+optional dependency: ``pip install matplotlib`` (from a checkout,
+``.venv/bin/pip install -e '.[plot]'``; dsrun is not on PyPI).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def _matplotlib() -> Any:
         from matplotlib.figure import Figure
     except ImportError as err:
         raise DsrunError(f"dsrun plot needs matplotlib, which cannot be imported ({err}): "
-                         "pip install 'dsrun[plot]' (or pip install matplotlib)") from None
+                         "pip install matplotlib (or, in a dsrun checkout, "
+                         ".venv/bin/pip install -e '.[plot]')") from None
     del matplotlib
     return Figure
 
