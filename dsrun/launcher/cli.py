@@ -36,14 +36,13 @@ if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not ignored
 
 import importlib  # noqa: E402
 import os  # noqa: E402
-import shlex  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 
 import click  # noqa: E402
 
 from dsrun import __version__  # noqa: E402
 from dsrun.errors import DsrunError, DsrunUsageError  # noqa: E402
-from dsrun.launcher import launch  # noqa: E402
+from dsrun.launcher import cli_hints, launch  # noqa: E402
 from dsrun.launcher.spec import (  # noqa: E402
     DEFAULT_HEARTBEAT_TIMEOUT,
     DEFAULT_SSH_TIMEOUT,
@@ -57,7 +56,7 @@ from dsrun.launcher.spec import (  # noqa: E402
     split_args,
 )
 
-HELP_OPTIONS = ["-h", "--help"]
+HELP_OPTIONS = cli_hints.HELP_OPTIONS
 CONTEXT = {"allow_interspersed_args": False, "help_option_names": HELP_OPTIONS}
 
 #: Subcommands: name -> "module:attribute" of its click command, imported only
@@ -276,62 +275,6 @@ class CommandNotFirst(DsrunUsageError):
         self.command = command
 
 
-def _option_names(command: click.Command) -> set[str]:
-    """Every spelling of ``command``'s own options (a group's, not its
-    subcommands'), help included."""
-    names = set(HELP_OPTIONS)
-    for param in command.params:
-        if isinstance(param, click.Option):
-            names.update(param.opts)
-            names.update(param.secondary_opts)
-    return names
-
-
-def _leading_options(args: Sequence[str]) -> tuple[list[tuple[str, list[str]]], list[str]]:
-    """The ``run`` options before the first word that is not one, each as
-    (its name, its words), and the words from that first word on."""
-    takes_value = {}
-    for param in run_command.params:
-        if isinstance(param, click.Option):
-            for opt in (*param.opts, *param.secondary_opts):
-                takes_value[opt] = not (param.is_flag or param.count)
-    found: list[tuple[str, list[str]]] = []
-    i = 0
-    while i < len(args) and args[i].startswith("-") and args[i] != "--":
-        word = args[i]
-        name = word.split("=", 1)[0] if word.startswith("--") else word[:2]
-        attached = "=" in word if word.startswith("--") else len(word) > 2
-        width = 2 if takes_value.get(name) and not attached else 1
-        found.append((name, list(args[i:i + width])))
-        i += width
-    return found, list(args[i:])
-
-
-def _command_first(args: Sequence[str], command: str) -> str:
-    """The message for CommandNotFirst, with the command line reordered:
-    the options the command takes move after its name; the others are
-    left out, and named."""
-    options, rest = _leading_options(args)
-    if rest[:1] == ["--"]:
-        rest = rest[1:]
-    if rest[:1] == [command]:
-        rest = rest[1:]
-    try:
-        accepted = _option_names(load_command(command))
-    except Exception:  # noqa: BLE001 - a hint must not fail: keep every option
-        accepted = {name for name, _ in options}
-    kept = [word for name, words in options if name in accepted for word in words]
-    dropped = list(dict.fromkeys(name for name, _ in options if name not in accepted))
-    fixed = shlex.join(["dsrun", command, *kept, *rest])
-    if not dropped:
-        return (f"{command!r} is a dsrun command, and commands come first: `{fixed}` "
-                f"(`dsrun {command} -h` lists the options it takes)")
-    which = ", ".join(dropped)
-    return (f"{command!r} is a dsrun command, and commands come first: `{fixed}` "
-            f"(left out: {which}, which `dsrun {command}` does not take; "
-            f"`dsrun {command} -h` lists the options it takes)")
-
-
 def _discard_output() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     for stream in (sys.stdout, sys.stderr):
@@ -428,39 +371,14 @@ def parse_spec(argv: Sequence[str]) -> LaunchSpec:
     return spec_from_params(ctx.params)
 
 
-#: Options (by parameter name) warned about when they follow the script: those
-#: only a launcher has. Flags that scripts commonly take themselves (--config,
-#: --timeout, --log_dir, --env, --dry-run, --cpu, --dist_backend,
-#: --master_addr/--master_port, --include/--exclude, -m) pass without a word.
-WARN_AFTER_SCRIPT = frozenset({
-    "hostfile", "num_nodes", "num_gpus", "launcher", "launcher_args", "slurm_args",
-    "ssh_port", "ssh_user", "ssh_key", "ssh_config", "ssh_insecure", "ssh_timeout",
-    "no_python", "bind_cores_to_rank", "bind_core_list", "no_preflight", "env_prefixes",
-    "kill_grace", "heartbeat_timeout", "max_restarts", "local_rank_arg", "no_local_rank",
-})
-
-
-def _dsrun_flag_names() -> set[str]:
-    names = set()
-    for param in run_command.params:
-        if isinstance(param, click.Option) and param.name in WARN_AFTER_SCRIPT:
-            names.update(o for o in param.opts if o.startswith("--"))
-    return names
+#: DeepSpeed launcher flags dsrun does not take (cli_hints), for tests and docs
+DEEPSPEED_ONLY_FLAGS = cli_hints.DEEPSPEED_ONLY_FLAGS
+WARN_AFTER_SCRIPT = cli_hints.WARN_AFTER_SCRIPT
 
 
 def warn_flags_after_script(script_args: Sequence[str]) -> list[str]:
-    """Warn (once per flag) about launcher-only dsrun flags that will go to
-    the script (see :data:`WARN_AFTER_SCRIPT`)."""
-    known = _dsrun_flag_names()
-    seen = []
-    for arg in script_args:
-        name = arg.split("=", 1)[0]
-        if name in known and name not in seen:
-            seen.append(name)
-            click.echo(f"dsrun: warning: {name} comes after the script, so it is passed to "
-                       f"the script, not to dsrun; put dsrun options before the script",
-                       err=True)
-    return seen
+    """Warn about launcher-only flags that follow the script (cli_hints)."""
+    return cli_hints.warn_flags_after_script(run_command, script_args)
 
 
 def _dispatch(args: list[str]) -> tuple[click.Command, list[str]]:
@@ -473,63 +391,6 @@ def _dispatch(args: list[str]) -> tuple[click.Command, list[str]]:
 
 #: click >= 8.2 raises this for a group named without a subcommand.
 _NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
-
-
-_OWN_LINES = ("its own lines (a few at start, warnings, errors, the failure report) are the "
-              "stderr lines starting with 'dsrun:'")
-_NO_QUIET = f"dsrun has no quiet mode: {_OWN_LINES}"
-
-#: DeepSpeed launcher flags dsrun does not take, and what to do instead
-#: (every flag of DeepSpeed 0.19.8's runner.py that dsrun lacks, and a few of
-#: older versions).
-DEEPSPEED_ONLY_FLAGS = {
-    "--enable_each_rank_log": "DeepSpeed's --enable_each_rank_log DIR is dsrun's --log_dir DIR "
-                              "(one rank_N.log per rank)",
-    "--force_multi": "Not needed: dsrun launches over SSH whenever the hosts it selects are "
-                     "not just this one (--launcher ssh asks for it); DeepSpeed's env files "
-                     "(~/.deepspeed_env) apply to such jobs, ./.dsrun_env to every job",
-    "--save_pid": "Not needed: dsrun prints the job id at start, and 'dsrun stack JOB' "
-                  "reaches a running job",
-    "--no_ssh_check": "Not needed: dsrun checks every host before starting; --no_preflight "
-                      "skips that",
-    "--autotuning": "Not implemented (DeepSpeed's autotuner)",
-    "--elastic_training": "Not implemented: --max_restarts N restarts the job after a failure",
-    "--min_elastic_nodes": "Not implemented: --max_restarts N restarts the job after a failure",
-    "--max_elastic_nodes": "Not implemented: --max_restarts N restarts the job after a failure",
-    "--node_rank": "dsrun starts every host of the job itself from one launcher (over SSH, "
-                   "or with --launcher openmpi/slurm), so no host is started by hand with its "
-                   "node rank; --include HOST runs on one host of the hostfile",
-    "--no_ssh": "dsrun starts every host of the job itself from one launcher, with SSH "
-                "(paramiko: no ssh or pdsh binary needed) or --launcher openmpi/slurm; there "
-                "is no per-host manual mode: run dsrun once, on one host",
-    "--venv_script": "Not needed: remote ranks run the launcher's Python interpreter, and its "
-                     "directory comes first on their PATH; set variables with --env or in "
-                     "./.dsrun_env",
-    "--log_level": f"dsrun has no log levels: {_OWN_LINES}",
-    "--quiet": _NO_QUIET,
-    "-q": _NO_QUIET,
-    "--comment": "Pass Slurm options with --slurm_args",
-    "--account": "Pass Slurm options with --slurm_args",
-}
-
-
-def _usage_hint(exc: click.ClickException, name: str | None) -> str:
-    if not isinstance(exc, click.UsageError):
-        return ""
-    path = exc.ctx.command_path if exc.ctx is not None else "dsrun"
-    hint = f" (see {path} --help)"
-    if name is not None and os.path.exists(name):
-        hint += (f"; '{name}' here is a file, but '{name}' is a dsrun command: run the "
-                 f"file as 'dsrun ./{name}' or 'dsrun run {name}'")
-    return hint
-
-
-def _message(exc: click.ClickException) -> str:
-    """click's message, or for a DeepSpeed launcher flag what to do instead."""
-    if isinstance(exc, click.NoSuchOption) and exc.option_name in DEEPSPEED_ONLY_FLAGS:
-        return (f"No such option '{exc.option_name}' (a DeepSpeed launcher flag). "
-                f"{DEEPSPEED_ONLY_FLAGS[exc.option_name]}.")
-    return exc.format_message()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -563,11 +424,12 @@ def _main(argv: Sequence[str] | None) -> int:
         click.echo(exc.ctx.get_help() if exc.ctx is not None else exc.format_message())
         return 0
     except click.ClickException as exc:
-        hint = _usage_hint(exc, subcommand)
-        click.echo(f"dsrun: error: {_message(exc)}{hint}", err=True)
+        hint = cli_hints.usage_hint(exc, subcommand)
+        click.echo(f"dsrun: error: {cli_hints.message(exc)}{hint}", err=True)
         return exc.exit_code
     except CommandNotFirst as exc:
-        click.echo(f"dsrun: error: {_command_first(args, exc.command)}", err=True)
+        fixed = cli_hints.command_first(run_command, load_command, args, exc.command)
+        click.echo(f"dsrun: error: {fixed}", err=True)
         return exc.exit_code
     except DsrunError as exc:
         click.echo(f"dsrun: error: {exc}", err=True)
