@@ -35,6 +35,16 @@ the bench model cost more than the optimizer's arithmetic. Fused steps make
 no temporaries, and on a GPU whole tensors are fastest: there the masters
 are stepped whole unless ``sub_group_size`` is given.
 
+**fp16 overflow under accumulation.** Where gradients are reduced during
+backward (stages 2-3 at world size > 1, or with offload), each micro-step's
+reduced fp16 gradient is added into the fp32 partition accumulators: a sum
+beyond float16's range stays finite there. DeepSpeed (and dsrun's own flat
+float16 gradients) accumulate in float16, where it becomes inf and the step
+is skipped. :meth:`MasterGradients.has_overflow` therefore tests the scaled
+sums against the model dtype's range (:attr:`~MasterGradients.grad_dtype`,
+:func:`overflow_limit`): a value that would round to inf in float16 is an
+overflow, so every stage, world size and offload setting skips the same steps.
+
 **Offload.** When the masters live in host memory and the parameters on a
 GPU, the step goes piece by piece (:data:`OFFLOAD_PIECE` elements unless
 ``sub_group_size`` is given): the host steps a piece, issues its
@@ -109,6 +119,29 @@ def piece_size(sub_group_size: Optional[int], kwargs: Mapping[str, Any],
     return None
 
 
+def overflow_limit(dtype: Optional[torch.dtype]) -> float:
+    """The smallest magnitude that rounds to inf in ``dtype`` (round to
+    nearest: its largest finite value plus half a unit in the last place;
+    65520 for float16); inf for None and for dtypes as wide as the fp32
+    accumulators, where only inf and NaN are out of range."""
+    if dtype is None or not dtype.is_floating_point or dtype.itemsize >= 4:
+        return math.inf
+    info = torch.finfo(dtype)
+    top_exponent = math.frexp(info.max)[1] - 1
+    return info.max + info.eps * 2.0 ** top_exponent / 2
+
+
+def in_range(grads: list[torch.Tensor], limit: float) -> torch.Tensor:
+    """A 0-d bool tensor on the gradients' device (no host sync): every
+    element of ``grads`` is below ``limit`` in magnitude - inf and NaN never
+    are (one min/max pass per tensor, no temporary of the tensor's size)."""
+    checks = []
+    for grad in grads:
+        low, high = torch.aminmax(grad)  # NaN propagates into both
+        checks.append(torch.logical_and(high < limit, low > -limit))
+    return torch.stack(checks).all()
+
+
 def reduce_on_device(value: torch.Tensor, op: Any, group: Any, device: torch.device) -> None:
     """All-reduce ``value`` in place through ``device`` (the backend's: a
     NCCL group cannot reduce host tensors, which offloaded masters are)."""
@@ -150,6 +183,10 @@ class MasterGradients:
     #: DeepSpeed's: the last step was skipped for a non-finite gradient
     #: (the engine sets it; Accelerate's ``step_was_skipped`` reads it)
     overflow: bool = False
+    #: the dtype the model's gradients are in (the engine's
+    #: :func:`~.stepping.wrap_optimizer` sets it): :meth:`has_overflow`
+    #: counts a sum that would not be finite in it (float16) as an overflow
+    grad_dtype: Optional[torch.dtype] = None
 
     def reduce_gradients(self) -> None:  # pragma: no cover - every subclass defines it
         raise NotImplementedError
@@ -265,14 +302,17 @@ class MasterGradients:
 
     def has_overflow(self) -> bool:
         """True on every rank when any rank's partition gradient has an
-        inf/NaN: the flag is computed on the gradients' device, all-reduced,
-        and read once (the step's one host synchronisation, as in DeepSpeed)."""
+        inf/NaN, or a value that would not be finite in :attr:`grad_dtype`
+        (module docstring; call it before :meth:`scale_grads_`, on the
+        scaled gradients, as DeepSpeed checks them): the flag is computed on
+        the gradients' device, all-reduced, and read once (the step's one
+        host synchronisation, as in DeepSpeed)."""
         self.reduce_gradients()
         grads = [m.grad for m in self.masters if m.numel()]
         device = self.masters[0].device
         if grads:
-            finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()  # type: ignore
-            flag = torch.logical_not(finite).to(torch.float32).reshape(1)
+            inside = in_range(grads, overflow_limit(self.grad_dtype))  # type: ignore[arg-type]
+            flag = torch.logical_not(inside).to(torch.float32).reshape(1)
         else:
             flag = torch.zeros(1, device=device)
         self._all_reduce(flag, dist.ReduceOp.MAX, "overflow check")

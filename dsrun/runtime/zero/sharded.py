@@ -20,7 +20,8 @@ all-gather after the step lands in place. Otherwise (fp16 parameters,
 (or host -> device) copy per group writes it back.
 
 Gradients (the mean over the data-parallel ``group``) reach the masters'
-``.grad`` (fp32 partition accumulators):
+``.grad`` (fp32 partition accumulators; an fp16 sum beyond float16's range
+is still an overflow, :mod:`~.masters`):
 
 * **flat gradients** - stage 1 (reducing at the accumulation boundary) and
   stages 1-2 at world size 1 without offload: every ``param.grad`` is a view
@@ -50,8 +51,8 @@ config.zero_optimization))``), per optimizer step of ``gas`` micro-steps::
         loss.backward()          # stage 2: buckets reduce during backward
         zero.micro_step_done()   # flushes the rest (no-op if done already)
     zero.reduce_gradients()      # stage 1: the reduction; idempotent
-    zero.scale_grads_(1 / loss_scale)           # fp16 only
     if not zero.has_overflow():                 # fp16 only; all ranks agree
+        zero.scale_grads_(1 / loss_scale)       # fp16 only
         norm = zero.clip_grad_norm(max_norm)    # == torch clip_grad_norm_ on
         zero.step()                             #    the full mean gradient
     zero.zero_grad(set_to_none=False)           # keep the flat buffers

@@ -6,8 +6,8 @@
   config's ``zero_optimization`` knobs and gradient buckets in backward
   order (the reverse of ``module.parameters()``), and links the
   precision's loss scaler (fp16) for DeepSpeed's ``cur_scale``.
-* :func:`zero_step` is the boundary step: reduce (stage 1), unscale and
-  agree on overflow across ranks (fp16), clip by the global norm computed
+* :func:`zero_step` is the boundary step: reduce (stage 1), agree on
+  overflow across ranks and unscale by backward's scale (fp16), clip by the global norm computed
   from all partitions - a non-finite one skips the step in fp32 and bf16
   (as DeepSpeed's ZeRO optimizers; the norm is the same on every rank) -,
   step, all-gather the updated partitions.
@@ -58,6 +58,8 @@ def wrap_optimizer(optimizer: Optional[torch.optim.Optimizer], zero_config: Any,
     only): partition the module without training it."""
     wrapped = _wrap(optimizer, zero_config, stage, group, module, accumulation, device)
     wrapped.loss_scaler = loss_scaler
+    wrapped.grad_dtype = next((p.dtype for p in module.parameters()
+                               if p.requires_grad and p.is_floating_point()), None)
     return wrapped
 
 
@@ -121,11 +123,14 @@ def zero_step(zero: Union[ZeroOptimizer, ZeroStage3], precision: FullPrecision,
     zero.reduce_gradients()
     scaler = getattr(precision, "scaler", None)
     if scaler is not None:
-        zero.scale_grads_(1.0 / scaler.scale)
-        overflow = zero.has_overflow()  # one all_reduce: every rank agrees
+        scale = scaler.scale  # backward's; update() may grow it for the next step
+        # on the scaled sums, in the model dtype's range: one all_reduce, every rank agrees
+        overflow = zero.has_overflow()
         if scaler.update(overflow):
             # the norm of non-finite gradients, as stage 0 and DeepSpeed's ZeRO report it
             return skipped()
+        # by the scale backward used (DeepSpeed's ZeRO divides by the grown one)
+        zero.scale_grads_(1.0 / scale)
     # the norm always, as DeepSpeed's ZeRO optimizers: get_global_grad_norm() reports it
     norm: Optional[torch.Tensor] = zero.clip_grad_norm(max_norm) if max_norm > 0 \
         else zero.grad_norm()
