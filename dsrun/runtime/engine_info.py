@@ -24,6 +24,7 @@ import torch.distributed as dist
 from dsrun.errors import DsrunError
 from dsrun.runtime.config import OPTIMIZER_NAMES, DsrunConfig
 from dsrun.runtime.config_schema import thaw
+from dsrun.runtime.engine_offload import OffloadAccessors
 from dsrun.runtime.precision import torch_dtype
 from dsrun.runtime.timer_names import (
     BACKWARD_GLOBAL_TIMER,
@@ -49,8 +50,9 @@ WALL_CLOCK_TIMERS = {FORWARD_GLOBAL_TIMER: "forward", BACKWARD_GLOBAL_TIMER: "ba
 DEEPSPEED_LOWER_CASE_OPTIMIZERS = frozenset({"adagrad", "adam", "adamw", "lamb", "lion"})
 
 
-class EngineInfo:
-    """DeepSpeed's engine accessors (module docstring)."""
+class EngineInfo(OffloadAccessors):
+    """DeepSpeed's engine accessors (module docstring; the offload ones in
+    :mod:`~dsrun.runtime.engine_offload`)."""
 
     config: DsrunConfig
     optimizer: Any
@@ -256,16 +258,6 @@ class EngineInfo:
 
     def zero_optimization_stage(self) -> int:
         return self.config.zero_optimization.stage
-
-    def zero_offload_optimizer(self) -> bool:
-        return self.config.zero_optimization.offload_optimizer is not None
-
-    def zero_offload_param(self) -> bool:
-        return self.config.zero_optimization.offload_param is not None
-
-    def zero_cpu_offload(self) -> bool:
-        offload = self.config.zero_optimization.offload_optimizer
-        return offload is not None and offload.device == "cpu"
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """``stage3_gather_16bit_weights_on_model_save`` (DeepSpeed's)."""

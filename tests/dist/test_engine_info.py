@@ -34,13 +34,46 @@ def test_accessors_follow_the_config(solo: None) -> None:
     assert engine.get_data_types() == (torch.bfloat16, torch.bfloat16)
     assert engine.communication_data_type == torch.float32
     assert engine.zero_optimization() and engine.zero_optimization_stage() == 2
-    assert engine.zero_offload_optimizer() and engine.zero_cpu_offload()
-    assert not engine.zero_offload_param()
+    assert engine.zero_offload_optimizer().device == "cpu" and engine.zero_cpu_offload()
+    assert engine.zero_offload_param() is None
     assert engine.gradient_clipping() == 0.5 and engine.optimizer_name() == "adamw"
     assert engine.steps_per_print() == 7 and engine.dataloader_drop_last()
     assert not engine.wall_clock_breakdown() and not engine.sparse_gradients_enabled()
     assert not engine.amp_enabled()
     engine.empty_partition_cache()  # nothing held below stage 3: no effect, no error
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offload_accessors_return_the_sections(solo: None, stage: int) -> None:
+    """As DeepSpeed 0.19.8: the section object or None, and its ZeRO
+    optimizers' flags (stages 1-2 ``cpu_offload``; stage 3
+    ``offload_optimizer``/``offload_param``, each absent elsewhere)."""
+    sections = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    if stage == 3:
+        sections["offload_param"] = {"device": "cpu"}
+    base = {"train_batch_size": 2, "optimizer": {"type": "adamw", "params": {"lr": 0.01}}}
+    engine = build({**base, "zero_optimization": {"stage": stage, **sections}})
+    section = engine.zero_offload_optimizer()
+    assert (section.device, section.pin_memory, section.ratio) == ("cpu", True, 1.0)
+    assert engine.zero_use_cpu_optimizer() and engine.zero_cpu_offload()
+    assert engine.zero_partial_offload() == 1.0
+    plain = build({**base, "zero_optimization": {"stage": stage}})
+    assert plain.zero_offload_optimizer() is None and plain.zero_offload_param() is None
+    assert not plain.zero_use_cpu_optimizer() and not plain.zero_cpu_offload()
+    assert plain.zero_partial_offload() == 1.0
+    if stage == 3:
+        assert engine.zero_offload_param().device == "cpu"
+        assert engine.optimizer.offload_optimizer is True and engine.optimizer.offload_param
+        assert not plain.optimizer.offload_optimizer and not plain.optimizer.offload_param
+        assert not hasattr(engine.optimizer, "cpu_offload")
+    else:
+        assert engine.zero_offload_param() is None
+        assert engine.optimizer.cpu_offload is True and plain.optimizer.cpu_offload is False
+        assert not hasattr(engine.optimizer, "offload_param")
+        assert not hasattr(engine.optimizer, "offload_optimizer")
+    none = build({**base, "zero_optimization": {"stage": stage,
+                                                "offload_optimizer": {"device": "none"}}})
+    assert none.zero_offload_optimizer().device == "none" and not none.zero_use_cpu_optimizer()
 
 
 def test_client_optimizer_and_defaults(solo: None) -> None:

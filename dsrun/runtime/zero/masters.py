@@ -64,6 +64,7 @@ import torch.distributed as dist
 
 from dsrun import comm as collectives
 from dsrun.runtime.loss_scaler import LossScaler
+from dsrun.runtime.zero.offload import Placement
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 HOST_PIECE = 1 << 20  # elements per piece for non-fused steps in host memory (4 MiB fp32)
@@ -187,6 +188,9 @@ class MasterGradients:
     #: :func:`~.stepping.wrap_optimizer` sets it): :meth:`has_overflow`
     #: counts a sum that would not be finite in it (float16) as an overflow
     grad_dtype: Optional[torch.dtype] = None
+    #: where this optimizer keeps what (offload flags; :mod:`~.offload`)
+    placement: Placement
+    stage: int
 
     def reduce_gradients(self) -> None:  # pragma: no cover - every subclass defines it
         raise NotImplementedError
@@ -198,6 +202,31 @@ class MasterGradients:
         return 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
 
     loss_scale = cur_scale  # DeepSpeed's other name for it
+
+    # DeepSpeed's offload flags under its ZeRO optimizers' names: stages 1-2
+    # have ``cpu_offload``, stage 3 ``offload_optimizer``/``offload_param``;
+    # each is absent at the other stages, as there (hasattr tells them apart)
+    def _deepspeed_flag(self, name: str, stage3: bool, value: bool) -> bool:
+        if (self.stage == 3) != stage3:
+            raise AttributeError(f"{type(self).__name__} (ZeRO stage {self.stage}) has no "
+                                 f"{name!r}: DeepSpeed's stage {'3' if stage3 else '1-2'} "
+                                 "optimizer attribute")
+        return bool(value)
+
+    @property
+    def cpu_offload(self) -> bool:
+        """DeepSpeed's stage 1-2 attribute: ``offload_optimizer`` is on."""
+        return self._deepspeed_flag("cpu_offload", False, self.placement.offload_optimizer)
+
+    @property
+    def offload_optimizer(self) -> bool:
+        """DeepSpeed's stage 3 attribute: ``offload_optimizer`` is on."""
+        return self._deepspeed_flag("offload_optimizer", True, self.placement.offload_optimizer)
+
+    @property
+    def offload_param(self) -> bool:
+        """DeepSpeed's stage 3 attribute: ``offload_param`` is on."""
+        return self._deepspeed_flag("offload_param", True, self.placement.offload_param)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
