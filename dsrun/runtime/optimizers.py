@@ -15,6 +15,11 @@ DeepSpeed semantics kept here (deepspeed/runtime/engine.py,
   (also for AdamW, whose torch default is 0.01); with it, torch's default.
 * ``bias_correction`` (a FusedAdam param) is accepted only as true: torch's
   Adam always corrects bias.
+* ``fp32_optimizer_states`` (DeepSpeedCPUAdam's, under ``offload_optimizer``)
+  is accepted as true or false and changes nothing: it keeps the moments in
+  fp32 (true) or in the stepped parameters' dtype (false), and ZeRO steps
+  fp32 masters (DeepSpeed 0.19.8's moments are fp32 either way too, unless
+  16-bit masters or ``bf16_optimizer_states``, which dsrun refuses).
 * ``"Lamb"`` is :class:`Lamb` below (DeepSpeed's FusedLamb, on any device).
 * ``max_grad_norm`` is rejected in favour of ``gradient_clipping`` (checked
   when the config is resolved), as in DeepSpeed.
@@ -197,7 +202,7 @@ OPTIMIZER_CLASSES: Mapping[str, type[Optimizer]] = {
     **{kind: getattr(torch.optim, name) for kind, name in OPTIMIZER_NAMES.items()
        if kind not in ("adam", "adamw", "lamb", "lion") and hasattr(torch.optim, name)},
 }
-ADAM_EXTRAS = ("adam_w_mode", "torch_adam", "bias_correction")
+ADAM_EXTRAS = ("adam_w_mode", "torch_adam", "bias_correction", "fp32_optimizer_states")
 assert set(OPTIMIZER_CLASSES) <= set(OPTIMIZER_NAMES), "config and optimizers disagree on types"
 
 
@@ -222,6 +227,7 @@ def optimizer_class_and_kwargs(config: OptimizerConfig) -> tuple[type[Optimizer]
         extras = ADAM_EXTRAS
         adam_w_mode = _flag(kwargs.pop("adam_w_mode", True), "adam_w_mode")
         torch_adam = _flag(kwargs.pop("torch_adam", False), "torch_adam")
+        _flag(kwargs.pop("fp32_optimizer_states", True), "fp32_optimizer_states")
         if not _flag(kwargs.pop("bias_correction", True), "bias_correction"):
             raise DsrunConfigError('optimizer.params "bias_correction": false is not supported: '
                                    "torch's Adam/AdamW always correct bias")

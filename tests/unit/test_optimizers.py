@@ -86,6 +86,7 @@ def test_type_names_are_case_insensitive(name: str) -> None:
     ("lamb", {"max_coef": 5.0}, 'did you mean "max_coeff"?'),
     ("adam", {"bias_correction": False}, "always correct bias"),
     ("adam", {"adam_w_mode": "yes"}, '"adam_w_mode" must be true or false'),
+    ("adamw", {"fp32_optimizer_states": 1}, '"fp32_optimizer_states" must be true or false'),
     ("adam", {"lr": -1.0}, "rejected params"),
     ("lamb", {"amsgrad": True}, "amsgrad"),
 ])
@@ -102,6 +103,21 @@ def test_deepspeed_only_adam_params_are_listed_as_valid() -> None:
         "bias_correction": True, "lr": 0.2, "betas": [0.8, 0.9]}))
     assert cls is torch.optim.AdamW and kwargs == {"lr": 0.2, "betas": (0.8, 0.9),
                                                    "weight_decay": 0.0}
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+@pytest.mark.parametrize("states", [True, False])
+def test_cpu_adams_fp32_optimizer_states_is_accepted(kind: str, states: bool) -> None:
+    """DeepSpeed pops it for DeepSpeedCPUAdam; its moments follow the fp32
+    masters either way, as dsrun's do (fp32 state from fp32 parameters)."""
+    config = OptimizerConfig(kind, {"lr": 0.01, "fp32_optimizer_states": states})
+    cls, kwargs = optimizer_class_and_kwargs(config)
+    assert cls is torch.optim.AdamW and kwargs == {"lr": 0.01, "weight_decay": 0.0}
+    p = torch.nn.Parameter(torch.tensor([1.0, 2.0]))  # fp32, as ZeRO's masters
+    opt = build_optimizer(config, [p])
+    p.grad = torch.ones(2)
+    opt.step()
+    assert {t.dtype for t in opt.state[p].values() if t.dim()} == {torch.float32}
 
 
 def test_auto_defaults_match_torch_and_deepspeed() -> None:
