@@ -201,6 +201,13 @@ def test_deepspeed_import_paths() -> None:
         assert (DsCpuAdam, DsFusedAdam) == (DeepSpeedCPUAdam, FusedAdam)
         assert deepspeed.ops.adam is adam and sorted(adam.__all__) == ["DeepSpeedCPUAdam",
                                                                        "FusedAdam"]
+        # DeepSpeed's submodules, imported and as attributes: the same classes
+        from deepspeed.ops.adam.cpu_adam import DeepSpeedCPUAdam as SubCpuAdam  # type: ignore
+        from deepspeed.ops.adam.fused_adam import FusedAdam as SubFusedAdam  # type: ignore
+
+        assert (SubCpuAdam, SubFusedAdam) == (DeepSpeedCPUAdam, FusedAdam)
+        assert deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam is DeepSpeedCPUAdam
+        assert deepspeed.ops.adam.fused_adam.FusedAdam is FusedAdam
     finally:
         for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
             del sys.modules[name]

@@ -33,6 +33,10 @@ silent change of numerics:
 ``amsgrad=True`` works (torch's AMSGrad; DeepSpeed refuses it). Nothing is
 compiled, and ``DeepSpeedCPUAdam`` also steps GPU parameters (DeepSpeed's
 asserts they are in host memory).
+
+DeepSpeed's submodule paths name the same classes:
+``deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam`` (:mod:`.cpu_adam`) and
+``deepspeed.ops.adam.fused_adam.FusedAdam`` (:mod:`.fused_adam`).
 """
 
 from __future__ import annotations
@@ -249,3 +253,9 @@ class DeepSpeedCPUAdam(_DeepSpeedAdam):
                         "parameter's dtype. Step fp32 parameters (dsrun's engine gives the "
                         "optimizer fp32 masters under fp16/bf16) or pass "
                         "fp32_optimizer_states=False")
+
+
+# DeepSpeed's submodules (``from deepspeed.ops.adam.cpu_adam import
+# DeepSpeedCPUAdam``), imported here so that attribute access finds them too,
+# as DeepSpeed's package does; they hold the classes defined above
+from dsrun.ops.adam import cpu_adam, fused_adam  # noqa: E402,F401
