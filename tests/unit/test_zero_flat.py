@@ -141,3 +141,14 @@ def test_zero_init_reads_offload_param_from_its_config(tmp_path: Path) -> None:
     path.write_text(json.dumps(config))
     assert settings_from_config(str(path)).remote_device is None
     assert settings_from_config(None).remote_device is None
+
+
+def test_zero_init_dtype_from_its_config() -> None:
+    """As DeepSpeed's Init given a config: fp16 / bf16 sections, else fp32
+    (a bf16-made model under an fp32 config trains in fp32); no config: the
+    parameters keep the dtype they were made in."""
+    base = {"train_batch_size": 2, "zero_optimization": {"stage": 3}}
+    assert settings_from_config(base).dtype == torch.float32
+    assert settings_from_config({**base, "fp16": {"enabled": True}}).dtype == torch.float16
+    assert settings_from_config({**base, "bf16": {"enabled": False}}).dtype == torch.float32
+    assert settings_from_config(None).dtype is None

@@ -122,7 +122,7 @@ class InitSettings:
 @dataclass(frozen=True)
 class ConfigSettings:
     """What ``zero.Init`` takes from a DeepSpeed config: the persistence
-    threshold, the parameter dtype (fp16/bf16 sections), the
+    threshold, the parameter dtype (fp16/bf16 sections, else fp32), the
     ``offload_param`` section's device (None: none or "none") and
     ``pin_memory``, and ``data_types.keep_in_fp32_modules``, as DeepSpeed's
     Init does when given a config."""
@@ -151,7 +151,9 @@ def settings_from_config(config: Any) -> ConfigSettings:
         types = parse_section(DataTypesConfig, raw.get("data_types", {}), ("data_types",), ctx)
         fp16 = _enabled(raw.get("fp16"))
         bf16 = _enabled(raw.get("bf16", raw.get("bfloat16")))
-    dtype = torch.float16 if fp16 else torch.bfloat16 if bf16 else None
+    # as DeepSpeed's Init given a config: neither fp16 nor bf16 means fp32, so
+    # a model made in bf16 (from_pretrained(torch_dtype=...)) trains in fp32
+    dtype = torch.float16 if fp16 else torch.bfloat16 if bf16 else torch.float32
     section = getattr(zero, "offload_param", None)
     device = getattr(section, "device", None)
     return ConfigSettings(zero.param_persistence_threshold, dtype,
