@@ -418,7 +418,9 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
             raise DsrunError(f"engine.no_sync() is not possible at ZeRO stage "
                              f"{self.zero_stage} here: gradients are reduced during every "
                              f"backward ({why}), as in DeepSpeed; use "
-                             "gradient_accumulation_steps > 1 with stage 1, or stage 0")
+                             "gradient_accumulation_steps > 1 with stage 1, or stage 0, and "
+                             "call engine.step() outside the no_sync() block (a Hugging Face "
+                             "Trainer of transformers < 4.47 calls it inside: upgrade it)")
         previous, self._inside_no_sync = self._inside_no_sync, True
         try:
             yield
