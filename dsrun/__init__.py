@@ -14,7 +14,15 @@ from typing import Any
 
 from dsrun import _alias
 
-__version__ = "0.1.0"
+#: dsrun's own release (pyproject, ``dsrun --version``, checkpoints, doctor)
+DSRUN_VERSION = "0.1.0"
+#: DeepSpeed's attributes, for scripts that ``import dsrun as deepspeed`` and
+#: gate on them: the DeepSpeed release whose API dsrun follows, then dsrun's
+#: own (the same string as the ``deepspeed`` alias's package metadata).
+__version__ = f"{_alias.DEEPSPEED_API_VERSION}+dsrun.{DSRUN_VERSION}"
+__version_major__, __version_minor__, __version_patch__ = (
+    int(part) for part in _alias.DEEPSPEED_API_VERSION.split("."))
+__git_hash__ = __git_branch__ = "[none]"  # DeepSpeed's value where it was not built from git
 
 # public name -> "module:attribute" it lives in
 _LAZY = {
@@ -35,7 +43,7 @@ _LAZY = {
 }
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500  # DeepSpeed's (and torch's) default master port
 
-__all__ = ["TORCH_DISTRIBUTED_DEFAULT_PORT", "__version__", *_LAZY]
+__all__ = ["DSRUN_VERSION", "TORCH_DISTRIBUTED_DEFAULT_PORT", "__version__", *_LAZY]
 
 
 # dsrun.zero.Init, dsrun.pipe.PipelineModule, dsrun.comm.get_rank, ... as deepspeed.*

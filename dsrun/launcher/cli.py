@@ -40,7 +40,7 @@ from collections.abc import Sequence  # noqa: E402
 
 import click  # noqa: E402
 
-from dsrun import __version__  # noqa: E402
+from dsrun import DSRUN_VERSION  # noqa: E402
 from dsrun.errors import DsrunError, DsrunUsageError  # noqa: E402
 from dsrun.launcher import cli_hints, launch  # noqa: E402
 from dsrun.launcher.spec import (  # noqa: E402
@@ -179,7 +179,7 @@ def host_options(func):
 
 
 @click.command("run", cls=RunCommand, context_settings=CONTEXT)
-@click.version_option(__version__, "--version", prog_name="dsrun",
+@click.version_option(DSRUN_VERSION, "--version", prog_name="dsrun",
                       message="%(prog)s %(version)s")
 @host_options
 @click.option("-m", "--module", "module", is_flag=True,

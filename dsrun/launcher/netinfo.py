@@ -285,7 +285,7 @@ def package_version(name: str) -> str | None:
 
 def probe_reply(msg: Mapping[str, Any]) -> tuple[dict[str, Any], HeldPort | None]:
     """Answer a ``probe`` command: this host's facts, and a held port (master)."""
-    from dsrun import __version__
+    from dsrun import DSRUN_VERSION
     from dsrun.launcher.devices import usable_cpu_list, visible_devices
 
     cpu_list = usable_cpu_list()
@@ -295,7 +295,7 @@ def probe_reply(msg: Mapping[str, Any]) -> tuple[dict[str, Any], HeldPort | None
         "cpus": len(cpu_list), "cpu_list": list(cpu_list), "cwd": os.getcwd(),
     }
     if msg.get("versions", True):
-        facts.update(python=python_version(), dsrun=__version__,
+        facts.update(python=python_version(), dsrun=DSRUN_VERSION,
                      torch=package_version("torch"))
     facts["machine"] = machine_identity()
     if msg.get("script"):

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dsrun import __version__
+from dsrun import DSRUN_VERSION
 from dsrun.errors import LaunchError
 from dsrun.launcher.netinfo import package_version
 
@@ -40,7 +40,7 @@ class Expectations:
 
     @classmethod
     def here(cls) -> Expectations:
-        return cls(platform.python_version(), __version__, package_version("torch"))
+        return cls(platform.python_version(), DSRUN_VERSION, package_version("torch"))
 
 
 @dataclass(frozen=True)

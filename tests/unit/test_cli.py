@@ -156,10 +156,10 @@ def test_help_lists_every_registered_command(monkeypatch, capsys):
 
 
 def test_version(capsys):
-    from dsrun import __version__
+    from dsrun import DSRUN_VERSION
 
     assert cli.main(["--version"]) == 0
-    assert capsys.readouterr().out.strip() == f"dsrun {__version__}"
+    assert capsys.readouterr().out.strip() == f"dsrun {DSRUN_VERSION}"
 
 
 @pytest.mark.parametrize("argv", [["-h"], ["hosts", "-h"], ["hosts", "add", "-h"],

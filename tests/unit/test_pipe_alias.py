@@ -52,7 +52,14 @@ def test_the_alias_has_deepspeeds_metadata_for_hugging_face(
 
     assert importlib.util.find_spec("deepspeed") is not None
     version = importlib.metadata.version("deepspeed")
-    assert version == f"0.19.8+dsrun.{dsrun.__version__}" and Version(version) >= Version("0.9.3")
+    assert version == f"0.19.8+dsrun.{dsrun.DSRUN_VERSION}" and Version(version) >= Version("0.9.3")
+    # the attribute scripts gate on says the same (TRL, Megatron-DeepSpeed compare it)
+    import deepspeed
+
+    assert deepspeed.__version__ == version
+    assert (deepspeed.__version_major__, deepspeed.__version_minor__,
+            deepspeed.__version_patch__) == (0, 19, 8)
+    assert importlib.metadata.version("dsrun") == dsrun.DSRUN_VERSION  # pyproject's
     assert importlib.metadata.metadata("DeepSpeed")["Name"] == "deepspeed"  # normalised name
     assert "deepspeed" in {d.metadata["Name"] for d in importlib.metadata.distributions()}
     # a listing of named directories (pip's) does not see it; the switch turns it off

@@ -188,7 +188,7 @@ def _meta(engine: Any, model: Mapping[str, Any]) -> dict[str, Any]:
                 dp_world_size=engine.dp_world_size,
                 train_batch_size=engine.config.train_batch_size,
                 gradient_accumulation_steps=engine.config.gradient_accumulation_steps,
-                dsrun_version=dsrun.__version__, torch_version=torch.__version__,
+                dsrun_version=dsrun.DSRUN_VERSION, torch_version=torch.__version__,
                 created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 **model)
     return meta

@@ -425,7 +425,7 @@ def _meta(ckpt: DeepSpeedCheckpoint) -> dict[str, Any]:
             "dp_world_size": ckpt.dp_world_size,
             "train_batch_size": ckpt.config.get("train_batch_size"),
             "gradient_accumulation_steps": ckpt.config.get("gradient_accumulation_steps"),
-            "dsrun_version": dsrun.__version__, "torch_version": torch.__version__,
+            "dsrun_version": dsrun.DSRUN_VERSION, "torch_version": torch.__version__,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "excluded_frozen": [], "frozen": ckpt.frozen, "state_dict_keys": ckpt.keys,
             "imported_from": {"format": "deepspeed", "deepspeed_version": ckpt.version,
