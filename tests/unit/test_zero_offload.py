@@ -66,6 +66,48 @@ def test_nvme_offload_is_refused_naming_the_section_and_source() -> None:
         offload_notes(cfg, 3, CUDA, "c.json")
 
 
+def test_an_unused_section_is_ignored_whatever_its_device() -> None:
+    """As DeepSpeed: stage 1/2 do not read offload_param, stage 0 neither
+    section, so "nvme" there is warned about like "cpu", not refused."""
+    nvme = {"device": "nvme", "nvme_path": "/local"}
+    for stage in (1, 2):
+        notes = offload_notes(zero(stage=stage, offload_param=nvme), stage, CUDA, "c.json")
+        assert notes == [(logging.WARNING, "zero_optimization.offload_param (c.json) needs "
+                                           f"stage 3; at stage {stage} it is ignored")]
+    notes = offload_notes(zero(stage=0, offload_optimizer=nvme, offload_param=nvme), 0,
+                          HOST, "c.json")
+    assert [level for level, _ in notes] == [logging.WARNING] * 2
+    with pytest.raises(DsrunConfigError, match=r"offload_optimizer.device='nvme' \(c.json\)"):
+        offload_notes(zero(stage=2, offload_optimizer=nvme), 2, CUDA, "c.json")
+
+
+@pytest.mark.parametrize("device", [CUDA, HOST])
+def test_partial_offload_and_super_offload_get_one_warning(device: torch.device) -> None:
+    cfg = zero(stage=3, offload_optimizer={"device": "cpu", "ratio": 0.25,
+                                           "super_offload": True, "cpuadam_cores_perc": 0.5})
+    warned = [text for level, text in offload_notes(cfg, 3, device, "c.json")
+              if level == logging.WARNING]
+    assert len(warned) == 1
+    for part in ("(c.json)", "ratio=0.25", "keeps 75%", "super_offload=true",
+                 "cpuadam_cores_perc=0.5", "offloads all of the optimizer state",
+                 "no partial offload and no SuperOffload"):
+        assert part in warned[0], part
+
+
+def test_offload_keys_deepspeed_ignores_too_are_not_warned_about() -> None:
+    quiet = [zero(stage=3, offload_optimizer={"device": "cpu", "cpuadam_cores_perc": 0.5}),
+             zero(stage=2, offload_optimizer={"device": "cpu", "super_offload": True}),
+             zero(stage=3, offload_optimizer={"device": "none", "ratio": 0.5}),
+             zero(stage=3, offload_optimizer={"device": "cpu", "ratio": 1.0, "fast_init": True,
+                                              "buffer_count": 8})]
+    for cfg in quiet:
+        assert offload_notes(cfg, cfg.stage, CUDA, "c.json") == []
+    sole = offload_notes(zero(stage=3, offload_optimizer={"device": "cpu", "super_offload": True}),
+                         3, CUDA, "c.json")
+    assert len(sole) == 1 and "SuperOffload optimizer)" in sole[0][1]
+    assert "cpuadam" not in sole[0][1] and "ratio" not in sole[0][1]
+
+
 def test_placement() -> None:
     gpu = Placement(CUDA, offload_optimizer=True)
     assert (gpu.master_device, gpu.offloads) == (HOST, True)

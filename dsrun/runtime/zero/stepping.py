@@ -15,7 +15,8 @@
   paper's formula for this config next to what this rank really holds)
   and of the communication per optimizer step (:func:`comm_volume`).
 * :func:`offload_notes` checks the ``offload_*`` sections against the stage
-  and the device (the optimizers read them through their settings).
+  and the device, and names the DeepSpeed keys dsrun does not act on (the
+  optimizers read the sections through their settings).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ DEFAULT_STAGE3_REDUCE_BUCKET = 6_250_000  # elements: 25 MB of fp32
 # depth), which is also what the end of forward keeps for backward.
 DEEPSPEED_DEFAULT_PREFETCH = 50_000_000  # elements
 DEFAULT_PREFETCH = 12_500_000  # elements: 50 MB of fp32
+SUPER_OFFLOAD_CORES = 0.8  # offload_optimizer.cpuadam_cores_perc's default
 
 
 def wrap_optimizer(optimizer: Optional[torch.optim.Optimizer], zero_config: Any, stage: int,
@@ -93,29 +95,59 @@ def _wrap(optimizer: Optional[torch.optim.Optimizer], zero_config: Any, stage: i
 def offload_notes(zero_config: Any, stage: int, device: torch.device, source: str
                   ) -> list[tuple[int, str]]:
     """What the engine logs about the ``offload_*`` sections, as (logging
-    level, text) (pure). Raises for "nvme" (ZeRO-Infinity is not
-    implemented); sections this stage ignores, as DeepSpeed does, get a
-    warning; "cpu" on CPU ranks a note that it is a no-op (the state is in
-    host memory already)."""
+    level, text) (pure). Sections this stage ignores get a warning, as
+    DeepSpeed ignores them, whatever their device; a used one on "nvme" is
+    refused (ZeRO-Infinity is not implemented); "cpu" on CPU ranks gets a
+    note that it is a no-op (the state is in host memory already); the
+    stage-3 keys that change what DeepSpeed does but not dsrun get one
+    warning (:func:`unapplied_offload_keys`)."""
     notes = []
     for name, first_stage in (("offload_optimizer", 1), ("offload_param", 3)):
         section = getattr(zero_config, name, None)
         target = getattr(section, "device", None) or "none"
         if target == "none":
             continue
-        if target != "cpu":
-            raise DsrunConfigError(f"zero_optimization.{name}.device={target!r} ({source}): "
-                                   "NVMe offload (ZeRO-Infinity) is not implemented in dsrun; "
-                                   'use "cpu" or "none"')
         if stage < first_stage:
             needs = "stage 3" if first_stage == 3 else "ZeRO stage 1, 2 or 3"
             notes.append((logging.WARNING, f"zero_optimization.{name} ({source}) needs "
                                            f"{needs}; at stage {stage} it is ignored"))
-        elif device.type == "cpu":
+            continue
+        if target != "cpu":
+            raise DsrunConfigError(f"zero_optimization.{name}.device={target!r} ({source}): "
+                                   "NVMe offload (ZeRO-Infinity) is not implemented in dsrun; "
+                                   'use "cpu" or "none"')
+        if device.type == "cpu":
             notes.append((logging.INFO, f"zero_optimization.{name}.device=cpu: these are CPU "
                                         "ranks, so that state already lives in host memory "
                                         "(offload is a no-op)"))
+    unapplied = unapplied_offload_keys(zero_config, stage)
+    if unapplied:
+        notes.append((logging.WARNING,
+                      f"zero_optimization.offload_optimizer ({source}): {'; '.join(unapplied)}: "
+                      "not acted on - dsrun offloads all of the optimizer state and steps it "
+                      "in host memory with the inner torch optimizer (it has no partial "
+                      "offload and no SuperOffload)"))
     return notes
+
+
+def unapplied_offload_keys(zero_config: Any, stage: int) -> list[str]:
+    """The used ``offload_optimizer`` keys with which DeepSpeed 0.19.8 would
+    place or step the state otherwise (stage 3: ``ratio`` < 1 keeps part of
+    it on the GPU; ``super_offload`` is its SuperOffload optimizer, and
+    ``cpuadam_cores_perc`` that optimizer's share of the cores) (pure)."""
+    section = getattr(zero_config, "offload_optimizer", None)
+    if stage != 3 or getattr(section, "device", "none") == "none":
+        return []
+    keys = []
+    if section.ratio < 1.0:
+        keys.append(f"ratio={section.ratio:g} (DeepSpeed keeps {1 - section.ratio:.0%} of "
+                    "the optimizer state and its step on the GPU)")
+    if section.super_offload:
+        cores = section.cpuadam_cores_perc
+        keys.append("super_offload=true (DeepSpeed's SuperOffload optimizer"
+                    + (f", cpuadam_cores_perc={cores:g})" if cores != SUPER_OFFLOAD_CORES
+                       else ")"))
+    return keys
 
 
 def zero_step(zero: Union[ZeroOptimizer, ZeroStage3], precision: FullPrecision,
