@@ -318,23 +318,25 @@ def test_cuda_tensor_types_are_deepspeeds_torch_tensor_in_the_dtype() -> None:
 
 def test_cpu_older_memory_names(cpu: CpuAccelerator) -> None:
     """memory_cached & co. (torch.cuda's older names) and DeepSpeed's CPU
-    get_rss / reset_rss / max_mem answer with the resident set."""
+    get_rss / reset_rss / max_mem answer with the resident set. A 256 MiB
+    block against 64 MiB margins: other threads of the test process (gloo,
+    checkpoint writers of earlier tests) may move the resident set a little."""
     rss = psutil.Process().memory_info().rss
-    assert abs(cpu.memory_cached() - rss) < 16 * MIB
-    assert abs(cpu.get_rss() - rss) < 16 * MIB
-    block = torch.ones(64 * MIB // 4)
+    assert abs(cpu.memory_cached() - rss) < 64 * MIB
+    assert abs(cpu.get_rss() - rss) < 64 * MIB
+    block = torch.ones(256 * MIB // 4)
     during = cpu.get_rss()
     assert cpu.max_memory_cached() >= during and cpu.max_mem >= during
     del block
     cpu.empty_cache()
     cpu.reset_max_memory_cached()
-    assert cpu.max_memory_cached() < during - 32 * MIB
-    block = torch.ones(64 * MIB // 4)
-    assert cpu.max_mem >= cpu.get_rss() > during - 16 * MIB
+    assert cpu.max_memory_cached() < during - 128 * MIB
+    block = torch.ones(256 * MIB // 4)
+    assert cpu.max_mem >= cpu.get_rss() > during - 64 * MIB
     del block
     cpu.empty_cache()
-    assert cpu.reset_rss() < during - 32 * MIB
-    assert cpu.max_mem < during - 32 * MIB
+    assert cpu.reset_rss() < during - 128 * MIB
+    assert cpu.max_mem < during - 128 * MIB
 
 
 def test_cpu_pin_empty_and_the_launchers_environment(cpu: CpuAccelerator) -> None:
