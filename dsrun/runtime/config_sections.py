@@ -44,7 +44,7 @@ class OffloadParamConfig:
     buffer_count: int = opt("int", 5, low=0)
     buffer_size: int = opt("int", 100_000_000, low=0)
     max_in_cpu: int = opt("int", 1_000_000_000, low=0)
-    pin_memory: bool = opt("bool", False)
+    pin_memory: bool = opt("bool", True)  # DeepSpeed 0.19.8's default
 
     def __post_init__(self) -> None:
         validate_fields(self)
@@ -57,7 +57,7 @@ class OffloadOptimizerConfig:
     device: str = opt("str", "none", choices=("none", "cpu", "nvme"))
     nvme_path: Optional[str] = opt("str", None)
     buffer_count: int = opt("int", 4, low=0)
-    pin_memory: bool = opt("bool", False)
+    pin_memory: bool = opt("bool", True)  # DeepSpeed 0.19.8's default
     pipeline_read: bool = opt("bool", False)
     pipeline_write: bool = opt("bool", False)
     fast_init: bool = opt("bool", False)

@@ -152,3 +152,19 @@ def test_zero_init_dtype_from_its_config() -> None:
     assert settings_from_config({**base, "fp16": {"enabled": True}}).dtype == torch.float16
     assert settings_from_config({**base, "bf16": {"enabled": False}}).dtype == torch.float32
     assert settings_from_config(None).dtype is None
+
+
+def test_offload_sections_pin_memory_by_default_as_deepspeed() -> None:
+    """DeepSpeed 0.19.8's offload_optimizer / offload_param default pin_memory
+    to true; an explicit false is kept."""
+    zero = {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+    found = settings_from_config({"train_batch_size": 2, "zero_optimization": zero})
+    assert found.pin_memory is True
+    from dsrun.runtime.config import resolve
+
+    resolved = resolve({"train_batch_size": 2, "zero_optimization": zero}, dp_size=1,
+                       dp_source="test", environ={})
+    assert resolved.zero_optimization.offload_optimizer.pin_memory is True
+    zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+    assert settings_from_config({"train_batch_size": 2,
+                                 "zero_optimization": zero}).pin_memory is False

@@ -51,8 +51,8 @@ Interface for the engine (same call order as
         loss.backward()            # gradients reduced into shards during backward
         zero.micro_step_done()     # flushes the last bucket (idempotent)
     zero.reduce_gradients()        # idempotent
-    zero.scale_grads_(1 / loss_scale)          # fp16 only
-    if not zero.has_overflow():                # fp16 only; all ranks agree
+    if not zero.has_overflow():                # fp16 only, on the still-scaled sums;
+        zero.scale_grads_(1 / loss_scale)      # all ranks agree
         norm = zero.clip_grad_norm(max_norm)   # == clip_grad_norm_ on the full mean grad
         zero.step()
     zero.zero_grad()
