@@ -283,7 +283,9 @@ class DataTypesConfig:
     * ``grad_accum_dtype``: reported by ``engine.get_data_types()``. dsrun
       accumulates gradients in the dtype of the parameters it trains (fp32
       under ``bf16`` and ``torch_autocast``, whose weights stay fp32;
-      float16 under ``fp16``), so a different one is reported as not acted on.
+      float16 under ``fp16``, except that ZeRO 2-3 reducing during backward
+      sum the reduced micro-steps in fp32 and count a sum beyond float16's
+      range as an overflow), so a different one is reported as not acted on.
     * ``param_dtype``: must be the enabled precision's (fp16, bf16, else
       fp32), checked by :class:`~dsrun.runtime.config.DsrunConfig`.
     * ``buffer_dtype``: under fp16 or bf16, the floating buffers are cast to
