@@ -9,10 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsrun.errors import DsrunConfigError
+from dsrun.runtime import utils as rt_utils
 from dsrun.runtime.pipe.partition import (
     check_boundaries,
     layer_weights,
     partition_balanced,
+    partition_deepspeed,
     partition_layers,
     partition_uniform,
 )
@@ -58,6 +60,67 @@ def test_balanced_cases() -> None:
     assert partition_balanced([1, 1, 1, 1, 1], 2) == (0, 3, 5)
     assert partition_balanced([5], 1) == (0, 1)
     assert partition_balanced([0, 0, 0], 3) == (0, 1, 2, 3)
+
+
+# DeepSpeed 0.19.8's deepspeed.runtime.utils.partition_balanced(weights, parts),
+# computed with DeepSpeed itself (the bench's DeepSpeed venv, CPU accelerator)
+DEEPSPEEDS_CUTS = [
+    ([1, 1, 1, 1, 1, 1, 1], 3, (0, 3, 5, 7)),
+    ([100, 10, 10, 10, 10, 10, 100], 4, (0, 1, 4, 6, 7)),
+    ([0, 1, 1, 1, 1, 1, 1, 0], 3, (0, 3, 5, 8)),
+    ([64, 72, 72, 72, 72, 36], 3, (0, 2, 4, 6)),
+    ([100480, 0, 1290], 2, (0, 2, 3)),
+    ([1, 9, 2, 5], 3, (0, 2, 3, 4)),
+    ([0, 0, 7, 1, 1, 1, 4], 3, (0, 3, 6, 7)),
+    ([5, 1, 1, 1, 1, 5], 2, (0, 3, 6)),
+    ([3, 3, 3, 3, 3, 3, 3, 3, 3, 3], 4, (0, 3, 6, 8, 10)),
+    ([100, 5, 100, 100, 100, 50, 0, 10], 4, (0, 2, 3, 4, 8)),
+    ([1, 0, 5, 10, 1], 2, (0, 3, 5)),
+    ([50, 1, 0, 100, 1, 10, 5], 2, (0, 3, 7)),
+    ([1, 0, 1, 50, 50], 5, (0, 1, 2, 3, 4, 5)),
+    ([1, 0, 0, 1, 1, 1, 1], 3, (0, 4, 6, 7)),
+    ([1, 50, 100, 100, 1, 1], 4, (0, 2, 3, 4, 6)),
+]
+
+
+@pytest.mark.parametrize("weights, parts, cuts", DEEPSPEEDS_CUTS)
+def test_parameters_and_type_cut_where_deepspeed_cuts(weights: list[int], parts: int,
+                                                      cuts: tuple[int, ...]) -> None:
+    assert partition_deepspeed(weights, parts) == cuts
+    names = ["Block" if w else "Act" for w in weights]
+    assert partition_layers("parameters", parts, names, weights) == cuts
+    if set(weights) <= {0, 1}:  # "type:" weighs the matching layers 1, the others 0
+        assert partition_layers("type:block", parts, names, [0] * len(weights)) == cuts
+
+
+def test_equal_layers_split_as_uniform_does() -> None:
+    """7 equal layers on 3 stages: 3 | 2 | 2 by every method, as in DeepSpeed
+    (dsrun's bottleneck-first cut gave 3 | 3 | 1)."""
+    names = ["Linear"] * 7
+    for method in ("parameters", "type:Linear", "uniform"):
+        assert partition_layers(method, 3, names, [20] * 7) == (0, 3, 5, 7), method
+    assert partition_layers("flops", 3, names, [20] * 7, [5] * 7) == (0, 3, 5, 7)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 60), min_size=1, max_size=10), st.integers(1, 6))
+def test_deepspeed_cut_is_deepspeeds_dynamic_programme(weights: list[int], parts: int) -> None:
+    """The same cut as dsrun.runtime.utils' DeepSpeed helper (checked against
+    DeepSpeed there), whose dynamic programme is written out in full."""
+    if len(weights) < parts:
+        with pytest.raises(ValueError):
+            partition_deepspeed(weights, parts)
+        return
+    assert list(partition_deepspeed(weights, parts)) == rt_utils.partition_balanced(weights,
+                                                                                    parts)
+
+
+def test_flops_takes_deepspeeds_cut_among_the_lightest_bottlenecks() -> None:
+    # DeepSpeed's least spread, 10 | 2 | 5, is heavier than 1 | 9 | 7
+    assert partition_deepspeed([1, 9, 2, 5], 3) == (0, 2, 3, 4)
+    assert partition_balanced([1, 9, 2, 5], 3) == (0, 1, 2, 4)
+    # bottleneck 100 either way: DeepSpeed's 100 | 30 | 20 | 100, not 100 | 40 | 10 | 100
+    assert partition_balanced([100, 10, 10, 10, 10, 10, 100], 4) == (0, 1, 4, 6, 7)
 
 
 def test_methods() -> None:

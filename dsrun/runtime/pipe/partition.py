@@ -18,13 +18,21 @@ boundaries ``0 = b0 < b1 < ... < bS = L``: stage ``s`` owns layers
   other layers weigh nothing;
 * a sequence of ``S + 1`` integers: these boundaries, checked.
 
-Balancing (:func:`partition_balanced`) minimises the heaviest stage's
-weight exactly (binary search on the bottleneck, greedy feasibility); among
-the optimal partitions it takes the one that fills earlier stages first.
+``"parameters"`` and ``"type:REGEX"`` cut where DeepSpeed 0.19.8 cuts
+(:func:`partition_deepspeed`, its ``partition_balanced``): a dynamic
+programme that makes the heaviest and the lightest stage differ the least,
+ties going to the later cut (7 equal layers on 3 stages: 3 | 2 | 2). That
+spread is not the bottleneck: on some weights the heaviest stage is up to
+~20 % heavier than it could be, which is DeepSpeed's layout all the same.
+``"flops"`` (dsrun's own, for time) minimises the heaviest stage exactly
+(:func:`partition_balanced`: binary search on the bottleneck, greedy
+feasibility), then takes DeepSpeed's spread rule among the partitions that
+reach it.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from typing import Optional
@@ -59,14 +67,56 @@ def _greedy(weights: Sequence[int], parts: int, bottleneck: int) -> tuple[int, .
     return tuple(bounds)
 
 
-def partition_balanced(weights: Sequence[int], parts: int) -> tuple[int, ...]:
-    """Contiguous non-empty parts minimising the largest part weight."""
+def _check_weights(weights: Sequence[int], parts: int) -> None:
     if parts < 1:
         raise ValueError(f"parts must be >= 1, got {parts}")
     if len(weights) < parts:
         raise ValueError(f"{len(weights)} items cannot fill {parts} non-empty parts")
     if any(isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in weights):
         raise ValueError(f"weights must be non-negative integers, got {list(weights)}")
+
+
+def _least_spread(weights: Sequence[int], parts: int, cap: float = math.inf) -> tuple[int, ...]:
+    """DeepSpeed's dynamic programme (``deepspeed.runtime.utils.partition_balanced``):
+    for the first ``i`` items in ``j`` parts keep the cut whose heaviest minus
+    lightest part is least, the later cut on ties; parts heavier than
+    ``cap`` are not considered (``cap`` must be feasible)."""
+    n = len(weights)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    # (i, j) -> (spread, heaviest, lightest, where the last part starts)
+    best: dict[tuple[int, int], tuple[float, float, float, int]] = {(0, 0): (0, 0, math.inf, 0)}
+    for j in range(1, parts + 1):
+        for i in range(j, n - (parts - j) + 1):
+            chosen = None
+            for k in range(j - 1, i):
+                if (k, j - 1) not in best or prefix[i] - prefix[k] > cap:
+                    continue
+                _, heaviest, lightest, _ = best[(k, j - 1)]
+                part = prefix[i] - prefix[k]
+                high, low = max(heaviest, part), min(lightest, part)
+                if chosen is None or high - low <= chosen[0]:  # "<=": the later cut wins
+                    chosen = (high - low, high, low, k)
+            if chosen is not None:
+                best[(i, j)] = chosen
+    bounds = [n]
+    for j in range(parts, 0, -1):
+        bounds.append(best[(bounds[-1], j)][3])
+    return tuple(reversed(bounds))
+
+
+def partition_deepspeed(weights: Sequence[int], parts: int) -> tuple[int, ...]:
+    """Contiguous non-empty parts cut where DeepSpeed 0.19.8's
+    ``partition_balanced`` cuts them (module docstring)."""
+    _check_weights(weights, parts)
+    return _least_spread(weights, parts)
+
+
+def partition_balanced(weights: Sequence[int], parts: int) -> tuple[int, ...]:
+    """Contiguous non-empty parts minimising the largest part weight; among
+    those, DeepSpeed's least-spread cut (module docstring)."""
+    _check_weights(weights, parts)
     low, high = max(weights), sum(weights)
     while low < high:  # smallest feasible bottleneck
         mid = (low + high) // 2
@@ -74,9 +124,7 @@ def partition_balanced(weights: Sequence[int], parts: int) -> tuple[int, ...]:
             low = mid + 1
         else:
             high = mid
-    found = _greedy(weights, parts, low)
-    assert found is not None  # the total weight is always feasible
-    return found
+    return _least_spread(weights, parts, cap=low)
 
 
 def partition_uniform(num_layers: int, parts: int) -> tuple[int, ...]:
@@ -164,7 +212,10 @@ def partition_layers(method: object, stages: int, names: Sequence[str],
     if isinstance(method, str) and method.lower() == "uniform":
         return partition_uniform(num_layers, stages)
     if isinstance(method, str):
-        return partition_balanced(layer_weights(method, names, param_counts, flops), stages)
+        weights = layer_weights(method, names, param_counts, flops)
+        if method.lower() == "flops":
+            return partition_balanced(weights, stages)
+        return partition_deepspeed(weights, stages)
     if isinstance(method, Sequence):
         return check_boundaries(method, num_layers, stages)
     raise DsrunConfigError(f"partition_method must be a string or a sequence of boundaries, "
