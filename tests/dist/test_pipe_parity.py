@@ -36,7 +36,7 @@ cases = load_cases()
 
 ON_2_RANKS = ["mlp", "mlp-noclip", "mlp-3mb", "mlp-ckpt", "mlp-reentrant", "inplace",
               "mlp-zero1", "mlp-bf16", "tied", "varlen", "tuple", "mlp-flops"]
-ON_4_RANKS = ["mlp", "mlp-zero1", "mlp-zero2", "mlp-ckpt", "tied", "tied-zero1"]
+ON_4_RANKS = ["mlp", "mlp-zero1", "mlp-zero2", "mlp-ckpt", "tied", "tied-zero1", "mlp-aux"]
 BITWISE_ON_2_RANKS = ["mlp-noclip", "mlp-3mb"]
 
 
@@ -77,17 +77,21 @@ def reference(name: str, replicas: int) -> dict[str, Any]:
     module = cases.build(name, 1)
     opt = torch.optim.AdamW(module.parameters(), lr=0.01, weight_decay=0.01)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.bf16)
-    losses = []
+    losses, additional = [], []
     for step in range(cases.STEPS):
         micro = [mb for r in range(replicas) for mb in case.batch(step, r)]
         total = torch.zeros(())
+        extra: dict[str, float] = {}
         for x, y in micro:
             with autocast:
                 out = module(x)
             loss = case.loss_fn(out, y)
             (loss / len(micro) if len(micro) > 1 else loss).backward()
             total += loss.detach().float()
+            for key, value in (module.get_additional_losses() or {}).items():
+                extra[key] = extra.get(key, 0.0) + float(value) / len(micro)
         losses.append(float(total / len(micro)))
+        additional.append(extra or None)
         if case.clip:
             torch.nn.utils.clip_grad_norm_(module.parameters(), case.clip)
         opt.step()
@@ -102,6 +106,7 @@ def reference(name: str, replicas: int) -> dict[str, Any]:
         with autocast:
             forward = module(case.eval_data()[0][0])
     return {"losses": losses, "eval": float(torch.stack(evals).mean()), "forward": forward,
+            "additional": additional,
             "params": {n: p.detach().clone() for n, p in module.named_parameters()}}
 
 
@@ -117,6 +122,14 @@ def _compare(name: str, ranks: list[dict[str, Any]], ref: dict[str, Any], bitwis
         loss_diff = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"]))
         assert loss_diff <= TOLERANCE, f"{name} rank {rank}: losses differ by {loss_diff}"
         assert abs(got["eval"] - ref["eval"]) <= TOLERANCE, (name, got["eval"], ref["eval"])
+        # get_additional_losses(): the micro-batches' and replicas' mean, on every rank
+        for got_extra, want in zip(got["additional"], ref["additional"], strict=True):
+            assert (got_extra is None) == (want is None), (name, rank, got_extra)
+            if want is not None:
+                assert list(got_extra) == list(want), (name, rank, got_extra)
+                assert all(abs(got_extra[k][0] - want[k]) <= TOLERANCE and
+                           got_extra[k][1:] == (torch.float32, ()) for k in want), \
+                    (name, rank, got_extra, want)
         if bitwise:
             assert got["losses"] == ref["losses"], name
     assert sorted(merged) == sorted(ref["params"]), f"{name}: parameter names differ"

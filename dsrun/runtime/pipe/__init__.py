@@ -6,8 +6,8 @@ Pure parts (no processes): :mod:`.topology`, :mod:`.partition`,
 :mod:`.schedule`, the message headers of :mod:`.p2p`, :mod:`.errors`.
 Torch parts: :mod:`.layers`, :mod:`.module` (with DeepSpeed's accessors in
 :mod:`.module_api`), :mod:`.grid`, :mod:`.tied`, :mod:`.engine`,
-:mod:`.step`, :mod:`.metrics`. ``dsrun.pipe`` (``deepspeed.pipe``) is the public
-face.
+:mod:`.step`, :mod:`.losses`, :mod:`.metrics`. ``dsrun.pipe``
+(``deepspeed.pipe``) is the public face.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ An iterator that runs out raises :class:`DataIteratorExhausted`, a
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -54,6 +55,8 @@ class BatchState:
     wanted: dict[int, list[bool]] = field(default_factory=dict)  # grads the sender wants back
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     loss_values: list[torch.Tensor] = field(default_factory=list)
+    # train, last stage: get_additional_losses() summed over the micro-batches
+    additional: Optional[OrderedDict[str, torch.Tensor]] = None
     results: list[Any] = field(default_factory=list)  # eval: the last output, last stage
     keep_outputs: bool = False  # last stage: keep the last micro-batch's output in results
     compute_loss: bool = True  # last stage: apply loss_fn (else the output is the value)

@@ -40,8 +40,10 @@ micro-batch losses), ``num_pipe_buffers`` (the most micro-batches this
 stage has held at once), ``batch_fn``, ``has_attention_mask`` /
 ``has_bool_tensors`` (stored declarations: any dtype crosses stages),
 ``is_pipe_partitioned`` / ``is_grad_partitioned`` (False: no tensor
-parallelism) and ``pipeline_enable_backward_allreduce`` (True; False is
-refused, not ignored).
+parallelism), ``pipeline_enable_backward_allreduce`` (True; False is
+refused, not ignored) and ``agg_additional_losses`` (=
+``get_additional_losses()``: the module's hook averaged as the loss, on
+every rank; :mod:`~.losses`).
 
 ``save_checkpoint`` / ``load_checkpoint`` are the engine's (DeepSpeed's
 signatures and guarantees); :mod:`~.checkpoint` tells the checkpoint
@@ -56,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
@@ -67,6 +70,7 @@ from dsrun import comm as collectives
 from dsrun.errors import DsrunError
 from dsrun.runtime.config import DsrunConfig
 from dsrun.runtime.dataloader import RepeatingLoader
+from dsrun.runtime.dist import compute_device
 from dsrun.runtime.engine import DsrunEngine
 from dsrun.runtime.pipe import schedule as sched
 from dsrun.runtime.pipe.batch import BatchState
@@ -79,10 +83,11 @@ from dsrun.runtime.pipe.errors import (
     PipeTypeError,
 )
 from dsrun.runtime.pipe.executor import InstructionExecutor
+from dsrun.runtime.pipe.losses import LossAggregator
 from dsrun.runtime.pipe.metrics import PipelineMonitor
 from dsrun.runtime.pipe.module import PipelineModule
 from dsrun.runtime.pipe.p2p import PendingSends
-from dsrun.runtime.pipe.step import check_pipeline_zero, pipeline_step
+from dsrun.runtime.pipe.step import check_pipeline_zero, check_stages_train, pipeline_step
 from dsrun.runtime.precision import StepResult
 
 log = logging.getLogger("dsrun.runtime")
@@ -124,6 +129,7 @@ class PipelineEngine(InstructionExecutor, DsrunEngine):
             raise PipeAssertionError("a PipelineModule brings its own topology (num_stages= "
                                      "or topology=): do not pass mpu= to dsrun.initialize()")
         check_pipeline_zero(config, model)
+        check_stages_train(model, config, kwargs.get("optimizer"), compute_device())
         _apply_pipeline_config(config, model)
         super().__init__(model, config, mpu=model.grid, **kwargs)
         self.grid = model.grid
@@ -144,6 +150,9 @@ class PipelineEngine(InstructionExecutor, DsrunEngine):
         self.num_pipe_buffers = 0
         self._warned_no_grad = False
         self.agg_train_loss: Optional[torch.Tensor] = None
+        # DeepSpeed's: the module's additional losses, averaged as the loss (:mod:`~.losses`)
+        self.agg_additional_losses: Optional[OrderedDict[str, torch.Tensor]] = None
+        self._losses = LossAggregator(self.grid, self.dp_group, self.dp_world_size, self.device)
         self.agg_eval_loss: Optional[torch.Tensor] = None
         self.last_batch_timing: Optional[dict[str, float]] = None
         self._batches = 0
@@ -233,6 +242,13 @@ class PipelineEngine(InstructionExecutor, DsrunEngine):
         or steps the optimizer (DeepSpeed's pipeline answer: between calls
         it is False, whatever ``set_gradient_accumulation_boundary`` said)."""
         return self._boundary_now
+
+    def get_additional_losses(self) -> Optional[OrderedDict[str, torch.Tensor]]:
+        """The module's ``get_additional_losses()`` of the last training
+        batch, averaged over its micro-batches and the data-parallel
+        replicas (float32 scalars, the same on every rank; ``None`` if the
+        hook returned ``None``), as DeepSpeed's ``agg_additional_losses``."""
+        return self.agg_additional_losses
 
     def get_pipeline_parallel_rank(self) -> int:
         """This rank's pipeline stage."""
@@ -338,8 +354,8 @@ class PipelineEngine(InstructionExecutor, DsrunEngine):
 
         * each micro-batch gives ``loss_fn(output, labels)``, or the output
           itself with ``compute_loss=False`` or no ``loss_fn``;
-        * ``reduce_output="avg"``: their mean, averaged over the data-parallel
-          replicas; ``None``: the list of them (this replica's);
+        * ``reduce_output="avg"`` (any case): their mean, averaged over the
+          data-parallel replicas; ``None``: the list of them (this replica's);
         * with ``compute_loss`` and ``bcast_loss`` every rank gets the result
           (a float32 scalar, or a list of them), else the last stage alone
           (``None`` elsewhere);
@@ -350,7 +366,9 @@ class PipelineEngine(InstructionExecutor, DsrunEngine):
         with its own iterator. The module is left in eval mode, as
         DeepSpeed's (``train_batch()`` puts it back in train mode); the
         engine's counters do not move."""
-        if reduce_output not in ("avg", None):
+        if isinstance(reduce_output, str) and reduce_output.lower() == "avg":
+            reduce_output = "avg"  # any case, as DeepSpeed compares
+        elif reduce_output is not None:
             raise PipeNotImplementedError(f"eval_batch(reduce_output={reduce_output!r}): use "
                                           "'avg' or None")
         if data_iter is None:

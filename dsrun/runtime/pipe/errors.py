@@ -44,3 +44,9 @@ class PipeNotImplementedError(DsrunConfigError, NotImplementedError):
 class PipeTypeError(DsrunConfigError, TypeError):
     """An argument of the wrong kind, where DeepSpeed fails with
     ``TypeError`` (a list as a data iterator, a ``LayerSpec`` of a function)."""
+
+
+class PipeValueError(DsrunConfigError, ValueError):
+    """A pipeline that cannot train as laid out, where DeepSpeed fails with
+    ``ValueError`` (a stage without trainable parameters: torch's empty
+    parameter list for the optimizer)."""

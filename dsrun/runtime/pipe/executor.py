@@ -25,7 +25,6 @@ from typing import Any, Callable
 import torch
 
 from dsrun import checkpointing
-from dsrun import comm as collectives
 from dsrun.errors import DsrunError
 from dsrun.runtime.pipe import schedule as sched
 from dsrun.runtime.pipe.batch import (
@@ -35,6 +34,7 @@ from dsrun.runtime.pipe.batch import (
     to_device,
 )
 from dsrun.runtime.pipe.errors import PipeAssertionError, PipeRuntimeError
+from dsrun.runtime.pipe.losses import LossAggregator, add_additional
 from dsrun.runtime.pipe.p2p import (
     Header,
     TensorMeta,
@@ -91,6 +91,8 @@ class InstructionExecutor:
     num_pipe_buffers: int
     total_loss: Any
     agg_train_loss: Any
+    agg_additional_losses: Any
+    _losses: LossAggregator
     last_batch_timing: Any
     batch_fn: Any
     _batches: int
@@ -260,6 +262,10 @@ class InstructionExecutor:
             # DeepSpeed's: the sum of this batch's micro-batch losses (last stage)
             self.total_loss = loss.detach().clone() if self.total_loss is None else \
                 self.total_loss + loss.detach()
+            # DeepSpeed's hook, asked after each forward of the last stage
+            state.additional = add_additional(state.additional,
+                                              self.module.get_additional_losses(),
+                                              self._where(k))
             return
         parts = loss if isinstance(loss, (tuple, list)) else (loss,)
         if not all(isinstance(t, torch.Tensor) for t in parts):
@@ -354,22 +360,14 @@ class InstructionExecutor:
 
     def _aggregate_loss(self, state: BatchState) -> torch.Tensor:
         """The training batch's mean loss over micro-batches and replicas, on
-        every rank."""
+        every rank; the additional losses likewise (``agg_additional_losses``)."""
         count = state.micro_batches
-        if self.grid.is_last_stage:
-            values = torch.stack(state.loss_values).to(self.device)
-            if len(values) != count:
-                raise DsrunError(f"{self._where(count - 1)}: {len(values)} losses for "
-                                 f"{count} micro-batches")
-        else:
-            values = torch.zeros(count, dtype=torch.float32, device=self.device)
-        if self.grid.is_last_stage and self.dp_world_size > 1:
-            collectives.all_reduce(values, group=self.dp_group)
-            values /= self.dp_world_size
-        if self.num_stages > 1:
-            collectives.broadcast(values, src=self.grid.stage_to_global(self.num_stages - 1),
-                           group=self.grid.pipe_group)
-        return values.mean()
+        if self.grid.is_last_stage and len(state.loss_values) != count:
+            raise DsrunError(f"{self._where(count - 1)}: {len(state.loss_values)} losses for "
+                             f"{count} micro-batches")
+        loss, self.agg_additional_losses = self._losses.reduce(
+            state.loss_values, state.additional, count)
+        return loss
 
     def _optimizer_step(self, ins: sched.OptimizerStep, state: BatchState) -> None:
         # micro_steps stays put, as in DeepSpeed: it counts engine.step()

@@ -1,5 +1,6 @@
 """The optimizer step of a pipeline engine: one norm over all stages (and
-which ZeRO stages it works with: :func:`check_pipeline_zero`).
+which ZeRO stages it works with: :func:`check_pipeline_zero`; that every
+stage has something to train: :func:`check_stages_train`).
 
 Each rank holds only its stage's gradients, so what a single process would
 compute - the global gradient norm for ``gradient_clipping``, and for fp16
@@ -31,7 +32,7 @@ import torch.distributed as dist
 
 from dsrun import comm as collectives
 from dsrun.runtime.monitor.timers import comm_wait
-from dsrun.runtime.pipe.errors import PipeAssertionError
+from dsrun.runtime.pipe.errors import PipeAssertionError, PipeValueError
 from dsrun.runtime.precision import FP16Master, FullPrecision, StepResult, skipped
 from dsrun.runtime.zero.masters import CLIP_EPS
 
@@ -130,3 +131,36 @@ def check_pipeline_zero(config: Any, module: Any) -> None:
             f"ZeRO stage 2 ({config.source}) reduces gradients during every backward, "
             f"before the gradients of tied layers {keys} can be summed across the stages "
             "that hold them: use ZeRO stage 1 with TiedLayerSpec layers")
+
+
+def check_stages_train(module: Any, config: Any, optimizer: Any, device: torch.device) -> None:
+    """An optimizer the engine builds (the config's, or ``initialize()``'s
+    callable) needs parameters on every stage (frozen ones count: they go
+    into the optimizer and train once unfrozen); otherwise every rank
+    raises the same error naming the stages without any and the partition
+    (one all-reduce over the world: a rank knows only its own stage's
+    parameters)."""
+    builds = not isinstance(optimizer, torch.optim.Optimizer) and \
+        (optimizer is not None or config.optimizer is not None)
+    flags = torch.zeros(module.num_stages + 1, dtype=torch.float32, device=device)
+    flags[module.stage_id] = float(any(True for _ in module.parameters()))
+    flags[-1] = float(builds)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    empty = [s for s in range(module.num_stages) if not flags[s]]
+    if not flags[-1] or not empty:
+        return
+    parts, names = list(module.parts), module._layer_names
+    if module.num_stages == 1:
+        raise PipeValueError("the PipelineModule has no parameters, so the optimizer "
+                             f"would have nothing to train (layers: {', '.join(names)})")
+    stages = "; ".join(f"{s} (layers {parts[s]}-{parts[s + 1] - 1}: "
+                       f"{', '.join(dict.fromkeys(names[parts[s]:parts[s + 1]]))})"
+                       for s in empty)
+    raise PipeValueError(
+        f"pipeline {'stages' if len(empty) > 1 else 'stage'} {stages} "
+        f"{'own' if len(empty) > 1 else 'owns'} no parameters, so the optimizer "
+        f"would have nothing to train there: partition_method={module.partition_method!r} "
+        f"cut {len(names)} layers into {module.num_stages} stages at {parts}. Give every "
+        "stage a layer with parameters: fewer stages (a smaller num_stages), or "
+        f"another partition_method (explicit boundaries [0, ..., {len(names)}] cut where you "
+        "say)")

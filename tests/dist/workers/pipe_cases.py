@@ -9,6 +9,11 @@ the output of ``engine(inputs)`` (last stage). The test
 definitions and trains the reference - the same layers as a one-stage
 PipelineModule in one process, the same micro-batches - and compares.
 
+A case with ``aux`` uses :class:`AuxPipelineModule`, whose
+``get_additional_losses()`` reports two values of each forward's output;
+every rank saves what ``engine.get_additional_losses()`` gave after each
+batch (``None`` for the other cases).
+
 Data is a pure function of (case, step, replica, micro-batch): replica
 ``r`` trains on its own micro-batches; the reference accumulates all
 replicas' micro-batches, each loss divided by their total count.
@@ -17,6 +22,7 @@ replicas' micro-batches, each loss divided by their total count.
 from __future__ import annotations
 
 import sys
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -95,6 +101,20 @@ def token_loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.reshape(-1, VOCAB), targets.reshape(-1))
 
 
+class AuxPipelineModule(PipelineModule):
+    """Reports DeepSpeed's additional losses: the mean square and the mean
+    absolute value of its last forward's output (on the last stage, the
+    logits; other stages' answers are not used)."""
+
+    def forward(self, x: Any) -> Any:
+        out = super().forward(x)
+        self.aux = OrderedDict(square=out.detach().pow(2).mean(), size=out.detach().abs().mean())
+        return out
+
+    def get_additional_losses(self) -> Any:
+        return getattr(self, "aux", None)
+
+
 def mlp_layers() -> list[Any]:
     return [LayerSpec(Affine, 6, 12), LayerSpec(Affine, 12, 9), double,
             LayerSpec(nn.Linear, 9, 9), nn.Tanh(), LayerSpec(nn.Linear, 9, 5)]
@@ -151,6 +171,7 @@ class Case:
     bf16: bool = False
     module: dict[str, Any] = field(default_factory=dict)
     pipeline: dict[str, Any] = field(default_factory=dict)  # the config's section
+    aux: bool = False  # built as an AuxPipelineModule
 
     def config(self) -> dict[str, Any]:
         return {"train_micro_batch_size_per_gpu": 4, "pipeline": self.pipeline,
@@ -180,6 +201,7 @@ CASES = {
                     module={"partition_method": [0, 3, 7]}),
     "mlp-zero1": Case(mlp_layers, F.cross_entropy, mlp_batch, zero=1),
     "mlp-zero2": Case(mlp_layers, F.cross_entropy, mlp_batch, zero=2),
+    "mlp-aux": Case(mlp_layers, F.cross_entropy, mlp_batch, aux=True),
     "mlp-bf16": Case(mlp_layers, F.cross_entropy, mlp_batch, bf16=True),
     "tied": Case(tied_layers, token_loss, token_batch),
     "tied-zero1": Case(tied_layers, token_loss, token_batch, zero=1),
@@ -199,8 +221,9 @@ def build(name: str, stages: int) -> PipelineModule:
     options = dict(case.module)
     if stages == 1:  # the reference: one stage, no checkpointing
         options = {}
-    return PipelineModule(layers=case.layers(), num_stages=stages, loss_fn=case.loss_fn,
-                          seed_layers=True, **options)
+    cls = AuxPipelineModule if case.aux else PipelineModule
+    return cls(layers=case.layers(), num_stages=stages, loss_fn=case.loss_fn,
+               seed_layers=True, **options)
 
 
 def main(out: Path, names: list[str]) -> None:
@@ -214,12 +237,18 @@ def main(out: Path, names: list[str]) -> None:
         case = CASES[name]
         engine, _, _, _ = dsrun.initialize(model=build(name, 2), config=case.config())
         replica = engine.grid.data_parallel_id
-        losses = [float(engine.train_batch(iter(case.batch(step, replica))))
-                  for step in range(STEPS)]
+        losses, additional = [], []
+        for step in range(STEPS):
+            losses.append(float(engine.train_batch(iter(case.batch(step, replica)))))
+            extra = engine.get_additional_losses()
+            assert extra is engine.agg_additional_losses  # DeepSpeed's attribute
+            additional.append(None if extra is None else
+                              {k: (float(v), v.dtype, tuple(v.shape)) for k, v in extra.items()})
         eval_loss = float(engine.eval_batch(iter(case.eval_data())))
         local = engine.eval_batch(iter(case.eval_data()), bcast_loss=False)  # last stage only
         output = engine(case.eval_data()[0][0])
         torch.save({"losses": losses, "eval": eval_loss, "stage": engine.stage_id,
+                    "additional": additional,
                     "eval_local": None if local is None else float(local),
                     "replica": replica, "forward": output, "parts": engine.module.parts,
                     "params": {n: p.detach().clone() for n, p in
