@@ -411,6 +411,28 @@ def load_config(config: ConfigInput) -> tuple[dict[str, Any], str]:
     return raw, path
 
 
+# Top-level keys of older configs (DeepSpeed's, Megatron's --fp32-allreduce)
+# that no DeepSpeed release reads now, and the key that means the same.
+REPLACED_KEYS: Mapping[str, str] = MappingProxyType({
+    "fp32_allreduce": '"communication_data_type": "fp32"',
+})
+
+
+def _refuse_replaced(raw: Mapping[str, Any], ctx: Ctx) -> Mapping[str, Any]:
+    """An unknown key that an older config meant something by: say what it
+    is now, instead of listing every valid key; with ``allow_unknown_keys``
+    it is ignored, with that warning. -> ``raw`` without those keys."""
+    for key in REPLACED_KEYS.keys() & raw.keys():
+        text = (f'unknown key "{key}" in {ctx.source}: what it asked for is now '
+                f"{REPLACED_KEYS[key]} (it was {show(raw[key])}; DeepSpeed 0.19.8 ignores it "
+                "silently)")
+        if not ctx.allow_unknown:
+            raise DsrunConfigError(text)
+        log.warning("%s; ignoring it", text)
+        ctx.ignored.append(key)
+    return {k: v for k, v in raw.items() if k not in REPLACED_KEYS}
+
+
 def _allow_unknown(raw: Mapping[str, Any], environ: Mapping[str, str]) -> bool:
     section = raw.get("dsrun")
     if isinstance(section, Mapping) and section.get("allow_unknown_keys") is True:
@@ -499,7 +521,7 @@ def resolve(config: ConfigInput, *, dp_size: int, dp_source: str,
     env = os.environ if environ is None else environ
     ctx = Ctx(source, allow_unknown=_allow_unknown(raw, env))
     top = {json_key(f): f for f in fields(DsrunConfig) if not f.metadata.get("internal")}
-    known = pick(raw, (), ctx, {*top, "bfloat16", *PASSTHROUGH_KEYS})
+    known = pick(_refuse_replaced(raw, ctx), (), ctx, {*top, "bfloat16", *PASSTHROUGH_KEYS})
     if "bf16" in known and "bfloat16" in known:
         raise DsrunConfigError(f'both "bf16" and its legacy spelling "bfloat16" are in {source}; '
                                "keep one")

@@ -39,15 +39,19 @@ OPTIMIZER_NAMES: Mapping[str, str] = MappingProxyType({
     "adadelta": "Adadelta", "lion": "Lion", "asgd": "ASGD", "rprop": "Rprop",
     "adafactor": "Adafactor",
 })
-_CUSTOM_KERNELS = "a DeepSpeed optimizer that needs its custom CUDA/communication kernels"
+_ONE_BIT = ("a 1-bit (compressed-communication) optimizer that DeepSpeed has removed: "
+            "DeepSpeed 0.19.8 refuses it too (not a supported DeepSpeed optimizer)")
 # Names refused with the reason why (lower-case name -> reason).
 REFUSED_OPTIMIZERS: Mapping[str, str] = MappingProxyType({
-    "onebitadam": _CUSTOM_KERNELS, "zerooneadam": _CUSTOM_KERNELS,
-    "onebitlamb": _CUSTOM_KERNELS, "muon": _CUSTOM_KERNELS,
+    "onebitadam": _ONE_BIT, "zerooneadam": _ONE_BIT, "onebitlamb": _ONE_BIT,
+    "muon": "DeepSpeed's Muon (MuonWithAuxAdam: Newton-Schulz orthogonalisation of each "
+            "whole weight matrix tagged use_muon, Adam for the rest) is not implemented in "
+            "dsrun; at ZeRO stage 0 a torch.optim.Muon built in the script can be passed "
+            "as optimizer= (over 2-D parameters)",
     "lbfgs": "torch's LBFGS re-evaluates the model through a closure that engine.step() "
              "does not have",
-    "sparseadam": "torch's SparseAdam steps sparse gradients only, and dsrun reduces dense "
-                  "ones",
+    "sparseadam": "torch's SparseAdam steps sparse gradients only: build it in the script "
+                  "over the sparse=True embeddings and pass it as optimizer= (ZeRO stage 0)",
 })
 UNSUPPORTED_OPTIMIZERS = tuple(REFUSED_OPTIMIZERS)
 
@@ -130,9 +134,10 @@ def _choose(value: Any, names: Mapping[str, str], what: str, where: str,
     if isinstance(value, str) and value.lower() in names:
         return names[value.lower()]
     shown = ", ".join(names.values())
-    extra = did_you_mean(str(value), list(names.values()))
     if isinstance(value, str) and value.lower() in refused:
-        extra = f" ({refused[value.lower()]})"
+        raise DsrunConfigError(f"{where}: {what} {show(value)} is not available in dsrun: "
+                               f"{refused[value.lower()]}; valid: {shown}")
+    extra = did_you_mean(str(value), list(names.values()))
     raise DsrunConfigError(f"{where}: unknown {what} {show(value)}{extra}; valid: {shown}")
 
 

@@ -39,6 +39,19 @@ def base(**extra: Any) -> dict[str, Any]:
     return {"train_batch_size": 8, **extra}
 
 
+def test_fp32_allreduce_says_what_it_is_now(caplog: pytest.LogCaptureFixture) -> None:
+    """An old key gets its replacement, not the list of every valid key."""
+    with pytest.raises(DsrunConfigError) as err:
+        res(base(fp32_allreduce=True))
+    assert str(err.value).startswith('unknown key "fp32_allreduce" in config dict: what it '
+                                     'asked for is now "communication_data_type": "fp32"')
+    assert "valid keys" not in str(err.value)
+    with caplog.at_level(logging.WARNING):
+        config = res(base(fp32_allreduce=True, dsrun={"allow_unknown_keys": True}))
+    assert config.ignored_keys == ("fp32_allreduce",)
+    assert caplog.text.count("fp32_allreduce") == 1 and "communication_data_type" in caplog.text
+
+
 # ---------------------------------------------------------------- batch triple
 
 VALID_TRIPLES = [
@@ -485,7 +498,10 @@ def test_optimizer_type_is_case_insensitive(given_: str, canonical: str) -> None
 
 @pytest.mark.parametrize(("section", "value", "fragment"), [
     ("optimizer", {"type": "AdamWW"}, 'unknown optimizer type "AdamWW"; did you mean "AdamW"?'),
-    ("optimizer", {"type": "OneBitAdam"}, "custom CUDA"),
+    ("optimizer", {"type": "OneBitAdam"}, "DeepSpeed has removed: DeepSpeed 0.19.8 refuses"),
+    ("optimizer", {"type": "Muon"}, 'optimizer type "Muon" is not available in dsrun: '
+                                    "DeepSpeed's Muon (MuonWithAuxAdam"),
+    ("optimizer", {"type": "SparseAdam"}, "pass it as optimizer= (ZeRO stage 0)"),
     ("optimizer", {"params": {}}, 'needs a "type"'),
     ("optimizer", {"type": "adam", "params": {"max_grad_norm": 1.0}}, "gradient_clipping"),
     ("scheduler", {"type": "WarmupDecay"}, 'did you mean "WarmupDecayLR"?'),
