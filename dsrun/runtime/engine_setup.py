@@ -24,6 +24,8 @@ from dsrun.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
 from dsrun.runtime.lr_schedules import build_scheduler, needs_metric
 from dsrun.runtime.optimizers import build_optimizer
 from dsrun.runtime.precision import FullPrecision, torch_dtype
+from dsrun.runtime.sparse_grads import refuse_at_zero, refuse_norm, sparse_grad_params
+from dsrun.runtime.zero.groups import ZeroSection, check_tested_optimizer
 from dsrun.runtime.zero.stepping import DEEPSPEED_DEFAULT_BUCKET, offload_notes, wrap_optimizer
 
 log = logging.getLogger("dsrun.runtime.engine")
@@ -97,21 +99,30 @@ class EngineSetup:
     client_lr_scheduler: Any
 
     def _make_grad_sync(self) -> Optional[GradSync]:
-        if self.dp_world_size == 1:
+        """The stage-0 reduction: at world size > 1, or at 1 when there are
+        sparse gradients (coalesced as DeepSpeed does, :mod:`sparse_grads`)."""
+        sparse_ids = {id(p) for _, p in sparse_grad_params(self.module)}
+        params = self.precision.params
+        sparse = [p for p in params if id(p) in sparse_ids]
+        if self.dp_world_size == 1 and not sparse:
             return None
+        refuse_norm(self.module, self.precision, self.config.gradient_clipping,
+                    self.config.source)
+        dense = [p for p in params if id(p) not in sparse_ids]
+        if self.dp_world_size == 1:
+            dense = []  # nothing to average
         comm = self.config.communication_data_type
         comm_dtype = torch_dtype(comm) if comm else None
         elements = bucket_elements(self.config)
-        params = self.precision.params
         size = (comm_dtype or (params[0].dtype if params else torch.float32)).itemsize
         bucket_bytes = elements * size if elements else DEFAULT_BUCKET_BYTES
         predivide = self.config.gradient_predivide_factor
-        bucketed = [p for p in params if p.requires_grad]
-        late = [p for p in params if not p.requires_grad]
+        names = dict(zip(map(id, params), self.precision.names))
+        bucketed = [p for p in dense if p.requires_grad]
         return GradSync(bucketed, group=self.dp_group, bucket_bytes=bucket_bytes,
                         comm_dtype=comm_dtype, predivide=0.0 if predivide == 1.0 else predivide,
-                        names=[n for n, p in zip(self.precision.names, params)
-                               if p.requires_grad], late=late)
+                        names=[names[id(p)] for p in bucketed],
+                        late=[p for p in dense if not p.requires_grad], sparse=sparse)
 
     def _make_optimizer(self, client: Any, model_parameters: Optional[Iterable[Any]]
                         ) -> Optional[Optimizer]:
@@ -157,7 +168,14 @@ class EngineSetup:
                 f"ZeRO stage {self.zero_stage} needs an optimizer: add an \"optimizer\" "
                 f"section to {self.config.source} or pass optimizer= to initialize()")
         self._check_unsupported()
-        return wrap_optimizer(self.optimizer, self.config.zero_optimization,
+        refuse_at_zero(self.module, self.zero_stage, self.config.source)
+        if self.optimizer is not None:
+            check_tested_optimizer(type(self.optimizer), self.zero_stage,
+                                   self.config.zero_allow_untested_optimizer, self.config.source)
+        comm = self.config.communication_data_type
+        section = ZeroSection(self.config.zero_optimization,
+                              comm_dtype=torch_dtype(comm) if comm else None)
+        return wrap_optimizer(self.optimizer, section,
                               self.zero_stage, self.dp_group, self.module,
                               self._zero_accumulation(), self.device,
                               loss_scaler=self.precision.scaler)

@@ -33,6 +33,12 @@ gets there the way torch DDP's reducer does:
   its gradient (zeros where a rank has none) is all-reduced after the
   buckets, one flat tensor per dtype, in module order - so unfreezing
   one trains it on every rank alike, with no gradient memory before then.
+* **Sparse** parameters (``sparse``: the weights of ``nn.Embedding`` /
+  ``nn.EmbeddingBag`` built with ``sparse=True``) have no bucket either:
+  after the rest, their sparse gradients are all-gathered and averaged as
+  DeepSpeed does (:mod:`~dsrun.runtime.sparse_grads`), and handed back
+  sparse. A sparse gradient on any other parameter is made dense into its
+  bucket slot.
 
 Hooks act only between :meth:`GradSync.arm` and :meth:`GradSync.finish`;
 backward passes outside (gradient accumulation micro-steps, ``no_sync()``,
@@ -62,6 +68,7 @@ import torch.distributed as dist
 
 from dsrun import comm as collectives
 from dsrun.errors import DsrunError
+from dsrun.runtime.sparse_grads import reduce_sparse
 
 log = logging.getLogger(__name__)
 
@@ -113,12 +120,15 @@ class GradSync:
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  comm_dtype: Optional[torch.dtype] = None, predivide: float = 0.0,
                  names: Optional[Sequence[str]] = None,
-                 late: Sequence[torch.nn.Parameter] = ()) -> None:
+                 late: Sequence[torch.nn.Parameter] = (),
+                 sparse: Sequence[torch.nn.Parameter] = ()) -> None:
         """``predivide``: divide by this before the reduction and by
         ``world_size / predivide`` after (DeepSpeed's gradient_predivide_factor);
-        0 means divide by the world size before, as DDP does."""
+        0 means divide by the world size before, as DDP does. ``sparse``
+        gradients are divided by the world size alone (module docstring)."""
         self.params = list(params)
         self.late = list(late)
+        self.sparse = list(sparse)
         self.names = list(names) if names is not None else [str(i) for i in range(len(params))]
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -190,7 +200,8 @@ class GradSync:
 
     def _fill(self, index: int, grad: torch.Tensor) -> None:
         view = self._view(index)
-        flat = grad.reshape(-1)
+        # a sparse gradient where none was expected (module docstring): densified
+        flat = (grad.to_dense() if grad.is_sparse else grad).reshape(-1)
         if self.pre_scale == 1.0:
             view.copy_(flat)
         else:
@@ -228,6 +239,8 @@ class GradSync:
                 if param.grad is not None or param.requires_grad:
                     self._hand_back(index)  # else frozen since: no gradient, no step
         self._reduce_late()
+        if self.sparse:
+            reduce_sparse(self.sparse, group=self.group, comm_dtype=self.comm_dtype)
 
     def _reduce_late(self) -> None:
         """All-reduce the gradients of the late parameters trainable now

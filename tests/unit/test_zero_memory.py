@@ -80,3 +80,13 @@ def test_model_state_of_plain_adam_is_16_bytes_per_parameter():
 def test_tensors_in_nested_state():
     a, b = torch.ones(1), torch.ones(2)
     assert list(tensors_in({"x": [a, (b, 3)], "y": "z"})) == [a, b]
+
+
+def test_count_bytes_counts_a_sparse_gradient_by_its_indices_and_values():
+    """Was: NotImplementedError (a sparse tensor has no storage), at the
+    first step of a model with nn.Embedding(sparse=True)."""
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    emb(torch.tensor([1, 1, 3])).sum().backward()
+    grad = emb.weight.grad  # 3 rows uncoalesced: int64 indices (1, 3), fp32 values (3, 4)
+    got = count_bytes(params=[emb.weight], grads=[grad])
+    assert (got.params, got.grads) == (160, 3 * 8 + 3 * 4 * 4)

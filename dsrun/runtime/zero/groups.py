@@ -1,17 +1,24 @@
 """What both ZeRO optimizers take from the client and the config: param
 groups (validated), the optimizer class (elementwise ones only), its
 constructor arguments, the ``zero_optimization`` knobs of stages 1/2
-(:class:`ZeroSettings`) and stage 3 (:class:`Stage3Settings`), and the
-per-rank state restore.
+(:class:`ZeroSettings`) and stage 3 (:class:`Stage3Settings`) - with the
+top-level keys they also take (``communication_data_type``) through
+:class:`ZeroSection` - and the per-rank state restore.
 
 Optimizers whose update needs whole-tensor quantities (LAMB's trust ratio,
 LARS, Adafactor's factored moments, LBFGS) would silently change meaning on
-flat partitions: they are rejected (:data:`UNSHARDABLE_OPTIMIZERS`).
+flat partitions: they are rejected (:data:`UNSHARDABLE_OPTIMIZERS`). Any
+other class outside :func:`elementwise_optimizers` - known to update each
+element from its own gradient and state alone - needs
+``zero_allow_untested_optimizer`` (:func:`check_tested_optimizer`), as in
+DeepSpeed.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -24,8 +31,30 @@ from dsrun.runtime.zero.comm import CommStrategy
 from dsrun.runtime.zero.divergence import GuardSettings
 from dsrun.runtime.zero.offload import offload_settings
 
+log = logging.getLogger(__name__)
+
 UNSHARDABLE_OPTIMIZERS = ("Lamb", "FusedLamb", "LAMB", "Lars", "LARS", "FusedLars",
                           "Adafactor", "LBFGS", "SparseAdam", "Muon", "Shampoo")
+
+
+@dataclass(frozen=True)
+class ZeroSection:
+    """The ``zero_optimization`` section (``zero``, a ``ZeroConfig``) as the
+    ZeRO optimizers read it, with the top-level config keys that are theirs
+    too: ``comm_dtype`` (``communication_data_type``; None: the parameters'
+    dtype), which :meth:`ZeroSettings.from_config` and
+    :meth:`Stage3Settings.from_config` take. Every other attribute is
+    ``zero``'s."""
+
+    zero: Any
+    comm_dtype: Optional[torch.dtype] = None
+
+    def __getattr__(self, name: str) -> Any:
+        # only for names that are not fields: the section's own keys (not while
+        # copy or pickle builds one, before ``zero`` exists)
+        if name == "zero" or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.zero, name)
 
 
 @dataclass(frozen=True)
@@ -69,9 +98,10 @@ class ZeroSettings:
 
     @classmethod
     def from_config(cls, zero: Any, **overrides: Any) -> ZeroSettings:
-        """From a ``ZeroConfig`` (or anything with the same attribute names)."""
+        """From a :class:`ZeroSection` or a ``ZeroConfig`` (or anything with
+        the same attribute names; ``comm_dtype`` where it has one)."""
         names = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
-                 "contiguous_gradients", "reduce_scatter", "sub_group_size")
+                 "contiguous_gradients", "reduce_scatter", "sub_group_size", "comm_dtype")
         return cls(**{**settings_values(zero, names, offload_param=False), **overrides})
 
     def comm_strategy(self) -> Optional[CommStrategy]:
@@ -209,6 +239,50 @@ def _check_optimizer_cls(optimizer_cls: type, stage: int) -> None:
             f"{stage}; use stage 0, or an elementwise optimizer (Adam, AdamW, SGD, ...)")
 
 
+@functools.lru_cache(maxsize=1)
+def elementwise_optimizers() -> tuple[type, ...]:
+    """Optimizer classes whose update is elementwise (each element steps from
+    its own gradient and state, with per-tensor scalars such as the step
+    count only), so that stepping a flat partition equals stepping whole
+    tensors: DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS (torch's Adam, AdamW and
+    Adagrad, FusedAdam, the CPU Adam/Adagrad/Lion ops, FusedLion) and the
+    other elementwise classes a dsrun config builds (torch's SGD, RMSprop,
+    Adamax, NAdam, RAdam, Adadelta, ASGD and Rprop, dsrun's Lion). Exact
+    classes, as DeepSpeed checks them: a subclass may change the update."""
+    from dsrun.ops.adagrad import DeepSpeedCPUAdagrad  # the ops import the ZeRO modules
+    from dsrun.ops.adam import DeepSpeedCPUAdam, FusedAdam
+    from dsrun.ops.lion import DeepSpeedCPULion, FusedLion
+    from dsrun.runtime.optimizers import Lion
+
+    names = ("Adam", "AdamW", "Adagrad", "SGD", "RMSprop", "Adamax", "NAdam", "RAdam",
+             "Adadelta", "ASGD", "Rprop")
+    return (*(getattr(torch.optim, n) for n in names), FusedAdam, DeepSpeedCPUAdam,
+            DeepSpeedCPUAdagrad, DeepSpeedCPULion, FusedLion, Lion)
+
+
+def check_tested_optimizer(optimizer_cls: type, stage: int, allow_untested: bool,
+                           source: str) -> None:
+    """At ZeRO ``stage``: refuse an optimizer class that cannot step
+    partitions (:data:`UNSHARDABLE_OPTIMIZERS`); one that is not known to be
+    elementwise needs ``allow_untested`` (``zero_allow_untested_optimizer``
+    in ``source``), and then gets DeepSpeed's warning."""
+    _check_optimizer_cls(optimizer_cls, stage)
+    if optimizer_cls in elementwise_optimizers():
+        return
+    name = f"{optimizer_cls.__module__}.{optimizer_cls.__qualname__}"
+    detail = (f"ZeRO stage {stage} steps it on each rank's flat partition of the parameters, "
+              "which equals stepping whole tensors only if its update is elementwise (no "
+              "per-tensor norms, shapes or sums)")
+    if not allow_untested:
+        known = ", ".join(sorted({c.__name__ for c in elementwise_optimizers()}))
+        raise DsrunConfigError(
+            f"optimizer {name} is an untested ZeRO optimizer: add "
+            f'"zero_allow_untested_optimizer": true to {source} to use it (as DeepSpeed '
+            f"asks). {detail}; the known elementwise ones are {known}")
+    log.warning("**** You are using ZeRO with an untested optimizer (%s), proceed with "
+                "caution: %s *****", name, detail)
+
+
 def _constructor_kwargs(optimizer_cls: type, defaults: Mapping[str, Any]) -> dict[str, Any]:
     """``defaults`` that ``optimizer_cls(params, **kwargs)`` accepts."""
     try:
@@ -285,10 +359,11 @@ class Stage3Settings:
 
     @classmethod
     def from_config(cls, zero: Any, **overrides: Any) -> Stage3Settings:
-        """From a ``ZeroConfig`` (or anything with its attribute names)."""
+        """From a :class:`ZeroSection` or a ``ZeroConfig`` (or anything with
+        its attribute names; ``comm_dtype`` where it has one)."""
         names = ("reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters",
                  "max_reuse_distance", "param_persistence_threshold", "overlap_comm",
-                 "reduce_scatter", "memory_efficient_linear", "sub_group_size")
+                 "reduce_scatter", "memory_efficient_linear", "sub_group_size", "comm_dtype")
         return cls(**{**settings_values(zero, names, offload_param=True), **overrides})
 
     def comm_strategy(self) -> Optional[CommStrategy]:

@@ -21,7 +21,9 @@ parameters (stage 0 in fp32).
 **Counting**: :func:`count_bytes` walks tensors by category and counts each
 underlying storage once (keyed by device and data pointer, the first
 category that reaches a storage keeps it), so views, shared parameters and
-gradients that are views into a bucket are not counted twice.
+gradients that are views into a bucket are not counted twice. A sparse
+tensor (the gradient of ``nn.Embedding(sparse=True)``) counts as its
+indices and values.
 :func:`model_state_bytes` applies it to model parameters and an optimizer
 (a torch optimizer or anything with an ``.optimizer`` attribute holding one,
 such as :class:`~dsrun.runtime.zero.sharded.ZeroOptimizer`).
@@ -98,7 +100,7 @@ def count_bytes(*, params: Iterable[torch.Tensor] = (), grads: Iterable[torch.Te
     host = 0
     for category, tensors in enumerate((params, grads, optimizer, buffers)):
         total = 0
-        for tensor in tensors:
+        for tensor in _dense_parts(tensors):
             storage = tensor.untyped_storage()
             key = (str(tensor.device), storage.data_ptr())
             if storage.nbytes() == 0 or key in seen:
@@ -109,6 +111,17 @@ def count_bytes(*, params: Iterable[torch.Tensor] = (), grads: Iterable[torch.Te
                 host += storage.nbytes()
         totals.append(total)
     return StateBytes(*totals, host=host)
+
+
+def _dense_parts(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """``tensors``, a sparse COO one as its indices and values (it has no
+    storage of its own); other sparse layouts are not counted."""
+    for tensor in tensors:
+        if tensor.layout == torch.sparse_coo:
+            yield tensor._indices()
+            yield tensor._values()
+        elif tensor.layout == torch.strided:
+            yield tensor
 
 
 def model_state_bytes(params: Iterable[torch.Tensor], optimizer: Any = None,
