@@ -33,9 +33,9 @@ criterion_func=None)`` moves tensors nested in lists, tuples and dicts
 boundaries as DeepSpeed's do: equal counts (the first ``num_items %
 num_parts`` parts one more; empty parts when there are fewer items than
 parts), and contiguous parts whose heaviest and lightest part differ the
-least (DeepSpeed's dynamic programme, ties going to the later cut).
-:mod:`dsrun.runtime.pipe.partition` is dsrun's own pipeline partitioning,
-which minimises the heaviest stage instead.
+least (DeepSpeed's dynamic programme, ties going to the later cut; the
+one :mod:`dsrun.runtime.pipe.partition` cuts pipelines with, except its
+``"flops"`` method, which minimises the heaviest stage first).
 
 Also DeepSpeed's, with its results: ``noop_decorator(func)`` (``func``
 itself); ``ensure_directory_exists(filename)`` (makes the file's
@@ -215,28 +215,11 @@ def partition_uniform(num_items: int, num_parts: int) -> list[int]:
 def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
     """``num_parts + 1`` boundaries of contiguous parts of ``weights`` whose
     largest and smallest sums differ the least (module docstring)."""
-    n, m = len(weights), num_parts
-    if n <= m:
-        return partition_uniform(n, m)
-    prefix = [0, *itertools.accumulate(weights)]
-    # for the first i items in j parts: the least spread found, the largest
-    # and smallest part sums that give it, and where its last part starts
-    spread = [[math.inf] * (m + 1) for _ in range(n + 1)]
-    most = [[math.inf] * (m + 1) for _ in range(n + 1)]
-    least = [[math.inf] * (m + 1) for _ in range(n + 1)]
-    start = [[0] * (m + 1) for _ in range(n + 1)]
-    spread[0][0] = most[0][0] = 0
-    for i in range(1, n + 1):
-        for j in range(1, min(i, m) + 1):
-            for k in range(i):
-                part = prefix[i] - prefix[k]
-                hi, lo = max(most[k][j - 1], part), min(least[k][j - 1], part)
-                if spread[i][j] >= hi - lo:  # ">=": the later cut wins ties
-                    spread[i][j], most[i][j], least[i][j], start[i][j] = hi - lo, hi, lo, k
-    bounds = [n]
-    for j in range(m, 0, -1):
-        bounds.append(start[bounds[-1]][j])
-    return bounds[::-1]
+    if len(weights) <= num_parts:
+        return partition_uniform(len(weights), num_parts)
+    from dsrun.runtime.pipe.partition import least_spread
+
+    return list(least_spread(weights, num_parts))
 
 
 # ------------------------------------------------------------ small helpers

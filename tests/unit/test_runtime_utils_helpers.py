@@ -60,14 +60,15 @@ def test_partition_balanced_as_deepspeed(weights: list[int], parts: int,
                                          bounds: list[int]) -> None:
     """DeepSpeed's objective is the spread (heaviest minus lightest part),
     ties to the later cut: [1, 9, 2, 5] in 3 parts is 10 | 2 | 5, where
-    dsrun's pipeline partitioning (the heaviest part) cuts 1 | 9 | 7."""
+    dsrun's "flops" pipeline partitioning (the heaviest part) cuts 1 | 9 | 7."""
     assert rt_utils.partition_balanced(weights, parts) == bounds
 
 
-def test_pipeline_partitioning_is_dsruns_own() -> None:
-    from dsrun.runtime.pipe.partition import partition_balanced as pipeline_cut
+def test_pipeline_cuts_as_deepspeed_except_flops_which_minimises_the_heaviest() -> None:
+    from dsrun.runtime.pipe.partition import partition_balanced, partition_deepspeed
 
-    assert pipeline_cut([1, 9, 2, 5], 3) == (0, 1, 2, 4)
+    assert partition_deepspeed([1, 9, 2, 5], 3) == (0, 2, 3, 4)  # = rt_utils' cut
+    assert partition_balanced([1, 9, 2, 5], 3) == (0, 1, 2, 4)  # "flops": heaviest part 9
 
 
 def test_deepspeed_import_path() -> None:

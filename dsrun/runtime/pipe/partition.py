@@ -76,7 +76,8 @@ def _check_weights(weights: Sequence[int], parts: int) -> None:
         raise ValueError(f"weights must be non-negative integers, got {list(weights)}")
 
 
-def _least_spread(weights: Sequence[int], parts: int, cap: float = math.inf) -> tuple[int, ...]:
+def least_spread(weights: Sequence[float], parts: int, cap: float = math.inf
+                 ) -> tuple[int, ...]:
     """DeepSpeed's dynamic programme (``deepspeed.runtime.utils.partition_balanced``):
     for the first ``i`` items in ``j`` parts keep the cut whose heaviest minus
     lightest part is least, the later cut on ties; parts heavier than
@@ -110,7 +111,7 @@ def partition_deepspeed(weights: Sequence[int], parts: int) -> tuple[int, ...]:
     """Contiguous non-empty parts cut where DeepSpeed 0.19.8's
     ``partition_balanced`` cuts them (module docstring)."""
     _check_weights(weights, parts)
-    return _least_spread(weights, parts)
+    return least_spread(weights, parts)
 
 
 def partition_balanced(weights: Sequence[int], parts: int) -> tuple[int, ...]:
@@ -124,7 +125,7 @@ def partition_balanced(weights: Sequence[int], parts: int) -> tuple[int, ...]:
             low = mid + 1
         else:
             high = mid
-    return _least_spread(weights, parts, cap=low)
+    return least_spread(weights, parts, cap=low)
 
 
 def partition_uniform(num_layers: int, parts: int) -> tuple[int, ...]:
