@@ -50,6 +50,7 @@ from torch.utils.hooks import RemovableHandle
 from dsrun.errors import DsrunConfigError
 from dsrun.runtime.buffer_dtypes import CASTABLE, HALF_DTYPES, apply_buffer_rules
 from dsrun.runtime.config import DTYPE_NAMES, DsrunConfig
+from dsrun.runtime import sparse_grads
 from dsrun.runtime.loss_scaler import LossScaler
 
 log = logging.getLogger(__name__)
@@ -75,11 +76,10 @@ def skipped(norm: Optional[torch.Tensor] = None) -> StepResult:
 
 
 def global_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of all ``tensors`` together, in fp32."""
+    """L2 norm of all ``tensors`` together, in fp32 (a sparse one by its values)."""
     if not tensors:
         return torch.zeros(())
-    norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
-    return torch.linalg.vector_norm(torch.stack(norms))
+    return sparse_grads.grad_norm(tensors)
 
 
 class FullPrecision:
@@ -162,8 +162,8 @@ class FullPrecision:
 
     def step(self, optimizer: Optimizer, max_norm: float) -> StepResult:
         norm = None
-        if max_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        if max_norm > 0:  # sparse embedding gradients too (stage 0, fp32)
+            norm = sparse_grads.clip_grad_norm_(self.params, max_norm)
         elif self.reports_norm or self.skips_nonfinite:
             norm = global_norm([p.grad for p in self.params if p.grad is not None])
         if self.skips_nonfinite and norm is not None and not bool(torch.isfinite(norm)):

@@ -25,9 +25,11 @@ into partitions and cannot take a sparse one (DeepSpeed fails there too):
 torch's ``clip_grad_norm_`` cannot take a sparse gradient either;
 :func:`clip_grad_norm_` and :func:`grad_norm` can (a sparse gradient's norm
 is that of its coalesced values, as ``Tensor.norm`` computes it, which
-DeepSpeed's clipping uses). Until the stage-0 precisions
-(:mod:`~dsrun.runtime.precision`) call them, :func:`refuse_norm` refuses the
-configurations whose step measures the norm.
+DeepSpeed's clipping uses); the fp32 step (:mod:`~dsrun.runtime.precision`)
+clips with them, scaling sparse gradients too (DeepSpeed's clipping
+multiplies them by a one-element tensor, which leaves a sparse tensor
+unchanged). The 16-bit precisions do not take sparse gradients yet:
+:func:`refuse_norm` refuses them at ``initialize()``.
 """
 
 from __future__ import annotations
@@ -93,25 +95,19 @@ def clip_grad_norm_(params: Sequence[torch.Tensor], max_norm: float) -> torch.Te
 
 
 def refuse_norm(module: torch.nn.Module, precision: Any, max_norm: float, source: str) -> None:
-    """Stage 0: refuse sparse gradients where the step would measure their
-    norm (clipping, bf16/fp16's norm and overflow checks), which the
-    precisions do with torch's dense-only norm today (module docstring)."""
+    """Stage 0: refuse sparse gradients under a 16-bit precision (fp16's
+    master copies and loss scale, bf16's norm and overflow checks have not
+    been made to take them); in fp32, clipping and the norm take them."""
     found = [name for name, p in sparse_grad_params(module) if p.requires_grad]
     if not found:
         return
-    if max_norm > 0:
-        why = f"gradient_clipping={max_norm:g} ({source}) measures"
-        fix = 'set "gradient_clipping": 0'
-    elif precision.reports_norm or precision.skips_nonfinite or precision.scaler is not None:
-        why = f"the {precision.name} step ({source}) measures"
-        fix = "train it in fp32 with \"gradient_clipping\": 0"
-    else:
+    if not (precision.reports_norm or precision.skips_nonfinite or precision.scaler is not None):
         return
     raise DsrunConfigError(
         f"parameter {found[0]!r} gets sparse gradients (an nn.Embedding or nn.EmbeddingBag "
-        f"built with sparse=True); {why} the global gradient norm, which dsrun does not "
-        f"compute over sparse gradients yet: {fix}, or build the embedding with "
-        "sparse=False")
+        f"built with sparse=True), which the {precision.name} step ({source}) does not take "
+        "yet: train it in fp32 (gradient clipping works there), or build the embedding "
+        "with sparse=False")
 
 
 def sparse_mean(grad: Optional[torch.Tensor], like: torch.Tensor, *, group: Any,

@@ -111,13 +111,33 @@ def test_zero_stages_refuse_sparse_embeddings(solo: None, stage: int) -> None:
 
 
 @pytest.mark.parametrize(("config", "why"), [
-    ({"gradient_clipping": 1.0}, "gradient_clipping=1"),
     ({"bf16": {"enabled": True}}, "the bf16 step"),
+    ({"fp16": {"enabled": True}}, "the fp16 step"),
 ])
-def test_stage0_refuses_a_norm_over_sparse_gradients(solo: None, config: dict[str, Any],
-                                                     why: str) -> None:
+def test_stage0_refuses_sparse_gradients_in_16_bits(solo: None, config: dict[str, Any],
+                                                    why: str) -> None:
     with pytest.raises(DsrunConfigError, match=f"'0.weight' gets sparse gradients.*{why}"):
         _embedding_engine(**config)
+
+
+def test_sparse_embedding_clipped_as_its_dense_twin(solo: None) -> None:
+    """gradient_clipping (DeepSpeed's default 1.0) over a sparse embedding
+    gradient: the norm of its coalesced values, and the sparse gradient is
+    scaled as the dense one is (weights equal to a dense twin's)."""
+    models, norms = {}, {}
+    for sparse in (True, False):
+        engine, model = _embedding_engine(sparse, gradient_clipping=0.01)
+        gen = torch.Generator().manual_seed(3)
+        norms[sparse] = []
+        for _ in range(3):
+            engine.backward(engine(torch.randint(0, 5, (2, 2), generator=gen)).square().mean())
+            engine.step()
+            norms[sparse].append(engine.get_global_grad_norm())
+        models[sparse] = model
+        engine.destroy()
+    assert norms[True] == pytest.approx(norms[False], rel=1e-6) and norms[True][0] > 0.01
+    for a, b in zip(models[True].parameters(), models[False].parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize(("stage", "extra", "dtype"), [
