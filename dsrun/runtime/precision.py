@@ -48,9 +48,9 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from dsrun.errors import DsrunConfigError
+from dsrun.runtime import sparse_grads
 from dsrun.runtime.buffer_dtypes import CASTABLE, HALF_DTYPES, apply_buffer_rules
 from dsrun.runtime.config import DTYPE_NAMES, DsrunConfig
-from dsrun.runtime import sparse_grads
 from dsrun.runtime.loss_scaler import LossScaler
 
 log = logging.getLogger(__name__)
