@@ -215,6 +215,12 @@ class DsrunConfig:
     source: str = _internal(DICT_SOURCE)
     passthrough: Mapping[str, Any] = _internal(MappingProxyType({}))
     ignored_keys: tuple[str, ...] = _internal(())
+    # a "scheduler" section that did not check out, in a config without an
+    # "optimizer" resolved for an engine given none (resolve's optimizer_given
+    # False): only warned about, since without an optimizer DeepSpeed builds
+    # no scheduler (Hugging Face's evaluation-only ZeRO-3 engines keep the
+    # section, its step counts filled with 0)
+    scheduler_error: Optional[str] = _internal(None)
 
     def __post_init__(self) -> None:
         validate_fields(self)
@@ -508,7 +514,8 @@ def resolve(config: ConfigInput, *, dp_size: int, dp_source: str,
             micro_batch_hint: Optional[int] = None, total_num_steps: Optional[int] = None,
             warmup_num_steps: Optional[int] = None,
             optimizer_hints: Optional[Mapping[str, Any]] = None,
-            environ: Optional[Mapping[str, str]] = None) -> DsrunConfig:
+            environ: Optional[Mapping[str, str]] = None,
+            optimizer_given: bool = True) -> DsrunConfig:
     """Parse, validate and resolve ``config`` for ``dp_size`` data-parallel ranks.
 
     ``dp_source`` says where ``dp_size`` came from (for error messages).
@@ -516,6 +523,10 @@ def resolve(config: ConfigInput, *, dp_size: int, dp_source: str,
     batch size), ``total_num_steps``/``warmup_num_steps`` (scheduler), and
     ``optimizer_hints`` (client ``lr``/``betas``/``eps``/``weight_decay``).
     ``environ`` defaults to ``os.environ`` (read once, here).
+    ``optimizer_given`` False (an engine built without a client optimizer):
+    in a config without an ``optimizer`` section, a ``scheduler`` section
+    that does not check out is kept as ``scheduler_error`` (warned about
+    by the engine, which builds no scheduler) instead of raised.
     """
     raw, source = load_config(config)
     env = os.environ if environ is None else environ
@@ -530,12 +541,19 @@ def resolve(config: ConfigInput, *, dp_size: int, dp_source: str,
     optimizer = parse_optimizer(known.get("optimizer"), ctx, hints)
     lr = optimizer.params.get("lr", AUTO_OPTIMIZER_DEFAULTS[optimizer.type]["lr"]) \
         if optimizer else hints.get("lr")
+    scheduler, scheduler_error = None, None
+    try:
+        scheduler = parse_scheduler(known.get("scheduler"), ctx, lr, total_num_steps,
+                                    warmup_num_steps)
+    except DsrunConfigError as err:
+        if optimizer is not None or optimizer_given:
+            raise
+        scheduler_error = str(err)
     kwargs: dict[str, Any] = {
         "train_batch_size": train, "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
         "optimizer": optimizer,
-        "scheduler": parse_scheduler(known.get("scheduler"), ctx, lr, total_num_steps,
-                                      warmup_num_steps),
+        "scheduler": scheduler, "scheduler_error": scheduler_error,
         "fp16": parse_section(FP16Config, _without_auto_enabled(known.get("fp16", {})),
                                ("fp16",), ctx),
         "bf16": parse_section(BF16Config, _without_auto_enabled(

@@ -232,9 +232,18 @@ class EngineSetup:
                 inner = self.optimizer.optimizer if self.zero_stage > 0 else self.optimizer
                 return client(inner)
             return client
-        if self.config.scheduler is None:
+        if self.config.scheduler is None and self.config.scheduler_error is None:
             return None
-        if self.optimizer is None:
-            raise DsrunConfigError(f"the config ({self.config.source}) has a scheduler but no "
-                                   "optimizer: add an \"optimizer\" section or pass optimizer=")
+        if self.optimizer is None or self._partition_only:
+            # as DeepSpeed: no optimizer, no scheduler (evaluation engines)
+            if self.config.scheduler_error is not None:
+                log.warning("the config's scheduler section is not used (the engine has no "
+                            "optimizer), and it would be refused: %s",
+                            self.config.scheduler_error)
+            else:
+                log.info("the config (%s) has a scheduler section but the engine has no "
+                         "optimizer: no LR scheduler is built", self.config.source)
+            return None
+        if self.config.scheduler_error is not None:
+            raise DsrunConfigError(self.config.scheduler_error)
         return build_scheduler(self.config.scheduler, self.optimizer)

@@ -208,7 +208,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
     hint = getattr(training_data, "batch_size", None) \
         if isinstance(training_data, torch.utils.data.DataLoader) else None
     resolved = resolve(choice.value, dp_size=dp_size, dp_source=dp_source,
-                       micro_batch_hint=hint, optimizer_hints=_optimizer_hints(optimizer))
+                       micro_batch_hint=hint, optimizer_hints=_optimizer_hints(optimizer),
+                       optimizer_given=optimizer is not None)
     check_zero_stage(resolved)
     if model_parameters is not None:
         model_parameters = list(model_parameters)  # a generator is read once

@@ -223,3 +223,37 @@ def test_a_pipeline_engine_steps_the_client_optimizer_object(solo: None, stage: 
     opt.param_groups[0]["lr"] = 0.1
     assert moved()
     assert (returned is opt) if stage == 0 else (returned.optimizer is opt)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_scheduler_section_without_an_optimizer_builds_no_scheduler(
+        solo: None, stage: int, caplog: pytest.LogCaptureFixture) -> None:
+    """As DeepSpeed: an engine with no optimizer (Hugging Face's evaluation-only
+    ZeRO-3 engines keep the config's scheduler section, its step counts filled
+    with 0) builds no LR scheduler and evaluates; a section that does not check
+    out is raised once an optimizer comes."""
+    zero = {"stage": stage}
+    for params in ({"warmup_num_steps": 2},
+                   {"warmup_num_steps": 0, "total_num_steps": 0}):
+        kind = "WarmupLR" if len(params) == 1 else "WarmupDecayLR"
+        config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero,
+                  "scheduler": {"type": kind, "params": params}}
+        engine, optimizer, _, scheduler = dsrun.initialize(model=torch.nn.Linear(4, 4),
+                                                           config=config)
+        assert scheduler is None and engine.lr_scheduler is None
+        if params["warmup_num_steps"] == 0:  # named, not raised: nothing would use it
+            assert "would be refused" in caplog.text and "warmup_num_steps" in caplog.text
+        with torch.no_grad():
+            assert engine(torch.ones(1, 4)).shape == (1, 4)
+        engine.destroy()
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(DsrunConfigError, match=r"scheduler.params.warmup_num_steps"):
+        dsrun.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                         config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero,
+                                 "scheduler": {"type": "WarmupLR",
+                                               "params": {"warmup_num_steps": 0}}})
+    with pytest.raises(DsrunConfigError, match=r"scheduler.params.warmup_num_steps"):
+        dsrun.initialize(model=torch.nn.Linear(4, 4), config={
+            "train_micro_batch_size_per_gpu": 1, "zero_optimization": zero,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}})
