@@ -498,8 +498,10 @@ def inert_settings(config: DsrunConfig) -> list[str]:
     accum = config.data_types.grad_accum_dtype
     trained = "float16" if config.precision == "fp16" else "float32"
     if accum is not None and DTYPE_NAMES[accum] != trained:
+        zero_sums = "; ZeRO 2-3 sum reduced micro-steps in float32 with float16's overflow " \
+            "rule" if trained == "float16" else ""
         notes.append(f"data_types.grad_accum_dtype {accum!r} (dsrun accumulates gradients in "
-                     f"the trained parameters' dtype, {trained} here)")
+                     f"the trained parameters' dtype, {trained} here{zero_sums})")
     if config.precision == "fp32" and (config.data_types.buffer_dtype is not None or
                                        config.data_types.keep_in_fp32_modules != KEEP_IN_FP32_AUTO):
         notes.append("data_types.buffer_dtype/keep_in_fp32_modules without fp16 or bf16 (as in "

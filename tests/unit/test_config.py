@@ -750,6 +750,11 @@ def test_data_types_is_checked_and_named_when_not_what_dsrun_accumulates_in() ->
                                     data_types={"grad_accum_dtype": "bf16"})))
     assert notes == ["data_types.grad_accum_dtype 'bf16' (dsrun accumulates gradients in the "
                      "trained parameters' dtype, float32 here)"]
+    notes = inert_settings(res(base(fp16={"enabled": True},
+                                    data_types={"grad_accum_dtype": "fp32"})))
+    assert notes == ["data_types.grad_accum_dtype 'fp32' (dsrun accumulates gradients in the "
+                     "trained parameters' dtype, float16 here; ZeRO 2-3 sum reduced micro-steps "
+                     "in float32 with float16's overflow rule)"]
     with pytest.raises(DsrunConfigError, match="data_types.grad_accum_dtype"):
         res(base(data_types={"grad_accum_dtype": "int8"}))
     with pytest.raises(DsrunConfigError, match="grad_accum_dtype"):
