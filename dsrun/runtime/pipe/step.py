@@ -16,7 +16,9 @@ world of each rank's share of the squared norm:
 Tied weights held by several stages count once: copies that are not the
 primary one are left out (:meth:`~.tied.TiedWeights.duplicates`). A
 non-finite norm is an fp16 overflow on every rank at once (inf and NaN
-survive the sum), so all stages skip the step together; so is it in bf16
+survive the sum; at ZeRO 1-2 a scaled fp32 partition sum that float16
+cannot hold counts as inf, as in :mod:`~dsrun.runtime.zero.masters`), so
+all stages skip the step together; so is it in bf16
 and fp32 where the precision skips those (``skips_nonfinite``). Everything then
 proceeds as in one process: the same clip coefficient (torch's rule), the
 same update. With ``measure_norm`` (a monitor writes the norm) the norm's
@@ -34,7 +36,7 @@ from dsrun import comm as collectives
 from dsrun.runtime.monitor.timers import comm_wait
 from dsrun.runtime.pipe.errors import PipeAssertionError, PipeValueError
 from dsrun.runtime.precision import FP16Master, FullPrecision, StepResult, skipped
-from dsrun.runtime.zero.masters import CLIP_EPS
+from dsrun.runtime.zero.masters import CLIP_EPS, in_range, overflow_limit
 
 
 def _squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -79,12 +81,18 @@ def pipeline_step(engine: Any, measure_norm: bool = False) -> StepResult:
     duplicates = engine.module.tied_weights.duplicates()
     device = engine.device
     zero = engine.optimizer if engine.zero_stage > 0 else None
+    out_of_range = False
     if zero is not None:
         # the data-parallel reduction, for the breakdown's comm_reduce (a
         # wait ZeRO times itself is nested inside and counts once)
         with comm_wait("reduce"):
             zero.reduce_gradients()
         if scaler is not None:
+            # a scaled micro-step sum float16 cannot hold is an overflow, as
+            # in a float16 accumulation (zero/masters.py): checked before unscaling
+            held = [m.grad for m in zero.masters if m.grad is not None and m.numel()]
+            out_of_range = bool(held) and not bool(
+                in_range(held, overflow_limit(zero.grad_dtype)))
             zero.scale_grads_(1.0 / scaler.scale)
         to_clip = [m.grad for m in zero.masters if m.grad is not None]
         share = _squares(to_clip, device) - _zero_duplicate_squares(zero, duplicates, device)
@@ -93,6 +101,8 @@ def pipeline_step(engine: Any, measure_norm: bool = False) -> StepResult:
         share = _squares(counted, device) / engine.dp_world_size
     norm: Optional[torch.Tensor] = None
     checked = scaler is not None or precision.skips_nonfinite
+    if out_of_range:  # every stage sees a non-finite norm: all skip together
+        share = share + float("inf")
     if max_norm > 0 or checked or measure_norm:
         if dist.get_world_size() > 1:
             collectives.all_reduce(share)
