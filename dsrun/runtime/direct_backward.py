@@ -7,14 +7,19 @@ reducers' flush at stages 1-3). A script may instead call
 ``loss.backward()`` itself - or ``engine.scale(loss).backward()`` under an
 fp16 loss scale - as DeepSpeed 0.19.8 allows; the result must be the same.
 
-A hook on each tensor the engine's forward returns does ``engine.backward``'s
-work for such a backward: the first time a backward pass reaches an output it
-runs the engine's start-of-backward work and queues its end-of-backward work
-on the autograd engine (it runs when that pass has finished), and every
-output's gradient is divided by the accumulation steps before it flows into
-the model. Under a loss scale the loss must come from ``engine.scale`` (one
-scale per backward), else the backward is refused before any parameter
-gradient exists.
+Two sets of hooks do ``engine.backward``'s work for such a backward:
+
+* a hook on each tensor the engine's forward returns notices the pass: the
+  first time a training backward reaches an output it runs the engine's
+  start-of-backward work and queues its end-of-backward work on the
+  autograd engine (it runs when that pass has finished);
+* a hook on each trainable parameter divides the gradient it receives by
+  the accumulation steps while such a pass is open - at the parameters, not
+  at the outputs, so that a gradient flowing through several outputs (a
+  loss returned beside the logits it was computed from) is divided once.
+
+Under a loss scale the pass must backward a loss ``engine.scale`` returned,
+else it is refused before any parameter gradient exists.
 
 Invariants:
 
@@ -22,12 +27,18 @@ Invariants:
   divided and scaled there).
 * A pass that accumulates no parameter gradient - ``torch.autograd.grad``
   through the output, e.g. a gradient penalty - is not a training backward:
-  its gradients are not divided and nothing is armed.
+  nothing is divided or armed. A pass that reaches the parameters only
+  through reentrant activation checkpoints (they accumulate in nested
+  passes) is one.
+* A loss that never reaches an engine output (a regulariser over the
+  parameters backwarded on its own) is not seen: as in DeepSpeed, it is
+  neither divided nor scaled.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Optional
 
@@ -35,6 +46,10 @@ import torch
 
 from dsrun.errors import DsrunError
 from dsrun.runtime.zero.fetch import output_tensors
+
+#: autograd node classes of reentrant activation checkpoints (torch's and
+#: DeepSpeed-style ``CheckpointFunction``), whose backward runs a nested pass
+REENTRANT_NODES = ("CheckpointFunctionBackward",)
 
 
 class UnscaledBackwardError(DsrunError, RuntimeError):
@@ -46,6 +61,13 @@ def _task_id() -> int:
     return int(torch._C._current_graph_task_id())
 
 
+def _will_run(node: Any) -> bool:
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:  # not part of the running pass's graph
+        return False
+
+
 def accumulates_into(params: Iterable[torch.nn.Parameter]) -> bool:
     """Called from a backward hook: does the running pass accumulate a
     gradient into one of ``params`` (``backward``), or none (``autograd.grad``)?"""
@@ -53,8 +75,23 @@ def accumulates_into(params: Iterable[torch.nn.Parameter]) -> bool:
         if not param.requires_grad:
             continue
         node = torch.autograd.graph._get_grad_fn_or_grad_acc(param)
-        if node is not None and torch._C._will_engine_execute_node(node):
+        if node is not None and _will_run(node):
             return True
+    return False
+
+
+def reaches_reentrant_checkpoint(root: Any) -> bool:
+    """Does the running pass run a reentrant checkpoint below ``root`` (its
+    nested pass accumulates the parameters inside)?"""
+    seen, todo = set(), [root]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ in REENTRANT_NODES and _will_run(node):
+            return True
+        todo.extend(next_node for next_node, _ in node.next_functions)
     return False
 
 
@@ -73,42 +110,72 @@ class DirectBackward:
         self._accumulation = accumulation
         self._scaled = scaled
         self._inside = 0  # engine.backward calls running
-        self._task: Optional[int] = None  # the graph task the hooks last saw
-        self._divisor = 1  # for that task's outputs: 1 = leave the gradient alone
-        self.scale_pending = False  # engine.scale(loss) called since the last backward
+        self._task: Optional[int] = None  # the graph task the output hooks last saw
+        self._divisor = 0  # while a script-started training pass runs: its divisor; else 0
+        self._scaled_task: Optional[int] = None  # the pass that backwarded engine.scale's tensor
+        self._hooked: set[int] = set()
+
+    def hook_params(self) -> None:
+        """Hook every trainable parameter not hooked yet (at construction,
+        and again at each forward: a parameter unfrozen since gets one)."""
+        for param in self._params():
+            if param.requires_grad and id(param) not in self._hooked:
+                self._hooked.add(id(param))
+                param.register_hook(self._on_param_grad)
 
     def watch(self, output: Any) -> None:
         """Hook the engine forward's output tensors that will get gradients."""
         if not torch.is_grad_enabled():
             return
+        self.hook_params()
         for tensor in output_tensors(output):
             if tensor.requires_grad:
-                tensor.register_hook(self._on_grad)
+                tensor.register_hook(functools.partial(self._on_output_grad, tensor.grad_fn))
 
-    def _on_grad(self, grad: torch.Tensor) -> torch.Tensor:
+    def scaled(self, loss: torch.Tensor) -> None:
+        """``engine.scale`` returned ``loss``: a backward through it is scaled
+        (its hook, which runs before any output's, marks the pass)."""
+        loss.register_hook(self._on_scaled_grad)
+
+    def _on_scaled_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        self._scaled_task = _task_id()
+        return grad
+
+    def _on_param_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        if self._divisor > 1 and not self._inside:
+            return grad / self._divisor
+        return grad
+
+    def _on_output_grad(self, root: Any, grad: torch.Tensor) -> torch.Tensor:
         if self._inside:
             return grad
         task = _task_id()
         if task != self._task:
             self._task = task
-            self._divisor = self._begin() if accumulates_into(self._params()) else 1
-        return grad / self._divisor if self._divisor > 1 else grad
+            if accumulates_into(self._params()) or reaches_reentrant_checkpoint(root):
+                self._begin()
+        return grad
 
-    def _begin(self) -> int:
-        """First output of a script-started training backward: check the loss
-        scale, arm the reduction, queue its finish; -> the gradient divisor."""
-        if self._scaled() and not self.scale_pending:
+    def _begin(self) -> None:
+        """First output a script-started training backward reaches: check the
+        loss scale, arm the reduction, open the division, queue the finish."""
+        if self._scaled() and self._scaled_task != self._task:
             raise UnscaledBackwardError(
                 "loss.backward() under an fp16 loss scale: the loss was not scaled. Use "
                 "engine.backward(loss), or engine.scale(loss).backward() as in DeepSpeed")
-        self.scale_pending = False
         finish = self._start()
-        torch.autograd.Variable._execution_engine.queue_callback(finish)
-        return max(1, self._accumulation())
+        self._divisor = max(1, self._accumulation())
+
+        def done() -> None:
+            self._divisor = 0
+            finish()
+
+        torch.autograd.Variable._execution_engine.queue_callback(done)
 
     @contextlib.contextmanager
     def engine_backward_running(self) -> Iterator[None]:
         self._inside += 1
+        self._divisor = 0  # a script-started pass that failed left it open
         try:
             yield
         finally:

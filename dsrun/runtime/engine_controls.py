@@ -230,8 +230,9 @@ class EngineControls:
         if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
             raise DsrunError("engine.scale(loss): loss must be a scalar tensor that requires "
                              "grad; for another tensor call tensor.backward(gradient)")
-        self._direct_backward.scale_pending = True
-        return self.precision.scale_loss(loss)
+        scaled = self.precision.scale_loss(loss)
+        self._direct_backward.scaled(scaled)  # a backward of this tensor is scaled
+        return scaled
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """DeepSpeed's: a new global batch, as more or fewer micro-batches

@@ -278,6 +278,8 @@ def check_direct_backward(fact: dict[str, Any]) -> None:
         assert fact[name] is True, name  # bitwise engine.backward's weights
         assert fact[f"{name}_steps"] == 2 and fact[f"{name}_agree"], name
     assert "engine.scale(loss).backward()" in fact["unscaled"]
+    assert "engine.scale(loss).backward()" in fact["scale_elsewhere"]
+    assert fact["beside_reentrantFalse"] and fact["beside_reentrantTrue"]
     assert fact["unscaled_then_trains"]
     assert fact["returned"] == pytest.approx(fact["loss"] / 2)  # DeepSpeed's return value
     assert fact["penalty_undivided"] and fact["penalty_steps"] == 1

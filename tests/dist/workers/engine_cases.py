@@ -564,6 +564,45 @@ def direct_backward() -> dict[str, Any]:
         out[name] = all(torch.equal(a, b) for a, b in zip(full(ref), full(own)))
         out[f"{name}_steps"] = own.global_steps
         out[f"{name}_agree"] = ranks_agree(full(own))
+    # an output computed from another (a loss returned beside its logits), and
+    # every parameter under a reentrant checkpoint: divided once, at the parameters
+    class LossBeside(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(),
+                                           torch.nn.Linear(4, 1))
+
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            logits = torch.utils.checkpoint.checkpoint(
+                self.net, x.requires_grad_(), use_reentrant=True) if self.reentrant \
+                else self.net(x)
+            return {"loss": logits.pow(2).mean(), "logits": logits}
+
+    for reentrant in (False, True):
+        engines = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            model = LossBeside()
+            model.reentrant = reentrant
+            engines.append(dsrun.initialize(model=model, config={
+                "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                "gradient_clipping": 0.0, "steps_per_print": 1000,
+                "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})[0])
+        ref, own = engines
+        for step in range(4):
+            ref.backward(ref(inputs(step))["loss"])
+            ref.step()
+            own(inputs(step))["loss"].backward()
+            own.step()
+        out[f"beside_reentrant{reentrant}"] = all(
+            torch.equal(a, b) for a, b in zip(full(ref), full(own)))
+    engine = build(2, fp16=True)  # engine.scale of a loss never backwarded scales nothing
+    engine.scale(engine(inputs(0)).float().pow(2).mean())
+    try:
+        engine(inputs(1)).float().pow(2).mean().backward()
+        out["scale_elsewhere"] = "ran"
+    except RuntimeError as err:
+        out["scale_elsewhere"] = str(err)
     engine, twin = build(2, fp16=True), build(2, fp16=True)  # fp16 without engine.scale:
     try:  # refused before anything lands, the engine trains on as its twin
         engine(inputs(0)).float().pow(2).mean().backward()
