@@ -23,8 +23,8 @@ else it is refused before any parameter gradient exists.
 
 Invariants:
 
-* Inside ``engine.backward`` the hooks do nothing (the loss is already
-  divided and scaled there).
+* Inside ``engine.backward`` - any engine's - the hooks do nothing (the
+  loss is already divided and scaled there).
 * A pass that accumulates no parameter gradient - ``torch.autograd.grad``
   through the output, e.g. a gradient penalty - is not a training backward:
   nothing is divided or armed. A pass that reaches the parameters only
@@ -50,6 +50,13 @@ from dsrun.runtime.zero.fetch import output_tensors
 #: autograd node classes of reentrant activation checkpoints (torch's and
 #: DeepSpeed-style ``CheckpointFunction``), whose backward runs a nested pass
 REENTRANT_NODES = ("CheckpointFunctionBackward",)
+
+
+#: ``engine.backward`` calls running in this process, of every engine: a
+#: backward one engine runs may pass through another's outputs (a GAN's
+#: generator loss through its discriminator), which is then no script-started
+#: pass for that other engine either
+_engine_backwards = [0]
 
 
 class UnscaledBackwardError(DsrunError, RuntimeError):
@@ -109,7 +116,6 @@ class DirectBackward:
         self._start = start
         self._accumulation = accumulation
         self._scaled = scaled
-        self._inside = 0  # engine.backward calls running
         self._task: Optional[int] = None  # the graph task the output hooks last saw
         self._divisor = 0  # while a script-started training pass runs: its divisor; else 0
         self._scaled_task: Optional[int] = None  # the pass that backwarded engine.scale's tensor
@@ -142,12 +148,12 @@ class DirectBackward:
         return grad
 
     def _on_param_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        if self._divisor > 1 and not self._inside:
+        if self._divisor > 1 and not _engine_backwards[0]:
             return grad / self._divisor
         return grad
 
     def _on_output_grad(self, root: Any, grad: torch.Tensor) -> torch.Tensor:
-        if self._inside:
+        if _engine_backwards[0]:
             return grad
         task = _task_id()
         if task != self._task:
@@ -174,9 +180,9 @@ class DirectBackward:
 
     @contextlib.contextmanager
     def engine_backward_running(self) -> Iterator[None]:
-        self._inside += 1
+        _engine_backwards[0] += 1
         self._divisor = 0  # a script-started pass that failed left it open
         try:
             yield
         finally:
-            self._inside -= 1
+            _engine_backwards[0] -= 1

@@ -26,9 +26,9 @@ torch's ``clip_grad_norm_`` cannot take a sparse gradient either;
 :func:`clip_grad_norm_` and :func:`grad_norm` can (a sparse gradient's norm
 is that of its coalesced values, as ``Tensor.norm`` computes it, which
 DeepSpeed's clipping uses); the fp32 step (:mod:`~dsrun.runtime.precision`)
-clips with them, scaling sparse gradients too (DeepSpeed's clipping
-multiplies them by a one-element tensor, which leaves a sparse tensor
-unchanged). The 16-bit precisions do not take sparse gradients yet:
+clips with them and scales sparse gradients as dense ones (DeepSpeed's
+clipping does not: it multiplies them by a one-element tensor, which has no
+effect on a sparse tensor). The 16-bit precisions do not take sparse gradients yet:
 :func:`refuse_norm` refuses them at ``initialize()``.
 """
 

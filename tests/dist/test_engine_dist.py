@@ -280,6 +280,7 @@ def check_direct_backward(fact: dict[str, Any]) -> None:
     assert "engine.scale(loss).backward()" in fact["unscaled"]
     assert "engine.scale(loss).backward()" in fact["scale_elsewhere"]
     assert fact["beside_reentrantFalse"] and fact["beside_reentrantTrue"]
+    assert fact["gan"]
     assert fact["unscaled_then_trains"]
     assert fact["returned"] == pytest.approx(fact["loss"] / 2)  # DeepSpeed's return value
     assert fact["penalty_undivided"] and fact["penalty_steps"] == 1

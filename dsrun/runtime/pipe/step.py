@@ -155,7 +155,7 @@ def check_stages_train(module: Any, config: Any, optimizer: Any, device: torch.d
     flags = torch.zeros(module.num_stages + 1, dtype=torch.float32, device=device)
     flags[module.stage_id] = float(any(True for _ in module.parameters()))
     flags[-1] = float(builds)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    collectives.all_reduce(flags, op=dist.ReduceOp.MAX)
     empty = [s for s in range(module.num_stages) if not flags[s]]
     if not flags[-1] or not empty:
         return

@@ -60,8 +60,11 @@ def wrap_optimizer(optimizer: Optional[torch.optim.Optimizer], zero_config: Any,
     only): partition the module without training it."""
     wrapped = _wrap(optimizer, zero_config, stage, group, module, accumulation, device)
     wrapped.loss_scaler = loss_scaler
-    wrapped.grad_dtype = next((p.dtype for p in module.parameters()
-                               if p.requires_grad and p.is_floating_point()), None)
+    # the narrowest trainable dtype bounds what a sum may hold (an fp32
+    # parameter first in a float16 model must not turn the range check off)
+    wrapped.grad_dtype = min((p.dtype for p in module.parameters()
+                              if p.requires_grad and p.is_floating_point()),
+                             key=lambda dtype: dtype.itemsize, default=None)
     return wrapped
 
 

@@ -596,6 +596,22 @@ def direct_backward() -> dict[str, Any]:
             own.step()
         out[f"beside_reentrant{reentrant}"] = all(
             torch.equal(a, b) for a, b in zip(full(ref), full(own)))
+    # a GAN's generator loss through the discriminator's engine: G's
+    # engine.backward is no script-started pass for D (fp16: no refusal)
+    gen, twin = build(0, gas=2), build(0, gas=2)
+    torch.manual_seed(1)
+    critic = torch.nn.Linear(1, 1)
+    disc = dsrun.initialize(model=critic, config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "steps_per_print": 1000,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "fp16": {"enabled": True, "auto_cast": True}})[0]
+    plain = torch.nn.Linear(1, 1).half()
+    plain.load_state_dict(disc.module.state_dict())
+    gen.backward(disc(gen(inputs(0))).float().sum())
+    twin.backward(plain(twin(inputs(0)).half()).float().sum())
+    out["gan"] = (disc.micro_in_round() == 0 and all(
+        torch.equal(a.grad, b.grad)
+        for a, b in zip(gen.module.parameters(), twin.module.parameters())))
     engine = build(2, fp16=True)  # engine.scale of a loss never backwarded scales nothing
     engine.scale(engine(inputs(0)).float().pow(2).mean())
     try:
