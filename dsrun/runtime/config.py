@@ -55,6 +55,11 @@ from types import MappingProxyType
 from typing import Any, Optional
 
 from dsrun.errors import DsrunConfigError
+from dsrun.runtime.config_batch import (  # noqa: F401 - importable from here as before
+    BATCH_KEYS,
+    resolve_batch,
+    resolve_batch_keys,
+)
 from dsrun.runtime.config_optim import (
     AUTO_OPTIMIZER_DEFAULTS,
     DEFAULT_WARMUP_NUM_STEPS,
@@ -138,7 +143,6 @@ __all__ = [
 # ---------------------------------------------------------------- the config
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # DeepSpeed's log_level names
-BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # Documented DeepSpeed sections dsrun accepts but does not act on.
 PASSTHROUGH_KEYS = frozenset({
     "aio", "amp", "autotuning",
@@ -332,52 +336,6 @@ class DsrunConfig:
         return "\n".join(lines)
 
 
-# ------------------------------------------------------------ batch triple
-
-
-def resolve_batch(train: Optional[int], micro: Optional[int], accum: Optional[int],
-                  dp_size: int, dp_source: str, *, source: str = DICT_SOURCE
-                  ) -> tuple[int, int, int]:
-    """Solve ``train = micro * accum * dp_size`` exactly; any two give the third.
-
-    Only ``train``: accumulation 1 and micro = train / dp_size. Only
-    ``micro``: accumulation 1. Neither train nor micro: an error. Every
-    error names the three values and where ``dp_size`` came from.
-    """
-    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-        raise DsrunConfigError(f"data-parallel size must be a positive integer, got {dp_size!r} "
-                               f"({dp_source})")
-    for key, value in zip(BATCH_KEYS, (train, micro, accum)):
-        if value is not None:
-            check_value(value, Check("int", low=1), f'"{key}" in {source}')
-    shown = ", ".join(f"{k}={'not set' if v is None else v}"
-                      for k, v in zip(BATCH_KEYS, (train, micro, accum)))
-    context = f"{shown} in {source} with data-parallel size {dp_size} ({dp_source})"
-    if train is None and micro is None:
-        raise DsrunConfigError(f"{context}: set train_batch_size or train_micro_batch_size_per_gpu"
-                               " (an \"auto\" micro batch needs the dataloader's batch size)")
-    if train is None:
-        accum = accum or 1
-        train = micro * accum * dp_size
-    elif micro is None:
-        accum = accum or 1
-        micro = _exact(train, accum * dp_size, "gradient_accumulation_steps", dp_size, context)
-    elif accum is None:
-        accum = _exact(train, micro * dp_size, "train_micro_batch_size_per_gpu", dp_size, context)
-    if train != micro * accum * dp_size:
-        raise DsrunConfigError(f"{context}: train_batch_size must equal micro x accumulation x "
-                               f"data-parallel size = {micro} x {accum} x {dp_size} = "
-                               f"{micro * accum * dp_size}")
-    return train, micro, accum
-
-
-def _exact(train: int, divisor: int, other: str, dp_size: int, context: str) -> int:
-    if train % divisor:
-        raise DsrunConfigError(f"{context}: train_batch_size {train} is not divisible by {other} "
-                               f"x data-parallel size = {divisor // dp_size} x {dp_size}")
-    return train // divisor
-
-
 # ---------------------------------------------------------- loading, resolve
 
 
@@ -539,23 +497,52 @@ def resolve(config: ConfigInput, *, dp_size: int, dp_source: str,
         raise DsrunConfigError(f'both "bf16" and its legacy spelling "bfloat16" are in {source}; '
                                "keep one")
     hints = dict(optimizer_hints or {})
-    train, micro, accum = _resolve_batch_keys(known, dp_size, dp_source, micro_batch_hint, ctx)
+    train, micro, accum = resolve_batch_keys(known, dp_size, dp_source, micro_batch_hint, ctx)
     optimizer = parse_optimizer(known.get("optimizer"), ctx, hints)
     lr = optimizer.params.get("lr", AUTO_OPTIMIZER_DEFAULTS[optimizer.type]["lr"]) \
         if optimizer else hints.get("lr")
-    scheduler, scheduler_error = None, None
-    try:
-        scheduler = parse_scheduler(known.get("scheduler"), ctx, lr, total_num_steps,
-                                    warmup_num_steps)
-    except DsrunConfigError as err:
-        if optimizer is not None or optimizer_given:
-            raise
-        scheduler_error = str(err)
+    scheduler, scheduler_error = _scheduler(known, ctx, lr, total_num_steps, warmup_num_steps,
+                                            optional=optimizer is None and not optimizer_given)
     kwargs: dict[str, Any] = {
         "train_batch_size": train, "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
         "optimizer": optimizer,
         "scheduler": scheduler, "scheduler_error": scheduler_error,
+        **_sections(known, ctx),
+    }
+    if known.get("steps_per_print") == float("inf"):
+        known["steps_per_print"] = None  # Accelerate's way to say never
+    if is_auto(known.get("gradient_clipping")):
+        known["gradient_clipping"] = 1.0  # what HF's integration fills in
+    for key, f in top.items():
+        if key in known and f.name not in kwargs and "check" in f.metadata:
+            kwargs[f.name] = check_value(known[key], f.metadata["check"], ctx.where((key,)))
+    kwargs.update(dp_size=dp_size, dp_size_source=dp_source, source=source,
+                  passthrough=_passthrough(known, ctx), ignored_keys=tuple(ctx.ignored))
+    resolved = build(DsrunConfig, kwargs, ctx)
+    inert = inert_settings(resolved)
+    if inert:
+        log.warning("%s: dsrun accepts but does not act on: %s", source, "; ".join(inert))
+    return resolved
+
+
+def _scheduler(known: Mapping[str, Any], ctx: Ctx, lr: Any, total_num_steps: Optional[int],
+               warmup_num_steps: Optional[int], *, optional: bool
+               ) -> tuple[Optional[SchedulerConfig], Optional[str]]:
+    """The ``scheduler`` section, or (``optional``: no optimizer will come)
+    the error it would raise, for the engine to warn about."""
+    try:
+        return parse_scheduler(known.get("scheduler"), ctx, lr, total_num_steps,
+                               warmup_num_steps), None
+    except DsrunConfigError as err:
+        if not optional:
+            raise
+        return None, str(err)
+
+
+def _sections(known: Mapping[str, Any], ctx: Ctx) -> dict[str, Any]:
+    """The sections that need no resolving across keys, parsed."""
+    return {
         "fp16": parse_section(FP16Config, _without_auto_enabled(known.get("fp16", {})),
                                ("fp16",), ctx),
         "bf16": parse_section(BF16Config, _without_auto_enabled(
@@ -578,20 +565,6 @@ def resolve(config: ConfigInput, *, dp_size: int, dp_source: str,
                                     ("data_types",), ctx),
         **parse_monitors(known, ctx),
     }
-    if known.get("steps_per_print") == float("inf"):
-        known["steps_per_print"] = None  # Accelerate's way to say never
-    if is_auto(known.get("gradient_clipping")):
-        known["gradient_clipping"] = 1.0  # what HF's integration fills in
-    for key, f in top.items():
-        if key in known and f.name not in kwargs and "check" in f.metadata:
-            kwargs[f.name] = check_value(known[key], f.metadata["check"], ctx.where((key,)))
-    kwargs.update(dp_size=dp_size, dp_size_source=dp_source, source=source,
-                  passthrough=_passthrough(known, ctx), ignored_keys=tuple(ctx.ignored))
-    resolved = build(DsrunConfig, kwargs, ctx)
-    inert = inert_settings(resolved)
-    if inert:
-        log.warning("%s: dsrun accepts but does not act on: %s", source, "; ".join(inert))
-    return resolved
 
 
 def parse_activation_checkpointing(known: Mapping[str, Any], ctx: Ctx
@@ -612,19 +585,3 @@ def activation_checkpointing_section(config: ConfigInput) -> ActivationCheckpoin
     return parse_activation_checkpointing({"activation_checkpointing": section},
                                           Ctx(source, allow_unknown=_allow_unknown(raw,
                                                                                    os.environ)))
-
-
-def _resolve_batch_keys(known: Mapping[str, Any], dp_size: int, dp_source: str,
-                        micro_batch_hint: Optional[int], ctx: Ctx) -> tuple[int, int, int]:
-    """The batch triple from the config's values; "auto" means "derive it"
-    except for the micro batch, which takes the dataloader's batch size."""
-    values: list[Optional[int]] = []
-    for key in BATCH_KEYS:
-        value = known.get(key)
-        if is_auto(value):
-            value = micro_batch_hint if key == "train_micro_batch_size_per_gpu" else None
-            where = f"the dataloader batch size given for {ctx.where((key,))}"
-        else:
-            where = ctx.where((key,))
-        values.append(None if value is None else check_value(value, Check("int", low=1), where))
-    return resolve_batch(*values, dp_size, dp_source, source=ctx.source)
