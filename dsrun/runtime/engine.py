@@ -473,25 +473,6 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
         is written and committed; raise its failure."""
         checkpoint_io.wait(self)
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
-                         exclude_frozen_parameters: bool = False) -> bool:
-        """The weights in 16-bit as one torch.save file (rank 0 writes it)."""
-        from dsrun.runtime.checkpoint.model16 import save_16bit_model
-
-        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
-
-    def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
-        """DeepSpeed's deprecated name of :meth:`save_16bit_model`."""
-        return self.save_16bit_model(save_dir, save_filename)
-
-    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
-                                             ) -> Optional[dict[str, torch.Tensor]]:
-        """Stage 3: the full 16-bit state dict on rank 0, None elsewhere
-        (DeepSpeed's, used by Hugging Face); every rank must call it."""
-        from dsrun.runtime.checkpoint.model16 import zero3_consolidated_16bit_state_dict
-
-        return zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters)
-
     def collect_python_gc(self) -> int:
         """One cyclic garbage collection now (DeepSpeed's, for
         ``disable_python_gc`` runs: call it where a pause does no harm);

@@ -3,7 +3,7 @@
 (:mod:`dsrun.runtime.batch_size`), ``compile`` (:mod:`dsrun.runtime.compile`),
 ``enable_backward_allreduce`` with ``allreduce_gradients()``,
 ``deepspeed_io`` (a data loader over a dataset),
-``load_module_state_dict``, ``scale(loss)`` for a script's own
+``load_module_state_dict``, ``save_16bit_model``, ``scale(loss)`` for a script's own
 ``loss.backward()`` (:mod:`dsrun.runtime.direct_backward`) and the accumulation round
 (``is_gradient_accumulation_boundary``,
 ``set_gradient_accumulation_boundary``), as a mixin of
@@ -233,6 +233,25 @@ class EngineControls:
         scaled = self.precision.scale_loss(loss)
         self._direct_backward.scaled(scaled)  # a backward of this tensor is scaled
         return scaled
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """The weights in 16-bit as one torch.save file (rank 0 writes it)."""
+        from dsrun.runtime.checkpoint.model16 import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's deprecated name of :meth:`save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                             ) -> Optional[dict[str, torch.Tensor]]:
+        """Stage 3: the full 16-bit state dict on rank 0, None elsewhere
+        (DeepSpeed's, used by Hugging Face); every rank must call it."""
+        from dsrun.runtime.checkpoint.model16 import zero3_consolidated_16bit_state_dict
+
+        return zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters)
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """DeepSpeed's: a new global batch, as more or fewer micro-batches
