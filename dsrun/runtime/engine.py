@@ -71,18 +71,7 @@ from dsrun.runtime.monitor.training import EngineMonitor
 from dsrun.runtime.param_links import link_params
 from dsrun.runtime.precision import FullPrecision, StepResult, make_precision
 from dsrun.runtime.progress import LOGGER_NAME, Progress
-from dsrun.runtime.timer_names import (  # noqa: F401 - deepspeed.runtime.engine exports them
-    BACKWARD_GLOBAL_TIMER,
-    BACKWARD_INNER_GLOBAL_TIMER,
-    BACKWARD_INNER_MICRO_TIMER,
-    BACKWARD_MICRO_TIMER,
-    BACKWARD_REDUCE_GLOBAL_TIMER,
-    BACKWARD_REDUCE_MICRO_TIMER,
-    FORWARD_GLOBAL_TIMER,
-    FORWARD_MICRO_TIMER,
-    STEP_GLOBAL_TIMER,
-    STEP_MICRO_TIMER,
-)
+from dsrun.runtime.timer_names import *  # noqa: F403 - deepspeed.runtime.engine exports them
 from dsrun.runtime.zero.misuse import released_use_error
 from dsrun.runtime.zero.stage3_setup import NO_OPTIMIZER
 from dsrun.runtime.zero.stepping import (

@@ -32,18 +32,7 @@ import torch
 
 from dsrun.runtime.commlog import trimmed_mean
 from dsrun.runtime.progress import every
-from dsrun.runtime.timer_names import (  # noqa: F401 - DeepSpeed's module exports them
-    BACKWARD_GLOBAL_TIMER,
-    BACKWARD_INNER_GLOBAL_TIMER,
-    BACKWARD_INNER_MICRO_TIMER,
-    BACKWARD_MICRO_TIMER,
-    BACKWARD_REDUCE_GLOBAL_TIMER,
-    BACKWARD_REDUCE_MICRO_TIMER,
-    FORWARD_GLOBAL_TIMER,
-    FORWARD_MICRO_TIMER,
-    STEP_GLOBAL_TIMER,
-    STEP_MICRO_TIMER,
-)
+from dsrun.runtime.timer_names import *  # noqa: F403 - DeepSpeed's module exports them
 from dsrun.utils.logging import log_dist
 
 log = logging.getLogger("dsrun.runtime")

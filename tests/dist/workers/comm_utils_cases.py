@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from clip_mpu import Mpu  # the sibling worker's: the world as the model-parallel group
 
 import dsrun
 from dsrun import comm
@@ -27,17 +28,6 @@ from dsrun.runtime.utils import (
     get_grad_zeros,
     get_weight_norm,
 )
-
-
-class Mpu:
-    def get_model_parallel_group(self) -> object:
-        return dist.group.WORLD
-
-    def get_model_parallel_rank(self) -> int:
-        return dist.get_rank()
-
-    def get_model_parallel_world_size(self) -> int:
-        return dist.get_world_size()
 
 
 def reductions() -> dict[str, Any]:
