@@ -150,6 +150,15 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
             self.optimizer = self._make_zero_optimizer()
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.publish_step_state()
+        self._init_step_state()
+        self._init_observers(config)
+        self._compiled: Any = None  # engine.compile()
+        link_params(self)  # for dsrun.utils.safe_get_full_fp32_param(param) and friends
+
+    # ------------------------------------------------------------ set-up
+
+    def _init_step_state(self) -> None:
+        """The counters and the accumulation round's state, at zero."""
         self.training_dataloader: Any = None
         self.global_steps = 0
         self.global_samples = 0
@@ -163,6 +172,9 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
         self._boundary_override: Optional[bool] = None
         self._backwards_since_boundary = 0
         self._overflow_log = (float("-inf"), 0)  # (time of the last line, overflows since)
+
+    def _init_observers(self, config: DsrunConfig) -> None:
+        """The progress line, the monitors, DeepSpeed's timers and the flops profiler."""
         self.progress = Progress(config.steps_per_print, config.train_batch_size,
                                  enabled=self.global_rank == 0, memory=config.memory_breakdown)
         self.monitor = self._make_monitor()
@@ -171,10 +183,6 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
                                           batch_size=config.train_batch_size,
                                           steps_per_output=config.steps_per_print)
         self.flops_profiler, self._step_profiler = make_flops_profiler(self)
-        self._compiled: Any = None  # engine.compile()
-        link_params(self)  # for dsrun.utils.safe_get_full_fp32_param(param) and friends
-
-    # ------------------------------------------------------------ set-up
 
     def _broadcast_state(self) -> None:
         """Every data-parallel rank starts from rank 0's parameters and buffers
