@@ -25,7 +25,7 @@ from dsrun.runtime.lr_schedules import build_scheduler, needs_metric
 from dsrun.runtime.optimizers import build_optimizer
 from dsrun.runtime.precision import FullPrecision, torch_dtype
 from dsrun.runtime.sparse_grads import refuse_at_zero, refuse_norm, sparse_grad_params
-from dsrun.runtime.zero.groups import ZeroSection, check_tested_optimizer
+from dsrun.runtime.zero.groups import check_tested_optimizer
 from dsrun.runtime.zero.stepping import DEEPSPEED_DEFAULT_BUCKET, offload_notes, wrap_optimizer
 
 log = logging.getLogger("dsrun.runtime.engine")
@@ -173,12 +173,11 @@ class EngineSetup:
             check_tested_optimizer(type(self.optimizer), self.zero_stage,
                                    self.config.zero_allow_untested_optimizer, self.config.source)
         comm = self.config.communication_data_type
-        section = ZeroSection(self.config.zero_optimization,
-                              comm_dtype=torch_dtype(comm) if comm else None)
-        return wrap_optimizer(self.optimizer, section,
+        return wrap_optimizer(self.optimizer, self.config.zero_optimization,
                               self.zero_stage, self.dp_group, self.module,
                               self._zero_accumulation(), self.device,
-                              loss_scaler=self.precision.scaler)
+                              loss_scaler=self.precision.scaler,
+                              comm_dtype=torch_dtype(comm) if comm else None)
 
     def _zero_accumulation(self) -> int:
         """The micro-steps per optimizer step ZeRO plans for (with 1, stage 1

@@ -1,10 +1,7 @@
 """dsrun.runtime.sparse_grads (pure parts) and the ZeRO settings' view of
-the config (``ZeroSection``: ``communication_data_type``)."""
+the config (``communication_data_type`` as their ``comm_dtype``)."""
 
 from __future__ import annotations
-
-import copy
-import pickle
 
 import pytest
 import torch
@@ -19,7 +16,6 @@ from dsrun.runtime.sparse_grads import (
 )
 from dsrun.runtime.zero.groups import (
     Stage3Settings,
-    ZeroSection,
     ZeroSettings,
     check_tested_optimizer,
     elementwise_optimizers,
@@ -73,20 +69,12 @@ def test_clipping_dense_gradients_is_torchs_call() -> None:
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours, theirs))
 
 
-def test_settings_take_the_communication_dtype_from_the_section() -> None:
+def test_settings_take_the_communication_dtype_beside_the_section() -> None:
     zero = ZeroConfig(stage=2, reduce_bucket_size=1000)
-    section = ZeroSection(zero, comm_dtype=torch.bfloat16)
-    assert section.reduce_bucket_size == 1000 and section.stage == 2  # the section's keys
-    assert ZeroSettings.from_config(section).comm_dtype == torch.bfloat16
-    assert Stage3Settings.from_config(section).comm_dtype == torch.bfloat16
-    assert ZeroSettings.from_config(section).reduce_bucket_size == 1000
-    assert ZeroSettings.from_config(zero).comm_dtype is None  # the parameters' dtype
-    assert ZeroSettings.from_config(ZeroSection(zero)).comm_dtype is None
-    for clone in (copy.copy(section), copy.deepcopy(section),
-                  pickle.loads(pickle.dumps(section))):
-        assert clone.comm_dtype == torch.bfloat16 and clone.reduce_bucket_size == 1000
-    with pytest.raises(AttributeError):
-        section.no_such_key  # noqa: B018
+    for cls in (ZeroSettings, Stage3Settings):
+        settings = cls.from_config(zero, comm_dtype=torch.bfloat16)
+        assert settings.comm_dtype == torch.bfloat16 and settings.reduce_bucket_size == 1000
+        assert cls.from_config(zero).comm_dtype is None  # the parameters' dtype
 
 
 def test_elementwise_list_holds_deepspeeds_and_refuses_others() -> None:

@@ -1,9 +1,9 @@
 """What both ZeRO optimizers take from the client and the config: param
 groups (validated), the optimizer class (elementwise ones only), its
 constructor arguments, the ``zero_optimization`` knobs of stages 1/2
-(:class:`ZeroSettings`) and stage 3 (:class:`Stage3Settings`) - with the
-top-level keys they also take (``communication_data_type``) through
-:class:`ZeroSection` - and the per-rank state restore.
+(:class:`ZeroSettings`) and stage 3 (:class:`Stage3Settings`; the
+top-level ``communication_data_type`` comes in as their ``comm_dtype``
+override) and the per-rank state restore.
 
 Optimizers whose update needs whole-tensor quantities (LAMB's trust ratio,
 LARS, Adafactor's factored moments, LBFGS) would silently change meaning on
@@ -35,26 +35,6 @@ log = logging.getLogger(__name__)
 
 UNSHARDABLE_OPTIMIZERS = ("Lamb", "FusedLamb", "LAMB", "Lars", "LARS", "FusedLars",
                           "Adafactor", "LBFGS", "SparseAdam", "Muon", "Shampoo")
-
-
-@dataclass(frozen=True)
-class ZeroSection:
-    """The ``zero_optimization`` section (``zero``, a ``ZeroConfig``) as the
-    ZeRO optimizers read it, with the top-level config keys that are theirs
-    too: ``comm_dtype`` (``communication_data_type``; None: the parameters'
-    dtype), which :meth:`ZeroSettings.from_config` and
-    :meth:`Stage3Settings.from_config` take. Every other attribute is
-    ``zero``'s."""
-
-    zero: Any
-    comm_dtype: Optional[torch.dtype] = None
-
-    def __getattr__(self, name: str) -> Any:
-        # only for names that are not fields: the section's own keys (not while
-        # copy or pickle builds one, before ``zero`` exists)
-        if name == "zero" or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.zero, name)
 
 
 @dataclass(frozen=True)
@@ -98,10 +78,9 @@ class ZeroSettings:
 
     @classmethod
     def from_config(cls, zero: Any, **overrides: Any) -> ZeroSettings:
-        """From a :class:`ZeroSection` or a ``ZeroConfig`` (or anything with
-        the same attribute names; ``comm_dtype`` where it has one)."""
+        """From a ``ZeroConfig`` (or anything with the same attribute names)."""
         names = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
-                 "contiguous_gradients", "reduce_scatter", "sub_group_size", "comm_dtype")
+                 "contiguous_gradients", "reduce_scatter", "sub_group_size")
         return cls(**{**settings_values(zero, names, offload_param=False), **overrides})
 
     def comm_strategy(self) -> Optional[CommStrategy]:
@@ -359,11 +338,10 @@ class Stage3Settings:
 
     @classmethod
     def from_config(cls, zero: Any, **overrides: Any) -> Stage3Settings:
-        """From a :class:`ZeroSection` or a ``ZeroConfig`` (or anything with
-        its attribute names; ``comm_dtype`` where it has one)."""
+        """From a ``ZeroConfig`` (or anything with its attribute names)."""
         names = ("reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters",
                  "max_reuse_distance", "param_persistence_threshold", "overlap_comm",
-                 "reduce_scatter", "memory_efficient_linear", "sub_group_size", "comm_dtype")
+                 "reduce_scatter", "memory_efficient_linear", "sub_group_size")
         return cls(**{**settings_values(zero, names, offload_param=True), **overrides})
 
     def comm_strategy(self) -> Optional[CommStrategy]:

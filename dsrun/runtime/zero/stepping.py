@@ -53,12 +53,16 @@ SUPER_OFFLOAD_CORES = 0.8  # offload_optimizer.cpuadam_cores_perc's default
 def wrap_optimizer(optimizer: Optional[torch.optim.Optimizer], zero_config: Any, stage: int,
                    group: Any, module: torch.nn.Module, accumulation: int = 1,
                    device: Optional[torch.device] = None,
-                   loss_scaler: Optional[LossScaler] = None) -> Union[ZeroOptimizer, ZeroStage3]:
+                   loss_scaler: Optional[LossScaler] = None,
+                   comm_dtype: Optional[torch.dtype] = None) -> Union[ZeroOptimizer, ZeroStage3]:
     """``accumulation`` 1: stage 1 also reduces during backward (overlapped).
+    ``comm_dtype``: the config's ``communication_data_type`` (None: the
+    parameters' dtype).
     ``loss_scaler``: the precision's (fp16), which the optimizer's
     ``cur_scale`` / ``loss_scale`` report. ``optimizer`` None (stage 3
     only): partition the module without training it."""
-    wrapped = _wrap(optimizer, zero_config, stage, group, module, accumulation, device)
+    wrapped = _wrap(optimizer, zero_config, stage, group, module, accumulation, device,
+                    comm_dtype)
     wrapped.loss_scaler = loss_scaler
     # the narrowest trainable dtype bounds what a sum may hold (an fp32
     # parameter first in a float16 model must not turn the range check off)
@@ -69,9 +73,9 @@ def wrap_optimizer(optimizer: Optional[torch.optim.Optimizer], zero_config: Any,
 
 
 def _wrap(optimizer: Optional[torch.optim.Optimizer], zero_config: Any, stage: int, group: Any,
-          module: torch.nn.Module, accumulation: int, device: Optional[torch.device]
-          ) -> Union[ZeroOptimizer, ZeroStage3]:
-    overrides = {}
+          module: torch.nn.Module, accumulation: int, device: Optional[torch.device],
+          comm_dtype: Optional[torch.dtype]) -> Union[ZeroOptimizer, ZeroStage3]:
+    overrides: dict[str, Any] = {} if comm_dtype is None else {"comm_dtype": comm_dtype}
     if zero_config.reduce_bucket_size == DEEPSPEED_DEFAULT_BUCKET:
         # DeepSpeed's default makes one bucket of the whole model: no overlap
         # with backward, and a gradient-sized scratch buffer. Treated as unset.
