@@ -24,7 +24,7 @@ from dsrun.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
 from dsrun.runtime.lr_schedules import build_scheduler, needs_metric
 from dsrun.runtime.optimizers import build_optimizer
 from dsrun.runtime.precision import FullPrecision, torch_dtype
-from dsrun.runtime.sparse_grads import refuse_at_zero, refuse_norm, sparse_grad_params
+from dsrun.runtime.sparse_grads import refuse_at_zero, refuse_in_16_bits, sparse_grad_params
 from dsrun.runtime.zero.groups import check_tested_optimizer
 from dsrun.runtime.zero.stepping import DEEPSPEED_DEFAULT_BUCKET, offload_notes, wrap_optimizer
 
@@ -106,8 +106,7 @@ class EngineSetup:
         sparse = [p for p in params if id(p) in sparse_ids]
         if self.dp_world_size == 1 and not sparse:
             return None
-        refuse_norm(self.module, self.precision, self.config.gradient_clipping,
-                    self.config.source)
+        refuse_in_16_bits(self.module, self.precision, self.config.source)
         dense = [p for p in params if id(p) not in sparse_ids]
         if self.dp_world_size == 1:
             dense = []  # nothing to average

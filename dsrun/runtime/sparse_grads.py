@@ -29,7 +29,7 @@ DeepSpeed's clipping uses); the fp32 step (:mod:`~dsrun.runtime.precision`)
 clips with them and scales sparse gradients as dense ones (DeepSpeed's
 clipping does not: it multiplies them by a one-element tensor, which has no
 effect on a sparse tensor). The 16-bit precisions do not take sparse gradients yet:
-:func:`refuse_norm` refuses them at ``initialize()``.
+:func:`refuse_in_16_bits` refuses them at ``initialize()``.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def clip_grad_norm_(params: Sequence[torch.Tensor], max_norm: float) -> torch.Te
     return total
 
 
-def refuse_norm(module: torch.nn.Module, precision: Any, max_norm: float, source: str) -> None:
+def refuse_in_16_bits(module: torch.nn.Module, precision: Any, source: str) -> None:
     """Stage 0: refuse sparse gradients under a 16-bit precision (fp16's
     master copies and loss scale, bf16's norm and overflow checks have not
     been made to take them); in fp32, clipping and the norm take them."""
