@@ -27,6 +27,7 @@ all-reduce runs even when neither clipping nor fp16 needs it.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -36,7 +37,7 @@ from dsrun import comm as collectives
 from dsrun.runtime.monitor.timers import comm_wait
 from dsrun.runtime.pipe.errors import PipeAssertionError, PipeValueError
 from dsrun.runtime.precision import FP16Master, FullPrecision, StepResult, skipped
-from dsrun.runtime.zero.masters import CLIP_EPS, in_range, overflow_limit
+from dsrun.runtime.zero.masters import CLIP_EPS
 
 
 def _squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -81,7 +82,7 @@ def pipeline_step(engine: Any, measure_norm: bool = False) -> StepResult:
     duplicates = engine.module.tied_weights.duplicates()
     device = engine.device
     zero = engine.optimizer if engine.zero_stage > 0 else None
-    out_of_range = False
+    out_of_range: Optional[torch.Tensor] = None
     if zero is not None:
         # the data-parallel reduction, for the breakdown's comm_reduce (a
         # wait ZeRO times itself is nested inside and counts once)
@@ -90,9 +91,7 @@ def pipeline_step(engine: Any, measure_norm: bool = False) -> StepResult:
         if scaler is not None:
             # a scaled micro-step sum float16 cannot hold is an overflow, as
             # in a float16 accumulation (zero/masters.py): checked before unscaling
-            held = [m.grad for m in zero.masters if m.grad is not None and m.numel()]
-            out_of_range = bool(held) and not bool(
-                in_range(held, overflow_limit(zero.grad_dtype)))
+            out_of_range = zero.local_overflow()
             zero.scale_grads_(1.0 / scaler.scale)
         to_clip = [m.grad for m in zero.masters if m.grad is not None]
         share = _squares(to_clip, device) - _zero_duplicate_squares(zero, duplicates, device)
@@ -101,8 +100,10 @@ def pipeline_step(engine: Any, measure_norm: bool = False) -> StepResult:
         share = _squares(counted, device) / engine.dp_world_size
     norm: Optional[torch.Tensor] = None
     checked = scaler is not None or precision.skips_nonfinite
-    if out_of_range:  # every stage sees a non-finite norm: all skip together
-        share = share + float("inf")
+    if out_of_range is not None:
+        # inf where a sum is out of range, on the device: every stage's norm is
+        # then non-finite and all skip together (no extra host sync)
+        share = share + torch.where(out_of_range.to(share.device), math.inf, 0.0)
     if max_norm > 0 or checked or measure_norm:
         if dist.get_world_size() > 1:
             collectives.all_reduce(share)

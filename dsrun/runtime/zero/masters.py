@@ -337,15 +337,17 @@ class MasterGradients:
         the gradients' device, all-reduced, and read once (the step's one
         host synchronisation, as in DeepSpeed)."""
         self.reduce_gradients()
-        grads = [m.grad for m in self.masters if m.numel()]
-        device = self.masters[0].device
-        if grads:
-            inside = in_range(grads, overflow_limit(self.grad_dtype))  # type: ignore[arg-type]
-            flag = torch.logical_not(inside).to(torch.float32).reshape(1)
-        else:
-            flag = torch.zeros(1, device=device)
+        flag = self.local_overflow().to(torch.float32).reshape(1)
         self._all_reduce(flag, dist.ReduceOp.MAX, "overflow check")
         return bool(flag.item() > 0)
+
+    def local_overflow(self) -> torch.Tensor:
+        """This rank's part of :meth:`has_overflow`, reduced gradients
+        assumed: a 0-d bool tensor on the gradients' device (no host sync)."""
+        grads = [m.grad for m in self.masters if m.grad is not None and m.numel()]
+        if not grads:
+            return torch.zeros((), dtype=torch.bool, device=self.masters[0].device)
+        return torch.logical_not(in_range(grads, overflow_limit(self.grad_dtype)))
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """Global norm of the full mean gradient, from the partitions (the
