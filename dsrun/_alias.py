@@ -60,10 +60,10 @@ class _AliasDistribution(importlib.metadata.Distribution):
 
     def read_text(self, filename: str) -> Optional[str]:
         if filename == "METADATA":
-            from dsrun import DSRUN_VERSION
+            from dsrun import __version__
 
             return (f"Metadata-Version: 2.1\nName: {ALIAS}\n"
-                    f"Version: {DEEPSPEED_API_VERSION}+dsrun.{DSRUN_VERSION}\n"
+                    f"Version: {__version__}\n"
                     f"Summary: dsrun answering for DeepSpeed (import dsrun as deepspeed)\n")
         if filename == "top_level.txt":
             return ALIAS + "\n"

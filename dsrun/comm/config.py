@@ -16,8 +16,8 @@ from typing import Any, Optional
 
 from dsrun.comm.constants import COMMS_LOGGER
 from dsrun.runtime.config import _allow_unknown
+from dsrun.runtime.config_monitors import CommsLoggerConfig
 from dsrun.runtime.config_schema import Ctx, parse_section
-from dsrun.runtime.config_sections import CommsLoggerConfig
 
 __all__ = ["CommsLoggerConfig", "DeepSpeedCommsConfig"]
 

@@ -371,11 +371,6 @@ def parse_spec(argv: Sequence[str]) -> LaunchSpec:
     return spec_from_params(ctx.params)
 
 
-#: DeepSpeed launcher flags dsrun does not take (cli_hints), for tests and docs
-DEEPSPEED_ONLY_FLAGS = cli_hints.DEEPSPEED_ONLY_FLAGS
-WARN_AFTER_SCRIPT = cli_hints.WARN_AFTER_SCRIPT
-
-
 def warn_flags_after_script(script_args: Sequence[str]) -> list[str]:
     """Warn about launcher-only flags that follow the script (cli_hints)."""
     return cli_hints.warn_flags_after_script(run_command, script_args)

@@ -9,14 +9,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from dsrun.errors import DsrunConfigError
-from dsrun.runtime.config_schema import Ctx, parse_section
-from dsrun.runtime.config_sections import (
+from dsrun.runtime.config_monitors import (
     MONITOR_SECTIONS,
     CometConfig,
     CsvMonitorConfig,
     TensorBoardConfig,
     WandbConfig,
 )
+from dsrun.runtime.config_schema import Ctx, parse_section
 
 __all__ = ["CSVConfig", "CometConfig", "DeepSpeedMonitorConfig", "TensorBoardConfig",
            "WandbConfig", "get_monitor_config"]

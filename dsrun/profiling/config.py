@@ -19,8 +19,8 @@ from typing import Any
 from dsrun.errors import DsrunConfigError
 from dsrun.profiling.constants import *  # noqa: F403 - DeepSpeed's module re-exports them
 from dsrun.profiling.constants import FLOPS_PROFILER
+from dsrun.runtime.config_monitors import FlopsProfilerConfig
 from dsrun.runtime.config_schema import Ctx, parse_section
-from dsrun.runtime.config_sections import FlopsProfilerConfig
 
 SOURCE = "the flops profiler config"
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from dsrun.runtime.config_sections import FlopsProfilerConfig
+from dsrun.runtime.config_monitors import FlopsProfilerConfig
 
 FLOPS_PROFILER_FORMAT = '''
 flops profiler should be enabled as:

@@ -60,6 +60,16 @@ from dsrun.runtime.config_batch import (  # noqa: F401 - importable from here as
     resolve_batch,
     resolve_batch_keys,
 )
+from dsrun.runtime.config_monitors import (
+    MONITOR_SECTIONS,
+    CometConfig,
+    CommsLoggerConfig,
+    CsvMonitorConfig,
+    FlopsProfilerConfig,
+    TensorBoardConfig,
+    WandbConfig,
+    parse_monitors,
+)
 from dsrun.runtime.config_optim import (
     AUTO_OPTIMIZER_DEFAULTS,
     DEFAULT_WARMUP_NUM_STEPS,
@@ -100,27 +110,19 @@ from dsrun.runtime.config_schema import (
 from dsrun.runtime.config_sections import (
     DTYPE_NAMES,
     KEEP_IN_FP32_AUTO,
-    MONITOR_SECTIONS,
     ZERO_AUTO_KEYS,
     ActivationCheckpointingConfig,
     BF16Config,
     CheckpointConfig,
-    CometConfig,
-    CommsLoggerConfig,
-    CsvMonitorConfig,
     DataTypesConfig,
     DsrunOptions,
-    FlopsProfilerConfig,
     FP16Config,
     OffloadOptimizerConfig,
     OffloadParamConfig,
     PipelineConfig,
-    TensorBoardConfig,
     TimersConfig,
     TorchAutocastConfig,
-    WandbConfig,
     ZeroConfig,
-    parse_monitors,
     parse_zero,
 )
 

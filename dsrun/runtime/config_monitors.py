@@ -1,7 +1,7 @@
 """DeepSpeed's config sections for watching a run: the monitors
 (csv_monitor, tensorboard, wandb, comet), the communication logger and the
 flops profiler. Frozen dataclasses validated at construction, as in
-:mod:`config_sections` (which re-exports them). Nothing here imports torch.
+:mod:`config_sections`. Nothing here imports torch.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """DeepSpeed's config sections: ZeRO (+ offload), fp16, bf16, data types,
 torch autocast, activation checkpointing, pipeline and checkpoint options
 (``optimizer`` and ``scheduler`` are in :mod:`config_optim`; the monitors,
-the communication logger and the flops profiler in :mod:`config_monitors`,
-re-exported here).
+the communication logger and the flops profiler in :mod:`config_monitors`).
 
 Each section is a frozen dataclass validated at construction (see
 :mod:`config_schema`); ``parse_*`` build the sections whose JSON needs more
@@ -19,17 +18,6 @@ from types import MappingProxyType
 from typing import Any, Optional
 
 from dsrun.errors import DsrunConfigError
-from dsrun.runtime.config_monitors import (  # noqa: F401 - importable from here as before
-    DEFAULT_JOB_NAME,
-    MONITOR_SECTIONS,
-    CometConfig,
-    CommsLoggerConfig,
-    CsvMonitorConfig,
-    FlopsProfilerConfig,
-    TensorBoardConfig,
-    WandbConfig,
-    parse_monitors,
-)
 from dsrun.runtime.config_schema import (
     Ctx,
     did_you_mean,

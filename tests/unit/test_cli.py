@@ -9,7 +9,7 @@ import click
 import pytest
 
 from dsrun.errors import DsrunUsageError
-from dsrun.launcher import cli
+from dsrun.launcher import cli, cli_hints
 from dsrun.launcher.spec import LaunchSpec
 
 
@@ -113,7 +113,7 @@ def test_no_warning_for_flags_scripts_commonly_take(capsys):
     assert cli.warn_flags_after_script(common) == []
     assert capsys.readouterr().err == ""
     every = {p.name for p in cli.run_command.params if isinstance(p, click.Option)}
-    assert cli.WARN_AFTER_SCRIPT <= every  # no stale names
+    assert cli_hints.WARN_AFTER_SCRIPT <= every  # no stale names
 
 
 def test_subcommand_names_win_over_files_of_that_name(tmp_path, monkeypatch):
@@ -369,7 +369,8 @@ DEEPSPEED_FLAGS = (
 def test_every_deepspeed_launcher_flag_is_taken_or_explained():
     taken = {opt for p in cli.run_command.params if isinstance(p, click.Option)
              for opt in p.opts}
-    missing = [f for f in DEEPSPEED_FLAGS if f not in taken and f not in cli.DEEPSPEED_ONLY_FLAGS]
+    missing = [f for f in DEEPSPEED_FLAGS
+               if f not in taken and f not in cli_hints.DEEPSPEED_ONLY_FLAGS]
     assert missing == []
     assert cli.parse_spec(["--num_accelerators", "3", "t.py"]).num_gpus == 3
 

@@ -147,7 +147,7 @@ def test_debug_log_name_names_the_callers_caller() -> None:
 
 def test_constants_are_deepspeeds_and_agree_with_the_config_section() -> None:
     from dsrun.comm import constants as c
-    from dsrun.runtime.config_sections import CommsLoggerConfig
+    from dsrun.runtime.config_monitors import CommsLoggerConfig
 
     assert (c.NCCL_BACKEND, c.GLOO_BACKEND, c.MPI_BACKEND, c.CCL_BACKEND) == (
         "nccl", "gloo", "mpi", "ccl")

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Callable, Optional
 
 from dsrun.errors import DsrunError
-from dsrun.runtime.config_sections import MONITOR_SECTIONS
+from dsrun.runtime.config_monitors import MONITOR_SECTIONS
 from dsrun.runtime.monitor.events import Event
 from dsrun.runtime.monitor.writers import Writer, build_writers, check_packages
 

@@ -56,7 +56,7 @@ import torch.distributed as dist
 from dsrun import comm as collectives
 from dsrun.monitor.config import DeepSpeedMonitorConfig
 from dsrun.monitor.monitor import MonitorMaster
-from dsrun.runtime.config_sections import MONITOR_SECTIONS
+from dsrun.runtime.config_monitors import MONITOR_SECTIONS
 from dsrun.runtime.monitor import events as ev
 from dsrun.runtime.monitor.timers import StepTimers, comm_wait, cuda_sync, format_breakdown
 from dsrun.runtime.monitor.writers import build_writers
