@@ -92,7 +92,7 @@ class PartitionedTensor:
                 if part_id == self.rank:
                     buf.copy_(self.local_data)
                 comm.broadcast(buf, comm.get_global_rank(self.group, part_id), self.group)
-        return flat.view(self.full_size()).clone().detach()
+        return flat.view(self.full_size())  # a fresh tensor: no copy needed
 
     def to_meta(self) -> torch.Tensor:
         """Shape, part count, this rank and the boundaries as a long tensor:
