@@ -21,12 +21,6 @@ import torch
 from dsrun import comm
 
 
-def _uniform(num_items: int, num_parts: int) -> list[int]:
-    from dsrun.runtime.utils import partition_uniform
-
-    return partition_uniform(num_items, num_parts)
-
-
 class PartitionedTensor:
     """A tensor split across ``group`` (module docstring)."""
 
@@ -71,7 +65,9 @@ class PartitionedTensor:
         return part
 
     def _partition_tensor(self, tensor: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        partition = _uniform(tensor.numel(), self.num_parts)
+        from dsrun.runtime.pipe.partition import uniform_bounds  # the pipe package imports us
+
+        partition = list(uniform_bounds(tensor.numel(), self.num_parts))
         start = partition[self.rank]
         length = partition[self.rank + 1] - start
         part = tensor.detach().contiguous().view(-1).narrow(0, start, length).clone()

@@ -208,8 +208,9 @@ def move_to_device(item: Any, device: Any,
 
 def partition_uniform(num_items: int, num_parts: int) -> list[int]:
     """``num_parts + 1`` boundaries of equal parts (module docstring)."""
-    size, extra = divmod(num_items, num_parts)
-    return [p * size + min(p, extra) for p in range(num_parts + 1)]
+    from dsrun.runtime.pipe.partition import uniform_bounds
+
+    return list(uniform_bounds(num_items, num_parts))
 
 
 def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:

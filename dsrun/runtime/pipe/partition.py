@@ -128,14 +128,20 @@ def partition_balanced(weights: Sequence[int], parts: int) -> tuple[int, ...]:
     return least_spread(weights, parts, cap=low)
 
 
+def uniform_bounds(num_items: int, parts: int) -> tuple[int, ...]:
+    """``num_items // parts`` items per part, one more for each of the first
+    ``num_items % parts`` parts (DeepSpeed's ``partition_uniform``; with fewer
+    items than parts the last parts are empty)."""
+    size, extra = divmod(num_items, parts)
+    return tuple(p * size + min(p, extra) for p in range(parts + 1))
+
+
 def partition_uniform(num_layers: int, parts: int) -> tuple[int, ...]:
-    """``num_layers // parts`` layers per part, one more for each of the first
-    ``num_layers % parts`` parts: the boundaries DeepSpeed's ``"uniform"``
-    gives, so a layer list is cut where DeepSpeed cuts it."""
+    """:func:`uniform_bounds` into non-empty parts: the boundaries DeepSpeed's
+    ``"uniform"`` gives, so a layer list is cut where DeepSpeed cuts it."""
     if parts < 1 or num_layers < parts:
         raise ValueError(f"{num_layers} items cannot fill {parts} non-empty parts")
-    size, extra = divmod(num_layers, parts)
-    return tuple(p * size + min(p, extra) for p in range(parts + 1))
+    return uniform_bounds(num_layers, parts)
 
 
 def check_boundaries(bounds: Sequence[object], num_layers: int, stages: int) -> tuple[int, ...]:
