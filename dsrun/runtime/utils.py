@@ -194,16 +194,29 @@ def move_to_device(item: Any, device: Any,
     dicts. A value ``criterion_func`` accepts is moved in place (its
     ``.data`` replaced, so references to it see the move) and returned; any
     other leaf is ``leaf.to(device)``, as in DeepSpeed."""
-    if criterion_func is not None and criterion_func(item):
-        item.data = item.to(device).data
-        return item
+    def leaf(value: Any) -> Any:
+        if criterion_func is not None and criterion_func(value):
+            value.data = value.to(device).data
+            return value
+        return value.to(device)
+
+    return map_nested(item, leaf, stop=criterion_func)
+
+
+def map_nested(item: Any, leaf: Callable[[Any], Any],
+               stop: Optional[Callable[[Any], bool]] = None) -> Any:
+    """``item`` with ``leaf`` applied to each value inside its lists, tuples
+    and dicts (rebuilt, of the same kinds); a value ``stop`` accepts is a
+    leaf even if it is a container."""
+    if stop is not None and stop(item):
+        return leaf(item)
     if isinstance(item, list):
-        return [move_to_device(v, device, criterion_func) for v in item]
+        return [map_nested(v, leaf, stop) for v in item]
     if isinstance(item, tuple):
-        return tuple(move_to_device(v, device, criterion_func) for v in item)
+        return tuple(map_nested(v, leaf, stop) for v in item)
     if isinstance(item, dict):
-        return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
-    return item.to(device)
+        return {k: map_nested(v, leaf, stop) for k, v in item.items()}
+    return leaf(item)
 
 
 def partition_uniform(num_items: int, num_parts: int) -> list[int]:
@@ -239,15 +252,8 @@ def ensure_directory_exists(filename: str) -> None:
 def copy_to_device(item: Any, device: Any, criterion_func: Callable[[Any], bool]) -> Any:
     """``item`` with copies on ``device`` of the values ``criterion_func``
     accepts, through lists, tuples and dicts; other values as they are."""
-    if criterion_func(item):
-        return item.to(device)
-    if isinstance(item, list):
-        return [copy_to_device(v, device, criterion_func) for v in item]
-    if isinstance(item, tuple):
-        return tuple(copy_to_device(v, device, criterion_func) for v in item)
-    if isinstance(item, dict):
-        return {k: copy_to_device(v, device, criterion_func) for k, v in item.items()}
-    return item
+    return map_nested(item, lambda v: v.to(device) if criterion_func(v) else v,
+                      stop=criterion_func)
 
 
 def call_to_str(base: str, *args: Any, **kwargs: Any) -> str:
