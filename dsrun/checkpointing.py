@@ -177,12 +177,9 @@ def get_cuda_rng_tracker() -> RNGStatesTracker:
 
 
 def _tp_rank() -> int:
-    if _mpu is None:
-        return 0
-    for name in ("get_tensor_model_parallel_rank", "get_model_parallel_rank"):
-        if hasattr(_mpu, name):
-            return int(getattr(_mpu, name)())
-    return 0
+    from dsrun.runtime.norms import tensor_model_parallel_rank
+
+    return tensor_model_parallel_rank(_mpu)
 
 
 def model_parallel_cuda_manual_seed(seed: int) -> None:

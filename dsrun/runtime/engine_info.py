@@ -167,15 +167,12 @@ class EngineInfo(OffloadAccessors):
 
     def get_tensor_parallel_rank(self) -> int:
         """This rank in its tensor-parallel group: the mpu's (its
-        ``get_tensor_model_parallel_rank``, else ``get_model_parallel_rank``),
-        else 0 - dsrun has no tensor parallelism of its own. (DeepSpeed 0.19.8
+        ``get_tensor_model_parallel_rank``, ``get_slice_parallel_rank`` or
+        ``get_model_parallel_rank``), else 0 - dsrun has no tensor parallelism of its own. (DeepSpeed 0.19.8
         answers only under AutoTP, as :meth:`get_data_parallel_rank`.)"""
-        if self.mpu is None:
-            return 0
-        for name in ("get_tensor_model_parallel_rank", "get_model_parallel_rank"):
-            if hasattr(self.mpu, name):
-                return int(getattr(self.mpu, name)())
-        return 0
+        from dsrun.runtime.norms import tensor_model_parallel_rank
+
+        return tensor_model_parallel_rank(self.mpu)
 
     def get_sequence_parallel_group(self) -> Any:
         """None: dsrun has no sequence parallelism. (DeepSpeed 0.19.8 has the

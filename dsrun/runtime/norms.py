@@ -51,10 +51,11 @@ def tensor_model_parallel_rank(mpu: Any) -> int:
     whichever name the mpu answers (Megatron's old and new, DeepSpeed's)."""
     if mpu is None:
         return 0
-    for name in ("get_tensor_model_parallel_rank", "get_slice_parallel_rank"):
+    for name in ("get_tensor_model_parallel_rank", "get_slice_parallel_rank",
+                 "get_model_parallel_rank"):
         if hasattr(mpu, name):
             return int(getattr(mpu, name)())
-    return int(mpu.get_model_parallel_rank())
+    return 0
 
 
 def _device() -> torch.device:
@@ -63,8 +64,9 @@ def _device() -> torch.device:
     return torch.device(get_accelerator().current_device_name())
 
 
-def _reduce(value: torch.Tensor, mpu: Any, maximum: bool) -> torch.Tensor:
-    """``value`` reduced over ``mpu``'s model-parallel group (as it is without)."""
+def reduce_model_parallel(value: torch.Tensor, mpu: Any, maximum: bool) -> torch.Tensor:
+    """``value`` reduced in place over ``mpu``'s model-parallel group (as it is
+    without), through :mod:`dsrun.comm` so the communication logger sees it."""
     if mpu is not None:
         from dsrun import comm
 
@@ -108,11 +110,12 @@ def _values_norm(every: list[torch.Tensor], counted: list[torch.Tensor], norm_ty
         for t in every:
             if t.numel():
                 total = torch.maximum(total, t.detach().abs().max().to(device, torch.float64))
-        return _float_or_invalid(float(_reduce(total, mpu, True)[0]))
+        return _float_or_invalid(float(reduce_model_parallel(total, mpu, True)[0]))
     for t in counted:
         norm = torch.linalg.vector_norm(t.detach(), norm_type, dtype=torch.float32)
         total += norm.to(device, torch.float64) ** norm_type
-    return _float_or_invalid(float(_reduce(total, mpu, False)[0]) ** (1.0 / norm_type))
+    total = reduce_model_parallel(total, mpu, False)
+    return _float_or_invalid(float(total[0]) ** (1.0 / norm_type))
 
 
 def _masked(grad: torch.Tensor, ranges: Optional[torch.Tensor]) -> torch.Tensor:
@@ -146,8 +149,8 @@ def get_grad_zeros(parameters: Tensors, mpu: Any = None) -> float:
     local = sum(p.grad.numel() - int(torch.count_nonzero(p.grad))
                 for p in _counted_once(params, mpu))
     # float64: exact up to 2**53 elements (DeepSpeed sums in float32)
-    total = _reduce(torch.tensor([float(local)], dtype=torch.float64, device=_device()),
-                    mpu, False)
+    total = torch.tensor([float(local)], dtype=torch.float64, device=_device())
+    reduce_model_parallel(total, mpu, False)
     return float(total[0])
 
 
@@ -208,7 +211,7 @@ def get_global_norm_of_tensors(input_tensors: Sequence[torch.Tensor], norm_type:
     else:
         total = torch.stack([t.detach().float().norm(norm_type).to(device)
                              for t in tensors]).pow(norm_type).sum()
-    _reduce(total, mpu, norm_type == math.inf)
+    reduce_model_parallel(total, mpu, norm_type == math.inf)
     from dsrun.comm import pg_utils
 
     if pg_utils.is_parallel(moe_ep_group):

@@ -84,6 +84,7 @@ from dsrun.runtime.norms import (
     is_invalid_grad_norm,
     is_model_parallel_parameter,
     mask_nan_or_inf_with_val_inplace,
+    reduce_model_parallel,
 )
 from dsrun.runtime.partitioned_tensor import PartitionedTensor
 from dsrun.runtime.progress import LOGGER_NAME, ensure_visible, memory_line
@@ -124,12 +125,10 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     # a rank without gradients still joins its model-parallel group's reduction
     device = (grads or params)[0].device if grads or params else torch.device("cpu")
     norm_type = float(norm_type)
-    group = None if mpu is None else mpu.get_model_parallel_group()
     if norm_type == math.inf:
         total = torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads \
             else torch.zeros((), device=device)
-        if group is not None:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        reduce_model_parallel(total, mpu, True)
     else:
         replicated_counts = mpu is None or mpu.get_model_parallel_rank() == 0
         counted = [p.grad for p in params if p.grad is not None and (
@@ -139,8 +138,7 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
             norms = torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type)
                                  for g in counted])
             total = norms.pow(norm_type).sum()
-        if group is not None:
-            dist.all_reduce(total, group=group)
+        reduce_model_parallel(total, mpu, False)
         total = total.pow(1.0 / norm_type)
     coef = torch.clamp(float(max_norm) / (total + CLIP_EPS), max=1.0)
     for grad in grads:

@@ -220,3 +220,22 @@ def test_deepspeed_spelling() -> None:
     from deepspeed import comm as dist  # the alias finder (no DeepSpeed installed)
 
     assert dist is comm
+
+
+def test_model_parallel_norm_helpers_are_logged(solo: None, logger: None) -> None:
+    """``runtime.utils.clip_grad_norm_`` and the norm helpers reduce over the
+    mpu's group through ``dsrun.comm``, so the logger counts each reduction."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from dsrun.runtime.utils import clip_grad_norm_, get_weight_norm
+
+    mpu = SimpleNamespace(get_model_parallel_group=lambda: dist.group.WORLD,
+                          get_model_parallel_rank=lambda: 0)
+    param = torch.nn.Parameter(torch.ones(4))
+    param.grad = torch.full((4,), 2.0)
+    assert float(clip_grad_norm_([param], 100.0, mpu=mpu)) == pytest.approx(4.0)
+    assert float(clip_grad_norm_([param], 100.0, norm_type=float("inf"), mpu=mpu)) == 2.0
+    assert get_weight_norm([param], mpu=mpu) == pytest.approx(2.0)
+    assert sum(counts()["all_reduce"].values()) == 3

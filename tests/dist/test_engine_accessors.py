@@ -141,6 +141,8 @@ def test_groups_and_parallelism(solo: None) -> None:
     assert engine.get_tensor_parallel_rank() == 3
     engine.mpu = SimpleNamespace(get_model_parallel_rank=lambda: 5)
     assert engine.get_tensor_parallel_rank() == 5
+    engine.mpu = SimpleNamespace(get_slice_parallel_rank=lambda: 2)  # a pipeline grid's name
+    assert engine.get_tensor_parallel_rank() == 2
 
 
 def test_a_pipeline_engine_says_pipeline_parallelism(solo: None) -> None:

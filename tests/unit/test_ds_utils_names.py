@@ -162,3 +162,19 @@ def test_an_unmanaged_zero_parameter_deep_copies_as_a_plain_one() -> None:
     assert type(twin) is ZeroParameter and not is_zero_param(twin)
     assert torch.equal(twin, param) and twin.data_ptr() != param.data_ptr()
     assert twin.note == "kept" and twin.shape == (3,)
+
+
+def test_tensor_model_parallel_rank_by_any_mpu_name() -> None:
+    """One lookup for the norms, the engine and activation checkpointing:
+    Megatron's new name, DeepSpeed's grid name, Megatron's old name, else 0."""
+    from types import SimpleNamespace
+
+    from dsrun.runtime.norms import tensor_model_parallel_rank
+
+    assert tensor_model_parallel_rank(None) == 0
+    assert tensor_model_parallel_rank(SimpleNamespace()) == 0
+    assert tensor_model_parallel_rank(SimpleNamespace(get_model_parallel_rank=lambda: 4)) == 4
+    assert tensor_model_parallel_rank(SimpleNamespace(
+        get_slice_parallel_rank=lambda: 1, get_model_parallel_rank=lambda: 4)) == 1
+    assert tensor_model_parallel_rank(SimpleNamespace(
+        get_tensor_model_parallel_rank=lambda: 2, get_slice_parallel_rank=lambda: 1)) == 2
