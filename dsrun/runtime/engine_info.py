@@ -168,8 +168,9 @@ class EngineInfo(OffloadAccessors):
     def get_tensor_parallel_rank(self) -> int:
         """This rank in its tensor-parallel group: the mpu's (its
         ``get_tensor_model_parallel_rank``, ``get_slice_parallel_rank`` or
-        ``get_model_parallel_rank``), else 0 - dsrun has no tensor parallelism of its own. (DeepSpeed 0.19.8
-        answers only under AutoTP, as :meth:`get_data_parallel_rank`.)"""
+        ``get_model_parallel_rank``), else 0 - dsrun has no tensor parallelism
+        of its own. (DeepSpeed 0.19.8 answers only under AutoTP, as
+        :meth:`get_data_parallel_rank`.)"""
         from dsrun.runtime.norms import tensor_model_parallel_rank
 
         return tensor_model_parallel_rank(self.mpu)
