@@ -116,6 +116,14 @@ class JobEnv:
         """Keys whose value the agent expands on its host."""
         return tuple(key for key, expand in self.files if expand)
 
+    def passed_as_is(self) -> dict[str, str]:
+        """The variables a tool (mpirun, srun) may pass to the agents as they
+        are here: all but the env-file values each agent expands on its own
+        host, which reach it in the start payload only (so ``$PATH`` there
+        is the host's own)."""
+        expanded = set(self.expanded_keys())
+        return {e.key: e.value for e in self.entries if e.key not in expanded}
+
     def describe(self) -> list[str]:
         """``KEY=<value not shown> (source)`` lines, sorted by key."""
         return [f"{e.key}=<value not shown> ({e.source}"

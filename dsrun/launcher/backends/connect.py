@@ -358,10 +358,8 @@ def open_connected(plan: LaunchPlan, name: str, argv: Sequence[str],
 
 def tool_environment(plan: LaunchPlan, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The tool's environment: the launcher's, plus the user's variables (so
-    that ``-x NAME`` / ``--export`` pass them on by name), but for env-file
-    values the agents expand on their hosts: those reach them in the start
-    payload only, so that ``$PATH`` there is the host's own."""
+    that ``-x NAME`` / ``--export`` pass them on by name), less the env-file
+    values the agents expand on their hosts (``UserEnv.passed_as_is``)."""
     env = dict(os.environ if base is None else base)
-    expanded = set(plan.user_env.expanded_keys())
-    env.update((k, v) for k, v in plan.user_env.as_dict().items() if k not in expanded)
+    env.update(plan.user_env.passed_as_is())
     return env

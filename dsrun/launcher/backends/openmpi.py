@@ -75,10 +75,8 @@ def rsh_args(ssh: SshOptions) -> str | None:
 def env_names(plan: LaunchPlan) -> tuple[str, ...]:
     """Variables mpirun/srun pass to the agents by name: the callback ones,
     then the user's and forwarded ones (sorted), less the env-file values
-    the agents expand (connect.tool_environment)."""
-    expanded = set(plan.user_env.expanded_keys())
-    return (*sorted(AGENT_BOOTSTRAP_VARS),
-            *(k for k in plan.user_env.keys() if k not in expanded))
+    the agents expand (``UserEnv.passed_as_is``)."""
+    return (*sorted(AGENT_BOOTSTRAP_VARS), *plan.user_env.passed_as_is())
 
 
 def mpirun_argv(plan: LaunchPlan, agent_argv: Sequence[str], *, mpirun: str = "mpirun",
