@@ -105,7 +105,10 @@ _NOT_PDSH = ("dsrun's ssh launcher (DeepSpeed's pdsh) starts hosts with paramiko
              "pdsh, so pdsh options (such as -f fan-out) have no equivalent; SSH settings "
              "go in the --ssh_* options or ssh_config")
 #: What to do instead of --launcher_args, by launcher.
-LAUNCHER_ARGS_INSTEAD = {"slurm": "srun options go in --slurm_args", "ssh": _NOT_PDSH}
+LAUNCHER_ARGS_INSTEAD = {
+    "slurm": "srun options go in --slurm_args", "ssh": _NOT_PDSH,
+    "local": "the local launcher starts the ranks on this host itself, with no tool to pass "
+             "options to"}
 
 
 @dataclass(frozen=True)

@@ -202,6 +202,12 @@ def test_launcher_names():
                                "mpirun (= openmpi), openmpi, pdsh (= ssh), slurm, ssh")
     with pytest.raises(DsrunUsageError, match="--launcher_args is for --launcher openmpi"):
         HostsSpec(launcher="slurm", launcher_args=("-x", "A"))
+    with pytest.raises(DsrunUsageError) as info:
+        HostsSpec(launcher="local", launcher_args=("-x", "A"))
+    assert "not local; the local launcher starts the ranks on this host itself" in str(info.value)
+    assert "pdsh" not in str(info.value)
+    with pytest.raises(DsrunUsageError, match="not the default launcher; dsrun's ssh launcher"):
+        HostsSpec(launcher_args=("-f", "8"))  # DeepSpeed's pdsh fan-out
     with pytest.raises(DsrunUsageError, match="--slurm_args needs --launcher slurm"):
         HostsSpec(slurm_args=("-p", "x"))
 
