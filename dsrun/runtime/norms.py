@@ -162,7 +162,8 @@ def has_inf_or_nan(x: torch.Tensor) -> torch.Tensor:
         x = x._values()
     if x.numel() == 0:
         return torch.tensor(False, device=x.device)
-    return torch.isfinite(x.amax()).logical_and(torch.isfinite(x.amin())).logical_not()
+    low, high = torch.aminmax(x)  # one pass; a NaN makes both NaN
+    return torch.isfinite(low).logical_and(torch.isfinite(high)).logical_not()
 
 
 def is_invalid_grad_norm(norm: Any) -> bool:
