@@ -69,13 +69,11 @@ class BatchState:
 
 
 def to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
-    if isinstance(value, (tuple, list)):
-        return type(value)(to_device(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: to_device(v, device) for k, v in value.items()}
-    return value
+    """``value`` with every tensor in its lists, tuples and dicts moved to ``device``."""
+    from dsrun.runtime.utils import map_nested
+
+    return map_nested(value, lambda v: v.to(device, non_blocking=True)
+                      if isinstance(v, torch.Tensor) else v)
 
 
 def next_micro_batch(source: Optional[Iterator[Any]], micro_batch: int, micro_batches: int
