@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any, Optional
 
 LOGGER_NAME = "dsrun.runtime"
@@ -58,14 +59,21 @@ class Progress:
         self.memory = memory
         self._loss_sum: Any = 0.0
         self._loss_count = 0
+        self._named_sums: dict[str, Any] = {}  # a pipeline's additional losses
         self._since = time.perf_counter()
         self._steps = 0
 
-    def record_loss(self, loss: Any) -> None:
-        """Add one micro-batch's (unscaled) loss; a tensor stays a tensor until printed."""
+    def record_loss(self, loss: Any, named: Optional[Mapping[str, Any]] = None) -> None:
+        """Add one micro-batch's (unscaled) loss, and a pipeline batch's
+        additional losses by name (``agg_additional_losses``), printed after
+        ``loss=`` as DeepSpeed's pipeline prints them; a tensor stays a tensor
+        until printed."""
         if self.enabled:
             self._loss_sum = self._loss_sum + loss.detach().float()
             self._loss_count += 1
+            for name, value in (named or {}).items():
+                self._named_sums[name] = (self._named_sums.get(name, 0.0)
+                                          + value.detach().float())
 
     def step(self, global_steps: int, skipped: int, lrs: list[float],
              extra: Optional[str] = None) -> None:
@@ -78,6 +86,8 @@ class Progress:
         parts = [f"step={global_steps}", f"skipped={skipped}"]
         if self._loss_count:
             parts.append(f"loss={float(self._loss_sum) / self._loss_count:.4f}")
+            parts += [f"{name}={float(total) / self._loss_count:.4f}"
+                      for name, total in self._named_sums.items()]
         parts.append("lr=[" + ", ".join(f"{lr:.6g}" for lr in lrs) + "]")
         if extra:
             parts.append(extra)
@@ -86,6 +96,7 @@ class Progress:
         if self.memory:
             log.info("%s", memory_line())
         self._loss_sum, self._loss_count, self._steps = 0.0, 0, 0
+        self._named_sums = {}
         self._since = time.perf_counter()
 
 

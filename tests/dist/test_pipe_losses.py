@@ -67,6 +67,27 @@ def test_additional_losses_are_the_batch_mean_as_deepspeed(solo: None) -> None:
     assert engine.get_additional_losses() is None
 
 
+def test_the_progress_line_shows_additional_losses(solo: None,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """As DeepSpeed's pipeline prints ``name: value`` after the loss, the
+    progress line gives each additional loss's mean after ``loss=``."""
+    import logging
+
+    from dsrun.runtime.progress import LOGGER_NAME
+
+    t = torch.tensor
+    answers = [{"aux": t(1.0)}, {"aux": t(3.0)}] * 8
+    config = dict(cases.CASES["mlp"].config(), steps_per_print=2)
+    engine, _, _, _ = dsrun.initialize(model=Scripted(iter(answers)), config=config)
+    case = cases.CASES["mlp"]
+    with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
+        for batch in range(2):
+            engine.train_batch(iter(case.batch(batch, 0)))
+    lines = [r.getMessage() for r in caplog.records if "step=2" in r.getMessage()]
+    assert len(lines) == 1 and ", aux=2.0000, lr=" in lines[0], lines
+    assert lines[0].index("loss=") < lines[0].index("aux=")
+
+
 @pytest.mark.parametrize("answer, message", [
     ({"aux": torch.ones(2)}, "get_additional_losses()['aux'] is a tensor of shape [2]"),
     ({"aux": "high"}, "get_additional_losses()['aux'] is a str"),

@@ -374,7 +374,7 @@ class InstructionExecutor:
         # calls, which a pipeline never makes (global_steps counts batches)
         with self.monitor.optimizer_step(self), self._at_boundary():  # events, breakdown
             self.agg_train_loss = self._aggregate_loss(state)
-            self.progress.record_loss(self.agg_train_loss)
+            self.progress.record_loss(self.agg_train_loss, self.agg_additional_losses)
             self.monitor.record_loss(self.agg_train_loss)
             with self._profiling("step"):
                 self._take_model_step(None)
