@@ -66,7 +66,7 @@ from dsrun.runtime.engine_info import EngineInfo
 from dsrun.runtime.engine_setup import EngineSetup, check_prepartitioned, check_zero_stage
 from dsrun.runtime.env import DistEnv
 from dsrun.runtime.grad_sync import broadcast_tensors
-from dsrun.runtime.lr_schedules import needs_metric
+from dsrun.runtime.lr_schedules import scheduler_step_args
 from dsrun.runtime.monitor.training import EngineMonitor
 from dsrun.runtime.param_links import link_params
 from dsrun.runtime.precision import FullPrecision, StepResult, make_precision
@@ -280,6 +280,9 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
         if self.optimizer is None:
             raise DsrunConfigError("engine.step() needs an optimizer: add an \"optimizer\" "
                                    "section to the config or pass optimizer= to initialize()")
+        # checked before the step, so a refused lr_kwargs leaves everything as it was
+        scheduler_call = scheduler_step_args(self.lr_scheduler, lr_kwargs,
+                                             self.config.train_batch_size)
         checkpoint_io.before_step(self)  # an async save may still be copying the state
         scale_before = self.precision.loss_scale
         result = self._apply_step()
@@ -291,8 +294,11 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
         self._grad_norm = result.grad_norm
         self._step_applied = result.applied
         self.publish_step_state(result.overflow)
-        if result.applied:
-            self._step_scheduler(lr_kwargs)
+        # once per applied step, as DeepSpeed; a plateau scheduler only with
+        # lr_kwargs (DeepSpeed passes train_batch_size as its metric, which
+        # reads as a plateau and cuts the lr every patience + 1 steps)
+        if result.applied and scheduler_call is not None:
+            self.lr_scheduler.step(*scheduler_call[0], **scheduler_call[1])
         else:
             self.skipped_steps += 1
             if result.overflow:
@@ -303,15 +309,6 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
         extra = f"loss_scale={self.precision.loss_scale:g}" if self.precision.scaler is not None \
             else None
         self.progress.step(self.global_steps, self.skipped_steps, self.get_lr(), extra)
-
-    def _step_scheduler(self, lr_kwargs: Optional[dict[str, Any]]) -> None:
-        """Once per applied optimizer step, as DeepSpeed. A scheduler whose
-        ``step()`` needs a metric (ReduceLROnPlateau) is stepped only with
-        ``lr_kwargs``: DeepSpeed passes it ``train_batch_size`` as the metric,
-        which reads as a plateau and cuts the lr every ``patience + 1`` steps."""
-        if self.lr_scheduler is None or (not lr_kwargs and needs_metric(self.lr_scheduler)):
-            return
-        self.lr_scheduler.step(**(lr_kwargs or {}))
 
     @property
     def _partition_only(self) -> bool:

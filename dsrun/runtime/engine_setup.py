@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 from dsrun.errors import DsrunConfigError
 from dsrun.runtime.config import DsrunConfig
 from dsrun.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
-from dsrun.runtime.lr_schedules import build_scheduler, needs_metric
+from dsrun.runtime.lr_schedules import build_scheduler, needs_metric, takes_an_argument
 from dsrun.runtime.optimizers import build_optimizer
 from dsrun.runtime.precision import FullPrecision, torch_dtype
 from dsrun.runtime.sparse_grads import refuse_at_zero, refuse_in_16_bits, sparse_grad_params
@@ -210,13 +210,20 @@ class EngineSetup:
         optimizer that steps: at ZeRO stages the client's own object, which
         the ZeRO optimizer keeps - so a scheduler built over it needs no
         re-pointing), else the config's; a scheduler whose ``step()`` needs a
-        metric is left to the script (:meth:`_step_scheduler`)."""
+        metric is left to the script (:func:`~.lr_schedules.scheduler_step_args`)."""
         scheduler = self._pick_scheduler(client)
-        if needs_metric(scheduler) and self.global_rank == 0:
+        if self.global_rank != 0:
+            return scheduler
+        if needs_metric(scheduler):
             log.info("lr_scheduler %s: its step() needs a metric, so engine.step() does not "
                      "step it; call engine.lr_scheduler.step(metric) after each evaluation "
                      "(as Hugging Face's Trainer does), or pass engine.step(lr_kwargs=...)",
                      type(scheduler).__name__)
+        elif takes_an_argument(scheduler):
+            log.info("lr_scheduler %s: its step() takes an argument, so engine.step() "
+                     "without lr_kwargs passes train_batch_size (%d), as DeepSpeed does for "
+                     "Megatron's step(increment)", type(scheduler).__name__,
+                     self.config.train_batch_size)
         return scheduler
 
     def _pick_scheduler(self, client: Any) -> Any:

@@ -58,7 +58,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from dsrun.errors import DsrunConfigError
+from dsrun.errors import DsrunConfigError, DsrunError
 from dsrun.runtime.config import SchedulerConfig
 from dsrun.runtime.config_schema import did_you_mean, thaw
 
@@ -467,15 +467,66 @@ def _torch_scheduler(name: str, params: dict[str, Any], optimizer: Optimizer) ->
         raise DsrunConfigError(f"{where}: torch rejected {params}: {err}") from err
 
 
-def needs_metric(scheduler: Any) -> bool:
-    """True when ``scheduler.step()`` needs an argument - torch's
-    ReduceLROnPlateau needs the metric - so the engine cannot step it."""
+def _required_step_parameters(scheduler: Any) -> Optional[list[str]]:
+    """Names of the parameters ``scheduler.step()`` requires (None: no
+    ``step`` or no signature to read)."""
     step = getattr(scheduler, "step", None)
     if step is None:
-        return False
+        return None
     try:
         parameters = inspect.signature(step).parameters.values()
     except (TypeError, ValueError):
-        return False
-    return any(p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-               for p in parameters)
+        return None
+    return [p.name for p in parameters
+            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def needs_metric(scheduler: Any) -> bool:
+    """True for a plateau scheduler, whose ``step()`` needs a metric (torch's
+    ReduceLROnPlateau, or a first required parameter named ``metrics`` /
+    ``metric``): the engine cannot step it without ``lr_kwargs``."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return True
+    required = _required_step_parameters(scheduler)
+    return bool(required) and required[0] in ("metrics", "metric")
+
+
+def takes_an_argument(scheduler: Any) -> bool:
+    """True when ``scheduler.step()`` requires an argument that is not a
+    metric: the engine then passes ``train_batch_size``."""
+    return bool(_required_step_parameters(scheduler)) and not needs_metric(scheduler)
+
+
+def scheduler_step_args(scheduler: Any, lr_kwargs: Optional[Mapping[str, Any]],
+                        train_batch_size: int) -> Optional[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """``(args, kwargs)`` for the engine's ``scheduler.step`` after an applied
+    optimizer step, or None to leave it alone: ``lr_kwargs`` when given
+    (refused here, before the optimizer step, when ``step()`` does not take
+    them); else no arguments; else, for a plateau scheduler, None; else
+    ``train_batch_size``, DeepSpeed's fallback for a ``step(increment)`` such
+    as Megatron's ``OptimizerParamScheduler``."""
+    if scheduler is None:
+        return None
+    kwargs = dict(lr_kwargs or {})
+    step = scheduler.step
+    try:
+        signature = inspect.signature(step).replace(return_annotation=inspect.Signature.empty)
+    except (TypeError, ValueError):
+        return (), kwargs
+    try:
+        signature.bind(**kwargs)
+        return (), kwargs
+    except TypeError as err:
+        if kwargs:
+            raise DsrunError(f"engine.step(lr_kwargs={kwargs}): {type(scheduler).__name__}."
+                             f"step{signature} does not take them ({err}); nothing was "
+                             "stepped") from None
+    if needs_metric(scheduler):
+        return None
+    try:
+        signature.bind(train_batch_size)
+    except TypeError as err:
+        raise DsrunError(f"engine.step(): {type(scheduler).__name__}.step{signature} needs "
+                         f"arguments the engine cannot give ({err}); pass them as "
+                         "engine.step(lr_kwargs={...}); nothing was stepped") from None
+    return (train_batch_size,), {}

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import dsrun
-from dsrun.errors import DsrunConfigError
+from dsrun.errors import DsrunConfigError, DsrunError
 from tests.conftest import ROOT, dsrun_argv
 
 pytestmark = pytest.mark.dist
@@ -152,6 +152,76 @@ def test_config_plateau_scheduler_is_left_to_the_script(solo: None) -> None:
     engine.lr_scheduler.step(1.0)
     engine.lr_scheduler.step(1.0)
     assert engine.get_lr() == pytest.approx([0.01])
+
+
+class IncrementScheduler:
+    """Megatron-DeepSpeed's OptimizerParamScheduler shape: ``step(increment)``
+    counts samples, the lr warms up over 8 of them."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer, self.num_steps = optimizer, 0
+
+    def step(self, increment: int, token_num: Any = None) -> None:
+        self.num_steps += increment
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.1 * min(1.0, self.num_steps / 8)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_step_increment_scheduler_gets_train_batch_size(solo: None, stage: int) -> None:
+    """DeepSpeed's fallback for Megatron: a ``step()`` that needs an argument
+    other than a metric is passed ``train_batch_size``; Megatron's own
+    ``lr_kwargs={"increment": n}`` reaches it as given."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    sched = IncrementScheduler(opt)
+    engine, _, _, returned = dsrun.initialize(
+        model=model, optimizer=opt, lr_scheduler=sched,
+        config={"train_batch_size": 4, "zero_optimization": {"stage": stage}})
+    assert returned is sched
+    seen = []
+    for _ in range(3):
+        train(engine, 1)
+        seen.append(engine.get_lr()[0])
+    assert sched.num_steps == 12 and seen == pytest.approx([0.05, 0.1, 0.1])
+    engine.backward(engine(torch.ones(2, 4)).pow(2).mean())
+    engine.step(lr_kwargs={"increment": 1})
+    assert sched.num_steps == 13
+
+
+def test_lr_kwargs_the_scheduler_refuses_change_nothing(solo: None) -> None:
+    """Refused before the optimizer step (DeepSpeed raises after it, or
+    falls back to step(train_batch_size)): the parameters, gradients and
+    counters are as they were, and the step can be retried."""
+    engine = engine_for({"optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                         "scheduler": {"type": "StepLR", "params": {"step_size": 1}}})
+    engine.backward(engine(torch.ones(2, 4)).pow(2).mean())
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    with pytest.raises(DsrunError, match=r"lr_kwargs=\{'foo': 1\}.*StepLR\.step.*nothing was"):
+        engine.step(lr_kwargs={"foo": 1})
+    assert all(torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
+    assert engine.global_steps == 0 and engine.micro_steps == 0
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in engine.module.parameters())
+    engine.step()
+    assert engine.global_steps == 1
+
+
+def test_a_pipeline_steps_an_increment_scheduler(solo: None) -> None:
+    """Megatron-DeepSpeed's pipeline path calls only train_batch(): its
+    schedule advances by train_batch_size per batch, as in DeepSpeed."""
+    from dsrun.pipe import LayerSpec, PipelineModule
+
+    module = PipelineModule([LayerSpec(torch.nn.Linear, 3, 4), LayerSpec(torch.nn.Linear, 4, 1)],
+                            num_stages=1, loss_fn=torch.nn.MSELoss())
+    opt = torch.optim.SGD(module.parameters(), lr=0.0)
+    engine, _, _, _ = dsrun.initialize(model=module, optimizer=opt,
+                                       lr_scheduler=IncrementScheduler(opt), config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2})
+    data = iter([(torch.randn(2, 3), torch.randn(2, 1)) for _ in range(4)])
+    engine.train_batch(data)
+    assert engine.get_lr() == pytest.approx([0.05])
+    engine.train_batch(data)
+    assert engine.get_lr() == pytest.approx([0.1])
 
 
 def test_config_torch_optimizers(solo: None) -> None:

@@ -18,7 +18,14 @@ import torch
 
 from dsrun.errors import DsrunConfigError
 from dsrun.runtime.config import SchedulerConfig, resolve
-from dsrun.runtime.lr_schedules import OneCycle, WarmupLR, build_scheduler, needs_metric
+from dsrun.runtime.lr_schedules import (
+    OneCycle,
+    WarmupLR,
+    build_scheduler,
+    needs_metric,
+    scheduler_step_args,
+    takes_an_argument,
+)
 
 # torch's schedulers warn when stepped before their optimizer: here nothing trains
 pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")
@@ -229,3 +236,39 @@ def test_torch_type_names_resolve_without_importing_torch() -> None:
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert res.stdout.split() == ["CosineAnnealingLR", "rprop", "False"], res.stderr
+
+
+def test_how_the_engine_steps_a_scheduler() -> None:
+    """No arguments; lr_kwargs as given; a plateau scheduler left alone
+    without them; train_batch_size for another step() that needs one
+    (DeepSpeed's fallback for Megatron's step(increment)); lr_kwargs or
+    arguments step() cannot take refused with its signature."""
+    from dsrun.errors import DsrunError
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    step_lr = torch.optim.lr_scheduler.StepLR(opt, 2)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+
+    class Increment:
+        def step(self, increment: int, token_num: object = None) -> None: ...
+
+    class Metric:
+        def step(self, metric: float) -> None: ...
+
+    class Two:
+        def step(self, a: int, b: int) -> None: ...
+
+    assert scheduler_step_args(None, {"x": 1}, 8) is None
+    assert scheduler_step_args(step_lr, None, 8) == ((), {})
+    assert scheduler_step_args(plateau, None, 8) is None
+    assert scheduler_step_args(Metric(), None, 8) is None
+    assert scheduler_step_args(plateau, {"metrics": 2.0}, 8) == ((), {"metrics": 2.0})
+    assert scheduler_step_args(Increment(), None, 8) == ((8,), {})
+    assert scheduler_step_args(Increment(), {"increment": 3}, 8) == ((), {"increment": 3})
+    with pytest.raises(DsrunError, match=r"StepLR\.step\(epoch\b.*= None\) does not take them"):
+        scheduler_step_args(step_lr, {"foo": 1}, 8)
+    with pytest.raises(DsrunError, match=r"Two\.step\(a: .int., b: .int.\) needs arguments"):
+        scheduler_step_args(Two(), None, 8)
+    assert takes_an_argument(Increment()) and not takes_an_argument(Metric())
+    assert not takes_an_argument(step_lr) and not takes_an_argument(plateau)
+    assert needs_metric(Metric()) and not needs_metric(Increment())
