@@ -297,8 +297,9 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
         # once per applied step, as DeepSpeed; a plateau scheduler only with
         # lr_kwargs (DeepSpeed passes train_batch_size as its metric, which
         # reads as a plateau and cuts the lr every patience + 1 steps)
-        if result.applied and scheduler_call is not None:
-            self.lr_scheduler.step(*scheduler_call[0], **scheduler_call[1])
+        if result.applied:
+            if scheduler_call is not None:
+                self.lr_scheduler.step(*scheduler_call[0], **scheduler_call[1])
         else:
             self.skipped_steps += 1
             if result.overflow:
