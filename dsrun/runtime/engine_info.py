@@ -16,7 +16,7 @@ state off the GPU between phases) are here only to refuse with a
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -88,12 +88,18 @@ class EngineInfo(OffloadAccessors):
         return [group["betas"] if "betas" in group else group.get("momentum", 0.0)
                 for group in self.optimizer.param_groups]
 
-    def get_global_grad_norm(self) -> Optional[float]:
+    def get_global_grad_norm(self) -> Union[torch.Tensor, float, None]:
         """Global gradient norm of the last step, before clipping: as in
         DeepSpeed at ZeRO stages and in fp16 and bf16; also for fp32 at stage
         0 with ``gradient_clipping`` (DeepSpeed 0.19.8 returns None there);
-        None for fp32 at stage 0 without clipping."""
-        return None if self._grad_norm is None else float(self._grad_norm)
+        None for fp32 at stage 0 without clipping. Of DeepSpeed's types: a
+        0-d float32 tensor at ZeRO stages 1-3 (scripts call ``.item()`` on
+        it), a float at stage 0."""
+        if self._grad_norm is None:
+            return None
+        if self.zero_stage == 0:
+            return float(self._grad_norm)
+        return torch.as_tensor(self._grad_norm).detach().reshape(()).float()
 
     def was_step_applied(self) -> bool:
         return self._step_applied

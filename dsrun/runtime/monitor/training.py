@@ -242,8 +242,8 @@ class EngineMonitor(MonitorMaster):
         events += [(ev.lr_event(i), lr, step) for i, lr in enumerate(engine.get_lr())]
         if engine.precision.scaler is not None:
             events.append((ev.LOSS_SCALE, float(engine.precision.loss_scale), step))
-        norm = engine.get_global_grad_norm()
-        norm = self._grad_norm if norm is None else norm
+        norm = engine.get_global_grad_norm()  # a tensor at ZeRO stages, as DeepSpeed's
+        norm = self._grad_norm if norm is None else float(norm)
         if norm is not None and math.isfinite(norm):
             events.append((ev.GRAD_NORM, norm, step))
         if iteration:

@@ -168,7 +168,8 @@ def train(out: Path, name: str) -> None:
                                       engine.global_samples)])
         rows.append({"loss": float(loss), "samples": engine.global_samples,
                      "seconds": seconds, "lr": engine.get_lr(),
-                     "loss_scale": float(engine.precision.loss_scale), "grad_norm": norm})
+                     "loss_scale": float(engine.precision.loss_scale),
+                     "grad_norm": None if norm is None else float(norm)})
     eval_loss = float(engine.eval_batch(iter(phase.batch(STEPS, replica))))
     if dist.get_rank() == 0:
         (out / f"{name}.json").write_text(json.dumps(
