@@ -30,6 +30,14 @@ The rules (documented in the README's flops-profiler section):
 * softmax / log-softmax: 5 flops per element (max, subtract, exp, sum,
   divide), their backward 3; layer/group/batch norm: 5 per element, +1 for
   a weight, +1 for a bias, backward twice that; RMS norm 3 (+1 weight);
+* pooling (max, average, adaptive; 1-d pools run as 2-d ones): one flop
+  per element of the pooled input, DeepSpeed's price; their backward one
+  per element of the input's gradient;
+* upsampling (``F.interpolate``): DeepSpeed's price, from what the call
+  was given - with scale factors, the input's elements times their
+  product; with a size, the product of the output's spatial sizes alone
+  (batch and channels not multiplied in, as in DeepSpeed); the backward
+  one flop per element of the output's gradient;
 * everything else (views, copies, indexing, embedding lookups, collectives,
   random number generation): 0.
 
@@ -44,7 +52,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["op_cost", "matmul_macs", "conv_macs", "attention_macs", "trilinear_macs"]
+__all__ = ["op_cost", "matmul_macs", "conv_macs", "attention_macs", "trilinear_macs",
+           "upsample_flops"]
 
 Cost = tuple[int, int]  # (flops, macs)
 _NONE: Cost = (0, 0)
@@ -343,6 +352,77 @@ _optional("_native_multi_head_attention", _native_mha)
 _optional("_transformer_encoder_layer_fwd", _encoder_layer)
 _optional("_fused_rms_norm", _rms_norm)
 _optional("rms_norm", _rms_norm)
+
+
+def _pooled(args: tuple, kwargs: dict, out: Any) -> Cost:
+    """Pooling: one flop per element of the pooled input (DeepSpeed's
+    ``_pool_flops_compute``)."""
+    return _per_element(1)(args, kwargs, out)
+
+
+def _input_gradient(args: tuple, kwargs: dict, out: Any) -> Cost:
+    """A pooling backward: one flop per element of the input's gradient."""
+    result = _first_tensor(out)
+    return (result.numel(), 0) if result is not None else _NONE
+
+
+_SCALES = ("scales", "scales_d", "scales_h", "scales_w", "scale_factors")
+
+
+def upsample_flops(numel: int, output_size: Optional[Sequence[int]],
+                   scales: Sequence[float]) -> int:
+    """DeepSpeed's ``_upsample_flops_compute`` from what aten receives: with
+    scale factors, ``numel`` (the input's) times their product (one factor
+    raised to the number of spatial dimensions when they are all equal, as
+    for DeepSpeed's scalar ``scale_factor``); otherwise the product of the
+    output's spatial sizes."""
+    if scales:
+        factor = scales[0] ** len(scales) if len(set(scales)) == 1 else math.prod(scales)
+        return int(numel * factor)
+    return _numel(output_size or ())
+
+
+def _upsample(names: Sequence[str]) -> Callable[[tuple, dict, Any], Cost]:
+    """An ``upsample_*`` overload whose schema's argument names are ``names``
+    (the scales sit at different positions in each mode's op)."""
+    def rule(args: tuple, kwargs: dict, out: Any) -> Cost:
+        bound = {**dict(zip(names, args)), **kwargs}
+        scales: list[float] = []
+        for name in _SCALES:
+            value = bound.get(name)
+            if isinstance(value, (list, tuple)):
+                scales.extend(float(v) for v in value)
+            elif value is not None:
+                scales.append(float(value))
+        x = args[0]
+        return upsample_flops(x.numel(), bound.get("output_size"), scales), 0
+    return rule
+
+
+for _name in ("max_pool1d", "max_pool2d", "max_pool3d", "max_pool1d_with_indices",
+              "max_pool2d_with_indices", "max_pool3d_with_indices", "avg_pool1d", "avg_pool2d",
+              "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
+              "_adaptive_avg_pool2d", "_adaptive_avg_pool3d", "adaptive_max_pool1d",
+              "adaptive_max_pool2d", "adaptive_max_pool3d", "mkldnn_max_pool2d",
+              "mkldnn_max_pool3d", "mkldnn_adaptive_avg_pool2d"):
+    _optional(_name, _pooled)
+for _name in ("max_pool2d_with_indices_backward", "max_pool3d_with_indices_backward",
+              "avg_pool2d_backward", "avg_pool3d_backward", "_adaptive_avg_pool2d_backward",
+              "_adaptive_avg_pool3d_backward", "adaptive_max_pool2d_backward",
+              "adaptive_max_pool3d_backward", "mkldnn_max_pool2d_backward",
+              "mkldnn_max_pool3d_backward", "mkldnn_adaptive_avg_pool2d_backward"):
+    _optional(_name, _input_gradient)
+for _name in ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
+              "upsample_linear1d", "upsample_bilinear2d", "upsample_bicubic2d",
+              "upsample_trilinear3d", "_upsample_nearest_exact1d", "_upsample_nearest_exact2d",
+              "_upsample_nearest_exact3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa",
+              "_upsample_lanczos2d_aa"):
+    _packet = getattr(aten, _name, None)
+    for _overload in (_packet.overloads() if _packet is not None else ()):
+        _op = getattr(_packet, _overload)
+        _RULES[_op] = _upsample([a.name for a in _op._schema.arguments])
+    # the backward sums the output's gradient into the input's: one add per element
+    _optional(_name + "_backward", _per_element(1))
 
 # Pointwise in torch's tags, yet they only copy, select or fill.
 _DATA_MOVEMENT = frozenset({"clone", "where", "masked_fill", "masked_fill_", "fill", "fill_",
