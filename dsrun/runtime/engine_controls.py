@@ -4,9 +4,10 @@
 ``enable_backward_allreduce`` with ``allreduce_gradients()``,
 ``deepspeed_io`` (a data loader over a dataset),
 ``load_module_state_dict``, ``save_16bit_model``, ``scale(loss)`` for a script's own
-``loss.backward()`` (:mod:`dsrun.runtime.direct_backward`) and the accumulation round
+``loss.backward()`` (:mod:`dsrun.runtime.direct_backward`), the accumulation round
 (``is_gradient_accumulation_boundary``,
-``set_gradient_accumulation_boundary``), as a mixin of
+``set_gradient_accumulation_boundary``, DeepSpeed's ``inside_no_sync_ctxt``)
+and ``train()``/``eval()``, as a mixin of
 :class:`~dsrun.runtime.engine.DsrunEngine`.
 
 ``enable_backward_allreduce`` (default True): at ZeRO stage 0, False makes
@@ -62,6 +63,8 @@ class EngineControls:
     _backwards_since_boundary: int
     _direct_backward: Any
     _partition_only: bool
+    _inside_no_sync: bool
+    warn_unscaled_loss: bool
     optimizer: Any
     precision: Any
 
@@ -262,7 +265,24 @@ class EngineControls:
         """DeepSpeed's: a new micro-batch size, the accumulation steps kept."""
         resize_batch(self, micro=micro_batch_size)
 
+    def train(self, mode: bool = True) -> Any:
+        """torch's (``eval()`` calls it too); as DeepSpeed's, it also sets
+        ``warn_unscaled_loss`` back to True."""
+        self.warn_unscaled_loss = True
+        return super().train(mode)  # type: ignore[misc]  # torch.nn.Module's, next in the MRO
+
     # ------------------------------------------------ accumulation rounds
+
+    @property
+    def inside_no_sync_ctxt(self) -> bool:
+        """DeepSpeed's attribute: True inside ``engine.no_sync()``."""
+        return self._inside_no_sync
+
+    @inside_no_sync_ctxt.setter
+    def inside_no_sync_ctxt(self, value: bool) -> None:
+        raise DsrunError(f"engine.inside_no_sync_ctxt = {value!r}: dsrun sets it only "
+                         "through engine.no_sync(), which checks that this ZeRO stage can "
+                         "skip the gradient reduction; use `with engine.no_sync():`")
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:

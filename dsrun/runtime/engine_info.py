@@ -25,6 +25,7 @@ from dsrun.errors import DsrunError
 from dsrun.runtime.config import OPTIMIZER_NAMES, DsrunConfig
 from dsrun.runtime.config_schema import thaw
 from dsrun.runtime.engine_offload import OffloadAccessors
+from dsrun.runtime.engine_zero_info import ZeroInfo
 from dsrun.runtime.precision import torch_dtype
 from dsrun.runtime.timer_names import (
     BACKWARD_GLOBAL_TIMER,
@@ -43,6 +44,12 @@ WALL_CLOCK_TIMERS = {FORWARD_GLOBAL_TIMER: "forward", BACKWARD_GLOBAL_TIMER: "ba
                      BACKWARD_REDUCE_GLOBAL_TIMER: "backward_allreduce",
                      STEP_GLOBAL_TIMER: "step"}
 
+# DeepSpeed's default torch_autocast.lower_precision_safe_modules
+# (deepspeed/runtime/torch_autocast.py), whose gradients it reduces in the
+# autocast dtype
+LOWER_PRECISION_SAFE_MODULES = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d,
+                                torch.nn.Conv3d)
+
 # DeepSpeed's own optimizer names (deepspeed/runtime/config.py
 # DEEPSPEED_OPTIMIZERS) that dsrun builds: DeepSpeed's config lower-cases
 # these; torch.optim names keep torch's spelling (which DeepSpeed needs to
@@ -50,9 +57,10 @@ WALL_CLOCK_TIMERS = {FORWARD_GLOBAL_TIMER: "forward", BACKWARD_GLOBAL_TIMER: "ba
 DEEPSPEED_LOWER_CASE_OPTIMIZERS = frozenset({"adagrad", "adam", "adamw", "lamb", "lion"})
 
 
-class EngineInfo(OffloadAccessors):
+class EngineInfo(OffloadAccessors, ZeroInfo):
     """DeepSpeed's engine accessors (module docstring; the offload ones in
-    :mod:`~dsrun.runtime.engine_offload`)."""
+    :mod:`~dsrun.runtime.engine_offload`, the other ``zero_*`` ones in
+    :mod:`~dsrun.runtime.engine_zero_info`)."""
 
     config: DsrunConfig
     optimizer: Any
@@ -62,6 +70,7 @@ class EngineInfo(OffloadAccessors):
     monitor: Any
     zero_stage: int
     dp_group: Any
+    dp_world_size: int
     mpu: Any
     _grad_norm: Optional[torch.Tensor]
     _step_applied: bool
@@ -72,6 +81,15 @@ class EngineInfo(OffloadAccessors):
     # DeepSpeed's attribute: True when the model has MoE layers, which dsrun
     # does not have.
     has_moe_layers = False
+    # DeepSpeed's: the sequence-parallel size (Ulysses), 1 without sequence
+    # parallelism, which dsrun does not have.
+    sequence_parallel_size = 1
+    # DeepSpeed's flag for its one warning about a loss it cannot divide by
+    # the accumulation steps (a pipeline loss that is not a tensor): True
+    # until that warning, and again after train()/eval() (engine_controls).
+    # dsrun refuses such losses by name and never warns: the flag is kept
+    # for scripts that read or set it, and has no effect.
+    warn_unscaled_loss = True
 
     # ------------------------------------------------------------ training state
 
@@ -181,6 +199,19 @@ class EngineInfo(OffloadAccessors):
 
         return tensor_model_parallel_rank(self.mpu)
 
+    @property
+    def seq_dp_world_size(self) -> int:
+        """DeepSpeed's sequence-and-data-parallel size: the data-parallel
+        size (:attr:`sequence_parallel_size` is 1); checkpoints record it."""
+        return self.dp_world_size
+
+    def autotp_size(self) -> int:
+        """DeepSpeed's AutoTP (tensor-parallel) size: 0, its value when AutoTP
+        is not configured. dsrun has no AutoTP: its ``tensor_parallel``
+        section passes through unused, so a script that sizes its
+        data-parallel split by this number gets the split dsrun runs."""
+        return 0
+
     def get_sequence_parallel_group(self) -> Any:
         """None: dsrun has no sequence parallelism. (DeepSpeed 0.19.8 has the
         group only with sequence parallelism, and raises AttributeError
@@ -233,6 +264,22 @@ class EngineInfo(OffloadAccessors):
 
     bf16_enabled = bfloat16_enabled
 
+    def fp16_auto_cast(self) -> bool:
+        """``fp16.auto_cast``: floating inputs are cast to fp16 before each
+        forward (as configured, with or without fp16, as DeepSpeed's)."""
+        return self.config.fp16.auto_cast
+
+    # 16-bit masters and optimizer state: refused when on (dsrun's ZeRO keeps
+    # fp32 masters and state), so False on every engine that was built.
+    def fp16_master_weights_and_gradients(self) -> bool:
+        return self.config.fp16.fp16_master_weights_and_grads
+
+    def bf16_master_weights_and_gradients(self) -> bool:
+        return self.config.bf16.bf16_master_weights_and_grads
+
+    def bf16_optimizer_states(self) -> bool:
+        return self.config.bf16.bf16_optimizer_states
+
     def amp_enabled(self) -> bool:
         """DeepSpeed's apex ``amp`` section: dsrun does not implement it."""
         return False
@@ -256,26 +303,6 @@ class EngineInfo(OffloadAccessors):
 
     def log_level(self) -> Optional[str]:
         return self.config.log_level
-
-    def zero_optimization(self) -> bool:
-        return self.config.zero_optimization.stage > 0
-
-    def zero_optimization_stage(self) -> int:
-        return self.config.zero_optimization.stage
-
-    def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """``stage3_gather_16bit_weights_on_model_save`` (DeepSpeed's)."""
-        return bool(self.config.zero_optimization.gather_16bit_weights_on_model_save)
-
-    def zero_optimization_partition_gradients(self) -> bool:
-        """Gradients partitioned: ZeRO stage 2 or 3."""
-        return self.config.zero_optimization.stage >= 2
-
-    def zero_optimization_partition_weights(self) -> bool:
-        """Parameters partitioned: ZeRO stage 3."""
-        return self.config.zero_optimization.stage >= 3
-
-    is_first_weights_partition_group = zero_optimization_partition_weights
 
     def dynamic_loss_scale(self) -> bool:
         """``fp16.loss_scale`` is 0 (DeepSpeed's test; also true without fp16,
@@ -308,42 +335,6 @@ class EngineInfo(OffloadAccessors):
         ranks always write their own files)."""
         return self.config.checkpoint.use_node_local_storage
 
-    def zero_load_from_fp32_weights(self) -> bool:
-        """``zero_optimization.load_from_fp32_weights``: dsrun always loads
-        the fp32 masters it saved."""
-        return self.config.zero_optimization.load_from_fp32_weights
-
-    def zero_allow_untested_optimizer(self) -> bool:
-        return self.config.zero_allow_untested_optimizer
-
-    # The zero_optimization values as configured, DeepSpeed's defaults
-    # included; where a size is left at DeepSpeed's default, dsrun's ZeRO
-    # uses its own smaller buckets (dsrun.runtime.zero.stepping), and
-    # overlap_comm is resolved (default: stage 3).
-    def zero_reduce_bucket_size(self) -> int:
-        return self.config.zero_optimization.reduce_bucket_size
-
-    def zero_allgather_bucket_size(self) -> int:
-        return self.config.zero_optimization.allgather_bucket_size
-
-    def zero_overlap_comm(self) -> bool:
-        return bool(self.config.zero_optimization.overlap_comm)
-
-    def zero_contiguous_gradients(self) -> bool:
-        return self.config.zero_optimization.contiguous_gradients
-
-    def zero_max_live_parameters(self) -> int:
-        return self.config.zero_optimization.max_live_parameters
-
-    def zero_prefetch_bucket_size(self) -> int:
-        return self.config.zero_optimization.prefetch_bucket_size
-
-    def zero_param_persistence_threshold(self) -> int:
-        return self.config.zero_optimization.param_persistence_threshold
-
-    def zero_sub_group_size(self) -> int:
-        return self.config.zero_optimization.sub_group_size
-
     def initial_dynamic_scale(self) -> int:
         """``2 ** fp16.initial_scale_power`` (DeepSpeed's, with or without fp16)."""
         return int(self.config.fp16.initial_dynamic_scale)
@@ -369,6 +360,15 @@ class EngineInfo(OffloadAccessors):
         the device)."""
         dtype = self.config.torch_autocast.dtype
         return None if dtype is None else torch_dtype(dtype)
+
+    def torch_autocast_lower_precision_safe_modules(self) -> list[str]:
+        """``torch_autocast.lower_precision_safe_modules`` as configured, else
+        DeepSpeed's default (torch's Linear and Conv1d-3d, by dotted class
+        name). dsrun reduces every gradient in fp32 whatever it says."""
+        names = self.config.torch_autocast.lower_precision_safe_modules
+        if names is not None:
+            return list(names)
+        return [f"{cls.__module__}.{cls.__name__}" for cls in LOWER_PRECISION_SAFE_MODULES]
 
     # DeepSpeed features whose config sections dsrun accepts but does not
     # act on (passthrough): they are never on here.

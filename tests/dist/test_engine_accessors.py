@@ -174,3 +174,119 @@ def test_training_data_and_collate_fn_as_given(solo: None) -> None:
     assert engine.training_data is data and engine.collate_fn is collate
     plain = build({"train_batch_size": 2})
     assert plain.training_data is None and plain.collate_fn is None
+
+
+# ------------------------------------- fp16_auto_cast, the zero_* knobs, DeepSpeed's
+# attributes. Expected values: DeepSpeed 0.19.8's engine for the same config
+# (bench/.venv-ds, CPU, one rank).
+
+def _knobs(engine: dsrun.DsrunEngine) -> tuple:
+    return (engine.fp16_auto_cast(), engine.zero_reduce_scatter(),
+            engine.zero_allgather_partitions(), engine.zero_ignore_unused_parameters(),
+            engine.zero_round_robin_gradients(), engine.zero_elastic_checkpoint(),
+            engine.zero_multi_rank_bucket_allreduce())
+
+
+def test_zero_and_fp16_switches_as_configured(solo: None) -> None:
+    engine = build({
+        "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "fp16": {"enabled": True, "auto_cast": True},
+        "zero_optimization": {"stage": 2, "reduce_scatter": False, "allgather_partitions": False,
+                              "ignore_unused_parameters": False, "round_robin_gradients": True,
+                              "elastic_checkpoint": True,
+                              "use_multi_rank_bucket_allreduce": False}})
+    assert _knobs(engine) == (True, False, False, False, True, True, False)
+    assert engine.optimizer.dynamic_loss_scale is True
+
+
+def test_stage3_knobs_as_configured(solo: None) -> None:
+    engine = build({
+        "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 123,
+                              "stage3_model_persistence_threshold": 456,
+                              "stage3_module_granularity_threshold": 7,
+                              "stage3_allgather_sequential": True,
+                              "log_trace_cache_warnings": True, "enable_sanity_checks": True}})
+    got = (engine.zero_max_reuse_distance(), engine.zero_model_persistence_threshold(),
+           engine.zero_module_granularity_threshold(), engine.zero_allgather_sequential(),
+           engine.zero_log_trace_cache_warnings(), engine.is_sanity_checks_enabled())
+    assert got == (123, 456, 7, True, True, True)
+
+
+def test_more_defaults_are_deepspeeds(solo: None) -> None:
+    engine = build({"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                    "zero_optimization": {"stage": 1}})
+    assert _knobs(engine) == (False, True, True, True, False, False, True)
+    got = (engine.zero_legacy_stage1(), engine.zero_max_reuse_distance(),
+           engine.zero_model_persistence_threshold(), engine.zero_module_granularity_threshold(),
+           engine.zero_allgather_sequential(), engine.zero_log_trace_cache_warnings(),
+           engine.is_sanity_checks_enabled(), engine.zero_force_ds_cpu_optimizer())
+    assert got == (False, 1_000_000_000, 9223372036854775807, 0, False, False, False, True)
+    assert (engine.zero_hpz_partition_size(), engine.zero_quantized_weights(),
+            engine.zero_quantized_nontrainable_weights(),
+            engine.zero_quantized_gradients()) == (1, False, False, False)
+    assert (engine.fp16_master_weights_and_gradients(),
+            engine.bf16_master_weights_and_gradients(),
+            engine.bf16_optimizer_states()) == (False, False, False)
+    assert engine.autotp_size() == 0
+    assert engine.torch_autocast_lower_precision_safe_modules() == [
+        "torch.nn.modules.linear.Linear", "torch.nn.modules.conv.Conv1d",
+        "torch.nn.modules.conv.Conv2d", "torch.nn.modules.conv.Conv3d"]
+    assert engine.sequence_parallel_size == 1
+    assert engine.seq_dp_world_size == engine.dp_world_size == 1
+    assert engine.warn_unscaled_loss is True and engine.inside_no_sync_ctxt is False
+
+
+def test_lower_precision_safe_modules_as_configured(solo: None) -> None:
+    engine = build({"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                    "torch_autocast": {"enabled": True, "dtype": "bf16",
+                                       "lower_precision_safe_modules": ["torch.nn.Linear"]}})
+    assert engine.torch_autocast_lower_precision_safe_modules() == ["torch.nn.Linear"]
+
+
+ADAMW = {"type": "AdamW", "params": {"lr": 0.01}}
+
+
+@pytest.mark.parametrize("stage,precision,dynamic", [
+    (1, {"fp16": {"enabled": True}}, True),
+    (3, {"fp16": {"enabled": True}}, True),
+    (2, {"fp16": {"enabled": True, "loss_scale": 128}}, False),
+    (3, {"fp16": {"enabled": True, "loss_scale": 64}}, False),
+    (1, {"bf16": {"enabled": True}}, False),
+    (2, {"bf16": {"enabled": True}}, False),
+    (3, {"bf16": {"enabled": True}}, False),
+    (2, {}, False),
+    (3, {}, False),
+    # fp32 weights: the GradScaler-style scale is not the ZeRO optimizer's
+    (2, {"torch_autocast": {"enabled": True, "dtype": "fp16"}}, False),
+])
+def test_zero_optimizer_dynamic_loss_scale(solo: None, stage: int, precision: dict,
+                                           dynamic: bool) -> None:
+    engine = build({"train_batch_size": 2, "optimizer": ADAMW,
+                    "zero_optimization": {"stage": stage}, **precision})
+    assert engine.optimizer.dynamic_loss_scale is dynamic
+    engine.optimizer.dynamic_loss_scale = dynamic  # apex-era scripts set it: same value is fine
+    with pytest.raises(DsrunError, match="dynamic_loss_scale.*set by the config"):
+        engine.optimizer.dynamic_loss_scale = not dynamic
+    assert engine.optimizer.dynamic_loss_scale is dynamic
+
+
+def test_inside_no_sync_ctxt(solo: None) -> None:
+    engine = build({"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    assert engine.inside_no_sync_ctxt is False
+    with engine.no_sync():
+        assert engine.inside_no_sync_ctxt is True
+    assert engine.inside_no_sync_ctxt is False
+    with pytest.raises(DsrunError, match="inside_no_sync_ctxt.*engine.no_sync"):
+        engine.inside_no_sync_ctxt = True
+    assert engine.inside_no_sync_ctxt is False
+
+
+def test_train_and_eval_reset_warn_unscaled_loss(solo: None) -> None:
+    engine = build({"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    engine.warn_unscaled_loss = False
+    assert engine.eval() is engine and engine.warn_unscaled_loss is True
+    assert engine.module.training is False
+    engine.warn_unscaled_loss = False
+    assert engine.train() is engine and engine.warn_unscaled_loss is True
+    assert engine.module.training is True

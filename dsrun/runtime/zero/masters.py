@@ -63,6 +63,7 @@ import torch
 import torch.distributed as dist
 
 from dsrun import comm as collectives
+from dsrun.errors import DsrunError
 from dsrun.runtime.loss_scaler import LossScaler
 from dsrun.runtime.zero.offload import Placement
 
@@ -202,6 +203,24 @@ class MasterGradients:
         return 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
 
     loss_scale = cur_scale  # DeepSpeed's other name for it
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        """DeepSpeed's ZeRO attribute: the loss scale is dynamic - an fp16
+        model with ``fp16.loss_scale`` 0. False for a static scale, for bf16
+        and fp32, and under ``torch_autocast`` (fp32 weights: its float16
+        scaler is not this optimizer's in DeepSpeed either)."""
+        scaler = self.loss_scaler
+        return scaler is not None and scaler.dynamic and self.grad_dtype == torch.float16
+
+    @dynamic_loss_scale.setter
+    def dynamic_loss_scale(self, value: bool) -> None:
+        # apex-era scripts set it after loading a checkpoint; the same value is
+        # harmless, another would be a silent no-op (the config decides)
+        if bool(value) != self.dynamic_loss_scale:
+            raise DsrunError(f"optimizer.dynamic_loss_scale = {value!r}: the loss scaling "
+                             f"mode is {'dynamic' if self.dynamic_loss_scale else 'not dynamic'}"
+                             " here and is set by the config (fp16.loss_scale: 0 is dynamic)")
 
     # DeepSpeed's offload flags under its ZeRO optimizers' names: stages 1-2
     # have ``cpu_offload``, stage 3 ``offload_optimizer``/``offload_param``;
