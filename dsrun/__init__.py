@@ -40,6 +40,10 @@ _LAZY = {
     "log_dist": "dsrun.utils:log_dist",
     "logger": "dsrun.utils:logger",
     "OnDevice": "dsrun.utils.init_on_device:OnDevice",
+    "DeepSpeedConfig": "dsrun.runtime.ds_config:DeepSpeedConfig",
+    # DeepSpeed's is None until initialize() sets it to deepspeed.comm;
+    # dsrun's is deepspeed.comm (dsrun.comm) from the start
+    "dist": "dsrun:comm",
 }
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500  # DeepSpeed's (and torch's) default master port
 
@@ -47,20 +51,24 @@ __all__ = ["DSRUN_VERSION", "TORCH_DISTRIBUTED_DEFAULT_PORT", "__version__", *_L
 
 
 # dsrun.zero.Init, dsrun.pipe.PipelineModule, dsrun.comm.get_rank, ... as deepspeed.*
+# (deepspeed.runtime.<module>.X: dsrun.runtime loads its submodules the same way)
 _SUBMODULES = ("zero", "pipe", "comm", "checkpointing", "accelerator", "ops", "utils",
-               "profiling")
+               "profiling", "runtime", "monitor", "moe")
 
 _alias.install()  # "from deepspeed.pipe import ..." after "import dsrun as deepspeed"
 
 
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
-        return importlib.import_module(f"dsrun.{name}")
+        module = importlib.import_module(f"dsrun.{name}")
+        _alias.attach_renamed()  # deepspeed.runtime.zero.partition_parameters
+        return module
     target = _LAZY.get(name)
     if target is None:
         raise AttributeError(f"module 'dsrun' has no attribute {name!r}")
     module_name, attr = target.split(":")
     value = getattr(importlib.import_module(module_name), attr)
+    _alias.attach_renamed()
     globals()[name] = value
     return value
 

@@ -587,3 +587,8 @@ def activation_checkpointing_section(config: ConfigInput) -> ActivationCheckpoin
     return parse_activation_checkpointing({"activation_checkpointing": section},
                                           Ctx(source, allow_unknown=_allow_unknown(raw,
                                                                                    os.environ)))
+
+
+# DeepSpeed's module path for its config class, which resolves through
+# resolve() above (importing this module from inside its __init__)
+from dsrun.runtime.ds_config import DeepSpeedConfig  # noqa: E402,F401
