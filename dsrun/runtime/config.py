@@ -258,6 +258,7 @@ class DsrunConfig:
             raise DsrunConfigError(f"gradient_predivide_factor in {self.source} must be > 0, got "
                                    f"{self.gradient_predivide_factor:g}")
         self._check_param_dtype()
+        self._check_zero_flags()
         for section, flag, what in (
                 ("fp16", "fp16_master_weights_and_grads", "fp16 master weights and gradients"),
                 ("bf16", "bf16_master_weights_and_grads", "bf16 master weights and gradients"),
@@ -269,6 +270,22 @@ class DsrunConfig:
                     f"{section}.{flag} in {self.source}: {what} are not implemented in dsrun, "
                     "whose ZeRO optimizers keep fp32 master weights, gradients and optimizer "
                     "state; remove the key (or set it false)")
+
+    def _check_zero_flags(self) -> None:
+        """The ``zero_optimization`` flags DeepSpeed 0.19.8 refuses, refused alike."""
+        zero = self.zero_optimization
+        if zero.legacy_stage1:
+            raise DsrunConfigError(f"zero_optimization.legacy_stage1 in {self.source}: the "
+                                   "deprecated ZeRO stage 1 is not supported (DeepSpeed 0.19.8 "
+                                   "refuses it too); remove the key or set it false")
+        if not zero.compute_grad_norm and zero.stage not in (1, 2):
+            raise DsrunConfigError(f"zero_optimization.compute_grad_norm=false in {self.source} "
+                                   f"is supported only at ZeRO stage 1 or 2 (stage {zero.stage} "
+                                   "here), as in DeepSpeed")
+        if not zero.compute_grad_norm and self.gradient_clipping > 0:
+            raise DsrunConfigError(f"zero_optimization.compute_grad_norm=false in {self.source} "
+                                   f"requires gradient_clipping 0 (it is "
+                                   f"{self.gradient_clipping:g}), as in DeepSpeed")
 
     def _check_param_dtype(self) -> None:
         """``data_types.param_dtype`` is the enabled precision's dtype (DeepSpeed

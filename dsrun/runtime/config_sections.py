@@ -129,6 +129,8 @@ class ZeroConfig:
                                       aliases=("allgather_sequential",))
     ignore_unused_parameters: bool = opt("bool", True)
     legacy_stage1: bool = opt("bool", False)
+    compute_grad_norm: bool = opt("bool", True)  # false: checked in DsrunConfig (DeepSpeed's rules)
+    parameter_alignment: bool = opt("bool", False)
     round_robin_gradients: bool = opt("bool", False)
     zero_hpz_partition_size: int = opt("int", 1, low=0)
     zero_quantized_weights: bool = opt("bool", False)

@@ -461,6 +461,23 @@ def test_zero_documented_keys_and_stage3_aliases() -> None:
         res(base(zero_optimization={"stage3_max_reuse_distance": 1, "max_reuse_distance": 2}))
 
 
+def test_zero_flags_deepspeed_refuses() -> None:
+    """DeepSpeed 0.19.8's rules: legacy_stage1 refused; compute_grad_norm
+    false only at stages 1-2 without clipping (dsrun computes the norm
+    anyway); parameter_alignment accepted (a layout knob)."""
+    zero = res(base(zero_optimization={"stage": 2, "compute_grad_norm": False,
+                                       "parameter_alignment": True},
+                    gradient_clipping=0)).zero_optimization
+    assert zero.compute_grad_norm is False and zero.parameter_alignment is True
+    with pytest.raises(DsrunConfigError, match="legacy_stage1 in .*not supported"):
+        res(base(zero_optimization={"stage": 1, "legacy_stage1": True}))
+    with pytest.raises(DsrunConfigError, match=r"compute_grad_norm=false .*stage 1 or 2 \(stage 3"):
+        res(base(zero_optimization={"stage": 3, "compute_grad_norm": False},
+                 gradient_clipping=0))
+    with pytest.raises(DsrunConfigError, match="requires gradient_clipping 0 .it is 1."):
+        res(base(zero_optimization={"stage": 1, "compute_grad_norm": False}))
+
+
 def test_zero_legacy_forms() -> None:
     zero = res(base(zero_optimization={"stage": 2, "cpu_offload": True,
                                        "cpu_offload_use_pin_memory": True})).zero_optimization
