@@ -118,13 +118,39 @@ def test_dry_run_request_prints_the_command_and_names_only():
 @pytest.mark.parametrize("args,bad", [
     (("--mca", "btl", "tcp,self", "--bind-to", "none"), None),
     (("-np", "8"), "-np"), (("--host=a,b",), "--host=a,b"), (("-H", "a"), "-H"),
-    (("--hostfile", "x"), "--hostfile"), (("-nolocal",), None),
+    (("--hostfile", "x"), "--hostfile"), (("--n", "1"), "--n"), (("-N", "1"), "-N"),
+    (("--npernode", "1"), "--npernode"), (("-npersocket", "1"), "-npersocket"),
+    (("--pernode",), "--pernode"), (("-nolocal",), "-nolocal"), (("--nolocal",), "--nolocal"),
+    (("--rankfile", "rf"), "--rankfile"), (("--app", "a"), "--app"), (("-bynode",), "-bynode"),
+    (("--ppr", "1:node"), "--ppr"), (("--map-by", "slot:PE=2"), None), (("--noprefix",), None),
 ])
 def test_launcher_args_may_not_place_ranks(args, bad):
     problem = controlled_problem(args, CONTROLLED, "--launcher_args", "use dsrun's options")
     assert (problem is None) == (bad is None)
     if bad:
         assert repr(bad) in problem
+
+
+def test_mpirun_runs_by_name_so_open_mpi_adds_no_prefix(tmp_path, monkeypatch):
+    """explore17 F1: Open MPI takes an absolute argv[0] as --prefix and puts
+    /usr/bin before the venv on every rank's PATH (and fails for /bin/mpirun).
+    The file found on PATH runs under the name mpirun, and --dry-run shows that."""
+    from dsrun.launcher.backends import openmpi
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake = bindir / "mpirun"
+    fake.write_text("#!/bin/sh\necho 'mpirun (Open MPI) 4.1.4'\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(openmpi, "mpi4py_library", lambda: ("Open MPI v4.1.4, package", None))
+    plan = _plan(include="node2")
+    backend = OpenMpiBackend(HostsSpec(launcher="openmpi"), python=AGENT[0],
+                             environ={"PATH": str(bindir)}, as_root=False)
+    backend.check(None)  # type: ignore[arg-type]
+    assert backend.executable == str(fake)
+    assert backend.argv(plan)[:3] == ("mpirun", "-np", "2")
+    assert "--prefix" not in backend.argv(plan)
+    assert backend.prepare(plan).describe()[0].startswith("launch: mpirun -np 2 ")
 
 
 @pytest.mark.parametrize("args,bad", [
@@ -212,6 +238,9 @@ def test_launcher_names():
         HostsSpec(slurm_args=("-p", "x"))
 
 
+RULE = "-" * 74
+
+
 def _hello(host, local):
     return {"host": host, "local_rank": local}
 
@@ -244,6 +273,22 @@ def test_placement_must_match_the_plan():
     # the cause, then more output than the kept tail holds
     (["srun: error: Unable to allocate resources", *[f"line {i}" for i in range(50)]],
      "srun: error: Unable to allocate resources"),
+    # an Open MPI box that names no problem in a telling word: its opening
+    # paragraph, not its last word ("launch.", explore17 F4), however long the box
+    ([RULE, "There are not enough slots available in the system to satisfy the 4",
+      "slots that were requested by the application:", "", "  python", "",
+      *[f"Either request fewer slots, line {i} of the help" for i in range(30)],
+      "number of available slots when deciding the number of processes to", "launch.", RULE],
+     "There are not enough slots available in the system to satisfy the 4 slots that were "
+     "requested by the application:"),
+    # two boxes: the last one (a warning before it is not the reason mpirun stopped)
+    ([RULE, "The following command line options and corresponding MCA parameter have",
+      "been deprecated and replaced as follows:", "", "  Deprecated:  --bynode", RULE,
+      RULE, "All nodes which are allocated for this job are already filled.", RULE],
+     "All nodes which are allocated for this job are already filled."),
+    # a telling line still wins over a box
+    ([RULE, "A box about something.", RULE, "mpirun: Error: unknown option \"--x\""],
+     "mpirun: Error: unknown option \"--x\""),
 ])
 def test_the_failure_summary_quotes_the_telling_line(tail: list[str], expected: str) -> None:
     from dsrun.launcher.backends.connect import ToolOutput
@@ -268,3 +313,53 @@ def test_stderrs_telling_line_wins_whatever_order_the_pipes_were_read() -> None:
     only_stdout.add("mpirun was unable to launch", 1)
     only_stdout.add("help text", 1)
     assert only_stdout.summary() == "mpirun was unable to launch"
+
+
+def _agent_side(sock, secret: str, rank: int) -> None:
+    """The agent's half of the handshake (callback.agent_connect, on a given socket)."""
+    from dsrun.launcher import callback, protocol
+
+    challenge = protocol.decode(callback.read_line(sock))["challenge"]
+    sock.sendall(protocol.encode({"ev": "connect", "rank": rank, "local_rank": 0,
+                                  "host": "h", "challenge": "c",
+                                  "proof": callback.proof(secret, "agent", challenge, rank)}))
+
+
+def test_an_agent_connecting_after_the_start_was_given_up_is_closed_quietly(caplog):
+    """explore17 F6: Ctrl-C while agents connect back closed the server; an
+    agent finishing its handshake then was 'refused ... unexpected rank 0'
+    as a bare warning. It is closed without a warning (the launcher says
+    why the job stopped); a wrong rank while the server is open still warns."""
+    import logging
+    import socket
+    import threading
+
+    from dsrun.launcher.backends.connect import CallbackServer
+
+    server = CallbackServer(2)
+    try:
+        caplog.set_level(logging.DEBUG, logger="dsrun.launcher")
+        for rank, closed in ((5, False), (0, True)):
+            if closed:
+                server.close(keep=False)
+            ours, theirs = socket.socketpair()
+            agent = threading.Thread(target=_agent_side, args=(theirs, server.secret, rank))
+            agent.start()
+            server._handshake(ours, "peer")
+            agent.join(5)
+            theirs.settimeout(5)
+            assert callback_reply_then_eof(theirs)
+            theirs.close()
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert warnings == ["refused an agent connection from peer: unexpected rank 5"]
+        assert server.problems == ["peer: unexpected rank 5"] and server.hellos == {}
+    finally:
+        server.close(keep=False)
+
+
+def callback_reply_then_eof(sock) -> bool:
+    """The server answered the handshake, then closed the connection."""
+    data = b""
+    while chunk := sock.recv(4096):
+        data += chunk
+    return data.count(b"\n") == 1 and b"proof" in data

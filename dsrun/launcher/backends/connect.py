@@ -49,17 +49,21 @@ class LaunchTool:
     """The process that starts the agents (mpirun, srun), with its output."""
 
     def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str], cwd: str,
-                 sink: OutputSink) -> None:
+                 sink: OutputSink, executable: str | None = None) -> None:
+        """``executable``: the file to run, when ``argv[0]`` is only the name
+        it runs under (mpirun must not see its absolute path: openmpi.py)."""
         self.name = name
         self.sink = sink
         self.output = ToolOutput()
         try:
             # Own session: Ctrl-C reaches the launcher, which stops the job in order.
-            self.proc = subprocess.Popen(list(argv), env=dict(env), cwd=cwd,
-                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, start_new_session=True)
+            self.proc = subprocess.Popen(list(argv), executable=executable, env=dict(env),
+                                         cwd=cwd, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         start_new_session=True)
         except OSError as exc:
-            raise LaunchError(f"cannot start {argv[0]}: {exc.strerror or exc}") from None
+            raise LaunchError(f"cannot start {executable or argv[0]}: "
+                              f"{exc.strerror or exc}") from None
         self._pumps = [threading.Thread(target=self._pump, args=(fd, stream), daemon=True)
                        for fd, stream in ((1, self.proc.stdout), (2, self.proc.stderr))]
         for t in self._pumps:
@@ -102,31 +106,70 @@ _TELLING = ("error", "unrecognized", "unrecognised", "invalid", "could not", "ca
             "unable")
 
 
+#: A rule framing an Open MPI message box (show_help prints one above and below).
+_BOX_RULE = "-" * 20
+#: Characters of a box's opening sentence quoted in a summary.
+BOX_QUOTE = 300
+
+
 class ToolOutput:
     """A launch tool's output, reduced to the line that best says why it
     failed (pure): the first line naming a problem - tools say the cause
     before their summary ("ssh: Could not resolve hostname" before Open
     MPI's "was unable to reliably start one or more daemons"), and it is
-    kept however much output follows - else the last of the kept tail that
-    is neither a rule of dashes or equals signs nor a "Try --help" pointer.
-    Stderr's first such line wins over stdout's: the two pipes are read
-    apart, so their order is not known, and the cause goes to stderr."""
+    kept however much output follows - else the opening paragraph of the
+    last message box Open MPI printed (between rules of dashes: "There are
+    not enough slots available in the system to satisfy the 4 slots that
+    were requested by the application:", not the box's last word), else the
+    last of the kept tail that is neither a rule of dashes or equals signs
+    nor a "Try --help" pointer. Stderr's wins over stdout's at each step:
+    the two pipes are read apart (each by its own thread, so the state is
+    kept per pipe), their order is not known, and the cause goes to stderr."""
 
     def __init__(self, keep: int = TOOL_TAIL) -> None:
         self.first_telling: dict[int, str] = {}  # by fd
         self.tail: collections.deque[str] = collections.deque(maxlen=keep)
+        self.last_box: dict[int, str] = {}  # by fd: the opening paragraph
+        self._inside: dict[int, bool] = {}  # by fd: between a box's rules
+        self._para: dict[int, list[str] | None] = {}  # by fd: None once taken
 
     def add(self, line: str, fd: int = 2) -> None:
         stripped = line.strip()
+        self._box_line(stripped, fd)
         if not stripped or _filler(stripped):
             return
         self.tail.append(stripped)
         if fd not in self.first_telling and any(w in stripped.lower() for w in _TELLING):
             self.first_telling[fd] = stripped
 
+    def _box_line(self, stripped: str, fd: int) -> None:
+        """Follow Open MPI's boxes: a rule opens one, the next closes it; the
+        box's first paragraph ends at a blank line or at the closing rule."""
+        para = self._para.get(fd)
+        if stripped.startswith(_BOX_RULE) and not stripped.strip("-"):
+            if self._inside.get(fd):
+                if para:
+                    self._keep_box(fd, para)
+                self._inside[fd] = False
+            else:
+                self._inside[fd] = True
+                self._para[fd] = []
+        elif self._inside.get(fd) and para is not None:
+            if stripped:
+                if sum(map(len, para)) <= BOX_QUOTE:  # the quote's length is all it needs
+                    para.append(stripped)
+            elif para:  # blank lines before the text are no paragraph's end
+                self._keep_box(fd, para)
+
+    def _keep_box(self, fd: int, para: list[str]) -> None:
+        text = " ".join(para)
+        self.last_box[fd] = text if len(text) <= BOX_QUOTE else text[:BOX_QUOTE - 3] + "..."
+        self._para[fd] = None
+
     def summary(self) -> str:
         telling = self.first_telling.get(2) or self.first_telling.get(1)
-        return telling or (self.tail[-1] if self.tail else "")
+        box = self.last_box.get(2) or self.last_box.get(1)
+        return telling or box or (self.tail[-1] if self.tail else "")
 
 
 def _filler(line: str) -> bool:
@@ -189,6 +232,10 @@ class SocketChannel(AgentChannel):
         self.sock.close()
 
 
+class _Closed(Exception):
+    """An agent finished its handshake after the server was closed."""
+
+
 class CallbackServer:
     """Listens for the agents of one attempt and authenticates them."""
 
@@ -217,16 +264,26 @@ class CallbackServer:
             hello = callback.server_handshake(conn, self.secret)
             rank = hello["rank"]
             with self.cond:
-                if self._closed or not 0 <= rank < self.expected or rank in self.hellos:
+                if self._closed:
+                    raise _Closed()
+                if not 0 <= rank < self.expected or rank in self.hellos:
                     raise callback.HandshakeError(f"unexpected rank {rank}")
                 self.hellos[rank] = (conn, hello)
                 self.cond.notify_all()
             self.on_connect(str(hello.get("host") or "?"))
-        except (callback.HandshakeError, OSError) as exc:
-            log.warning("refused an agent connection from %s: %s", peer, exc)
-            with self.cond:
-                self.problems.append(f"{peer}: {exc}")
+        except (_Closed, callback.HandshakeError, OSError) as exc:
             conn.close()
+            with self.cond:
+                closed = self._closed
+                if not closed:
+                    self.problems.append(f"{peer}: {exc}")
+            if closed:
+                # The start was given up (Ctrl-C, mpirun exited, a timeout) while
+                # this agent connected: closing its connection stops it; the
+                # launcher says why the job stopped.
+                log.debug("agent connection from %s closed: the job is stopping", peer)
+            else:
+                log.warning("refused an agent connection from %s: %s", peer, exc)
 
     def wait_all(self, tool: LaunchTool, timeout: float | None) -> None:
         """Until every rank's agent has connected; LaunchError if the tool
@@ -328,17 +385,19 @@ class ConnectedHandle(JobHandle):
 def open_connected(plan: LaunchPlan, name: str, argv: Sequence[str],
                    tool_env: Mapping[str, str], sink: OutputSink, prefer: Sequence[str],
                    timeout: float | None, agent_timeout: float,
-                   on_connect: ConnectSink = ignore_connect) -> ConnectedHandle:
-    """Start ``argv`` (the tool) and wait for every rank's agent; see the
-    module docstring. ``tool_env`` is the tool's environment without the
-    callback variables, which are added here; ``agent_timeout`` is how long
-    an agent tries to reach the launcher."""
+                   on_connect: ConnectSink = ignore_connect,
+                   executable: str | None = None) -> ConnectedHandle:
+    """Start ``argv`` (the tool; ``executable``: the file, when ``argv[0]``
+    is only its name) and wait for every rank's agent; see the module
+    docstring. ``tool_env`` is the tool's environment without the callback
+    variables, which are added here; ``agent_timeout`` is how long an agent
+    tries to reach the launcher."""
     server = CallbackServer(plan.world_size, on_connect)
     env = {**tool_env, protocol.LAUNCHER_VAR: server.endpoints(prefer),
            protocol.SECRET_VAR: server.secret, protocol.TIMEOUT_VAR: f"{agent_timeout:g}"}
     tool = None
     try:
-        tool = LaunchTool(name, argv, env, plan.cwd, sink)
+        tool = LaunchTool(name, argv, env, plan.cwd, sink, executable)
         server.wait_all(tool, timeout)
         hellos = {r: h for r, (_, h) in server.hellos.items()}
         problem = placement_problem(plan, hellos, name)

@@ -18,6 +18,15 @@ variables, so ``MPI_Init`` in the rank joins mpirun's job (mpi4py and
 Before anything starts (:meth:`OpenMpiBackend.check`): mpirun must be on
 PATH and be Open MPI's, and mpi4py must import and use the same MPI
 library (vendor and version), else one error naming the fix.
+
+mpirun runs by its name (``argv[0]`` is ``mpirun``; the file executed is
+the one the check found on PATH), as it runs when typed and under
+DeepSpeed: Open MPI treats an absolute ``argv[0]`` as ``--prefix`` of its
+directory and puts that prefix's ``bin``/``lib`` in front of every
+process's ``PATH``/``LD_LIBRARY_PATH`` (``/usr/bin`` ahead of an activated
+venv; ``/bin/mpirun`` fails outright with a prefix of only slashes). A
+``--prefix`` the user wants (Open MPI's way to find ``orted`` on hosts whose
+login PATH lacks it) goes in ``--launcher_args``, where ``--dry-run`` shows it.
 """
 
 from __future__ import annotations
@@ -50,9 +59,13 @@ from dsrun.launcher.spec import HostsSpec, SshOptions
 if TYPE_CHECKING:
     from dsrun.launcher.cluster import Cluster
 
-#: mpirun options that decide where ranks run: dsrun sets them from the plan.
-CONTROLLED = ("-np", "-n", "-c", "--np", "-H", "-host", "--host", "-hostfile", "--hostfile",
-              "-machinefile", "--machinefile", "--default-hostfile")
+#: mpirun options (Open MPI 4.1's ``mpirun --help all``) that decide how many
+#: ranks run, on which hosts, or in which order: dsrun sets them from the plan.
+CONTROLLED = ("-np", "-n", "--n", "-c", "--np", "-N", "-H", "-host", "--host",
+              "-hostfile", "--hostfile", "-machinefile", "--machinefile",
+              "-default-hostfile", "--default-hostfile", "-npernode", "--npernode",
+              "-npersocket", "--npersocket", "-pernode", "--pernode", "-nolocal", "--nolocal",
+              "--ppr", "-ppr", "-rf", "--rankfile", "--app", "-bynode", "--bynode")
 _VERSION = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
 
 
@@ -170,6 +183,8 @@ class OpenMpiBackend(Backend):
         super().__init__(hosts, python)
         self.environ = dict(os.environ if environ is None else environ)
         self.mpirun = mpirun or "mpirun"
+        # The file check() found for self.mpirun, run under that name (module docstring).
+        self.executable: str | None = None
         self.as_root = os.geteuid() == 0 if as_root is None else as_root
 
     def check(self, cluster: Cluster) -> None:
@@ -183,7 +198,7 @@ class OpenMpiBackend(Backend):
             raise DsrunUsageError(
                 f"--launcher openmpi: {self.mpirun} is not on PATH; install Open MPI (Debian: "
                 f"apt-get install openmpi-bin) or put its bin directory on PATH")
-        self.mpirun = path
+        self.executable = path
         try:
             out = subprocess.run([path, "--version"], capture_output=True, text=True,
                                  timeout=30, env=self.environ)
@@ -221,4 +236,4 @@ class OpenMpiBackend(Backend):
                               tool_environment(plan, self.environ), sink,
                               [p for p in prefer if p], timeout,
                               agent_timeout=max(30.0, 3 * self.hosts.ssh.timeout),
-                              on_connect=on_connect)
+                              on_connect=on_connect, executable=self.executable)
