@@ -18,6 +18,15 @@ when its error was raised, the death only when its agent woke up to it.
 Such a *peer-loss* failure yields the root cause to any other failure up to
 :data:`PEER_WINDOW` seconds after it (a rank that died without a traceback,
 by a signal, or with an error of its own), and is counted as a consequence.
+
+A rank that ends with status 0 while others still run is no failure by
+itself (``JobResult.early_exits`` keeps them), but it is the likely cause
+when the job then fails only by losing a peer (the others still expected
+it in a collective), or by a stop signal to node agents within
+:data:`EARLY_EXIT_WINDOW` seconds after it: mpirun stops the job when one of
+its ranks ends without ``MPI_Finalize`` (orted signals the agents), as a
+Slurm MPI step may. The report then names that rank, and the job exits 1,
+as mpirun does.
 """
 
 from __future__ import annotations
@@ -36,6 +45,10 @@ TIMEOUT_EXIT = 124
 #: Seconds by which a peer-loss failure may look earlier than the failure
 #: that caused it (the agents' wake-ups on a loaded host, a network hop).
 PEER_WINDOW = 5.0
+#: Seconds after a rank's early exit with status 0 within which a stop
+#: signal to the node agents is taken as the launching tool's reaction to it
+#: (mpirun stops a job at once when a rank ends without MPI_Finalize).
+EARLY_EXIT_WINDOW = 5.0
 #: What the error of a rank that lost a peer says (lower case): gloo's
 #: "Connection reset/closed by peer", a write into a closed socket, the c10d
 #: store's "Connection was likely closed" (rank 0, its server, died), NCCL's
@@ -85,6 +98,11 @@ class RankFailure:
             return lines[-1] if lines else ""
         return lines[0] if lines else ""
 
+    @property
+    def early_exit(self) -> bool:
+        """A rank's exit with status 0 (only an early exit is ever a cause)."""
+        return self.rank is not None and self.code == 0 and self.signal is None
+
     def cause(self) -> str:
         if self.rank is None and self.message:  # the agent's channel said why
             return self.message
@@ -92,6 +110,8 @@ class RankFailure:
             return f"killed by signal {signal_name(self.signal)}"
         if self.message:
             return self.message
+        if self.early_exit:
+            return "exited with status 0 while other ranks were still running"
         return f"exit code {self.code}"
 
     @classmethod
@@ -149,10 +169,13 @@ class JobResult:
     #: A signal that came while a failure was already ending the job: it
     #: hurried the stop without becoming the cause (no restart after it).
     hurried: int | None = None
+    #: Ranks that exited with status 0 before the job was being stopped
+    #: (module docstring: they may be why it was).
+    early_exits: tuple[RankFailure, ...] = ()
 
     @property
     def root_cause(self) -> RankFailure | None:
-        return root_cause(self.failures)
+        return root_cause(self.failures, self.early_exits)
 
     @property
     def exit_code(self) -> int:
@@ -177,17 +200,35 @@ def _order(failure: RankFailure) -> tuple[int, float]:
     return (0, failure.seen) if failure.seen is not None else (1, failure.time)
 
 
-def root_cause(failures: Sequence[RankFailure]) -> RankFailure | None:
+def root_cause(failures: Sequence[RankFailure],
+               early_exits: Sequence[RankFailure] = ()) -> RankFailure | None:
     """The earliest failure that was not a consequence of stopping the job,
-    nor of a peer's failure within PEER_WINDOW after it (module docstring)."""
+    nor of a peer's failure within PEER_WINDOW after it; or the early exit
+    with status 0 that explains it (module docstring)."""
     if not failures:
         return None
     genuine = [f for f in failures if not f.during_stop] or list(failures)
     first = min(genuine, key=_order)
-    if not first.peer_loss:
-        return first
-    causes = [f for f in genuine if not f.peer_loss and _within(first, f, PEER_WINDOW)]
-    return min(causes, key=_order) if causes else first
+    if first.peer_loss:
+        causes = [f for f in genuine if not f.peer_loss and _within(first, f, PEER_WINDOW)]
+        first = min(causes, key=_order) if causes else first
+    return _early_exit_cause(first, early_exits) or first
+
+
+def _early_exit_cause(first: RankFailure,
+                      early_exits: Sequence[RankFailure]) -> RankFailure | None:
+    """The earliest early exit that explains ``first``, or None: any before a
+    peer loss (or up to PEER_WINDOW after it: the loss may be stamped first),
+    or one at most EARLY_EXIT_WINDOW before a stop signal to a node agent."""
+    if first.peer_loss:
+        causes = [e for e in early_exits if _order(e) <= _order(first)
+                  or _within(first, e, PEER_WINDOW)]
+    elif first.signalled:
+        causes = [e for e in early_exits if _order(e) <= _order(first)
+                  and _within(e, first, EARLY_EXIT_WINDOW)]
+    else:
+        return None
+    return min(causes, key=_order) if causes else None
 
 
 def _within(first: RankFailure, later: RankFailure, seconds: float) -> bool:
@@ -214,13 +255,21 @@ def report_lines(result: JobResult) -> list[str]:
     elif cause.signalled:
         lines = [f"job failed: node agent on host {cause.host} {cause.cause()}; it stopped "
                  f"its ranks"]
+    elif cause.early_exit:
+        lines = [f"job failed: {_who(cause)} {cause.cause()}"]
     else:
         lines = [f"job failed: {_who(cause)} failed first: {cause.cause()}"]
+    trigger = root_cause(result.failures) if cause.early_exit else None
+    if cause.early_exit:
+        lines.extend(_after_early_exit(cause, trigger))
     lines.extend(_error_lines(cause))
     if cause.peer_loss:
         lines.append("(this rank lost a peer, and no other failure was reported close to it: "
                      "look for a host or process that went away)")
-    others = [f for f in result.failures if f is not cause]
+    # ranks only: with one agent per rank (mpirun, srun) every signalled agent
+    # leaves a record of its own besides its rank's
+    others = [f for f in result.failures
+              if f is not cause and f is not trigger and f.rank is not None]
     same = [f for f in others if _same_error(f, cause)]
     peers = [f for f in others if f.peer_loss and not _same_error(f, cause)]
     if same:
@@ -238,6 +287,25 @@ def report_lines(result: JobResult) -> list[str]:
     lines.extend(_unconfirmed_lines(result))
     lines.append(f"exit code {result.exit_code}")
     return lines
+
+
+def _after_early_exit(cause: RankFailure, trigger: RankFailure | None) -> list[str]:
+    """What followed the early exit that is the root cause: the failure it
+    explains (``trigger``: a stop signal to an agent, or a rank's peer loss)."""
+    if trigger is None:
+        return []
+    later = ""
+    if cause.seen is not None and trigger.seen is not None:
+        later = f", {max(trigger.seen - cause.seen, 0.0):.1f}s later"
+    if trigger.signalled:
+        return [f"then{later}, the node agent on host {trigger.host} got "
+                f"{signal_name(trigger.signal or 0)} and stopped its ranks: mpirun stops the "
+                f"job when one of its ranks ends without calling MPI_Finalize (an MPI program "
+                f"must call it before any rank exits)"]
+    kind = (trigger.error or {}).get("exc_type")
+    return [f"then{later}, {_who(trigger)} failed{f' ({kind})' if kind else ''}: it lost its "
+            f"connection to a peer (a rank that ends while the others still expect it in a "
+            f"collective makes them fail)"]
 
 
 def _who(cause: RankFailure) -> str:

@@ -125,6 +125,7 @@ class _State:
     open_nodes: set[int]
     done: set[int] = field(default_factory=set)
     failures: list[RankFailure] = field(default_factory=list)
+    early_exits: list[RankFailure] = field(default_factory=list)  # status 0, not stopping
     ranks: dict[int, RankState] = field(default_factory=dict)
     stopping: bool = False
     deadline: float = 0.0
@@ -171,7 +172,8 @@ class Supervisor:
                          timed_out=st.timed_out, running=st.running_at_timeout, stacks=stacks,
                          unconfirmed=unconfirmed,
                          no_stacks=tuple(st.hosts[i] for i in sorted(st.no_stacks)),
-                         starting=not st.ranks, hurried=st.hurried)
+                         starting=not st.ranks, hurried=st.hurried,
+                         early_exits=tuple(st.early_exits))
 
     def _stop(self, interrupt: bool = False) -> None:
         """Stop every agent's ranks; ``interrupt``: dsrun got a Ctrl-C, so
@@ -286,6 +288,8 @@ class Supervisor:
         if msg.get("code") != 0:
             st.failures.append(RankFailure.from_event(host, msg))
             self._stop()
+        elif not st.stopping and not msg.get("during_stop"):  # may explain a later failure
+            st.early_exits.append(RankFailure.from_event(host, msg))
 
     def _ended(self, index: int, host: str) -> None:
         st = self.state

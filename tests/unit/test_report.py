@@ -175,3 +175,69 @@ def test_a_timeout_across_restarts_says_so():
         "was starting)")
     assert report_lines(JobResult(timed_out=8.0))[0] == (
         "job timed out after 8s (--timeout): no rank still running")
+
+
+def _signalled(recv, host="vm"):
+    return RankFailure.from_signal_event(
+        host, {"ev": "signal", "signal": 15, "time": 5.0, "age": 0.0, "_recv": recv})
+
+
+def _stopped(rank, recv):
+    return RankFailure.from_event("vm", {"rank": rank, "code": None, "signal": 15,
+                                         "during_stop": True, "_recv": recv})
+
+
+def test_mpirun_stopping_the_job_after_an_early_exit_names_that_rank():
+    """explore17 F2: rank 1 exits 0 without MPI_Finalize while rank 0 waits;
+    mpirun then SIGTERMs every agent (one per rank). Rank 1 is the cause, exit 1."""
+    early = RankFailure.from_event("vm", {"rank": 1, "code": 0, "signal": None, "time": 0.0,
+                                          "age": 0.0, "_recv": 10.0,
+                                          "tail": ["rank 1 leaving"]})
+    failures = (_signalled(10.2), _stopped(0, 10.3))
+    result = JobResult(failures, early_exits=(early,))
+    assert result.root_cause is early and result.exit_code == 1
+    lines = report_lines(result)
+    assert lines[0] == ("job failed: rank 1 on host vm exited with status 0 while other ranks "
+                        "were still running")
+    assert lines[1].startswith("then, 0.2s later, the node agent on host vm got SIGTERM and "
+                               "stopped its ranks: mpirun stops the job when one of its ranks "
+                               "ends without calling MPI_Finalize")
+    assert "  [vm:1] rank 1 leaving" in lines
+    assert "1 other rank(s) stopped as a consequence" in lines
+    assert lines[-1] == "exit code 1"
+    # the same signal with no early exit, or one long before it: the signal is the cause
+    assert JobResult(failures).root_cause is failures[0]
+    long_before = RankFailure.from_event("vm", {"rank": 1, "code": 0, "_recv": 1.0})
+    assert JobResult(failures, early_exits=(long_before,)).exit_code == 143
+    # a genuine failure stays the cause
+    failed = RankFailure.from_event("vm", {"rank": 0, "code": 3, "_recv": 10.1})
+    assert root_cause([failed, *failures], [early]) is failed
+
+
+def test_a_rank_losing_a_peer_that_exited_early_names_the_peer():
+    """The gloo variant: rank 1 exits 0, rank 0's next collective loses it."""
+    reset = {"exc_type": "RuntimeError", "message": GLOO_RESET,
+             "traceback": f"Traceback ...\nRuntimeError: {GLOO_RESET}\n"}
+    peer = _exit_event(0, recv=40.0, age=0.0, error=reset)
+    early = RankFailure.from_event("vm", {"rank": 1, "code": 0, "_recv": 10.0})
+    result = JobResult((peer,), early_exits=(early,))
+    assert result.root_cause is early and result.exit_code == 1
+    lines = report_lines(result)
+    assert lines[0] == ("job failed: rank 1 on host vm exited with status 0 while other ranks "
+                        "were still running")
+    assert lines[1] == ("then, 30.0s later, rank 0 on host vm failed (RuntimeError): it lost "
+                        "its connection to a peer (a rank that ends while the others still "
+                        "expect it in a collective makes them fail)")
+    assert not any("other rank(s)" in ln or "lost a peer, and" in ln for ln in lines)
+    # an exit after the loss (beyond the stamping slack) did not cause it
+    after = RankFailure.from_event("vm", {"rank": 1, "code": 0, "_recv": 50.0})
+    assert JobResult((peer,), early_exits=(after,)).root_cause is peer
+
+
+def test_only_ranks_are_counted_when_every_agent_was_signalled():
+    """explore17 F3: with one agent per rank (mpirun, srun), scancel signals
+    both agents; the second agent's record is not a third rank."""
+    failures = (_signalled(10.0), _signalled(10.01), _stopped(0, 10.1), _stopped(1, 10.1))
+    lines = report_lines(JobResult(failures))
+    assert "2 other rank(s) stopped as a consequence" in lines
+    assert not any("3 other" in ln for ln in lines)

@@ -114,6 +114,33 @@ def test_supervisor_orders_failures_by_when_the_launcher_learned_of_them():
     assert result.root_cause is not None and result.root_cause.host == "b"
 
 
+def test_supervisor_keeps_early_exits_that_come_before_the_stop():
+    """A rank's exit 0 before anything failed is kept (it may explain the
+    stop signal that follows: report.py); exits 0 of the teardown are not."""
+    class Handle:
+        def __init__(self) -> None:
+            self.events: queue.Queue = queue.Queue()
+            self.channels = [object(), object()]
+            self.last_seen = [0.0, 0.0]
+
+        def stop(self, interrupt: bool = False) -> None: ...
+        def close(self) -> None: ...
+        def kill(self) -> None: ...
+        def send_all(self, obj, only=None) -> None: ...
+
+    h = Handle()
+    ok = {"ev": "exit", "rank": 1, "code": 0, "signal": None, "time": 1.0, "age": 0.0}
+    h.events.put((1, ok | {"_recv": 10.0}))
+    h.events.put((0, {"ev": "signal", "signal": 15, "time": 1.1, "age": 0.0, "_recv": 10.1}))
+    h.events.put((0, ok | {"rank": 0, "_recv": 10.2}))  # handled SIGTERM, exited 0
+    for i in (0, 1):
+        h.events.put((i, {"ev": "done", "killed": 0}))
+        h.events.put((i, {"ev": "eof"}))
+    result = Supervisor(h, ["vm", "vm"], lambda *a: None, 1.0).run()  # type: ignore[arg-type]
+    assert [e.rank for e in result.early_exits] == [1]
+    assert result.root_cause is result.early_exits[0] and result.exit_code == 1
+
+
 def test_straggler_lines_at_growing_intervals():
     ranks = {r: RankState("h1" if r < 2 else "h2", 100 + r, 0.0) for r in range(12)}
     s = Stragglers(30.0, " (hint)")
