@@ -15,6 +15,15 @@ The group's collective timeout, when the call gives none: DeepSpeed's
 is set, else torch's default (30 minutes for gloo, 10 for NCCL; DeepSpeed's
 own default is 10 minutes for both).
 
+A rank that ``init_distributed`` placed from MPI's or Slurm's variables
+(started by plain ``mpirun``/``srun``) gets ``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` in ``os.environ`` once
+its group is up, those not set already (:func:`discovered_variables`): what
+DeepSpeed's ``init_distributed`` exports after its MPI discovery, which
+scripts and Hugging Face's ``TrainingArguments`` read. It is the one place
+the runtime writes ``os.environ``, at the script's own call, and documented
+(README, "Rank discovery in the runtime").
+
 NCCL on a rank without a GPU (CPU ranks: no CUDA, or ``dsrun --cpu``) is
 refused by :func:`check_backend` with one :class:`DsrunError` that says
 what to do, before anything is changed: whether ``init_distributed``
@@ -70,6 +79,8 @@ _original_init = dist.init_process_group
 _owned_by_dsrun = False
 #: DeepSpeed's variable for the default process-group timeout, in minutes.
 TIMEOUT_VARIABLE = "DEEPSPEED_TIMEOUT"
+#: What DeepSpeed's MPI discovery exports (deepspeed/comm/comm.py:mpi_discovery).
+DISCOVERED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def backend_by_device(config: str | None) -> dict[str, str]:
@@ -262,9 +273,13 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
             kwargs[key] = compat[key]
     if uses_nccl(backend):
         torch.cuda.set_device(cuda_device_index(env))
-    kwargs.update(_rendezvous(env, backend, timeout, compat))
+    how, master = _rendezvous(env, backend, timeout, compat)
+    kwargs.update(how)
     _original_init(**kwargs)
     _owned_by_dsrun = True
+    for key, value in discovered_variables(env, kwargs["rank"], kwargs["world_size"],
+                                           master).items():
+        os.environ.setdefault(key, value)  # never one the user or a launcher set
     # A group still up at interpreter teardown can abort the process from
     # gloo's threads; scripts that never destroy it get it destroyed here.
     atexit.register(shutdown)
@@ -284,25 +299,42 @@ def _note_kept_group(asked: str | None) -> None:
                  "(backend %s) and is kept, as DeepSpeed keeps an existing group", asked, have)
 
 
+def discovered_variables(env: DistEnv, rank: int, world_size: int,
+                         master: tuple[str, int] | None) -> dict[str, str]:
+    """The variables :func:`init_distributed` exports (pure; module docstring):
+    none when the rank came from ``RANK``/``WORLD_SIZE`` (dsrun, torchrun) or
+    is a single process; ``MASTER_*`` only when a master was used."""
+    if env.rendezvous not in ("mpi", "slurm"):
+        return {}
+    values = {"RANK": str(rank), "LOCAL_RANK": str(env.local_rank),
+              "WORLD_SIZE": str(world_size)}
+    if master is not None:
+        values.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
+    return values
+
+
 def _rendezvous(env: DistEnv, backend: str, timeout: datetime.timedelta | None,
-                compat: dict[str, Any]) -> dict[str, Any]:
-    """``init_method`` or ``store`` for init_process_group."""
+                compat: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, int] | None]:
+    """``init_method`` or ``store`` for init_process_group, and the master
+    (address, port) when there is one to name (not for an ``init_method``
+    the script gave, nor a world of one)."""
     if compat.get("init_method"):
-        return {"init_method": compat["init_method"]}
+        return {"init_method": compat["init_method"]}, None
     port = compat.get("distributed_port")
     if env.master_known:
-        assert env.master_addr is not None
+        assert env.master_addr is not None and env.master_port is not None
         host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
-        return {"init_method": f"tcp://{host}:{env.master_port}"}
+        return ({"init_method": f"tcp://{host}:{env.master_port}"},
+                (env.master_addr, env.master_port))
     if env.world_size == 1:
-        return {"store": dist.HashStore()}
+        return {"store": dist.HashStore()}, None
     if env.rendezvous == "mpi":
-        store, _, _ = rendezvous.mpi_store(env, backend, port, timeout)
-        return {"store": store}
+        store, addr, port = rendezvous.mpi_store(env, backend, port, timeout)
+        return {"store": store}, (addr, port)
     if env.rendezvous == "slurm":
         addr, port = rendezvous.slurm_master(env, backend, port)
         host = f"[{addr}]" if ":" in addr else addr
-        return {"init_method": f"tcp://{host}:{port}"}
+        return {"init_method": f"tcp://{host}:{port}"}, (addr, port)
     raise DsrunError(
         f"world size {env.world_size} (from {env.source}) but MASTER_ADDR/MASTER_PORT "
         f"are not set: start the job with dsrun, mpirun or srun, or set them")

@@ -138,6 +138,10 @@ def test_srun_by_hand_finds_rank_and_master_from_slurm(slurm_cluster: SlurmClust
                          cwd=str(ROOT))
     assert res.returncode == 0, res.stdout + res.stderr
     assert sorted(re.findall(r"rank (\d)/2 from Slurm sum 3", res.stdout)) == ["0", "1"]
+    # exported after the discovery, as DeepSpeed's init_distributed does
+    found = re.findall(r"^rank (\d) environ RANK=\1 LOCAL_RANK=0 WORLD_SIZE=2 "
+                       r"MASTER_ADDR=(node\d) MASTER_PORT=(\d+)$", res.stdout, re.M)
+    assert len(found) == 2 and found[0][1:] == found[1][1:], res.stdout
 
 
 def test_dsrun_outside_an_allocation_needs_slurm_args(slurm_cluster: SlurmCluster) -> None:

@@ -78,6 +78,11 @@ def test_mpirun_by_hand_with_init_distributed(job_tag):
                          env={**os.environ, **_env(job_tag)})
     assert res.returncode == 0, res.stdout + res.stderr
     assert sorted(re.findall(r"rank (\d)/2 from Open MPI sum 3", res.stdout)) == ["0", "1"]
+    # exported after the discovery, as DeepSpeed's init_distributed does
+    for rank in (0, 1):
+        assert re.search(rf"^rank {rank} environ RANK={rank} LOCAL_RANK={rank} WORLD_SIZE=2 "
+                         rf"MASTER_ADDR=127\.0\.0\.1 MASTER_PORT=\d+$", res.stdout, re.M), \
+            res.stdout
 
 
 def test_rank_failure_under_mpirun_propagates_and_leaves_nothing(job_tag, pid_dir):

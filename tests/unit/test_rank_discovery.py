@@ -97,6 +97,27 @@ def test_master_address_choice():
     assert master_address(["a", "b"], "a", None, ["127.0.1.1"]) is None
 
 
+def test_variables_init_distributed_exports_after_discovering_the_rank():
+    """explore17 F5: DeepSpeed's MPI discovery exports RANK, LOCAL_RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT; so does dsrun's, when it placed
+    the rank from MPI or Slurm itself (never under dsrun/torchrun)."""
+    from dsrun.runtime.dist import DISCOVERED, discovered_variables
+
+    ompi = DistEnv.detect({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+                           "OMPI_COMM_WORLD_LOCAL_RANK": "1"})
+    got = discovered_variables(ompi, 3, 4, ("10.0.0.1", 41000))
+    assert got == {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4",
+                   "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "41000"}
+    assert tuple(got) == DISCOVERED
+    slurm = DistEnv.detect({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
+    assert discovered_variables(slurm, 0, 1, None) == {"RANK": "0", "LOCAL_RANK": "0",
+                                                       "WORLD_SIZE": "1"}
+    torchrun = DistEnv.detect({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h",
+                               "MASTER_PORT": "5"})
+    assert discovered_variables(torchrun, 1, 2, ("h", 5)) == {}
+    assert discovered_variables(DistEnv.detect({}), 0, 1, None) == {}
+
+
 # -- the connect-back handshake -------------------------------------------------------
 
 
