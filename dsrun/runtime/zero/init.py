@@ -1,5 +1,4 @@
-"""``zero.Init``, ``zero.GatheredParameters`` and external parameters, with
-DeepSpeed's names and arguments.
+"""``zero.Init``, with DeepSpeed's names and arguments.
 
 **Init.** Without a process group, :class:`Init` starts one
 (``init_distributed()``), as DeepSpeed's does. While an :class:`Init`
@@ -18,51 +17,39 @@ inside keep a wrapper that does nothing outside a context.
 
 Buffers are not partitioned; their dtype under a 16-bit Init is
 DeepSpeed's (:mod:`~dsrun.runtime.buffer_dtypes`), set when the outermost
-module built in the context is complete.
+module built in the context is complete; the tensors the constructors
+(``torch.zeros``, ``ones``, ``tensor``...) made that a module of it holds
+as plain attributes take the Init dtype then too
+(:func:`cast_new_attributes`). DeepSpeed's Init makes *every* floating
+tensor those constructors return in the context 16-bit as it is made; dsrun
+leaves the others as made - a tensor made in the ``with`` block outside
+every module, one a module keeps in a list, and the intermediates of a
+module's ``__init__`` (``torch.ones(n) * 2``) stay fp32 - so that parameters
+are initialised in fp32 and rounded once, the buffers kept in fp32 are
+never rounded, and code that runs in the block outside a module
+(``GatheredParameters``, ``dsrun.initialize``) makes the dtypes it asks
+for.
 
 ``Module.apply(fn)`` called inside the context (a parent's
 ``self.apply(init_weights)``, as HF models do after building their children)
 runs ``fn`` on each module with that module's parameters gathered and
 keeps rank 0's result. Other initialisation a parent does to a child's
-parameters after the child's ``__init__`` returned (copying weights in)
-sees released parameters: do it under
+parameters after the child's ``__init__`` returned (copying weights in,
+``nn.MultiheadAttention`` zeroing ``out_proj.bias``) writes the parameters
+kept whole - at most ``stage3_param_persistence_threshold`` elements, or
+any at world size 1 - and initialize() takes group rank 0's values of them
+(:mod:`~.whole_edits`); the released ones are empty tensors, so such a write
+does nothing to them: do it under
 ``GatheredParameters(params, modifier_rank=0)``.
 
-**GatheredParameters(params, modifier_rank=None, fwd_module=None,
-enabled=True).** Gathers the full values on entry (collective; parameters
-gathered already are left as they are, pinned so that module hooks do not
-release them inside the context). On exit, with ``modifier_rank`` set (a rank
-of the parameters' group), that rank's values are broadcast, every rank
-refreshes its shard (``ds_tensor``) and, when a :class:`~.stage3.ZeroStage3`
-optimizer owns the parameter, its fp32 master; then what the context gathered
-is released. Without ``modifier_rank`` modifications are dropped (as in
-DeepSpeed). ``fwd_module`` registers the parameters as external parameters
-of that module.
-
-Parameters that are not partitioned (stages 0-2) are whole on every rank
-already: nothing is gathered. With ``modifier_rank``, those an engine trains
-(:mod:`~dsrun.runtime.param_links`) get that rank's values on exit too - a
-broadcast over the engine's data-parallel group, then the engine's master
-of each (its fp32 copy, or this rank's part of it at stages 1-2) is set
-from them, as ``safe_set_full_fp32_param`` does - so the edit holds on every
-rank and survives the next step (DeepSpeed leaves them alone: the edit is
-lost at its next step, and at stages 1-2 only part of it was kept).
-
-**register_external_parameter(module, parameter).** ``parameter`` (of
-another module) is used in ``module``'s forward: stage 3 gathers it with
-``module``'s own (forward and backward). A parameter read through a module
-attribute during a forward (``x @ self.emb.weight.t()`` in the parent's
-forward) needs no registration: the stage-3 hooks gather it at that read and
-register it with the innermost hooked module running, as DeepSpeed does
-(:mod:`~.fetch`). Register explicitly what is reached another way (a
-parameter kept in a list, a closure or a plain attribute).
+``GatheredParameters``, ``register_external_parameter`` and
+``unregister_external_parameter`` live in :mod:`~.gathered` and are
+re-exported here.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
-import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -70,9 +57,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from dsrun import comm as collectives
 from dsrun.errors import DsrunConfigError, DsrunError
-from dsrun.runtime.buffer_dtypes import ConstructorTags, cast_new_buffers
+from dsrun.runtime.buffer_dtypes import CASTABLE, ConstructorTags, cast_new_buffers
 from dsrun.runtime.config_schema import Ctx, parse_section
 from dsrun.runtime.config_sections import (
     KEEP_IN_FP32_AUTO,
@@ -81,20 +67,23 @@ from dsrun.runtime.config_sections import (
     parse_zero,
 )
 from dsrun.runtime.dist import compute_device, init_distributed
-from dsrun.runtime.param_links import engine_of
-from dsrun.runtime.zero.divergence import group_ranks, shared_guard
+from dsrun.runtime.zero.divergence import shared_guard
+from dsrun.runtime.zero.gathered import (
+    GatheredParameters,
+    register_external_parameter,
+    unregister_external_parameter,
+)
 from dsrun.runtime.zero.partitioned import (
-    ZeroParamStatus,
     broadcast_full,
-    gather,
     is_zero_param,
     offload_shard,
-    param_name,
     partition_param,
-    refresh_shard,
-    release,
 )
 from dsrun.runtime.zero.stage3_plan import is_persistent
+
+__all__ = ["ConfigSettings", "GatheredParameters", "Init", "InitSettings", "partition_module",
+           "register_external_parameter", "settings_from_config",
+           "unregister_external_parameter"]
 
 
 @dataclass(frozen=True)
@@ -221,10 +210,26 @@ def _partitioning_init(init: Callable[..., None]) -> Callable[..., None]:
             if not _depth:  # no module is being built around this one: a whole model
                 settings = _stack[-1]
                 cast_new_buffers(self, _tags, settings.dtype, settings.keep_in_fp32)
+                cast_new_attributes(self, settings.dtype)
         return None
 
     wrapper._dsrun_zero_init = True  # type: ignore[attr-defined]
     return wrapper
+
+
+@torch.no_grad()
+def cast_new_attributes(model: torch.nn.Module, dtype: Optional[torch.dtype]) -> None:
+    """The floating tensors the constructors made in the context that
+    ``model``'s modules hold as plain attributes (``self.scale =
+    torch.ones(d)``, neither parameter nor buffer) become ``dtype``, as
+    DeepSpeed makes them at construction (module docstring)."""
+    if dtype is None:
+        return
+    for module in model.modules():
+        for value in list(vars(module).values()):
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) \
+                    and value.dtype in CASTABLE and value.dtype != dtype and _tags.take(value):
+                value.data = value.data.to(dtype)
 
 
 def _wrap_class(cls: type) -> None:
@@ -379,152 +384,3 @@ class Init:
             _stack.remove(self.settings)
             if not _stack:
                 _unpatch()
-
-
-# ------------------------------------------------------- GatheredParameters
-
-
-def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
-    """``parameter`` is used in ``module``'s forward (module docstring)."""
-    if not isinstance(parameter, torch.nn.Parameter):
-        raise DsrunError(f"register_external_parameter needs a Parameter, got "
-                         f"{type(parameter).__name__}")
-    _external_store(module)[id(parameter)] = parameter
-
-
-def unregister_external_parameter(module: torch.nn.Module,
-                                  parameter: torch.nn.Parameter) -> None:
-    _external_store(module).pop(id(parameter), None)
-
-
-def _external_store(module: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
-    """``module._external_params`` ({id: parameter}, registration order),
-    made on first use with DeepSpeed's two methods over it:
-    ``module.ds_external_parameters()`` (its items) and
-    ``module.all_parameters()`` (the module's own, then the external ones)."""
-    store = module.__dict__.get("_external_params")
-    if store is None:  # bound methods: a deep copy of the module rebinds them
-        store = module.__dict__["_external_params"] = {}
-        module.__dict__["ds_external_parameters"] = types.MethodType(_external_items, module)
-        module.__dict__["all_parameters"] = types.MethodType(_all_parameters, module)
-    return store
-
-
-def _external_items(module: torch.nn.Module) -> Any:
-    return module.__dict__["_external_params"].items()
-
-
-def _all_parameters(module: torch.nn.Module) -> Any:
-    return itertools.chain(module.named_parameters(recurse=False), _external_items(module))
-
-
-def _describe(params: list[torch.Tensor]) -> str:
-    more = f" and {len(params) - 1} more" if len(params) > 1 else ""
-    return param_name(params[0]) + more
-
-
-class GatheredParameters:
-    """DeepSpeed's ``zero.GatheredParameters`` (module docstring)."""
-
-    def __init__(self, params: Any, modifier_rank: Optional[int] = None,
-                 fwd_module: Optional[torch.nn.Module] = None, enabled: bool = True) -> None:
-        items = [params] if isinstance(params, torch.Tensor) else list(params or ())
-        self.params = [p for p in dict.fromkeys(items) if is_zero_param(p)]
-        self.modifier_rank = modifier_rank
-        # whole parameters an engine trains: published on exit too (module docstring)
-        self.whole = [p for p in dict.fromkeys(items) if not is_zero_param(p)
-                      and engine_of(p) is not None] if enabled and modifier_rank is not None \
-            else []
-        self.enabled = bool(enabled) and bool(self.params)
-        self._gathered: list[torch.Tensor] = []
-        if self.enabled:
-            ranks = {group_ranks(p.ds_group) for p in self.params}
-            if len(ranks) > 1:
-                raise DsrunError("GatheredParameters got parameters of different groups: "
-                                 f"{sorted(ranks)}")
-            self.group = self.params[0].ds_group
-            if fwd_module is not None:
-                for p in self.params:
-                    register_external_parameter(fwd_module, p)
-
-    def __enter__(self) -> None:
-        if not self.enabled:
-            return
-        need = [p for p in self.params if p.ds_status is ZeroParamStatus.NOT_AVAILABLE]
-        if need and dist.get_world_size(self.group) > 1:
-            shared_guard(self.group).event("gather", _describe(need), [p.ds_id for p in need],
-                                           [p.ds_numel for p in need])
-        gather(self.params)  # also completes gathers that module hooks left in flight
-        for p in self.params:
-            p.ds_pins += 1
-        self._gathered = need
-
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        if self.whole and exc_type is None:
-            publish_whole(self.whole, self.modifier_rank)  # type: ignore[arg-type]
-        if not self.enabled:
-            return
-        for p in self.params:
-            p.ds_pins -= 1
-        try:
-            if self.modifier_rank is not None and exc_type is None:
-                self._publish()
-        finally:
-            for p in self._gathered:
-                release(p)
-            self._gathered = []
-
-    def _publish(self) -> None:
-        """Broadcast ``modifier_rank``'s values; refresh shards and masters."""
-        world = dist.get_world_size(self.group)
-        if not 0 <= self.modifier_rank < world:  # type: ignore[operator]
-            raise DsrunError(f"modifier_rank {self.modifier_rank} outside the parameters' "
-                             f"group of {world} ranks")
-        if world > 1:
-            shared_guard(self.group).event(
-                "modify", f"{_describe(self.params)} from rank {self.modifier_rank}",
-                [p.ds_id for p in self.params], [p.ds_numel for p in self.params])
-            src = (dist.get_global_rank(self.group, self.modifier_rank)
-                   if self.group is not None else self.modifier_rank)
-            with torch.no_grad():
-                works = [collectives.broadcast(p.data, src=src, group=self.group, async_op=True)
-                         for p in self.params if p.ds_numel]
-                for work in works:
-                    work.wait()
-        for p in self.params:
-            refresh_shard(p)
-            callback = p.__dict__.get("_ds_on_modified")
-            method = callback() if callback is not None else None
-            if method is not None:
-                method(p)
-
-
-
-def publish_whole(params: list[torch.Tensor], modifier_rank: int) -> None:
-    """Whole (stage 0-2) parameters an engine trains: ``modifier_rank``'s
-    values to every rank of the engine's data-parallel group, then into the
-    engine's masters (module docstring)."""
-    from dsrun.runtime.zero.param_state import param_state
-
-    by_engine: dict[int, tuple[Any, list[torch.Tensor]]] = {}
-    for p in params:
-        engine = engine_of(p)
-        by_engine.setdefault(id(engine), (engine, []))[1].append(p)
-    for engine, owned in by_engine.values():
-        group = engine.dp_group
-        world = dist.get_world_size(group)
-        if not 0 <= modifier_rank < world:
-            raise DsrunError(f"modifier_rank {modifier_rank} outside the engine's "
-                             f"data-parallel group of {world} ranks")
-        if world > 1:
-            src = dist.get_global_rank(group, modifier_rank) if group is not None \
-                else modifier_rank
-            with torch.no_grad():
-                works = [collectives.broadcast(p.data, src=src, group=group, async_op=True)
-                         for p in owned if p.numel()]
-                for work in works:
-                    work.wait()
-        for p in owned:
-            state = param_state(p)
-            if state is not None:  # frozen parameters have no master
-                state.set_value(p.data)

@@ -34,6 +34,10 @@ Invariants:
   in ``ds_tensor`` (the optimizer partitions them like any other);
 * at world size 1 a persistent parameter's ``ds_tensor`` is a view of
   ``data`` (on a GPU rank with ``offload_param``, a separate host copy);
+  while a ``GatheredParameters`` without ``modifier_rank`` lends a
+  parameter a scratch copy of its full data, ``_ds_kept`` holds the data
+  set aside (:func:`committed`; :mod:`~.whole_edits`), which is what
+  steps and publishes write;
   every parameter is persistent there unless its shard lives in host
   memory (``offload_param``: the whole parameter is then the shard, on the
   host, brought to the device for each use);
@@ -162,15 +166,24 @@ class ZeroParameter(torch.nn.Parameter):
             elif not key.startswith("_ds_"):
                 result.__dict__[key] = copy.deepcopy(value, memo)
         result.ds_id, result.ds_pins = next(_ids), 0
-        if self.data.numel() and _aliases(self):
+        if self.data.numel() and shard_is_view(self):
             result.ds_tensor = result.data.view(-1)
         return result
 
 
-def _aliases(param: torch.Tensor) -> bool:
-    """ds_tensor is a view of data (world size 1)."""
+def shard_is_view(param: torch.Tensor, full: Optional[torch.Tensor] = None) -> bool:
+    """``ds_tensor`` is a view of ``data`` (world size 1), or of ``full``."""
+    full = param.data if full is None else full
     return param.ds_tensor.untyped_storage().data_ptr() == \
-        param.data.untyped_storage().data_ptr() and param.data.numel() > 0
+        full.untyped_storage().data_ptr() and full.numel() > 0
+
+
+def committed(param: torch.Tensor) -> torch.Tensor:
+    """``param``'s full data as its shard knows it: ``data``, or the tensor
+    set aside while a scratch copy stands in for it
+    (:func:`~.whole_edits.lend_scratch`)."""
+    kept = param.__dict__.get("_ds_kept")
+    return param.data if kept is None else kept
 
 
 def is_zero_param(param: Any) -> bool:
@@ -226,7 +239,7 @@ def set_persistence(params: Iterable[torch.Tensor], persist: bool,
     for p in todo:
         p.ds_persist = persist
         if not persist:
-            if _aliases(p):  # world size 1: the shard must outlive the data
+            if shard_is_view(p):  # world size 1: the shard must outlive the data
                 p.ds_tensor = p.ds_tensor.clone()
             release(p)
 
@@ -253,7 +266,7 @@ def move_param(param: torch.Tensor, device: torch.device, keep_host_shard: bool 
         return
     if param.ds_status is ZeroParamStatus.INFLIGHT:
         raise DsrunError(f"cannot move {param_name(param)} while its gather is in flight")
-    aliased = _aliases(param)
+    aliased = shard_is_view(param)
     with torch.no_grad():
         param.data = param.data.to(device)
         if aliased:
@@ -387,8 +400,9 @@ def release(param: torch.Tensor) -> bool:
 @torch.no_grad()
 def refresh_shard(param: torch.Tensor) -> None:
     """Copy this rank's slice of the full ``data`` into ``ds_tensor`` (after
-    the full values changed); padding stays zero."""
-    if _aliases(param):
+    the full values changed), and the full values into the data a scratch
+    copy stands in for (:func:`~.whole_edits.lend_scratch`); padding stays zero."""
+    if shard_is_view(param):
         return
     spec: ShardSpec = param.ds_spec
     rank = dist.get_rank(param.ds_group)
@@ -398,6 +412,9 @@ def refresh_shard(param: torch.Tensor) -> None:
     if valid:
         start = rank * spec.shard_numel
         param.ds_tensor[:valid].copy_(flat[start:start + valid])
+    kept = param.__dict__.get("_ds_kept")
+    if kept is not None:
+        kept.copy_(param.data)
 
 
 def refresh_full(params: Iterable[torch.Tensor], strategy: Optional[CommStrategy] = None
@@ -405,9 +422,10 @@ def refresh_full(params: Iterable[torch.Tensor], strategy: Optional[CommStrategy
     """Rebuild, in place, the full data of ``AVAILABLE`` parameters from the
     shards (after the optimizer updated ``ds_tensor``); others are left
     released. Coalesced: one all-gather per (group, dtype, device) of every
-    shard back to back, however many (small, persistent) parameters."""
+    shard back to back, however many (small, persistent) parameters. A
+    parameter lent a scratch copy has the data it set aside rebuilt."""
     todo = [p for p in params
-            if p.ds_status is ZeroParamStatus.AVAILABLE and not _aliases(p)]
+            if p.ds_status is ZeroParamStatus.AVAILABLE and not shard_is_view(p, committed(p))]
     batches: dict[tuple[Any, torch.dtype, torch.device], list[torch.Tensor]] = {}
     for p in todo:
         batches.setdefault((p.ds_group, p.ds_tensor.dtype, p.ds_device), []).append(p)
@@ -423,7 +441,7 @@ def refresh_full(params: Iterable[torch.Tensor], strategy: Optional[CommStrategy
             for p in batch:
                 size = p.ds_spec.shard_numel
                 full = rows[:, offset:offset + size].reshape(-1)
-                p.data.copy_(full[:p.ds_numel].view(p.ds_shape))
+                committed(p).copy_(full[:p.ds_numel].view(p.ds_shape))
                 offset += size
 
 

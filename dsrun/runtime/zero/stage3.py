@@ -10,7 +10,9 @@ optimizer class, and:
    in ``param.ds_tensor`` and ``param.data`` is emptied - except for
    parameters of at most ``param_persistence_threshold`` elements, which
    stay whole on every rank (their optimizer state is still partitioned:
-   after each step one all-gather refreshes them, as in DeepSpeed);
+   after each step one all-gather refreshes them, as in DeepSpeed; writes
+   to their full data follow :mod:`~.whole_edits` - taken at initialize(),
+   and into the shards before each step);
 2. installs :class:`~.fetch.ParamFetcher` hooks: parameters are gathered
    before each module's forward and backward, released after, prefetched by
    trace; a leaf module (:mod:`dsrun.utils.z3_leaf_module`, flagged by the
@@ -95,6 +97,7 @@ from dsrun.runtime.zero import estimate as _estimate
 from dsrun.runtime.zero.divergence import DivergenceGuard, shared_guard
 from dsrun.runtime.zero.fetch import ParamFetcher
 from dsrun.runtime.zero.flat import FlatGrads, alias_or_copy, clear_flat_grads, trim_host_heap
+from dsrun.runtime.zero.gathered import GatheredParameters
 from dsrun.runtime.zero.groups import (
     Stage3Settings,
     _check_optimizer_cls,
@@ -104,12 +107,12 @@ from dsrun.runtime.zero.groups import (
     restore_partition_state,
     take_over,
 )
-from dsrun.runtime.zero.init import GatheredParameters
 from dsrun.runtime.zero.masters import MasterGradients, reduce_on_device
 from dsrun.runtime.zero.memory import StateBytes, count_bytes, tensors_in
 from dsrun.runtime.zero.offload import HOST, HostFence, Landing, Placement, pinning
 from dsrun.runtime.zero.partitioned import (
     ZeroParamStatus,
+    is_zero_param,
     move_param,
     offload_shard,
     refresh_full,
@@ -125,6 +128,7 @@ from dsrun.runtime.zero.stage3_setup import (
     partition_for_optimizer,
 )
 from dsrun.runtime.zero.state_io import Stage3StateIO
+from dsrun.runtime.zero.whole_edits import adopt_full, separate_whole, take_edits
 from dsrun.utils.z3_leaf_module import apply_zero_leaf_module_config
 
 
@@ -160,6 +164,7 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
         # before the fetcher decides what it hooks; None: DeepSpeed's default classes
         apply_zero_leaf_module_config(module, leaf_module or {})
         self._check_membership()
+        self._adopt_whole_values()
         self._partition_module()
         self._known_ids = {id(p) for p in self.module.parameters()}
         if device is not None:
@@ -234,6 +239,18 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
 
     def _check_membership(self) -> None:
         check_membership(self.module, self.param_groups_full)
+
+    def _adopt_whole_values(self) -> None:
+        """Parameters zero.Init partitioned and kept whole: their full data,
+        written or not since (a parent's ``reset_parameters``), is their
+        value - group rank 0's, shards rebuilt (:mod:`~.whole_edits`)."""
+        params = [p for p in dict.fromkeys(self.module.parameters()) if is_zero_param(p)
+                  and p.ds_spec.world_size == self.world_size]  # others: refused next
+        todo = separate_whole(params)
+        if todo:
+            self.guard.event("init", "whole parameters' values", [p.ds_id for p in todo],
+                             [p.ds_numel for p in todo])
+            adopt_full(todo, self.group)
 
     def _partition_module(self) -> None:
         partition_for_optimizer(self.module, group=self.group, world_size=self.world_size,
@@ -451,6 +468,8 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
         params = self.managed_params()  # refuses a module added since initialize()
         self.reduce_gradients()
         self._fence.wait()  # the last host -> device copies read the masters
+        if not self._local:  # world size 1: every whole parameter is its shard already
+            take_edits(params)  # edits of whole parameters' data (whole_edits.py)
         self._step_inner(self._publish if self._publishing else None)
         self._write_back(copy=not self._publishing, params=params)  # else piece by piece
         self._reduced = False
@@ -535,7 +554,9 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         """The module's full state dict on every rank (gathers everything;
         for saving whole weights)."""
-        with GatheredParameters(self.managed_params()):
+        released = [p for p in self.managed_params()
+                    if p.ds_status is not ZeroParamStatus.AVAILABLE]
+        with GatheredParameters(released):  # whole ones are read as they are: no scratch
             return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,120 @@
+"""Writes to the full data of ZeRO stage-3 parameters kept whole: one rule at
+every world size.
+
+A parameter of at most ``stage3_param_persistence_threshold`` elements (at
+world size 1 without ``offload_param``, every parameter) keeps its full
+``data`` on every rank, next to its shard (``ds_tensor``), which is what the
+optimizer updates and what each step's refresh rebuilds ``data`` from. At
+world size 1 the shard is a view of ``data``, so a write to ``data`` is a
+write to the shard; at world size > 1 (or with the shard in host memory)
+the shard is a separate copy, and a write to ``data`` alone would be used
+by forward and then overwritten by the next step's refresh - on some world
+sizes and not others. So, at every world size:
+
+* **at initialize()** (:func:`adopt_full`, called by the stage-3
+  optimizer): the full data of a parameter ``zero.Init`` partitioned and
+  kept whole is its value - group rank 0's data goes to every rank and the
+  shards are rebuilt from it, as ``GatheredParameters(modifier_rank=0)``
+  does. A parent's ``__init__`` that writes into a child built (and
+  partitioned) before it - ``nn.MultiheadAttention`` zeroing
+  ``out_proj.bias`` - therefore builds the same model as without
+  ``zero.Init``;
+* **inside ``GatheredParameters`` without ``modifier_rank``** (:func:`lend_scratch`,
+  :func:`end_scratch`): the parameters that were whole when the context
+  opened get a private copy of their data for the context, and their own
+  data back on exit, so every edit made inside is dropped, as the
+  parameters the context gathered are (and as DeepSpeed drops both). The
+  outermost context holding a parameter decides: one nested in a
+  ``modifier_rank`` context leaves its edits to the outer one. Values
+  committed while the copy stands in - a step, a ``modifier_rank``
+  context's publish - go to the data set aside;
+* **outside every context, after initialize()** (:func:`take_edits`,
+  before each step): this rank's slice of ``data`` goes into the shard. The
+  edit is thus kept where the shard is the parameter's value (fp32 and
+  bf16 training, frozen parameters) and overwritten by the step where the
+  optimizer keeps separate fp32 masters (fp16, ``offload_optimizer``
+  without ``offload_param``) - as at world size 1 and as at ZeRO stage 0.
+  Each rank's slice comes from its own ``data``: ranks that edit
+  differently end up with a mixture (use ``modifier_rank``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsrun.errors import DsrunError
+from dsrun.runtime.zero.partitioned import (
+    ZeroParamStatus,
+    broadcast_full,
+    committed,
+    param_name,
+    refresh_shard,
+    shard_is_view,
+)
+
+
+def separate_whole(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The whole (``AVAILABLE``, persistent) parameters of ``params`` whose
+    shard is a separate copy of part of ``data`` (world size > 1, or a shard
+    in host memory): a write to their ``data`` does not reach the shard."""
+    return [p for p in params if p.ds_persist and p.ds_status is ZeroParamStatus.AVAILABLE
+            and not shard_is_view(p, committed(p))]
+
+
+@torch.no_grad()
+def adopt_full(params: Sequence[torch.Tensor], group: Any) -> None:
+    """Take the full data of :func:`separate_whole` parameters as their value
+    (collective over ``group``, every rank passing the same parameters):
+    group rank 0's data to every rank, then each rank's shard from it."""
+    broadcast_full(params, group)
+    for p in params:
+        refresh_shard(p)
+
+
+@torch.no_grad()
+def lend_scratch(param: torch.Tensor) -> None:
+    """Give a gathered ``param`` a private copy of its full data until
+    :func:`end_scratch` (module docstring); the data set aside is what
+    :func:`~.partitioned.committed` returns meanwhile."""
+    if param.ds_status is not ZeroParamStatus.AVAILABLE or "_ds_kept" in param.__dict__:
+        raise DsrunError(f"{param_name(param)}: a scratch copy needs a gathered parameter "
+                         f"that has none, got status {param.ds_status.name}")
+    param._ds_kept = param.data
+    param.data = param.data.clone()
+
+
+def end_scratch(param: torch.Tensor) -> None:
+    """Drop the scratch copy: the data :func:`lend_scratch` set aside is the
+    parameter's again."""
+    param.data = param.__dict__.pop("_ds_kept")
+
+
+@torch.no_grad()
+def take_edits(params: Iterable[torch.Tensor]) -> None:
+    """Before a step: this rank's slice of the full data of each
+    :func:`separate_whole` parameter that no ``GatheredParameters`` holds
+    goes into its shard (module docstring). Local copies only, batched per
+    (source, destination) device pair; padding stays zero."""
+    ranks: dict[int, int] = {}
+    pairs: dict[tuple[torch.device, torch.device],
+                list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for p in separate_whole(params):
+        if p.ds_pins:
+            continue  # the context holding it decides
+        if id(p.ds_group) not in ranks:
+            ranks[id(p.ds_group)] = dist.get_rank(p.ds_group)
+        rank = ranks[id(p.ds_group)]
+        valid = p.ds_spec.valid(rank)
+        if valid:
+            src = p.data.reshape(-1).narrow(0, rank * p.ds_spec.shard_numel, valid)
+            dst = p.ds_tensor.narrow(0, 0, valid)
+            pairs.setdefault((src.device, dst.device), []).append((src, dst))
+    for (src_device, dst_device), batch in pairs.items():
+        srcs, dsts = [s for s, _ in batch], [d for _, d in batch]
+        if src_device != dst_device:  # shards in host memory (offload_param): one copy out
+            srcs = list(torch.cat(srcs).to(dst_device).split([d.numel() for d in dsts]))
+        torch._foreach_copy_(dsts, srcs)

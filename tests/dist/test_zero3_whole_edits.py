@@ -1,0 +1,150 @@
+"""Writes to the full data of ZeRO-3 parameters kept whole follow one rule
+at every world size (dsrun/runtime/zero/whole_edits.py): the same worker
+(workers/zero3_whole_edits.py) runs as a 1-rank and as a 2-rank dsrun job,
+and every case must give the same numbers in both, and the rule's:
+
+* a write after zero.Init partitioned the parameter, before initialize(),
+  is its value (a Linear whose bias is zeroed after it was built);
+* a write outside every context after initialize() is kept where the
+  shard is the optimizer's master (fp32, bf16; offload_param) and
+  overwritten by the next step where the master is a separate fp32 copy
+  (fp16, offload_optimizer), as at ZeRO stage 0;
+* a write inside ``GatheredParameters`` without ``modifier_rank`` is
+  dropped on exit; of nested contexts the outermost decides; a step taken
+  inside such a context is kept;
+* a transformer with ``nn.MultiheadAttention`` (which zeroes
+  ``out_proj.bias`` after building ``out_proj``) trains under zero.Init on
+  2 ranks exactly as built without it, and as at stage 0.
+
+Before this rule, a world-size-2 run reverted the first and second kinds of
+write at its first step while a world-size-1 run kept them, and the
+MultiheadAttention model under zero.Init diverged from step 1.
+
+Also: ``zero.Init`` with a 16-bit dtype gives the tensors the constructors
+made that a module holds as plain attributes that dtype (as DeepSpeed);
+other tensors made in the block stay as made (the README says why).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import dsrun
+from tests.conftest import ROOT, rank_results
+
+pytestmark = pytest.mark.dist
+
+WORKER = ROOT / "tests" / "dist" / "workers" / "zero3_whole_edits.py"
+TOLERANCE = 1e-6  # one Adam step with lr 0.1 on a flat shard vs a flat buffer
+SHARD_IS_MASTER = {"fp32-none", "fp32-param", "bf16-none", "bf16-param"}
+SECTIONS = ("init", "outside", "dropped", "nested", "step_inside")
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict[str, Any]]]:
+    """The worker at world size 1 and 2: {world: per-rank results}."""
+    return {world: rank_results(WORKER, tmp_path_factory.mktemp(f"whole{world}"), world,
+                                timeout=240, env={"OMP_NUM_THREADS": "1"})
+            for world in (1, 2)}
+
+
+def _close(a: Any, b: Any, where: str) -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _close(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _close(x, y, f"{where}[{i}]")
+    else:
+        assert abs(a - b) <= TOLERANCE, f"{where}: {a} against {b}"
+
+
+def test_every_case_gives_the_same_numbers_at_world_size_1_and_2(
+        jobs: dict[int, list[dict[str, Any]]]) -> None:
+    alone = jobs[1][0]
+    for rank, result in enumerate(jobs[2]):
+        for section in SECTIONS:
+            _close(alone[section], result[section], f"world 2 rank {rank}: {section}")
+
+
+def test_a_write_before_initialize_is_the_parameters_value(
+        jobs: dict[int, list[dict[str, Any]]]) -> None:
+    for world, results in jobs.items():
+        for result in results:
+            for key, case in result["init"].items():
+                assert case["master"] == [0.0] * 4, (world, key, case)
+                assert case["after"] == [0.0] * 4, (world, key, case)
+
+
+def test_a_write_outside_contexts_counts_where_the_shard_is_the_master(
+        jobs: dict[int, list[dict[str, Any]]]) -> None:
+    for world, results in jobs.items():
+        for result in results:
+            for key, case in result["outside"].items():
+                expected = [1.0] * 4 if key in SHARD_IS_MASTER else case["original"]
+                assert case["after"] == expected, (world, key, case)
+                assert case["master"] == expected, (world, key, case)
+
+
+def test_a_context_without_modifier_rank_drops_the_write(
+        jobs: dict[int, list[dict[str, Any]]]) -> None:
+    for world, results in jobs.items():
+        for result in results:
+            for key, case in result["dropped"].items():
+                assert case["inside"] == [1.0] * 4, (world, key)
+                assert case["on_exit"] == case["original"], (world, key, case)
+                assert case["after"] == case["original"], (world, key, case)
+
+
+def test_the_outermost_context_decides_and_a_step_inside_one_is_kept(
+        jobs: dict[int, list[dict[str, Any]]]) -> None:
+    for world, results in jobs.items():
+        for result in results:
+            for key, case in result["nested"].items():
+                assert case["on_exit"] == case["after"] == case["master"] == [1.0] * 4, \
+                    (world, key, case)
+            case = result["step_inside"]
+            assert case["after"] == case["master"] != case["original"], (world, case)
+
+
+def test_multihead_attention_under_zero_init_trains_as_without_it(
+        jobs: dict[int, list[dict[str, Any]]]) -> None:
+    for result in jobs[2]:
+        for precision, losses in result["mha"].items():
+            assert losses["init"] == losses["plain"], (precision, losses)
+            _close(losses["init"], losses["stage0"], f"{precision} stage 0")
+
+
+class Holder(torch.nn.Module):
+    """Tensors a module keeps other than as parameters and buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 2)
+        self.made = torch.ones(3)  # a constructor's tensor: the Init dtype
+        self.doubled = torch.ones(3) * 2  # computed: as made
+        self.listed = [torch.zeros(2)]  # not an attribute itself: as made
+        self.counts = torch.zeros(2, dtype=torch.long)  # not floating
+
+
+def test_zero_init_gives_constructor_made_attributes_its_dtype(solo: None) -> None:
+    zeros = torch.zeros
+    with dsrun.zero.Init(dtype=torch.bfloat16):
+        holder = Holder()
+        loose = torch.zeros(2)
+    assert torch.zeros is zeros  # the constructors are torch's again
+    assert holder.fc.weight.dtype == torch.bfloat16
+    assert holder.made.dtype == torch.bfloat16 and torch.equal(holder.made.float(),
+                                                               torch.ones(3))
+    assert holder.doubled.dtype == torch.float32 and holder.listed[0].dtype == torch.float32
+    assert holder.counts.dtype == torch.long and loose.dtype == torch.float32
+    built_outside = Holder()
+    dsrun.zero.Init(module=built_outside, dtype=torch.bfloat16)
+    assert built_outside.made.dtype == torch.float32  # no constructor ran in a context
+    with dsrun.zero.Init():  # no dtype: everything as made
+        assert Holder().made.dtype == torch.float32
