@@ -80,7 +80,8 @@ _owned_by_dsrun = False
 #: DeepSpeed's variable for the default process-group timeout, in minutes.
 TIMEOUT_VARIABLE = "DEEPSPEED_TIMEOUT"
 #: What DeepSpeed's MPI discovery exports (deepspeed/comm/comm.py:mpi_discovery).
-DISCOVERED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+DISCOVERED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+              "MASTER_PORT")
 
 
 def backend_by_device(config: str | None) -> dict[str, str]:
@@ -306,8 +307,10 @@ def discovered_variables(env: DistEnv, rank: int, world_size: int,
     is a single process; ``MASTER_*`` only when a master was used."""
     if env.rendezvous not in ("mpi", "slurm"):
         return {}
+    # LOCAL_WORLD_SIZE too (torchrun's; DeepSpeed exports no such variable),
+    # so a DistEnv read after the call still knows the ranks on this host
     values = {"RANK": str(rank), "LOCAL_RANK": str(env.local_rank),
-              "WORLD_SIZE": str(world_size)}
+              "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(env.local_world_size)}
     if master is not None:
         values.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
     return values

@@ -18,7 +18,9 @@ Sources, first match wins:
 mpi4py), ``slurm`` (the first node of the step, and a port derived from the
 job and step ids), or ``env`` (they must be set; world size 1 needs none).
 
-The object is frozen; the runtime never writes os.environ.
+The object is frozen. The runtime writes os.environ in one place only:
+``dsrun.init_distributed`` exports the rank variables it placed from MPI
+or Slurm (:func:`dsrun.runtime.dist.discovered_variables`), as DeepSpeed's does.
 
 ``accelerator`` is ``DSRUN_ACCELERATOR``: ``"cpu"`` when the launcher was
 asked for CPU ranks (``dsrun --cpu``), which then use gloo even where CUDA

@@ -105,13 +105,21 @@ def test_variables_init_distributed_exports_after_discovering_the_rank():
 
     ompi = DistEnv.detect({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
                            "OMPI_COMM_WORLD_LOCAL_RANK": "1"})
+    ompi = DistEnv.detect({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+                           "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                           "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
     got = discovered_variables(ompi, 3, 4, ("10.0.0.1", 41000))
-    assert got == {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4",
+    assert got == {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
                    "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "41000"}
     assert tuple(got) == DISCOVERED
+    # read again after the export, the rank is placed the same way
+    again = DistEnv.detect(got)
+    assert (again.rank, again.local_rank, again.world_size, again.local_world_size) == \
+        (ompi.rank, ompi.local_rank, ompi.world_size, ompi.local_world_size)
     slurm = DistEnv.detect({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
     assert discovered_variables(slurm, 0, 1, None) == {"RANK": "0", "LOCAL_RANK": "0",
-                                                       "WORLD_SIZE": "1"}
+                                                       "WORLD_SIZE": "1",
+                                                       "LOCAL_WORLD_SIZE": "1"}
     torchrun = DistEnv.detect({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h",
                                "MASTER_PORT": "5"})
     assert discovered_variables(torchrun, 1, 2, ("h", 5)) == {}
