@@ -61,14 +61,12 @@ _alias.install()  # "from deepspeed.pipe import ..." after "import dsrun as deep
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
         module = importlib.import_module(f"dsrun.{name}")
-        _alias.attach_renamed()  # deepspeed.runtime.zero.partition_parameters
         return module
     target = _LAZY.get(name)
     if target is None:
         raise AttributeError(f"module 'dsrun' has no attribute {name!r}")
     module_name, attr = target.split(":")
     value = getattr(importlib.import_module(module_name), attr)
-    _alias.attach_renamed()
     globals()[name] = value
     return value
 

@@ -51,23 +51,6 @@ def target_name(fullname: str) -> str:
     return RENAMED.get(fullname) or TARGET + fullname[len(ALIAS):]
 
 
-def attach_renamed() -> None:
-    """Bind each :data:`RENAMED` module as an attribute of its DeepSpeed
-    parent's dsrun module, where that package is loaded, as importing the
-    DeepSpeed name would: ``deepspeed.runtime.zero.partition_parameters``
-    (:mod:`dsrun.zero`) on :mod:`dsrun.runtime.zero`, for scripts that
-    reach it by attribute after ``import deepspeed``. Run after each lazy
-    import of ``dsrun`` and ``dsrun.runtime`` and each aliased import;
-    a package still being imported is left for the next run."""
-    for ds_name, target in RENAMED.items():
-        ds_parent, _, child = ds_name.rpartition(".")
-        package = sys.modules.get(target_name(ds_parent))
-        if package is None or child in vars(package) \
-                or getattr(getattr(package, "__spec__", None), "_initializing", False):
-            continue
-        setattr(package, child, importlib.import_module(target))
-
-
 def _deepspeed_installed() -> bool:
     return importlib.machinery.PathFinder.find_spec(ALIAS) is not None
 
@@ -122,7 +105,6 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         # the import system stamped the alias spec on the real module: undo it
         module.__spec__ = self._spec
-        attach_renamed()
 
 
 _FINDER = _Finder()

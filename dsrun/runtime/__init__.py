@@ -13,8 +13,6 @@ import importlib
 import importlib.util
 from types import ModuleType
 
-from dsrun import _alias
-
 
 def __getattr__(name: str) -> ModuleType:
     # dunders and private names are never submodules: answer them at once
@@ -22,7 +20,5 @@ def __getattr__(name: str) -> ModuleType:
     if name.startswith("_") or not name.isidentifier() \
             or importlib.util.find_spec(f"{__name__}.{name}") is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module = importlib.import_module(f"{__name__}.{name}")
-    _alias.attach_renamed()  # deepspeed.runtime.zero.partition_parameters
-    return module
+    return importlib.import_module(f"{__name__}.{name}")
 

@@ -78,6 +78,16 @@ out["status"] = deepspeed.runtime.zero.partition_parameters.ZeroParamStatus is \
 print(json.dumps(out))
 """
 
+# dsrun's own module name imported after the alias (not through deepspeed.*
+# or an attribute of dsrun): the package's __getattr__ still answers.
+OWN_NAME_FIRST = """
+import json
+import dsrun
+import deepspeed
+import dsrun.runtime.engine
+print(json.dumps({"init": deepspeed.runtime.zero.partition_parameters.Init is dsrun.zero.Init}))
+"""
+
 
 def run(code: str) -> dict:
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -97,3 +107,7 @@ def test_partition_parameters_after_an_aliased_import_and_no_torch_before() -> N
     out = run(ALIASED)
     assert out == {"torch_after_import": False, "unknown": False, "dunder": False,
                    "torch_after_probes": False, "status": True}
+
+
+def test_partition_parameters_after_importing_dsruns_own_module_name() -> None:
+    assert run(OWN_NAME_FIRST) == {"init": True}

@@ -58,3 +58,14 @@ __all__ = [
     "ZeroParameter", "ZeroStage3", "register_external_parameter",
     "unregister_external_parameter",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # DeepSpeed's deepspeed.runtime.zero.partition_parameters (Init,
+    # GatheredParameters, ZeroParamStatus, ...) is dsrun.zero: reachable by
+    # attribute after a bare "import deepspeed", as DeepSpeed imports it eagerly
+    if name == "partition_parameters":
+        import dsrun.zero
+
+        return dsrun.zero
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
