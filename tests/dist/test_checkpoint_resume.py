@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 
+import dsrun
 from tests.conftest import ROOT, dsrun_argv
 from tests.dist.test_engine_dist import _run
 
@@ -91,6 +92,18 @@ def test_client_state_round_trips_and_path_is_the_tag_directory(runs: dict[str, 
         resumed = runs["resume"][0][f"stage{stage}"]
         client = dict(resumed["client_state"])
         assert client.pop("global_samples") == resumed["samples_at_load"]  # DeepSpeed's key
+        # DeepSpeed's other keys, as its load_checkpoint returns them for a 2-rank save
+        config = client.pop("ds_config")
+        assert config["zero_optimization"]["stage"] == stage and config["train_batch_size"] == 16
+        assert client.pop("ds_version") == dsrun.__version__
+        assert client.pop("buffer_names") == ["scale"]
+        shapes = [[["inp.weight", [24, 12]], ["inp.bias", [24]], ["mid.weight", [24, 24]],
+                   ["mid.bias", [24]], ["out.weight", [5, 24]], ["out.bias", [5]]]]
+        assert client.pop("param_shapes") == (None if stage == 0 else
+                                              [dict(group) for group in shapes])
+        assert client.pop("frozen_param_shapes") == ({"offset": [24]} if stage >= 2 else None)
+        assert client.pop("shared_params") == (None if stage == 0 else {})
+        assert client.pop("checkpoint_parallel_dimensions") == {"pp_degree": 1, "tp_degree": 1}
         assert client == {"stage": stage, "note": [1, 2]}
         assert resumed["path"] == str(runs["ckpt"] / f"stage{stage}" / "global_step3")
 
@@ -112,6 +125,19 @@ def test_different_tags_on_different_ranks_name_them(runs: dict[str, Any]) -> No
         assert "rank 0: 't0'" in fact["error_text"] and "rank 1: 't1'" in fact["error_text"]
     assert not (runs["ckpt"] / "mismatch").exists() or not any(
         (runs["ckpt"] / "mismatch").iterdir())
+
+
+def test_bad_arguments_on_one_rank_fail_on_every_rank_before_anything_is_written(
+        runs: dict[str, Any]) -> None:
+    for fact in extra(runs, "refused_arguments"):
+        assert fact["client_text"].startswith("saving checkpoint 't' failed on rank 1: ")
+        assert "save_checkpoint(client_state=...) must be a dict (a Mapping), got list [1, 2]" \
+            in fact["client_text"]
+        assert fact["tag_text"].startswith(f"saving checkpoint '{'x' * 250}' failed on ranks "
+                                           "0, 1: the tag")
+        assert "is 250 bytes long (os.fsencode), more than the 246" in fact["tag_text"]
+    assert sorted(p.name for p in (runs["ckpt"] / "refused_arguments").iterdir()) == [
+        "latest", "ok", "zero_to_fp32.py"]
 
 
 def test_save_on_one_rank_only_fails_after_the_timeout(runs: dict[str, Any]) -> None:

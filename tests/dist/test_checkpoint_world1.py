@@ -15,6 +15,8 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +169,60 @@ def test_bad_tags_are_refused(saved: tuple[Any, Path], tag: str) -> None:
     with pytest.raises(CheckpointError, match="tag"):
         engine.save_checkpoint(root, tag=tag)
     assert (root / "latest").read_text() == "global_step2"
+
+
+def test_a_tag_too_long_for_the_file_system_is_refused_before_anything_is_written(
+        saved: tuple[Any, Path]) -> None:
+    """255-byte names: the tag and '.replaced' must fit (the longest fails the
+    first save on 'TAG.tmp' without the check, a shorter one the second save
+    on 'TAG.replaced')."""
+    engine, root = saved
+    for tag in ("x" * 247, "x" * 252, "\u00e9" * 124):
+        with pytest.raises(CheckpointError, match=f"the tag '{tag}' is "
+                           f"{len(tag.encode())} bytes long .*more than the 246"):
+            engine.save_checkpoint(root, tag=tag)
+    assert sorted(p.name for p in root.iterdir()) == ["global_step2", "latest",
+                                                         "zero_to_fp32.py"]
+    assert (root / "latest").read_text() == "global_step2"
+    longest = "x" * 246
+    engine.save_checkpoint(root, tag=longest)
+    engine.save_checkpoint(root, tag=longest)  # replaced: TAG.replaced fits too
+    assert (root / "latest").read_text() == longest
+    assert engine_for(stage=1, seed=3).load_checkpoint(root)[0] == str(root / longest)
+
+
+def test_a_client_state_that_is_not_a_dict_is_refused_before_anything_is_written(
+        saved: tuple[Any, Path]) -> None:
+    engine, root = saved
+    with pytest.raises(CheckpointError, match=r"client_state=\.\.\.\) must be a dict \(a "
+                       r"Mapping\), got list \[1, 2\].*nothing was written"):
+        engine.save_checkpoint(root, tag="bad", client_state=[1, 2])
+    assert sorted(p.name for p in root.iterdir()) == ["global_step2", "latest",
+                                                         "zero_to_fp32.py"]
+
+
+def test_a_saved_client_state_that_is_not_a_dict_changes_nothing(
+        saved: tuple[Any, Path]) -> None:
+    """Such a checkpoint (an earlier dsrun saved it without complaint) is
+    refused before the weights or the counters change, whatever is loaded."""
+    engine, root = saved
+    path = root / "global_step2" / "engine_state.pt"
+    state = torch.load(path, weights_only=False)
+    state["client_state"] = [1, 2]
+    path.write_bytes(b"")
+    torch.save(state, path)
+    blob = path.read_bytes()
+    manifest = json.loads((root / "global_step2" / "manifest.json").read_text())
+    manifest["files"]["engine_state.pt"] = {"bytes": len(blob), "crc32": zlib.crc32(blob)}
+    (root / "global_step2" / "manifest.json").write_text(json.dumps(manifest))
+    fresh = engine_for(stage=1, seed=3)
+    train(fresh, 1, seed=7)
+    before = snapshot(fresh)
+    for how in ({}, {"load_module_only": True}):
+        with pytest.raises(CheckpointError, match="its client_state is a list \\[1, 2\\], not a "
+                                                  "dict.*to-fp32"):
+            fresh.load_checkpoint(root, **how)
+        assert_same(before, snapshot(fresh))
 
 
 def test_names_that_differ_are_listed_and_non_strict_loads_the_rest(
@@ -343,9 +399,13 @@ def test_training_continues_during_an_async_save(solo: None, tmp_path: Path,
     reference.save_checkpoint(tmp_path / "sync", tag="t")
     release.touch()
     paused.destroy()  # waits for the save
-    for name in ("rank_00000.bin", "engine_state.pt"):
-        assert (tmp_path / "async" / "t" / name).read_bytes() == \
-            (tmp_path / "sync" / "t" / name).read_bytes()
+    assert (tmp_path / "async" / "t" / "rank_00000.bin").read_bytes() == \
+        (tmp_path / "sync" / "t" / "rank_00000.bin").read_bytes()
+    states = [torch.load(tmp_path / d / "t" / "engine_state.pt", weights_only=False)
+              for d in ("async", "sync")]
+    configs = [state.pop("ds_config") for state in states]  # the engines' configs differ
+    assert configs[0]["checkpoint"]["async"] and not configs[1]["checkpoint"]["async"]
+    assert states[0] == states[1]
     manifests = [json.loads((tmp_path / d / "t" / "manifest.json").read_text())["tensors"]
                  for d in ("async", "sync")]
     assert manifests[0] == manifests[1]
@@ -412,17 +472,47 @@ def test_module_only_and_no_optimizer_state(saved: tuple[Any, Path]) -> None:
     opt_before = snapshot(fresh)
     path, client = fresh.load_checkpoint(root, load_module_only=True)
     # DeepSpeed hands back the counters that a module-only load leaves alone
-    assert path and client == {"k": 1, "global_steps": 2, "skipped_steps": 0,
-                               "global_samples": engine.global_samples,
-                               "dp_world_size": 1, "mp_world_size": 1}
+    assert path and {k: client[k] for k in ("k", "global_steps", "skipped_steps",
+                                            "global_samples", "dp_world_size",
+                                            "mp_world_size")} == {
+        "k": 1, "global_steps": 2, "skipped_steps": 0, "global_samples": engine.global_samples,
+        "dp_world_size": 1, "mp_world_size": 1}
     assert torch.equal(fresh.module.a.weight, engine.module.a.weight)
     assert fresh.global_steps == 1  # counters are not loaded with the module only
     after = snapshot(fresh)
     assert all(torch.equal(after[k], opt_before[k]) for k in after if k.startswith("o:"))
     _, client = fresh.load_checkpoint(root, load_optimizer_states=False)
-    assert client == {"k": 1, "global_samples": engine.global_samples}
+    assert client["k"] == 1 and client["global_samples"] == engine.global_samples
+    assert "global_steps" not in client and "dp_world_size" not in client
     assert fresh.global_steps == 2
     assert all(torch.equal(snapshot(fresh)[k], opt_before[k]) for k in after if k.startswith("o:"))
+
+
+def test_the_client_state_comes_back_with_deepspeeds_keys(solo: None, tmp_path: Path) -> None:
+    """The keys and values DeepSpeed 0.19.8's load_checkpoint returns for
+    this model saved at stage 2 (its own config and version aside)."""
+    import deepspeed
+
+    engine = engine_for(stage=2)
+    train(engine)
+    engine.save_checkpoint(tmp_path, client_state={"k": 1, "ds_version": "mine"})
+    fresh = engine_for(stage=0, seed=3)
+    _, client = fresh.load_checkpoint(tmp_path)
+    assert client == {
+        "buffer_names": ["count"],
+        "param_shapes": [OrderedDict([("a.weight", torch.Size([6, 4])),
+                                      ("a.bias", torch.Size([6])),
+                                      ("b.weight", torch.Size([3, 6])),
+                                      ("b.bias", torch.Size([3]))])],
+        "frozen_param_shapes": OrderedDict([("frozen", torch.Size([6]))]),
+        "shared_params": {}, "global_samples": 4,
+        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+        "ds_config": engine.config.to_dict(), "ds_version": "mine", "k": 1}
+    engine.save_checkpoint(tmp_path, tag="plain")
+    _, client = fresh.load_checkpoint(tmp_path, tag="plain")
+    assert client["ds_version"] == deepspeed.__version__ == dsrun.__version__
+    assert client["ds_config"]["zero_optimization"]["stage"] == 2  # the saving engine's
+    assert client["ds_config"]["train_batch_size"] == 2
 
 
 def test_same_tag_saved_twice_and_save_latest_false(saved: tuple[Any, Path]) -> None:
@@ -437,14 +527,33 @@ def test_same_tag_saved_twice_and_save_latest_false(saved: tuple[Any, Path]) -> 
     assert torch.equal(state["a.weight"], engine.module.a.weight)
 
 
-def test_exclude_frozen_parameters(solo: None, tmp_path: Path) -> None:
+def test_exclude_frozen_parameters(solo: None, tmp_path: Path,
+                                   caplog: pytest.LogCaptureFixture) -> None:
+    """As DeepSpeed ("Missing key(s) in state_dict"), a strict load refuses
+    the frozen parameters the save left out, naming them; a non-strict one
+    keeps the model's own values for them."""
     engine = engine_for(stage=3)
+    with torch.no_grad():
+        engine.module.frozen.fill_(2.0)
     train(engine)
     engine.save_checkpoint(tmp_path, exclude_frozen_parameters=True)
     manifest = json.loads((tmp_path / "global_step2" / "manifest.json").read_text())
     assert "frozen" not in manifest["tensors"] and manifest["meta"]["excluded_frozen"] == ["frozen"]
     fresh = engine_for(stage=3, seed=4)
-    fresh.load_checkpoint(tmp_path)  # strict: the excluded parameter keeps its value
+    before = snapshot(fresh)
+    with pytest.raises(CheckpointError, match=r"missing from the checkpoint \(1\): frozen \(all "
+                       r"frozen when saved and left out by save_checkpoint\("
+                       r"exclude_frozen_parameters=True\)\)\. Pass load_module_strict=False"):
+        fresh.load_checkpoint(tmp_path)
+    assert_same(before, snapshot(fresh))
+    with caplog.at_level(logging.INFO, logger="dsrun.runtime.checkpoint"):
+        path, client = fresh.load_checkpoint(tmp_path, load_module_strict=False)
+    assert path and client["frozen_param_shapes"] is None  # as DeepSpeed's
+    assert "load_module_strict=False: skipped missing from the checkpoint (1): frozen" \
+        in caplog.text
+    assert torch.equal(fresh.module.frozen, before["p:frozen"])  # its own value, not 2.0
+    assert torch.equal(fresh.module.a.weight, engine.module.a.weight)
+    assert fresh.global_steps == 2
 
 
 def test_fp16_loss_scale_and_masters_round_trip(solo: None, tmp_path: Path) -> None:

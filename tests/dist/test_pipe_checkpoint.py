@@ -37,6 +37,7 @@ from typing import Any
 import pytest
 import torch
 
+from dsrun.runtime.checkpoint.client_state import RETURNED_KEYS
 from tests.conftest import ROOT, dsrun_argv, run_dsrun
 from tests.dist.test_engine_dist import _run
 
@@ -121,7 +122,8 @@ def test_client_state_and_path(jobs: dict[str, Any]) -> None:
     for fact in facts(jobs, "resume", "tied"):
         client = dict(fact["client_state"])
         assert client.pop("global_samples") > 0  # DeepSpeed's key
-        assert client == {"case": "tied"}
+        assert client.pop("checkpoint_parallel_dimensions")["pp_degree"] > 1  # the stages saved
+        assert {k: v for k, v in client.items() if k not in RETURNED_KEYS} == {"case": "tied"}
         assert fact["path"] == str(jobs["ckpt"] / "tied" / "global_step3")
 
 
@@ -214,6 +216,8 @@ def test_async_save_equals_the_sync_save(jobs: dict[str, Any]) -> None:
 def test_frozen_parameters_left_out(jobs: dict[str, Any]) -> None:
     for fact in facts(jobs, "resume", "frozen"):
         assert fact["trained_equal"] and fact["frozen_kept"]
+        assert "missing from the checkpoint (2): 5.bias, 5.weight (all frozen when saved and " \
+            "left out by save_checkpoint(exclude_frozen_parameters=True))" in fact["refused"]
     meta = json.loads((jobs["ckpt"] / "frozen" / "global_step1" / "manifest.json").read_text())
     assert meta["meta"]["excluded_frozen"] == ["5.bias", "5.weight"]
     assert not any(k.startswith("5.") for k in [*meta["tensors"], *meta["meta"]["state_dict_keys"]])

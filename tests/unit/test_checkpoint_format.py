@@ -4,6 +4,7 @@ tags and the replicated split (pure code, properties checked with hypothesis).""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,16 @@ from dsrun.runtime.checkpoint.manifest import (
     plan_reads,
 )
 from dsrun.runtime.checkpoint.records import ChunkRecord, RankRecord, merge_records
-from dsrun.runtime.checkpoint.tags import list_tags, read_latest, tag_dir, tag_problem
+from dsrun.runtime.checkpoint.tags import (
+    DEFAULT_NAME_MAX,
+    check_tag_fits,
+    length_problem,
+    list_tags,
+    name_max,
+    read_latest,
+    tag_dir,
+    tag_problem,
+)
 
 
 def entry(name: str = "w", numel: int = 10, chunks: tuple = ((0, 0, 0, 10),)) -> TensorEntry:
@@ -137,6 +147,41 @@ def test_encode_scalars_and_hyperparameters() -> None:
                                      ("", False), ("..", False), ("a\nb", False), (3, False)])
 def test_tag_names(tag: object, ok: bool) -> None:
     assert (tag_problem(tag) is None) == ok
+
+
+@pytest.mark.parametrize("tag, ok", [("x" * 246, True), ("x" * 247, False),
+                                     ("\u00e9" * 123, True), ("\u00e9" * 124, False)])
+def test_a_tag_and_the_longest_suffix_fit_in_one_name(tag: str, ok: bool) -> None:
+    """255 bytes less '.replaced': bytes as the file system gets them (é is 2)."""
+    problem = length_problem(tag, 255, "/ck")
+    assert (problem is None) == ok
+    if not ok:
+        assert problem is not None and f"the tag {tag!r} is {len(tag.encode())} bytes long" \
+            in problem and "more than the 246 a checkpoint tag may have in /ck" in problem
+        assert "names of 255 bytes" in problem and "TAG.replaced" in problem
+
+
+def test_name_max_is_asked_of_the_nearest_existing_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[str] = []
+
+    def pathconf(path: str, name: str) -> int:
+        asked.append(path)
+        assert name == "PC_NAME_MAX"
+        return 100
+
+    monkeypatch.setattr(os, "pathconf", pathconf)
+    assert name_max(str(tmp_path / "new" / "deeper")) == 100
+    assert asked == [str(tmp_path)]
+    with pytest.raises(CheckpointError, match="more than the 91 a checkpoint tag may have"):
+        check_tag_fits("x" * 92, str(tmp_path / "new"))
+    check_tag_fits("x" * 91, str(tmp_path / "new"))
+
+    def unknown(path: str, name: str) -> int:
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "pathconf", unknown)
+    assert name_max(str(tmp_path)) == DEFAULT_NAME_MAX == 255
 
 
 def test_latest_and_tag_directories(tmp_path: Path) -> None:

@@ -4,9 +4,10 @@ The engine delegates here. This module knows the engine's attributes (its
 module, optimizer, precision, scheduler, counters, dataloader) and turns
 them into state sources (:mod:`.fragments`) plus the engine-level state:
 
-* rank 0's ``engine_state.pt``: LR scheduler, loss scaler, ``client_state``
-  and the counters (``global_steps``, ``global_samples``,
-  ``skipped_steps``, ``micro_steps``);
+* rank 0's ``engine_state.pt``: LR scheduler, loss scaler, ``client_state``,
+  the counters (``global_steps``, ``global_samples``, ``skipped_steps``,
+  ``micro_steps``) and DeepSpeed's ``ds_config`` / ``ds_version``
+  (:mod:`.client_state`: what a load hands back besides the client's keys);
 * every rank's record: its RNG states and dataloader position
   (:mod:`.rank_state`).
 
@@ -35,6 +36,11 @@ import torch
 import dsrun
 from dsrun.errors import CheckpointError
 from dsrun.runtime.checkpoint.async_save import AsyncSaver
+from dsrun.runtime.checkpoint.client_state import (
+    COUNTERS,
+    client_state_problem,
+    returned_client_state,
+)
 from dsrun.runtime.checkpoint.coord import Coordinator, raise_first
 from dsrun.runtime.checkpoint.fragments import ExportedState, StateSource
 from dsrun.runtime.checkpoint.rank_state import (
@@ -43,13 +49,12 @@ from dsrun.runtime.checkpoint.rank_state import (
     restore_loader,
     restore_rng,
 )
-from dsrun.runtime.checkpoint.reader import LoadRequest, load_state
+from dsrun.runtime.checkpoint.reader import Loaded, LoadRequest, load_state
 from dsrun.runtime.checkpoint.settings import CheckpointSettings
 from dsrun.runtime.checkpoint.sources import ModuleTensors, Stage0State, aliases, parameter_names
 from dsrun.runtime.checkpoint.writer import SaveRequest, begin_save, save_state
 
 log = logging.getLogger("dsrun.runtime.checkpoint")
-COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 
 
 class Checkpointer:
@@ -197,11 +202,16 @@ def _meta(engine: Any, model: Mapping[str, Any]) -> dict[str, Any]:
 def _engine_state(engine: Any, client_state: Any) -> dict[str, Any]:
     scaler = getattr(engine.precision, "scaler", None)
     sched = engine.lr_scheduler
+    to_dict = getattr(engine.config, "to_dict", None)
     return {"counters": {c: int(getattr(engine, c)) for c in COUNTERS},
             "lr_scheduler": sched.state_dict() if sched is not None and
             hasattr(sched, "state_dict") else None,
             "loss_scaler": scaler.state_dict() if scaler is not None else None,
-            "client_state": client_state}
+            "client_state": client_state,
+            # DeepSpeed saves its config and version with every checkpoint and
+            # load_checkpoint hands them back: the resolved config here
+            "ds_config": to_dict() if callable(to_dict) else None,
+            "ds_version": dsrun.__version__}
 
 
 def save(engine: Any, save_dir: str, tag: Any = None, client_state: Any = None,
@@ -218,10 +228,14 @@ def save(engine: Any, save_dir: str, tag: Any = None, client_state: Any = None,
     rank = ck.coord.rank
     extra = {"rng": capture_rng(), "data": loader_state(engine.training_dataloader,
                                                         engine.dp_world_size)}
+    # each rank's own client_state is checked (DeepSpeed fails on the rank
+    # that passes a bad one); only rank 0's is saved, as in DeepSpeed
+    problem = client_state_problem(client_state)
     request = SaveRequest(
         save_dir, tag, save_latest, _meta(engine, parts.meta), parts.aliases,
-        _engine_state(engine, {} if client_state is None else client_state) if rank == 0
-        else None, {**extra, **parts.extra}, ck.settings.fsync)
+        _engine_state(engine, {} if client_state is None else client_state)
+        if rank == 0 and not problem else None, {**extra, **parts.extra}, ck.settings.fsync,
+        problem)
     exports = parts.exports
     if not ck.settings.async_save:
         save_state(request, exports, ck.coord, ck.settings.pause)
@@ -256,9 +270,15 @@ def load(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool =
     optimizer_states = bool(load_optimizer_states) and not load_module_only \
         and engine.optimizer is not None and not engine._partition_only
     sources = layout.sources(names)
+    module_only = bool(load_module_only)
+
+    def client(found: Loaded) -> dict[str, Any]:  # before anything is installed
+        return returned_client_state(found.engine_state, found.manifest, module_only,
+                                     found.path)
+
     request = LoadRequest(str(load_dir), None if tag is None else str(tag),
                           bool(load_module_strict), optimizer_states,
-                          layout.load_aliases(ck.coord))
+                          layout.load_aliases(ck.coord), client)
     accumulating = engine.micro_in_round() != 0
     loaded = load_state(request, sources, names, ck.coord)
     if loaded is None:
@@ -270,27 +290,10 @@ def load(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool =
     if accumulating:  # gradients of the interrupted accumulation round are stale now
         engine.zero_grad(set_to_none=False)
     state = loaded.engine_state or {}
-    if not load_module_only:
+    if not module_only:
         _restore_engine(engine, state, loaded.record, load_lr_scheduler_states,
                         bool(load_optimizer_states), loaded.saved_rank == ck.coord.rank)
-    return loaded.path, _client_state(state, meta, load_module_only)
-
-
-def _client_state(state: Mapping[str, Any], meta: Mapping[str, Any],
-                  module_only: bool) -> dict[str, Any]:
-    """The saved ``client_state`` plus the engine's keys that DeepSpeed's
-    ``load_checkpoint`` hands back with it: ``global_samples``, and with
-    ``load_module_only`` (which restores no counters) ``global_steps``,
-    ``skipped_steps``, ``dp_world_size`` and ``mp_world_size``. A key the
-    client saved wins, as it overwrites DeepSpeed's own in its file."""
-    counters = state.get("counters") or {}
-    keys = ("global_samples", "global_steps", "skipped_steps") if module_only \
-        else ("global_samples",)
-    out: dict[str, Any] = {k: int(counters[k]) for k in keys if k in counters}
-    if module_only and "dp_world_size" in meta:
-        out.update(dp_world_size=int(meta["dp_world_size"]), mp_world_size=1)
-    out.update(state.get("client_state") or {})
-    return out
+    return loaded.path, loaded.prepared
 
 
 def _restore_engine(engine: Any, state: Mapping[str, Any], record: Mapping[str, Any],

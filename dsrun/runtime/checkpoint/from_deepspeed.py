@@ -350,9 +350,12 @@ def _engine_state(model: Mapping[str, Any], precision: str, optims: Sequence[dic
     for key in ("data_sampler", "random_ltd"):
         if model.get(key) is not None:
             log.warning("DeepSpeed's %s state is not carried over: dsrun has no such state", key)
+    # DeepSpeed's own config and version come back from load_checkpoint as they
+    # would from DeepSpeed's (.client_state)
+    own = {k: model[k] for k in ("ds_config", "ds_version") if k in model}
     return {"counters": counters, "lr_scheduler": model.get("lr_scheduler"),
             "loss_scaler": scaler,
-            "client_state": {k: v for k, v in model.items() if k not in DEEPSPEED_KEYS}}
+            "client_state": {k: v for k, v in model.items() if k not in DEEPSPEED_KEYS}, **own}
 
 
 def read_deepspeed_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpeedCheckpoint:

@@ -16,6 +16,8 @@
                   against its crc32) into the sources' staging tensors
     4. check      each source's check_import() builds the optimizer state
                   it will install and checks it (nothing changes yet)
+                  and the caller's ``prepare`` turns what was read into
+                  what it returns (the client state), which may refuse it
     5. install    only when every rank read everything without error:
                   finish_import() on every source (collective at ZeRO
                   stages); otherwise every rank raises the same error, naming
@@ -36,7 +38,7 @@ import zlib
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -71,6 +73,9 @@ class LoadRequest:
     strict: bool = True
     optimizer_states: bool = True
     model_aliases: Mapping[str, str] = field(default_factory=dict)
+    # step 4 on every rank, before anything is installed: the caller's
+    # reading of the engine state (Loaded.prepared); raising refuses the load
+    prepare: Optional[Callable[[Loaded], Any]] = None
 
 
 @dataclass
@@ -83,6 +88,7 @@ class Loaded:
     record: Mapping[str, Any]        # this rank's saved extras (rank 0's if it did not save)
     saved_rank: int                  # the rank whose record that is
     skipped: list[str]
+    prepared: Any = None             # what LoadRequest.prepare made of it
 
 
 def _listing(names: Sequence[str]) -> str:
@@ -95,17 +101,30 @@ class Differences:
     missing: list[str]       # in the model, not in the checkpoint
     unexpected: list[str]    # in the checkpoint, not in the model
     shapes: list[str]        # in both, different shapes ("name: ckpt [..] vs model [..]")
-    tolerated: list[str]     # missing but excluded at save (exclude_frozen_parameters)
+    # the missing ones the save left out (exclude_frozen_parameters=True): a
+    # strict load refuses them too, as DeepSpeed's does ("Missing key(s)")
+    excluded: list[str] = field(default_factory=list)
 
     @property
     def skipped(self) -> list[str]:
         return [*self.missing, *self.unexpected, *(s.split(":")[0] for s in self.shapes)]
 
+    @property
+    def only_excluded(self) -> bool:
+        """Only the frozen parameters the save left out differ."""
+        return bool(self.missing) and self.missing == self.excluded \
+            and not self.unexpected and not self.shapes
+
     def describe(self) -> str:
         parts = []
         if self.missing:
+            why = ""
+            if self.excluded:
+                why = (f" ({'all' if self.missing == self.excluded else len(self.excluded)} "
+                       "frozen when saved and left out by save_checkpoint("
+                       "exclude_frozen_parameters=True))")
             parts.append(f"missing from the checkpoint ({len(self.missing)}): "
-                         f"{_listing(self.missing)}")
+                         f"{_listing(self.missing)}{why}")
         if self.unexpected:
             parts.append(f"not in the model ({len(self.unexpected)}): "
                          f"{_listing(self.unexpected)}")
@@ -118,15 +137,14 @@ def compare(manifest: Manifest, declared: Mapping[str, Sequence[int]],
             model_aliases: Mapping[str, str]) -> Differences:
     """Names and shapes of the model (``declared``: name -> shape, over all
     ranks) against the checkpoint's (pure)."""
-    excluded = set(manifest.meta.get("excluded_frozen") or ())
+    left_out = set(manifest.meta.get("excluded_frozen") or ())
     missing = [n for n in declared if n not in manifest.tensors and n not in manifest.aliases]
-    tolerated = [n for n in missing if n in excluded]
-    missing = [n for n in missing if n not in excluded]
+    excluded = [n for n in missing if n in left_out]
     unexpected = [n for n in manifest.tensors if n not in declared and n not in model_aliases]
     shapes = [f"{n}: checkpoint {list(e.shape)} vs model {list(declared[n])}"
               for n, e in manifest.tensors.items()
               if n in declared and tuple(e.shape) != tuple(declared[n])]
-    return Differences(sorted(missing), sorted(unexpected), sorted(shapes), sorted(tolerated))
+    return Differences(sorted(missing), sorted(unexpected), sorted(shapes), sorted(excluded))
 
 
 def _scalar(value: Any) -> Any:
@@ -359,18 +377,20 @@ def load_state(request: LoadRequest, sources: Sequence[StateSource], names: Mapp
         declared.update(note["declared"])
     assert phase.manifest is not None
     diff = compare(phase.manifest, declared, request.model_aliases)
-    if (diff.missing or diff.unexpected or diff.shapes) and request.strict:
+    if diff.skipped and request.strict:
+        keep = " (the model keeps its own values for what the checkpoint lacks)"
         raise CheckpointError(f"checkpoint {phase.path} does not match the model: "
                               f"{diff.describe()}. Pass load_module_strict=False to load what "
-                              "both have")
+                              f"both have{keep if diff.missing else ''}")
     if diff.skipped and coord.rank == 0:
-        log.warning("load_module_strict=False: skipped %s", diff.describe())
-    if diff.tolerated and coord.rank == 0:
-        log.info("not in the checkpoint (saved with exclude_frozen_parameters), kept as they "
-                 "are: %s", _listing(diff.tolerated))
+        # expected when the save left the frozen parameters out on purpose
+        (log.info if diff.only_excluded else log.warning)(
+            "load_module_strict=False: skipped %s", diff.describe())
     result, status = None, None
     try:
         result = _read(request, phase, set(diff.skipped), coord.rank)
+        if request.prepare is not None:
+            result.prepared = request.prepare(result)
     except CheckpointError as exc:
         status = str(exc)
     except OSError as exc:

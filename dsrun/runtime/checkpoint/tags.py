@@ -3,7 +3,11 @@
 A tag names one directory under the save directory, so it must be one
 plain path component: not empty, no ``/`` or ``\\``, not ``.``/``..``,
 not ``latest``, not ending in ``.tmp`` or ``.replaced`` (the names a save
-in progress and a replaced tag use), without control characters.
+in progress and a replaced tag use), without control characters. A save
+also needs the tag, encoded as the file system encodes names
+(:func:`os.fsencode`), plus the longest of those suffixes (``.replaced``)
+to fit in one name of the save directory's file system (``NAME_MAX``,
+usually 255 bytes): :func:`check_tag_fits`, before anything is written.
 ``latest`` holds the newest complete tag as text, as in DeepSpeed. Tags
 are listed in natural order (``global_step3`` before ``global_step12``).
 
@@ -66,6 +70,50 @@ def tag_problem(tag: Any) -> Optional[str]:
 
 def check_tag(tag: Any) -> None:
     problem = tag_problem(tag)
+    if problem:
+        raise CheckpointError(problem)
+
+
+# the longest name dsrun derives from a tag in the save directory (TAG.replaced)
+LONGEST_SUFFIX = max(TMP_SUFFIX, REPLACED_SUFFIX, key=len)
+DEFAULT_NAME_MAX = 255  # Linux, macOS, Windows: where os.pathconf cannot say
+
+
+def max_tag_bytes(name_max: int) -> int:
+    """The longest tag, in bytes, whose directories fit names of ``name_max`` bytes."""
+    return name_max - len(os.fsencode(LONGEST_SUFFIX))
+
+
+def length_problem(tag: str, name_max: int, where: str) -> Optional[str]:
+    """Why ``tag`` is too long for names of at most ``name_max`` bytes (the
+    file system of ``where``), or None (pure)."""
+    size, limit = len(os.fsencode(tag)), max_tag_bytes(name_max)
+    if size <= limit:
+        return None
+    return (f"the tag {tag!r} is {size} bytes long (os.fsencode), more than the {limit} a "
+            f"checkpoint tag may have in {where}: its file system allows names of {name_max} "
+            f"bytes and dsrun also names the tag's directory TAG{LONGEST_SUFFIX} while it "
+            "replaces it; use a shorter tag (nothing was written)")
+
+
+def name_max(path: str) -> int:
+    """``NAME_MAX`` of the file system ``path`` is (or would be) on: asked of
+    its nearest existing ancestor; :data:`DEFAULT_NAME_MAX` where the system
+    cannot say."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    try:
+        found = os.pathconf(probe, "PC_NAME_MAX")
+    except (AttributeError, ValueError, OSError):  # no pathconf (Windows), or no answer
+        return DEFAULT_NAME_MAX
+    return found if isinstance(found, int) and found > 0 else DEFAULT_NAME_MAX
+
+
+def check_tag_fits(tag: str, save_dir: str) -> None:
+    """Raise when the directories a save of ``tag`` makes in ``save_dir``
+    would have names too long for its file system (module docstring)."""
+    problem = length_problem(tag, name_max(save_dir), save_dir)
     if problem:
         raise CheckpointError(problem)
 

@@ -4,8 +4,10 @@
 through :mod:`.engine_io`; a pipeline engine with its own sources)::
 
     1. agree      every rank posts the tag (Coordinator.agree, with a
-                  deadline): missing ranks and different tags are named;
-                  rank 0 first removes a TAG.tmp/ left by a crashed save
+                  deadline): missing ranks and different tags are named,
+                  and so is what one rank found wrong (a bad or too long
+                  tag, a client_state that is not a dict, one that does not
+                  pickle); rank 0 first removes a TAG.tmp/ left by a crashed save
     2. check      the bytes every rank will write against the free space
     3. write      each rank writes rank_RRRRR.bin (its fragments; replicated
                   ones split among their holders), fsyncs it, then its
@@ -82,7 +84,7 @@ from dsrun.runtime.checkpoint.storage import (
     remove_tree,
     tensor_bytes,
 )
-from dsrun.runtime.checkpoint.tags import check_tag, remove_stale_saves
+from dsrun.runtime.checkpoint.tags import check_tag, check_tag_fits, remove_stale_saves
 from dsrun.runtime.zero.partition import partition_group
 
 log = logging.getLogger("dsrun.runtime.checkpoint")
@@ -409,14 +411,20 @@ class SaveRequest:
     engine_state: Optional[Mapping[str, Any]] = None
     extra: Mapping[str, Any] = field(default_factory=dict)
     durable: bool = True   # fsync files and directories ("checkpoint": {"fsync": ...})
+    # what the caller found wrong with this rank's arguments (a client_state
+    # that is not a dict): raised on every rank, as the writer's own checks
+    problem: Optional[str] = None
 
 
 def _prepare(request: SaveRequest, exports: Sequence[ExportedState], rank: int, save_dir: str
              ) -> tuple[RankPlan, Optional[bytes], Optional[int]]:
     """What can fail on one rank alone, before the agreement: (plan, rank 0's
     engine state, rank 0's free bytes). Raises; the caller reports it."""
+    if request.problem:
+        raise CheckpointError(request.problem)
     plan = plan_rank(exports)
     check_tag(request.tag)
+    check_tag_fits(request.tag, save_dir)
     if rank != 0:
         return plan, None, None
     blob = engine_blob(request.engine_state) if request.engine_state is not None else None

@@ -29,7 +29,7 @@ import os
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -391,6 +391,25 @@ def refused_on_one_rank(args: argparse.Namespace) -> dict[str, Any]:
     return {"error_text": text, "unchanged": same}
 
 
+def refused_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """A client_state that is not a dict on rank 1 only, then a tag too long
+    for the file system: every rank raises the same error, nothing is
+    written, and the engine saves afterwards."""
+    root = os.path.join(args.ckpt, "refused_arguments")
+    engine, loader = build(1, seed=0)
+    train(engine, Batches(loader), 1)
+    texts: list[Optional[str]] = []
+    for tag, client in (("t", [1, 2] if dist.get_rank() == 1 else {"a": 1}), ("x" * 250, None)):
+        try:
+            engine.save_checkpoint(root, tag=tag, client_state=client)
+            texts.append(None)
+        except CheckpointError as exc:
+            texts.append(str(exc))
+    engine.save_checkpoint(root, tag="ok")
+    engine.destroy()
+    return {"client_text": texts[0], "tag_text": texts[1]}
+
+
 def extras(args: argparse.Namespace, out: dict[str, Any]) -> None:
     case(out, "tag_mismatch", tag_mismatch, args)
     case(out, "async_vs_sync", async_vs_sync, args)
@@ -401,6 +420,7 @@ def extras(args: argparse.Namespace, out: dict[str, Any]) -> None:
     case(out, "refused_on_one_rank", refused_on_one_rank, args)
     case(out, "async_disk_full", async_disk_full, args)
     case(out, "async_commit_fails", async_commit_fails, args)
+    case(out, "refused_arguments", refused_arguments, args)
     case(out, "only_rank0", only_rank0, args)  # last: the coordinator is unusable after it
 
 
