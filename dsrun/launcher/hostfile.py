@@ -29,12 +29,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from dsrun.errors import HostfileError
+from dsrun.launcher.netinfo import LOOPBACK_NAMES, is_loopback
 
 #: Hostfile a scheduler provides to a job; read when ``./hostfile`` is absent.
 #: Looked up at call time, so tests may monkeypatch it.
 DEFAULT_JOB_HOSTFILE = "/job/hostfile"
 #: Name of the hostfile looked for in the working directory.
 LOCAL_HOSTFILE = "hostfile"
+#: ``-H`` value that means "no hostfile: this host only" (DeepSpeed runs on
+#: this host when its hostfile is not a regular file; ``-H /dev/null`` is
+#: the spelling its users use). Any other missing path stays an error.
+NO_HOSTFILE = os.devnull
 
 _TOKEN = re.compile(r"\S+")
 _DIGITS = re.compile(r"[0-9]+", re.ASCII)
@@ -190,6 +195,12 @@ def host_key(host: str) -> str:
         return host.lower()
 
 
+def is_loopback_spelling(host: str) -> bool:
+    """Whether ``host`` is this machine by its spelling alone: ``localhost``
+    (and its usual aliases) or a loopback address (``127.*``, ``::1``)."""
+    return host.lower().rstrip(".") in LOOPBACK_NAMES or is_loopback(host)
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """`` (did you mean 'x'?)`` for the closest choice, or an empty string."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
@@ -297,8 +308,37 @@ def _parse_lines(lines: Sequence[str], path: str) -> tuple[list[_Line], list[Hos
 
 
 def hostfile_problems(text: str, path: str) -> list[HostfileProblem]:
-    """Every problem in hostfile ``text``, in file order (empty if valid)."""
-    return _parse_lines(_split_lines(text)[0], path)[1]
+    """Every problem in hostfile ``text``, in file order (empty if valid).
+
+    Beyond what parsing rejects, two entries that are this machine by their
+    spelling alone (``localhost`` and ``127.0.0.1``) are a problem here: a
+    job selecting both refuses them, so ``dsrun hosts validate`` says so
+    without a network lookup (jobs check names and addresses too).
+    """
+    parsed, problems = _parse_lines(_split_lines(text)[0], path)
+    problems += _loopback_twice(parsed, path)
+    problems.sort(key=lambda p: (p.line, p.col))
+    return problems
+
+
+def _loopback_message(host: str, first: _Line) -> str:
+    return (f"host {host!r} is this machine, as {first.host!r} on line {first.number} is "
+            f"(both loopback): list this machine once")
+
+
+def _loopback_twice(parsed: Sequence[_Line], path: str) -> list[HostfileProblem]:
+    """The second and later entries that are loopback by their spelling."""
+    first: _Line | None = None
+    problems = []
+    for line in parsed:
+        if line.host is None or not is_loopback_spelling(line.host):
+            continue
+        if first is None:
+            first = line
+        elif host_key(line.host) != host_key(first.host):  # the same: a duplicate already
+            problems.append(HostfileProblem(path, line.number, line.host_col,
+                                            _loopback_message(line.host, first)))
+    return problems
 
 
 def _problems_error(problems: Sequence[HostfileProblem], prefix: str = "") -> HostfileError:
@@ -370,6 +410,11 @@ def add_host(text: str, host: str, slots: int, path: str = LOCAL_HOSTFILE) -> st
             f"{path}:{existing.number}: host {existing.host!r} is already listed "
             f"(slots={existing.slots}); use set-slots to change it"
         )
+    if is_loopback_spelling(host):
+        loopback = [p for p in parsed if p.host is not None and is_loopback_spelling(p.host)]
+        if loopback:
+            raise HostfileError(f"{path}:{loopback[0].number}: "
+                                f"{_loopback_message(host, loopback[0])}")
     end = len(lines)
     while end > 0 and not lines[end - 1].strip():
         end -= 1
@@ -378,11 +423,25 @@ def add_host(text: str, host: str, slots: int, path: str = LOCAL_HOSTFILE) -> st
 
 
 def remove_host(text: str, host: str, path: str = LOCAL_HOSTFILE) -> str:
-    """``text`` without the line of ``host`` (its trailing comment goes too)."""
+    """``text`` without the line of ``host`` (its trailing comment goes too).
+
+    The last host is not removed: a hostfile without hosts is refused by
+    every job, so the error says to delete the file instead.
+    """
     lines, newline, parsed = _checked_lines(text, path)
     line = _require_host(parsed, host, path)
+    if all(p.host is None or p is line for p in parsed):
+        raise HostfileError(
+            f"{line.host!r} is the last host of {path}, and a hostfile without hosts is "
+            f"refused by every job: delete {path} instead (jobs then run on this host "
+            f"only, unless another hostfile is found)")
     del lines[line.number - 1]
     return _join_lines(lines, newline)
+
+
+def written_host(text: str, host: str, path: str = LOCAL_HOSTFILE) -> str:
+    """``host`` as the hostfile ``text`` spells it (``Worker-1`` for ``worker-1``)."""
+    return _require_host(_checked_lines(text, path)[2], host, path).host or host
 
 
 def set_slots(text: str, host: str, slots: int, path: str = LOCAL_HOSTFILE) -> str:
@@ -421,6 +480,9 @@ def read_hostfile_text(path: str) -> str:
         with open(path, encoding="utf-8-sig", newline="") as handle:
             return handle.read()
     except FileNotFoundError:
+        if os.path.islink(path):
+            raise HostfileError(f"hostfile {path!r} is a symbolic link to "
+                                f"{os.readlink(path)!r}, which does not exist") from None
         raise HostfileError(f"hostfile {path!r} does not exist") from None
     except IsADirectoryError:
         raise HostfileError(f"hostfile {path!r} is a directory, not a file") from None
@@ -439,23 +501,50 @@ def load_hostfile(path: str) -> Hostfile:
 
 def default_hostfile_path(cwd: str) -> str | None:
     """``cwd/hostfile`` if it exists, else :data:`DEFAULT_JOB_HOSTFILE` if
-    it exists, else None."""
+    it exists, else None. Anything by that name counts (a directory, a
+    dangling symlink): :func:`resolve_hostfile` then says it was found
+    automatically, rather than silently running on this host only."""
     for candidate in (os.path.join(cwd, LOCAL_HOSTFILE), DEFAULT_JOB_HOSTFILE):
         if os.path.lexists(candidate):
             return candidate
     return None
 
 
+def is_no_hostfile(explicit: str | None, cwd: str = os.curdir) -> bool:
+    """Whether ``-H explicit`` is the explicit "no hostfile" (:data:`NO_HOSTFILE`)."""
+    return bool(explicit) and os.path.normpath(os.path.join(cwd, explicit)) == NO_HOSTFILE
+
+
+def _found_automatically(path: str, cwd: str) -> str:
+    """Why a hostfile that was not named with -H is used, for its errors."""
+    if path == DEFAULT_JOB_HOSTFILE:
+        return "the job hostfile, used when ./hostfile is absent"
+    return f"found automatically in the working directory {os.path.abspath(cwd)}"
+
+
 def resolve_hostfile(explicit: str | None, cwd: str) -> Hostfile | None:
     """The hostfile a job uses; None means a local job.
 
     A hostfile the user named must exist (relative paths are taken from
-    ``cwd``); there is no silent fallback. Otherwise ``cwd/hostfile``, then
-    :data:`DEFAULT_JOB_HOSTFILE`, each only when present.
+    ``cwd``); there is no silent fallback, except :data:`NO_HOSTFILE`, the
+    explicit "this host only". Otherwise ``cwd/hostfile``, then
+    :data:`DEFAULT_JOB_HOSTFILE`, each only when present; one of them that
+    cannot be read is an error saying it was found automatically.
     """
     if explicit is not None:
         if not explicit:
             raise HostfileError("the hostfile path is empty")
+        if is_no_hostfile(explicit, cwd):
+            return None
         return load_hostfile(os.path.join(cwd, explicit))
     found = default_hostfile_path(cwd)
-    return None if found is None else load_hostfile(found)
+    if found is None:
+        return None
+    try:
+        text = read_hostfile_text(found)
+    except HostfileError as exc:
+        raise HostfileError(
+            f"{exc} ({_found_automatically(found, cwd)}, not named with -H): move it "
+            f"away, name a hostfile with -H PATH, or pass -H {NO_HOSTFILE} to run on this "
+            f"host only") from None
+    return parse_hostfile(text, found)

@@ -85,6 +85,9 @@ def _explicit_path(ctx: click.Context) -> str | None:
 def _hostfile_path(ctx: click.Context, create: bool = False) -> str:
     """The hostfile a command works on (see the module docstring)."""
     explicit = _explicit_path(ctx)
+    if explicit is not None and hf.is_no_hostfile(explicit):
+        raise DsrunUsageError(f"-H {explicit} means no hostfile (a job then runs on this "
+                              f"host only): there is nothing to list or edit; name a hostfile")
     if explicit is not None:
         return explicit
     found = hf.default_hostfile_path(os.curdir)
@@ -221,6 +224,9 @@ def _edit(ctx: click.Context, change: Callable[[str, str], str],
     path = _hostfile_path(ctx, create=create)
     if not create and not os.path.lexists(path):
         raise HostfileError(f"hostfile {path!r} does not exist")
+    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+        # a device or pipe: the atomic replace would put a file in its place
+        raise HostfileError(f"hostfile {path!r} is not a regular file; refusing to edit it")
     with edit_lock(path):
         exists = os.path.lexists(path)
         text = hf.read_hostfile_text(path) if exists or not create else ""
@@ -286,9 +292,17 @@ def add(ctx: click.Context, host: str, slots: int, hostfile: str | None) -> None
 @click.pass_context
 @reports_errors
 def remove(ctx: click.Context, host: str, hostfile: str | None) -> None:
-    """Remove HOST (its line) from the hostfile."""
-    path, _ = _edit(ctx, lambda text, path: hf.remove_host(text, host, path))
-    click.echo(f"removed {host} from {path}")
+    """Remove HOST (its line) from the hostfile; not its last host (delete the
+    file instead)."""
+    written: list[str] = []
+
+    def change(text: str, path: str) -> str:
+        changed = hf.remove_host(text, host, path)
+        written.append(hf.written_host(text, host, path))
+        return changed
+
+    path, _ = _edit(ctx, change)
+    click.echo(f"removed {written[0]} from {path}")
 
 
 @hosts.command("set-slots")
@@ -299,8 +313,15 @@ def remove(ctx: click.Context, host: str, hostfile: str | None) -> None:
 @reports_errors
 def set_slots(ctx: click.Context, host: str, slots: int, hostfile: str | None) -> None:
     """Set the number of slots of HOST to SLOTS."""
-    path, _ = _edit(ctx, lambda text, path: hf.set_slots(text, host, slots, path))
-    click.echo(f"set {host} slots={slots} in {path}")
+    written: list[str] = []
+
+    def change(text: str, path: str) -> str:
+        changed = hf.set_slots(text, host, slots, path)
+        written.append(hf.written_host(text, host, path))
+        return changed
+
+    path, _ = _edit(ctx, change)
+    click.echo(f"set {written[0]} slots={slots} in {path}")
 
 
 @hosts.command("validate")

@@ -328,3 +328,63 @@ def test_format_text() -> None:
 def test_edits_refuse_an_invalid_file(edit) -> None:
     with pytest.raises(HostfileError, match=r"refusing to edit hf.*\nhf:2:9: slots must be"):
         edit("a slots=1\nb slots=x\n")
+
+
+# --------------------------------------------------------------------------
+# no hosts left, loopback twice, "no hostfile" and files found automatically
+
+
+def test_remove_the_last_host_is_refused_saying_to_delete_the_file() -> None:
+    with pytest.raises(HostfileError, match=r"'w' is the last host of hf, .*delete hf instead"):
+        remove_host("# only one\nw slots=2  # box\n", "W", "hf")
+    assert remove_host("a slots=1\nb slots=1\n", "a") == "b slots=1\n"
+
+
+def test_written_host_is_the_files_spelling() -> None:
+    assert hf.written_host(TEXT, "WORKER-1") == "worker-1"
+
+
+@pytest.mark.parametrize("first, second", [
+    ("localhost", "127.0.0.1"), ("127.0.0.1", "::1"), ("LocalHost", "127.1.2.3"),
+    ("::1", "localhost.localdomain")])
+def test_two_loopback_spellings_are_a_problem_and_add_refuses_them(first, second) -> None:
+    text = f"{first} slots=1\nw slots=1\n"
+    with pytest.raises(HostfileError, match=rf"hf:1: host '{second}' is this machine, as "
+                                            rf"'{first}' on line 1 is \(both loopback\)"):
+        add_host(text, second, 1, "hf")
+    problems = hostfile_problems(text + f"{second} slots=2\n", "hf")
+    assert [(p.line, p.col) for p in problems] == [(3, 1)]
+    assert "this machine" in problems[0].message
+    # jobs parse it (they refuse it when both are selected, with the cluster check)
+    assert len(parse_hostfile(text + f"{second} slots=2\n", "hf")) == 3
+
+
+def test_dev_null_is_the_explicit_no_hostfile(tmp_path, job_hostfile) -> None:
+    (tmp_path / "hostfile").write_text("worker-0 slots=2\n")
+    assert resolve_hostfile(os.devnull, str(tmp_path)) is None
+    assert hf.is_no_hostfile("/dev/../dev/null") and not hf.is_no_hostfile(None)
+    with pytest.raises(HostfileError, match="/none' does not exist"):
+        resolve_hostfile("none", str(tmp_path))  # a word is a file name, as any other
+
+
+@pytest.mark.parametrize("make, what", [
+    (lambda p: p.mkdir(), "is a directory, not a file"),
+    (lambda p: p.symlink_to("nowhere"), "is a symbolic link to 'nowhere', which does not exist"),
+])
+def test_unreadable_hostfile_found_automatically_says_so(tmp_path, job_hostfile, make,
+                                                         what) -> None:
+    make(tmp_path / "hostfile")
+    with pytest.raises(HostfileError) as info:
+        resolve_hostfile(None, str(tmp_path))
+    message = str(info.value)
+    assert what in message
+    assert f"found automatically in the working directory {tmp_path}, not named with -H" \
+        in message
+    assert "-H /dev/null to run on this host only" in message
+
+
+def test_unreadable_job_hostfile_names_it(tmp_path, job_hostfile) -> None:
+    job_hostfile.mkdir(parents=True)
+    with pytest.raises(HostfileError, match=r"is a directory, not a file \(the job hostfile, "
+                                            r"used when ./hostfile is absent"):
+        resolve_hostfile(None, str(tmp_path))

@@ -406,3 +406,46 @@ def test_host_with_a_port_says_ports_go_in_ssh_config():
                                         "--ssh_port)")
     assert host_problem("fe80::1") is None
     assert host_problem("a:b") == "not a valid IPv6 address"
+
+
+# --------------------------------------------------------------------------
+# the last host, the file's spelling, loopback twice, -H /dev/null
+
+
+def test_rm_of_the_last_host_is_refused_and_the_file_kept(workdir: Path) -> None:
+    assert invoke("add", "w", "--slots", "2").exit_code == 0
+    result = invoke("rm", "w")
+    assert result.exit_code == 2
+    assert result.stderr == ("dsrun: error: 'w' is the last host of ./hostfile, and a hostfile "
+                             "without hosts is refused by every job: delete ./hostfile instead "
+                             "(jobs then run on this host only, unless another hostfile is "
+                             "found)\n")
+    assert (workdir / "hostfile").read_text() == "w slots=2\n"
+    assert invoke("validate").exit_code == 0
+
+
+def test_rm_and_set_slots_name_the_host_as_the_file_spells_it(workdir: Path) -> None:
+    (workdir / "hostfile").write_text("worker-0 slots=1\nWorker-1 slots=2\n")
+    assert invoke("set-slots", "WORKER-1", "3").stdout == "set Worker-1 slots=3 in ./hostfile\n"
+    assert invoke("rm", "worker-1").stdout == "removed Worker-1 from ./hostfile\n"
+
+
+def test_add_and_validate_catch_this_machine_twice(workdir: Path) -> None:
+    path = workdir / "hostfile"
+    path.write_text("localhost slots=1\nw slots=1\n")
+    result = invoke("add", "127.0.0.1", "--slots", "1")
+    assert result.exit_code == 2
+    assert "host '127.0.0.1' is this machine, as 'localhost' on line 1 is" in result.stderr
+    path.write_text("localhost slots=1\n::1 slots=1\n")
+    result = invoke("validate")
+    assert result.exit_code == 1
+    assert result.stdout.startswith("./hostfile:2:1: host '::1' is this machine")
+
+
+@pytest.mark.parametrize("args", [["list"], ["add", "w", "--slots", "1"], ["rm", "w"],
+                                  ["validate"], ["fmt"]])
+def test_dev_null_is_no_hostfile_to_edit(workdir: Path, args: list[str]) -> None:
+    result = invoke("-H", os.devnull, *args)
+    assert result.exit_code == 2
+    assert "-H /dev/null means no hostfile" in result.stderr
+    assert not (workdir / "hostfile").exists()
