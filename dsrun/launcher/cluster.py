@@ -29,12 +29,19 @@ from typing import Any
 from dsrun.errors import DsrunUsageError, SelectionError
 from dsrun.launcher.backends import get_backend
 from dsrun.launcher.backends.base import Backend, HostPool, JobHandle
-from dsrun.launcher.devices import DeviceId, usable_cpu_list, usable_cpus, visible_devices
+from dsrun.launcher.devices import (
+    DeviceId,
+    usable_cpu_list,
+    usable_cpus,
+    visible_devices,
+    visible_devices_problem,
+)
 from dsrun.launcher.hostfile import (
     DEFAULT_JOB_HOSTFILE,
     HostEntry,
     Hostfile,
     host_problem,
+    is_no_hostfile,
     resolve_hostfile,
 )
 from dsrun.launcher.netinfo import is_local_host, is_loopback, own_addresses
@@ -113,6 +120,9 @@ def resolve_cluster(hs: HostsSpec, cwd: str) -> tuple[Cluster, Backend]:
         backend = get_backend("local" if all(here) else "ssh", hosts=hs)
     local = backend.local_hosts(hosts, hostname, addresses) if pool.named \
         else [False] * len(hosts)
+    problem = None if hs.cpu or not any(local) else visible_devices_problem()
+    if problem is not None:  # the ranks here would find no GPU
+        raise DsrunUsageError(problem)
     if sum(local) > 1:
         both = [h for h, is_local in zip(hosts, local) if is_local]
         raise SelectionError(f"hosts {both[0]} and {both[1]} in {pool.hostfile.path} are "
@@ -127,6 +137,8 @@ def describe_source(hs: HostsSpec, cluster: Cluster, cwd: str) -> str:
     """Where the job's hosts come from, for the start banner and --dry-run:
     the hostfile and why it was chosen, or that there is none (pure)."""
     source = cluster.source
+    if source == THIS_HOST and is_no_hostfile(hs.hostfile, cwd):
+        return f"no hostfile: this host only (-H {hs.hostfile})"
     if source == THIS_HOST:
         return (f"no hostfile: this host only (neither ./hostfile nor {DEFAULT_JOB_HOSTFILE} "
                 f"exists; -H names one)")

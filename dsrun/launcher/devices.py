@@ -45,17 +45,50 @@ def visible_devices(environ: Mapping[str, str] | None = None) -> tuple[DeviceId,
 def _parse_cvd(value: str, physical: int) -> tuple[DeviceId, ...]:
     """Devices from CUDA_VISIBLE_DEVICES, cut at the first invalid entry as
     CUDA does: indices below the physical count, and GPU/MIG UUIDs (when the
-    host has GPUs at all)."""
+    host has GPUs at all). A device named twice leaves none at all, as in
+    CUDA and torch (``torch.cuda._parse_visible_devices``: "Repeated ordinal
+    results in empty set"), so ``0,0`` is no GPU, not two ranks on GPU 0."""
+    ids, twice = _scan_cvd(value, physical)
+    return () if twice is not None else ids
+
+
+def repeated_device(value: str, physical: int) -> DeviceId | None:
+    """The first device CUDA_VISIBLE_DEVICES ``value`` names twice before
+    its cut, or None."""
+    return _scan_cvd(value, physical)[1]
+
+
+def _scan_cvd(value: str, physical: int) -> tuple[tuple[DeviceId, ...], DeviceId | None]:
+    """(the valid entries before the cut, the first of them named twice)."""
     ids: list[DeviceId] = []
     for part in value.split(","):
         part = part.strip()
         if re.fullmatch(r"\d+", part) and int(part) < max(physical, 0):
-            ids.append(int(part))
+            device: DeviceId = int(part)
         elif _UUID.fullmatch(part) and physical > 0:
-            ids.append(part)
+            device = part
         else:
             break
-    return tuple(ids)
+        if device in ids:
+            return tuple(ids), device
+        ids.append(device)
+    return tuple(ids), None
+
+
+def visible_devices_problem(environ: Mapping[str, str] | None = None) -> str | None:
+    """Why this host's CUDA_VISIBLE_DEVICES hides every GPU by mistake (a
+    device named twice), or None; hiding them on purpose (``''``, ``-1``)
+    is no problem."""
+    env = os.environ if environ is None else environ
+    value = env.get("CUDA_VISIBLE_DEVICES")
+    if value is None or env.get("DSRUN_FAKE_GPUS") is not None:
+        return None
+    twice = repeated_device(value, _physical_count())
+    if twice is None:
+        return None
+    return (f"CUDA_VISIBLE_DEVICES={value!r} names device {twice} twice, and CUDA (and torch) "
+            f"then see no GPU at all: list each device once, or set CUDA_VISIBLE_DEVICES='' "
+            f"(or pass --cpu) for CPU ranks")
 
 
 def _physical_count() -> int:

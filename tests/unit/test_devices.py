@@ -53,3 +53,43 @@ def test_uuid_devices_reach_the_ranks_as_uuids(monkeypatch):
     assert node.devices == ("GPU-aa", "GPU-cc")
     env = dict(rank_env(plan, node, node.ranks[1]).dsrun)
     assert env["CUDA_VISIBLE_DEVICES"] == "GPU-aa,GPU-cc"
+
+
+@pytest.mark.parametrize("cvd,physical,twice", [
+    ("0,0", 2, 0),
+    ("1,0,1", 2, 1),
+    (" 0, 00", 2, 0),   # the same ordinal, as CUDA's strtoul reads it
+    ("GPU-aa,GPU-bb,GPU-aa", 2, "GPU-aa"),
+    ("MIG-x1,MIG-x1", 1, "MIG-x1"),
+])
+def test_a_device_named_twice_leaves_no_device_as_in_torch(monkeypatch, cvd, physical, twice):
+    monkeypatch.setattr(devices, "_physical_count", lambda: physical)
+    env = {"CUDA_VISIBLE_DEVICES": cvd}
+    assert devices.visible_devices(env) == ()
+    assert devices.repeated_device(cvd, physical) == twice
+    problem = devices.visible_devices_problem(env)
+    assert problem == (f"CUDA_VISIBLE_DEVICES={cvd!r} names device {twice} twice, and CUDA "
+                       f"(and torch) then see no GPU at all: list each device once, or set "
+                       f"CUDA_VISIBLE_DEVICES='' (or pass --cpu) for CPU ranks")
+
+
+@pytest.mark.parametrize("cvd", ["", "-1", "0,x,0", "1,0"])
+def test_no_problem_when_no_device_is_repeated_before_the_cut(monkeypatch, cvd):
+    monkeypatch.setattr(devices, "_physical_count", lambda: 2)
+    assert devices.visible_devices_problem({"CUDA_VISIBLE_DEVICES": cvd}) is None
+
+
+def test_a_job_here_with_a_repeated_device_is_one_usage_error(tmp_path, monkeypatch):
+    from dsrun.errors import DsrunUsageError
+    from dsrun.launcher import hostfile as hf
+    from dsrun.launcher.cluster import resolve_cluster
+    from dsrun.launcher.spec import HostsSpec
+
+    monkeypatch.setattr(hf, "DEFAULT_JOB_HOSTFILE", str(tmp_path / "none"))
+    monkeypatch.setattr(devices, "_physical_count", lambda: 2)
+    monkeypatch.delenv("DSRUN_FAKE_GPUS", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,0")
+    with pytest.raises(DsrunUsageError, match="CUDA_VISIBLE_DEVICES='0,0' names device 0 twice"):
+        resolve_cluster(HostsSpec(), str(tmp_path))
+    cluster, _ = resolve_cluster(HostsSpec(cpu=True), str(tmp_path))  # --cpu: GPUs unused
+    assert cluster.slots == ((0, 1),)
