@@ -93,7 +93,15 @@ def _command_rows() -> list[tuple[str, str]]:
     return rows
 
 
-class RunCommand(click.Command):
+class AbbrevCommand(click.Command):
+    """A command that takes unique prefixes of its long options before its
+    first argument (``--num_gpu 2``), as DeepSpeed's argparse launcher does."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, cli_hints.expand_abbreviations(self, args, ctx))
+
+
+class RunCommand(AbbrevCommand):
     """``dsrun [OPTIONS] SCRIPT``: its help ends with the subcommands."""
 
     def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
@@ -328,7 +336,7 @@ def hosts_spec_from_params(params: dict[str, object]) -> HostsSpec:
     return HostsSpec(**params, ssh=ssh)  # type: ignore[arg-type]
 
 
-@click.command("doctor", context_settings={"help_option_names": HELP_OPTIONS})
+@click.command("doctor", cls=AbbrevCommand, context_settings={"help_option_names": HELP_OPTIONS})
 @host_options
 def doctor_command(**params: object) -> int:
     """Check every selected host before a launch: one line per host.

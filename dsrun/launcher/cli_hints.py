@@ -50,6 +50,69 @@ def leading_options(run: click.Command, args: Sequence[str]
     return found, list(args[i:])
 
 
+def _long_options(command: click.Command) -> dict[str, click.Option | None]:
+    """Every long spelling of ``command``'s options, in declaration order
+    (None: the help option, which click adds outside ``params``)."""
+    names: dict[str, click.Option | None] = {}
+    for param in command.params:
+        if isinstance(param, click.Option):
+            for opt in (*param.opts, *param.secondary_opts):
+                if opt.startswith("--"):
+                    names[opt] = param
+    for opt in HELP_OPTIONS:
+        if opt.startswith("--"):
+            names.setdefault(opt, None)
+    return names
+
+
+def _full_name(name: str, names: dict[str, click.Option | None],
+               ctx: click.Context | None) -> str:
+    """``name``, or the long option it is a unique prefix of (as argparse's
+    allow_abbrev); several options: a usage error listing every match."""
+    if name in names or len(name) < 3:
+        return name
+    matches = [opt for opt in names if opt.startswith(name)]
+    options = {id(names[opt]) for opt in matches}
+    if len(options) > 1:  # two spellings of one option are not ambiguous
+        raise click.UsageError(f"ambiguous option: {name} could match {', '.join(matches)}",
+                               ctx)
+    return matches[0] if matches else name
+
+
+def expand_abbreviations(command: click.Command, args: Sequence[str],
+                         ctx: click.Context | None = None) -> list[str]:
+    """``args`` with each abbreviated long option of ``command`` (a unique
+    prefix, ``--num_gpu 2``, ``--master_p=99``) written out, as DeepSpeed's
+    argparse parser accepts them. Only the options before the first word
+    that is not one (SCRIPT) or ``--`` are read: the script's own arguments
+    are never touched. A prefix of no option is left for click to report."""
+    names = _long_options(command)
+    out: list[str] = []
+    i = 0
+    while i < len(args) and args[i].startswith("-") and args[i] not in ("-", "--"):
+        word = args[i]
+        if word.startswith("--"):
+            name, eq, value = word.partition("=")
+            name = _full_name(name, names, ctx)
+            word, option, attached = name + eq + value, names.get(name), bool(eq)
+        else:  # a short option: -H PATH, -HPATH, -m
+            option, attached = _short_option(command, word[:2]), len(word) > 2
+        out.append(word)
+        i += 1
+        if option is not None and not (option.is_flag or option.count) and not attached \
+                and i < len(args):
+            out.append(args[i])  # its value, whatever it looks like
+            i += 1
+    return out + list(args[i:])
+
+
+def _short_option(command: click.Command, opt: str) -> click.Option | None:
+    for param in command.params:
+        if isinstance(param, click.Option) and opt in param.opts:
+            return param
+    return None
+
+
 def command_first(run: click.Command, load: Callable[[str], click.Command],
                   args: Sequence[str], command: str) -> str:
     """The message for CommandNotFirst, with the command line reordered:
@@ -162,7 +225,14 @@ def usage_hint(exc: click.ClickException, name: str | None) -> str:
 
 def message(exc: click.ClickException) -> str:
     """click's message, or for a DeepSpeed launcher flag what to do instead."""
-    if isinstance(exc, click.NoSuchOption) and exc.option_name in DEEPSPEED_ONLY_FLAGS:
-        return (f"No such option '{exc.option_name}' (a DeepSpeed launcher flag). "
-                f"{DEEPSPEED_ONLY_FLAGS[exc.option_name]}.")
+    if isinstance(exc, click.NoSuchOption):
+        name = exc.option_name
+        # DeepSpeed takes unique prefixes of its flags (argparse): so do the hints
+        flags = [name] if name in DEEPSPEED_ONLY_FLAGS else \
+            [f for f in DEEPSPEED_ONLY_FLAGS if name.startswith("--") and f.startswith(name)]
+        if len(flags) == 1:
+            flag = flags[0]
+            shown = "" if flag == name else f" = {flag}"
+            return (f"No such option '{name}' (a DeepSpeed launcher flag{shown}). "
+                    f"{DEEPSPEED_ONLY_FLAGS[flag]}.")
     return exc.format_message()

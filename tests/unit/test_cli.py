@@ -242,6 +242,21 @@ def test_dry_run_names_the_hostfile_it_uses(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out.splitlines()[0] == f"hostfile: {other} (-H)"
 
 
+def test_dev_null_runs_here_despite_a_hostfile_found_here(tmp_path, monkeypatch, capsys):
+    from dsrun.launcher import hostfile as hf
+
+    monkeypatch.setattr(hf, "DEFAULT_JOB_HOSTFILE", str(tmp_path / "no-job-hostfile"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hostfile").write_text("worker-0 slots=2\nworker-1 slots=2\n")
+    (tmp_path / "t.py").write_text("pass\n")
+    assert cli.main(["--dry-run", "--cpu", "-H", "/dev/null", "t.py"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "no hostfile: this host only (-H /dev/null)"
+    assert "worker-0" not in "\n".join(out)
+    assert cli.main(["--dry-run", "--cpu", "-H", "none", "t.py"]) == 2  # only /dev/null
+    assert "none' does not exist" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("launcher", ["ssh", "pdsh"])
 def test_ssh_launcher_without_a_hostfile_is_a_local_job(launcher, tmp_path, monkeypatch):
     """DeepSpeed's ``--launcher pdsh`` on one host runs locally: a shared
@@ -541,3 +556,53 @@ def test_mpi_backend_without_mpirun_or_srun_is_refused_before_anything_starts(
 def test_mpi_backend_is_taken_under_mpirun_and_srun(launcher):
     spec = cli.parse_spec(["--launcher", launcher, "--dist_backend", "mpi", "t.py"])
     assert spec.dist_backend == "mpi" and spec.backend in ("openmpi", "slurm")
+
+
+# --------------------------------------------------------------------------
+# abbreviated long options (DeepSpeed's argparse allow_abbrev)
+
+
+@pytest.mark.parametrize(("argv", "field", "value"), [
+    (["--num_gpu", "2", "t.py"], "num_gpus", 2),
+    (["--num_node", "1", "t.py"], "num_nodes", 1),
+    (["--master_p=1234", "t.py"], "master_port", 1234),
+    (["--num_acc", "3", "t.py"], "num_gpus", 3),
+    (["--dry", "t.py"], "dry_run", True),  # --dry-run and --dry_run: one option
+    (["-H", "--num_gpus", "--incl", "w", "t.py"], "hostfile", "--num_gpus"),  # a value
+    (["--env", "A=1", "--ssh_t", "4", "t.py"], "ssh", 4.0),
+])
+def test_unique_prefixes_of_long_options_are_taken(argv, field, value):
+    spec = cli.parse_spec(argv)
+    got = getattr(spec, field) if field != "ssh" else spec.ssh.timeout
+    assert got == value
+
+
+def test_prefixes_after_the_script_go_to_the_script_untouched():
+    spec = cli.parse_spec(["--num_gpu", "1", "t.py", "--num_gpu", "3", "--dry"])
+    assert spec.num_gpus == 1 and spec.script_args == ("--num_gpu", "3", "--dry")
+    spec = cli.parse_spec(["-m", "--", "pkg", "--num_gpu"])
+    assert spec.script == "pkg" and spec.script_args == ("--num_gpu",)
+
+
+@pytest.mark.parametrize(("argv", "matches"), [
+    (["--num", "2", "t.py"], "--num_nodes, --num-nodes, --num_gpus, --num-gpus, "
+                             "--num_accelerators, --num-accelerators"),
+    (["--local", "t.py"], "--local_rank_arg, --local-rank-arg"),
+])
+def test_ambiguous_prefixes_are_one_error_listing_the_candidates(argv, matches, capsys):
+    assert cli.main(argv) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"dsrun: error: ambiguous option: {argv[0]} could match {matches} "
+                    f"(see dsrun --help)")
+
+
+def test_doctor_takes_prefixes_too():
+    ctx = cli.doctor_command.make_context("dsrun doctor", ["--num_gpu", "1", "--ssh_t", "3"])
+    assert ctx.params["num_gpus"] == 1 and ctx.params["ssh_timeout"] == 3.0
+
+
+def test_a_prefix_of_a_deepspeed_only_flag_gets_its_advice(capsys):
+    assert cli.main(["--enable_each", "logs", "t.py"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("dsrun: error: No such option '--enable_each' (a DeepSpeed "
+                           "launcher flag = --enable_each_rank_log). DeepSpeed's")
