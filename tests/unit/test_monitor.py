@@ -155,7 +155,10 @@ def test_check_events_accepts_numbers_and_one_element_tensors() -> None:
     assert check_events([("a", 1, 3), ["b", OneElement(), 4]]) == [("a", 1.0, 3), ("b", 2.5, 4)]
     # bools are 0 and 1 (TensorBoard takes them), a one-element integer tensor is a step
     assert check_events([("a", True, IntElement())]) == [("a", 1.0, 7)]
+    # a whole float step (computed in floats) is taken, as DeepSpeed's writers take it
+    assert check_events([("x", 2.0, 5.0)]) == [("x", 2.0, 5)]
     for bad in [("a", 1.0), ("", 1.0, 1), ("a", "x", 1), ("a", 1.0, 1.5), ("a", 1.0, True),
+                ("a", 1.0, float("nan")), ("a", 1.0, float("inf")),
                 ("a", 1.0, OneElement()), "a,1,1"]:
         with pytest.raises(DsrunError, match="event 1 is"):
             check_events([("ok", 0.0, 0), bad])

@@ -41,6 +41,8 @@ def _as_number(value: Any) -> Optional[float]:
 def _as_step(step: Any) -> Optional[int]:
     if isinstance(step, numbers.Integral) and not isinstance(step, bool):
         return int(step)
+    if isinstance(step, numbers.Real) and math.isfinite(step) and float(step).is_integer():
+        return int(step)  # 5.0: DeepSpeed's writers take it (a step computed in floats)
     if hasattr(step, "numel") and hasattr(step, "item") and step.numel() == 1:
         item = step.item()  # a one-element integer tensor (engine.global_samples kept as one)
         return int(item) if isinstance(item, int) and not isinstance(item, bool) else None
@@ -58,7 +60,7 @@ def check_events(events: Iterable[Any]) -> list[Event]:
                 and at is not None):
             raise DsrunError(f"monitor.write_events: event {index} is {event!r}; each event "
                              "must be (name: str, value: number, bool or one-element tensor, "
-                             "step: int or one-element integer tensor)")
+                             "step: int, whole float or one-element integer tensor)")
         checked.append((name, number, at))
     return checked
 
