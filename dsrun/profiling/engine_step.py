@@ -163,7 +163,9 @@ class StepProfiler:
         root = self.profiler.module_stats()
         assert root is not None
         engine = self.engine
-        summary = Summary(step=engine.global_steps, world_size=engine.world_size,
+        # the profiled step is the configured one; global_steps has moved past it
+        step = self.config.profile_step
+        summary = Summary(step=step, world_size=engine.world_size,
                           dp_size=engine.dp_world_size, micro_batches=self._micro,
                           samples=self._samples, params=root.params, fwd_flops=root.flops,
                           fwd_macs=root.macs, bwd_flops=self.profiler.backward_flops,
@@ -171,7 +173,7 @@ class StepProfiler:
                           step_latency=step_s, stage=self.stage)
         cfg = self.config
         try:
-            self.profiler.print_model_profile(profile_step=engine.global_steps,
+            self.profiler.print_model_profile(profile_step=step,
                                               module_depth=cfg.module_depth,
                                               top_modules=cfg.top_modules, detailed=cfg.detailed,
                                               output_file=self.output_file, summary=summary)
@@ -179,8 +181,8 @@ class StepProfiler:
             log.error("flops profiler: cannot write %s: %s", self.output_file, exc)
         else:
             if self.output_file:
-                log.info("flops profiler: profile of step %d written to %s",
-                         engine.global_steps, self.output_file)
+                log.info("flops profiler: profile of step %d written to %s", step,
+                         self.output_file)
         finally:
             self.profiler.end_profile()
             self.done = True

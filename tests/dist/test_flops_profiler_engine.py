@@ -70,7 +70,7 @@ def test_profiles_the_configured_step_once(solo: None, tmp_path: Path, stage: in
     assert not any(hasattr(m, "__flops__") or hasattr(m, "__params__")
                    for m in model.modules())  # removed with the report (end_profile)
     report = out.read_text()
-    assert "Profile summary at step 3:" in report
+    assert "Profile Summary at step 2:" in report
     assert value(report, "micro-batches profiled") == "2"
     assert value(report, "samples per rank") == "8"
     assert value(report, "params per rank") == str(6 * 10 + 10 + 10 * 3 + 3)  # whole, at stage 3
@@ -97,8 +97,8 @@ def test_printed_to_stdout_without_output_file(solo: None,
     engine = build(0, profile_step=0, detailed=False)
     train(engine, 1)
     printed = capsys.readouterr().out
-    assert printed.count("dsrun flops profiler") == 1 and "detailed profile" not in printed
-    assert "Profile summary at step 1:" in printed
+    assert printed.count("DeepSpeed Flops Profiler") == 1 and "detailed profile" not in printed
+    assert "Profile Summary at step 0:" in printed
 
 
 def test_disabled_leaves_no_profiler(solo: None) -> None:

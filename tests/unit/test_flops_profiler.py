@@ -296,7 +296,7 @@ def test_get_model_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     text = get_model_profile(model, args=[torch.randn(3, 10)], module_depth=0)
     assert text == ("1.57 K", "720 MACs", "262")
     out = capsys.readouterr().out
-    assert "dsrun flops profiler" in out and "depth 0:" in out and "depth 1:" not in out
+    assert "DeepSpeed Flops Profiler" in out and "depth 0:" in out and "depth 1:" not in out
     assert "(model): Sequential(262 = 100.00% Params" in out and "  0: Linear" not in out
     report = tmp_path / "profile.txt"
     get_model_profile(model, kwargs={"input": torch.randn(3, 10)}, output_file=str(report),

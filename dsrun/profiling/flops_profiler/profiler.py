@@ -71,7 +71,8 @@ __all__ = [
     "number_to_string", "params_to_string",
 ]
 
-_HEADER = "-------------------------- dsrun flops profiler --------------------------"
+# DeepSpeed's banner and summary line, word for word: logs are grepped for them
+_HEADER = "-------------------------- DeepSpeed Flops Profiler --------------------------"
 _FOOTER = "-" * len(_HEADER)
 _NOTATION = (
     "Notations: number of parameters (params), multiply-accumulate operations (MACs),\n"
@@ -211,7 +212,7 @@ class FlopsProfiler:
             raise RuntimeError("nothing was profiled: call start_profile() and run the model "
                                "before printing the profile")
         summary = summary or self._forward_summary(profile_step)
-        lines = [_HEADER, f"Profile summary at step {summary.step}:", _NOTATION, "",
+        lines = [_HEADER, f"Profile Summary at step {summary.step}:", _NOTATION, "",
                  *summary_lines(summary), "", "----- aggregated profile per rank -----",
                  *aggregated_lines(self._root, module_depth, top_modules)]
         if detailed:
