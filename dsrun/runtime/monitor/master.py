@@ -39,7 +39,9 @@ def _as_number(value: Any) -> Optional[float]:
 
 
 def _as_step(step: Any) -> Optional[int]:
-    if isinstance(step, numbers.Integral) and not isinstance(step, bool):
+    if isinstance(step, bool):
+        return None
+    if isinstance(step, numbers.Integral):
         return int(step)
     if isinstance(step, numbers.Real) and math.isfinite(step) and float(step).is_integer():
         return int(step)  # 5.0: DeepSpeed's writers take it (a step computed in floats)
