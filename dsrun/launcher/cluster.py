@@ -38,9 +38,11 @@ from dsrun.launcher.devices import (
 )
 from dsrun.launcher.hostfile import (
     DEFAULT_JOB_HOSTFILE,
+    MAX_SLOTS,
     HostEntry,
     Hostfile,
     host_problem,
+    is_loopback_spelling,
     is_no_hostfile,
     resolve_hostfile,
 )
@@ -53,7 +55,7 @@ from dsrun.launcher.preflight import (
     evaluate,
     same_machines,
 )
-from dsrun.launcher.resources import select_resources
+from dsrun.launcher.resources import highest_slot, select_resources
 from dsrun.launcher.spec import DEFAULT_CPU_RANKS, HostsSpec
 
 THIS_HOST = "<this host>"
@@ -85,9 +87,12 @@ def this_host_pool(hs: HostsSpec, devices: Sequence[DeviceId], cpus: int,
     name = hostname if host_problem(hostname) is None else "localhost"
     if hs.include is not None or hs.exclude is not None:
         # slots: this host's GPUs, or on a host without any, one per usable
-        # CPU (CPU ranks; DeepSpeed with DS_ACCELERATOR=cpu runs these too)
-        return HostPool(Hostfile(THIS_HOST,
-                                 (HostEntry("localhost", len(devices) or max(cpus, 1), 0),)))
+        # CPU (CPU ranks; DeepSpeed with DS_ACCELERATOR=cpu runs these too);
+        # CPU slots named beyond those oversubscribe, as --num_gpus N does
+        named = highest_slot(hs.include)
+        count = len(devices) or min(max(cpus, 1, hs.num_gpus or 0,
+                                        -1 if named is None else named + 1), MAX_SLOTS)
+        return HostPool(Hostfile(THIS_HOST, (HostEntry(name, count, 0),)))
     if hs.num_nodes not in (None, 1):
         raise SelectionError(f"--num_nodes {hs.num_nodes} needs a hostfile: name one with "
                              f"-H/--hostfile (neither ./hostfile nor /job/hostfile exists)")
@@ -112,9 +117,12 @@ def resolve_cluster(hs: HostsSpec, cwd: str) -> tuple[Cluster, Backend]:
         if backend is not None and backend.hostfile_only:
             backend = None  # chosen below, as for any job on this host
     num_gpus = hs.num_gpus if hs.num_gpus is not None else pool.default_ranks
-    nodes = select_resources(pool.hostfile, hs.include, hs.exclude, hs.num_nodes, num_gpus)
-    hosts = tuple(n.host for n in nodes)
     hostname, addresses = socket.gethostname(), own_addresses()
+    this_host = None if pool.hostfile.path != THIS_HOST else \
+        (lambda host: is_local_host(host, hostname, addresses))
+    nodes = select_resources(pool.hostfile, hs.include, hs.exclude, hs.num_nodes, num_gpus,
+                             this_host)
+    hosts = tuple(n.host for n in nodes)
     if backend is None:
         here = [is_local_host(h, hostname, addresses) for h in hosts]
         backend = get_backend("local" if all(here) else "ssh", hosts=hs)
@@ -305,7 +313,15 @@ def master_peers(cluster: Cluster, backend: Backend) -> tuple[list[str], str | N
 def check_master(hs: HostsSpec, cluster: Cluster) -> None:
     """An explicit --master_addr or --master_port that cannot work on the
     master host is bad input; checked here when that host is this one (the
-    master's agent checks it on another host, in the probe)."""
+    master's agent checks it on another host, in the probe). A loopback
+    address with more than one host is refused wherever the master is: the
+    other hosts' ranks would dial their own machine."""
+    if hs.master_addr and len(cluster.hosts) > 1 and is_loopback_spelling(hs.master_addr):
+        raise DsrunUsageError(
+            f"--master_addr {hs.master_addr} is this machine's loopback, but the job runs on "
+            f"{len(cluster.hosts)} hosts: the ranks on {cluster.hosts[1]} would dial their own "
+            f"machine, not the master; give an address of {cluster.hosts[0]} that the other "
+            f"hosts reach, or leave --master_addr out")
     if not cluster.local[0]:
         return
     from dsrun.launcher.netinfo import master_addr_problem, port_problem

@@ -15,7 +15,7 @@ non-empty, ascending tuple of distinct slot indices below its slot count.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -114,8 +114,34 @@ def _known_hosts(hostfile: Hostfile, limit: int = 8) -> str:
     return f" (it has {shown}{more})"
 
 
-def _parse_filter(text: str, option: str, hostfile: Hostfile) -> list[_Part]:
-    """Check every part of an include/exclude string against the hostfile."""
+def _ipv6_slots_hint(host: str) -> str:
+    """For ``fe80::1:1`` (an IPv6 address, so taken whole): how to write
+    slot 1 of ``fe80::1``."""
+    base, _, last = host.rpartition(SLOT_LIST_START)
+    if host.count(SLOT_LIST_START) < 3 or not (last.isascii() and last.isdigit()) \
+            or not base or host_problem(base) is not None:
+        return ""
+    return f"; for slots of {base}, write [{base}]:{last}"
+
+
+def _unknown_host(where: str, host: str, hostfile: Hostfile, here: bool) -> SelectionError:
+    hint = _ipv6_slots_hint(host)
+    if hint and hostfile.get(host.rpartition(SLOT_LIST_START)[0]) is not None:
+        return SelectionError(f"{where}: unknown host {host!r} (an IPv6 address){hint}")
+    if here:  # the pool of a job without a hostfile: this host alone
+        return SelectionError(
+            f"{where}: unknown host {host!r}: without a hostfile the job runs on this host "
+            f"only, named {hostfile.hosts[0]!r}, 'localhost' or a loopback address "
+            f"(name a hostfile with -H for other hosts)")
+    return SelectionError(f"{where}: unknown host {host!r}, not in hostfile {hostfile.path}"
+                          + (did_you_mean(host, hostfile.hosts) or _known_hosts(hostfile)))
+
+
+def _parse_filter(text: str, option: str, hostfile: Hostfile,
+                  this_host: Callable[[str], bool] | None = None) -> list[_Part]:
+    """Check every part of an include/exclude string against the hostfile;
+    ``this_host`` (a job without a hostfile): whether a name is this machine,
+    so each of its names selects the one entry."""
     where = f"{option} {text!r}"
     if not text:
         raise SelectionError(f"{option} is empty")
@@ -124,11 +150,10 @@ def _parse_filter(text: str, option: str, hostfile: Hostfile) -> list[_Part]:
     for part in text.split(NODE_SEP):
         host, slot_text = _split_part(part, where)
         entry = hostfile.get(host)
+        if entry is None and this_host is not None and this_host(host):
+            entry = hostfile.entries[0]
         if entry is None:
-            raise SelectionError(
-                f"{where}: unknown host {host!r}, not in hostfile {hostfile.path}"
-                + (did_you_mean(host, hostfile.hosts) or _known_hosts(hostfile))
-            )
+            raise _unknown_host(where, host, hostfile, this_host is not None)
         key = host_key(entry.host)
         if key in seen:
             raise SelectionError(f"{where}: host {entry.host!r} is listed twice")
@@ -136,6 +161,19 @@ def _parse_filter(text: str, option: str, hostfile: Hostfile) -> list[_Part]:
         slots = None if slot_text is None else _parse_slot_list(slot_text, entry, part, where)
         parts.append((entry, slots))
     return parts
+
+
+def highest_slot(text: str | None) -> int | None:
+    """The highest slot index an include/exclude string names, or None
+    (loosely read: its errors are :func:`select_resources`' to report)."""
+    found: list[int] = []
+    for part in (text or "").split(NODE_SEP):
+        try:
+            slot_text = _split_part(part, "")[1]
+        except SelectionError:
+            continue
+        found += [int(i) for i in (slot_text or "").split(SLOT_SEP) if i.isascii() and i.isdigit()]
+    return max(found, default=None)
 
 
 def _include(hostfile: Hostfile, parts: list[_Part]) -> list[NodeResources]:
@@ -194,12 +232,15 @@ def select_resources(
     exclude: str | None = None,
     num_nodes: int | None = None,
     num_gpus: int | None = None,
+    this_host: Callable[[str], bool] | None = None,
 ) -> tuple[NodeResources, ...]:
     """The hosts and slots a job runs on; SelectionError naming the bad part.
 
     ``None`` means "not given"; an empty include/exclude string is an error.
     include and exclude are mutually exclusive; num_nodes and num_gpus apply
-    after them, in that order.
+    after them, in that order. ``this_host``: given for the one-entry pool
+    of a job without a hostfile, whether a name in a filter is this machine
+    (its name, ``localhost``, a loopback address: all select the entry).
     """
     if include is not None and exclude is not None:
         raise SelectionError("--include and --exclude are mutually exclusive")
@@ -207,10 +248,10 @@ def select_resources(
         raise SelectionError(f"hostfile {hostfile.path} defines no hosts")
     context = f" in hostfile {hostfile.path}"
     if include is not None:
-        nodes = _include(hostfile, _parse_filter(include, "--include", hostfile))
+        nodes = _include(hostfile, _parse_filter(include, "--include", hostfile, this_host))
         context = f" after --include {include!r}"
     elif exclude is not None:
-        nodes = _exclude(hostfile, _parse_filter(exclude, "--exclude", hostfile))
+        nodes = _exclude(hostfile, _parse_filter(exclude, "--exclude", hostfile, this_host))
         context = f" after --exclude {exclude!r}"
         if not nodes:
             raise SelectionError(f"--exclude {exclude!r} leaves no slots to run on")

@@ -286,3 +286,25 @@ def test_rank_map_names_a_host_listed_by_address_by_its_name_too():
                       python="/py", cwd="/", master=("10.0.0.11", 29500))
     assert [line.split(":")[0].strip() for line in describe(plan)[1:]] == \
         ["node1", "10.0.0.13 (node3)", "node2.example"]
+
+
+@pytest.mark.parametrize("hs, devices, cpus, host, slots", [
+    (HostsSpec(include="localhost:1"), (), 4, "here", (1,)),      # the plan's name
+    (HostsSpec(include="localhost:0,1,2"), (), 2, "here", (0, 1, 2)),  # as --num_gpus 3
+    (HostsSpec(include="localhost", num_gpus=3), (), 2, "here", (0, 1, 2)),
+    (HostsSpec(include="localhost"), (), 3, "here", (0, 1, 2)),   # one per usable CPU
+    (HostsSpec(exclude="localhost:0"), (), 3, "here", (1, 2)),
+    (HostsSpec(include="localhost:1"), (0, 1), 8, "here", (1,)),
+])
+def test_filters_without_a_hostfile(hs, devices, cpus, host, slots):
+    pool = this_host_pool(hs, devices, cpus, "here")
+    (node,) = select_resources(pool.hostfile, hs.include, hs.exclude, num_gpus=hs.num_gpus,
+                               this_host=lambda h: h in ("here", "localhost"))
+    assert (node.host, node.slots) == (host, slots)
+
+
+def test_gpu_slots_named_beyond_the_gpus_are_an_error():
+    hs = HostsSpec(include="localhost:2")
+    pool = this_host_pool(hs, (0, 1), 8, "here")
+    with pytest.raises(DsrunUsageError, match="slot 2 is out of range for host 'here'"):
+        select_resources(pool.hostfile, hs.include, this_host=lambda h: True)

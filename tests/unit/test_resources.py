@@ -122,3 +122,43 @@ def test_node_resources_invariants() -> None:
     for bad in [(), (1, 0), (0, 0), (-1,)]:
         with pytest.raises(SelectionError):
             NodeResources("a", bad)
+
+
+# --------------------------------------------------------------------------
+# the pool of a job without a hostfile; IPv6 slot hint
+
+
+def test_this_hosts_names_select_the_one_entry_without_a_hostfile():
+    from dsrun.launcher.cluster import THIS_HOST
+    from dsrun.launcher.hostfile import HostEntry
+
+    pool = Hostfile(THIS_HOST, (HostEntry("vm", 4, 0),))
+    here = {"vm", "localhost", "127.0.0.1", "::1"}.__contains__
+    for name in ("vm", "localhost", "127.0.0.1", "[::1]"):
+        assert picked(select_resources(pool, include=f"{name}:1,3", this_host=here)) == \
+            {"vm": (1, 3)}
+        assert picked(select_resources(pool, exclude=f"{name}:0", this_host=here)) == \
+            {"vm": (1, 2, 3)}
+    with pytest.raises(SelectionError) as info:
+        select_resources(pool, include="other:0", this_host=here)
+    assert str(info.value) == (
+        "--include 'other:0': unknown host 'other': without a hostfile the job runs on this "
+        "host only, named 'vm', 'localhost' or a loopback address (name a hostfile with -H "
+        "for other hosts)")
+    with pytest.raises(SelectionError, match="host 'vm' is listed twice"):
+        select_resources(pool, include="localhost:0@vm:1", this_host=here)
+
+
+def test_a_bare_ipv6_address_with_a_slot_suffix_gets_the_bracket_hint():
+    with pytest.raises(SelectionError) as info:
+        select_resources(HOSTS, include="fe80::1:1")
+    assert str(info.value) == ("--include 'fe80::1:1': unknown host 'fe80::1:1' (an IPv6 "
+                               "address); for slots of fe80::1, write [fe80::1]:1")
+
+
+@pytest.mark.parametrize("text, highest", [
+    (None, None), ("h", None), ("h:0,7@g:3", 7), ("[::1]:2", 2), ("h:x,4", 4), ("h:", None)])
+def test_highest_slot(text, highest):
+    from dsrun.launcher.resources import highest_slot
+
+    assert highest_slot(text) == highest
