@@ -330,24 +330,39 @@ def spec_from_params(params: dict[str, object]) -> LaunchSpec:
 
 
 def hosts_spec_from_params(params: dict[str, object]) -> HostsSpec:
-    params = dict(params)
+    """The HostsSpec of the host options among ``params`` (others ignored)."""
+    names = {p.name for p in host_options(lambda: None).__click_params__}  # type: ignore
+    params = {k: v for k, v in params.items() if k in names}
     ssh = _ssh_options(params)
     _tool_args(params)
     return HostsSpec(**params, ssh=ssh)  # type: ignore[arg-type]
 
 
-@click.command("doctor", cls=AbbrevCommand, context_settings={"help_option_names": HELP_OPTIONS})
-@host_options
-def doctor_command(**params: object) -> int:
+def _doctor(**params: object) -> int:
     """Check every selected host before a launch: one line per host.
 
     Checks SSH reachability, the Python interpreter, dsrun and torch versions
     (equal to this host's), the working directory, devices >= slots, that
-    the master port is free and that every host reaches it.
+    the master port is free and that every host reaches it. Takes the job's
+    own command line (dsrun doctor [OPTIONS] [SCRIPT [ARGS...]]): with
+    SCRIPT, it must be present here and on every host; options that do not
+    choose the hosts are accepted and not used.
     """
     from dsrun.launcher import doctor
 
-    return doctor.run_doctor(hosts_spec_from_params(params), os.getcwd())
+    if params["script"] is None:
+        return doctor.run_doctor(hosts_spec_from_params(params), os.getcwd())
+    spec = spec_from_params(params)
+    return doctor.run_doctor(spec.hosts, os.getcwd(), job=spec)
+
+
+#: ``dsrun doctor``: the run command's options (not --version), SCRIPT optional.
+doctor_command = AbbrevCommand(
+    "doctor", context_settings=CONTEXT, callback=_doctor, help=_doctor.__doc__,
+    params=[*(p for p in run_command.params if p.name not in ("version", "script",
+                                                               "script_args")),
+            click.Argument(["script"], required=False),
+            click.Argument(["script_args"], nargs=-1, type=click.UNPROCESSED)])
 
 
 @click.command("stack", context_settings={"help_option_names": HELP_OPTIONS})

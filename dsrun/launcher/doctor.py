@@ -13,16 +13,24 @@ import uuid
 
 import click
 
-from dsrun.launcher.cluster import here_facts, probe_cluster, resolve_cluster
+from dsrun.launcher.cluster import check_master, here_facts, probe_cluster, resolve_cluster
 from dsrun.launcher.envpolicy import JobEnv
 from dsrun.launcher.plan import build_plan
 from dsrun.launcher.preflight import PreflightFailed
 from dsrun.launcher.spec import HostsSpec, LaunchSpec
 
 
-def run_doctor(hs: HostsSpec, cwd: str, echo=click.echo) -> int:  # noqa: ANN001 - click.echo
-    """``dsrun doctor``: one line per host; 0 when every host passes."""
+def run_doctor(hs: HostsSpec, cwd: str, echo=click.echo,  # noqa: ANN001 - click.echo
+               job: LaunchSpec | None = None) -> int:
+    """``dsrun doctor``: one line per host; 0 when every host passes.
+    ``job``: the job's whole command line was given; its script is checked
+    here, as a launch checks it, and on every host by the probe."""
+    from dsrun.launcher.launch import check_script, probed_script
+
+    if job is not None:
+        check_script(job)
     cluster, backend = resolve_cluster(hs, cwd)
+    check_master(hs, cluster)
     echo(f"checking {len(cluster.hosts)} host(s) from {cluster.source} "
          f"(launcher: {cluster.launcher}, working directory {cwd})")
     # The agents need a plan to be started by mpirun/srun; it runs nothing.
@@ -35,7 +43,8 @@ def run_doctor(hs: HostsSpec, cwd: str, echo=click.echo) -> int:  # noqa: ANN001
     try:
         if not cluster.named:
             cluster = cluster.renamed([handle.channels[i].host for i in handle.leaders])
-        outcome = probe_cluster(handle, cluster, backend, hs, versions=True)
+        outcome = probe_cluster(handle, cluster, backend, hs, versions=True,
+                                script=None if job is None else probed_script(job))
     finally:
         handle.close()
     for line in outcome.lines():

@@ -508,8 +508,8 @@ def test_an_option_before_a_command_name_says_commands_come_first(capsys, tmp_pa
     (["--num_gpus=2", "-H", "hf", "--cpu", "hosts", "list"], "`dsrun hosts -H hf list`",
      "--num_gpus, --cpu"),
     (["--num_gpus", "2", "stack"], "`dsrun stack`", "--num_gpus"),
-    (["--launcher", "openmpi", "--log_dir", "d", "doctor"],
-     "`dsrun doctor --launcher openmpi`", "--log_dir"),
+    (["--launcher", "openmpi", "--log_dir", "d", "doctor"],  # doctor takes a job's options
+     "`dsrun doctor --launcher openmpi --log_dir d`", None),
     (["--cpu", "-Hhf", "run", "x.py", "--num_gpus", "1"],
      "`dsrun run --cpu -Hhf x.py --num_gpus 1`", None),
 ])

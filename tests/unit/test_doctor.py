@@ -170,9 +170,13 @@ def test_include_without_hostfile_on_a_cpu_host(tmp_path, capsys, script, monkey
     assert "ranks [0,1]  local ranks [0,1]  devices [cpu]" in capsys.readouterr().out
     assert cli.main(["--dry-run", "--exclude", "localhost:3", script]) == 0
     assert "ranks [0,1,2]  local ranks [0,1,2]  devices [cpu]" in capsys.readouterr().out
-    code, err = _main_err(capsys, ["--include", "localhost:4", script])
-    assert code == 2 and "slot 4 is out of range for host 'localhost', which has 4 slots " \
-        "(0-3)" in err[0]
+    # naming slots beyond the CPUs oversubscribes, as --num_gpus 6 does
+    assert cli.main(["--dry-run", "--include", "localhost:0,5", script]) == 0
+    assert "ranks [0,1]  local ranks [0,1]  devices [cpu]" in capsys.readouterr().out
+    assert cli.main(["--dry-run", "--include", "localhost", "--num_gpus", "6", script]) == 0
+    assert "ranks [0,1,2,3,4,5]  local" in capsys.readouterr().out
+    code, err = _main_err(capsys, ["--include", "localhost:1024", script])
+    assert code == 2 and "slot 1024 is out of range for host" in err[0]
 
 
 def test_one_machine_listed_twice_is_refused_naming_both():
@@ -196,3 +200,36 @@ def test_a_script_missing_on_a_host_fails_its_preflight():
     ok = evaluate("n2", {**FACTS, "script": None}, None, EXPECT, (0,), "worker", MASTER,
                   script="train.py")
     assert ok.ok()
+
+
+def test_a_loopback_master_addr_with_another_host_is_refused(tmp_path, capsys, script,
+                                                              monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    hostfile = tmp_path / "hf"
+    hostfile.write_text("localhost slots=1\nfar-a slots=1\n")
+    for command in (["--dry-run"], ["doctor"]):
+        for addr in ("127.0.0.1", "localhost", "::1"):
+            argv = [*command, "-H", str(hostfile), "--cpu", "--master_addr", addr]
+            code, err = _main_err(capsys, argv + ([script] if command[0] != "doctor" else []))
+            assert code == 2 and err == [
+                f"dsrun: error: --master_addr {addr} is this machine's loopback, but the job "
+                f"runs on 2 hosts: the ranks on far-a would dial their own machine, not the "
+                f"master; give an address of localhost that the other hosts reach, or leave "
+                f"--master_addr out"]
+    # one host: loopback is right
+    argv = ["--dry-run", "-H", str(hostfile), "--include", "localhost", "--cpu",
+            "--master_addr", "127.0.0.1", script]
+    assert cli.main(argv) == 0
+
+
+def test_doctor_takes_the_jobs_command_line_and_checks_its_script(tmp_path, capsys,
+                                                                   monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("dsrun.launcher.hostfile.DEFAULT_JOB_HOSTFILE", str(tmp_path / "x"))
+    code, err = _main_err(capsys, ["doctor", "--cpu", "--log_dir", "logs", "missing.py",
+                                   "--lr", "1"])
+    assert code == 2 and err == ["dsrun: error: script 'missing.py' does not exist"]
+    ctx = cli.doctor_command.make_context(
+        "dsrun doctor", ["--num_gpus", "1", "--max_restarts", "2", "t.py", "--num_gpus", "3"])
+    assert ctx.params["script"] == "t.py" and ctx.params["script_args"] == ("--num_gpus", "3")
+    assert cli.hosts_spec_from_params(ctx.params).num_gpus == 1
