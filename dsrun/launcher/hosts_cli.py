@@ -198,6 +198,14 @@ def edit_lock(path: str) -> Iterator[None]:
         os.close(fd)
 
 
+def _starts_with_bom(path: str) -> bool:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(3) == b"\xef\xbb\xbf"
+    except OSError:  # read_hostfile_text has said why already
+        return False
+
+
 def _plural(count: int, word: str) -> str:
     return f"{count} {word}{'' if count == 1 else 's'}"
 
@@ -358,7 +366,8 @@ def fmt(ctx: click.Context, check: bool, hostfile: str | None) -> None:
     with contextlib.nullcontext() if check else edit_lock(path):
         text = hf.read_hostfile_text(path)
         formatted = hf.format_text(text, path)
-        if formatted == text:
+        bom = _starts_with_bom(path)  # read_hostfile_text drops it; fmt writes none
+        if formatted == text and not bom:
             click.echo(f"{path} is already formatted")
             return
         if check:
@@ -366,7 +375,8 @@ def fmt(ctx: click.Context, check: bool, hostfile: str | None) -> None:
                 text.splitlines(keepends=True), formatted.splitlines(keepends=True), path, path
             )
             click.echo("".join(diff), nl=False)
-            click.echo(f"{path} would be reformatted")
+            why = " (it starts with a UTF-8 byte-order mark)" if bom else ""
+            click.echo(f"{path} would be reformatted{why}")
             ctx.exit(1)
         write_text_atomic(path, formatted)
     click.echo(f"formatted {path}")

@@ -449,3 +449,15 @@ def test_dev_null_is_no_hostfile_to_edit(workdir: Path, args: list[str]) -> None
     assert result.exit_code == 2
     assert "-H /dev/null means no hostfile" in result.stderr
     assert not (workdir / "hostfile").exists()
+
+
+def test_fmt_check_flags_a_byte_order_mark_and_fmt_drops_it(workdir: Path) -> None:
+    path = workdir / "hostfile"
+    path.write_bytes(b"\xef\xbb\xbfworker-0 slots=2\n")
+    result = invoke("fmt", "--check")
+    assert result.exit_code == 1
+    assert result.stdout.endswith("./hostfile would be reformatted (it starts with a UTF-8 "
+                                  "byte-order mark)\n")
+    assert invoke("fmt").stdout == "formatted ./hostfile\n"
+    assert path.read_bytes() == b"worker-0 slots=2\n"
+    assert invoke("fmt", "--check").stdout == "./hostfile is already formatted\n"
