@@ -461,3 +461,13 @@ def test_fmt_check_flags_a_byte_order_mark_and_fmt_drops_it(workdir: Path) -> No
     assert invoke("fmt").stdout == "formatted ./hostfile\n"
     assert path.read_bytes() == b"worker-0 slots=2\n"
     assert invoke("fmt", "--check").stdout == "./hostfile is already formatted\n"
+
+
+@pytest.mark.timeout(10)  # reading the FIFO, as before, waits for a writer forever
+def test_an_edit_never_replaces_a_fifo_or_device(workdir: Path) -> None:
+    fifo = workdir / "pipe"
+    os.mkfifo(fifo)
+    result = invoke("-H", str(fifo), "add", "w", "--slots", "1")
+    assert result.exit_code == 2
+    assert "is not a regular file; refusing to edit it" in result.stderr
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
