@@ -444,7 +444,15 @@ def test_add_and_validate_catch_this_machine_twice(workdir: Path) -> None:
 
 @pytest.mark.parametrize("args", [["list"], ["add", "w", "--slots", "1"], ["rm", "w"],
                                   ["validate"], ["fmt"]])
-def test_dev_null_is_no_hostfile_to_edit(workdir: Path, args: list[str]) -> None:
+def test_dev_null_is_no_hostfile_to_edit(workdir: Path, args: list[str],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from dsrun.launcher import hosts_cli
+
+    def refuse(*_: object, **__: object) -> None:
+        # as root, a regression here would replace the machine's /dev/null
+        raise AssertionError("hosts tried to write -H /dev/null")
+
+    monkeypatch.setattr(hosts_cli, "AtomicFile", refuse)
     result = invoke("-H", os.devnull, *args)
     assert result.exit_code == 2
     assert "-H /dev/null means no hostfile" in result.stderr
