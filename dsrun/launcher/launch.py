@@ -403,7 +403,7 @@ def _attempt(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv,
     finally:
         suspension.handle = None
         console.end_progress()
-    return replace(result, clock=socket.gethostname(), restarts=restart)
+    return replace(result, clock=socket.gethostname(), restarts=restart, launcher=backend.name)
 
 
 def _check_preflight(spec: LaunchSpec, outcome: ProbeOutcome) -> None:
@@ -470,9 +470,14 @@ def attempt_line(result: JobResult, restart: int, then: str) -> str:
     cause = result.root_cause
     if cause is None:
         return f"attempt {restart + 1} failed; {then}"
+    trigger = result.trigger
+    early = ""
+    if trigger is not None:  # name the early exit, then show what failed after it
+        early = f"rank {cause.rank} exited with status 0 early, the likely cause; then "
+        cause = trigger
     who = f"on rank {cause.rank}" if cause.rank is not None else f"on host {cause.host}"
     said = cause.summary()
-    return (f"attempt {restart + 1} failed ({cause.cause()} {who})"
+    return (f"attempt {restart + 1} failed ({early}{cause.cause()} {who})"
             f"{': ' + said if said else ''}; {then}")
 
 

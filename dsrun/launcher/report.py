@@ -21,12 +21,15 @@ by a signal, or with an error of its own), and is counted as a consequence.
 
 A rank that ends with status 0 while others still run is no failure by
 itself (``JobResult.early_exits`` keeps them), but it is the likely cause
-when the job then fails only by losing a peer (the others still expected
-it in a collective), or by a stop signal to node agents within
-:data:`EARLY_EXIT_WINDOW` seconds after it: mpirun stops the job when one of
-its ranks ends without ``MPI_Finalize`` (orted signals the agents), as a
-Slurm MPI step may. The report then names that rank, and the job exits 1,
-as mpirun does.
+when, within :data:`EARLY_EXIT_WINDOW` seconds after it, the job fails only
+by losing a peer (the others still expected it in a collective) or by a
+stop signal to node agents: mpirun stops the job when one of its ranks ends
+without ``MPI_Finalize`` (orted signals the agents). Only that close: a
+"connection reset by peer" an hour later may be any socket of the script's
+own (an upload), not the rank that left. The report then names that rank
+as the likely cause, still shows the failure that followed (its traceback
+and output), and the job exits 1, as mpirun does. An early exit further
+back is only mentioned next to a peer loss, never blamed.
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ TIMEOUT_EXIT = 124
 #: that caused it (the agents' wake-ups on a loaded host, a network hop).
 PEER_WINDOW = 5.0
 #: Seconds after a rank's early exit with status 0 within which a stop
-#: signal to the node agents is taken as the launching tool's reaction to it
-#: (mpirun stops a job at once when a rank ends without MPI_Finalize).
+#: signal to the node agents, or another rank's peer loss, is taken as a
+#: consequence of it (mpirun stops a job at once when a rank ends without
+#: MPI_Finalize; a collective waiting on the rank fails at once).
 EARLY_EXIT_WINDOW = 5.0
 #: What the error of a rank that lost a peer says (lower case): gloo's
 #: "Connection reset/closed by peer", a write into a closed socket, the c10d
@@ -172,10 +176,20 @@ class JobResult:
     #: Ranks that exited with status 0 before the job was being stopped
     #: (module docstring: they may be why it was).
     early_exits: tuple[RankFailure, ...] = ()
+    #: The backend's name (``openmpi``, ...): the report's wording of a stop
+    #: signal after an early exit names mpirun only under mpirun.
+    launcher: str = ""
 
     @property
     def root_cause(self) -> RankFailure | None:
         return root_cause(self.failures, self.early_exits)
+
+    @property
+    def trigger(self) -> RankFailure | None:
+        """The failure that an early exit (the root cause) explains: the one
+        the report shows after it; None when the root cause is no early exit."""
+        cause = self.root_cause
+        return root_cause(self.failures) if cause is not None and cause.early_exit else None
 
     @property
     def exit_code(self) -> int:
@@ -217,17 +231,16 @@ def root_cause(failures: Sequence[RankFailure],
 
 def _early_exit_cause(first: RankFailure,
                       early_exits: Sequence[RankFailure]) -> RankFailure | None:
-    """The earliest early exit that explains ``first``, or None: any before a
-    peer loss (or up to PEER_WINDOW after it: the loss may be stamped first),
-    or one at most EARLY_EXIT_WINDOW before a stop signal to a node agent."""
-    if first.peer_loss:
-        causes = [e for e in early_exits if _order(e) <= _order(first)
-                  or _within(first, e, PEER_WINDOW)]
-    elif first.signalled:
-        causes = [e for e in early_exits if _order(e) <= _order(first)
-                  and _within(e, first, EARLY_EXIT_WINDOW)]
-    else:
+    """The earliest early exit that explains ``first``, or None: one at most
+    EARLY_EXIT_WINDOW before a peer loss or a stop signal to a node agent
+    (for a peer loss also up to PEER_WINDOW after it: the loss may be
+    stamped first)."""
+    if not (first.peer_loss or first.signalled):
         return None
+    causes = [e for e in early_exits
+              if (_order(e) <= _order(first) and _within(e, first, EARLY_EXIT_WINDOW))
+              or (first.peer_loss and _order(e) > _order(first)
+                  and _within(first, e, PEER_WINDOW))]
     return min(causes, key=_order) if causes else None
 
 
@@ -256,16 +269,18 @@ def report_lines(result: JobResult) -> list[str]:
         lines = [f"job failed: node agent on host {cause.host} {cause.cause()}; it stopped "
                  f"its ranks"]
     elif cause.early_exit:
-        lines = [f"job failed: {_who(cause)} {cause.cause()}"]
+        lines = [f"job failed: {_who(cause)} {cause.cause()} (the likely cause)"]
     else:
         lines = [f"job failed: {_who(cause)} failed first: {cause.cause()}"]
-    trigger = root_cause(result.failures) if cause.early_exit else None
-    if cause.early_exit:
-        lines.extend(_after_early_exit(cause, trigger))
+    trigger = result.trigger
     lines.extend(_error_lines(cause))
+    if trigger is not None:  # what followed, with its own traceback and output
+        lines.extend(_after_early_exit(cause, trigger, result.launcher))
+        lines.extend(_error_lines(trigger))
     if cause.peer_loss:
         lines.append("(this rank lost a peer, and no other failure was reported close to it: "
                      "look for a host or process that went away)")
+        lines.extend(_earlier_exits(cause, result.early_exits))
     # ranks only: with one agent per rank (mpirun, srun) every signalled agent
     # leaves a record of its own besides its rank's
     others = [f for f in result.failures
@@ -289,23 +304,38 @@ def report_lines(result: JobResult) -> list[str]:
     return lines
 
 
-def _after_early_exit(cause: RankFailure, trigger: RankFailure | None) -> list[str]:
+def _after_early_exit(cause: RankFailure, trigger: RankFailure, launcher: str) -> list[str]:
     """What followed the early exit that is the root cause: the failure it
     explains (``trigger``: a stop signal to an agent, or a rank's peer loss)."""
-    if trigger is None:
-        return []
     later = ""
     if cause.seen is not None and trigger.seen is not None:
         later = f", {max(trigger.seen - cause.seen, 0.0):.1f}s later"
     if trigger.signalled:
+        why = ("mpirun stops the job when one of its ranks ends without calling MPI_Finalize "
+               "(an MPI program must call it before any rank exits)") \
+            if launcher == "openmpi" else \
+            (f"taken as the reaction to that exit, which came at most "
+             f"{EARLY_EXIT_WINDOW:g}s before; if the signal was sent for another reason "
+             f"(scancel, a preemption, kill), that is the cause")
         return [f"then{later}, the node agent on host {trigger.host} got "
-                f"{signal_name(trigger.signal or 0)} and stopped its ranks: mpirun stops the "
-                f"job when one of its ranks ends without calling MPI_Finalize (an MPI program "
-                f"must call it before any rank exits)"]
+                f"{signal_name(trigger.signal or 0)} and stopped its ranks: {why}"]
     kind = (trigger.error or {}).get("exc_type")
     return [f"then{later}, {_who(trigger)} failed{f' ({kind})' if kind else ''}: it lost its "
             f"connection to a peer (a rank that ends while the others still expect it in a "
             f"collective makes them fail)"]
+
+
+def _earlier_exits(cause: RankFailure, early_exits: Sequence[RankFailure]) -> list[str]:
+    """A note on ranks that had exited with status 0 before the peer loss
+    ``cause``, too long before to be blamed (module docstring)."""
+    before = [e for e in early_exits if _order(e) <= _order(cause)]
+    if not before:
+        return []
+    first = min(before, key=_order)
+    ago = f" {cause.seen - first.seen:.1f}s" if cause.seen is not None \
+        and first.seen is not None else ""
+    return [f"(note: {_who(first)} had exited with status 0{ago} before; if this rank still "
+            f"expected it in a collective, that exit is the cause)"]
 
 
 def _who(cause: RankFailure) -> str:

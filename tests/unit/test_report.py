@@ -194,15 +194,15 @@ def test_mpirun_stopping_the_job_after_an_early_exit_names_that_rank():
                                           "age": 0.0, "_recv": 10.0,
                                           "tail": ["rank 1 leaving"]})
     failures = (_signalled(10.2), _stopped(0, 10.3))
-    result = JobResult(failures, early_exits=(early,))
+    result = JobResult(failures, early_exits=(early,), launcher="openmpi")
     assert result.root_cause is early and result.exit_code == 1
     lines = report_lines(result)
     assert lines[0] == ("job failed: rank 1 on host vm exited with status 0 while other ranks "
-                        "were still running")
-    assert lines[1].startswith("then, 0.2s later, the node agent on host vm got SIGTERM and "
+                        "were still running (the likely cause)")
+    assert lines[1:3] == ["last 1 line(s) of rank 1's output:", "  [vm:1] rank 1 leaving"]
+    assert lines[3].startswith("then, 0.2s later, the node agent on host vm got SIGTERM and "
                                "stopped its ranks: mpirun stops the job when one of its ranks "
                                "ends without calling MPI_Finalize")
-    assert "  [vm:1] rank 1 leaving" in lines
     assert "1 other rank(s) stopped as a consequence" in lines
     assert lines[-1] == "exit code 1"
     # the same signal with no early exit, or one long before it: the signal is the cause
@@ -214,24 +214,68 @@ def test_mpirun_stopping_the_job_after_an_early_exit_names_that_rank():
     assert root_cause([failed, *failures], [early]) is failed
 
 
-def test_a_rank_losing_a_peer_that_exited_early_names_the_peer():
-    """The gloo variant: rank 1 exits 0, rank 0's next collective loses it."""
-    reset = {"exc_type": "RuntimeError", "message": GLOO_RESET,
+def test_a_stop_signal_after_an_early_exit_claims_mpi_finalize_only_under_mpirun():
+    """review17 F1(d): under ssh/local/slurm a signal within the window may be
+    scancel or a preemption; the report says so instead of naming mpirun."""
+    early = RankFailure.from_event("vm", {"rank": 1, "code": 0, "_recv": 10.0})
+    failures = (_signalled(10.2), _stopped(0, 10.3))
+    for launcher in ("ssh", "slurm", "local", ""):
+        lines = report_lines(JobResult(failures, early_exits=(early,), launcher=launcher))
+        then = next(ln for ln in lines if ln.startswith("then, 0.2s later"))
+        assert "MPI_Finalize" not in then and "mpirun" not in then
+        assert "scancel" in then and "at most 5s before" in then
+
+
+def test_a_rank_losing_a_peer_that_exited_just_before_names_the_peer_and_shows_its_error():
+    """The gloo variant: rank 1 exits 0, rank 0's collective loses it at once.
+    Rank 1 is named as the likely cause; rank 0's traceback and output stay."""
+    reset = {"exc_type": "RuntimeError", "message": GLOO_RESET, "time_str": "12:00:01",
              "traceback": f"Traceback ...\nRuntimeError: {GLOO_RESET}\n"}
-    peer = _exit_event(0, recv=40.0, age=0.0, error=reset)
+    peer = RankFailure.from_event("vm", {"rank": 0, "code": 1, "_recv": 12.0, "error": reset,
+                                         "tail": ["step 7", "Traceback (most recent call "
+                                                  "last):"]})
     early = RankFailure.from_event("vm", {"rank": 1, "code": 0, "_recv": 10.0})
     result = JobResult((peer,), early_exits=(early,))
-    assert result.root_cause is early and result.exit_code == 1
+    assert result.root_cause is early and result.trigger is peer and result.exit_code == 1
     lines = report_lines(result)
     assert lines[0] == ("job failed: rank 1 on host vm exited with status 0 while other ranks "
-                        "were still running")
-    assert lines[1] == ("then, 30.0s later, rank 0 on host vm failed (RuntimeError): it lost "
+                        "were still running (the likely cause)")
+    assert lines[1] == ("then, 2.0s later, rank 0 on host vm failed (RuntimeError): it lost "
                         "its connection to a peer (a rank that ends while the others still "
                         "expect it in a collective makes them fail)")
+    assert lines[2] == "error in rank 0 at 12:00:01 (vm's clock):"
+    assert f"  RuntimeError: {GLOO_RESET}" in lines
+    assert "  [vm:0] step 7" in lines
     assert not any("other rank(s)" in ln or "lost a peer, and" in ln for ln in lines)
     # an exit after the loss (beyond the stamping slack) did not cause it
     after = RankFailure.from_event("vm", {"rank": 1, "code": 0, "_recv": 50.0})
     assert JobResult((peer,), early_exits=(after,)).root_cause is peer
+
+
+def test_a_rank_that_finished_long_before_an_unrelated_reset_is_not_blamed():
+    """review17 F1: rank 1 finished legitimately; an hour later rank 0's own
+    upload fails with "Connection reset by peer". Rank 0 is the cause (its
+    exit code, its traceback); rank 1 is only mentioned."""
+    upload = {"exc_type": "ConnectionResetError",
+              "message": "[Errno 104] Connection reset by peer", "time_str": "13:00:00",
+              "traceback": "Traceback ...\nConnectionResetError: [Errno 104] Connection reset "
+                           "by peer\n"}
+    failed = RankFailure.from_event("vm", {"rank": 0, "code": 2, "_recv": 3610.0,
+                                           "error": upload})
+    early = RankFailure.from_event("vm", {"rank": 1, "code": 0, "_recv": 10.0})
+    result = JobResult((failed,), early_exits=(early,))
+    assert result.root_cause is failed and result.trigger is None and result.exit_code == 2
+    lines = report_lines(result)
+    assert lines[0] == "job failed: rank 0 on host vm failed first: exit code 2"
+    assert "  ConnectionResetError: [Errno 104] Connection reset by peer" in lines
+    assert ("(note: rank 1 on host vm had exited with status 0 3600.0s before; if this rank "
+            "still expected it in a collective, that exit is the cause)") in lines
+    assert not any("likely cause" in ln for ln in lines)
+    # 30s is beyond the window too; 4s is within it
+    assert root_cause([failed], [RankFailure.from_event("vm", {"rank": 1, "code": 0,
+                                                                 "_recv": 3580.0})]) is failed
+    assert root_cause([failed], [RankFailure.from_event("vm", {"rank": 1, "code": 0,
+                                                                 "_recv": 3606.0})]).rank == 1
 
 
 def test_only_ranks_are_counted_when_every_agent_was_signalled():

@@ -442,6 +442,24 @@ def test_a_failed_attempt_says_what_the_rank_reported_and_whether_it_restarts():
     assert "recurs on every attempt" in str(launch._no_restart(spec, bad, launch.JobClock()))
 
 
+def test_an_attempt_line_after_an_early_exit_keeps_the_failing_ranks_message():
+    """review17 F1(b): the early exit is named, and so is the rank that then
+    failed, with its message (this line is the terminal's only copy of it)."""
+    from dsrun.errors import RANK_LOST
+    from dsrun.launcher import launch
+
+    lost = {"exc_type": "CheckpointError",
+            "message": f"CheckpointError: x: {RANK_LOST} during the save exchange"}
+    failed = RankFailure.from_event("vm", {"rank": 0, "code": 1, "_recv": 11.0, "error": lost})
+    early = RankFailure.from_event("vm", {"rank": 1, "code": 0, "_recv": 10.0})
+    result = JobResult((failed,), early_exits=(early,))
+    assert result.root_cause is early
+    assert launch.attempt_line(result, 0, "restarting (1/2)") == (
+        "attempt 1 failed (rank 1 exited with status 0 early, the likely cause; then exit code "
+        f"1 on rank 0): CheckpointError: x: {RANK_LOST} during the save exchange; "
+        "restarting (1/2)")
+
+
 def test_the_timeout_counts_from_the_jobs_start_not_the_attempts():
     import time
 
