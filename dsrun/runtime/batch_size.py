@@ -72,6 +72,8 @@ def resize_batch(engine: Any, *, train: Optional[int] = None,
     current = (config.train_batch_size, config.train_micro_batch_size_per_gpu, accum)
     train_size, micro_size, accumulation = new_batch(current, engine.dp_world_size,
                                                      train=train, micro=micro)
+    if (train_size, micro_size, accumulation) == current:
+        return  # Megatron sets the same size before every iteration: nothing to do or say
     engine.config = dataclasses.replace(config, train_batch_size=train_size,
                                         train_micro_batch_size_per_gpu=micro_size,
                                         gradient_accumulation_steps=accumulation)

@@ -82,6 +82,10 @@ def test_micro_batch_size_and_refusals(solo: None, caplog: pytest.LogCaptureFixt
     assert engine.get_batch_info() == (10, 5, 2) and engine.train_batch_size() == 10
     assert engine.monitor._batch == 10
     assert "batch size: train 10 = micro 5 x accumulation 2 x data-parallel 1" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dsrun.runtime.engine"):
+        engine.set_train_batch_size(10)  # Megatron sets it before every iteration
+    assert "batch size" not in caplog.text and engine.get_batch_info() == (10, 5, 2)
     with pytest.raises(ValueError, match="not a multiple of micro-batch size 5"):
         engine.set_train_batch_size(12)
     assert engine.get_batch_info() == (10, 5, 2)  # unchanged by the refusal

@@ -200,6 +200,10 @@ def inference_schedule(stages: int, micro_batches: int, stage: int, labels: bool
 # ---------------------------------------------------------------- DeepSpeed's names
 
 PipeInstruction = Instruction
+# DeepSpeed's base of the instructions on a buffer slot; here they name their
+# micro-batch (imported by Megatron-DeepSpeed's own schedules, which dsrun's
+# engine does not run: it runs train_schedule/inference_schedule)
+BufferOpInstruction = MicroBatchInstruction
 ForwardPass = Forward
 BackwardPass = Backward
 _PASSES = (Forward, Backward)
