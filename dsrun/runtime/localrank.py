@@ -94,14 +94,17 @@ def fire_filled_args(component: Any, args: Sequence[str], local_rank: int) -> li
     """``args`` (fire's, before its ``--`` separator) with ``--local_rank=N``
     in front when fire will call a function or build a class that takes
     ``local_rank``, or call the class's method that the first non-flag
-    argument names, and ``args`` do not give it (pure)."""
+    argument naming one names, and ``args`` do not give it (pure)."""
     if any(_fire_flag_gives_local_rank(arg) for arg in args):
         return list(args)
     if inspect.isclass(component):
-        command = next((arg for arg in args if not arg.startswith("-")), None)
-        method = getattr(component, command.replace("-", "_"), None) if command else None
+        # the method is the first non-flag argument that names one: a flag's
+        # value given after a space (--steps 3 train) is not a method name
+        methods = (getattr(component, arg.replace("-", "_"), None)
+                   for arg in args if not arg.startswith("-"))
+        method = next((m for m in methods if inspect.isroutine(m)), None)
         wanted = _takes_local_rank(component) or (
-            inspect.isroutine(method) and _takes_local_rank(method))
+            method is not None and _takes_local_rank(method))
     elif inspect.isroutine(component) or isinstance(component, functools.partial):
         wanted = _takes_local_rank(component)
     else:  # dicts, modules, instances: fire reads the first argument as a member name

@@ -83,6 +83,7 @@ class _Runner:
     (_Trainer, ["fit"], ["--local_rank=3", "fit"]),  # the class's __init__ takes it
     (_Runner, ["run", "--x=1"], ["--local_rank=3", "run", "--x=1"]),  # the method named
     (_Runner, ["--x=1", "other"], ["--x=1", "other"]),  # a method that does not take it
+    (_Runner, ["--x", "4", "run"], ["--local_rank=3", "--x", "4", "run"]),  # 4: a value
     (_Runner, [], []),
     (_no_rank, ["--steps=2"], ["--steps=2"]),  # **kwargs is not a declaration
     ({"train": _train}, ["train"], ["train"]),  # fire reads argument 1 as a member name
