@@ -86,6 +86,14 @@ class ZeroInfo:
     def zero_round_robin_gradients(self) -> bool:
         return self.config.zero_optimization.round_robin_gradients
 
+    def zero_compute_grad_norm(self) -> bool:
+        """As configured; dsrun computes the norm either way (README)."""
+        return self.config.zero_optimization.compute_grad_norm
+
+    def zero_parameter_alignment(self) -> bool:
+        """As configured; a layout knob dsrun's flat buffers do not need."""
+        return self.config.zero_optimization.parameter_alignment
+
     def zero_multi_rank_bucket_allreduce(self) -> bool:
         """``use_multi_rank_bucket_allreduce`` (DeepSpeed's accessor name)."""
         return self.config.zero_optimization.use_multi_rank_bucket_allreduce

@@ -196,6 +196,12 @@ def test_zero_and_fp16_switches_as_configured(solo: None) -> None:
                               "elastic_checkpoint": True,
                               "use_multi_rank_bucket_allreduce": False}})
     assert _knobs(engine) == (True, False, False, False, True, True, False)
+    assert (engine.zero_compute_grad_norm(), engine.zero_parameter_alignment()) == (True, False)
+    tuned = build({"train_batch_size": 2, "gradient_clipping": 0,
+                   "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                   "zero_optimization": {"stage": 1, "compute_grad_norm": False,
+                                         "parameter_alignment": True}})
+    assert (tuned.zero_compute_grad_norm(), tuned.zero_parameter_alignment()) == (False, True)
     assert engine.optimizer.dynamic_loss_scale is True
 
 
