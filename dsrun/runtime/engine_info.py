@@ -112,12 +112,14 @@ class EngineInfo(OffloadAccessors, ZeroInfo):
         0 with ``gradient_clipping`` (DeepSpeed 0.19.8 returns None there);
         None for fp32 at stage 0 without clipping. Of DeepSpeed's types: a
         0-d float32 tensor at ZeRO stages 1-3 (scripts call ``.item()`` on
-        it), a float at stage 0."""
+        it), a float at stage 0 and for a skipped step's ``inf``."""
         if self._grad_norm is None:
             return None
         if self.zero_stage == 0:
             return float(self._grad_norm)
-        return torch.as_tensor(self._grad_norm).detach().reshape(()).float()
+        norm = torch.as_tensor(self._grad_norm).detach().reshape(()).float()
+        # a skipped step's inf is a float in DeepSpeed's ZeRO optimizers too
+        return norm if bool(torch.isfinite(norm)) else float(norm)
 
     def was_step_applied(self) -> bool:
         return self._step_applied

@@ -67,7 +67,8 @@ def test_a_non_finite_gradient_skips_the_step(solo: None, stage: int,
     with caplog.at_level("WARNING", logger="dsrun.runtime"):
         train_step(engine, poison=True)
     assert not engine.was_step_applied() and engine.skipped_steps == 1
-    assert engine.get_global_grad_norm() == float("inf") and opt.overflow is True
+    norm = engine.get_global_grad_norm()
+    assert type(norm) is float and norm == float("inf") and opt.overflow is True  # DeepSpeed's
     after = masters(engine)
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     assert [r for r in caplog.records if "non-finite gradient norm" in r.getMessage()]
