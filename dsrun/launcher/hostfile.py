@@ -21,6 +21,7 @@ DNS does) and addresses by value, so ``Worker-0``/``worker-0`` or
 
 from __future__ import annotations
 
+import codecs
 import difflib
 import ipaddress
 import os
@@ -476,9 +477,23 @@ def format_text(text: str, path: str = LOCAL_HOSTFILE) -> str:
 
 def read_hostfile_text(path: str) -> str:
     """The text of hostfile ``path``; HostfileError if it cannot be read."""
+    return read_hostfile_text_bom(path)[0]
+
+
+def read_hostfile_text_bom(path: str) -> tuple[str, bool]:
+    """The text of hostfile ``path`` (without a UTF-8 byte-order mark), and
+    whether it started with one: the file is read once (``hosts fmt`` says
+    a BOM is to be dropped without opening the file a second time)."""
     try:
-        with open(path, encoding="utf-8-sig", newline="") as handle:
-            return handle.read()
+        with open(path, "rb") as handle:
+            data = handle.read()
+        bom = data.startswith(codecs.BOM_UTF8)
+        start = len(codecs.BOM_UTF8) if bom else 0
+        try:
+            return data[start:].decode("utf-8"), bom
+        except UnicodeDecodeError as exc:
+            raise HostfileError(f"hostfile {path!r} is not UTF-8 text (bad byte at offset "
+                                f"{exc.start + start})") from None
     except FileNotFoundError:
         if os.path.islink(path):
             raise HostfileError(f"hostfile {path!r} is a symbolic link to "
@@ -486,10 +501,6 @@ def read_hostfile_text(path: str) -> str:
         raise HostfileError(f"hostfile {path!r} does not exist") from None
     except IsADirectoryError:
         raise HostfileError(f"hostfile {path!r} is a directory, not a file") from None
-    except UnicodeDecodeError as exc:
-        raise HostfileError(
-            f"hostfile {path!r} is not UTF-8 text (bad byte at offset {exc.start})"
-        ) from None
     except OSError as exc:
         raise HostfileError(f"cannot read hostfile {path!r}: {exc.strerror or exc}") from None
 

@@ -25,6 +25,7 @@ import errno
 import fcntl
 import functools
 import os
+import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NoReturn, TypeVar
@@ -83,22 +84,38 @@ def _explicit_path(ctx: click.Context) -> str | None:
 
 
 def _hostfile_path(ctx: click.Context, create: bool = False) -> str:
-    """The hostfile a command works on (see the module docstring)."""
+    """The hostfile a command works on (see the module docstring); never a
+    device or pipe (:func:`_refuse_special`)."""
     explicit = _explicit_path(ctx)
     if explicit is not None and hf.is_no_hostfile(explicit):
         raise DsrunUsageError(f"-H {explicit} means no hostfile (a job then runs on this "
                               f"host only): there is nothing to list or edit; name a hostfile")
     if explicit is not None:
-        return explicit
+        return _refuse_special(explicit)
     found = hf.default_hostfile_path(os.curdir)
     if found is not None:
-        return found
+        return _refuse_special(found)
     if create:
         return os.path.join(os.curdir, hf.LOCAL_HOSTFILE)
     raise DsrunUsageError(
         f"no hostfile found: name one with -H/--hostfile, or create ./{hf.LOCAL_HOSTFILE} "
         f"(neither it nor {hf.DEFAULT_JOB_HOSTFILE} exists)"
     )
+
+
+def _refuse_special(path: str) -> str:
+    """``path``, unless it is a device or pipe (through symlinks): reading a
+    FIFO waits for a writer forever, and the atomic replace of an edit or
+    ``fmt`` would put a regular file in its place. A directory or a missing
+    file is left to the read, which names it."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return path
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise HostfileError(f"hostfile {path!r} is not a regular file (a device or pipe); "
+                            f"refusing to read or edit it")
+    return path
 
 
 def write_text_atomic(path: str, text: str) -> None:
@@ -198,14 +215,6 @@ def edit_lock(path: str) -> Iterator[None]:
         os.close(fd)
 
 
-def _starts_with_bom(path: str) -> bool:
-    try:
-        with open(path, "rb") as handle:
-            return handle.read(3) == b"\xef\xbb\xbf"
-    except OSError:  # read_hostfile_text has said why already
-        return False
-
-
 def _plural(count: int, word: str) -> str:
     return f"{count} {word}{'' if count == 1 else 's'}"
 
@@ -232,9 +241,6 @@ def _edit(ctx: click.Context, change: Callable[[str, str], str],
     path = _hostfile_path(ctx, create=create)
     if not create and not os.path.lexists(path):
         raise HostfileError(f"hostfile {path!r} does not exist")
-    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
-        # a device or pipe: the atomic replace would put a file in its place
-        raise HostfileError(f"hostfile {path!r} is not a regular file; refusing to edit it")
     with edit_lock(path):
         exists = os.path.lexists(path)
         text = hf.read_hostfile_text(path) if exists or not create else ""
@@ -364,9 +370,8 @@ def fmt(ctx: click.Context, check: bool, hostfile: str | None) -> None:
     if not os.path.lexists(path):
         raise HostfileError(f"hostfile {path!r} does not exist")
     with contextlib.nullcontext() if check else edit_lock(path):
-        text = hf.read_hostfile_text(path)
+        text, bom = hf.read_hostfile_text_bom(path)  # the text is without it; fmt writes none
         formatted = hf.format_text(text, path)
-        bom = _starts_with_bom(path)  # read_hostfile_text drops it; fmt writes none
         if formatted == text and not bom:
             click.echo(f"{path} is already formatted")
             return

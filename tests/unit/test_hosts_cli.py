@@ -477,5 +477,50 @@ def test_an_edit_never_replaces_a_fifo_or_device(workdir: Path) -> None:
     os.mkfifo(fifo)
     result = invoke("-H", str(fifo), "add", "w", "--slots", "1")
     assert result.exit_code == 2
-    assert "is not a regular file; refusing to edit it" in result.stderr
+    assert "is not a regular file (a device or pipe); refusing to read or edit it" \
+        in result.stderr
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+@pytest.mark.timeout(10)  # before, each of these waited for a writer forever
+@pytest.mark.parametrize("command", [("fmt",), ("fmt", "--check"), ("validate",), ("list",)])
+def test_reading_commands_refuse_a_fifo_or_device_too(workdir: Path,
+                                                     command: tuple[str, ...]) -> None:
+    """review17 F2: fmt replaced a FIFO with a regular file once fed; fmt
+    --check, validate and list hung. A device, and ./hostfile found by
+    default, are refused the same way."""
+    fifo = workdir / "pipe"
+    os.mkfifo(fifo)
+    for args in (("-H", str(fifo), *command), (*command, "-H", "/dev/zero")):
+        result = invoke(*args)
+        assert result.exit_code == 2, args
+        assert "is not a regular file (a device or pipe); refusing to read or edit it" \
+            in result.stderr
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    os.symlink(fifo, workdir / "hostfile")
+    assert "'./hostfile' is not a regular file" in invoke(*command).stderr
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_fmt_reads_the_hostfile_once(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """review17 F2: the BOM check opened the file a second time."""
+    import builtins
+
+    path = workdir / "hostfile"
+    path.write_bytes(b"\xef\xbb\xbfworker-0   slots=2\n")
+    opened: list[str] = []
+    real_open = builtins.open
+
+    def counting_open(file, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if os.path.basename(str(file)) == "hostfile":
+            opened.append(str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    result = invoke("fmt", "--check")
+    assert result.exit_code == 1 and "(it starts with a UTF-8 byte-order mark)" in result.stdout
+    assert opened == ["./hostfile"]
+    assert hf.read_hostfile_text_bom(str(path)) == ("worker-0   slots=2\n", True)
+    path.write_bytes(b"\xef\xbb\xbfw slots=1\xff\n")
+    with pytest.raises(HostfileError, match="bad byte at offset 12"):
+        hf.read_hostfile_text(str(path))
