@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from dsrun.errors import DsrunUsageError, SelectionError
@@ -313,6 +315,48 @@ def test_stderrs_telling_line_wins_whatever_order_the_pipes_were_read() -> None:
     only_stdout.add("mpirun was unable to launch", 1)
     only_stdout.add("help text", 1)
     assert only_stdout.summary() == "mpirun was unable to launch"
+
+
+def test_orted_not_found_on_a_host_names_the_prefix_to_pass(tmp_path) -> None:
+    """review17 F3: mpirun runs by its name, so Open MPI no longer implies
+    --prefix from its path; a host whose login PATH lacks orted fails with
+    "bash: orted: command not found", and the error says what to pass."""
+    from dsrun.launcher.backends.connect import LaunchTool, ToolOutput
+    from dsrun.launcher.backends.openmpi import prefix_advice
+
+    output = ToolOutput(keep=20)
+    for line in ["bash: orted: command not found", RULE,
+                 "ORTE was unable to reliably start one or more daemons.",
+                 "This usually is caused by:", *[f"help line {i}" for i in range(30)], RULE]:
+        output.add(line)
+    summary = output.summary()
+    assert summary == "bash: orted: command not found"
+    advice = prefix_advice(summary, "/opt/openmpi/bin/mpirun")
+    assert advice == ("a host's non-interactive login PATH lacks Open MPI's daemon (orted): "
+                      "pass --launcher_args \"--prefix /opt/openmpi\" (the Open MPI "
+                      "installation of /opt/openmpi/bin/mpirun; the same path on every "
+                      "host), or put its bin directory on that PATH")
+    assert "--prefix /opt/ompi5" in prefix_advice("bash: line 1: prted: command not found",
+                                                  "/opt/ompi5/bin/mpirun")
+    assert "--prefix /home/u/ompi" in prefix_advice("sh: 1: orted: not found",
+                                                    "/home/u/ompi/bin/mpirun")
+    # a system install is on every login PATH: no --prefix /usr (it would put
+    # /usr/bin ahead of a venv), but the install itself
+    assert "install Open MPI (the version of /usr/bin/mpirun) on every host" in \
+        prefix_advice(summary, "/usr/bin/mpirun")
+    # other failures get no advice
+    assert prefix_advice("ssh: Could not resolve hostname nosuch", "/opt/o/bin/mpirun") == ""
+    assert prefix_advice("mpirun: Error: unknown option \"--x\"", "/opt/o/bin/mpirun") == ""
+    # and the launcher's error carries it (a real process standing in for mpirun)
+    tool = LaunchTool("mpirun", ["sh", "-c", "echo 'bash: orted: command not found' >&2; "
+                                             "exit 1"], {"PATH": os.environ["PATH"]},
+                      str(tmp_path), lambda *a: None,
+                      advice=lambda s: prefix_advice(s, "/opt/openmpi/bin/mpirun"))
+    tool.proc.wait()
+    text = tool.exit_text(" before 2 agents connected back")
+    assert text.startswith("mpirun exited with status 1 before 2 agents connected back: "
+                           "bash: orted: command not found; a host's non-interactive")
+    assert '--launcher_args "--prefix /opt/openmpi"' in text
 
 
 def _agent_side(sock, secret: str, rank: int) -> None:

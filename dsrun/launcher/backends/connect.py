@@ -24,7 +24,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
 from dsrun.errors import LaunchError
@@ -49,11 +49,15 @@ class LaunchTool:
     """The process that starts the agents (mpirun, srun), with its output."""
 
     def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str], cwd: str,
-                 sink: OutputSink, executable: str | None = None) -> None:
+                 sink: OutputSink, executable: str | None = None,
+                 advice: Callable[[str], str] | None = None) -> None:
         """``executable``: the file to run, when ``argv[0]`` is only the name
-        it runs under (mpirun must not see its absolute path: openmpi.py)."""
+        it runs under (mpirun must not see its absolute path: openmpi.py);
+        ``advice``: the backend's fix for the failure its output summary
+        says (or ""), added to :meth:`exit_text`."""
         self.name = name
         self.sink = sink
+        self.advice = advice
         self.output = ToolOutput()
         try:
             # Own session: Ctrl-C reaches the launcher, which stops the job in order.
@@ -85,7 +89,8 @@ class LaunchTool:
             t.join(timeout=1)
         last = self.output.summary()
         text = f"{self.name} exited with status {self.proc.returncode}{when}"
-        return f"{text}: {last}" if last else text
+        fix = self.advice(last) if self.advice is not None and last else ""
+        return f"{text}: {last}{f'; {fix}' if fix else ''}" if last else text
 
     def stop(self, grace: float) -> None:
         """Wait ``grace`` seconds for it to exit, then SIGTERM, then SIGKILL."""
@@ -386,18 +391,19 @@ def open_connected(plan: LaunchPlan, name: str, argv: Sequence[str],
                    tool_env: Mapping[str, str], sink: OutputSink, prefer: Sequence[str],
                    timeout: float | None, agent_timeout: float,
                    on_connect: ConnectSink = ignore_connect,
-                   executable: str | None = None) -> ConnectedHandle:
+                   executable: str | None = None,
+                   advice: Callable[[str], str] | None = None) -> ConnectedHandle:
     """Start ``argv`` (the tool; ``executable``: the file, when ``argv[0]``
-    is only its name) and wait for every rank's agent; see the module
-    docstring. ``tool_env`` is the tool's environment without the callback
-    variables, which are added here; ``agent_timeout`` is how long an agent
-    tries to reach the launcher."""
+    is only its name; ``advice``: see :class:`LaunchTool`) and wait for
+    every rank's agent; see the module docstring. ``tool_env`` is the tool's
+    environment without the callback variables, which are added here;
+    ``agent_timeout`` is how long an agent tries to reach the launcher."""
     server = CallbackServer(plan.world_size, on_connect)
     env = {**tool_env, protocol.LAUNCHER_VAR: server.endpoints(prefer),
            protocol.SECRET_VAR: server.secret, protocol.TIMEOUT_VAR: f"{agent_timeout:g}"}
     tool = None
     try:
-        tool = LaunchTool(name, argv, env, plan.cwd, sink, executable)
+        tool = LaunchTool(name, argv, env, plan.cwd, sink, executable, advice)
         server.wait_all(tool, timeout)
         hellos = {r: h for r, (_, h) in server.hellos.items()}
         problem = placement_problem(plan, hellos, name)

@@ -26,7 +26,10 @@ directory and puts that prefix's ``bin``/``lib`` in front of every
 process's ``PATH``/``LD_LIBRARY_PATH`` (``/usr/bin`` ahead of an activated
 venv; ``/bin/mpirun`` fails outright with a prefix of only slashes). A
 ``--prefix`` the user wants (Open MPI's way to find ``orted`` on hosts whose
-login PATH lacks it) goes in ``--launcher_args``, where ``--dry-run`` shows it.
+login PATH lacks it) goes in ``--launcher_args``, where ``--dry-run`` shows it;
+when mpirun fails because a host did not find ``orted`` (``bash: orted:
+command not found``), the error says so and names the directory
+(:func:`prefix_advice`).
 """
 
 from __future__ import annotations
@@ -66,6 +69,9 @@ CONTROLLED = ("-np", "-n", "--n", "-c", "--np", "-N", "-H", "-host", "--host",
               "-default-hostfile", "--default-hostfile", "-npernode", "--npernode",
               "-npersocket", "--npersocket", "-pernode", "--pernode", "-nolocal", "--nolocal",
               "--ppr", "-ppr", "-rf", "--rankfile", "--app", "-bynode", "--bynode")
+#: Installations whose bin directory every login PATH has (and whose
+#: --prefix would put /usr/bin ahead of a venv: the module docstring).
+SYSTEM_PREFIXES = ("/", "/usr", "/usr/local")
 _VERSION = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
 
 
@@ -158,6 +164,27 @@ def version_problem(mpirun: str, mpirun_text: str, library: str | None,
     return None
 
 
+def prefix_advice(summary: str, mpirun: str | None) -> str:
+    """The fix when mpirun's failure ``summary`` says a remote host did not
+    find Open MPI's daemon (``orted``; ``prted`` in Open MPI 5), or a shell
+    did not find a command: that host's non-interactive login PATH lacks
+    Open MPI, which ``--prefix`` (the directory above the ``mpirun`` found
+    here, ``mpirun``) supplies; "" for any other failure (pure)."""
+    lower = summary.lower()
+    if "command not found" not in lower and not (
+            "not found" in lower and ("orted" in lower or "prted" in lower)):
+        return ""
+    prefix = os.path.dirname(os.path.dirname(mpirun)) if mpirun else "DIR"
+    lacks = "a host's non-interactive login PATH lacks Open MPI's daemon (orted)"
+    if prefix in SYSTEM_PREFIXES:  # already on every login PATH: not installed there
+        return (f"{lacks}: install Open MPI (the version of {mpirun}) on every host, or "
+                f"pass --launcher_args \"--prefix DIR\" with the directory it is installed "
+                f"in there")
+    return (f"{lacks}: pass --launcher_args \"--prefix {prefix}\" (the Open MPI "
+            f"installation of {mpirun or 'mpirun'}; the same path on every host), or put "
+            f"its bin directory on that PATH")
+
+
 def mpi4py_library() -> tuple[str | None, str | None]:
     """(MPI library version mpi4py loads, None) or (None, why it cannot)."""
     try:
@@ -236,4 +263,5 @@ class OpenMpiBackend(Backend):
                               tool_environment(plan, self.environ), sink,
                               [p for p in prefer if p], timeout,
                               agent_timeout=max(30.0, 3 * self.hosts.ssh.timeout),
-                              on_connect=on_connect, executable=self.executable)
+                              on_connect=on_connect, executable=self.executable,
+                              advice=lambda summary: prefix_advice(summary, self.executable))
