@@ -191,9 +191,11 @@ def _set_local(param: torch.Tensor, what: str, apply: Callable[[Stage3Param], No
 
 def safe_set_local_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     """Set this rank's shard of ``param``'s fp32 master and of the parameter
-    (stage 3; ``value`` has the shard's padded size). A gathered parameter
-    sees it at its next gather; one that stays whole on every rank
-    (persistent) at the next step, when the shards refresh it."""
+    (stage 3; ``value`` has the shard's padded size). Where the parameter
+    is whole on this rank (kept whole, or gathered now) this rank's slice
+    of its full data is set too: forward sees it at once, the other ranks'
+    slices once they set theirs (or at the next step's refresh), and the
+    next step keeps it. A released parameter sees it at its next gather."""
     _set_local(param, "safe_set_local_fp32_param", lambda ps: ps.set_local_value(value))
 
 

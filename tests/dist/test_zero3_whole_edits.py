@@ -40,7 +40,7 @@ pytestmark = pytest.mark.dist
 WORKER = ROOT / "tests" / "dist" / "workers" / "zero3_whole_edits.py"
 TOLERANCE = 1e-6  # one Adam step with lr 0.1 on a flat shard vs a flat buffer
 SHARD_IS_MASTER = {"fp32-none", "fp32-param", "bf16-none", "bf16-param"}
-SECTIONS = ("init", "outside", "dropped", "nested", "step_inside")
+SECTIONS = ("init", "outside", "dropped", "setters", "nested", "step_inside")
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +99,20 @@ def test_a_context_without_modifier_rank_drops_the_write(
                 assert case["inside"] == [1.0] * 4, (world, key)
                 assert case["on_exit"] == case["original"], (world, key, case)
                 assert case["after"] == case["original"], (world, key, case)
+
+
+def test_a_value_set_through_the_setters_survives_the_next_step(
+        jobs: dict[int, list[dict[str, Any]]]) -> None:
+    """The setters write the master and the shard; a parameter kept whole
+    has its full data set too, so the step's taking of edits to whole
+    parameters does not copy the old data back over them."""
+    for world, results in jobs.items():
+        for result in results:
+            for key, case in result["setters"].items():
+                assert case["local"] == {"after": [7.0] * 4, "master": [7.0] * 4}, \
+                    (world, key, case)
+                assert case["full_in_context"] == {"after": [5.0] * 4,
+                                                   "master": [5.0] * 4}, (world, key, case)
 
 
 def test_the_outermost_context_decides_and_a_step_inside_one_is_kept(

@@ -33,8 +33,10 @@ until the step unscales them, as in DeepSpeed.
 **Setters** take the full value, equal on every rank, and write this rank's
 part: the master (and, for the optimizer state, the inner optimizer's
 per-element state of each piece it spans) and the model parameter - whole
-at stages 0-2, its shard (and its full data while gathered) at stage 3 - so
-the next forward and step use the new value without any communication.
+at stages 0-2, its shard (and its full data while gathered or kept whole)
+at stage 3 - so the next forward and step use the new value without any
+communication. The local setters (stage 3) write this rank's slice of
+the full data likewise.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import torch.distributed as dist
 from dsrun.errors import DsrunError
 from dsrun.runtime.param_links import engine_of
 from dsrun.runtime.zero.masters import reduce_on_device
+from dsrun.runtime.zero.partitioned import committed, shard_is_view
 
 
 class Part(NamedTuple):
@@ -316,8 +319,21 @@ class Stage3Param(ZeroParam):
     def _write_model(self, full: torch.Tensor) -> None:
         shard = self.param.ds_tensor.view(-1)
         shard.narrow(0, 0, self.end - self.start).copy_(full[self.start:self.end])
-        if self.param.data.numel() == self.numel:  # gathered or persistent: whole here too
-            self.param.data.copy_(full.view(self.param.data.shape))
+        self._write_whole(0, full)
+
+    def _write_whole(self, start: int, values: torch.Tensor) -> None:
+        """Write flat elements ``[start, start + len(values))`` into the full
+        data where the parameter is whole here (gathered or persistent) and
+        its shard is a separate copy: forward sees the value now, and the
+        next step's taking of edits to whole parameters
+        (:mod:`~.whole_edits`) finds data and shard agreeing instead of
+        copying the old data back. The data a ``GatheredParameters``
+        scratch copy stands in for is the one written (it is what the
+        parameter gets back on exit)."""
+        full = committed(self.param)
+        if full.numel() != self.numel or shard_is_view(self.param, full):
+            return  # released, or the shard (written already) is a view of it
+        full.view(-1).narrow(0, start, values.numel()).copy_(values)
 
     # the local (padded shard) API, DeepSpeed's safe_*_local_*
     def local_value(self) -> torch.Tensor:
@@ -350,9 +366,7 @@ class Stage3Param(ZeroParam):
         shard = self.param.ds_tensor.view(-1)
         n = min(shard.numel(), flat.numel())
         shard[:n].copy_(flat[:n])
-        if self.world_size == 1 and self.param.data.numel() == self.numel \
-                and self.param.data.data_ptr() != shard.data_ptr():
-            self.param.data.copy_(flat[:self.numel].view(self.param.data.shape))
+        self._write_whole(self.start, flat[:self.end - self.start])
 
     @torch.no_grad()
     def set_local_grad(self, value: torch.Tensor) -> None:

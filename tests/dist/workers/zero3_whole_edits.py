@@ -14,6 +14,9 @@ edit rule decides:
   context, then a step;
 * **dropped**: bias set to 1 inside ``GatheredParameters`` without
   ``modifier_rank``, then a step;
+* **setters**: ``safe_set_local_fp32_param``, then a step; then
+  ``safe_set_full_fp32_param`` inside ``GatheredParameters`` without
+  ``modifier_rank``, then a step;
 * **nested**: the same edit in a context without ``modifier_rank`` nested
   in one with ``modifier_rank=0``, and the other way round;
 * **step_inside**: a step with lr 0.1 inside a context without
@@ -37,7 +40,12 @@ import torch.distributed as dist
 from torch import nn
 
 import dsrun
-from dsrun.utils import safe_get_full_fp32_param
+from dsrun.utils import (
+    safe_get_full_fp32_param,
+    safe_get_local_fp32_param,
+    safe_set_full_fp32_param,
+    safe_set_local_fp32_param,
+)
 
 PRECISIONS: dict[str, dict[str, Any]] = {
     "fp32": {}, "fp16": {"fp16": {"enabled": True, "initial_scale_power": 4}},
@@ -109,6 +117,25 @@ def dropped_case(precision: str, offload: str) -> dict[str, Any]:
     out = step(engine, lin)
     return {"original": original, "inside": inside, "on_exit": on_exit, "out": out,
             "after": values(lin.bias.data)}
+
+
+def setters_case(precision: str, offload: str) -> dict[str, Any]:
+    """``safe_set_local_fp32_param`` (bias to 7), a step; then
+    ``safe_set_full_fp32_param`` inside a context without ``modifier_rank``
+    (bias to 5), a step: the bias and its master after each."""
+    lin = linear()
+    engine, *_ = dsrun.initialize(model=lin, config=config(precision, offload))
+    local = safe_get_local_fp32_param(lin.bias)
+    safe_set_local_fp32_param(lin.bias, torch.full_like(local, 7.0))
+    step(engine, lin)
+    result = {"local": {"after": values(lin.bias.data),
+                        "master": values(safe_get_full_fp32_param(lin.bias))}}
+    with dsrun.zero.GatheredParameters([lin.bias]):
+        safe_set_full_fp32_param(lin.bias, torch.full((4,), 5.0))
+    step(engine, lin)
+    result["full_in_context"] = {"after": values(lin.bias.data),
+                                 "master": values(safe_get_full_fp32_param(lin.bias))}
+    return result
 
 
 def nested_case(outer_rank: Any, inner_rank: Any) -> dict[str, Any]:
@@ -198,6 +225,7 @@ def main(out_dir: Path) -> None:
         result.setdefault("init", {})[key] = init_case(precision, offload)
         result.setdefault("outside", {})[key] = outside_case(precision, offload)
         result.setdefault("dropped", {})[key] = dropped_case(precision, offload)
+        result.setdefault("setters", {})[key] = setters_case(precision, offload)
     result["nested"] = {"outer0-inner_none": nested_case(0, None),
                         "outer_none-inner0": nested_case(None, 0)}
     result["step_inside"] = step_inside_case()
