@@ -21,7 +21,13 @@ from torch.optim import Optimizer
 from dsrun.errors import DsrunConfigError
 from dsrun.runtime.config import DsrunConfig
 from dsrun.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
-from dsrun.runtime.lr_schedules import build_scheduler, needs_metric, takes_an_argument
+from dsrun.runtime.lr_schedules import (
+    build_scheduler,
+    needs_lr_kwargs,
+    needs_metric,
+    takes_an_argument,
+)
+from dsrun.runtime.norms import model_parallel_of
 from dsrun.runtime.optimizers import build_optimizer
 from dsrun.runtime.precision import FullPrecision, torch_dtype
 from dsrun.runtime.sparse_grads import refuse_at_zero, refuse_in_16_bits, sparse_grad_params
@@ -97,6 +103,7 @@ class EngineSetup:
     device: torch.device
     global_rank: int
     client_lr_scheduler: Any
+    mpu: Any
 
     def _make_grad_sync(self) -> Optional[GradSync]:
         """The stage-0 reduction: at world size > 1, or at 1 when there are
@@ -128,6 +135,9 @@ class EngineSetup:
         if client is not None and self.config.optimizer is not None:
             log.warning("an optimizer was passed to initialize() and the config has an "
                         "\"optimizer\" section; using the client's (as DeepSpeed does)")
+        # tensor parallelism: the stage-0 step reduces its norm over the
+        # model-parallel group too (the ZeRO optimizers get it below)
+        self.precision.model_parallel = model_parallel_of(self.mpu)
         built = self._build_optimizer(client, model_parameters)
         if built is not None:
             # DeepSpeed drops param groups without parameters (get_lr() has none for them)
@@ -176,7 +186,8 @@ class EngineSetup:
                               self.zero_stage, self.dp_group, self.module,
                               self._zero_accumulation(), self.device,
                               loss_scaler=self.precision.scaler,
-                              comm_dtype=torch_dtype(comm) if comm else None)
+                              comm_dtype=torch_dtype(comm) if comm else None,
+                              model_parallel=model_parallel_of(self.mpu))
 
     def _zero_accumulation(self) -> int:
         """The micro-steps per optimizer step ZeRO plans for (with 1, stage 1
@@ -212,6 +223,12 @@ class EngineSetup:
         re-pointing), else the config's; a scheduler whose ``step()`` needs a
         metric is left to the script (:func:`~.lr_schedules.scheduler_step_args`)."""
         scheduler = self._pick_scheduler(client)
+        reason = needs_lr_kwargs(scheduler)  # said now, not at the first step
+        if reason and self.is_pipe_parallel:  # train_batch() takes no lr_kwargs
+            raise DsrunConfigError(f"lr_scheduler: a pipeline's train_batch() steps it without "
+                                   f"arguments, but {reason}")
+        if reason and self.global_rank == 0:
+            log.warning("lr_scheduler: every engine.step() must pass lr_kwargs: %s", reason)
         if self.global_rank != 0:
             return scheduler
         if needs_metric(scheduler):

@@ -48,6 +48,7 @@ the engine which schedulers it must not step itself (ReduceLROnPlateau).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -467,17 +468,39 @@ def _torch_scheduler(name: str, params: dict[str, Any], optimizer: Optimizer) ->
         raise DsrunConfigError(f"{where}: torch rejected {params}: {err}") from err
 
 
-def _required_step_parameters(scheduler: Any) -> Optional[list[str]]:
-    """Names of the parameters ``scheduler.step()`` requires (None: no
-    ``step`` or no signature to read)."""
+@functools.lru_cache(maxsize=256)
+def _method_signature(func: Any) -> Optional[inspect.Signature]:
+    """The signature of a ``step`` method's function without ``self`` and
+    without its return annotation (cached: the engine asks every step)."""
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):
+        return None
+    return signature.replace(parameters=list(signature.parameters.values())[1:],
+                             return_annotation=inspect.Signature.empty)
+
+
+def _step_signature(scheduler: Any) -> Optional[inspect.Signature]:
+    """``scheduler.step``'s signature as called (None: no ``step``, or none to read)."""
     step = getattr(scheduler, "step", None)
     if step is None:
         return None
-    try:
-        parameters = inspect.signature(step).parameters.values()
+    func = getattr(step, "__func__", None)
+    if func is not None and getattr(step, "__self__", None) is scheduler:
+        return _method_signature(func)
+    try:  # a function set on the instance, a partial, a builtin
+        return inspect.signature(step).replace(return_annotation=inspect.Signature.empty)
     except (TypeError, ValueError):
         return None
-    return [p.name for p in parameters
+
+
+def _required_step_parameters(scheduler: Any) -> Optional[list[str]]:
+    """Names of the parameters ``scheduler.step()`` requires (None: no
+    ``step`` or no signature to read)."""
+    signature = _step_signature(scheduler)
+    if signature is None:
+        return None
+    return [p.name for p in signature.parameters.values()
             if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
@@ -508,10 +531,8 @@ def scheduler_step_args(scheduler: Any, lr_kwargs: Optional[Mapping[str, Any]],
     if scheduler is None:
         return None
     kwargs = dict(lr_kwargs or {})
-    step = scheduler.step
-    try:
-        signature = inspect.signature(step).replace(return_annotation=inspect.Signature.empty)
-    except (TypeError, ValueError):
+    signature = _step_signature(scheduler)
+    if signature is None:
         return (), kwargs
     try:
         signature.bind(**kwargs)
@@ -523,10 +544,25 @@ def scheduler_step_args(scheduler: Any, lr_kwargs: Optional[Mapping[str, Any]],
                              "stepped") from None
     if needs_metric(scheduler):
         return None
-    try:
-        signature.bind(train_batch_size)
-    except TypeError as err:
-        raise DsrunError(f"engine.step(): {type(scheduler).__name__}.step{signature} needs "
-                         f"arguments the engine cannot give ({err}); pass them as "
-                         "engine.step(lr_kwargs={...}); nothing was stepped") from None
+    reason = needs_lr_kwargs(scheduler)
+    if reason:
+        raise DsrunError(f"engine.step(): {reason}; pass them as engine.step(lr_kwargs="
+                         "{...}); nothing was stepped")
     return (train_batch_size,), {}
+
+
+def needs_lr_kwargs(scheduler: Any) -> Optional[str]:
+    """Why the engine cannot step ``scheduler`` without ``lr_kwargs`` - its
+    ``step()`` needs more than the one argument DeepSpeed gives it, or
+    keyword-only ones - else None (a plateau scheduler is simply left alone)."""
+    signature = _step_signature(scheduler)
+    if signature is None or needs_metric(scheduler):
+        return None
+    for args in ((), (1,)):
+        try:
+            signature.bind(*args)
+            return None
+        except TypeError as err:
+            problem = err
+    return (f"{type(scheduler).__name__}.step{signature} needs arguments the engine cannot "
+            f"give ({problem})")

@@ -224,6 +224,34 @@ def test_a_pipeline_steps_an_increment_scheduler(solo: None) -> None:
     assert engine.get_lr() == pytest.approx([0.1])
 
 
+def test_a_scheduler_the_engine_cannot_step_is_named_at_initialize(
+        solo: None, caplog: pytest.LogCaptureFixture) -> None:
+    """step(a, b) needs lr_kwargs at every engine.step(): a warning at
+    initialize(); a pipeline, whose train_batch() passes none, refuses it."""
+    from dsrun.pipe import LayerSpec, PipelineModule
+
+    class TwoArgs:
+        def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+            self.optimizer = optimizer
+
+        def step(self, a: int, b: int) -> None:
+            pass
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level("WARNING"):
+        dsrun.initialize(model=model, optimizer=opt, lr_scheduler=TwoArgs(opt),
+                         config={"train_batch_size": 2})
+    assert "every engine.step() must pass lr_kwargs: TwoArgs.step(a: " in caplog.text
+    module = PipelineModule([LayerSpec(torch.nn.Linear, 3, 1)], num_stages=1,
+                            loss_fn=torch.nn.MSELoss())
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    with pytest.raises(DsrunConfigError, match="train_batch.. steps it without arguments, "
+                                               "but TwoArgs.step"):
+        dsrun.initialize(model=module, optimizer=opt, lr_scheduler=TwoArgs(opt),
+                         config={"train_micro_batch_size_per_gpu": 2})
+
+
 def test_config_torch_optimizers(solo: None) -> None:
     engine = engine_for({"optimizer": {"type": "Rprop", "params": {"lr": 0.01}},
                          "zero_optimization": {"stage": 2}})

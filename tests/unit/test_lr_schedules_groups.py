@@ -22,6 +22,7 @@ from dsrun.runtime.lr_schedules import (
     OneCycle,
     WarmupLR,
     build_scheduler,
+    needs_lr_kwargs,
     needs_metric,
     scheduler_step_args,
     takes_an_argument,
@@ -272,3 +273,12 @@ def test_how_the_engine_steps_a_scheduler() -> None:
     assert takes_an_argument(Increment()) and not takes_an_argument(Metric())
     assert not takes_an_argument(step_lr) and not takes_an_argument(plateau)
     assert needs_metric(Metric()) and not needs_metric(Increment())
+    # what initialize() says at once (a pipeline refuses it)
+    assert needs_lr_kwargs(Two()) is not None and "Two.step(a: " in needs_lr_kwargs(Two())
+
+    class KeywordOnly:
+        def step(self, *, n: int) -> None: ...
+
+    assert needs_lr_kwargs(KeywordOnly()) is not None
+    for fine in (step_lr, plateau, Increment(), Metric(), None):
+        assert needs_lr_kwargs(fine) is None
