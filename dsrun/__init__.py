@@ -60,8 +60,7 @@ _alias.install()  # "from deepspeed.pipe import ..." after "import dsrun as deep
 
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
-        module = importlib.import_module(f"dsrun.{name}")
-        return module
+        return importlib.import_module(f"dsrun.{name}")
     target = _LAZY.get(name)
     if target is None:
         raise AttributeError(f"module 'dsrun' has no attribute {name!r}")
