@@ -8,14 +8,16 @@ tutorial::
     ds_config = DeepSpeedConfig("ds_config.json")
     monitor = MonitorMaster(ds_config.monitor_config)
 
-The config (a JSON path or a dict) goes through :func:`dsrun.runtime.config.resolve`,
-with its strict checks, for the data-parallel size of the process group
-when one is up (:func:`_data_parallel_size`). Under dsrun's launcher the group is
-up before the script runs, so a config built at the top of a script uses
-the real world size, where DeepSpeed, before its ``init_distributed``,
-uses 1 (with ``train_batch_size`` alone the micro-batch differs). The
-attributes are DeepSpeed 0.19.8's names and values. Not every attribute of DeepSpeed's class is here: the monitor sections, the batch
-triple, precision, ZeRO stage, clipping, ``steps_per_print`` and
+The config (a JSON path or a dict) goes through
+:func:`dsrun.runtime.config.resolve`, with its strict checks, for the
+data-parallel size of the process group when one is up
+(:func:`_data_parallel_size`). Under dsrun's launcher the group is up
+before the script runs, so a config built at the top of a script uses the
+real world size, where DeepSpeed, before its ``init_distributed``, uses 1
+(with ``train_batch_size`` alone the micro-batch differs). The attributes
+are DeepSpeed 0.19.8's names and values. Not every attribute of
+DeepSpeed's class is here: the monitor sections, the batch triple,
+precision, ZeRO stage, clipping, ``steps_per_print`` and
 ``wall_clock_breakdown``; the whole resolved config is ``dsrun_config``.
 Nothing here imports torch: a process group can only be up where a script
 imported ``torch.distributed`` already.
