@@ -19,22 +19,31 @@ elements as a float (sums in float64, where DeepSpeed's partial sums are
 float32: results agree to float32's precision). The reductions run on the accelerator's device (what
 the process group communicates on). dsrun has no expert (MoE) groups:
 ``moe_ep_group`` is reduced over when given without an ``mpu``.
+
+The engine's own step uses the same rule where the mpu's model-parallel
+size is above 1 (:func:`model_parallel_of`, :class:`ModelParallel`): stage 0
+through :func:`clip_model_parallel_`, the ZeRO stages on their partitions
+(:mod:`~dsrun.runtime.zero.masters`). A gradient that is not finite in a
+parameter a rank does not count still makes its norm ``inf``
+(:func:`split_squares`), so every tensor-parallel rank skips together.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
 
 Tensors = Union[torch.Tensor, Iterable[torch.Tensor]]
 
-__all__ = ["clip_tensors_by_global_norm", "combine_grad_norm_groups", "get_flattened_grad_norm",
+__all__ = ["ModelParallel", "clip_model_parallel_", "clip_tensors_by_global_norm",
+           "combine_grad_norm_groups", "get_flattened_grad_norm",
            "get_global_norm_of_tensors", "get_grad_zeros", "get_weight_norm", "has_inf_or_nan",
            "is_invalid_grad_norm", "is_model_parallel_parameter",
-           "mask_nan_or_inf_with_val_inplace"]
+           "mask_nan_or_inf_with_val_inplace", "model_parallel_of", "split_squares"]
 
 PIPE_REPLICATED = "ds_pipe_replicated"  # DeepSpeed's mark of a tied copy on another stage
 
@@ -56,6 +65,76 @@ def tensor_model_parallel_rank(mpu: Any) -> int:
         if hasattr(mpu, name):
             return int(getattr(mpu, name)())
     return 0
+
+
+@dataclass(frozen=True)
+class ModelParallel:
+    """An mpu's model-parallel group of more than one rank, over which the
+    engine's step reduces its gradient norm and overflow flag too."""
+
+    group: Any
+    size: int
+    #: this rank in the tensor-parallel group (:func:`tensor_model_parallel_rank`)
+    tp_rank: int
+
+    def counts(self, param: Any) -> bool:
+        """Whether this rank counts ``param`` in the norm: a split parameter
+        on every rank, a replicated one on tensor-parallel rank 0 only."""
+        return self.tp_rank == 0 or is_model_parallel_parameter(param)
+
+
+def model_parallel_of(mpu: Any) -> Optional[ModelParallel]:
+    """``mpu``'s model-parallel group when ``get_model_parallel_world_size()``
+    is above 1 (DeepSpeed's ZeRO optimizers read that size), else None: no
+    extra reduction at all (a pipeline's grid reports 1)."""
+    if mpu is None or not hasattr(mpu, "get_model_parallel_world_size"):
+        return None
+    size = int(mpu.get_model_parallel_world_size())
+    if size <= 1:
+        return None
+    return ModelParallel(mpu.get_model_parallel_group(), size, tensor_model_parallel_rank(mpu))
+
+
+def _dense(grad: torch.Tensor) -> torch.Tensor:
+    return grad.coalesce().values() if grad.is_sparse else grad
+
+
+def split_squares(counted: Sequence[torch.Tensor], others: Sequence[torch.Tensor],
+                  device: torch.device) -> torch.Tensor:
+    """The sum of the squared 2-norms of ``counted`` (each norm in float32,
+    the sum in float64, a one-element tensor on ``device``; a sparse tensor
+    by its values), ``inf`` when an element of ``others`` (the tensors this
+    rank leaves to another) is not finite: a non-finite gradient anywhere
+    makes every model-parallel rank's norm non-finite."""
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    for t in counted:
+        total += torch.linalg.vector_norm(_dense(t), dtype=torch.float32).to(device).double() ** 2
+    if others:
+        rest = torch.stack([torch.linalg.vector_norm(_dense(t), dtype=torch.float32).to(device)
+                            for t in others]).sum()
+        total += torch.where(torch.isfinite(rest), 0.0, math.inf)
+    return total
+
+
+def clip_model_parallel_(pairs: Sequence[tuple[Any, torch.Tensor]], max_norm: float,
+                         mp: ModelParallel) -> torch.Tensor:
+    """The 2-norm of the gradients of ``pairs`` (parameter, its gradient to
+    step on) over the whole model-parallel model (:meth:`ModelParallel.counts`,
+    reduced over ``mp.group``), a float32 scalar; with ``max_norm`` > 0 every
+    gradient is scaled by torch's coefficient ``max_norm / (norm + 1e-6)``
+    clamped to 1 (the same on every model-parallel rank)."""
+    total = split_squares([g for p, g in pairs if mp.counts(p)],
+                          [g for p, g in pairs if not mp.counts(p)], _device())
+    from dsrun import comm
+
+    comm.all_reduce(total, op=comm.ReduceOp.SUM, group=mp.group)
+    norm = total.sqrt().float().reshape(())
+    if max_norm > 0:
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        with torch.no_grad():
+            for _, grad in pairs:
+                grad.mul_(coefficient.to(grad.device, grad.dtype))
+    return norm
 
 
 def _device() -> torch.device:

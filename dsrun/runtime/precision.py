@@ -28,6 +28,12 @@ optimizer updates, and how a step is checked and applied.
   float16 autocast; float16 scales the loss with ``torch.amp.GradScaler``'s
   rule (:class:`GradScalerRule`).
 
+With a model-parallel ``mpu`` (:attr:`FullPrecision.model_parallel`, set by
+the engine when its model-parallel size is above 1) the norm is the whole
+model's, reduced over the model-parallel group with each parameter counted
+once (:func:`~dsrun.runtime.norms.clip_model_parallel_`): every
+tensor-parallel rank clips by the same coefficient and skips the same steps.
+
 A precision's :meth:`step` returns a :class:`StepResult`; the engine does the
 bookkeeping (counters, LR scheduler, logs). A skipped step (fp16 overflow,
 or a non-finite norm where :attr:`FullPrecision.skips_nonfinite`) reports
@@ -52,6 +58,7 @@ from dsrun.runtime import sparse_grads
 from dsrun.runtime.buffer_dtypes import CASTABLE, HALF_DTYPES, apply_buffer_rules
 from dsrun.runtime.config import DTYPE_NAMES, DsrunConfig
 from dsrun.runtime.loss_scaler import LossScaler
+from dsrun.runtime.norms import ModelParallel, clip_model_parallel_
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +102,9 @@ class FullPrecision:
     #: step (DeepSpeed's rule: fp32 at ZeRO 1-3 and bf16 with
     #: ``check_grad_overflow``; plain fp32 at stage 0 steps, as torch does)
     skips_nonfinite = False
+    #: the mpu's model-parallel group when it has more than one rank (the
+    #: engine sets it): the norm is reduced over it too (module docstring)
+    model_parallel: Optional[ModelParallel] = None
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  device: torch.device) -> None:
@@ -162,7 +172,11 @@ class FullPrecision:
 
     def step(self, optimizer: Optimizer, max_norm: float) -> StepResult:
         norm = None
-        if max_norm > 0:  # sparse embedding gradients too (stage 0, fp32)
+        measured = max_norm > 0 or self.reports_norm or self.skips_nonfinite
+        if self.model_parallel is not None and measured:
+            pairs = [(p, p.grad) for p in self.params if p.grad is not None]
+            norm = clip_model_parallel_(pairs, max_norm, self.model_parallel)
+        elif max_norm > 0:  # sparse embedding gradients too (stage 0, fp32)
             norm = sparse_grads.clip_grad_norm_(self.params, max_norm)
         elif self.reports_norm or self.skips_nonfinite:
             norm = global_norm([p.grad for p in self.params if p.grad is not None])
@@ -258,7 +272,8 @@ class TorchAutocastFP16(TorchAutocast):
 
     def step(self, optimizer: Optimizer, max_norm: float) -> StepResult:
         self.unscaled_grads()
-        return _scaled_step(self.scaler, optimizer, self.params, max_norm)
+        return _scaled_step(self.scaler, optimizer, self.params, max_norm, self.params,
+                            self.model_parallel)
 
 
 class GradScalerRule(LossScaler):
@@ -419,7 +434,8 @@ class FP16Master(FP16Scaling):
 
     def step(self, optimizer: Optimizer, max_norm: float) -> StepResult:
         self.unscaled_grads()
-        result = _scaled_step(self.scaler, optimizer, self.masters, max_norm)
+        result = _scaled_step(self.scaler, optimizer, self.masters, max_norm, self.params,
+                              self.model_parallel)
         if result.applied:
             self.copy_back()
         return result
@@ -440,13 +456,20 @@ class FP16Master(FP16Scaling):
 
 
 def _scaled_step(scaler: LossScaler, optimizer: Optimizer, owners: Sequence[torch.Tensor],
-                 max_norm: float) -> StepResult:
+                 max_norm: float, params: Sequence[torch.Tensor],
+                 model_parallel: Optional[ModelParallel]) -> StepResult:
     """The step of a loss-scaling precision once its gradients (those of
-    ``owners``) are unscaled: clip or measure their norm, skip the step on
-    a non-finite one (the scaler decides the scale), else step."""
+    ``owners``, the optimizer's tensors of the model's ``params``) are
+    unscaled: clip or measure their norm, skip the step on a non-finite one
+    (the scaler decides the scale), else step."""
     with_grad = [t for t in owners if t.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm) if max_norm > 0 \
-        else global_norm([t.grad for t in with_grad])
+    if model_parallel is not None:  # ``params`` carry the tensor-parallel marks
+        pairs = [(p, t.grad) for p, t in zip(params, owners) if t.grad is not None]
+        norm = clip_model_parallel_(pairs, max_norm, model_parallel)
+    elif max_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
+    else:
+        norm = global_norm([t.grad for t in with_grad])
     overflow = not bool(torch.isfinite(norm))
     if scaler.update(overflow):
         return skipped(norm)

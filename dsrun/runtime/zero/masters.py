@@ -45,6 +45,15 @@ sums against the model dtype's range (:attr:`~MasterGradients.grad_dtype`,
 :func:`overflow_limit`): a value that would round to inf in float16 is an
 overflow, so every stage, world size and offload setting skips the same steps.
 
+**Model parallelism.** With an mpu whose model-parallel size is above 1
+(:attr:`MasterGradients.model_parallel`) the overflow flag and the norm are
+reduced over its model-parallel group too, after the data-parallel
+reduction, as DeepSpeed's ZeRO optimizers do: a partition mixes replicated
+and tensor-parallel parameters, so the squares are summed per parameter
+piece (:meth:`~MasterGradients._param_slices`), a replicated piece only on
+tensor-parallel rank 0 (:class:`~dsrun.runtime.norms.ModelParallel`).
+Without one the flat masters are reduced whole, as before.
+
 **Offload.** When the masters live in host memory and the parameters on a
 GPU, the step goes piece by piece (:data:`OFFLOAD_PIECE` elements unless
 ``sub_group_size`` is given): the host steps a piece, issues its
@@ -65,6 +74,7 @@ import torch.distributed as dist
 from dsrun import comm as collectives
 from dsrun.errors import DsrunError
 from dsrun.runtime.loss_scaler import LossScaler
+from dsrun.runtime.norms import ModelParallel, split_squares
 from dsrun.runtime.zero.offload import Placement
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
@@ -192,6 +202,9 @@ class MasterGradients:
     #: where this optimizer keeps what (offload flags; :mod:`~.offload`)
     placement: Placement
     stage: int
+    #: the mpu's model-parallel group of more than one rank
+    #: (:func:`~.stepping.wrap_optimizer` sets it; module docstring)
+    model_parallel: Optional[ModelParallel] = None
 
     def reduce_gradients(self) -> None:  # pragma: no cover - every subclass defines it
         raise NotImplementedError
@@ -258,6 +271,17 @@ class MasterGradients:
     def _all_reduce(self, value: torch.Tensor, op: Any, what: str) -> None:
         if self.world_size > 1:
             reduce_on_device(value, op, self.group, self.comm_device)
+
+    def _model_parallel_reduce(self, value: torch.Tensor, op: Any) -> None:
+        """After the data-parallel reduction: over the model-parallel group
+        (module docstring), where there is one."""
+        if self.model_parallel is not None:
+            reduce_on_device(value, op, self.model_parallel.group, self.comm_device)
+
+    def _param_slices(self) -> list[tuple[Any, int, int, int]]:  # pragma: no cover
+        """(parameter, master index, offset in that master, length) of each
+        parameter's elements in this rank's masters (every subclass defines it)."""
+        raise NotImplementedError
 
     def _inner_groups(self, hyper: list[dict[str, Any]], piece: Optional[int],
                       views: bool = False) -> list[dict[str, Any]]:
@@ -358,6 +382,7 @@ class MasterGradients:
         self.reduce_gradients()
         flag = self.local_overflow().to(torch.float32).reshape(1)
         self._all_reduce(flag, dist.ReduceOp.MAX, "overflow check")
+        self._model_parallel_reduce(flag, dist.ReduceOp.MAX)
         return bool(flag.item() > 0)
 
     def local_overflow(self) -> torch.Tensor:
@@ -380,16 +405,31 @@ class MasterGradients:
             local = max((g.abs().max() for g in grads), default=torch.zeros((), device=device))
             total, op = local.to(torch.float32).reshape(1), dist.ReduceOp.MAX
         elif norm_type == 2.0:
-            squares = [torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
-                       for g in grads]
-            total = torch.stack(squares).sum().reshape(1) if squares else \
-                torch.zeros(1, dtype=torch.float64, device=device)
-            op = dist.ReduceOp.SUM
+            total, op = self._local_squares(grads, device), dist.ReduceOp.SUM
         else:
             raise ValueError(f"norm_type {norm_type} unsupported: use 2.0 or inf")
         self._all_reduce(total, op, "gradient norm")
+        self._model_parallel_reduce(total, op)
         norm = total if norm_type == math.inf else total.sqrt()
         return norm.to(torch.float32).reshape(())
+
+    def _local_squares(self, grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """This rank's share of the squared 2-norm (float64, one element):
+        its whole partitions, or with model parallelism the pieces it counts
+        (module docstring; :func:`~dsrun.runtime.norms.split_squares`)."""
+        mp = self.model_parallel
+        if mp is None:
+            squares = [torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
+                       for g in grads]
+            return torch.stack(squares).sum().reshape(1) if squares else \
+                torch.zeros(1, dtype=torch.float64, device=device)
+        counted: list[torch.Tensor] = []
+        others: list[torch.Tensor] = []
+        for param, g, offset, length in self._param_slices():
+            grad = self.masters[g].grad
+            if grad is not None and length:
+                (counted if mp.counts(param) else others).append(grad.narrow(0, offset, length))
+        return split_squares(counted, others, device)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the partition gradients so that the global norm is at most

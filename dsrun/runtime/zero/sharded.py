@@ -190,6 +190,16 @@ class ZeroOptimizer(ShardedStateIO, MasterGradients):
     def _members(self, g: int) -> list[torch.Tensor]:
         return [self.param_groups_full[g][i] for i in self.layouts[g].members]
 
+    def _param_slices(self) -> list[tuple[Any, int, int, int]]:
+        """Each piece of a parameter in this rank's partitions, as
+        (parameter, master index, offset in the master, length)."""
+        out = []
+        for g, layout in enumerate(self.layouts):
+            start, _ = layout.rank_range(self.rank)
+            out += [(self.param_groups_full[g][piece.param], g, piece.flat_offset - start,
+                     piece.length) for piece in layout.pieces(self.rank)]
+        return out
+
     def _flatten_params(self, g: int) -> Optional[torch.Tensor]:
         layout = self.layouts[g]
         if not layout.members:

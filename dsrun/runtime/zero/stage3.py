@@ -444,6 +444,11 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
             else:
                 self._landing.put(self._accumulator_of(g), flat, add=False)
 
+    def _param_slices(self) -> list[tuple[Any, int, int, int]]:
+        """Each trainable parameter's shard in the masters, as (parameter,
+        master index, offset, length; padding included, which is zero)."""
+        return [(p, *self._slot[p.ds_id], p.ds_spec.shard_numel) for p in self._slotted()]
+
     def _accumulator_of(self, g: int) -> torch.Tensor:
         master = self.masters[g]
         if master.grad is None:

@@ -8,8 +8,9 @@
   precision's loss scaler (fp16) for DeepSpeed's ``cur_scale``.
 * :func:`zero_step` is the boundary step: reduce (stage 1), agree on
   overflow across ranks and unscale by backward's scale (fp16), clip by the global norm computed
-  from all partitions - a non-finite one skips the step in fp32 and bf16
-  (as DeepSpeed's ZeRO optimizers; the norm is the same on every rank) -,
+  from all partitions (and, with a model-parallel mpu, over its
+  model-parallel group too) - a non-finite one skips the step in fp32 and
+  bf16 (as DeepSpeed's ZeRO optimizers; the norm is the same on every rank) -,
   step, all-gather the updated partitions.
 * :func:`memory_lines` is the one-block report of model-state bytes (the
   paper's formula for this config next to what this rank really holds)
@@ -28,6 +29,7 @@ import torch
 
 from dsrun.errors import DsrunConfigError
 from dsrun.runtime.loss_scaler import LossScaler
+from dsrun.runtime.norms import ModelParallel
 from dsrun.runtime.precision import FullPrecision, StepResult, skipped
 from dsrun.runtime.zero.comm import CommStrategy, strategy_for
 from dsrun.runtime.zero.memory import model_state_bytes, paper_model_state_bytes
@@ -54,8 +56,13 @@ def wrap_optimizer(optimizer: Optional[torch.optim.Optimizer], zero_config: Any,
                    group: Any, module: torch.nn.Module, accumulation: int = 1,
                    device: Optional[torch.device] = None,
                    loss_scaler: Optional[LossScaler] = None,
-                   comm_dtype: Optional[torch.dtype] = None) -> Union[ZeroOptimizer, ZeroStage3]:
+                   comm_dtype: Optional[torch.dtype] = None,
+                   model_parallel: Optional[ModelParallel] = None
+                   ) -> Union[ZeroOptimizer, ZeroStage3]:
     """``accumulation`` 1: stage 1 also reduces during backward (overlapped).
+    ``model_parallel``: the mpu's model-parallel group of more than one
+    rank, over which the step's norm and overflow flag are reduced too
+    (:mod:`~.masters`).
     ``comm_dtype``: the config's ``communication_data_type`` (None: the
     parameters' dtype).
     ``loss_scaler``: the precision's (fp16), which the optimizer's
@@ -64,6 +71,7 @@ def wrap_optimizer(optimizer: Optional[torch.optim.Optimizer], zero_config: Any,
     wrapped = _wrap(optimizer, zero_config, stage, group, module, accumulation, device,
                     comm_dtype)
     wrapped.loss_scaler = loss_scaler
+    wrapped.model_parallel = model_parallel
     # the narrowest trainable dtype bounds what a sum may hold (an fp32
     # parameter first in a float16 model must not turn the range check off)
     wrapped.grad_dtype = min((p.dtype for p in module.parameters()
