@@ -32,22 +32,45 @@ def option_names(command: click.Command) -> set[str]:
 def leading_options(run: click.Command, args: Sequence[str]
                     ) -> tuple[list[tuple[str, list[str]]], list[str]]:
     """The ``run`` options before the first word that is not one, each as
-    (its name, its words), and the words from that first word on."""
-    takes_value = {}
-    for param in run.params:
-        if isinstance(param, click.Option):
-            for opt in (*param.opts, *param.secondary_opts):
-                takes_value[opt] = not (param.is_flag or param.count)
+    (its name, its words), and the words from that first word on. A short
+    cluster (``-mH PATH``) counts as each of its options."""
     found: list[tuple[str, list[str]]] = []
     i = 0
     while i < len(args) and args[i].startswith("-") and args[i] != "--":
         word = args[i]
-        name = word.split("=", 1)[0] if word.startswith("--") else word[:2]
-        attached = "=" in word if word.startswith("--") else len(word) > 2
-        width = 2 if takes_value.get(name) and not attached else 1
-        found.append((name, list(args[i:i + width])))
-        i += width
+        if word.startswith("--"):
+            name = word.split("=", 1)[0]
+            parts = [(name, word)]
+            wants = _takes_value(_long_options(run).get(name)) and "=" not in word
+        else:
+            parts, wants = _short_cluster(run, word)
+        value = list(args[i + 1:i + 2]) if wants else []
+        found.extend((name, [text, *value] if n == len(parts) - 1 else [text])
+                     for n, (name, text) in enumerate(parts))
+        i += 1 + len(value)
     return found, list(args[i:])
+
+
+def _takes_value(option: click.Option | None) -> bool:
+    """``option`` is known and reads a value (no flag, no counter)."""
+    return option is not None and not (option.is_flag or option.count)
+
+
+def _short_cluster(command: click.Command, word: str) -> tuple[list[tuple[str, str]], bool]:
+    """The short options of ``word`` (``-mH``, ``-HPATH``), read as click
+    does: letters are options until one takes a value, which is the rest of
+    the word or, when nothing is left, the next word. Each as (its name, its
+    own word: ``-m``, ``-HPATH``), and whether the last takes the next word.
+    An unknown letter ends the cluster (click reports it)."""
+    parts: list[tuple[str, str]] = []
+    for pos in range(1, len(word)):
+        name = "-" + word[pos]
+        option = _short_option(command, name)
+        if option is None or _takes_value(option):
+            parts.append((name, "-" + word[pos:]))
+            return parts, option is not None and pos == len(word) - 1
+        parts.append((name, name))
+    return parts, False
 
 
 def _long_options(command: click.Command) -> dict[str, click.Option | None]:
@@ -65,17 +88,34 @@ def _long_options(command: click.Command) -> dict[str, click.Option | None]:
     return names
 
 
+#: What scripts are given, never a launcher option: left for click to
+#: report (``message`` says what it is), never read as a prefix of
+#: ``--local_rank_arg`` (``--local_rank=0`` out of torch.distributed.launch
+#: habit would be "--local_rank_arg does not take a value").
+SCRIPT_FLAGS = ("--local_rank", "--local-rank")
+
+
 def _full_name(name: str, names: dict[str, click.Option | None],
                ctx: click.Context | None) -> str:
     """``name``, or the long option it is a unique prefix of (as argparse's
-    allow_abbrev); several options: a usage error listing every match."""
-    if name in names or len(name) < 3:
+    allow_abbrev); several options: a usage error listing every match.
+
+    Prefixes resolve among dsrun's options, but one that is also a prefix
+    of a DeepSpeed flag dsrun lacks (``--max``: ``--max_restarts``, and
+    DeepSpeed's ``--max_elastic_nodes``) is ambiguous too: a DeepSpeed
+    command line must not silently become another dsrun option. A prefix
+    of only such flags is left for click, and ``message`` gives the flag's
+    advice."""
+    if name in names or len(name) < 3 or name in SCRIPT_FLAGS:
         return name
     matches = [opt for opt in names if opt.startswith(name)]
     options = {id(names[opt]) for opt in matches}
-    if len(options) > 1:  # two spellings of one option are not ambiguous
-        raise click.UsageError(f"ambiguous option: {name} could match {', '.join(matches)}",
-                               ctx)
+    deepspeed = [f for f in DEEPSPEED_ONLY_FLAGS if f.startswith(name)] if matches else []
+    if len(options) > 1 or deepspeed:  # two spellings of one option are not ambiguous
+        also = f", or DeepSpeed's {', '.join(deepspeed)}, which dsrun does not take " \
+               f"(write the option out)" if deepspeed else ""
+        raise click.UsageError(f"ambiguous option: {name} could match "
+                               f"{', '.join(matches)}{also}", ctx)
     return matches[0] if matches else name
 
 
@@ -95,18 +135,20 @@ def expand_abbreviations(command: click.Command, args: Sequence[str],
             name, eq, value = word.partition("=")
             name = _full_name(name, names, ctx)
             word, option, attached = name + eq + value, names.get(name), bool(eq)
-        else:  # a short option: -H PATH, -HPATH, -m
-            option, attached = _short_option(command, word[:2]), len(word) > 2
+        else:  # short options: -H PATH, -HPATH, -m, -mH PATH
+            option, attached = None, False
+            if _short_cluster(command, word)[1]:
+                option = _short_option(command, "-" + word[-1])
         out.append(word)
         i += 1
-        if option is not None and not (option.is_flag or option.count) and not attached \
-                and i < len(args):
+        if _takes_value(option) and not attached and i < len(args):
             out.append(args[i])  # its value, whatever it looks like
             i += 1
     return out + list(args[i:])
 
 
 def _short_option(command: click.Command, opt: str) -> click.Option | None:
+    """The option of ``command`` spelt ``opt`` (``-H``), or None."""
     for param in command.params:
         if isinstance(param, click.Option) and opt in param.opts:
             return param
@@ -117,7 +159,12 @@ def command_first(run: click.Command, load: Callable[[str], click.Command],
                   args: Sequence[str], command: str) -> str:
     """The message for CommandNotFirst, with the command line reordered:
     the options the command takes move after its name; the others are
-    left out, and named."""
+    left out, and named. Abbreviations are written out first (click read
+    ``--num_gpu 2`` as ``--num_gpus 2``)."""
+    try:
+        args = expand_abbreviations(run, args)
+    except click.UsageError:  # an ambiguous prefix: the words as given
+        pass
     options, rest = leading_options(run, args)
     if rest[:1] == ["--"]:
         rest = rest[1:]
@@ -224,9 +271,15 @@ def usage_hint(exc: click.ClickException, name: str | None) -> str:
 
 
 def message(exc: click.ClickException) -> str:
-    """click's message, or for a DeepSpeed launcher flag what to do instead."""
+    """click's message, or for a DeepSpeed launcher flag (or a flag of the
+    script's, :data:`SCRIPT_FLAGS`) what to do instead."""
     if isinstance(exc, click.NoSuchOption):
         name = exc.option_name
+        if name in SCRIPT_FLAGS:
+            return (f"No such option '{name}': {name} is what DeepSpeed's launcher (and "
+                    f"torch.distributed.launch) gives each rank's script, not a launcher "
+                    f"option: dsrun fills it in itself for a script whose argparse parser "
+                    f"declares it (--local_rank_arg: for any script; --no_local_rank: never)")
         # DeepSpeed takes unique prefixes of its flags (argparse): so do the hints
         flags = [name] if name in DEEPSPEED_ONLY_FLAGS else \
             [f for f in DEEPSPEED_ONLY_FLAGS if name.startswith("--") and f.startswith(name)]

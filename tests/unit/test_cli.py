@@ -512,6 +512,11 @@ def test_an_option_before_a_command_name_says_commands_come_first(capsys, tmp_pa
      "`dsrun doctor --launcher openmpi --log_dir d`", None),
     (["--cpu", "-Hhf", "run", "x.py", "--num_gpus", "1"],
      "`dsrun run --cpu -Hhf x.py --num_gpus 1`", None),
+    # abbreviations are written out first (review17 F4: `dsrun doctor 2 doctor`)
+    (["--num_gpu", "2", "doctor"], "`dsrun doctor --num_gpus 2`", None),
+    (["--num_gpu=2", "--inc", "localhost", "doctor"],
+     "`dsrun doctor --num_gpus=2 --include localhost`", None),
+    (["--num_gpu", "2", "hosts", "list"], "`dsrun hosts list`", "--num_gpus"),
 ])
 def test_the_commands_first_hint_moves_only_the_options_the_command_takes(
         capsys, tmp_path, monkeypatch, argv, fixed, left_out):
@@ -594,6 +599,54 @@ def test_ambiguous_prefixes_are_one_error_listing_the_candidates(argv, matches, 
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line == (f"dsrun: error: ambiguous option: {argv[0]} could match {matches} "
                     f"(see dsrun --help)")
+
+
+@pytest.mark.parametrize(("argv", "matches", "deepspeed"), [
+    (["--max", "2", "t.py"], "--max_restarts, --max-restarts", "--max_elastic_nodes"),
+    (["--log", "INFO", "t.py"], "--log_dir, --log-dir", "--log_level"),
+    (["--co", "x", "t.py"], "--config", "--comment"),
+    (["--ve", "x", "t.py"], "--version", "--venv_script"),
+])
+def test_a_prefix_of_a_dsrun_option_and_a_deepspeed_only_flag_is_ambiguous(
+        argv, matches, deepspeed, capsys):
+    """review17 F5: DeepSpeed's `--max 2` (--max_elastic_nodes) silently
+    became dsrun's --max_restarts 2; it is ambiguous, and says so."""
+    assert cli.main(argv) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"dsrun: error: ambiguous option: {argv[0]} could match {matches}, or "
+                    f"DeepSpeed's {deepspeed}, which dsrun does not take (write the option "
+                    f"out) (see dsrun --help)")
+    # the full names: dsrun's is taken, DeepSpeed's gets its advice
+    assert cli.parse_spec(["--max_restarts", "2", "t.py"]).max_restarts == 2
+    assert cli.main([deepspeed, "x", "t.py"]) == 2
+    assert f"No such option '{deepspeed}' (a DeepSpeed launcher flag)" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--local_rank=0", "t.py"], ["--local_rank", "0", "t.py"],
+                                  ["--local-rank=1", "t.py"]])
+def test_local_rank_given_to_dsrun_says_what_it_is(argv, capsys):
+    """review17 F5: `--local_rank=0` said "Option '--local_rank_arg' does not
+    take a value" (an option never typed); `--local_rank 0 t.py` ran the
+    script "0" with --local_rank_arg."""
+    assert cli.main(argv) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    name = argv[0].split("=")[0]
+    assert line.startswith(f"dsrun: error: No such option '{name}': {name} is what "
+                           f"DeepSpeed's launcher (and torch.distributed.launch) gives each "
+                           f"rank's script, not a launcher option: dsrun fills it in itself")
+    assert "--local_rank_arg" in line and "does not take a value" not in line
+    assert cli.parse_spec(["--local_rank_a", "t.py"]).local_rank_arg == "--local_rank"
+
+
+def test_a_value_in_a_short_option_cluster_is_never_rewritten():
+    """review17 F5: in `-mH --num_gpu`, click gives -H the value --num_gpu;
+    the pre-parse read only `-m` and wrote the value out as --num_gpus."""
+    assert cli.parse_spec(["-mH", "--num_gpu", "pkg"]).hostfile == "--num_gpu"
+    spec = cli.parse_spec(["-mH", "hf", "--num_gpu", "2", "pkg", "--num_gpu"])
+    assert (spec.hostfile, spec.num_gpus, spec.script_args) == ("hf", 2, ("--num_gpu",))
+    spec = cli.parse_spec(["-mHhf", "--num_gpu", "2", "pkg"])
+    assert (spec.hostfile, spec.num_gpus, spec.module) == ("hf", 2, True)
 
 
 def test_doctor_takes_prefixes_too():
