@@ -55,7 +55,7 @@ from dsrun.launcher.preflight import (
     evaluate,
     same_machines,
 )
-from dsrun.launcher.resources import highest_slot, select_resources
+from dsrun.launcher.resources import highest_slot, select_resources, slot_count
 from dsrun.launcher.spec import DEFAULT_CPU_RANKS, HostsSpec
 
 THIS_HOST = "<this host>"
@@ -88,9 +88,11 @@ def this_host_pool(hs: HostsSpec, devices: Sequence[DeviceId], cpus: int,
     if hs.include is not None or hs.exclude is not None:
         # slots: this host's GPUs, or on a host without any, one per usable
         # CPU (CPU ranks; DeepSpeed with DS_ACCELERATOR=cpu runs these too);
-        # CPU slots named beyond those oversubscribe, as --num_gpus N does
+        # CPU slots named beyond those oversubscribe, as --num_gpus N does,
+        # and --num_gpus N after --exclude leaves N (the excluded slots come on top)
         named = highest_slot(hs.include)
-        count = len(devices) or min(max(cpus, 1, hs.num_gpus or 0,
+        wanted = hs.num_gpus + slot_count(hs.exclude) if hs.num_gpus else 0
+        count = len(devices) or min(max(cpus, 1, wanted,
                                         -1 if named is None else named + 1), MAX_SLOTS)
         return HostPool(Hostfile(THIS_HOST, (HostEntry(name, count, 0),)))
     if hs.num_nodes not in (None, 1):

@@ -124,11 +124,16 @@ def _ipv6_slots_hint(host: str) -> str:
     return f"; for slots of {base}, write [{base}]:{last}"
 
 
-def _unknown_host(where: str, host: str, hostfile: Hostfile, here: bool) -> SelectionError:
+def _unknown_host(where: str, host: str, hostfile: Hostfile,
+                  this_host: Callable[[str], bool] | None) -> SelectionError:
+    """The error for ``host``, not in ``hostfile`` (``this_host``: as in
+    :func:`_parse_filter`), with the IPv6 slot hint when the address less
+    its last group is a host of the job (``::1:1``: slot 1 of ``::1``)."""
     hint = _ipv6_slots_hint(host)
-    if hint and hostfile.get(host.rpartition(SLOT_LIST_START)[0]) is not None:
+    base = host.rpartition(SLOT_LIST_START)[0]
+    if hint and (hostfile.get(base) is not None or (this_host is not None and this_host(base))):
         return SelectionError(f"{where}: unknown host {host!r} (an IPv6 address){hint}")
-    if here:  # the pool of a job without a hostfile: this host alone
+    if this_host is not None:  # the pool of a job without a hostfile: this host alone
         return SelectionError(
             f"{where}: unknown host {host!r}: without a hostfile the job runs on this host "
             f"only, named {hostfile.hosts[0]!r}, 'localhost' or a loopback address "
@@ -153,7 +158,7 @@ def _parse_filter(text: str, option: str, hostfile: Hostfile,
         if entry is None and this_host is not None and this_host(host):
             entry = hostfile.entries[0]
         if entry is None:
-            raise _unknown_host(where, host, hostfile, this_host is not None)
+            raise _unknown_host(where, host, hostfile, this_host)
         key = host_key(entry.host)
         if key in seen:
             raise SelectionError(f"{where}: host {entry.host!r} is listed twice")
@@ -166,6 +171,17 @@ def _parse_filter(text: str, option: str, hostfile: Hostfile,
 def highest_slot(text: str | None) -> int | None:
     """The highest slot index an include/exclude string names, or None
     (loosely read: its errors are :func:`select_resources`' to report)."""
+    return max(_named_slots(text), default=None)
+
+
+def slot_count(text: str | None) -> int:
+    """How many distinct slot indices an include/exclude string names
+    (loosely read, as :func:`highest_slot`)."""
+    return len(set(_named_slots(text)))
+
+
+def _named_slots(text: str | None) -> list[int]:
+    """The slot indices an include/exclude string names, in order."""
     found: list[int] = []
     for part in (text or "").split(NODE_SEP):
         try:
@@ -173,7 +189,7 @@ def highest_slot(text: str | None) -> int | None:
         except SelectionError:
             continue
         found += [int(i) for i in (slot_text or "").split(SLOT_SEP) if i.isascii() and i.isdigit()]
-    return max(found, default=None)
+    return found
 
 
 def _include(hostfile: Hostfile, parts: list[_Part]) -> list[NodeResources]:

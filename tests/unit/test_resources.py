@@ -156,6 +156,45 @@ def test_a_bare_ipv6_address_with_a_slot_suffix_gets_the_bracket_hint():
                                "address); for slots of fe80::1, write [fe80::1]:1")
 
 
+def test_excluded_slots_come_on_top_of_num_gpus_without_a_hostfile():
+    """review17 F6: on 2 CPUs `--num_gpus 3` runs 3 ranks, but `--exclude
+    localhost:1 --num_gpus 3` said host 'vm' "has 2" slots."""
+    from dsrun.launcher.cluster import this_host_pool
+    from dsrun.launcher.spec import HostsSpec
+
+    here = {"vm", "localhost"}.__contains__
+    for exclude, slots in (("localhost:1", (0, 2, 3)), ("vm:0,1", (2, 3, 4)), (None, (0, 1, 2))):
+        hs = HostsSpec(exclude=exclude, num_gpus=3)
+        pool = this_host_pool(hs, (), 2, "vm")
+        (node,) = select_resources(pool.hostfile, exclude=exclude, num_gpus=3, this_host=here)
+        assert node.slots == slots, exclude
+    # without --num_gpus: one slot per CPU, less the excluded ones (no oversubscription)
+    pool = this_host_pool(HostsSpec(exclude="localhost:1"), (), 2, "vm")
+    (node,) = select_resources(pool.hostfile, exclude="localhost:1", this_host=here)
+    assert node.slots == (0,)
+    # GPU hosts: the GPUs are the slots, whatever is asked
+    pool = this_host_pool(HostsSpec(exclude="localhost:1", num_gpus=3), (0, 1), 2, "vm")
+    with pytest.raises(SelectionError, match="after --exclude"):
+        select_resources(pool.hostfile, exclude="localhost:1", num_gpus=3, this_host=here)
+
+
+def test_an_ipv6_slot_suffix_of_this_host_gets_the_bracket_hint_without_a_hostfile():
+    """review17 F6: `--include ::1:1` (slot 1 of ::1) without a hostfile got
+    only "this host only"."""
+    from dsrun.launcher.cluster import THIS_HOST
+    from dsrun.launcher.hostfile import HostEntry
+
+    pool = Hostfile(THIS_HOST, (HostEntry("vm", 4, 0),))
+    here = {"vm", "localhost", "127.0.0.1", "::1"}.__contains__
+    with pytest.raises(SelectionError) as info:
+        select_resources(pool, include="::1:1", this_host=here)
+    assert str(info.value) == ("--include '::1:1': unknown host '::1:1' (an IPv6 address); "
+                               "for slots of ::1, write [::1]:1")
+    assert picked(select_resources(pool, include="[::1]:1", this_host=here)) == {"vm": (1,)}
+    with pytest.raises(SelectionError, match="this host only"):  # not this host: no hint
+        select_resources(pool, include="fe80::1:1", this_host=here)
+
+
 @pytest.mark.parametrize("text, highest", [
     (None, None), ("h", None), ("h:0,7@g:3", 7), ("[::1]:2", 2), ("h:x,4", 4), ("h:", None)])
 def test_highest_slot(text, highest):
