@@ -442,7 +442,9 @@ def _passthrough(known: Mapping[str, Any], ctx: Ctx) -> dict[str, Any]:
             return value.get("enabled") is False or is_auto(value.get("enabled"))
         return value is None or value is False
 
-    active = sorted(k for k, v in kept.items() if not disabled(v))
+    # "aio" tunes DeepSpeed's NVMe offload I/O, which dsrun does not have (an nvme
+    # offload device is refused by name): Lightning writes it into every config
+    active = sorted(k for k, v in kept.items() if k != "aio" and not disabled(v))
     if active:
         log.warning("%s: dsrun accepts but does not implement: %s", ctx.source, ", ".join(active))
     return kept

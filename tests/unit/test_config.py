@@ -741,6 +741,12 @@ def test_expert_parallel_and_disabled_amp_pass_through(caplog: pytest.LogCapture
         config = res(base(expert_parallel={"enabled": True}, amp={"enabled": False}))
     assert set(config.passthrough) == {"expert_parallel", "amp"}
     assert "does not implement: expert_parallel" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dsrun.runtime.config"):
+        # Lightning's DeepSpeedStrategy writes DeepSpeed's NVMe I/O section into every config
+        config = res(base(aio={"block_size": 1048576, "queue_depth": 8, "thread_count": 1,
+                               "single_submit": False, "overlap_events": True}))
+    assert "aio" in config.passthrough and "does not implement" not in caplog.text
 
 
 def test_timers_section_is_read_not_warned_about(caplog: pytest.LogCaptureFixture) -> None:
