@@ -330,11 +330,14 @@ def spec_from_params(params: dict[str, object]) -> LaunchSpec:
 
 
 def hosts_spec_from_params(params: dict[str, object]) -> HostsSpec:
-    """The HostsSpec of the host options among ``params`` (others ignored)."""
+    """The HostsSpec of the host options among ``params`` (others ignored);
+    ``DS_ACCELERATOR=cpu`` is ``--cpu`` here too, as in :func:`spec_from_params`
+    (``dsrun doctor`` checks the same hosts with and without SCRIPT)."""
     names = {p.name for p in host_options(lambda: None).__click_params__}  # type: ignore
     params = {k: v for k, v in params.items() if k in names}
     ssh = _ssh_options(params)
     _tool_args(params)
+    params["cpu"] = bool(params.get("cpu")) or cpu_by_deepspeed_variable(os.environ)
     return HostsSpec(**params, ssh=ssh)  # type: ignore[arg-type]
 
 

@@ -659,3 +659,26 @@ def test_a_prefix_of_a_deepspeed_only_flag_gets_its_advice(capsys):
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("dsrun: error: No such option '--enable_each' (a DeepSpeed "
                            "launcher flag = --enable_each_rank_log). DeepSpeed's")
+
+
+@pytest.mark.parametrize("value, cpu", [("cpu", True), ("CPU ", True), ("cuda", False),
+                                        (None, False)])
+def test_doctor_honours_ds_accelerator_cpu_with_and_without_a_script(
+        value, cpu, tmp_path, monkeypatch):
+    """review17 F7: `DS_ACCELERATOR=cpu dsrun doctor -H hf` checked GPU slots,
+    `... doctor -H hf train.py` CPU ranks."""
+    from dsrun.launcher import doctor
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text("pass\n")
+    if value is None:
+        monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    else:
+        monkeypatch.setenv("DS_ACCELERATOR", value)
+    checked = []
+    monkeypatch.setattr(doctor, "run_doctor",
+                        lambda hosts, cwd, job=None: checked.append(hosts.cpu) or 0)
+    for script in ([], ["t.py", "--lr", "1"]):
+        assert cli.main(["doctor", "-H", "hf", *script]) == 0
+    assert checked == [cpu, cpu]
+
