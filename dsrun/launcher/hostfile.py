@@ -323,6 +323,8 @@ def hostfile_problems(text: str, path: str) -> list[HostfileProblem]:
 
 
 def _loopback_message(host: str, first: _Line) -> str:
+    """The problem of a second loopback entry ``host`` (``first``: the
+    entry that already named this machine)."""
     return (f"host {host!r} is this machine, as {first.host!r} on line {first.number} is "
             f"(both loopback): list this machine once")
 
