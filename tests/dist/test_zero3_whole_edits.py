@@ -10,8 +10,12 @@ and every case must give the same numbers in both, and the rule's:
   overwritten by the next step where the master is a separate fp32 copy
   (fp16, offload_optimizer), as at ZeRO stage 0;
 * a write inside ``GatheredParameters`` without ``modifier_rank`` is
-  dropped on exit; of nested contexts the outermost decides; a step taken
-  inside such a context is kept;
+  dropped on exit; in nested contexts an edit is kept when either one has
+  ``modifier_rank`` (the inner one without leaves it to the outer one, the
+  inner one with publishes); a step taken inside such a context is kept;
+* a value set through ``safe_set_local_fp32_param`` or (inside a context
+  without ``modifier_rank``) ``safe_set_full_fp32_param`` survives the
+  next step;
 * a transformer with ``nn.MultiheadAttention`` (which zeroes
   ``out_proj.bias`` after building ``out_proj``) trains under zero.Init on
   2 ranks exactly as built without it, and as at stage 0.
@@ -33,6 +37,7 @@ import pytest
 import torch
 
 import dsrun
+from dsrun.errors import DsrunError
 from tests.conftest import ROOT, rank_results
 
 pytestmark = pytest.mark.dist
@@ -115,7 +120,7 @@ def test_a_value_set_through_the_setters_survives_the_next_step(
                                                    "master": [5.0] * 4}, (world, key, case)
 
 
-def test_the_outermost_context_decides_and_a_step_inside_one_is_kept(
+def test_nested_contexts_keep_an_edit_either_one_publishes_and_a_step_inside_one(
         jobs: dict[int, list[dict[str, Any]]]) -> None:
     for world, results in jobs.items():
         for result in results:
@@ -162,3 +167,90 @@ def test_zero_init_gives_constructor_made_attributes_its_dtype(solo: None) -> No
     assert built_outside.made.dtype == torch.float32  # no constructor ran in a context
     with dsrun.zero.Init():  # no dtype: everything as made
         assert Holder().made.dtype == torch.float32
+
+
+def _two_linears(**zero: Any) -> tuple[Any, torch.nn.Sequential]:
+    """A 1-rank stage-3 engine over two ``Linear(4, 4)``; with
+    ``offload_param`` and a persistence threshold of 10 the weights (16
+    elements) are released between uses and the biases kept whole."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    config = {"train_micro_batch_size_per_gpu": 1,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                    "stage3_param_persistence_threshold": 10, **zero}}
+    engine, *_ = dsrun.initialize(model=model, config=config)
+    return engine, model
+
+
+def _untouched(params: list[torch.Tensor], ptrs: list[int]) -> None:
+    """No pin, no scratch copy left, each parameter's own data (``ptrs``)."""
+    for p, ptr in zip(params, ptrs):
+        assert p.ds_pins == 0 and "_ds_kept" not in p.__dict__, p.ds_name
+        assert p.data.data_ptr() == ptr, p.ds_name
+
+
+def test_a_failed_enter_leaves_nothing_gathered_pinned_or_lent(
+        solo: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dsrun.runtime.zero import gathered
+    from dsrun.runtime.zero.partitioned import ZeroParamStatus
+
+    engine, model = _two_linears()
+    weight, first, second = model[0].weight, model[0].bias, model[1].bias
+    assert weight.ds_status is ZeroParamStatus.NOT_AVAILABLE
+    ptrs = [first.data.data_ptr(), second.data.data_ptr()]
+    lend, calls = gathered.lend_scratch, []
+
+    def out_of_memory_at_the_second(param: torch.Tensor) -> None:
+        calls.append(param)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory (simulated)")
+        lend(param)
+
+    monkeypatch.setattr(gathered, "lend_scratch", out_of_memory_at_the_second)
+    with pytest.raises(RuntimeError, match="simulated"):
+        with dsrun.zero.GatheredParameters([weight, first, second]):
+            pass
+    assert calls == [first, second]
+    assert weight.ds_status is ZeroParamStatus.NOT_AVAILABLE and weight.ds_pins == 0
+    _untouched([first, second], ptrs)
+    monkeypatch.setattr(gathered, "lend_scratch", lend)
+    with dsrun.zero.GatheredParameters([weight, first]):  # usable again
+        assert weight.ds_status is ZeroParamStatus.AVAILABLE
+    _untouched([first], ptrs[:1])
+
+
+def test_entering_an_open_context_again_is_refused_and_the_first_entry_undone(
+        solo: None) -> None:
+    engine, model = _two_linears()
+    bias = model[0].bias
+    original, ptr = bias.detach().clone(), bias.data.data_ptr()
+    context = dsrun.zero.GatheredParameters([bias])
+    with context:
+        with torch.no_grad():
+            bias.fill_(1.0)
+        with pytest.raises(DsrunError, match="is open already"):
+            with context:
+                pass
+    _untouched([bias], [ptr])
+    assert torch.equal(bias.detach(), original)  # the edit inside was dropped
+    with context:  # closed: it opens again
+        assert "_ds_kept" in bias.__dict__
+    _untouched([bias], [ptr])
+
+
+def test_a_16bit_save_reads_parameters_kept_whole_without_a_scratch_copy(
+        solo: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At world size 1 every parameter is whole: the consolidated state dict
+    (Hugging Face's save) copies each to the host only, no device copy first."""
+    from dsrun.runtime.zero import gathered
+
+    engine, model = _two_linears(offload_param={"device": "none"},
+                                 stage3_gather_16bit_weights_on_model_save=True)
+
+    def refused(param: torch.Tensor) -> None:
+        raise AssertionError(f"a scratch copy of {param.ds_name} for a read")
+
+    monkeypatch.setattr(gathered, "lend_scratch", refused)
+    state = engine._zero3_consolidated_16bit_state_dict()
+    assert torch.equal(state["0.weight"], model[0].weight.detach())

@@ -29,7 +29,7 @@ from dsrun.runtime.checkpoint.coord import raise_failures
 from dsrun.runtime.checkpoint.engine_io import checkpointer, wait
 from dsrun.runtime.checkpoint.storage import atomic_write
 from dsrun.runtime.zero.init import GatheredParameters
-from dsrun.runtime.zero.partitioned import is_zero_param
+from dsrun.runtime.zero.partitioned import ZeroParamStatus, is_zero_param
 
 log = logging.getLogger("dsrun.runtime.checkpoint")
 
@@ -63,7 +63,10 @@ def state_dict16(engine: Any, exclude_frozen: bool, keep: bool) -> OrderedDict:
             continue
         if id(tensor) not in done:
             if is_zero_param(tensor):
-                with GatheredParameters([tensor]):
+                # one whole already (kept whole; every one at world size 1) is
+                # read as it is: a context over it would copy it on its device
+                released = tensor.ds_status is not ZeroParamStatus.AVAILABLE
+                with GatheredParameters([tensor] if released else []):
                     value = _host(tensor, dtype) if keep else None
             else:
                 value = _host(tensor, dtype) if keep else None

@@ -14,9 +14,14 @@ released, and those that were whole already (kept whole, or gathered by a
 running forward) are lent a scratch copy of their data for the context and
 get their own back on exit (:mod:`~.whole_edits`; at world size 1, where
 every parameter is whole, that copies what the context holds - DeepSpeed
-holds a gathered copy next to each shard there too). Of nested contexts,
-the outermost one holding a parameter decides. ``fwd_module`` registers the
-parameters as external parameters of that module.
+holds a gathered copy next to each shard there too). A context without
+``modifier_rank`` nested in another one holding the parameter leaves its
+edits to that one (published by a ``modifier_rank`` context, dropped by one
+without); a ``modifier_rank`` context publishes even inside one without (as
+DeepSpeed). One object is entered once at a time (a nested entry of the same
+object is refused); an ``__enter__`` that fails part-way (out of memory in a
+scratch copy) undoes what it did. ``fwd_module`` registers the parameters
+as external parameters of that module.
 
 Parameters that are not partitioned (stages 0-2) are whole on every rank
 already: nothing is gathered. With ``modifier_rank``, those an engine trains
@@ -71,6 +76,8 @@ def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Par
 
 def unregister_external_parameter(module: torch.nn.Module,
                                   parameter: torch.nn.Parameter) -> None:
+    """Undo :func:`register_external_parameter`: ``module``'s hooks no
+    longer gather ``parameter`` (nothing happens if it was not registered)."""
     _external_store(module).pop(id(parameter), None)
 
 
@@ -113,8 +120,10 @@ class GatheredParameters:
                       and engine_of(p) is not None] if enabled and modifier_rank is not None \
             else []
         self.enabled = bool(enabled) and bool(self.params)
+        # this entry's state: what it gathered, lent a scratch copy, pinned
         self._gathered: list[torch.Tensor] = []
         self._scratch: list[torch.Tensor] = []
+        self._pinned = self._open = False
         if self.enabled:
             ranks = {group_ranks(p.ds_group) for p in self.params}
             if len(ranks) > 1:
@@ -128,37 +137,55 @@ class GatheredParameters:
     def __enter__(self) -> None:
         if not self.enabled:
             return
+        if self._open:  # a second entry would lose the first one's scratch copies
+            raise DsrunError(f"GatheredParameters over {_describe(self.params)} is open "
+                             "already: nest a new GatheredParameters object, not the same one")
         need = [p for p in self.params if p.ds_status is ZeroParamStatus.NOT_AVAILABLE]
         if need and dist.get_world_size(self.group) > 1:
             shared_guard(self.group).event("gather", _describe(need), [p.ds_id for p in need],
                                            [p.ds_numel for p in need])
-        gather(self.params)  # also completes gathers that module hooks left in flight
-        for p in self.params:
-            p.ds_pins += 1
         self._gathered = need
-        if self.modifier_rank is None:  # edits of whole parameters are dropped on exit too
-            gathered_here = {id(p) for p in need}
-            self._scratch = [p for p in self.params
-                             if p.ds_pins == 1 and id(p) not in gathered_here]
-            for p in self._scratch:
-                lend_scratch(p)
+        try:
+            gather(self.params)  # also completes gathers that module hooks left in flight
+            self._pinned = True
+            for p in self.params:
+                p.ds_pins += 1
+            if self.modifier_rank is None:  # edits of whole parameters are dropped on exit too
+                gathered_here = {id(p) for p in need}
+                for p in self.params:
+                    if p.ds_pins == 1 and id(p) not in gathered_here:
+                        lend_scratch(p)
+                        self._scratch.append(p)
+        except BaseException:  # out of memory in a clone, Ctrl-C: undo, as __exit__ would
+            self._close()
+            raise
+        self._open = True
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         if self.whole and exc_type is None:
             publish_whole(self.whole, self.modifier_rank)  # type: ignore[arg-type]
         if not self.enabled:
             return
-        for p in self.params:
-            p.ds_pins -= 1
         try:
             if self.modifier_rank is not None and exc_type is None:
                 self._publish()
         finally:
+            self._close()
+
+    def _close(self) -> None:
+        """Unpin, give the scratch copies' parameters their data back, and
+        release what this entry gathered (``__exit__``, or a failed ``__enter__``)."""
+        try:
             for p in self._scratch:
                 end_scratch(p)
+            if self._pinned:
+                for p in self.params:
+                    p.ds_pins -= 1
             for p in self._gathered:
                 release(p)
+        finally:
             self._gathered, self._scratch = [], []
+            self._pinned = self._open = False
 
     def _publish(self) -> None:
         """Broadcast ``modifier_rank``'s values; refresh shards and masters."""
