@@ -171,6 +171,21 @@ def test_bad_tags_are_refused(saved: tuple[Any, Path], tag: str) -> None:
     assert (root / "latest").read_text() == "global_step2"
 
 
+@pytest.mark.parametrize("tag", ["\udcff", "step\ud800"])
+def test_a_tag_with_a_lone_surrogate_is_refused_naming_it(saved: tuple[Any, Path],
+                                                          tag: str) -> None:
+    """os.fsdecode() of bytes that are not UTF-8 makes '\\udcff': refused
+    before anything is written (not a UnicodeEncodeError at `latest`, after
+    the tag's directory was made)."""
+    engine, root = saved
+    before = sorted(os.listdir(root))
+    with pytest.raises(CheckpointError, match=r"the tag '.*' cannot be a directory name: "
+                                              r"'\\ud[c8]..' at index \d+ is not a character"):
+        engine.save_checkpoint(root, tag=tag)
+    assert sorted(os.listdir(root)) == before
+    assert (root / "latest").read_text() == "global_step2"
+
+
 def test_a_tag_too_long_for_the_file_system_is_refused_before_anything_is_written(
         saved: tuple[Any, Path]) -> None:
     """255-byte names: the tag and '.replaced' must fit (the longest fails the
@@ -513,6 +528,21 @@ def test_the_client_state_comes_back_with_deepspeeds_keys(solo: None, tmp_path: 
     assert client["ds_version"] == deepspeed.__version__ == dsrun.__version__
     assert client["ds_config"]["zero_optimization"]["stage"] == 2  # the saving engine's
     assert client["ds_config"]["train_batch_size"] == 2
+
+
+def test_the_saved_and_returned_config_hold_no_secrets(solo: None, tmp_path: Path) -> None:
+    """Checkpoints get shared: comet.api_key is saved, and handed back, redacted."""
+    engine = engine_for(stage=1, comet={"enabled": False, "api_key": "SECRET123",
+                                        "project": "p"})
+    assert engine.config.to_dict()["comet"]["api_key"] == "SECRET123"
+    train(engine)
+    engine.save_checkpoint(tmp_path, tag="t")
+    blob = (tmp_path / "t" / "engine_state.pt").read_bytes()
+    assert b"SECRET123" not in blob
+    saved = torch.load(tmp_path / "t" / "engine_state.pt", weights_only=False)["ds_config"]
+    assert saved["comet"] == {**engine.config.to_dict()["comet"], "api_key": "<redacted>"}
+    _, client = engine_for(stage=1, seed=3).load_checkpoint(tmp_path)
+    assert client["ds_config"] == saved
 
 
 def test_same_tag_saved_twice_and_save_latest_false(saved: tuple[Any, Path]) -> None:

@@ -57,6 +57,19 @@ def test_a_client_state_must_be_a_mapping(value: Any, bad: bool) -> None:
         assert "nothing was written" in problem
 
 
+def test_secrets_in_a_saved_config_are_not_handed_back() -> None:
+    """A checkpoint saved before dsrun redacted them still holds them."""
+    config = {"train_batch_size": 8, "comet": {"enabled": True, "api_key": "SECRET123",
+                                               "project": "p", "experiment_key": None},
+              "x": [{"auth_token": "T0K"}]}
+    got = returned_client_state({**STATE, "ds_config": config}, manifest(2), False, "ck/t")
+    assert got["ds_config"] == {"train_batch_size": 8,
+                                "comet": {"enabled": True, "api_key": "<redacted>",
+                                          "project": "p", "experiment_key": None},
+                                "x": [{"auth_token": "<redacted>"}]}
+    assert config["comet"]["api_key"] == "SECRET123"  # not changed in place
+
+
 def test_a_stage_2_save_hands_back_deepspeeds_keys() -> None:
     got = returned_client_state(STATE, manifest(2), False, "ck/t")
     # the order of DeepSpeed 0.19.8's dict, then the client's keys

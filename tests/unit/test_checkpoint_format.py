@@ -26,6 +26,7 @@ from dsrun.runtime.checkpoint.manifest import (
 from dsrun.runtime.checkpoint.records import ChunkRecord, RankRecord, merge_records
 from dsrun.runtime.checkpoint.tags import (
     DEFAULT_NAME_MAX,
+    check_tag,
     check_tag_fits,
     length_problem,
     list_tags,
@@ -159,6 +160,27 @@ def test_a_tag_and_the_longest_suffix_fit_in_one_name(tag: str, ok: bool) -> Non
         assert problem is not None and f"the tag {tag!r} is {len(tag.encode())} bytes long" \
             in problem and "more than the 246 a checkpoint tag may have in /ck" in problem
         assert "names of 255 bytes" in problem and "TAG.replaced" in problem
+
+
+@pytest.mark.parametrize("tag, at", [("\udcff", 0), ("step\ud800x", 4)])
+def test_a_tag_that_is_not_valid_text_is_refused_naming_it(tag: str, at: int) -> None:
+    """A lone surrogate (os.fsdecode of bytes that are not UTF-8: '\\udcff')
+    cannot go into `latest` as UTF-8 (nor, some, into a file name): the same
+    one error as other bad tags, naming the tag, not a bare UnicodeEncodeError."""
+    problem = tag_problem(tag)
+    assert problem is not None
+    assert problem.startswith(f"the tag {tag!r} cannot be a directory name: "
+                              f"{tag[at]!r} at index {at} is not a character"), problem
+    with pytest.raises(CheckpointError, match="cannot be a directory name"):
+        check_tag(tag)
+
+
+def test_a_name_max_larger_than_255_is_not_believed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vfat/exFAT report 1530 (255 UTF-16 units x 6 bytes) but hold 255 units."""
+    monkeypatch.setattr(os, "pathconf", lambda path, name: 1530)
+    assert name_max("/") == 255
+    with pytest.raises(CheckpointError, match="more than the 246 a checkpoint tag may have"):
+        check_tag_fits("x" * 247, "/")
 
 
 def test_name_max_is_asked_of_the_nearest_existing_directory(

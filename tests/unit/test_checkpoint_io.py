@@ -198,6 +198,65 @@ def test_the_space_check_shows_its_margin_and_different_numbers(
     assert not (tmp_path / "t.tmp").exists()
 
 
+class TwoRanks(Coordinator):
+    """Rank 0 of two, rank 1 posting ``other`` (its problem) in the agreement;
+    records the agreements and exchanges."""
+
+    def __init__(self, other: Optional[str]) -> None:
+        super().__init__(5)
+        self.world, self.other, self.calls = 2, other, []
+
+    def agree(self, what: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
+        self.calls.append(("agree", payload))
+        return [payload, {**payload, "problem": self.other}]
+
+    def exchange(self, obj: Any) -> list[Any]:
+        self.calls.append(("exchange", obj))
+        return [obj, None]
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_a_save_another_rank_refuses_changes_nothing_on_disk(tmp_path: Path,
+                                                            async_: bool) -> None:
+    """Rank 0 removes a stale TAG.tmp/ and makes the save directory only once
+    every rank agreed to save: not for a bad argument on rank 1."""
+    (tmp_path / "t.tmp").mkdir()
+    (tmp_path / "t.tmp" / "rank_00000.bin").write_bytes(b"old")
+    for save_dir in (tmp_path, tmp_path / "new"):
+        request = SaveRequest(str(save_dir), "t")
+        coord = TwoRanks("client_state is a list (nothing was written)")
+        with pytest.raises(CheckpointError, match=r"failed on rank 1: client_state is a list"):
+            (writer.begin_save if async_ else save_state)(request, [], coord)
+        assert [c[0] for c in coord.calls] == ["agree"]
+        assert sorted(os.listdir(tmp_path)) == ["t.tmp"]
+        assert os.listdir(tmp_path / "t.tmp") == ["rank_00000.bin"]
+    coord = TwoRanks(None)
+    write, _ = writer.begin_save(SaveRequest(str(tmp_path / "new"), "t"),
+                                 [DictSource(tensors()).export_state({})], coord)
+    assert [c[0] for c in coord.calls] == ["agree", "exchange"]
+    assert coord.calls[1][1] is None  # rank 0's room was made: every rank may write
+    assert sorted(os.listdir(tmp_path)) == ["new", "t.tmp"] and not os.listdir(tmp_path / "new")
+    (tmp_path / "new" / "t.tmp").mkdir()  # a stale one goes only once all agreed
+    writer.begin_save(SaveRequest(str(tmp_path / "new"), "t"), [], TwoRanks(None))
+    assert not os.listdir(tmp_path / "new")
+
+
+def test_rank_0s_space_check_is_raised_on_every_rank_as_it_is(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(writer, "free_bytes", lambda _path: 10)
+    coord = TwoRanks(None)
+    with pytest.raises(CheckpointError, match=r"^not enough space in .*new for checkpoint 't'"):
+        writer.begin_save(SaveRequest(str(tmp_path / "new"), "t"),
+                          [DictSource(tensors()).export_state({})], coord)
+    assert coord.calls[1][0] == "exchange" and "not enough space" in coord.calls[1][1]
+    assert not os.listdir(tmp_path)  # the save directory is not made either
+    monkeypatch.undo()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CheckpointError, match=r"cannot save checkpoint 't' in .*file/new: "
+                                              r"\[Errno 20\] Not a directory"):
+        save(tmp_path / "file" / "new", DictSource(tensors()))
+
+
 def board(world: int = 3) -> SaveBoard:
     return SaveBoard(torch.distributed.HashStore(), "dsrun/checkpoint/7/failed/", world)
 

@@ -7,7 +7,11 @@ dict with ``counters``, ``lr_scheduler``, ``loss_scaler``, the script's
 ``ds_config`` (its resolved config as a DeepSpeed-style dict) and
 ``ds_version`` (``dsrun.__version__``, the version ``import deepspeed``
 reports). Checkpoints of earlier dsrun versions lack the last two and load
-as before; then those keys are not handed back.
+as before; then those keys are not handed back. Checkpoints get copied and
+shared, so the config's secrets (``comet.api_key``, any string under a key
+naming an api_key, token, secret or password) are saved and handed back as
+``"<redacted>"``: :func:`redacted_config` (a checkpoint saved before this
+holds them, and a load still does not hand them back).
 
 * :func:`client_state_problem` - at save: a ``client_state`` must be a
   mapping (DeepSpeed merges it into its own state dict with
@@ -64,6 +68,14 @@ COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 RETURNED_KEYS = ("buffer_names", "param_shapes", "frozen_param_shapes", "shared_params",
                  "skipped_steps", "global_steps", "global_samples", "dp_world_size",
                  "mp_world_size", "checkpoint_parallel_dimensions", "ds_config", "ds_version")
+
+
+def redacted_config(config: Any) -> Any:
+    """``config`` (a DeepSpeed-style dict) with its secrets as ``"<redacted>"``
+    (module docstring); anything else as it is."""
+    # imported here: dsrun.runtime.initialize imports the engine, which imports this package
+    from dsrun.runtime.initialize import redact_secrets
+    return redact_secrets(config)
 
 
 def client_state_problem(client_state: Any) -> Optional[str]:
@@ -146,9 +158,10 @@ def deepspeed_keys(state: Mapping[str, Any], manifest: Manifest, module_only: bo
         out.update(dp_world_size=int(meta["dp_world_size"]), mp_world_size=1)
     stages = (meta.get("pipeline") or {}).get("stages", 1)
     out["checkpoint_parallel_dimensions"] = {"pp_degree": int(stages), "tp_degree": 1}
-    for key in ("ds_config", "ds_version"):
-        if key in state:
-            out[key] = state[key]
+    if "ds_config" in state:
+        out["ds_config"] = redacted_config(state["ds_config"])
+    if "ds_version" in state:
+        out["ds_version"] = state["ds_version"]
     return out
 
 

@@ -39,6 +39,7 @@ from dsrun.runtime.checkpoint.async_save import AsyncSaver
 from dsrun.runtime.checkpoint.client_state import (
     COUNTERS,
     client_state_problem,
+    redacted_config,
     returned_client_state,
 )
 from dsrun.runtime.checkpoint.coord import Coordinator, raise_first
@@ -209,8 +210,9 @@ def _engine_state(engine: Any, client_state: Any) -> dict[str, Any]:
             "loss_scaler": scaler.state_dict() if scaler is not None else None,
             "client_state": client_state,
             # DeepSpeed saves its config and version with every checkpoint and
-            # load_checkpoint hands them back: the resolved config here
-            "ds_config": to_dict() if callable(to_dict) else None,
+            # load_checkpoint hands them back: the resolved config here, less
+            # its secrets (checkpoints are shared more than logs are)
+            "ds_config": redacted_config(to_dict()) if callable(to_dict) else None,
             "ds_version": dsrun.__version__}
 
 

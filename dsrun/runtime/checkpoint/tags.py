@@ -3,11 +3,15 @@
 A tag names one directory under the save directory, so it must be one
 plain path component: not empty, no ``/`` or ``\\``, not ``.``/``..``,
 not ``latest``, not ending in ``.tmp`` or ``.replaced`` (the names a save
-in progress and a replaced tag use), without control characters. A save
+in progress and a replaced tag use), without control characters, and
+valid text: a lone surrogate (``'\\udcff'``, what :func:`os.fsdecode` makes of
+undecodable bytes) cannot be written to ``latest`` as UTF-8. A save
 also needs the tag, encoded as the file system encodes names
 (:func:`os.fsencode`), plus the longest of those suffixes (``.replaced``)
 to fit in one name of the save directory's file system (``NAME_MAX``,
-usually 255 bytes): :func:`check_tag_fits`, before anything is written.
+usually 255 bytes, and never taken as more: vfat and exFAT report 1530
+while they hold 255 UTF-16 units): :func:`check_tag_fits`, before
+anything is written.
 ``latest`` holds the newest complete tag as text, as in DeepSpeed. Tags
 are listed in natural order (``global_step3`` before ``global_step12``).
 
@@ -65,6 +69,13 @@ def tag_problem(tag: Any) -> Optional[str]:
         return f"the tag {tag!r} must be a single directory name (no '/', no control characters)"
     if tag.endswith((TMP_SUFFIX, REPLACED_SUFFIX)):
         return f"the tag {tag!r} ends in {TMP_SUFFIX} or {REPLACED_SUFFIX}, which dsrun uses itself"
+    try:  # `latest` holds the tag as UTF-8; the directory's name is os.fsencode(tag)
+        tag.encode("utf-8")
+        os.fsencode(tag)
+    except UnicodeEncodeError as exc:
+        return (f"the tag {tag!r} cannot be a directory name: {tag[exc.start]!r} at index "
+                f"{exc.start} is not a character ({exc.reason}; a lone surrogate, e.g. "
+                "os.fsdecode() of bytes that are not UTF-8)")
     return None
 
 
@@ -76,7 +87,9 @@ def check_tag(tag: Any) -> None:
 
 # the longest name dsrun derives from a tag in the save directory (TAG.replaced)
 LONGEST_SUFFIX = max(TMP_SUFFIX, REPLACED_SUFFIX, key=len)
-DEFAULT_NAME_MAX = 255  # Linux, macOS, Windows: where os.pathconf cannot say
+# Linux, macOS, Windows: where os.pathconf cannot say, and the most it is
+# believed: vfat/exFAT report 255 UTF-16 units x 6 bytes (1530) but hold 255 units
+DEFAULT_NAME_MAX = 255
 
 
 def max_tag_bytes(name_max: int) -> int:
@@ -96,18 +109,25 @@ def length_problem(tag: str, name_max: int, where: str) -> Optional[str]:
             "replaces it; use a shorter tag (nothing was written)")
 
 
-def name_max(path: str) -> int:
-    """``NAME_MAX`` of the file system ``path`` is (or would be) on: asked of
-    its nearest existing ancestor; :data:`DEFAULT_NAME_MAX` where the system
-    cannot say."""
+def nearest_existing(path: str) -> str:
+    """``path`` (made absolute), or its nearest ancestor that exists: where
+    to ask about the file system a directory not made yet would be on."""
     probe = os.path.abspath(path)
     while not os.path.exists(probe) and os.path.dirname(probe) != probe:
         probe = os.path.dirname(probe)
+    return probe
+
+
+def name_max(path: str) -> int:
+    """``NAME_MAX`` of the file system ``path`` is (or would be) on: asked of
+    its nearest existing ancestor, at most :data:`DEFAULT_NAME_MAX`, which is
+    also the answer where the system cannot say."""
     try:
-        found = os.pathconf(probe, "PC_NAME_MAX")
+        found = os.pathconf(nearest_existing(path), "PC_NAME_MAX")
     except (AttributeError, ValueError, OSError):  # no pathconf (Windows), or no answer
         return DEFAULT_NAME_MAX
-    return found if isinstance(found, int) and found > 0 else DEFAULT_NAME_MAX
+    return min(found, DEFAULT_NAME_MAX) if isinstance(found, int) and found > 0 \
+        else DEFAULT_NAME_MAX
 
 
 def check_tag_fits(tag: str, save_dir: str) -> None:

@@ -7,8 +7,12 @@ through :mod:`.engine_io`; a pipeline engine with its own sources)::
                   deadline): missing ranks and different tags are named,
                   and so is what one rank found wrong (a bad or too long
                   tag, a client_state that is not a dict, one that does not
-                  pickle); rank 0 first removes a TAG.tmp/ left by a crashed save
-    2. check      the bytes every rank will write against the free space
+                  pickle); nothing on disk changes before, so a save
+                  refused here wrote nothing
+    2. check      rank 0 removes a TAG.tmp/ left by a crashed save, checks
+                  the bytes every rank will write against the free space,
+                  makes SAVE_DIR, and tells every rank how that went
+                  (Coordinator.exchange: no rank writes before)
     3. write      each rank writes rank_RRRRR.bin (its fragments; replicated
                   ones split among their holders), fsyncs it, then its
                   record rank_RRRRR.json (atomically); rank 0 also
@@ -57,6 +61,7 @@ from dsrun.runtime.checkpoint.coord import (
     check_same,
     first_failure,
     raise_failures,
+    raise_first,
 )
 from dsrun.runtime.checkpoint.fragments import ExportedState, Fragment
 from dsrun.runtime.checkpoint.info import size_texts
@@ -73,6 +78,7 @@ from dsrun.runtime.checkpoint.manifest import (
     record_file,
 )
 from dsrun.runtime.checkpoint.records import ChunkRecord, RankRecord, merge_records
+from dsrun.runtime.checkpoint.recovery_script import write_recovery_script
 from dsrun.runtime.checkpoint.settings import PausePoint
 from dsrun.runtime.checkpoint.storage import (
     DataFile,
@@ -84,7 +90,12 @@ from dsrun.runtime.checkpoint.storage import (
     remove_tree,
     tensor_bytes,
 )
-from dsrun.runtime.checkpoint.tags import check_tag, check_tag_fits, remove_stale_saves
+from dsrun.runtime.checkpoint.tags import (
+    check_tag,
+    check_tag_fits,
+    nearest_existing,
+    remove_stale_saves,
+)
 from dsrun.runtime.zero.partition import partition_group
 
 log = logging.getLogger("dsrun.runtime.checkpoint")
@@ -231,42 +242,6 @@ class RankWrite:
                          failure.message.encode(), False)
         except Exception:  # noqa: BLE001 - rank 0 then times out waiting, naming this rank
             log.warning("could not tell rank 0 that this rank's save failed", exc_info=True)
-
-
-RECOVERY_SCRIPT = "zero_to_fp32.py"
-_RECOVERY_TEXT = b'''#!/usr/bin/env python
-"""The checkpoints in this directory as a plain fp32 state dict (written by
-dsrun's save_checkpoint, where DeepSpeed copies its zero_to_fp32.py):
-
-    python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR [-t TAG] [--safe_serialization]
-        [--max_shard_size 5GB] [--exclude_frozen_parameters]
-
-It runs dsrun.utils.zero_to_fp32 (dsrun must be importable).
-"""
-import sys
-
-from dsrun.utils.zero_to_fp32 import main
-
-if __name__ == "__main__":
-    sys.exit(main())
-'''
-
-
-def write_recovery_script(save_dir: str) -> None:
-    """``SAVE_DIR/zero_to_fp32.py`` (the commit's last step, rank 0), left
-    alone when it is already this text; a failure to write it is logged,
-    the checkpoint stands."""
-    path = os.path.join(save_dir, RECOVERY_SCRIPT)
-    try:
-        with open(path, "rb") as f:
-            if f.read() == _RECOVERY_TEXT:
-                return
-    except OSError:
-        pass
-    try:
-        atomic_write(path, _RECOVERY_TEXT, durable=False)
-    except OSError as exc:
-        log.warning("could not write %s: %s (the checkpoint is complete)", path, exc)
 
 
 @dataclass(frozen=True)
@@ -417,24 +392,21 @@ class SaveRequest:
 
 
 def _prepare(request: SaveRequest, exports: Sequence[ExportedState], rank: int, save_dir: str
-             ) -> tuple[RankPlan, Optional[bytes], Optional[int]]:
+             ) -> tuple[RankPlan, Optional[bytes]]:
     """What can fail on one rank alone, before the agreement: (plan, rank 0's
-    engine state, rank 0's free bytes). Raises; the caller reports it."""
+    engine state). Changes nothing on disk; raises, the caller reports it."""
     if request.problem:
         raise CheckpointError(request.problem)
     plan = plan_rank(exports)
     check_tag(request.tag)
     check_tag_fits(request.tag, save_dir)
     if rank != 0:
-        return plan, None, None
-    blob = engine_blob(request.engine_state) if request.engine_state is not None else None
-    remove_tree(os.path.join(save_dir, f"{request.tag}{TMP_SUFFIX}"))
-    os.makedirs(save_dir, exist_ok=True)
-    return plan, blob, free_bytes(save_dir)
+        return plan, None
+    return plan, engine_blob(request.engine_state) if request.engine_state is not None else None
 
 
 def check_space(save_dir: str, tag: str, total: int, free: Optional[int]) -> None:
-    """Step 2: the ``total`` bytes of all ranks (and a margin) against the free space."""
+    """The ``total`` bytes of all ranks (and a margin) against the free space."""
     if free is not None and total * SPACE_MARGIN > free:
         need, data, have = size_texts(int(total * SPACE_MARGIN), total, free)
         raise CheckpointError(
@@ -444,25 +416,39 @@ def check_space(save_dir: str, tag: str, total: int, free: Optional[int]) -> Non
             "the previous checkpoint is intact)")
 
 
+def make_room(save_dir: str, tag: str, total: int) -> None:
+    """Step 2, rank 0, once every rank agreed: remove this tag's ``TAG.tmp/``
+    left by a crashed save, check the space for ``total`` bytes, make
+    ``save_dir``."""
+    try:
+        remove_tree(os.path.join(save_dir, f"{tag}{TMP_SUFFIX}"))
+        check_space(save_dir, tag, total, free_bytes(nearest_existing(save_dir)))
+        os.makedirs(save_dir, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot save checkpoint {tag!r} in {save_dir}: {exc}") from None
+
+
 def begin_save(request: SaveRequest, exports: Sequence[ExportedState], coord: Coordinator,
                pause: Optional[PausePoint] = None) -> tuple[RankWrite, Commit]:
     """Steps 1-2 (module docstring): returns this rank's write and the commit.
     Anything that fails on some ranks only is raised on all of them."""
     save_dir = os.path.abspath(str(request.save_dir))
-    plan, blob, free, problem = RankPlan(), None, None, None
+    plan, blob, problem = RankPlan(), None, None
     try:
-        plan, blob, free = _prepare(request, exports, coord.rank, save_dir)
+        plan, blob = _prepare(request, exports, coord.rank, save_dir)
     except (CheckpointError, OSError, ValueError) as exc:
         problem = str(exc)
     except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable client_state
         problem = f"{type(exc).__name__}: {exc}"
     mine = {"tag": str(request.tag), "save_latest": request.save_latest, "bytes": plan.bytes,
-            "free": free, "problem": problem}
+            "problem": problem}
     everyone = coord.agree("engine.save_checkpoint()", mine)
     check_same([e["tag"] for e in everyone], "the checkpoint tag")
     check_same([e["save_latest"] for e in everyone], "save_latest")
     raise_failures([e["problem"] for e in everyone], f"saving checkpoint {request.tag!r}")
-    check_space(save_dir, request.tag, sum(e["bytes"] for e in everyone), everyone[0]["free"])
+    total = sum(e["bytes"] for e in everyone)
+    room = _status(lambda: make_room(save_dir, request.tag, total)) if coord.rank == 0 else None
+    raise_first(coord.exchange(room), f"saving checkpoint {request.tag!r}")
     tmp_dir = os.path.join(save_dir, f"{request.tag}{TMP_SUFFIX}")
     write = RankWrite(tmp_dir, coord.rank, plan, request.extra, blob, pause, request.tag,
                       request.durable)
@@ -495,8 +481,8 @@ def save_alone(request: SaveRequest, exports: Sequence[ExportedState]) -> str:
     files and guarantees; a failure removes ``TAG.tmp/``. Returns the tag's
     directory."""
     save_dir = os.path.abspath(str(request.save_dir))
-    plan, blob, free = _prepare(request, exports, 0, save_dir)
-    check_space(save_dir, request.tag, plan.bytes, free)
+    plan, blob = _prepare(request, exports, 0, save_dir)
+    make_room(save_dir, request.tag, plan.bytes)
     write = RankWrite(os.path.join(save_dir, f"{request.tag}{TMP_SUFFIX}"), 0, plan,
                       request.extra, blob, tag=request.tag, durable=request.durable)
     commit = Commit(save_dir, request.tag, 1, request.meta, request.aliases, request.save_latest,
