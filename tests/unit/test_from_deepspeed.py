@@ -243,3 +243,18 @@ def test_zero3_joins_each_parameters_slices_over_three_ranks_and_sub_groups() ->
     for p in params:
         assert torch.equal(p.master, values[p.name])
         assert torch.equal(p.state["exp_avg"], values[p.name] + 1)
+
+
+def test_deepspeeds_config_comes_over_without_its_secrets() -> None:
+    """A DeepSpeed checkpoint's ds_config may hold a comet api_key: the
+    imported engine state (what dsrun writes and a load returns) does not."""
+    from dsrun.runtime.checkpoint.from_deepspeed import _engine_state
+
+    model = {"global_steps": 2, "ds_version": "0.19.8",
+             "ds_config": {"train_batch_size": 4, "comet": {"enabled": True,
+                                                            "api_key": "sk-123"}}}
+    state = _engine_state(model, "fp32", [], model["ds_config"])
+    assert state["ds_config"] == {"train_batch_size": 4,
+                                  "comet": {"enabled": True, "api_key": "<redacted>"}}
+    assert model["ds_config"]["comet"]["api_key"] == "sk-123"  # the input is left alone
+    assert state["ds_version"] == "0.19.8"

@@ -51,6 +51,7 @@ import torch
 
 import dsrun
 from dsrun.errors import CheckpointError
+from dsrun.runtime.checkpoint.client_state import redacted_config
 from dsrun.runtime.checkpoint.fragments import ExportedState, Fragment, TensorInfo
 from dsrun.runtime.checkpoint.from_deepspeed_files import (
     Inventory,
@@ -353,6 +354,8 @@ def _engine_state(model: Mapping[str, Any], precision: str, optims: Sequence[dic
     # DeepSpeed's own config and version come back from load_checkpoint as they
     # would from DeepSpeed's (.client_state)
     own = {k: model[k] for k in ("ds_config", "ds_version") if k in model}
+    if "ds_config" in own:  # what dsrun writes holds no secrets, as its own saves
+        own["ds_config"] = redacted_config(own["ds_config"])
     return {"counters": counters, "lr_scheduler": model.get("lr_scheduler"),
             "loss_scaler": scaler,
             "client_state": {k: v for k, v in model.items() if k not in DEEPSPEED_KEYS}, **own}
