@@ -135,9 +135,7 @@ class EngineSetup:
         if client is not None and self.config.optimizer is not None:
             log.warning("an optimizer was passed to initialize() and the config has an "
                         "\"optimizer\" section; using the client's (as DeepSpeed does)")
-        # tensor parallelism: the stage-0 step reduces its norm over the
-        # model-parallel group too (the ZeRO optimizers get it below)
-        self.precision.model_parallel = model_parallel_of(self.mpu)
+        self._link_model_parallel()
         built = self._build_optimizer(client, model_parameters)
         if built is not None:
             # DeepSpeed drops param groups without parameters (get_lr() has none for them)
@@ -147,6 +145,19 @@ class EngineSetup:
                 # frozen parameters in the optimizer: they train once unfrozen, as with torch
                 self.precision.track(self.module, built)
         return built
+
+    def _link_model_parallel(self) -> None:
+        """An mpu of model-parallel size > 1: the stage-0 step reduces its norm
+        over the model-parallel group too (the ZeRO optimizers get the group
+        in :meth:`_make_zero_optimizer`); what dsrun does not do for it yet
+        is said now rather than at the first save."""
+        self.precision.model_parallel = mp = model_parallel_of(self.mpu)
+        if mp is not None and self.global_rank == 0:
+            log.warning("model-parallel size %d from the mpu: gradient norms, clipping and "
+                        "overflow checks are reduced over its model-parallel group too "
+                        "(tensor-parallel parameters counted on every rank, replicated ones "
+                        "once); save_checkpoint()/load_checkpoint() are not implemented for "
+                        "model parallelism in dsrun yet and refuse", mp.size)
 
     def _build_optimizer(self, client: Any, model_parameters: Optional[Iterable[Any]]
                          ) -> Optional[Optimizer]:
