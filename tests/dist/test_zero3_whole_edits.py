@@ -131,6 +131,23 @@ def test_nested_contexts_keep_an_edit_either_one_publishes_and_a_step_inside_one
             assert case["after"] == case["master"] != case["original"], (world, case)
 
 
+def test_edits_are_taken_after_a_context_and_after_the_data_is_replaced(
+        jobs: dict[int, list[dict[str, Any]]]) -> None:
+    """The step plans its copies of edits once and plans them again when a
+    context pins or unpins a parameter, or a parameter's data is replaced
+    (``param.data = ...``): an edit is never copied from stale data. At
+    world size 1 the shard is a view of the data until it is replaced, so
+    the replacement is checked at world size 2 only."""
+    for world, results in jobs.items():
+        for result in results:
+            case = result["replanned"]
+            assert case["unpinned"] == {"after": [3.0] * 4, "master": [3.0] * 4}, (world, case)
+            if world > 1:
+                for key, value in (("replaced", 2.0), ("edited", 4.0)):
+                    assert case[key] == {"after": [value] * 4, "master": [value] * 4}, \
+                        (world, key, case)
+
+
 def test_multihead_attention_under_zero_init_trains_as_without_it(
         jobs: dict[int, list[dict[str, Any]]]) -> None:
     for result in jobs[2]:

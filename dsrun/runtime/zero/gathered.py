@@ -59,6 +59,7 @@ from dsrun.runtime.zero.partitioned import (
     ZeroParamStatus,
     gather,
     is_zero_param,
+    layout_changed,
     param_name,
     refresh_shard,
     release,
@@ -148,6 +149,7 @@ class GatheredParameters:
         try:
             gather(self.params)  # also completes gathers that module hooks left in flight
             self._pinned = True
+            layout_changed()
             for p in self.params:
                 p.ds_pins += 1
             if self.modifier_rank is None:  # edits of whole parameters are dropped on exit too
@@ -179,6 +181,7 @@ class GatheredParameters:
             for p in self._scratch:
                 end_scratch(p)
             if self._pinned:
+                layout_changed()
                 for p in self.params:
                     p.ds_pins -= 1
             for p in self._gathered:

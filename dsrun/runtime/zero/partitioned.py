@@ -230,10 +230,27 @@ def partition_param(param: torch.nn.Parameter, *, group: Any, persist: bool,
     return param  # type: ignore[return-value]
 
 
+_layout = [0]  # bumped by every change :func:`layout_epoch` tracks
+
+
+def layout_epoch() -> int:
+    """A number that changes whenever a parameter is pinned or unpinned by
+    ``GatheredParameters``, made kept whole or not, or moved
+    (:func:`layout_changed`): what decides the copies
+    :class:`~.whole_edits.EditTaker` plans."""
+    return _layout[0]
+
+
+def layout_changed() -> None:
+    """Say that what :func:`layout_epoch` tracks changed."""
+    _layout[0] += 1
+
+
 def set_persistence(params: Iterable[torch.Tensor], persist: bool,
                     strategy: Optional[CommStrategy] = None) -> None:
     """Change whether ``params`` are kept whole (collective when gathering)."""
     todo = [p for p in params if p.ds_persist != persist]
+    layout_changed()
     if persist:
         gather(todo, strategy=strategy)
     for p in todo:
@@ -267,6 +284,7 @@ def move_param(param: torch.Tensor, device: torch.device, keep_host_shard: bool 
     if param.ds_status is ZeroParamStatus.INFLIGHT:
         raise DsrunError(f"cannot move {param_name(param)} while its gather is in flight")
     aliased = shard_is_view(param)
+    layout_changed()
     with torch.no_grad():
         param.data = param.data.to(device)
         if aliased:
@@ -285,6 +303,7 @@ def offload_shard(param: torch.Tensor, pin_memory: bool = False) -> None:
         return
     if param.ds_status is ZeroParamStatus.INFLIGHT:
         raise DsrunError(f"cannot offload {param_name(param)} while its gather is in flight")
+    layout_changed()
     param.ds_tensor = host_copy(param.ds_tensor, pin_memory)
 
 

@@ -23,19 +23,25 @@ sizes and not others. So, at every world size:
   :func:`end_scratch`): the parameters that were whole when the context
   opened get a private copy of their data for the context, and their own
   data back on exit, so every edit made inside is dropped, as the
-  parameters the context gathered are (and as DeepSpeed drops both). The
-  outermost context holding a parameter decides: one nested in a
-  ``modifier_rank`` context leaves its edits to the outer one. Values
-  committed while the copy stands in - a step, a ``modifier_rank``
-  context's publish - go to the data set aside;
-* **outside every context, after initialize()** (:func:`take_edits`,
+  parameters the context gathered are (and as DeepSpeed drops both). Only
+  the first context to hold a parameter lends it a copy: one nested in
+  another context leaves its edits to that one (published by a
+  ``modifier_rank`` context, dropped by one without). Values committed
+  while the copy stands in - a step, a setter such as
+  ``safe_set_full_fp32_param``, a nested ``modifier_rank`` context's
+  publish - go to the data set aside, so they are kept;
+* **outside every context, after initialize()** (:class:`EditTaker`,
   before each step): this rank's slice of ``data`` goes into the shard. The
   edit is thus kept where the shard is the parameter's value (fp32 and
   bf16 training, frozen parameters) and overwritten by the step where the
   optimizer keeps separate fp32 masters (fp16, ``offload_optimizer``
   without ``offload_param``) - as at world size 1 and as at ZeRO stage 0.
   Each rank's slice comes from its own ``data``: ranks that edit
-  differently end up with a mixture (use ``modifier_rank``).
+  differently end up with a mixture (use ``modifier_rank``). Only the
+  former are copied (the step overwrites the others' shards anyway), with
+  copies planned once and again when pins, persistence, placement or a
+  parameter's ``data`` tensor change. The ``safe_set_*`` setters write the
+  full data too, so a value set there is not taken back from stale data.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from dsrun.runtime.zero.partitioned import (
     ZeroParamStatus,
     broadcast_full,
     committed,
+    layout_epoch,
     param_name,
     refresh_shard,
     shard_is_view,
@@ -93,28 +100,61 @@ def end_scratch(param: torch.Tensor) -> None:
     param.data = param.__dict__.pop("_ds_kept")
 
 
-@torch.no_grad()
-def take_edits(params: Iterable[torch.Tensor]) -> None:
-    """Before a step: this rank's slice of the full data of each
-    :func:`separate_whole` parameter that no ``GatheredParameters`` holds
-    goes into its shard (module docstring). Local copies only, batched per
-    (source, destination) device pair; padding stays zero."""
-    ranks: dict[int, int] = {}
-    pairs: dict[tuple[torch.device, torch.device],
-                list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    for p in separate_whole(params):
-        if p.ds_pins:
-            continue  # the context holding it decides
-        if id(p.ds_group) not in ranks:
-            ranks[id(p.ds_group)] = dist.get_rank(p.ds_group)
-        rank = ranks[id(p.ds_group)]
-        valid = p.ds_spec.valid(rank)
-        if valid:
-            src = p.data.reshape(-1).narrow(0, rank * p.ds_spec.shard_numel, valid)
-            dst = p.ds_tensor.narrow(0, 0, valid)
-            pairs.setdefault((src.device, dst.device), []).append((src, dst))
-    for (src_device, dst_device), batch in pairs.items():
-        srcs, dsts = [s for s, _ in batch], [d for _, d in batch]
-        if src_device != dst_device:  # shards in host memory (offload_param): one copy out
-            srcs = list(torch.cat(srcs).to(dst_device).split([d.numel() for d in dsts]))
-        torch._foreach_copy_(dsts, srcs)
+class EditTaker:
+    """Before each step, for the parameters given (those whose shard is their
+    value: frozen ones, and those whose master is their shard): this
+    rank's slice of the full data of each :func:`separate_whole` one that
+    no ``GatheredParameters`` holds goes into its shard (module docstring).
+    The shard of a parameter with a separate master is overwritten from it
+    by the step, so the stage-3 optimizer leaves those out.
+
+    The copies are planned once - views of each slice and shard, batched per
+    (source, destination) device pair - and planned again when what
+    decides them may have changed: a parameter pinned or unpinned by a
+    context, kept whole or no longer, moved
+    (:func:`~.partitioned.layout_epoch`), or the data of a planned one
+    replaced (``param.data = ...``: checked each step, one pointer each).
+    Local copies only; padding stays zero."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = list(params)
+        self._epoch = -1
+        self._planned: list[tuple[torch.Tensor, int]] = []  # (parameter, data pointer)
+        self._batches: list[tuple[bool, list[torch.Tensor], list[torch.Tensor]]] = []
+
+    def _stale(self) -> bool:
+        return self._epoch != layout_epoch() or \
+            any(p.data.data_ptr() != ptr for p, ptr in self._planned)
+
+    def _plan(self) -> None:
+        self._epoch = layout_epoch()
+        ranks: dict[int, int] = {}
+        pairs: dict[tuple[torch.device, torch.device],
+                    tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._planned = []
+        for p in separate_whole(self.params):
+            if p.ds_pins:
+                continue  # the context holding it decides
+            if id(p.ds_group) not in ranks:
+                ranks[id(p.ds_group)] = dist.get_rank(p.ds_group)
+            rank = ranks[id(p.ds_group)]
+            valid = p.ds_spec.valid(rank)
+            self._planned.append((p, p.data.data_ptr()))
+            if valid:
+                src = p.data.reshape(-1).narrow(0, rank * p.ds_spec.shard_numel, valid)
+                dst = p.ds_tensor.narrow(0, 0, valid)
+                srcs, dsts = pairs.setdefault((src.device, dst.device), ([], []))
+                srcs.append(src)
+                dsts.append(dst)
+        self._batches = [(src_device != dst_device, srcs, dsts)
+                         for (src_device, dst_device), (srcs, dsts) in pairs.items()]
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        if self._stale():
+            self._plan()
+        for cross, srcs, dsts in self._batches:
+            if cross:  # shards in host memory (offload_param): one copy out
+                device = dsts[0].device
+                srcs = list(torch.cat(srcs).to(device).split([d.numel() for d in dsts]))
+            torch._foreach_copy_(dsts, srcs)

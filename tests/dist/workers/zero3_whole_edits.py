@@ -21,6 +21,8 @@ edit rule decides:
   in one with ``modifier_rank=0``, and the other way round;
 * **step_inside**: a step with lr 0.1 inside a context without
   ``modifier_rank``;
+* **replanned**: edits after a first step inside a context, after
+  ``bias.data`` was replaced, and of the new tensor;
 * **mha** (world size 2 only): a small transformer with
   ``nn.MultiheadAttention`` built with and without ``zero.Init``, trained
   at stage 3, and at stage 0, per precision: losses per step.
@@ -162,6 +164,29 @@ def step_inside_case() -> dict[str, Any]:
             "master": values(safe_get_full_fp32_param(lin.bias))}
 
 
+def replanned_case() -> dict[str, Any]:
+    """The copies of edits are planned once and again when what decides
+    them changes: a first step inside a context without ``modifier_rank``
+    (the bias, pinned, is left out), then an edit (3) outside and a step;
+    then ``bias.data`` replaced by a new tensor (2) and a step, and an edit
+    of that tensor (4) and a step."""
+    lin = linear()
+    engine, *_ = dsrun.initialize(model=lin, config=config())
+    result: dict[str, Any] = {}
+    with dsrun.zero.GatheredParameters([lin.bias]):
+        step(engine, lin)
+    for key, value in (("unpinned", 3.0), ("replaced", 2.0), ("edited", 4.0)):
+        with torch.no_grad():
+            if key == "replaced":
+                lin.bias.data = torch.full((4,), value)
+            else:
+                lin.bias.fill_(value)
+        step(engine, lin)
+        result[key] = {"after": values(lin.bias.data),
+                       "master": values(safe_get_full_fp32_param(lin.bias))}
+    return result
+
+
 class Block(nn.Module):
     """Pre-norm attention and MLP: MultiheadAttention zeroes its
     ``out_proj.bias`` after building ``out_proj`` (partitioned by then
@@ -229,6 +254,7 @@ def main(out_dir: Path) -> None:
     result["nested"] = {"outer0-inner_none": nested_case(0, None),
                         "outer_none-inner0": nested_case(None, 0)}
     result["step_inside"] = step_inside_case()
+    result["replanned"] = replanned_case()
     if world > 1:
         result["mha"] = {precision: {"init": mha_losses(precision, 3, True),
                                      "plain": mha_losses(precision, 3, False),
