@@ -148,6 +148,8 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
         self._grad_sync = self._make_grad_sync() if self.zero_stage == 0 else None
         if self.zero_stage > 0:
             self.optimizer = self._make_zero_optimizer()
+            if not self.is_pipe_parallel:  # a script's optimizer.step() takes the whole step
+                self.optimizer.engine_step = self._step_from_optimizer
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.publish_step_state()
         self._init_step_state()

@@ -67,6 +67,9 @@ class EngineControls:
     warn_unscaled_loss: bool
     optimizer: Any
     precision: Any
+    _grad_norm: Any
+    _step_applied: bool
+    publish_step_state: Callable[..., None]
 
     # ------------------------------------------------- gradient reduction
 
@@ -223,6 +226,19 @@ class EngineControls:
     @property
     def is_compiled(self) -> bool:
         return self._compiled is not None
+
+    def _step_from_optimizer(self) -> None:
+        """``optimizer.step()`` on the ZeRO optimizer ``initialize()``
+        returned (Lightning Fabric calls it instead of ``engine.step()``): the
+        step ``engine.step()`` takes - fp16 unscale and overflow skip,
+        clipping - as DeepSpeed's ZeRO optimizers take it in their own
+        ``step()``, without moving the engine's counters or LR schedule."""
+        from dsrun.runtime.zero.stepping import zero_step
+
+        result = zero_step(self.optimizer, self.precision, self.config.gradient_clipping)
+        self._grad_norm = result.grad_norm
+        self._step_applied = result.applied
+        self.publish_step_state(result.overflow)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """DeepSpeed's: ``loss`` times the fp16 loss scale (unchanged without

@@ -119,7 +119,7 @@ def pipeline_step(engine: Any, measure_norm: bool = False) -> StepResult:
         for grad in to_clip:  # offloaded masters' grads are in host memory
             grad.mul_(coefficient.to(device=grad.device, dtype=grad.dtype))
     if zero is not None:
-        zero.step()
+        zero.apply_step()
         return StepResult(True, norm)
     engine.optimizer.step()
     if isinstance(precision, FP16Master):

@@ -195,6 +195,11 @@ class MasterGradients:
     #: DeepSpeed's: the last step was skipped for a non-finite gradient
     #: (the engine sets it; Accelerate's ``step_was_skipped`` reads it)
     overflow: bool = False
+    #: the whole step of the engine that owns this optimizer (fp16 unscale
+    #: and overflow skip, clipping), which :meth:`step` runs - DeepSpeed's ZeRO
+    #: optimizers do all that in their own step(), and Lightning Fabric calls
+    #: it directly; None (used on its own): :meth:`step` is :meth:`apply_step`
+    engine_step: Optional[Callable[[], None]] = None
     #: the dtype the model's gradients are in (the engine's
     #: :func:`~.stepping.wrap_optimizer` sets it): :meth:`has_overflow`
     #: counts a sum that would not be finite in it (float16) as an overflow
@@ -206,6 +211,20 @@ class MasterGradients:
     #: (:func:`~.stepping.wrap_optimizer` sets it; module docstring)
     model_parallel: Optional[ModelParallel] = None
 
+
+    def step(self, closure: Any = None) -> None:
+        """DeepSpeed's ``optimizer.step()``: the owning engine's whole step
+        (:attr:`engine_step`: no engine counters or LR schedule move, as in
+        DeepSpeed), else the inner step alone (:meth:`apply_step`)."""
+        if closure is not None:
+            raise DsrunError(f"{type(self).__name__}.step() takes no closure")
+        if self.engine_step is not None:
+            self.engine_step()
+        else:
+            self.apply_step()
+
+    def apply_step(self) -> None:
+        raise NotImplementedError  # each stage's optimizer has its own
     def reduce_gradients(self) -> None:  # pragma: no cover - every subclass defines it
         raise NotImplementedError
 

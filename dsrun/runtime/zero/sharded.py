@@ -78,7 +78,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from dsrun import comm as collectives
-from dsrun.errors import DsrunConfigError, DsrunError
+from dsrun.errors import DsrunConfigError
 from dsrun.runtime.zero.comm import all_gather_flat, reduce_scatter_mean, strategy_for
 from dsrun.runtime.zero.flat import (
     FlatGrads,
@@ -340,11 +340,9 @@ class ZeroOptimizer(ShardedStateIO, MasterGradients):
 
     # ------------------------------------------------------------- update
 
-    def step(self, closure: Any = None) -> None:
+    def apply_step(self) -> None:
         """Inner optimizer step on the partitions, then all-gather them into
         the model parameters. Reduces first if the engine has not."""
-        if closure is not None:
-            raise DsrunError("ZeroOptimizer.step() takes no closure")
         self.reduce_gradients()
         self._fence.wait()  # the last host -> device copies read the masters
         offload = self.settings.offload_optimizer

@@ -466,11 +466,9 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
 
     # ------------------------------------------------------------- update
 
-    def step(self, closure: Any = None) -> None:
+    def apply_step(self) -> None:
         """Inner optimizer step on the masters; the shards become the
         parameters' storage; whole (persistent) parameters are refreshed."""
-        if closure is not None:
-            raise DsrunError("ZeroStage3.step() takes no closure")
         if self.partition_only:
             raise DsrunError(NO_OPTIMIZER)
         params = self.managed_params()  # refuses a module added since initialize()

@@ -183,7 +183,7 @@ def zero_step(zero: Union[ZeroOptimizer, ZeroStage3], precision: FullPrecision,
         else zero.grad_norm()
     if precision.skips_nonfinite and not bool(torch.isfinite(norm)):
         return skipped()
-    zero.step()
+    zero.apply_step()
     return StepResult(True, norm)
 
 
