@@ -23,10 +23,12 @@ import sys, torch, torch.distributed as dist, dsrun
 assert not dist.is_initialized()
 with dsrun.zero.Init(config_dict_or_path={"zero_optimization": {
         "stage": 3, "stage3_param_persistence_threshold": 0}}):
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-weight = model[0].weight
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+weight, bias = model[0].weight, model[1].bias
 assert dist.is_initialized()
 facts = [dist.get_rank(), dist.get_world_size(), weight.ds_numel, weight.ds_tensor.numel()]
+# DeepSpeed's per-parameter queries (Lightning's model summary asks them)
+facts += [weight.partition_numel(), bias.partition_numel(), bias.padding_size()]
 engine, *_ = dsrun.initialize(model=model, config={
     "train_batch_size": 2 * dist.get_world_size(), "zero_optimization": {"stage": 3},
     "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
@@ -66,7 +68,9 @@ def test_zero_init_starts_a_world_size_one_group_under_plain_python(tmp_path: Pa
     script.write_text(SCRIPT)
     res = run([sys.executable, str(script), str(tmp_path)], env_without_group())
     assert res.returncode == 0, res.stderr[-3000:]
-    assert facts(tmp_path) == ["0 1 32 32 1"]  # rank, world size, numel, shard, steps
+    # rank, world size, numel, shard, partition_numel of it and of a 3-element
+    # bias, the bias's padding, steps
+    assert facts(tmp_path) == ["0 1 32 32 32 3 0 1"]
 
 
 def test_zero_init_takes_the_rank_from_torchruns_environment(tmp_path: Path) -> None:
@@ -75,7 +79,8 @@ def test_zero_init_takes_the_rank_from_torchruns_environment(tmp_path: Path) -> 
     res = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node", "2", str(script), str(tmp_path)], env_without_group())
     assert res.returncode == 0, res.stderr[-3000:]
-    assert facts(tmp_path) == ["0 2 32 16 1", "1 2 32 16 1"]  # each rank holds half
+    # each rank holds half; the bias's shards are 2 and 2 of 3 (padding 1)
+    assert facts(tmp_path) == ["0 2 32 16 16 2 1 1", "1 2 32 16 16 2 1 1"]
 
 
 def test_a_group_that_cannot_start_is_one_clear_error(tmp_path: Path) -> None:

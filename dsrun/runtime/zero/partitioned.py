@@ -125,6 +125,16 @@ class ZeroParameter(torch.nn.Parameter):
 
     nelement = numel
 
+    def partition_numel(self) -> int:
+        """DeepSpeed's: the elements of this rank's shard, padding included
+        (Lightning's model summary counts them at ZeRO stage 3)."""
+        return self.__dict__["ds_spec"].shard_numel
+
+    def padding_size(self) -> int:
+        """DeepSpeed's: the padding elements the shards add to the parameter."""
+        spec = self.__dict__["ds_spec"]
+        return spec.padded_numel - spec.numel
+
     def detach(self) -> torch.Tensor:  # type: ignore[override]
         """This data without autograd, a plain tensor - except to
         ``torch.nn.Parameter(p)``, which needs ``detach()`` to keep a
