@@ -92,19 +92,22 @@ def test_root_cause_never_compares_two_hosts_wall_clocks():
     assert any("ordered on the clock of launcher-host" in ln for ln in lines)
 
 
+class _TwoChannelHandle:
+    """A job handle of two channels whose events a test queues by hand."""
+
+    def __init__(self) -> None:
+        self.events: queue.Queue = queue.Queue()
+        self.channels = [object(), object()]
+        self.last_seen = [0.0, 0.0]
+
+    def stop(self, interrupt: bool = False) -> None: ...
+    def close(self) -> None: ...
+    def kill(self) -> None: ...
+    def send_all(self, obj, only=None) -> None: ...
+
+
 def test_supervisor_orders_failures_by_when_the_launcher_learned_of_them():
-    class Handle:
-        def __init__(self) -> None:
-            self.events: queue.Queue = queue.Queue()
-            self.channels = [object(), object()]
-            self.last_seen = [0.0, 0.0]
-
-        def stop(self, interrupt: bool = False) -> None: ...
-        def close(self) -> None: ...
-        def kill(self) -> None: ...
-        def send_all(self, obj, only=None) -> None: ...
-
-    h = Handle()
+    h = _TwoChannelHandle()
     h.events.put((1, _exit(0, wall=991.0, recv=51.0, age=0.1)))
     h.events.put((0, _exit(3, wall=1000.0, recv=50.0, age=0.2)))
     for i in (0, 1):
@@ -117,18 +120,7 @@ def test_supervisor_orders_failures_by_when_the_launcher_learned_of_them():
 def test_supervisor_keeps_early_exits_that_come_before_the_stop():
     """A rank's exit 0 before anything failed is kept (it may explain the
     stop signal that follows: report.py); exits 0 of the teardown are not."""
-    class Handle:
-        def __init__(self) -> None:
-            self.events: queue.Queue = queue.Queue()
-            self.channels = [object(), object()]
-            self.last_seen = [0.0, 0.0]
-
-        def stop(self, interrupt: bool = False) -> None: ...
-        def close(self) -> None: ...
-        def kill(self) -> None: ...
-        def send_all(self, obj, only=None) -> None: ...
-
-    h = Handle()
+    h = _TwoChannelHandle()
     ok = {"ev": "exit", "rank": 1, "code": 0, "signal": None, "time": 1.0, "age": 0.0}
     h.events.put((1, ok | {"_recv": 10.0}))
     h.events.put((0, {"ev": "signal", "signal": 15, "time": 1.1, "age": 0.0, "_recv": 10.1}))
