@@ -83,18 +83,19 @@ def _explicit_path(ctx: click.Context) -> str | None:
     return path
 
 
-def _hostfile_path(ctx: click.Context, create: bool = False) -> str:
+def _hostfile_path(ctx: click.Context, create: bool = False, writes: bool = True) -> str:
     """The hostfile a command works on (see the module docstring); never a
-    device or pipe (:func:`_refuse_special`)."""
+    device, and never a pipe for a command that ``writes`` it
+    (:func:`_refuse_special`)."""
     explicit = _explicit_path(ctx)
     if explicit is not None and hf.is_no_hostfile(explicit):
         raise DsrunUsageError(f"-H {explicit} means no hostfile (a job then runs on this "
                               f"host only): there is nothing to list or edit; name a hostfile")
     if explicit is not None:
-        return _refuse_special(explicit)
+        return _refuse_special(explicit, writes)
     found = hf.default_hostfile_path(os.curdir)
     if found is not None:
-        return _refuse_special(found)
+        return _refuse_special(found, writes)
     if create:
         return os.path.join(os.curdir, hf.LOCAL_HOSTFILE)
     raise DsrunUsageError(
@@ -103,19 +104,21 @@ def _hostfile_path(ctx: click.Context, create: bool = False) -> str:
     )
 
 
-def _refuse_special(path: str) -> str:
-    """``path``, unless it is a device or pipe (through symlinks): reading a
-    FIFO waits for a writer forever, and the atomic replace of an edit or
-    ``fmt`` would put a regular file in its place. A directory or a missing
-    file is left to the read, which names it."""
+def _refuse_special(path: str, writes: bool = True) -> str:
+    """``path``, unless it is a device (through symlinks), or a pipe when the
+    command ``writes``: the atomic replace of an edit or ``fmt`` would put a
+    regular file in its place. A command that only reads takes a pipe, as a
+    job does (``-H <(cmd)``). A directory or a missing file is left to the
+    read, which names it."""
     try:
         mode = os.stat(path).st_mode
     except OSError:
         return path
-    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-        raise HostfileError(f"hostfile {path!r} is not a regular file (a device or pipe); "
-                            f"refusing to read or edit it")
-    return path
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode) or (stat.S_ISFIFO(mode) and not writes):
+        return path
+    kind = "a pipe" if stat.S_ISFIFO(mode) else "a device"
+    raise HostfileError(f"hostfile {path!r} is not a regular file ({kind}); refusing to "
+                        f"{'edit' if writes else 'read'} it")
 
 
 def write_text_atomic(path: str, text: str) -> None:
@@ -277,7 +280,7 @@ def hosts(ctx: click.Context, hostfile: str | None) -> None:
 @reports_errors
 def list_hosts(ctx: click.Context, hostfile: str | None) -> None:
     """Show the hosts and their slots, and the total."""
-    click.echo(render_table(hf.load_hostfile(_hostfile_path(ctx))))
+    click.echo(render_table(hf.load_hostfile(_hostfile_path(ctx, writes=False))))
 
 
 @hosts.command("add")
@@ -344,7 +347,7 @@ def set_slots(ctx: click.Context, host: str, slots: int, hostfile: str | None) -
 @reports_errors
 def validate(ctx: click.Context, hostfile: str | None) -> None:
     """Check the hostfile; list every problem as PATH:LINE:COL: MESSAGE."""
-    path = _hostfile_path(ctx)
+    path = _hostfile_path(ctx, writes=False)
     text = hf.read_hostfile_text(path)
     problems = hf.hostfile_problems(text, path)
     for problem in problems:
@@ -366,7 +369,7 @@ def validate(ctx: click.Context, hostfile: str | None) -> None:
 @reports_errors
 def fmt(ctx: click.Context, check: bool, hostfile: str | None) -> None:
     """Normalise lines to 'HOST slots=N', keeping comments, blank lines, order."""
-    path = _hostfile_path(ctx)
+    path = _hostfile_path(ctx, writes=not check)
     if not os.path.lexists(path):
         raise HostfileError(f"hostfile {path!r} does not exist")
     with contextlib.nullcontext() if check else edit_lock(path):
