@@ -146,6 +146,12 @@ def test_edits_are_taken_after_a_context_and_after_the_data_is_replaced(
                 for key, value in (("replaced", 2.0), ("edited", 4.0)):
                     assert case[key] == {"after": [value] * 4, "master": [value] * 4}, \
                         (world, key, case)
+                strided = [float(v) for v in range(16)]
+                strided = [strided[4 * c + r] for r in range(4) for c in range(4)]  # .t()
+                for key, factor in (("strided", 1.0), ("strided_edited", 2.0)):
+                    want = [v * factor for v in strided]
+                    assert case[key] == {"contiguous": False, "after": want, "master": want}, \
+                        (world, key, case)
 
 
 def test_multihead_attention_under_zero_init_trains_as_without_it(

@@ -119,19 +119,24 @@ class EditTaker:
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         self.params = list(params)
         self._epoch = -1
-        self._planned: list[tuple[torch.Tensor, int]] = []  # (parameter, data pointer)
+        # (parameter, data pointer, strides): a view's layout is its address and strides
+        self._planned: list[tuple[torch.Tensor, int, tuple[int, ...]]] = []
         self._batches: list[tuple[bool, list[torch.Tensor], list[torch.Tensor]]] = []
+        # non-contiguous data (channels_last, a transposed tensor): flattening it
+        # copies, so its slice is read each step - (parameter, offset, count, shard)
+        self._loose: list[tuple[torch.Tensor, int, int, torch.Tensor]] = []
 
     def _stale(self) -> bool:
-        return self._epoch != layout_epoch() or \
-            any(p.data.data_ptr() != ptr for p, ptr in self._planned)
+        return self._epoch != layout_epoch() or any(
+            p.data.data_ptr() != ptr or p.data.stride() != strides
+            for p, ptr, strides in self._planned)
 
     def _plan(self) -> None:
         self._epoch = layout_epoch()
         ranks: dict[int, int] = {}
         pairs: dict[tuple[torch.device, torch.device],
                     tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        self._planned = []
+        self._planned, self._loose = [], []
         for p in separate_whole(self.params):
             if p.ds_pins:
                 continue  # the context holding it decides
@@ -139,10 +144,14 @@ class EditTaker:
                 ranks[id(p.ds_group)] = dist.get_rank(p.ds_group)
             rank = ranks[id(p.ds_group)]
             valid = p.ds_spec.valid(rank)
-            self._planned.append((p, p.data.data_ptr()))
-            if valid:
-                src = p.data.reshape(-1).narrow(0, rank * p.ds_spec.shard_numel, valid)
-                dst = p.ds_tensor.narrow(0, 0, valid)
+            self._planned.append((p, p.data.data_ptr(), p.data.stride()))
+            if not valid:
+                continue
+            dst = p.ds_tensor.narrow(0, 0, valid)
+            if not p.data.is_contiguous():
+                self._loose.append((p, rank * p.ds_spec.shard_numel, valid, dst))
+            else:
+                src = p.data.view(-1).narrow(0, rank * p.ds_spec.shard_numel, valid)
                 srcs, dsts = pairs.setdefault((src.device, dst.device), ([], []))
                 srcs.append(src)
                 dsts.append(dst)
@@ -158,3 +167,5 @@ class EditTaker:
                 device = dsts[0].device
                 srcs = list(torch.cat(srcs).to(device).split([d.numel() for d in dsts]))
             torch._foreach_copy_(dsts, srcs)
+        for p, offset, count, dst in self._loose:
+            dst.copy_(p.data.reshape(-1).narrow(0, offset, count))

@@ -184,6 +184,19 @@ def replanned_case() -> dict[str, Any]:
         step(engine, lin)
         result[key] = {"after": values(lin.bias.data),
                        "master": values(safe_get_full_fp32_param(lin.bias))}
+    # non-contiguous data (a transposed tensor, as channels_last gives): its
+    # slice is read each step, never a copy flattened once
+    strided = torch.arange(16.0).reshape(4, 4).t()
+    for key in ("strided", "strided_edited"):
+        with torch.no_grad():
+            if key == "strided":
+                lin.weight.data = strided
+            else:
+                lin.weight.mul_(2)
+        step(engine, lin)
+        result[key] = {"contiguous": lin.weight.data.is_contiguous(),
+                       "after": values(lin.weight.data),
+                       "master": values(safe_get_full_fp32_param(lin.weight))}
     return result
 
 
