@@ -233,8 +233,10 @@ class EngineControls:
         step ``engine.step()`` takes - fp16 unscale and overflow skip,
         clipping - as DeepSpeed's ZeRO optimizers take it in their own
         ``step()``, without moving the engine's counters or LR schedule."""
+        from dsrun.runtime.checkpoint import engine_io
         from dsrun.runtime.zero.stepping import zero_step
 
+        engine_io.before_step(self)  # an async save may still be copying the state
         result = zero_step(self.optimizer, self.precision, self.config.gradient_clipping)
         self._grad_norm = result.grad_norm
         self._step_applied = result.applied

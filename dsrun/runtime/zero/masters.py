@@ -211,7 +211,6 @@ class MasterGradients:
     #: (:func:`~.stepping.wrap_optimizer` sets it; module docstring)
     model_parallel: Optional[ModelParallel] = None
 
-
     def step(self, closure: Any = None) -> None:
         """DeepSpeed's ``optimizer.step()``: the owning engine's whole step
         (:attr:`engine_step`: no engine counters or LR schedule move, as in
@@ -224,7 +223,10 @@ class MasterGradients:
             self.apply_step()
 
     def apply_step(self) -> None:
-        raise NotImplementedError  # each stage's optimizer has its own
+        """The inner optimizer step on the masters, and the updated values
+        into the parameters (each stage's optimizer has its own)."""
+        raise NotImplementedError
+
     def reduce_gradients(self) -> None:  # pragma: no cover - every subclass defines it
         raise NotImplementedError
 

@@ -54,7 +54,7 @@ config.zero_optimization))``), per optimizer step of ``gas`` micro-steps::
     if not zero.has_overflow():                 # fp16 only; all ranks agree
         zero.scale_grads_(1 / loss_scale)       # fp16 only
         norm = zero.clip_grad_norm(max_norm)    # == torch clip_grad_norm_ on
-        zero.step()                             #    the full mean gradient
+        zero.apply_step()                       #    the full mean gradient
     zero.zero_grad(set_to_none=False)           # keep the flat buffers
 
 ``zero.optimizer`` is the inner torch optimizer (LR schedulers step it;

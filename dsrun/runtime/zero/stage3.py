@@ -56,7 +56,7 @@ Interface for the engine (same call order as
     if not zero.has_overflow():                # fp16 only, on the still-scaled sums;
         zero.scale_grads_(1 / loss_scale)      # all ranks agree
         norm = zero.clip_grad_norm(max_norm)   # == clip_grad_norm_ on the full mean grad
-        zero.step()
+        zero.apply_step()
     zero.zero_grad()
 
 The engine must not broadcast or move parameters itself (build the module on
@@ -67,7 +67,7 @@ synchronisation (``no_sync``): reduction happens in every backward.
 :meth:`ZeroStage3.without_optimizer`, DeepSpeed's ``DeepSpeedZeRoOffload``
 for reference and EMA models and evaluation) the parameters are
 partitioned and gathered around each forward exactly as above, there is
-no master and :meth:`step` raises.
+no master and :meth:`apply_step` raises.
 
 **World size 1** (without ``offload_param``) collapses to plain training
 with nothing per parameter in the step: every parameter persists and is a
