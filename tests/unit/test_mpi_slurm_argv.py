@@ -347,6 +347,8 @@ def test_orted_not_found_on_a_host_names_the_prefix_to_pass(tmp_path) -> None:
     # other failures get no advice
     assert prefix_advice("ssh: Could not resolve hostname nosuch", "/opt/o/bin/mpirun") == ""
     assert prefix_advice("mpirun: Error: unknown option \"--x\"", "/opt/o/bin/mpirun") == ""
+    # another command a remote login script did not find is no sign of orted
+    assert prefix_advice("bash: module: command not found", "/opt/o/bin/mpirun") == ""
     # and the launcher's error carries it (a real process standing in for mpirun)
     tool = LaunchTool("mpirun", ["sh", "-c", "echo 'bash: orted: command not found' >&2; "
                                              "exit 1"], {"PATH": os.environ["PATH"]},

@@ -166,13 +166,13 @@ def version_problem(mpirun: str, mpirun_text: str, library: str | None,
 
 def prefix_advice(summary: str, mpirun: str | None) -> str:
     """The fix when mpirun's failure ``summary`` says a remote host did not
-    find Open MPI's daemon (``orted``; ``prted`` in Open MPI 5), or a shell
-    did not find a command: that host's non-interactive login PATH lacks
-    Open MPI, which ``--prefix`` (the directory above the ``mpirun`` found
-    here, ``mpirun``) supplies; "" for any other failure (pure)."""
+    find Open MPI's daemon (``orted``; ``prted`` in Open MPI 5): that host's
+    non-interactive login PATH lacks Open MPI, which ``--prefix`` (the
+    directory above the ``mpirun`` found here, ``mpirun``) supplies; "" for
+    any other failure - also for another command a login script did not
+    find, such as ``bash: module: command not found`` (pure)."""
     lower = summary.lower()
-    if "command not found" not in lower and not (
-            "not found" in lower and ("orted" in lower or "prted" in lower)):
+    if "not found" not in lower or not ("orted" in lower or "prted" in lower):
         return ""
     prefix = os.path.dirname(os.path.dirname(mpirun)) if mpirun else "DIR"
     lacks = "a host's non-interactive login PATH lacks Open MPI's daemon (orted)"
