@@ -157,6 +157,12 @@ def test_check_events_accepts_numbers_and_one_element_tensors() -> None:
     assert check_events([("a", True, IntElement())]) == [("a", 1.0, 7)]
     # a whole float step (computed in floats) is taken, as DeepSpeed's writers take it
     assert check_events([("x", 2.0, 5.0)]) == [("x", 2.0, 5)]
+
+    class WholeFloatElement(OneElement):  # torch.tensor(5.0) as the step
+        def item(self) -> float:
+            return 5.0
+
+    assert check_events([("x", 2.0, WholeFloatElement())]) == [("x", 2.0, 5)]
     for bad in [("a", 1.0), ("", 1.0, 1), ("a", "x", 1), ("a", 1.0, 1.5), ("a", 1.0, True),
                 ("a", 1.0, float("nan")), ("a", 1.0, float("inf")),
                 ("a", 1.0, OneElement()), "a,1,1"]:

@@ -24,13 +24,3 @@ class OpBuilder:
         import torch
 
         return getattr(torch.version, "hip", None) is not None
-
-    @staticmethod
-    def installed_cuda_version() -> tuple[int, int]:
-        """torch's CUDA version as (major, minor); an error on a torch without CUDA."""
-        import torch
-
-        if torch.version.cuda is None:
-            raise DsrunError("installed_cuda_version(): this torch has no CUDA")
-        major, minor = torch.version.cuda.split(".")[:2]
-        return int(major), int(minor)

@@ -46,7 +46,9 @@ def _as_step(step: Any) -> Optional[int]:
     if isinstance(step, numbers.Real) and math.isfinite(step) and float(step).is_integer():
         return int(step)  # 5.0: DeepSpeed's writers take it (a step computed in floats)
     if hasattr(step, "numel") and hasattr(step, "item") and step.numel() == 1:
-        item = step.item()  # a one-element integer tensor (engine.global_samples kept as one)
+        item = step.item()  # a one-element tensor (engine.global_samples kept as one)
+        if isinstance(item, float) and math.isfinite(item) and item.is_integer():
+            return int(item)  # a whole float, as a float step
         return int(item) if isinstance(item, int) and not isinstance(item, bool) else None
     return None
 
