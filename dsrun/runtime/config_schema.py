@@ -280,3 +280,18 @@ def to_dict(obj: Any) -> dict[str, Any]:
         out[json_key(f)] = to_dict(value) if is_dataclass(value) else thaw(value)
     return out
 
+
+_SECRET_WORDS = ("api_key", "token", "secret", "password")
+
+
+def redact_secrets(value: Any) -> Any:
+    """``value`` (a config dict) with every set string under a key that names
+    a secret (``api_key``, ``*token*``, ...) replaced by ``"<redacted>"``: for
+    logs and for the config a checkpoint keeps (the input is left alone)."""
+    if isinstance(value, dict):
+        return {k: "<redacted>" if isinstance(v, str) and any(w in str(k).lower()
+                                                              for w in _SECRET_WORDS)
+                else redact_secrets(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact_secrets(v) for v in value]
+    return value

@@ -34,6 +34,7 @@ from torch.optim import Optimizer
 
 from dsrun.errors import DsrunConfigError
 from dsrun.runtime.config import ConfigInput, DsrunConfig, load_config, resolve
+from dsrun.runtime.config_schema import redact_secrets  # also importable from here
 from dsrun.runtime.dist import init_distributed
 from dsrun.runtime.engine import DsrunEngine
 from dsrun.runtime.engine_setup import check_zero_stage
@@ -133,21 +134,6 @@ def _optimizer_hints(optimizer: Any) -> dict[str, Any]:
     group = optimizer.param_groups[0]
     return {k: float(group[k]) if k == "lr" else group[k]
             for k in _OPTIMIZER_HINT_KEYS if k in group}
-
-
-_SECRET_WORDS = ("api_key", "token", "secret", "password")
-
-
-def redact_secrets(value: Any) -> Any:
-    """``value`` with every set string under a key that names a secret
-    (``api_key``, ``*token*``, ...) replaced, for logging."""
-    if isinstance(value, dict):
-        return {k: "<redacted>" if isinstance(v, str) and any(w in str(k).lower()
-                                                              for w in _SECRET_WORDS)
-                else redact_secrets(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [redact_secrets(v) for v in value]
-    return value
 
 
 def _log_start(config: DsrunConfig, origin: str, engine: DsrunEngine) -> None:

@@ -62,6 +62,7 @@ import torch
 
 from dsrun.errors import CheckpointError
 from dsrun.runtime.checkpoint.manifest import Manifest
+from dsrun.runtime.config_schema import redact_secrets
 
 COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 # every key of DeepSpeed's that a load may hand back (table above)
@@ -73,8 +74,6 @@ RETURNED_KEYS = ("buffer_names", "param_shapes", "frozen_param_shapes", "shared_
 def redacted_config(config: Any) -> Any:
     """``config`` (a DeepSpeed-style dict) with its secrets as ``"<redacted>"``
     (module docstring); anything else as it is."""
-    # imported here: dsrun.runtime.initialize imports the engine, which imports this package
-    from dsrun.runtime.initialize import redact_secrets
     return redact_secrets(config)
 
 
