@@ -70,6 +70,7 @@ class EngineControls:
     _grad_norm: Any
     _step_applied: bool
     publish_step_state: Callable[..., None]
+    _log_overflow: Callable[[float], None]
 
     # ------------------------------------------------- gradient reduction
 
@@ -237,10 +238,13 @@ class EngineControls:
         from dsrun.runtime.zero.stepping import zero_step
 
         engine_io.before_step(self)  # an async save may still be copying the state
+        scale_before = self.precision.loss_scale
         result = zero_step(self.optimizer, self.precision, self.config.gradient_clipping)
         self._grad_norm = result.grad_norm
         self._step_applied = result.applied
         self.publish_step_state(result.overflow)
+        if result.overflow:  # said as engine.step() says it (its counters stay, as DeepSpeed's)
+            self._log_overflow(scale_before)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """DeepSpeed's: ``loss`` times the fp16 loss scale (unchanged without

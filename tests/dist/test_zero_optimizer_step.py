@@ -63,12 +63,15 @@ def test_optimizer_step_is_the_engines_step(solo: None, stage: int, precision: s
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_an_fp16_overflow_is_skipped_by_optimizer_step(solo: None, stage: int) -> None:
+def test_an_fp16_overflow_is_skipped_by_optimizer_step(solo: None, stage: int,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
     engine, optimizer = build(stage, "fp16")
     before = params(engine)
     scale = optimizer.cur_scale
     engine.backward(engine(batch(engine)).float().sum() * 1e30)  # inf in float16
-    optimizer.step()
+    with caplog.at_level("INFO", logger="dsrun.runtime"):
+        optimizer.step()
+    assert "overflow" in caplog.text.lower()  # said as engine.step() says it
     assert optimizer.overflow is True and not engine.was_step_applied()
     assert optimizer.cur_scale < scale  # the scaler saw the overflow
     assert all(torch.equal(a, b) for a, b in zip(before, params(engine)))
