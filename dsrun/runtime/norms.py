@@ -45,6 +45,7 @@ __all__ = ["ModelParallel", "clip_model_parallel_", "clip_tensors_by_global_norm
            "is_invalid_grad_norm", "is_model_parallel_parameter",
            "mask_nan_or_inf_with_val_inplace", "model_parallel_of", "split_squares"]
 
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: max_norm / (norm + CLIP_EPS)
 PIPE_REPLICATED = "ds_pipe_replicated"  # DeepSpeed's mark of a tied copy on another stage
 
 
@@ -130,7 +131,7 @@ def clip_model_parallel_(pairs: Sequence[tuple[Any, torch.Tensor]], max_norm: fl
     comm.all_reduce(total, op=comm.ReduceOp.SUM, group=mp.group)
     norm = total.sqrt().float().reshape(())
     if max_norm > 0:
-        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        coefficient = torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0)
         with torch.no_grad():
             for _, grad in pairs:
                 grad.mul_(coefficient.to(grad.device, grad.dtype))

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from dsrun import comm as collectives
 from dsrun.errors import DsrunConfigError
+from dsrun.runtime.norms import CLIP_EPS
 
 # module classes whose ``sparse=True`` makes the weight's gradient sparse
 SPARSE_GRAD_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
@@ -87,7 +88,7 @@ def clip_grad_norm_(params: Sequence[torch.Tensor], max_norm: float) -> torch.Te
     if not any(g.is_sparse for g in grads):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     total = grad_norm(grads)
-    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    coefficient = torch.clamp(max_norm / (total + CLIP_EPS), max=1.0)
     with torch.no_grad():
         for g in grads:
             g.mul_(coefficient.to(g.dtype))

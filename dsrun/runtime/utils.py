@@ -74,6 +74,7 @@ import torch.distributed as dist
 
 from dsrun.runtime.dataloader import RepeatingLoader
 from dsrun.runtime.norms import (
+    CLIP_EPS,
     clip_tensors_by_global_norm,
     combine_grad_norm_groups,
     get_flattened_grad_norm,
@@ -88,7 +89,6 @@ from dsrun.runtime.norms import (
 )
 from dsrun.runtime.partitioned_tensor import PartitionedTensor
 from dsrun.runtime.progress import LOGGER_NAME, ensure_visible, memory_line
-from dsrun.runtime.zero.masters import CLIP_EPS
 
 __all__ = ["DummyOptim", "PartitionedTensor", "RepeatingLoader", "align_dense_tensors",
            "call_to_str", "clip_grad_norm_", "clip_tensors_by_global_norm",

@@ -35,9 +35,9 @@ import torch.distributed as dist
 
 from dsrun import comm as collectives
 from dsrun.runtime.monitor.timers import comm_wait
+from dsrun.runtime.norms import CLIP_EPS
 from dsrun.runtime.pipe.errors import PipeAssertionError, PipeValueError
 from dsrun.runtime.precision import FP16Master, FullPrecision, StepResult, skipped
-from dsrun.runtime.zero.masters import CLIP_EPS
 
 
 def _squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:

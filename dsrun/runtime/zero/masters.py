@@ -74,10 +74,9 @@ import torch.distributed as dist
 from dsrun import comm as collectives
 from dsrun.errors import DsrunError
 from dsrun.runtime.loss_scaler import LossScaler
-from dsrun.runtime.norms import ModelParallel, split_squares
+from dsrun.runtime.norms import CLIP_EPS, ModelParallel, split_squares
 from dsrun.runtime.zero.offload import Placement
 
-CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 HOST_PIECE = 1 << 20  # elements per piece for non-fused steps in host memory (4 MiB fp32)
 OFFLOAD_PIECE = 1 << 23  # elements per offloaded step-and-copy-back piece (32 MiB fp32)
 # torch classes whose fused kernel is elementwise per tensor (a flat master
