@@ -10,8 +10,9 @@ reports). Checkpoints of earlier dsrun versions lack the last two and load
 as before; then those keys are not handed back. Checkpoints get copied and
 shared, so the config's secrets (``comet.api_key``, any string under a key
 naming an api_key, token, secret or password) are saved and handed back as
-``"<redacted>"``: :func:`redacted_config` (a checkpoint saved before this
-holds them, and a load still does not hand them back).
+``"<redacted>"`` (:func:`~dsrun.runtime.config_schema.redact_secrets`; a
+checkpoint saved before this holds them, and a load still does not hand
+them back).
 
 * :func:`client_state_problem` - at save: a ``client_state`` must be a
   mapping (DeepSpeed merges it into its own state dict with
@@ -69,12 +70,6 @@ COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 RETURNED_KEYS = ("buffer_names", "param_shapes", "frozen_param_shapes", "shared_params",
                  "skipped_steps", "global_steps", "global_samples", "dp_world_size",
                  "mp_world_size", "checkpoint_parallel_dimensions", "ds_config", "ds_version")
-
-
-def redacted_config(config: Any) -> Any:
-    """``config`` (a DeepSpeed-style dict) with its secrets as ``"<redacted>"``
-    (module docstring); anything else as it is."""
-    return redact_secrets(config)
 
 
 def client_state_problem(client_state: Any) -> Optional[str]:
@@ -158,7 +153,7 @@ def deepspeed_keys(state: Mapping[str, Any], manifest: Manifest, module_only: bo
     stages = (meta.get("pipeline") or {}).get("stages", 1)
     out["checkpoint_parallel_dimensions"] = {"pp_degree": int(stages), "tp_degree": 1}
     if "ds_config" in state:
-        out["ds_config"] = redacted_config(state["ds_config"])
+        out["ds_config"] = redact_secrets(state["ds_config"])
     if "ds_version" in state:
         out["ds_version"] = state["ds_version"]
     return out

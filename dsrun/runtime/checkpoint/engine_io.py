@@ -39,7 +39,6 @@ from dsrun.runtime.checkpoint.async_save import AsyncSaver
 from dsrun.runtime.checkpoint.client_state import (
     COUNTERS,
     client_state_problem,
-    redacted_config,
     returned_client_state,
 )
 from dsrun.runtime.checkpoint.coord import Coordinator, raise_first
@@ -54,6 +53,7 @@ from dsrun.runtime.checkpoint.reader import Loaded, LoadRequest, load_state
 from dsrun.runtime.checkpoint.settings import CheckpointSettings
 from dsrun.runtime.checkpoint.sources import ModuleTensors, Stage0State, aliases, parameter_names
 from dsrun.runtime.checkpoint.writer import SaveRequest, begin_save, save_state
+from dsrun.runtime.config_schema import redact_secrets
 
 log = logging.getLogger("dsrun.runtime.checkpoint")
 
@@ -212,7 +212,7 @@ def _engine_state(engine: Any, client_state: Any) -> dict[str, Any]:
             # DeepSpeed saves its config and version with every checkpoint and
             # load_checkpoint hands them back: the resolved config here, less
             # its secrets (checkpoints are shared more than logs are)
-            "ds_config": redacted_config(to_dict()) if callable(to_dict) else None,
+            "ds_config": redact_secrets(to_dict()) if callable(to_dict) else None,
             "ds_version": dsrun.__version__}
 
 

@@ -51,7 +51,6 @@ import torch
 
 import dsrun
 from dsrun.errors import CheckpointError
-from dsrun.runtime.checkpoint.client_state import redacted_config
 from dsrun.runtime.checkpoint.fragments import ExportedState, Fragment, TensorInfo
 from dsrun.runtime.checkpoint.from_deepspeed_files import (
     Inventory,
@@ -73,6 +72,7 @@ from dsrun.runtime.checkpoint.from_deepspeed_layout import (
 from dsrun.runtime.checkpoint.manifest import TMP_SUFFIX
 from dsrun.runtime.checkpoint.tags import check_tag
 from dsrun.runtime.checkpoint.writer import SaveRequest, save_alone
+from dsrun.runtime.config_schema import redact_secrets
 
 log = logging.getLogger("dsrun.runtime.checkpoint")
 
@@ -355,7 +355,7 @@ def _engine_state(model: Mapping[str, Any], precision: str, optims: Sequence[dic
     # would from DeepSpeed's (.client_state)
     own = {k: model[k] for k in ("ds_config", "ds_version") if k in model}
     if "ds_config" in own:  # what dsrun writes holds no secrets, as its own saves
-        own["ds_config"] = redacted_config(own["ds_config"])
+        own["ds_config"] = redact_secrets(own["ds_config"])
     return {"counters": counters, "lr_scheduler": model.get("lr_scheduler"),
             "loss_scaler": scaler,
             "client_state": {k: v for k, v in model.items() if k not in DEEPSPEED_KEYS}, **own}
