@@ -45,7 +45,8 @@ pytestmark = pytest.mark.dist
 WORKER = ROOT / "tests" / "dist" / "workers" / "zero3_whole_edits.py"
 TOLERANCE = 1e-6  # one Adam step with lr 0.1 on a flat shard vs a flat buffer
 SHARD_IS_MASTER = {"fp32-none", "fp32-param", "bf16-none", "bf16-param"}
-SECTIONS = ("init", "outside", "dropped", "setters", "nested", "step_inside")
+SECTIONS = ("init", "outside", "dropped", "setters", "nested", "step_inside",
+            "replaced_trains")
 
 
 @pytest.fixture(scope="module")
@@ -136,22 +137,38 @@ def test_edits_are_taken_after_a_context_and_after_the_data_is_replaced(
     """The step plans its copies of edits once and plans them again when a
     context pins or unpins a parameter, or a parameter's data is replaced
     (``param.data = ...``): an edit is never copied from stale data. At
-    world size 1 the shard is a view of the data until it is replaced, so
-    the replacement is checked at world size 2 only."""
+    world size 1, where the data is a view of the shard, a replaced tensor
+    is copied into the shard and the data made a view of it again (so a
+    non-contiguous replacement becomes contiguous there; the values are
+    the same)."""
     for world, results in jobs.items():
         for result in results:
             case = result["replanned"]
             assert case["unpinned"] == {"after": [3.0] * 4, "master": [3.0] * 4}, (world, case)
-            if world > 1:
-                for key, value in (("replaced", 2.0), ("edited", 4.0)):
-                    assert case[key] == {"after": [value] * 4, "master": [value] * 4}, \
-                        (world, key, case)
-                strided = [float(v) for v in range(16)]
-                strided = [strided[4 * c + r] for r in range(4) for c in range(4)]  # .t()
-                for key, factor in (("strided", 1.0), ("strided_edited", 2.0)):
-                    want = [v * factor for v in strided]
-                    assert case[key] == {"contiguous": False, "after": want, "master": want}, \
-                        (world, key, case)
+            for key, value in (("replaced", 2.0), ("edited", 4.0)):
+                assert case[key] == {"after": [value] * 4, "master": [value] * 4}, \
+                    (world, key, case)
+            strided = [float(v) for v in range(16)]
+            strided = [strided[4 * c + r] for r in range(4) for c in range(4)]  # .t()
+            for key, factor in (("strided", 1.0), ("strided_edited", 2.0)):
+                want = [v * factor for v in strided]
+                assert case[key] == {"contiguous": world == 1, "after": want, "master": want}, \
+                    (world, key, case)
+
+
+def test_replaced_data_follows_the_optimizer(
+        jobs: dict[int, list[dict[str, Any]]]) -> None:
+    """``param.data = new`` after initialize(): the steps update what forward
+    reads, at every precision and world size (the same numbers at 1 and 2
+    ranks: the first test). Before, at world size 1, the new tensor was cut
+    off from the shard and kept its value while the optimizer moved on."""
+    for world, results in jobs.items():
+        for result in results:
+            for key, case in result["replaced_trains"].items():
+                assert all(v != 0.5 for v in case["after"]), (world, key, case)
+                tolerance = 0.0 if key.startswith("fp32") else 1e-2  # a 16-bit copy
+                for a, m in zip(case["after"], case["master"]):
+                    assert abs(a - m) <= tolerance, (world, key, case)
 
 
 def test_multihead_attention_under_zero_init_trains_as_without_it(
@@ -277,3 +294,17 @@ def test_a_16bit_save_reads_parameters_kept_whole_without_a_scratch_copy(
     monkeypatch.setattr(gathered, "lend_scratch", refused)
     state = engine._zero3_consolidated_16bit_state_dict()
     assert torch.equal(state["0.weight"], model[0].weight.detach())
+
+
+def test_replacing_data_with_another_size_is_refused_at_the_step(solo: None) -> None:
+    """World size 1 (data is a view of the shard): a tensor of another size
+    cannot go into the shard; the step names the parameter and both sizes."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    engine, *_ = dsrun.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    model.bias.data = torch.zeros(5)
+    engine.backward(model.weight.sum())
+    with pytest.raises(DsrunError, match=r"bias.*5 elements.*has 4"):
+        engine.step()

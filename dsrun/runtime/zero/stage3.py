@@ -128,7 +128,7 @@ from dsrun.runtime.zero.stage3_setup import (
     partition_for_optimizer,
 )
 from dsrun.runtime.zero.state_io import Stage3StateIO
-from dsrun.runtime.zero.whole_edits import EditTaker, adopt_full, separate_whole
+from dsrun.runtime.zero.whole_edits import EditTaker, LocalRebind, adopt_full, separate_whole
 from dsrun.utils.z3_leaf_module import apply_zero_leaf_module_config
 
 
@@ -198,8 +198,10 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         self._publishing = not all(self._aliased) and self.settings.offload_optimizer
         # whole_edits: data edits taken where the shard is the value (frozen, aliased master)
-        self._take_edits = EditTaker([p for p in self.managed_params() if p.ds_id not in
-                                      self._slot or self._aliased[self._slot[p.ds_id][0]]])
+        take = [p for p in self.managed_params()
+                if p.ds_id not in self._slot or self._aliased[self._slot[p.ds_id][0]]]
+        self._take_edits = LocalRebind(self.managed_params(), take) if self._local \
+            else EditTaker(take)
         self.optimizer: Optimizer = NoOptimizer() if optimizer_cls is None else self._build_inner(
             optimizer_cls, hyper, _constructor_kwargs(optimizer_cls, defaults or {}),
             self.settings.sub_group_size, offload=self._publishing)
@@ -422,6 +424,7 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
             return
         self.micro_step_done()
         if self._local:
+            self._take_edits()  # replaced data back onto the shards, before .grad is set
             self._reduce_local()
         elif any(self._fresh):  # no backward since zero_grad: nothing landed
             self._finish_round()
@@ -474,7 +477,7 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
         params = self.managed_params()  # refuses a module added since initialize()
         self.reduce_gradients()
         self._fence.wait()  # the last host -> device copies read the masters
-        if not self._local:  # world size 1: every whole parameter is its shard already
+        if not self._local:  # world size 1: taken before the gradients were collected
             self._take_edits()  # edits of whole parameters' data (whole_edits.py)
         self._step_inner(self._publish if self._publishing else None)
         self._write_back(copy=not self._publishing, params=params)  # else piece by piece

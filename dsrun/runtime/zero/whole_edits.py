@@ -42,6 +42,10 @@ sizes and not others. So, at every world size:
   copies planned once and again when pins, persistence, placement or a
   parameter's ``data`` tensor change. The ``safe_set_*`` setters write the
   full data too, so a value set there is not taken back from stale data.
+  At world size 1 (no ``offload_param``), ``data`` is a view of the shard
+  and in-place edits need no copy; a replaced ``data`` (``param.data =
+  new``) is taken by the same rule and made a view of the shard again
+  (:class:`LocalRebind`).
 """
 
 from __future__ import annotations
@@ -169,3 +173,42 @@ class EditTaker:
             torch._foreach_copy_(dsts, srcs)
         for p, offset, count, dst in self._loose:
             dst.copy_(p.data.reshape(-1).narrow(0, offset, count))
+
+
+class LocalRebind:
+    """World size 1 without ``offload_param``: every parameter's ``data`` is
+    a view of its shard, so edits in place reach the optimizer with no copy.
+    A parameter whose ``data`` was replaced (``param.data = new``) is cut off
+    from its shard: the step would update the shard and forward would go on
+    reading ``new``, frozen at its value. Before each step, each such
+    parameter gets a view of its shard back, with the new values copied in
+    where the shard is the parameter's value (``take``: frozen ones and
+    those whose master is the shard) and dropped where a separate master
+    overwrites the shard - what :class:`EditTaker` does at world size > 1.
+    One pointer comparison per parameter and step."""
+
+    def __init__(self, params: Sequence[torch.Tensor], take: Sequence[torch.Tensor]) -> None:
+        self.params = list(params)
+        self._take = {p.ds_id for p in take}
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        for p in self.params:
+            data = committed(p)
+            if data.data_ptr() == p.ds_tensor.data_ptr() or p.ds_pins \
+                    or p.ds_status is not ZeroParamStatus.AVAILABLE:
+                continue
+            if data.numel() != p.ds_numel:
+                raise DsrunError(
+                    f"{param_name(p)}: its data was replaced by a tensor of "
+                    f"{data.numel()} elements (shape {tuple(data.shape)}); the parameter "
+                    f"has {p.ds_numel} {tuple(p.ds_shape)} - ZeRO stage 3 keeps each "
+                    "parameter's size from initialize(); assign a tensor of that size")
+            shard = p.ds_tensor.narrow(0, 0, p.ds_numel)
+            if p.ds_id in self._take:
+                shard.copy_(data.reshape(-1))
+            view = shard.view(p.ds_shape)
+            if "_ds_kept" in p.__dict__:
+                p._ds_kept = view
+            else:
+                p.data = view

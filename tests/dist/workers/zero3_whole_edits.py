@@ -23,6 +23,10 @@ edit rule decides:
   ``modifier_rank``;
 * **replanned**: edits after a first step inside a context, after
   ``bias.data`` was replaced, and of the new tensor;
+* **replaced_trains**: ``weight.data`` replaced by a new tensor (0.5)
+  after initialize(), then two steps with lr 0.1, per precision and
+  offload setting: the data must follow the optimizer (at world size 1
+  a replaced tensor was once cut off from its shard and stayed 0.5);
 * **mha** (world size 2 only): a small transformer with
   ``nn.MultiheadAttention`` built with and without ``zero.Init``, trained
   at stage 3, and at stage 0, per precision: losses per step.
@@ -200,6 +204,15 @@ def replanned_case() -> dict[str, Any]:
     return result
 
 
+def replaced_trains_case(precision: str, offload: str) -> dict[str, Any]:
+    lin = linear()
+    engine, *_ = dsrun.initialize(model=lin, config=config(precision, offload, lr=0.1))
+    lin.weight.data = torch.full_like(lin.weight.data, 0.5)
+    outs = [step(engine, lin) for _ in range(2)]
+    return {"outs": outs, "after": values(lin.weight.data),
+            "master": values(safe_get_full_fp32_param(lin.weight))}
+
+
 class Block(nn.Module):
     """Pre-norm attention and MLP: MultiheadAttention zeroes its
     ``out_proj.bias`` after building ``out_proj`` (partitioned by then
@@ -264,6 +277,9 @@ def main(out_dir: Path) -> None:
         result.setdefault("outside", {})[key] = outside_case(precision, offload)
         result.setdefault("dropped", {})[key] = dropped_case(precision, offload)
         result.setdefault("setters", {})[key] = setters_case(precision, offload)
+        if offload != "param":
+            result.setdefault("replaced_trains", {})[key] = replaced_trains_case(
+                precision, offload)
     result["nested"] = {"outer0-inner_none": nested_case(0, None),
                         "outer_none-inner0": nested_case(None, 0)}
     result["step_inside"] = step_inside_case()
