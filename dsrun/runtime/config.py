@@ -8,8 +8,10 @@ and defaults are filled in. Nothing here imports torch.
 This module is the public face; the generic checking and key-matching
 machinery lives in :mod:`dsrun.runtime.config_schema` and DeepSpeed's
 sections (ZeRO, offload, fp16, bf16, optimizer, scheduler, monitors) in
-:mod:`dsrun.runtime.config_sections`. Their public names are re-exported
-here, so ``from dsrun.runtime.config import ZeroConfig`` keeps working.
+:mod:`dsrun.runtime.config_sections`; reading a raw config and the keys
+dsrun accepts without acting on them in :mod:`dsrun.runtime.config_load`.
+Their public names are re-exported here, so
+``from dsrun.runtime.config import ZeroConfig`` keeps working.
 
 Invariants of a resolved :class:`DsrunConfig`:
 
@@ -47,7 +49,6 @@ by :mod:`dsrun.runtime.optimizers` when the optimizer is built. Scheduler
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -59,6 +60,17 @@ from dsrun.runtime.config_batch import (  # noqa: F401 - importable from here as
     BATCH_KEYS,
     resolve_batch,
     resolve_batch_keys,
+)
+from dsrun.runtime.config_load import (  # noqa: F401 - importable from here as before
+    INERT_KEYS,
+    PASSTHROUGH_KEYS,
+    REPLACED_KEYS,
+    _allow_unknown,
+    _passthrough,
+    _refuse_replaced,
+    _without_auto_enabled,
+    inert_settings,
+    load_config,
 )
 from dsrun.runtime.config_monitors import (
     MONITOR_SECTIONS,
@@ -109,7 +121,7 @@ from dsrun.runtime.config_schema import (
 )
 from dsrun.runtime.config_sections import (
     DTYPE_NAMES,
-    KEEP_IN_FP32_AUTO,
+    KEEP_IN_FP32_AUTO,  # noqa: F401 - importable from here as before
     ZERO_AUTO_KEYS,
     ActivationCheckpointingConfig,
     BF16Config,
@@ -145,16 +157,6 @@ __all__ = [
 # ---------------------------------------------------------------- the config
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # DeepSpeed's log_level names
-# Documented DeepSpeed sections dsrun accepts but does not act on.
-PASSTHROUGH_KEYS = frozenset({
-    "aio", "amp", "autotuning",
-    "compile", "compression_training", "curriculum_learning", "data_efficiency",
-    "eigenvalue", "elasticity", "expert_parallel",
-    "hybrid_engine", "nebula",
-    "progressive_layer_drop", "quantize_training", "sparse_attention",
-    "tensor_parallel",
-    "use_data_before_expert_parallelism", "weight_quantization",
-})
 
 
 def _internal(default: Any) -> Any:
@@ -355,140 +357,7 @@ class DsrunConfig:
         return "\n".join(lines)
 
 
-# ---------------------------------------------------------- loading, resolve
-
-
-def load_config(config: ConfigInput) -> tuple[dict[str, Any], str]:
-    """(raw dict, source) from a mapping or a JSON file path.
-
-    Bad JSON reports the file, line and column; duplicate keys are errors
-    (as in DeepSpeed).
-    """
-    if isinstance(config, Mapping):
-        return dict(config), DICT_SOURCE
-    if not isinstance(config, (str, os.PathLike)):
-        raise DsrunConfigError(f"config must be a dict or a path to a JSON file, got "
-                               f"{type(config).__name__}")
-    path = os.fspath(config)
-    try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
-    except OSError as err:
-        raise DsrunConfigError(f"cannot read config file {path}: {err.strerror}") from None
-
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in out:
-                raise DsrunConfigError(f'duplicate key "{key}" in {path}')
-            out[key] = value
-        return out
-
-    try:
-        raw = json.loads(text, object_pairs_hook=no_duplicates)
-    except json.JSONDecodeError as err:
-        raise DsrunConfigError(f"{path}: line {err.lineno}, column {err.colno}: invalid JSON: "
-                               f"{err.msg}") from None
-    if not isinstance(raw, dict):
-        raise DsrunConfigError(f"{path} must hold a JSON object, got {show(raw)}")
-    return raw, path
-
-
-# Top-level keys of older configs (DeepSpeed's, Megatron's --fp32-allreduce)
-# that no DeepSpeed release reads now, and the key that means the same.
-REPLACED_KEYS: Mapping[str, str] = MappingProxyType({
-    "fp32_allreduce": '"communication_data_type": "fp32"',
-})
-
-
-def _refuse_replaced(raw: Mapping[str, Any], ctx: Ctx) -> Mapping[str, Any]:
-    """An unknown key that an older config meant something by: say what it
-    is now, instead of listing every valid key; with ``allow_unknown_keys``
-    it is ignored, with that warning. -> ``raw`` without those keys."""
-    for key in REPLACED_KEYS.keys() & raw.keys():
-        text = (f'unknown key "{key}" in {ctx.source}: what it asked for is now '
-                f"{REPLACED_KEYS[key]} (it was {show(raw[key])}; DeepSpeed 0.19.8 ignores it "
-                "silently)")
-        if not ctx.allow_unknown:
-            raise DsrunConfigError(text)
-        log.warning("%s; ignoring it", text)
-        ctx.ignored.append(key)
-    return {k: v for k, v in raw.items() if k not in REPLACED_KEYS}
-
-
-def _allow_unknown(raw: Mapping[str, Any], environ: Mapping[str, str]) -> bool:
-    section = raw.get("dsrun")
-    if isinstance(section, Mapping) and section.get("allow_unknown_keys") is True:
-        return True
-    return environ.get(ALLOW_UNKNOWN_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _without_auto_enabled(raw: Any) -> Any:
-    if isinstance(raw, Mapping) and is_auto(raw.get("enabled")):
-        return {**raw, "enabled": False}
-    return raw
-
-
-def _passthrough(known: Mapping[str, Any], ctx: Ctx) -> dict[str, Any]:
-    kept = {k: v for k, v in known.items() if k in PASSTHROUGH_KEYS}
-    amp = kept.get("amp")
-    if isinstance(amp, Mapping) and amp.get("enabled") is True:
-        # DeepSpeed 0.19.8 refuses it the same way: Apex AMP support is gone
-        raise DsrunConfigError(f'"amp" (NVIDIA Apex AMP) is enabled in {ctx.source}: it is not '
-                               'supported; use "bf16", "fp16" or "torch_autocast" instead')
-
-    def disabled(value: Any) -> bool:
-        if isinstance(value, Mapping):
-            return value.get("enabled") is False or is_auto(value.get("enabled"))
-        return value is None or value is False
-
-    # "aio" tunes DeepSpeed's NVMe offload I/O, which dsrun does not have (an nvme
-    # offload device is refused by name): Lightning writes it into every config
-    active = sorted(k for k, v in kept.items() if k != "aio" and not disabled(v))
-    if active:
-        log.warning("%s: dsrun accepts but does not implement: %s", ctx.source, ", ".join(active))
-    return kept
-
-
-# Top-level keys dsrun parses and checks but whose non-default values it
-# does not act on, with their defaults (one warning names those that are set).
-INERT_KEYS: Mapping[str, Any] = MappingProxyType({
-    "sparse_gradients": False, "disable_allgather": False, "graph_harvesting": False,
-    "vocabulary_size": None, "seq_parallel_communication_data_type": "fp32"})
-
-
-def inert_settings(config: DsrunConfig) -> list[str]:
-    """What in ``config`` is accepted but has no effect in dsrun: keys of
-    :data:`INERT_KEYS` set to another value than their default, and
-    ``gradient_predivide_factor`` with a ZeRO stage (ZeRO divides every
-    gradient by the data-parallel size before reducing it)."""
-    notes = [key for key, default in INERT_KEYS.items()
-             if getattr(config, key) != default]
-    pipe = config.pipeline
-    unapplied = [key for key, default in (("stages", "auto"), ("partition", "best"),
-                                          ("seed_layers", False))
-                 if getattr(pipe, key) != default]
-    if unapplied:
-        notes.append(f"pipeline.{'/'.join(unapplied)} (as in DeepSpeed: pass num_stages=, "
-                     "partition_method=, seed_layers= to PipelineModule)")
-    if not (pipe.pipe_partitioned and pipe.grad_partitioned):
-        notes.append("pipeline.pipe_partitioned/grad_partitioned (they only matter with tensor "
-                     "parallelism)")
-    accum = config.data_types.grad_accum_dtype
-    trained = "float16" if config.precision == "fp16" else "float32"
-    if accum is not None and DTYPE_NAMES[accum] != trained:
-        zero_sums = "; ZeRO 2-3 sum reduced micro-steps in float32 with float16's overflow " \
-            "rule" if trained == "float16" else ""
-        notes.append(f"data_types.grad_accum_dtype {accum!r} (dsrun accumulates gradients in "
-                     f"the trained parameters' dtype, {trained} here{zero_sums})")
-    if config.precision == "fp32" and (config.data_types.buffer_dtype is not None or
-                                       config.data_types.keep_in_fp32_modules != KEEP_IN_FP32_AUTO):
-        notes.append("data_types.buffer_dtype/keep_in_fp32_modules without fp16 or bf16 (as in "
-                     "DeepSpeed, they apply only to fp16/bf16 training)")
-    if config.gradient_predivide_factor != 1.0 and config.zero_optimization.stage > 0:
-        notes.append("gradient_predivide_factor (ZeRO stages divide gradients by the "
-                     "data-parallel size before reducing them)")
-    return notes
+# ------------------------------------------------------------------ resolve
 
 
 def resolve(config: ConfigInput, *, dp_size: int, dp_source: str,
