@@ -408,7 +408,10 @@ class CheckpointConfig:
     background thread while training goes on; the next save or load, and the
     engine's exit, wait for it and raise its failure. ``timeout`` (dsrun,
     seconds): how long a rank waits for the others to enter a save or load
-    before it names the missing ones. ``fsync`` (dsrun, default true): false
+    before it names the missing ones. ``load_data_position`` (dsrun, default
+    true): false makes ``load_checkpoint`` leave the engine's dataloader where
+    it is (for scripts that skip to their own position after a load).
+    ``fsync`` (dsrun, default true): false
     skips fsync, as ``torch.save`` and DeepSpeed do (a crashed process still
     leaves the previous checkpoint intact; an OS crash may not). DeepSpeed's
     ``tag_validation``
@@ -423,6 +426,8 @@ class CheckpointConfig:
     async_save: bool = opt("bool", False, key="async")
     timeout: float = opt("float", 600.0, low=0.001)
     fsync: bool = opt("bool", True)
+    # dsrun's: restore the engine dataloader's position on load (README, Checkpoints)
+    load_data_position: bool = opt("bool", True)
     tag_validation: str = opt("str", "Warn", choices=("Warn", "Ignore", "Fail", "WARN",
                                                       "IGNORE", "FAIL", "warn", "ignore", "fail"))
     load_universal: bool = opt("bool", False)
