@@ -71,6 +71,7 @@ from dsrun.runtime.config_load import (  # noqa: F401 - importable from here as 
     _without_auto_enabled,
     inert_settings,
     load_config,
+    section_keys,
 )
 from dsrun.runtime.config_monitors import (
     MONITOR_SECTIONS,
@@ -382,7 +383,11 @@ def resolve(config: ConfigInput, *, dp_size: int, dp_source: str,
     env = os.environ if environ is None else environ
     ctx = Ctx(source, allow_unknown=_allow_unknown(raw, env))
     top = {json_key(f): f for f in fields(DsrunConfig) if not f.metadata.get("internal")}
-    known = pick(_refuse_replaced(raw, ctx), (), ctx, {*top, "bfloat16", *PASSTHROUGH_KEYS})
+    valid = {*top, "bfloat16", *PASSTHROUGH_KEYS}
+    known = pick(_refuse_replaced(raw, ctx), (), ctx, valid, section_keys(valid))
+    for key in ("log_level", "communication_data_type", "seq_parallel_communication_data_type"):
+        if isinstance(known.get(key), str):  # DeepSpeed lower-cases them
+            known[key] = known[key].lower()
     if "bf16" in known and "bfloat16" in known:
         raise DsrunConfigError(f'both "bf16" and its legacy spelling "bfloat16" are in {source}; '
                                "keep one")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import fields
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -27,10 +28,17 @@ from dsrun.runtime.config_schema import (
     ConfigInput,
     Ctx,
     is_auto,
+    json_key,
     log,
     show,
 )
-from dsrun.runtime.config_sections import DTYPE_NAMES, KEEP_IN_FP32_AUTO
+from dsrun.runtime.config_sections import (
+    DTYPE_NAMES,
+    KEEP_IN_FP32_AUTO,
+    BF16Config,
+    FP16Config,
+    ZeroConfig,
+)
 
 if TYPE_CHECKING:
     from dsrun.runtime.config import DsrunConfig
@@ -39,12 +47,27 @@ if TYPE_CHECKING:
 PASSTHROUGH_KEYS = frozenset({
     "aio", "amp", "autotuning",
     "compile", "compression_training", "curriculum_learning", "data_efficiency",
-    "eigenvalue", "elasticity", "expert_parallel",
+    "datastates_ckpt", "eigenvalue", "elasticity", "expert_parallel",
     "hybrid_engine", "nebula",
     "progressive_layer_drop", "quantize_training", "sparse_attention",
     "tensor_parallel",
     "use_data_before_expert_parallelism", "weight_quantization",
 })
+
+
+def section_keys(top_level: Mapping[str, Any]) -> dict[str, str]:
+    """{key: section} for the keys of ``zero_optimization``, ``fp16`` and
+    ``bf16`` that are not top-level keys (``top_level``) too: a config that
+    puts one at the top level is told where it belongs (``"stage"`` ->
+    zero_optimization), not given a did-you-mean to some other key."""
+    homes: dict[str, str] = {}
+    for section, cls in (("zero_optimization", ZeroConfig), ("fp16", FP16Config),
+                         ("bf16", BF16Config)):
+        for f in fields(cls):
+            for key in (json_key(f), *f.metadata.get("aliases", ())):
+                if key != "enabled" and key not in top_level:
+                    homes.setdefault(key, section)
+    return homes
 
 
 def load_config(config: ConfigInput) -> tuple[dict[str, Any], str]:
@@ -118,6 +141,28 @@ def _without_auto_enabled(raw: Any) -> Any:
     return raw
 
 
+def _switched_on(key: str, value: Any) -> bool:
+    """Whether passthrough section ``key`` asks DeepSpeed to do anything:
+    sections without an ``enabled`` key are on by their own switch, the
+    others by ``enabled`` (false by default; an empty section is off)."""
+    if value is None or value is False:
+        return False
+    if not isinstance(value, Mapping):
+        return True
+    if key == "datastates_ckpt":
+        return True  # DeepSpeed: on unless the value is false
+    if key == "compile":  # the engine's compile() is separate; the section tunes DeepCompile
+        return value.get("deepcompile") is True
+    if key == "tensor_parallel":  # DeepSpeed's AutoTP training: autotp_size 0 (default) is off
+        size = value.get("autotp_size", 0)
+        return not isinstance(size, (int, float)) or isinstance(size, bool) or size > 1
+    if value.get("enabled") is False or is_auto(value.get("enabled")):
+        return False
+    if key == "weight_quantization":  # DeepSpeed acts on these two subsections only
+        return bool(value.get("quantized_initialization") or value.get("post_init_quant"))
+    return bool(value)
+
+
 def _passthrough(known: Mapping[str, Any], ctx: Ctx) -> dict[str, Any]:
     kept = {k: v for k, v in known.items() if k in PASSTHROUGH_KEYS}
     amp = kept.get("amp")
@@ -125,15 +170,17 @@ def _passthrough(known: Mapping[str, Any], ctx: Ctx) -> dict[str, Any]:
         # DeepSpeed 0.19.8 refuses it the same way: Apex AMP support is gone
         raise DsrunConfigError(f'"amp" (NVIDIA Apex AMP) is enabled in {ctx.source}: it is not '
                                'supported; use "bf16", "fp16" or "torch_autocast" instead')
-
-    def disabled(value: Any) -> bool:
-        if isinstance(value, Mapping):
-            return value.get("enabled") is False or is_auto(value.get("enabled"))
-        return value is None or value is False
-
+    curriculum = kept.get("curriculum_learning")
+    if isinstance(curriculum, Mapping) and curriculum.get("enabled") is True:
+        # DeepSpeed 0.19.8 refuses the key outright (_REMOVED_TOP_LEVEL_CONFIG_KEYS)
+        raise DsrunConfigError(
+            f"{ctx.where(('curriculum_learning',))}: legacy top-level 'curriculum_learning' has "
+            "been removed (DeepSpeed 0.19.8 refuses it); use "
+            "'data_efficiency.data_sampling.curriculum_learning' instead (which dsrun accepts "
+            "but does not implement)")
     # "aio" tunes DeepSpeed's NVMe offload I/O, which dsrun does not have (an nvme
     # offload device is refused by name): Lightning writes it into every config
-    active = sorted(k for k, v in kept.items() if k != "aio" and not disabled(v))
+    active = sorted(k for k, v in kept.items() if k != "aio" and _switched_on(k, v))
     if active:
         log.warning("%s: dsrun accepts but does not implement: %s", ctx.source, ", ".join(active))
     return kept

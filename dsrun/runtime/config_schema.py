@@ -227,17 +227,20 @@ STRICT = Ctx("the config")
 
 
 def pick(raw: Any, path: tuple[str, ...], ctx: Ctx, valid: Any,
-          belongs: Optional[tuple[Any, str]] = None) -> dict[str, Any]:
-    """The known keys of section ``raw``; unknown ones go to ``ctx.unknown``."""
+          belongs: Union[tuple[Any, str], Mapping[str, str], None] = None) -> dict[str, Any]:
+    """The known keys of section ``raw``; unknown ones go to ``ctx.unknown``.
+    ``belongs``: (keys, section) or {key: section} - where a misplaced key
+    goes, said instead of a did-you-mean."""
     if not isinstance(raw, Mapping):
         raise DsrunConfigError(f"{ctx.where(path)} must be a JSON object, got {show(raw)}")
+    homes = belongs if isinstance(belongs, Mapping) else \
+        dict.fromkeys(belongs[0], belongs[1]) if belongs else {}
     known = {}
     for key, value in raw.items():
         if key in valid:
             known[key] = value
         else:
-            home = belongs[1] if belongs and key in belongs[0] else ""
-            ctx.unknown(str(key), path, valid, home)
+            ctx.unknown(str(key), path, valid, homes.get(key, ""))
     return known
 
 

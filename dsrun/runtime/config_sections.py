@@ -148,7 +148,11 @@ class ZeroConfig:
     # "name_suffixes"}, each a list of strings or one string; None: DeepSpeed's
     # default classes (its Hugging Face sparse-MoE blocks)
     leaf_module: Optional[Mapping[str, Any]] = opt("mapping", None)
+    # DeepSpeed's ZenFlow (selective updates of the important gradient
+    # columns): not implemented, so a section is refused by parse_zero
     zenflow: Optional[Mapping[str, Any]] = opt("mapping", None)
+    # where DeepSpeed keeps Muon's momentum at save time; Muon is refused by name
+    save_muon_momentum_buffer_in_memory: bool = opt("bool", False)
 
     def __post_init__(self) -> None:
         validate_fields(self)
@@ -416,11 +420,12 @@ class CheckpointConfig:
     leaves the previous checkpoint intact; an OS crash may not). DeepSpeed's
     ``tag_validation``
     (``Warn``/``Ignore``/``Fail``), ``load_universal``,
-    ``use_node_local_storage``, ``parallel_write`` and ``writer`` are
-    accepted; dsrun's checkpoints are always universal (any world size and
-    stage) and always written by every rank in parallel, and different tags
-    on different ranks are always an error, since they would not make one
-    checkpoint.
+    ``use_node_local_storage``, ``parallel_write``, ``writer`` and
+    ``checkpoint_serialization`` (torch.save's zipfile format in DeepSpeed;
+    dsrun writes its own files) are accepted; dsrun's checkpoints are always
+    universal (any world size and stage) and always written by every rank in
+    parallel, and different tags on different ranks are always an error,
+    since they would not make one checkpoint.
     """
 
     async_save: bool = opt("bool", False, key="async")
@@ -434,6 +439,7 @@ class CheckpointConfig:
     use_node_local_storage: bool = opt("bool", False)
     parallel_write: Optional[Mapping[str, Any]] = opt("mapping", None)
     writer: Optional[Mapping[str, Any]] = opt("mapping", None)
+    checkpoint_serialization: bool = opt("bool", True)
 
     def __post_init__(self) -> None:
         validate_fields(self)
@@ -467,5 +473,13 @@ def parse_zero(raw: Any, ctx: Ctx) -> ZeroConfig:
         auto_keys = {key for f in fields(ZeroConfig) if json_key(f) in ZERO_AUTO_KEYS
                      for key in (json_key(f), *f.metadata["aliases"])}
         raw = {k: v for k, v in raw.items() if not (k in auto_keys and is_auto(v))}
-    return parse_section(ZeroConfig, raw, ("zero_optimization",), ctx)
+    zero = parse_section(ZeroConfig, raw, ("zero_optimization",), ctx)
+    if zero.zenflow is not None:
+        # DeepSpeed runs its ZenFlow optimizer for any section (it has no
+        # "enabled" key): other numbers than plain ZeRO, so never ignored
+        raise DsrunConfigError(
+            f"{ctx.where(('zero_optimization', 'zenflow'))}: ZenFlow (DeepSpeed's selective "
+            "top-k gradient updates with ZeRO-Offload) is not implemented in dsrun, which "
+            "would train without it; remove the section (or set it null)")
+    return zero
 

@@ -16,6 +16,7 @@ state off the GPU between phases) are here only to refuse with a
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Optional, Union
 
 import torch
@@ -373,12 +374,16 @@ class EngineInfo(OffloadAccessors, ZeroInfo):
         return [f"{cls.__module__}.{cls.__name__}" for cls in LOWER_PRECISION_SAFE_MODULES]
 
     # DeepSpeed features whose config sections dsrun accepts but does not
-    # act on (passthrough): they are never on here.
+    # act on (passthrough): they are never on here (data_efficiency_enabled
+    # reports the section's flag, as DeepSpeed's engine does).
     def curriculum_learning_enabled(self) -> bool:
         return False
 
     def data_efficiency_enabled(self) -> bool:
-        return False
+        """``data_efficiency.enabled``, as DeepSpeed answers; the section is
+        still not acted on (its sampling and routing are not implemented)."""
+        section = self.config.passthrough.get("data_efficiency")
+        return isinstance(section, Mapping) and section.get("enabled") is True
 
     def random_ltd_enabled(self) -> bool:
         return False

@@ -361,9 +361,47 @@ def _make_precision(config: DsrunConfig, module: torch.nn.Module,
     if autocast.enabled:
         _check_importable(autocast.lower_precision_safe_modules or ())
         half = autocast.torch_dtype(device.type) == "float16"
+        if not masters:
+            _note_autocast_reduction(config, module, autocast.torch_dtype(device.type))
         return (TorchAutocastFP16 if half else TorchAutocast)(params, names, device)
     return FullPrecision(params, names, device)
 
+
+def _note_autocast_reduction(config: DsrunConfig, module: torch.nn.Module, dtype: str) -> None:
+    """Say once (rank 0) where ZeRO's ``torch_autocast`` gradient reduction
+    differs from DeepSpeed 0.19.8's, a deliberate difference (README, "Where
+    dsrun and DeepSpeed 0.19.8 give different numbers on purpose").
+
+    DeepSpeed's ZeRO 1-3 reduce the parameters of modules whose class is
+    exactly one of ``lower_precision_safe_modules`` (default: Linear,
+    Conv1d-3d) in the autocast dtype and every other one in fp32, whatever
+    ``communication_data_type`` says; dsrun reduces all of them in
+    ``communication_data_type``, else fp32 (what plain data parallelism
+    gives)."""
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    from dsrun.runtime.engine_info import LOWER_PRECISION_SAFE_MODULES  # it imports this module
+
+    names = config.torch_autocast.lower_precision_safe_modules
+    classes = LOWER_PRECISION_SAFE_MODULES if names is None else tuple(
+        getattr(importlib.import_module(n.rpartition(".")[0]), n.rpartition(".")[2])
+        for n in names)
+    safe = {id(p) for m in module.modules() if type(m) in classes
+            for p in m.parameters(recurse=False)}
+    trained = [p for p in module.parameters() if p.requires_grad]
+    n_safe = sum(id(p) in safe for p in trained)
+    comm = DTYPE_NAMES[config.communication_data_type or "fp32"]
+    if not ((n_safe and comm != dtype) or (len(trained) > n_safe and comm != "float32")):
+        return
+    short = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
+    hint = f'; "communication_data_type": "{short}" reduces as DeepSpeed does here' \
+        if n_safe == len(trained) else ""
+    log.info("torch_autocast at ZeRO stage %d: DeepSpeed 0.19.8 reduces the gradients of %d "
+             "parameter(s) in lower_precision_safe_modules (%s) in %s and of the other %d in "
+             "float32; dsrun reduces all of them in %s, so the numbers differ by that "
+             "rounding%s", config.zero_optimization.stage, n_safe,
+             "Linear, Conv1d-3d" if names is None else ", ".join(names), dtype,
+             len(trained) - n_safe, comm, hint)
 
 
 def torch_dtype(name: str) -> torch.dtype:
