@@ -13,7 +13,12 @@ from types import MappingProxyType
 from typing import Any, Optional
 
 from dsrun.errors import DsrunConfigError
+from dsrun.runtime.config_param_values import (
+    check_optimizer_values,
+    check_torch_scheduler_values,
+)
 from dsrun.runtime.config_schema import (
+    DICT_SOURCE,
     STRICT,
     Check,
     Ctx,
@@ -166,6 +171,7 @@ def _check_torch_scheduler_params(kind: str, params: Mapping[str, Any], path: tu
         if is_auto(value):
             raise DsrunConfigError(f'{ctx.where((*path, key))} is "auto", which dsrun resolves '
                                    f"only for DeepSpeed's schedulers, not torch's {kind}")
+    check_torch_scheduler_values(out, path, ctx)
     return out
 
 
@@ -193,6 +199,8 @@ class OptimizerConfig:
     type: str = "adam"
     params: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     legacy_fusion: bool = opt("bool", False)
+    # where the section came from, for the optimizer builder's errors
+    source: str = field(default=DICT_SOURCE, compare=False, metadata={"internal": True})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "type", canonical_optimizer_type(self.type))
@@ -238,7 +246,8 @@ def parse_optimizer(raw: Any, ctx: Ctx, hints: Mapping[str, Any]) -> Optional[Op
             raise DsrunConfigError(f'{ctx.where((*path, "params", key))} is "auto", which dsrun '
                                    f"resolves only for {', '.join(defaults)} of "
                                    f"{OPTIMIZER_NAMES[kind]}")
-    known.update(type=kind, params=params)
+    check_optimizer_values(kind, params, (*path, "params"), ctx)
+    known.update(type=kind, params=params, source=ctx.source)
     return build(OptimizerConfig, known, ctx)
 
 

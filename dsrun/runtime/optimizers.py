@@ -15,6 +15,11 @@ DeepSpeed semantics kept here (deepspeed/runtime/engine.py,
   (also for AdamW, whose torch default is 0.01); with it, torch's default.
 * ``bias_correction`` (a FusedAdam param) is accepted only as true: torch's
   Adam always corrects bias.
+* ``set_grad_none`` (FusedAdam's and FusedLion's, for ``"Adam"``,
+  ``"AdamW"`` and ``"Lion"``) is accepted as true or false and changes
+  nothing: it picks how DeepSpeed's ``zero_grad()`` clears gradients, and
+  both ways leave them ``None`` with torch >= 2 (torch's ``zero_grad``
+  sets them to None by default); dsrun's engine clears them itself.
 * ``fp32_optimizer_states`` (DeepSpeedCPUAdam's, under ``offload_optimizer``)
   is accepted as true or false and changes nothing: it keeps the moments in
   fp32 (true) or in the stepped parameters' dtype (false), and ZeRO steps
@@ -202,7 +207,8 @@ OPTIMIZER_CLASSES: Mapping[str, type[Optimizer]] = {
     **{kind: getattr(torch.optim, name) for kind, name in OPTIMIZER_NAMES.items()
        if kind not in ("adam", "adamw", "lamb", "lion") and hasattr(torch.optim, name)},
 }
-ADAM_EXTRAS = ("adam_w_mode", "torch_adam", "bias_correction", "fp32_optimizer_states")
+ADAM_EXTRAS = ("adam_w_mode", "torch_adam", "bias_correction", "fp32_optimizer_states",
+               "set_grad_none")
 assert set(OPTIMIZER_CLASSES) <= set(OPTIMIZER_NAMES), "config and optimizers disagree on types"
 
 
@@ -223,6 +229,12 @@ def optimizer_class_and_kwargs(config: OptimizerConfig) -> tuple[type[Optimizer]
                                f"torch.optim.{name}; a newer torch has it")
     cls = OPTIMIZER_CLASSES[config.type]
     extras: tuple[str, ...] = ()
+    if config.type in ("adam", "adamw", "lion"):
+        # DeepSpeed's FusedAdam/FusedLion: zero_grad() sets gradients to None
+        # (true) or calls torch's zero_grad, which sets them to None too
+        _flag(kwargs.pop("set_grad_none", True), "set_grad_none")
+    if config.type == "lion":
+        extras = ("set_grad_none",)
     if config.type in ("adam", "adamw"):
         extras = ADAM_EXTRAS
         adam_w_mode = _flag(kwargs.pop("adam_w_mode", True), "adam_w_mode")
@@ -253,12 +265,18 @@ def _flag(value: Any, name: str) -> bool:
 
 
 def build_optimizer(config: OptimizerConfig, params: Iterable[Any]) -> Optimizer:
-    """Construct the optimizer over ``params`` (tensors or param-group dicts)."""
+    """Construct the optimizer over ``params`` (tensors or param-group dicts).
+
+    Whatever the class's constructor raises (torch's checks: a ValueError,
+    a TypeError, an IndexError for a one-element ``betas`` ...) becomes a
+    :class:`DsrunConfigError` naming ``optimizer.params`` and the config."""
     cls, kwargs = optimizer_class_and_kwargs(config)
     try:
         return cls(params, **kwargs)
-    except (TypeError, ValueError) as err:
-        if isinstance(err, DsrunConfigError):
-            raise
-        raise DsrunConfigError(f"optimizer {OPTIMIZER_NAMES[config.type]} rejected "
-                               f"params {kwargs}: {err}") from err
+    except DsrunConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any constructor failure is the config's
+        raise DsrunConfigError(
+            f"optimizer {OPTIMIZER_NAMES[config.type]} ({cls.__module__}.{cls.__name__}) "
+            f'rejected params {kwargs} ("optimizer.params" in {config.source}): '
+            f"{type(err).__name__}: {err}") from err
