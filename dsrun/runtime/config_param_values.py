@@ -69,7 +69,8 @@ def _quoted_number(value: Any) -> str:
             float(value)
         except ValueError:
             return ""
-        return " (a string: write the number without quotes; YAML reads 3e-4 as a string)"
+        # PyYAML reads 3e-4 (no dot) as a string: YAML-to-JSON configs carry it so
+        return " (a string: write the number without quotes)"
     return ""
 
 
