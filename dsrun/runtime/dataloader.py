@@ -15,12 +15,25 @@ position - holds whether a model trains as a pipeline or not.
 :class:`RepeatingLoader` (DeepSpeed's ``deepspeed.utils.RepeatingLoader``)
 is an endless iterator over any loader, restarting it when it runs out.
 
+As torch's ``DataLoader`` without a ``generator`` (DeepSpeed's), each
+``iter()`` that starts an epoch at its first batch draws once from torch's
+global generator, so dropout after it gets DeepSpeed's masks; batches are
+loaded in the training process (DeepSpeed's loader uses 2 worker processes
+per rank).
+
 Its position is checkpointed (``state_dict``/``load_state_dict``, which
 ``engine.save_checkpoint``/``load_checkpoint`` call): the epoch, how many
-batches of it were handed out, and the sampler's shuffle epoch. After ``load_state_dict`` the next
+batches of it were handed out, and the sampler's shuffle epoch, with the
+batch size, replicas and dataset length it counts in (a position saved at
+another batch size or number of replicas is converted through the samples
+consumed; one of a dataset of another length is refused). After ``load_state_dict`` the next
 ``iter()`` continues that epoch with the next batch (the sampler skips the
-indices already used, no sample is loaded to skip it); when the epoch had
-ended (its iterator raised StopIteration), it starts the next one. Saved
+indices already used, no sample is loaded to skip it, and inside an epoch nothing is drawn:
+the RNG state a load restores was saved after that epoch's draw); when the epoch had
+ended (its iterator raised StopIteration), it starts the next one. The
+loaded position stays until the iterator that resumed it is asked for its
+second batch: ``next(iter(loader))`` after a load, then the training loop,
+still starts the loop at the loaded position. Saved
 on an epoch's last batch, inside the script's ``for`` loop, the position
 is "that epoch, nothing left": the resumed ``for`` loop over the epoch
 ends at once, as the uninterrupted one was about to, and the script's next
@@ -65,10 +78,13 @@ class DsrunDataLoader:
         # so its figure includes data loading (DeepSpeed's loader does this).
         self.tput_timer = tput_timer
         self.batch_size = batch_size
+        self.drop_last = drop_last
         self.sampler = ResumableSampler(dataset, num_replicas=num_replicas, rank=rank,
                                         shuffle=True, seed=seed)
-        # Its own generator: a DataLoader draws a seed at every iter(), which
-        # from the global generator would shift dropout after a resume.
+        # A private generator for the DataLoader's own draw at iter(): the
+        # global generator's draw is made by _draw_seed, only when an epoch
+        # starts at its first batch (a resumed epoch's draw was made before
+        # the save, whose RNG state the load restores).
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler,
                                  collate_fn=collate_fn, drop_last=drop_last,
                                  pin_memory=pin_memory,
@@ -77,78 +93,157 @@ class DsrunDataLoader:
         self.num_replicas = num_replicas
         self.epoch = 0          # the epoch the next iter() starts
         self.batches = 0        # batches handed out of the epoch in progress
-        self._resume_at = 0     # batches the next iter() skips
+        # (epoch, batch) of a loaded position no iterator has gone past yet
+        self._loaded: Optional[tuple[int, int]] = None
+        self._loads = 0         # load_state_dict calls so far
+        self._current: object = None  # the token of the iterator started last
         self._started = False   # an iter() since construction or load_state_dict
         self._ended = False     # the epoch in progress raised StopIteration
 
     def __iter__(self) -> Iterator[Any]:
-        return self._epoch()
+        # torch's DataLoader without a generator (DeepSpeed's) draws its base
+        # seed from the global generator at iter(): so does this one, for an
+        # epoch that starts at its first batch
+        drew = self._next_start() == 0
+        if drew:
+            _draw_seed()
+        return self._epoch(drew, self._loads)
 
-    def _epoch(self) -> Iterator[Any]:
+    def _next_start(self) -> int:
+        return 0 if self._loaded is None else self._loaded[1]
+
+    def _epoch(self, drew: bool, loads: int) -> Iterator[Any]:
         """One epoch, started at its first ``next()`` (a generator runs
         nothing before that): an iterator made before ``load_state_dict``
         - ``RepeatingLoader(loader)`` right after ``initialize``, then
-        ``load_checkpoint`` - still starts at the loaded position."""
-        self.sampler.skip = self._resume_at * self.batch_size
-        self.batches, self._resume_at = self._resume_at, 0
-        self.epoch += 1
+        ``load_checkpoint`` - still starts at the loaded position. An
+        iterator that starts at a loaded position keeps it loaded until it
+        is asked for its second batch (or the epoch ends): a new ``iter()``
+        before that - ``next(iter(loader))`` to look at a batch, then the
+        training loop - starts at the loaded position again."""
+        resumed = self._loaded
+        epoch, start = resumed if resumed is not None else (self.epoch, 0)
+        if start == 0 and (not drew or loads != self._loads):
+            _draw_seed()  # a load since iter() put the global RNG back before its draw
+        token = self._current = object()
+        self.sampler.skip = start * self.batch_size
+        self.epoch, self.batches = epoch + 1, start
         self._started, self._ended = True, False
         batches = iter(self.loader)
         while True:
-            timer = self.tput_timer
-            if timer is not None and not timer.started:  # a pipeline's batch started it
-                timer.start()
-            try:
-                batch = next(batches)
-            except StopIteration:
-                if timer is not None:
-                    timer.started = False  # no batch came: no interval
-                self._ended = True
+            batch = self._fetch(batches)
+            if batch is _END:
+                if resumed is not None and self._current is token:
+                    self._loaded = None
                 return
-            self.batches += 1
-            yield batch
+            try:
+                yield batch
+            except GeneratorExit:
+                if resumed is not None and self._current is token:
+                    self._started = False  # dropped after one batch: the loaded position stands
+                raise
+            if resumed is not None and self._current is token:
+                self._loaded = None  # its first batch was used: the position moved on
+            resumed = None
+
+    def _fetch(self, batches: Iterator[Any]) -> Any:
+        """The next batch of ``batches`` (counted), or ``_END``."""
+        timer = self.tput_timer
+        if timer is not None and not timer.started:  # a pipeline's batch started it
+            timer.start()
+        try:
+            batch = next(batches)
+        except StopIteration:
+            if timer is not None:
+                timer.started = False  # no batch came: no interval
+            self._ended = True
+            return _END
+        self.batches += 1
+        return batch
 
     def __len__(self) -> int:
         return len(self.loader)
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         """The position of the next batch: ``epoch`` and ``batch`` within
-        it; ``shuffle_epoch``: the sampler's epoch (its order)."""
-        order = {"batch_size": self.batch_size, "shuffle_epoch": int(self.sampler.epoch)}
+        it; ``shuffle_epoch``: the sampler's epoch (its order); and what a
+        load checks or converts the position by: ``batch_size``,
+        ``num_replicas``, ``dataset_len``, ``total_size`` (the sampler's
+        samples of all ranks, padding included), ``drop_last``, ``shuffle``,
+        ``seed``."""
+        layout = {"batch_size": self.batch_size, "shuffle_epoch": int(self.sampler.epoch),
+                  "num_replicas": self.num_replicas, "dataset_len": len(self.dataset),
+                  "total_size": int(self.sampler.total_size), "drop_last": self.drop_last,
+                  "shuffle": bool(self.sampler.shuffle), "seed": int(self.sampler.seed)}
         if not self._started:
-            return {"epoch": self.epoch, "batch": self._resume_at, **order}
-        current = self.epoch - 1
-        if self._ended:
-            return {"epoch": current + 1, "batch": 0, **order}
-        return {"epoch": current, "batch": self.batches, **order}
+            epoch, batch = self._loaded if self._loaded is not None else (self.epoch, 0)
+        elif self._ended:
+            epoch, batch = self.epoch, 0
+        else:
+            epoch, batch = self.epoch - 1, self.batches
+        return {"epoch": epoch, "batch": batch, **layout}
 
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        """Continue at ``state``'s position with the next ``iter()``. A
+    def state_problem(self, state: Mapping[str, Any]) -> Optional[str]:
+        """Why ``state`` is not a position in this loader's data (another
+        dataset length or order), or None. States saved before these were
+        recorded pass."""
+        mine = {"dataset_len": len(self.dataset), "shuffle": bool(self.sampler.shuffle),
+                "seed": int(self.sampler.seed)}
+        for key, value in mine.items():
+            if key in state and state[key] != value:
+                return f"it was saved with {key}={state[key]!r}, this dataloader has {value!r}"
+        return None
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue at ``state``'s position with the next ``iter()``; a
+        position saved at another micro-batch size or number of replicas is
+        converted through the samples consumed (:meth:`rescale_state`). A
         position saved before the shuffle epoch was recorded (when every
-        epoch reshuffled) keeps that epoch's order."""
+        epoch reshuffled) keeps that epoch's order. Raises ValueError for a
+        state of other data (:meth:`state_problem`)."""
+        problem = self.state_problem(state)
+        if problem is not None:
+            raise ValueError(f"DsrunDataLoader.load_state_dict: not a position in this data: "
+                             f"{problem}")
+        replicas = int(state.get("num_replicas", self.num_replicas))
+        if replicas != self.num_replicas or \
+                int(state.get("batch_size", self.batch_size)) != self.batch_size:
+            state = self.rescale_state(state, replicas, self.num_replicas)
         epoch, batch = int(state["epoch"]), int(state["batch"])
         self.sampler.set_epoch(int(state.get("shuffle_epoch", epoch)))
         # batch == len: the epoch's batches were all handed out but its loop
         # had not ended (module docstring); more (a position rescaled from
         # another world size) means the same
-        batch = min(batch, len(self))
-        self.epoch, self._resume_at, self.batches = epoch, batch, 0
+        self._loaded = (epoch, min(batch, len(self)))
+        self.epoch, self.batches, self._loads = epoch, 0, self._loads + 1
         self._started = False
 
-    def rescale_state(self, state: Mapping[str, int], saved_replicas: int,
-                      replicas: int) -> dict[str, int]:
-        """A position saved with ``saved_replicas`` data-parallel ranks, for
-        ``replicas`` ranks: the same number of samples consumed in the epoch."""
+    def rescale_state(self, state: Mapping[str, Any], saved_replicas: int,
+                      replicas: int) -> dict[str, Any]:
+        """A position saved with ``saved_replicas`` data-parallel ranks (and
+        its ``batch_size``), for ``replicas`` ranks of this loader's batch
+        size: the same number of samples consumed in the epoch."""
         consumed = int(state["batch"]) * int(state.get("batch_size", self.batch_size)) \
             * saved_replicas
         per_batch = self.batch_size * replicas
         if consumed % per_batch:
             log.warning("the dataloader position (%d samples into epoch %d) is not a whole "
-                        "number of batches at %d ranks: resuming at the batch before it",
-                        consumed, state["epoch"], replicas)
-        return {"epoch": int(state["epoch"]), "batch": consumed // per_batch,
-                "batch_size": self.batch_size,
+                        "number of batches of %d samples (%d ranks x %d): resuming at the "
+                        "batch before it", consumed, state["epoch"], per_batch, replicas,
+                        self.batch_size)
+        return {**state, "epoch": int(state["epoch"]), "batch": consumed // per_batch,
+                "batch_size": self.batch_size, "num_replicas": replicas,
                 "shuffle_epoch": int(state.get("shuffle_epoch", state["epoch"]))}
+
+
+#: what DsrunDataLoader._fetch returns when the epoch has no batch left
+_END = object()
+
+
+def _draw_seed() -> None:
+    """The global generator's draw of torch's DataLoader without a
+    ``generator`` at each ``iter()`` (its workers' base seed)."""
+    torch.empty((), dtype=torch.int64).random_()
 
 
 def build_dataloader(training_data: Any, *, micro_batch_size: int, num_replicas: int, rank: int,

@@ -23,6 +23,7 @@ False is refused by name; so are DeepSpeed attributes dsrun cannot honour
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -146,10 +147,10 @@ class EngineControls:
         if collate_fn is None:  # DeepSpeed's fallback: initialize()'s collate_fn
             collate_fn = self.__dict__.get("collate_fn")
         if data_sampler is None and route == ROUTE_TRAIN and num_local_io_workers is None:
-            return build_dataloader(dataset, micro_batch_size=size, num_replicas=replicas,
-                                    rank=rank, collate_fn=collate_fn,
-                                    drop_last=self.config.dataloader_drop_last,
-                                    device=self.device, tput_timer=self.tput_timer)
+            return self._train_loader(build_dataloader(
+                dataset, micro_batch_size=size, num_replicas=replicas, rank=rank,
+                collate_fn=collate_fn, drop_last=self.config.dataloader_drop_last,
+                device=self.device, tput_timer=self.tput_timer))
         if data_sampler is None:
             data_sampler = torch.utils.data.DistributedSampler(
                 dataset, num_replicas=replicas, rank=rank, shuffle=route == ROUTE_TRAIN)
@@ -158,6 +159,12 @@ class EngineControls:
             drop_last=self.config.dataloader_drop_last, pin_memory=pin,
             num_workers=num_local_io_workers or 0)
         loader.data_sampler = data_sampler  # DeepSpeed's name (loader.data_sampler.set_epoch)
+        return self._train_loader(loader) if route == ROUTE_TRAIN else loader
+
+    def _train_loader(self, loader: Any) -> Any:
+        """Remember a training loader: ``save_checkpoint`` warns when it is
+        not ``engine.training_dataloader`` (the only one whose position is saved)."""
+        self.__dict__.setdefault("_train_io_loaders", weakref.WeakSet()).add(loader)
         return loader
 
     def _dp_rank(self) -> int:

@@ -73,7 +73,9 @@ def test_dataloader_position_resumes_with_the_next_batch() -> None:
     it = iter(straight)
     batches(it, 2)
     state = straight.state_dict()
-    assert state == {"epoch": 0, "batch": 2, "batch_size": 4, "shuffle_epoch": 0}
+    assert state == {"epoch": 0, "batch": 2, "batch_size": 4, "shuffle_epoch": 0,
+                     "num_replicas": 1, "dataset_len": 24, "total_size": 24,
+                     "drop_last": False, "shuffle": True, "seed": 0}
     rest = batches(it, 4) + batches(iter(straight), 2)
     resumed = loader()
     resumed.load_state_dict(state)

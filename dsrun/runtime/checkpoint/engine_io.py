@@ -9,7 +9,9 @@ them into state sources (:mod:`.fragments`) plus the engine-level state:
   ``micro_steps``) and DeepSpeed's ``ds_config`` / ``ds_version``
   (:mod:`.client_state`: what a load hands back besides the client's keys);
 * every rank's record: its RNG states and dataloader position
-  (:mod:`.rank_state`).
+  (:mod:`.rank_state`; a load leaves the dataloader alone with the config's
+  ``"checkpoint": {"load_data_position": false}``, and a save warns once of
+  training loaders whose position it does not keep).
 
 What each rank exports, and the model-wide names the manifest records
 (``state_dict_keys``, aliases, frozen parameters left out), come from the
@@ -48,6 +50,7 @@ from dsrun.runtime.checkpoint.rank_state import (
     loader_state,
     restore_loader,
     restore_rng,
+    unsaved_loaders,
 )
 from dsrun.runtime.checkpoint.reader import Loaded, LoadRequest, load_state
 from dsrun.runtime.checkpoint.settings import CheckpointSettings
@@ -65,6 +68,7 @@ class Checkpointer:
         self.settings = settings
         self._coord: Optional[Coordinator] = None
         self.saver = AsyncSaver(settings.timeout_s)
+        self.warned: set[str] = set()  # the warnings given once per engine
 
     @property
     def coord(self) -> Coordinator:
@@ -230,6 +234,8 @@ def save(engine: Any, save_dir: str, tag: Any = None, client_state: Any = None,
     rank = ck.coord.rank
     extra = {"rng": capture_rng(), "data": loader_state(engine.training_dataloader,
                                                         engine.dp_world_size)}
+    if rank == 0:
+        _warn_unsaved_loaders(engine, ck)
     # each rank's own client_state is checked (DeepSpeed fails on the rank
     # that passes a bad one); only rank 0's is saved, as in DeepSpeed
     problem = client_state_problem(client_state)
@@ -245,6 +251,15 @@ def save(engine: Any, save_dir: str, tag: Any = None, client_state: Any = None,
     write, commit = begin_save(request, exports, ck.coord, ck.settings.pause)
     ck.saver.start(write, commit if rank == 0 else None, tag, ck.coord.board())
     return True
+
+
+def _warn_unsaved_loaders(engine: Any, ck: Checkpointer) -> None:
+    """Once per engine: the training loaders whose position is not saved."""
+    built = getattr(engine, "_train_io_loaders", None) or ()
+    for warning in unsaved_loaders(engine.training_dataloader, list(built)):
+        if warning not in ck.warned:
+            ck.warned.add(warning)
+            log.warning("save_checkpoint: %s", warning)
 
 
 def before_step(engine: Any) -> None:
@@ -319,4 +334,10 @@ def _restore_engine(engine: Any, state: Mapping[str, Any], record: Mapping[str, 
     elif record.get("rng"):
         log.info("rank %d has no saved RNG state (the checkpoint has fewer ranks): its RNG "
                  "continues as it is", engine.global_rank)
-    restore_loader(engine.training_dataloader, record.get("data"), engine.dp_world_size)
+    section = getattr(engine.config, "checkpoint", None)
+    if getattr(section, "load_data_position", True):
+        restore_loader(engine.training_dataloader, record.get("data"), engine.dp_world_size,
+                       announce=engine.global_rank == 0)
+    elif record.get("data") is not None and engine.global_rank == 0:
+        log.info("dataloader: the checkpoint's data position is not restored "
+                 "(checkpoint.load_data_position is false)")

@@ -9,8 +9,11 @@
   engine's dataloader (anything with ``state_dict``/``load_state_dict``,
   e.g. :class:`~dsrun.runtime.dataloader.DsrunDataLoader`), so that the next
   batch after a resume is the one that would have come next. Loaded at
-  another data-parallel size, the position is converted through the number
-  of samples consumed in the epoch.
+  another data-parallel or micro-batch size, the position is converted
+  through the number of samples consumed in the epoch; a position of another
+  dataset (its length differs) is not restored.
+* :func:`unsaved_loaders`: the training loaders whose position a save
+  leaves out, to warn of.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import base64
 import logging
 import random
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 
 import torch
@@ -79,16 +82,64 @@ def loader_state(loader: Any, dp_world: int) -> Optional[dict[str, Any]]:
     return {"state": loader.state_dict(), "dp_world": dp_world}
 
 
-def restore_loader(loader: Any, saved: Optional[Mapping[str, Any]], dp_world: int) -> None:
+def unsaved_loaders(training: Any, built: Iterable[Any]) -> list[str]:
+    """What to warn of at a save: the engine's dataloader ``training`` when
+    its position cannot be saved (a DataLoader given to ``initialize`` as
+    is), and each loader of ``built`` (``deepspeed_io(route="train")``'s)
+    that is not ``training`` (only the engine's dataloader is saved)."""
+    found = []
+    if training is not None and not callable(getattr(training, "state_dict", None)):
+        found.append(f"the engine's dataloader is a {type(training).__name__} given to "
+                     "initialize(training_data=) as it is: its data position is not saved, "
+                     "a resumed run starts its epoch again at the first batch (pass the "
+                     "Dataset to have dsrun build a loader whose position is saved)")
+    for loader in built:
+        if loader is not training:
+            found.append(f"a {type(loader).__name__} built by engine.deepspeed_io() is not "
+                         "engine.training_dataloader: its data position is not saved, a "
+                         "resumed run starts its epoch again at the first batch (assign "
+                         "engine.training_dataloader = loader to have it saved)")
+    return found
+
+
+def restore_loader(loader: Any, saved: Optional[Mapping[str, Any]], dp_world: int,
+                   announce: bool = False) -> Optional[Mapping[str, Any]]:
+    """Put ``loader`` at the ``saved`` position (another data-parallel size
+    or micro-batch size converted through the samples consumed); returns the
+    position it continues at, or None when none was restored. ``announce``
+    (rank 0): log that position, or why none was restored."""
     if saved is None:
-        return
+        return None
     if loader is None or not callable(getattr(loader, "load_state_dict", None)):
         log.warning("the checkpoint has a dataloader position but the engine's dataloader "
                     "cannot take it (no load_state_dict): the data restarts from its beginning")
-        return
+        return None
     state = dict(saved["state"])
-    if saved.get("dp_world") != dp_world and "batch" in state:
-        rescale = getattr(loader, "rescale_state", None)
-        if callable(rescale):
-            state = rescale(state, int(saved["dp_world"]), dp_world)
+    check = getattr(loader, "state_problem", None)
+    problem = check(state) if callable(check) else None
+    if problem is not None:
+        if announce:
+            log.warning("the checkpoint's dataloader position is not restored: %s (another "
+                        "dataset); the dataloader starts at its first batch", problem)
+        return None
+    saved_world = int(saved.get("dp_world", dp_world))
+    size = getattr(loader, "batch_size", None)
+    rescale = getattr(loader, "rescale_state", None)
+    if "batch" in state and callable(rescale) and \
+            (saved_world != dp_world or state.get("batch_size", size) != size):
+        state = rescale(state, saved_world, dp_world)
     loader.load_state_dict(state)
+    now = loader.state_dict()
+    if announce:
+        log.info("dataloader: continues at epoch %s, batch %s of %s (the checkpoint's data "
+                 "position; a script that skips to its own position after a load skips "
+                 "twice: set \"checkpoint\": {\"load_data_position\": false})",
+                 now.get("epoch"), now.get("batch"), _length(loader))
+    return now
+
+
+def _length(loader: Any) -> Any:
+    try:
+        return len(loader)
+    except TypeError:
+        return "?"

@@ -1,0 +1,95 @@
+"""The engine dataloader's position through ``save_checkpoint`` /
+``load_checkpoint`` on a one-rank engine in this process: the
+``checkpoint.load_data_position`` opt-out (scripts that skip to their own
+position), the line a load logs, and the warnings a save gives for training
+loaders whose position it does not keep."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import dsrun
+from dsrun.errors import DsrunConfigError
+
+pytestmark = pytest.mark.dist
+
+DATA = torch.utils.data.TensorDataset(torch.arange(8.0))
+
+
+def build(checkpoint: dict | None = None, training_data: Any = DATA) -> Any:
+    torch.manual_seed(0)
+    config: dict = {"train_micro_batch_size_per_gpu": 1,
+                    "optimizer": {"type": "SGD", "params": {"lr": 0.0}}}
+    if checkpoint is not None:
+        config["checkpoint"] = checkpoint
+    engine, _, _, _ = dsrun.initialize(model=torch.nn.Linear(1, 1), config=config,
+                                       training_data=training_data)
+    return engine
+
+
+def train(engine: Any, loader: Any, steps: int) -> list[float]:
+    seen = []
+    for (x,) in loader:
+        engine.backward(engine(x.unsqueeze(-1)).sum())
+        engine.step()
+        seen.append(x.item())
+        if len(seen) == steps:
+            break
+    return seen
+
+
+def test_the_position_is_restored_and_announced_unless_opted_out(
+        solo: None, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The DeepSpeed idiom - a step counter in client_state, then skipping
+    that many batches - gives the straight run's data with the opt-out."""
+    straight = build()
+    order = train(straight, straight.training_dataloader, 8)
+    first = build()
+    assert train(first, first.training_dataloader, 3) == order[:3]
+    first.save_checkpoint(str(tmp_path), client_state={"step": 3})
+    resumed = build()
+    with caplog.at_level(logging.INFO, logger="dsrun.runtime.checkpoint"):
+        resumed.load_checkpoint(str(tmp_path))
+    assert "continues at epoch 0, batch 3 of 8" in caplog.text
+    assert train(resumed, resumed.training_dataloader, 5) == order[3:]
+    own = build({"load_data_position": False})
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dsrun.runtime.checkpoint"):
+        _, client = own.load_checkpoint(str(tmp_path))
+    assert "not restored (checkpoint.load_data_position is false)" in caplog.text
+    skipped = [x.item() for i, (x,) in enumerate(own.training_dataloader)
+               if i >= client["step"]]
+    assert skipped == order[3:]
+    with pytest.raises(DsrunConfigError, match="checkpoint.load_data_position"):
+        build({"load_data_position": "no"})
+
+
+def test_a_save_names_training_loaders_whose_position_it_does_not_keep(
+        solo: None, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ready = build(training_data=torch.utils.data.DataLoader(DATA))
+    with caplog.at_level(logging.WARNING, logger="dsrun.runtime.checkpoint"):
+        ready.save_checkpoint(str(tmp_path / "a"))
+        ready.save_checkpoint(str(tmp_path / "a"))
+    assert caplog.text.count("its data position is not saved") == 1  # once per engine
+    assert "DataLoader given to initialize(training_data=) as it is" in caplog.text
+    caplog.clear()
+    engine = build(training_data=None)
+    loader = engine.deepspeed_io(DATA)
+    evaluation = engine.deepspeed_io(DATA, route="eval")  # noqa: F841 (alive: not named)
+    with caplog.at_level(logging.WARNING, logger="dsrun.runtime.checkpoint"):
+        engine.save_checkpoint(str(tmp_path / "b"))
+    assert caplog.text.count("its data position is not saved") == 1
+    assert "DsrunDataLoader built by engine.deepspeed_io() is not" in caplog.text
+    caplog.clear()
+    engine = build(training_data=None)
+    engine.training_dataloader = engine.deepspeed_io(DATA)  # the README's way to have it saved
+    with caplog.at_level(logging.WARNING, logger="dsrun.runtime.checkpoint"):
+        engine.save_checkpoint(str(tmp_path / "c"))
+        build().save_checkpoint(str(tmp_path / "d"))  # initialize(training_data=Dataset)
+    assert "not saved" not in caplog.text
+    del loader
