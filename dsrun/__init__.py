@@ -26,7 +26,7 @@ __git_hash__ = __git_branch__ = "[none]"  # DeepSpeed's value where it was not b
 
 # public name -> "module:attribute" it lives in
 _LAZY = {
-    "init_distributed": "dsrun.runtime.dist:init_distributed",
+    "init_distributed": "dsrun.comm.init_dist:init_distributed",  # DeepSpeed's signature
     "DistEnv": "dsrun.runtime.env:DistEnv",
     "initialize": "dsrun.runtime.initialize:initialize",
     "add_config_arguments": "dsrun.runtime.initialize:add_config_arguments",
@@ -53,7 +53,7 @@ __all__ = ["DSRUN_VERSION", "TORCH_DISTRIBUTED_DEFAULT_PORT", "__version__", *_L
 # dsrun.zero.Init, dsrun.pipe.PipelineModule, dsrun.comm.get_rank, ... as deepspeed.*
 # (deepspeed.runtime.<module>.X: dsrun.runtime loads its submodules the same way)
 _SUBMODULES = ("zero", "pipe", "comm", "checkpointing", "accelerator", "ops", "utils",
-               "profiling", "runtime", "monitor", "moe")
+               "profiling", "runtime", "monitor", "moe", "constants")
 
 _alias.install()  # "from deepspeed.pipe import ..." after "import dsrun as deepspeed"
 

@@ -36,17 +36,19 @@ import torch.distributed as dist
 from dsrun import TORCH_DISTRIBUTED_DEFAULT_PORT
 from dsrun.comm import constants, log, utils
 from dsrun.comm.constants import *  # noqa: F403 - DeepSpeed's deepspeed.comm has them
+from dsrun.comm.init_dist import init_distributed
 from dsrun.comm.log import *  # noqa: F403 - the logger's API, where DeepSpeed has it
 from dsrun.comm.profiled import Done, call, list_bytes, nbytes, wait
 from dsrun.comm.reduce_op import ReduceOp, to_torch
 from dsrun.comm.utils import *  # noqa: F403 - as DeepSpeed's comm.py
-from dsrun.runtime.dist import init_distributed
+from dsrun.constants import default_pg_timeout  # DeepSpeed's comm.py has it
 
 __all__ = [
     "P2POp", "ProcessGroup", "ReduceOp", "TORCH_DISTRIBUTED_DEFAULT_PORT", "all_gather",
     "all_gather_coalesced", "all_gather_into_tensor", "all_gather_object", "all_reduce",
     "all_reduce_coalesced", "all_to_all", "all_to_all_single", "allgather_fn", "barrier",
-    "batch_isend_irecv", "broadcast", "broadcast_object_list", "destroy_process_group",
+    "batch_isend_irecv", "broadcast", "broadcast_object_list", "default_pg_timeout",
+    "destroy_process_group",
     "gather", "get_all_ranks_from_group", "get_global_rank", "get_local_rank", "get_rank",
     "get_world_group", "get_world_size", "has_all_gather_into_tensor",
     "has_all_reduce_coalesced", "has_coalescing_manager", "has_reduce_scatter_tensor",
@@ -75,17 +77,26 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
 
 def inference_all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
                          async_op: bool = False, prof: bool = False,
-                         log_name: str = "inference_all_reduce", debug: Any = None) -> Any:
-    """DeepSpeed's low-latency all-reduce for inference: a plain all-reduce here."""
+                         log_name: str = "all_reduce", debug: Any = None) -> torch.Tensor:
+    """DeepSpeed's low-latency all-reduce for inference: a plain all-reduce
+    here (none on one rank), blocking whatever ``async_op`` says (as
+    DeepSpeed's); returns ``tensor``, reduced in place, as DeepSpeed's does
+    on one rank and with its CPU kernel. Logged under ``all_reduce``, as
+    DeepSpeed files it (``prof_ops: ["all_reduce"]`` counts it)."""
+    def run() -> torch.Tensor:
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(tensor, op=to_torch(op), group=group)
+        return tensor
     return call("inference_all_reduce", log_name, prof, group, lambda: nbytes(tensor),
-                tensor, dist.all_reduce, tensor, op=to_torch(op), group=group, async_op=async_op)
+                tensor, run)
 
 
 def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op: Any = ReduceOp.SUM,
                          group: Any = None, async_op: bool = False, prof: bool = False,
-                         log_name: str = "all_reduce_coalesced", debug: Any = None) -> Any:
+                         log_name: str = "all_reduce", debug: Any = None) -> Any:
     """All-reduce every tensor of ``tensors`` (one flat buffer, copied back;
-    completed within the call, also with ``async_op``)."""
+    completed within the call, also with ``async_op``). Logged under
+    ``all_reduce``, as DeepSpeed files it."""
     tensors = list(tensors)
 
     def run() -> Any:
@@ -341,10 +352,14 @@ def get_global_rank(group: Any = None, group_rank: int = 0) -> int:
 
 
 def get_all_ranks_from_group(group: Any = None) -> list[int]:
-    """The global ranks of ``group``'s members, in group-rank order."""
+    """The global ranks of ``group``'s members, in group-rank order, on
+    every rank: also on one outside the group, as DeepSpeed's (where
+    ``new_group`` gave torch's non-member sentinel, torch's record of it:
+    the last group made without this rank). ``None``: the world (DeepSpeed
+    answers ``[]``)."""
     if group is None:
         return list(range(get_world_size()))
-    return [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
+    return list(dist.get_process_group_ranks(group))
 
 
 def get_world_group() -> Any:

@@ -6,6 +6,7 @@ where DeepSpeed has them). The logger is :mod:`dsrun.runtime.commlog`."""
 from __future__ import annotations
 
 import datetime
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -28,16 +29,36 @@ def configure(deepspeed_config: Any = None, enabled: Optional[bool] = None,
               prof_all: Optional[bool] = None, prof_ops: Optional[list[str]] = None,
               verbose: Optional[bool] = None, debug: Optional[bool] = None) -> None:
     """Set up the communication logger: from a config's ``comms_logger``
-    section (``deepspeed_config``: a resolved
-    :class:`~dsrun.runtime.config.DsrunConfig`, a
-    :class:`~dsrun.comm.config.DeepSpeedCommsConfig`, or anything with a
-    ``comms_logger`` attribute), then the keywords given."""
-    section = getattr(deepspeed_config, "comms_logger", None)
+    section (``deepspeed_config``: see :func:`comms_section`), then the
+    keywords given."""
+    section = comms_section(deepspeed_config)
     if section is not None and section.enabled:
         LOGGER.configure(enabled=True, prof_all=section.prof_all, prof_ops=section.prof_ops,
                          verbose=section.verbose, debug=section.debug)
     LOGGER.configure(enabled=enabled, prof_all=prof_all, prof_ops=prof_ops, verbose=verbose,
                      debug=debug)
+
+
+def comms_section(deepspeed_config: Any) -> Any:
+    """The ``comms_logger`` section of ``deepspeed_config``, None when it
+    has none: a resolved :class:`~dsrun.runtime.config.DsrunConfig`, a
+    :class:`~dsrun.comm.config.DeepSpeedCommsConfig` (or anything with a
+    ``comms_logger`` attribute), ``deepspeed.runtime.config.DeepSpeedConfig``
+    (its ``dsrun_config``), an object laid out as DeepSpeed's (its
+    ``comms_config``), or a config dict (read by ``DeepSpeedCommsConfig``)."""
+    if deepspeed_config is None:
+        return None
+    for owner in (deepspeed_config, getattr(deepspeed_config, "dsrun_config", None),
+                  getattr(deepspeed_config, "comms_config", None)):
+        if owner is not None and hasattr(owner, "comms_logger"):
+            return owner.comms_logger  # None: a DeepSpeedCommsConfig without the section
+    if isinstance(deepspeed_config, Mapping):
+        from dsrun.comm.config import DeepSpeedCommsConfig  # (it imports the config layer)
+
+        return DeepSpeedCommsConfig(deepspeed_config).comms_logger
+    raise TypeError(f"deepspeed.comm.configure(deepspeed_config=...) takes a DeepSpeedConfig, a "
+                    f"resolved dsrun config or a config dict, got "
+                    f"{type(deepspeed_config).__name__}")
 
 
 def log_summary(show_straggler: bool = False, return_dict: bool = False

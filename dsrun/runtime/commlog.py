@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -45,6 +46,7 @@ from typing import Any, Optional
 # under dsrun.runtime: printed (rank 0) once ensure_visible() has run
 log = logging.getLogger("dsrun.runtime.comm")
 
+SIZE_UNITS = ("B", "KB", "MB", "GB", "TB", "PB", "EB", "ZB", "YB")
 ALL_REDUCE_OPS = frozenset({"all_reduce", "inference_all_reduce", "all_reduce_coalesced"})
 # Filed under one rank's input; their bandwidth counts the gathered result.
 GATHER_OPS = frozenset({"all_gather", "all_gather_into_tensor", "all_gather_coalesced"})
@@ -88,13 +90,13 @@ def gbps(size_bytes: int, seconds: float) -> float:
 
 
 def size_str(size_bytes: int) -> str:
-    """``size_bytes`` for people: B, KB, MB, GB (powers of 1024)."""
-    value = float(size_bytes)
-    for unit in ("B", "KB", "MB", "GB"):
-        if value < 1024 or unit == "GB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{value:.2f} GB"  # pragma: no cover - the loop returns
+    """``size_bytes`` as DeepSpeed's logger writes it (its ``convert_size``):
+    in the largest power-of-1024 unit, rounded to 2 decimals, ``"0B"``,
+    ``"8.0 B"``, ``"1.0 KB"``, ``"1.5 MB"``."""
+    if size_bytes <= 0:
+        return "0B"
+    power = min(int(math.floor(math.log(size_bytes, 1024))), len(SIZE_UNITS) - 1)
+    return f"{round(size_bytes / 1024 ** power, 2)} {SIZE_UNITS[power]}"
 
 
 @dataclass

@@ -11,7 +11,9 @@
   ``python -m dsrun.utils.zero_to_fp32`` over dsrun checkpoints;
 * :mod:`.tensor_fragment` - ``safe_get_full_fp32_param``,
   ``safe_get_full_grad``, ``safe_get_full_optimizer_state``, their setters
-  and the ``*_local_*`` (stage 3) variants;
+  and the ``*_local_*`` (stage 3) variants; DeepSpeed's parameter methods
+  as functions of the parameter (``get_full_hp_param(p)``,
+  ``set_full_hp_param``, ``get_full_hp_grad``, ``set_full_hp_grad``);
 * :mod:`.z3_leaf_module` - ``set_z3_leaf_modules`` and the other ZeRO-3
   leaf-module helpers (``unset_z3_leaf_modules``, ``get_z3_leaf_modules``,
   ``z3_leaf_module``, ``z3_leaf_parameter``, ``set_z3_leaf_module``,
@@ -34,7 +36,8 @@ _LAZY = {name: "dsrun.utils.tensor_fragment" for name in (
     "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
     "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
     "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
-    "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state")}
+    "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state",
+    "get_full_hp_param", "set_full_hp_param", "get_full_hp_grad", "set_full_hp_grad")}
 _LAZY.update({name: "dsrun.utils.zero_to_fp32" for name in (
     "get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
     "convert_zero_checkpoint_to_state_dict", "load_state_dict_from_zero_checkpoint")})

@@ -12,17 +12,21 @@ doubled); :func:`convert_size` formats sizes as DeepSpeed does.
 
 from __future__ import annotations
 
-import math
 import sys
 
-from dsrun.runtime.commlog import ALL_REDUCE_OPS, SCATTER_GATHER_OPS, CommsLogger, bandwidths
+from dsrun.runtime.commlog import (
+    ALL_REDUCE_OPS,
+    SCATTER_GATHER_OPS,
+    CommsLogger,
+    bandwidths,
+    size_str,
+)
 
 __all__ = ["CommsLogger", "calc_bw_log", "convert_size", "get_caller_func", "print_rank_0"]
 
 # The operations DeepSpeed's calc_bw_log knows besides the collectives above.
 _OTHER_OPS = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv", "broadcast",
                         "broadcast_object_list", "reduce", "gather", "scatter", "barrier"})
-_UNITS = ("B", "KB", "MB", "GB", "TB", "PB", "EB", "ZB", "YB")
 
 
 def get_caller_func(frame: int = 3) -> str:
@@ -40,11 +44,9 @@ def print_rank_0(message: object) -> None:
 
 def convert_size(size_bytes: int) -> str:
     """``size_bytes`` in the largest power-of-1024 unit, rounded to 2
-    decimals: ``"0B"``, ``"1.0 KB"``, ``"1.5 MB"`` (DeepSpeed's format)."""
-    if size_bytes == 0:
-        return "0B"
-    power = min(int(math.floor(math.log(size_bytes, 1024))), len(_UNITS) - 1)
-    return f"{round(size_bytes / 1024 ** power, 2)} {_UNITS[power]}"
+    decimals: ``"0B"``, ``"1.0 KB"``, ``"1.5 MB"`` (DeepSpeed's format, the
+    logger's ``msg_size_str``)."""
+    return size_str(size_bytes)
 
 
 def calc_bw_log(comm_op: str, size: int, duration: float) -> tuple[float, float]:

@@ -49,6 +49,7 @@ from dsrun.runtime.param_links import engine_of
 from dsrun.runtime.zero.param_state import ParamState, Part, Stage0Param, Stage3Param, param_state
 
 __all__ = [
+    "get_full_hp_grad", "get_full_hp_param", "set_full_hp_grad", "set_full_hp_param",
     "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
     "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
     "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
@@ -143,6 +144,44 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor,
     ps = param_state(param)
     if ps is not None:
         ps.set_state(optim_state_key, _full(value, ps, "safe_set_full_optimizer_state"))
+
+
+# --------------------------------------------- DeepSpeed's parameter methods
+# DeepSpeed binds these to each parameter (``p.get_full_hp_param()``, with
+# ``p._hp_mapping``); dsrun keeps no links on parameters (so that a model
+# pickles: dsrun.runtime.param_links), so they are functions of the
+# parameter here, as DeepSpeed's module defines them, over the safe_* API.
+
+
+def get_full_hp_param(param: torch.Tensor, optim_state_key: Optional[str] = None
+                      ) -> Optional[torch.Tensor]:
+    """``param``'s full fp32 master, or its optimizer state
+    ``optim_state_key``: :func:`safe_get_full_fp32_param` /
+    :func:`safe_get_full_optimizer_state` (collective at stages 1-3)."""
+    if optim_state_key is None:
+        return safe_get_full_fp32_param(param)
+    return safe_get_full_optimizer_state(param, optim_state_key)
+
+
+def set_full_hp_param(param: torch.Tensor, value: torch.Tensor,
+                      optim_state_key: Optional[str] = None) -> None:
+    """Set ``param``'s fp32 master (and the model parameter), or its
+    optimizer state ``optim_state_key``, to the full ``value``:
+    :func:`safe_set_full_fp32_param` / :func:`safe_set_full_optimizer_state`."""
+    if optim_state_key is None:
+        safe_set_full_fp32_param(param, value)
+    else:
+        safe_set_full_optimizer_state(param, value, optim_state_key)
+
+
+def get_full_hp_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """``param``'s full gradient: :func:`safe_get_full_grad`."""
+    return safe_get_full_grad(param)
+
+
+def set_full_hp_grad(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Replace ``param``'s gradient with the full ``value``: :func:`safe_set_full_grad`."""
+    safe_set_full_grad(param, value)
 
 
 # ----------------------------------------------------------------- local

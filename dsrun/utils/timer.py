@@ -5,10 +5,10 @@ throughput timer the engine drives (``engine.timers``, ``engine.tput_timer``).
   ``.stop()`` / ``.elapsed(reset=True)`` (milliseconds, summed over every
   start-stop interval since the last reset; a running timer is counted up
   to now and keeps running), ``timers.log(names)`` (one ``time (ms) | name:
-  t`` line on rank 0 through dsrun's logger), ``get_mean``. Host clocks;
-  when CUDA is in use the device is synchronised at start and stop, so an
-  interval covers the kernels launched inside it (DeepSpeed records CUDA
-  events to the same end).
+  t`` line printed on rank 0 whatever the logger's level, as DeepSpeed's),
+  ``get_mean``. Host clocks; when CUDA is in use the device is synchronised
+  at start and stop, so an interval covers the kernels launched inside it
+  (DeepSpeed records CUDA events to the same end).
 * :class:`ThroughputTimer` - samples per second over optimizer steps,
   leaving out the first ``start_step`` steps (warm-up), as DeepSpeed's:
   ``start()`` before a micro-step's work (the engine calls it in
@@ -33,7 +33,7 @@ import torch
 from dsrun.runtime.commlog import trimmed_mean
 from dsrun.runtime.progress import every
 from dsrun.runtime.timer_names import *  # noqa: F403 - DeepSpeed's module exports them
-from dsrun.utils.logging import log_dist
+from dsrun.utils.logging import print_dist
 
 log = logging.getLogger("dsrun.runtime")
 
@@ -138,8 +138,10 @@ class SynchronizedWallClockTimer:
     def log(self, names: Iterable[str], normalizer: float = 1.0, reset: bool = True,
             memory_breakdown: bool = False, ranks: Optional[Iterable[int]] = None) -> None:
         """One ``time (ms) | name: t | ...`` line (each timer's elapsed /
-        ``normalizer``; names never started are left out) on ``ranks``
-        (default rank 0)."""
+        ``normalizer``; names never started are left out) printed on
+        ``ranks`` (default rank 0) with the rank prefix, whatever the
+        logger's level: DeepSpeed prints it (``print_dist``) so that a script
+        that quiets the logger keeps the timings it asked for."""
         if normalizer <= 0.0:
             raise ValueError(f"normalizer must be positive, got {normalizer}")
         line = "time (ms)"
@@ -148,7 +150,7 @@ class SynchronizedWallClockTimer:
                 line += f" | {name}: {self.timers[name].elapsed(reset=reset) / normalizer:.2f}"
         if memory_breakdown:
             line += self.memory_usage()
-        log_dist(line, ranks=list(ranks or [0]))
+        print_dist(line, ranks=list(ranks or [0]))
 
     def get_mean(self, names: Iterable[str], normalizer: float = 1.0,
                  reset: bool = True) -> dict[str, float]:

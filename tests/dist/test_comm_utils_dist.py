@@ -4,7 +4,9 @@
 with an mpu equal torch's norms of the whole model (the flattened gradient
 norm counting replicated parameters on every rank, as DeepSpeed's does);
 ``PartitionedTensor`` keeps each rank's part and gathers the whole back,
-also from its meta, for an even and an uneven split."""
+also from its meta, for an even and an uneven split;
+``get_all_ranks_from_group`` answers a group's members also on a rank
+outside it, as DeepSpeed's; ``inference_all_reduce`` returns its tensor."""
 
 from __future__ import annotations
 
@@ -45,3 +47,13 @@ def test_partitioned_tensor_round_trip(results: list[dict[str, Any]]) -> None:
             assert facts["local"] == facts["expected_local"], (rank_id, numel)
     assert results[0]["partitioned"]["7"]["partition"] == [0, 4, 7]  # the first part longer
     assert all(rank["is_parallel"] for rank in results)
+
+
+def test_group_members_on_every_rank(results: list[dict[str, Any]]) -> None:
+    for rank in results:
+        facts = rank["groups"]
+        # new_group([1]) was made last without rank 0, new_group([0]) without
+        # rank 1: torch's record of each rank's non-member sentinel
+        assert (facts["only0"], facts["only1"]) == ([0], [1])
+        assert facts["both"] == [0, 1] and facts["world"] == [0, 1]
+        assert facts["inference_returned_tensor"] and facts["inference_sum"] == [3.0]

@@ -2,7 +2,8 @@
 ``ReduceOp`` in ``deepspeed.comm``'s reductions, the norm helpers of
 ``deepspeed.runtime.utils`` with an mpu whose model-parallel group is both
 ranks (each rank holds a replicated parameter and its half of a
-tensor-parallel one), and ``PartitionedTensor`` split and gathered back.
+tensor-parallel one), and ``PartitionedTensor`` split and gathered back, and the members of groups
+a rank is not in.
 Writes ``OUT/rankR.json``: what each rank computed and what it should be."""
 
 from __future__ import annotations
@@ -103,11 +104,24 @@ def partitioned() -> dict[str, Any]:
     return facts
 
 
+def groups() -> dict[str, Any]:
+    """get_all_ranks_from_group on members and non-members (DeepSpeed
+    answers the members on every rank); inference_all_reduce on 2 ranks."""
+    only0, only1, both = comm.new_group([0]), comm.new_group([1]), comm.new_group([0, 1])
+    t = torch.tensor([dist.get_rank() + 1.0])
+    returned = comm.inference_all_reduce(t)
+    return {"only0": comm.get_all_ranks_from_group(only0),
+            "only1": comm.get_all_ranks_from_group(only1),
+            "both": comm.get_all_ranks_from_group(both),
+            "world": comm.get_all_ranks_from_group(None),
+            "inference_returned_tensor": returned is t, "inference_sum": t.tolist()}
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     dsrun.init_distributed()
     results = {"reductions": reductions(), "norms": norms(), "partitioned": partitioned(),
-               "is_parallel": pg_utils.is_parallel(dist.group.WORLD)}
+               "is_parallel": pg_utils.is_parallel(dist.group.WORLD), "groups": groups()}
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
 
 
