@@ -12,7 +12,12 @@ fails posts its error on the save's :class:`~.coord.SaveBoard` (a key in
 the c10d store, which needs no disk space): rank 0's committer and the
 other ranks' writers see it within a poll and stop, rank 0 removes
 ``TAG.tmp/`` once no rank writes there any more, and every rank's error
-is that first failure, its cause and file first. Staged chunks are the masters,
+is that first failure, its cause and file first. Rank 0's thread ends by
+posting the save's outcome (committed, or its error once ``TAG.tmp/`` is
+gone - or the path it could not remove), and the other ranks' threads end
+only when they have it: every rank holds rank 0's verdict, and no rank
+can exit (when the launcher stops the others) while rank 0 still has
+``TAG.tmp/`` to clear. Staged chunks are the masters,
 parameters and optimizer state, which only the optimizer step changes:
 ``engine.step()`` calls :meth:`AsyncSaver.wait_staged` before it updates
 anything, so a step overlaps the staging with its forward and backward and
@@ -25,7 +30,14 @@ At most one save is in flight: :meth:`AsyncSaver.wait` (called by the next
 save or load, by ``engine.wait_for_checkpoint()`` and ``engine.destroy()``,
 and at interpreter exit) joins it and returns its error, which the caller
 raises. At exit an error nobody collected is logged and the process exits
-with status 1: a failed save is never lost.
+with status 1: a failed save is never lost. The launcher stops every rank
+once one exits non-zero, so the ranks that are ending with the error wait
+for each other: each rank's thread posts, once it has the outcome, whether
+it failed and whether its process is ending already (the script's main
+thread has finished: Python joins the save's thread before it runs the exit
+handlers); an exit handler posts when it starts and when it has printed the
+error, and before the process exits non-zero it waits until every other
+rank that is ending with the error has printed it too.
 """
 
 from __future__ import annotations
@@ -50,12 +62,16 @@ from dsrun.runtime.checkpoint.writer import (
     RankFailed,
     RankWrite,
     RecordsTimedOut,
+    describe_failure,
 )
 
 log = logging.getLogger("dsrun.runtime.checkpoint")
 # Savers with a save in flight or an error nobody collected yet: held here
 # (not only by their engine, which a script may drop) until exit checks them.
 _PENDING: set[AsyncSaver] = set()
+# the save's board keys (coord.SaveBoard): rank 0's verdict; per rank: its thread has
+# the outcome (failed? ending?), its exit handler started, it printed the error
+OUTCOME, SETTLED, EXITING, DONE = "outcome", "settled/", "exiting/", "done/"
 
 
 class AsyncSaver:
@@ -69,6 +85,10 @@ class AsyncSaver:
         self._error: Optional[str] = None
         self._tag: Optional[str] = None
         self._buffer: Optional[torch.Tensor] = None
+        # the last save's board, this rank and TAG.tmp/ (the outcome and exit handshakes)
+        self._board: Optional[SaveBoard] = None
+        self._rank = 0
+        self._tmp_dir = ""
         self.stage_wait_s = 0.0  # how long training waited in wait_staged, in all
 
     @property
@@ -101,6 +121,7 @@ class AsyncSaver:
         write.plan = replace(plan, chunks=chunks)
         write.board = board
         self._tag, self._error = tag, None
+        self._board, self._rank, self._tmp_dir = board, write.rank, write.tmp_dir
         self._staged.clear()
         self._thread = threading.Thread(target=self._run, args=(rest, ready, write, commit),
                                         name=f"dsrun-checkpoint-{tag}", daemon=False)
@@ -115,8 +136,28 @@ class AsyncSaver:
         except BaseException as exc:  # noqa: BLE001 - never lost: wait() raises it
             self._error = self._error or (f"{type(exc).__name__}: {exc} (the asynchronous "
                                           f"save of tag {self._tag!r} failed)")
+        if write.board is not None:
+            self._settle(write.board, commit is not None)
         if self._error is None:
             _PENDING.discard(self)
+
+    def _settle(self, board: SaveBoard, committer: bool) -> None:
+        """Rank 0: post the outcome. The others: take it as their error
+        (rank 0 has the whole picture), waiting at most ``timeout_s``; without
+        it, their own error says where ``TAG.tmp/`` may be left."""
+        if committer:
+            board.post_key(OUTCOME, {"error": self._error})
+        else:
+            found, outcome = board.wait_key(OUTCOME, self.timeout_s)
+            if found:
+                self._error = outcome["error"] or self._error
+            elif self._error is not None:
+                self._error += (f"; rank 0 did not report removing {self._tmp_dir}, which may "
+                                f"be left behind (the next save of tag {self._tag!r}, or any "
+                                "save once checkpoint.timeout has passed, removes it)")
+        board.post_key(f"{SETTLED}{self._rank}",
+                       {"failed": self._error is not None,
+                        "ending": not threading.main_thread().is_alive()})
 
     def _stage(self, rest: list[tuple[Planned, torch.Tensor]], ready: Any,
                write: RankWrite) -> None:
@@ -142,8 +183,9 @@ class AsyncSaver:
                 failure, writers_left = Failure(0, f"committing: {exc}"), False
             if failure is None:
                 failure = _attempt(0, commit.run, "committing: ")
-                if failure is not None:
-                    write.fail(failure)  # stops writers still at it (rank 0 only commits)
+                if failure is not None:  # every record was in before: no writer is left
+                    writers_left = False
+                    write.fail(failure)
         if failure is None:
             if commit is not None:
                 log.info("saved checkpoint %s (asynchronously)",
@@ -154,8 +196,10 @@ class AsyncSaver:
                 commit.wait_for_records(self.timeout_s, others_only=True, board=write.board,
                                         settle=True)
             remove_tree(commit.tmp_dir)
+        left = (f"; {commit.tmp_dir} could not be removed: remove it by hand"
+                if commit is not None and os.path.isdir(commit.tmp_dir) else "")
         self._error = (f"{failure.message} (the asynchronous save of tag {self._tag!r} "
-                       f"failed on rank {failure.rank})")
+                       f"failed on rank {failure.rank}){left}")
 
     def wait_staged(self) -> None:
         """Block until the save in flight no longer reads the live tensors."""
@@ -177,6 +221,32 @@ class AsyncSaver:
         _PENDING.discard(self)
         return error
 
+    def exit_begins(self) -> None:
+        """At exit: tell the other ranks this one is exiting (module docstring)."""
+        if self._board is not None:
+            self._board.post_key(f"{EXITING}{self._rank}", True)
+
+    def exit_done(self) -> None:
+        """At exit, once this rank reported what it has to: say so."""
+        if self._board is not None:
+            self._board.post_key(f"{DONE}{self._rank}", True)
+
+    def wait_for_exiting_ranks(self) -> None:
+        """Before exiting non-zero: wait until every other rank that is
+        ending with the error has printed it, at most ``timeout_s`` each
+        (module docstring)."""
+        board = self._board
+        if board is None:
+            return
+        for rank in range(board.world):
+            if rank == self._rank:
+                continue
+            found, settled = board.wait_key(f"{SETTLED}{rank}", self.timeout_s)
+            if not found or not settled["failed"]:
+                continue
+            if settled["ending"] or board.has_key(f"{EXITING}{rank}"):
+                board.wait_key(f"{DONE}{rank}", self.timeout_s)
+
 
 def _attempt(rank: int, run: Callable[[], None], what: str = "") -> Optional[Failure]:
     """Run one step of the save: None, or the failure to report - another
@@ -190,8 +260,7 @@ def _attempt(rank: int, run: Callable[[], None], what: str = "") -> Optional[Fai
     except CheckpointError as exc:
         return Failure(rank, f"{what}{exc}")
     except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised
-        log.exception("checkpoint step failed")
-        return Failure(rank, f"{what}{type(exc).__name__}: {exc}")
+        return Failure(rank, f"{what}{describe_failure(exc)}")
     return None
 
 
@@ -228,8 +297,13 @@ def _copy(pairs: list[tuple[Planned, torch.Tensor]], cuda: bool, ready: Any = No
 def _wait_at_exit() -> None:
     """Join saves still in flight; an error nobody collected ends the
     process with status 1 (after logging it), so a failed save is not lost."""
-    errors = [e for e in (saver.wait() for saver in list(_PENDING)) if e]
+    savers = list(_PENDING)
+    for saver in savers:
+        saver.exit_begins()
+    errors = [e for e in (saver.wait() for saver in savers) if e]
     if not errors:
+        for saver in savers:
+            saver.exit_done()
         return
     for error in errors:
         log.critical("%s", error)
@@ -241,4 +315,8 @@ def _wait_at_exit() -> None:
             pass
     sys.stderr.write("".join(f"dsrun: error: {e}\n" for e in errors))
     sys.stderr.flush()
+    for saver in savers:
+        saver.exit_done()
+    for saver in savers:
+        saver.wait_for_exiting_ranks()
     os._exit(1)

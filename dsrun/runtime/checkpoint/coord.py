@@ -22,7 +22,13 @@ under the number of the save's agreement. It needs no disk space (a full
 disk is the usual failure) and no collective (the thread must not run one:
 :mod:`.async_save`); the store's client serialises calls from several
 threads. Only failures are posted, so a save that succeeds costs one store
-round trip per poll of rank 0's committer.
+round trip per poll of rank 0's committer - and, once rank 0 is done with
+``TAG.tmp/`` (committed, or removed after a failure), its **outcome**, which
+the other ranks' threads wait for: every rank ends the save with rank 0's
+verdict, and none exits (the launcher then stops the others) while rank 0
+still has ``TAG.tmp/`` to clear. Two more keys order the reports at process
+exit (:func:`~.async_save._wait_at_exit`): rank 0 posts ``exiting`` when its
+exit handler starts and ``reported`` once it has printed the error.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import datetime
 import itertools
 import json
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, Optional
 
@@ -42,6 +49,7 @@ from dsrun.errors import RANK_LOST, CheckpointError
 log = logging.getLogger("dsrun.runtime.checkpoint")
 
 EXCHANGE_TIMEOUT_S = 3600.0  # once all ranks are in, writing may take long
+KEY_POLL_S = 0.05  # a background thread polls: a blocking store.wait would hold the client
 _calls = itertools.count()  # process-wide: all engines of a process share the numbering
 
 
@@ -154,9 +162,9 @@ class SaveBoard:
             self.store.set(self.prefix + str(failure.rank),
                            json.dumps({"message": failure.message, "cause": failure.cause}))
             self.store.add(self.prefix + "count", 1)
-        except Exception:  # noqa: BLE001 - the caller falls back to an error file
-            log.warning("could not post rank %d's checkpoint failure to the store", failure.rank,
-                        exc_info=True)
+        except Exception as exc:  # noqa: BLE001 - the caller falls back to an error file
+            log.warning("could not post rank %d's checkpoint failure to the store: %s",
+                        failure.rank, exc)
             return False
         return True
 
@@ -173,6 +181,37 @@ class SaveBoard:
         except Exception:  # noqa: BLE001 - a store gone means the job is ending anyway
             log.debug("cannot read checkpoint failures from the store", exc_info=True)
         return dict(self._seen)
+
+    def post_key(self, name: str, value: Any) -> bool:
+        """Set this save's key ``name`` (JSON); False when the store cannot be reached."""
+        try:
+            self.store.set(self.prefix + name, json.dumps(value))
+        except Exception as exc:  # noqa: BLE001 - the store's own errors vary
+            log.warning("could not post %r of this checkpoint save to the store: %s", name, exc)
+            return False
+        return True
+
+    def has_key(self, name: str) -> bool:
+        try:
+            return bool(self.store.check([self.prefix + name]))
+        except Exception:  # noqa: BLE001 - a store gone means the job is ending anyway
+            return False
+
+    def wait_key(self, name: str, timeout_s: float) -> tuple[bool, Any]:
+        """(True, value) once key ``name`` is set; (False, None) after
+        ``timeout_s`` or when the store cannot be reached (rank 0, which
+        holds it, has gone). Polls (:data:`KEY_POLL_S`)."""
+        deadline = time.monotonic() + timeout_s
+        key = self.prefix + name
+        try:
+            while not self.store.check([key]):
+                if time.monotonic() > deadline:
+                    return False, None
+                time.sleep(KEY_POLL_S)
+            return True, json.loads(self.store.get(key))
+        except Exception:  # noqa: BLE001 - as has_key
+            log.debug("cannot read %r from the store", key, exc_info=True)
+            return False, None
 
     def first(self, ranks: Optional[Iterable[int]] = None) -> Optional[Failure]:
         """The failure to report (among ``ranks``): :func:`first_failure`."""

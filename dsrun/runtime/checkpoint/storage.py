@@ -79,15 +79,44 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
-def disk_full_error(path: str, exc: OSError, written: int, total: int) -> CheckpointError:
+def _file_size_limit() -> Optional[int]:
+    """This process's file-size limit in bytes (``ulimit -f``), None when unlimited."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def disk_full_error(path: str, exc: OSError, written: int, total: int,
+                    whose: Optional[str] = "this rank's", note: str = "") -> CheckpointError:
+    """The error for a write that ran out of room (an errno of
+    :data:`DISK_FULL`): what ran out - the device's space, the quota, or the
+    largest size a file may have (EFBIG, where freeing space does not help) -,
+    how much of the file was written, and what to do. ``whose`` qualifies the
+    file's bytes ("this rank's" data; None for a small file of the save's
+    own); ``note`` is appended (what the failure leaves intact)."""
     done, whole = size_texts(written, total)
-    progress = (f"all {whole} of this rank's data was written, flushing it failed"
+    of = f"{whose} " if whose else ""
+    progress = (f"all {whole} of {of}data were written, flushing them failed"
                 if written >= total else
-                f"{done} of this rank's {whole} were written before the write failed")
-    return CheckpointError(
-        f"no space left on the device writing {path} ({os.strerror(exc.errno or 0)}; "
-        f"{progress}): free space or save to another directory; the previous checkpoint is "
-        "intact")
+                f"{done} of {of}{whole} were written before the write failed")
+    cause = os.strerror(exc.errno or 0)
+    if exc.errno == errno.EFBIG:
+        limit = _file_size_limit()
+        which = (f"this process may not write files larger than {size_texts(limit)[0]} "
+                 f"(ulimit -f, RLIMIT_FSIZE {limit:,} bytes)" if limit is not None else
+                 "the file system does not allow files this large")
+        text = (f"the file-size limit was reached writing {path} ({cause}; {progress}): "
+                f"{which}; freeing space will not help: raise the limit or save to a file "
+                "system that allows larger files")
+    else:
+        what = "the disk quota is exhausted" if exc.errno == errno.EDQUOT \
+            else "no space left on the device"
+        text = (f"{what} writing {path} ({cause}; {progress}): free space or save to another "
+                "directory")
+    return CheckpointError(f"{text}; {note}" if note else text)
 
 
 class WriteFailed(OSError):
@@ -114,10 +143,12 @@ def write_all(fd: int, data: memoryview) -> None:
 class DataFile:
     """Append raw buffers to one file; crc32 of each; fsync on close."""
 
-    def __init__(self, path: str, total: int, durable: bool = True) -> None:
+    def __init__(self, path: str, total: int, durable: bool = True,
+                 whose: Optional[str] = "this rank's", note: str = "") -> None:
         self.path = path
         self.total = total
         self.durable = durable
+        self.whose, self.note = whose, note  # for disk_full_error
         self.written = 0
         self._flushed = 0
         self._crcs: list[Future] = []
@@ -149,8 +180,9 @@ class DataFile:
     def _error(self, exc: OSError, flushing: bool = False) -> CheckpointError:
         if exc.errno in DISK_FULL:  # flushing: every byte was written, the fsync failed
             return disk_full_error(self.path, exc, self.written,
-                                   self.written if flushing else self.total)
-        return CheckpointError(f"writing {self.path} failed: {exc}")
+                                   self.written if flushing else self.total, self.whose, self.note)
+        text = f"writing {self.path} failed: {exc}"
+        return CheckpointError(f"{text}; {self.note}" if self.note else text)
 
     def close(self) -> list[int]:
         """fsync and close; the crc32 of every buffer appended, in order."""
@@ -178,13 +210,15 @@ class DataFile:
             self._release()
 
 
-def atomic_write(path: str, data: bytes, sync_dir: bool = True, durable: bool = True) -> None:
+def atomic_write(path: str, data: bytes, sync_dir: bool = True, durable: bool = True,
+                 note: str = "") -> None:
     """Replace ``path`` with ``data``: temporary file, fsync, rename, and
     fsync the directory (``sync_dir`` False: the caller fsyncs it later;
-    ``durable`` False: no fsync at all)."""
+    ``durable`` False: no fsync at all). ``note``: appended to a write
+    error (:class:`DataFile`)."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
-        with DataFile(tmp, len(data), durable) as out:
+        with DataFile(tmp, len(data), durable, None, note) as out:
             out.append(memoryview(data))
             out.close()
         os.replace(tmp, path)

@@ -63,7 +63,7 @@ from dsrun.runtime.checkpoint.coord import (
     raise_failures,
     raise_first,
 )
-from dsrun.runtime.checkpoint.fragments import ExportedState, Fragment
+from dsrun.runtime.checkpoint.fragments import ExportedState
 from dsrun.runtime.checkpoint.info import size_texts
 from dsrun.runtime.checkpoint.manifest import (
     ENGINE_STATE,
@@ -71,11 +71,15 @@ from dsrun.runtime.checkpoint.manifest import (
     MANIFEST,
     REPLACED_SUFFIX,
     TMP_SUFFIX,
-    VALUE,
-    encode,
     error_file,
     rank_file,
     record_file,
+)
+from dsrun.runtime.checkpoint.rank_plan import (  # noqa: F401 - Planned, own_share: re-exported
+    Planned,
+    RankPlan,
+    own_share,
+    plan_rank,
 )
 from dsrun.runtime.checkpoint.records import ChunkRecord, RankRecord, merge_records
 from dsrun.runtime.checkpoint.recovery_script import write_recovery_script
@@ -83,7 +87,6 @@ from dsrun.runtime.checkpoint.settings import PausePoint
 from dsrun.runtime.checkpoint.storage import (
     DataFile,
     atomic_write,
-    dtype_name,
     free_bytes,
     fsync_dir,
     read_file,
@@ -94,14 +97,16 @@ from dsrun.runtime.checkpoint.tags import (
     check_tag,
     check_tag_fits,
     nearest_existing,
+    read_latest,
     remove_stale_saves,
 )
-from dsrun.runtime.zero.partition import partition_group
 
 log = logging.getLogger("dsrun.runtime.checkpoint")
 
 SPACE_MARGIN = 1.02  # records, manifest and file-system overhead
 POLL_S = 0.05
+# what a failure before the commit's rename leaves as it was
+INTACT = "the previous checkpoint is intact"
 BOARD_CHECK_S = 0.2  # how often a writer looks for another rank's failure
 
 
@@ -115,69 +120,6 @@ class RankFailed(CheckpointError):
 
 class RecordsTimedOut(CheckpointError):
     """Rank 0's commit gave up on ranks that wrote nothing for the timeout."""
-
-
-@dataclass(frozen=True)
-class Planned:
-    """One chunk of this rank's data file: ``tensor`` (1-D) at ``offset``."""
-
-    name: str
-    item: str
-    dtype: str
-    start: int
-    end: int
-    offset: int
-    tensor: torch.Tensor
-    volatile: bool = False
-
-
-@dataclass
-class RankPlan:
-    """What this rank writes (chunks, declarations, scalars, groups)."""
-
-    chunks: list[Planned] = field(default_factory=list)
-    tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
-    scalars: dict[str, dict[str, Any]] = field(default_factory=dict)
-    groups: tuple[Any, ...] = ()
-    optimizer: Optional[str] = None
-    bytes: int = 0
-
-
-def own_share(export: ExportedState) -> list[Fragment]:
-    """The fragments this rank writes: its own, plus its ``replica`` share
-    of the replicated ones (a flat split of all of them, in order)."""
-    own = [f for f in export.fragments if not f.replicated]
-    shared = [f for f in export.fragments if f.replicated]
-    if not shared:
-        return own
-    index, count = export.replica
-    layout = partition_group([f.end - f.start for f in shared], count)
-    for piece in layout.pieces(index):
-        frag = shared[piece.param]
-        start = frag.start + piece.param_offset
-        own.append(frag.narrowed(start, start + piece.length))
-    return own
-
-
-def plan_rank(exports: Sequence[ExportedState]) -> RankPlan:
-    plan = RankPlan()
-    for export in exports:
-        for info in export.tensors.values():
-            if info.name in plan.tensors:
-                raise CheckpointError(f"tensor {info.name!r} is declared by two state sources")
-            plan.tensors[info.name] = {"shape": list(info.shape), "dtype": dtype_name(info.dtype),
-                                       "kind": info.kind, "group": info.group}
-        if export.optimizer and not plan.optimizer:
-            plan.optimizer = export.optimizer
-            plan.groups = tuple({k: encode(v) for k, v in g.items()} for g in export.groups)
-        for frag in own_share(export):
-            if frag.scalars and frag.name not in plan.scalars:
-                plan.scalars[frag.name] = {k: encode(v) for k, v in frag.scalars.items()}
-            for item, tensor in ((VALUE, frag.value), *frag.state.items()):
-                plan.chunks.append(Planned(frag.name, item, dtype_name(tensor.dtype), frag.start,
-                                           frag.end, plan.bytes, tensor, frag.volatile))
-                plan.bytes += tensor.numel() * tensor.element_size()
-    return plan
 
 
 @dataclass
@@ -195,11 +137,18 @@ class RankWrite:
     board: Optional[SaveBoard] = None  # asynchronous saves of several ranks
 
     def run(self) -> None:
+        try:
+            self._write()
+        except OSError as exc:  # the directory or a file cannot be made (read-only, removed)
+            raise CheckpointError(f"writing rank {self.rank}'s checkpoint files into "
+                                  f"{self.tmp_dir} failed: {exc}; {INTACT}") from None
+
+    def _write(self) -> None:
         os.makedirs(self.tmp_dir, exist_ok=True)
         path = os.path.join(self.tmp_dir, rank_file(self.rank))
         halfway = len(self.plan.chunks) // 2
         check_at = time.monotonic() + BOARD_CHECK_S
-        with DataFile(path, self.plan.bytes, self.durable) as out:
+        with DataFile(path, self.plan.bytes, self.durable, note=INTACT) as out:
             for i, chunk in enumerate(self.plan.chunks):
                 if i == halfway and self.pause:
                     self.pause.reached(self.rank, "write", self.tag)
@@ -213,7 +162,7 @@ class RankWrite:
         files = {}
         if self.engine_blob is not None:  # the commit fsyncs the directory
             atomic_write(os.path.join(self.tmp_dir, ENGINE_STATE), self.engine_blob, False,
-                         self.durable)
+                         self.durable, INTACT)
             files[ENGINE_STATE] = {"bytes": len(self.engine_blob),
                                    "crc32": zlib.crc32(self.engine_blob)}
         record = RankRecord(self.rank, self.plan.bytes, self.plan.tensors, tuple(records),
@@ -221,7 +170,7 @@ class RankWrite:
                             self.extra)
         atomic_write(os.path.join(self.tmp_dir, record_file(self.rank)),
                      json.dumps(record.to_json(), separators=(",", ":")).encode(), False,
-                     self.durable)
+                     self.durable, INTACT)
 
     def _stop_if_another_failed(self) -> None:
         assert self.board is not None
@@ -232,16 +181,21 @@ class RankWrite:
     def fail(self, failure: Failure) -> None:
         """Tell rank 0's committer and the other writers (asynchronous
         saves) that this rank stopped: on the board, else (no store) in an
-        error file next to the data."""
+        error file next to the data. Rank 0 is the committer itself: its
+        error file would have no reader."""
         if failure.rank != self.rank:  # stopped by that rank's failure
             failure = Failure(self.rank, failure.message, cause=False)
         if self.board is not None and self.board.post(failure):
             return
+        if self.rank == 0:
+            return
         try:
             atomic_write(os.path.join(self.tmp_dir, error_file(self.rank)),
                          failure.message.encode(), False)
-        except Exception:  # noqa: BLE001 - rank 0 then times out waiting, naming this rank
-            log.warning("could not tell rank 0 that this rank's save failed", exc_info=True)
+        except Exception as exc:  # noqa: BLE001 - rank 0 then times out waiting, naming this rank
+            log.warning("could not tell rank 0 that rank %d's save failed (%s): rank 0 gives "
+                        "up on it after checkpoint.timeout", self.rank, exc)
+            log.debug("writing the error file failed", exc_info=True)
 
 
 @dataclass(frozen=True)
@@ -271,7 +225,7 @@ class Commit:
             files[record_file(rank)] = {"bytes": len(text), "crc32": zlib.crc32(text)}
         manifest = merge_records(records, self.tag, files, self.meta, self.aliases)
         atomic_write(os.path.join(self.tmp_dir, MANIFEST), manifest.dumps().encode(), False,
-                     self.durable)
+                     self.durable, INTACT)
         if self.durable:
             fsync_dir(self.tmp_dir)  # every file of the tag, durable before the rename
         if self.pause:
@@ -282,10 +236,30 @@ class Commit:
         if self.pause:
             self.pause.reached(0, "latest", self.tag)
         if self.save_latest:
+            self._write_latest()
+        try:
+            write_recovery_script(self.save_dir)
+        except CheckpointError as exc:  # a full disk: the checkpoint stands all the same
+            log.warning("%s (checkpoint %r is complete)", exc, self.tag)
+        remove_stale_saves(self.save_dir, self.tag, self.stale_after_s)
+
+    def _write_latest(self) -> None:
+        """``latest`` names the new tag; a failure here comes after the tag's
+        rename, so the error says the tag is complete and what ``latest``
+        still names."""
+        try:
             atomic_write(os.path.join(self.save_dir, LATEST), self.tag.encode(),
                          durable=self.durable)
-        write_recovery_script(self.save_dir)
-        remove_stale_saves(self.save_dir, self.tag, self.stale_after_s)
+        except (CheckpointError, OSError) as exc:
+            try:
+                previous = read_latest(self.save_dir)
+            except CheckpointError:
+                previous = None
+            still = f"still names {previous!r}" if previous else "was not written"
+            raise CheckpointError(
+                f"checkpoint {self.tag!r} is complete in {os.path.join(self.save_dir, self.tag)} "
+                f"and loads by its tag (load_checkpoint(..., tag={self.tag!r})), but "
+                f"{LATEST} {still}: updating it failed: {exc}") from None
 
     def wait_for_records(self, timeout_s: float, others_only: bool = False,
                          board: Optional[SaveBoard] = None, settle: bool = False) -> None:
@@ -369,9 +343,19 @@ def _status(run: Callable[[], None]) -> Optional[str]:
     except CheckpointError as exc:
         return str(exc)
     except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised
-        log.exception("checkpoint step failed")
-        return f"{type(exc).__name__}: {exc}"
+        return describe_failure(exc)
     return None
+
+
+def describe_failure(exc: Exception) -> str:
+    """One line for a step that raised something else than a
+    :class:`CheckpointError`; the traceback is logged only at debug level for
+    an ``OSError`` (the file system's answer, not a bug), always otherwise."""
+    if isinstance(exc, OSError):
+        log.debug("checkpoint step failed", exc_info=exc)
+    else:
+        log.error("checkpoint step failed", exc_info=exc)
+    return f"{type(exc).__name__}: {exc}"
 
 
 @dataclass(frozen=True)
