@@ -112,6 +112,23 @@ def _as_parts(run: Callable[[Any], Any]) -> Callable[..., Any]:
     return parts
 
 
+def held_parameters(counts: Sequence[int], tied_keys: Sequence[Optional[str]], start: int,
+                    stop: int) -> int:
+    """The parameters layers ``[start, stop)`` hold: a tied module used by
+    several of them is one module there and counts once (the partition itself
+    weighs every use, as DeepSpeed's does)."""
+    seen: set[str] = set()
+    total = 0
+    for index in range(start, stop):
+        key = tied_keys[index]
+        if key is not None:
+            if key in seen:
+                continue
+            seen.add(key)
+        total += counts[index]
+    return total
+
+
 class PipelineModule(PipelineModuleAPI, torch.nn.Module):
     """Layers partitioned over pipeline stages (module docstring).
 
@@ -202,7 +219,9 @@ class PipelineModule(PipelineModuleAPI, torch.nn.Module):
         self.tied_weights = self._tie(specs)
         if dist.get_rank() == 0:
             ensure_visible()
-            log.info("%s", self.describe(names, counts if wants_counts else None))
+            tied_keys = [layer.key if isinstance(layer, TiedLayerSpec) else None
+                         for layer in specs]
+            log.info("%s", self.describe(names, counts if wants_counts else None, tied_keys))
 
     # ------------------------------------------------------------ building
 
@@ -288,13 +307,18 @@ class PipelineModule(PipelineModuleAPI, torch.nn.Module):
                                              weight_attr=attrs[key]))
         return TiedWeights(entries)
 
-    def describe(self, names: Sequence[str], counts: Optional[Sequence[int]]) -> str:
+    def describe(self, names: Sequence[str], counts: Optional[Sequence[int]],
+                 tied_keys: Optional[Sequence[Optional[str]]] = None) -> str:
+        """The partition, one line per stage; ``counts`` (per layer): the
+        parameters each stage holds, a tied module counted once per stage
+        (:func:`held_parameters`; ``tied_keys``: each layer's tie key or None)."""
         lines = [f"pipeline: {self._topology.describe()}, partition_method="
                  f"{self.partition_method!r}"]
         for stage in range(self.num_stages):
             a, b = self.parts[stage], self.parts[stage + 1]
             kinds = ", ".join(dict.fromkeys(names[a:b]))
-            params = f", {sum(counts[a:b]):,} parameters" if counts is not None else ""
+            params = "" if counts is None else \
+                f", {held_parameters(counts, tied_keys or [None] * len(counts), a, b):,} parameters"
             if self.layer_flops is not None:
                 params += f", {sum(self.layer_flops[a:b]) / 1e9:.3g} GFLOP per micro-batch " \
                           "(forward + backward)"
