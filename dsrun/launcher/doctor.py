@@ -9,6 +9,7 @@ naming the failing hosts.
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 
 import click
@@ -39,14 +40,18 @@ def run_doctor(hs: HostsSpec, cwd: str, echo=click.echo,  # noqa: ANN001 - click
                       slurm_args=hs.slurm_args)
     plan = build_plan(spec, cluster, JobEnv(), uuid.uuid4().hex, facts=here_facts(cluster),
                       python=backend.python, cwd=os.getcwd())
-    handle = backend.open(plan, lambda host, rank, fd, line: echo(f"  [{host}] {line}"))
     try:
-        if not cluster.named:
-            cluster = cluster.renamed([handle.channels[i].host for i in handle.leaders])
-        outcome = probe_cluster(handle, cluster, backend, hs, versions=True,
-                                script=None if job is None else probed_script(job))
-    finally:
-        handle.close()
+        handle = backend.open(plan, lambda host, rank, fd, line: echo(f"  [{host}] {line}"))
+        try:
+            if not cluster.named:
+                cluster = cluster.renamed([handle.channels[i].host for i in handle.leaders])
+            outcome = probe_cluster(handle, cluster, backend, hs, versions=True,
+                                    script=None if job is None else probed_script(job))
+        finally:
+            handle.close()
+    except KeyboardInterrupt:  # the connections are closed (ssh.py): say so, no traceback
+        echo("dsrun doctor: interrupted (Ctrl-C) before every host answered", err=True)
+        return 128 + signal.SIGINT
     for line in outcome.lines():
         echo(f"  {line}")
     failed = outcome.failed()

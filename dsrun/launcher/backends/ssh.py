@@ -34,7 +34,6 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO
 
 import paramiko
@@ -286,35 +285,49 @@ class SshBackend(Backend):
         hosts = [n.host for n in plan.nodes]
         local = [n.local for n in plan.nodes]
         cwd = plan.cwd
-        opened: list[AgentChannel] = []
+        results: list[AgentChannel | BaseException | None] = [None] * len(hosts)
         lock = threading.Lock()
+        finished = threading.Semaphore(0)
         abandoned = False
 
-        def one(host: str, is_local: bool) -> AgentChannel:
-            channel = self._open_one(host, cwd, is_local)
+        def one(i: int) -> None:
+            try:
+                channel: AgentChannel | BaseException = self._open_one(hosts[i], cwd, local[i])
+            except BaseException as exc:  # noqa: BLE001 - re-raised by open()
+                channel = exc
             with lock:
-                opened.append(channel)
-                if abandoned:
+                results[i] = channel
+                late = abandoned
+            if isinstance(channel, AgentChannel):
+                if late:  # the launcher gave up meanwhile: nothing may stay open
                     _discard(channel)
-            if not isinstance(channel, FailedChannel):
-                on_connect(host)
-            return channel
+                elif not isinstance(channel, FailedChannel):
+                    on_connect(hosts[i])
+            finished.release()
 
-        pool = ThreadPoolExecutor(max_workers=max(1, len(hosts)),
-                                  thread_name_prefix="dsrun-ssh")
-        futures: list[Future[AgentChannel]] = [
-            pool.submit(one, h, is_local) for h, is_local in zip(hosts, local)]
+        # Daemon threads, not a pool: a connect blocked on a silent host
+        # (up to --ssh_timeout) must not hold the interpreter's exit after a
+        # Ctrl-C (concurrent.futures joins its workers at exit).
+        for i in range(len(hosts)):
+            threading.Thread(target=one, args=(i,), name=f"dsrun-ssh-{hosts[i]}",
+                             daemon=True).start()
         try:
-            channels = [f.result() for f in futures]
+            for _ in hosts:
+                finished.acquire()
         except BaseException:
             with lock:
                 abandoned = True
-                for channel in opened:
-                    _discard(channel)
-            pool.shutdown(wait=False, cancel_futures=True)
+                opened = [c for c in results if isinstance(c, AgentChannel)]
+            for channel in opened:
+                _discard(channel)
             raise
-        pool.shutdown(wait=False)
-        return JobHandle(channels)
+        for outcome in results:
+            if isinstance(outcome, BaseException):
+                for channel in results:
+                    if isinstance(channel, AgentChannel):
+                        _discard(channel)
+                raise outcome
+        return JobHandle([c for c in results if isinstance(c, AgentChannel)])
 
     def _open_one(self, host: str, cwd: str, is_local: bool) -> AgentChannel:
         if is_local:
