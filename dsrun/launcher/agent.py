@@ -29,7 +29,14 @@ of input before the plan means "exit, nothing was started". Guarantees:
 - exited ranks stay unreaped until the teardown is over, so their pids and
   group ids cannot name anyone else's processes meanwhile (procs.py);
 - before ``done`` is sent every process of the job on this host is gone,
-  including descendants that left their group (found by the job marker);
+  including descendants that left their group (found by the job marker)
+  and, on Linux, those that also cleared their environment (the agent is
+  their subreaper: every descendant but the guard is the job's); orphans
+  it adopts are reaped, the ranks only at the end of the teardown;
+- a failure of the agent itself (a ``--log_dir`` file it cannot open, which
+  it checks before any rank starts, its guard killed, its own error) is a
+  ``fail`` event {message}: the launcher reports the host as failed, and
+  the ranks are stopped; never a clean ``done``;
 - a signal to the agent is reported (a ``signal`` event) before it stops
   the ranks, so the launcher blames the signal, not the ranks it stopped;
 - a signal never cuts the teardown short (ranks unreaped, the temporary
@@ -56,10 +63,12 @@ from dsrun import deathsig, stackdump
 from dsrun.launcher import procs
 from dsrun.launcher.agent_os import (
     STOP_SIGNALS,
+    LogOpenError,
     Stop,
     deepspeed_shm_name,
     hostname,
     make_tmpdir,
+    open_rank_logs,
     raise_stop,
     read_error_file,
     remove_own_shm,
@@ -101,8 +110,14 @@ class Rank:
 
 
 class Agent:
-    def __init__(self, payload: dict[str, Any], link: Link, guard: Guard | None) -> None:
+    def __init__(self, payload: dict[str, Any], link: Link, guard: Guard | None,
+                 subreaper: bool = False) -> None:
         self.payload = payload
+        # The agent is its descendants' subreaper (main()): every process
+        # below it but the guard is the job's (procs.job_processes).
+        self.spare = frozenset({guard.pid} if guard is not None else ()) \
+            if subreaper else None
+        self.next_check = 0.0  # time.monotonic() of the next reap / guard check
         self.job_id: str = payload["job_id"]
         # Marks this agent's processes for teardown. Per agent, not per job:
         # hosts may share a PID namespace (containers with host PIDs, the
@@ -137,21 +152,50 @@ class Agent:
     def run(self) -> int:
         try:
             try:
-                self._start()
-                self._loop()
-            except Stop as stop:
-                stop_raising(self._hurry)  # a further signal SIGKILLs, as "kill" does
-                # The launcher must blame the signal, not the ranks it stops.
-                self.emit({"ev": "signal", "signal": stop.signum, "time": time.time(),
-                           "age": 0.0, "during_stop": self.stopping})
-                self._begin_stop(signal.SIGINT if stop.signum == signal.SIGINT
-                                 else signal.SIGTERM)
-                self._loop()
+                self._supervise()
+            except Exception as exc:  # noqa: BLE001 - reported as this host's failure
+                self._crashed(exc)
         finally:
             stop_raising(self._hurry)  # for good: main() drains the link after this
             killed = self._finish()
             self.emit({"ev": "done", "killed": killed})
         return 1 if self.failed else 0
+
+    def _supervise(self) -> None:
+        try:
+            self._start()
+            self._loop()
+        except Stop as stop:
+            stop_raising(self._hurry)  # a further signal SIGKILLs, as "kill" does
+            # The launcher must blame the signal, not the ranks it stops.
+            self.emit({"ev": "signal", "signal": stop.signum, "time": time.time(),
+                       "age": 0.0, "during_stop": self.stopping})
+            self._begin_stop(signal.SIGINT if stop.signum == signal.SIGINT
+                             else signal.SIGTERM)
+            self._loop()
+
+    def _fail(self, message: str) -> None:
+        """This host fails (not one rank): the launcher reports ``message``
+        and stops the job everywhere; here every rank is stopped."""
+        self.failed = True
+        self.emit({"ev": "fail", "message": message, "time": time.time()})
+        self._begin_stop()
+
+    def _crashed(self, exc: Exception) -> None:
+        """The agent's own code failed: never a clean ``done``. The ranks it
+        started are stopped by _finish (they are in self.ranks from the moment
+        they exist), whether or not their threads run."""
+        stop_raising(self._hurry)
+        if isinstance(exc, OSError) and exc.strerror:
+            what = f"[Errno {exc.errno}] {exc.strerror}" + \
+                (f": {exc.filename}" if exc.filename else "")
+        else:  # a bug: its traceback goes to the launcher as agent output
+            import traceback
+
+            traceback.print_exc(file=sys.stderr)
+            sys.stderr.flush()
+            what = f"{type(exc).__name__}: {exc}"
+        self._fail(f"its own error: {what}")
 
     def _hurry(self) -> None:
         # Only a flag: a signal handler must not take a lock the interrupted
@@ -160,9 +204,12 @@ class Agent:
 
     def _start(self) -> None:
         self.emit({"ev": "hello", "host": hostname(), "pid": os.getpid()})
-        for spec in self.payload["ranks"]:
-            if not self._spawn(spec):
+        logs = self._open_logs()
+        for spec in self.payload["ranks"] if logs is not None else ():
+            if not self._spawn(spec, logs.pop(spec["rank"], None)):
                 break  # the rest are never started: the job is failing
+        for log in (logs or {}).values():  # of ranks never started
+            log.close()
         for rank in self.ranks:
             self._start_readers(rank)
             threading.Thread(target=self._wait_rank, args=(rank,), daemon=True).start()
@@ -231,7 +278,7 @@ class Agent:
             raise FileNotFoundError(2, "No such file or directory")
         return deathsig.wrapper_argv(sys.executable, os.getpid(), argv)
 
-    def _spawn(self, spec: dict[str, Any]) -> bool:
+    def _spawn(self, spec: dict[str, Any], log: IO[str] | None = None) -> bool:
         agent_vars = self._agent_vars(spec["rank"])
         env = apply_layers(spec["env"], os.environ, self.payload.get("env", {}), agent_vars,
                            self.payload.get("env_files", ()))
@@ -250,25 +297,28 @@ class Agent:
             self._begin_stop()
             return False
         leader = procs.Leader.of(popen.pid)  # not reaped yet: still this process
-        if self.guard is not None and leader is not None:
-            self.guard.watch(leader)
         rank = Rank(spec["rank"], spec["local_rank"], popen, leader,
                     agent_vars["DSRUN_ERROR_FILE"], agent_vars[stackdump.STACK_FILE_VAR])
-        rank.log = self._open_log(rank.rank)
-        rank.shm_name = deepspeed_shm_name(env, rank.rank)
+        rank.log = log
+        # From here the teardown stops it, whatever fails next (_crashed).
         self.ranks.append(rank)
+        if self.guard is not None and leader is not None:
+            self.guard.watch(leader)
+        rank.shm_name = deepspeed_shm_name(env, rank.rank)
         self.emit({"ev": "started", "rank": rank.rank, "pid": popen.pid})
         return True
 
-    def _open_log(self, rank: int) -> IO[str] | None:
-        log_dir = self.payload.get("log_dir")
-        if not log_dir:
-            return None
-        os.makedirs(log_dir, exist_ok=True)
-        log = open(os.path.join(log_dir, f"rank_{rank}.log"), "a", encoding="utf-8")
-        log.write(f"# dsrun job {self.job_id} restart {self.payload.get('restart_count', 0)} "
+    def _open_logs(self) -> dict[int, IO[str]] | None:
+        """Every rank's ``--log_dir`` file, opened before any rank starts:
+        one that cannot be opened fails this host with nothing started (None)."""
+        header = (f"# dsrun job {self.job_id} restart {self.payload.get('restart_count', 0)} "
                   f"host {hostname()} {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-        return log
+        try:
+            return open_rank_logs(self.payload.get("log_dir"),
+                                  [spec["rank"] for spec in self.payload["ranks"]], header)
+        except LogOpenError as exc:
+            self._fail(f"{exc}; no rank was started there")
+            return None
 
     def _start_readers(self, rank: Rank) -> None:
         for fd, stream in ((1, rank.popen.stdout), (2, rank.popen.stderr)):
@@ -366,11 +416,28 @@ class Agent:
                 self._begin_stop()
             self._reap()
             now = time.monotonic()
+            if now >= self.next_check:
+                self.next_check = now + 0.5
+                self._check_children()
             if self.stopping and not self.hard_killed and now >= self.deadline:
                 procs.signal_groups(self._running_leaders(), signal.SIGKILL)
                 self.hard_killed = True
             if all(r.reported for r in self.ranks):
                 return
+
+    def _own_children(self) -> set[int]:
+        """Children whose status is not the orphan reaper's to take."""
+        kept = {rank.popen.pid for rank in self.ranks}
+        return kept | ({self.guard.pid} if self.guard is not None else set())
+
+    def _check_children(self) -> None:
+        """Reap adopted orphans (subreaper), and fail if the guard died."""
+        if self.spare is not None:
+            procs.reap_adopted(self._own_children())
+        how = self.guard.died() if self.guard is not None else None
+        if how is not None and not self.stopping:
+            self._fail(f"its guard process (pid {self.guard.pid}) {how}: without it the "
+                       f"ranks would outlive a killed agent, so the job is stopped")
 
     def _leaders(self) -> list[procs.Leader]:
         return [r.leader for r in self.ranks if r.leader is not None]
@@ -385,7 +452,7 @@ class Agent:
         self.stopping = True
         self.stop_mono = time.monotonic()
         self.deadline = self.stop_mono + self.grace
-        procs.signal_job(self._leaders(), self.marker, sig, self.since)
+        procs.signal_job(self._leaders(), self.marker, sig, self.since, self.spare)
 
     def _reap(self) -> None:
         for rank in self.ranks:
@@ -441,13 +508,16 @@ class Agent:
         deadline = self.deadline if self.stopping else None
         killed = procs.stop_job(self._leaders(), self.marker, self.grace,
                                 already_termed=self.stopping, deadline=deadline,
-                                since=self.since, hurry=lambda: self.hurried)
+                                since=self.since, hurry=lambda: self.hurried,
+                                spare=self.spare)
         for rank in self.ranks:
             if rank.status is None:  # only after a second signal
                 rank.popen.kill()
             rank.popen.wait()  # reaped only now: its pid was ours until here
             if rank.log is not None:
                 rank.log.close()
+        if self.spare is not None:
+            procs.reap_adopted(self._own_children())
         if self.guard is not None:
             self.guard.done()
         remove_tmpdir(self.tmpdir)
@@ -472,6 +542,9 @@ def main(argv: list[str] | None = None) -> int:
     connect = "--connect" in args
     for sig in STOP_SIGNALS:
         signal.signal(sig, raise_stop)
+    # Orphans of the job's processes become the agent's (procs.py), before
+    # any rank exists.
+    subreaper = procs.become_subreaper()
     guard = Guard()  # before any thread exists: forking is safe only then
     try:
         try:
@@ -486,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
             stop_raising()
             link.drain(2.0)
             return 2 if payload == {} and not connect else 0
-        code = Agent(payload, link, guard).run()  # the signals no longer raise after it
+        code = Agent(payload, link, guard, subreaper).run()  # signals no longer raise after
         # With heartbeats a launcher that stops reading is found lost, so the
         # output held back at the end is not cut at a fixed time.
         if not link.drain(None if link.timeout > 0 else 5.0):

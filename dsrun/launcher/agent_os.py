@@ -7,12 +7,13 @@ Kept to the standard library: every agent imports it at start-up.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import IO, Any
 
 #: The signals that stop the agent.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -91,6 +92,69 @@ def remove_own_shm(name: str) -> None:
 def wait_status(info: os.waitid_result) -> int:
     """As Popen.returncode: the exit code, or minus the signal's number."""
     return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def dsrun_sources(root: str | None = None) -> tuple[str, str]:
+    """Where this process's dsrun package is (or ``root``), and a digest of
+    its Python sources: two hosts (or the launcher and an agent) with the
+    same version string may still run different copies (a checkout on
+    PYTHONPATH here, an installed one there)."""
+    if root is None:
+        import dsrun
+
+        root = os.path.dirname(os.path.abspath(dsrun.__file__))
+    digest = hashlib.sha256()
+    for top, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(top, name)
+                digest.update(os.path.relpath(path, root).encode() + b"\0")
+                try:
+                    with open(path, "rb") as f:
+                        digest.update(f.read())
+                except OSError:
+                    digest.update(b"?")
+    return root, digest.hexdigest()[:16]
+
+
+class LogOpenError(Exception):
+    """A rank's ``--log_dir`` file cannot be opened (the message names it)."""
+
+
+def open_rank_logs(log_dir: str | None, ranks: list[int], header: str) -> dict[int, IO[str]]:
+    """Each rank's ``--log_dir`` file (rank -> file, ``header`` written), all
+    or none: LogOpenError names the first that cannot be opened."""
+    logs: dict[int, IO[str]] = {}
+    if not log_dir:
+        return logs
+    path = log_dir
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+        for rank in ranks:
+            path = os.path.join(log_dir, f"rank_{rank}.log")
+            logs[rank] = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
+    except OSError as exc:
+        for log in logs.values():
+            log.close()
+        raise LogOpenError(f"cannot open the --log_dir file {path}: [Errno {exc.errno}] "
+                           f"{exc.strerror}") from None
+    for log in logs.values():
+        log.write(header)
+    return logs
+
+
+def log_files_problem(paths: list[str]) -> str | None:
+    """Why one of the ranks' ``--log_dir`` files cannot be opened for
+    appending here (it is created, as the agent would), or None."""
+    for path in paths:
+        try:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(path, "a", encoding="utf-8"):
+                pass
+        except OSError as exc:
+            return f"cannot open the --log_dir file {path}: [Errno {exc.errno}] {exc.strerror}"
+    return None
 
 
 def read_error_file(path: str) -> dict[str, Any] | None:

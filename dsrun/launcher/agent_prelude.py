@@ -9,7 +9,7 @@ import os
 import queue
 from typing import TYPE_CHECKING, Any
 
-from dsrun.launcher.agent_os import hostname
+from dsrun.launcher.agent_os import dsrun_sources, hostname, log_files_problem
 from dsrun.launcher.link import END, Link
 
 if TYPE_CHECKING:
@@ -40,6 +40,7 @@ def read_payload(link: Link) -> dict[str, Any] | None:
             from dsrun.launcher import netinfo
 
             facts, port = netinfo.probe_reply(msg)
+            facts.update(probe_extras(msg))
             if port is not None:
                 if held is not None:
                     held.close()
@@ -49,6 +50,18 @@ def read_payload(link: Link) -> dict[str, Any] | None:
         # The master port is held until now: release it for rank 0's store.
         if held is not None:
             held.close()
+
+
+def probe_extras(msg: dict[str, Any]) -> dict[str, Any]:
+    """The probe's answers beyond netinfo's: which dsrun copy this agent
+    runs (with the versions), and whether this host's ``--log_dir`` files
+    of the job can be opened (``log_files``: the paths to try)."""
+    extras: dict[str, Any] = {}
+    if msg.get("versions", True):
+        extras["dsrun_path"], extras["dsrun_digest"] = dsrun_sources()
+    if msg.get("log_files"):
+        extras["log_files"] = log_files_problem([str(p) for p in msg["log_files"]])
+    return extras
 
 
 def connect_link() -> Link:

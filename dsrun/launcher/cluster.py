@@ -245,11 +245,14 @@ class _Probe:
 
 def probe_cluster(handle: JobHandle, cluster: Cluster, backend: Backend, hs: HostsSpec,
                   versions: bool, expect: Expectations | None = None,
-                  script: str | None = None) -> ProbeOutcome:
+                  script: str | None = None,
+                  log_files: Sequence[Sequence[str]] | None = None) -> ProbeOutcome:
     """Probe the master, then every other host; see the module docstring.
 
     ``versions``: also compare python/dsrun/torch versions with the launcher's.
     ``script``: a path every host must have (relative to the working directory).
+    ``log_files``: per host, its ranks' ``--log_dir`` files, which it must be
+    able to open (checked before any rank starts anywhere).
     """
     expect = expect or Expectations.here()
     start = time.monotonic()
@@ -258,14 +261,15 @@ def probe_cluster(handle: JobHandle, cluster: Cluster, backend: Backend, hs: Hos
     peers, fallback = master_peers(cluster, backend)
     handle.send(handle.leaders[0], {"cmd": "probe", "role": "master", "addr": hs.master_addr,
                                     "port": hs.master_port, "peers": peers, "single": n == 1,
-                                    "versions": versions, "script": script})
+                                    "versions": versions, "script": script,
+                                    "log_files": _host_logs(log_files, 0)})
     try:
         st.collect({0})
         master, master_problem = _rendezvous(cluster.hosts[0], st.facts[0], fallback)
         rest = {i for i in range(1, n) if st.errors[i] is None}
         for i in sorted(rest):
             request: dict[str, Any] = {"cmd": "probe", "role": None, "versions": versions,
-                                       "script": script}
+                                       "script": script, "log_files": _host_logs(log_files, i)}
             if master is not None:
                 request.update(role="worker", addr=master.addr, port=master.port,
                                timeout=min(hs.ssh.timeout, 5.0))
@@ -281,6 +285,12 @@ def probe_cluster(handle: JobHandle, cluster: Cluster, backend: Backend, hs: Hos
         reports[i] = replace(reports[i], errors=(*reports[i].errors, problem))
     return ProbeOutcome(tuple(reports), master if master_problem is None else None,
                         time.monotonic() - start, tuple(st.facts))
+
+
+def _host_logs(log_files: Sequence[Sequence[str]] | None, index: int) -> list[str]:
+    if log_files is None or index >= len(log_files):
+        return []
+    return list(log_files[index])
 
 
 def _rendezvous(host: str, facts: dict[str, Any] | None,

@@ -52,6 +52,23 @@ class Guard:
     def watch(self, leader: Leader) -> None:
         self._send(leader.line())
 
+    def died(self) -> str | None:
+        """How the guard ended, if it has (before ``done``: someone killed
+        it, and the job is no longer protected against the agent's death)."""
+        if self._write < 0:
+            return None
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            return "gone"
+        if pid == 0:
+            return None
+        self._write, fd = -1, self._write
+        os.close(fd)
+        if os.WIFSIGNALED(status):
+            return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+        return f"exited with status {os.waitstatus_to_exitcode(status)}"
+
     def done(self) -> None:
         """Everything is torn down: the guard exits without killing."""
         if self._write < 0:

@@ -155,6 +155,16 @@ def check_log_dir(path: str | None) -> None:
         raise DsrunUsageError(f"--log_dir {path!r} is not writable")
 
 
+def log_files(plan: LaunchPlan) -> list[list[str]] | None:
+    """Per host of ``plan``, its ranks' --log_dir files, for the probe: each
+    host checks it can open them before any rank starts anywhere (the
+    launcher's own check of the directory says nothing of another host's)."""
+    if not plan.log_dir:
+        return None
+    return [[os.path.join(plan.log_dir, f"rank_{r.rank}.log") for r in node.ranks]
+            for node in plan.nodes]
+
+
 def user_env(spec: LaunchSpec, cwd: str, remote: bool, multi_host: bool) -> JobEnv:
     """The user's variables for the ranks (envpolicy.py): files, --env, forwarded.
     DeepSpeed's env files only for a ``multi_host`` job (:func:`spans_hosts`)."""
@@ -369,7 +379,7 @@ def _attempt(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv,
         if not cluster.named:
             cluster = cluster.renamed([handle.channels[i].host for i in handle.leaders])
         outcome = probe_cluster(handle, cluster, backend, spec.hosts, versions=multi,
-                                script=probed_script(spec))
+                                script=probed_script(spec), log_files=log_files(draft))
         _check_preflight(spec, outcome)
         plan = _plan(spec, cluster, backend, env, job_id, restart, outcome)
         if multi:

@@ -4,9 +4,11 @@
 :class:`HostReport`:
 
 - errors: the job cannot run there (unreachable, no agent, working
-  directory missing, script missing, fewer GPUs than selected slots,
+  directory missing, script missing, a ``--log_dir`` file that cannot be
+  opened, fewer GPUs than selected slots,
   master port taken, the same machine as another hostfile entry);
-- mismatches: python/dsrun/torch versions differ from the launcher's, or
+- mismatches: python/dsrun/torch versions differ from the launcher's (for
+  dsrun also its sources: another copy of the same version), or
   master:port is not reachable from the host; these fail the preflight
   unless ``--no_preflight``.
 
@@ -23,6 +25,7 @@ from typing import Any
 
 from dsrun import DSRUN_VERSION
 from dsrun.errors import LaunchError
+from dsrun.launcher.agent_os import dsrun_sources
 from dsrun.launcher.netinfo import package_version
 
 
@@ -37,10 +40,14 @@ class Expectations:
     python: str
     dsrun: str
     torch: str | None
+    dsrun_path: str | None = None  # the launcher's dsrun package directory
+    dsrun_digest: str | None = None  # agent_os.dsrun_sources(); None: not compared
 
     @classmethod
     def here(cls) -> Expectations:
-        return cls(platform.python_version(), DSRUN_VERSION, package_version("torch"))
+        path, digest = dsrun_sources()
+        return cls(platform.python_version(), DSRUN_VERSION, package_version("torch"),
+                   path, digest)
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,12 @@ def _version_mismatches(facts: dict[str, Any], expect: Expectations) -> list[str
         out.append(f"python {facts.get('python')} (launcher: {expect.python})")
     if facts.get("dsrun") != expect.dsrun:
         out.append(f"dsrun {facts.get('dsrun')} (launcher: {expect.dsrun})")
+    elif expect.dsrun_digest and facts.get("dsrun_digest") not in (None, expect.dsrun_digest):
+        # An older agent sends no digest: not compared.
+        out.append(f"dsrun {facts.get('dsrun')} at {facts.get('dsrun_path')} is another copy "
+                   f"than the launcher's ({expect.dsrun_path}): its sources differ (the "
+                   f"node agent runs the dsrun its python imports, with the launcher's "
+                   f"PYTHONPATH)")
     if expect.torch is not None and facts.get("torch") != expect.torch:
         have = facts.get("torch") or "not installed"
         out.append(f"torch {have} (launcher: {expect.torch})")
@@ -129,6 +142,8 @@ def evaluate(host: str, facts: dict[str, Any] | None, error: str | None,
         notes.append(f"reaches master {master.addr}:{master.port}")
     if facts.get("ifname"):
         notes.append(f"via {facts['ifname']}")
+    if facts.get("log_files"):
+        errors.append(str(facts["log_files"]))
     if script is not None and facts.get("script"):
         errors.append(f"script {script!r} {facts['script']} on {host} "
                       f"(in {facts.get('cwd') or 'the working directory'})")

@@ -1,9 +1,12 @@
 """Finding and stopping every process of a job on this host.
 
 A job's processes are (a) the members of each rank's process group - every
-rank is a group leader - and (b) any process whose environment carries the
+rank is a group leader - (b) any process whose environment carries the
 ``DSRUN_AGENT_ID`` marker its node agent gave it, which catches descendants
-that left the group (``setsid``, daemonising). The marker is per agent, not
+that left the group (``setsid``, daemonising), and (c) on Linux, every
+descendant of the node agent but its guard: the agent is a child subreaper,
+so a descendant that left both group and environment (``setsid env -i``)
+is reparented to it when its parent exits, never to init. The marker is per agent, not
 per job, so that agents of one job whose hosts share a PID namespace never
 stop each other's ranks. Stopping is SIGTERM, a deadline, SIGKILL, then a
 re-scan until nothing is found, since a dying process may fork.
@@ -71,18 +74,25 @@ Leader = Proc
 
 def _facts(pid: int) -> tuple[bool, int, float] | None:
     """(zombie, process group, start time) of ``pid``; None if it is gone."""
+    stat = _stat(pid)
+    return None if stat is None else (stat[0], stat[2], stat[3])
+
+
+def _stat(pid: int) -> tuple[bool, int, int, float] | None:
+    """(zombie, parent pid, process group, start time) of ``pid``; None if gone."""
     if _HAVE_PROC:
         try:
             with open(f"/proc/{pid}/stat", "rb") as f:
                 fields = f.read().rsplit(b")", 1)[1].split()
         except (OSError, IndexError):
             return None
-        return fields[0] == b"Z", int(fields[2]), float(fields[19])
+        return fields[0] == b"Z", int(fields[1]), int(fields[2]), float(fields[19])
     import psutil
 
     try:
         proc = psutil.Process(pid)
-        return (proc.status() == psutil.STATUS_ZOMBIE, os.getpgid(pid), proc.create_time())
+        return (proc.status() == psutil.STATUS_ZOMBIE, proc.ppid(), os.getpgid(pid),
+                proc.create_time())
     except (psutil.Error, OSError):
         return None
 
@@ -117,29 +127,103 @@ def live_groups(leaders: Iterable[Proc]) -> list[int]:
 
 
 def job_processes(leaders: Iterable[Proc], marker: str | None,
-                  since: float = 0.0) -> list[Proc]:
+                  since: float = 0.0, spare: frozenset[int] | None = None) -> list[Proc]:
     """Live (non-zombie) processes of this job, excluding the caller.
 
     ``since``: the start time (as :class:`Proc` has it) of the agent; every
     process of the job started later, so older ones are not even read.
+    ``spare``: None, or the caller is the job's subreaper (the node agent:
+    become_subreaper) and every descendant of it is the job's too, but the
+    processes in ``spare`` (its guard) and theirs: this finds those that
+    dropped the marker with their environment (``env -i``, daemonisers).
     """
-    return [proc for proc, _ in _scan(set(live_groups(leaders)), marker, since)]
+    return [proc for proc, _ in _scan(set(live_groups(leaders)), marker, since, spare)]
 
 
-def _scan(groups: set[int], marker: str | None, since: float) -> list[tuple[Proc, int]]:
+def _scan(groups: set[int], marker: str | None, since: float,
+          spare: frozenset[int] | None = None) -> list[tuple[Proc, int]]:
     """The job's live processes (:func:`job_processes`) with their process
     group, read in the same pass."""
     me = os.getpid()
-    found = []
+    seen: dict[int, tuple[bool, int, int, float]] = {}
     for pid in _pids():
-        if pid == me:
+        stat = _stat(pid)
+        if pid != me and stat is not None and stat[3] >= since:
+            seen[pid] = stat
+    tree = _descendants(me, seen, spare) if spare is not None else set()
+    found = []
+    for pid, (zombie, _, pgid, started) in seen.items():
+        if zombie:
             continue
-        facts = _facts(pid)
-        if facts is None or facts[0] or facts[2] < since:
-            continue
-        if facts[1] in groups or (marker and _has_marker(pid, marker)):
-            found.append((Proc(pid, facts[2]), facts[1]))
+        if pgid in groups or pid in tree or (marker and _has_marker(pid, marker)):
+            found.append((Proc(pid, started), pgid))
     return found
+
+
+def _descendants(root: int, seen: dict[int, tuple[bool, int, int, float]],
+                 spare: frozenset[int]) -> set[int]:
+    """Pids in ``seen`` below ``root`` (by parent pid), not below ``spare``."""
+    children: dict[int, list[int]] = {}
+    for pid, stat in seen.items():
+        children.setdefault(stat[1], []).append(pid)
+    found: set[int] = set()
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in spare and child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def become_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux
+    PR_SET_CHILD_SUBREAPER): a process a rank starts in a new session with a
+    cleared environment (``setsid env -i``, a double fork) is then still
+    below the agent when the rank is gone, so the teardown finds it. False
+    where the kernel (or the platform) has no such thing."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def reap_adopted(keep: Iterable[int]) -> int:
+    """Reap this process's zombie children but ``keep`` (the ranks, which
+    stay unreaped until the teardown, and the guard: their statuses are
+    subprocess's and the agent's): orphans a subreaper adopted. How many."""
+    me, kept = os.getpid(), set(keep)
+    reaped = 0
+    for pid in _child_pids(me):
+        if pid in kept:
+            continue
+        stat = _stat(pid)
+        if stat is None or not stat[0] or stat[1] != me:
+            continue
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                reaped += 1
+        except ChildProcessError:
+            pass
+    return reaped
+
+
+def _child_pids(parent: int) -> list[int]:
+    try:
+        tasks = os.listdir(f"/proc/{parent}/task")
+    except OSError:
+        return []
+    pids: list[int] = []
+    for tid in tasks:
+        try:
+            with open(f"/proc/{parent}/task/{tid}/children", "rb") as f:
+                pids.extend(int(p) for p in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return pids
 
 
 def send(proc: Proc, sig: int) -> None:
@@ -178,36 +262,39 @@ def _killpgs(groups: Iterable[int], sig: int) -> None:
 
 
 def signal_job(leaders: Iterable[Proc], marker: str | None, sig: int,
-               since: float = 0.0) -> None:
-    """Send ``sig`` to each group and to every marked process of the job."""
+               since: float = 0.0, spare: frozenset[int] | None = None) -> None:
+    """Send ``sig`` to each group and to every other process of the job
+    (marked, or below the subreaper: see :func:`job_processes`)."""
     groups = set(live_groups(leaders))
     _killpgs(groups, sig)
-    for proc, pgid in _scan(groups, marker, since):
+    for proc, pgid in _scan(groups, marker, since, spare):
         if pgid not in groups:  # a group member got its group's signal: once is enough
             send(proc, sig)
 
 
 def stop_job(leaders: Iterable[Proc], marker: str | None, grace: float, *,
              already_termed: bool = False, deadline: float | None = None,
-             since: float = 0.0, hurry: Callable[[], bool] | None = None) -> int:
+             since: float = 0.0, hurry: Callable[[], bool] | None = None,
+             spare: frozenset[int] | None = None) -> int:
     """Stop every process of the job; return how many needed SIGKILL.
 
     ``deadline`` (a ``time.monotonic()`` value) overrides ``grace`` when the
     caller already sent SIGTERM earlier and the grace period is running.
     ``hurry``: once it returns True, the grace is over (SIGKILL at once).
+    ``spare``: see :func:`job_processes`.
     """
     leaders = list(leaders)
-    procs = job_processes(leaders, marker, since)
+    procs = job_processes(leaders, marker, since, spare)
     if not procs:
         return 0
     if not already_termed:
-        signal_job(leaders, marker, signal.SIGTERM, since)
+        signal_job(leaders, marker, signal.SIGTERM, since, spare)
     end = time.monotonic() + grace if deadline is None else deadline
     while time.monotonic() < end and not (hurry is not None and hurry()):
-        if not job_processes(leaders, marker, since):
+        if not job_processes(leaders, marker, since, spare):
             return 0
         time.sleep(0.05)
-    return kill_job(leaders, marker, since=since)
+    return kill_job(leaders, marker, since=since, spare=spare)
 
 
 def _gone(proc: Proc) -> bool:
@@ -216,12 +303,12 @@ def _gone(proc: Proc) -> bool:
 
 
 def kill_job(leaders: Iterable[Proc], marker: str | None, rounds: int = 20,
-             since: float = 0.0) -> int:
+             since: float = 0.0, spare: frozenset[int] | None = None) -> int:
     """SIGKILL every process of the job until a scan finds none."""
     leaders = list(leaders)
     killed: set[int] = set()
     for _ in range(rounds):
-        procs = job_processes(leaders, marker, since)
+        procs = job_processes(leaders, marker, since, spare)
         if not procs:
             break
         signal_groups(leaders, signal.SIGKILL)

@@ -137,6 +137,9 @@ class _State:
     collections: dict[int, StackCollection] = field(default_factory=dict)
     timeout_stacks: StackCollection | None = None
     unconfirmed: set[int] = field(default_factory=set)  # given up on before ``done``
+    # per agent: the ranks it said ``started`` and has not reported the exit of
+    unreported: dict[int, set[int]] = field(default_factory=dict)
+    agent_failed: set[int] = field(default_factory=set)  # agents that sent ``fail``
     no_stacks: set[int] = field(default_factory=set)  # silent when the --timeout asked
     timeout_asked: float = 0.0  # when the --timeout's stack request went out
     next_req: int = 1
@@ -262,9 +265,13 @@ class Supervisor:
         elif ev == "started":
             st.ranks[int(msg["rank"])] = RankState(host, msg.get("pid"),
                                                    float(msg.get("_recv", time.monotonic())))
+            st.unreported.setdefault(index, set()).add(int(msg["rank"]))
             self.watch.on_started(len(st.ranks))
         elif ev == "exit":
             self._exited(index, host, msg)
+        elif ev == "fail":  # the agent itself failed (a --log_dir file, a crash)
+            self._agent_failed(index, host, str(msg.get("message") or "node agent failed"),
+                               float(msg.get("_recv", time.monotonic())))
         elif ev == "signal":  # the agent itself was signalled: it stops its ranks
             failure = RankFailure.from_signal_event(host, msg)
             st.failures.append(replace(failure, during_stop=failure.during_stop or st.stopping))
@@ -282,6 +289,8 @@ class Supervisor:
     def _exited(self, index: int, host: str, msg: dict[str, Any]) -> None:
         st = self.state
         rank = msg.get("rank")
+        if rank is not None:
+            st.unreported.get(index, set()).discard(int(rank))
         if rank is not None and int(rank) in st.ranks:
             st.ranks[int(rank)].ended = float(msg.get("_recv", time.monotonic()))
         self.stragglers.exited(time.monotonic())
@@ -298,6 +307,13 @@ class Supervisor:
         st.open_nodes.discard(index)
         for collection in st.collections.values():
             collection.ended([index])
+        missing = sorted(st.unreported.get(index, ()))
+        if index in st.done and missing and index not in st.agent_failed:
+            # ``done`` without the exit of every rank it started: the agent
+            # broke off its supervision, never a clean finish.
+            self._agent_failed(index, host, (
+                f"node agent on {host} ended without reporting the exit of rank(s) "
+                f"{','.join(map(str, missing))}"), time.monotonic())
         if index not in st.done:
             channel = self.handle.channels[index]
             code = channel.wait(timeout=1)
@@ -307,6 +323,14 @@ class Supervisor:
                 during_stop=st.stopping, message=self.handle.exit_message(index, code),
                 seen=time.monotonic()))
             self._stop()
+
+    def _agent_failed(self, index: int, host: str, message: str, seen: float) -> None:
+        st = self.state
+        st.agent_failed.add(index)
+        st.failures.append(RankFailure(host=host, rank=None, code=1, signal=None,
+                                       time=time.time(), during_stop=st.stopping,
+                                       message=message, seen=seen))
+        self._stop()
 
     # -- liveness -------------------------------------------------------------
     def _check_liveness(self, now: float) -> None:

@@ -164,7 +164,8 @@ class _Chan:
     (-1, [], "lost the SSH connection to h"),
     (1, ["/py: No module named dsrun.launcher.agent", ""],
      "node agent on h exited unexpectedly (status 1): /py: No module named "
-     "dsrun.launcher.agent (is dsrun installed for /py on h?)"),
+     "dsrun.launcher.agent (is dsrun installed for /py on h, or on the launcher's "
+     "PYTHONPATH, which the agent gets?)"),
 ])
 def test_channel_exit_messages(code, tail, message):
     channel = SshChannel.__new__(SshChannel)  # no connection needed for the wording

@@ -1,12 +1,14 @@
 """SSH backend: a node agent per host over paramiko; this host's agent locally.
 
 One connection per remote host, opened in parallel threads; on it one exec
-channel (no pty) runs ``cd CWD || exit 96; exec PYTHON -m
-dsrun.launcher.agent`` with the launcher's own interpreter and working
-directory. The agent gets the probe commands and then its start payload
-(with every environment value) on the channel's stdin, never on a command
-line. Hosts that are this machine (localhost, its names and addresses)
-get a local child agent instead, as with the local backend.
+channel (no pty) runs ``cd CWD || exit 96; exec [env PYTHONPATH=...] PYTHON -m
+dsrun.launcher.agent`` with the launcher's own interpreter, working
+directory and (the one value on a command line: a path list, as DeepSpeed's
+pdsh runner sends it) the PYTHONPATH the ranks get. The agent gets the
+probe commands and then its start payload (with every other environment
+value) on the channel's stdin, never on a command line. Hosts that are
+this machine (localhost, its names and addresses) get a local child agent
+instead, as with the local backend.
 
 Where to connect comes from ssh_config (ssh_connect.py; paramiko.SSHConfig: HostName, Port,
 User, IdentityFile, IdentitiesOnly, UserKnownHostsFile,
@@ -71,10 +73,22 @@ logging.getLogger("paramiko").addHandler(logging.NullHandler())
 CWD_MISSING = 96
 
 
-def remote_command(python: str, cwd: str) -> str:
-    """The line sshd runs (through the login shell): cd, then the agent."""
+def remote_command(python: str, cwd: str, pythonpath: str | None = None) -> str:
+    """The line sshd runs (through the login shell): cd, then the agent.
+
+    ``pythonpath``: the ranks' PYTHONPATH (the launcher's, forwarded), which
+    the agent needs as well, to import the same dsrun (a checkout on a shared
+    path), as DeepSpeed's pdsh runner exports it for its per-node launcher.
+    Through ``env``, which every login shell runs alike (csh and fish too)."""
     q = shlex.quote
-    return f"cd {q(cwd)} || exit {CWD_MISSING}; exec {q(python)} -m {AGENT_MODULE}"
+    env = f"env PYTHONPATH={q(pythonpath)} " if pythonpath else ""
+    return f"cd {q(cwd)} || exit {CWD_MISSING}; exec {env}{q(python)} -m {AGENT_MODULE}"
+
+
+def agent_pythonpath(plan: LaunchPlan) -> str | None:
+    """The PYTHONPATH the plan gives the ranks as it is (not one an env file
+    expands on each host), for the remote agents."""
+    return plan.user_env.passed_as_is().get("PYTHONPATH") or None
 
 
 # --------------------------------------------------------------------------
@@ -173,7 +187,8 @@ class SshChannel(AgentChannel):
         if last:
             message += f": {last}"
         if "No module named" in last:
-            message += f" (is dsrun installed for {self.python} on {self.host}?)"
+            message += (f" (is dsrun installed for {self.python} on {self.host}, or on the "
+                        f"launcher's PYTHONPATH, which the agent gets?)")
         return message
 
     def close(self) -> None:
@@ -269,7 +284,8 @@ class SshBackend(Backend):
             if node.local:
                 agents.append(local_request(self, plan, i, self.environ))
                 continue
-            start = f"{self.target(node.host).describe()}: {remote_command(self.python, plan.cwd)}"
+            command = remote_command(self.python, plan.cwd, agent_pythonpath(plan))
+            start = f"{self.target(node.host).describe()}: {command}"
             agents.append(AgentRequest(node.host, agent_payload(plan, node), start,
                                        f"the login environment of {node.host}"))
         return Request(self.name, plan, tuple(agents))
@@ -285,14 +301,16 @@ class SshBackend(Backend):
         hosts = [n.host for n in plan.nodes]
         local = [n.local for n in plan.nodes]
         cwd = plan.cwd
+        pythonpath = agent_pythonpath(plan)
         results: list[AgentChannel | BaseException | None] = [None] * len(hosts)
         lock = threading.Lock()
         finished = threading.Semaphore(0)
         abandoned = False
 
         def one(i: int) -> None:
+            channel: AgentChannel | BaseException
             try:
-                channel: AgentChannel | BaseException = self._open_one(hosts[i], cwd, local[i])
+                channel = self._open_one(hosts[i], cwd, local[i], pythonpath)
             except BaseException as exc:  # noqa: BLE001 - re-raised by open()
                 channel = exc
             with lock:
@@ -329,7 +347,8 @@ class SshBackend(Backend):
                 raise outcome
         return JobHandle([c for c in results if isinstance(c, AgentChannel)])
 
-    def _open_one(self, host: str, cwd: str, is_local: bool) -> AgentChannel:
+    def _open_one(self, host: str, cwd: str, is_local: bool,
+                  pythonpath: str | None = None) -> AgentChannel:
         if is_local:
             return LocalChannel(host, self.agent_argv(), cwd)
         try:
@@ -339,8 +358,8 @@ class SshBackend(Backend):
         except (SshConnectError, DsrunUsageError) as exc:
             return FailedChannel(host, str(exc))
         try:
-            return SshChannel(target, client, remote_command(self.python, cwd), cwd,
-                              self.python, time.monotonic() - start)
+            return SshChannel(target, client, remote_command(self.python, cwd, pythonpath),
+                              cwd, self.python, time.monotonic() - start)
         except (paramiko.SSHException, OSError, EOFError) as exc:
             client.close()
             return FailedChannel(host, f"{host}: cannot start a command over SSH: {exc}")
