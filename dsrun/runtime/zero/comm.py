@@ -200,7 +200,7 @@ def start_all_gather(shard: torch.Tensor, out: Optional[torch.Tensor] = None,
     if out.dim() != 1 or out.numel() != n * world or out.dtype != shard.dtype:
         raise ValueError(f"all-gather output must be 1-D {shard.dtype} of {n * world} "
                          f"elements, got {out.dtype} {tuple(out.shape)}")
-    if world == 1:
+    if world == 1 or n == 0:  # n == 0: every rank's shard is empty (a zero-size parameter)
         out.copy_(shard.reshape(-1))
         return Pending(out)
     how = (strategy or strategy_for(group, shard.device)).gather

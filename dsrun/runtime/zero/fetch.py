@@ -56,10 +56,8 @@ parameters at the turn.
 runs a backward (``torch._C._current_graph_task_id() != -1``) is a
 checkpoint's recomputation - ``torch.utils.checkpoint`` reentrant or not,
 ``deepspeed.checkpointing``. Its pre-hook gathers the module's parameters
-(a ``recompute`` guard event: every rank recomputes the same modules) under
-the ``F.linear`` the original forward used (:mod:`~.linear`: a
-non-reentrant checkpoint requires the recomputation to save the same
-tensors), leaves the forward trace and prefetching alone, and its post-hook
+(a ``recompute`` guard event: every rank recomputes the same modules),
+leaves the forward trace and prefetching alone, and its post-hook
 does not release them: the backward the recomputation serves runs next and
 uses them (the module's own output hook may already have fired - it is what
 started the recomputation). :meth:`ParamFetcher.after_grad` releases them,
@@ -83,10 +81,13 @@ Autograd keeps the parameter object itself for backward (a leaf is saved by
 reference), so emptying ``param.data`` after forward and refilling it
 before backward is invisible to it. An operator that saves a *view* of a
 parameter keeps that storage alive until backward: ``F.linear`` does
-(``weight.t()``), so while the root module's forward runs,
+(``weight.t()``), so while the hooks are installed,
 ``torch.nn.functional.linear`` is :func:`~.linear.zero3_linear`, which saves
-the parameter itself (``memory_efficient_linear``, as in DeepSpeed). Other
-operators that save a view of a weight still keep it until backward.
+the parameter itself for the root's partitioned weights
+(``memory_efficient_linear``, as in DeepSpeed). It decides by the weight,
+so a checkpoint's recomputation - inside a hooked module or not - saves
+what the original forward saved. Other operators that save a view of a
+weight still keep it until backward.
 """
 
 from __future__ import annotations
@@ -99,10 +100,11 @@ from typing import Any, Callable, Optional
 import torch
 
 from dsrun.errors import DsrunError
+from dsrun.runtime.zero import linear
 from dsrun.runtime.zero.comm import CommStrategy
 from dsrun.runtime.zero.divergence import DivergenceGuard
+from dsrun.runtime.zero.fetch_walk import external_params, hooked_modules, output_tensors
 from dsrun.runtime.zero.init import register_external_parameter
-from dsrun.runtime.zero.linear import patched_linear
 from dsrun.runtime.zero.partitioned import (
     ZeroParamStatus,
     finish_gather,
@@ -117,6 +119,7 @@ from dsrun.runtime.zero.stage3_plan import (
     plan_prefetch,
     plan_reuse_keep,
 )
+from dsrun.runtime.zero.whole_edits import take_gathered_edit
 from dsrun.utils.z3_leaf_module import (
     mark_leaf_parameters,
     unmark_leaf_parameters,
@@ -150,40 +153,6 @@ class GatheringParameters(dict):
 
     def __reduce__(self) -> Any:
         return dict, (dict(self),)
-
-
-def external_params(module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
-    return tuple(module.__dict__.get("_external_params", {}).values())
-
-
-def hooked_modules(root: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
-    """``root.named_modules()`` without what lies inside a leaf module
-    (:mod:`dsrun.utils.z3_leaf_module`): a leaf is hooked as one unit."""
-    seen: set[int] = set()
-
-    def walk(prefix: str, module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
-        if id(module) in seen:
-            return
-        seen.add(id(module))
-        yield prefix, module
-        if z3_leaf_module(module):
-            return
-        for name, child in module.named_children():
-            yield from walk(f"{prefix}.{name}" if prefix else name, child)
-
-    yield from walk("", root)
-
-
-def output_tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a module output (tensors, sequences, mappings)."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from output_tensors(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from output_tensors(item)
 
 
 class _ModuleIds(Mapping):
@@ -221,7 +190,6 @@ class ParamFetcher:
                  strategy: Optional[CommStrategy] = None,
                  memory_efficient_linear: bool = True) -> None:
         self.root = root
-        self._linear = patched_linear() if memory_efficient_linear else None
         self.guard = guard
         self.strategy = strategy
         self.prefetch_bucket = prefetch_bucket
@@ -258,7 +226,6 @@ class ParamFetcher:
         self._turn_from = 0  # forward-trace position from which they are kept
         self._last_use: dict[int, int] = {}  # id -> last forward-trace position using it
         self._root_depth = 0
-        self._recompute_depth = 0  # hooked module forwards running inside backward
         self._in_backward = False
         self._round = 0
         self._end_hooks: list[Callable[[], None]] = []
@@ -272,6 +239,12 @@ class ParamFetcher:
             for module in root.modules():
                 if type(module.__dict__.get("_parameters")) is dict:
                     module._parameters = GatheringParameters(module._parameters)
+        # F.linear saving the weight itself, decided per weight (module docstring)
+        self._linear_marked = tuple(self.by_id.values()) if (
+            self._handles and memory_efficient_linear) else ()
+        if self._linear_marked:
+            linear.mark(self._linear_marked, True)
+            linear.install()
 
     # ------------------------------------------------------------- queries
 
@@ -336,8 +309,6 @@ class ParamFetcher:
                 self._release_unused(reset_users=True)
                 self.forward_trace.start_pass()
                 self._plan_turn()
-                if self._linear is not None:
-                    self._linear.install()
             self._root_depth += 1
         if index in self.leaves and torch.is_grad_enabled():
             self._leaf_runs[index] = None
@@ -414,8 +385,6 @@ class ParamFetcher:
         if self.modules[index] is self.root:
             self._root_depth = max(self._root_depth - 1, 0)
             if self._root_depth == 0:
-                if self._linear is not None:
-                    self._linear.restore()
                 self._release_unused(reset_users=False, keep=self._turn_keep | self._reuse_keep
                                      if torch.is_grad_enabled() else frozenset())
 
@@ -423,11 +392,8 @@ class ParamFetcher:
         """A module's forward inside backward: activation checkpointing
         recomputing it (module docstring). Gather its parameters (every rank
         recomputes the same modules) without touching the forward trace or
-        prefetching, under the ``F.linear`` the original forward used."""
+        prefetching."""
         self.begin_backward()
-        if self._recompute_depth == 0 and self._linear is not None:
-            self._linear.install()
-        self._recompute_depth += 1
         if index in self.leaves and torch.is_grad_enabled():
             self._leaf_runs[index] = None
         params = self.fetchable(index)
@@ -445,9 +411,6 @@ class ParamFetcher:
             self._users[p.ds_id] = max(self._users.get(p.ds_id, 1) - 1, 0)
         if torch.is_grad_enabled():  # reentrant checkpointing backpropagates these outputs
             self._hook_outputs(index, output)
-        self._recompute_depth = max(self._recompute_depth - 1, 0)
-        if self._recompute_depth == 0 and self._linear is not None:
-            self._linear.restore()
 
     def fetch_read(self, param: torch.Tensor) -> None:
         """A released (or in-flight) ``param`` was read in the forward of the
@@ -560,6 +523,7 @@ class ParamFetcher:
                                 for module, ids in plan], phase, ahead=True)
 
     def _release(self, param: torch.Tensor) -> None:
+        take_gathered_edit(param)  # an in-place write in forward (max_norm) is kept
         release(param)
         if param.ds_status is ZeroParamStatus.NOT_AVAILABLE:
             self.live.remove(param.ds_id)
@@ -587,6 +551,10 @@ class ParamFetcher:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._linear_marked:
+            linear.mark(self._linear_marked, False)
+            linear.uninstall()
+            self._linear_marked = ()
         for index in self.leaves:
             unmark_leaf_parameters(self.modules[index])
         for module in self.root.modules():

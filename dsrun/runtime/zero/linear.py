@@ -10,27 +10,44 @@ backward. The backward uses the formulas autograd's ``AddmmBackward`` uses
 for ``F.linear`` (``grad @ W``, ``grad^T @ x``, ``grad.sum(0)``), so
 gradients agree with torch's bitwise for contiguous inputs.
 
-It only takes over for partitioned (``ds_id``) weights outside autocast;
-everything else goes to the original. :class:`patched_linear` installs it
-as ``torch.nn.functional.linear`` for the duration of a forward pass (the
-root module's forward hooks do that), restoring what was there after, and
-for an activation checkpoint's recomputation of a module in backward (its
-forward hooks do that): the recomputation must save the tensors the
-original forward saved.
+**Which calls it takes.** Only weights :func:`mark` flagged (the
+partitioned parameters of a stage-3 model with ``memory_efficient_linear``
+on), with grad enabled and outside autocast; everything else goes to the
+original. That decision depends on the call alone, so an activation
+checkpoint's recomputation takes the same path as the original forward and
+saves the same tensors - torch's non-reentrant checkpoint requires it, and
+the recomputation may run outside every hooked module (a checkpointed
+function calling ``F.linear(h, self.head.weight)``).
+
+**When it is installed.** ``torch.nn.functional.linear`` is
+:func:`zero3_linear` from the first :func:`install` until the matching last
+:func:`uninstall` (a stage-3 model's fetcher holds it from its creation to
+its ``close()``), as DeepSpeed installs its own for the rest of the
+process. A swap installed only around the root module's forward would not
+cover a recomputation in backward.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
 _ORIGINAL = F.linear
+_MARK = "_ds_mem_linear"  # a "_ds_" attribute: a deepcopy of the parameter drops it
 
 
 def _autocast_on() -> bool:
     return any(torch.is_autocast_enabled(kind) for kind in ("cpu", "cuda"))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a matrix of its last dimension (``reshape(-1, n)`` cannot
+    infer the rows of a tensor with no elements)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 class _Zero3Linear(torch.autograd.Function):
@@ -46,9 +63,9 @@ class _Zero3Linear(torch.autograd.Function):
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_x = grad.matmul(weight)
-        flat = grad.reshape(-1, grad.shape[-1])
+        flat = _rows(grad)
         if ctx.needs_input_grad[1]:
-            grad_weight = flat.t().mm(x.reshape(-1, x.shape[-1]))
+            grad_weight = flat.t().mm(_rows(x))
         if bias is not None and ctx.needs_input_grad[2]:
             grad_bias = flat.sum(0)
         return grad_x, grad_weight, grad_bias
@@ -57,24 +74,36 @@ class _Zero3Linear(torch.autograd.Function):
 def zero3_linear(input: torch.Tensor, weight: torch.Tensor,
                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear`` that does not pin a released stage-3 weight (module docstring)."""
-    if not hasattr(weight, "ds_id") or not torch.is_grad_enabled() or _autocast_on():
+    if not getattr(weight, _MARK, False) or not torch.is_grad_enabled() or _autocast_on():
         return _ORIGINAL(input, weight, bias)
     return _Zero3Linear.apply(input, weight, bias)
 
 
-class patched_linear:
-    """``torch.nn.functional.linear`` is :func:`zero3_linear` between
-    :meth:`install` and :meth:`restore` (nesting-safe)."""
+def mark(params: Iterable[torch.Tensor], on: bool) -> None:
+    """Make :func:`zero3_linear` take (``on``) or leave the weights ``params``."""
+    for p in params:
+        if on:
+            setattr(p, _MARK, True)
+        elif hasattr(p, _MARK):
+            delattr(p, _MARK)
 
-    def __init__(self) -> None:
-        self._saved: Optional[Any] = None
 
-    def install(self) -> None:
-        if self._saved is None and F.linear is not zero3_linear:
-            self._saved = F.linear
-            F.linear = zero3_linear
+_swap: dict[str, Any] = {"holders": 0, "saved": None}
 
-    def restore(self) -> None:
-        if self._saved is not None:
-            F.linear = self._saved
-            self._saved = None
+
+def install() -> None:
+    """One more holder of the swap; the first makes ``F.linear`` :func:`zero3_linear`."""
+    if _swap["holders"] == 0:
+        _swap["saved"] = _ORIGINAL if F.linear is zero3_linear else F.linear
+        F.linear = zero3_linear
+    _swap["holders"] += 1
+
+
+def uninstall() -> None:
+    """One holder fewer; the last gives ``F.linear`` back what it replaced,
+    unless something else has replaced it since."""
+    if _swap["holders"] == 0:
+        return
+    _swap["holders"] -= 1
+    if _swap["holders"] == 0 and F.linear is zero3_linear:
+        F.linear = _swap["saved"]

@@ -402,6 +402,9 @@ def finish_gather(param: torch.Tensor) -> None:
     full = pending.wait()
     param.data = full.narrow(0, 0, param.ds_numel).view(param.ds_shape)
     param.ds_status = ZeroParamStatus.AVAILABLE
+    # in-place writes to the parameter from here on bump it (``.data`` writes
+    # do not): :func:`~.whole_edits.take_gathered_edit` compares
+    param._ds_gathered_version = param._version
 
 
 def gather(params: Iterable[torch.Tensor], strategy: Optional[CommStrategy] = None) -> None:
@@ -453,8 +456,9 @@ def refresh_full(params: Iterable[torch.Tensor], strategy: Optional[CommStrategy
     released. Coalesced: one all-gather per (group, dtype, device) of every
     shard back to back, however many (small, persistent) parameters. A
     parameter lent a scratch copy has the data it set aside rebuilt."""
-    todo = [p for p in params
-            if p.ds_status is ZeroParamStatus.AVAILABLE and not shard_is_view(p, committed(p))]
+    todo = [p for p in params  # a zero-size parameter has nothing to rebuild
+            if p.ds_numel and p.ds_status is ZeroParamStatus.AVAILABLE
+            and not shard_is_view(p, committed(p))]
     batches: dict[tuple[Any, torch.dtype, torch.device], list[torch.Tensor]] = {}
     for p in todo:
         batches.setdefault((p.ds_group, p.ds_tensor.dtype, p.ds_device), []).append(p)

@@ -46,6 +46,18 @@ sizes and not others. So, at every world size:
   and in-place edits need no copy; a replaced ``data`` (``param.data =
   new``) is taken by the same rule and made a view of the shard again
   (:class:`LocalRebind`).
+
+A parameter that is **not** kept whole has full data only while gathered.
+An in-place write to it then - ``nn.Embedding(max_norm=...)`` renormalises
+the rows it looks up in its forward, on the gathered weight - would be
+freed with that data at release. So when the fetcher releases a parameter
+it gathered (:func:`take_gathered_edit`; a ``GatheredParameters`` context
+keeps its own rule above) whose version counter moved since the gather
+(``param._version``: every in-place operation on the parameter bumps it,
+``.data`` writes - dsrun's own refreshes - do not), this rank's slice of the
+data goes into the shard first: by the rule above, kept where the shard is
+the optimizer's master and overwritten by the next step where it is a
+separate fp32 copy, as at stage 0. One integer comparison per release.
 """
 
 from __future__ import annotations
@@ -66,6 +78,17 @@ from dsrun.runtime.zero.partitioned import (
     refresh_shard,
     shard_is_view,
 )
+
+
+def take_gathered_edit(param: torch.Tensor) -> None:
+    """Before the fetcher releases ``param`` (gathered, not kept whole):
+    its data's slice into the shard if the parameter was written in place
+    since its gather (module docstring)."""
+    gathered = param.__dict__.get("_ds_gathered_version")
+    if (gathered is not None and param._version != gathered and not param.ds_persist
+            and not param.ds_pins and param.ds_status is ZeroParamStatus.AVAILABLE):
+        refresh_shard(param)
+        param._ds_gathered_version = param._version
 
 
 def separate_whole(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
