@@ -171,8 +171,7 @@ def _check_torch_scheduler_params(kind: str, params: Mapping[str, Any], path: tu
         if is_auto(value):
             raise DsrunConfigError(f'{ctx.where((*path, key))} is "auto", which dsrun resolves '
                                    f"only for DeepSpeed's schedulers, not torch's {kind}")
-    check_torch_scheduler_values(out, path, ctx)
-    return out
+    return check_torch_scheduler_values(out, path, ctx)
 
 
 def check_scheduler_params(kind: str, params: Mapping[str, Any], path: tuple[str, ...] = (
@@ -246,7 +245,7 @@ def parse_optimizer(raw: Any, ctx: Ctx, hints: Mapping[str, Any]) -> Optional[Op
             raise DsrunConfigError(f'{ctx.where((*path, "params", key))} is "auto", which dsrun '
                                    f"resolves only for {', '.join(defaults)} of "
                                    f"{OPTIMIZER_NAMES[kind]}")
-    check_optimizer_values(kind, params, (*path, "params"), ctx)
+    params = check_optimizer_values(kind, params, (*path, "params"), ctx)
     known.update(type=kind, params=params, source=ctx.source)
     return build(OptimizerConfig, known, ctx)
 

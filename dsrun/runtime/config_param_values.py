@@ -1,6 +1,7 @@
 """Value types of the well-known ``optimizer.params`` and torch
 ``scheduler.params`` (``lr``, ``betas``, ``step_size``, ``gamma`` ...),
-checked when the config is resolved.
+checked when the config is resolved, and normalised to what torch takes
+(``"betas": [0, 0.99]`` -> ``(0.0, 0.99)``, ``"T_0": 10.0`` -> ``10``).
 
 Their names are checked later, against the installed torch's signatures
 (:mod:`dsrun.runtime.optimizers`, :mod:`dsrun.runtime.lr_schedules_torch`);
@@ -36,13 +37,25 @@ _OTHER_MEANING = {"eps": ("adafactor",)}  # Adafactor's eps is a pair (eps1, eps
 
 # torch.optim.lr_scheduler arguments (StepLR, MultiStepLR, ConstantLR, LinearLR,
 # ExponentialLR, PolynomialLR, CosineAnnealingLR, CosineAnnealingWarmRestarts,
-# CyclicLR, OneCycleLR, ReduceLROnPlateau); a 0 period divides by zero at a step
+# CyclicLR, OneCycleLR, ReduceLROnPlateau), as torch 2.13's code uses them:
+# - "int": T_0, T_mult, epochs, steps_per_epoch and total_steps are refused by
+#   torch unless isinstance(x, int), so an integral float (JSON's 10.0) is
+#   passed on as an int; StepLR's step_size and MultiStepLR's milestones are
+#   matched against the integer epoch (last_epoch % step_size, last_epoch in
+#   milestones), so a fraction would decay at other epochs than it says (2.5
+#   every 5) or never
+# - "float": T_max, total_iters, step_size_up/down, patience and cooldown are
+#   only computed or compared with (CyclicLR does float(step_size_up)), so a
+#   fraction is what torch (and DeepSpeed, which passes them on) accept
+# a 0 period divides by zero at a step; _POSITIVE are those needing > 0
 TORCH_SCHEDULER_VALUES: Mapping[str, Check] = {
-    **dict.fromkeys(("step_size", "T_max", "T_0", "T_mult", "step_size_up", "epochs",
-                     "steps_per_epoch"), Check("int", low=1)),
-    **dict.fromkeys(("step_size_down", "total_steps"), Check("int", low=1, optional=True)),
-    **dict.fromkeys(("total_iters", "patience", "cooldown"), Check("int", low=0)),
+    **dict.fromkeys(("step_size", "T_0", "T_mult"), Check("int", low=1)),
+    **dict.fromkeys(("epochs", "steps_per_epoch", "total_steps"),
+                    Check("int", low=1, optional=True)),
     "last_epoch": Check("int", low=-1),
+    **dict.fromkeys(("T_max", "step_size_up"), Check("float")),  # > 0: _POSITIVE
+    **dict.fromkeys(("total_iters", "patience", "cooldown"), Check("float", low=0.0)),
+    "step_size_down": Check("float", low=0.0, optional=True),
     **dict.fromkeys(("gamma", "eta_min", "factor", "start_factor", "end_factor", "power",
                      "pct_start", "div_factor", "final_div_factor", "threshold", "eps"),
                     Check("float")),
@@ -51,13 +64,17 @@ TORCH_SCHEDULER_VALUES: Mapping[str, Check] = {
                     Check("floats")),
     **dict.fromkeys(("three_phase", "cycle_momentum"), Check("bool")),
 }
+_POSITIVE = ("T_max", "step_size_up")
+MILESTONE = Check("int", low=0)
 
 
-def _check(value: Any, spec: Check, where: str) -> None:
+def _check(value: Any, spec: Check, where: str) -> Any:
+    """``value`` normalised to ``spec`` (10.0 -> 10 for an int, 0 -> 0.0 for a
+    float, which torch requires); a value of no JSON type is left to torch."""
     if not isinstance(value, _JSON_TYPES):
-        return
+        return value
     try:
-        check_value(value, spec, where)
+        return check_value(value, spec, where)
     except DsrunConfigError as err:
         raise DsrunConfigError(f"{err}{_quoted_number(value)}") from None
 
@@ -74,39 +91,54 @@ def _quoted_number(value: Any) -> str:
     return ""
 
 
-def _check_betas(value: Any, where: str) -> None:
+def _check_betas(value: Any, where: str) -> Any:
+    """A pair of numbers in [0, 1), as floats: torch >= 2 refuses an int
+    element ("betas must be either both floats or both Tensors"), which
+    DeepSpeed's FusedAdam takes (JSON writes beta1 = 0 as 0)."""
     if not isinstance(value, _JSON_TYPES):
-        return
+        return value
     ok = isinstance(value, (list, tuple)) and len(value) == 2 and all(
         isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0
         for b in value)
     if not ok:
         raise DsrunConfigError(f"{where} must be a list of 2 numbers in [0, 1), got "
                                f"{show(value)}")
+    return tuple(float(b) for b in value)
 
 
 def check_optimizer_values(kind: str, params: Mapping[str, Any], path: tuple[str, ...],
-                           ctx: Ctx) -> None:
-    """Raise naming ``path.KEY`` and the config's source for a well-known
-    optimizer parameter of the wrong type or range (``kind``: lower-case type)."""
+                           ctx: Ctx) -> dict[str, Any]:
+    """``params`` with the well-known optimizer parameters normalised (ints to
+    floats); raise naming ``path.KEY`` and the config's source for one of the
+    wrong type or range (``kind``: lower-case type)."""
+    out = dict(params)
     for key, value in params.items():
         where = ctx.where((*path, key))
         if key == BETAS:
-            _check_betas(value, where)
+            out[key] = _check_betas(value, where)
         elif key in OPTIMIZER_VALUES and kind not in _OTHER_MEANING.get(key, ()):
-            _check(value, OPTIMIZER_VALUES[key], where)
+            out[key] = _check(value, OPTIMIZER_VALUES[key], where)
+    return out
 
 
 def check_torch_scheduler_values(params: Mapping[str, Any], path: tuple[str, ...],
-                                 ctx: Ctx) -> None:
-    """The same for a torch scheduler's well-known parameters; ``milestones``
-    is a list of integers."""
+                                 ctx: Ctx) -> dict[str, Any]:
+    """The same for a torch scheduler's well-known parameters, normalised to
+    what torch takes (``T_0: 10.0`` -> 10); ``milestones`` is a list of
+    integers."""
+    out = dict(params)
     for key, value in params.items():
         where = ctx.where((*path, key))
         if key == "milestones" and isinstance(value, _JSON_TYPES):
             if not isinstance(value, (list, tuple)):
                 raise DsrunConfigError(f"{where} must be a list of integers, got {show(value)}")
-            for index, milestone in enumerate(value):
-                _check(milestone, Check("int", low=0), ctx.where((*path, key, str(index))))
+            out[key] = [_check(milestone, MILESTONE, ctx.where((*path, key, str(index))))
+                        for index, milestone in enumerate(value)]
         elif key in TORCH_SCHEDULER_VALUES:
-            _check(value, TORCH_SCHEDULER_VALUES[key], where)
+            spec = TORCH_SCHEDULER_VALUES[key]
+            normalised = _check(value, spec, where)
+            if key in _POSITIVE and isinstance(normalised, float) and not normalised > 0.0:
+                raise DsrunConfigError(f"{where} must be a number > 0, got {show(value)}")
+            # torch takes an int or a float for the others: they stay as written
+            out[key] = normalised if spec.kind == "int" else value
+    return out

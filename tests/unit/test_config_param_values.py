@@ -1,6 +1,7 @@
 """Values of the well-known optimizer and torch-scheduler params are
 checked when the config is resolved (so the launcher's ``--config`` check
-names FILE:LINE), and whatever the optimizer's constructor raises becomes a
+names FILE:LINE) and passed on as torch takes them (review18-cfgdata #3, #4);
+what the optimizer's constructor raises for the config's params becomes a
 DsrunConfigError naming ``optimizer.params`` and the config (explore18-config #3)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from dsrun.errors import DsrunConfigError, DsrunUsageError
 from dsrun.launcher.configcheck import check_config
 from dsrun.runtime.config import OptimizerConfig, resolve
+from dsrun.runtime.lr_schedules import build_scheduler
 from dsrun.runtime.optimizers import build_optimizer, optimizer_class_and_kwargs
 
 BASE = {"train_batch_size": 2}
@@ -45,7 +47,14 @@ def with_scheduler(kind: str, **params: Any) -> dict:
     (with_scheduler("StepLR", step_size="2"), "scheduler.params.step_size", "an integer"),
     (with_scheduler("StepLR", step_size=0), "scheduler.params.step_size", ">= 1"),
     (with_scheduler("StepLR", step_size=2, gamma="0.5"), "scheduler.params.gamma", "a number"),
-    (with_scheduler("CosineAnnealingLR", T_max=2.5), "scheduler.params.T_max", "an integer"),
+    (with_scheduler("CosineAnnealingLR", T_max=0), "scheduler.params.T_max", "> 0"),
+    (with_scheduler("CyclicLR", base_lr=0.01, max_lr=0.1, step_size_up=-1.5),
+     "scheduler.params.step_size_up", "> 0"),
+    (with_scheduler("LinearLR", total_iters=-1), "scheduler.params.total_iters", ">= 0"),
+    # StepLR matches last_epoch % step_size == 0: 2.5 would decay every 5 steps
+    (with_scheduler("StepLR", step_size=2.5), "scheduler.params.step_size", "an integer"),
+    (with_scheduler("CosineAnnealingWarmRestarts", T_0=10.5), "scheduler.params.T_0",
+     "an integer"),
     (with_scheduler("MultiStepLR", milestones=[2, "4"]), "scheduler.params.milestones.1",
      "an integer"),
     (with_scheduler("MultiStepLR", milestones=3), "scheduler.params.milestones",
@@ -60,13 +69,71 @@ def test_bad_values_name_the_key_and_source(data: dict, where: str, expect: str)
     assert f'"{where}" in config dict' in text and expect in text
 
 
-def test_good_values_pass_unchanged() -> None:
+def test_good_values_pass() -> None:
     c = config(with_optimizer("Adam", lr=3e-4, betas=[0.8, 0.99], eps=1e-6, weight_decay=0))
     assert dict(c.optimizer.params)["betas"] == (0.8, 0.99)
     s = config(with_scheduler("MultiStepLR", milestones=[2, 4.0], gamma=1))
-    assert s.scheduler.params["milestones"] == (2, 4.0)
+    assert s.scheduler.params["milestones"] == (2, 4)
     # Adafactor's eps is a pair, not a number
     assert config(with_optimizer("Adafactor", eps=[None, 1e-3])).optimizer.type == "adafactor"
+
+
+def build_and_step(data: dict) -> Any:
+    """Resolve ``data``, build its optimizer and scheduler, take 3 steps."""
+    c = config(data)
+    optimizer = build_optimizer(c.optimizer, [torch.nn.Parameter(torch.ones(2))])
+    scheduler = build_scheduler(c.scheduler, optimizer)
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step(*([1.0] if c.scheduler.type == "ReduceLROnPlateau" else []))
+    return c
+
+
+@pytest.mark.parametrize("kind, ints, others", [
+    ("CosineAnnealingWarmRestarts", {"T_0": 10.0, "T_mult": 2.0}, {}),
+    ("OneCycleLR", {"epochs": 2.0, "steps_per_epoch": 5.0}, {"max_lr": 0.1}),
+    ("OneCycleLR", {"total_steps": 10.0}, {"max_lr": 0.1}),
+    ("StepLR", {"step_size": 2.0, "last_epoch": -1.0}, {}),
+])
+def test_integral_floats_reach_torch_as_ints(kind: str, ints: dict, others: dict) -> None:
+    # torch checks isinstance(T_0, int) (epochs, steps_per_epoch, total_steps
+    # too): JSON's 10.0 passes the check and must not fail in every rank later
+    c = build_and_step(with_scheduler(kind, **ints, **others))
+    assert all(type(c.scheduler.params[key]) is int for key in ints)
+    assert dict(c.scheduler.params) == {**ints, **others}
+
+
+@pytest.mark.parametrize("kind, params", [
+    ("CosineAnnealingLR", {"T_max": 10.5}),
+    ("LinearLR", {"total_iters": 4.5}),
+    ("ConstantLR", {"total_iters": 4.5}),
+    ("PolynomialLR", {"total_iters": 0}),
+    ("CyclicLR", {"base_lr": 0.01, "max_lr": 0.1, "step_size_up": 2.5, "step_size_down": 0}),
+    ("CyclicLR", {"base_lr": 0.01, "max_lr": 0.1, "step_size_up": 2, "step_size_down": 2.5}),
+    ("ReduceLROnPlateau", {"patience": 1.5, "cooldown": 0.5}),
+])
+def test_fractions_torch_computes_with_are_accepted(kind: str, params: dict) -> None:
+    # torch 2.13 only computes or compares with these (CyclicLR does
+    # float(step_size_up)) and DeepSpeed passes them on: they stay as written
+    c = build_and_step(with_scheduler(kind, **params))
+    assert {key: c.scheduler.params[key] for key in params} == params
+    patience = config(with_scheduler("ReduceLROnPlateau", patience=10)).scheduler.params
+    assert type(patience["patience"]) is int
+
+
+def test_integer_optimizer_numbers_become_floats() -> None:
+    # torch >= 2 refuses betas (0, 0.99): "betas must be either both floats or
+    # both Tensors"; DeepSpeed's FusedAdam takes them
+    data = with_optimizer("Adam", lr=1, betas=[0, 0.99], eps=0, weight_decay=0)
+    c = config(data)
+    params = dict(c.optimizer.params)
+    assert params == {"lr": 1.0, "betas": (0.0, 0.99), "eps": 0.0, "weight_decay": 0.0}
+    assert all(type(v) is float for v in (*params["betas"], params["lr"], params["eps"]))
+    optimizer = build_optimizer(c.optimizer, [torch.nn.Parameter(torch.ones(2))])
+    assert optimizer.param_groups[0]["betas"] == (0.0, 0.99)
+    for kind in ("AdamW", "NAdam", "RAdam", "Adamax", "Lion", "Lamb"):
+        build_optimizer(config(with_optimizer(kind, lr=0.1, betas=[0, 0])).optimizer,
+                        [torch.nn.Parameter(torch.ones(2))])
 
 
 def test_the_launcher_names_file_and_line(tmp_path: Path) -> None:
