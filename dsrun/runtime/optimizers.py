@@ -267,16 +267,58 @@ def _flag(value: Any, name: str) -> bool:
 def build_optimizer(config: OptimizerConfig, params: Iterable[Any]) -> Optimizer:
     """Construct the optimizer over ``params`` (tensors or param-group dicts).
 
-    Whatever the class's constructor raises (torch's checks: a ValueError,
-    a TypeError, an IndexError for a one-element ``betas`` ...) becomes a
-    :class:`DsrunConfigError` naming ``optimizer.params`` and the config."""
+    A TypeError, ValueError, IndexError or KeyError of the constructor (torch's
+    checks: an IndexError for a one-element ``betas`` ...) becomes a
+    :class:`DsrunConfigError` naming ``optimizer.params`` and the config when
+    the same params fail over one stand-in parameter too; otherwise it came
+    from the script's ``params`` (a parameter in two groups, a group without
+    "params") and propagates unchanged, as does any other exception."""
     cls, kwargs = optimizer_class_and_kwargs(config)
+    if not isinstance(params, torch.Tensor):  # torch refuses a lone tensor itself
+        params = list(params)  # a generator is read again by the stand-in probe
     try:
         return cls(params, **kwargs)
     except DsrunConfigError:
         raise
-    except Exception as err:  # noqa: BLE001 - any constructor failure is the config's
+    except _ARGUMENT_ERRORS as err:
+        if not _fails_with_kwargs(cls, kwargs, params):
+            raise
         raise DsrunConfigError(
             f"optimizer {OPTIMIZER_NAMES[config.type]} ({cls.__module__}.{cls.__name__}) "
             f'rejected params {kwargs} ("optimizer.params" in {config.source}): '
             f"{type(err).__name__}: {err}") from err
+
+
+_ARGUMENT_ERRORS = (TypeError, ValueError, IndexError, KeyError)
+
+
+def _fails_with_kwargs(cls: type[Optimizer], kwargs: Mapping[str, Any], params: Any) -> bool:
+    """Whether ``cls`` refuses ``kwargs`` over one stand-in parameter of the
+    first real one's dtype and device (so the config, not the script's
+    parameters, is what it refused)."""
+    like = _first_tensor(params)
+    floating = like is not None and (like.is_floating_point() or like.is_complex())
+    stand_in = torch.nn.Parameter(torch.zeros(
+        1, dtype=like.dtype if floating else torch.float32,
+        device=like.device if like is not None else "cpu"))
+    try:
+        cls([stand_in], **kwargs)
+    except _ARGUMENT_ERRORS:
+        return True
+    except Exception:  # noqa: BLE001 - another failure: not a verdict on kwargs
+        return False
+    return False
+
+
+def _first_tensor(value: Any, depth: int = 0) -> Optional[torch.Tensor]:
+    """The first tensor in params, param-group dicts or (name, tensor) pairs."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, Mapping):
+        value = value.get("params")
+    if depth < 3 and isinstance(value, (list, tuple)):
+        for item in value:
+            found = _first_tensor(item, depth + 1)
+            if found is not None:
+                return found
+    return None
