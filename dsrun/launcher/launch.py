@@ -28,6 +28,7 @@ the console.
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -266,11 +267,28 @@ def run(spec: LaunchSpec) -> int:
             finish_output(patience)
             broken = console.close(wait=False)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+        # A job stopped by a signal keeps the latch as handler, and dsrun ignores
+        # these signals once it exits (Python's finalisation would put their
+        # default back): the rest of a burst (Ctrl-C held down, `timeout`
+        # signalling the group) would otherwise end dsrun by SIGINT instead of
+        # its exit status 130.
+        if SIGNALS.seen:
+            atexit.unregister(_ignore_job_signals)  # once, however many jobs ran
+            atexit.register(_ignore_job_signals)
+        else:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)  # type: ignore[arg-type]
     if broken:  # a closed pipe took the last lines (`dsrun ... | head`)
         raise BrokenPipeError("dsrun's output stream is closed")
     return code
+
+
+def _ignore_job_signals() -> None:
+    """At exit, after a job stopped by a signal: the job's signals that still
+    reach the latch are ignored from here to the end of the process."""
+    for sig in JOB_SIGNALS:
+        if signal.getsignal(sig) is SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _seconds_var(environ: Mapping[str, str], name: str, default: float) -> float | None:

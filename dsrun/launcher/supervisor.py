@@ -71,8 +71,10 @@ class SignalLatch:
     def __init__(self) -> None:
         self.pending: list[int] = []
         self.raising = False
+        self.seen = False  # any signal since reset(): the launcher keeps its handlers
 
     def __call__(self, signum: int, frame: object) -> None:
+        self.seen = True
         if self.raising:
             self.raising = False
             raise Interrupted(signum)
@@ -81,6 +83,7 @@ class SignalLatch:
     def reset(self) -> None:
         self.pending.clear()
         self.raising = False
+        self.seen = False
 
     def arm(self) -> None:
         """Raise from now on; a signal recorded before raises at once."""

@@ -145,6 +145,26 @@ def test_a_burst_of_signals_while_the_job_stops_ends_in_one_clean_exit(pid_dir):
     assert wait_gone(sorted(job), 2) == []
 
 
+def test_signals_that_keep_coming_until_dsrun_exits_never_kill_it(pid_dir):
+    """A burst that outlasts the job's stop (Ctrl-C held down): signals that
+    land after the job ended, while dsrun exits, are absorbed too - dsrun's
+    status stays 130, never death by SIGINT from a handler put back too
+    early."""
+    proc = start_dsrun(*_behave("--pid_dir", str(pid_dir)))
+    try:
+        wait_for_pids(pid_dir, 2)
+        sent = 0
+        while proc.poll() is None and sent < 5000:
+            proc.send_signal(signal.SIGINT)
+            sent += 1
+            time.sleep(0.001)
+        out, err = proc.communicate(timeout=15)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert "stopped by SIGINT" in err
+
+
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGINT])
 def test_a_signal_ignored_at_start_stays_ignored(pid_dir, sig):
     """``nohup dsrun ...`` (SIGHUP ignored) and a non-interactive shell's
