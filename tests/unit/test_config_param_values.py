@@ -111,6 +111,8 @@ def test_integral_floats_reach_torch_as_ints(kind: str, ints: dict, others: dict
     ("CyclicLR", {"base_lr": 0.01, "max_lr": 0.1, "step_size_up": 2.5, "step_size_down": 0}),
     ("CyclicLR", {"base_lr": 0.01, "max_lr": 0.1, "step_size_up": 2, "step_size_down": 2.5}),
     ("ReduceLROnPlateau", {"patience": 1.5, "cooldown": 0.5}),
+    # torch's defaults: total_steps is enough
+    ("OneCycleLR", {"max_lr": 0.1, "total_steps": 10, "epochs": None, "steps_per_epoch": None}),
 ])
 def test_fractions_torch_computes_with_are_accepted(kind: str, params: dict) -> None:
     # torch 2.13 only computes or compares with these (CyclicLR does
