@@ -37,7 +37,7 @@ from dsrun.runtime.constants import (  # DeepSpeed's names, also importable from
     ROUTE_PREDICT,
     ROUTE_TRAIN,
 )
-from dsrun.runtime.dataloader import build_dataloader
+from dsrun.runtime.dataloader import build_dataloader, engine_step_clock
 
 __all__ = ["EngineControls", "MEMORY_OPT_ALLREDUCE_SIZE", "ROUTE_EVAL", "ROUTE_PREDICT",
            "ROUTE_TRAIN"]
@@ -138,7 +138,11 @@ class EngineControls:
         order; a ``data_sampler`` is used as given. The config's
         ``dataloader_drop_last`` applies; without ``collate_fn``, the one
         given to ``initialize()``. Every loader has DeepSpeed's
-        ``data_sampler`` attribute."""
+        ``data_sampler`` attribute. ``save_checkpoint`` warns of a
+        ``"train"`` loader of a Dataset (no sampler, no workers) that the
+        engine trained from (a step between two of its batches) and that is
+        not ``engine.training_dataloader``: its position is not saved. An
+        evaluation loader built with the default route is not warned of."""
         if not (self.is_map_style_dataset(dataset) or self.is_iterable_style_dataset(dataset)):
             raise ValueError("Training data must be a torch Dataset")
         size = self.config.train_micro_batch_size_per_gpu if batch_size is None else batch_size
@@ -150,7 +154,8 @@ class EngineControls:
             return self._train_loader(build_dataloader(
                 dataset, micro_batch_size=size, num_replicas=replicas, rank=rank,
                 collate_fn=collate_fn, drop_last=self.config.dataloader_drop_last,
-                device=self.device, tput_timer=self.tput_timer))
+                device=self.device, tput_timer=self.tput_timer,
+                step_clock=engine_step_clock(self)))
         if data_sampler is None:
             data_sampler = torch.utils.data.DistributedSampler(
                 dataset, num_replicas=replicas, rank=rank, shuffle=route == ROUTE_TRAIN)
@@ -159,7 +164,9 @@ class EngineControls:
             drop_last=self.config.dataloader_drop_last, pin_memory=pin,
             num_workers=num_local_io_workers or 0)
         loader.data_sampler = data_sampler  # DeepSpeed's name (loader.data_sampler.set_epoch)
-        return self._train_loader(loader) if route == ROUTE_TRAIN else loader
+        # not remembered: a save warns only of loaders seen trained from
+        # (DsrunDataLoader.trained), which a torch DataLoader cannot tell
+        return loader
 
     def _train_loader(self, loader: Any) -> Any:
         """Remember a training loader: ``save_checkpoint`` warns when it is

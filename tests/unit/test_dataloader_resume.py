@@ -1,7 +1,9 @@
 """Resuming the engine dataloader's position (DsrunDataLoader, restore_loader):
 another micro-batch size at the same data-parallel size, a position of
-another dataset, a look at one batch after the load, and the global RNG
-draw of torch's DataLoader (DeepSpeed's numbers, bitwise resume of dropout)."""
+another dataset, a look at batches after the load against a loop that
+trains one batch and stops (the engine's step counter tells them apart), and
+the global RNG draw of torch's DataLoader (DeepSpeed's numbers, bitwise
+resume of dropout, also from a save before an epoch's first batch)."""
 
 from __future__ import annotations
 
@@ -98,28 +100,91 @@ def test_a_restored_position_is_announced_with_the_opt_out(caplog: pytest.LogCap
     assert caplog.text == ""  # other ranks say nothing
 
 
-def test_a_look_at_one_batch_after_the_load_keeps_the_loaded_position() -> None:
+class Steps:
+    """An engine's step counter, as the engine's loaders read it (``step_clock``)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self) -> int:
+        return self.count
+
+    def step(self) -> None:
+        self.count += 1
+
+
+def engine_loader(steps: Steps, n: int = 24, size: int = 4) -> DsrunDataLoader:
+    return DsrunDataLoader(torch.utils.data.TensorDataset(torch.arange(float(n))), size,
+                           num_replicas=1, rank=0, step_clock=steps)
+
+
+def saved_at(batches: int) -> tuple[dict, list[float]]:
+    """A position ``batches`` into the first epoch, and the rest of that epoch."""
+    straight = loader()
+    it = iter(straight)
+    take(it, batches)
+    return straight.state_dict(), ids(it)
+
+
+def test_a_look_at_batches_after_the_load_keeps_the_loaded_position() -> None:
     """``next(iter(loader))`` after the load (an example batch, shapes): the
     training loop after it still starts at the loaded position; a save in
     between saves the loaded position."""
-    straight = loader()
-    it = iter(straight)
-    take(it, 2)
-    state = straight.state_dict()
-    rest = ids(it)
-    resumed = loader()
+    state, rest = saved_at(2)
+    steps = Steps()
+    resumed = engine_loader(steps)
     resumed.load_state_dict(state)
     assert ids([next(iter(resumed))]) == rest[:4]
     assert resumed.state_dict() == state
     kept = iter(resumed)
-    assert ids([next(kept)]) == rest[:4]  # a peek whose iterator is still alive
-    assert ids(resumed) == rest
-    # once the resumed loop went past its first batch, a new iter() is a new epoch
-    again = loader()
-    again.load_state_dict(state)
-    loop = iter(again)
-    take(loop, 2)
-    assert ids(iter(again)) == ids(loader())
+    assert take(kept, 2) == rest[:8]  # a look at two batches, its iterator still alive
+    assert resumed.state_dict() == state
+    trained = []
+    for batch in resumed:
+        trained += ids([batch])
+        steps.step()
+    assert trained == rest
+
+
+def test_one_trained_batch_after_the_load_moves_the_position() -> None:
+    """A resumed loop that trains one batch and stops (its step budget,
+    ``break``): a save then is one batch on, and a resume from it goes on
+    with the batch after - none is trained twice."""
+    state, rest = saved_at(2)
+    steps = Steps()
+    resumed = engine_loader(steps)
+    resumed.load_state_dict(state)
+    for batch in resumed:
+        assert ids([batch]) == rest[:4]
+        steps.step()
+        break
+    moved = resumed.state_dict()
+    assert (moved["epoch"], moved["batch"]) == (0, 3)
+    again = engine_loader(Steps())
+    again.load_state_dict(moved)
+    assert ids(again) == rest[4:]
+    # once a step trained a batch, a new iter() is a new epoch, as in a run never stopped
+    assert ids(iter(resumed)) == ids(loader())
+
+
+def test_without_a_step_clock_every_batch_handed_out_counts() -> None:
+    state, rest = saved_at(2)
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert ids([next(iter(resumed))]) == rest[:4]
+    assert resumed.state_dict()["batch"] == 3
+
+
+def test_only_a_loader_the_engine_stepped_between_batches_of_is_trained() -> None:
+    steps = Steps()
+    evaluation, training = engine_loader(steps), engine_loader(steps)
+    assert len(ids(evaluation)) == 24
+    it = iter(training)
+    next(it)
+    steps.step()
+    assert len(ids(evaluation)) == 24 and not evaluation.trained
+    next(it)
+    assert training.trained
 
 
 def test_an_epoch_starting_at_its_first_batch_draws_from_the_global_generator() -> None:
@@ -197,14 +262,45 @@ def test_dropout_resumes_bitwise_from_a_save_after_the_epoch_ended() -> None:
     assert first + steps == everything
 
 
+@pytest.mark.parametrize("early", [True, False])
+def test_dropout_resumes_bitwise_from_a_save_before_the_first_batch(early: bool) -> None:
+    """``RepeatingLoader(loader)`` right after ``initialize`` (its iter()
+    drew), then a checkpoint before the first batch: the resumed run makes no
+    second draw, whether its RepeatingLoader is made before the load
+    (``early``) or after it."""
+    torch.manual_seed(0)
+    straight = loader()
+    it = RepeatingLoader(straight)
+    position, rng = straight.state_dict(), capture_rng()
+    assert position["drawn"] is True and (position["epoch"], position["batch"]) == (0, 0)
+    drop = torch.nn.Dropout(0.5)
+    everything = [(next(it)[0].tolist(), drop(torch.ones(8)).tolist()) for _ in range(9)]
+    torch.manual_seed(1)  # a new process
+    resumed = loader()
+    it = RepeatingLoader(resumed) if early else None
+    resumed.load_state_dict(position)
+    restore_rng(rng)
+    it = it or RepeatingLoader(resumed)
+    steps = [(next(it)[0].tolist(), drop(torch.ones(8)).tolist()) for _ in range(9)]
+    assert steps == everything
+    assert "drawn" not in resumed.state_dict()  # it is RUNNING, mid-epoch
+
+
 def test_loaders_whose_position_is_not_saved_are_named() -> None:
     plain = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(4.0)))
-    engine_loader = loader()
-    other = loader()
-    assert unsaved_loaders(engine_loader, [engine_loader]) == []
+    steps = Steps()
+    engine_loader_ = engine_loader(steps)
+    other, evaluation = engine_loader(steps), engine_loader(steps)
+    assert unsaved_loaders(engine_loader_, [engine_loader_]) == []
     [warning] = unsaved_loaders(plain, [])
     assert "DataLoader given to initialize(training_data=) as it is" in warning
-    [warning] = unsaved_loaders(engine_loader, [engine_loader, other])
+    ids(evaluation)  # a pass without steps: an evaluation loader
+    assert unsaved_loaders(engine_loader_, [engine_loader_, other, evaluation]) == []
+    it = iter(other)
+    next(it)
+    steps.step()
+    next(it)
+    [warning] = unsaved_loaders(engine_loader_, [engine_loader_, other, evaluation])
     assert "DsrunDataLoader built by engine.deepspeed_io() is not " \
         "engine.training_dataloader" in warning
     assert unsaved_loaders(None, []) == []

@@ -13,7 +13,8 @@
   through the number of samples consumed in the epoch; a position of another
   dataset (its length differs) is not restored.
 * :func:`unsaved_loaders`: the training loaders whose position a save
-  leaves out, to warn of.
+  leaves out, to warn of (``deepspeed_io`` loaders only once the engine
+  trained from them: not an evaluation loader).
 """
 
 from __future__ import annotations
@@ -86,7 +87,10 @@ def unsaved_loaders(training: Any, built: Iterable[Any]) -> list[str]:
     """What to warn of at a save: the engine's dataloader ``training`` when
     its position cannot be saved (a DataLoader given to ``initialize`` as
     is), and each loader of ``built`` (``deepspeed_io(route="train")``'s)
-    that is not ``training`` (only the engine's dataloader is saved)."""
+    that is not ``training`` (only the engine's dataloader is saved) and
+    that the engine trained from (its ``trained``: a step came between one
+    of its batches and the next; an evaluation loader built with
+    DeepSpeed's default route has none, and is not warned of)."""
     found = []
     if training is not None and not callable(getattr(training, "state_dict", None)):
         found.append(f"the engine's dataloader is a {type(training).__name__} given to "
@@ -94,7 +98,7 @@ def unsaved_loaders(training: Any, built: Iterable[Any]) -> list[str]:
                      "a resumed run starts its epoch again at the first batch (pass the "
                      "Dataset to have dsrun build a loader whose position is saved)")
     for loader in built:
-        if loader is not training:
+        if loader is not training and getattr(loader, "trained", False):
             found.append(f"a {type(loader).__name__} built by engine.deepspeed_io() is not "
                          "engine.training_dataloader: its data position is not saved, a "
                          "resumed run starts its epoch again at the first batch (assign "
@@ -104,8 +108,9 @@ def unsaved_loaders(training: Any, built: Iterable[Any]) -> list[str]:
 
 def restore_loader(loader: Any, saved: Optional[Mapping[str, Any]], dp_world: int,
                    announce: bool = False) -> Optional[Mapping[str, Any]]:
-    """Put ``loader`` at the ``saved`` position (another data-parallel size
-    or micro-batch size converted through the samples consumed); returns the
+    """Put ``loader`` at the ``saved`` position (the loader's
+    ``load_state_dict`` converts one of another data-parallel size or
+    micro-batch size through the samples consumed); returns the
     position it continues at, or None when none was restored. ``announce``
     (rank 0): log that position, or why none was restored."""
     if saved is None:
@@ -122,12 +127,10 @@ def restore_loader(loader: Any, saved: Optional[Mapping[str, Any]], dp_world: in
             log.warning("the checkpoint's dataloader position is not restored: %s (another "
                         "dataset); the dataloader starts at its first batch", problem)
         return None
-    saved_world = int(saved.get("dp_world", dp_world))
-    size = getattr(loader, "batch_size", None)
-    rescale = getattr(loader, "rescale_state", None)
-    if "batch" in state and callable(rescale) and \
-            (saved_world != dp_world or state.get("batch_size", size) != size):
-        state = rescale(state, saved_world, dp_world)
+    if "batch" in state and "num_replicas" not in state:
+        # saved before the state recorded its replicas: the record's dp_world
+        # counts them (the loader's load_state_dict converts the position)
+        state["num_replicas"] = int(saved.get("dp_world", dp_world))
     loader.load_state_dict(state)
     now = loader.state_dict()
     if announce:
