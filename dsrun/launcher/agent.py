@@ -2,56 +2,43 @@
 
 One agent runs per host and attempt (``python -m dsrun.launcher.agent``),
 started by a backend locally or over SSH, and talks to the launcher over
-its stdin/stdout. Under mpirun and srun one agent runs per rank
-(``python -m dsrun.launcher.agent --connect``): it connects back to the
-launcher (callback.py) and talks over that connection instead; the rank it
-starts inherits the MPI/Slurm variables, so MPI works in the rank. Either
-way the agent may first answer ``probe`` commands (host facts, master port;
-see protocol.py), then reads its part of the plan and reports events. End
-of input before the plan means "exit, nothing was started". Guarantees:
+its stdin/stdout; under mpirun and srun one runs per rank (``--connect``:
+it connects back to the launcher, callback.py, and its rank inherits the
+MPI/Slurm variables). It may first answer ``probe`` commands (protocol.py),
+then reads its part of the plan and reports events. End of input before the
+plan means "exit, nothing was started". Guarantees:
 
 - every rank runs in its own session/process group and dies with the agent
-  (its parent-death signal; deathsig.py). The agent never runs Python code
-  between fork and exec;
-- spawning stops at the first rank that cannot be started;
-- the first rank to fail stops the others: SIGTERM to each group, then
-  SIGKILL after ``kill_grace`` seconds. A stop for a Ctrl-C (the launcher's
-  ``stop`` with ``"signal": "SIGINT"``, or SIGINT to the agent itself)
-  sends SIGINT instead of SIGTERM, as a terminal's Ctrl-C reaches plain
-  python: the script's ``finally`` blocks, ``except KeyboardInterrupt``
-  handlers and ``atexit`` run within the grace;
-- a stop command, end of input (launcher, SSH channel or connection gone),
-  a launcher silent for longer than its heartbeat timeout (link.py), or a
-  signal to the agent stops every rank the same way; a kill command (a
-  second signal at the launcher), end of input while stopping, or a second
-  signal to the agent, SIGKILLs the ranks at once instead of waiting out
-  the grace;
+  (deathsig.py); no Python code runs between fork and exec; spawning stops
+  at the first rank that cannot be started;
+- the first rank to fail stops the others: SIGTERM to each group (SIGINT
+  for the launcher's Ctrl-C: ``stop`` with ``"signal": "SIGINT"``, or
+  SIGINT to the agent), SIGKILL after ``kill_grace`` seconds. A stop
+  command, end of input, a launcher silent past its heartbeat timeout
+  (link.py) or a signal to the agent stop the ranks the same way; a kill
+  command, end of input while stopping, or a second signal SIGKILL them at
+  once;
 - exited ranks stay unreaped until the teardown is over, so their pids and
   group ids cannot name anyone else's processes meanwhile (procs.py);
-- before ``done`` is sent every process of the job on this host is gone,
-  including descendants that left their group (found by the job marker)
-  and, on Linux, those that also cleared their environment (the agent is
-  their subreaper: every descendant but the guard is the job's); orphans
-  it adopts are reaped, the ranks only at the end of the teardown;
-- a failure of the agent itself (a ``--log_dir`` file it cannot open, which
-  it checks before any rank starts, its guard killed, its own error) is a
-  ``fail`` event {message}: the launcher reports the host as failed, and
-  the ranks are stopped; never a clean ``done``;
-- a signal to the agent is reported (a ``signal`` event) before it stops
-  the ranks, so the launcher blames the signal, not the ranks it stopped;
-- a signal never cuts the teardown short (ranks unreaped, the temporary
-  directory left, no ``done``): after the first, signals only hurry it
-  (mpirun's orted sends SIGTERM on MPI_Abort, which may come while the
-  agent is already stopping);
+- before ``done`` every process of the job on this host is gone: also
+  descendants that left their group (the job marker) and, on Linux, those
+  that also cleared their environment (the agent is their subreaper);
+  adopted orphans are reaped, the ranks only at the end of the teardown;
+- a failure of the agent itself - a ``--log_dir`` file it cannot open
+  (checked before any rank starts) or write, its guard killed, an error on
+  any of its threads - is a ``fail`` event {message, time}: the launcher
+  reports the host as failed, the ranks are stopped; never a clean ``done``;
+- a signal to the agent is reported (``signal``) before it stops the ranks,
+  so the launcher blames the signal; later signals only hurry the teardown,
+  never cut it short (orted's SIGTERM on MPI_Abort may come mid-stop);
 - if the agent itself is SIGKILLed, its guard (forked before any thread
-  starts; guard.py) kills the job.
+  starts; guard.py) kills the job, escaped processes included.
 """
 
 from __future__ import annotations
 
 import os
 import queue
-import select
 import signal
 import subprocess
 import sys
@@ -61,6 +48,7 @@ from typing import IO, Any
 
 from dsrun import deathsig, stackdump
 from dsrun.launcher import procs
+from dsrun.launcher.agent_exits import exit_event, poll_status
 from dsrun.launcher.agent_os import (
     STOP_SIGNALS,
     LogOpenError,
@@ -68,48 +56,33 @@ from dsrun.launcher.agent_os import (
     deepspeed_shm_name,
     hostname,
     make_tmpdir,
-    open_rank_logs,
     raise_stop,
+    rank_argv,
     read_error_file,
     remove_own_shm,
     remove_tmpdir,
     stop_raising,
     wait_status,
 )
+from dsrun.launcher.agent_output import TAIL_LINES, Rank, RankOutput, close_quietly, guarded
 from dsrun.launcher.agent_prelude import ConnectFailed, connect_link, read_payload
 from dsrun.launcher.envlayers import apply_layers
 from dsrun.launcher.guard import Guard
 from dsrun.launcher.link import END, Link
-from dsrun.launcher.outlines import PARTIAL_IDLE, LineSplitter, Segment, Tail
 
-TAIL_LINES = 20
+__all__ = ["TAIL_LINES", "Agent", "Rank", "main"]
 # Imports are kept to what every agent needs (one agent starts per host and
 # per attempt, all at once): planning modules, dataclasses, tempfile/shutil,
 # psutil and the probe's network helpers are not among them.
 
 
-class Rank:
-    """One rank process of this agent and what is known of it."""
-
-    def __init__(self, rank: int, local_rank: int, popen: subprocess.Popen,
-                 leader: procs.Leader | None, error_file: str, stack_file: str) -> None:
-        self.rank = rank
-        self.local_rank = local_rank
-        self.popen = popen
-        self.leader = leader
-        self.error_file = error_file
-        self.stack_file = stack_file
-        self.tail = Tail(TAIL_LINES)
-        self.readers: list[threading.Thread] = []
-        self.log: IO[str] | None = None
-        self.reported = False
-        self.status: int | None = None  # as Popen.returncode, known before it is reaped
-        self.exit_mono = 0.0  # time.monotonic() when the exit was seen
-        self.settled = False  # its wait thread saw the exit and its output is read
-        self.shm_name = ""  # DeepSpeed's shared-memory all-reduce buffer, if it makes one
-
-
 class Agent:
+    """One host's part of a job: starts its ranks (:meth:`run`), relays their
+    output and exits, carries out the launcher's commands, and tears the job
+    down on this host. Everything that happens off the main thread (rank
+    exits, output, commands, thread failures) reaches the main loop through
+    :attr:`events`; only the main thread stops ranks or sends ``done``."""
+
     def __init__(self, payload: dict[str, Any], link: Link, guard: Guard | None,
                  subreaper: bool = False) -> None:
         self.payload = payload
@@ -126,9 +99,13 @@ class Agent:
         self.grace = float(payload.get("kill_grace", 5.0))
         self.link = link
         self.guard = guard
-        self.events: queue.Queue[str] = queue.Queue()
+        # "exit", "eof", "stop", "kill", or (what, detail): ("fail", message)
+        # a log file that cannot be written, ("crash", exception) a thread's error.
+        self.events: queue.Queue[Any] = queue.Queue()
         self.ranks: list[Rank] = []
-        self.log_lock = threading.Lock()
+        self.output = RankOutput(link, lambda msg: self.events.put(("fail", msg)),
+                                 self._thread_failed)
+        self.escaped: set[procs.Proc] = set()  # told to the guard (_record_escaped)
         self.exit_lock = threading.Lock()  # a rank's status and exit time, set once
         self.stack_lock = threading.Lock()
         self.stopping = False
@@ -138,6 +115,7 @@ class Agent:
         self.deadline = 0.0
         self.stop_mono = float("inf")  # time.monotonic() when stopping began
         self.failed = False
+        self.fail_sent = False
         self.tmpdir = make_tmpdir(f"dsrun-{self.job_id[:8]}-")
         me = procs.Proc.of(os.getpid())
         self.since = me.started if me is not None else 0.0  # the job started after us
@@ -177,11 +155,13 @@ class Agent:
     def _fail(self, message: str) -> None:
         """This host fails (not one rank): the launcher reports ``message``
         and stops the job everywhere; here every rank is stopped."""
+        if not self.fail_sent:  # the first is the cause; later ones are consequences
+            self.fail_sent = True
+            self.emit({"ev": "fail", "message": message, "time": time.time()})
         self.failed = True
-        self.emit({"ev": "fail", "message": message, "time": time.time()})
         self._begin_stop()
 
-    def _crashed(self, exc: Exception) -> None:
+    def _crashed(self, exc: BaseException) -> None:
         """The agent's own code failed: never a clean ``done``. The ranks it
         started are stopped by _finish (they are in self.ranks from the moment
         they exist), whether or not their threads run."""
@@ -192,10 +172,13 @@ class Agent:
         else:  # a bug: its traceback goes to the launcher as agent output
             import traceback
 
-            traceback.print_exc(file=sys.stderr)
+            traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
             sys.stderr.flush()
             what = f"{type(exc).__name__}: {exc}"
         self._fail(f"its own error: {what}")
+
+    def _thread_failed(self, exc: BaseException) -> None:
+        self.events.put(("crash", exc))
 
     def _hurry(self) -> None:
         # Only a flag: a signal handler must not take a lock the interrupted
@@ -204,34 +187,41 @@ class Agent:
 
     def _start(self) -> None:
         self.emit({"ev": "hello", "host": hostname(), "pid": os.getpid()})
-        logs = self._open_logs()
+        try:
+            logs = self.output.open_logs(self.payload)
+        except LogOpenError as exc:  # one that cannot be opened: nothing is started
+            self._fail(f"{exc}; no rank was started there")
+            logs = None
         for spec in self.payload["ranks"] if logs is not None else ():
             if not self._spawn(spec, logs.pop(spec["rank"], None)):
                 break  # the rest are never started: the job is failing
         for log in (logs or {}).values():  # of ranks never started
-            log.close()
+            close_quietly(log)
         for rank in self.ranks:
-            self._start_readers(rank)
-            threading.Thread(target=self._wait_rank, args=(rank,), daemon=True).start()
-        threading.Thread(target=self._read_commands, daemon=True).start()
+            self.output.start_readers(rank)
+            guarded(self._wait_rank, self._thread_failed, rank)
+        guarded(self._read_commands, self._thread_failed)
 
     def _wait_rank(self, rank: Rank) -> None:
         # A thread per rank gives each exit its own timestamp: which rank
         # failed *first* decides the root cause, and polling would blur it.
         # WNOWAIT: the rank stays a zombie, holding its pid and group id.
         try:
-            info = os.waitid(os.P_PID, rank.popen.pid, os.WEXITED | os.WNOWAIT)
-        except ChildProcessError:
-            info = None
-        if info is None:
-            mono = time.monotonic()
-            self._exited(rank, rank.popen.wait(), mono)
-        else:
-            self._exited(rank, wait_status(info), time.monotonic())
-        # Its last output before its exit (the pumps may wait while the
-        # launcher holds output): here, so the supervision loop never waits.
-        for t in rank.readers:
-            t.join(timeout=0.5)
+            try:
+                info = os.waitid(os.P_PID, rank.popen.pid, os.WEXITED | os.WNOWAIT)
+            except ChildProcessError:
+                info = None
+            if info is None:
+                mono = time.monotonic()
+                self._exited(rank, rank.popen.wait(), mono)
+            else:
+                self._exited(rank, wait_status(info), time.monotonic())
+            # Its last output before its exit (the pumps may wait while the
+            # launcher holds output): here, so the supervision loop never waits.
+            for t in rank.readers:
+                t.join(timeout=0.5)
+        except BaseException as exc:  # noqa: BLE001 - the host fails; _reap polls the exit
+            self._thread_failed(exc)  # queued before "exit": handled first
         rank.settled = True
         self.events.put("exit")
 
@@ -250,15 +240,9 @@ class Agent:
         thread runs, so the peer's failure can start the stop first, and
         the dead rank would look like one the stop ended."""
         for rank in self.ranks:
-            if rank.status is not None:
-                continue
-            try:
-                info = os.waitid(os.P_PID, rank.popen.pid,
-                                 os.WEXITED | os.WNOWAIT | os.WNOHANG)
-            except ChildProcessError:
-                continue
-            if info is not None:
-                self._exited(rank, wait_status(info), time.monotonic())
+            status = poll_status(rank.popen.pid) if rank.status is None else None
+            if status is not None:
+                self._exited(rank, status, time.monotonic())
 
     def _agent_vars(self, rank: int) -> dict[str, str]:
         return {procs.JOB_MARKER: self.marker,
@@ -266,25 +250,13 @@ class Agent:
                 stackdump.STACK_FILE_VAR: os.path.join(self.tmpdir, f"stack_{rank}.txt"),
                 deathsig.AGENT_PID_VAR: str(os.getpid())}
 
-    def _argv(self, spec: dict[str, Any]) -> list[str]:
-        """The rank's argv; ranks without the injected runtime go through
-        the parent-death wrapper (deathsig.py)."""
-        argv = list(spec["argv"])
-        if spec.get("runtime", True):
-            return argv
-        import shutil
-
-        if shutil.which(argv[0]) is None:
-            raise FileNotFoundError(2, "No such file or directory")
-        return deathsig.wrapper_argv(sys.executable, os.getpid(), argv)
-
     def _spawn(self, spec: dict[str, Any], log: IO[str] | None = None) -> bool:
         agent_vars = self._agent_vars(spec["rank"])
         env = apply_layers(spec["env"], os.environ, self.payload.get("env", {}), agent_vars,
                            self.payload.get("env_files", ()))
         try:
             popen = subprocess.Popen(
-                self._argv(spec), env=env, cwd=self.payload.get("cwd") or None,
+                rank_argv(spec), env=env, cwd=self.payload.get("cwd") or None,
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True,
             )
@@ -308,68 +280,17 @@ class Agent:
         self.emit({"ev": "started", "rank": rank.rank, "pid": popen.pid})
         return True
 
-    def _open_logs(self) -> dict[int, IO[str]] | None:
-        """Every rank's ``--log_dir`` file, opened before any rank starts:
-        one that cannot be opened fails this host with nothing started (None)."""
-        header = (f"# dsrun job {self.job_id} restart {self.payload.get('restart_count', 0)} "
-                  f"host {hostname()} {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-        try:
-            return open_rank_logs(self.payload.get("log_dir"),
-                                  [spec["rank"] for spec in self.payload["ranks"]], header)
-        except LogOpenError as exc:
-            self._fail(f"{exc}; no rank was started there")
-            return None
-
-    def _start_readers(self, rank: Rank) -> None:
-        for fd, stream in ((1, rank.popen.stdout), (2, rank.popen.stderr)):
-            t = threading.Thread(target=self._pump, args=(rank, fd, stream), daemon=True)
-            t.start()
-            rank.readers.append(t)
-
-    def _pump(self, rank: Rank, fd: int, stream: IO[bytes]) -> None:
-        """Forward one output stream of ``rank`` line by line (outlines.py):
-        ``\r`` ends a line too, and text without a line end goes out after
-        a short silence or once it is LINE_LIMIT long."""
-        splitter = LineSplitter()
-        poller = select.poll()
-        poller.register(stream.fileno(), select.POLLIN)
-        idle_ms = int(PARTIAL_IDLE * 1000)
-        while True:
-            if splitter.pending and not poller.poll(idle_ms):
-                segments = splitter.flush()
-            else:
-                data = os.read(stream.fileno(), 65536)
-                if not data:
-                    break
-                segments = splitter.feed(data)
-            self._forward(rank, fd, segments)
-        self._forward(rank, fd, splitter.flush(final=True))
-        stream.close()
-
-    def _forward(self, rank: Rank, fd: int, segments: list[Segment]) -> None:
-        """One ``out`` event for the lines of one read (a chunk holds many)."""
-        lines = []
-        for segment in segments:
-            rank.tail.add(fd, segment)
-            if segment.forward:
-                lines.append(segment.text)
-        if not lines:
-            return
-        if rank.log is not None:
-            with self.log_lock:
-                rank.log.write("".join(f"{text}\n" for text in lines))
-                rank.log.flush()
-        self.emit({"ev": "out", "rank": rank.rank, "fd": fd, "lines": lines}, control=False)
-
     def _read_commands(self) -> None:
-        while True:
-            msg = self.link.get(None)
-            if msg is END:
-                break
-            handler = self.commands.get(str(msg.get("cmd")))
-            if handler is not None:  # unknown commands: from a newer launcher
-                handler(msg)
-        self.events.put("eof")
+        try:
+            while True:
+                msg = self.link.get(None)
+                if msg is END:
+                    break
+                handler = self.commands.get(str(msg.get("cmd")))
+                if handler is not None:  # unknown commands: from a newer launcher
+                    handler(msg)
+        finally:  # an error here is a crash (guarded), and no command comes any more
+            self.events.put("eof")
 
     @property
     def commands(self) -> dict[str, Any]:
@@ -378,8 +299,8 @@ class Agent:
                 "kill": lambda msg: self.events.put("kill"),
                 "pause": lambda msg: self.link.pause_output(True),
                 "resume": lambda msg: self.link.pause_output(False),
-                "stack": lambda msg: threading.Thread(
-                    target=self._stacks, args=(msg.get("req"),), daemon=True).start()}
+                "stack": lambda msg: guarded(self._stacks, self._thread_failed,
+                                             msg.get("req"))}
 
     def _stop_command(self, msg: dict[str, Any]) -> None:
         if msg.get("signal") == "SIGINT":
@@ -404,6 +325,9 @@ class Agent:
                 event = self.events.get(timeout=0.05)
             except queue.Empty:
                 event = None
+            if isinstance(event, tuple):  # a failure off the main thread: the host fails
+                self._failed_off_main(*event)
+                continue
             if event == "kill" or self.hurried or (event == "eof" and self.stopping):
                 # Nobody waits for the grace any more: the launcher (or this
                 # agent) was signalled twice, or went away while the job was
@@ -422,8 +346,26 @@ class Agent:
             if self.stopping and not self.hard_killed and now >= self.deadline:
                 procs.signal_groups(self._running_leaders(), signal.SIGKILL)
                 self.hard_killed = True
-            if all(r.reported for r in self.ranks):
+            if all(r.reported for r in self.ranks) and not self._late_failures():
                 return
+
+    def _failed_off_main(self, what: str, detail: Any) -> None:
+        if what == "crash":
+            self._crashed(detail)
+        else:
+            self._fail(detail)
+
+    def _late_failures(self) -> bool:
+        """Failures of threads queued behind the last exit: never lost."""
+        found = False
+        while True:
+            try:
+                event = self.events.get_nowait()
+            except queue.Empty:
+                return found
+            if isinstance(event, tuple):
+                self._failed_off_main(*event)
+                found = True
 
     def _own_children(self) -> set[int]:
         """Children whose status is not the orphan reaper's to take."""
@@ -431,13 +373,30 @@ class Agent:
         return kept | ({self.guard.pid} if self.guard is not None else set())
 
     def _check_children(self) -> None:
-        """Reap adopted orphans (subreaper), and fail if the guard died."""
+        """Reap adopted orphans (subreaper), tell the guard of escaped job
+        processes, and fail if the guard died."""
         if self.spare is not None:
             procs.reap_adopted(self._own_children())
+            if self.guard is not None and not self.stopping:
+                self._record_escaped()
         how = self.guard.died() if self.guard is not None else None
+        if how is not None:
+            self.spare = frozenset()  # reaped: its pid may name a job process now
         if how is not None and not self.stopping:
             self._fail(f"its guard process (pid {self.guard.pid}) {how}: without it the "
                        f"ranks would outlive a killed agent, so the job is stopped")
+
+    def _record_escaped(self) -> None:
+        """Job processes outside every rank's group (they left it: setsid,
+        daemonisers) go to the guard, which is no ancestor of theirs: if
+        this agent is SIGKILLed they reparent to init, and those that also
+        dropped the marker could not be found by it otherwise."""
+        assert self.guard is not None and self.spare is not None
+        groups = [r.leader.pid for r in self.ranks if r.leader is not None]
+        for proc in procs.outside_groups(groups, self.spare):
+            if proc not in self.escaped:
+                self.escaped.add(proc)
+                self.guard.escaped(proc)
 
     def _leaders(self) -> list[procs.Leader]:
         return [r.leader for r in self.ranks if r.leader is not None]
@@ -458,50 +417,21 @@ class Agent:
         for rank in self.ranks:
             if rank.reported or not rank.settled:
                 continue
+            if rank.status is None:  # its wait thread failed: poll for the exit
+                self._poll_exits()
+                if rank.status is None:
+                    continue
             rank.reported = True
             self._report_exit(rank)
 
     def _report_exit(self, rank: Rank) -> None:
-        code = rank.status
-        assert code is not None
-        failed = code != 0
         error = read_error_file(rank.error_file)
-        now_mono, now_wall = time.monotonic(), time.time()
-        # The rank's own record is stamped when the error was raised, before
-        # the process finished exiting: the earliest evidence. Its wall time
-        # is this host's clock, as is the agent's, so the difference holds.
-        age = now_mono - rank.exit_mono
-        if error is not None and "time" in error:
-            age = max(age, now_wall - float(error["time"]))
-        when_mono = now_mono - age
-        during_stop = self.stopping and when_mono >= self.stop_mono
-        if code < 0 and error is not None and when_mono < self.stop_mono:
-            # It was already failing on its own (the record says how) when
-            # our SIGTERM caught it in its exit path: report its own code.
-            code = int(error.get("exit_code", 1))
-        self.emit({
-            "ev": "exit", "rank": rank.rank,
-            "code": code if code >= 0 else None,
-            "signal": -code if code < 0 else None,
-            "time": now_wall - age, "age": round(age, 6), "during_stop": during_stop,
-            "error": error, "tail": rank.tail.lines(),
-        })
-        if failed and error is not None:
-            self._log_error(rank, error)
-        if failed:
+        self.emit(exit_event(rank, error, self.stopping, self.stop_mono))
+        if rank.status != 0:
+            if error is not None:
+                self.output.log_error(rank, error)
             self.failed = True
             self._begin_stop()
-
-    def _log_error(self, rank: Rank, error: dict[str, Any]) -> None:
-        """A recorded error the rank did not print (a dsrun error is only
-        recorded under an agent) goes into its --log_dir file too."""
-        if rank.log is None or error.get("traceback") or not error.get("message"):
-            return
-        message = str(error["message"]).replace("\n", "\n#   ")
-        where = f"\n#   at {error['where']}" if error.get("where") else ""
-        with self.log_lock:
-            rank.log.write(f"# dsrun: rank {rank.rank} failed: {message}{where}\n")
-            rank.log.flush()
 
     def _finish(self) -> int:
         """Make sure nothing of the job is left on this host; return #SIGKILLed."""
@@ -514,8 +444,7 @@ class Agent:
             if rank.status is None:  # only after a second signal
                 rank.popen.kill()
             rank.popen.wait()  # reaped only now: its pid was ours until here
-            if rank.log is not None:
-                rank.log.close()
+            self.output.close_log(rank)  # never raises: a full disk must not stop this
         if self.spare is not None:
             procs.reap_adopted(self._own_children())
         if self.guard is not None:

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from typing import IO, Any
@@ -43,6 +44,21 @@ def stop_raising(then: Callable[[], None] | None = None) -> None:
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, on_signal)
+
+
+def rank_argv(spec: dict[str, Any]) -> list[str]:
+    """A rank's argv; ranks without the injected runtime go through the
+    parent-death wrapper (deathsig.py), armed against this process."""
+    argv = list(spec["argv"])
+    if spec.get("runtime", True):
+        return argv
+    import shutil
+
+    if shutil.which(argv[0]) is None:
+        raise FileNotFoundError(2, "No such file or directory")
+    from dsrun import deathsig
+
+    return deathsig.wrapper_argv(sys.executable, os.getpid(), argv)
 
 
 def hostname() -> str:

@@ -6,11 +6,16 @@ agent's session, ignores the usual signals, lets go of every file the
 agent holds (so the agent's channel closes when the agent dies) and reads
 a pipe from the agent: ``marker M SINCE`` (the agent's marker and start
 time), ``tmpdir PATH`` (the ranks' error and stack files), then one
-``PID START_TIME`` line per rank (procs.Leader). If the pipe closes
+``PID START_TIME`` line per rank (procs.Leader) and one ``escaped PID
+START_TIME`` line per job process the agent found outside every rank's
+group (procs.outside_groups: the agent is their subreaper, the guard is
+not, so without this record those that also dropped the marker would
+outlive the agent). If the pipe closes
 without the final ``done`` line, the agent died (SIGKILL, OOM killer)
 before it could tear its ranks down, so the guard kills every process of
 the job: the ranks' groups - only those whose leader is still the process
-that was started - and anything carrying the agent's environment marker;
+that was started - anything carrying the agent's environment marker, and
+each recorded escaped process still alive with its descendants;
 then it removes the agent's temporary directory.
 """
 
@@ -20,7 +25,7 @@ import os
 import signal
 import sys
 
-from dsrun.launcher.procs import Leader, kill_job
+from dsrun.launcher.procs import Leader, Proc, kill_job
 
 
 class Guard:
@@ -51,6 +56,10 @@ class Guard:
 
     def watch(self, leader: Leader) -> None:
         self._send(leader.line())
+
+    def escaped(self, proc: Proc) -> None:
+        """A job process outside every rank's group: killed too if the agent dies."""
+        self._send(f"escaped {proc.line()}")
 
     def died(self) -> str | None:
         """How the guard ended, if it has (before ``done``: someone killed
@@ -106,6 +115,7 @@ def _run_guard(read: int) -> None:
     since = 0.0
     tmpdir: str | None = None
     leaders: list[Leader] = []
+    escaped: list[Proc] = []
     pending = b""
     while True:
         chunk = os.read(read, 4096)
@@ -122,10 +132,13 @@ def _run_guard(read: int) -> None:
                 since = float(started)
             elif line.startswith("tmpdir "):
                 tmpdir = line[len("tmpdir "):]
+            elif line.startswith("escaped "):
+                if (proc := Proc.parse(line[len("escaped "):])) is not None:
+                    escaped.append(proc)
             elif (leader := Leader.parse(line)) is not None:
                 leaders.append(leader)
-    if marker is not None or leaders:
-        kill_job(leaders, marker, since=since)
+    if marker is not None or leaders or escaped:
+        kill_job(leaders, marker, since=since, roots=escaped)
     if tmpdir is not None:
         import shutil  # only here: the agent itself never needs it
         shutil.rmtree(tmpdir, ignore_errors=True)

@@ -6,7 +6,10 @@ rank is a group leader - (b) any process whose environment carries the
 that left the group (``setsid``, daemonising), and (c) on Linux, every
 descendant of the node agent but its guard: the agent is a child subreaper,
 so a descendant that left both group and environment (``setsid env -i``)
-is reparented to it when its parent exits, never to init. The marker is per agent, not
+is reparented to it when its parent exits, never to init; the agent tells
+its guard those of them that are in no rank's group (:func:`outside_groups`),
+so the guard, which is no ancestor of theirs, still finds them (and their
+descendants) after the agent is killed. The marker is per agent, not
 per job, so that agents of one job whose hosts share a PID namespace never
 stop each other's ranks. Stopping is SIGTERM, a deadline, SIGKILL, then a
 re-scan until nothing is found, since a dying process may fork.
@@ -127,7 +130,8 @@ def live_groups(leaders: Iterable[Proc]) -> list[int]:
 
 
 def job_processes(leaders: Iterable[Proc], marker: str | None,
-                  since: float = 0.0, spare: frozenset[int] | None = None) -> list[Proc]:
+                  since: float = 0.0, spare: frozenset[int] | None = None,
+                  roots: Iterable[Proc] = ()) -> list[Proc]:
     """Live (non-zombie) processes of this job, excluding the caller.
 
     ``since``: the start time (as :class:`Proc` has it) of the agent; every
@@ -136,12 +140,16 @@ def job_processes(leaders: Iterable[Proc], marker: str | None,
     become_subreaper) and every descendant of it is the job's too, but the
     processes in ``spare`` (its guard) and theirs: this finds those that
     dropped the marker with their environment (``env -i``, daemonisers).
+    ``roots``: processes known to be the job's (the guard's record of them:
+    :func:`outside_groups`); each, while still ours, and its descendants.
     """
-    return [proc for proc, _ in _scan(set(live_groups(leaders)), marker, since, spare)]
+    return [proc for proc, _ in _scan(set(live_groups(leaders)), marker, since, spare,
+                                      roots)]
 
 
 def _scan(groups: set[int], marker: str | None, since: float,
-          spare: frozenset[int] | None = None) -> list[tuple[Proc, int]]:
+          spare: frozenset[int] | None = None,
+          roots: Iterable[Proc] = ()) -> list[tuple[Proc, int]]:
     """The job's live processes (:func:`job_processes`) with their process
     group, read in the same pass."""
     me = os.getpid()
@@ -151,6 +159,9 @@ def _scan(groups: set[int], marker: str | None, since: float,
         if pid != me and stat is not None and stat[3] >= since:
             seen[pid] = stat
     tree = _descendants(me, seen, spare) if spare is not None else set()
+    for root in roots:
+        if root.pid in seen and seen[root.pid][3] == root.started:
+            tree |= {root.pid} | _descendants(root.pid, seen, frozenset())
     found = []
     for pid, (zombie, _, pgid, started) in seen.items():
         if zombie:
@@ -173,6 +184,31 @@ def _descendants(root: int, seen: dict[int, tuple[bool, int, int, float]],
             if child not in spare and child not in found:
                 found.add(child)
                 todo.append(child)
+    return found
+
+
+def outside_groups(groups: Iterable[int], spare: Iterable[int]) -> list[Proc]:
+    """This process's descendants (but ``spare`` and theirs) that are in none
+    of ``groups``: those a rank's group does not hold, found by walking the
+    tree from here (``/proc/PID/task/*/children``: only the job's processes
+    are read, however many others the host runs). Linux only: [] elsewhere."""
+    if not _HAVE_PROC:
+        return []
+    groups, skip = set(groups), set(spare)
+    found: list[Proc] = []
+    todo = [pid for pid in _child_pids(os.getpid()) if pid not in skip]
+    seen: set[int] = set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        stat = _stat(pid)
+        if stat is None or stat[0]:
+            continue
+        if stat[2] not in groups:
+            found.append(Proc(pid, stat[3]))
+        todo.extend(_child_pids(pid))
     return found
 
 
@@ -303,12 +339,14 @@ def _gone(proc: Proc) -> bool:
 
 
 def kill_job(leaders: Iterable[Proc], marker: str | None, rounds: int = 20,
-             since: float = 0.0, spare: frozenset[int] | None = None) -> int:
-    """SIGKILL every process of the job until a scan finds none."""
-    leaders = list(leaders)
+             since: float = 0.0, spare: frozenset[int] | None = None,
+             roots: Iterable[Proc] = ()) -> int:
+    """SIGKILL every process of the job until a scan finds none
+    (``roots``: see :func:`job_processes`)."""
+    leaders, roots = list(leaders), list(roots)
     killed: set[int] = set()
     for _ in range(rounds):
-        procs = job_processes(leaders, marker, since, spare)
+        procs = job_processes(leaders, marker, since, spare, roots)
         if not procs:
             break
         signal_groups(leaders, signal.SIGKILL)

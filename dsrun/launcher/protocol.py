@@ -79,6 +79,12 @@ The agent writes events:
            the agent itself got a stop signal (SIGTERM, SIGINT, SIGHUP:
            an admin, a scheduler, orted); it now stops its ranks, whose
            exits are consequences of it
+  fail     {message, time}                 the agent itself failed (a --log_dir file
+                                           it cannot open or write, its guard killed,
+                                           an error on any of its threads): the host
+                                           fails, whatever its ranks did; the agent
+                                           stops its ranks and still ends with done,
+                                           and exits non-zero
   stack    {req, rank, pid, text}          a rank's stacks (text null: no handler)
   stack_end {req}                          every running rank answered
   done     {killed}                        every process of the job is gone

@@ -1,0 +1,56 @@
+"""What the node agent reports of a rank's exit (the ``exit`` event of
+protocol.py): its code or signal, how long ago it failed, and whether it
+failed on its own or of the agent's stop.
+
+Invariants: the earliest evidence of a failure wins (the rank's own error
+record, stamped when the error was raised, else the moment its exit was
+seen), and a rank already failing on its own when the stop's signal caught
+it in its exit path is reported with its own exit code. Kept to the
+standard library: every agent imports it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from dsrun.launcher.agent_os import wait_status
+from dsrun.launcher.agent_output import Rank
+
+
+def poll_status(pid: int) -> int | None:
+    """The exit status (as Popen.returncode) of the child ``pid`` if it has
+    exited, leaving it unreaped (its pid and group id stay held); else None."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG)
+    except ChildProcessError:
+        return None
+    return None if info is None else wait_status(info)
+
+
+def exit_event(rank: Rank, error: dict[str, Any] | None, stopping: bool,
+               stop_mono: float) -> dict[str, Any]:
+    """The ``exit`` event of ``rank`` (its status known), with its error
+    record ``error``; ``stop_mono``: time.monotonic() when the agent began
+    stopping the job (``stopping``)."""
+    code = rank.status
+    assert code is not None
+    now_mono, now_wall = time.monotonic(), time.time()
+    # The rank's own record is stamped when the error was raised, before
+    # the process finished exiting: the earliest evidence. Its wall time
+    # is this host's clock, as is the agent's, so the difference holds.
+    age = now_mono - rank.exit_mono
+    if error is not None and "time" in error:
+        age = max(age, now_wall - float(error["time"]))
+    when_mono = now_mono - age
+    during_stop = stopping and when_mono >= stop_mono
+    if code < 0 and error is not None and when_mono < stop_mono:
+        # It was already failing on its own (the record says how) when
+        # our SIGTERM caught it in its exit path: report its own code.
+        code = int(error.get("exit_code", 1))
+    return {"ev": "exit", "rank": rank.rank,
+            "code": code if code >= 0 else None,
+            "signal": -code if code < 0 else None,
+            "time": now_wall - age, "age": round(age, 6), "during_stop": during_stop,
+            "error": error, "tail": rank.tail.lines()}
