@@ -478,10 +478,14 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
 
     def destroy(self) -> None:
         """Wait for an asynchronous checkpoint save (raising its failure) and
-        remove the gradient hooks (the module can then be trained by other means)."""
+        remove the gradient hooks - a ZeRO optimizer's too, and at stage 3 the
+        fetch hooks and dsrun's ``F.linear`` (the module can then be trained by
+        other means); again is harmless."""
         try:
             checkpoint_io.wait(self)
         finally:
+            if self.zero_stage > 0 and self.optimizer is not None:
+                self.optimizer.close()
             if self._gc_held:
                 self._gc_held = False
                 python_gc.release()

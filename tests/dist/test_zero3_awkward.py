@@ -69,6 +69,31 @@ def test_embedding_max_norm_renorm_is_kept(job: list[dict[str, Any]], case: str)
     assert sum(norm < 1.1 for norm in norms) >= len(norms) - 2, norms
 
 
+def test_only_in_place_writes_are_copied_back(job: list[dict[str, Any]]) -> None:
+    """The release check costs a comparison, not a copy, unless forward wrote
+    the gathered weight (only ``max_norm`` does here)."""
+    for result in job:
+        counts = {case: run["copy_backs"] for case, run in result["zero3"].items()}
+        copied = {case for case, n in counts.items() if n}
+        assert copied == {"max_norm", "max_norm_init"}, counts
+
+
+def test_max_norm_with_different_rows_per_rank_keeps_each_owners_write(
+        job: list[dict[str, Any]]) -> None:
+    """What the README says: each element of the weight is the renorm made
+    by the rank whose shard holds it - row 0 (rank 0's lookup, its shard)
+    is renormed, row 2 (rank 1's lookup) only in rank 1's part, unlike any
+    DDP replica."""
+    for result in job:
+        case = result["max_norm_split"]
+        before, after, own, shard = case["before"], case["after"], case["own"], case["shard"]
+        assert shard == 20
+        assert after == [own[i // shard][i] for i in range(len(after))]
+        assert after[0:8] == own[0][0:8] != before[0:8]  # row 0: renormed by its owner
+        assert after[16:20] == before[16:20] != own[1][16:20]  # row 2, rank 0's part
+        assert after[20:24] == own[1][20:24] != before[20:24]  # row 2, rank 1's part
+
+
 @pytest.mark.parametrize("case", ["zero_size", "zero_size_init"])
 def test_zero_size_parameters_train(job: list[dict[str, Any]], case: str) -> None:
     _check_bitwise(job, case)

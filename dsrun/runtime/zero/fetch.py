@@ -83,8 +83,8 @@ before backward is invisible to it. An operator that saves a *view* of a
 parameter keeps that storage alive until backward: ``F.linear`` does
 (``weight.t()``), so while the hooks are installed,
 ``torch.nn.functional.linear`` is :func:`~.linear.zero3_linear`, which saves
-the parameter itself for the root's partitioned weights
-(``memory_efficient_linear``, as in DeepSpeed). It decides by the weight,
+the parameter itself for the root's partitioned weights - not those kept
+whole (``memory_efficient_linear``, as in DeepSpeed). It decides by the weight,
 so a checkpoint's recomputation - inside a hooked module or not - saves
 what the original forward saved. Other operators that save a view of a
 weight still keep it until backward.
@@ -239,12 +239,14 @@ class ParamFetcher:
             for module in root.modules():
                 if type(module.__dict__.get("_parameters")) is dict:
                     module._parameters = GatheringParameters(module._parameters)
-        # F.linear saving the weight itself, decided per weight (module docstring)
-        self._linear_marked = tuple(self.by_id.values()) if (
-            self._handles and memory_efficient_linear) else ()
+        # F.linear saving the weight itself, decided per weight (module docstring);
+        # persistence is fixed at initialize(), so forward and recomputation agree
+        self._linear_marked = tuple(p for p in self.by_id.values() if not p.ds_persist) \
+            if self._handles and memory_efficient_linear else ()
+        self._linear_holder: Optional[linear.Holder] = None
         if self._linear_marked:
             linear.mark(self._linear_marked, True)
-            linear.install()
+            self._linear_holder = linear.install()
 
     # ------------------------------------------------------------- queries
 
@@ -551,10 +553,11 @@ class ParamFetcher:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if self._linear_marked:
-            linear.mark(self._linear_marked, False)
-            linear.uninstall()
-            self._linear_marked = ()
+        linear.mark(self._linear_marked, False)
+        self._linear_marked = ()
+        if self._linear_holder is not None:
+            linear.uninstall(self._linear_holder)
+            self._linear_holder = None
         for index in self.leaves:
             unmark_leaf_parameters(self.modules[index])
         for module in self.root.modules():

@@ -11,27 +11,33 @@ for ``F.linear`` (``grad @ W``, ``grad^T @ x``, ``grad.sum(0)``), so
 gradients agree with torch's bitwise for contiguous inputs.
 
 **Which calls it takes.** Only weights :func:`mark` flagged (the
-partitioned parameters of a stage-3 model with ``memory_efficient_linear``
-on), with grad enabled and outside autocast; everything else goes to the
-original. That decision depends on the call alone, so an activation
-checkpoint's recomputation takes the same path as the original forward and
-saves the same tensors - torch's non-reentrant checkpoint requires it, and
-the recomputation may run outside every hooked module (a checkpointed
-function calling ``F.linear(h, self.head.weight)``).
+partitioned weights of a stage-3 model with ``memory_efficient_linear`` on,
+not those kept whole, which are never released; which ones are kept whole
+is fixed at initialize()), with grad enabled and outside autocast;
+everything else goes to the ``F.linear`` the swap replaced. That decision
+depends on the call alone, so an activation checkpoint's recomputation
+takes the same path as the original forward and saves the same tensors -
+torch's non-reentrant checkpoint requires it, and the recomputation may run
+outside every hooked module (a checkpointed function calling ``F.linear(h,
+self.head.weight)``).
 
 **When it is installed.** ``torch.nn.functional.linear`` is
-:func:`zero3_linear` from the first :func:`install` until the matching last
+:func:`zero3_linear` from the first :func:`install` until the last holder's
 :func:`uninstall` (a stage-3 model's fetcher holds it from its creation to
-its ``close()``), as DeepSpeed installs its own for the rest of the
-process. A swap installed only around the root module's forward would not
-cover a recomputation in backward.
+its ``close()``, which ``engine.destroy()`` calls; DeepSpeed keeps its own
+for the rest of the process). A swap installed only around the root
+module's forward would not cover a recomputation in backward. Unmarked
+weights go to the ``F.linear`` the first :func:`install` replaced (torch's,
+or a wrapper installed before it); the last :func:`uninstall` puts that one
+back, unless something else has replaced :func:`zero3_linear` since.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +57,10 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Zero3Linear(torch.autograd.Function):
+    """``F.linear`` (torch's own, :data:`_ORIGINAL`) that saves ``x``, the
+    weight parameter itself and the bias for backward instead of
+    ``weight.t()``, with the gradient formulas of autograd's ``AddmmBackward``."""
+
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor,
                 bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -75,8 +85,24 @@ def zero3_linear(input: torch.Tensor, weight: torch.Tensor,
                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear`` that does not pin a released stage-3 weight (module docstring)."""
     if not getattr(weight, _MARK, False) or not torch.is_grad_enabled() or _autocast_on():
-        return _ORIGINAL(input, weight, bias)
+        saved = _swap.saved
+        if saved is _ORIGINAL or saved is None or _calling.depth:
+            return _ORIGINAL(input, weight, bias)
+        # the replaced F.linear may call this one (a wrapper made while the swap
+        # stood, then installed under a later one): it gets torch's, no recursion
+        _calling.depth += 1
+        try:
+            return saved(input, weight, bias)
+        finally:
+            _calling.depth -= 1
     return _Zero3Linear.apply(input, weight, bias)
+
+
+class _Calling(threading.local):
+    depth = 0  # inside the replaced F.linear, in this thread
+
+
+_calling = _Calling()
 
 
 def mark(params: Iterable[torch.Tensor], on: bool) -> None:
@@ -88,22 +114,47 @@ def mark(params: Iterable[torch.Tensor], on: bool) -> None:
             delattr(p, _MARK)
 
 
-_swap: dict[str, Any] = {"holders": 0, "saved": None}
+class Holder:
+    """One holder of the swap (:func:`install`); :func:`uninstall` it once -
+    again is harmless."""
+
+    __slots__ = ()
 
 
-def install() -> None:
+class _Swap:
+    """The process-wide swap: who holds it, and the ``F.linear`` it replaced."""
+
+    def __init__(self) -> None:
+        self.holders: set[Holder] = set()
+        self.saved: Optional[Callable[..., torch.Tensor]] = None  # None: not installed
+
+
+_swap = _Swap()
+
+
+def install() -> Holder:
     """One more holder of the swap; the first makes ``F.linear`` :func:`zero3_linear`."""
-    if _swap["holders"] == 0:
-        _swap["saved"] = _ORIGINAL if F.linear is zero3_linear else F.linear
+    if not _swap.holders:
+        _swap.saved = _ORIGINAL if F.linear is zero3_linear else F.linear
         F.linear = zero3_linear
-    _swap["holders"] += 1
+    holder = Holder()
+    _swap.holders.add(holder)
+    return holder
 
 
-def uninstall() -> None:
-    """One holder fewer; the last gives ``F.linear`` back what it replaced,
-    unless something else has replaced it since."""
-    if _swap["holders"] == 0:
+def uninstall(holder: Holder) -> None:
+    """``holder`` lets go (a second time does nothing); the last one gives
+    ``F.linear`` back what it replaced, unless something else has replaced
+    it since."""
+    if holder not in _swap.holders:
         return
-    _swap["holders"] -= 1
-    if _swap["holders"] == 0 and F.linear is zero3_linear:
-        F.linear = _swap["saved"]
+    _swap.holders.remove(holder)
+    if not _swap.holders:
+        if F.linear is zero3_linear:
+            F.linear = _swap.saved
+        _swap.saved = None
+
+
+def holders() -> int:
+    """How many holders the swap has now (0: ``F.linear`` is not dsrun's)."""
+    return len(_swap.holders)

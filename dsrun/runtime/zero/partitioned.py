@@ -440,7 +440,8 @@ def refresh_shard(param: torch.Tensor) -> None:
     rank = dist.get_rank(param.ds_group)
     valid = spec.valid(rank)
     flat = param.data.reshape(-1)
-    param.ds_tensor.zero_()
+    if valid < spec.shard_numel:  # only the padding: the rest is overwritten next
+        param.ds_tensor[valid:].zero_()
     if valid:
         start = rank * spec.shard_numel
         param.ds_tensor[:valid].copy_(flat[start:start + valid])

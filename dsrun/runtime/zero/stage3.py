@@ -586,7 +586,9 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
         self.fetcher.release_all()
 
     def close(self) -> None:
-        """Remove every hook; parameters stay partitioned."""
+        """Remove every hook and give ``F.linear`` back (:mod:`~.linear`);
+        parameters stay partitioned. ``engine.destroy()`` calls it; again is
+        harmless."""
         for handle in [*self._hooks, *self._drop_hooks]:
             handle.remove()
         self._hooks, self._drop_hooks = [], []
@@ -594,6 +596,10 @@ class ZeroStage3(Stage3StateIO, MasterGradients):
         self.reducer.reset()
         if self._own_guard:
             self.guard.close()
+
+    def destroy(self) -> None:
+        """DeepSpeed's name for :meth:`close`."""
+        self.close()
 
 
 # DeepSpeed's names at this module path: the optimizer class for isinstance

@@ -16,15 +16,17 @@ judges:
 * **max_norm**: ``nn.Embedding(max_norm=1.0)``, whose forward renormalises
   the looked-up rows of the gathered weight in place (with and without
   ``zero.Init``; the same data on both ranks, so DDP's replicas agree); the
-  renorm was once dropped with the gathered data.
+  renorm was once dropped with the gathered data. **max_norm_split**: ranks
+  that look up different rows, one of which straddles two shards.
 * **zero_size**: a ``Parameter(torch.zeros(0, 8))``, an ``nn.Linear(8, 0)``
   and a scalar parameter (with and without ``zero.Init``); once an
   IndexError at the first step and a reshape error in the linear's backward;
   ``empty_gather``: ``all_gather_flat`` of an empty shard, by each gather
   strategy (the IndexError's place).
 
-Each case records the per-step losses and the final full parameters, or
-the error it raised. Usage: ``dsrun --num_gpus 2 zero3_awkward.py OUT_DIR``.
+Each case records the per-step losses, the final full parameters and how
+many times gathered data was copied back into a shard (an in-place write
+seen at release), or the error it raised. Usage: ``dsrun --num_gpus 2 zero3_awkward.py OUT_DIR``.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dsrun as deepspeed
+from dsrun.runtime.zero import whole_edits
 from dsrun.runtime.zero.comm import GATHER_STRATEGIES, CommStrategy, all_gather_flat
 
 V, D, STEPS = 12, 8, 3
@@ -151,6 +154,18 @@ def ddp_run(build: Callable[[], nn.Module], data: list) -> dict[str, Any]:
                                          for n, p in model.named_parameters()}}
 
 
+COPY_BACKS = [0]  # full data copied into the shard (in training: an in-place write seen)
+
+
+def _counting_refresh(param: torch.Tensor, _real: Callable[..., None] = whole_edits.refresh_shard
+                      ) -> None:
+    COPY_BACKS[0] += 1
+    _real(param)
+
+
+whole_edits.refresh_shard = _counting_refresh
+
+
 def zero3_run(build: Callable[[], nn.Module], data: list, init: bool = False,
               **zero: Any) -> dict[str, Any]:
     try:
@@ -161,15 +176,42 @@ def zero3_run(build: Callable[[], nn.Module], data: list, init: bool = False,
         else:
             model = build()
         engine, *_ = deepspeed.initialize(model=model, config=config(**zero))
+        COPY_BACKS[0] = 0  # training's only (initialize() takes zero.Init's whole values)
         losses = []
         for x, y in data:
             loss = F.cross_entropy(engine(x), y)
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-        return {"losses": losses, "params": full_values(model)}
+        engine.destroy()
+        return {"losses": losses, "params": full_values(model), "copy_backs": COPY_BACKS[0]}
     except Exception as err:  # both ranks raise alike; the test shows it
         return {"error": f"{type(err).__name__}: {err}"}
+
+
+def max_norm_split() -> dict[str, Any]:
+    """``Embedding(5, 8, max_norm=1)``, every element partitioned (shards of
+    20: row 2 straddles the two): rank 0 looks up row 0, rank 1 row 2, in
+    one forward. Returns the weight before and after, and each rank's own
+    renorm of a full copy (what a DDP replica would hold)."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(5, 8, max_norm=1.0)
+    with torch.no_grad():
+        emb.weight.mul_(3.0)  # every row's norm above 1
+    before = emb.weight.detach().clone()
+    engine, *_ = deepspeed.initialize(model=emb, config=config())
+    ids = torch.tensor([[0]]) if dist.get_rank() == 0 else torch.tensor([[2]])
+    with torch.no_grad():
+        engine(ids)
+    own = []
+    for rank_ids in (torch.tensor([[0]]), torch.tensor([[2]])):
+        copy = before.clone()
+        F.embedding(rank_ids, copy, max_norm=1.0)  # renorms copy's looked-up rows in place
+        own.append([float(v) for v in copy.reshape(-1)])
+    after = full_values(emb)["weight"]
+    engine.destroy()
+    return {"before": [float(v) for v in before.reshape(-1)], "after": after, "own": own,
+            "shard": emb.weight.ds_spec.shard_numel}
 
 
 def empty_gathers() -> dict[str, Any]:
@@ -206,6 +248,7 @@ def main() -> None:
             "zero_size_init": zero3_run(ZeroSize, data, init=True),
         },
     }
+    result["max_norm_split"] = max_norm_split()
     result["empty_gather"] = empty_gathers()  # last: before the fix it left the ranks out of step
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 
