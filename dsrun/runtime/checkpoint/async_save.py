@@ -29,15 +29,19 @@ the next save of the same size or smaller.
 At most one save is in flight: :meth:`AsyncSaver.wait` (called by the next
 save or load, by ``engine.wait_for_checkpoint()`` and ``engine.destroy()``,
 and at interpreter exit) joins it and returns its error, which the caller
-raises. At exit an error nobody collected is logged and the process exits
-with status 1: a failed save is never lost. The launcher stops every rank
-once one exits non-zero, so the ranks that are ending with the error wait
-for each other: each rank's thread posts, once it has the outcome, whether
-it failed and whether its process is ending already (the script's main
-thread has finished: Python joins the save's thread before it runs the exit
-handlers); an exit handler posts when it starts and when it has printed the
-error, and before the process exits non-zero it waits until every other
-rank that is ending with the error has printed it too.
+raises. At exit an error nobody collected is printed (one
+``dsrun: error:`` line) and the process exits with status 1: a failed save
+is never lost. The launcher stops every rank once one exits non-zero, so a
+rank that exits with the error first waits until every rank has reported
+it - printed it at exit, or had it raised in its script (the board's
+``reported`` keys: :mod:`.coord`) - one deadline for all of them, at most
+:data:`EXIT_WAIT_S` (or ``checkpoint.timeout`` when shorter). A rank still
+running its script past that, or one that died, is not waited for: the
+launcher then stops it. A rank that gets rank 0's failed verdict removes a
+``TAG.tmp/`` it finds still there: a rank that gave up waiting on it wrote
+it again after rank 0 had removed it (a writer checks the board before it
+creates the directory, so only a rank between that check and rank 0's
+failure can).
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from dsrun.errors import CheckpointError
-from dsrun.runtime.checkpoint.coord import Failure, SaveBoard
+from dsrun.runtime.checkpoint.coord import OUTCOME, Failure, SaveBoard
 from dsrun.runtime.checkpoint.storage import remove_tree
 from dsrun.runtime.checkpoint.writer import (
     Commit,
@@ -69,9 +73,8 @@ log = logging.getLogger("dsrun.runtime.checkpoint")
 # Savers with a save in flight or an error nobody collected yet: held here
 # (not only by their engine, which a script may drop) until exit checks them.
 _PENDING: set[AsyncSaver] = set()
-# the save's board keys (coord.SaveBoard): rank 0's verdict; per rank: its thread has
-# the outcome (failed? ending?), its exit handler started, it printed the error
-OUTCOME, SETTLED, EXITING, DONE = "outcome", "settled/", "exiting/", "done/"
+# the longest a rank exiting with a save's error waits for the others to report it
+EXIT_WAIT_S = 60.0
 
 
 class AsyncSaver:
@@ -107,6 +110,9 @@ class AsyncSaver:
         """Copy the volatile chunks, then stage, write and commit in a thread;
         failures go on ``board`` (module docstring)."""
         assert not self.in_flight, "wait() before starting another save"
+        if self._board is not None and self._rank == 0:
+            # every rank agreed on this save: none reads the last one's keys any more
+            self._board.clear()
         plan = write.plan
         cuda = any(c.tensor.is_cuda for c in plan.chunks)
         buffer = self._host_buffer(plan.bytes, cuda)
@@ -147,17 +153,18 @@ class AsyncSaver:
         it, their own error says where ``TAG.tmp/`` may be left."""
         if committer:
             board.post_key(OUTCOME, {"error": self._error})
-        else:
-            found, outcome = board.wait_key(OUTCOME, self.timeout_s)
-            if found:
-                self._error = outcome["error"] or self._error
-            elif self._error is not None:
-                self._error += (f"; rank 0 did not report removing {self._tmp_dir}, which may "
-                                f"be left behind (the next save of tag {self._tag!r}, or any "
-                                "save once checkpoint.timeout has passed, removes it)")
-        board.post_key(f"{SETTLED}{self._rank}",
-                       {"failed": self._error is not None,
-                        "ending": not threading.main_thread().is_alive()})
+            return
+        found, outcome = board.wait_key(OUTCOME, self.timeout_s)
+        if found:
+            self._error = outcome["error"] or self._error
+            if outcome["error"] and os.path.isdir(self._tmp_dir):
+                remove_tree(self._tmp_dir)  # written again after rank 0 removed it
+                if os.path.isdir(self._tmp_dir) and self._tmp_dir not in self._error:
+                    self._error += f"; {self._tmp_dir} could not be removed: remove it by hand"
+        elif self._error is not None:
+            self._error += (f"; rank 0 did not report removing {self._tmp_dir}, which may "
+                            f"be left behind (the next save of tag {self._tag!r}, or any "
+                            "save once checkpoint.timeout has passed, removes it)")
 
     def _stage(self, rest: list[tuple[Planned, torch.Tensor]], ready: Any,
                write: RankWrite) -> None:
@@ -181,6 +188,7 @@ class AsyncSaver:
                                    "committing: ")
             except RecordsTimedOut as exc:  # the ranks missing are silent: none to wait for
                 failure, writers_left = Failure(0, f"committing: {exc}"), False
+                write.fail(failure)  # a straggler then does not create TAG.tmp/ again
             if failure is None:
                 failure = _attempt(0, commit.run, "committing: ")
                 if failure is not None:  # every record was in before: no writer is left
@@ -213,7 +221,15 @@ class AsyncSaver:
         return self._thread is not None
 
     def wait(self) -> Optional[str]:
-        """Join the save in flight; its error (once), or None."""
+        """Join the save in flight; its error (once), or None. The caller
+        raises it: this rank has reported it (module docstring)."""
+        error = self.join()
+        if error is not None and self._board is not None:
+            self._board.report()
+        return error
+
+    def join(self) -> Optional[str]:
+        """:meth:`wait`, for the exit handler, which reports the error itself."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -221,31 +237,12 @@ class AsyncSaver:
         _PENDING.discard(self)
         return error
 
-    def exit_begins(self) -> None:
-        """At exit: tell the other ranks this one is exiting (module docstring)."""
+    def wait_for_reports(self, deadline: float) -> None:
+        """At exit, once this rank printed the save's error: report it, then
+        wait until every rank has, at most until ``deadline`` (monotonic)."""
         if self._board is not None:
-            self._board.post_key(f"{EXITING}{self._rank}", True)
-
-    def exit_done(self) -> None:
-        """At exit, once this rank reported what it has to: say so."""
-        if self._board is not None:
-            self._board.post_key(f"{DONE}{self._rank}", True)
-
-    def wait_for_exiting_ranks(self) -> None:
-        """Before exiting non-zero: wait until every other rank that is
-        ending with the error has printed it, at most ``timeout_s`` each
-        (module docstring)."""
-        board = self._board
-        if board is None:
-            return
-        for rank in range(board.world):
-            if rank == self._rank:
-                continue
-            found, settled = board.wait_key(f"{SETTLED}{rank}", self.timeout_s)
-            if not found or not settled["failed"]:
-                continue
-            if settled["ending"] or board.has_key(f"{EXITING}{rank}"):
-                board.wait_key(f"{DONE}{rank}", self.timeout_s)
+            self._board.report()
+            self._board.wait_for_reports(deadline - time.monotonic())
 
 
 def _attempt(rank: int, run: Callable[[], None], what: str = "") -> Optional[Failure]:
@@ -295,28 +292,22 @@ def _copy(pairs: list[tuple[Planned, torch.Tensor]], cuda: bool, ready: Any = No
 
 @atexit.register
 def _wait_at_exit() -> None:
-    """Join saves still in flight; an error nobody collected ends the
-    process with status 1 (after logging it), so a failed save is not lost."""
+    """Join saves still in flight; an error nobody collected is printed, once
+    every rank that has it has too (module docstring), and ends the process
+    with status 1, so a failed save is not lost."""
     savers = list(_PENDING)
-    for saver in savers:
-        saver.exit_begins()
-    errors = [e for e in (saver.wait() for saver in savers) if e]
-    if not errors:
-        for saver in savers:
-            saver.exit_done()
+    failed = [(saver, error) for saver in savers if (error := saver.join())]
+    if not failed:
         return
-    for error in errors:
-        log.critical("%s", error)
-    logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
-    sys.stderr.write("".join(f"dsrun: error: {e}\n" for e in errors))
+    sys.stderr.write("".join(f"dsrun: error: {error}\n" for _, error in failed))
     sys.stderr.flush()
-    for saver in savers:
-        saver.exit_done()
-    for saver in savers:
-        saver.wait_for_exiting_ranks()
+    deadline = time.monotonic() + min([EXIT_WAIT_S] + [saver.timeout_s for saver, _ in failed])
+    for saver, _ in failed:
+        saver.wait_for_reports(deadline)
+    logging.shutdown()
     os._exit(1)

@@ -17,22 +17,36 @@ ranks are there), never on the training group, whatever the training
 backend.
 
 :class:`SaveBoard` is how the background threads of an asynchronous save
-tell each other that a rank failed: a key per rank in the same store,
-under the number of the save's agreement. It needs no disk space (a full
-disk is the usual failure) and no collective (the thread must not run one:
+tell each other how it went, in the same store under the number of the
+save's agreement (``dsrun/checkpoint/CALL/save/``: a later save's keys
+cannot be taken for this one's). It needs no disk space (a full disk is
+the usual failure) and no collective (the thread must not run one:
 :mod:`.async_save`); the store's client serialises calls from several
-threads. Only failures are posted, so a save that succeeds costs one store
-round trip per poll of rank 0's committer - and, once rank 0 is done with
-``TAG.tmp/`` (committed, or removed after a failure), its **outcome**, which
-the other ranks' threads wait for: every rank ends the save with rank 0's
-verdict, and none exits (the launcher then stops the others) while rank 0
-still has ``TAG.tmp/`` to clear. Two more keys order the reports at process
-exit (:func:`~.async_save._wait_at_exit`): rank 0 posts ``exiting`` when its
-exit handler starts and ``reported`` once it has printed the error.
+threads, so a thread polls (backing off from :data:`KEY_POLL_S` to
+:data:`KEY_POLL_MAX_S`) rather than block the client in ``store.wait``.
+The keys, and who posts them:
+
+* ``R`` and ``count`` - rank R's thread, when its part failed or stopped
+  for another rank's failure (rank 0's also when it gave up on a silent
+  rank): its error (``count`` says how many were posted, so rank 0's
+  committer, polling, reads nothing more while it is 0);
+* ``outcome`` - rank 0's thread, once it is done with ``TAG.tmp/``
+  (committed, or removed after a failure): its verdict, which every other
+  rank's thread waits for and takes as its own;
+* ``reported`` and ``reported/all`` - each rank that has the save's error,
+  once it has reported it (printed it at exit, or handed it to the script
+  to raise): ``reported`` counts them, the last of all ``world`` sets
+  ``reported/all``, for which a rank that exits with the error waits
+  (:func:`~.async_save._wait_at_exit`).
+
+Rank 0 deletes them (:meth:`SaveBoard.clear`) when it starts its next
+asynchronous save: every rank agreed on that one, so every rank's thread of
+this save has ended, and no rank exits with its error any more.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import json
@@ -50,6 +64,9 @@ log = logging.getLogger("dsrun.runtime.checkpoint")
 
 EXCHANGE_TIMEOUT_S = 3600.0  # once all ranks are in, writing may take long
 KEY_POLL_S = 0.05  # a background thread polls: a blocking store.wait would hold the client
+KEY_POLL_MAX_S = 1.0  # ... backing off to this: every rank polls rank 0's store
+# a SaveBoard's keys (module docstring)
+COUNT, OUTCOME, REPORTED, ALL_REPORTED = "count", "outcome", "reported", "reported/all"
 _calls = itertools.count()  # process-wide: all engines of a process share the numbering
 
 
@@ -112,7 +129,7 @@ class Coordinator:
         store = self._store() if self.world > 1 and self._last_call is not None else None
         if store is None:
             return None
-        return SaveBoard(store, f"dsrun/checkpoint/{self._last_call}/failed/", self.world)
+        return SaveBoard(store, f"dsrun/checkpoint/{self._last_call}/save/", self.world)
 
     def exchange(self, obj: Any) -> list[Any]:
         """``obj`` of every rank, in rank order (an all-gather on the
@@ -161,7 +178,7 @@ class SaveBoard:
         try:
             self.store.set(self.prefix + str(failure.rank),
                            json.dumps({"message": failure.message, "cause": failure.cause}))
-            self.store.add(self.prefix + "count", 1)
+            self.store.add(self.prefix + COUNT, 1)
         except Exception as exc:  # noqa: BLE001 - the caller falls back to an error file
             log.warning("could not post rank %d's checkpoint failure to the store: %s",
                         failure.rank, exc)
@@ -171,7 +188,7 @@ class SaveBoard:
     def posted(self) -> dict[int, Failure]:
         """Every failure posted so far, by rank (never blocks on a missing key)."""
         try:
-            count = int(self.store.add(self.prefix + "count", 0))
+            count = int(self.store.add(self.prefix + COUNT, 0))
             if count > len(self._seen):
                 for rank in range(self.world):
                     key = self.prefix + str(rank)
@@ -191,27 +208,54 @@ class SaveBoard:
             return False
         return True
 
-    def has_key(self, name: str) -> bool:
-        try:
-            return bool(self.store.check([self.prefix + name]))
-        except Exception:  # noqa: BLE001 - a store gone means the job is ending anyway
-            return False
-
     def wait_key(self, name: str, timeout_s: float) -> tuple[bool, Any]:
         """(True, value) once key ``name`` is set; (False, None) after
         ``timeout_s`` or when the store cannot be reached (rank 0, which
-        holds it, has gone). Polls (:data:`KEY_POLL_S`)."""
+        holds it, has gone). Polls, every :data:`KEY_POLL_S` at first, then
+        less and less often, up to :data:`KEY_POLL_MAX_S`."""
         deadline = time.monotonic() + timeout_s
-        key = self.prefix + name
+        key, pause = self.prefix + name, KEY_POLL_S
         try:
             while not self.store.check([key]):
-                if time.monotonic() > deadline:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     return False, None
-                time.sleep(KEY_POLL_S)
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, KEY_POLL_MAX_S)
             return True, json.loads(self.store.get(key))
-        except Exception:  # noqa: BLE001 - as has_key
+        except Exception:  # noqa: BLE001 - a store gone means the job is ending anyway
             log.debug("cannot read %r from the store", key, exc_info=True)
             return False, None
+
+    def report(self) -> None:
+        """This rank has reported the save's error (module docstring): count
+        it; the last of all ranks sets ``reported/all``."""
+        try:
+            if int(self.store.add(self.prefix + REPORTED, 1)) >= self.world:
+                self.store.set(self.prefix + ALL_REPORTED, "1")
+        except Exception:  # noqa: BLE001 - a store gone means the job is ending anyway
+            log.debug("cannot count this rank's report in the store", exc_info=True)
+
+    def wait_for_reports(self, timeout_s: float) -> bool:
+        """Block (the calling thread must be the only one using the store)
+        until every rank has reported the save's error; False after
+        ``timeout_s`` or when the store cannot be reached."""
+        try:
+            self.store.wait([self.prefix + ALL_REPORTED],
+                            datetime.timedelta(seconds=max(timeout_s, 0.001)))
+        except Exception:  # noqa: BLE001 - the store says "timeout" in its own way
+            return False
+        return True
+
+    def clear(self) -> None:
+        """Delete this save's keys (rank 0, once no rank reads them: module
+        docstring); a store that cannot delete keeps them."""
+        names = [OUTCOME, REPORTED, ALL_REPORTED, COUNT]
+        with contextlib.suppress(Exception):  # a store gone or one without deletion
+            if int(self.store.add(self.prefix + COUNT, 0)) > 0:  # failures were posted
+                names += [str(rank) for rank in range(self.world)]
+            for name in names:
+                self.store.delete_key(self.prefix + name)
 
     def first(self, ranks: Optional[Iterable[int]] = None) -> Optional[Failure]:
         """The failure to report (among ``ranks``): :func:`first_failure`."""

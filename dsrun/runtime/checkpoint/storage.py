@@ -104,13 +104,17 @@ def disk_full_error(path: str, exc: OSError, written: int, total: int,
                 f"{done} of {of}{whole} were written before the write failed")
     cause = os.strerror(exc.errno or 0)
     if exc.errno == errno.EFBIG:
+        # the limit refuses a write only at or past it: below it, the file system did
         limit = _file_size_limit()
-        which = (f"this process may not write files larger than {size_texts(limit)[0]} "
-                 f"(ulimit -f, RLIMIT_FSIZE {limit:,} bytes)" if limit is not None else
-                 "the file system does not allow files this large")
+        if limit is not None and written >= limit:
+            which = (f"this process may not write files larger than {size_texts(limit)[0]} "
+                     f"(ulimit -f, RLIMIT_FSIZE {limit:,} bytes)")
+            fix = "raise the limit"
+        else:
+            which = "the file system refused a file that large"
+            fix = "save to a file system that allows larger files"
         text = (f"the file-size limit was reached writing {path} ({cause}; {progress}): "
-                f"{which}; freeing space will not help: raise the limit or save to a file "
-                "system that allows larger files")
+                f"{which}; freeing space will not help: {fix}")
     else:
         what = "the disk quota is exhausted" if exc.errno == errno.EDQUOT \
             else "no space left on the device"
@@ -256,7 +260,12 @@ def read_into(fd: int, path: str, offset: int, buffer: memoryview) -> None:
 def remove_tree(path: str) -> None:
     """Remove a directory tree, logging (not raising) what cannot go."""
     if os.path.isdir(path):
-        shutil.rmtree(path, onerror=lambda _f, p, e: log.warning("cannot remove %s: %s", p, e[1]))
+        shutil.rmtree(path, onerror=_not_removed)
+
+
+def _not_removed(_function: Any, path: str, exc_info: Any) -> None:
+    if not isinstance(exc_info[1], FileNotFoundError):  # another process removed it first
+        log.warning("cannot remove %s: %s", path, exc_info[1])
 
 
 def free_bytes(path: str) -> int:

@@ -144,6 +144,9 @@ class RankWrite:
                                   f"{self.tmp_dir} failed: {exc}; {INTACT}") from None
 
     def _write(self) -> None:
+        if self.board is not None:  # after a failure rank 0 removes TAG.tmp/ (maybe did):
+            # a late rank must not make it again
+            self._stop_if_another_failed()
         os.makedirs(self.tmp_dir, exist_ok=True)
         path = os.path.join(self.tmp_dir, rank_file(self.rank))
         halfway = len(self.plan.chunks) // 2
@@ -350,8 +353,9 @@ def _status(run: Callable[[], None]) -> Optional[str]:
 def describe_failure(exc: Exception) -> str:
     """One line for a step that raised something else than a
     :class:`CheckpointError`; the traceback is logged only at debug level for
-    an ``OSError`` (the file system's answer, not a bug), always otherwise."""
-    if isinstance(exc, OSError):
+    an ``OSError`` or a ``MemoryError`` (the system's answer, not a bug),
+    always otherwise (it may be dsrun's bug: the traceback finds it)."""
+    if isinstance(exc, (OSError, MemoryError, torch.cuda.OutOfMemoryError)):
         log.debug("checkpoint step failed", exc_info=exc)
     else:
         log.error("checkpoint step failed", exc_info=exc)
