@@ -55,6 +55,7 @@ from dsrun.launcher.agent_os import (
     Stop,
     deepspeed_shm_name,
     hostname,
+    login_environ,
     make_tmpdir,
     raise_stop,
     rank_argv,
@@ -252,7 +253,7 @@ class Agent:
 
     def _spawn(self, spec: dict[str, Any], log: IO[str] | None = None) -> bool:
         agent_vars = self._agent_vars(spec["rank"])
-        env = apply_layers(spec["env"], os.environ, self.payload.get("env", {}), agent_vars,
+        env = apply_layers(spec["env"], login_environ(), self.payload.get("env", {}), agent_vars,
                            self.payload.get("env_files", ()))
         try:
             popen = subprocess.Popen(

@@ -61,6 +61,21 @@ def rank_argv(spec: dict[str, Any]) -> list[str]:
     return deathsig.wrapper_argv(sys.executable, os.getpid(), argv)
 
 
+def login_environ() -> dict[str, str]:
+    """The environment this agent was started in, as its ranks inherit it:
+    with the login environment's PYTHONPATH where the backend gave the
+    agent its ranks' one (protocol.PYTHONPATH_WAS; backends/agent_env.py)."""
+    from dsrun.launcher.protocol import PYTHONPATH_WAS
+
+    env = dict(os.environ)
+    was = env.pop(PYTHONPATH_WAS, None)
+    if was is not None:
+        env.pop("PYTHONPATH", None)
+        if was:
+            env["PYTHONPATH"] = was[1:]
+    return env
+
+
 def hostname() -> str:
     return os.uname().nodename
 
@@ -162,14 +177,42 @@ def open_rank_logs(log_dir: str | None, ranks: list[int], header: str) -> dict[i
 
 def log_files_problem(paths: list[str]) -> str | None:
     """Why one of the ranks' ``--log_dir`` files cannot be opened for
-    appending here (it is created, as the agent would), or None."""
-    for path in paths:
-        try:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            with open(path, "a", encoding="utf-8"):
+    appending here, or None. Nothing is left behind: a file or directory
+    the check creates (as the agent would) is removed again, and an
+    existing file is opened without being changed."""
+    made: list[str] = []
+    try:
+        for path in paths:
+            problem = _log_file_problem(path, made)
+            if problem:
+                return problem
+        return None
+    finally:
+        for path in reversed(made):  # files, then their directories, deepest first
+            try:
+                os.rmdir(path) if os.path.isdir(path) else os.unlink(path)
+            except OSError:
                 pass
-        except OSError as exc:
-            return f"cannot open the --log_dir file {path}: [Errno {exc.errno}] {exc.strerror}"
+
+
+def _log_file_problem(path: str, made: list[str]) -> str | None:
+    parent = os.path.dirname(path) or "."
+    missing = []
+    top = parent
+    while top and not os.path.exists(top):
+        missing.append(top)
+        top = os.path.dirname(top)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        made.extend(reversed(missing))
+        existed = os.path.lexists(path)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | (0 if existed else os.O_CREAT | os.O_EXCL),
+                     0o666)
+        os.close(fd)
+        if not existed:
+            made.append(path)
+    except OSError as exc:
+        return f"cannot open the --log_dir file {path}: [Errno {exc.errno}] {exc.strerror}"
     return None
 
 

@@ -254,7 +254,7 @@ def probe_cluster(handle: JobHandle, cluster: Cluster, backend: Backend, hs: Hos
     ``log_files``: per host, its ranks' ``--log_dir`` files, which it must be
     able to open (checked before any rank starts anywhere).
     """
-    expect = expect or Expectations.here()
+    expect = expect or Expectations.here(versions)
     start = time.monotonic()
     n = len(cluster.hosts)
     st = _Probe(handle, cluster, hs.ssh.timeout, start + hs.ssh.timeout, [None] * n, [None] * n)

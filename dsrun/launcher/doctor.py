@@ -2,7 +2,10 @@
 
 The same hosts, backend, agents and probe as a launch (cluster.py), with
 the verdicts of preflight.py and nothing started: every host's agent
-reports its facts and exits. Exits 0 when every host passes, else 1
+reports its facts and exits. The agents start as a launch's do, with the
+job's environment (so with the ranks' PYTHONPATH: the same dsrun copy);
+with the job's command line, its script and ``--log_dir`` files are checked
+on every host too (and nothing is left of the check). Exits 0 when every host passes, else 1
 naming the failing hosts.
 """
 
@@ -15,7 +18,6 @@ import uuid
 import click
 
 from dsrun.launcher.cluster import check_master, here_facts, probe_cluster, resolve_cluster
-from dsrun.launcher.envpolicy import JobEnv
 from dsrun.launcher.plan import build_plan
 from dsrun.launcher.preflight import PreflightFailed
 from dsrun.launcher.spec import HostsSpec, LaunchSpec
@@ -26,7 +28,13 @@ def run_doctor(hs: HostsSpec, cwd: str, echo=click.echo,  # noqa: ANN001 - click
     """``dsrun doctor``: one line per host; 0 when every host passes.
     ``job``: the job's whole command line was given; its script is checked
     here, as a launch checks it, and on every host by the probe."""
-    from dsrun.launcher.launch import check_script, probed_script
+    from dsrun.launcher.launch import (
+        check_script,
+        log_files,
+        probed_script,
+        spans_hosts,
+        user_env,
+    )
 
     if job is not None:
         check_script(job)
@@ -38,7 +46,9 @@ def run_doctor(hs: HostsSpec, cwd: str, echo=click.echo,  # noqa: ANN001 - click
     spec = LaunchSpec(script="<doctor>", num_gpus=hs.num_gpus, backend=hs.launcher,
                       ssh=hs.ssh, cpu=hs.cpu, launcher_args=hs.launcher_args,
                       slurm_args=hs.slurm_args)
-    plan = build_plan(spec, cluster, JobEnv(), uuid.uuid4().hex, facts=here_facts(cluster),
+    env = user_env(job or spec, cwd, remote=cluster.remote and backend.login_env,
+                   multi_host=spans_hosts(cluster))
+    plan = build_plan(job or spec, cluster, env, uuid.uuid4().hex, facts=here_facts(cluster),
                       python=backend.python, cwd=os.getcwd())
     try:
         handle = backend.open(plan, lambda host, rank, fd, line: echo(f"  [{host}] {line}"))
@@ -46,7 +56,8 @@ def run_doctor(hs: HostsSpec, cwd: str, echo=click.echo,  # noqa: ANN001 - click
             if not cluster.named:
                 cluster = cluster.renamed([handle.channels[i].host for i in handle.leaders])
             outcome = probe_cluster(handle, cluster, backend, hs, versions=True,
-                                    script=None if job is None else probed_script(job))
+                                    script=None if job is None else probed_script(job),
+                                    log_files=log_files(plan))
         finally:
             handle.close()
     except KeyboardInterrupt:  # the connections are closed (ssh.py): say so, no traceback

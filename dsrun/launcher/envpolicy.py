@@ -70,7 +70,7 @@ NEVER_FORWARDED = frozenset({
     # the launcher's interpreter's (agents elsewhere start without them)
     "PYTHONHOME", "PYTHONEXECUTABLE",
     # an agent's own connect-back variables (protocol.AGENT_BOOTSTRAP_VARS)
-    "DSRUN_LAUNCHER", "DSRUN_LAUNCHER_SECRET", "DSRUN_LAUNCHER_TIMEOUT",
+    "DSRUN_LAUNCHER", "DSRUN_LAUNCHER_SECRET", "DSRUN_LAUNCHER_TIMEOUT", "DSRUN_PYTHONPATH_WAS",
 })
 #: Env file names, in the order they are read within one directory.
 ENV_FILE_NAMES = (".deepspeed_env", ".dsrun_env")

@@ -44,8 +44,10 @@ class Expectations:
     dsrun_digest: str | None = None  # agent_os.dsrun_sources(); None: not compared
 
     @classmethod
-    def here(cls) -> Expectations:
-        path, digest = dsrun_sources()
+    def here(cls, versions: bool = True) -> Expectations:
+        """This host's; the digest of dsrun's sources (every file read) only
+        where ``versions`` are compared (multi-host jobs, ``dsrun doctor``)."""
+        path, digest = dsrun_sources() if versions else (None, None)
         return cls(platform.python_version(), DSRUN_VERSION, package_version("torch"),
                    path, digest)
 

@@ -108,6 +108,10 @@ SECRET_VAR = "DSRUN_LAUNCHER_SECRET"
 TIMEOUT_VAR = "DSRUN_LAUNCHER_TIMEOUT"
 #: Variables for the agent itself: never passed on to the ranks.
 AGENT_BOOTSTRAP_VARS = frozenset({LAUNCHER_VAR, SECRET_VAR, TIMEOUT_VAR})
+#: The PYTHONPATH of the agent's login environment (":" + value; empty: unset),
+#: when the agent was started with its ranks' PYTHONPATH (backends/agent_env.py);
+#: the agent removes it from what its ranks inherit (agent_os.login_environ).
+PYTHONPATH_WAS = "DSRUN_PYTHONPATH_WAS"
 
 
 def encode(obj: dict[str, Any]) -> bytes:

@@ -17,9 +17,9 @@ FACTS = {"host": "h2", "python": "3.11.7", "dsrun": "0.1.0", "torch": "2.13.0",
 
 
 def test_the_remote_agent_gets_the_ranks_pythonpath_quoted():
-    assert remote_command("/v/bin/python", "/w", "/my checkout:/lib") == (
-        "cd /w || exit 96; exec env PYTHONPATH='/my checkout:/lib' /v/bin/python "
-        "-m dsrun.launcher.agent")
+    words = "DSRUN_PYTHONPATH_WAS=\"${PYTHONPATH+:$PYTHONPATH}\" PYTHONPATH='/my checkout:/lib'"
+    assert remote_command("/v/bin/python", "/w", words) == (
+        f"cd /w || exit 96; exec env {words} /v/bin/python -m dsrun.launcher.agent")
     assert remote_command("/v/bin/python", "/w", None) == (
         "cd /w || exit 96; exec /v/bin/python -m dsrun.launcher.agent")
 
@@ -56,9 +56,15 @@ def test_preflight_names_another_copy_of_the_same_version():
 def test_probe_checks_the_log_files_before_any_rank(tmp_path: Path):
     (tmp_path / "rank_1.log").mkdir()
     ok = probe_extras({"versions": False, "log_files": [str(tmp_path / "d" / "rank_0.log")]})
-    assert ok == {"log_files": None} and (tmp_path / "d" / "rank_0.log").is_file()
+    assert ok == {"log_files": None}
+    assert not (tmp_path / "d").exists(), "the check left what it made (a launch may not start)"
+    (tmp_path / "kept.log").write_text("an earlier job's\n")
+    assert probe_extras({"versions": False, "log_files": [str(tmp_path / "kept.log")]}) == \
+        {"log_files": None}
+    assert (tmp_path / "kept.log").read_text() == "an earlier job's\n"
     bad = probe_extras({"versions": False, "log_files": [str(tmp_path / "rank_0.log"),
                                                          str(tmp_path / "rank_1.log")]})
+    assert not (tmp_path / "rank_0.log").exists()
     assert bad["log_files"] == (f"cannot open the --log_dir file {tmp_path / 'rank_1.log'}: "
                                 "[Errno 21] Is a directory")
     report = evaluate("h2", {**FACTS, **bad}, None, Expectations("3.11.7", "0.1.0", None),

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import IO, TYPE_CHECKING
 
 from dsrun.errors import DsrunUsageError
+from dsrun.launcher.backends.agent_env import local_agent_env
 from dsrun.launcher.backends.base import (
     AgentChannel,
     AgentRequest,
@@ -33,13 +34,14 @@ LOCAL_BASE = "the environment dsrun was started with"
 class LocalChannel(AgentChannel):
     watched = False  # a pipe to a child: it closes when the launcher dies
 
-    def __init__(self, host: str, argv: tuple[str, ...], cwd: str) -> None:
+    def __init__(self, host: str, argv: tuple[str, ...], cwd: str,
+                 env: Mapping[str, str] | None = None) -> None:
         self.host = host
         # Own session: a Ctrl-C at the terminal reaches only the launcher,
         # which then stops the job in order instead of every process at once.
         self.proc = subprocess.Popen(
             list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=cwd,
-            start_new_session=True,
+            start_new_session=True, env=env,
         )
 
     def stdin(self) -> IO[bytes]:
@@ -95,7 +97,8 @@ class LocalBackend(Backend):
     def open(self, plan: LaunchPlan, sink: OutputSink,
              on_connect: ConnectSink = ignore_connect) -> JobHandle:
         channels: list[AgentChannel] = []
+        env = local_agent_env(plan.user_env, os.environ)  # the ranks' PYTHONPATH
         for node in plan.nodes:
-            channels.append(LocalChannel(node.host, self.agent_argv(), plan.cwd))
+            channels.append(LocalChannel(node.host, self.agent_argv(), plan.cwd, env))
             on_connect(node.host)
         return JobHandle(channels)

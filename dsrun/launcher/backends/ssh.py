@@ -4,7 +4,7 @@ One connection per remote host, opened in parallel threads; on it one exec
 channel (no pty) runs ``cd CWD || exit 96; exec [env PYTHONPATH=...] PYTHON -m
 dsrun.launcher.agent`` with the launcher's own interpreter, working
 directory and (the one value on a command line: a path list, as DeepSpeed's
-pdsh runner sends it) the PYTHONPATH the ranks get. The agent gets the
+pdsh runner sends it) the PYTHONPATH the ranks get (agent_env.py). The agent gets the
 probe commands and then its start payload (with every other environment
 value) on the channel's stdin, never on a command line. Hosts that are
 this machine (localhost, its names and addresses) get a local child agent
@@ -26,6 +26,7 @@ treats that as "stop now" and tears its ranks down.
 
 from __future__ import annotations
 
+import functools
 import getpass
 import io
 import logging
@@ -35,12 +36,13 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
 import paramiko
 
 from dsrun.errors import DsrunUsageError
+from dsrun.launcher.backends.agent_env import local_agent_env, remote_assignments
 from dsrun.launcher.backends.base import (
     AGENT_MODULE,
     AgentChannel,
@@ -73,22 +75,22 @@ logging.getLogger("paramiko").addHandler(logging.NullHandler())
 CWD_MISSING = 96
 
 
-def remote_command(python: str, cwd: str, pythonpath: str | None = None) -> str:
+def remote_command(python: str, cwd: str, env_words: str | None = None) -> str:
     """The line sshd runs (through the login shell): cd, then the agent.
 
-    ``pythonpath``: the ranks' PYTHONPATH (the launcher's, forwarded), which
-    the agent needs as well, to import the same dsrun (a checkout on a shared
-    path), as DeepSpeed's pdsh runner exports it for its per-node launcher.
-    Through ``env``, which every login shell runs alike (csh and fish too)."""
+    ``env_words``: shell assignments for the agent (agent_env.py: the ranks'
+    PYTHONPATH), through ``env``, or as the assignments before ``exec``
+    where the interpreter's path has a ``=`` (``env`` would take it for one
+    more assignment). POSIX shell syntax, as for the ``cd``: the login shell
+    must be a POSIX one (sh, bash, dash, ksh, zsh), not csh or fish."""
     q = shlex.quote
-    env = f"env PYTHONPATH={q(pythonpath)} " if pythonpath else ""
-    return f"cd {q(cwd)} || exit {CWD_MISSING}; exec {env}{q(python)} -m {AGENT_MODULE}"
-
-
-def agent_pythonpath(plan: LaunchPlan) -> str | None:
-    """The PYTHONPATH the plan gives the ranks as it is (not one an env file
-    expands on each host), for the remote agents."""
-    return plan.user_env.passed_as_is().get("PYTHONPATH") or None
+    if not env_words:
+        run = f"exec {q(python)}"
+    elif "=" in python:
+        run = f"{env_words} exec {q(python)}"
+    else:
+        run = f"exec env {env_words} {q(python)}"
+    return f"cd {q(cwd)} || exit {CWD_MISSING}; {run} -m {AGENT_MODULE}"
 
 
 # --------------------------------------------------------------------------
@@ -284,7 +286,8 @@ class SshBackend(Backend):
             if node.local:
                 agents.append(local_request(self, plan, i, self.environ))
                 continue
-            command = remote_command(self.python, plan.cwd, agent_pythonpath(plan))
+            command = remote_command(self.python, plan.cwd,
+                                     remote_assignments(plan.user_env, shown=True))
             start = f"{self.target(node.host).describe()}: {command}"
             agents.append(AgentRequest(node.host, agent_payload(plan, node), start,
                                        f"the login environment of {node.host}"))
@@ -298,21 +301,52 @@ class SshBackend(Backend):
         carries the reason); if the launcher is interrupted meanwhile, every
         connection, also those still being made, is closed.
         """
-        hosts = [n.host for n in plan.nodes]
-        local = [n.local for n in plan.nodes]
-        cwd = plan.cwd
-        pythonpath = agent_pythonpath(plan)
-        results: list[AgentChannel | BaseException | None] = [None] * len(hosts)
-        lock = threading.Lock()
-        finished = threading.Semaphore(0)
-        abandoned = False
+        local_env = local_agent_env(plan.user_env, os.environ)
+        words = remote_assignments(plan.user_env)
+        opens = [functools.partial(self._open_one, n.host, plan.cwd, n.local,
+                                   local_env if n.local else words) for n in plan.nodes]
+        return JobHandle(connect_all([n.host for n in plan.nodes], opens, on_connect))
 
-        def one(i: int) -> None:
-            channel: AgentChannel | BaseException
-            try:
-                channel = self._open_one(hosts[i], cwd, local[i], pythonpath)
-            except BaseException as exc:  # noqa: BLE001 - re-raised by open()
-                channel = exc
+    def _open_one(self, host: str, cwd: str, is_local: bool,
+                  env: str | Mapping[str, str] | None = None) -> AgentChannel:
+        """``env``: the local agent's environment, or the remote one's
+        assignments (agent_env.py)."""
+        if is_local:
+            return LocalChannel(host, self.agent_argv(), cwd,
+                                env if isinstance(env, Mapping) else None)
+        try:
+            target = self.target(host)
+            start = time.monotonic()
+            client = connect(target)
+        except (SshConnectError, DsrunUsageError) as exc:
+            return FailedChannel(host, str(exc))
+        try:
+            words = env if isinstance(env, str) else None
+            return SshChannel(target, client, remote_command(self.python, cwd, words),
+                              cwd, self.python, time.monotonic() - start)
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            client.close()
+            return FailedChannel(host, f"{host}: cannot start a command over SSH: {exc}")
+
+
+def connect_all(hosts: Sequence[str], opens: Sequence[Callable[[], AgentChannel]],
+                on_connect: ConnectSink = ignore_connect) -> list[AgentChannel]:
+    """``opens[i]()`` for every host at once, each in a daemon thread: the
+    channels in host order. An exception from an opener or from
+    ``on_connect`` is raised here once every thread has ended (the other
+    channels closed); an interrupt while waiting closes every channel,
+    also those still being made."""
+    results: list[AgentChannel | BaseException | None] = [None] * len(hosts)
+    lock = threading.Lock()
+    finished = threading.Semaphore(0)
+    abandoned = False
+
+    def one(i: int) -> None:
+        try:
+            channel: AgentChannel | BaseException = opens[i]()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            channel = exc
+        try:
             with lock:
                 results[i] = channel
                 late = abandoned
@@ -321,48 +355,36 @@ class SshBackend(Backend):
                     _discard(channel)
                 elif not isinstance(channel, FailedChannel):
                     on_connect(hosts[i])
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            with lock:
+                if isinstance(channel, AgentChannel):
+                    _discard(channel)
+                results[i] = exc
+        finally:  # always: the launcher waits for every thread without a timeout
             finished.release()
 
-        # Daemon threads, not a pool: a connect blocked on a silent host
-        # (up to --ssh_timeout) must not hold the interpreter's exit after a
-        # Ctrl-C (concurrent.futures joins its workers at exit).
-        for i in range(len(hosts)):
-            threading.Thread(target=one, args=(i,), name=f"dsrun-ssh-{hosts[i]}",
-                             daemon=True).start()
-        try:
-            for _ in hosts:
-                finished.acquire()
-        except BaseException:
-            with lock:
-                abandoned = True
-                opened = [c for c in results if isinstance(c, AgentChannel)]
-            for channel in opened:
+    # Daemon threads, not a pool: a connect blocked on a silent host
+    # (up to --ssh_timeout) must not hold the interpreter's exit after a
+    # Ctrl-C (concurrent.futures joins its workers at exit).
+    for i, host in enumerate(hosts):
+        threading.Thread(target=one, args=(i,), name=f"dsrun-ssh-{host}", daemon=True).start()
+    try:
+        for _ in hosts:
+            finished.acquire()
+    except BaseException:
+        with lock:
+            abandoned = True
+            opened = [c for c in results if isinstance(c, AgentChannel)]
+        for channel in opened:
+            _discard(channel)
+        raise
+    error = next((r for r in results if isinstance(r, BaseException)), None)
+    if error is not None:
+        for channel in results:
+            if isinstance(channel, AgentChannel):
                 _discard(channel)
-            raise
-        for outcome in results:
-            if isinstance(outcome, BaseException):
-                for channel in results:
-                    if isinstance(channel, AgentChannel):
-                        _discard(channel)
-                raise outcome
-        return JobHandle([c for c in results if isinstance(c, AgentChannel)])
-
-    def _open_one(self, host: str, cwd: str, is_local: bool,
-                  pythonpath: str | None = None) -> AgentChannel:
-        if is_local:
-            return LocalChannel(host, self.agent_argv(), cwd)
-        try:
-            target = self.target(host)
-            start = time.monotonic()
-            client = connect(target)
-        except (SshConnectError, DsrunUsageError) as exc:
-            return FailedChannel(host, str(exc))
-        try:
-            return SshChannel(target, client, remote_command(self.python, cwd, pythonpath),
-                              cwd, self.python, time.monotonic() - start)
-        except (paramiko.SSHException, OSError, EOFError) as exc:
-            client.close()
-            return FailedChannel(host, f"{host}: cannot start a command over SSH: {exc}")
+        raise error
+    return [c for c in results if isinstance(c, AgentChannel)]
 
 
 def _discard(channel: AgentChannel) -> None:
