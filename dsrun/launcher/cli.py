@@ -418,10 +418,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("stdout", "stderr"):  # started with it closed (`>&-`): output is dropped
         if getattr(sys, name) is None:
             setattr(sys, name, open(os.devnull, "w"))  # noqa: SIM115 - for the process's life
+    from dsrun.launcher.jobsignals import PROGRAM
+
+    # The dsrun program exits once the job is over: its signal handling
+    # after a job stopped by a signal is the program's (jobsignals.py).
+    was, PROGRAM.entry = PROGRAM.entry, True
     try:
         return _main(argv)
     except KeyboardInterrupt:  # before a command took over the signals
         return 128 + signal.SIGINT
+    finally:
+        PROGRAM.entry = was
 
 
 def _main(argv: Sequence[str] | None) -> int:

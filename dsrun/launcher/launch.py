@@ -28,7 +28,6 @@ the console.
 
 from __future__ import annotations
 
-import atexit
 import os
 import shutil
 import signal
@@ -62,9 +61,14 @@ from dsrun.launcher.envpolicy import (
     read_env_files,
     unapplied_env_files,
 )
+from dsrun.launcher.jobsignals import (
+    release_signals,
+    suspension,
+    take_signals,
+)
 from dsrun.launcher.netinfo import script_problem
 from dsrun.launcher.plan import LaunchPlan, build_plan, describe
-from dsrun.launcher.preflight import PreflightFailed
+from dsrun.launcher.preflight import HostReport, PreflightFailed
 from dsrun.launcher.rankenv import check_user_env
 from dsrun.launcher.report import JobResult, report_lines, restartable
 from dsrun.launcher.spec import LaunchSpec, check_seconds, cpu_by_deepspeed_variable
@@ -82,28 +86,6 @@ console = Console()
 
 def say(message: str) -> None:
     console.say(message)
-
-
-class _Suspension:
-    """Ctrl-Z (SIGTSTP) while a job runs: the agents are told to stop
-    expecting heartbeats before dsrun stops, and to expect them again once
-    it continues, so a suspended launcher is not taken for a lost one."""
-
-    def __init__(self) -> None:
-        self.handle: JobHandle | None = None
-
-    def on_tstp(self, signum: int, frame: object) -> None:
-        handle = self.handle
-        if handle is not None:
-            handle.pause_heartbeats()
-        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTSTP)  # stops here until SIGCONT
-        signal.signal(signal.SIGTSTP, self.on_tstp)
-        if handle is not None:
-            handle.resume_heartbeats()
-
-
-suspension = _Suspension()
 
 
 def check_script(spec: LaunchSpec) -> None:
@@ -249,46 +231,36 @@ def run(spec: LaunchSpec) -> int:
     if note:
         say(note)
     cpu_ranks_line(spec, cluster, draft)
+    return _run_job(spec, cluster, backend, env, job_id, draft.world_size, patience)
+
+
+def _run_job(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv, job_id: str,
+             world_size: int, patience: float | None) -> int:
+    """Every attempt of the job, its report and the end of its output."""
     began = time.monotonic()
     control = ControlServer(job_id, lambda: {
         "job_id": job_id, "pid": os.getpid(), "script": spec.script,
-        "hosts": list(cluster.hosts), "ranks": draft.world_size,
+        "hosts": list(cluster.hosts), "ranks": world_size,
         "seconds": time.monotonic() - began}).start()
     clock = JobClock()
     previous = take_signals()  # in force until the console is closed
     console.start_writer()  # no reporter waits for dsrun's stdout from here on
+    ended = 0
     try:
         try:
             code = _run_attempts(spec, lambda restart: _attempt(
                 spec, cluster, backend, env, job_id, restart, control, clock), clock)
         finally:
             SIGNALS.hold()  # from here a signal is only recorded, for finish_output
+            ended = SIGNALS.received
             control.close()
             finish_output(patience)
             broken = console.close(wait=False)
     finally:
-        # A job stopped by a signal keeps the latch as handler, and dsrun ignores
-        # these signals once it exits (Python's finalisation would put their
-        # default back): the rest of a burst (Ctrl-C held down, `timeout`
-        # signalling the group) would otherwise end dsrun by SIGINT instead of
-        # its exit status 130.
-        if SIGNALS.seen:
-            atexit.unregister(_ignore_job_signals)  # once, however many jobs ran
-            atexit.register(_ignore_job_signals)
-        else:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)  # type: ignore[arg-type]
+        release_signals(previous, ended)
     if broken:  # a closed pipe took the last lines (`dsrun ... | head`)
         raise BrokenPipeError("dsrun's output stream is closed")
     return code
-
-
-def _ignore_job_signals() -> None:
-    """At exit, after a job stopped by a signal: the job's signals that still
-    reach the latch are ignored from here to the end of the process."""
-    for sig in JOB_SIGNALS:
-        if signal.getsignal(sig) is SIGNALS:
-            signal.signal(sig, signal.SIG_IGN)
 
 
 def _seconds_var(environ: Mapping[str, str], name: str, default: float) -> float | None:
@@ -442,32 +414,19 @@ def _check_preflight(spec: LaunchSpec, outcome: ProbeOutcome) -> None:
     for report in failed:
         say(report.line(width, strict=spec.preflight))
     names = ", ".join(r.host for r in failed)
-    hint = "" if not spec.preflight else \
-        " (`dsrun doctor` checks the hosts; --no_preflight skips version checks)"
-    raise PreflightFailed(f"preflight failed on {names}: no rank was started{hint}")
+    raise PreflightFailed(f"preflight failed on {names}: no rank was started"
+                          f"{preflight_hint(failed, spec.preflight)}")
 
 
-#: Signals dsrun takes over while a job runs, and what it does on each.
-#: All but SIGTERM stay ignored when dsrun started with them ignored:
-#: ``nohup`` ignores SIGHUP, and a non-interactive shell's ``&`` SIGINT, so
-#: that the job outlives the terminal (as DeepSpeed's launcher does).
-JOB_SIGNALS: dict[signal.Signals, Callable[[int, object], None]] = {
-    signal.SIGINT: SIGNALS, signal.SIGTERM: SIGNALS,
-    signal.SIGHUP: SIGNALS, signal.SIGTSTP: suspension.on_tstp,
-}
-ALWAYS_HANDLED = frozenset({signal.SIGTERM})
-
-
-def take_signals() -> dict[signal.Signals, object]:
-    """Install the job's signal handlers; return the previous ones (to put
-    back) of the signals taken over."""
-    SIGNALS.reset()
-    previous: dict[signal.Signals, object] = {}
-    for sig, handler in JOB_SIGNALS.items():
-        if sig not in ALWAYS_HANDLED and signal.getsignal(sig) == signal.SIG_IGN:
-            continue
-        previous[sig] = signal.signal(sig, handler)
-    return previous
+def preflight_hint(failed: list[HostReport], strict: bool) -> str:
+    """What helps with these failures: ``dsrun doctor`` with the job's command
+    line checks the same (log files and script included); --no_preflight
+    only where a host failed on mismatches alone (versions, reaching the
+    master), which is all it skips."""
+    hints = ["`dsrun doctor` with the job's command line checks the hosts"]
+    if strict and any(not r.errors for r in failed):
+        hints.append("--no_preflight skips the version and reach checks")
+    return f" ({'; '.join(hints)})"
 
 
 def _run_attempts(spec: LaunchSpec, attempt: Callable[[int], JobResult],

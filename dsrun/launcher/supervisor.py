@@ -72,9 +72,18 @@ class SignalLatch:
         self.pending: list[int] = []
         self.raising = False
         self.seen = False  # any signal since reset(): the launcher keeps its handlers
+        self.received = 0  # signals since reset()
+        # Once ``received`` reaches ``exit_at``, ``on_excess(signum)`` (which
+        # must not return: the process is ending and blocked; launch.py).
+        self.exit_at: int | None = None
+        self.on_excess: Callable[[int], None] | None = None
 
     def __call__(self, signum: int, frame: object) -> None:
         self.seen = True
+        self.received += 1
+        if self.exit_at is not None and self.received >= self.exit_at \
+                and self.on_excess is not None:
+            self.on_excess(signum)
         if self.raising:
             self.raising = False
             raise Interrupted(signum)
@@ -84,6 +93,8 @@ class SignalLatch:
         self.pending.clear()
         self.raising = False
         self.seen = False
+        self.received = 0
+        self.exit_at = None
 
     def arm(self) -> None:
         """Raise from now on; a signal recorded before raises at once."""
