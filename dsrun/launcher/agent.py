@@ -467,7 +467,24 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
+def _open_std_fds() -> None:
+    """Started with stdin, stdout or stderr closed (``dsrun ... 2>&-``): put
+    /dev/null there first, so no pipe or file of the agent's lands on fds 0-2
+    - the guard puts /dev/null over them, and would lose its pipe."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free fd: this one
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    if sys.stderr is None:  # Python found fd 2 closed at start-up
+        sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115 - the process's stderr
+
+
 def main(argv: list[str] | None = None) -> int:
+    _open_std_fds()
     args = sys.argv[1:] if argv is None else argv
     connect = "--connect" in args
     for sig in STOP_SIGNALS:
