@@ -44,6 +44,27 @@ def start_dsrun(*args: str, env: dict | None = None) -> subprocess.Popen:
                             text=True, env={**os.environ, **(env or {})}, cwd=str(ROOT))
 
 
+def run_agent(payload: dict, timeout: float = 30, stderr: object = None
+              ) -> tuple[list[dict], int]:
+    """Run a node agent on ``payload`` (its JSON line on stdin): its events
+    until ``done`` (or ``timeout``), and its exit status."""
+    import json
+
+    proc = subprocess.Popen([sys.executable, "-m", "dsrun.launcher.agent"], cwd=str(ROOT),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write((json.dumps(payload) + "\n").encode())
+    proc.stdin.flush()
+    events = []
+    end = time.monotonic() + timeout
+    for line in proc.stdout:
+        events.append(json.loads(line))
+        if events[-1].get("ev") == "done" or time.monotonic() > end:
+            break
+    proc.stdin.close()
+    return events, proc.wait(timeout=10)
+
+
 def alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE

@@ -5,30 +5,15 @@ started are stopped, and it is never a clean ``done``. Real processes."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
 
-from tests.conftest import ROOT, WORKERS, alive, run_dsrun
+from tests.conftest import WORKERS, alive, run_agent, run_dsrun
 
 
 def _agent(payload: dict, timeout: float = 30) -> tuple[list[dict], int]:
-    """Run a node agent on ``payload``: its events until ``done``, its status."""
-    proc = subprocess.Popen([sys.executable, "-m", "dsrun.launcher.agent"], cwd=str(ROOT),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL)
-    assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write((json.dumps(payload) + "\n").encode())
-    proc.stdin.flush()
-    events = []
-    end = time.monotonic() + timeout
-    for line in proc.stdout:
-        events.append(json.loads(line))
-        if events[-1].get("ev") == "done" or time.monotonic() > end:
-            break
-    proc.stdin.close()
-    return events, proc.wait(timeout=10)
+    return run_agent(payload, timeout, stderr=subprocess.DEVNULL)
 
 
 def _rank(rank: int, argv: list[str], env: dict | None = None) -> dict:

@@ -19,7 +19,7 @@ import pytest
 
 from dsrun.launcher import agent as agent_mod
 from dsrun.launcher import procs
-from tests.conftest import ROOT, WORKERS, alive, start_dsrun, wait_for_pids, wait_gone
+from tests.conftest import ROOT, WORKERS, alive, run_agent, start_dsrun, wait_for_pids, wait_gone
 
 
 def _stand_in() -> subprocess.Popen:
@@ -64,21 +64,7 @@ def test_rank_pid_reused_by_another_process_survives_the_job_teardown(tmp_path):
 
 
 def _agent(payload: dict, timeout: float = 30) -> list[dict]:
-    """Run a node agent on ``payload``; its events until ``done``."""
-    proc = subprocess.Popen([sys.executable, "-m", "dsrun.launcher.agent"], cwd=str(ROOT),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write((json.dumps(payload) + "\n").encode())
-    proc.stdin.flush()
-    events = []
-    end = time.monotonic() + timeout
-    for line in proc.stdout:
-        events.append(json.loads(line))
-        if events[-1].get("ev") == "done" or time.monotonic() > end:
-            break
-    proc.stdin.close()
-    proc.wait(timeout=10)
-    return events
+    return run_agent(payload, timeout)[0]
 
 
 def _rank(rank: int, argv: list[str]) -> dict:

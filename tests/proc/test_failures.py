@@ -56,7 +56,7 @@ def test_segfault_reports_the_signal(pid_dir):
 @pytest.mark.parametrize("how,code", [("exit", 3), ("segv", 128 + signal.SIGSEGV),
                                       ("kill", 128 + signal.SIGKILL)])
 def test_a_rank_dying_without_a_traceback_is_blamed_not_the_peer_it_reset(pid_dir, how, code):
-    """explore10 F2: rank 0, inside a gloo all_reduce with rank 1, gets
+    """rank 0, inside a gloo all_reduce with rank 1, gets
     "Connection closed by peer" when rank 1 dies; its record is stamped
     when gloo raised, rank 1's death only when its agent woke up to it, so
     rank 0 was often blamed (exit 1)."""

@@ -197,7 +197,7 @@ def _shell_rank(launcher: str, env: dict[str, str]) -> list[str]:
 
 
 def test_a_ranks_path_under_openmpi_is_the_one_under_local(job_tag, tmp_path):
-    """explore17 F1: mpirun run by its absolute path put /usr/bin (its
+    """mpirun run by its absolute path put /usr/bin (its
     prefix) before an activated venv on every rank's PATH, and /usr/lib in
     LD_LIBRARY_PATH: the venv's python3 was shadowed in the ranks."""
     venv = tmp_path / "venv-bin"

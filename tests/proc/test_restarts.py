@@ -18,7 +18,7 @@ def _job(*extra: str) -> list[str]:
 
 
 def test_a_restarted_attempts_dsrun_error_is_on_the_terminal_and_in_the_log(tmp_path):
-    """explore10 F3: a dsrun error is only recorded (the report shows it
+    """a dsrun error is only recorded (the report shows it
     once), so an attempt that was restarted lost it everywhere."""
     logs = tmp_path / "logs"
     res = run_dsrun("--max_restarts", "1", "--log_dir", str(logs),
@@ -42,7 +42,7 @@ def test_a_configuration_error_is_not_restarted():
 
 
 def test_the_timeout_is_for_the_whole_job_across_restarts():
-    """explore10 F4: each attempt got its own --timeout."""
+    """each attempt got its own --timeout."""
     start = time.monotonic()
     res = run_dsrun("--max_restarts", "3", "--timeout", "6",
                     *_job(ATTEMPTS, "--mode", "fail_then_hang", "--fail_after", "4"))

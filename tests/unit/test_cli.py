@@ -512,7 +512,7 @@ def test_an_option_before_a_command_name_says_commands_come_first(capsys, tmp_pa
      "`dsrun doctor --launcher openmpi --log_dir d`", None),
     (["--cpu", "-Hhf", "run", "x.py", "--num_gpus", "1"],
      "`dsrun run --cpu -Hhf x.py --num_gpus 1`", None),
-    # abbreviations are written out first (review17 F4: `dsrun doctor 2 doctor`)
+    # abbreviations are written out first (`dsrun doctor 2 doctor`)
     (["--num_gpu", "2", "doctor"], "`dsrun doctor --num_gpus 2`", None),
     (["--num_gpu=2", "--inc", "localhost", "doctor"],
      "`dsrun doctor --num_gpus=2 --include localhost`", None),
@@ -609,7 +609,7 @@ def test_ambiguous_prefixes_are_one_error_listing_the_candidates(argv, matches, 
 ])
 def test_a_prefix_of_a_dsrun_option_and_a_deepspeed_only_flag_is_ambiguous(
         argv, matches, deepspeed, capsys):
-    """review17 F5: DeepSpeed's `--max 2` (--max_elastic_nodes) silently
+    """DeepSpeed's `--max 2` (--max_elastic_nodes) silently
     became dsrun's --max_restarts 2; it is ambiguous, and says so."""
     assert cli.main(argv) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
@@ -626,7 +626,7 @@ def test_a_prefix_of_a_dsrun_option_and_a_deepspeed_only_flag_is_ambiguous(
 @pytest.mark.parametrize("argv", [["--local_rank=0", "t.py"], ["--local_rank", "0", "t.py"],
                                   ["--local-rank=1", "t.py"]])
 def test_local_rank_given_to_dsrun_says_what_it_is(argv, capsys):
-    """review17 F5: `--local_rank=0` said "Option '--local_rank_arg' does not
+    """`--local_rank=0` said "Option '--local_rank_arg' does not
     take a value" (an option never typed); `--local_rank 0 t.py` ran the
     script "0" with --local_rank_arg."""
     assert cli.main(argv) == 2
@@ -640,7 +640,7 @@ def test_local_rank_given_to_dsrun_says_what_it_is(argv, capsys):
 
 
 def test_a_value_in_a_short_option_cluster_is_never_rewritten():
-    """review17 F5: in `-mH --num_gpu`, click gives -H the value --num_gpu;
+    """in `-mH --num_gpu`, click gives -H the value --num_gpu;
     the pre-parse read only `-m` and wrote the value out as --num_gpus."""
     assert cli.parse_spec(["-mH", "--num_gpu", "pkg"]).hostfile == "--num_gpu"
     spec = cli.parse_spec(["-mH", "hf", "--num_gpu", "2", "pkg", "--num_gpu"])
@@ -665,7 +665,7 @@ def test_a_prefix_of_a_deepspeed_only_flag_gets_its_advice(capsys):
                                         (None, False)])
 def test_doctor_honours_ds_accelerator_cpu_with_and_without_a_script(
         value, cpu, tmp_path, monkeypatch):
-    """review17 F7: `DS_ACCELERATOR=cpu dsrun doctor -H hf` checked GPU slots,
+    """`DS_ACCELERATOR=cpu dsrun doctor -H hf` checked GPU slots,
     `... doctor -H hf train.py` CPU ranks."""
     from dsrun.launcher import doctor
 

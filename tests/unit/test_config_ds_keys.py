@@ -1,5 +1,5 @@
-"""DeepSpeed 0.19.8 config keys at the edges of what dsrun implements
-(explore18-config): ZenFlow refused, keys DeepSpeed accepts accepted,
+"""DeepSpeed 0.19.8 config keys at the edges of what dsrun implements:
+ZenFlow refused, keys DeepSpeed accepts accepted,
 misplaced keys sent to their section, case-insensitive enums, the
 not-implemented warning only for sections that are switched on, the legacy
 top-level ``curriculum_learning`` refused, and the ``torch_autocast``

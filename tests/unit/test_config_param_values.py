@@ -1,8 +1,8 @@
 """Values of the well-known optimizer and torch-scheduler params are
 checked when the config is resolved (so the launcher's ``--config`` check
-names FILE:LINE) and passed on as torch takes them (review18-cfgdata #3, #4);
+names FILE:LINE) and passed on as torch takes them;
 what the optimizer's constructor raises for the config's params becomes a
-DsrunConfigError naming ``optimizer.params`` and the config (explore18-config #3)."""
+DsrunConfigError naming ``optimizer.params`` and the config."""
 
 from __future__ import annotations
 

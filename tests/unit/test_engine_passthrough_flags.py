@@ -1,30 +1,16 @@
 """``engine.data_efficiency_enabled()`` answers the section's flag, as
-DeepSpeed's engine does, while dsrun still does not act on the section
-(explore18-data #7). A world-size-1 gloo group (HashStore: no ports)."""
+DeepSpeed's engine does, while dsrun still does not act on the section.
+A world-size-1 gloo group (HashStore: no ports)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-import torch.distributed as dist
 
 import dsrun
-from dsrun.runtime.env import DistEnv
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                 "MASTER_PORT", "DSRUN_CONFIG")
-
-
-@pytest.fixture(scope="module")
-def solo() -> Iterator[None]:
-    created = not dist.is_initialized()
-    if created:
-        dsrun.init_distributed(env=DistEnv(accelerator="cpu"))
-    yield
-    if created:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("section, expected", [

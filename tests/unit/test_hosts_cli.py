@@ -485,7 +485,7 @@ def test_an_edit_never_replaces_a_fifo_or_device(workdir: Path) -> None:
 @pytest.mark.parametrize("command", [("fmt",), ("fmt", "--check"), ("validate",), ("list",)])
 def test_a_device_is_refused_and_only_writers_refuse_a_pipe(workdir: Path,
                                                             command: tuple[str, ...]) -> None:
-    """review17 F2: fmt replaced a FIFO with a regular file once fed. A
+    """fmt replaced a FIFO with a regular file once fed. A
     command that writes refuses a pipe; one that only reads takes it, as a
     job does (``-H <(cmd)``); a device is refused by every command, also as
     ./hostfile found by default."""
@@ -519,7 +519,7 @@ def test_a_device_is_refused_and_only_writers_refuse_a_pipe(workdir: Path,
 
 
 def test_fmt_reads_the_hostfile_once(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """review17 F2: the BOM check opened the file a second time."""
+    """the BOM check opened the file a second time."""
     import builtins
 
     path = workdir / "hostfile"

@@ -134,7 +134,7 @@ def test_launcher_args_may_not_place_ranks(args, bad):
 
 
 def test_mpirun_runs_by_name_so_open_mpi_adds_no_prefix(tmp_path, monkeypatch):
-    """explore17 F1: Open MPI takes an absolute argv[0] as --prefix and puts
+    """Open MPI takes an absolute argv[0] as --prefix and puts
     /usr/bin before the venv on every rank's PATH (and fails for /bin/mpirun).
     The file found on PATH runs under the name mpirun, and --dry-run shows that."""
     from dsrun.launcher.backends import openmpi
@@ -276,7 +276,7 @@ def test_placement_must_match_the_plan():
     (["srun: error: Unable to allocate resources", *[f"line {i}" for i in range(50)]],
      "srun: error: Unable to allocate resources"),
     # an Open MPI box that names no problem in a telling word: its opening
-    # paragraph, not its last word ("launch.", explore17 F4), however long the box
+    # paragraph, not its last word ("launch."), however long the box
     ([RULE, "There are not enough slots available in the system to satisfy the 4",
       "slots that were requested by the application:", "", "  python", "",
       *[f"Either request fewer slots, line {i} of the help" for i in range(30)],
@@ -318,7 +318,7 @@ def test_stderrs_telling_line_wins_whatever_order_the_pipes_were_read() -> None:
 
 
 def test_orted_not_found_on_a_host_names_the_prefix_to_pass(tmp_path) -> None:
-    """review17 F3: mpirun runs by its name, so Open MPI no longer implies
+    """mpirun runs by its name, so Open MPI no longer implies
     --prefix from its path; a host whose login PATH lacks orted fails with
     "bash: orted: command not found", and the error says what to pass."""
     from dsrun.launcher.backends.connect import LaunchTool, ToolOutput
@@ -372,7 +372,7 @@ def _agent_side(sock, secret: str, rank: int) -> None:
 
 
 def test_an_agent_connecting_after_the_start_was_given_up_is_closed_quietly(caplog):
-    """explore17 F6: Ctrl-C while agents connect back closed the server; an
+    """Ctrl-C while agents connect back closed the server; an
     agent finishing its handshake then was 'refused ... unexpected rank 0'
     as a bare warning. It is closed without a warning (the launcher says
     why the job stopped); a wrong rank while the server is open still warns."""

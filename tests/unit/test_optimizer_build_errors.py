@@ -1,7 +1,7 @@
 """Which constructor errors ``build_optimizer`` blames on ``optimizer.params``:
 only those the config's params cause (they fail over a stand-in parameter
-too); the script's parameters and other failures keep their own exception
-(review18-cfgdata #5)."""
+too); the script's parameters and other failures keep their own
+exception."""
 
 from __future__ import annotations
 

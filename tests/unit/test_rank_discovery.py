@@ -98,7 +98,7 @@ def test_master_address_choice():
 
 
 def test_variables_init_distributed_exports_after_discovering_the_rank():
-    """explore17 F5: DeepSpeed's MPI discovery exports RANK, LOCAL_RANK,
+    """DeepSpeed's MPI discovery exports RANK, LOCAL_RANK,
     WORLD_SIZE, MASTER_ADDR, MASTER_PORT; so does dsrun's, when it placed
     the rank from MPI or Slurm itself (never under dsrun/torchrun)."""
     from dsrun.runtime.dist import DISCOVERED, discovered_variables

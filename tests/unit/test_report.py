@@ -97,7 +97,7 @@ def _exit_event(rank, recv, age, code=1, sig=None, error=None):
 
 
 def test_a_peer_reset_stamped_before_the_death_that_caused_it_is_not_blamed():
-    """The race of explore10 F2: rank 1 died by os._exit(3) (no record); its
+    """A race: rank 1 died by os._exit(3) (no record); its
     closed socket woke rank 0, whose record is stamped when gloo raised,
     while rank 1 is stamped only when its agent's wait thread woke up."""
     reset = {"exc_type": "RuntimeError", "message": GLOO_RESET, "traceback": "Traceback ...\n"
@@ -188,7 +188,7 @@ def _stopped(rank, recv):
 
 
 def test_mpirun_stopping_the_job_after_an_early_exit_names_that_rank():
-    """explore17 F2: rank 1 exits 0 without MPI_Finalize while rank 0 waits;
+    """rank 1 exits 0 without MPI_Finalize while rank 0 waits;
     mpirun then SIGTERMs every agent (one per rank). Rank 1 is the cause, exit 1."""
     early = RankFailure.from_event("vm", {"rank": 1, "code": 0, "signal": None, "time": 0.0,
                                           "age": 0.0, "_recv": 10.0,
@@ -215,7 +215,7 @@ def test_mpirun_stopping_the_job_after_an_early_exit_names_that_rank():
 
 
 def test_a_stop_signal_after_an_early_exit_claims_mpi_finalize_only_under_mpirun():
-    """review17 F1(d): under ssh/local/slurm a signal within the window may be
+    """under ssh/local/slurm a signal within the window may be
     scancel or a preemption; the report says so instead of naming mpirun."""
     early = RankFailure.from_event("vm", {"rank": 1, "code": 0, "_recv": 10.0})
     failures = (_signalled(10.2), _stopped(0, 10.3))
@@ -253,7 +253,7 @@ def test_a_rank_losing_a_peer_that_exited_just_before_names_the_peer_and_shows_i
 
 
 def test_a_rank_that_finished_long_before_an_unrelated_reset_is_not_blamed():
-    """review17 F1: rank 1 finished legitimately; an hour later rank 0's own
+    """rank 1 finished legitimately; an hour later rank 0's own
     upload fails with "Connection reset by peer". Rank 0 is the cause (its
     exit code, its traceback); rank 1 is only mentioned."""
     upload = {"exc_type": "ConnectionResetError",
@@ -279,7 +279,7 @@ def test_a_rank_that_finished_long_before_an_unrelated_reset_is_not_blamed():
 
 
 def test_only_ranks_are_counted_when_every_agent_was_signalled():
-    """explore17 F3: with one agent per rank (mpirun, srun), scancel signals
+    """with one agent per rank (mpirun, srun), scancel signals
     both agents; the second agent's record is not a third rank."""
     failures = (_signalled(10.0), _signalled(10.01), _stopped(0, 10.1), _stopped(1, 10.1))
     lines = report_lines(JobResult(failures))

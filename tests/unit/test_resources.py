@@ -157,7 +157,7 @@ def test_a_bare_ipv6_address_with_a_slot_suffix_gets_the_bracket_hint():
 
 
 def test_excluded_slots_come_on_top_of_num_gpus_without_a_hostfile():
-    """review17 F6: on 2 CPUs `--num_gpus 3` runs 3 ranks, but `--exclude
+    """on 2 CPUs `--num_gpus 3` runs 3 ranks, but `--exclude
     localhost:1 --num_gpus 3` said host 'vm' "has 2" slots."""
     from dsrun.launcher.cluster import this_host_pool
     from dsrun.launcher.spec import HostsSpec
@@ -179,7 +179,7 @@ def test_excluded_slots_come_on_top_of_num_gpus_without_a_hostfile():
 
 
 def test_an_ipv6_slot_suffix_of_this_host_gets_the_bracket_hint_without_a_hostfile():
-    """review17 F6: `--include ::1:1` (slot 1 of ::1) without a hostfile got
+    """`--include ::1:1` (slot 1 of ::1) without a hostfile got
     only "this host only"."""
     from dsrun.launcher.cluster import THIS_HOST
     from dsrun.launcher.hostfile import HostEntry

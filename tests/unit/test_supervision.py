@@ -435,7 +435,7 @@ def test_a_failed_attempt_says_what_the_rank_reported_and_whether_it_restarts():
 
 
 def test_an_attempt_line_after_an_early_exit_keeps_the_failing_ranks_message():
-    """review17 F1(b): the early exit is named, and so is the rank that then
+    """the early exit is named, and so is the rank that then
     failed, with its message (this line is the terminal's only copy of it)."""
     from dsrun.errors import RANK_LOST
     from dsrun.launcher import launch
