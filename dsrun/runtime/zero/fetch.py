@@ -21,36 +21,9 @@ left are released when backward ends (an autograd engine callback queued at
 the first hook of the round). The root module's forward hook releases what a
 forward pass left (e.g. prefetched and not used).
 
-**Prefetch.** The order in which modules ran in the previous forward
-(backward) pass is the trace (:class:`~.stage3_plan.TraceCursor`). While the
-current pass follows it, each module's pre-hook starts gathering the next
-modules' parameters (:func:`~.stage3_plan.plan_prefetch`): at most
-``prefetch_bucket`` elements fetched ahead and not used yet, and never more
-than ``max_live`` elements gathered at once by prefetching (a module's own
-gather always proceeds). A pass that leaves the trace stops prefetching until
-the next pass, which follows the newly recorded order. Every gather, prefetch
-or not, is one guard event, issued in the same order on all ranks as long as
-they run the same modules.
-
-**The turn from forward to backward.** Backward starts with the modules
-forward ended with, and its first pre-hooks would gather them again right
-after forward released them. So, following the previous backward's trace
-within the same budget its prefetch would use (``prefetch_bucket``,
-``max_live``), the modules at the end of a training forward keep those
-parameters gathered (counted as fetched ahead); a parameter used early in
-forward too (a tied embedding) is still released after its early use -
-unless the forward trace uses it again later in the same pass: then it is
-kept until that last use (one gather instead of two). The next forward's
-start releases whatever backward did not use.
-
-**Reuse distance.** ``stage3_max_reuse_distance`` (``max_reuse``, in
-elements; 0, dsrun's default, turns it off) keeps more for backward, as in
-DeepSpeed: a parameter whose first backward use comes within that many
-elements of parameter uses after its last forward use is not released
-there (:func:`~.stage3_plan.plan_reuse_keep`, within ``max_live``). A
-distance larger than the model keeps every parameter from forward to
-backward: no gather in backward, for the memory of the whole model's
-parameters at the turn.
+**Prefetch**, **the turn from forward to backward** and **reuse distance**
+(what is gathered ahead, and kept from forward for backward):
+:mod:`~.fetch_prefetch`.
 
 **Activation checkpointing.** A module forward that runs while autograd
 runs a backward (``torch._C._current_graph_task_id() != -1``) is a
@@ -93,7 +66,7 @@ weight still keep it until backward.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any, Callable, Optional
 
@@ -103,6 +76,7 @@ from dsrun.errors import DsrunError
 from dsrun.runtime.zero import linear
 from dsrun.runtime.zero.comm import CommStrategy
 from dsrun.runtime.zero.divergence import DivergenceGuard
+from dsrun.runtime.zero.fetch_prefetch import FetchPlanning
 from dsrun.runtime.zero.fetch_walk import external_params, hooked_modules, output_tensors
 from dsrun.runtime.zero.init import register_external_parameter
 from dsrun.runtime.zero.partitioned import (
@@ -113,12 +87,7 @@ from dsrun.runtime.zero.partitioned import (
     release,
     start_gathers,
 )
-from dsrun.runtime.zero.stage3_plan import (
-    LiveSet,
-    TraceCursor,
-    plan_prefetch,
-    plan_reuse_keep,
-)
+from dsrun.runtime.zero.stage3_plan import LiveSet, TraceCursor
 from dsrun.runtime.zero.whole_edits import take_gathered_edit
 from dsrun.utils.z3_leaf_module import (
     mark_leaf_parameters,
@@ -155,34 +124,7 @@ class GatheringParameters(dict):
         return dict, (dict(self),)
 
 
-class _ModuleIds(Mapping):
-    """module index -> ids of its fetchable parameters (for the planner)."""
-
-    def __init__(self, fetcher: ParamFetcher) -> None:
-        self.fetcher = fetcher
-
-    def __getitem__(self, index: int) -> tuple[int, ...]:
-        return tuple(p.ds_id for p in self.fetcher.fetchable(index))
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(len(self.fetcher.modules)))
-
-    def __len__(self) -> int:
-        return len(self.fetcher.modules)
-
-
-class _Resident:
-    """Parameter ids whose full data is present or on its way."""
-
-    def __init__(self, by_id: Mapping[int, torch.Tensor]) -> None:
-        self.by_id = by_id
-
-    def __contains__(self, pid: object) -> bool:
-        param = self.by_id.get(pid)  # type: ignore[call-overload]
-        return param is None or param.ds_status is not ZeroParamStatus.NOT_AVAILABLE
-
-
-class ParamFetcher:
+class ParamFetcher(FetchPlanning):
     """Gather/release/prefetch hooks over ``root`` (module docstring)."""
 
     def __init__(self, root: torch.nn.Module, *, guard: DivergenceGuard,
@@ -323,47 +265,6 @@ class ParamFetcher:
             self._prefetch(self.forward_trace, "forward prefetch")
         for p in params:
             finish_gather(p)
-
-    def _plan_turn(self) -> None:
-        """At the start of a forward pass: which parameters the coming
-        backward fetches first (the previous backward's trace, within the
-        prefetch budget, as its own prefetch would), so that the end of this
-        forward keeps them instead of releasing and gathering them again.
-        Only the modules at the end of the forward trace keep theirs: a
-        parameter used early (a tied embedding) is still released there."""
-        self._turn_keep, self._turn_from = frozenset(), 0
-        self._reuse_keep = frozenset()
-        self._last_use = {}
-        for position, module in enumerate(self.forward_trace.trace):
-            for p in self.fetchable(module):
-                self._last_use[p.ds_id] = position
-        trace = self.backward_trace.trace
-        if not trace or not self.forward_trace.trace:
-            return
-        if self.max_reuse > 0:
-            self._reuse_keep = plan_reuse_keep(
-                self.forward_trace.trace, trace, _ModuleIds(self), self._numels,
-                max_distance=self.max_reuse, max_live=self.max_live)
-        if self.prefetch_bucket <= 0:
-            return
-        plan = plan_prefetch(trace, -1, _ModuleIds(self), self._numels, (), ahead=0, live=0,
-                             bucket=self.prefetch_bucket, max_live=self.max_live)
-        self._turn_keep = frozenset(pid for _, ids in plan for pid in ids)
-        self._turn_from = len(self.forward_trace.trace) - len(plan)
-
-    def _keeps(self, param: torch.Tensor) -> bool:
-        """Not released after this use: used again later in this forward
-        (a tied weight), or kept at the turn to backward (:meth:`_plan_turn`:
-        the prefetch budget, or the reuse distance after its last use)."""
-        trace = self.forward_trace
-        if not trace.on_track:
-            return False
-        if trace.position < self._last_use.get(param.ds_id, -1):
-            return True
-        if not torch.is_grad_enabled():
-            return False
-        return param.ds_id in self._reuse_keep or (
-            param.ds_id in self._turn_keep and trace.position >= self._turn_from)
 
     def _post_forward(self, index: int, output: Any) -> None:
         if index in self._running:  # also unwinds modules whose forward raised
@@ -513,16 +414,6 @@ class ParamFetcher:
         for p in todo:
             if p.ds_id not in self.live:
                 self.live.add(p.ds_id, p.ds_numel, ahead=ahead)
-
-    def _prefetch(self, cursor: TraceCursor, phase: str) -> None:
-        if self.prefetch_bucket <= 0:
-            return
-        plan = plan_prefetch(cursor.trace, cursor.position, _ModuleIds(self), self._numels,
-                             _Resident(self.by_id), ahead=self.live.ahead, live=self.live.live,
-                             bucket=self.prefetch_bucket, max_live=self.max_live)
-        if plan:
-            self._gather_batch([(module, tuple(self.by_id[i] for i in ids))
-                                for module, ids in plan], phase, ahead=True)
 
     def _release(self, param: torch.Tensor) -> None:
         take_gathered_edit(param)  # an in-place write in forward (max_norm) is kept
