@@ -4,7 +4,8 @@ Every mode trains one step at ZeRO stage 2 and saves tag ``b`` into CKPT
 asynchronously (``checkpoint.timeout`` 10 s):
 
 ``--mode write-fails-at-exit``: rank 1's data file hits a file-size limit
-(RLIMIT_FSIZE, SIGXFSZ ignored) and the script ends without waiting.
+(RLIMIT_FSIZE, SIGXFSZ ignored; its writes wait for the test's pause mark
+of rank 0, when one is set) and the script ends without waiting.
 ``--mode commit-fails-at-exit``: rank 0's rename of ``b.tmp/`` fails and the
 script ends without waiting.
 ``--mode save-dir-vanishes``: the save directory is removed just before
@@ -75,6 +76,8 @@ def main() -> None:
     if args.mode in ("write-fails-at-exit", "write-fails-early") and rank == 1:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (2000, resource.RLIM_INFINITY))
+        if args.mode == "write-fails-at-exit":
+            after_rank0_paused()
     elif args.mode == "commit-fails-at-exit" and rank == 0:
         def broken(tmp: str, final: str) -> None:
             raise OSError(errno.EIO, "injected rename failure")
@@ -99,6 +102,23 @@ def main() -> None:
         text = str(exc)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump({"error": text, "seconds": time.monotonic() - start}, f)
+
+
+def after_rank0_paused() -> None:
+    """Rank 1 writes (and fails) only once rank 0 is held at its pause
+    point (the test's mark file): else, on a loaded machine, rank 1's
+    failure can stop rank 0's save before rank 0 reaches the pause."""
+    mark, real = os.environ.get("DSRUN_CHECKPOINT_TEST_PAUSE_MARK"), storage.write_all
+    if not mark:
+        return
+
+    def write_all(fd: int, data: memoryview) -> None:
+        end = time.monotonic() + 60
+        while not os.path.exists(mark) and time.monotonic() < end:
+            time.sleep(0.02)
+        real(fd, data)
+
+    storage.write_all = write_all
 
 
 def many_saves(engine: Any, rank: int, args: argparse.Namespace) -> None:
