@@ -24,6 +24,8 @@ from simhosts import SimCluster, preflight  # noqa: E402
 from slurmhosts import SlurmCluster, slurm_preflight  # noqa: E402
 
 CLEAN_TIMEOUT_S = 5.0
+# how long a finished job may stay COMPLETING in squeue (slurmd cleanup)
+SLURM_JOB_END_TIMEOUT_S = 30.0
 
 
 @pytest.fixture(scope="session")
@@ -78,7 +80,8 @@ def slurm_clean(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
     yield slurm_cluster
     try:
         slurm_cluster.sim.wait_clean(CLEAN_TIMEOUT_S)
-        assert slurm_cluster.jobs() == [], f"Slurm jobs left: {slurm_cluster.jobs()}"
+        left = slurm_cluster.wait_no_jobs(SLURM_JOB_END_TIMEOUT_S)
+        assert left == [], f"Slurm jobs left: {left}"
     except AssertionError:
         slurm_cluster.sim.kill_strays()
         raise

@@ -239,6 +239,19 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
                              capture_output=True, text=True, timeout=30)
         return [ln for ln in res.stdout.splitlines() if ln.strip()]
 
+    def wait_no_jobs(self, timeout: float) -> list[str]:
+        """Wait up to ``timeout`` s until Slurm knows no job; returns the jobs
+        still listed then. A job whose tasks have all exited stays COMPLETING
+        until every slurmd has reported its cleanup, which takes a moment
+        longer on a loaded machine; one still listed after ``timeout`` is a
+        job Slurm could not finish (a task it could not kill)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = self.jobs()
+            if not left or time.monotonic() >= deadline:
+                return left
+            time.sleep(0.2)
+
     def teardown(self) -> None:
         live = []
         for proc in reversed(self.procs):
