@@ -195,24 +195,37 @@ def log_files_problem(paths: list[str]) -> str | None:
                 pass
 
 
+#: How often one log file's check is tried when its directory vanishes
+#: between creating it and opening the file in it.
+_LOG_CHECK_TRIES = 8
+
+
 def _log_file_problem(path: str, made: list[str]) -> str | None:
     parent = os.path.dirname(path) or "."
-    missing = []
-    top = parent
-    while top and not os.path.exists(top):
-        missing.append(top)
-        top = os.path.dirname(top)
-    try:
-        os.makedirs(parent, exist_ok=True)
-        made.extend(reversed(missing))
-        existed = os.path.lexists(path)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | (0 if existed else os.O_CREAT | os.O_EXCL),
-                     0o666)
-        os.close(fd)
-        if not existed:
-            made.append(path)
-    except OSError as exc:
-        return f"cannot open the --log_dir file {path}: [Errno {exc.errno}] {exc.strerror}"
+    for attempt in range(_LOG_CHECK_TRIES):
+        missing = []
+        top = parent
+        while top and not os.path.exists(top):
+            missing.append(top)
+            top = os.path.dirname(top)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            made.extend(reversed(missing))
+            existed = os.path.lexists(path)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND
+                         | (0 if existed else os.O_CREAT | os.O_EXCL), 0o666)
+            os.close(fd)
+            if not existed:
+                made.append(path)
+        except FileNotFoundError as exc:
+            # Hosts sharing a --log_dir (NFS) check it at once, and another
+            # host's check removes the directories it made: make them again.
+            if attempt + 1 < _LOG_CHECK_TRIES:
+                continue
+            return f"cannot open the --log_dir file {path}: [Errno {exc.errno}] {exc.strerror}"
+        except OSError as exc:
+            return f"cannot open the --log_dir file {path}: [Errno {exc.errno}] {exc.strerror}"
+        return None
     return None
 
 

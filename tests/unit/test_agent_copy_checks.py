@@ -71,3 +71,24 @@ def test_probe_checks_the_log_files_before_any_rank(tmp_path: Path):
                       [0], "worker", None, cpu=True)
     assert not report.ok(strict=False) and "rank_1.log: [Errno 21]" in report.line()
     assert "dsrun_digest" in probe_extras({"versions": True})
+
+
+def test_log_check_survives_another_hosts_check_removing_the_directory(tmp_path: Path,
+                                                                        monkeypatch):
+    # Hosts sharing a --log_dir on NFS check it at once: another host's check
+    # removes the directory it made between this one's makedirs and open.
+    import os
+
+    target = tmp_path / "shared" / "rank_3.log"
+    real_open = os.open
+    removed = []
+
+    def open_after_the_other_host_cleaned(path, flags, mode=0o777, **kw):
+        if str(path) == str(target) and not removed:
+            removed.append(True)
+            os.rmdir(target.parent)
+        return real_open(path, flags, mode, **kw)
+
+    monkeypatch.setattr(os, "open", open_after_the_other_host_cleaned)
+    assert probe_extras({"versions": False, "log_files": [str(target)]}) == {"log_files": None}
+    assert removed and not (tmp_path / "shared").exists()
