@@ -142,7 +142,10 @@ class EngineControls:
         ``"train"`` loader of a Dataset (no sampler, no workers) that the
         engine trained from (a step between two of its batches) and that is
         not ``engine.training_dataloader``: its position is not saved. An
-        evaluation loader built with the default route is not warned of."""
+        evaluation loader built with the default route is not warned of;
+        a ``"train"`` loader with a ``data_sampler`` or workers (a torch
+        DataLoader, whose position dsrun never saves) is named once, as
+        one that may be trained from."""
         if not (self.is_map_style_dataset(dataset) or self.is_iterable_style_dataset(dataset)):
             raise ValueError("Training data must be a torch Dataset")
         size = self.config.train_micro_batch_size_per_gpu if batch_size is None else batch_size
@@ -164,9 +167,9 @@ class EngineControls:
             drop_last=self.config.dataloader_drop_last, pin_memory=pin,
             num_workers=num_local_io_workers or 0)
         loader.data_sampler = data_sampler  # DeepSpeed's name (loader.data_sampler.set_epoch)
-        # not remembered: a save warns only of loaders seen trained from
-        # (DsrunDataLoader.trained), which a torch DataLoader cannot tell
-        return loader
+        # a torch DataLoader cannot tell whether the engine trained from it:
+        # a save names it with a softer warning (see unsaved_loaders)
+        return self._train_loader(loader) if route == ROUTE_TRAIN else loader
 
     def _train_loader(self, loader: Any) -> Any:
         """Remember a training loader: ``save_checkpoint`` warns when it is

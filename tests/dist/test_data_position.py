@@ -103,6 +103,13 @@ def test_a_save_names_training_loaders_whose_position_it_does_not_keep(
         engine.save_checkpoint(str(tmp_path / "c"))
         build().save_checkpoint(str(tmp_path / "d"))  # initialize(training_data=Dataset)
     assert "not saved" not in caplog.text
+    engine = build(training_data=None)
+    sampled = engine.deepspeed_io(DATA, data_sampler=torch.utils.data.SequentialSampler(DATA))
+    with caplog.at_level(logging.WARNING, logger="dsrun.runtime.checkpoint"):
+        train(engine, sampled, 2)
+        engine.save_checkpoint(str(tmp_path / "e"))
+        engine.save_checkpoint(str(tmp_path / "e"))
+    assert caplog.text.count("saves no position for it; if the engine trains from it") == 1
 
 
 def test_a_resumed_loop_of_one_step_moves_the_position_and_a_look_does_not(

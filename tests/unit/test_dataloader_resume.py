@@ -304,3 +304,9 @@ def test_loaders_whose_position_is_not_saved_are_named() -> None:
     assert "DsrunDataLoader built by engine.deepspeed_io() is not " \
         "engine.training_dataloader" in warning
     assert unsaved_loaders(None, []) == []
+    # a torch DataLoader (deepspeed_io with a data_sampler or workers) is
+    # named whether or not it was trained from: it cannot tell
+    [warning] = unsaved_loaders(engine_loader_, [engine_loader_, plain])
+    assert "DataLoader built by engine.deepspeed_io(route='train') with a data_sampler" \
+        in warning and "if the engine trains from it" in warning
+    assert unsaved_loaders(plain, [plain]) == [unsaved_loaders(plain, [])[0]]

@@ -90,7 +90,9 @@ def unsaved_loaders(training: Any, built: Iterable[Any]) -> list[str]:
     that is not ``training`` (only the engine's dataloader is saved) and
     that the engine trained from (its ``trained``: a step came between one
     of its batches and the next; an evaluation loader built with
-    DeepSpeed's default route has none, and is not warned of)."""
+    DeepSpeed's default route has none, and is not warned of). A loader of
+    ``built`` without ``trained`` (a torch DataLoader, built with a sampler
+    or workers) is named as one that may be trained from."""
     found = []
     if training is not None and not callable(getattr(training, "state_dict", None)):
         found.append(f"the engine's dataloader is a {type(training).__name__} given to "
@@ -98,7 +100,15 @@ def unsaved_loaders(training: Any, built: Iterable[Any]) -> list[str]:
                      "a resumed run starts its epoch again at the first batch (pass the "
                      "Dataset to have dsrun build a loader whose position is saved)")
     for loader in built:
-        if loader is not training and getattr(loader, "trained", False):
+        if loader is training:
+            continue
+        if not hasattr(loader, "trained"):  # a torch DataLoader: used how is not known
+            found.append(f"a {type(loader).__name__} built by engine.deepspeed_io("
+                         "route='train') with a data_sampler or num_local_io_workers: dsrun "
+                         "saves no position for it; if the engine trains from it, a resumed "
+                         "run starts its epoch again at the first batch (build it without "
+                         "those, as engine.training_dataloader, to have its position saved)")
+        elif loader.trained:
             found.append(f"a {type(loader).__name__} built by engine.deepspeed_io() is not "
                          "engine.training_dataloader: its data position is not saved, a "
                          "resumed run starts its epoch again at the first batch (assign "
