@@ -11,6 +11,7 @@ never raises. Kept to the standard library: every agent imports it.
 
 from __future__ import annotations
 
+import math
 import os
 import select
 import subprocess
@@ -92,20 +93,33 @@ class RankOutput:
 
     def _pump(self, rank: Rank, fd: int, stream: IO[bytes]) -> None:
         """Forward one output stream of ``rank`` line by line (outlines.py):
-        ``\r`` ends a line too, and text without a line end goes out after
-        a short silence or once it is LINE_LIMIT long."""
+        ``\r`` ends a line too, and text without a line end goes out once it
+        is PARTIAL_IDLE old (counted from its first byte, so a trickle of
+        dots is not held for as long as it lasts) or LINE_LIMIT long."""
         splitter = LineSplitter()
         poller = select.poll()
         poller.register(stream.fileno(), select.POLLIN)
-        idle_ms = int(PARTIAL_IDLE * 1000)
+        since = 0.0  # time.monotonic() when the pending text's first byte was read
         while True:
-            if splitter.pending and not poller.poll(idle_ms):
+            if splitter.pending:
+                wait_ms = math.ceil(max(0.0, since + PARTIAL_IDLE - time.monotonic()) * 1000)
+                if not poller.poll(wait_ms):  # nothing more came in time
+                    self.forward(rank, fd, splitter.flush())
+                    since = time.monotonic()  # a character cut in half waits again
+                    continue
+            data = os.read(stream.fileno(), 65536)
+            if not data:
+                break
+            held = splitter.pending
+            segments = splitter.feed(data)
+            if segments or not held:  # what is pending now began in this read
+                since = time.monotonic()
+            elif time.monotonic() - since >= PARTIAL_IDLE:
+                # More of the same unfinished line, and it is old enough: out
+                # now. (Read first: after a pause the rest of a whole line may
+                # already be in the pipe, and the line stays whole.)
                 segments = splitter.flush()
-            else:
-                data = os.read(stream.fileno(), 65536)
-                if not data:
-                    break
-                segments = splitter.feed(data)
+                since = time.monotonic()
             self.forward(rank, fd, segments)
         self.forward(rank, fd, splitter.flush(final=True))
         stream.close()

@@ -4,10 +4,12 @@ The node agent reads each rank's stdout and stderr in chunks and forwards
 them line by line (``[host:rank] ...`` on the launcher, one line per line
 in ``--log_dir``). Progress bars (tqdm) redraw one line with ``\\r`` and no
 newline, so a line is ended by ``\\n`` *or* ``\\r``; text that sits without
-either is forwarded as a line of its own after a short silence
-(:data:`PARTIAL_IDLE`: a prompt, a progress bar between redraws) or when
-it reaches :data:`LINE_LIMIT` bytes, so a rank never makes the agent hold
-more than that per stream.
+either is forwarded as a line of its own once it has waited
+:data:`PARTIAL_IDLE` seconds for a line end, counted from its first byte
+(a prompt, a progress bar between redraws, dots printed one per step: more
+of the same line does not hold it longer), or when it reaches
+:data:`LINE_LIMIT` bytes, so a rank never makes the agent hold more than
+that per stream. Its continuation is then a line of its own too.
 
 Invariants: every byte is forwarded exactly once, in order; an empty
 segment is forwarded only when it is an empty line (``\\n`` right after a
@@ -29,7 +31,7 @@ from typing import NamedTuple
 
 #: The most bytes of one line held before it is forwarded anyway.
 LINE_LIMIT = 64 * 1024
-#: Seconds of silence after which text without a line end is forwarded.
+#: Seconds text without a line end is held (from its first byte) before it is forwarded.
 PARTIAL_IDLE = 0.25
 
 NEWLINE, RETURN, PARTIAL = "\n", "\r", ""
