@@ -17,7 +17,7 @@ plan means "exit, nothing was started". Guarantees:
   command, end of input, a launcher silent past its heartbeat timeout
   (link.py) or a signal to the agent stop the ranks the same way; a kill
   command, end of input while stopping, or a second signal SIGKILL them at
-  once;
+  once; ``done`` names the ranks that died of that SIGKILL (agent_stop.py);
 - exited ranks stay unreaped until the teardown is over, so their pids and
   group ids cannot name anyone else's processes meanwhile (procs.py);
 - before ``done`` every process of the job on this host is gone: also
@@ -63,10 +63,12 @@ from dsrun.launcher.agent_os import (
     remove_own_shm,
     remove_tmpdir,
     stop_raising,
+    stopped,
     wait_status,
 )
 from dsrun.launcher.agent_output import TAIL_LINES, Rank, RankOutput, close_quietly, guarded
 from dsrun.launcher.agent_prelude import ConnectFailed, connect_link, read_payload
+from dsrun.launcher.agent_stop import JobProcesses
 from dsrun.launcher.envlayers import apply_layers
 from dsrun.launcher.guard import Guard
 from dsrun.launcher.link import END, Link
@@ -87,17 +89,12 @@ class Agent:
     def __init__(self, payload: dict[str, Any], link: Link, guard: Guard | None,
                  subreaper: bool = False) -> None:
         self.payload = payload
-        # The agent is its descendants' subreaper (main()): every process
-        # below it but the guard is the job's (procs.job_processes).
-        self.spare = frozenset({guard.pid} if guard is not None else ()) \
-            if subreaper else None
         self.next_check = 0.0  # time.monotonic() of the next reap / guard check
         self.job_id: str = payload["job_id"]
         # Marks this agent's processes for teardown. Per agent, not per job:
         # hosts may share a PID namespace (containers with host PIDs, the
         # simulated cluster), and one agent must never stop another's ranks.
         self.marker = f"{self.job_id}.{os.urandom(6).hex()}"
-        self.grace = float(payload.get("kill_grace", 5.0))
         self.link = link
         self.guard = guard
         # "exit", "eof", "stop", "kill", or (what, detail): ("fail", message)
@@ -106,22 +103,21 @@ class Agent:
         self.ranks: list[Rank] = []
         self.output = RankOutput(link, lambda msg: self.events.put(("fail", msg)),
                                  self._thread_failed)
-        self.escaped: set[procs.Proc] = set()  # told to the guard (_record_escaped)
         self.exit_lock = threading.Lock()  # a rank's status and exit time, set once
         self.stack_lock = threading.Lock()
-        self.stopping = False
         self.stop_signal = signal.SIGTERM  # what the launcher's ``stop`` sends first
         self.hurried = False  # a signal during the teardown: SIGKILL now
-        self.hard_killed = False
-        self.deadline = 0.0
-        self.stop_mono = float("inf")  # time.monotonic() when stopping began
         self.failed = False
         self.fail_sent = False
         self.tmpdir = make_tmpdir(f"dsrun-{self.job_id[:8]}-")
         me = procs.Proc.of(os.getpid())
-        self.since = me.started if me is not None else 0.0  # the job started after us
+        # The agent is its descendants' subreaper (main()): every process
+        # below it but the guard is the job's (procs.job_processes).
+        spare = frozenset({guard.pid} if guard is not None else ()) if subreaper else None
+        self.job = JobProcesses(self.marker, me.started if me is not None else 0.0,
+                                float(payload.get("kill_grace", 5.0)), guard, spare)
         if guard is not None:
-            guard.set_marker(self.marker, self.since)
+            guard.set_marker(self.marker, self.job.since)
             guard.set_tmpdir(self.tmpdir)
 
     def emit(self, obj: dict[str, Any], control: bool = True) -> None:
@@ -136,8 +132,7 @@ class Agent:
                 self._crashed(exc)
         finally:
             stop_raising(self._hurry)  # for good: main() drains the link after this
-            killed = self._finish()
-            self.emit({"ev": "done", "killed": killed})
+            self.emit({"ev": "done", **self._finish()})
         return 1 if self.failed else 0
 
     def _supervise(self) -> None:
@@ -148,7 +143,7 @@ class Agent:
             stop_raising(self._hurry)  # a further signal SIGKILLs, as "kill" does
             # The launcher must blame the signal, not the ranks it stops.
             self.emit({"ev": "signal", "signal": stop.signum, "time": time.time(),
-                       "age": 0.0, "during_stop": self.stopping})
+                       "age": 0.0, "during_stop": self.job.stopping})
             self._begin_stop(signal.SIGINT if stop.signum == signal.SIGINT
                              else signal.SIGTERM)
             self._loop()
@@ -264,7 +259,7 @@ class Agent:
         except OSError as exc:
             self.failed = True
             self.emit({"ev": "exit", "rank": spec["rank"], "code": 127, "signal": None,
-                       "time": time.time(), "age": 0.0, "during_stop": self.stopping,
+                       "time": time.time(), "age": 0.0, "during_stop": self.job.stopping,
                        "error": {"message": f"cannot start {spec['argv'][0]}: {exc.strerror}"},
                        "tail": []})
             self._begin_stop()
@@ -314,6 +309,10 @@ class Agent:
             for rank in list(self.ranks):
                 if rank.status is not None:
                     continue
+                if stopped(rank.popen.pid):  # it could not answer: say why
+                    self.emit({"ev": "stack", "req": req, "rank": rank.rank,
+                               "pid": rank.popen.pid, "text": None, "stopped": True})
+                    continue
                 text = stackdump.request(rank.popen.pid, rank.stack_file)
                 self.emit({"ev": "stack", "req": req, "rank": rank.rank,
                            "pid": rank.popen.pid, "text": text})
@@ -329,12 +328,12 @@ class Agent:
             if isinstance(event, tuple):  # a failure off the main thread: the host fails
                 self._failed_off_main(*event)
                 continue
-            if event == "kill" or self.hurried or (event == "eof" and self.stopping):
+            if event == "kill" or self.hurried or (event == "eof" and self.job.stopping):
                 # Nobody waits for the grace any more: the launcher (or this
                 # agent) was signalled twice, or went away while the job was
                 # stopping.
                 self._begin_stop()
-                self.deadline = min(self.deadline, time.monotonic())
+                self.job.hurry()
             elif event == "stop":
                 self._begin_stop(self.stop_signal)
             elif event == "eof" or self.link.lost():
@@ -343,10 +342,8 @@ class Agent:
             now = time.monotonic()
             if now >= self.next_check:
                 self.next_check = now + 0.5
-                self._check_children()
-            if self.stopping and not self.hard_killed and now >= self.deadline:
-                procs.signal_groups(self._running_leaders(), signal.SIGKILL)
-                self.hard_killed = True
+                self._check_guard()
+            self.job.kill_overdue(self.ranks)
             if all(r.reported for r in self.ranks) and not self._late_failures():
                 return
 
@@ -368,51 +365,17 @@ class Agent:
                 self._failed_off_main(*event)
                 found = True
 
-    def _own_children(self) -> set[int]:
-        """Children whose status is not the orphan reaper's to take."""
-        kept = {rank.popen.pid for rank in self.ranks}
-        return kept | ({self.guard.pid} if self.guard is not None else set())
-
-    def _check_children(self) -> None:
-        """Reap adopted orphans (subreaper), tell the guard of escaped job
-        processes, and fail if the guard died."""
-        if self.spare is not None:
-            procs.reap_adopted(self._own_children())
-            if self.guard is not None and not self.stopping:
-                self._record_escaped()
-        how = self.guard.died() if self.guard is not None else None
-        if how is not None:
-            self.spare = frozenset()  # reaped: its pid may name a job process now
-        if how is not None and not self.stopping:
+    def _check_guard(self) -> None:
+        """Housekeeping (agent_stop.py); fail if the guard died."""
+        how = self.job.check_children(self.ranks)
+        if how is not None and not self.job.stopping and self.guard is not None:
             self._fail(f"its guard process (pid {self.guard.pid}) {how}: without it the "
                        f"ranks would outlive a killed agent, so the job is stopped")
 
-    def _record_escaped(self) -> None:
-        """Job processes outside every rank's group (they left it: setsid,
-        daemonisers) go to the guard, which is no ancestor of theirs: if
-        this agent is SIGKILLed they reparent to init, and those that also
-        dropped the marker could not be found by it otherwise."""
-        assert self.guard is not None and self.spare is not None
-        groups = [r.leader.pid for r in self.ranks if r.leader is not None]
-        for proc in procs.outside_groups(groups, self.spare):
-            if proc not in self.escaped:
-                self.escaped.add(proc)
-                self.guard.escaped(proc)
-
-    def _leaders(self) -> list[procs.Leader]:
-        return [r.leader for r in self.ranks if r.leader is not None]
-
-    def _running_leaders(self) -> list[procs.Leader]:
-        return [r.leader for r in self.ranks if r.leader is not None and r.status is None]
-
     def _begin_stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
-        if self.stopping:
-            return
-        self._poll_exits()  # ranks dead by now did not die of this stop
-        self.stopping = True
-        self.stop_mono = time.monotonic()
-        self.deadline = self.stop_mono + self.grace
-        procs.signal_job(self._leaders(), self.marker, sig, self.since, self.spare)
+        if not self.job.stopping:
+            self._poll_exits()  # ranks dead by now did not die of this stop
+        self.job.begin(self.ranks, sig)
 
     def _reap(self) -> None:
         for rank in self.ranks:
@@ -427,33 +390,25 @@ class Agent:
 
     def _report_exit(self, rank: Rank) -> None:
         error = read_error_file(rank.error_file)
-        self.emit(exit_event(rank, error, self.stopping, self.stop_mono))
+        self.emit(exit_event(rank, error, self.job.stopping, self.job.stop_mono))
         if rank.status != 0:
             if error is not None:
                 self.output.log_error(rank, error)
             self.failed = True
             self._begin_stop()
 
-    def _finish(self) -> int:
-        """Make sure nothing of the job is left on this host; return #SIGKILLed."""
-        deadline = self.deadline if self.stopping else None
-        killed = procs.stop_job(self._leaders(), self.marker, self.grace,
-                                already_termed=self.stopping, deadline=deadline,
-                                since=self.since, hurry=lambda: self.hurried,
-                                spare=self.spare)
+    def _finish(self) -> dict[str, Any]:
+        """Make sure nothing of the job is left on this host (agent_stop.py);
+        the ``done`` event's facts."""
+        facts = self.job.finish(self.ranks, lambda: self.hurried)
         for rank in self.ranks:
-            if rank.status is None:  # only after a second signal
-                rank.popen.kill()
-            rank.popen.wait()  # reaped only now: its pid was ours until here
             self.output.close_log(rank)  # never raises: a full disk must not stop this
-        if self.spare is not None:
-            procs.reap_adopted(self._own_children())
         if self.guard is not None:
             self.guard.done()
         remove_tmpdir(self.tmpdir)
         for rank in self.ranks:
             remove_own_shm(rank.shm_name)
-        return killed
+        return facts
 
 
 def _exit_now(code: int) -> None:

@@ -120,6 +120,16 @@ def remove_own_shm(name: str) -> None:
         pass
 
 
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped by a signal (SIGSTOP, SIGTSTP:
+    state T in /proc; False where there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"T"
+    except (OSError, IndexError):
+        return False
+
+
 def wait_status(info: os.waitid_result) -> int:
     """As Popen.returncode: the exit code, or minus the signal's number."""
     return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status

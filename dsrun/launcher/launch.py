@@ -70,7 +70,7 @@ from dsrun.launcher.netinfo import script_problem
 from dsrun.launcher.plan import LaunchPlan, build_plan, describe
 from dsrun.launcher.preflight import HostReport, PreflightFailed
 from dsrun.launcher.rankenv import check_user_env
-from dsrun.launcher.report import JobResult, report_lines, restartable
+from dsrun.launcher.report import JobResult, report_lines, restartable, sigkill_lines
 from dsrun.launcher.spec import LaunchSpec, check_seconds, cpu_by_deepspeed_variable
 from dsrun.launcher.supervisor import SIGNALS, Interrupted, Supervisor, Watch
 from dsrun.launcher.watch import DEFAULT_STRAGGLER_INTERVAL
@@ -441,9 +441,13 @@ def _run_attempts(spec: LaunchSpec, attempt: Callable[[int], JobResult],
                          why_not or f"restarting ({restart + 1}/{spec.max_restarts})"))
         if why_not:
             break
-    # After Ctrl-C, ranks killed by dsrun's own stop are not a failure to report.
+    # After Ctrl-C, ranks killed by dsrun's own stop are not a failure to report
+    # (but the ranks it had to SIGKILL are said: their save-on-Ctrl-C was cut off).
     if result.interrupted is None or any(not f.during_stop for f in result.failures):
         for line in report_lines(result):
+            say(line)
+    elif result.sigkilled:
+        for line in sigkill_lines(result):
             say(line)
     if result.interrupted is not None:
         say(stopped_line(result))
@@ -487,7 +491,9 @@ def stopped_line(result: JobResult) -> str:
     if result.starting:
         name += " while the job was starting"
     if not result.unconfirmed:
-        return f"stopped by {name}; every rank was stopped"
+        count = sum(len(k.ranks) for k in result.sigkilled)
+        return f"stopped by {name}; every rank was stopped" + \
+            (f" ({count} of them with SIGKILL)" if count else "")
     hosts = ", ".join(result.unconfirmed)
     return (f"stopped by {name}; could not confirm that the ranks on {hosts} stopped "
             f"(their agents did not answer; an agent stops its ranks when its "

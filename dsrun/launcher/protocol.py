@@ -85,9 +85,14 @@ The agent writes events:
                                            fails, whatever its ranks did; the agent
                                            stops its ranks and still ends with done,
                                            and exits non-zero
-  stack    {req, rank, pid, text}          a rank's stacks (text null: no handler)
+  stack    {req, rank, pid, text, stopped} a rank's stacks (text null: no handler;
+                                           stopped: it is stopped by a signal)
   stack_end {req}                          every running rank answered
-  done     {killed}                        every process of the job is gone
+  done     {killed, sigkilled, after, at_once}
+           every process of the job is gone; killed: how many the final
+           sweep SIGKILLed; sigkilled: the ranks that died of the agent's
+           SIGKILL, still running after the stop's first signal ``after``
+           ("SIGTERM", "SIGINT") for the kill grace, or hurried (at_once)
 
 An agent ignores commands it does not know (from a newer launcher).
 """

@@ -154,6 +154,16 @@ class RunningRank:
 
 
 @dataclass(frozen=True)
+class SigKilled:
+    """Ranks that one node agent had to SIGKILL while stopping the job."""
+
+    host: str
+    ranks: tuple[int, ...]
+    after: str  # the stop's first signal: "SIGTERM", or "SIGINT" for a Ctrl-C
+    at_once: bool  # hurried (a further signal) before --kill_grace was over
+
+
+@dataclass(frozen=True)
 class JobResult:
     failures: tuple[RankFailure, ...] = ()
     interrupted: int | None = None  # signal that stopped dsrun
@@ -179,6 +189,10 @@ class JobResult:
     #: The backend's name (``openmpi``, ...): the report's wording of a stop
     #: signal after an early exit names mpirun only under mpirun.
     launcher: str = ""
+    #: Ranks still running when the stop's grace ran out (or was cut short),
+    #: killed with SIGKILL: what they did on the stop signal was cut off.
+    sigkilled: tuple[SigKilled, ...] = ()
+    kill_grace: float | None = None  # --kill_grace seconds
 
     @property
     def root_cause(self) -> RankFailure | None:
@@ -299,6 +313,7 @@ def report_lines(result: JobResult) -> list[str]:
         lines.append(f"(failures ordered on the clock of {result.clock or socket.gethostname()}"
                      f", where dsrun runs: when it learned of each, less the delay each "
                      f"agent measured; host clocks are never compared)")
+    lines.extend(sigkill_lines(result))
     lines.extend(_unconfirmed_lines(result))
     lines.append(f"exit code {result.exit_code}")
     return lines
@@ -391,9 +406,57 @@ def timeout_lines(result: JobResult) -> list[str]:
     if result.no_stacks:
         lines.append(f"no stacks from {', '.join(result.no_stacks)}: its agent did not "
                      f"answer in time (host down or unreachable?)")
+    lines.extend(sigkill_lines(result))
     lines.extend(_unconfirmed_lines(result))
     lines.append(f"exit code {result.exit_code}")
     return lines
+
+
+def sigkill_lines(result: JobResult) -> list[str]:
+    """The ranks the teardown had to SIGKILL, so that a save on Ctrl-C or
+    a ``finally`` block cut off by it is not taken for one that finished."""
+    lines = []
+    for at_once in (False, True):
+        for after in sorted({k.after for k in result.sigkilled if k.at_once == at_once}):
+            group = [k for k in result.sigkilled if (k.at_once, k.after) == (at_once, after)]
+            who, count = _ranks_on_hosts(group)
+            they, them = ("it", "it") if count == 1 else ("they", "them")
+            what = "a save in except KeyboardInterrupt" if after == "SIGINT" else \
+                f"a {after} handler"
+            cut = f"anything {they} still did - {what}, finally, atexit - was cut off"
+            if at_once:
+                lines.append(f"{who} killed with SIGKILL before --kill_grace ran out, after "
+                             f"{after} (a further signal hurried the stop): {cut}")
+            else:
+                grace = f" {result.kill_grace:g}s" if result.kill_grace is not None else ""
+                lines.append(f"{who} still running --kill_grace{grace} after {after}: killed "
+                             f"with SIGKILL ({cut}; a longer --kill_grace gives {them} more "
+                             f"time)")
+    return lines
+
+
+def _ranks_on_hosts(killed: Sequence[SigKilled], shown: int = 8) -> tuple[str, int]:
+    """``rank 0, 1 on host a; rank 4-7 on host b`` and how many ranks that is."""
+    by_host: dict[str, set[int]] = {}
+    for entry in killed:
+        by_host.setdefault(entry.host, set()).update(entry.ranks)
+    parts = [f"rank {_rank_ranges(sorted(ranks))} on host {host}"
+             for host, ranks in list(by_host.items())[:shown]]
+    if len(by_host) > shown:
+        parts.append(f"and ranks on {len(by_host) - shown} more host(s)")
+    return "; ".join(parts), sum(len(r) for r in by_host.values())
+
+
+def _rank_ranges(ranks: list[int]) -> str:
+    """``0, 1, 4-7``: runs of three or more consecutive ranks as a range."""
+    parts: list[str] = []
+    start = 0
+    for i in range(1, len(ranks) + 1):
+        if i == len(ranks) or ranks[i] != ranks[i - 1] + 1:
+            run = ranks[start:i]
+            parts.append(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)))
+            start = i
+    return ", ".join(parts)
 
 
 def _unconfirmed_lines(result: JobResult) -> list[str]:

@@ -30,7 +30,7 @@ from typing import Any
 
 from dsrun.launcher.backends.base import JobHandle
 from dsrun.launcher.control import NO_ANSWER, StackQuery
-from dsrun.launcher.report import JobResult, RankFailure, RunningRank
+from dsrun.launcher.report import JobResult, RankFailure, RunningRank, SigKilled
 from dsrun.launcher.watch import RankState, StackCollection, Stragglers
 
 # (host, rank, fd, lines) -> None: the lines of one ``out`` event
@@ -146,6 +146,7 @@ class _State:
     interrupted: int | None = None
     hurried: int | None = None  # a signal while the job was already being stopped
     killed: int = 0
+    sigkilled: list[SigKilled] = field(default_factory=list)  # per agent's ``done``
     timed_out: float | None = None
     running_at_timeout: tuple[RunningRank, ...] = ()
     collections: dict[int, StackCollection] = field(default_factory=dict)
@@ -190,7 +191,8 @@ class Supervisor:
                          unconfirmed=unconfirmed,
                          no_stacks=tuple(st.hosts[i] for i in sorted(st.no_stacks)),
                          starting=not st.ranks, hurried=st.hurried,
-                         early_exits=tuple(st.early_exits))
+                         early_exits=tuple(st.early_exits), sigkilled=tuple(st.sigkilled),
+                         kill_grace=self.grace)
 
     def _stop(self, interrupt: bool = False) -> None:
         """Stop every agent's ranks; ``interrupt``: dsrun got a Ctrl-C, so
@@ -293,12 +295,21 @@ class Supervisor:
         elif ev in ("stack", "stack_end"):
             self._stack_event(index, host, msg)
         elif ev == "done":
-            st.done.add(index)
-            st.killed += int(msg.get("killed", 0))
+            self._done(index, host, msg)
         elif ev == "eof":
             self._ended(index, host)
         elif ev in ("garbage", "agent_err"):
             self.sink(host, -1, 2, [msg["line"]])
+
+    def _done(self, index: int, host: str, msg: dict[str, Any]) -> None:
+        """The agent's teardown is over: note the ranks it had to SIGKILL."""
+        st = self.state
+        st.done.add(index)
+        st.killed += int(msg.get("killed", 0))
+        ranks = tuple(int(r) for r in msg.get("sigkilled") or ())
+        if ranks:
+            st.sigkilled.append(SigKilled(host, ranks, str(msg.get("after") or "SIGTERM"),
+                                          bool(msg.get("at_once"))))
 
     def _exited(self, index: int, host: str, msg: dict[str, Any]) -> None:
         st = self.state
@@ -419,7 +430,8 @@ class Supervisor:
         if collection is None:
             return
         if msg.get("ev") == "stack":
-            collection.answer(host, int(msg.get("rank", -1)), msg.get("text"))
+            collection.answer(host, int(msg.get("rank", -1)), msg.get("text"),
+                              bool(msg.get("stopped")))
         else:
             collection.ended([index])
 

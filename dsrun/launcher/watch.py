@@ -76,9 +76,13 @@ class Stragglers:
                 f" ago; still running: {shown}{more}{self.hint}{note}")
 
 
-def stack_lines(host: str, rank: int, text: str | None) -> list[str]:
-    """One agent's answer for one rank, as ``[host:rank] ...`` lines."""
+def stack_lines(host: str, rank: int, text: str | None, stopped: bool = False) -> list[str]:
+    """One agent's answer for one rank, as ``[host:rank] ...`` lines
+    (``stopped``: the rank is stopped by a signal and cannot answer)."""
     prefix = f"[{host}:{rank}]"
+    if stopped:
+        return [f"{prefix} (no stack: the rank is stopped (SIGSTOP), not running; "
+                f"SIGCONT resumes it)"]
     if text is None:
         return [f"{prefix} (no Python stack: the rank runs without dsrun's runtime "
                 f"(--no_python), or has not started it yet)"]
@@ -99,8 +103,8 @@ class StackCollection:
     close: Callable[[], None] | None = None  # the requester's end, once complete
     lines: list[str] = field(default_factory=list)
 
-    def answer(self, host: str, rank: int, text: str | None) -> None:
-        for line in stack_lines(host, rank, text):
+    def answer(self, host: str, rank: int, text: str | None, stopped: bool = False) -> None:
+        for line in stack_lines(host, rank, text, stopped):
             self.lines.append(line)
             self.write(line)
 

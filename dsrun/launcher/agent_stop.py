@@ -1,0 +1,138 @@
+"""A node agent's hold on the job's processes on its host: finding those
+that left the ranks' groups, and stopping them all (procs.py does the
+finding and signalling; this is the agent's state around it).
+
+Stopping is the first signal (SIGTERM, or SIGINT for the launcher's
+Ctrl-C) to every process of the job, then SIGCONT (a stopped process acts
+on it only once continued), SIGKILL to the ranks still running
+once ``kill_grace`` has passed (at once when hurried: a kill command, a
+second signal), and a final sweep that leaves nothing. The ranks that died
+of that SIGKILL are named in the ``done`` event (``sigkilled``), so the
+launcher's report can say whose handlers - a save on ``KeyboardInterrupt``,
+a ``finally`` - were cut off. Kept to the standard library: every agent
+imports it.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+from dsrun.launcher import procs
+from dsrun.launcher.agent_output import Rank
+from dsrun.launcher.guard import Guard
+
+
+def leaders(ranks: list[Rank]) -> list[procs.Leader]:
+    return [r.leader for r in ranks if r.leader is not None]
+
+
+class JobProcesses:
+    """This host's processes of the job (see the module docstring).
+
+    ``spare``: None, or the agent is its descendants' subreaper and every
+    process below it but these (its guard) is the job's (procs.job_processes).
+    """
+
+    def __init__(self, marker: str, since: float, grace: float, guard: Guard | None,
+                 spare: frozenset[int] | None) -> None:
+        self.marker = marker
+        self.since = since  # the agent's start: every job process started later
+        self.grace = grace
+        self.guard = guard
+        self.spare = spare
+        self.escaped: set[procs.Proc] = set()  # told to the guard (record_escaped)
+        self.stopping = False
+        self.first = signal.SIGTERM  # what the stop sent first
+        self.stop_mono = float("inf")  # time.monotonic() when stopping began
+        self.deadline = 0.0
+        self.hard_killed = False
+        self.at_once = False  # SIGKILL came before the grace was over (hurried)
+        self.sigkilled: set[int] = set()  # ranks still running when SIGKILL was sent
+
+    # -- while the job runs ---------------------------------------------------
+    def own_children(self, ranks: list[Rank]) -> set[int]:
+        """Children whose status is not the orphan reaper's to take."""
+        kept = {rank.popen.pid for rank in ranks}
+        return kept | ({self.guard.pid} if self.guard is not None else set())
+
+    def check_children(self, ranks: list[Rank]) -> str | None:
+        """Reap adopted orphans (subreaper) and tell the guard of escaped job
+        processes; how the guard died, if it did (None: it lives)."""
+        if self.spare is not None:
+            procs.reap_adopted(self.own_children(ranks))
+            if self.guard is not None and not self.stopping:
+                self._record_escaped(ranks)
+        how = self.guard.died() if self.guard is not None else None
+        if how is not None:
+            self.spare = frozenset()  # reaped: its pid may name a job process now
+        return how
+
+    def _record_escaped(self, ranks: list[Rank]) -> None:
+        """Job processes outside every rank's group (they left it: setsid,
+        daemonisers) go to the guard, which is no ancestor of theirs: if
+        the agent is SIGKILLed they reparent to init, and those that also
+        dropped the marker could not be found by it otherwise."""
+        assert self.guard is not None and self.spare is not None
+        for proc in procs.outside_groups([p.pid for p in leaders(ranks)], self.spare):
+            if proc not in self.escaped:
+                self.escaped.add(proc)
+                self.guard.escaped(proc)
+
+    # -- stopping -------------------------------------------------------------
+    def begin(self, ranks: list[Rank], sig: signal.Signals) -> None:
+        """The first signal to every rank's group and every other process of
+        the job (once); SIGKILL follows ``grace`` seconds later."""
+        if self.stopping:
+            return
+        self.stopping = True
+        self.first = sig
+        self.stop_mono = time.monotonic()
+        self.deadline = self.stop_mono + self.grace
+        procs.signal_job(leaders(ranks), self.marker, sig, self.since, self.spare)
+        # A stopped process (SIGSTOP, a debugger let go) acts on the signal
+        # only once continued: it gets its grace too, as systemd does it.
+        procs.signal_job(leaders(ranks), self.marker, signal.SIGCONT, self.since, self.spare)
+
+    def hurry(self) -> None:
+        """Nobody waits for the grace any more: SIGKILL at the next check."""
+        now = time.monotonic()
+        if not self.hard_killed and self.deadline > now:
+            self.at_once = True
+        self.deadline = min(self.deadline, now)
+
+    def kill_overdue(self, ranks: list[Rank]) -> None:
+        """SIGKILL the groups of the ranks still running once the deadline
+        has passed (their exits are reported as they come)."""
+        if not self.stopping or self.hard_killed or time.monotonic() < self.deadline:
+            return
+        running = [r for r in ranks if r.status is None]
+        self.sigkilled.update(r.rank for r in running)
+        procs.signal_groups(leaders(running), signal.SIGKILL)
+        self.hard_killed = True
+
+    def finish(self, ranks: list[Rank], hurried: Callable[[], bool]) -> dict[str, Any]:
+        """Make sure nothing of the job is left on this host, and reap the
+        ranks (their pids were the agent's until here). The ``done`` event's
+        facts: processes SIGKILLed by this sweep (``killed``), and the ranks
+        that died of a SIGKILL of ours (``sigkilled``), after which signal
+        (``after``) and whether before the grace was over (``at_once``)."""
+        running = {r.rank for r in ranks if r.status is None}
+        killed = procs.stop_job(leaders(ranks), self.marker, self.grace,
+                                already_termed=self.stopping,
+                                deadline=self.deadline if self.stopping else None,
+                                since=self.since, hurry=hurried, spare=self.spare)
+        for rank in ranks:
+            if rank.status is None:  # only after a second signal
+                rank.popen.kill()
+            rank.popen.wait()
+        # Ours only: a rank still running when SIGKILL went out, and dead of it
+        # (not one that was already exiting, nor one the OOM killer took before).
+        cut = sorted(r.rank for r in ranks if r.rank in self.sigkilled | running
+                     and r.popen.returncode == -signal.SIGKILL)
+        if self.spare is not None:
+            procs.reap_adopted(self.own_children(ranks))
+        return {"killed": killed, "sigkilled": cut, "after": self.first.name,
+                "at_once": self.at_once or (bool(cut) and hurried())}
