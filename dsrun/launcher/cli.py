@@ -43,6 +43,7 @@ import click  # noqa: E402
 from dsrun import DSRUN_VERSION  # noqa: E402
 from dsrun.errors import DsrunError, DsrunUsageError  # noqa: E402
 from dsrun.launcher import cli_hints, launch  # noqa: E402
+from dsrun.launcher.console import OutputFailed  # noqa: E402
 from dsrun.launcher.spec import (  # noqa: E402
     DEFAULT_HEARTBEAT_TIMEOUT,
     DEFAULT_SSH_TIMEOUT,
@@ -268,6 +269,11 @@ def run_command(**params: object) -> int:
         # without a word and without a second error when Python flushes.
         _discard_output()
         return 128 + signal.SIGPIPE
+    except OutputFailed as exc:
+        # Not a closed pipe (a full disk, a file size limit): the job was
+        # stopped, and a quiet 141 would send the user looking for a pipe.
+        _say_and_discard_output(f"dsrun: error: {exc.line()}\n")
+        return 1
 
 
 #: ``ctx.obj`` of ``dsrun run ...`` spelled out: its SCRIPT is never a command name.
@@ -281,6 +287,20 @@ class CommandNotFirst(DsrunUsageError):
     def __init__(self, command: str) -> None:
         super().__init__(f"{command!r} is a dsrun command, and commands come first")
         self.command = command
+
+
+def _say_and_discard_output(line: str) -> None:
+    """One line on stderr if it can still be written, then no more output
+    (what the failed stream still buffers would fail again at exit)."""
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    try:
+        os.write(sys.stderr.fileno(), line.encode("utf-8", "replace"))
+    except (OSError, ValueError, AttributeError):
+        pass
+    _discard_output()
 
 
 def _discard_output() -> None:
@@ -386,6 +406,11 @@ def stack_command(job: str | None) -> int:
     except BrokenPipeError:  # `dsrun stack | head`: quietly, as `dsrun run` does
         _discard_output()
         return 128 + signal.SIGPIPE
+    except OutputFailed as exc:
+        # Not a closed pipe (a full disk, a file size limit): the job was
+        # stopped, and a quiet 141 would send the user looking for a pipe.
+        _say_and_discard_output(f"dsrun: error: {exc.line()}\n")
+        return 1
     except OSError as exc:
         raise DsrunError(f"job {chosen['job_id'][:12]}: {exc.strerror or exc}") from None
     return 0 if received and complete else 1

@@ -259,6 +259,18 @@ DEEPSPEED_ONLY_FLAGS = {
 }
 
 
+_EVERY_RANKS_OUTPUT = ("dsrun always shows every rank's stdout and stderr, each line prefixed "
+                      "[host:rank]; --log_dir DIR also writes each rank's output to "
+                      "DIR/rank_N.log")
+#: torchrun's output flags: dsrun has one way to keep each rank's output.
+TORCHRUN_FLAGS = {
+    "--tee": _EVERY_RANKS_OUTPUT,
+    "--redirects": _EVERY_RANKS_OUTPUT,
+    "--local-ranks-filter": _EVERY_RANKS_OUTPUT,
+    "--local_ranks_filter": _EVERY_RANKS_OUTPUT,
+}
+
+
 def usage_hint(exc: click.ClickException, name: str | None) -> str:
     if not isinstance(exc, click.UsageError):
         return ""
@@ -280,6 +292,8 @@ def message(exc: click.ClickException) -> str:
                     f"torch.distributed.launch) gives each rank's script, not a launcher "
                     f"option: dsrun fills it in itself for a script whose argparse parser "
                     f"declares it (--local_rank_arg: for any script; --no_local_rank: never)")
+        if name in TORCHRUN_FLAGS:
+            return f"No such option '{name}' (a torchrun flag). {TORCHRUN_FLAGS[name]}."
         # DeepSpeed takes unique prefixes of its flags (argparse): so do the hints
         flags = [name] if name in DEEPSPEED_ONLY_FLAGS else \
             [f for f in DEEPSPEED_ONLY_FLAGS if name.startswith("--") and f.startswith(name)]

@@ -26,10 +26,12 @@ together; the supervisor pauses the agents' output while it is high
 (link.py), which is what bounds it. Consecutive texts for one stream go out
 in one write and one flush of at most :data:`CHUNK` characters, so a
 writer's progress is seen even behind a slow reader (:meth:`Console.stuck`).
-A stream that fails (a closed pipe: ``dsrun ... | head``) takes nothing
-more: the next line or message for it, and :meth:`Console.pending` (the
-supervisor asks at every step), raise ``BrokenPipeError`` in the caller,
-as a direct write would. A stream given up on (:meth:`Console.drop`: its
+A stream that fails takes nothing more: the next line or message for it,
+and :meth:`Console.pending` (the supervisor asks at every step), raise in
+the caller, which stops the job - ``BrokenPipeError`` for a closed pipe
+(``dsrun ... | head``: dsrun then exits quietly, as a direct write would
+end it), :class:`OutputFailed` for any other error (a full disk, a file
+size limit, EIO), which dsrun names on stderr. A stream given up on (:meth:`Console.drop`: its
 reader stopped reading after the job ended, or a signal) loses what is
 queued for it and silently takes nothing more.
 """
@@ -37,6 +39,7 @@ queued for it and silently takes nothing more.
 from __future__ import annotations
 
 import collections
+import errno
 import os
 import sys
 import threading
@@ -51,6 +54,31 @@ PLAIN_EVERY = 2.0
 CHUNK = 64 * 1024
 _CLEAR = "\r\x1b[K"
 OUT, ERR = 1, 2
+
+
+class OutputFailed(Exception):
+    """A write to dsrun's stdout or stderr failed, other than into a closed
+    pipe (ENOSPC, EFBIG, EIO): ``error`` is the OSError."""
+
+    def __init__(self, fd: int, error: OSError) -> None:
+        self.stream = "stdout" if fd == OUT else "stderr"
+        self.error = error
+        self.job_code: int | None = None  # the job's exit code, when it had ended first
+        what = f"[Errno {error.errno}] {error.strerror}" if error.strerror else str(error)
+        super().__init__(f"cannot write to {self.stream}: {what}")
+
+    def line(self) -> str:
+        """What dsrun says of it on stderr (if stderr still works)."""
+        if self.job_code is None:
+            return f"{self}: the job was stopped (its output from there on is lost)"
+        return f"{self}: the rest of the job's output is lost (the job had ended, " \
+               f"exit code {self.job_code})"
+
+
+def _closed_pipe(exc: BaseException) -> bool:
+    """A pipe whose reader is gone (or a stream closed under us): the quiet end."""
+    return isinstance(exc, ValueError) or \
+        (isinstance(exc, OSError) and exc.errno in (errno.EPIPE, errno.ECONNRESET, None))
 
 
 class _Writer:
@@ -81,6 +109,7 @@ class Console:
         self._writers: dict[int, _Writer] = {}  # by stream; empty: write directly
         self._ending = False  # close(): writers end once their queue is empty
         self._broken: set[int] = set()  # streams that failed
+        self._failed: dict[int, OSError] = {}  # ... with an error other than a closed pipe
         self._dropped: set[int] = set()  # streams given up on (drop())
         self._backlog = {OUT: 0, ERR: 0}  # characters queued or being written
 
@@ -124,12 +153,17 @@ class Console:
     def _put(self, fd: int, text: str) -> None:
         """Write ``text`` now, or queue it for its writer (lock held)."""
         if fd in self._broken:
-            raise BrokenPipeError(f"dsrun's output stream is closed ({text[:40]!r} lost)")
+            self._raise_failed(fd, f"({text[:40]!r} lost)")
         if fd in self._dropped:
             return
         writer = self._writers.get(fd)
         if writer is None:
-            _write_text(self._stream(fd), text)
+            try:
+                _write_text(self._stream(fd), text)
+            except OSError as exc:
+                if _closed_pipe(exc):
+                    raise
+                raise OutputFailed(fd, exc) from exc
             return
         if not writer.has_work():
             writer.progress = time.monotonic()  # a stall counts from here
@@ -161,12 +195,25 @@ class Console:
 
     def pending(self) -> int:
         """Characters still to write, both streams; raises ``BrokenPipeError``
-        once a stream has failed (the job then stops, as a failed direct
-        write stops it)."""
+        or :class:`OutputFailed` once a stream has failed (the job then
+        stops, as a failed direct write stops it)."""
         with self._lock:
             if self._broken:
-                raise BrokenPipeError("dsrun's output stream is closed")
+                self._raise_failed(min(self._failed or self._broken))
             return self.backlog
+
+    def _raise_failed(self, fd: int, what: str = "") -> None:
+        error = self._failed.get(fd)
+        if error is not None:
+            raise OutputFailed(fd, error)
+        raise BrokenPipeError(f"dsrun's output stream is closed{' ' + what if what else ''}")
+
+    @property
+    def failure(self) -> OutputFailed | None:
+        """The first stream that failed other than as a closed pipe, if any."""
+        with self._lock:
+            fd = min(self._failed, default=None)
+            return None if fd is None else OutputFailed(fd, self._failed[fd])
 
     def behind(self, fd: int) -> int:
         """Characters still to write to one stream (1: stdout, 2: stderr)."""
@@ -260,9 +307,11 @@ class Console:
             fd, text = taken
             try:
                 _write_text(self._stream(fd), text)
-            except Exception:  # noqa: BLE001 - a closed pipe or file: it takes nothing more
+            except Exception as exc:  # noqa: BLE001 - a failed stream takes nothing more
                 with self._lock:
                     self._broken.add(fd)
+                    if isinstance(exc, OSError) and not _closed_pipe(exc):
+                        self._failed.setdefault(fd, exc)
                     self._drop_queued(writer, fd)
             finally:
                 with self._lock:

@@ -13,17 +13,18 @@ job size. All validation that can fail happens before any process starts
 3. plan: the one plan builder (plan.py) over the probed facts;
 4. start: each agent gets its part of the plan;
 5. supervise until every agent is done; one root-cause report;
-6. finish the output (:func:`finish_output`): stderr at once, stdout as
-   long as its reader takes something, with the job's signal handling
-   still in force; the exit code is the job's.
+6. finish the output (output_end.py): stderr at once, stdout as long as
+   its reader takes something (a few seconds at most after a signal
+   stopped the job), with the job's signal handling still in force; the
+   exit code is the job's.
 
 ``--dry-run`` prints the draft plan (what is known before any host is
 asked) through the same builder and the backend's request. Both it and the
 start banner name the hostfile the job uses (or say there is none). A
 ``--config`` is validated in full (configcheck.py) before either. While a
 job runs, its control socket (control.py) answers ``dsrun stack``. This
-module, console.py and cli.py are the only launcher modules that write to
-the console.
+module, console.py, output_end.py and cli.py are the only launcher
+modules that write to the console.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from dataclasses import replace
 import click
 
 from dsrun.errors import DsrunUsageError
+from dsrun.launcher import output_end
 from dsrun.launcher.backends.base import Backend, JobHandle
 from dsrun.launcher.cluster import (
     Cluster,
@@ -51,7 +53,7 @@ from dsrun.launcher.cluster import (
     resolve_cluster,
 )
 from dsrun.launcher.configcheck import check_config
-from dsrun.launcher.console import ERR, OUT, Console
+from dsrun.launcher.console import Console
 from dsrun.launcher.control import ControlServer
 from dsrun.launcher.envpolicy import (
     JobEnv,
@@ -67,6 +69,7 @@ from dsrun.launcher.jobsignals import (
     take_signals,
 )
 from dsrun.launcher.netinfo import script_problem
+from dsrun.launcher.output_end import DEFAULT_OUTPUT_WAIT, OUTPUT_WAIT_VAR
 from dsrun.launcher.plan import LaunchPlan, build_plan, describe
 from dsrun.launcher.preflight import HostReport, PreflightFailed
 from dsrun.launcher.rankenv import check_user_env
@@ -77,9 +80,6 @@ from dsrun.launcher.watch import DEFAULT_STRAGGLER_INTERVAL
 
 #: Seconds before the first "still running" line once some ranks have exited.
 STRAGGLER_VAR = "DSRUN_STRAGGLER_INTERVAL"
-#: Seconds the ended job's stdout waits for a reader that takes nothing.
-OUTPUT_WAIT_VAR = "DSRUN_OUTPUT_WAIT"
-DEFAULT_OUTPUT_WAIT = 60.0
 
 console = Console()
 
@@ -254,10 +254,14 @@ def _run_job(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv, 
             SIGNALS.hold()  # from here a signal is only recorded, for finish_output
             ended = SIGNALS.received
             control.close()
-            finish_output(patience)
+            finish_output(patience, SIGNALS.first if ended else None)
             broken = console.close(wait=False)
     finally:
         release_signals(previous, ended)
+    failure = console.failure  # a full disk, a file size limit: said by cli.py
+    if failure is not None:
+        failure.job_code = code
+        raise failure
     if broken:  # a closed pipe took the last lines (`dsrun ... | head`)
         raise BrokenPipeError("dsrun's output stream is closed")
     return code
@@ -289,44 +293,9 @@ def output_wait(environ: Mapping[str, str]) -> float | None:
     return _seconds_var(environ, OUTPUT_WAIT_VAR, DEFAULT_OUTPUT_WAIT)
 
 
-def finish_output(patience: float | None) -> None:
-    """The job has ended (its report said): write what the console holds.
-
-    stderr does not wait behind stdout (console.py), so the report is out
-    at once unless stderr's own reader stalls. stdout is waited for as long
-    as its reader takes something; once a stream's writer has written
-    nothing for ``patience`` seconds since the job ended (None: no limit),
-    the rest of it is dropped, and a dropped stdout is said on stderr. The
-    first signal drops stdout's rest at once (stderr is still written); a
-    second one returns at once. Either way the exit code stays the job's."""
-    began = time.monotonic()
-    signals: list[int] = []
-    dropped: set[int] = set()
-    while not console.written(0.2):
-        signals += SIGNALS.take()
-        if len(signals) > 1:
-            return  # a second signal: no more waiting (close() drops the rest)
-        if signals and OUT not in dropped:
-            dropped.add(OUT)
-            _drop_output(OUT, f"{signal.Signals(signals[0]).name} after the job ended")
-        for fd in (OUT, ERR) if patience is not None else ():
-            if fd not in dropped and console.stuck(fd, began) >= patience:
-                dropped.add(fd)
-                _drop_output(fd, f"nothing was read from dsrun's stdout for {patience:g}s "
-                             f"after the job ended ({OUTPUT_WAIT_VAR})")
-
-
-def _drop_output(fd: int, why: str) -> None:
-    """Give up on one stream; say on stderr what stdout lost."""
-    lines, size = console.drop(fd)
-    if fd == OUT and size:
-        say(f"{why}: dropped {lines} line(s) ({_amount(size)}) of output not yet written "
-            f"to stdout")
-
-
-def _amount(size: int) -> str:
-    return f"{size} bytes" if size < 10 * 1024 else \
-        f"{size / 1024:.0f} KiB" if size < 10 * 2 ** 20 else f"{size / 2 ** 20:.0f} MiB"
+def finish_output(patience: float | None, stopped_by: int | None = None) -> None:
+    """Write what the console holds once the job has ended (output_end.py)."""
+    output_end.finish_output(console, patience, stopped_by)
 
 
 class JobClock:

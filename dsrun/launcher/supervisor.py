@@ -73,6 +73,7 @@ class SignalLatch:
         self.raising = False
         self.seen = False  # any signal since reset(): the launcher keeps its handlers
         self.received = 0  # signals since reset()
+        self.first: int | None = None  # the first of them
         # Once ``received`` reaches ``exit_at``, ``on_excess(signum)`` (which
         # must not return: the process is ending and blocked; launch.py).
         self.exit_at: int | None = None
@@ -81,6 +82,8 @@ class SignalLatch:
     def __call__(self, signum: int, frame: object) -> None:
         self.seen = True
         self.received += 1
+        if self.first is None:
+            self.first = signum
         if self.exit_at is not None and self.received >= self.exit_at \
                 and self.on_excess is not None:
             self.on_excess(signum)
@@ -94,6 +97,7 @@ class SignalLatch:
         self.raising = False
         self.seen = False
         self.received = 0
+        self.first = None
         self.exit_at = None
 
     def arm(self) -> None:
