@@ -27,7 +27,9 @@ Strictness: an unknown key anywhere (top level or any nested section) is a
 ``{"dsrun": {"allow_unknown_keys": true}}`` in the config, or the
 environment variable ``DSRUN_ALLOW_UNKNOWN_CONFIG_KEYS=1``, turns each
 unknown key into a logged warning; such keys are dropped and listed in
-``DsrunConfig.ignored_keys``. Documented DeepSpeed sections that dsrun does
+``DsrunConfig.ignored_keys``. A dotted top-level key whose first part is a
+known key (``"zero_optimization.reduce_bucket_size"``, as TRL adds it) is
+ignored with one warning, as DeepSpeed ignores it. Documented DeepSpeed sections that dsrun does
 not act on (``PASSTHROUGH_KEYS``: ``autotuning``, ``elasticity``,
 ...) are accepted, kept verbatim in ``passthrough`` and
 reported with one warning when they are present and not disabled.
@@ -66,6 +68,7 @@ from dsrun.runtime.config_load import (  # noqa: F401 - importable from here as 
     PASSTHROUGH_KEYS,
     REPLACED_KEYS,
     _allow_unknown,
+    _drop_dotted,
     _passthrough,
     _refuse_replaced,
     _without_auto_enabled,
@@ -384,7 +387,8 @@ def resolve(config: ConfigInput, *, dp_size: int, dp_source: str,
     ctx = Ctx(source, allow_unknown=_allow_unknown(raw, env))
     top = {json_key(f): f for f in fields(DsrunConfig) if not f.metadata.get("internal")}
     valid = {*top, "bfloat16", *PASSTHROUGH_KEYS}
-    known = pick(_refuse_replaced(raw, ctx), (), ctx, valid, section_keys(valid))
+    known = pick(_drop_dotted(_refuse_replaced(raw, ctx), ctx, valid), (), ctx, valid,
+                 section_keys(valid))
     for key in ("log_level", "communication_data_type", "seq_parallel_communication_data_type"):
         if isinstance(known.get(key), str):  # DeepSpeed lower-cases them
             known[key] = known[key].lower()

@@ -4,7 +4,8 @@ without acting on it.
 :func:`load_config` turns a dict or a JSON path into a raw dict (bad JSON
 and duplicate keys are errors naming the file). The unknown-key escape
 hatch (:func:`_allow_unknown`), keys that older configs used and that mean
-something else now (``REPLACED_KEYS``), documented DeepSpeed sections that
+something else now (``REPLACED_KEYS``), dotted top-level keys as TRL adds them
+(:func:`_drop_dotted`), documented DeepSpeed sections that
 dsrun keeps verbatim but does not implement (``PASSTHROUGH_KEYS``) and
 top-level settings it checks but ignores (``INERT_KEYS``,
 :func:`inert_settings`) are decided here. :mod:`dsrun.runtime.config`
@@ -126,6 +127,23 @@ def _refuse_replaced(raw: Mapping[str, Any], ctx: Ctx) -> Mapping[str, Any]:
         log.warning("%s; ignoring it", text)
         ctx.ignored.append(key)
     return {k: v for k, v in raw.items() if k not in REPLACED_KEYS}
+
+
+def _drop_dotted(raw: Mapping[str, Any], ctx: Ctx, valid: Any) -> Mapping[str, Any]:
+    """``raw`` without top-level keys such as ``"zero_optimization.reduce_bucket_size"``
+    (a known key, a dot, more): TRL's ``prepare_deepspeed`` adds them to the
+    config it gives ``deepspeed.initialize``, and DeepSpeed 0.19.8 reads no
+    dotted key, so it ignores them silently. dsrun ignores them too, with one
+    warning (they are listed in ``ignored_keys``); a key whose first part is
+    not a known key stays an unknown key."""
+    dotted = [k for k in raw if isinstance(k, str) and "." in k and k.split(".", 1)[0] in valid]
+    if not dotted:
+        return raw
+    shown = ", ".join(f'"{k}" ({show(raw[k])})' for k in dotted)
+    log.warning("%s: ignoring dotted top-level keys %s: DeepSpeed 0.19.8 ignores them too "
+                "(they set nothing; to set a value, put it inside its section)", ctx.source, shown)
+    ctx.ignored.extend(dotted)
+    return {k: v for k, v in raw.items() if k not in dotted}
 
 
 def _allow_unknown(raw: Mapping[str, Any], environ: Mapping[str, str]) -> bool:

@@ -52,6 +52,35 @@ def test_fp32_allreduce_says_what_it_is_now(caplog: pytest.LogCaptureFixture) ->
     assert caplog.text.count("fp32_allreduce") == 1 and "communication_data_type" in caplog.text
 
 
+
+def test_dotted_top_level_keys_are_ignored_as_in_deepspeed(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """TRL's prepare_deepspeed adds "zero_optimization.<field>" keys at the top
+    level; DeepSpeed 0.19.8 reads none of them (its reduce_bucket_size stays
+    5e8), so dsrun ignores them with one warning instead of refusing them."""
+    h = 32
+    trl = {"zero_optimization.reduce_bucket_size": h * h,
+           "zero_optimization.stage3_param_persistence_threshold": 10 * h,
+           "zero_optimization.stage3_prefetch_bucket_size": 0.9 * h * h}
+    with caplog.at_level(logging.WARNING):
+        config = res(base(zero_optimization={"stage": 3}, **trl))
+    plain = res(base(zero_optimization={"stage": 3}))
+    assert config.zero_optimization == plain.zero_optimization
+    assert config.zero_optimization.reduce_bucket_size == 500_000_000
+    assert config.ignored_keys == tuple(trl)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    text = warnings[0].getMessage()
+    assert "ignoring dotted top-level keys" in text and "DeepSpeed 0.19.8 ignores" in text
+    assert all(f'"{key}"' in text for key in trl)
+
+
+@pytest.mark.parametrize("key", ["zero_optimizaton.stage", "zero_optimizaton", "fp16x.enabled"])
+def test_misspelt_or_unknown_dotted_keys_stay_errors(key: str) -> None:
+    with pytest.raises(DsrunConfigError, match=f'unknown key "{key}"'):
+        res(base(**{key: 1}))
+
+
 # ---------------------------------------------------------------- batch triple
 
 VALID_TRIPLES = [
