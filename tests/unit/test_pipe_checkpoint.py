@@ -41,6 +41,13 @@ def test_a_shared_name_is_written_by_its_lowest_stage() -> None:
     assert owners == {"t.w": 0, "0.w": 0, "1.w": 1, "u.w": 1, "2.w": 2}
 
 
+def test_loss_fn_names_are_written_by_the_last_stage() -> None:
+    """``loss_fn`` runs on the last stage only: its copy is the trained one."""
+    owners = writing_stages([["loss_fn.v", "tied_modules.e.w", "0.w"],
+                             ["loss_fn.v", "1.w"], ["loss_fn.v", "tied_modules.e.w", "2.w"]])
+    assert owners == {"loss_fn.v": 2, "tied_modules.e.w": 0, "0.w": 0, "1.w": 1, "2.w": 2}
+
+
 def test_group_difference() -> None:
     base = [{"lr": 0.01, "betas": [0.9, 0.999]}, {"lr": 0.01, "weight_decay": 0.0}]
     assert group_difference([base, [dict(g) for g in base]]) is None

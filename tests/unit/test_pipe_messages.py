@@ -59,6 +59,20 @@ def test_a_message_for_another_micro_batch_is_refused() -> None:
         check_header(Header("gradient", 2, 0, ()), "gradient", 3, 0, "stage 0")
 
 
+def test_a_later_batch_mid_batch_says_the_first_stages_data_ran_out() -> None:
+    """Batch 3's micro-batch 0 while waiting for batch 2's micro-batch 1: the
+    first stage caught its DataIteratorExhausted and went on."""
+    with pytest.raises(PipeMessageError, match=r"forward calls; the first stage's data iterator "
+                       r"probably ran out at micro-batch 1 of batch 2"):
+        check_header(Header("train-activation", 3, 0, ()), "train-activation", 2, 1, "stage 1")
+    for got, want in ((Header("train-activation", 3, 1, ()), ("train-activation", 2, 1)),
+                      (Header("train-activation", 3, 0, ()), ("train-activation", 2, 0)),
+                      (Header("gradient", 3, 0, ()), ("gradient", 2, 1))):
+        with pytest.raises(PipeMessageError) as info:
+            check_header(got, *want, "stage 1")
+        assert "ran out" not in str(info.value)
+
+
 def test_gradient_shapes_must_match_the_activation() -> None:
     want = [TensorMeta(torch.float32, (4, 8), True)]
     check_metas([TensorMeta(torch.float32, (4, 8))], want, "stage 0, micro-batch 2")

@@ -9,9 +9,11 @@ and :class:`PipelineLayout` says it:
 * **Exports.** Each rank exports its own stage's state: its share of the
   stage's data-parallel group (its ZeRO-1/2 partitions, or its split of the
   replicated stage-0 tensors). A tensor that several stages hold under one
-  name - a tied module, a ``loss_fn`` buffer - is written by the lowest of
-  those stages only; its copies are equal (tied weights are kept bitwise
-  equal), so any copy is the value.
+  name is written by one of them only: a tied module's by the lowest (tied
+  weights are kept bitwise equal), ``loss_fn``'s by the highest - the last
+  stage, the only one that runs ``loss_fn``, so the only one whose copy of
+  a trainable ``loss_fn`` parameter or a buffer it updates moves
+  (:func:`writing_stages`; :func:`save_16bit_model` picks the same copy).
 * **Model-wide names.** The manifest's ``state_dict_keys`` (the order
   ``dsrun checkpoint to-fp32`` writes), its aliases and the frozen
   parameters left out are the whole model's, learnt in one exchange among
@@ -97,12 +99,23 @@ def merge_state_dict_keys(per_stage: Sequence[Sequence[str]]) -> list[str]:
     return head + layers + tail
 
 
+def _last_stage_owns(key: str) -> bool:
+    """A name whose live copy is the highest stage's: ``loss_fn`` runs on the
+    last stage only, so only there do its parameters train and its buffers
+    update (the other stages' copies keep their initial values)."""
+    return key.startswith("loss_fn.")
+
+
 def writing_stages(per_stage: Sequence[Sequence[str]]) -> dict[str, int]:
-    """``name -> stage`` that writes it: the lowest stage holding it."""
+    """``name -> stage`` that writes it: the lowest stage holding it, but the
+    highest for ``loss_fn``'s names (:func:`_last_stage_owns`)."""
     out: dict[str, int] = {}
     for stage, keys in enumerate(per_stage):
         for key in keys:
-            out.setdefault(key, stage)
+            if _last_stage_owns(key):
+                out[key] = stage
+            else:
+                out.setdefault(key, stage)
     return out
 
 
@@ -183,7 +196,7 @@ class PipelineLayout(CheckpointLayout):
                 "a checkpoint stores one set of param-group hyperparameters, so every stage's "
                 "optimizer must have the same groups")
         per_stage = [s["keys"] for s in stages]
-        others = {n for n, s in writing_stages(per_stage).items() if s < grid.stage_id}
+        others = {n for n, s in writing_stages(per_stage).items() if s != grid.stage_id}
         if others:
             exports = [_keep_fragments(e, others) for e in exports]
         left_out = sorted({n for s in stages for n in s["excluded"]})
@@ -230,10 +243,9 @@ def _merge16(path: str, first: Mapping[str, torch.Tensor], parts: Sequence[str])
     """Rank 0: stage 0's state and the other stages' part files -> ``path``."""
     try:
         states = [first, *(torch.load(p, map_location="cpu", weights_only=True) for p in parts)]
-        values: dict[str, torch.Tensor] = {}
-        for state in states:
-            for key, value in state.items():
-                values.setdefault(key, value)  # a name several stages hold: the lowest's
+        owner = writing_stages([list(state) for state in states])
+        values = {key: value for stage, state in enumerate(states)
+                  for key, value in state.items() if owner[key] == stage}
         order = merge_state_dict_keys([list(state) for state in states])
         _save(collections.OrderedDict((key, values[key]) for key in order), path)
     finally:

@@ -129,7 +129,8 @@ class PipelineEngine(InstructionExecutor, DsrunEngine):
             raise PipeAssertionError("a PipelineModule brings its own topology (num_stages= "
                                      "or topology=): do not pass mpu= to dsrun.initialize()")
         check_pipeline_zero(config, model)
-        check_stages_train(model, config, kwargs.get("optimizer"), compute_device())
+        check_stages_train(model, config, kwargs.get("optimizer"), compute_device(),
+                           kwargs.get("model_parameters"))
         _apply_pipeline_config(config, model)
         super().__init__(model, config, mpu=model.grid, **kwargs)
         self.grid = model.grid

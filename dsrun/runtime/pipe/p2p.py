@@ -113,7 +113,23 @@ def check_header(got: Header, kind: str, batch: int, micro_batch: int, where: st
         raise PipeMessageError(
             f"{where} expected the {kind} of micro-batch {micro_batch} of batch {batch} but "
             f"received {got.describe()}: the stages are out of step - every rank of a "
-            "pipeline must make the same sequence of train_batch/eval_batch/forward calls")
+            "pipeline must make the same sequence of train_batch/eval_batch/forward calls"
+            f"{_ran_out_hint(got, kind, batch, micro_batch)}")
+
+
+def _ran_out_hint(got: Header, kind: str, batch: int, micro_batch: int) -> str:
+    """The likely cause when a later batch's first micro-batch arrives in
+    the middle of this one: the first stage's data iterator ran out there
+    (its ``DataIteratorExhausted`` is a ``StopIteration``, which a training
+    loop catches and goes on with the next batch, while this stage still
+    waits inside the batch)."""
+    if kind == "gradient" or micro_batch == 0 or got.micro_batch != 0 or got.batch <= batch:
+        return ""
+    return (f"; the first stage's data iterator probably ran out at micro-batch {micro_batch} "
+            f"of batch {batch} (DataIteratorExhausted, a StopIteration its loop caught) and "
+            "it went on to the next batch: give every train_batch()/eval_batch() a full "
+            "batch of micro-batches (an iterator whose length is a multiple of "
+            "gradient_accumulation_steps, or a RepeatingLoader)")
 
 
 def check_metas(got: Sequence[TensorMeta], want: Sequence[TensorMeta], where: str) -> None:

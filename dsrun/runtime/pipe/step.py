@@ -144,31 +144,75 @@ def check_pipeline_zero(config: Any, module: Any) -> None:
             "that hold them: use ZeRO stage 1 with TiedLayerSpec layers")
 
 
-def check_stages_train(module: Any, config: Any, optimizer: Any, device: torch.device) -> None:
+def _given_count(model_parameters: Any) -> Optional[int]:
+    """How many parameters ``initialize(model_parameters=...)`` hands the
+    optimizer (tensors, or param-group dicts with ``"params"``); None when
+    not given (the module's own parameters are used) or not a list (a
+    generator is read once: left for the optimizer)."""
+    if not isinstance(model_parameters, (list, tuple)):
+        return None
+    count = 0
+    for item in model_parameters:
+        if isinstance(item, dict):
+            params = item.get("params", [])
+            count += 1 if isinstance(params, torch.Tensor) else len(list(params))
+        else:
+            count += 1
+    return count
+
+
+def _stages(module: Any, stages: list[int]) -> str:
+    parts, names = list(module.parts), module._layer_names
+    return "; ".join(f"{s} (layers {parts[s]}-{parts[s + 1] - 1}: "
+                     f"{', '.join(dict.fromkeys(names[parts[s]:parts[s + 1]]))})"
+                     for s in stages)
+
+
+def check_stages_train(module: Any, config: Any, optimizer: Any, device: torch.device,
+                       model_parameters: Any = None) -> None:
     """An optimizer the engine builds (the config's, or ``initialize()``'s
     callable) needs parameters on every stage (frozen ones count: they go
     into the optimizer and train once unfrozen); otherwise every rank
     raises the same error naming the stages without any and the partition
     (one all-reduce over the world: a rank knows only its own stage's
-    parameters)."""
+    parameters). A stage that owns parameters but gets none from
+    ``model_parameters`` (a frozen stage, with only the trainable ones
+    passed) is named too, instead of torch's "empty parameter list"."""
     builds = not isinstance(optimizer, torch.optim.Optimizer) and \
         (optimizer is not None or config.optimizer is not None)
-    flags = torch.zeros(module.num_stages + 1, dtype=torch.float32, device=device)
-    flags[module.stage_id] = float(any(True for _ in module.parameters()))
+    stages = module.num_stages
+    owns = any(True for _ in module.parameters())
+    flags = torch.zeros(2 * stages + 1, dtype=torch.float32, device=device)
+    flags[module.stage_id] = float(owns)
+    flags[stages + module.stage_id] = float(owns and _given_count(model_parameters) == 0)
     flags[-1] = float(builds)
     collectives.all_reduce(flags, op=dist.ReduceOp.MAX)
-    empty = [s for s in range(module.num_stages) if not flags[s]]
-    if not flags[-1] or not empty:
+    if not flags[-1]:
         return
+    empty = [s for s in range(stages) if not flags[s]]
+    if empty:
+        _raise_no_parameters(module, empty)
+    left_out = [s for s in range(stages) if flags[stages + s]]
+    if left_out:
+        many = len(left_out) > 1
+        raise PipeValueError(
+            f"pipeline {'stages' if many else 'stage'} {_stages(module, left_out)} "
+            f"{'get' if many else 'gets'} no parameters from initialize(model_parameters=...), "
+            "so the optimizer would have nothing to train there: each stage's optimizer "
+            "takes the parameters of model_parameters that its stage holds, and "
+            f"{'these stages hold' if many else 'this stage holds'} only parameters "
+            "model_parameters leaves out (frozen ones, requires_grad=False, when it keeps "
+            "only trainable ones). Pass model_parameters=model.parameters() (frozen "
+            "parameters are not updated), or give every stage a trainable layer")
+
+
+def _raise_no_parameters(module: Any, empty: list[int]) -> None:
     parts, names = list(module.parts), module._layer_names
     if module.num_stages == 1:
         raise PipeValueError("the PipelineModule has no parameters, so the optimizer "
                              f"would have nothing to train (layers: {', '.join(names)})")
-    stages = "; ".join(f"{s} (layers {parts[s]}-{parts[s + 1] - 1}: "
-                       f"{', '.join(dict.fromkeys(names[parts[s]:parts[s + 1]]))})"
-                       for s in empty)
     raise PipeValueError(
-        f"pipeline {'stages' if len(empty) > 1 else 'stage'} {stages} "
+        f"pipeline {'stages' if len(empty) > 1 else 'stage'} {_stages(module, empty)} "
         f"{'own' if len(empty) > 1 else 'owns'} no parameters, so the optimizer "
         f"would have nothing to train there: partition_method={module.partition_method!r} "
         f"cut {len(names)} layers into {module.num_stages} stages at {parts}. Give every "

@@ -1,0 +1,70 @@
+"""Pipeline state one stage holds differently from another, on 2 gloo ranks
+(one dsrun job for the module, ``workers/pipe_stage_cases.py``): a
+trainable ``loss_fn`` (only the last stage's copy trains) in checkpoints
+and 16-bit saves; a frozen stage whose parameters ``model_parameters``
+leaves out; the first stage's data running out inside a batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.conftest import ROOT, dsrun_argv
+from tests.dist.test_engine_dist import _run
+
+pytestmark = pytest.mark.dist
+
+WORKER = ROOT / "tests" / "dist" / "workers" / "pipe_stage_cases.py"
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out, ckpt = tmp_path_factory.mktemp("stage_state"), tmp_path_factory.mktemp("ckpt")
+    results = _run(dsrun_argv("--cpu", "--num_gpus", "2", str(WORKER), "--out", str(out),
+                              "--ckpt", str(ckpt)), out)
+    assert [r["world_size"] for r in results] == [2, 2]
+    return results
+
+
+def case(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    facts = [r[name] for r in results]
+    for rank, fact in enumerate(facts):
+        assert fact["ok"], f"rank {rank}:\n{fact['error']}"
+    return facts
+
+
+def test_a_trainable_loss_fn_resumes_bitwise(ranks: list[dict[str, Any]]) -> None:
+    """The checkpoint holds the last stage's trained ``log_var`` (stage 0's
+    copy never trains), so the resumed run is the straight run."""
+    facts = case(ranks, "loss_param")
+    last = next(f for f in facts if f["stage"] == 1)
+    first = next(f for f in facts if f["stage"] == 0)
+    assert first["straight_value"] == 0.0 and last["straight_value"] != 0.0
+    assert last["resumed"] == last["straight"]
+    assert last["resumed_value"] == last["straight_value"]
+
+
+def test_save_16bit_model_holds_the_trained_loss_fn(ranks: list[dict[str, Any]]) -> None:
+    facts = case(ranks, "loss_param")
+    last = next(f for f in facts if f["stage"] == 1)
+    assert facts[0]["saved16"] == last["straight_value"]
+
+
+def test_a_frozen_stage_left_out_of_model_parameters_is_named(
+        ranks: list[dict[str, Any]]) -> None:
+    for fact in case(ranks, "frozen_filtered"):
+        error = fact["error"]
+        assert error is not None and "empty parameter list" not in error, error
+        assert "pipeline stage 0 (layers 0-1: Linear, Tanh)" in error, error
+        assert "model_parameters" in error and "requires_grad=False" in error, error
+
+
+def test_the_next_stage_says_the_first_stages_data_ran_out(
+        ranks: list[dict[str, Any]]) -> None:
+    first, second = (f["errors"] for f in case(ranks, "exhausted"))
+    assert first[0].startswith("DataIteratorExhausted: the data iterator ran out at "
+                               "micro-batch 1 of 2"), first
+    assert second and second[0].startswith("PipeMessageError"), second
+    assert "the first stage's data iterator probably ran out at micro-batch 1 of batch" \
+        in second[0], second
