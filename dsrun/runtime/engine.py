@@ -339,7 +339,7 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
             optimizer.overflow = overflow
             if self.zero_stage == 0 and self.config.precision != "fp32" and \
                     not hasattr(type(optimizer), "cur_scale"):
-                optimizer.cur_scale = optimizer.loss_scale = float(self.precision.loss_scale)
+                self.precision.publish_scale(optimizer)  # a script's write is taken
         except AttributeError:  # a client optimizer class with read-only attributes of these names
             pass
 

@@ -22,6 +22,15 @@ loss_scaler.py ``DynamicLossScaler.update_scale``:
   :class:`LossScaleError` when ``raise_at_min_scale`` (DeepSpeed's
   behaviour: training has diverged), else the step is just skipped.
 
+DeepSpeed's names (``DynamicLossScaler``'s plain attributes, which scripts
+read and write through ``optimizer.loss_scaler``) are properties over these
+fields: ``cur_scale`` (``scale``), ``cur_hysteresis`` (``hysteresis_left``),
+``cur_iter`` (``iteration``), ``last_overflow_iter``, ``scale_window``
+(``window``), ``delayed_shift`` (``hysteresis``), ``raise_error_at_min_scale``
+(``raise_at_min_scale``); ``loss_scale`` reads ``cur_scale``. A write is the
+state the next step uses (the engine reads :attr:`LossScaler.scale` at every
+backward and step).
+
 Static scaling (``loss_scale > 0``): the scale never changes; an overflow
 still skips the step (DeepSpeed would apply it; applying inf/NaN gradients
 only destroys the weights, so dsrun skips and counts it).
@@ -29,13 +38,28 @@ only destroys the weights, so dsrun skips and counts it).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from dsrun.errors import DsrunError
 
 
 class LossScaleError(DsrunError):
     """Gradients overflow at the minimum loss scale: training diverged."""
+
+
+def checked_scale(value: Any, where: str) -> float:
+    """``value`` as a loss scale, or ValueError naming it and ``where`` it
+    was written (0, a negative or a non-finite scale would zero or poison
+    every gradient)."""
+    try:
+        scale = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where} = {value!r}: a loss scale is a number") from None
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"{where} = {value!r}: a loss scale must be finite and > 0")
+    return scale
 
 
 @dataclass
@@ -62,6 +86,74 @@ class LossScaler:
         if self.min_scale > self.scale and self.dynamic:
             raise ValueError(f"min_scale {self.min_scale:g} above initial scale {self.scale:g}")
         self.hysteresis_left = self.hysteresis
+
+    @property
+    def cur_scale(self) -> float:
+        """DeepSpeed's name of :attr:`scale`; a write is the scale of the next
+        backward and step (ReaL syncs it across model-parallel ranks)."""
+        return self.scale
+
+    @cur_scale.setter
+    def cur_scale(self, value: float) -> None:
+        self.scale = checked_scale(value, "loss_scaler.cur_scale")
+
+    @property
+    def loss_scale(self) -> float:
+        """DeepSpeed's read-only ``LossScalerBase.loss_scale``."""
+        return self.scale
+
+    @property
+    def cur_hysteresis(self) -> int:
+        return self.hysteresis_left
+
+    @cur_hysteresis.setter
+    def cur_hysteresis(self, value: int) -> None:
+        self.hysteresis_left = int(value)
+
+    @property
+    def cur_iter(self) -> int:
+        return self.iteration
+
+    @cur_iter.setter
+    def cur_iter(self, value: int) -> None:
+        self.iteration = int(value)
+
+    @property
+    def last_overflow_iter(self) -> int:
+        return self.last_overflow_iteration
+
+    @last_overflow_iter.setter
+    def last_overflow_iter(self, value: int) -> None:
+        self.last_overflow_iteration = int(value)
+
+    @property
+    def scale_window(self) -> int:
+        return self.window
+
+    @scale_window.setter
+    def scale_window(self, value: int) -> None:
+        if int(value) < 1:
+            raise ValueError(f"loss_scaler.scale_window = {value!r}: must be at least 1")
+        self.window = int(value)
+
+    @property
+    def delayed_shift(self) -> int:
+        """DeepSpeed's name of :attr:`hysteresis` (the budget refilled on growth)."""
+        return self.hysteresis
+
+    @delayed_shift.setter
+    def delayed_shift(self, value: int) -> None:
+        if int(value) < 1:
+            raise ValueError(f"loss_scaler.delayed_shift = {value!r}: must be at least 1")
+        self.hysteresis = int(value)
+
+    @property
+    def raise_error_at_min_scale(self) -> bool:
+        return self.raise_at_min_scale
+
+    @raise_error_at_min_scale.setter
+    def raise_error_at_min_scale(self, value: bool) -> None:
+        self.raise_at_min_scale = bool(value)
 
     def update(self, overflow: bool) -> bool:
         """Record one optimizer step's overflow check; True means skip the step."""

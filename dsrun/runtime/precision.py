@@ -94,6 +94,7 @@ class TorchAutocastFP16(TorchAutocast):
         return torch.autocast(self.device.type, dtype=torch.float16)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        self.take_written_scale()
         return loss.float() * self.scaler.scale
 
     @torch.no_grad()
@@ -106,6 +107,7 @@ class TorchAutocastFP16(TorchAutocast):
         return super().unscaled_grads()
 
     def step(self, optimizer: Optimizer, max_norm: float) -> StepResult:
+        self.take_written_scale()
         self.unscaled_grads()
         return _scaled_step(self.scaler, optimizer, self.params, max_norm, self.params,
                             self.model_parallel)
@@ -176,6 +178,7 @@ class FP16Scaling(FullPrecision):
         return value
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        self.take_written_scale()
         return loss.float() * self.scaler.scale
 
 
@@ -268,6 +271,7 @@ class FP16Master(FP16Scaling):
         return [(param, master.grad) for param, master in zip(self.params, self.masters)]
 
     def step(self, optimizer: Optimizer, max_norm: float) -> StepResult:
+        self.take_written_scale()
         self.unscaled_grads()
         result = _scaled_step(self.scaler, optimizer, self.masters, max_norm, self.params,
                               self.model_parallel)

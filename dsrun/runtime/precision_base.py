@@ -27,7 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from dsrun.runtime import sparse_grads
 from dsrun.runtime.buffer_dtypes import HALF_DTYPES
-from dsrun.runtime.loss_scaler import LossScaler
+from dsrun.runtime.loss_scaler import LossScaler, checked_scale
 from dsrun.runtime.norms import ModelParallel, clip_model_parallel_
 
 
@@ -73,6 +73,11 @@ class FullPrecision:
     #: the mpu's model-parallel group when it has more than one rank (the
     #: engine sets it): the norm is reduced over it too (module docstring)
     model_parallel: Optional[ModelParallel] = None
+    #: stage 0 (:meth:`publish_scale`): the torch optimizer initialize()
+    #: returned, which carries DeepSpeed's fp16-wrapper ``loss_scale`` and
+    #: ``cur_scale`` as plain attributes, and the value last put there
+    _mirror: Optional[Any] = None
+    _mirrored: Any = None
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  device: torch.device) -> None:
@@ -87,6 +92,40 @@ class FullPrecision:
     @property
     def loss_scale(self) -> float:
         return 1.0
+
+    def publish_scale(self, optimizer: Any) -> None:
+        """Stage 0: ``optimizer.cur_scale``/``loss_scale`` = the scale in use
+        (plain attributes: the optimizer is the client's torch one, where
+        DeepSpeed returns its fp16 wrapper) and ``optimizer.loss_scaler`` =
+        the scaler where it has none; :meth:`take_written_scale` makes a
+        script's write to them the scale used."""
+        scale = float(self.loss_scale)
+        optimizer.cur_scale = optimizer.loss_scale = scale
+        self._mirror, self._mirrored = optimizer, scale
+        if self.scaler is not None and not hasattr(optimizer, "loss_scaler"):
+            optimizer.loss_scaler = self.scaler
+
+    def take_written_scale(self) -> None:
+        """Before a backward or step: a value a script wrote to the stage-0
+        optimizer's ``loss_scale`` or ``cur_scale`` since :meth:`publish_scale`
+        becomes the scaler's scale (DeepSpeed's FP16_Optimizer setter), and a
+        scale set through ``loss_scaler.cur_scale`` is mirrored there. A few
+        attribute reads: nothing is published at ZeRO 1-3, whose optimizer
+        reads and writes the scaler itself."""
+        mirror, scaler = self._mirror, self.scaler
+        if mirror is None or scaler is None:
+            return
+        published = self._mirrored
+        values = vars(mirror)
+        for name in ("loss_scale", "cur_scale"):  # identity: the float published
+            value = values.get(name, published)
+            if value is not published:
+                scaler.scale = checked_scale(value, f"optimizer.{name}")
+                break
+        else:
+            if scaler.scale == published:
+                return
+        self.publish_scale(mirror)
 
     def autocast(self) -> Any:
         return contextlib.nullcontext()

@@ -73,7 +73,7 @@ import torch.distributed as dist
 
 from dsrun import comm as collectives
 from dsrun.errors import DsrunError
-from dsrun.runtime.loss_scaler import LossScaler
+from dsrun.runtime.loss_scaler import LossScaler, checked_scale
 from dsrun.runtime.norms import CLIP_EPS, ModelParallel, split_squares
 from dsrun.runtime.zero.offload import Placement
 
@@ -229,13 +229,20 @@ class MasterGradients:
     def reduce_gradients(self) -> None:  # pragma: no cover - every subclass defines it
         raise NotImplementedError
 
-    @property
-    def cur_scale(self) -> float:
-        """DeepSpeed's ZeRO attribute: the current loss scale (fp16: the
-        dynamic or static scale; 1.0 without loss scaling)."""
+    def _get_scale(self) -> float:
         return 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
 
-    loss_scale = cur_scale  # DeepSpeed's other name for it
+    def _set_scale(self, value: float, name: str) -> None:
+        if self.loss_scaler is None:
+            raise DsrunError(f"optimizer.{name} = {value!r}: this model has no loss scaling "
+                             "(only fp16 scales the loss; the scale here is always 1.0)")
+        self.loss_scaler.scale = checked_scale(value, f"optimizer.{name}")
+
+    #: DeepSpeed's ZeRO properties: the current loss scale (fp16: the dynamic
+    #: or static scale; 1.0 without loss scaling). A write sets the scaler's
+    #: scale, which the next backward and step use (as DeepSpeed's setter)
+    cur_scale = property(_get_scale, lambda self, v: self._set_scale(v, "cur_scale"))
+    loss_scale = property(_get_scale, lambda self, v: self._set_scale(v, "loss_scale"))
 
     @property
     def dynamic_loss_scale(self) -> bool:
