@@ -25,7 +25,7 @@ def big_cluster() -> Iterator[SimCluster]:
     reason = preflight()
     if reason is not None:
         pytest.skip(reason)
-    cluster = SimCluster(HOSTS).start()
+    cluster = SimCluster(HOSTS, startup_timeout=30.0).start()  # 32 sshd under load
     try:
         yield cluster
     finally:
