@@ -21,14 +21,26 @@ if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     done
     if [ -n "$missing" ]; then
         echo "install.sh: apt-get install$missing"
-        apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing \
-            >/dev/null
+        # A mirror's passing error or unattended-upgrades holding the dpkg
+        # lock must not fail a CI run: retried downloads, a lock wait, and
+        # one more try of the index update.
+        APT_OPTS="-o Acquire::Retries=3 -o DPkg::Lock::Timeout=120"
+        apt-get $APT_OPTS update -qq || { sleep 10; apt-get $APT_OPTS update -qq; }
+        DEBIAN_FRONTEND=noninteractive apt-get $APT_OPTS install -y -qq \
+            --no-install-recommends $missing >/dev/null
     fi
 fi
 
 PYTHON="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check "${TORCH_SPEC:-torch==2.13.0}" numpy
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+# Each pip install is tried once more: a slow or flaky index fails a CI run.
+pip_install() {
+    .venv/bin/python -m pip install -q --disable-pip-version-check "$@" || {
+        echo "install.sh: pip install $* failed; trying once more" >&2
+        sleep 10
+        .venv/bin/python -m pip install -q --disable-pip-version-check "$@"
+    }
+}
+pip_install "${TORCH_SPEC:-torch==2.13.0}" numpy
+pip_install -e ".[test]"
 echo "install.sh: dsrun $(.venv/bin/python -c 'import dsrun; print(dsrun.__version__)') installed in .venv"
