@@ -124,7 +124,7 @@ class SlowData(torch.utils.data.Dataset):
 
 
 def test_tput_timer_counts_the_engine_dataloaders_loading_time(solo: None) -> None:
-    delay = 0.02
+    delay = 0.05  # the own loader's bound (0.2 s of wall time) must outlast a preemption
     engine = build({"train_micro_batch_size_per_gpu": 2, "optimizer": SGD},
                    training_data=SlowData(12, delay))
     loader = engine.training_dataloader

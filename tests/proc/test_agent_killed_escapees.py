@@ -35,6 +35,20 @@ def _agent_of(launcher: int) -> psutil.Process:
     raise AssertionError("no node agent below dsrun")
 
 
+def _wait_below(agent: psutil.Process, pids: list[int], timeout: float = 10) -> None:
+    """Wait until every pid is a descendant of the agent (the rank, or the
+    agent as their subreaper): only then can the agent record them."""
+    end = time.monotonic() + timeout
+    while True:
+        below = {c.pid for c in agent.children(recursive=True)}
+        if set(pids) <= below:
+            return
+        if time.monotonic() > end:
+            raise AssertionError(f"{sorted(set(pids) - below)} not below the agent "
+                                 f"{agent.pid} after {timeout}s")
+        time.sleep(0.05)
+
+
 def test_escaped_processes_die_with_a_sigkilled_agent(tmp_path, pid_dir):
     script = tmp_path / "stay.py"
     script.write_text(STAY)
@@ -43,8 +57,12 @@ def test_escaped_processes_die_with_a_sigkilled_agent(tmp_path, pid_dir):
     pids: dict[str, int] = {}
     try:
         pids = wait_for_pids(pid_dir, 2)
-        time.sleep(1.5)  # the agent records them with its guard every 0.5 s
-        _agent_of(proc.pid).send_signal(signal.SIGKILL)
+        agent = _agent_of(proc.pid)
+        _wait_below(agent, list(pids.values()))
+        # The agent records them with its guard every 0.5 s; the guard's list
+        # cannot be seen from here, so give it six cycles (a starved loop).
+        time.sleep(3)
+        agent.send_signal(signal.SIGKILL)
         proc.communicate(timeout=30)
         assert wait_gone(list(pids.values()), 10) == [], \
             f"outlived the agent: {[n for n, p in pids.items() if alive(p)]}"

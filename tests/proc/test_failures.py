@@ -40,7 +40,7 @@ def test_exit_code_of_failing_rank_is_propagated_and_named(pid_dir):
     res = run_dsrun(*_behave("--pid_dir", str(pid_dir), "--fail_rank", "1", "--code", "3"))
     elapsed = time.monotonic() - start
     assert res.returncode == 3, res.stderr
-    assert elapsed < 5
+    assert elapsed < 20  # not rank 0's 60 s sleep
     assert "rank 1 on host" in res.stderr and "failed first: exit code 3" in res.stderr
     assert "rank 1 exiting with 3" in res.stderr  # the output tail is in the report
     assert wait_gone(list(wait_for_pids(pid_dir, 2, 1).values()), 2) == []
@@ -85,7 +85,7 @@ def test_rank_ignoring_sigterm_is_killed_after_grace(pid_dir):
                              "--ignore_term_rank", "1", grace=1.5))
     elapsed = time.monotonic() - start
     assert res.returncode == 5, res.stderr
-    assert 1.5 <= elapsed < 8, elapsed
+    assert 1.5 <= elapsed < 20, elapsed  # SIGKILLed, not waited for (60 s sleep)
     assert "rank 0 on host" in res.stderr  # root cause is not the SIGKILLed rank 1
     assert wait_gone(list(wait_for_pids(pid_dir, 2, 1).values()), 1) == []
 

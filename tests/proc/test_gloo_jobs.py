@@ -31,7 +31,7 @@ def test_script_calling_init_process_group_itself_and_failing_rank_stops_barrier
     res = run_dsrun("--cpu", "--num_gpus", "2", "--kill_grace", "2",
                     str(WORKERS / "torchrun_style.py"), "--fail")
     assert res.returncode == 3, res.stderr
-    assert time.monotonic() - start < 15
+    assert time.monotonic() - start < 30  # not the barrier's own timeout (run_dsrun's 60 s)
     assert "argv ['--fail'] sum 1 main __main__" in res.stdout
     assert "rank 1 on host" in res.stderr and "exit code 3" in res.stderr
 

@@ -76,12 +76,12 @@ def test_the_exit_wait_has_one_deadline_and_prints_the_error_once(
     once in all (not once per rank), in a few store calls, and prints the
     error once - one ``dsrun: error:`` line, no log record besides."""
     store = Counting()
-    exiting_saver(monkeypatch, world=4, rank=1, timeout_s=1.0, store=store)
+    exiting_saver(monkeypatch, world=8, rank=1, timeout_s=1.0, store=store)
     caplog.set_level(logging.INFO, logger="dsrun")
     start = time.monotonic()
     with pytest.raises(Exited, match="1"):
         async_save._wait_at_exit()
-    assert time.monotonic() - start < 1.8
+    assert time.monotonic() - start < 5  # once per other rank would be 7 s
     assert store.calls <= 4, store.calls
     assert capfd.readouterr().err.count("boom: the disk is full") == 1
     assert [r for r in caplog.records if "boom" in r.getMessage()] == []
@@ -91,13 +91,13 @@ def test_the_exit_wait_ends_once_every_rank_reported(monkeypatch: pytest.MonkeyP
     """The other two ranks of 3 reported already (printed at exit, or raised
     in their script): nothing to wait for."""
     store = Counting()
-    exiting_saver(monkeypatch, world=3, rank=0, timeout_s=5.0, store=store)
+    exiting_saver(monkeypatch, world=3, rank=0, timeout_s=30.0, store=store)
     for _ in (1, 2):
         SaveBoard(store, "p/", 3).report()
     start = time.monotonic()
     with pytest.raises(Exited):
         async_save._wait_at_exit()
-    assert time.monotonic() - start < 0.5
+    assert time.monotonic() - start < 5  # not the 30 s timeout
     assert store.store.check(["p/reported/all"])
 
 

@@ -177,7 +177,7 @@ def test_a_stalled_stream_is_seen_and_can_be_given_up_on() -> None:
     assert c.written(1.0)
     began = time.monotonic()
     assert c.close(wait=False) is False  # the blocked writer is left behind
-    assert time.monotonic() - began < 1
+    assert time.monotonic() - began < 5  # not blocked with the writer (until go)
     c.line("h", 0, 1, "after close")  # still dropped: a direct write would block
     assert err.getvalue() == "dsrun: still said\n"
     out.go.set()
@@ -206,7 +206,7 @@ def test_a_signal_while_the_output_drains_drops_stdout_and_writes_stderr(job_con
     SIGNALS(signal.SIGINT, None)  # recorded, as while the job ran
     began = time.monotonic()
     launch.finish_output(60.0)
-    assert time.monotonic() - began < 2
+    assert time.monotonic() - began < 5  # not the 60 s patience
     c.close(wait=False)
     lines = err.getvalue().splitlines()
     assert lines[0] == "dsrun: job failed: rank 1 ..."
@@ -222,14 +222,14 @@ def test_a_second_signal_ends_the_wait_at_once(job_console) -> None:
     SIGNALS(signal.SIGTERM, None)
     began = time.monotonic()
     launch.finish_output(60.0)
-    assert time.monotonic() - began < 1
+    assert time.monotonic() - began < 5  # not the 60 s patience
 
 
 def test_a_reader_that_takes_nothing_is_waited_for_patience_seconds(job_console) -> None:
     c, out, err = job_console
     began = time.monotonic()
     launch.finish_output(0.5)
-    assert 0.5 <= time.monotonic() - began < 2
+    assert 0.5 <= time.monotonic() - began < 5  # 0.5 s, not the reader's forever
     assert err.getvalue().splitlines()[-1].startswith(
         "dsrun: nothing was read from dsrun's stdout for 0.5s after the job ended "
         "(DSRUN_OUTPUT_WAIT): dropped 999 line(s) (")

@@ -39,7 +39,7 @@ def main() -> None:
             fact["error"] = str(exc)
         fact["waited"] = time.monotonic() - start
     else:
-        time.sleep(8)  # longer than the timeout: rank 0 must not wait for this
+        time.sleep(12)  # far longer than the timeout: rank 0 must not wait for this
     (out / f"rank{comm.get_rank()}.json").write_text(json.dumps(fact))
 
 
