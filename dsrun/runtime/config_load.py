@@ -15,10 +15,11 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -129,20 +130,71 @@ def _refuse_replaced(raw: Mapping[str, Any], ctx: Ctx) -> Mapping[str, Any]:
     return {k: v for k, v in raw.items() if k not in REPLACED_KEYS}
 
 
+def _dotted_problem(parts: list[str], f: Any) -> str:
+    """'' when the dotted path ``parts`` (``parts[0]`` names config field
+    ``f``) names a real key, at the depth it goes to; else why not, with a
+    did-you-mean for the wrong part. Free-form values (``optimizer.params``,
+    a JSON-object setting) take any key."""
+    for depth in range(1, len(parts)):
+        here = ".".join(parts[:depth])
+        if "section" not in f.metadata:
+            kind = f.metadata["check"].kind if "check" in f.metadata else \
+                "mapping" if f.default_factory is not MISSING else "value"  # optimizer.params
+            return "" if kind in ("mapping", "json") else f'"{here}" takes a value, not keys'
+        by_key = {key: g for g in fields(f.metadata["section"]) if not g.metadata.get("internal")
+                  for key in (json_key(g), *g.metadata.get("aliases", ()))}
+        if parts[depth] not in by_key:
+            return (f'"{parts[depth]}" is no key of "{here}"'
+                    + _dotted_hint(parts[depth], by_key, here))
+        f = by_key[parts[depth]]
+    return ""
+
+
+def _dotted_hint(word: str, choices: Any, prefix: str) -> str:
+    """'; did you mean "prefix.x"?' for the key of ``choices`` closest to
+    ``word`` (as :func:`did_you_mean` picks it), else the valid keys."""
+    folded = {str(c).lower(): str(c) for c in choices}
+    match = difflib.get_close_matches(word.lower(), list(folded), n=1, cutoff=0.6)
+    if match:
+        return f'; did you mean "{prefix}.{folded[match[0]]}"?'
+    return f'; valid keys of "{prefix}": ' + ", ".join(sorted(choices))
+
+
 def _drop_dotted(raw: Mapping[str, Any], ctx: Ctx, valid: Any) -> Mapping[str, Any]:
     """``raw`` without top-level keys such as ``"zero_optimization.reduce_bucket_size"``
-    (a known key, a dot, more): TRL's ``prepare_deepspeed`` adds them to the
-    config it gives ``deepspeed.initialize``, and DeepSpeed 0.19.8 reads no
-    dotted key, so it ignores them silently. dsrun ignores them too, with one
-    warning (they are listed in ``ignored_keys``); a key whose first part is
-    not a known key stays an unknown key."""
+    (a known section, a dot, a key of it): TRL's ``prepare_deepspeed`` adds
+    them to the config it gives ``deepspeed.initialize``, and DeepSpeed 0.19.8
+    reads no dotted key, so it ignores them silently. dsrun ignores them too,
+    with one warning (they are listed in ``ignored_keys``). A dotted key whose
+    path names no real key (``"zero_optimization.stgae"``) is an unknown key,
+    as is one whose first part is not a known key (left to ``pick``)."""
+    from dsrun.runtime.config import DsrunConfig  # config imports this module
+
     dotted = [k for k in raw if isinstance(k, str) and "." in k and k.split(".", 1)[0] in valid]
     if not dotted:
         return raw
-    shown = ", ".join(f'"{k}" ({show(raw[k])})' for k in dotted)
-    log.warning("%s: ignoring dotted top-level keys %s: DeepSpeed 0.19.8 ignores them too "
-                "(they set nothing; to set a value, put it inside its section)", ctx.source, shown)
-    ctx.ignored.extend(dotted)
+    top = {json_key(f): f for f in fields(DsrunConfig)}
+    real = []
+    for key in dotted:
+        parts = key.split(".")
+        # a passthrough section is kept verbatim: dsrun checks none of its keys
+        problem = "" if parts[0] in PASSTHROUGH_KEYS else \
+            _dotted_problem(parts, top["bf16" if parts[0] == "bfloat16" else parts[0]])
+        if not problem:
+            real.append(key)
+            continue
+        text = f'unknown key "{key}" in {ctx.source}: {problem}'
+        if not ctx.allow_unknown:
+            raise DsrunConfigError(f'{text} (to only warn, set {{"dsrun": {{"allow_unknown_keys": '
+                                   f"true}}}} or {ALLOW_UNKNOWN_ENV}=1)")
+        log.warning("%s; ignoring it", text)
+        ctx.ignored.append(key)
+    if real:
+        shown = ", ".join(f'"{k}" ({show(raw[k])})' for k in real)
+        log.warning("%s: ignoring dotted top-level keys %s: DeepSpeed 0.19.8 ignores them too "
+                    "(they set nothing; to set a value, put it inside its section)", ctx.source,
+                    shown)
+        ctx.ignored.extend(real)
     return {k: v for k, v in raw.items() if k not in dotted}
 
 

@@ -52,7 +52,6 @@ def test_fp32_allreduce_says_what_it_is_now(caplog: pytest.LogCaptureFixture) ->
     assert caplog.text.count("fp32_allreduce") == 1 and "communication_data_type" in caplog.text
 
 
-
 def test_dotted_top_level_keys_are_ignored_as_in_deepspeed(
         caplog: pytest.LogCaptureFixture) -> None:
     """TRL's prepare_deepspeed adds "zero_optimization.<field>" keys at the top
@@ -79,6 +78,37 @@ def test_dotted_top_level_keys_are_ignored_as_in_deepspeed(
 def test_misspelt_or_unknown_dotted_keys_stay_errors(key: str) -> None:
     with pytest.raises(DsrunConfigError, match=f'unknown key "{key}"'):
         res(base(**{key: 1}))
+
+
+@pytest.mark.parametrize("key", ["zero_optimization.offload_optimizer.device",
+                                 "bfloat16.enabled", "optimizer.params.lr", "autotuning.enabled",
+                                 "zero_optimization.stage3_prefetch_bucket_size"])
+def test_dotted_keys_naming_real_keys_at_any_depth_are_ignored(key: str) -> None:
+    assert res(base(**{key: 1})).ignored_keys == (key,)
+
+
+@pytest.mark.parametrize(("key", "says"), [
+    ("zero_optimization.stgae", 'did you mean "zero_optimization.stage"?'),
+    ("zero_optimization.offload_optimizer.devise",
+     'did you mean "zero_optimization.offload_optimizer.device"?'),
+    ("fp16.enabeld", 'did you mean "fp16.enabled"?'),
+    ("zero_optimization.stage.x", '"zero_optimization.stage" takes a value'),
+    ("zero_optimization.zzzzzz", 'valid keys of "zero_optimization": '),
+])
+def test_dotted_keys_naming_no_real_key_are_unknown_keys(key: str, says: str,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """A misspelt sub-key is the unknown-key error (naming the whole dotted
+    key, with a did-you-mean for the sub-key), not the ignored-key warning."""
+    with pytest.raises(DsrunConfigError, match=f'unknown key "{key}"') as err:
+        res(base(**{key: 1, "zero_optimization.reduce_bucket_size": 2}))
+    assert says in str(err.value) and "allow_unknown_keys" in str(err.value)
+    with caplog.at_level(logging.WARNING):
+        config = res(base(**{key: 1, "zero_optimization.reduce_bucket_size": 2},
+                          dsrun={"allow_unknown_keys": True}))
+    assert set(config.ignored_keys) == {key, "zero_optimization.reduce_bucket_size"}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert sum(says in w for w in warnings) == 1
+    assert not any(f'"{key}"' in w for w in warnings if "ignoring dotted top-level" in w)
 
 
 # ---------------------------------------------------------------- batch triple
