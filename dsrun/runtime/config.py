@@ -27,12 +27,13 @@ Strictness: an unknown key anywhere (top level or any nested section) is a
 ``{"dsrun": {"allow_unknown_keys": true}}`` in the config, or the
 environment variable ``DSRUN_ALLOW_UNKNOWN_CONFIG_KEYS=1``, turns each
 unknown key into a logged warning; such keys are dropped and listed in
-``DsrunConfig.ignored_keys``. A dotted top-level key whose first part is a
-known key (``"zero_optimization.reduce_bucket_size"``, as TRL adds it) is
-ignored with one warning, as DeepSpeed ignores it. Documented DeepSpeed sections that dsrun does
-not act on (``PASSTHROUGH_KEYS``: ``autotuning``, ``elasticity``,
-...) are accepted, kept verbatim in ``passthrough`` and
-reported with one warning when they are present and not disabled.
+``DsrunConfig.ignored_keys``. A dotted top-level key whose whole path names a
+real key (``"zero_optimization.reduce_bucket_size"``, as TRL adds it) is
+ignored with one warning, as DeepSpeed ignores it; any other is unknown.
+Documented DeepSpeed sections that dsrun does not act on
+(``PASSTHROUGH_KEYS``: ``autotuning``, ``elasticity``, ...) are accepted,
+kept verbatim in ``passthrough`` and reported with one warning when they
+are present and not disabled.
 
 ``"auto"`` (as HF Trainer/Accelerate configs write it) is resolved here:
 batch sizes from the data-parallel size and a dataloader batch-size hint;
