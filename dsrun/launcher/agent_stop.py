@@ -26,6 +26,7 @@ from dsrun.launcher.guard import Guard
 
 
 def leaders(ranks: list[Rank]) -> list[procs.Leader]:
+    """The process-group leaders of the ranks started."""
     return [r.leader for r in ranks if r.leader is not None]
 
 
@@ -120,6 +121,11 @@ class JobProcesses:
         that died of a SIGKILL of ours (``sigkilled``), after which signal
         (``after``) and whether before the grace was over (``at_once``)."""
         running = {r.rank for r in ranks if r.status is None}
+        if not self.stopping and procs.job_processes(leaders(ranks), self.marker, self.since,
+                                                     self.spare):
+            # Leftovers of a job that ended by itself: stopped as a stop does
+            # it, SIGTERM then SIGCONT (a stopped one would sit out the grace).
+            self.begin(ranks, signal.SIGTERM)
         killed = procs.stop_job(leaders(ranks), self.marker, self.grace,
                                 already_termed=self.stopping,
                                 deadline=self.deadline if self.stopping else None,

@@ -397,19 +397,20 @@ def stack_command(job: str | None) -> int:
     its first characters); with one job of yours running on this host it
     is not needed, with several dsrun lists them.
     """
-    from dsrun.launcher import control
+    from dsrun.launcher import console, control
 
     chosen = control.choose_job(control.running_jobs(), job)
+    out = console.checked_writes(click.echo, console.OUT)
+    err = console.checked_writes(lambda line: click.echo(line, err=True), console.ERR)
     try:
-        received, complete = control.stream_stacks(
-            chosen["socket"], click.echo, note=lambda line: click.echo(line, err=True))
+        received, complete = control.stream_stacks(chosen["socket"], out, note=err)
     except BrokenPipeError:  # `dsrun stack | head`: quietly, as `dsrun run` does
         _discard_output()
         return 128 + signal.SIGPIPE
     except OutputFailed as exc:
-        # Not a closed pipe (a full disk, a file size limit): the job was
-        # stopped, and a quiet 141 would send the user looking for a pipe.
-        _say_and_discard_output(f"dsrun: error: {exc.line()}\n")
+        # Our own output failed (a full disk), not the job (left running):
+        # said apart from the socket's errors below, which are the job's.
+        _say_and_discard_output(f"dsrun: error: {exc}\n")
         return 1
     except OSError as exc:
         raise DsrunError(f"job {chosen['job_id'][:12]}: {exc.strerror or exc}") from None

@@ -44,6 +44,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import IO
 
 from dsrun.launcher.backends.base import AGENT_LINE
@@ -73,6 +74,19 @@ class OutputFailed(Exception):
             return f"{self}: the job was stopped (its output from there on is lost)"
         return f"{self}: the rest of the job's output is lost (the job had ended, " \
                f"exit code {self.job_code})"
+
+
+def checked_writes(write: Callable[[str], None], fd: int) -> Callable[[str], None]:
+    """``write`` (a direct write, outside any console: ``dsrun stack``) with
+    an error other than a closed pipe raised as :class:`OutputFailed`."""
+    def checked(text: str) -> None:
+        try:
+            write(text)
+        except OSError as exc:
+            if _closed_pipe(exc):
+                raise
+            raise OutputFailed(fd, exc) from exc
+    return checked
 
 
 def _closed_pipe(exc: BaseException) -> bool:
@@ -177,6 +191,12 @@ class Console:
         with self._lock:
             if self._writers:
                 return
+            # A new job's output: a stream that failed or was given up on in an
+            # earlier launch.run of this process may well work now.
+            self._broken.clear()
+            self._failed.clear()
+            self._dropped.clear()
+            self._backlog = {OUT: 0, ERR: 0}
             self._ending = False
             if _same_file(self.out, self.err):
                 both = _Writer({OUT, ERR})

@@ -429,9 +429,13 @@ def sigkill_lines(result: JobResult) -> list[str]:
                              f"{after} (a further signal hurried the stop): {cut}")
             else:
                 grace = f" {result.kill_grace:g}s" if result.kill_grace is not None else ""
+                # Still running: saving, or blocked in C code (a CUDA call, an
+                # NCCL collective whose peer is gone), where Python never gets to
+                # run a handler. More grace helps only the first.
                 lines.append(f"{who} still running --kill_grace{grace} after {after}: killed "
-                             f"with SIGKILL ({cut}; a longer --kill_grace gives {them} more "
-                             f"time)")
+                             f"with SIGKILL ({cut}; a longer --kill_grace helps only a rank "
+                             f"that was acting on {after}, a save in a handler: one blocked "
+                             f"in C code - a CUDA call, an NCCL collective - never sees it)")
     return lines
 
 

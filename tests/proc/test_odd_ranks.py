@@ -5,7 +5,8 @@ the teardown had to SIGKILL are named (a save on Ctrl-C cut off is not
 taken for a finished one); a write error on dsrun's stdout other than a
 closed pipe is said and exits 1; a signal that stopped the job does not
 leave dsrun waiting a minute for a reader that takes nothing; a rank
-stopped by SIGSTOP is said to be stopped, and still gets its grace.
+stopped by SIGSTOP is said to be stopped, and still gets its grace; so
+does a stopped process a finished job left behind.
 Plain-python ranks, --dist_backend none: a few seconds each.
 """
 
@@ -74,13 +75,14 @@ def test_dots_without_a_line_end_are_shown_while_they_come(tmp_path):
     assert len(pieces) >= 4, pieces
 
 
-# Each rank catches SIGINT and "saves" for SAVE seconds, then says so.
+# Each rank catches SIGINT and "saves" for SAVE seconds, then says so. The
+# pid file is written inside the try: a SIGINT sent once it exists is caught.
 SLOW_SAVE = """\
 import os, sys, time
 rank = os.environ["RANK"]
-open(os.path.join(sys.argv[1], "rank" + rank), "w").write(str(os.getpid()))
-print("rank", rank, "up", flush=True)
 try:
+    open(os.path.join(sys.argv[1], "rank" + rank), "w").write(str(os.getpid()))
+    print("rank", rank, "up", flush=True)
     time.sleep(60)
 except KeyboardInterrupt:
     print("rank", rank, "saving", flush=True)
@@ -89,15 +91,17 @@ except KeyboardInterrupt:
 """
 
 
-def _interrupt(tmp_path: Path, pid_dir: Path, save: float) -> tuple[int, str, str]:
+def _interrupt(tmp_path: Path, pid_dir: Path, save: float,
+               grace: float) -> tuple[int, str, str]:
     script = _script(tmp_path, "slow_save.py", SLOW_SAVE)
-    proc = subprocess.Popen(_argv(script, str(pid_dir), str(save)), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(_argv(script, str(pid_dir), str(save), grace=grace),
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=_env(), cwd=str(ROOT))
     try:
         wait_for_pids(pid_dir, 2)
-        time.sleep(0.3)  # in their try blocks
+        time.sleep(0.3)  # slack: the pid files already say they are in their try blocks
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
+        out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
         proc.wait()
@@ -106,7 +110,7 @@ def _interrupt(tmp_path: Path, pid_dir: Path, save: float) -> tuple[int, str, st
 
 
 def test_ranks_killed_after_the_grace_of_a_ctrl_c_are_named(tmp_path, pid_dir):
-    code, out, err = _interrupt(tmp_path, pid_dir, save=10.0)
+    code, out, err = _interrupt(tmp_path, pid_dir, save=30.0, grace=1.0)
     assert code == 130, err
     assert "rank 0 saving" in out and "saved" not in out
     assert "dsrun: rank 0, 1 on host " in err, err
@@ -116,31 +120,39 @@ def test_ranks_killed_after_the_grace_of_a_ctrl_c_are_named(tmp_path, pid_dir):
 
 
 def test_ranks_that_finish_their_save_within_the_grace_are_not_named(tmp_path, pid_dir):
-    code, out, err = _interrupt(tmp_path, pid_dir, save=0.1)
+    code, out, err = _interrupt(tmp_path, pid_dir, save=0.1, grace=10.0)
     assert code == 130, err
     assert out.count("saved") == 2
     assert "SIGKILL" not in err, err
     assert err.rstrip().endswith("dsrun: stopped by SIGINT; every rank was stopped")
 
 
-# Rank 0 ignores SIGTERM in a C sleep; rank 1 fails after 0.5 s.
+# Rank 0 ignores SIGTERM in a C sleep; rank 1 fails once rank 0 says (a file
+# in argv[2]) that it ignores SIGTERM.
 IGNORES_TERM = """\
 import ctypes, os, signal, sys, time
 rank = os.environ["RANK"]
 open(os.path.join(sys.argv[1], "rank" + rank), "w").write(str(os.getpid()))
+ready = os.path.join(sys.argv[2], "ignoring")
 if rank == "0":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    open(ready, "w").close()
     print("rank 0 ignoring SIGTERM", flush=True)
     ctypes.CDLL(None).sleep(60)
-time.sleep(0.5)
+end = time.monotonic() + 50
+while not os.path.exists(ready) and time.monotonic() < end:
+    time.sleep(0.02)
 sys.exit(2)
 """
 
 
 def test_a_rank_killed_in_a_failures_teardown_is_named_in_the_report(tmp_path, pid_dir):
     script = _script(tmp_path, "ignores_term.py", IGNORES_TERM)
-    res = subprocess.run(_argv(script, str(pid_dir)), capture_output=True, text=True,
-                         env=_env(), cwd=str(ROOT), timeout=30)
+    side = tmp_path / "side"
+    side.mkdir()
+    res = subprocess.run(_argv(script, str(pid_dir), str(side)), capture_output=True,
+                         text=True, env=_env(), cwd=str(ROOT), timeout=90)
+    assert (side / "ignoring").exists(), res.stderr
     assert res.returncode == 2, res.stderr
     lines = res.stderr.splitlines()
     assert "dsrun: job failed: rank 1 on host" in res.stderr
@@ -237,11 +249,55 @@ time.sleep(60)
 
 def test_a_stopped_rank_is_said_to_be_stopped_and_still_gets_its_sigterm(tmp_path, pid_dir):
     script = _script(tmp_path, "stops.py", STOPS)
-    res = subprocess.run(_argv(script, str(pid_dir), grace=5.0, extra=("--timeout", "3")),
-                         capture_output=True, text=True, env=_env(), cwd=str(ROOT), timeout=40)
+    res = subprocess.run(_argv(script, str(pid_dir), grace=5.0, extra=("--timeout", "6")),
+                         capture_output=True, text=True, env=_env(), cwd=str(ROOT), timeout=60)
     assert res.returncode == 124, res.stderr
     assert "(no stack: the rank is stopped (SIGSTOP), not running; SIGCONT resumes it)" \
         in res.stderr, res.stderr
     # Continued after its SIGTERM, its handler ran: no SIGKILL was needed.
     assert (pid_dir / "term1").exists() and "SIGKILL" not in res.stderr, res.stderr
     assert wait_gone([int((pid_dir / f"rank{r}").read_text()) for r in (0, 1)], 5) == []
+
+
+# Rank 0 forks a child that stays in its group, catches SIGTERM and stops
+# itself (SIGSTOP); once it is stopped both ranks exit 0, leaving it behind.
+LEAVES_A_STOPPED_CHILD = """\
+import os, signal, sys, time
+side, rank = sys.argv[1], os.environ["RANK"]
+if rank == "0":
+    child = os.fork()
+    if child == 0:
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        def on_term(signum, frame):
+            open(os.path.join(side, "term"), "w").close()
+            os._exit(0)
+        signal.signal(signal.SIGTERM, on_term)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(120)
+        os._exit(0)
+    with open(os.path.join(side, "child.tmp"), "w") as f:
+        f.write(str(child))
+    os.rename(os.path.join(side, "child.tmp"), os.path.join(side, "child"))
+    stat = "/proc/%d/stat" % child
+    while open(stat).read().rsplit(")", 1)[1].split()[0] != "T":
+        time.sleep(0.01)
+"""
+
+
+def test_a_stopped_leftover_of_a_finished_job_gets_sigcont_after_its_sigterm(tmp_path):
+    side = tmp_path / "side"
+    side.mkdir()
+    script = _script(tmp_path, "leaves.py", LEAVES_A_STOPPED_CHILD)
+    began = time.monotonic()
+    res = subprocess.run(_argv(script, str(side), grace=30.0), capture_output=True, text=True,
+                         env=_env(), cwd=str(ROOT), timeout=90)
+    took = time.monotonic() - began
+    child = int((side / "child").read_text())
+    assert wait_gone([child], 40) == []
+    assert res.returncode == 0, res.stderr
+    # Continued after the final sweep's SIGTERM, its handler ran at once
+    # (without SIGCONT it sits out the 30 s grace and dies of SIGKILL).
+    assert (side / "term").exists(), res.stderr
+    assert took < 20, (took, res.stderr)

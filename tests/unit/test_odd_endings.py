@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import errno
 import io
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -22,6 +25,7 @@ from dsrun.launcher.launch import stopped_line
 from dsrun.launcher.report import JobResult, RankFailure, SigKilled, report_lines, sigkill_lines
 from dsrun.launcher.supervisor import SIGNALS
 from dsrun.launcher.watch import stack_lines
+from tests.conftest import ROOT
 from tests.unit.test_agent_fail_events import ScriptedChannel, _supervise
 
 
@@ -47,8 +51,9 @@ def test_sigkilled_ranks_are_named_by_host_with_the_grace_and_the_signal():
     assert sigkill_lines(result) == [
         "rank 0, 1 on host a; rank 4-6, 9 on host b still running --kill_grace 2s after "
         "SIGINT: killed with SIGKILL (anything they still did - a save in except "
-        "KeyboardInterrupt, finally, atexit - was cut off; a longer --kill_grace gives them "
-        "more time)"]
+        "KeyboardInterrupt, finally, atexit - was cut off; a longer --kill_grace helps only "
+        "a rank that was acting on SIGINT, a save in a handler: one blocked in C code - a "
+        "CUDA call, an NCCL collective - never sees it)"]
     assert stopped_line(result) == \
         "stopped by SIGINT; every rank was stopped (6 of them with SIGKILL)"
     assert stopped_line(JobResult(interrupted=signal.SIGINT)) == \
@@ -171,10 +176,6 @@ def test_after_a_signal_stopped_the_job_a_reader_is_waited_for_only_briefly(monk
 def test_a_stopped_rank_says_why_it_has_no_stack():
     assert stack_lines("h", 3, None, stopped=True) == [
         "[h:3] (no stack: the rank is stopped (SIGSTOP), not running; SIGCONT resumes it)"]
-    import os
-    import subprocess
-    import sys
-
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         assert not stopped(child.pid)
@@ -194,3 +195,57 @@ def test_torchruns_output_flags_point_to_log_dir(flag):
     text = cli_hints.message(exc)
     assert text.startswith(f"No such option '{flag}' (a torchrun flag).")
     assert "--log_dir DIR" in text and "--env" not in text
+
+
+class _Fillable(io.StringIO):
+    """A stream that fails with ENOSPC while ``full``."""
+
+    full = True
+
+    def write(self, text: str) -> int:
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write(text)
+
+
+def test_a_failed_or_dropped_stream_does_not_carry_over_to_the_next_jobs_output():
+    out, err = _Fillable(), io.StringIO()
+    c = Console(out=out, err=err, tty=False)
+    c.start_writer()
+    c.line("h", 0, 1, "first job")
+    assert c.written(10)
+    c.drop(2)
+    assert c.close() is True and c.failure is not None
+    out.full = False
+    c.start_writer()  # the next launch.run in this process
+    c.line("h", 0, 1, "second job")
+    c.say("second job's message")
+    assert c.pending() >= 0
+    assert c.close() is False and c.failure is None
+    assert out.getvalue() == "[h:0] second job\n"
+    assert err.getvalue() == "dsrun: second job's message\n"
+
+
+STACK_INTO_A_FULL_DISK = """\
+import sys
+from dsrun.launcher import cli, control
+control.running_jobs = lambda: [{"job_id": "abcdef1234567890", "socket": "x"}]
+control.choose_job = lambda jobs, job: jobs[0]
+def stream(path, write, timeout=30.0, note=None):
+    for i in range(3):
+        write(f"[h:{i}] stack line")
+    return 3, True
+control.stream_stacks = stream
+sys.exit(cli.main(["stack"]))
+"""
+
+
+def test_dsrun_stack_says_its_stdout_failed_not_the_job():
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    with open("/dev/full", "w") as full:
+        res = subprocess.run([sys.executable, "-c", STACK_INTO_A_FULL_DISK], stdout=full,
+                             stderr=subprocess.PIPE, text=True, cwd=str(ROOT), timeout=60)
+    assert res.returncode == 1, res.stderr
+    assert res.stderr == \
+        "dsrun: error: cannot write to stdout: [Errno 28] No space left on device\n"
