@@ -286,6 +286,7 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
         scheduler_call = scheduler_step_args(self.lr_scheduler, lr_kwargs,
                                              self.config.train_batch_size)
         checkpoint_io.before_step(self)  # an async save may still be copying the state
+        self.precision.take_written_scale()  # every step path (a pipeline's too) and the log
         scale_before = self.precision.loss_scale
         result = self._apply_step()
         if self.global_steps == 0 and self.global_rank == 0:
@@ -299,10 +300,9 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
         # once per applied step, as DeepSpeed; a plateau scheduler only with
         # lr_kwargs (DeepSpeed passes train_batch_size as its metric, which
         # reads as a plateau and cuts the lr every patience + 1 steps)
-        if result.applied:
-            if scheduler_call is not None:
-                self.lr_scheduler.step(*scheduler_call[0], **scheduler_call[1])
-        else:
+        if result.applied and scheduler_call is not None:
+            self.lr_scheduler.step(*scheduler_call[0], **scheduler_call[1])
+        elif not result.applied:
             self.skipped_steps += 1
             if result.overflow:
                 self._log_overflow(scale_before)

@@ -6,9 +6,13 @@ at stage 0 and under ZeRO, through each of DeepSpeed's routes
 The model's gradient is 4 per weight: at the initial scale 2^16 the scaled
 fp16 gradient overflows (the step is skipped), at a written scale of 8 it
 does not, and the weights move by exactly ``lr * 4`` (unscaled by the
-same scale)."""
+same scale). A written scale no backward has used yet is the one a
+checkpoint saves, and a load that leaves the optimizer states (the
+scaler) keeps it, at stage 0 as under ZeRO."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,3 +115,28 @@ def test_bf16_zero_refuses_a_scale_write(solo: None) -> None:
     assert engine.optimizer.cur_scale == 1.0
     with pytest.raises(DsrunError, match=r"optimizer.loss_scale = 8.0: this model has no loss"):
         engine.optimizer.loss_scale = 8.0
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_written_scale_not_yet_used_is_saved(solo: None, tmp_path: Path,
+                                               stage: int) -> None:
+    engine = build(stage)
+    train_step(engine)
+    engine.optimizer.cur_scale = 8.0
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    assert engine.precision.loss_scale == 8.0
+    resumed = build(stage)
+    resumed.load_checkpoint(str(tmp_path), tag="t")
+    assert resumed.precision.loss_scale == resumed.optimizer.cur_scale == 8.0
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_load_without_optimizer_states_keeps_a_written_scale(solo: None, tmp_path: Path,
+                                                                stage: int) -> None:
+    build(stage).save_checkpoint(str(tmp_path), tag="t")  # saved at 2^16
+    engine = build(stage)
+    engine.optimizer.loss_scale = 8.0
+    engine.load_checkpoint(str(tmp_path), tag="t", load_optimizer_states=False)
+    assert engine.precision.loss_scale == engine.optimizer.cur_scale == 8.0
+    engine.load_checkpoint(str(tmp_path), tag="t")  # the saved scaler replaces it
+    assert engine.precision.loss_scale == engine.optimizer.cur_scale == 2.0**16

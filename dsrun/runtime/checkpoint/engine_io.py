@@ -225,6 +225,8 @@ def save(engine: Any, save_dir: str, tag: Any = None, client_state: Any = None,
     """``engine.save_checkpoint`` (DeepSpeed's signature; returns True)."""
     ck = checkpointer(engine)
     ck.wait()
+    # stage 0: a scale the script wrote and no backward took yet is the one saved
+    engine.precision.take_written_scale()
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
     if engine.micro_in_round():
         log.warning("save_checkpoint at micro-step %d, inside a gradient accumulation round: "
@@ -282,6 +284,9 @@ def load(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool =
         raise CheckpointError("load_checkpoint(custom_load_fn=...) is not supported by dsrun")
     ck = checkpointer(engine)
     ck.wait()
+    # stage 0: a written scale goes to the scaler first, as ZeRO 1-3's setter
+    # writes it: kept unless the optimizer states (the scaler) are loaded
+    engine.precision.take_written_scale()
     names = parameter_names(engine.module)
     layout = layout_of(engine)
     optimizer_states = bool(load_optimizer_states) and not load_module_only \

@@ -147,17 +147,20 @@ def check_pipeline_zero(config: Any, module: Any) -> None:
 def _given_count(model_parameters: Any) -> Optional[int]:
     """How many parameters ``initialize(model_parameters=...)`` hands the
     optimizer (tensors, or param-group dicts with ``"params"``); None when
-    not given (the module's own parameters are used) or not a list (a
-    generator is read once: left for the optimizer)."""
+    not given (the module's own parameters are used) or not countable
+    without reading it: a generator, at the top or as a group's
+    ``"params"``, is read once, so it is left for the optimizer."""
     if not isinstance(model_parameters, (list, tuple)):
         return None
     count = 0
     for item in model_parameters:
-        if isinstance(item, dict):
-            params = item.get("params", [])
-            count += 1 if isinstance(params, torch.Tensor) else len(list(params))
-        else:
+        params = item.get("params", []) if isinstance(item, dict) else item
+        if isinstance(params, torch.Tensor):
             count += 1
+        elif isinstance(params, (list, tuple)):
+            count += len(params)
+        else:
+            return None
     return count
 
 

@@ -8,6 +8,13 @@ tests/dist/test_pipe_stage_state.py. In this order:
   ``save_16bit_model``'s value of it.
 * ``frozen_filtered``: stage 0's layer frozen and ``model_parameters`` only
   the trainable ones: the error at ``initialize``.
+* ``written_scale``: fp16, stage 0's ZeRO stage 0: a scale of 8 written
+  after the first batch through ``optimizer.cur_scale`` and through
+  ``optimizer.loss_scaler.cur_scale`` - each stage's scale and weight change
+  in the second batch, per route.
+* ``group_generator``: ``model_parameters`` one param-group dict whose
+  ``"params"`` is a generator: the optimizer's parameter count and whether
+  the weights move.
 * ``exhausted``: the first stage's data runs out at micro-batch 1 and the
   script goes on (``except StopIteration``): each stage's error. Last: the
   stages' messages are out of step after it.
@@ -100,6 +107,42 @@ def frozen_filtered(args: argparse.Namespace) -> dict[str, Any]:
     return {"error": None}
 
 
+def _moved(engine: Any, batches: int) -> float:
+    """The summed weight change of this stage over ``batches`` batches."""
+    before = [p.detach().float().clone() for p in engine.module.parameters()]
+    _train(engine, iter(_data(2 * batches)), batches)
+    return sum(float((p.detach().float() - w).abs().sum())
+               for p, w in zip(engine.module.parameters(), before))
+
+
+def written_scale(args: argparse.Namespace) -> dict[str, Any]:
+    config = {**CONFIG, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "fp16": {"enabled": True, "initial_scale_power": 10, "auto_cast": True}}
+    out: dict[str, Any] = {}
+    for route in ("loss_scaler.cur_scale", "cur_scale"):
+        module = _module(0, trainable_loss=False)
+        engine, optimizer, _, _ = dsrun.initialize(model=module, config=config,
+                                                   model_parameters=module.parameters())
+        _train(engine, iter(_data(2)), 1)
+        if route == "cur_scale":
+            optimizer.cur_scale = 8.0
+        else:
+            optimizer.loss_scaler.cur_scale = 8.0
+        out[route] = {"moved": _moved(engine, 1), "scale": engine.precision.loss_scale,
+                      "published": optimizer.cur_scale}
+    return out
+
+
+def group_generator(args: argparse.Namespace) -> dict[str, Any]:
+    module = _module(0, trainable_loss=False)
+    groups = [{"params": (p for p in module.parameters()), "weight_decay": 0.0}]
+    engine, optimizer, _, _ = dsrun.initialize(model=module, config=CONFIG,
+                                               model_parameters=groups)
+    held = sum(len(g["params"]) for g in optimizer.param_groups)
+    return {"held": held, "owned": len(list(module.parameters())),
+            "moved": _moved(engine, 1)}
+
+
 def exhausted(args: argparse.Namespace) -> dict[str, Any]:
     module = _module(0)
     engine, _, _, _ = dsrun.initialize(model=module, config=CONFIG,
@@ -137,6 +180,8 @@ def main() -> None:
     out: dict[str, Any] = {"world_size": dist.get_world_size()}
     run(out, "loss_param", loss_param, args)
     run(out, "frozen_filtered", frozen_filtered, args)
+    run(out, "written_scale", written_scale, args)
+    run(out, "group_generator", group_generator, args)
     run(out, "exhausted", exhausted, args)  # last: the stages are out of step after it
     with open(os.path.join(args.out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(out, f)
