@@ -15,7 +15,7 @@ import torch
 
 from dsrun.runtime.pipe.step import _given_count
 from tests.conftest import ROOT, dsrun_argv
-from tests.dist.test_engine_dist import _run
+from tests.dist.test_engine_dist import _run, case
 
 pytestmark = pytest.mark.dist
 
@@ -29,13 +29,6 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
                               "--ckpt", str(ckpt)), out)
     assert [r["world_size"] for r in results] == [2, 2]
     return results
-
-
-def case(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
-    facts = [r[name] for r in results]
-    for rank, fact in enumerate(facts):
-        assert fact["ok"], f"rank {rank}:\n{fact['error']}"
-    return facts
 
 
 def test_a_trainable_loss_fn_resumes_bitwise(ranks: list[dict[str, Any]]) -> None:
