@@ -107,7 +107,6 @@ class TorchAutocastFP16(TorchAutocast):
         return super().unscaled_grads()
 
     def step(self, optimizer: Optimizer, max_norm: float) -> StepResult:
-        self.take_written_scale()
         self.unscaled_grads()
         return _scaled_step(self.scaler, optimizer, self.params, max_norm, self.params,
                             self.model_parallel)
@@ -271,7 +270,6 @@ class FP16Master(FP16Scaling):
         return [(param, master.grad) for param, master in zip(self.params, self.masters)]
 
     def step(self, optimizer: Optimizer, max_norm: float) -> StepResult:
-        self.take_written_scale()
         self.unscaled_grads()
         result = _scaled_step(self.scaler, optimizer, self.masters, max_norm, self.params,
                               self.model_parallel)

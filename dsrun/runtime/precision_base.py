@@ -106,7 +106,8 @@ class FullPrecision:
             optimizer.loss_scaler = self.scaler
 
     def take_written_scale(self) -> None:
-        """Before a backward or step: a value a script wrote to the stage-0
+        """Before a backward, a step (the engine's, for every step path) or a
+        checkpoint save or load: a value a script wrote to the stage-0
         optimizer's ``loss_scale`` or ``cur_scale`` since :meth:`publish_scale`
         becomes the scaler's scale (DeepSpeed's FP16_Optimizer setter), and a
         scale set through ``loss_scaler.cur_scale`` is mirrored there. A few
@@ -117,9 +118,9 @@ class FullPrecision:
             return
         published = self._mirrored
         values = vars(mirror)
-        for name in ("loss_scale", "cur_scale"):  # identity: the float published
+        for name in ("loss_scale", "cur_scale"):
             value = values.get(name, published)
-            if value is not published:
+            if value != published:
                 scaler.scale = checked_scale(value, f"optimizer.{name}")
                 break
         else:
