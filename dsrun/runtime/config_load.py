@@ -15,7 +15,6 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 from collections.abc import Mapping
@@ -29,6 +28,7 @@ from dsrun.runtime.config_schema import (
     DICT_SOURCE,
     ConfigInput,
     Ctx,
+    did_you_mean,
     is_auto,
     json_key,
     log,
@@ -152,11 +152,11 @@ def _dotted_problem(parts: list[str], f: Any) -> str:
 
 def _dotted_hint(word: str, choices: Any, prefix: str) -> str:
     """'; did you mean "prefix.x"?' for the key of ``choices`` closest to
-    ``word`` (as :func:`did_you_mean` picks it), else the valid keys."""
-    folded = {str(c).lower(): str(c) for c in choices}
-    match = difflib.get_close_matches(word.lower(), list(folded), n=1, cutoff=0.6)
-    if match:
-        return f'; did you mean "{prefix}.{folded[match[0]]}"?'
+    ``word`` (:func:`did_you_mean`'s pick, given the whole path), else the
+    valid keys."""
+    hint = did_you_mean(word, choices)
+    if hint:
+        return hint.replace('"', f'"{prefix}.', 1)
     return f'; valid keys of "{prefix}": ' + ", ".join(sorted(choices))
 
 

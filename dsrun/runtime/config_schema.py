@@ -198,6 +198,7 @@ def did_you_mean(word: str, choices: Any) -> str:
     match = difflib.get_close_matches(str(word).lower(), list(folded), n=1, cutoff=0.6)
     return f'; did you mean "{folded[match[0]]}"?' if match else ""
 
+
 @dataclass
 class Ctx:
     """Where values come from, and what to do with unknown keys."""
