@@ -40,12 +40,13 @@ from __future__ import annotations
 
 import collections
 import errno
+import functools
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import IO
+from typing import IO, Any
 
 from dsrun.launcher.backends.base import AGENT_LINE
 
@@ -79,14 +80,18 @@ class OutputFailed(Exception):
 def checked_writes(write: Callable[[str], None], fd: int) -> Callable[[str], None]:
     """``write`` (a direct write, outside any console: ``dsrun stack``) with
     an error other than a closed pipe raised as :class:`OutputFailed`."""
-    def checked(text: str) -> None:
-        try:
-            write(text)
-        except OSError as exc:
-            if _closed_pipe(exc):
-                raise
-            raise OutputFailed(fd, exc) from exc
-    return checked
+    return functools.partial(_checked, fd, write)
+
+
+def _checked(fd: int, write: Callable[..., None], *args: Any) -> None:
+    """``write(*args)``, an error other than a closed pipe raised as
+    :class:`OutputFailed` for stream ``fd``."""
+    try:
+        write(*args)
+    except OSError as exc:
+        if _closed_pipe(exc):
+            raise
+        raise OutputFailed(fd, exc) from exc
 
 
 def _closed_pipe(exc: BaseException) -> bool:
@@ -172,12 +177,7 @@ class Console:
             return
         writer = self._writers.get(fd)
         if writer is None:
-            try:
-                _write_text(self._stream(fd), text)
-            except OSError as exc:
-                if _closed_pipe(exc):
-                    raise
-                raise OutputFailed(fd, exc) from exc
+            _checked(fd, _write_text, self._stream(fd), text)
             return
         if not writer.has_work():
             writer.progress = time.monotonic()  # a stall counts from here
