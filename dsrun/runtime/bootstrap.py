@@ -21,7 +21,9 @@ needed in user code - and printed as Python would, without the bootstrap's
 own frames. A :class:`~dsrun.errors.DsrunError` (a bad config, a bad
 argument to dsrun's API) is one message and the line of the script that
 called dsrun, without dsrun's frames; under an agent it is only recorded,
-so the launcher's report shows it once for the whole job.
+so the launcher's report shows it once for the whole job. A Ctrl-C that
+lands before the script starts ends the rank with Python's 130 and no
+traceback of dsrun's imports or rendezvous (the launcher reports the stop).
 """
 
 from __future__ import annotations
@@ -115,8 +117,16 @@ def report_dsrun_error(env: DistEnv, exc: DsrunError) -> None:
         sys.stderr.flush()
 
 
+#: Set when the user's code starts: a Ctrl-C before that interrupted only
+#: dsrun's own setup (imports, rendezvous), which the user has no use for a
+#: traceback of.
+_target_started = False
+
+
 def _run_target(mode: str, target: str, args: list[str]) -> None:
+    global _target_started
     sys.argv = [target, *args]
+    _target_started = True
     if mode == "--module":
         runpy.run_module(target, run_name="__main__", alter_sys=True)
         return
@@ -204,9 +214,13 @@ def main() -> int:
                          exit_code=exc.code if isinstance(exc.code, int) else 1)
         raise
     except BaseException as exc:  # noqa: BLE001 - every uncaught error is reported
-        text = _user_traceback(exc)
         # Python exits 130 (128 + SIGINT) after an uncaught KeyboardInterrupt.
         code = 128 + signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
+        if code != 1 and not _target_started:
+            # The job was Ctrl-C'd while this rank was still setting up
+            # (imports, rendezvous): the launcher says so once for the job.
+            return code
+        text = _user_traceback(exc)
         record_error(env, exc, text, exit_code=code)
         sys.stderr.write(text)
         sys.stderr.flush()
