@@ -32,8 +32,10 @@ def configure(deepspeed_config: Any = None, enabled: Optional[bool] = None,
     section (``deepspeed_config``: see :func:`comms_section`), then the
     keywords given."""
     section = comms_section(deepspeed_config)
+    if section is not None:  # as DeepSpeed: a config's "enabled": false switches it off
+        LOGGER.configure(enabled=section.enabled)
     if section is not None and section.enabled:
-        LOGGER.configure(enabled=True, prof_all=section.prof_all, prof_ops=section.prof_ops,
+        LOGGER.configure(prof_all=section.prof_all, prof_ops=section.prof_ops,
                          verbose=section.verbose, debug=section.debug)
     LOGGER.configure(enabled=enabled, prof_all=prof_all, prof_ops=prof_ops, verbose=verbose,
                      debug=debug)

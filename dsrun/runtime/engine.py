@@ -128,10 +128,9 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
                                    f"{config.dp_size} ({config.dp_size_source}) but the "
                                    f"data-parallel group has {self.dp_world_size} ranks")
         self.device = compute_device()
-        if config.comms_logger.enabled:  # before the engine's first collective
-            from dsrun import comm
+        from dsrun import comm  # before the engine's first collective; every
 
-            comm.configure(config)
+        comm.configure(config)  # engine's config decides, false switches it off, as DeepSpeed
         self.module = model.to(self.device)
         self._broadcast_state()
         self.zero_stage = config.zero_optimization.stage

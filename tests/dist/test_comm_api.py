@@ -240,3 +240,30 @@ def test_model_parallel_norm_helpers_are_logged(solo: None, logger: None) -> Non
     assert float(clip_grad_norm_([param], 100.0, norm_type=float("inf"), mpu=mpu)) == 2.0
     assert get_weight_norm([param], mpu=mpu) == pytest.approx(2.0)
     assert sum(counts()["all_reduce"].values()) == 3
+
+
+def test_a_config_with_the_logger_disabled_switches_it_off(solo: None, logger: None) -> None:
+    """As DeepSpeed's dist.configure, which every engine calls: the last
+    engine's config decides, also when it turns the logger off."""
+    from dsrun.runtime.config import resolve
+
+    LOGGER.configure(enabled=True, prof_all=True)
+    for section, expected in (({"enabled": False}, False), ({}, False),
+                              ({"enabled": True, "prof_all": False}, True)):
+        config = resolve({"train_batch_size": 1, "comms_logger": section}, dp_size=1,
+                         dp_source="test")
+        comm.configure(config)
+        assert LOGGER.enabled is expected, section
+    assert LOGGER.prof_all is False
+
+
+def test_an_engine_without_the_logger_switches_it_off(solo: None, logger: None) -> None:
+    import dsrun
+
+    LOGGER.configure(enabled=True, prof_all=True)
+    engine, *_ = dsrun.initialize(model=torch.nn.Linear(2, 2), config={
+        "train_batch_size": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    try:
+        assert not LOGGER.enabled
+    finally:
+        engine.destroy()
