@@ -30,8 +30,16 @@ dsrun's own per-rank variables (RANK, WORLD_SIZE, MASTER_ADDR, ...) are set
 after all of these and cannot be overridden.
 
 :data:`NEVER_FORWARDED` variables describe the launcher's own host or job
-(``CUDA_VISIBLE_DEVICES``, a parent job's ``DSRUN_JOB_ID``) and are not
-forwarded by a prefix match; naming them in a file or ``--env`` still works.
+(``CUDA_VISIBLE_DEVICES``, a parent job's ``DSRUN_JOB_ID`` or
+``DSRUN_CONFIG``: dsrun run inside a rank) and are not forwarded by a
+prefix match.
+
+A job with a host that is not this one gets the launcher's absolute
+working directory first on its ranks' ``PYTHONPATH`` (the forwarded entry;
+the directory alone when the launcher has none), as DeepSpeed's multi-node
+runner does, so that the project's own packages import on every host; a
+job on this host alone keeps the launcher's ``PYTHONPATH`` as it is, as
+DeepSpeed does on one node.
 ``PYTHONHOME`` (the launcher's interpreter's, which remote agents start
 without) is one of them. ``PATH`` is not forwarded (the launcher host's
 directories need not exist elsewhere); instead remote ranks get the
@@ -43,9 +51,12 @@ Env file syntax: ``KEY=VALUE`` per line; blank lines and lines starting with
 quotes around the whole value is removed; no inline comments. ``$NAME`` and
 ``${NAME}`` in a value are expanded by the node agent on the host the rank
 runs on (:mod:`dsrun.launcher.envlayers`), as DeepSpeed's remote shell
-expands its ``export KEY="VALUE"`` lines; a value in single quotes is
-literal. A malformed line is an error naming ``file:line`` (never the
-value, which may be a secret).
+expands its ``export KEY="VALUE"`` lines, with the job's forwarded and
+``--env`` variables set before the file lines (DeepSpeed exports the
+forwarded ones first, a forwarded name that a file sets again in its
+first place); a value in single quotes is literal. A malformed line is an
+error naming ``file:line`` and what is wrong (never the text, which may
+hold a secret).
 """
 
 from __future__ import annotations
@@ -56,16 +67,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from dsrun.errors import DsrunUsageError
+from dsrun.launcher.envlayers import LAUNCHER_OWNED
 
 #: Prefixes of launcher variables forwarded to remote ranks by default.
 DEFAULT_PREFIXES = ("NCCL", "CUDA_", "OMP_", "GLOO_", "TORCH_", "PYTORCH_", "DSRUN_",
                     "UCX", "MV2", "MLFLOW", "PYTHON")
 #: Whole names forwarded to remote ranks by default.
 DEFAULT_NAMES = ("VIRTUAL_ENV",)
-#: Describe the launcher's own host or job: never forwarded by a prefix match.
-NEVER_FORWARDED = frozenset({
-    "CUDA_VISIBLE_DEVICES", "DSRUN_JOB_ID", "DSRUN_AGENT_ID", "DSRUN_ERROR_FILE",
-    "DSRUN_RESTART_COUNT",
+#: Describe the launcher's own host or job: never forwarded by a prefix match
+#: (LAUNCHER_OWNED: what a parent job's launcher set for its ranks).
+NEVER_FORWARDED = LAUNCHER_OWNED | frozenset({
+    "CUDA_VISIBLE_DEVICES",
     "DSRUN_FAKE_GPUS", "DSRUN_SSH_CONFIG",
     # the launcher's interpreter's (agents elsewhere start without them)
     "PYTHONHOME", "PYTHONEXECUTABLE",
@@ -131,9 +143,32 @@ class JobEnv:
                 for e in sorted(self.entries, key=lambda e: e.key)]
 
 
+def name_problem(key: str) -> str | None:
+    """What is wrong with ``key`` as a variable name, in words that quote
+    none of it (it may be a secret typed where a name belongs), or None."""
+    if _NAME.match(key):
+        return None
+    if not key:
+        return "the name is empty"
+    if key[0].isdigit():
+        return "the name starts with a digit"
+    bad = next(c for c in key if not (c.isascii() and (c.isalnum() or c == "_")))
+    if bad.isspace():
+        return "a space before '='"
+    if bad in ":\"'":
+        return {":": "a ':' in the name (KEY: VALUE is YAML, not KEY=VALUE)",
+                '"': "a quote in the name", "'": "a quote in the name"}[bad]
+    return f"a {'non-ASCII' if not bad.isascii() else 'punctuation'} character in the name " \
+           f"(letters, digits and '_' only)"
+
+
 def check_name(key: str, where: str) -> None:
-    if not _NAME.match(key):
-        raise DsrunUsageError(f"{where}: invalid environment variable name {key!r}")
+    """A usage error at ``where`` for a key that is no variable name; the
+    message never quotes the key (see :func:`name_problem`)."""
+    problem = name_problem(key)
+    if problem:
+        raise DsrunUsageError(f"{where}: invalid environment variable name: {problem} "
+                              f"(not shown: the text may hold a secret)")
 
 
 def check_prefix(prefix: str) -> None:
@@ -258,13 +293,24 @@ def compose(*layers: Iterable[EnvEntry]) -> JobEnv:
     return JobEnv(tuple(merged[k] for k in sorted(merged)))
 
 
+def cwd_pythonpath(environ: Mapping[str, str], cwd: str) -> EnvEntry:
+    """The launcher's PYTHONPATH with its working directory first, as
+    DeepSpeed's multi-node runner gives every rank (``cwd`` alone when the
+    launcher has no PYTHONPATH; an empty one keeps its ``:``, as there)."""
+    path = os.path.abspath(cwd)
+    value = f"{path}:{environ['PYTHONPATH']}" if "PYTHONPATH" in environ else path
+    return EnvEntry("PYTHONPATH", value, "forwarded, the working directory first")
+
+
 def job_env(environ: Mapping[str, str], *, remote: bool, env_prefixes: Sequence[str] = (),
             file_entries: Sequence[EnvEntry] = (),
-            cli_env: Sequence[tuple[str, str]] = ()) -> JobEnv:
+            cli_env: Sequence[tuple[str, str]] = (), cwd_first: str | None = None) -> JobEnv:
     """The variables for the ranks, by the precedence in the module docstring.
 
     ``remote=False`` (a local job, whose agent inherits everything) leaves
     out the forwarded launcher variables: they are there already.
+    ``cwd_first``: the working directory to put first on the forwarded
+    PYTHONPATH (a job with a host that is not this one).
     """
     for prefix in env_prefixes:
         check_prefix(prefix)
@@ -273,17 +319,27 @@ def job_env(environ: Mapping[str, str], *, remote: bool, env_prefixes: Sequence[
     forwarded: list[EnvEntry] = []
     if remote:
         forwarded = forward_defaults(environ) + forward_prefixes(environ, env_prefixes)
+    if cwd_first is not None:
+        forwarded = [e for e in forwarded if e.key != "PYTHONPATH"]
+        forwarded.append(cwd_pythonpath(environ, cwd_first))
     cli = [EnvEntry(k, v, "--env") for k, v in cli_env]
     merged = compose(forwarded, file_entries, cli)
-    return JobEnv(merged.entries, file_order(merged, file_entries))
+    first = {e.key for e in forwarded}
+    return JobEnv(merged.entries, file_order(merged, file_entries, first))
 
 
-def file_order(env: JobEnv, file_entries: Sequence[EnvEntry]) -> tuple[tuple[str, bool], ...]:
+def file_order(env: JobEnv, file_entries: Sequence[EnvEntry],
+               first: Iterable[str] = ()) -> tuple[tuple[str, bool], ...]:
     """(key, expand) of ``env``'s variables that come from ``file_entries``, in
-    the order of the line that set them (a later line of a key moves it)."""
+    the order of the line that set them (a later line of a key moves it).
+    Keys in ``first`` (forwarded ones) come before the others, as DeepSpeed
+    exports a forwarded variable that a file sets again in the forwarded
+    variable's place, before every file line."""
     last: dict[str, EnvEntry] = {}
     for entry in file_entries:
         last.pop(entry.key, None)
         last[entry.key] = entry
     winners = {e.key: e for e in env.entries}
-    return tuple((key, entry.expand) for key, entry in last.items() if winners.get(key) is entry)
+    early = set(first)
+    ordered = sorted(last.items(), key=lambda item: item[0] not in early)
+    return tuple((key, entry.expand) for key, entry in ordered if winners.get(key) is entry)

@@ -150,13 +150,16 @@ def log_files(plan: LaunchPlan) -> list[list[str]] | None:
 
 def user_env(spec: LaunchSpec, cwd: str, remote: bool, multi_host: bool) -> JobEnv:
     """The user's variables for the ranks (envpolicy.py): files, --env, forwarded.
-    DeepSpeed's env files only for a ``multi_host`` job (:func:`spans_hosts`)."""
+    DeepSpeed's env files only for a ``multi_host`` job (:func:`spans_hosts`).
+    A ``remote`` job (a host that is not this one) gets ``cwd`` first on its
+    ranks' PYTHONPATH, as DeepSpeed's multi-node runner gives them."""
     home = os.path.expanduser("~")
     if multi_host:
         check_ds_env_file(cwd, home, os.environ)
     files = read_env_files(env_file_paths(cwd, home, os.environ, multi_host=multi_host))
     return job_env(os.environ, remote=remote, env_prefixes=spec.env_prefixes,
-                   file_entries=files, cli_env=spec.extra_env)
+                   file_entries=files, cli_env=spec.extra_env,
+                   cwd_first=cwd if remote else None)
 
 
 def spans_hosts(cluster: Cluster) -> bool:
@@ -202,11 +205,23 @@ def cpu_ranks_line(spec: LaunchSpec, cluster: Cluster, draft: LaunchPlan) -> Non
             f"(--num_gpus counts CPU ranks here)")
 
 
+def working_directory() -> str:
+    """The launcher's working directory, or a usage error when it was
+    deleted (every host's ranks run in it)."""
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        where = os.environ.get("PWD")
+        named = f"the working directory {where}" if where else "the working directory"
+        raise DsrunUsageError(f"{named} no longer exists (deleted after the shell entered "
+                              f"it): cd to an existing directory") from None
+
+
 def run(spec: LaunchSpec) -> int:
+    cwd = working_directory()
     check_script(spec)
     straggler_interval(os.environ)  # a bad value is an error before anything starts
     patience = output_wait(os.environ)
-    cwd = os.getcwd()
     cluster, backend = resolve_cluster(spec.hosts, cwd)
     check_master(spec.hosts, cluster)
     multi = spans_hosts(cluster)

@@ -9,10 +9,13 @@ whatever the backend. Layers, later ones winning:
 1. inherited: the environment the node agent starts in (dsrun's own for a
    local agent, the login environment of an SSH host, what mpirun or srun
    give their processes), less the agent's own bootstrap variables
-   (:data:`dsrun.launcher.protocol.AGENT_BOOTSTRAP_VARS`);
+   (:data:`dsrun.launcher.protocol.AGENT_BOOTSTRAP_VARS`) and what a
+   parent job's launcher set for its ranks
+   (:data:`dsrun.launcher.envlayers.LAUNCHER_OWNED`: dsrun run in a rank);
 2. user: the user's and forwarded variables (envpolicy.JobEnv, one set per
    job); their values are never printed or logged; ``$NAME`` in env-file
-   values is expanded against layer 1 on the host (envlayers.py);
+   values is expanded against layer 1 with the job's other variables over
+   it, on the host (envlayers.py);
 3. defaults: set only where layers 1-2 leave the name unset
    (``OMP_NUM_THREADS``: the host's usable CPUs shared among its ranks, or
    under ``--bind_cores_to_rank`` the rank's own CPUs;

@@ -16,6 +16,7 @@ import pytest
 from dsrun.launcher import agent_os
 from dsrun.launcher.backends.agent_env import local_agent_env, remote_assignments
 from dsrun.launcher.backends.ssh import remote_command
+from dsrun.launcher.envlayers import expand_file_values
 from dsrun.launcher.envpolicy import EnvEntry, JobEnv
 from dsrun.launcher.protocol import PYTHONPATH_WAS
 
@@ -58,6 +59,21 @@ def test_a_remote_agent_gets_an_env_file_value_expanded_on_its_host(tmp_path, sh
                     {"HOME": "/h", "TOOLS": "/t"})
     # (the login environment had no PYTHONPATH: set and empty)
     assert out == "/h/lib:/t/py:$1:$$:`x`:${A:-b}:\\\\:\"\\n||-m dsrun.launcher.agent"
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_a_remote_agent_expands_a_forwarded_variable_to_its_forwarded_value(tmp_path, shell):
+    """`PYTHONPATH=$NCCL_HOME/py` with NCCL_HOME forwarded: the remote agent
+    got the login environment's NCCL_HOME (empty), its ranks the forwarded
+    one; a value with quotes or `$` is written in literally."""
+    home = "/opt/n $x 'q' \"d\" `c`"
+    env = JobEnv((EnvEntry("NCCL_HOME", home, "forwarded"),
+                  EnvEntry("PYTHONPATH", "$NCCL_HOME/py:${HOME}/l", "~/.deepspeed_env", True)),
+                 (("PYTHONPATH", True),))
+    out = _run_line(shell, tmp_path, "bin", env, {"HOME": "/h", "NCCL_HOME": "/login"})
+    assert out == f"{home}/py:/h/l||-m dsrun.launcher.agent"
+    assert expand_file_values(env.as_dict(), env.files, {"HOME": "/h"})["PYTHONPATH"] \
+        == f"{home}/py:/h/l"
 
 
 def test_a_value_that_refers_to_another_env_file_variable_stays_off_the_line():

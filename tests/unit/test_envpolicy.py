@@ -61,8 +61,8 @@ def test_env_file_syntax():
 @pytest.mark.parametrize("line,message", [
     ("JUSTAWORD", r"/f:2: expected KEY=VALUE \(no '=' on this line\)"),
     ("=value", r"/f:2: expected KEY=VALUE \(no name before '='\)"),
-    ("1ABC=x", r"/f:2: invalid environment variable name '1ABC'"),
-    ("MY-VAR=x", r"/f:2: invalid environment variable name 'MY-VAR'"),
+    ("1ABC=x", r"/f:2: invalid environment variable name: the name starts with a digit"),
+    ("MY-VAR=x", r"/f:2: invalid environment variable name: a punctuation character"),
 ])
 def test_malformed_env_file_line_names_file_and_line(line, message):
     with pytest.raises(DsrunUsageError, match=message):

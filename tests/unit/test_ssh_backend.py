@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import paramiko
 import pytest
 
@@ -265,3 +267,51 @@ def test_closing_a_dead_channel_leaves_nothing_for_the_finalizers(monkeypatch):
     del channel, files
     gc.collect()
     assert raised == []
+
+
+class _ExecChan:
+    """A session channel that builds the exec request as paramiko does."""
+
+    sent: bytes = b""
+
+    def exec_command(self, command) -> None:
+        m = paramiko.Message()
+        m.add_string(command)  # paramiko's Channel.exec_command: strict UTF-8 for a str
+        m.rewind()
+        type(self).sent = m.get_binary()
+
+    def makefile_stdin(self, mode):
+        return None
+
+    makefile = makefile_stderr = makefile_stdin
+
+
+class _ExecTransport:
+    _channel_handler_table: dict = {}
+
+    def open_session(self, timeout=None):
+        return _ExecChan()
+
+
+class _ExecClient:
+    def get_transport(self):
+        return _ExecTransport()
+
+
+@pytest.mark.parametrize("cwd,pythonpath", [
+    (os.fsdecode(b"/work/nonutf\xff"), "/lib"),
+    ("/work", os.fsdecode(b"/x\xff:/y")),
+])
+def test_a_path_that_is_not_utf8_reaches_sshd_as_its_bytes(cwd, pythonpath):
+    """A non-UTF-8 working directory or PYTHONPATH crashed the launcher and
+    `dsrun doctor` with paramiko's UnicodeEncodeError traceback."""
+    from dsrun.launcher.backends.agent_env import remote_assignments
+    from dsrun.launcher.backends.ssh import remote_command
+    from dsrun.launcher.envpolicy import EnvEntry, JobEnv
+
+    env = JobEnv((EnvEntry("PYTHONPATH", pythonpath, "forwarded"),))
+    command = remote_command("/py", cwd, remote_assignments(env))
+    target = resolve_target("h", SshOptions(), {}, "me")
+    SshChannel(target, _ExecClient(), command, cwd, "/py")  # type: ignore[arg-type]
+    assert os.fsencode(cwd) in _ExecChan.sent
+    assert os.fsencode(pythonpath) in _ExecChan.sent

@@ -8,8 +8,10 @@ as DeepSpeed's pdsh runner exports it for its per-node launcher.
   gets it expanded here, exactly as its ranks will get it (the same
   environment); a remote agent gets it expanded by its login shell, which
   expands just the ``$NAME`` / ``${NAME}`` references that the agent would
-  (envlayers.py) and nothing else. A value that refers to another env-file
-  variable is not given to remote agents (their shell does not know it).
+  (envlayers.py) and nothing else; a reference to one of the job's other
+  variables (forwarded, ``--env``) is its value, written in, as the agent
+  expands it. A value that refers to another env-file variable is not
+  given to remote agents (their shell does not know it).
 - The agent also gets :data:`PYTHONPATH_WAS` (its login environment's
   PYTHONPATH, ``:`` first, empty when unset), so its ranks' environment is
   built from the login environment as before (agent_os.login_environ):
@@ -62,21 +64,25 @@ def remote_assignments(user_env: JobEnv, shown: bool = False) -> str | None:
     if any((m.group(1) or m.group(2)) in files - {"PYTHONPATH"}
            for m in _REFERENCE.finditer(value)):
         return None  # another env-file variable: only the agent knows its value
-    return f"{was} PYTHONPATH={_references_only(value)}"
+    known = {k: v for k, v in values.items() if k not in files}
+    return f"{was} PYTHONPATH={_references_only(value, known)}"
 
 
 def _single_quoted(value: str) -> str:
     return "'" + value.replace("'", "'\"'\"'") + "'"
 
 
-def _references_only(value: str) -> str:
+def _references_only(value: str, known: Mapping[str, str]) -> str:
     """``value`` in double quotes in which the shell expands only ``$NAME``
     and ``${NAME}`` (unset: empty), as envlayers.expand_references does;
-    every other ``$``, backquote, backslash and quote is literal."""
+    every other ``$``, backquote, backslash and quote is literal. A NAME in
+    ``known`` (the job's variables set before the file lines) is its value
+    there, literal, as the agent sees it."""
     out, pos = [], 0
     for m in _REFERENCE.finditer(value):
         out.append(_escaped(value[pos:m.start()]))
-        out.append("${" + (m.group(1) or m.group(2)) + "}")
+        name = m.group(1) or m.group(2)
+        out.append(_escaped(known[name]) if name in known else "${" + name + "}")
         pos = m.end()
     out.append(_escaped(value[pos:]))
     return '"' + "".join(out) + '"'

@@ -2,9 +2,10 @@
 
 One connection per remote host, opened in parallel threads; on it one exec
 channel (no pty) runs ``cd CWD || exit 96; exec [env PYTHONPATH=...] PYTHON -m
-dsrun.launcher.agent`` with the launcher's own interpreter, working
-directory and (the one value on a command line: a path list, as DeepSpeed's
-pdsh runner sends it) the PYTHONPATH the ranks get (agent_env.py). The agent gets the
+dsrun.launcher.agent`` (as bytes: a path that is not UTF-8 goes as it is)
+with the launcher's own interpreter, working directory and (the one value
+on a command line: a path list, as DeepSpeed's pdsh runner sends it) the
+PYTHONPATH the ranks get (agent_env.py). The agent gets the
 probe commands and then its start payload (with every other environment
 value) on the channel's stdin, never on a command line. Hosts that are
 this machine (localhost, its names and addresses) get a local child agent
@@ -93,6 +94,14 @@ def remote_command(python: str, cwd: str, env_words: str | None = None) -> str:
     return f"cd {q(cwd)} || exit {CWD_MISSING}; {run} -m {AGENT_MODULE}"
 
 
+def command_bytes(command: str) -> bytes:
+    """The remote command as the bytes sshd gets: a path that is not UTF-8
+    (the working directory, a PYTHONPATH entry: Python holds its bytes as
+    surrogates) goes as the same bytes, as a shell here would send it
+    (paramiko would encode the str as strict UTF-8 and fail)."""
+    return command.encode("utf-8", "surrogateescape")
+
+
 # --------------------------------------------------------------------------
 # exit signals: sshd reports a command killed by a signal with an
 # "exit-signal" request (RFC 4254 6.10), which paramiko does not read (its
@@ -149,7 +158,7 @@ class SshChannel(AgentChannel):
         assert transport is not None
         watch_exit_signals(transport)
         self.chan = transport.open_session(timeout=target.timeout)
-        self.chan.exec_command(command)
+        self.chan.exec_command(command_bytes(command))
         self._in = self.chan.makefile_stdin("wb")  # close() sends EOF
         self._out = self.chan.makefile("rb")
         self._err = self.chan.makefile_stderr("rb")
