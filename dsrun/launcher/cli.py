@@ -120,7 +120,9 @@ def _env_pair(ctx: click.Context, param: click.Parameter, values: Sequence[str])
     for value in values:
         key, sep, val = value.partition("=")
         if not sep or not key:
-            raise click.BadParameter(f"expected KEY=VALUE, got {value!r}")
+            # Not the value itself: it may be a secret typed without its name.
+            problem = "no '=' in it" if not sep else "no name before '='"
+            raise click.BadParameter(f"expected KEY=VALUE ({problem})")
         pairs.append((key, val))
     return tuple(pairs)
 

@@ -105,10 +105,14 @@ _NOT_PDSH = ("dsrun's ssh launcher (DeepSpeed's pdsh) starts hosts with paramiko
              "pdsh, so pdsh options (such as -f fan-out) have no equivalent; SSH settings "
              "go in the --ssh_* options or ssh_config")
 #: What to do instead of --launcher_args, by launcher.
-LAUNCHER_ARGS_INSTEAD = {
+LAUNCHER_ARGS_INSTEAD: dict[str | None, str] = {
     "slurm": "srun options go in --slurm_args", "ssh": _NOT_PDSH,
     "local": "the local launcher starts the ranks on this host itself, with no tool to pass "
-             "options to"}
+             "options to",
+    # Not known yet whether any host is remote: both cases in one sentence.
+    None: "the default launcher starts ranks on this host itself and other hosts over "
+          "SSH with paramiko, not pdsh, so there is no tool to pass options to; SSH "
+          "settings go in the --ssh_* options or ssh_config"}
 
 
 @dataclass(frozen=True)

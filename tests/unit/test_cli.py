@@ -682,3 +682,11 @@ def test_doctor_honours_ds_accelerator_cpu_with_and_without_a_script(
         assert cli.main(["doctor", "-H", "hf", *script]) == 0
     assert checked == [cpu, cpu]
 
+
+
+@pytest.mark.parametrize(("value", "problem"), [("s3cr3tvalue", "no '=' in it"),
+                                                 ("=s3cr3tvalue", "no name before '='")])
+def test_a_bad_env_pair_does_not_echo_its_value(capsys, value: str, problem: str):
+    assert cli.main(["--env", value, "s.py"]) == 2
+    err = capsys.readouterr().err
+    assert f"expected KEY=VALUE ({problem})" in err and "s3cr3t" not in err

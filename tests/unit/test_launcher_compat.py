@@ -195,3 +195,11 @@ def test_log_dir_naming_a_file_says_so(tmp_path):
     with pytest.raises(DsrunUsageError, match=r"^--log_dir '.*afile' is a file, not a "
                                               r"directory$"):
         launch.check_log_dir(str(path))
+
+
+def test_launcher_args_with_the_default_launcher_names_neither_pdsh_nor_ssh_alone():
+    with pytest.raises(DsrunUsageError) as info:
+        HostsSpec(launcher_args=("-f", "64"))
+    text = str(info.value)
+    assert "not the default launcher;" in text and "this host itself" in text
+    assert "(DeepSpeed's pdsh)" not in text
