@@ -41,6 +41,8 @@ pip_install() {
         .venv/bin/python -m pip install -q --disable-pip-version-check "$@"
     }
 }
-pip_install "${TORCH_SPEC:-torch==2.13.0}" numpy
+pip_install "${TORCH_SPEC:-torch==2.13.0}"
+# numpy comes as dsrun's declared dependency (pyproject), as for `pip install dsrun`.
 pip_install -e ".[test]"
-echo "install.sh: dsrun $(.venv/bin/python -c 'import dsrun; print(dsrun.__version__)') installed in .venv"
+# dsrun's own release: dsrun.__version__ is the DeepSpeed-compatible string.
+echo "install.sh: dsrun $(.venv/bin/python -c 'import dsrun; print(dsrun.DSRUN_VERSION)') installed in .venv"
