@@ -10,8 +10,11 @@
 2. reads the DistEnv and initialises torch.distributed (unless the backend
    is ``none``);
 3. runs the script as ``__main__`` with the ``sys.argv`` and ``sys.path[0]``
-   that ``python PATH ARGS...`` would give it; an argparse parser that
-   declares ``--local_rank`` gets it filled in (localrank.py);
+   that ``python PATH ARGS...`` would give it (``python -m NAME`` for
+   ``--module``); an argparse parser that declares ``--local_rank`` gets it
+   filled in (localrank.py). The working directory that ``-m`` put first on
+   sys.path is dropped before the bootstrap's own imports, so a json.py
+   there cannot stand in for the stdlib's;
 4. at exit destroys the process group and leaves quickly without losing
    buffered file data (fastexit.py).
 
@@ -28,17 +31,34 @@ traceback of dsrun's imports or rendezvous (the launcher reports the stop).
 
 from __future__ import annotations
 
+import os
+import sys
+
+# Before any other import: a random.py, json.py or queue.py in the working
+# directory, which ``python -m`` put first on sys.path, must not stand in for
+# the stdlib modules that dsrun and torch import. The user's code gets
+# Python's own sys.path[0] back (_run_target). (``import dsrun`` itself ran
+# before this line, as the -m parent package.)
+try:
+    _CWD: str | None = os.getcwd()
+except OSError:  # removed: then Python could not put it on sys.path either
+    _CWD = None
+if __name__ == "__main__" and sys.path and sys.path[0] == _CWD \
+        and not getattr(sys.flags, "safe_path", False):
+    #: the entry dropped, for ``--module`` (None: -P, PYTHONSAFEPATH, imported)
+    _CWD_ENTRY: str | None = sys.path.pop(0)
+else:
+    _CWD_ENTRY = None
+
 import builtins
 import importlib.machinery
 import importlib.util
 import io
 import json
 import marshal
-import os
 import runpy
 import signal
 import socket
-import sys
 import time
 import traceback
 import types
@@ -128,6 +148,8 @@ def _run_target(mode: str, target: str, args: list[str]) -> None:
     sys.argv = [target, *args]
     _target_started = True
     if mode == "--module":
+        if _CWD_ENTRY is not None:  # as ``python -m``: the working directory first
+            sys.path.insert(0, _CWD_ENTRY)
         runpy.run_module(target, run_name="__main__", alter_sys=True)
         return
     run_script(target)
@@ -141,15 +163,15 @@ def run_script(target: str) -> None:
     also set ``sys.argv[0]`` to the path it is given.)"""
     path = os.path.abspath(target)
     if not os.path.isdir(path) and zipfile.is_zipfile(path):
-        sys.path[0] = path
+        _set_path0(path)
         importer = zipimport.zipimporter(path)
         _exec_main(importer.get_code("__main__"), importer.get_filename("__main__"), importer)
         return
     if os.path.isdir(path):
-        sys.path[0] = path
+        _set_path0(path)
         path = os.path.join(path, "__main__.py")
     else:
-        sys.path[0] = os.path.dirname(os.path.realpath(path))
+        _set_path0(os.path.dirname(os.path.realpath(path)))
     with io.open_code(path) as f:
         data = f.read()
     if data[:4] == importlib.util.MAGIC_NUMBER:  # a .pyc file: 16 bytes of header
@@ -157,6 +179,14 @@ def run_script(target: str) -> None:
     else:
         code = compile(data, path, "exec", dont_inherit=True)
     _exec_main(code, path, importlib.machinery.SourceFileLoader("__main__", path))
+
+
+def _set_path0(entry: str) -> None:
+    """Put the script's ``entry`` first on sys.path, as ``python PATH`` does
+    (not under PYTHONSAFEPATH); the entries after it stay (the working
+    directory is no longer first: _drop_cwd_entry)."""
+    if not getattr(sys.flags, "safe_path", False):
+        sys.path.insert(0, entry)
 
 
 def _exec_main(code: types.CodeType, filename: str, loader: object) -> None:
