@@ -234,7 +234,7 @@ def test_launcher_names():
         HostsSpec(launcher="local", launcher_args=("-x", "A"))
     assert "not local; the local launcher starts the ranks on this host itself" in str(info.value)
     assert "pdsh" not in str(info.value)
-    with pytest.raises(DsrunUsageError, match="not the default launcher; dsrun's ssh launcher"):
+    with pytest.raises(DsrunUsageError, match="not the default launcher; the default launcher starts ranks on this host"):
         HostsSpec(launcher_args=("-f", "8"))  # DeepSpeed's pdsh fan-out
     with pytest.raises(DsrunUsageError, match="--slurm_args needs --launcher slurm"):
         HostsSpec(slurm_args=("-p", "x"))
