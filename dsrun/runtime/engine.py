@@ -476,13 +476,14 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
         return gc.collect()
 
     def destroy(self) -> None:
-        """Wait for an asynchronous checkpoint save (raising its failure) and
-        remove the gradient hooks - a ZeRO optimizer's too, and at stage 3 the
-        fetch hooks and dsrun's ``F.linear`` (the module can then be trained by
-        other means); again is harmless."""
+        """Wait for an asynchronous checkpoint save (raising its failure), close
+        the monitors, remove the gradient hooks - a ZeRO optimizer's too, and at
+        stage 3 the fetch hooks and dsrun's ``F.linear`` (the module can then be
+        trained by other means); again is harmless."""
         try:
             checkpoint_io.wait(self)
         finally:
+            self.monitor.close()  # its files and writers; a later write is a no-op
             if self.zero_stage > 0 and self.optimizer is not None:
                 self.optimizer.close()
             if self._gc_held:

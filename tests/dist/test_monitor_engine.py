@@ -8,11 +8,15 @@ norm, seq_length, errors at initialize, and wandb in offline mode; the
 from __future__ import annotations
 
 import csv
+import gc
 import glob
 import importlib.machinery
 import importlib.util
 import logging
+import os
+import resource
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Optional
 
@@ -21,7 +25,6 @@ import torch
 
 import dsrun
 from dsrun.errors import DsrunConfigError, DsrunError
-from dsrun.runtime.monitor.writers import CsvWriter
 
 pytestmark = pytest.mark.dist
 
@@ -51,6 +54,10 @@ def train(engine: Any, steps: int, inputs: Optional[torch.Tensor] = None) -> lis
     return losses
 
 
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
 def column(path: Path) -> list[float]:
     with open(path, newline="") as handle:
         return [float(value) for _, value in list(csv.reader(handle))[1:]]
@@ -67,22 +74,62 @@ def test_a_write_failing_after_the_start_warns_once_and_training_goes_on(
     assert engine.monitor.csv_monitor is not None and engine.monitor.tb_monitor is None
     assert engine.monitor.wandb_monitor is None and engine.monitor.comet_monitor is None
     losses = train(engine, 3)
-
-    def disk_full(self: CsvWriter, name: str) -> Any:
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(CsvWriter, "_writer", disk_full)
+    lr_file = tmp_path / "run" / "Train_Samples_lr.csv"
+    lr_file.unlink()
+    lr_file.symlink_to("/dev/full")  # the disk is full from now on (ENOSPC on write)
     with caplog.at_level(logging.WARNING, logger="dsrun.runtime.monitor"):
         losses += train(engine, 5)
         engine.monitor.write_events([("Custom/x", 1.0, 1)])  # no writer left: a no-op
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert warnings == ["csv_monitor: writing metrics failed (OSError: [Errno 28] No space left "
-                        "on device); csv_monitor is off for the rest of this run, training "
-                        "goes on"]
+                        f"on device: '{lr_file}'); csv_monitor is off for the rest of this run, "
+                        "training goes on"]
     assert engine.global_steps == 8 and len(losses) == 8
     assert engine.monitor.csv_monitor is None  # switched off after the failure
     assert column(tmp_path / "run" / "Train_Samples_train_loss.csv") == \
-        pytest.approx(losses[:3], rel=1e-12)
+        pytest.approx(losses[:4], rel=1e-12)  # step 4's loss went before the lr failed
+
+
+def test_more_event_names_than_the_descriptor_limit_are_all_logged(
+        solo: None, tmp_path: Path) -> None:
+    """Per-layer metrics, 150 names, under a descriptor limit leaving 32 free."""
+    engine, *_ = dsrun.initialize(model=model(), config=config(tmp_path))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (open_fds() + 32, hard))
+    try:
+        losses = []
+        for step in range(1, 4):
+            losses += train(engine, 1)
+            engine.monitor.write_events([(f"Train/layer{i}/grad_norm", float(i), step)
+                                         for i in range(150)])
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert engine.monitor.csv_monitor is not None  # never switched off
+    run = tmp_path / "run"
+    assert column(run / "Train_Samples_train_loss.csv") == pytest.approx(losses, rel=1e-12)
+    for i in range(150):
+        assert column(run / f"Train_layer{i}_grad_norm.csv") == [float(i)] * 3
+
+
+def test_destroyed_engines_leave_no_files_or_threads_open(solo: None, tmp_path: Path) -> None:
+    """Engines with csv and tensorboard (an open event file and a writer thread
+    each), built, trained and destroyed in turn: descriptors and threads stay flat."""
+    if importlib.util.find_spec("tensorboard") is None:
+        pytest.skip("the tensorboard package is not installed")
+    counts = []
+    for i in range(4):
+        cfg = config(tmp_path, f"e{i}", tensorboard={"enabled": True,
+                                                     "output_path": str(tmp_path / "tb"),
+                                                     "job_name": f"e{i}"})
+        engine, *_ = dsrun.initialize(model=model(), config=cfg)
+        train(engine, 2)
+        engine.destroy()
+        assert engine.monitor.tb_monitor is None and engine.monitor.csv_monitor is None
+        del engine
+        gc.collect()
+        counts.append((open_fds(), threading.active_count()))
+    assert counts[1:] == counts[:1] * 3
+    assert column(tmp_path / "e3" / "Train_Samples_train_loss.csv")  # it did write
 
 
 def test_fp16_writes_the_loss_scale_and_the_steps_own_gradient_norm(

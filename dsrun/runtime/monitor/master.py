@@ -11,6 +11,9 @@ Invariants:
 * A writer that fails once training runs (disk full, a lost mount, a wandb
   error) is warned about once, closed and dropped; the other writers and
   training go on.
+* A monitor with writers is closed at exit unless closed before
+  (``engine.destroy()`` closes the engine's); the exit hook holds it only
+  weakly, so a closed or dropped monitor, and its writers, are freed.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import atexit
 import logging
 import math
 import numbers
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, Callable, Optional
 
@@ -28,6 +32,23 @@ from dsrun.runtime.monitor.events import Event
 from dsrun.runtime.monitor.writers import Writer, build_writers, check_packages
 
 log = logging.getLogger("dsrun.runtime.monitor")
+
+# The monitors with writers not yet closed; one exit hook for all of them
+# (a bound method per monitor in atexit would keep each one alive to the end).
+_open_monitors: weakref.WeakSet[Monitor] = weakref.WeakSet()
+
+
+def _close_at_exit() -> None:
+    for monitor in list(_open_monitors):
+        monitor.close()
+
+
+def _close_at_exit_later(monitor: Monitor) -> None:
+    _open_monitors.add(monitor)
+    # registered once, moved last: it runs before the hooks registered
+    # earlier (the process group's shutdown), as one per monitor did
+    atexit.unregister(_close_at_exit)
+    atexit.register(_close_at_exit)
 
 
 def _as_number(value: Any) -> Optional[float]:
@@ -82,7 +103,7 @@ class Monitor:
         check_packages(config)  # every rank fails alike on a missing package
         if rank == 0:
             self.writers = build(config)
-            atexit.register(self.close)
+            _close_at_exit_later(self)
             log.info("monitors: %s", ", ".join(_describe(w) for w in self.writers))
 
     def write_events(self, events: Sequence[Any]) -> None:
@@ -112,6 +133,7 @@ class Monitor:
     def close(self) -> None:
         """Close every writer (idempotent; also runs at exit)."""
         writers, self.writers = self.writers, []
+        _open_monitors.discard(self)
         for writer in writers:
             try:
                 writer.close()

@@ -10,13 +10,15 @@ comet_ml are imported when such a writer is built, never at module import.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib
 import importlib.util
+import io
 import json
 import os
 from collections.abc import Sequence
-from typing import Any, Optional, Protocol, TextIO
+from typing import Any, Optional, Protocol
 
 from dsrun.errors import DsrunConfigError
 from dsrun.runtime.monitor.events import RUN_INFO, Event, csv_filename, csv_header
@@ -65,45 +67,64 @@ def make_log_dir(output_path: str, job_name: str, section: str, source: str) -> 
 
 
 class CsvWriter:
-    """DeepSpeed's CSV layout (see :mod:`events`); files stay open and are
-    flushed after every ``write``, so they can be read while training runs.
-    ``info`` goes to ``dsrun_run.json`` beside them (for ``dsrun plot``)."""
+    """DeepSpeed's CSV layout (see :mod:`events`). Each ``write`` opens the
+    files its events go to, appends their rows and closes them again, as
+    DeepSpeed does: no file stays open between writes, so a run with
+    thousands of event names (per-layer metrics) needs no more descriptors
+    than one, and every row is on disk, readable while training runs, once
+    ``write`` returns. ``info`` goes to ``dsrun_run.json`` beside them (for
+    ``dsrun plot``)."""
 
     name = "csv_monitor"
 
     def __init__(self, log_dir: str, info: Optional[dict[str, Any]] = None) -> None:
         self.log_dir = log_dir
-        self._files: dict[str, tuple[TextIO, Any]] = {}
         if info is not None:
             path = os.path.join(log_dir, RUN_INFO)
             with open(path + ".tmp", "w", encoding="utf-8") as handle:
                 json.dump(info, handle, indent=1, sort_keys=True)
             os.replace(path + ".tmp", path)
 
-    def _writer(self, event_name: str) -> Any:
-        filename = csv_filename(event_name)
-        if filename not in self._files:
-            path = os.path.join(self.log_dir, filename)
-            new = not os.path.exists(path) or os.path.getsize(path) == 0
-            handle = open(path, "a", newline="", encoding="utf-8")
-            rows = csv.writer(handle)
-            if new:
-                rows.writerow(["step", csv_header(event_name)])
-            self._files[filename] = (handle, rows)
-        return self._files[filename][1]
-
     def write(self, events: Sequence[Event]) -> None:
-        touched = set()
+        """Append each event's row to its file; an :class:`OSError` (disk
+        full, out of descriptors) is raised naming the file it hit."""
+        rows: dict[str, tuple[str, list[list[Any]]]] = {}  # file -> (header, rows), in order
         for name, value, step in events:
-            self._writer(name).writerow([step, value])
-            touched.add(csv_filename(name))
-        for filename in touched:
-            self._files[filename][0].flush()
+            filename = csv_filename(name)
+            rows.setdefault(filename, (csv_header(name), []))[1].append([step, value])
+        for filename, (header, lines) in rows.items():
+            path = os.path.join(self.log_dir, filename)
+            try:
+                _append_rows(path, header, lines)
+            except OSError as err:
+                if err.filename is not None:
+                    raise
+                # a write error has no file name: the warning must say which file
+                raise OSError(err.errno, err.strerror or str(err), path) from err
 
     def close(self) -> None:
-        files, self._files = self._files, {}
-        for handle, _ in files.values():
-            handle.close()
+        """Nothing stays open between writes."""
+
+
+def _append_rows(path: str, header: str, rows: list[list[Any]]) -> None:
+    """Append ``rows`` to the CSV file ``path`` (``header`` first when the file
+    is new or empty, so a resumed run does not repeat it) and close it. A
+    failed write is cut back off, so the file never ends in half a row."""
+    with open(path, "ab", buffering=0) as handle:  # unbuffered: every write is seen here
+        start = handle.tell()  # append mode starts at the end: the file's size
+        text = io.StringIO(newline="")
+        lines = csv.writer(text)
+        if start == 0:
+            lines.writerow(["step", header])
+        lines.writerows(rows)
+        data = memoryview(text.getvalue().encode("utf-8"))
+        try:
+            while data:
+                data = data[handle.write(data):]
+        except OSError:
+            with contextlib.suppress(OSError):  # best effort: the error below says what failed
+                handle.truncate(start)
+            raise
 
 
 class TensorBoardWriter:
