@@ -62,7 +62,7 @@ from typing import IO, Any
 
 from dsrun import deathsig, stackdump
 from dsrun.launcher import procs
-from dsrun.launcher.agent_exits import exit_event, poll_status
+from dsrun.launcher.agent_exits import exit_event, own_error, poll_status
 from dsrun.launcher.agent_os import (
     STOP_SIGNALS,
     LogOpenError,
@@ -403,7 +403,7 @@ class Agent:
             self._report_exit(rank)
 
     def _report_exit(self, rank: Rank) -> None:
-        error = read_error_file(rank.error_file)
+        error = own_error(rank, read_error_file(rank.error_file))
         self.emit(exit_event(rank, error, self.job.stopping, self.job.stop_mono))
         if rank.status != 0:
             if error is not None:

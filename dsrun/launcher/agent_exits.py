@@ -5,8 +5,10 @@ failed on its own or of the agent's stop.
 Invariants: the earliest evidence of a failure wins (the rank's own error
 record, stamped when the error was raised, else the moment its exit was
 seen), and a rank already failing on its own when the stop's signal caught
-it in its exit path is reported with its own exit code. Kept to the
-standard library: every agent imports it.
+it in its exit path is reported with its own exit code. A record is the
+rank's only if the rank's own process wrote it (its ``pid``): a child the
+script forked inherits the record's path, and its error is not the rank's.
+Kept to the standard library: every agent imports it.
 """
 
 from __future__ import annotations
@@ -29,11 +31,26 @@ def poll_status(pid: int) -> int | None:
     return None if info is None else wait_status(info)
 
 
+def own_error(rank: Rank, error: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``error`` if the rank's own process wrote it, else None: a record of
+    a forked child (its pid is not the rank's) says nothing of how the rank
+    ended, and its time would make the rank look like the first to fail.
+    A record without a pid (an older runtime) is taken as the rank's."""
+    if error is None or "pid" not in error:
+        return error
+    try:
+        return error if int(error["pid"]) == rank.popen.pid else None
+    except (TypeError, ValueError):
+        return None
+
+
 def exit_event(rank: Rank, error: dict[str, Any] | None, stopping: bool,
                stop_mono: float) -> dict[str, Any]:
     """The ``exit`` event of ``rank`` (its status known), with its error
     record ``error``; ``stop_mono``: time.monotonic() when the agent began
-    stopping the job (``stopping``)."""
+    stopping the job (``stopping``); a record the rank did not write
+    itself is left out (:func:`own_error`)."""
+    error = own_error(rank, error)
     code = rank.status
     assert code is not None
     now_mono, now_wall = time.monotonic(), time.time()

@@ -1,0 +1,45 @@
+"""Real processes: what the node agent makes of the processes a rank starts
+- a forked child's error record, helpers that ignore SIGINT on a Ctrl-C, and
+background work left running when the job ends (agent_exits.py,
+agent_stop.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import run_dsrun, wait_for_pids, wait_gone
+
+pytestmark = pytest.mark.proc
+
+_FORKED_RECORD = """\
+import json, os, sys, time
+rank = int(os.environ["RANK"])
+open(os.path.join(sys.argv[1], f"rank{rank}.pid"), "w").write(str(os.getpid()))
+if rank == 1:
+    if os.fork() == 0:  # a helper that writes the inherited record path, as an
+        # older runtime's exit path did in a forked child
+        with open(os.environ["DSRUN_ERROR_FILE"], "w") as f:
+            json.dump({"rank": 1, "pid": os.getpid(), "time": time.time(),
+                       "exc_type": "ValueError", "message": "the helper's own error",
+                       "traceback": "ValueError: the helper's own error\\n",
+                       "exit_code": 1}, f)
+        os._exit(0)
+    time.sleep(30)
+else:
+    time.sleep(1.5)
+    raise RuntimeError("REAL ROOT CAUSE on rank 0")
+"""
+
+
+def test_a_forked_childs_error_record_is_not_the_ranks(tmp_path, pid_dir):
+    """Rank 1 is only stopped by the teardown; the record its forked child
+    wrote earlier must not make it the first to fail."""
+    script = tmp_path / "forked_record.py"
+    script.write_text(_FORKED_RECORD)
+    res = run_dsrun("--cpu", "--num_gpus", "2", "--dist_backend", "none", "--kill_grace", "2",
+                    str(script), str(pid_dir))
+    assert res.returncode == 1, res.stderr
+    assert "job failed: rank 0 on host" in res.stderr, res.stderr
+    assert "REAL ROOT CAUSE on rank 0" in res.stderr
+    assert "the helper's own error" not in res.stderr, res.stderr
+    assert wait_gone(list(wait_for_pids(pid_dir, 2, 1).values()), 2) == []
