@@ -76,6 +76,7 @@ from dsrun.launcher.agent_os import (
     read_error_file,
     remove_own_shm,
     remove_tmpdir,
+    start_error,
     stop_raising,
     stopped,
     wait_status,
@@ -264,9 +265,11 @@ class Agent:
         agent_vars = self._agent_vars(spec["rank"])
         env = apply_layers(spec["env"], login_environ(), self.payload.get("env", {}), agent_vars,
                            self.payload.get("env_files", ()))
+        argv: list[str] = list(spec["argv"])
         try:
+            argv = rank_argv(spec)
             popen = subprocess.Popen(
-                rank_argv(spec), env=env, cwd=self.payload.get("cwd") or None,
+                argv, env=env, cwd=self.payload.get("cwd") or None,
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True,
             )
@@ -274,7 +277,7 @@ class Agent:
             self.failed = True
             self.emit({"ev": "exit", "rank": spec["rank"], "code": 127, "signal": None,
                        "time": time.time(), "age": 0.0, "during_stop": self.job.stopping,
-                       "error": {"message": f"cannot start {spec['argv'][0]}: {exc.strerror}"},
+                       "error": {"message": start_error(spec["argv"][0], exc, argv, env)},
                        "tail": []})
             self._begin_stop()
             return False

@@ -1,12 +1,14 @@
 """What the node agent needs from the operating system: its stop signals,
-a private temporary directory, wait statuses, rank error files and the
-shared-memory segments DeepSpeed's CPU all-reduce leaves behind.
+a private temporary directory, wait statuses, rank error files, the
+shared-memory segments DeepSpeed's CPU all-reduce leaves behind, and what
+to say when a rank cannot be started.
 
 Kept to the standard library: every agent imports it at start-up.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -59,6 +61,44 @@ def rank_argv(spec: dict[str, Any]) -> list[str]:
     from dsrun import deathsig
 
     return deathsig.wrapper_argv(sys.executable, os.getpid(), argv)
+
+
+#: Linux's limit on one argument or ``NAME=value`` string (MAX_ARG_STRLEN:
+#: 32 pages, the terminating NUL included).
+_ONE_STRING_MAX = 32 * 4096
+
+
+def _size(n: int) -> str:
+    return f"{n} bytes" if n < 10_000 else f"{n / 1000:.0f} kB" if n < 10_000_000 \
+        else f"{n / 1_000_000:.0f} MB"
+
+
+def start_error(program: str, exc: OSError, argv: list[str], env: dict[str, str]) -> str:
+    """Why ``program`` could not be started. For "Argument list too long"
+    (E2BIG) it says whether the environment or the arguments are too big:
+    their sizes, and the name (never the value: it may be a secret) of the
+    largest variable or the position of the largest argument."""
+    message = f"cannot start {program}: {exc.strerror}"
+    if exc.errno != errno.E2BIG:
+        return message
+    entries = [len(k.encode()) + len(v.encode()) + 2 for k, v in env.items()]
+    env_total = sum(entries)
+    args = [len(a.encode()) + 1 for a in argv]
+    largest = max(env, key=lambda k: len(k.encode()) + len(env[k].encode()), default=None)
+    biggest = max(entries, default=0)
+    arg_at = max(range(len(args)), key=args.__getitem__, default=None)
+    if largest is not None and (biggest > _ONE_STRING_MAX or
+                                (env_total >= sum(args) and max(args) <= _ONE_STRING_MAX)):
+        one = (f", over Linux's limit of {_ONE_STRING_MAX // 1024} KiB for one variable"
+               if biggest > _ONE_STRING_MAX else "")
+        return (f"{message}: the environment is too big ({_size(env_total)} in {len(env)} "
+                f"variables; the largest is {largest}, {_size(biggest)}{one}; the "
+                f"arguments are {_size(sum(args))})")
+    if arg_at is None:
+        return message
+    return (f"{message}: the arguments are too big ({_size(sum(args))} in {len(args)}; the "
+            f"largest is argument {arg_at}, {_size(args[arg_at])}; the environment is "
+            f"{_size(env_total)})")
 
 
 def login_environ() -> dict[str, str]:

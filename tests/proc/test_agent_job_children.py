@@ -43,3 +43,17 @@ def test_a_forked_childs_error_record_is_not_the_ranks(tmp_path, pid_dir):
     assert "REAL ROOT CAUSE on rank 0" in res.stderr
     assert "the helper's own error" not in res.stderr, res.stderr
     assert wait_gone(list(wait_for_pids(pid_dir, 2, 1).values()), 2) == []
+
+
+def test_an_environment_too_big_to_start_a_rank_is_named_not_the_arguments(tmp_path):
+    """E2BIG ("Argument list too long") from a variable of .dsrun_env: the
+    message says it is the environment, and names the variable, not its value."""
+    (tmp_path / ".dsrun_env").write_text("DSRUN_TEST_HUGE=" + "q" * 140_000 + "\n")
+    script = tmp_path / "ok.py"
+    script.write_text("print('ran')\n")
+    res = run_dsrun("--cpu", "--num_gpus", "1", "--dist_backend", "none", str(script),
+                    cwd=str(tmp_path))
+    assert res.returncode == 127, res.stderr
+    assert "Argument list too long: the environment is too big" in res.stderr, res.stderr
+    assert "the largest is DSRUN_TEST_HUGE, 140 kB, over Linux's limit" in res.stderr, res.stderr
+    assert "qqqq" not in res.stderr and "ran" not in res.stdout

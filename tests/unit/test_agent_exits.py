@@ -1,12 +1,15 @@
-"""The node agent's exit event: which error record is the rank's own."""
+"""The node agent's exit event: which error record is the rank's own, and
+what a rank that cannot be started is told."""
 
 from __future__ import annotations
 
+import errno
 import signal
 import time
 from types import SimpleNamespace
 
 from dsrun.launcher.agent_exits import exit_event, own_error
+from dsrun.launcher.agent_os import start_error
 from dsrun.launcher.agent_output import Rank
 
 
@@ -37,3 +40,16 @@ def test_a_rank_the_stop_killed_keeps_its_signal_when_the_record_is_a_childs():
     assert event["during_stop"] and event["age"] < 1.0
     own = exit_event(_rank(100, -signal.SIGTERM), _record(100), True, stop)
     assert (own["code"], own["error"]["message"]) == (1, "boom")  # its own: failing first
+
+
+def test_e2big_names_the_largest_variable_never_its_value():
+    exc = OSError(errno.E2BIG, "Argument list too long")
+    env = {"PATH": "/bin", "SECRET_TOKEN": "v" * 140_000}
+    said = start_error("/py", exc, ["/py", "x.py"], env)
+    assert said.startswith("cannot start /py: Argument list too long: the environment is too big")
+    assert "the largest is SECRET_TOKEN, 140 kB, over Linux's limit of 128 KiB" in said
+    assert "vvv" not in said
+    args = start_error("/py", exc, ["/py", "a" * 200_000], {"PATH": "/bin"})
+    assert "the arguments are too big" in args and "argument 1, 200 kB" in args
+    other = start_error("/py", OSError(errno.ENOENT, "No such file or directory"), [], env)
+    assert other == "cannot start /py: No such file or directory"

@@ -112,10 +112,15 @@ class Stage3Gradients:
         """End of a backward: flush the reduction; in a step's first round,
         zero the accumulator slices of parameters that got no gradient -
         every parameter with a master slice, also one frozen since
-        initialize() (its slice would keep an earlier step's gradient)."""
+        initialize() (its slice would keep an earlier step's gradient).
+        At world size 1 nothing lands: the flat gradient, which becomes the
+        master gradient at the boundary (:meth:`_reduce_local`), holds this
+        round's gradients already - zeroing "unwritten" slices would wipe
+        them (a round opened by the hook of a parameter in no param group
+        used to zero every step's gradients after the first)."""
         self._reduce_leaf_grads()
         self.reducer.finish()
-        if not any(self._fresh):
+        if self._local or not any(self._fresh):
             return
         for p in self._slotted():
             if p.ds_id not in self._written and self._fresh[self._slot[p.ds_id][0]]:
