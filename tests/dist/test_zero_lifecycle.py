@@ -1,0 +1,132 @@
+"""ZeRO engines over a model's life, in one gloo rank (``solo``), compared
+with plain torch running the same optimizer implementation (single-tensor
+Adam, ``foreach=False``: bitwise at world size 1) over the same parameters:
+
+* a trainable parameter left out of ``model_parameters`` stays fixed and
+  the others train exactly as plain torch's, at every stage (stage 3 at
+  world size 1 used to zero every later step's gradients: the dropped
+  parameter's hook opened a backward round whose end wiped the flat
+  gradient);
+* offload variants take the hooked paths (stage 2's bucket reducer, stage
+  3's shard reducer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import dsrun
+
+pytestmark = pytest.mark.dist
+
+#: (stage, extra zero_optimization keys) - offload takes the hooked paths
+VARIANTS = {
+    "0": (0, {}),
+    "1": (1, {}),
+    "2": (2, {}),
+    "2-offload": (2, {"offload_optimizer": {"device": "cpu"}}),
+    "3": (3, {}),
+    "3-offload": (3, {"offload_param": {"device": "cpu"}}),
+}
+
+
+def net() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1),
+                               torch.nn.Linear(1, 1))
+
+
+def adam(params: list[torch.nn.Parameter]) -> torch.optim.Adam:
+    return torch.optim.Adam(params, lr=0.01, foreach=False)
+
+
+def config(variant: str) -> dict[str, Any]:
+    stage, extra = VARIANTS[variant]
+    return {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**9,
+            "gradient_clipping": 0.0, "zero_optimization": {"stage": stage, **extra}}
+
+
+def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(10)
+    return [(torch.randn(4, 6, generator=gen), torch.randn(4, 1, generator=gen))
+            for _ in range(n)]
+
+
+def full_values(model: torch.nn.Module) -> list[torch.Tensor]:
+    params = list(model.parameters())
+    with dsrun.zero.GatheredParameters(params):
+        return [p.detach().clone() for p in params]
+
+
+def run_engine(variant: str, pick: Callable[[torch.nn.Module], list[torch.nn.Parameter]],
+               plan: str) -> tuple[list[float], list[torch.Tensor], Any]:
+    """``plan``: per step, "b" = forward, backward and step; "s" = a step alone."""
+    model = net()
+    params = pick(model)
+    engine, optimizer, *_ = dsrun.initialize(model=model, optimizer=adam(params),
+                                             config=config(variant))
+    losses, data = [], iter(batches(len(plan)))
+    try:
+        for what in plan:
+            if what == "b":
+                x, y = next(data)
+                loss = (engine(x) - y).square().mean()
+                engine.backward(loss)
+                losses.append(loss.item())
+            engine.step()
+        steps = sorted({float(s["step"]) for s in optimizer.state.values() if "step" in s})
+        return losses, full_values(model), (engine.global_steps, steps)
+    finally:
+        engine.destroy()
+
+
+def run_torch(pick: Callable[[torch.nn.Module], list[torch.nn.Parameter]],
+              plan: str) -> tuple[list[float], list[torch.Tensor], Any]:
+    model = net()
+    optimizer = adam(pick(model))
+    losses, data = [], iter(batches(len(plan)))
+    for what in plan:
+        if what == "b":
+            x, y = next(data)
+            loss = (model(x) - y).square().mean()
+            loss.backward()
+            losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    steps = sorted({float(s["step"]) for s in optimizer.state.values() if "step" in s})
+    return losses, [p.detach().clone() for p in model.parameters()], (len(plan), steps)
+
+
+def all_but_last_layer(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [*model[0].parameters(), *model[2].parameters()]
+
+
+def all_but_first_layer(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [*model[2].parameters(), *model[3].parameters()]
+
+
+def assert_same(got: tuple[list[float], list[torch.Tensor], Any],
+                want: tuple[list[float], list[torch.Tensor], Any]) -> None:
+    assert got[0] == want[0]
+    for a, b in zip(got[1], want[1]):
+        assert torch.equal(a, b), (a - b).abs().max()
+    assert got[2] == want[2]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("pick", [all_but_last_layer, all_but_first_layer])
+def test_parameter_left_out_of_model_parameters_trains_like_torch(
+        solo: None, variant: str, pick: Callable[[torch.nn.Module], list[Any]]) -> None:
+    got = run_engine(variant, pick, "bbbb")
+    want = run_torch(pick, "bbbb")
+    assert_same(got, want)
+    model = net()
+    picked = {id(p) for p in pick(model)}
+    left_out = [i for i, p in enumerate(model.parameters()) if id(p) not in picked]
+    fresh = [p.detach() for p in model.parameters()]
+    assert len(left_out) == 2 and all(torch.equal(got[1][i], fresh[i]) for i in left_out)
+
