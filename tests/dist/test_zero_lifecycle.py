@@ -7,7 +7,11 @@ Adam, ``foreach=False``: bitwise at world size 1) over the same parameters:
   world size 1 used to zero every later step's gradients: the dropped
   parameter's hook opened a backward round whose end wiped the flat
   gradient);
-* offload variants take the hooked paths (stage 2's bucket reducer, stage
+* ``engine.step()`` with no backward since the last step leaves the
+  parameters and Adam's step count as they are, as stage 0 and torch do,
+  while ``global_steps`` and the LR schedule advance (stages 1-3 used to
+  step Adam with a zero gradient, its momentum moving the weights);
+  offload variants take the hooked paths (stage 2's bucket reducer, stage
   3's shard reducer).
 """
 
@@ -130,3 +134,10 @@ def test_parameter_left_out_of_model_parameters_trains_like_torch(
     fresh = [p.detach() for p in model.parameters()]
     assert len(left_out) == 2 and all(torch.equal(got[1][i], fresh[i]) for i in left_out)
 
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_step_without_backward_moves_nothing(solo: None, variant: str) -> None:
+    every = lambda model: list(model.parameters())  # noqa: E731
+    got = run_engine(variant, every, "bsbss")
+    assert_same(got, run_torch(every, "bsbss"))
+    assert got[2] == (5, [2.0])  # every step counted by the engine, two by Adam

@@ -30,7 +30,12 @@ Invariants of :class:`FlatGrads`:
   setting it to None, ``create_graph`` backward, user code) is noticed by
   identity at the next :meth:`FlatGrads.collect`, copied in (None: zeros)
   and re-bound, so the flat buffer always holds every gradient;
-* padding elements of the buffer stay zero.
+* padding elements of the buffer stay zero;
+* :attr:`FlatGrads.arrived` (set by :meth:`FlatGrads.collect`) says whether
+  any gradient came since the buffer was last zeroed or collected: a
+  replaced ``.grad``, or an in-place accumulation into a bound view, which
+  bumps the buffer's version counter (views share it) - one integer
+  comparison, nothing per element.
 """
 
 from __future__ import annotations
@@ -103,6 +108,10 @@ class FlatGrads:
         self.numel = numel
         self.buffer: Optional[torch.Tensor] = None
         self._views: list[torch.Tensor] = []
+        #: the buffer's version counter when last zeroed or collected
+        self._seen = -1
+        #: a gradient came before the last collect() (module docstring)
+        self.arrived = False
 
     @property
     def bound(self) -> bool:
@@ -114,6 +123,7 @@ class FlatGrads:
         self.buffer = torch.zeros(self.numel, dtype=first.dtype, device=first.device)
         self._views = [self.buffer.narrow(0, offset, p.numel()).view(p.shape)
                        for p, offset in zip(self.params, self.offsets)]
+        self._seen = self.buffer._version
 
     @torch.no_grad()
     def collect(self) -> torch.Tensor:
@@ -121,6 +131,9 @@ class FlatGrads:
         where it has none); afterwards each ``.grad`` is its view."""
         if self.buffer is None:
             self._allocate()
+        buffer: torch.Tensor = self.buffer  # type: ignore[assignment]
+        # backward accumulated in place into a bound view since the last zero
+        arrived = buffer._version != self._seen
         for param, view in zip(self.params, self._views):
             grad = param.grad
             if grad is view:
@@ -129,14 +142,18 @@ class FlatGrads:
                 view.zero_()
             else:
                 view.copy_(grad)
+                arrived = True
             param.grad = view
-        return self.buffer  # type: ignore[return-value]
+        self.arrived = arrived
+        self._seen = buffer._version
+        return buffer
 
     @torch.no_grad()
     def zero(self) -> None:
         """Zero the buffer (one fill for the group); views stay bound."""
         if self.buffer is not None:
             self.buffer.zero_()
+            self._seen = self.buffer._version
 
     def release(self) -> None:
         """Every ``.grad`` to None and the buffer freed."""

@@ -209,6 +209,10 @@ class MasterGradients:
     #: the mpu's model-parallel group of more than one rank
     #: (:func:`~.stepping.wrap_optimizer` sets it; module docstring)
     model_parallel: Optional[ModelParallel] = None
+    #: a backward gave gradients since the last step or zero_grad (each
+    #: stage's ``reduce_gradients`` sets it): without one the inner step
+    #: sees none (:meth:`_step_inner`)
+    _arrived: bool = True
 
     def step(self, closure: Any = None) -> None:
         """DeepSpeed's ``optimizer.step()``: the owning engine's whole step
@@ -344,7 +348,15 @@ class MasterGradients:
         With ``publish(group, start, length)`` (offload) the pieces are
         stepped one at a time and each is published right after its step -
         its copy back to the GPU runs while the host steps the next piece
-        (the inner optimizer skips pieces whose gradient is None)."""
+        (the inner optimizer skips pieces whose gradient is None).
+
+        No backward since the last step (:attr:`_arrived` False): every
+        master's gradient goes to None first, so the inner optimizer skips
+        them all - torch's rule for parameters without ``.grad``, which stage
+        0 follows (no move, no Adam step counted); a zero gradient would
+        still move Adam's weights by momentum."""
+        if not self._arrived:
+            self._drop_master_grads()
         if publish is not None:
             self._step_published(publish)
             return
@@ -373,6 +385,14 @@ class MasterGradients:
                     piece.grad = None
                 publish(g, offset, size)
                 offset += size
+
+    def _drop_master_grads(self) -> None:
+        """Every master's and piece's gradient to None (the next round
+        allocates accumulators again)."""
+        for master, pieces in zip(self.masters, self._pieces):
+            master.grad = None
+            for piece in pieces:
+                piece.grad = None
 
     def _clear_master_grads(self, set_to_none: bool, zero: bool = True) -> None:
         """Release the masters' gradients, or keep them (zeroed when

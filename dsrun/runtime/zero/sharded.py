@@ -297,8 +297,10 @@ class ZeroOptimizer(ShardedStateIO, MasterGradients):
             return
         if self._reducer is not None:
             self._reducer.finish()
+            self._arrived = not all(self._fresh)  # a round ended: a backward gave gradients
         else:
             self._reduce_flat()
+            self._arrived = any(grads.arrived for grads in self._grads if grads is not None)
         self._landing.wait()  # under offload: the host now holds every gradient
         for g in range(len(self.masters)):
             accumulator = self._accumulator(g)

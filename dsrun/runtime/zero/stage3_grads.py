@@ -143,8 +143,11 @@ class Stage3Gradients:
         if self._local:
             self._take_edits()  # replaced data back onto the shards, before .grad is set
             self._reduce_local()
-        elif any(self._fresh):  # no backward since zero_grad: nothing landed
-            self._finish_round()
+            self._arrived = any(grads.arrived for grads in self._grads if grads is not None)
+        else:
+            self._arrived = not all(self._fresh)  # a round ended: a backward gave gradients
+            if any(self._fresh):  # no backward since zero_grad: nothing landed
+                self._finish_round()
         self._landing.wait()  # under offload: the host now holds every gradient
         for master in self.masters:
             if master.grad is None:
