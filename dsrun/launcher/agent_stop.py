@@ -2,11 +2,16 @@
 that left the ranks' groups, and stopping them all (procs.py does the
 finding and signalling; this is the agent's state around it).
 
-Stopping is the first signal (SIGTERM, or SIGINT for the launcher's
-Ctrl-C) to every process of the job, then SIGCONT (a stopped process acts
-on it only once continued), SIGKILL to the ranks still running
-once ``kill_grace`` has passed (at once when hurried: a kill command, a
-second signal), and a final sweep that leaves nothing. The ranks that died
+Stopping is the first signal to every process of the job - SIGTERM, or for
+the launcher's Ctrl-C SIGINT to the ranks' groups, as a terminal gives it to
+its foreground group, and SIGTERM to the job's processes outside them - then
+SIGCONT (a stopped process acts on it only once continued). After a SIGINT,
+once every rank has exited, what is still running gets SIGTERM: a helper
+started with ``&`` ignores SIGINT (as every background job of a shell
+without job control does), and would otherwise sit out the whole grace.
+SIGKILL goes to the ranks still running once ``kill_grace`` has passed (at
+once when hurried: a kill command, a second signal), and a final sweep
+leaves nothing. The ranks that died
 of that SIGKILL are named in the ``done`` event (``sigkilled``), so the
 launcher's report can say whose handlers - a save on ``KeyboardInterrupt``,
 a ``finally`` - were cut off. Kept to the standard library: every agent
@@ -85,14 +90,16 @@ class JobProcesses:
     # -- stopping -------------------------------------------------------------
     def begin(self, ranks: list[Rank], sig: signal.Signals) -> None:
         """The first signal to every rank's group and every other process of
-        the job (once); SIGKILL follows ``grace`` seconds later."""
+        the job (once: SIGTERM to those outside the groups after a SIGINT);
+        SIGKILL follows ``grace`` seconds later."""
         if self.stopping:
             return
         self.stopping = True
         self.first = sig
         self.stop_mono = time.monotonic()
         self.deadline = self.stop_mono + self.grace
-        procs.signal_job(leaders(ranks), self.marker, sig, self.since, self.spare)
+        procs.signal_job(leaders(ranks), self.marker, sig, self.since, self.spare,
+                         others=signal.SIGTERM)
         # A stopped process (SIGSTOP, a debugger let go) acts on the signal
         # only once continued: it gets its grace too, as systemd does it.
         procs.signal_job(leaders(ranks), self.marker, signal.SIGCONT, self.since, self.spare)
@@ -126,6 +133,12 @@ class JobProcesses:
             # Leftovers of a job that ended by itself: stopped as a stop does
             # it, SIGTERM then SIGCONT (a stopped one would sit out the grace).
             self.begin(ranks, signal.SIGTERM)
+        elif self.first != signal.SIGTERM and not self.hard_killed and not running:
+            # The ranks acted on the SIGINT; what is left may ignore it.
+            procs.signal_job(leaders(ranks), self.marker, signal.SIGTERM, self.since,
+                             self.spare)
+            procs.signal_job(leaders(ranks), self.marker, signal.SIGCONT, self.since,
+                             self.spare)
         killed = procs.stop_job(leaders(ranks), self.marker, self.grace,
                                 already_termed=self.stopping,
                                 deadline=self.deadline if self.stopping else None,

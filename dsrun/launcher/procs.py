@@ -298,14 +298,16 @@ def _killpgs(groups: Iterable[int], sig: int) -> None:
 
 
 def signal_job(leaders: Iterable[Proc], marker: str | None, sig: int,
-               since: float = 0.0, spare: frozenset[int] | None = None) -> None:
-    """Send ``sig`` to each group and to every other process of the job
-    (marked, or below the subreaper: see :func:`job_processes`)."""
+               since: float = 0.0, spare: frozenset[int] | None = None,
+               others: int | None = None) -> None:
+    """Send ``sig`` to each group and ``others`` (default: ``sig``) to every
+    other process of the job (marked, or below the subreaper: see
+    :func:`job_processes`)."""
     groups = set(live_groups(leaders))
     _killpgs(groups, sig)
     for proc, pgid in _scan(groups, marker, since, spare):
         if pgid not in groups:  # a group member got its group's signal: once is enough
-            send(proc, sig)
+            send(proc, sig if others is None else others)
 
 
 def stop_job(leaders: Iterable[Proc], marker: str | None, grace: float, *,

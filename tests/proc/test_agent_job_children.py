@@ -5,9 +5,12 @@ agent_stop.py)."""
 
 from __future__ import annotations
 
+import signal
+import time
+
 import pytest
 
-from tests.conftest import run_dsrun, wait_for_pids, wait_gone
+from tests.conftest import descendants, run_dsrun, start_dsrun, wait_for_pids, wait_gone
 
 pytestmark = pytest.mark.proc
 
@@ -57,3 +60,49 @@ def test_an_environment_too_big_to_start_a_rank_is_named_not_the_arguments(tmp_p
     assert "Argument list too long: the environment is too big" in res.stderr, res.stderr
     assert "the largest is DSRUN_TEST_HUGE, 140 kB, over Linux's limit" in res.stderr, res.stderr
     assert "qqqq" not in res.stderr and "ran" not in res.stdout
+
+
+_AMPERSAND_HELPER = """\
+import os, sys, time
+pid_dir, log, how = sys.argv[1:4]
+# A background job of a shell: SIGINT ignored, a TERM trap that cleans up;
+# with setsid it is in no rank's group.
+os.system(f"{how} sh -c 'trap \\"echo TERM >> {log}; exit 0\\" TERM; "
+          f"echo $$ > {pid_dir}/helper_$RANK.pid; while :; do sleep 0.1; done' &")
+open(os.path.join(pid_dir, "rank" + os.environ["RANK"] + ".pid"), "w").write(
+    str(os.getpid()))
+try:
+    time.sleep(60)
+except KeyboardInterrupt:  # what its helpers got meanwhile
+    time.sleep(1.0)
+    seen = open(log).read().count("TERM") if os.path.exists(log) else 0
+    open(os.path.join(pid_dir, "seen_" + os.environ["RANK"]), "w").write(str(seen))
+"""
+
+
+@pytest.mark.parametrize("how,seen", [("", "0"), ("setsid", "2")])
+def test_ctrl_c_terms_helpers_that_ignore_sigint(tmp_path, pid_dir, how, seen):
+    """The ranks' groups get the Ctrl-C's SIGINT, as from a terminal. An ``&``
+    helper in them ignores it, so it gets SIGTERM once the ranks exited; one
+    outside them (setsid) gets SIGTERM at once. Either way its trap runs and
+    the job ends long before --kill_grace, without SIGKILL."""
+    script, log = tmp_path / "amp.py", tmp_path / "term.log"
+    script.write_text(_AMPERSAND_HELPER)
+    proc = start_dsrun("--cpu", "--num_gpus", "2", "--dist_backend", "none", "--kill_grace",
+                       "12", str(script), str(pid_dir), str(log), how)
+    try:
+        pids = wait_for_pids(pid_dir, 4)
+        job = set(pids.values()) | set(descendants(proc.pid))
+        time.sleep(0.3)  # dsrun's handlers are in place once the ranks run
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        elapsed = time.monotonic() - start
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert elapsed < 7, (elapsed, err)  # not the 12 s grace
+    assert log.read_text().split() == ["TERM", "TERM"], err
+    # The group's helper waited for its rank; the one outside had it at once.
+    assert [(pid_dir / f"seen_{r}").read_text() for r in (0, 1)] == [seen, seen], err
+    assert wait_gone(sorted(job), 2) == []
