@@ -24,7 +24,11 @@ needed in user code - and printed as Python would, without the bootstrap's
 own frames. A :class:`~dsrun.errors.DsrunError` (a bad config, a bad
 argument to dsrun's API) is one message and the line of the script that
 called dsrun, without dsrun's frames; under an agent it is only recorded,
-so the launcher's report shows it once for the whole job. A Ctrl-C that
+so the launcher's report shows it once for the whole job. A child the
+script forks (``os.fork()``) that leaves through Python ends as
+multiprocessing's fork children do: no teardown of the inherited process
+group (it would wait forever for the parent's threads) and no error record
+(its error is not the rank's). A Ctrl-C that
 lands before the script starts ends the rank with Python's 130 and no
 traceback of dsrun's imports or rendezvous (the launcher reports the stop).
 """
@@ -73,6 +77,13 @@ from dsrun.runtime.env import DistEnv
 from dsrun.runtime.fastexit import fast_exit
 
 _OWN_FILES = (os.path.abspath(__file__), runpy.__file__)
+#: The rank's own pid. A child the script made with os.fork() runs this
+#: module's exit path too; it is not the rank (module docstring).
+_RANK_PID = os.getpid()
+
+
+def forked_child() -> bool:
+    return os.getpid() != _RANK_PID
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(dsrun.__file__)) + os.sep
 
 
@@ -105,8 +116,9 @@ def dsrun_call_site(exc: BaseException) -> str | None:
 def record_error(env: DistEnv, exc: BaseException, text: str,
                  message: str | None = None, exit_code: int = 1,
                  where: str | None = None) -> bool:
-    """Write the rank's error record for its agent; False when there is none."""
-    if not env.error_file:
+    """Write the rank's error record for its agent; False when there is none
+    (a forked child's error is its own, printed but not the rank's)."""
+    if not env.error_file or forked_child():
         return False
     now = time.time()
     record = {
@@ -256,7 +268,9 @@ def main() -> int:
         sys.stderr.flush()
         return code
     finally:
-        if dist_on and "dsrun.runtime.dist" in sys.modules:
+        # A forked child holds a copy of the parent's group without its
+        # threads: destroying it there waits forever (torch's teardown too).
+        if dist_on and "dsrun.runtime.dist" in sys.modules and not forked_child():
             sys.modules["dsrun.runtime.dist"].shutdown()
     return 0
 
@@ -266,7 +280,7 @@ if __name__ == "__main__":
         rc = main()
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
-            fast_exit(exc.code or 0)
+            fast_exit(exc.code or 0, forked=forked_child())
         raise
-    fast_exit(rc)
+    fast_exit(rc, forked=forked_child())
     sys.exit(rc)

@@ -77,6 +77,7 @@ log = logging.getLogger("dsrun.runtime")
 
 _original_init = dist.init_process_group
 _owned_by_dsrun = False
+_group_pid = os.getpid()  # the process whose group shutdown() may destroy
 #: DeepSpeed's variable for the default process-group timeout, in minutes.
 TIMEOUT_VARIABLE = "DEEPSPEED_TIMEOUT"
 #: What DeepSpeed's MPI discovery exports (deepspeed/comm/comm.py:mpi_discovery).
@@ -247,7 +248,7 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
     (``auto_mpi_discovery``, ``verbose``, ...) have no effect. Without
     ``timeout`` a new group gets ``DEEPSPEED_TIMEOUT``'s, else torch's default.
     """
-    global _owned_by_dsrun
+    global _owned_by_dsrun, _group_pid
     if dist.is_initialized():
         _note_kept_group(backend or compat.get("dist_backend"))
         if timeout is not None:
@@ -278,6 +279,7 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
     kwargs.update(how)
     _original_init(**kwargs)
     _owned_by_dsrun = True
+    _group_pid = os.getpid()
     for key, value in discovered_variables(env, kwargs["rank"], kwargs["world_size"],
                                            master).items():
         os.environ.setdefault(key, value)  # never one the user or a launcher set
@@ -410,7 +412,10 @@ def install_compat() -> None:
 
 
 def shutdown() -> None:
-    if dist.is_initialized():
+    """Destroy the process group, except in a child the rank forked (which
+    runs the rank's atexit hooks too): its copy of the group has none of the
+    parent's threads, and destroying it waits for them forever."""
+    if dist.is_initialized() and os.getpid() == _group_pid:
         try:
             dist.destroy_process_group()
         except Exception as exc:  # noqa: BLE001 - exiting anyway; say why

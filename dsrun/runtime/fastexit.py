@@ -67,19 +67,23 @@ def flush_files(files: list[io.IOBase]) -> None:
             pass  # a full disk: plain python would lose it the same way
 
 
-def fast_exit(code: int) -> None:
-    """Exit now if that is safe (see the module docstring); else return."""
-    if os.environ.get("DSRUN_FAST_EXIT", "1") == "0":
+def fast_exit(code: int, forked: bool = False) -> None:
+    """Exit now if that is safe (see the module docstring); else return.
+    ``forked``: a child the rank forked, which always exits here: the
+    interpreter's teardown would destroy the process group it inherited
+    without the parent's threads, and wait forever."""
+    if not forked and os.environ.get("DSRUN_FAST_EXIT", "1") == "0":
         return
-    if any(t.is_alive() and not t.daemon for t in threading.enumerate()
-           if t is not threading.main_thread()):
+    if not forked and any(t.is_alive() and not t.daemon for t in threading.enumerate()
+                          if t is not threading.main_thread()):
         return
     atexit._run_exitfuncs()
     plain, other = open_files()
-    if other:
+    if other and not forked:
         return  # their close() may write more than flush(): exit the normal way
     flush_files(plain)
-    finalize_mpi()
+    if not forked:  # MPI belongs to the rank, not to a process it forked
+        finalize_mpi()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
