@@ -418,6 +418,8 @@ class Agent:
         """Make sure nothing of the job is left on this host (agent_stop.py);
         the ``done`` event's facts."""
         facts = self.job.finish(self.ranks, lambda: self.hurried)
+        if self.job.line is not None:  # as a line of the agent's own (rank -1: AGENT_LINE)
+            self.emit({"ev": "out", "rank": -1, "fd": 2, "lines": [self.job.line]}, False)
         for rank in self.ranks:
             self.output.close_log(rank)  # never raises: a full disk must not stop this
         if self.guard is not None:

@@ -14,8 +14,10 @@ once when hurried: a kill command, a second signal), and a final sweep
 leaves nothing. The ranks that died
 of that SIGKILL are named in the ``done`` event (``sigkilled``), so the
 launcher's report can say whose handlers - a save on ``KeyboardInterrupt``,
-a ``finally`` - were cut off. Kept to the standard library: every agent
-imports it.
+a ``finally`` - were cut off; the job's other processes that the teardown
+stopped after the ranks ended, or with SIGKILL, are named in one line of
+the agent's (agent_leftovers.py). Kept to the standard library: every
+agent imports it.
 """
 
 from __future__ import annotations
@@ -26,8 +28,14 @@ from collections.abc import Callable
 from typing import Any
 
 from dsrun.launcher import procs
+from dsrun.launcher.agent_leftovers import leftover_line
 from dsrun.launcher.agent_output import Rank
 from dsrun.launcher.guard import Guard
+
+#: Seconds the teardown lets the job's other processes end by themselves
+#: once the ranks have (a worker still acting on the Ctrl-C, a child a rank
+#: was reaping) before it stops and names those left.
+SETTLE = 0.2
 
 
 def leaders(ranks: list[Rank]) -> list[procs.Leader]:
@@ -57,6 +65,12 @@ class JobProcesses:
         self.hard_killed = False
         self.at_once = False  # SIGKILL came before the grace was over (hurried)
         self.sigkilled: set[int] = set()  # ranks still running when SIGKILL was sent
+        # The job's other processes the teardown stopped after the ranks
+        # ended, and those it SIGKILLed (read while they lived): the line.
+        self.left: list[procs.Described] = []
+        self.killed_others: dict[procs.Proc, procs.Described] = {}
+        self.rank_pids: set[int] = set()
+        self.line: str | None = None
 
     # -- while the job runs ---------------------------------------------------
     def own_children(self, ranks: list[Rank]) -> set[int]:
@@ -118,6 +132,9 @@ class JobProcesses:
             return
         running = [r for r in ranks if r.status is None]
         self.sigkilled.update(r.rank for r in running)
+        self.rank_pids = {r.popen.pid for r in ranks}
+        for proc in procs.job_processes(leaders(running), None, self.since):
+            self._note_kill(proc)  # the ranks' helpers die with them: named
         procs.signal_groups(leaders(running), signal.SIGKILL)
         self.hard_killed = True
 
@@ -128,21 +145,26 @@ class JobProcesses:
         that died of a SIGKILL of ours (``sigkilled``), after which signal
         (``after``) and whether before the grace was over (``at_once``)."""
         running = {r.rank for r in ranks if r.status is None}
-        if not self.stopping and procs.job_processes(leaders(ranks), self.marker, self.since,
-                                                     self.spare):
+        self.rank_pids = {r.popen.pid for r in ranks}
+        job_ended = not self.stopping
+        # The ranks have ended by themselves (succeeded), or acted on the
+        # SIGINT: what is still running now the teardown stops (and names).
+        after_ranks = not running and not self.hard_killed and \
+            (job_ended or self.first != signal.SIGTERM)
+        self.left = [procs.describe(p) for p in self._still_running(ranks)] \
+            if after_ranks else []
+        if self.left and job_ended:
             # Leftovers of a job that ended by itself: stopped as a stop does
             # it, SIGTERM then SIGCONT (a stopped one would sit out the grace).
             self.begin(ranks, signal.SIGTERM)
-        elif self.first != signal.SIGTERM and not self.hard_killed and not running:
-            # The ranks acted on the SIGINT; what is left may ignore it.
-            procs.signal_job(leaders(ranks), self.marker, signal.SIGTERM, self.since,
-                             self.spare)
-            procs.signal_job(leaders(ranks), self.marker, signal.SIGCONT, self.since,
-                             self.spare)
+        elif self.left:  # after a SIGINT: they may ignore it (``&`` helpers)
+            for sig in (signal.SIGTERM, signal.SIGCONT):
+                procs.signal_job(leaders(ranks), self.marker, sig, self.since, self.spare)
         killed = procs.stop_job(leaders(ranks), self.marker, self.grace,
                                 already_termed=self.stopping,
                                 deadline=self.deadline if self.stopping else None,
-                                since=self.since, hurry=hurried, spare=self.spare)
+                                since=self.since, hurry=hurried, spare=self.spare,
+                                before_kill=self._note_kill)
         for rank in ranks:
             if rank.status is None:  # only after a second signal
                 rank.popen.kill()
@@ -153,5 +175,24 @@ class JobProcesses:
                      and r.popen.returncode == -signal.SIGKILL)
         if self.spare is not None:
             procs.reap_adopted(self.own_children(ranks))
+        self.line = leftover_line(self.left, list(self.killed_others.values()), job_ended,
+                                  {r.popen.pid: r.rank for r in ranks})
         return {"killed": killed, "sigkilled": cut, "after": self.first.name,
                 "at_once": self.at_once or (bool(cut) and hurried())}
+
+    def _still_running(self, ranks: list[Rank]) -> list[procs.Proc]:
+        """The job's processes other than the ranks still running once
+        SETTLE has passed (or at once, when none is)."""
+        end = time.monotonic() + SETTLE
+        while True:
+            found = [p for p in procs.job_processes(leaders(ranks), self.marker, self.since,
+                                                    self.spare) if p.pid not in self.rank_pids]
+            if not found or time.monotonic() >= end:
+                return found
+            time.sleep(0.05)
+
+    def _note_kill(self, proc: procs.Proc) -> None:
+        """``proc`` is about to be SIGKILLed: remember it, if it is no rank."""
+        if proc.pid not in self.rank_pids and proc not in self.killed_others:
+            known = next((d for d in self.left if d.proc == proc), None)
+            self.killed_others[proc] = known or procs.describe(proc)

@@ -124,6 +124,62 @@ def _has_marker(pid: int, marker: str) -> bool:
         return False
 
 
+def _environ_value(pid: int, name: str) -> str | None:
+    """``name`` in the environment ``pid`` started with (None: unset, unreadable)."""
+    if _HAVE_PROC:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                entries = f.read().split(b"\0")
+        except OSError:
+            return None
+        key = name.encode() + b"="
+        found = next((e[len(key):] for e in entries if e.startswith(key)), None)
+        return None if found is None else found.decode("utf-8", "replace")
+    import psutil
+
+    try:
+        return psutil.Process(pid).environ().get(name)
+    except (psutil.Error, OSError):
+        return None
+
+
+def _command(pid: int) -> str:
+    """The command line of ``pid`` (its name when it has none)."""
+    if _HAVE_PROC:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = [a for a in f.read().split(b"\0") if a]
+            if not argv:
+                with open(f"/proc/{pid}/comm", "rb") as f:
+                    argv = [f.read().strip()]
+        except OSError:
+            return "?"
+        return " ".join(a.decode("utf-8", "replace") for a in argv)
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return " ".join(proc.cmdline()) or proc.name()
+    except (psutil.Error, OSError):
+        return "?"
+
+
+class Described(NamedTuple):
+    """What a teardown can say about a process it stops (read while it lives)."""
+
+    proc: Proc
+    command: str  # its command line
+    group: int | None  # its process group
+    rank: str | None  # ``RANK`` in its environment: inherited from the rank that made it
+
+
+def describe(proc: Proc) -> Described:
+    """``proc`` as :class:`Described`, read now."""
+    facts = _facts(proc.pid)
+    return Described(proc, _command(proc.pid), None if facts is None else facts[1],
+                     _environ_value(proc.pid, "RANK"))
+
+
 def live_groups(leaders: Iterable[Proc]) -> list[int]:
     """Group ids of ``leaders`` that are still ours (see the module docstring)."""
     return [leader.pid for leader in leaders if leader.ours()]
@@ -313,13 +369,14 @@ def signal_job(leaders: Iterable[Proc], marker: str | None, sig: int,
 def stop_job(leaders: Iterable[Proc], marker: str | None, grace: float, *,
              already_termed: bool = False, deadline: float | None = None,
              since: float = 0.0, hurry: Callable[[], bool] | None = None,
-             spare: frozenset[int] | None = None) -> int:
+             spare: frozenset[int] | None = None,
+             before_kill: Callable[[Proc], None] | None = None) -> int:
     """Stop every process of the job; return how many needed SIGKILL.
 
     ``deadline`` (a ``time.monotonic()`` value) overrides ``grace`` when the
     caller already sent SIGTERM earlier and the grace period is running.
     ``hurry``: once it returns True, the grace is over (SIGKILL at once).
-    ``spare``: see :func:`job_processes`.
+    ``spare``: see :func:`job_processes`; ``before_kill``: see :func:`kill_job`.
     """
     leaders = list(leaders)
     procs = job_processes(leaders, marker, since, spare)
@@ -332,7 +389,7 @@ def stop_job(leaders: Iterable[Proc], marker: str | None, grace: float, *,
         if not job_processes(leaders, marker, since, spare):
             return 0
         time.sleep(0.05)
-    return kill_job(leaders, marker, since=since, spare=spare)
+    return kill_job(leaders, marker, since=since, spare=spare, before_kill=before_kill)
 
 
 def _gone(proc: Proc) -> bool:
@@ -342,15 +399,20 @@ def _gone(proc: Proc) -> bool:
 
 def kill_job(leaders: Iterable[Proc], marker: str | None, rounds: int = 20,
              since: float = 0.0, spare: frozenset[int] | None = None,
-             roots: Iterable[Proc] = ()) -> int:
+             roots: Iterable[Proc] = (),
+             before_kill: Callable[[Proc], None] | None = None) -> int:
     """SIGKILL every process of the job until a scan finds none
-    (``roots``: see :func:`job_processes`)."""
+    (``roots``: see :func:`job_processes`); ``before_kill`` sees each one
+    first, while it can still be read."""
     leaders, roots = list(leaders), list(roots)
     killed: set[int] = set()
     for _ in range(rounds):
         procs = job_processes(leaders, marker, since, spare, roots)
         if not procs:
             break
+        for proc in procs if before_kill is not None else ():
+            if proc.pid not in killed:
+                before_kill(proc)
         signal_groups(leaders, signal.SIGKILL)
         for proc in procs:
             send(proc, signal.SIGKILL)

@@ -5,12 +5,20 @@ agent_stop.py)."""
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 
 import pytest
 
-from tests.conftest import descendants, run_dsrun, start_dsrun, wait_for_pids, wait_gone
+from tests.conftest import (
+    descendants,
+    read_pids,
+    run_dsrun,
+    start_dsrun,
+    wait_for_pids,
+    wait_gone,
+)
 
 pytestmark = pytest.mark.proc
 
@@ -105,4 +113,75 @@ def test_ctrl_c_terms_helpers_that_ignore_sigint(tmp_path, pid_dir, how, seen):
     assert log.read_text().split() == ["TERM", "TERM"], err
     # The group's helper waited for its rank; the one outside had it at once.
     assert [(pid_dir / f"seen_{r}").read_text() for r in (0, 1)] == [seen, seen], err
+    # Only what the teardown stopped after the ranks exited is named.
+    named = re.search(r"^\[\w[^:]*:agent\] stopped \d+ processes that ranks 0, 1 left running "
+                      r"after the ranks exited: pid \d+ \(sh -c trap ", err, re.M)
+    assert (named is not None) == (how == ""), err
+    assert "SIGKILL" not in err
     assert wait_gone(sorted(job), 2) == []
+
+
+_UPLOAD = """\
+import os, subprocess, sys
+pid_dir = sys.argv[1]
+# A background upload the rank does not wait for: in a session of its own.
+subprocess.Popen(["sh", "-c", f"echo $$ > {pid_dir}/upload.pid; sleep 30; echo uploaded"],
+                 start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+while not os.path.exists(f"{pid_dir}/upload.pid"):
+    pass
+open(os.path.join(pid_dir, "rank0.pid"), "w").write(str(os.getpid()))
+"""
+
+
+def test_background_work_a_successful_rank_left_is_stopped_and_named(tmp_path, pid_dir):
+    script = tmp_path / "upload.py"
+    script.write_text(_UPLOAD)
+    res = run_dsrun("--cpu", "--num_gpus", "1", "--dist_backend", "none", "--kill_grace", "5",
+                    str(script), str(pid_dir))
+    assert res.returncode == 0, res.stderr
+    pids = read_pids(pid_dir)
+    line = re.search(r"^\[\w[^:]*:agent\] stopped 2 processes that rank 0 left running after the "
+                     r"job ended: pid (\d+) \(sh -c echo \$\$ > .*\), pid \d+ \(sleep 30\)$",
+                     res.stderr, re.M)
+    assert line is not None, res.stderr
+    assert int(line.group(1)) == pids["upload.pid"]
+    assert "SIGKILL" not in res.stderr  # it ended on SIGTERM
+    assert wait_gone(list(pids.values()), 2) == []
+
+
+_STUBBORN = """\
+import os, subprocess, sys, time
+pid_dir, rank = sys.argv[1], os.environ["RANK"]
+IGNORE = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+if rank == "0":  # it and its helpers ignore SIGTERM: the stop SIGKILLs them
+    import signal
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for n, new in enumerate((False, True)):  # in its group, and in a session of their own
+        kid = subprocess.Popen([sys.executable, "-c", IGNORE], start_new_session=new)
+        open(os.path.join(pid_dir, f"kid{n}.pid"), "w").write(str(kid.pid))
+open(os.path.join(pid_dir, f"rank{rank}.pid"), "w").write(str(os.getpid()))
+if rank == "1":
+    while len(os.listdir(pid_dir)) < 4:
+        time.sleep(0.05)
+    time.sleep(0.5)  # the helpers have set their handlers
+    sys.exit(3)
+time.sleep(60)
+"""
+
+
+def test_processes_besides_the_ranks_that_needed_sigkill_are_named(tmp_path, pid_dir):
+    """Rank 1 fails; rank 0 and its two helpers ignore SIGTERM. The helper
+    in its group dies with it at --kill_grace, the one in a session of its
+    own in the sweep after it: both are named with their rank."""
+    script = tmp_path / "stubborn.py"
+    script.write_text(_STUBBORN)
+    res = run_dsrun("--cpu", "--num_gpus", "2", "--dist_backend", "none", "--kill_grace", "1",
+                    str(script), str(pid_dir))
+    assert res.returncode == 3, res.stderr
+    pids = read_pids(pid_dir)
+    line = re.search(r"^\[\w[^:]*:agent\] 2 processes started by rank 0 needed SIGKILL: "
+                     r"pid (\d+) \(python\S* -c import signal, time; [^)]*\.\.\.\), "
+                     r"pid (\d+) \(python", res.stderr, re.M)
+    assert line is not None, res.stderr
+    assert {int(line.group(1)), int(line.group(2))} == {pids["kid0.pid"], pids["kid1.pid"]}
+    assert wait_gone(list(pids.values()), 2) == []
