@@ -73,6 +73,30 @@ def test_replaced_or_dropped_gradients_are_noticed() -> None:
     assert grads.buffer is None and all(p.grad is None for p in params)
 
 
+def test_arrival_of_gradients_is_noticed() -> None:
+    """What ZeRO's step without backward relies on: ``arrived`` after
+    collect() says whether any gradient came since the last zero/collect."""
+    model, params, offsets, total = _linear_pair()
+    grads = FlatGrads(params, offsets, total)
+    grads.collect()
+    assert not grads.arrived  # nothing yet: every .grad was None
+    x = torch.randn(5, 3)
+    model(x).sum().backward()  # accumulated in place into the bound views
+    grads.collect()
+    assert grads.arrived
+    grads.collect()
+    assert not grads.arrived  # nothing since the last collect
+    grads.zero()
+    grads.collect()
+    assert not grads.arrived  # zeroed between steps: no backward since
+    params[1].grad = torch.ones_like(params[1])  # replaced by user code
+    grads.collect()
+    assert grads.arrived
+    grads.release()
+    grads.collect()
+    assert not grads.arrived  # freed, no backward since
+
+
 def test_clearing_flat_grads_zeroes_in_place_or_frees() -> None:
     model, params, offsets, total = _linear_pair()
     grads = FlatGrads(params, offsets, total)
