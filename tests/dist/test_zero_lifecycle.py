@@ -12,11 +12,19 @@ Adam, ``foreach=False``: bitwise at world size 1) over the same parameters:
   while ``global_steps`` and the LR schedule advance (stages 1-3 used to
   step Adam with a zero gradient, its momentum moving the weights);
   offload variants take the hooked paths (stage 2's bucket reducer, stage
-  3's shard reducer).
+  3's shard reducer);
+* ``initialize()`` twice on one model: the newer engine owns the
+  parameters and trains exactly as plain torch (with offload the older
+  engine's bucket-reducer hooks used to take its gradients: a bare
+  AssertionError), while the older engine's step raises one DsrunError
+  naming the problem (it used to update flat buffers the module no longer
+  used, silently); destroy() then initialize() again trains as torch with
+  a fresh optimizer.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +32,8 @@ import pytest
 import torch
 
 import dsrun
+from dsrun.errors import DsrunError
+from dsrun.runtime.zero.ownership import SUPERSEDED
 
 pytestmark = pytest.mark.dist
 
@@ -88,6 +98,16 @@ def run_engine(variant: str, pick: Callable[[torch.nn.Module], list[torch.nn.Par
         engine.destroy()
 
 
+def train(engine: Any, data: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+    losses = []
+    for x, y in data:
+        loss = (engine(x) - y).square().mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def run_torch(pick: Callable[[torch.nn.Module], list[torch.nn.Parameter]],
               plan: str) -> tuple[list[float], list[torch.Tensor], Any]:
     model = net()
@@ -141,3 +161,93 @@ def test_step_without_backward_moves_nothing(solo: None, variant: str) -> None:
     got = run_engine(variant, every, "bsbss")
     assert_same(got, run_torch(every, "bsbss"))
     assert got[2] == (5, [2.0])  # every step counted by the engine, two by Adam
+
+
+ZERO = [v for v in VARIANTS if v != "0"]
+
+
+@pytest.mark.parametrize("variant", ZERO)
+def test_older_engine_of_a_model_initialized_twice_refuses_to_step(
+        solo: None, variant: str) -> None:
+    model = net()
+    every = list(model.parameters())
+    older, *_ = dsrun.initialize(model=model, optimizer=adam(every), config=config(variant))
+    newer, *_ = dsrun.initialize(model=model, optimizer=adam(every), config=config(variant))
+    try:
+        before = full_values(model)
+        x, y = batches(1)[0]
+        older.backward((older(x) - y).square().mean())
+        with pytest.raises(DsrunError, match=re.escape(
+                f"ZeRO stage {VARIANTS[variant][0]} engine: {SUPERSEDED}")):
+            older.step()
+        assert all(torch.equal(a, b) for a, b in zip(full_values(model), before))
+    finally:
+        newer.destroy()
+        older.destroy()
+
+
+@pytest.mark.parametrize("variant", ["3", "3-offload"])
+def test_stage3_engine_without_optimizer_over_a_trained_model_supersedes_it(
+        solo: None, variant: str) -> None:
+    """It re-partitions the module and its hooks drop the gradients of
+    parameters it does not train (at world size 1 the older engine used to
+    train on zero gradients, silently)."""
+    model = net()
+    older, *_ = dsrun.initialize(model=model, optimizer=adam(list(model.parameters())),
+                                 config=config(variant))
+    newer, *_ = dsrun.initialize(model=model, config=config(variant))
+    try:
+        x, y = batches(1)[0]
+        older.backward((older(x) - y).square().mean())
+        with pytest.raises(DsrunError, match=re.escape(SUPERSEDED)):
+            older.step()
+    finally:
+        newer.destroy()
+        older.destroy()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_newer_engine_of_a_model_initialized_twice_trains_like_torch(
+        solo: None, variant: str) -> None:
+    model = net()
+    every = list(model.parameters())
+    older, *_ = dsrun.initialize(model=model, optimizer=adam(every), config=config(variant))
+    newer, optimizer, *_ = dsrun.initialize(model=model, optimizer=adam(every),
+                                            config=config(variant))
+    try:
+        losses = train(newer, batches(3))
+        steps = sorted({float(s["step"]) for s in optimizer.state.values() if "step" in s})
+        got = (losses, full_values(model), (newer.global_steps, steps))
+    finally:
+        newer.destroy()
+        older.destroy()
+    assert_same(got, run_torch(lambda m: list(m.parameters()), "bbb"))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_destroy_then_initialize_again_trains_like_torch(solo: None, variant: str) -> None:
+    data = batches(4)
+    model = net()
+    first, *_ = dsrun.initialize(model=model, optimizer=adam(list(model.parameters())),
+                                 config=config(variant))
+    losses = train(first, data[:2])
+    first.destroy()
+    second, *_ = dsrun.initialize(model=model, optimizer=adam(list(model.parameters())),
+                                  config=config(variant))
+    try:
+        losses += train(second, data[2:])
+        got = full_values(model)
+    finally:
+        second.destroy()
+    plain = net()
+    want = []
+    for part in (data[:2], data[2:]):  # a fresh torch optimizer for the second engine
+        optimizer = adam(list(plain.parameters()))
+        for x, y in part:
+            loss = (plain(x) - y).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            want.append(loss.item())
+    assert losses == want
+    assert all(torch.equal(a, b.detach()) for a, b in zip(got, plain.parameters()))

@@ -76,6 +76,7 @@ from dsrun.errors import DsrunError
 from dsrun.runtime.loss_scaler import LossScaler, checked_scale
 from dsrun.runtime.norms import CLIP_EPS, ModelParallel, split_squares
 from dsrun.runtime.zero.offload import Placement
+from dsrun.runtime.zero.ownership import Owner
 
 HOST_PIECE = 1 << 20  # elements per piece for non-fused steps in host memory (4 MiB fp32)
 OFFLOAD_PIECE = 1 << 23  # elements per offloaded step-and-copy-back piece (32 MiB fp32)
@@ -179,7 +180,7 @@ def split_master(master: torch.nn.Parameter, size: Optional[int],
     return [torch.nn.Parameter(flat.narrow(0, a, min(size, n - a))) for a in range(0, n, size)]
 
 
-class MasterGradients:
+class MasterGradients(Owner):
     masters: list[torch.nn.Parameter]
     # per master: the next reduction writes each element by copy (no
     # zeroing needed after a step), until its first round has ended

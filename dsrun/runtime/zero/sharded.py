@@ -137,6 +137,8 @@ class ZeroOptimizer(ShardedStateIO, MasterGradients):
                             [p.requires_grad for p in ps]) for ps in self.param_groups_full]
         # Trainable parameters become views of one flat buffer per group, in
         # the partition layout: the master may alias it, gathers land in place.
+        # An older engine's ZeRO optimizer over them is superseded (ownership.py)
+        self.claim_params(p for ps in self.param_groups_full for p in ps if p.requires_grad)
         self._flats = [self._flatten_params(g) for g in range(len(self.layouts))]
         trim_host_heap()  # the parameter storages the flat buffers replaced (flat.py)
         made = [self._make_master(g) for g in range(len(self.layouts))]
@@ -293,6 +295,7 @@ class ZeroOptimizer(ShardedStateIO, MasterGradients):
         """At the accumulation boundary: make every master ``.grad`` hold
         this rank's partition of the group-mean gradient. Idempotent until
         :meth:`step` or :meth:`zero_grad`."""
+        self.check_owner()  # a newer engine's buffers hold these parameters now
         if self._reduced:
             return
         if self._reducer is not None:

@@ -165,6 +165,9 @@ class ZeroStage3(Stage3Gradients, Stage3StateIO, MasterGradients):
         # before the fetcher decides what it hooks; None: DeepSpeed's default classes
         apply_zero_leaf_module_config(module, leaf_module or {})
         self._check_membership()
+        # re-partitioned and hooked below: an older engine's ZeRO optimizer
+        # over this module is superseded, its hooks off (ownership.py)
+        self.claim_params(dict.fromkeys(module.parameters()))
         self._adopt_whole_values()
         self._partition_module()
         self._known_ids = {id(p) for p in self.module.parameters()}

@@ -62,6 +62,8 @@ class Stage3Gradients:
     _reduced: bool
     #: takes the edits of whole parameters' data (:mod:`~.whole_edits`)
     _take_edits: Callable[[], None]
+    #: raises once a newer engine took the parameters (:mod:`~.ownership`)
+    check_owner: Callable[[], None]
 
     def _on_grad(self, param: torch.Tensor) -> None:
         self.fetcher.begin_backward()
@@ -137,6 +139,7 @@ class Stage3Gradients:
     def reduce_gradients(self) -> None:
         """At the accumulation boundary: every master ``.grad`` holds this
         rank's shards of the mean gradient. Idempotent until step/zero_grad."""
+        self.check_owner()  # before the rebind of replaced data (whole_edits.py)
         if self._reduced:
             return
         self.micro_step_done()
