@@ -33,16 +33,22 @@ Invariants:
 * A loss that never reaches an engine output (a regulariser over the
   parameters backwarded on its own) is not seen: as in DeepSpeed, it is
   neither divided nor scaled.
+* The parameter hooks hold only a small :class:`_Division` (no engine), so
+  a model outliving its engine keeps neither the engine nor its optimizer
+  state alive; ``remove`` (``engine.destroy()``) takes the hooks off, as
+  does collecting an engine dropped without ``destroy()``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Optional
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from dsrun.errors import DsrunError
 from dsrun.runtime.zero.fetch import output_tensors
@@ -102,6 +108,29 @@ def reaches_reentrant_checkpoint(root: Any) -> bool:
     return False
 
 
+class _Division:
+    """The parameter hook: divides a gradient while a script-started pass is
+    open. A separate object, not a method of :class:`DirectBackward`, so the
+    hook each parameter holds keeps no engine alive (and costs what a bound
+    method does: no weak reference to follow per gradient)."""
+
+    __slots__ = ("divisor",)
+
+    def __init__(self) -> None:
+        self.divisor = 0  # while a script-started training pass runs: its divisor; else 0
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.divisor > 1 and not _engine_backwards[0]:
+            return grad / self.divisor
+        return grad
+
+
+def _remove_handles(handles: list[RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
 class DirectBackward:
     """The engine's side of backward passes the script starts itself.
 
@@ -117,17 +146,28 @@ class DirectBackward:
         self._accumulation = accumulation
         self._scaled = scaled
         self._task: Optional[int] = None  # the graph task the output hooks last saw
-        self._divisor = 0  # while a script-started training pass runs: its divisor; else 0
+        self._division = _Division()
         self._scaled_task: Optional[int] = None  # the pass that backwarded engine.scale's tensor
         self._hooked: set[int] = set()
+        self._handles: list[RemovableHandle] = []
+        # an engine dropped without destroy(): its hooks go when it is collected
+        self._unhook = weakref.finalize(self, _remove_handles, self._handles)
+        self._unhook.atexit = False
 
     def hook_params(self) -> None:
-        """Hook every trainable parameter not hooked yet (at construction,
-        and again at each forward: a parameter unfrozen since gets one)."""
+        """Hook every trainable parameter not hooked yet (at each forward:
+        the first hooks them all, a later one a parameter unfrozen since)."""
+        if not self._unhook.alive:  # removed: a forward after destroy() hooks nothing
+            return
         for param in self._params():
             if param.requires_grad and id(param) not in self._hooked:
                 self._hooked.add(id(param))
-                param.register_hook(self._on_param_grad)
+                self._handles.append(param.register_hook(self._division))
+
+    def remove(self) -> None:
+        """Take the parameter hooks off (``engine.destroy()``); again is harmless."""
+        self._unhook()
+        self._hooked.clear()
 
     def watch(self, output: Any) -> None:
         """Hook the engine forward's output tensors that will get gradients."""
@@ -145,11 +185,6 @@ class DirectBackward:
 
     def _on_scaled_grad(self, grad: torch.Tensor) -> torch.Tensor:
         self._scaled_task = _task_id()
-        return grad
-
-    def _on_param_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        if self._divisor > 1 and not _engine_backwards[0]:
-            return grad / self._divisor
         return grad
 
     def _on_output_grad(self, root: Any, grad: torch.Tensor) -> torch.Tensor:
@@ -170,10 +205,10 @@ class DirectBackward:
                 "loss.backward() under an fp16 loss scale: the loss was not scaled. Use "
                 "engine.backward(loss), or engine.scale(loss).backward() as in DeepSpeed")
         finish = self._start()
-        self._divisor = max(1, self._accumulation())
+        self._division.divisor = max(1, self._accumulation())
 
         def done() -> None:
-            self._divisor = 0
+            self._division.divisor = 0
             finish()
 
         torch.autograd.Variable._execution_engine.queue_callback(done)
@@ -181,7 +216,7 @@ class DirectBackward:
     @contextlib.contextmanager
     def engine_backward_running(self) -> Iterator[None]:
         _engine_backwards[0] += 1
-        self._divisor = 0  # a script-started pass that failed left it open
+        self._division.divisor = 0  # a script-started pass that failed left it open
         try:
             yield
         finally:

@@ -476,13 +476,13 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
         return gc.collect()
 
     def destroy(self) -> None:
-        """Wait for an asynchronous checkpoint save (raising its failure), close
-        the monitors, remove the gradient hooks - a ZeRO optimizer's too, and at
-        stage 3 the fetch hooks and dsrun's ``F.linear`` (the module can then be
-        trained by other means); again is harmless."""
+        """Wait for an asynchronous checkpoint save (raising its failure), close the monitors,
+        remove the gradient hooks (dsrun's, a ZeRO optimizer's, stage 3's fetch hooks and
+        ``F.linear``): other means can then train the module; again is harmless."""
         try:
             checkpoint_io.wait(self)
         finally:
+            self._direct_backward.remove()  # its hooks stay on the parameters otherwise
             self.monitor.close()  # its files and writers; a later write is a no-op
             if self.zero_stage > 0 and self.optimizer is not None:
                 self.optimizer.close()
