@@ -149,7 +149,7 @@ class JobProcesses:
         job_ended = not self.stopping
         # The ranks have ended by themselves (succeeded), or acted on the
         # SIGINT: what is still running now the teardown stops (and names).
-        after_ranks = not running and not self.hard_killed and \
+        after_ranks = not running and not self.hard_killed and not hurried() and \
             (job_ended or self.first != signal.SIGTERM)
         self.left = [procs.describe(p) for p in self._still_running(ranks)] \
             if after_ranks else []
