@@ -40,18 +40,12 @@ from __future__ import annotations
 import os
 import sys
 
-# Before any other import: ``python -m`` put the working directory (the
-# job's, where the user's files lie) first on sys.path, and a queue.py or
-# json.py there must not stand in for the stdlib module the agent imports.
-# The agent needs nothing from there; the ranks get their own sys.path.
-# (``import dsrun`` itself ran before this line, as the -m parent package.)
-try:
-    _CWD: str | None = os.getcwd()
-except OSError:  # removed: then Python could not put it on sys.path either
-    _CWD = None
-if __name__ == "__main__" and sys.path and sys.path[0] == _CWD \
-        and not getattr(sys.flags, "safe_path", False):
-    del sys.path[0]
+from dsrun.safepath import drop_cwd_entry
+
+# Before any other import (safepath.py): the agent needs nothing from the
+# job's working directory; the ranks get their own sys.path.
+if __name__ == "__main__":
+    drop_cwd_entry()
 
 import queue
 import signal

@@ -38,19 +38,12 @@ from __future__ import annotations
 import os
 import sys
 
-# Before any other import: a random.py, json.py or queue.py in the working
-# directory, which ``python -m`` put first on sys.path, must not stand in for
-# the stdlib modules that dsrun and torch import. The user's code gets
-# Python's own sys.path[0] back (_run_target). (``import dsrun`` itself ran
-# before this line, as the -m parent package.)
-try:
-    _CWD: str | None = os.getcwd()
-except OSError:  # removed: then Python could not put it on sys.path either
-    _CWD = None
-if __name__ == "__main__" and sys.path and sys.path[0] == _CWD \
-        and not getattr(sys.flags, "safe_path", False):
-    #: the entry dropped, for ``--module`` (None: -P, PYTHONSAFEPATH, imported)
-    _CWD_ENTRY: str | None = sys.path.pop(0)
+from dsrun.safepath import drop_cwd_entry
+
+# Before any other import (safepath.py). The user's code gets Python's own
+# sys.path[0] back (_run_target); --module needs the entry dropped here.
+if __name__ == "__main__":
+    _CWD_ENTRY = drop_cwd_entry()
 else:
     _CWD_ENTRY = None
 
