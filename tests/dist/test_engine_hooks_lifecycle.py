@@ -26,18 +26,10 @@ import pytest
 import torch
 
 import dsrun
+from tests.dist.zero_variants import VARIANTS
 
 pytestmark = pytest.mark.dist
 
-#: (stage, extra zero_optimization keys) - offload takes the hooked paths
-VARIANTS = {
-    "0": (0, {}),
-    "1": (1, {}),
-    "2": (2, {}),
-    "2-offload": (2, {"offload_optimizer": {"device": "cpu"}}),
-    "3": (3, {}),
-    "3-offload": (3, {"offload_param": {"device": "cpu"}}),
-}
 CYCLES = 3
 ACCUMULATION = 2
 
