@@ -21,10 +21,9 @@ search path only (not a listing of given directories, as pip makes), and
 
 from __future__ import annotations
 
+import functools
 import importlib
-import importlib.abc
 import importlib.machinery
-import importlib.metadata
 import importlib.util
 import os
 import pathlib
@@ -55,25 +54,37 @@ def _deepspeed_installed() -> bool:
     return importlib.machinery.PathFinder.find_spec(ALIAS) is not None
 
 
-class _AliasDistribution(importlib.metadata.Distribution):
-    """The metadata of the ``deepspeed`` alias (module docstring)."""
+@functools.cache
+def _alias_distribution() -> Any:
+    """The metadata of the ``deepspeed`` alias (module docstring). Made on
+    first use: importlib.metadata (and importlib.abc) import some 25 stdlib
+    modules, among them random, socket and tempfile, which ``import dsrun``
+    in a rank or node agent would otherwise import before either can take
+    the user's working directory off sys.path (dsrun/safepath.py)."""
+    import importlib.metadata
 
-    def read_text(self, filename: str) -> Optional[str]:
-        if filename == "METADATA":
-            from dsrun import __version__
+    class AliasDistribution(importlib.metadata.Distribution):
+        def read_text(self, filename: str) -> Optional[str]:
+            if filename == "METADATA":
+                from dsrun import __version__
 
-            return (f"Metadata-Version: 2.1\nName: {ALIAS}\n"
-                    f"Version: {__version__}\n"
-                    f"Summary: dsrun answering for DeepSpeed (import dsrun as deepspeed)\n")
-        if filename == "top_level.txt":
-            return ALIAS + "\n"
-        return None
+                return (f"Metadata-Version: 2.1\nName: {ALIAS}\n"
+                        f"Version: {__version__}\n"
+                        f"Summary: dsrun answering for DeepSpeed (import dsrun as deepspeed)\n")
+            if filename == "top_level.txt":
+                return ALIAS + "\n"
+            return None
 
-    def locate_file(self, path: Any) -> pathlib.Path:
-        return pathlib.Path(__file__).parent / str(path)
+        def locate_file(self, path: Any) -> pathlib.Path:
+            return pathlib.Path(__file__).parent / str(path)
+
+    return AliasDistribution()
 
 
-class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _Finder:
+    """A meta-path finder and loader (the importlib.abc protocols, not its
+    classes: see _alias_distribution)."""
+
     def find_distributions(self, context: Any = None
                            ) -> Iterator[importlib.metadata.Distribution]:
         name = getattr(context, "name", None)
@@ -82,7 +93,7 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if "path" in getattr(context, "__dict__", {}) or os.environ.get(METADATA_SWITCH) == "0" \
                 or _deepspeed_installed():
             return iter(())  # directories were named, turned off, or the real one is there
-        return iter((_AliasDistribution(),))
+        return iter((_alias_distribution(),))
 
     def find_spec(self, fullname: str, path: Optional[Sequence[str]] = None,
                   target: Any = None) -> Optional[importlib.machinery.ModuleSpec]:

@@ -21,9 +21,10 @@ pytestmark = pytest.mark.proc
 #: tests' usual way) would put the cwd first on the launcher's own sys.path
 CONSOLE = Path(sys.executable).with_name("dsrun")
 
-#: stdlib modules the agent or the bootstrap import after ``import dsrun``
-#: (which itself imports random, socket, threading...: see test notes)
-SHADOWED = ("json", "queue", "subprocess", "signal")
+#: stdlib modules the agent, the bootstrap or torch import (``import dsrun``,
+#: which runs before either can drop the cwd, imports none of them)
+SHADOWED = ("json", "queue", "subprocess", "signal", "random", "tempfile", "socket", "email",
+            "csv", "shutil")
 SHOW_PATH = ("import json as j, sys\n"
              "print('PATH ' + j.dumps(sys.path))\n")
 
@@ -85,3 +86,14 @@ def test_module_mode_still_imports_from_the_cwd_first(tmp_path):
                     cwd=cwd)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"MOD __main__ {cwd}" in res.stdout
+
+
+def test_import_dsrun_imports_no_stdlib_module_a_cwd_file_could_replace():
+    """``python -m dsrun.…`` imports the dsrun package before the module can
+    take the cwd off sys.path: it must stay that light (typing aside)."""
+    code = ("import sys; before = set(sys.modules); import dsrun.runtime, dsrun.launcher; "
+            "print(sorted(m for m in set(sys.modules) - before "
+            "if '.' not in m and not m.startswith(('dsrun', '_'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert out.strip() == "['typing']"
