@@ -376,9 +376,9 @@ def _doctor(**params: object) -> int:
     from dsrun.launcher import doctor
 
     if params["script"] is None:
-        return doctor.run_doctor(hosts_spec_from_params(params), os.getcwd())
+        return doctor.run_doctor(hosts_spec_from_params(params), launch.working_directory())
     spec = spec_from_params(params)
-    return doctor.run_doctor(spec.hosts, os.getcwd(), job=spec)
+    return doctor.run_doctor(spec.hosts, launch.working_directory(), job=spec)
 
 
 #: ``dsrun doctor``: the run command's options (not --version), SCRIPT optional.

@@ -76,6 +76,7 @@ _RANK_PID = os.getpid()
 
 
 def forked_child() -> bool:
+    """Whether this process is a child the script forked, not the rank."""
     return os.getpid() != _RANK_PID
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(dsrun.__file__)) + os.sep
 
@@ -189,7 +190,7 @@ def run_script(target: str) -> None:
 def _set_path0(entry: str) -> None:
     """Put the script's ``entry`` first on sys.path, as ``python PATH`` does
     (not under PYTHONSAFEPATH); the entries after it stay (the working
-    directory is no longer first: _drop_cwd_entry)."""
+    directory is no longer first: dsrun/safepath.py)."""
     if not getattr(sys.flags, "safe_path", False):
         sys.path.insert(0, entry)
 
@@ -268,12 +269,23 @@ def main() -> int:
     return 0
 
 
+def _exit_code(exc: SystemExit) -> int:
+    """The status ``sys.exit(exc.code)`` ends Python with (a message: 1,
+    after printing it to stderr as Python does)."""
+    if exc.code is None or isinstance(exc.code, int):
+        return exc.code or 0
+    sys.stderr.write(f"{exc.code}\n")
+    return 1
+
+
 if __name__ == "__main__":
     try:
         rc = main()
     except SystemExit as exc:
+        if forked_child():  # never the interpreter's teardown (fast_exit)
+            fast_exit(_exit_code(exc), forked=True)
         if exc.code is None or isinstance(exc.code, int):
-            fast_exit(exc.code or 0, forked=forked_child())
+            fast_exit(exc.code or 0)
         raise
     fast_exit(rc, forked=forked_child())
     sys.exit(rc)

@@ -74,9 +74,12 @@ def fast_exit(code: int, forked: bool = False) -> None:
     without the parent's threads, and wait forever."""
     if not forked and os.environ.get("DSRUN_FAST_EXIT", "1") == "0":
         return
-    if not forked and any(t.is_alive() and not t.daemon for t in threading.enumerate()
-                          if t is not threading.main_thread()):
+    others = [t for t in threading.enumerate()
+              if t is not threading.main_thread() and t.is_alive() and not t.daemon]
+    if others and not forked:
         return
+    for thread in others:  # a forked child's own threads: Python waits for them too
+        thread.join()
     atexit._run_exitfuncs()
     plain, other = open_files()
     if other and not forked:

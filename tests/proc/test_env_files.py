@@ -85,12 +85,13 @@ def test_a_dsrun_inside_a_rank_gets_none_of_the_outer_jobs_settings(tmp_path):
         assert key not in got, got
 
 
-def test_a_deleted_working_directory_is_one_line(tmp_path):
+@pytest.mark.parametrize("command", [(), ("doctor",)])
+def test_a_deleted_working_directory_is_one_line(tmp_path, command):
     gone = tmp_path / "gone"
     gone.mkdir()
     script = tmp_path / "s.py"
     script.write_text("print('ran')\n")
-    argv = " ".join(shlex.quote(a) for a in dsrun_argv(*ONE, str(script)))
+    argv = " ".join(shlex.quote(a) for a in dsrun_argv(*command, *ONE, str(script)))
     res = subprocess.run(["sh", "-c", f"cd {shlex.quote(str(gone))} && rmdir "
                           f"{shlex.quote(str(gone))} && exec {argv}"],
                          capture_output=True, text=True, timeout=60,

@@ -26,7 +26,10 @@ else:
 
 
 @pytest.mark.parametrize(("leave", "status"), [
-    ("pass", 0), ("sys.exit(3)", 3), ("raise ValueError('the child failed')", 1)])
+    ("pass", 0), ("sys.exit(3)", 3), ("raise ValueError('the child failed')", 1),
+    ("sys.exit('the child says why')", 1),
+    ("import threading; threading.Thread(target=lambda: (time.sleep(0.5), "
+     "print('child thread done', flush=True))).start()", 0)])
 def test_a_forked_child_leaving_through_python_ends(tmp_path: Path, leave: str,
                                                       status: int) -> None:
     script = tmp_path / "forks.py"
@@ -35,8 +38,12 @@ def test_a_forked_child_leaving_through_python_ends(tmp_path: Path, leave: str,
                     str(script), timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"child reaped, status {status}" in res.stdout
-    if status == 1:
+    if "ValueError" in leave:
         assert "ValueError: the child failed" in res.stdout + res.stderr  # printed, as python
+    if "says why" in leave:
+        assert "the child says why" in res.stdout + res.stderr
+    if "threading" in leave:  # the child waited for its own thread, as python does
+        assert "child thread done" in res.stdout
 
 
 HELPER_FAILS = """
