@@ -148,17 +148,21 @@ def log_files(plan: LaunchPlan) -> list[list[str]] | None:
             for node in plan.nodes]
 
 
-def user_env(spec: LaunchSpec, cwd: str, remote: bool, multi_host: bool) -> JobEnv:
+def user_env(spec: LaunchSpec, cwd: str, remote: bool, multi_host: bool,
+             forward: bool | None = None) -> JobEnv:
     """The user's variables for the ranks (envpolicy.py): files, --env, forwarded.
     DeepSpeed's env files only for a ``multi_host`` job (:func:`spans_hosts`).
     A ``remote`` job (a host that is not this one) gets ``cwd`` first on its
-    ranks' PYTHONPATH, as DeepSpeed's multi-node runner gives them."""
+    ranks' PYTHONPATH, as DeepSpeed's multi-node runner gives them, whatever
+    the backend. ``forward``: whether the launcher's variables are forwarded
+    (default ``remote``; False where the backend passes its whole
+    environment on, as srun does: :attr:`Backend.login_env`)."""
     home = os.path.expanduser("~")
     if multi_host:
         check_ds_env_file(cwd, home, os.environ)
     files = read_env_files(env_file_paths(cwd, home, os.environ, multi_host=multi_host))
-    return job_env(os.environ, remote=remote, env_prefixes=spec.env_prefixes,
-                   file_entries=files, cli_env=spec.extra_env,
+    return job_env(os.environ, remote=remote if forward is None else forward,
+                   env_prefixes=spec.env_prefixes, file_entries=files, cli_env=spec.extra_env,
                    cwd_first=cwd if remote else None)
 
 
@@ -225,7 +229,10 @@ def run(spec: LaunchSpec) -> int:
     cluster, backend = resolve_cluster(spec.hosts, cwd)
     check_master(spec.hosts, cluster)
     multi = spans_hosts(cluster)
-    env = user_env(spec, cwd, remote=cluster.remote and backend.login_env, multi_host=multi)
+    # srun passes the whole environment (no forwarding), but a Slurm job on other
+    # hosts gets the working directory first on PYTHONPATH as an ssh job does
+    env = user_env(spec, cwd, remote=cluster.remote, multi_host=multi,
+                   forward=cluster.remote and backend.login_env)
     job_id = uuid.uuid4().hex
     draft = _plan(spec, cluster, backend, env, job_id, 0)
     check_user_env(draft)

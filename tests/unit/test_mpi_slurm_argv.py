@@ -234,7 +234,8 @@ def test_launcher_names():
         HostsSpec(launcher="local", launcher_args=("-x", "A"))
     assert "not local; the local launcher starts the ranks on this host itself" in str(info.value)
     assert "pdsh" not in str(info.value)
-    with pytest.raises(DsrunUsageError, match="not the default launcher; the default launcher starts ranks on this host"):
+    with pytest.raises(DsrunUsageError, match="not the default launcher; the default "
+                                              "launcher starts ranks on this host"):
         HostsSpec(launcher_args=("-f", "8"))  # DeepSpeed's pdsh fan-out
     with pytest.raises(DsrunUsageError, match="--slurm_args needs --launcher slurm"):
         HostsSpec(slurm_args=("-p", "x"))
@@ -409,3 +410,42 @@ def callback_reply_then_eof(sock) -> bool:
     while chunk := sock.recv(4096):
         data += chunk
     return data.count(b"\n") == 1 and b"proof" in data
+
+
+def test_a_slurm_job_on_other_hosts_gets_the_working_directory_first(tmp_path, monkeypatch,
+                                                                      capsys):
+    """As under ssh and mpirun (and DeepSpeed's SlurmRunner): a script's
+    `import mypkg` from the launcher's working directory works on every rank.
+    srun passes the whole environment, so nothing else is forwarded by name."""
+    from dsrun.launcher import cli
+    from dsrun.launcher import hostfile as hf
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "srun").write_text("#!/bin/sh\nexit 0\n")
+    (bindir / "srun").chmod(0o755)
+    work = tmp_path / "work"
+    (work / "sub").mkdir(parents=True)
+    (work / "sub" / "t.py").write_text("import mypkg\n")
+    (work / "hf").write_text("node-a slots=1\nnode-b slots=1\n")
+    monkeypatch.setattr(hf, "DEFAULT_JOB_HOSTFILE", str(tmp_path / "no-job-hostfile"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    monkeypatch.setenv("PYTHONPATH", "/site/extra")
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    for name in ("SLURM_JOB_ID", "DS_ENV_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(work)
+    assert cli.main(["--dry-run", "--cpu", "--launcher", "slurm", "--slurm_args=--time=5",
+                     "-H", "hf", "sub/t.py"]) == 0
+    out = capsys.readouterr().out
+    srun = next(line for line in out.splitlines() if line.startswith(f"launch: {bindir}/srun"))
+    export = next(w for w in srun.split() if w.startswith("--export="))
+    assert export.split(",")[-1] == "PYTHONPATH" and "NCCL_DEBUG" not in export
+    assert "PYTHONPATH=<value not shown> (forwarded, the working directory first)" in out
+    from dsrun.launcher import launch
+
+    cluster = Cluster("hf", ("node-a", "node-b"), ((0,), (0,)), (False, False), "slurm")
+    env = launch.user_env(LaunchSpec(script="sub/t.py"), str(work), remote=cluster.remote,
+                          multi_host=True, forward=False)
+    assert env.as_dict() == {"PYTHONPATH": f"{work}:/site/extra"}
