@@ -31,6 +31,16 @@ OPTIMIZER_VALUES: Mapping[str, Check] = {
     "lr": Check("float", low=0.0), "eps": Check("float", low=0.0),
     "weight_decay": Check("float", low=0.0), "momentum": Check("float", low=0.0),
     "dampening": Check("float"),
+    # torch's flags (and DeepSpeed's own, also checked when the optimizer is
+    # built): a string "false" is truthy, so torch would turn the flag ON
+    # (maximize: gradient ascent) or crash deep inside at the first step;
+    # DeepSpeed's FusedAdam refuses these, so a non-bool is refused by name
+    **dict.fromkeys(("amsgrad", "maximize", "nesterov", "centered", "capturable",
+                     "differentiable", "decoupled_weight_decay", "eps_inside_sqrt",
+                     "adam_w_mode", "torch_adam", "bias_correction", "fp32_optimizer_states",
+                     "set_grad_none"), Check("bool")),
+    # torch's default None picks an implementation per device
+    **dict.fromkeys(("foreach", "fused"), Check("bool", optional=True)),
 }
 # optimizer types whose parameter of that name is something else
 _OTHER_MEANING = {"eps": ("adafactor",)}  # Adafactor's eps is a pair (eps1, eps2)
@@ -80,7 +90,10 @@ def _check(value: Any, spec: Check, where: str) -> Any:
 
 
 def _quoted_number(value: Any) -> str:
-    """A hint for a number written as a string (what YAML-to-JSON gives for 3e-4)."""
+    """A hint for a number written as a string (what YAML-to-JSON gives for
+    3e-4), or for a flag written as one ("false", which Python reads as true)."""
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return " (a string: write true or false without quotes)"
     if isinstance(value, str):
         try:
             float(value)

@@ -51,6 +51,7 @@ from torch.optim import Optimizer
 
 from dsrun.errors import DsrunConfigError
 from dsrun.runtime.config import OPTIMIZER_NAMES, OptimizerConfig, did_you_mean
+from dsrun.runtime.config_param_values import OPTIMIZER_VALUES
 
 
 def _closure_loss(closure: Optional[Callable[[], Any]]) -> Any:
@@ -247,6 +248,10 @@ def optimizer_class_and_kwargs(config: OptimizerConfig) -> tuple[type[Optimizer]
             cls = torch.optim.Adam
         if not torch_adam:
             kwargs.setdefault("weight_decay", 0.0)  # DeepSpeed FusedAdam's default
+    for key, value in kwargs.items():  # an OptimizerConfig built without resolve()
+        spec = OPTIMIZER_VALUES.get(key)
+        if spec is not None and spec.kind == "bool" and not (value is None and spec.optional):
+            _flag(value, key)
     valid = parameter_names(cls)
     for key in kwargs:
         if key not in valid:
