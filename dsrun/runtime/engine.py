@@ -128,9 +128,9 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
                                    f"{config.dp_size} ({config.dp_size_source}) but the "
                                    f"data-parallel group has {self.dp_world_size} ranks")
         self.device = compute_device()
-        from dsrun import comm  # before the engine's first collective; every
+        from dsrun import comm  # (the comms logger: set before the first collective)
 
-        comm.configure(config)  # engine's config decides, false switches it off, as DeepSpeed
+        comm.configure(config)  # each engine's config decides, off too, as in DeepSpeed
         self.module = model.to(self.device)
         self._broadcast_state()
         self.zero_stage = config.zero_optimization.stage

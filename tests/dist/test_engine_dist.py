@@ -296,3 +296,9 @@ def test_zero_grad_inside_a_round_drops_what_was_accumulated(
         two_ranks: list[dict[str, Any]]) -> None:
     for fact in case(two_ranks, "zero_grad_mid_round"):
         assert {fact[f"stage{s}"] for s in (0, 2, 3)} == {0.0}, fact
+
+
+def test_destroying_a_superseded_stage3_engine_leaves_the_newer_one_working(
+        two_ranks: list[dict[str, Any]]) -> None:
+    for fact in case(two_ranks, "older_destroyed_later"):
+        assert fact["twice"] == fact["once"], fact

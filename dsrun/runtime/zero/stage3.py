@@ -137,6 +137,7 @@ class ZeroStage3(Stage3Gradients, Stage3StateIO, MasterGradients):
     the gradients' reduction into the masters is :mod:`~.stage3_grads`."""
 
     stage = 3
+    _closed = False  # close() ran (it runs once)
 
     def __init__(self, module: torch.nn.Module, params: Optional[Iterable[Any]],
                  optimizer_cls: Optional[type[Optimizer]],
@@ -457,7 +458,11 @@ class ZeroStage3(Stage3Gradients, Stage3StateIO, MasterGradients):
     def close(self) -> None:
         """Remove every hook and give ``F.linear`` back (:mod:`~.linear`);
         parameters stay partitioned. ``engine.destroy()`` calls it; again is
-        harmless."""
+        harmless: it must be, since after a newer engine took over this module
+        (ownership.py) a second close would undo that engine's set-up."""
+        if self._closed:
+            return
+        self._closed = True
         for handle in [*self._hooks, *self._drop_hooks]:
             handle.remove()
         self._hooks, self._drop_hooks = [], []

@@ -687,6 +687,47 @@ def zero_grad_mid_round() -> dict[str, Any]:
     return out
 
 
+class _TiedHead(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.lin = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # reads a released parameter
+        return self.lin(self.emb(x)) @ self.emb.weight.t()
+
+
+def _adam(model: torch.nn.Module) -> torch.optim.Adam:
+    return torch.optim.Adam(model.parameters(), lr=0.01, foreach=False)
+
+
+def older_destroyed_later(steps: int = 3) -> dict[str, Any]:
+    """Stage 3: initialize() twice on one model, then destroy() the older
+    engine (what its superseded error suggests): the newer one trains on as
+    an engine built once would (the older close() used to undo its set-up)."""
+    x = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(1))
+    config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**9,
+              "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    out: dict[str, Any] = {}
+    for twice in (False, True):
+        torch.manual_seed(0)
+        model = _TiedHead()
+        engine = dsrun.initialize(model=model, optimizer=_adam(model), config=config)[0]
+        if twice:
+            older, engine = engine, dsrun.initialize(model=model, optimizer=_adam(model),
+                                                     config=config)[0]
+            older.destroy()
+        losses = []
+        for _ in range(steps):
+            loss = engine(x).square().mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        engine.destroy()
+        out["twice" if twice else "once"] = losses
+    return out
+
+
 CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "parity_gas1": lambda: parity(gas=1, clip=0.0, schedule=False, bucket_elements=None),
     "parity_gas4_clip_schedule": lambda: parity(gas=4, clip=0.05, schedule=True,
@@ -723,6 +764,7 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "dataloader": dataloader,
     "direct_backward": direct_backward,
     "zero_grad_mid_round": zero_grad_mid_round,
+    "older_destroyed_later": older_destroyed_later,
     "comms_logger": comms_logged,
     "flops_profiler": flops_profiled,
     "logged_exchange": logged_exchange,
