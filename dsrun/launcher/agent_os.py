@@ -120,16 +120,60 @@ def hostname() -> str:
     return os.uname().nodename
 
 
-def make_tmpdir(prefix: str) -> str:
-    """A private directory for the ranks' error and stack files."""
-    base = os.environ.get("TMPDIR") or "/tmp"
-    while True:
-        path = os.path.join(base, f"{prefix}{os.urandom(4).hex()}")
-        try:
-            os.mkdir(path, 0o700)
-            return path
-        except FileExistsError:
+#: Where a temporary directory is made when none of TMPDIR, TEMP and TMP
+#: can be used: tempfile.gettempdir()'s list (the working directory last).
+_FALLBACK_TMP = ("/tmp", "/var/tmp", "/usr/tmp")
+
+
+class NoTmpdir(SystemExit):
+    """No temporary directory could be made anywhere. A SystemExit: the
+    agent makes its directory before its own error handling exists, and
+    must exit with this one line (and nothing started), not a traceback."""
+
+
+def tmp_candidates(environ: dict[str, str] | None = None) -> list[tuple[str, str]]:
+    """The directories tried for the agent's temporary directory, as
+    (absolute path, how an error names it), in the order of
+    tempfile.gettempdir(), which the launcher's control socket uses too
+    (tempfile itself is not imported: a tempfile.py in the working
+    directory would replace it). Absolute, so that a rank that changes
+    directory still finds its error file under a relative TMPDIR."""
+    env = os.environ if environ is None else environ
+    try:
+        here: str | None = os.getcwd()
+    except OSError:  # a deleted working directory: relative names cannot be placed
+        here = None
+    named = [(env.get(var), var) for var in ("TMPDIR", "TEMP", "TMP")]
+    found: dict[str, str] = {}
+    for base, var in [*named, *((d, "") for d in _FALLBACK_TMP), (here, "")]:
+        if not base or (here is None and not os.path.isabs(base)):
             continue
+        full = os.path.normpath(os.path.join(here or "/", base))
+        label = f"{var}={base}" + (f" ({full})" if full != base else "") if var else full
+        found.setdefault(full, label)
+    return list(found.items())
+
+
+def make_tmpdir(prefix: str) -> str:
+    """A private directory for the ranks' error and stack files, in the first
+    of tmp_candidates() where one can be made, as tempfile does: a TMPDIR
+    that is missing, a file or read-only (or a read-only /tmp) is passed
+    over, not fatal. NoTmpdir when none can be used."""
+    failures: list[str] = []
+    for base, label in tmp_candidates():
+        for _ in range(100):  # names taken: tempfile's TMP_MAX is as patient
+            path = os.path.join(base, f"{prefix}{os.urandom(4).hex()}")
+            try:
+                os.mkdir(path, 0o700)
+                return path
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                failures.append(f"{label}: {exc.strerror}")
+                break
+    raise NoTmpdir(f"dsrun: error: the node agent on {hostname()} cannot create its "
+                   f"temporary directory (for the ranks' error files) in any of: "
+                   f"{'; '.join(failures) or 'no directory to try'}; no rank was started")
 
 
 def remove_tmpdir(path: str) -> None:

@@ -46,6 +46,23 @@ def test_openmpi_two_hosts_two_ranks_each(sim_cluster: SimCluster, tmp_path: Pat
     assert f"master {sim_cluster.host('node1').address}:" in res.stderr
 
 
+def test_openmpi_keeps_the_hostfile_order_when_this_host_is_not_first(
+        sim_cluster: SimCluster, tmp_path: Path) -> None:
+    """Open MPI maps its own host first under -H host:n --map-by slot: node2's
+    rank ran on node1, and uneven slots were refused. dsrun's plan order
+    holds (rank 0 and the master on node2)."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node2 slots=1\nnode1 slots=2\n")
+    res = run(sim_cluster, "--launcher", "openmpi", "-H", str(hostfile),
+              *ssh_flags(sim_cluster), *CPU, str(WORKERS / "allreduce.py"), on="node1",
+              timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for rank, host in [(0, "node2"), (1, "node1"), (2, "node1")]:
+        assert f"[{host}:{rank}] rank {rank}/3 backend gloo sum 6" in res.stdout, res.stdout
+    assert "node1: ranks [1,2]  local ranks [0,1]  devices [cpu]" in res.stderr
+    assert f"master {sim_cluster.host('node2').address}:" in res.stderr
+
+
 def test_openmpi_rank_failure_on_the_remote_host(sim_cluster: SimCluster,
                                                  tmp_path: Path) -> None:
     hostfile = write_hostfile(sim_cluster, tmp_path / "hostfile", ["node1", "node2"], slots=2)

@@ -51,7 +51,8 @@ def test_mpirun_golden_uneven_slots_and_forwarded_names():
     argv = mpirun_argv(plan, AGENT, launcher_args=("--mca", "btl", "self,tcp"),
                        as_root=True)
     assert argv == (
-        "mpirun", "-np", "7", "-H", "localhost:2,node2:2,node3:3", "--map-by", "slot",
+        "mpirun", "-np", "7", "-H", "localhost,localhost,node2,node2,node3,node3,node3",
+        "--map-by", "seq",
         "--bind-to", "none", "--allow-run-as-root", "--wdir", "/work",
         "-x", "DSRUN_LAUNCHER", "-x", "DSRUN_LAUNCHER_SECRET", "-x", "DSRUN_LAUNCHER_TIMEOUT",
         "-x", "NCCL_DEBUG", "-x", "SECRET",
@@ -65,8 +66,8 @@ def test_mpirun_include_not_root_and_ssh_options():
     ssh = SshOptions(port=2222, user="alice", key="/k/id", config="/etc/cfg", insecure=True)
     argv = mpirun_argv(plan, AGENT, mpirun="/opt/ompi/bin/mpirun", ssh=ssh,
                        launcher_args=("--bind-to", "core"))
-    assert argv[:7] == ("/opt/ompi/bin/mpirun", "-np", "4", "-H", "node2:2,node3:2",
-                        "--map-by", "slot")
+    assert argv[:7] == ("/opt/ompi/bin/mpirun", "-np", "4", "-H", "node2,node2,node3,node3",
+                        "--map-by", "seq")
     assert "--allow-run-as-root" not in argv and argv.count("--bind-to") == 1  # the user's
     i = argv.index("plm_rsh_args")
     assert argv[i - 1] == "--mca" and argv[i + 1] == (
@@ -107,14 +108,29 @@ def test_dry_run_request_prints_the_command_and_names_only():
     backend = OpenMpiBackend(HostsSpec(launcher="openmpi"), python=AGENT[0], environ={},
                              as_root=False)
     lines = backend.prepare(plan).describe()
-    assert lines[0].startswith("launch: mpirun -np 2 -H node2:2 --map-by slot --bind-to none "
-                               "--wdir /work")
+    assert lines[0].startswith("launch: mpirun -np 2 -H node2,node2 --map-by seq "
+                               "--bind-to none --wdir /work")
     assert "values in mpirun's environment, never on its command line" in lines[1]
     assert not any("s3cr3t" in ln for ln in lines)
     assert sum(ln.startswith("node node2: started by mpirun") for ln in lines) == 1
     assert "    SECRET=<value not shown> (--env)" in lines
     agents = backend.prepare(plan).agents
     assert [[r["rank"] for r in a.payload["ranks"]] for a in agents] == [[0], [1]]
+
+
+def test_mpirun_places_ranks_in_plan_order_when_this_host_is_not_first():
+    """Open MPI maps its own host first with -H host:n and --map-by slot: a
+    hostfile listing node2 before this host put rank 0 here. One -H entry
+    per rank and the sequential mapper keep the plan's order."""
+    hostfile = parse_hostfile("node2 slots=1\nnode1 slots=2\n", "hf")
+    nodes = select_resources(hostfile, None, None, None, None)
+    cluster = Cluster("hf", ("node2", "node1"), tuple(n.slots for n in nodes),
+                      (False, True), "openmpi")
+    plan = build_plan(LaunchSpec(script="t.py"), cluster, job_env({}, remote=True), "j",
+                      facts=[NodeFacts((), 8), NodeFacts((), 8)], python=AGENT[0],
+                      cwd="/work", master=("10.0.0.2", 29500))
+    argv = mpirun_argv(plan, AGENT)
+    assert argv[1:7] == ("-np", "3", "-H", "node2,localhost,localhost", "--map-by", "seq")
 
 
 @pytest.mark.parametrize("args,bad", [
@@ -257,6 +273,60 @@ def test_placement_must_match_the_plan():
         in placement_problem(plan, by_node, "mpirun")
     same = {0: _hello("a", 0), 1: _hello("a", 1), 2: _hello("a", 0), 3: _hello("a", 1)}
     assert "on the same host a" in placement_problem(plan, same, "srun")
+    assert "--slurm_args" in placement_problem(plan, same, "srun", options="--slurm_args")
+
+
+def _two_hosts(first: str, second: str, local: tuple[bool, bool], slots=(1, 2)):
+    hostfile = parse_hostfile(f"{first} slots={slots[0]}\n{second} slots={slots[1]}\n", "hf")
+    nodes = select_resources(hostfile, None, None, None, None)
+    cluster = Cluster("hf", (first, second), tuple(n.slots for n in nodes), local, "openmpi")
+    return build_plan(LaunchSpec(script="t.py"), cluster, job_env({}, remote=True), "j",
+                      facts=[NodeFacts((), 8), NodeFacts((), 8)], python=AGENT[0],
+                      cwd="/work", master=("10.0.0.2", 29500))
+
+
+def test_placement_must_be_on_the_planned_host():
+    """mpirun put node2's ranks on this host (node1) and node1's on node2,
+    local ranks matching: that was accepted, and the banner read
+    'node2 (node1)'. The host must be the plan's, and the error blames
+    --launcher_args only when the user gave some."""
+    plan = _two_hosts("node2", "node1", (False, True), slots=(2, 2))
+    swapped = {0: _hello("node1", 0), 1: _hello("node1", 1),
+               2: _hello("node2", 0), 3: _hello("node2", 1)}
+    problem = placement_problem(plan, swapped, "mpirun", "node1")
+    assert problem == ("mpirun started rank 0 as local rank 0 on node1, but dsrun's plan has "
+                       "it as local rank 0 on node2")
+    problem = placement_problem(plan, swapped, "mpirun", "node1", "--launcher_args")
+    assert problem.endswith("(options in --launcher_args must not change where ranks run)")
+    # by name alone (the launcher on no host of the job), short or qualified
+    remote = _two_hosts("node2.cluster", "node1", (False, False), slots=(2, 2))
+    assert "on node1, but dsrun's plan has it as local rank 0 on node2.cluster" in \
+        placement_problem(remote, swapped, "mpirun", "login")
+    right = {0: _hello("node2", 0), 1: _hello("node2", 1),
+             2: _hello("node1", 0), 3: _hello("node1", 1)}
+    assert placement_problem(plan, right, "mpirun", "node1") is None
+    assert placement_problem(remote, right, "mpirun", "login") is None
+    # hostfile addresses (or ssh aliases) name no reported host: only this host is known
+    by_addr = _two_hosts("10.0.0.2", "10.0.0.1", (False, True), slots=(2, 2))
+    assert placement_problem(by_addr, right, "mpirun", "node1") is None
+    assert "plan has it as local rank 0 on 10.0.0.1 (this host)" in \
+        placement_problem(by_addr, {0: _hello("node2", 0), 1: _hello("node2", 1),
+                                    2: _hello("node3", 0), 3: _hello("node3", 1)},
+                          "mpirun", "node1")
+    assert "on node1, but dsrun's plan has it as local rank 0 on 10.0.0.2" in \
+        placement_problem(by_addr, swapped, "mpirun", "node1")
+
+
+def test_uneven_slots_moved_by_mpirun_are_refused_without_blaming_unused_options():
+    """node2 slots=1, node1 slots=2 with the launcher on node1: Open MPI's
+    own-node-first mapping gave rank 1 local rank 1 on node1, and the error
+    blamed --launcher_args the user never gave."""
+    plan = _two_hosts("node2", "node1", (False, True))
+    moved = {0: _hello("node1", 0), 1: _hello("node1", 1), 2: _hello("node2", 0)}
+    problem = placement_problem(plan, moved, "mpirun", "node1")
+    assert problem is not None and "--launcher_args" not in problem
+    assert placement_problem(plan, {0: _hello("node2", 0), 1: _hello("node1", 0),
+                                    2: _hello("node1", 1)}, "mpirun", "node1") is None
 
 
 @pytest.mark.parametrize("tail, expected", [

@@ -344,26 +344,54 @@ def _listen() -> socket.socket:
     return sock
 
 
+def same_host_name(a: str, b: str) -> bool:
+    """Whether two host names name one machine: equal (case aside), or a
+    short name and its fully qualified form (pure; no DNS)."""
+    a, b = a.lower().rstrip("."), b.lower().rstrip(".")
+    return a == b or a == b.split(".")[0] or b == a.split(".")[0]
+
+
+def _off_plan(plan: LaunchPlan, index: int, got: str, here: str | None) -> bool:
+    """Whether the agents of node ``index`` report a host that is not its
+    plan host, as far as names tell: this host's node must report this
+    host's name (``here``), another node must not report it, nor the name
+    of another node of the plan (an address or ssh alias in the hostfile
+    is not compared: it may name the reported host)."""
+    node = plan.nodes[index]
+    if here is not None:
+        if node.local != same_host_name(got, here) and (
+                node.local or any(n.local for n in plan.nodes)):
+            return True
+    return not same_host_name(got, node.host) and any(
+        same_host_name(got, other.host) for other in plan.nodes if other is not node)
+
+
 def placement_problem(plan: LaunchPlan, hellos: Mapping[int, Mapping[str, Any]],
-                      tool: str) -> str | None:
+                      tool: str, here: str | None = None,
+                      options: str | None = None) -> str | None:
     """Why the tool's placement differs from the plan's, or None (pure).
 
     Every rank must have the plan's local rank, the ranks of one node must
-    share a host, and different nodes must be different hosts.
+    share a host, that host must be the plan's (:func:`_off_plan`; ``here``:
+    this host's name), and different nodes must be different hosts.
+    ``options``: the user's options to the tool (``--launcher_args``), named
+    in the error as what may have moved the ranks.
     """
+    why = f" (options in {options} must not change where ranks run)" if options else ""
     seen: dict[str, int] = {}
-    for node in plan.nodes:
+    for index, node in enumerate(plan.nodes):
         host = str(hellos[node.ranks[0].rank].get("host"))
+        planned = f"{node.host} (this host)" if node.local else node.host
         for slot in node.ranks:
             got = hellos[slot.rank]
-            if got.get("local_rank") != slot.local_rank or str(got.get("host")) != host:
+            if got.get("local_rank") != slot.local_rank or str(got.get("host")) != host \
+                    or _off_plan(plan, index, host, here):
                 return (f"{tool} started rank {slot.rank} as local rank {got.get('local_rank')}"
                         f" on {got.get('host')}, but dsrun's plan has it as local rank "
-                        f"{slot.local_rank} on {node.host} (options in --launcher_args or "
-                        f"--slurm_args must not change where ranks run)")
+                        f"{slot.local_rank} on {planned}{why}")
         if host in seen:
             return (f"{tool} started ranks of hosts {plan.nodes[seen[host]].host} and "
-                    f"{node.host} on the same host {host}")
+                    f"{node.host} on the same host {host}{why}")
         seen[host] = node.node_rank
     return None
 
@@ -392,12 +420,14 @@ def open_connected(plan: LaunchPlan, name: str, argv: Sequence[str],
                    timeout: float | None, agent_timeout: float,
                    on_connect: ConnectSink = ignore_connect,
                    executable: str | None = None,
-                   advice: Callable[[str], str] | None = None) -> ConnectedHandle:
+                   advice: Callable[[str], str] | None = None,
+                   options: str | None = None) -> ConnectedHandle:
     """Start ``argv`` (the tool; ``executable``: the file, when ``argv[0]``
     is only its name; ``advice``: see :class:`LaunchTool`) and wait for
     every rank's agent; see the module docstring. ``tool_env`` is the tool's
     environment without the callback variables, which are added here;
-    ``agent_timeout`` is how long an agent tries to reach the launcher."""
+    ``agent_timeout`` is how long an agent tries to reach the launcher;
+    ``options``: the user's options to the tool, if any (for errors)."""
     server = CallbackServer(plan.world_size, on_connect)
     env = {**tool_env, protocol.LAUNCHER_VAR: server.endpoints(prefer),
            protocol.SECRET_VAR: server.secret, protocol.TIMEOUT_VAR: f"{agent_timeout:g}"}
@@ -406,7 +436,7 @@ def open_connected(plan: LaunchPlan, name: str, argv: Sequence[str],
         tool = LaunchTool(name, argv, env, plan.cwd, sink, executable, advice)
         server.wait_all(tool, timeout)
         hellos = {r: h for r, (_, h) in server.hellos.items()}
-        problem = placement_problem(plan, hellos, name)
+        problem = placement_problem(plan, hellos, name, socket.gethostname(), options)
         if problem:
             raise LaunchError(problem)
     except BaseException:

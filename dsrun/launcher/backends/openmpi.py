@@ -1,9 +1,13 @@
 """Open MPI backend: one ``mpirun`` starts every rank's agent (``--launcher openmpi``).
 
 The plan becomes one mpirun argv (:func:`mpirun_argv`, pure and
-golden-tested): ``-np WORLD``, ``-H host:ranks,...`` in plan order (this
-host as ``localhost``), ``--map-by slot`` so that each host's ranks are
-contiguous and in local-rank order, ``--bind-to none`` (unless
+golden-tested): ``-np WORLD``, ``-H`` with one host per rank in rank order
+(this host as ``localhost``) and ``--map-by seq`` (Open MPI's sequential
+mapping), so that every rank runs on its plan host and local rank (with
+``-H host:ranks`` and ``--map-by slot`` Open MPI maps its own host first
+when that host is in the job; ``--mca rmaps seq`` instead would also map
+``MPI_Comm_spawn``'s processes by -H, which lists none for them, and the
+spawn fails), ``--bind-to none`` (unless
 --launcher_args binds: ranks see the host's CPUs as under the other
 launchers, and OMP_NUM_THREADS shares them), ``-x NAME`` for every variable the
 agents need (values in mpirun's environment, never on its command line),
@@ -102,9 +106,12 @@ def mpirun_argv(plan: LaunchPlan, agent_argv: Sequence[str], *, mpirun: str = "m
                 launcher_args: Sequence[str] = (), ssh: SshOptions | None = None,
                 as_root: bool = False) -> tuple[str, ...]:
     """The one mpirun command of a plan (pure)."""
-    hosts = ",".join(f"{'localhost' if n.local else n.host}:{len(n.ranks)}"
-                     for n in plan.nodes)
-    argv = [mpirun, "-np", str(plan.world_size), "-H", hosts, "--map-by", "slot"]
+    # Open MPI maps its own node first whatever -H's order (--map-by slot), so
+    # the sequential mapping gets one -H entry per rank, in rank order (a
+    # --map-by in --launcher_args comes later and wins; placement_problem
+    # then checks where the ranks went).
+    hosts = ",".join("localhost" if n.local else n.host for n in plan.nodes for _ in n.ranks)
+    argv = [mpirun, "-np", str(plan.world_size), "-H", hosts, "--map-by", "seq"]
     if not any(a.lstrip("-").split("=")[0] == "bind-to" for a in launcher_args):
         # mpirun binds each process to one core by default (np <= 2); the
         # agent's rank would inherit that. Ranks see the host's CPUs, as
@@ -264,4 +271,5 @@ class OpenMpiBackend(Backend):
                               [p for p in prefer if p], timeout,
                               agent_timeout=max(30.0, 3 * self.hosts.ssh.timeout),
                               on_connect=on_connect, executable=self.executable,
-                              advice=lambda summary: prefix_advice(summary, self.executable))
+                              advice=lambda summary: prefix_advice(summary, self.executable),
+                              options="--launcher_args" if self.hosts.launcher_args else None)

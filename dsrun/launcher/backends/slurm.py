@@ -190,4 +190,5 @@ class SlurmBackend(Backend):
                               tool_environment(plan, self.environ), sink,
                               [p for p in prefer if p], timeout,
                               agent_timeout=max(30.0, 3 * self.hosts.ssh.timeout),
-                              on_connect=on_connect)
+                              on_connect=on_connect,
+                              options="--slurm_args" if self.hosts.slurm_args else None)
