@@ -42,9 +42,11 @@ def check_config(path: str, world_size: int, environ: Mapping[str, str]) -> str 
         raise DsrunUsageError(f"--config {path}:{exc.lineno}:{exc.colno}: not valid JSON: "
                               f"{exc.msg}") from None
     try:
-        raw, _ = cfg.load_config(path)  # duplicate keys, not an object
+        raw, _ = cfg.load_config(path)  # duplicate keys, not an object, inf/NaN
     except DsrunConfigError as exc:
-        raise DsrunUsageError(f"--config {exc}") from None
+        line = line_of(text, error_path(str(exc)))
+        raise DsrunUsageError(f"--config {path}:{line}: {exc}" if line else
+                              f"--config {exc}") from None
     view = launcher_view(raw)
     quiet = logging.getLogger("dsrun.runtime.config")
     level = quiet.level
@@ -58,7 +60,7 @@ def check_config(path: str, world_size: int, environ: Mapping[str, str]) -> str 
     finally:
         quiet.setLevel(level)
     message = str(first).replace(cfg.DICT_SOURCE, path)
-    line = key_lines(text).get(error_path(message))
+    line = line_of(text, error_path(message))
     where = f"{path}:{line}" if line else path
     if fits is None:
         raise DsrunUsageError(f"--config {where}: {message}")
@@ -122,6 +124,17 @@ def error_path(message: str) -> tuple[str, ...]:
         if key in message:
             return (key,)
     return ()
+
+
+def line_of(text: str, path: tuple[str, ...]) -> int | None:
+    """Line of key ``path`` in JSON ``text``; for an array element (no key of
+    its own) the line of the nearest key above it (pure)."""
+    lines = key_lines(text)
+    while path:
+        if path in lines:
+            return lines[path]
+        path = path[:-1]
+    return None
 
 
 def key_lines(text: str) -> dict[tuple[str, ...], int]:

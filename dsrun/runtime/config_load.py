@@ -16,6 +16,7 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import MISSING, fields
@@ -79,6 +80,7 @@ def load_config(config: ConfigInput) -> tuple[dict[str, Any], str]:
     (as in DeepSpeed).
     """
     if isinstance(config, Mapping):
+        refuse_nonfinite(config, (), DICT_SOURCE)
         return dict(config), DICT_SOURCE
     if not isinstance(config, (str, os.PathLike)):
         raise DsrunConfigError(f"config must be a dict or a path to a JSON file, got "
@@ -105,7 +107,33 @@ def load_config(config: ConfigInput) -> tuple[dict[str, Any], str]:
                                f"{err.msg}") from None
     if not isinstance(raw, dict):
         raise DsrunConfigError(f"{path} must hold a JSON object, got {show(raw)}")
+    refuse_nonfinite(raw, (), path)
     return raw, path
+
+
+# keys where +inf is a setting: Accelerate's DeepSpeedPlugin always writes
+# "steps_per_print": float("inf") for "never"
+_INF_MEANS_NEVER = frozenset({("steps_per_print",)})
+
+
+def refuse_nonfinite(value: Any, path: tuple[str, ...], source: str) -> None:
+    """Raise naming the key path for an infinite or NaN number anywhere in
+    ``value``: Python's JSON reader takes ``Infinity``/``NaN`` and reads
+    ``1e400`` as inf (DeepSpeed's hjson refuses all three), and an inf lr,
+    weight decay or loss scale trains NaNs or skips every step silently.
+    Where the config sets nothing with a number (passthrough sections) it
+    is refused too: no JSON file DeepSpeed reads holds one. The exception:
+    ``steps_per_print`` (+inf: never print, as Accelerate writes it)."""
+    if isinstance(value, float) and not math.isfinite(value) and \
+            not (value == math.inf and path in _INF_MEANS_NEVER):
+        raise DsrunConfigError(f'"{".".join(path)}" in {source} must be a finite number, got '
+                               f"{show(value)}")
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            refuse_nonfinite(item, (*path, str(key)), source)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            refuse_nonfinite(item, (*path, str(index)), source)
 
 
 # Top-level keys of older configs (DeepSpeed's, Megatron's --fp32-allreduce)

@@ -102,10 +102,11 @@ def _convert(value: Any, spec: Check) -> tuple[bool, Any]:
             return True, int(value)
         return False, value
     if kind == "float":
-        ok = _is_number(value) and not math.isnan(value)
+        ok = _is_number(value) and math.isfinite(value)
         return (True, float(value)) if ok else (False, value)
     if kind == "floats":
-        if isinstance(value, (list, tuple)) and value and all(map(_is_number, value)):
+        if isinstance(value, (list, tuple)) and value and all(
+                _is_number(v) and math.isfinite(v) for v in value):
             return True, tuple(float(v) for v in value)
         return _convert(value, Check("float"))
     if kind == "bool":
@@ -115,6 +116,12 @@ def _convert(value: Any, spec: Check) -> tuple[bool, Any]:
     if kind == "mapping":
         return isinstance(value, Mapping), value
     return True, value
+
+
+def _nonfinite(value: Any) -> bool:
+    """An inf or NaN number, or a list holding one."""
+    items = value if isinstance(value, (list, tuple)) else (value,)
+    return any(_is_number(v) and not math.isfinite(v) for v in items)
 
 
 def _in_range(value: Any, spec: Check) -> bool:
@@ -137,6 +144,9 @@ def check_value(value: Any, spec: Check, where: str) -> Any:
         raise DsrunConfigError(f'{where} is "auto", which dsrun cannot resolve for this key; '
                                f"give {_describe(spec)}")
     ok, normalised = _convert(value, spec)
+    if not ok and spec.kind in ("int", "float", "floats") and _nonfinite(value):
+        # an inf lr or loss scale trains NaNs or skips every step, silently
+        raise DsrunConfigError(f"{where} must be a finite number, got {show(value)}")
     if not ok or not _in_range(normalised, spec):
         raise DsrunConfigError(f"{where} must be {_describe(spec)}, got {show(value)}")
     return normalised
