@@ -55,7 +55,12 @@ from dsrun.launcher.preflight import (
     evaluate,
     same_machines,
 )
-from dsrun.launcher.resources import highest_slot, select_resources, slot_count
+from dsrun.launcher.resources import (
+    NodeResources,
+    highest_slot,
+    select_resources,
+    slot_count,
+)
 from dsrun.launcher.spec import DEFAULT_CPU_RANKS, HostsSpec
 
 THIS_HOST = "<this host>"
@@ -107,6 +112,17 @@ def this_host_pool(hs: HostsSpec, devices: Sequence[DeviceId], cpus: int,
     return HostPool(Hostfile(THIS_HOST, (HostEntry(name, count, 0),)))
 
 
+def cap_default(nodes: Sequence[NodeResources], default: int,
+                include: str | None) -> tuple[NodeResources, ...]:
+    """The selected slots under a pool's default ranks per host (a Slurm
+    allocation's SLURM_NTASKS_PER_NODE), which is not a --num_gpus: at most
+    ``default`` ranks per host, fewer where --include/--exclude left fewer
+    slots, and every slot --include names for a host (pure)."""
+    named = {part.split(":", 1)[0] for part in (include or "").split("@") if ":" in part}
+    return tuple(n if n.host in named else NodeResources(n.host, n.slots[:default])
+                 for n in nodes)
+
+
 def resolve_cluster(hs: HostsSpec, cwd: str) -> tuple[Cluster, Backend]:
     """The job's hosts and backend; every check that needs no agent."""
     hostfile = resolve_hostfile(hs.hostfile, cwd)
@@ -118,12 +134,15 @@ def resolve_cluster(hs: HostsSpec, cwd: str) -> tuple[Cluster, Backend]:
         pool = this_host_pool(hs, devices, usable_cpus(), socket.gethostname())
         if backend is not None and backend.hostfile_only:
             backend = None  # chosen below, as for any job on this host
-    num_gpus = hs.num_gpus if hs.num_gpus is not None else pool.default_ranks
+    selecting = hs.include is not None or hs.exclude is not None
+    num_gpus = hs.num_gpus if hs.num_gpus is not None or selecting else pool.default_ranks
     hostname, addresses = socket.gethostname(), own_addresses()
     this_host = None if pool.hostfile.path != THIS_HOST else \
         (lambda host: is_local_host(host, hostname, addresses))
     nodes = select_resources(pool.hostfile, hs.include, hs.exclude, hs.num_nodes, num_gpus,
                              this_host)
+    if num_gpus is None and selecting and pool.default_ranks is not None:
+        nodes = cap_default(nodes, pool.default_ranks, hs.include)
     hosts = tuple(n.host for n in nodes)
     if backend is None:
         here = [is_local_host(h, hostname, addresses) for h in hosts]

@@ -519,3 +519,67 @@ def test_a_slurm_job_on_other_hosts_gets_the_working_directory_first(tmp_path, m
     env = launch.user_env(LaunchSpec(script="sub/t.py"), str(work), remote=cluster.remote,
                           multi_host=True, forward=False)
     assert env.as_dict() == {"PYTHONPATH": f"{work}:/site/extra"}
+
+
+@pytest.fixture
+def in_allocation(tmp_path, monkeypatch):
+    """Inside `salloc --nodes=2 --ntasks-per-node=2` (two CPUs per node
+    unless a test says otherwise), with an srun on PATH and no hostfile."""
+    from dsrun.launcher import hostfile as hf
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "srun").write_text("#!/bin/sh\nexit 0\n")
+    (bindir / "srun").chmod(0o755)
+    monkeypatch.setattr(hf, "DEFAULT_JOB_HOSTFILE", str(tmp_path / "no-job-hostfile"))
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    for name, value in {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[1-2]",
+                        "SLURM_JOB_CPUS_PER_NODE": "2(x2)", "SLURM_NTASKS_PER_NODE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("SLURM_GPUS_ON_NODE", raising=False)
+    monkeypatch.delenv("SLURM_GPUS_PER_NODE", raising=False)
+    return str(tmp_path)
+
+
+def _selected(cwd: str, **kw) -> list[tuple[str, tuple[int, ...]]]:
+    from dsrun.launcher.cluster import resolve_cluster
+
+    cluster, _ = resolve_cluster(HostsSpec(launcher="slurm", cpu=True, **kw), cwd)
+    return list(zip(cluster.hosts, cluster.slots))
+
+
+@pytest.mark.parametrize("kw,expected", [
+    ({"include": "node1:0"}, [("node1", (0,))]),
+    ({"exclude": "node1:1"}, [("node1", (0,)), ("node2", (0, 1))]),
+    ({"include": "node2:1@node1:0"}, [("node1", (0,)), ("node2", (1,))]),
+    ({"include": "node2"}, [("node2", (0, 1))]),
+    ({}, [("node1", (0, 1)), ("node2", (0, 1))]),
+])
+def test_slot_selections_inside_an_allocation_apply_to_its_slots(in_allocation, kw,
+                                                                  expected):
+    """SLURM_NTASKS_PER_NODE was applied as if the user had given --num_gpus 2,
+    so every slot-level --include/--exclude failed with '--num_gpus 2 asks
+    for more slots than available'."""
+    assert _selected(in_allocation, **kw) == expected
+
+
+def test_the_allocations_ranks_per_host_bound_an_exclusion(in_allocation, monkeypatch):
+    """More slots than tasks per node: at most SLURM_NTASKS_PER_NODE ranks on
+    a host after --exclude; slots --include names all run."""
+    monkeypatch.setenv("SLURM_JOB_CPUS_PER_NODE", "4(x2)")
+    assert _selected(in_allocation, exclude="node1:1") == [("node1", (0, 2)),
+                                                           ("node2", (0, 1))]
+    assert _selected(in_allocation, include="node1:0,1,2@node2") == [("node1", (0, 1, 2)),
+                                                                     ("node2", (0, 1))]
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "8")  # --ntasks-per-node=8 --gpus-per-node=8
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "8")
+    from dsrun.launcher.cluster import resolve_cluster
+
+    cluster, _ = resolve_cluster(HostsSpec(launcher="slurm", exclude="node1:7"), in_allocation)
+    assert cluster.slots == (tuple(range(7)), tuple(range(8)))
+
+
+def test_a_num_gpus_the_user_gave_is_still_checked_inside_an_allocation(in_allocation):
+    with pytest.raises(SelectionError, match=r"^--num_gpus 2 asks for more slots than "
+                                             r"available after --include 'node1:0'"):
+        _selected(in_allocation, include="node1:0", num_gpus=2)
