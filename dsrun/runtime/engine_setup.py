@@ -73,6 +73,26 @@ def _check_droppable(optimizer: Optimizer, client: Any, scheduler: Any) -> None:
             "takes the optimizer")
 
 
+def check_optimizer_params(optimizer: Optimizer, module: torch.nn.Module,
+                           precision: FullPrecision, stage: int) -> None:
+    """Every tensor of the optimizer's param groups is in one place only
+    (stages 0-2; stage 3 checks its own groups, in the same words). A
+    parameter listed twice was stepped twice per step at stage 0 (DeepSpeed
+    refuses it at every stage)."""
+    names: dict[int, str] = {}
+    for name, param in module.named_parameters():
+        names[id(param)] = names[id(precision.optimizer_tensor(param))] = name
+    seen: set[int] = set()
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            where = f"param group {g}, parameter {i} (shape {tuple(p.shape)})"
+            if id(p) in seen:
+                raise DsrunConfigError(f"{where} appears in more than one place"
+                                       + (f" (the module's {names[id(p)]!r})"
+                                          if id(p) in names else ""))
+            seen.add(id(p))
+
+
 def check_prepartitioned(module: torch.nn.Module, config: DsrunConfig) -> None:
     """A model built under ``dsrun.zero.Init`` must already have the dtype
     training uses: its released parameters cannot be cast afterwards."""
@@ -137,6 +157,8 @@ class EngineSetup:
                         "\"optimizer\" section; using the client's (as DeepSpeed does)")
         self._link_model_parallel()
         built = self._build_optimizer(client, model_parameters)
+        if built is not None and self.zero_stage < 3:  # stage 3 checks its own groups
+            check_optimizer_params(built, self.module, self.precision, self.zero_stage)
         if built is not None:
             # DeepSpeed drops param groups without parameters (get_lr() has none for them)
             _check_droppable(built, client, self.client_lr_scheduler)

@@ -1,0 +1,68 @@
+"""initialize() refuses optimizer param groups that do not match the
+module at ZeRO stages 0-2: a parameter listed twice (stepped twice per step
+at stage 0; DeepSpeed refuses it at every stage). Stage 3 refuses it
+itself, in the same words. World-size-1 gloo group over a HashStore."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dsrun
+from dsrun.errors import DsrunConfigError
+from dsrun.runtime.env import DistEnv
+
+
+@pytest.fixture(scope="module")
+def solo() -> Iterator[None]:
+    created = not dist.is_initialized()
+    if created:
+        dsrun.init_distributed(env=DistEnv(accelerator="cpu"))
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "DSRUN_CONFIG", "MASTER_ADDR",
+                "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def _config(stage: int, **extra: Any) -> dict:
+    return {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 1000,
+            "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, **extra}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_parameter_listed_twice_is_refused(solo: None, stage: int) -> None:
+    model = _net()
+    with pytest.raises(DsrunConfigError, match=r"param group 0, parameter 1 \(shape \(8, 4\)\) "
+                                               "appears in more than one place"):
+        dsrun.initialize(model=model, config=_config(stage),
+                         model_parameters=[model[0].weight, model[0].weight])
+
+
+def test_a_client_optimizer_with_a_parameter_twice_is_refused_at_stage_0(solo: None) -> None:
+    model = _net()
+    client = torch.optim.AdamW(list(model.parameters()) + [model[2].weight], lr=0.1)
+    with pytest.raises(DsrunConfigError, match=r"parameter 4 .*more than one place.*'2\.weight'"):
+        dsrun.initialize(model=model, config=_config(0), optimizer=client)
+
+
+def test_fp16_at_stage_0_refuses_a_duplicate_too(solo: None) -> None:
+    model = _net()
+    with pytest.raises(DsrunConfigError, match="appears in more than one place"):
+        dsrun.initialize(model=model, config=_config(0, fp16={"enabled": True}),
+                         model_parameters=[model[0].weight, model[0].weight])
