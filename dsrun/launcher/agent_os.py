@@ -1,7 +1,8 @@
 """What the node agent needs from the operating system: its stop signals,
 a private temporary directory, wait statuses, rank error files, the
-shared-memory segments DeepSpeed's CPU all-reduce leaves behind, and what
-to say when a rank cannot be started.
+shared-memory segments DeepSpeed's CPU all-reduce leaves behind, the
+ranks' ``--log_dir`` files (locked for the job's lifetime: two jobs never
+write one at once), and what to say when a rank cannot be started.
 
 Kept to the standard library: every agent imports it at start-up.
 """
@@ -15,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import IO, Any
 
@@ -259,14 +261,71 @@ def open_rank_logs(log_dir: str | None, ranks: list[int], header: str) -> dict[i
         for rank in ranks:
             path = os.path.join(log_dir, f"rank_{rank}.log")
             logs[rank] = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
-    except OSError as exc:
+            busy = _claim_log(logs[rank].fileno(), path)
+            if busy:
+                raise LogOpenError(busy)
+    except (OSError, LogOpenError) as exc:
         for log in logs.values():
             log.close()
+        if isinstance(exc, LogOpenError):
+            raise
         raise LogOpenError(f"cannot open the --log_dir file {path}: [Errno {exc.errno}] "
                            f"{exc.strerror}") from None
     for log in logs.values():
         log.write(header)
+        log.flush()  # at once: a job refused by the lock reads it to name this one
     return logs
+
+
+#: How often, 20 ms apart, a --log_dir file's lock is tried: another job's
+#: preflight check holds it for an instant, a running job for its lifetime.
+_LOCK_TRIES = 5
+
+
+def _claim_log(fd: int, path: str, check: bool = False) -> str | None:
+    """Take the ``--log_dir`` file's lock (flock, held while ``fd`` is open:
+    the job's lifetime on this host), or why not: another running job holds
+    it, and its lines would interleave with this job's. ``check``: only a
+    shared lock, which two jobs' preflight checks can take at once. A file
+    system without flock (some NFS mounts) is not an error: the file is
+    used unlocked, as before."""
+    import fcntl
+
+    mode = (fcntl.LOCK_SH if check else fcntl.LOCK_EX) | fcntl.LOCK_NB
+    for attempt in range(_LOCK_TRIES):
+        try:
+            fcntl.flock(fd, mode)
+            return None
+        except BlockingIOError:
+            if attempt + 1 < _LOCK_TRIES:
+                time.sleep(0.02)
+        except OSError:  # ENOLCK, EOPNOTSUPP, ...: no locks here
+            return None
+    return (f"the --log_dir file {path} is being written by {_log_writer(path)}; "
+            f"two jobs' lines would interleave in it: give this job another --log_dir")
+
+
+#: How far back from a log file's end its writer's header line is looked for.
+_HEADER_SEARCH = 1 << 20
+
+
+def _log_writer(path: str) -> str:
+    """Who holds ``path``'s lock, as its last header line names it
+    (open_rank_logs: ``# dsrun job ID restart N host H DATE TIME``)."""
+    try:
+        with open(path, "rb") as f:
+            end = f.seek(0, os.SEEK_END)
+            f.seek(max(0, end - _HEADER_SEARCH))
+            tail = f.read()
+    except OSError:
+        tail = b""
+    at = tail.rfind(b"# dsrun job ")
+    fields = tail[at:].split(b"\n", 1)[0].decode("utf-8", "replace").split() if at >= 0 else []
+    if len(fields) >= 10 and fields[4] == "restart" and fields[6] == "host":
+        # The id as that job's launcher printed it (and `dsrun stack` takes it).
+        return (f"another running dsrun job, job id {fields[3][:12]} (on {fields[7]}, "
+                f"since {fields[8]} {fields[9]})")
+    return "another running process (no dsrun job header found in it)"
 
 
 def log_files_problem(paths: list[str]) -> str | None:
@@ -308,9 +367,14 @@ def _log_file_problem(path: str, made: list[str]) -> str | None:
             existed = os.path.lexists(path)
             fd = os.open(path, os.O_WRONLY | os.O_APPEND
                          | (0 if existed else os.O_CREAT | os.O_EXCL), 0o666)
-            os.close(fd)
+            try:
+                busy = _claim_log(fd, path, check=True) if existed else None  # the close frees it
+            finally:
+                os.close(fd)
             if not existed:
                 made.append(path)
+            if busy:
+                return busy
         except FileNotFoundError as exc:
             # Hosts sharing a --log_dir (NFS) check it at once, and another
             # host's check removes the directories it made: make them again.
