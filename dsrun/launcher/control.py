@@ -45,7 +45,11 @@ def socket_dir() -> str:
     base = os.environ.get("XDG_RUNTIME_DIR")
     if base and os.path.isdir(base):
         return os.path.join(base, "dsrun")
-    return os.path.join(tempfile.gettempdir(), f"dsrun-{os.getuid()}")
+    try:
+        tmp = tempfile.gettempdir()
+    except OSError:  # none usable: binding there fails, with the usual warning
+        tmp = "/tmp"
+    return os.path.join(tmp, f"dsrun-{os.getuid()}")
 
 
 def _private_dir() -> str:

@@ -46,8 +46,8 @@ def run_doctor(hs: HostsSpec, cwd: str, echo=click.echo,  # noqa: ANN001 - click
     spec = LaunchSpec(script="<doctor>", num_gpus=hs.num_gpus, backend=hs.launcher,
                       ssh=hs.ssh, cpu=hs.cpu, launcher_args=hs.launcher_args,
                       slurm_args=hs.slurm_args)
-    env = user_env(job or spec, cwd, remote=cluster.remote and backend.login_env,
-                   multi_host=spans_hosts(cluster))
+    env = user_env(job or spec, cwd, remote=cluster.remote, multi_host=spans_hosts(cluster),
+                   forward=cluster.remote and backend.login_env)  # as launch.run
     plan = build_plan(job or spec, cluster, env, uuid.uuid4().hex, facts=here_facts(cluster),
                       python=backend.python, cwd=os.getcwd())
     try:

@@ -53,3 +53,17 @@ def test_remove_stale_counts_what_it_removed(runtime_dir: Path) -> None:
     _stale(runtime_dir / f"eeeeeeeeeeee{control.SUFFIX}")
     assert control.remove_stale() == 1 and os.listdir(runtime_dir) == []
     assert control.remove_stale() == 0
+
+
+def test_no_usable_temporary_directory_is_no_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tempfile finds no usable directory (read-only /tmp, a bad TMPDIR):
+    the socket directory is still named; binding there then fails with the
+    usual warning instead of the launcher dying with a traceback."""
+    import tempfile
+
+    def none_usable() -> str:
+        raise FileNotFoundError("No usable temporary directory found")
+
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "gettempdir", none_usable)
+    assert control.socket_dir() == f"/tmp/dsrun-{os.getuid()}"
