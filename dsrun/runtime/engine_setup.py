@@ -31,7 +31,7 @@ from dsrun.runtime.norms import model_parallel_of
 from dsrun.runtime.optimizers import build_optimizer
 from dsrun.runtime.precision import FullPrecision, torch_dtype
 from dsrun.runtime.sparse_grads import refuse_at_zero, refuse_in_16_bits, sparse_grad_params
-from dsrun.runtime.zero.groups import check_tested_optimizer
+from dsrun.runtime.zero.groups import TAKEN_OVER, check_tested_optimizer
 from dsrun.runtime.zero.stepping import DEEPSPEED_DEFAULT_BUCKET, offload_notes, wrap_optimizer
 
 log = logging.getLogger("dsrun.runtime.engine")
@@ -75,14 +75,18 @@ def _check_droppable(optimizer: Optimizer, client: Any, scheduler: Any) -> None:
 
 def check_optimizer_params(optimizer: Optimizer, module: torch.nn.Module,
                            precision: FullPrecision, stage: int) -> None:
-    """Every tensor of the optimizer's param groups is in one place only
-    (stages 0-2; stage 3 checks its own groups, in the same words). A
-    parameter listed twice was stepped twice per step at stage 0 (DeepSpeed
-    refuses it at every stage)."""
+    """Every tensor of the optimizer's param groups is one of ``module``'s
+    (or its fp32 master), in one place only (stages 0-2; stage 3 checks its
+    own groups, in the same words). A parameter listed twice was stepped
+    twice per step at stage 0 (DeepSpeed refuses it at every stage); tensors
+    of another copy of the model were stepped while the module's gradients
+    were never applied - a flat loss with no message."""
     names: dict[int, str] = {}
     for name, param in module.named_parameters():
         names[id(param)] = names[id(precision.optimizer_tensor(param))] = name
+    shapes = {tuple(p.shape): n for n, p in reversed(list(module.named_parameters()))}
     seen: set[int] = set()
+    foreign: list[tuple[str, str]] = []
     for g, group in enumerate(optimizer.param_groups):
         for i, p in enumerate(group["params"]):
             where = f"param group {g}, parameter {i} (shape {tuple(p.shape)})"
@@ -91,6 +95,17 @@ def check_optimizer_params(optimizer: Optimizer, module: torch.nn.Module,
                                        + (f" (the module's {names[id(p)]!r})"
                                           if id(p) in names else ""))
             seen.add(id(p))
+            if id(p) not in names:
+                twin = shapes.get(tuple(p.shape))  # a copy's tensor: its original's name
+                foreign.append((where, f" ({twin!r} has that shape: a copy of it?)"
+                                if twin else ""))
+    if foreign:
+        raise DsrunConfigError(
+            f"{len(foreign)} tensor(s) in the optimizer's param groups are not parameters of "
+            f"the module passed to initialize(), e.g. {foreign[0][0]} is not a parameter of "
+            f"the module{foreign[0][1]}: ZeRO stage {stage} steps the module's parameters, "
+            "so these would be stepped and the module never; build model_parameters (or the "
+            "optimizer) from the model given to initialize(), not from a copy of it")
 
 
 def check_prepartitioned(module: torch.nn.Module, config: DsrunConfig) -> None:
@@ -157,7 +172,10 @@ class EngineSetup:
                         "\"optimizer\" section; using the client's (as DeepSpeed does)")
         self._link_model_parallel()
         built = self._build_optimizer(client, model_parameters)
-        if built is not None and self.zero_stage < 3:  # stage 3 checks its own groups
+        # stage 3 checks its own groups; an optimizer already stepping for a
+        # ZeRO engine holds that one's partitions: wrap_optimizer says so
+        taken = self.zero_stage > 0 and getattr(built, TAKEN_OVER, False)
+        if built is not None and self.zero_stage < 3 and not taken:
             check_optimizer_params(built, self.module, self.precision, self.zero_stage)
         if built is not None:
             # DeepSpeed drops param groups without parameters (get_lr() has none for them)

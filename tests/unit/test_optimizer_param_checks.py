@@ -1,10 +1,13 @@
 """initialize() refuses optimizer param groups that do not match the
 module at ZeRO stages 0-2: a parameter listed twice (stepped twice per step
-at stage 0; DeepSpeed refuses it at every stage). Stage 3 refuses it
+at stage 0; DeepSpeed refuses it at every stage) and tensors that are not
+the module's (another copy of the model: its tensors were stepped, the
+module's gradients never applied, with no message). Stage 3 refuses both
 itself, in the same words. World-size-1 gloo group over a HashStore."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,3 +69,34 @@ def test_fp16_at_stage_0_refuses_a_duplicate_too(solo: None) -> None:
     with pytest.raises(DsrunConfigError, match="appears in more than one place"):
         dsrun.initialize(model=model, config=_config(0, fp16={"enabled": True}),
                          model_parameters=[model[0].weight, model[0].weight])
+
+
+def _foreign_match(count: int, shape: str, stage: int) -> str:
+    return (rf"{count} tensor\(s\) in the optimizer's param groups are not parameters of the "
+            rf"module .*param group 0, parameter 0 \(shape \({shape}\)\) is not a parameter of "
+            rf"the module.*: ZeRO stage {stage}")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_parameters_of_a_copy_of_the_model_are_refused(solo: None, stage: int) -> None:
+    model = _net()
+    params = copy.deepcopy(model).parameters()
+    with pytest.raises(DsrunConfigError, match=_foreign_match(4, "8, 4", stage)) as err:
+        dsrun.initialize(model=model, config=_config(stage), model_parameters=params)
+    assert "('0.weight' has that shape: a copy of it?)" in str(err.value)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_client_optimizer_over_other_tensors_is_refused(solo: None, stage: int) -> None:
+    model = _net()
+    other = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(DsrunConfigError, match=_foreign_match(1, "3,", stage)):
+        dsrun.initialize(model=model, config=_config(stage),
+                         optimizer=torch.optim.SGD([other], lr=0.1))
+
+
+def test_part_of_the_model_is_fine(solo: None) -> None:
+    model = _net()
+    engine, optimizer, *_ = dsrun.initialize(model=model, config=_config(0),
+                                             model_parameters=model[2].parameters())
+    assert [p.shape for p in optimizer.param_groups[0]["params"]] == [(1, 8), (1,)]
