@@ -124,6 +124,23 @@ def check_prepartitioned(module: torch.nn.Module, config: DsrunConfig) -> None:
                                "dsrun.zero.Init(dtype=torch.float16)")
 
 
+def _named(value: Any) -> str:
+    return getattr(value, "__qualname__", None) or type(value).__name__
+
+
+def _checked_scheduler(scheduler: Any, given: str) -> Any:
+    """``scheduler`` if it can be stepped (or None: no scheduler, as in
+    DeepSpeed); a string, number or dict would fail only at the first
+    engine.step() ('str' object has no attribute 'step')."""
+    if scheduler is None or callable(getattr(scheduler, "step", None)):
+        return scheduler
+    raise DsrunConfigError(
+        f"{given} {type(scheduler).__name__} {scheduler!r:.80}, not an LR scheduler: pass "
+        "a scheduler object (with step()), a scheduler class or a callable that takes the "
+        "optimizer and returns one; a scheduler named by a string belongs in the config's "
+        '"scheduler" section')
+
+
 class EngineSetup:
     """Mixed into the engine: builds its gradient sync, optimizers and
     scheduler from ``config``, ``module`` and ``precision``."""
@@ -299,12 +316,14 @@ class EngineSetup:
             if self.config.scheduler is not None:
                 log.warning("an lr_scheduler was passed to initialize() and the config has a "
                             "\"scheduler\" section; using the client's (as DeepSpeed does)")
-            if callable(client) and not hasattr(client, "step"):
-                # DeepSpeed calls the factory with the torch optimizer; at
-                # ZeRO stages that is the inner one, whose param_groups step
+            if isinstance(client, type) or (callable(client) and not hasattr(client, "step")):
+                # DeepSpeed calls the factory (a scheduler class too:
+                # ConstantLR) with the torch optimizer; at ZeRO stages that is
+                # the inner one, whose param_groups step
                 inner = self.optimizer.optimizer if self.zero_stage > 0 else self.optimizer
-                return client(inner)
-            return client
+                return _checked_scheduler(client(inner),
+                                          f"lr_scheduler={_named(client)}(optimizer) returned")
+            return _checked_scheduler(client, "lr_scheduler= is")
         if self.config.scheduler is None and self.config.scheduler_error is None:
             return None
         if self.optimizer is None or self._partition_only:
