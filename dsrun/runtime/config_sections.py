@@ -91,7 +91,8 @@ class ZeroConfig:
     stage: int = opt("int", 0, low=0, high=3)
     contiguous_gradients: bool = opt("bool", True)
     reduce_scatter: bool = opt("bool", True)
-    reduce_bucket_size: int = opt("int", 500_000_000, low=0)
+    # > 0 at every stage, as DeepSpeed's pydantic check (gt=0) and dsrun's ZeRO buckets need
+    reduce_bucket_size: int = opt("int", 500_000_000, low=1)
     use_multi_rank_bucket_allreduce: bool = opt("bool", True)
     allgather_partitions: bool = opt("bool", True)
     allgather_bucket_size: int = opt("int", 500_000_000, low=0)
@@ -170,6 +171,13 @@ class ZeroConfig:
             object.__setattr__(self, legacy, None)
         if self.leaf_module is not None:
             object.__setattr__(self, "leaf_module", _leaf_module(self.leaf_module))
+        if self.stage in (1, 2) and self.allgather_bucket_size < 1:
+            # DeepSpeed takes 0 (ge=0); dsrun's stage 1/2 gathers in buckets of
+            # this many elements, and its ranks refuse 0: said here too, so the
+            # launcher's --config check names FILE:LINE
+            raise DsrunConfigError(
+                f'"zero_optimization.allgather_bucket_size" in the config must be an integer '
+                f">= 1 at ZeRO stage {self.stage}, got {self.allgather_bucket_size}")
         ratio = self.offload_optimizer.ratio if self.offload_optimizer else 1.0
         if ratio < 1.0 and self.stage != 3:
             raise DsrunConfigError(f"zero_optimization.offload_optimizer.ratio={ratio:g} (partial "
