@@ -34,13 +34,14 @@ def check_config(path: str, world_size: int, environ: Mapping[str, str]) -> str 
     return a warning when it is valid only at a data-parallel size below
     ``world_size`` (None: nothing to say)."""
     from dsrun.runtime import config as cfg
+    from dsrun.runtime.config_load import json_hint
 
     text = _read(path)
     try:
         json.loads(text)
     except json.JSONDecodeError as exc:
         raise DsrunUsageError(f"--config {path}:{exc.lineno}:{exc.colno}: not valid JSON: "
-                              f"{exc.msg}") from None
+                              f"{exc.msg}{json_hint(path, text)}") from None
     try:
         raw, _ = cfg.load_config(path)  # duplicate keys, not an object, inf/NaN
     except DsrunConfigError as exc:

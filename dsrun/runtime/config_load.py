@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import MISSING, fields
 from types import MappingProxyType
@@ -104,7 +105,7 @@ def load_config(config: ConfigInput) -> tuple[dict[str, Any], str]:
         raw = json.loads(text, object_pairs_hook=no_duplicates)
     except json.JSONDecodeError as err:
         raise DsrunConfigError(f"{path}: line {err.lineno}, column {err.colno}: invalid JSON: "
-                               f"{err.msg}") from None
+                               f"{err.msg}{json_hint(path, text)}") from None
     if not isinstance(raw, dict):
         raise DsrunConfigError(f"{path} must hold a JSON object, got {show(raw)}")
     refuse_nonfinite(raw, (), path)
@@ -134,6 +135,23 @@ def refuse_nonfinite(value: Any, path: tuple[str, ...], source: str) -> None:
     elif isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
             refuse_nonfinite(item, (*path, str(index)), source)
+
+
+_NOT_JSON = re.compile(r"^\s*(//|#)|/\*|,\s*[}\]]", re.MULTILINE)
+
+
+def json_hint(path: str, text: str) -> str:
+    """What to add to a JSON error for a file that is not meant as JSON: a
+    YAML file (which dsrun does not read), or the comments and trailing
+    commas DeepSpeed's hjson reader takes and dsrun's strict JSON does not."""
+    if path.lower().endswith((".yaml", ".yml")):
+        return ("; dsrun reads config files as JSON only, not YAML: convert it "
+                "(python -c 'import json,sys,yaml; json.dump(yaml.safe_load(open(sys.argv[1])), "
+                "sys.stdout, indent=2)' FILE.yaml > FILE.json) or pass a dict to initialize()")
+    if path.lower().endswith(".hjson") or _NOT_JSON.search(text):
+        return ("; config files are strict JSON: no comments or trailing commas (DeepSpeed "
+                "reads them as hjson, dsrun does not)")
+    return ""
 
 
 # Top-level keys of older configs (DeepSpeed's, Megatron's --fp32-allreduce)
