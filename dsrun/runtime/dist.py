@@ -328,6 +328,11 @@ def _rendezvous(env: DistEnv, backend: str, timeout: datetime.timedelta | None,
     port = compat.get("distributed_port")
     if env.master_known:
         assert env.master_addr is not None and env.master_port is not None
+        if env.job_id and env.world_size > 1:
+            # a dsrun job: a store that refuses another job's ranks (rendezvous.py)
+            wait = timeout or dist.distributed_c10d._get_default_timeout(backend)
+            return ({"store": rendezvous.job_store(env, wait)},
+                    (env.master_addr, env.master_port))
         host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
         return ({"init_method": f"tcp://{host}:{env.master_port}"},
                 (env.master_addr, env.master_port))

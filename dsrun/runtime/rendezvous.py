@@ -15,6 +15,17 @@ knows its rank and the world size from its launcher (env.py) but not
 - Slurm (:func:`slurm_master`): the first node of the step and a port
   derived from the job and step ids (``MASTER_PORT`` wins).
 
+A dsrun job (``DSRUN_JOB_ID`` set, master given by the launcher) opens its
+store with :func:`job_store`, as torch's ``tcp://`` handler would (rank 0
+hosts it, multi-tenant, libuv unless ``USE_LIBUV=0``), except that rank 0
+writes the job id into it the moment it is bound, and every other rank
+reads that id before it joins anything. The launcher's hold on the port
+ends when the ranks start, and rank 0 binds it only once torch is
+imported: another job given the same ``--master_port`` can take it in
+between. Without the id, ranks of the two jobs would form one group and
+kill both; with it, the job whose rank 0 did not get the port fails with
+one error naming the port and the job that holds it.
+
 Multi-host jobs on gloo also check that this host's name does not resolve
 to loopback (gloo would listen there, unreachable from other hosts) unless
 ``GLOO_SOCKET_IFNAME`` is set, and name the interface to set it to.
@@ -25,6 +36,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,6 +46,14 @@ from dsrun.runtime.env import DistEnv, slurm_port
 
 LOCAL_MASTER = "127.0.0.1"
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+#: The key, in the job's raw store, that holds the id of the job whose rank 0 hosts it.
+JOB_KEY = "dsrun/job_id"
+#: How long a rank waits for that key once connected: rank 0 sets it right after binding.
+JOB_KEY_WAIT = datetime.timedelta(seconds=60)
+#: How long rank 0 spends asking the port's holder who it is, after losing the port.
+OWNER_WAIT = datetime.timedelta(seconds=3)
 
 
 def mpi_comm() -> Any:
@@ -140,3 +160,84 @@ def slurm_master(env: DistEnv, backend: str, port: int | None = None) -> tuple[s
     if problem:
         raise DsrunError(problem)
     return addr, port
+
+
+def job_store(env: DistEnv, timeout: datetime.timedelta) -> Any:
+    """The TCPStore of a dsrun job at the launcher-given master (module
+    docstring): rank 0 hosts it and writes the job id; the others connect
+    and refuse a store that holds another job's id."""
+    import torch.distributed as dist
+
+    assert env.master_addr is not None and env.master_port is not None and env.job_id
+    addr, port = env.master_addr, env.master_port
+    # what torch's tcp:// handler passes (_create_c10d_store, _get_use_libuv_from_query_dict)
+    options = dict(timeout=timeout, multi_tenant=True,
+                   use_libuv=os.environ.get("USE_LIBUV", "1") == "1")
+    if env.rank == 0:
+        try:
+            # not waiting for workers: the id must be there before any of them reads it
+            store = dist.TCPStore(addr, port, env.world_size, True, wait_for_workers=False,
+                                  **options)
+        except (RuntimeError, OSError) as exc:
+            raise DsrunError(_bind_error(addr, port, str(exc))) from None
+        store.set(JOB_KEY, env.job_id)
+        return store
+    store = dist.TCPStore(addr, port, env.world_size, False, **options)
+    owner = _job_id_in(store, min(timeout, JOB_KEY_WAIT))
+    if owner != env.job_id:
+        raise DsrunError(_foreign_store_error(addr, port, env.job_id, owner))
+    return store
+
+
+def _job_id_in(store: Any, wait: datetime.timedelta) -> str | None:
+    """The dsrun job id in ``store``, or None when none appears within ``wait``."""
+    try:
+        store.wait([JOB_KEY], wait)
+        return bytes(store.get(JOB_KEY)).decode(errors="replace")
+    except (RuntimeError, OSError):  # torch's DistStoreError (a RuntimeError): no such key
+        return None
+
+
+def _foreign_store_error(addr: str, port: int, job_id: str, owner: str | None) -> str:
+    whose = f"dsrun job {owner}" if owner else \
+        "another program (its store holds no dsrun job id)"
+    return (f"the rendezvous store on {addr}:{port} (MASTER_PORT) belongs to {whose}, not to "
+            f"this job ({job_id}): the port was taken after dsrun checked it was free, as when "
+            f"two jobs are given the same --master_port at once. This job stops before joining "
+            f"it; give each job its own --master_port, or leave it out (dsrun picks a free one)")
+
+
+def _bind_error(addr: str, port: int, reason: str) -> str:
+    if "EADDRINUSE" not in reason and "already in use" not in reason:
+        return f"rank 0 cannot open the job's rendezvous store on {addr}:{port}: {reason}"
+    owner = _port_owner(addr, port)
+    whose = f"dsrun job {owner}" if owner else "another program (or another dsrun job)"
+    return (f"rank 0 cannot open the job's rendezvous store: port {port} on {addr} "
+            f"(MASTER_PORT) was taken by {whose} after dsrun checked it was free, as when two "
+            f"jobs are given the same --master_port at once; give each job its own "
+            f"--master_port, or leave it out (dsrun picks a free one)")
+
+
+def _port_owner(addr: str, port: int) -> str | None:
+    """The id of the dsrun job whose store listens on ``addr:port``, if one
+    answers within about twice :data:`OWNER_WAIT` (a client without a world
+    size: the owner's count of its ranks is not touched)."""
+    import torch.distributed as dist
+
+    found: list[str | None] = []
+
+    def ask() -> None:
+        try:
+            client = dist.TCPStore(addr, port, None, False, timeout=OWNER_WAIT,
+                                   wait_for_workers=False)
+        except (RuntimeError, OSError):
+            return
+        found.append(_job_id_in(client, OWNER_WAIT))
+
+    # in a thread: a listener that is no store (a held port) accepts and
+    # never answers, and TCPStore's handshake then waits without a limit;
+    # this rank is about to exit with its error, which ends the thread
+    asker = threading.Thread(target=ask, name="dsrun-port-owner", daemon=True)
+    asker.start()
+    asker.join(2 * OWNER_WAIT.total_seconds())
+    return found[0] if found else None
