@@ -99,7 +99,15 @@ def check_optimizer_params(optimizer: Optimizer, module: torch.nn.Module,
                 twin = shapes.get(tuple(p.shape))  # a copy's tensor: its original's name
                 foreign.append((where, f" ({twin!r} has that shape: a copy of it?)"
                                 if twin else ""))
-    if foreign:
+    own = len(seen) - len(foreign)
+    if foreign and stage == 0 and own:
+        # Module parameters plus extra tensors (a learnable loss temperature):
+        # DeepSpeed's stage 0 steps them too, with each rank's own gradient.
+        log.warning("%d tensor(s) in the optimizer's param groups are not parameters of the "
+                    "module, e.g. %s: they are stepped with each rank's own gradient, not "
+                    "averaged across ranks (as in DeepSpeed); make them module parameters "
+                    "to keep the replicas equal", len(foreign), foreign[0][0])
+    elif foreign:
         raise DsrunConfigError(
             f"{len(foreign)} tensor(s) in the optimizer's param groups are not parameters of "
             f"the module passed to initialize(), e.g. {foreign[0][0]} is not a parameter of "

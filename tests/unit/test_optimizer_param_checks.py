@@ -95,6 +95,24 @@ def test_a_client_optimizer_over_other_tensors_is_refused(solo: None, stage: int
                          optimizer=torch.optim.SGD([other], lr=0.1))
 
 
+def test_extra_tensors_beside_the_modules_at_stage_0_are_stepped_with_a_warning(
+        solo: None, caplog: pytest.LogCaptureFixture) -> None:
+    """A learnable loss temperature next to the model's parameters: DeepSpeed's
+    stage 0 steps it too (with each rank's own gradient)."""
+    model = _net()
+    temperature = torch.nn.Parameter(torch.ones(1))
+    optimizer = torch.optim.SGD([*model.parameters(), temperature], lr=0.1)
+    engine, *_ = dsrun.initialize(model=model, config=_config(0), optimizer=optimizer)
+    assert "1 tensor(s) in the optimizer's param groups are not parameters of the module, " \
+           "e.g. param group 0, parameter 4 (shape (1,))" in caplog.text
+    x = torch.ones(2, 4)
+    loss = engine(x).sum() * temperature
+    engine.backward(loss)
+    engine.step()
+    assert temperature.item() != 1.0
+    engine.destroy()
+
+
 def test_part_of_the_model_is_fine(solo: None) -> None:
     model = _net()
     engine, optimizer, *_ = dsrun.initialize(model=model, config=_config(0),
