@@ -164,6 +164,39 @@ def hostname_addresses() -> list[str]:
     return [str(info[4][0]) for info in infos]
 
 
+#: Where dsrun picks a master port when none is given: below the kernel's
+#: ephemeral range (ip_local_port_range), like torchrun's 29500.
+PORT_FLOOR = 20000
+
+
+def ephemeral_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    try:
+        with open(path, encoding="ascii") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bind_below_ephemeral(sock: socket.socket, tries: int = 64) -> None:
+    """Bind ``sock`` to a free port below the ephemeral range. A port the
+    kernel hands out (bind to 0) lies inside it, where any process's next
+    outgoing connection may take it as its source port in the seconds
+    before rank 0's store binds it again (EADDRINUSE, seen on a busy host);
+    the kernel never picks ports below the range for that. Falls back to
+    the kernel's choice where the range leaves no room below it."""
+    low = ephemeral_range()[0]
+    for _ in range(tries if low - PORT_FLOOR > 1000 else 0):
+        pick = PORT_FLOOR + int.from_bytes(os.urandom(4), "little") % (low - PORT_FLOOR)
+        try:
+            sock.bind(("", pick))
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+                raise
+    sock.bind(("", 0))
+
+
 class HeldPort:
     """A listening socket that reserves a port until the ranks start.
 
@@ -177,7 +210,10 @@ class HeldPort:
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            self.sock.bind(("", port or 0))
+            if port:
+                self.sock.bind(("", port))
+            else:
+                _bind_below_ephemeral(self.sock)
             self.sock.listen(64)
         except OSError:
             self.sock.close()

@@ -147,3 +147,22 @@ def test_probe_says_who_the_machine_is_and_whether_the_script_is_there(tmp_path,
     assert bare["script"] == "is a directory without a __main__.py"
     plain, _ = netinfo.probe_reply({"cmd": "probe", "role": None, "versions": False})
     assert "script" not in plain
+
+
+def test_a_chosen_master_port_lies_below_the_ephemeral_range(tmp_path) -> None:
+    """Ports the kernel hands out for outgoing connections never collide
+    with it between the agent's check and rank 0's bind."""
+    low, high = netinfo.ephemeral_range()
+    held = [netinfo.HeldPort(None, "127.0.0.1") for _ in range(5)]
+    try:
+        ports = [h.port for h in held]
+    finally:
+        for h in held:
+            h.close()
+    if low - netinfo.PORT_FLOOR > 1000:
+        assert all(netinfo.PORT_FLOOR <= p < low for p in ports), (ports, low)
+    assert len(set(ports)) == 5
+    fake = tmp_path / "range"
+    fake.write_text("1024\t65000\n")
+    assert netinfo.ephemeral_range(str(fake)) == (1024, 65000)
+    assert netinfo.ephemeral_range(str(tmp_path / "missing")) == (32768, 60999)
