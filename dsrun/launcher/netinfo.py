@@ -178,7 +178,7 @@ def ephemeral_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tup
         return 32768, 60999  # Linux's default
 
 
-def _bind_below_ephemeral(sock: socket.socket, tries: int = 64) -> None:
+def bind_below_ephemeral(sock: socket.socket, tries: int = 64) -> None:
     """Bind ``sock`` to a free port below the ephemeral range. A port the
     kernel hands out (bind to 0) lies inside it, where any process's next
     outgoing connection may take it as its source port in the seconds
@@ -213,7 +213,7 @@ class HeldPort:
             if port:
                 self.sock.bind(("", port))
             else:
-                _bind_below_ephemeral(self.sock)
+                bind_below_ephemeral(self.sock)
             self.sock.listen(64)
         except OSError:
             self.sock.close()

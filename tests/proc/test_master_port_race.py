@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from dsrun.launcher.netinfo import bind_below_ephemeral
 from tests.conftest import dsrun_argv
 
 pytestmark = pytest.mark.proc
@@ -43,8 +44,10 @@ dist.barrier()
 
 
 def _free_port() -> int:
+    """A free port below the ephemeral range, as dsrun picks them (no other
+    program's outgoing connection takes it meanwhile)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        bind_below_ephemeral(s)
         return int(s.getsockname()[1])
 
 

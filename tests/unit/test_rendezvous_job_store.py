@@ -14,6 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from dsrun.errors import DsrunError
+from dsrun.launcher.netinfo import bind_below_ephemeral
 from dsrun.runtime import rendezvous
 from dsrun.runtime.env import DistEnv
 
@@ -21,8 +22,10 @@ WAIT = datetime.timedelta(seconds=20)
 
 
 def _free_port() -> int:
+    """A free port below the ephemeral range, as dsrun picks them (no other
+    program's outgoing connection takes it meanwhile)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        bind_below_ephemeral(s)
         return int(s.getsockname()[1])
 
 
