@@ -34,6 +34,7 @@ from torch.optim import Optimizer
 
 from dsrun.errors import DsrunConfigError
 from dsrun.runtime.config import ConfigInput, DsrunConfig, load_config, resolve
+from dsrun.runtime.config_agree import check_ranks_agree
 from dsrun.runtime.config_schema import redact_secrets  # also importable from here
 from dsrun.runtime.dist import init_distributed
 from dsrun.runtime.engine import DsrunEngine
@@ -197,6 +198,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
                        micro_batch_hint=hint, optimizer_hints=_optimizer_hints(optimizer),
                        optimizer_given=optimizer is not None)
     check_zero_stage(resolved)
+    check_ranks_agree(resolved)
     if model_parameters is not None:
         model_parameters = list(model_parameters)  # a generator is read once
     engine = engine_cls(model, resolved, optimizer=optimizer, lr_scheduler=lr_scheduler,

@@ -302,3 +302,12 @@ def test_destroying_a_superseded_stage3_engine_leaves_the_newer_one_working(
         two_ranks: list[dict[str, Any]]) -> None:
     for fact in case(two_ranks, "older_destroyed_later"):
         assert fact["twice"] == fact["once"], fact
+
+
+def test_ranks_with_different_configs_are_named(two_ranks: list[dict[str, Any]]) -> None:
+    """A per-rank learning rate (a config file that differs between hosts):
+    rank 0 names the key; configs that agree cost one all-reduce, no word."""
+    facts = case(two_ranks, "configs_differ")
+    assert [f["same"] for f in facts] == [[], []]
+    assert len(facts[0]["warned"]) == 1 and not facts[1]["warned"], facts
+    assert "optimizer.params differ" in facts[0]["warned"][0], facts

@@ -728,6 +728,33 @@ def older_destroyed_later(steps: int = 3) -> dict[str, Any]:
     return out
 
 
+def configs_differ() -> dict[str, Any]:
+    """Ranks whose resolved configs differ (a per-rank learning rate): the
+    keys that differ, and what initialize() logs about them on rank 0."""
+    import logging
+
+    from dsrun.runtime.config import resolve
+    from dsrun.runtime.config_agree import check_ranks_agree
+
+    rank, world = rank_world()
+
+    def config(lr: float) -> dict[str, Any]:
+        return {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9,
+                "optimizer": {"type": "SGD", "params": {"lr": lr}}}
+
+    same = check_ranks_agree(resolve(config(0.1), dp_size=world, dp_source="test"))
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("dsrun.runtime.engine").addHandler(handler)
+    try:
+        engine = dsrun.initialize(model=torch.nn.Linear(2, 1), config=config(0.1 * (rank + 1)))[0]
+        engine.destroy()
+    finally:
+        logging.getLogger("dsrun.runtime.engine").removeHandler(handler)
+    return {"same": same, "warned": [r for r in records if "different training configs" in r]}
+
+
 CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "parity_gas1": lambda: parity(gas=1, clip=0.0, schedule=False, bucket_elements=None),
     "parity_gas4_clip_schedule": lambda: parity(gas=4, clip=0.05, schedule=True,
@@ -765,6 +792,7 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "direct_backward": direct_backward,
     "zero_grad_mid_round": zero_grad_mid_round,
     "older_destroyed_later": older_destroyed_later,
+    "configs_differ": configs_differ,
     "comms_logger": comms_logged,
     "flops_profiler": flops_profiled,
     "logged_exchange": logged_exchange,
