@@ -279,7 +279,7 @@ def open_rank_logs(log_dir: str | None, ranks: list[int], header: str) -> dict[i
 
 #: How often, 20 ms apart, a --log_dir file's lock is tried: another job's
 #: preflight check holds it for an instant, a running job for its lifetime.
-_LOCK_TRIES = 5
+_LOCK_TRIES = 50
 
 
 def _claim_log(fd: int, path: str, check: bool = False) -> str | None:

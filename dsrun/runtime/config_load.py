@@ -137,7 +137,8 @@ def refuse_nonfinite(value: Any, path: tuple[str, ...], source: str) -> None:
             refuse_nonfinite(item, (*path, str(index)), source)
 
 
-_NOT_JSON = re.compile(r"^\s*(//|#)|/\*|,\s*[}\]]", re.MULTILINE)
+_NOT_JSON = re.compile(r"//|/\*|#|,\s*[}\]]")  # outside strings (json_hint)
+_STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"')
 
 
 def json_hint(path: str, text: str) -> str:
@@ -148,7 +149,8 @@ def json_hint(path: str, text: str) -> str:
         return ("; dsrun reads config files as JSON only, not YAML: convert it "
                 "(python -c 'import json,sys,yaml; json.dump(yaml.safe_load(open(sys.argv[1])), "
                 "sys.stdout, indent=2)' FILE.yaml > FILE.json) or pass a dict to initialize()")
-    if path.lower().endswith(".hjson") or _NOT_JSON.search(text):
+    # (JSON strings blanked first: "/data/*" or "a,]" inside one is not a comment)
+    if path.lower().endswith(".hjson") or _NOT_JSON.search(_STRING.sub('""', text)):
         return ("; config files are strict JSON: no comments or trailing commas (DeepSpeed "
                 "reads them as hjson, dsrun does not)")
     return ""

@@ -111,9 +111,12 @@ def check_optimizer_params(optimizer: Optimizer, module: torch.nn.Module,
         raise DsrunConfigError(
             f"{len(foreign)} tensor(s) in the optimizer's param groups are not parameters of "
             f"the module passed to initialize(), e.g. {foreign[0][0]} is not a parameter of "
-            f"the module{foreign[0][1]}: ZeRO stage {stage} steps the module's parameters, "
-            "so these would be stepped and the module never; build model_parameters (or the "
-            "optimizer) from the model given to initialize(), not from a copy of it")
+            f"the module{foreign[0][1]}: "
+            + (f"ZeRO stage {stage} steps the module's parameters only (make extra tensors "
+               "parameters of the module)" if own else
+               f"ZeRO stage {stage} steps the module's parameters, so these would be stepped "
+               "and the module never; build model_parameters (or the optimizer) from the "
+               "model given to initialize(), not from a copy of it"))
 
 
 def check_prepartitioned(module: torch.nn.Module, config: DsrunConfig) -> None:

@@ -36,9 +36,13 @@ def test_the_error_says_what_is_read(tmp_path: Path, name: str, text: str, hint:
         check_config(str(path), 1, {})
 
 
-def test_plain_broken_json_gets_no_hint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("text", ['{"train_batch_size": }',
+                                  '{"path": "/data/*" "train_batch_size": 1}',
+                                  '{"url": "http://h/#x" "a": 1}'])
+def test_plain_broken_json_gets_no_hint(tmp_path: Path, text: str) -> None:
+    """Comment-like text inside a JSON string is not a comment."""
     path = tmp_path / "ds.json"
-    path.write_text('{"train_batch_size": }')
+    path.write_text(text)
     with pytest.raises(DsrunConfigError) as err:
         load_config(str(path))
     assert "strict JSON" not in str(err.value) and "YAML" not in str(err.value)

@@ -118,3 +118,14 @@ def test_part_of_the_model_is_fine(solo: None) -> None:
     engine, optimizer, *_ = dsrun.initialize(model=model, config=_config(0),
                                              model_parameters=model[2].parameters())
     assert [p.shape for p in optimizer.param_groups[0]["params"]] == [(1, 8), (1,)]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_extra_tensors_beside_the_modules_at_zero_1_2_are_refused_saying_why(
+        solo: None, stage: int) -> None:
+    model = _net()
+    optimizer = torch.optim.SGD([*model.parameters(), torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    with pytest.raises(DsrunConfigError, match=rf"ZeRO stage {stage} steps the module's "
+                                               r"parameters only \(make extra tensors") as err:
+        dsrun.initialize(model=model, config=_config(stage), optimizer=optimizer)
+    assert "the module never" not in str(err.value)
