@@ -50,6 +50,9 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 #: The key, in the job's raw store, that holds the id of the job whose rank 0 hosts it.
 JOB_KEY = "dsrun/job_id"
+#: Characters of a job id an error shows: as many as the launcher's banner
+#: and ``dsrun stack`` show (control.ID_CHARS).
+SHOWN_ID = 12
 #: How long a rank waits for that key once connected: rank 0 sets it right after binding.
 JOB_KEY_WAIT = datetime.timedelta(seconds=60)
 #: How long rank 0 spends asking the port's holder who it is, after losing the port.
@@ -199,19 +202,20 @@ def _job_id_in(store: Any, wait: datetime.timedelta) -> str | None:
 
 
 def _foreign_store_error(addr: str, port: int, job_id: str, owner: str | None) -> str:
-    whose = f"dsrun job {owner}" if owner else \
+    whose = f"dsrun job {owner[:SHOWN_ID]}" if owner else \
         "another program (its store holds no dsrun job id)"
     return (f"the rendezvous store on {addr}:{port} (MASTER_PORT) belongs to {whose}, not to "
-            f"this job ({job_id}): the port was taken after dsrun checked it was free, as when "
-            f"two jobs are given the same --master_port at once. This job stops before joining "
-            f"it; give each job its own --master_port, or leave it out (dsrun picks a free one)")
+            f"this job ({job_id[:SHOWN_ID]}): the port was taken after dsrun checked it was "
+            f"free, as when two jobs are given the same --master_port at once. This job stops "
+            f"before joining it; give each job its own --master_port, or leave it out (dsrun "
+            f"picks a free one)")
 
 
 def _bind_error(addr: str, port: int, reason: str) -> str:
     if "EADDRINUSE" not in reason and "already in use" not in reason:
         return f"rank 0 cannot open the job's rendezvous store on {addr}:{port}: {reason}"
     owner = _port_owner(addr, port)
-    whose = f"dsrun job {owner}" if owner else "another program (or another dsrun job)"
+    whose = f"dsrun job {owner[:SHOWN_ID]}" if owner else "another program (or another dsrun job)"
     return (f"rank 0 cannot open the job's rendezvous store: port {port} on {addr} "
             f"(MASTER_PORT) was taken by {whose} after dsrun checked it was free, as when two "
             f"jobs are given the same --master_port at once; give each job its own "
