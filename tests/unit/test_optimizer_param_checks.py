@@ -19,6 +19,10 @@ import dsrun
 from dsrun.errors import DsrunConfigError
 from dsrun.runtime.env import DistEnv
 
+# torch warns when it builds an optimizer with a parameter twice: the point here
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:optimizer contains a parameter group with duplicate parameters")
+
 
 @pytest.fixture(scope="module")
 def solo() -> Iterator[None]:
