@@ -32,6 +32,9 @@ __all__ = ["new_batch", "resize_batch"]
 
 
 def _positive_int(value: Any, what: str) -> int:
+    """``value`` as an int >= 1; a whole float (8.0) counts, as in the config."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
     return value

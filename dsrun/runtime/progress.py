@@ -68,6 +68,12 @@ class Progress:
         additional losses by name (``agg_additional_losses``), printed after
         ``loss=`` as DeepSpeed's pipeline prints them; a tensor stays a tensor
         until printed."""
+        if not hasattr(loss, "detach"):  # (before anything else reads it)
+            from dsrun.errors import DsrunError
+
+            raise DsrunError(f"engine.backward() takes the loss tensor, got "
+                             f"{type(loss).__name__} {loss!r}: pass the loss itself "
+                             f"(not loss.item()), which carries the graph to run backward on")
         if self.enabled:
             self._loss_sum = self._loss_sum + loss.detach().float()
             self._loss_count += 1

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import dsrun
-from dsrun.errors import DsrunConfigError
+from dsrun.errors import DsrunConfigError, DsrunError
 from dsrun.runtime.env import DistEnv
 
 CFG = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
@@ -76,3 +76,15 @@ def test_a_factory_returning_something_else_is_refused(solo: None) -> None:
     with pytest.raises(DsrunConfigError, match=r"lr_scheduler=.*\(optimizer\) returned str"):
         dsrun.initialize(model=torch.nn.Linear(4, 1), config=CFG,
                          lr_scheduler=lambda opt: "WarmupLR")
+
+
+@pytest.mark.parametrize("steps_per_print", [1000, None])
+def test_backward_of_a_number_says_to_pass_the_loss_tensor(solo: None,
+                                                             steps_per_print: Any) -> None:
+    engine, *_ = dsrun.initialize(model=torch.nn.Linear(4, 1),
+                                  config={**CFG, "steps_per_print": steps_per_print})
+    loss = engine(torch.ones(2, 4)).sum()
+    with pytest.raises(DsrunError, match=r"engine.backward\(\) takes the loss tensor, got "
+                                         r"float .*\(not loss.item\(\)\)"):
+        engine.backward(loss.item())
+    engine.destroy()
