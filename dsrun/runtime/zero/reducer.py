@@ -50,6 +50,7 @@ only batch the copies to the host.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -59,6 +60,7 @@ import torch
 from dsrun.errors import DsrunError
 from dsrun.runtime.zero.comm import CommStrategy, Pending, start_reduce_to_owners
 from dsrun.runtime.zero.partition import GroupLayout, plan_buckets
+from dsrun.runtime.zero.weakhooks import remove_when_collected
 
 Land = Callable[[int, int, torch.Tensor], None]  # (group, shard start, values)
 
@@ -119,6 +121,7 @@ class GradReducer:
         self._next = 0
         self._handles = [s.param.register_post_accumulate_grad_hook(self._hook(key))
                          for key, s in enumerate(self.sources)]
+        remove_when_collected(self, self._handles)
 
     def _make_bucket(self, keys: Sequence[int], layouts: Sequence[GroupLayout]) -> _Bucket:
         """Slots in flat-buffer order (module docstring), ranges merged."""
@@ -152,8 +155,12 @@ class GradReducer:
     # ----------------------------------------------------------- a round
 
     def _hook(self, key: int) -> Callable[[torch.Tensor], None]:
+        reducer = weakref.ref(self)  # the parameter must not keep it alive (weakhooks.py)
+
         def on_grad(param: torch.Tensor) -> None:
-            self._on_grad(key, param)
+            alive = reducer()
+            if alive is not None:
+                alive._on_grad(key, param)
         return on_grad
 
     def _on_grad(self, key: int, param: torch.Tensor) -> None:

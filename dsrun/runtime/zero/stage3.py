@@ -128,6 +128,7 @@ from dsrun.runtime.zero.stage3_setup import (
     partition_for_optimizer,
 )
 from dsrun.runtime.zero.state_io import Stage3StateIO
+from dsrun.runtime.zero.weakhooks import remove_when_collected, weak_grad_hook
 from dsrun.runtime.zero.whole_edits import EditTaker, LocalRebind, adopt_full, separate_whole
 from dsrun.utils.z3_leaf_module import apply_zero_leaf_module_config
 
@@ -317,12 +318,15 @@ class ZeroStage3(Stage3Gradients, Stage3StateIO, MasterGradients):
             memory_efficient_linear=self.settings.memory_efficient_linear)
         self.fetcher.on_backward_end(self._finish_round)
         self._leaf_ids = frozenset(p.ds_id for p in self.fetcher.leaf_params())
+        # (held weakly: the module must not keep a dropped engine alive)
+        on_grad, drop = weak_grad_hook(self._on_grad), weak_grad_hook(self._drop_grad)
         self._hooks = [] if self._local else [
-            p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
+            p.register_post_accumulate_grad_hook(on_grad) for p in trainable]
         # trainable parameters in no param group: their gradients are not kept
-        self._drop_hooks = [p.register_post_accumulate_grad_hook(self._drop_grad)
+        self._drop_hooks = [p.register_post_accumulate_grad_hook(drop)
                             for p in self.managed_params()
                             if p.requires_grad and p.ds_id not in self._slot]
+        remove_when_collected(self, [*self._hooks, *self._drop_hooks])
         reload = weakref.WeakMethod(self._reload_master)
         for p in trainable:
             p._ds_on_modified = reload
