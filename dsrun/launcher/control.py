@@ -42,13 +42,19 @@ log = logging.getLogger("dsrun.launcher")
 
 
 def socket_dir() -> str:
+    """Where launchers' control sockets lie: the same for every shell of the
+    user on this host, so ``dsrun stack`` finds a job whatever TMPDIR the job
+    or the asking shell has (a batch system sets one per job): /tmp, not
+    the temporary directory, unless /tmp cannot be written."""
     base = os.environ.get("XDG_RUNTIME_DIR")
     if base and os.path.isdir(base):
         return os.path.join(base, "dsrun")
-    try:
-        tmp = tempfile.gettempdir()
-    except OSError:  # none usable: binding there fails, with the usual warning
-        tmp = "/tmp"
+    tmp = "/tmp"
+    if not os.access(tmp, os.W_OK | os.X_OK):
+        try:
+            tmp = tempfile.gettempdir()
+        except OSError:  # none usable: binding there fails, with the usual warning
+            pass
     return os.path.join(tmp, f"dsrun-{os.getuid()}")
 
 

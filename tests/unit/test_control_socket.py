@@ -56,8 +56,8 @@ def test_remove_stale_counts_what_it_removed(runtime_dir: Path) -> None:
 
 
 def test_no_usable_temporary_directory_is_no_crash(monkeypatch: pytest.MonkeyPatch) -> None:
-    """tempfile finds no usable directory (read-only /tmp, a bad TMPDIR):
-    the socket directory is still named; binding there then fails with the
+    """/tmp not writable and tempfile finding no usable directory: the
+    socket directory is still named; binding there then fails with the
     usual warning instead of the launcher dying with a traceback."""
     import tempfile
 
@@ -66,4 +66,17 @@ def test_no_usable_temporary_directory_is_no_crash(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     monkeypatch.setattr(tempfile, "gettempdir", none_usable)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    assert control.socket_dir() == f"/tmp/dsrun-{os.getuid()}"
+
+
+def test_the_socket_directory_does_not_follow_tmpdir(monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Path) -> None:
+    """A job started with its own TMPDIR (a batch system's) is found by
+    ``dsrun stack`` from a shell without it."""
+    import tempfile
+
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # tempfile caches its choice
     assert control.socket_dir() == f"/tmp/dsrun-{os.getuid()}"
