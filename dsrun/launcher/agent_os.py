@@ -136,10 +136,10 @@ class NoTmpdir(SystemExit):
 def tmp_candidates(environ: dict[str, str] | None = None) -> list[tuple[str, str]]:
     """The directories tried for the agent's temporary directory, as
     (absolute path, how an error names it), in the order of
-    tempfile.gettempdir(), which the launcher's control socket uses too
-    (tempfile itself is not imported: a tempfile.py in the working
-    directory would replace it). Absolute, so that a rank that changes
-    directory still finds its error file under a relative TMPDIR."""
+    tempfile.gettempdir() (tempfile itself, with shutil and random, is not
+    imported: the agent's start-up CPU is paid once per host). Absolute, so
+    that a rank that changes directory still finds its error file under a
+    relative TMPDIR."""
     env = os.environ if environ is None else environ
     try:
         here: str | None = os.getcwd()

@@ -8,6 +8,7 @@ One CPU rank or two, each test about one job start.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -96,4 +97,4 @@ def test_import_dsrun_imports_no_stdlib_module_a_cwd_file_could_replace():
             "if '.' not in m and not m.startswith(('dsrun', '_'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout
-    assert out.strip() == "['typing']"
+    assert set(ast.literal_eval(out.strip())) <= {"typing"}, out  # (3.12+ loads it earlier)
