@@ -71,7 +71,7 @@ def check_config(path: str, world_size: int, environ: Mapping[str, str]) -> str 
 
 def _read(path: str) -> str:
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a BOM is read, as initialize() does
             return f.read()
     except OSError as exc:
         raise DsrunUsageError(f"--config {path!r}: {exc.strerror}") from None

@@ -88,7 +88,8 @@ def load_config(config: ConfigInput) -> tuple[dict[str, Any], str]:
                                f"{type(config).__name__}")
     path = os.fspath(config)
     try:
-        with open(path, encoding="utf-8") as handle:
+        # utf-8-sig: a BOM (Windows editors write one) is read, as DeepSpeed's hjson does
+        with open(path, encoding="utf-8-sig") as handle:
             text = handle.read()
     except OSError as err:
         raise DsrunConfigError(f"cannot read config file {path}: {err.strerror}") from None

@@ -46,3 +46,17 @@ def test_plain_broken_json_gets_no_hint(tmp_path: Path, text: str) -> None:
     with pytest.raises(DsrunConfigError) as err:
         load_config(str(path))
     assert "strict JSON" not in str(err.value) and "YAML" not in str(err.value)
+
+
+def test_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    """Windows editors save JSON with a UTF-8 BOM; DeepSpeed's hjson reader
+    takes it, so initialize() and the launcher's --config check do too (line
+    numbers of later errors still count from the file's first line)."""
+    path = tmp_path / "ds.json"
+    path.write_bytes(b'\xef\xbb\xbf{"train_batch_size": 8}\n')
+    assert load_config(str(path))[0] == {"train_batch_size": 8}
+    check_config(str(path), 1, {})
+    path.write_bytes(b'\xef\xbb\xbf{\n "train_batch_size": 8,\n'
+                     b' "zero_optimization": {"stag": 1}}\n')
+    with pytest.raises(DsrunUsageError, match=rf"--config {path}:3: .*stag"):
+        check_config(str(path), 1, {})
