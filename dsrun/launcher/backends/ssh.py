@@ -11,10 +11,10 @@ value) on the channel's stdin, never on a command line. Hosts that are
 this machine (localhost, its names and addresses) get a local child agent
 instead, as with the local backend.
 
-Where to connect comes from ssh_config (ssh_connect.py; paramiko.SSHConfig: HostName, Port,
-User, IdentityFile, IdentitiesOnly, UserKnownHostsFile,
-GlobalKnownHostsFile, StrictHostKeyChecking), overridden by ``--ssh_port``,
-``--ssh_user``, ``--ssh_key``. Host keys are checked against the known_hosts
+Where to connect comes from ssh_config (ssh_connect.py lists the keys read;
+ProxyJump/ProxyCommand and Include too), overridden by ``--ssh_port``,
+``--ssh_user``, ``--ssh_key``; the default user is this uid's login name,
+as for ssh. Host keys are checked against the known_hosts
 files (under the HostName, or the hostfile's name for the host); an unknown
 key is refused with the command that fixes it, unless ``--ssh_insecure``
 (or StrictHostKeyChecking no/accept-new) is given; keys are never saved.
@@ -28,7 +28,6 @@ treats that as "stop now" and tears its ranks down.
 from __future__ import annotations
 
 import functools
-import getpass
 import io
 import logging
 import os
@@ -63,6 +62,7 @@ from dsrun.launcher.backends.ssh_connect import (
     SshTarget,
     config_lookup,
     connect,
+    default_user,
     resolve_target,
 )
 from dsrun.launcher.netinfo import is_local_host
@@ -275,8 +275,9 @@ class SshBackend(Backend):
         if host not in self._targets:
             if self._lookup is None:
                 self._lookup = config_lookup(self.options.config)
-            user = self._user or getpass.getuser()
-            self._targets[host] = resolve_target(host, self.options, self._lookup(host), user)
+            user = self._user or default_user()
+            self._targets[host] = resolve_target(host, self.options, self._lookup(host), user,
+                                                 self._lookup)
         return self._targets[host]
 
     def local_hosts(self, hosts: Sequence[str], hostname: str,

@@ -1,12 +1,23 @@
 """Opening one SSH connection: where to (ssh_config and the --ssh_* flags,
-resolved into a frozen :class:`SshTarget`), host key checks against the
-known_hosts files (never saved), and one error message per way it fails,
-naming the host and the fix.
+resolved into a frozen :class:`SshTarget`, ProxyJump hosts included), host
+key checks against the known_hosts files (ssh_known.py; never saved), and
+one error message per way it fails, naming the host and the fix.
+
+ssh_config keys read: HostName, Port, User, IdentityFile, IdentitiesOnly,
+UserKnownHostsFile, GlobalKnownHostsFile, StrictHostKeyChecking,
+HostKeyAlias, ConnectTimeout, ProxyJump, ProxyCommand (ssh_proxy.py), and
+Include (ssh_configfile.py). Keys that change how ssh connects but are not
+used here are named in connection errors. StrictHostKeyChecking ``no``
+still checks: a changed key is warned about (one line), then accepted, as
+ssh does; ``accept-new`` accepts unknown keys only.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import getpass
 import os
+import pwd
 import shlex
 import socket
 from collections.abc import Callable, Mapping
@@ -15,10 +26,31 @@ from typing import Any
 
 import paramiko
 
-from dsrun.errors import DsrunUsageError, LaunchError
-from dsrun.launcher.spec import SshOptions
+from dsrun.errors import DsrunUsageError
+from dsrun.launcher.backends.ssh_auth import key_plan, no_key_message
+from dsrun.launcher.backends.ssh_configfile import read_config, unused_settings
+from dsrun.launcher.backends.ssh_known import (
+    KnownHosts,
+    KnownKey,
+    check_key,
+    load_file,
+    warn_stderr,
+)
+from dsrun.launcher.backends.ssh_proxy import (
+    RoutedClient,
+    SshConnectError,
+    expand_tokens,
+    open_route,
+    parse_jumps,
+    proxy_failure,
+)
+from dsrun.launcher.spec import DEFAULT_SSH_TIMEOUT, SshOptions
 
 SSH_PORT = 22
+#: Most ProxyJump hops before a target (a longer chain is taken for a loop).
+MAX_JUMPS = 8
+#: Key of a lookup result that carries ssh_config notes (no ssh_config key has a space).
+NOTES_KEY = "dsrun notes"
 DEFAULT_CONFIG = "~/.ssh/config"
 USER_KNOWN_HOSTS = ("~/.ssh/known_hosts", "~/.ssh/known_hosts2")
 SYSTEM_KNOWN_HOSTS = ("/etc/ssh/ssh_known_hosts", "/etc/ssh/ssh_known_hosts2")
@@ -41,8 +73,12 @@ class SshTarget:
     keys: tuple[str, ...]
     identities_only: bool
     known_hosts: tuple[str, ...]
-    host_keys: str  # "strict" | "accept-new" | "off"
+    host_keys: str  # "strict" | "accept-new" | "no" (warn, connect) | "off"
     timeout: float
+    jump: SshTarget | None = None  # ProxyJump: the host just before this one
+    proxy_command: str | None = None  # with its %-tokens (ssh_proxy.py)
+    host_key_alias: str | None = None
+    notes: tuple[str, ...] = ()  # ssh_config dsrun does not honour, for errors
 
     @property
     def address(self) -> str:
@@ -50,19 +86,53 @@ class SshTarget:
         return f"{host}:{self.port}"
 
     def describe(self) -> str:
-        return f"ssh {self.user}@{self.address}"
+        via = f" (via {self.jump.host})" if self.jump else \
+            " (via ProxyCommand)" if self.proxy_command else ""
+        return f"ssh {self.user}@{self.address}{via}"
 
 
 def _host_key_mode(options: SshOptions, config: Mapping[str, Any]) -> str:
     if options.insecure:
         return "off"
     strict = str(config.get("stricthostkeychecking", "yes")).lower()
-    return {"no": "off", "off": "off", "accept-new": "accept-new"}.get(strict, "strict")
+    return {"no": "no", "off": "no", "accept-new": "accept-new"}.get(strict, "strict")
+
+
+def default_user() -> str:
+    """The login name ssh uses: the passwd entry of this uid ($USER and
+    $LOGNAME may still name someone else after ``su``)."""
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:  # a uid without a passwd entry (containers)
+        return getpass.getuser()
+
+
+def _timeout(options: SshOptions, config: Mapping[str, Any], host: str) -> float:
+    """--ssh_timeout, else ssh_config's ConnectTimeout, else the default.
+    The option's default is a plain number (spec.DEFAULT_SSH_TIMEOUT): a
+    --ssh_timeout equal to it counts as not given."""
+    text = config.get("connecttimeout")
+    if options.timeout != DEFAULT_SSH_TIMEOUT or text is None or str(text).lower() == "none":
+        return options.timeout
+    try:
+        seconds = float(str(text))
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise DsrunUsageError(f"ssh config: bad ConnectTimeout {text!r} for host {host}")
+    return seconds
+
+
+def _setting(config: Mapping[str, Any], key: str) -> str | None:
+    value = config.get(key)
+    return None if value is None or str(value).lower() == "none" else str(value)
 
 
 def resolve_target(host: str, options: SshOptions, config: Mapping[str, Any],
-                   default_user: str) -> SshTarget:
-    """Where and how to connect to ``host``: flags win over ssh_config."""
+                   default_user: str, lookup: Lookup | None = None,
+                   _depth: int = 0) -> SshTarget:
+    """Where and how to connect to ``host``: flags win over ssh_config.
+    ``lookup`` gives the ssh_config of ProxyJump hosts."""
     port_text = options.port if options.port is not None else config.get("port", SSH_PORT)
     try:
         port = int(port_text)
@@ -79,16 +149,47 @@ def resolve_target(host: str, options: SshOptions, config: Mapping[str, Any],
         or list(SYSTEM_KNOWN_HOSTS)
     known = tuple(os.path.expanduser(f) for f in (*user_files, *global_files)
                   if f not in ("/dev/null", "none"))
-    return SshTarget(
+    command, jumps = _setting(config, "proxycommand"), _setting(config, "proxyjump")
+    if command and jumps:
+        raise DsrunUsageError(f"ssh config sets both ProxyCommand and ProxyJump for host "
+                              f"{host}; dsrun cannot tell which comes first: keep one")
+    target = SshTarget(
         host=host, hostname=str(config.get("hostname", host)), port=port,
         user=options.user or str(config.get("user") or default_user), keys=keys,
         identities_only=only, known_hosts=known, host_keys=_host_key_mode(options, config),
-        timeout=options.timeout,
+        timeout=_timeout(options, config, host), proxy_command=command,
+        host_key_alias=_setting(config, "hostkeyalias"),
+        notes=(*config.get(NOTES_KEY, ()), *unused_settings(config)),
     )
+    if jumps:
+        jump = _resolve_jump(target, expand_tokens(jumps, target, "ProxyJump"), options,
+                             lookup or (lambda name: {}), default_user, _depth)
+        target = dataclasses.replace(target, jump=jump)
+    return target
+
+
+def _resolve_jump(target: SshTarget, value: str, options: SshOptions, lookup: Lookup,
+                  user: str, depth: int) -> SshTarget:
+    """The last hop of ``value``, reached through the hops before it (as
+    ``ssh -J`` does); the flags for the job's hosts do not apply to it."""
+    hops = parse_jumps(value, target.host)
+    last = hops[-1]
+    if depth >= MAX_JUMPS or last.host == target.host:
+        raise DsrunUsageError(f"ssh config: ProxyJump loop for host {target.host} (via "
+                              f"{last.host}); exclude the jump host from the Host pattern "
+                              f"that sets ProxyJump")
+    config = dict(lookup(last.host))
+    if len(hops) > 1:
+        config["proxyjump"] = ",".join(h.text() for h in hops[:-1])
+        config.pop("proxycommand", None)
+    hop_options = SshOptions(port=last.port, user=last.user, config=options.config,
+                             insecure=options.insecure, timeout=options.timeout)
+    return resolve_target(last.host, hop_options, config, user, lookup, depth + 1)
 
 
 def config_lookup(path: str | None) -> Lookup:
-    """ssh_config lookups from ``path`` (None: ~/.ssh/config when present)."""
+    """ssh_config lookups from ``path`` (None: ~/.ssh/config when present),
+    Includes expanded; what dsrun cannot evaluate rides along as NOTES_KEY."""
     if path is None:
         default = os.path.expanduser(DEFAULT_CONFIG)
         if not os.path.isfile(default):
@@ -96,79 +197,142 @@ def config_lookup(path: str | None) -> Lookup:
         path = default
     elif not os.path.isfile(path):
         raise DsrunUsageError(f"--ssh_config {path} does not exist")
-    try:
-        return paramiko.SSHConfig.from_path(path).lookup
-    except (OSError, paramiko.ssh_exception.ConfigParseError) as exc:
-        raise DsrunUsageError(f"ssh config {path}: {exc}") from None
+    parsed = read_config(path)
+
+    def lookup(host: str) -> Mapping[str, Any]:
+        found = parsed.lookup(host)
+        if parsed.notes:
+            found[NOTES_KEY] = parsed.notes
+        return found
+
+    return lookup
 
 
 # --------------------------------------------------------------------------
-# connecting (I/O)
+# host keys
 
 
-class SshConnectError(LaunchError):
-    """A host could not be reached or refused us; the message names it."""
+def key_names(target: SshTarget) -> tuple[list[str], list[str]]:
+    """The names a host's key is looked up under, and the port-less ones
+    tried when none of those has an entry. HostKeyAlias replaces them all
+    (as in OpenSSH); otherwise both the HostName and the hostfile's name."""
+    if target.host_key_alias:
+        return [target.host_key_alias], []
+    plain = list(dict.fromkeys((target.hostname, target.host)))
+    if target.port == SSH_PORT:
+        return plain, []
+    return [f"[{name}]:{target.port}" for name in plain], plain
 
 
 class _UnknownHostKey(paramiko.SSHException):
-    def __init__(self, key: paramiko.PKey) -> None:
+    def __init__(self, key: paramiko.PKey, authority: KnownKey | None = None) -> None:
         super().__init__("unknown host key")
         self.key = key
+        self.authority = authority
+
+
+class _RejectedHostKey(paramiko.SSHException):
+    """A changed (``kind == "changed"``) or @revoked host key."""
+
+    def __init__(self, kind: str, key: paramiko.PKey, entry: KnownKey, name: str) -> None:
+        super().__init__(f"{kind} host key")
+        self.kind, self.key, self.entry, self.name = kind, key, entry, name
 
 
 class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
-    """Called when the HostName has no entry: try the hostfile's name too."""
+    """The whole host key check: paramiko's client holds no keys, so it
+    asks here for every server key."""
 
-    def __init__(self, target: SshTarget, known: paramiko.HostKeys) -> None:
+    def __init__(self, target: SshTarget, known: KnownHosts) -> None:
         self.target = target
         self.known = known
 
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str,
                          key: paramiko.PKey) -> None:
-        if self.target.host_keys == "off":
+        target = self.target
+        if target.host_keys == "off":
             return
-        name = self.target.host
-        names = [name] if self.target.port == SSH_PORT else [f"[{name}]:{self.target.port}"]
-        for alias in names:
-            entry = self.known.lookup(alias)
-            if entry is not None and key.get_name() in entry:
-                if entry[key.get_name()] == key:
-                    return
-                raise paramiko.BadHostKeyException(alias, key, entry[key.get_name()])
-        if self.target.host_keys == "accept-new":
+        names, fallback = key_names(target)
+        verdict = check_key(self.known, names, fallback, key.get_name(), key.asbytes())
+        if verdict.kind == "ok":
             return
-        raise _UnknownHostKey(key)
+        if verdict.kind == "revoked" or (verdict.kind == "changed" and
+                                         target.host_keys != "no"):
+            assert verdict.entry is not None
+            raise _RejectedHostKey(verdict.kind, key, verdict.entry, verdict.name)
+        if verdict.kind == "changed":  # StrictHostKeyChecking no: warn, as ssh does
+            assert verdict.entry is not None
+            warn_stderr(f"{target.host}: host key of {target.address} does NOT match "
+                        f"known_hosts ({verdict.entry.where}); connecting anyway "
+                        f"(StrictHostKeyChecking no)")
+            return
+        if target.host_keys in ("accept-new", "no"):
+            return
+        raise _UnknownHostKey(key, verdict.entry)
 
 
-def _load_known(client: paramiko.SSHClient, target: SshTarget) -> paramiko.HostKeys:
-    known = paramiko.HostKeys()
+def _load_known(target: SshTarget) -> KnownHosts:
     if target.host_keys == "off":
-        return known
-    for path in target.known_hosts:
-        if os.path.isfile(path):
-            try:
-                client.load_system_host_keys(path)  # read only: never saved
-                known.load(path)
-            except (OSError, paramiko.SSHException) as exc:
-                raise SshConnectError(f"cannot read known_hosts file {path}: {exc}") from None
-    return known
+        return KnownHosts()
+    try:
+        return KnownHosts.load(target.known_hosts)
+    except OSError as exc:
+        raise SshConnectError(f"cannot read known_hosts file {exc.filename}: "
+                              f"{exc.strerror or exc}") from None
 
 
-def _unknown_key_message(target: SshTarget, key: paramiko.PKey) -> str:
-    user_file = next((f for f in target.known_hosts if not f.startswith("/etc/")),
-                     os.path.expanduser(USER_KNOWN_HOSTS[0]))
+def _transport_factory(key_types: list[str]) -> Callable[..., paramiko.Transport]:
+    """Transports that ask the server for the host key types known for it
+    first (as ssh does), so a host with several keys shows the known one."""
+
+    def base(algorithm: str) -> str:
+        return "ssh-rsa" if algorithm.startswith("rsa-sha2-") else algorithm
+
+    def make(sock: Any, **kwargs: Any) -> paramiko.Transport:
+        transport = paramiko.Transport(sock, **kwargs)
+        options = transport.get_security_options()
+        first = sorted((a for a in options.key_types if base(a) in key_types),
+                       key=lambda a: key_types.index(base(a)))
+        options.key_types = first + [a for a in options.key_types if a not in first]
+        return transport
+
+    return make
+
+
+def _user_file(target: SshTarget) -> str:
+    return next((f for f in target.known_hosts if not f.startswith("/etc/")),
+                os.path.expanduser(USER_KNOWN_HOSTS[0]))
+
+
+def _unknown_key_message(target: SshTarget, key: paramiko.PKey,
+                         authority: KnownKey | None = None) -> str:
+    user_file = _user_file(target)
+    where = f"({', '.join(target.known_hosts) or 'none'})"
+    if target.host_key_alias:
+        return (f"{target.host}: host key of {target.address} is not in known_hosts {where} "
+                f"under its HostKeyAlias {target.host_key_alias}; if its fingerprint "
+                f"{key.fingerprint} is right, add the line `{target.host_key_alias} "
+                f"{key.get_name()} {key.get_base64()}` to {user_file}, or pass "
+                f"--ssh_insecure to skip host key checks")
     port = f"-p {target.port} " if target.port != SSH_PORT else ""
+    fix = f"`ssh-keyscan -H {port}{target.hostname} >> {user_file}`"
+    if authority is not None:
+        return (f"{target.host}: {authority.where} trusts a host certificate authority "
+                f"(@cert-authority) for {target.hostname}, and dsrun cannot check host "
+                f"certificates; if the host key's fingerprint {key.fingerprint} is right, "
+                f"add the key itself with {fix}, or pass --ssh_insecure to skip host key "
+                f"checks")
     return (f"{target.host}: host key of {target.address} is not in known_hosts "
-            f"({', '.join(target.known_hosts) or 'none'}); if its fingerprint "
-            f"{key.fingerprint} is right, add it with `ssh-keyscan -H {port}{target.hostname}"
-            f" >> {user_file}`, or pass --ssh_insecure to skip host key checks")
+            f"{where}; if its fingerprint {key.fingerprint} is right, add it with {fix}, "
+            f"or pass --ssh_insecure to skip host key checks")
 
 
-def _bad_key_message(target: SshTarget, name: str) -> str:
+def _bad_key_message(target: SshTarget, name: str, where: str | None = None) -> str:
     """The fix names the known_hosts file that holds the old key (it may
     come from ssh_config's UserKnownHostsFile, which ssh-keygen -R without
     -f would not touch)."""
-    where = next((path for path in target.known_hosts if _holds_key(path, name)), None)
+    if where is None:
+        where = next((path for path in target.known_hosts if _holds_key(path, name)), None)
     fix = f"ssh-keygen -R {shlex.quote(name)}"
     if where is not None:
         fix += f" -f {shlex.quote(where)}"
@@ -177,13 +341,23 @@ def _bad_key_message(target: SshTarget, name: str) -> str:
             f"if the host was reinstalled, remove the old key with `{fix}`)")
 
 
+def _rejected_message(target: SshTarget, exc: _RejectedHostKey) -> str:
+    if exc.kind == "changed":
+        return _bad_key_message(target, exc.name, exc.entry.path)
+    return (f"{target.host}: host key of {target.address} ({exc.key.fingerprint}) is "
+            f"marked @revoked in {exc.entry.where}; refusing to connect (ask the host's "
+            f"administrator for its new key)")
+
+
 def _holds_key(path: str, name: str) -> bool:
-    known = paramiko.HostKeys()
     try:
-        known.load(path)
-    except (OSError, paramiko.SSHException):
+        return any(k.matches(name) for k in load_file(path) if not k.marker)
+    except OSError:
         return False
-    return known.lookup(name) is not None
+
+
+# --------------------------------------------------------------------------
+# connecting (I/O)
 
 
 def _open_socket(target: SshTarget) -> socket.socket:
@@ -205,41 +379,58 @@ def _open_socket(target: SshTarget) -> socket.socket:
 
 
 def connect(target: SshTarget) -> paramiko.SSHClient:
-    """An authenticated connection to ``target``; SshConnectError says why not."""
+    """An authenticated connection to ``target`` (through its ProxyJump or
+    ProxyCommand; closing it closes those too); SshConnectError says why not."""
     for key in target.keys:
         if target.identities_only and not os.path.isfile(key):
             raise SshConnectError(f"{target.host}: ssh key {key} does not exist")
-    sock = _open_socket(target)
-    client = paramiko.SSHClient()
+    plan = key_plan(target)
     try:
-        client.set_missing_host_key_policy(_HostKeyPolicy(target, _load_known(client, target)))
-        t = target.timeout
-        client.connect(
-            target.hostname, port=target.port, username=target.user, sock=sock,
-            key_filename=[k for k in target.keys if os.path.isfile(k)] or None,
-            look_for_keys=not target.identities_only, allow_agent=not target.identities_only,
-            timeout=t, banner_timeout=t, auth_timeout=t, channel_timeout=t,
-        )
-        return client
-    except BaseException as exc:
-        client.close()
-        sock.close()
-        if isinstance(exc, Exception):
-            raise SshConnectError(_connect_error(target, exc)) from None
-        raise
+        if not plan.sources:
+            raise SshConnectError(_noted(target, no_key_message(target, plan)))
+        known = _load_known(target)
+        sock, carriers = open_route(target, connect, _open_socket)
+        client = RoutedClient(carriers)
+        try:
+            client.set_missing_host_key_policy(_HostKeyPolicy(target, known))
+            t = target.timeout
+            client.connect(
+                target.hostname, port=target.port, username=target.user, sock=sock,
+                timeout=t, banner_timeout=t, auth_timeout=t, channel_timeout=t,
+                auth_strategy=plan.strategy(),
+                transport_factory=_transport_factory(known.key_types(*key_names(target))),
+            )
+            return client
+        except BaseException as exc:
+            failed = proxy_failure(target, carriers) if isinstance(exc, Exception) else None
+            client.close()
+            sock.close()
+            if isinstance(exc, Exception):
+                raise SshConnectError(_noted(target, failed or _connect_error(
+                    target, exc, plan.tried))) from None
+            raise
+    finally:
+        plan.close()
 
 
-def _connect_error(target: SshTarget, exc: Exception) -> str:
+def _noted(target: SshTarget, message: str) -> str:
+    if not target.notes:
+        return message
+    return (f"{message} [ssh config that dsrun does not use for {target.host}: "
+            f"{'; '.join(target.notes)}]")
+
+
+def _connect_error(target: SshTarget, exc: Exception, tried: list[str] | None = None) -> str:
     if isinstance(exc, SshConnectError):
         return str(exc)
     if isinstance(exc, _UnknownHostKey):
-        return _unknown_key_message(target, exc.key)
+        return _unknown_key_message(target, exc.key, exc.authority)
+    if isinstance(exc, _RejectedHostKey):
+        return _rejected_message(target, exc)
     if isinstance(exc, paramiko.BadHostKeyException):
         return _bad_key_message(target, exc.hostname)
-    if isinstance(exc, paramiko.PasswordRequiredException):
-        return f"{target.host}: the ssh key is encrypted; load it into ssh-agent first"
     if isinstance(exc, paramiko.AuthenticationException):
-        keys = ", ".join(target.keys) or "default keys and ssh-agent"
+        keys = "; ".join(tried or ()) or ", ".join(target.keys) or "default keys and ssh-agent"
         return (f"{target.host}: authentication as {target.user}@{target.address} failed "
                 f"(tried {keys}); use --ssh_user/--ssh_key or User/IdentityFile in ssh config")
     # paramiko gives up on a silent server as "Error reading SSH protocol banner"

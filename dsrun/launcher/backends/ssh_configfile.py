@@ -1,0 +1,183 @@
+"""Reading an ssh_config file as OpenSSH does before paramiko parses it.
+
+paramiko.SSHConfig drops ``Include`` lines (it reads them as an unknown
+key), so they are expanded here first: paths relative to ~/.ssh (the file
+is a user configuration: ~/.ssh/config or --ssh_config, as with ``ssh
+-F``), ``~`` and ``${VAR}``, glob patterns in sorted order, files that do
+not exist ignored, at most 16 levels deep. An Include inside a Host or
+Match block applies to that block only; the block's header is written
+again after the included text so that the lines after it stay in it.
+
+ProxyCommand and ProxyJump keep their ``%`` tokens here (paramiko would
+fill in the config's Port and User, not --ssh_port/--ssh_user): the
+connection fills them in (ssh_proxy.py).
+
+What dsrun cannot honour is collected as notes that connection errors
+quote: ``Match`` criteria paramiko does not know (it treats them as
+matching), and, per host, settings that change how to connect
+(:func:`unused_settings`).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import paramiko
+
+from dsrun.errors import DsrunUsageError
+
+#: OpenSSH's READCONF_MAX_DEPTH.
+MAX_INCLUDE_DEPTH = 16
+USER_CONFIG_DIR = "~/.ssh"
+_LINE = re.compile(r"(\w+)(?:\s*=\s*|\s+)(.*)")
+_ENV = re.compile(r"\$\{(\w+)\}")
+#: Match criteria paramiko evaluates; others it treats as matching.
+PARAMIKO_MATCH = frozenset({"all", "canonical", "final", "host", "originalhost", "user",
+                            "localuser", "exec"})
+_NO_PARAM = frozenset({"all", "canonical", "final"})
+
+#: ssh_config keys (lowercase, as paramiko returns them) that change how or
+#: where OpenSSH connects and that dsrun does not use; their spelling.
+UNUSED_KEYS = {k.lower(): k for k in (
+    "AddressFamily", "BindAddress", "BindInterface", "CertificateFile", "IdentityAgent",
+    "KnownHostsCommand", "PKCS11Provider", "SecurityKeyProvider", "HostKeyAlgorithms",
+    "KexAlgorithms", "Ciphers", "MACs", "PubkeyAcceptedAlgorithms",
+    "PubkeyAcceptedKeyTypes", "PreferredAuthentications", "RevokedHostKeys",
+    "ForwardAgent", "ControlPath", "RemoteCommand")}
+# values of those keys that are the same as what dsrun does anyway
+_HARMLESS = {"identityagent": "ssh_auth_sock", "forwardagent": "no", "controlpath": "none"}
+
+
+class _RawProxyConfig(paramiko.SSHConfig):
+    """paramiko.SSHConfig, but ProxyCommand/ProxyJump keep their tokens."""
+
+    TOKENS_BY_CONFIG_KEY = {**paramiko.SSHConfig.TOKENS_BY_CONFIG_KEY,
+                            "proxycommand": [], "proxyjump": []}
+
+
+@dataclass(frozen=True)
+class ConfigFile:
+    """A parsed ssh_config and what in it dsrun cannot evaluate."""
+
+    config: paramiko.SSHConfig
+    notes: tuple[str, ...] = ()
+
+    def lookup(self, host: str) -> dict[str, Any]:
+        return dict(self.config.lookup(host))
+
+
+def read_config(path: str, base_dir: str = USER_CONFIG_DIR) -> ConfigFile:
+    """``path`` parsed with its Includes expanded; DsrunUsageError names the
+    file and line of a problem."""
+    out: list[str] = []
+    notes: list[str] = []
+    _expand(path, os.path.expanduser(base_dir), 0, out, notes)
+    try:
+        config = _RawProxyConfig.from_text("\n".join(out) + "\n")
+    except paramiko.ssh_exception.ConfigParseError as exc:
+        raise DsrunUsageError(f"ssh config {path}: {exc}") from None
+    return ConfigFile(config, tuple(notes))
+
+
+def expand_includes(path: str, base_dir: str = USER_CONFIG_DIR) -> str:
+    """The text of ``path`` with every Include replaced by its files' text."""
+    out: list[str] = []
+    _expand(path, os.path.expanduser(base_dir), 0, out, [])
+    return "\n".join(out) + "\n"
+
+
+def _read_lines(path: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
+            return f.read().splitlines()
+    except OSError as exc:
+        raise DsrunUsageError(f"cannot read ssh config {path}: {exc.strerror or exc}") from None
+
+
+def _expand(path: str, base_dir: str, depth: int, out: list[str], notes: list[str]) -> bool:
+    """Append ``path``'s lines to ``out``; True when it (or a file it
+    includes) has Host/Match lines."""
+    header: str | None = None  # the Host/Match line of the block we are in
+    has_blocks = False
+    for number, raw in enumerate(_read_lines(path), 1):
+        line = raw.strip()
+        match = _LINE.fullmatch(line) if line and not line.startswith("#") else None
+        key = match.group(1).lower() if match else ""
+        if key in ("host", "match"):
+            header, has_blocks = line, True
+            if key == "match":
+                notes.extend(_match_notes(match.group(2), f"{path}:{number}"))  # type: ignore[union-attr]
+        if key != "include":
+            out.append(raw)
+            continue
+        where = f"{path}:{number}"
+        for included in _include_paths(match.group(2), base_dir, where):  # type: ignore[union-attr]
+            if depth + 1 >= MAX_INCLUDE_DEPTH:
+                raise DsrunUsageError(f"ssh config {where}: Include nested more than "
+                                      f"{MAX_INCLUDE_DEPTH} deep (does a file include itself?)")
+            mark = len(out)
+            if _expand(included, base_dir, depth + 1, out, notes):
+                if header is not None and not _all_hosts(header):
+                    del out[mark:]
+                    raise DsrunUsageError(
+                        f"ssh config {where}: the Include inside `{header}` brings Host/Match "
+                        f"blocks ({included}); dsrun reads Includes with blocks only outside "
+                        f"any Host/Match block: move the Include line above the first Host")
+                has_blocks = True
+                out.append(header or "Host *")  # the rest of this block stays in it
+    return has_blocks
+
+
+def _all_hosts(header: str) -> bool:
+    match = _LINE.fullmatch(header)
+    return match is not None and match.group(1).lower() == "host" \
+        and match.group(2).split() == ["*"]
+
+
+def _include_paths(value: str, base_dir: str, where: str) -> list[str]:
+    try:
+        words = shlex.split(value)
+    except ValueError as exc:
+        raise DsrunUsageError(f"ssh config {where}: bad Include {value!r}: {exc}") from None
+    paths: list[str] = []
+    for word in words:
+        word = os.path.expanduser(_ENV.sub(lambda m: os.environ.get(m.group(1), ""), word))
+        if not os.path.isabs(word):
+            word = os.path.join(base_dir, word)
+        paths.extend(p for p in sorted(glob.glob(word)) if os.path.isfile(p))
+    return paths
+
+
+def _match_notes(value: str, where: str) -> list[str]:
+    try:
+        words = shlex.split(value)
+    except ValueError:
+        return []  # paramiko reports it
+    notes = []
+    while words:
+        word = words.pop(0)
+        kind = word.lstrip("!").lower()
+        if kind not in _NO_PARAM and words:
+            words.pop(0)
+        if kind not in PARAMIKO_MATCH:
+            notes.append(f"`Match {kind}` ({where}) is not evaluated by dsrun "
+                         f"(its block is applied as if it matched)")
+    return notes
+
+
+def unused_settings(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """The settings of one host's lookup that change how OpenSSH connects
+    and that dsrun does not use, as ``Key value``."""
+    found = []
+    for key, value in config.items():
+        name = UNUSED_KEYS.get(key)
+        text = " ".join(value) if isinstance(value, list) else str(value)
+        if name is not None and _HARMLESS.get(key) != text.lower():
+            found.append(f"{name} {text}")
+    return tuple(sorted(found))

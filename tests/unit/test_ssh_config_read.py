@@ -1,0 +1,207 @@
+"""Reading ssh_config and known_hosts as OpenSSH does, without connecting:
+Include, ProxyJump/ProxyCommand resolution, ConnectTimeout, HostKeyAlias,
+notes on what dsrun cannot evaluate, the default login user, and the
+known_hosts parser (markers, malformed lines, hashes, port fallback)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import os
+import pwd
+
+import paramiko
+import pytest
+
+from dsrun.errors import DsrunUsageError
+from dsrun.launcher.backends.ssh import SshBackend
+from dsrun.launcher.backends.ssh_connect import config_lookup, resolve_target
+from dsrun.launcher.spec import DEFAULT_SSH_TIMEOUT, HostsSpec, SshOptions
+
+KEY = paramiko.ECDSAKey.generate()
+OTHER = paramiko.ECDSAKey.generate()
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".ssh" / "config.d").mkdir(parents=True)
+    return tmp_path
+
+
+def _write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def test_include_relative_to_dot_ssh_with_globs_and_blocks(home):
+    """paramiko dropped Include lines: hosts defined in included files
+    could not be resolved."""
+    _write(home / ".ssh" / "config.d" / "b-cluster", "Host bravo\n    HostName 10.0.0.2\n")
+    _write(home / ".ssh" / "config.d" / "a-lab", "Host lab-*\n    User labuser\n")
+    config = _write(home / ".ssh" / "config",
+                    "Include config.d/*\nUser everyone\n\nHost gamma\n    HostName 10.0.0.3\n")
+    lookup = config_lookup(config)
+    assert lookup("bravo")["hostname"] == "10.0.0.2"
+    assert lookup("lab-1")["user"] == "labuser"
+    # the line after the Include is in the top-level block again
+    assert lookup("bravo")["user"] == "everyone"
+    assert lookup("gamma")["hostname"] == "10.0.0.3"
+
+
+def test_include_inside_a_block_and_its_errors(home):
+    _write(home / ".ssh" / "common", "User shared\nPort 2200\n")
+    nested = _write(home / ".ssh" / "config",
+                    "Host a*\n    Include ~/.ssh/common\n    HostName 10.0.0.9\n")
+    assert {k: config_lookup(nested)("a1")[k] for k in ("user", "port", "hostname")} == \
+        {"user": "shared", "port": "2200", "hostname": "10.0.0.9"}
+    assert "user" not in config_lookup(nested)("b1")
+    loop = _write(home / ".ssh" / "loop", "Include loop\n")
+    with pytest.raises(DsrunUsageError, match=r"loop:1: Include nested more than 16"):
+        config_lookup(loop)
+    _write(home / ".ssh" / "blocks", "Host x\n  User y\n")
+    inner = _write(home / ".ssh" / "inner", "Host a\n  Include blocks\n")
+    with pytest.raises(DsrunUsageError, match=r"inner:2: the Include inside `Host a`"):
+        config_lookup(inner)
+
+
+def test_proxy_jump_chain_uses_each_jump_hosts_own_config(home):
+    config = _write(home / ".ssh" / "config", """
+Host gamma
+    HostName 10.0.22.2
+    ProxyJump alice@alpha:2222,beta
+Host alpha
+    HostName 10.0.0.1
+    IdentityFile ~/.ssh/id_alpha
+Host beta
+    HostName 10.0.0.2
+    User bob
+    ProxyJump elsewhere
+Host *
+    User carol
+""")
+    lookup = config_lookup(config)
+    options = SshOptions(port=2000, user="dave", timeout=4)
+    t = resolve_target("gamma", options, lookup("gamma"), "me", lookup)
+    assert (t.hostname, t.port, t.user) == ("10.0.22.2", 2000, "dave")
+    beta = t.jump
+    # the flags are for the job's hosts; -J's list replaces beta's own ProxyJump
+    assert (beta.host, beta.hostname, beta.port, beta.user) == ("beta", "10.0.0.2", 22, "bob")
+    alpha = beta.jump
+    assert (alpha.hostname, alpha.port, alpha.user, alpha.jump) == ("10.0.0.1", 2222, "alice",
+                                                                    None)
+    assert alpha.keys == (str(home / ".ssh" / "id_alpha"),) and alpha.timeout == 4
+    assert t.describe() == "ssh dave@10.0.22.2:2000 (via beta)"
+
+
+def test_proxy_settings_errors_and_none(home):
+    config = _write(home / ".ssh" / "config", """
+Host loop
+    ProxyJump loop
+Host both
+    ProxyJump a
+    ProxyCommand nc %h %p
+Host off
+    ProxyJump none
+Host bad
+    ProxyJump a:0
+Host cmd
+    ProxyCommand ssh -W %h:%p -l %r bastion # %n %%
+""")
+    lookup = config_lookup(config)
+    for host, message in [("loop", "ProxyJump loop for host loop"),
+                          ("both", "both ProxyCommand and ProxyJump for host both"),
+                          ("bad", "bad ProxyJump 'a:0' for host bad")]:
+        with pytest.raises(DsrunUsageError, match=message):
+            resolve_target(host, SshOptions(), lookup(host), "me", lookup)
+    off = resolve_target("off", SshOptions(), lookup("off"), "me", lookup)
+    assert off.jump is None and off.proxy_command is None
+    cmd = resolve_target("cmd", SshOptions(port=2222), lookup("cmd"), "me", lookup)
+    # tokens are kept until connecting, where --ssh_port/--ssh_user count
+    assert cmd.proxy_command == "ssh -W %h:%p -l %r bastion # %n %%"
+
+
+def test_connect_timeout_applies_unless_ssh_timeout_is_given():
+    config = {"connecttimeout": "3"}
+    assert resolve_target("h", SshOptions(), config, "me").timeout == 3
+    assert resolve_target("h", SshOptions(timeout=7), config, "me").timeout == 7
+    assert resolve_target("h", SshOptions(), {}, "me").timeout == DEFAULT_SSH_TIMEOUT
+    with pytest.raises(DsrunUsageError, match="bad ConnectTimeout 'x' for host h"):
+        resolve_target("h", SshOptions(), {"connecttimeout": "x"}, "me")
+
+
+def test_host_key_alias_and_port_fallback_names():
+    from dsrun.launcher.backends.ssh_connect import key_names
+
+    t = resolve_target("n1", SshOptions(port=2222), {"hostname": "10.0.0.1"}, "me")
+    assert key_names(t) == (["[10.0.0.1]:2222", "[n1]:2222"], ["10.0.0.1", "n1"])
+    alias = resolve_target("n1", SshOptions(), {"hostname": "10.0.0.1",
+                                                "hostkeyalias": "node-one"}, "me")
+    assert key_names(alias) == (["node-one"], [])
+
+
+def test_unhonoured_settings_and_match_forms_are_noted(home):
+    config = _write(home / ".ssh" / "config", """
+Match localnetwork 10.0.0.0/8
+    User netuser
+Host n*
+    CertificateFile ~/.ssh/id-cert.pub
+    ForwardAgent yes
+""")
+    lookup = config_lookup(config)
+    notes = resolve_target("n1", SshOptions(), lookup("n1"), "me", lookup).notes
+    assert any("`Match localnetwork`" in n and "config:2" in n for n in notes), notes
+    assert "CertificateFile ~/.ssh/id-cert.pub" in notes and "ForwardAgent yes" in notes
+
+
+def test_default_user_is_the_uids_login_name_not_USER(monkeypatch):
+    """After `su` (without -) USER/LOGNAME still name the old user; ssh logs
+    in as the uid's passwd name."""
+    monkeypatch.setenv("USER", "alice-not-me")
+    monkeypatch.setenv("LOGNAME", "alice-not-me")
+    backend = SshBackend(HostsSpec(), lookup=lambda host: {}, environ={})
+    assert backend.target("n1").user == pwd.getpwuid(os.getuid()).pw_name
+
+
+def _line(names, key, marker=""):
+    return f"{marker} {names} {key.get_name()} {key.get_base64()}".strip()
+
+
+def test_known_hosts_lines_markers_and_malformed(tmp_path):
+    from dsrun.launcher.backends.ssh_known import KnownHosts, check_key, parse_text
+
+    warned = []
+    salt = os.urandom(20)
+    digest = hmac.new(salt, b"hashed-host", hashlib.sha1).digest()
+    hashed = f"|1|{base64.b64encode(salt).decode()}|{base64.b64encode(digest).decode()}"
+    text = "\n".join([
+        "# comment", "",
+        _line("*.example.org", OTHER, "@cert-authority"),
+        _line("bad.example.org", KEY, "@revoked"),
+        "@unknown-marker h ssh-ed25519 AAAA",
+        "onlyonefield",
+        f"h ssh-ed25519 {OTHER.get_base64()}",  # the type does not match the data
+        _line("node?,!node9,[n1]:2222", KEY),
+        _line(hashed, KEY),
+    ])
+    keys = parse_text(text, "kh", warned.append)
+    assert [k.line for k in keys] == [3, 4, 8, 9]
+    assert [w.split(": ", 1)[0] for w in warned] == ["known_hosts kh:5", "known_hosts kh:6",
+                                                     "known_hosts kh:7"]
+    assert "unknown marker @unknown-marker" in warned[0]
+    known = KnownHosts(keys)
+    blob = KEY.asbytes()
+    assert check_key(known, ["hashed-host"], [], KEY.get_name(), blob).kind == "ok"
+    assert check_key(known, ["NODE1"], [], KEY.get_name(), blob).kind == "ok"
+    assert check_key(known, ["node9"], [], KEY.get_name(), blob).kind == "unknown"
+    assert check_key(known, ["[n1]:2222"], [], KEY.get_name(), blob).kind == "ok"
+    assert check_key(known, ["node1"], [], OTHER.get_name(), OTHER.asbytes()).kind == "changed"
+    revoked = check_key(known, ["bad.example.org"], [], KEY.get_name(), blob)
+    assert revoked.kind == "revoked" and revoked.entry.line == 4
+    ca = check_key(known, ["x.example.org"], [], KEY.get_name(), blob)
+    assert ca.kind == "unknown" and ca.entry.marker == "cert-authority"
+    # a non-22 port: the port-less entry counts when the [host]:port one is missing
+    assert check_key(known, ["[node1]:2222"], ["node1"], KEY.get_name(), blob).kind == "ok"
+    assert check_key(known, ["[node1]:2222"], ["node1"], OTHER.get_name(),
+                     OTHER.asbytes()).kind == "changed"
