@@ -14,10 +14,15 @@ its state), then, between barriers:
   ``FileSystemWriter`` defaults: fsync on, one file per rank). For
   ``dsrun-async`` (``"checkpoint": {"async": true}``) two times: how long
   ``save_checkpoint`` blocks the training loop, and until the checkpoint is
-  committed (``wait_for_checkpoint``), with one training step run while it
-  writes; the loop is *blocked* for the call plus the time that step's
-  optimizer update waited for the background copy of the state (the step
-  is also reported whole: on CPU ranks the writing thread shares the cores);
+  committed, with one training step run while it writes; the loop is
+  *blocked* for the call plus the time that step's optimizer update waited
+  for the background copy of the state (the step is also reported whole: on
+  CPU ranks the writing thread shares the cores). *Committed after* is the
+  time from the ``save_checkpoint`` call until that rank's background save
+  thread ended (rank 0's ends once it has committed the tag, the others'
+  once they have rank 0's verdict), slowest rank: a watcher thread joins the
+  save thread and takes the time, so the figure does not wait for the step
+  that runs meanwhile (``wait_for_checkpoint`` is called only after it);
 * ``dsrun-nofsync`` (``"checkpoint": {"fsync": false}``) skips fsync, as
   DeepSpeed's ``torch.save`` and a DCP writer with ``sync_files=False`` do:
   the like-for-like comparison with DeepSpeed;
@@ -25,7 +30,18 @@ its state), then, between barriers:
   + ``set_state_dict``); the files are in the page cache (just written).
 
 Reported: medians over interleaved rounds of the slowest rank's times, and
-each rank's peak RSS (VmHWM) and how much the save raised it. All runners
+each rank's peak RSS (VmHWM) and how much the save raised it. DeepSpeed's
+peak includes building the whole model on every rank (it runs without
+``zero.Init``), the dsrun runners build it partitioned.
+
+Each run also checks that the load restored what was saved: after the save
+it trains two more steps (the async runner's first is the one that
+overlaps the save), loads, and trains the same two steps again; their
+losses must equal the first two's (bench/losscheck.py, relative tolerance
+1e-4: the first checks the weights, the second the optimizer state). The
+losses of every step are also compared across runners (all start from the
+same weights and data). A mismatch is printed and the bench exits non-zero
+naming the runners. All runners
 write the same state (fp32 master shards + two Adam moments, ~12 bytes per
 parameter in all) into a fresh directory under ``--dir`` (default: a
 temporary directory on the same file system as /tmp), deleted after.
@@ -44,6 +60,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -52,6 +69,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
+import losscheck  # noqa: E402 - the runners' losses compared
 import train_throughput as tt  # noqa: E402 - the bench model and its DeepSpeed venv
 
 MiB = 2**20
@@ -72,9 +90,12 @@ def hwm_mib() -> float:
 class Subject:
     """What a runner gives the timing loop."""
 
-    def __init__(self, step: Callable[[Any], None], save: Callable[[str], None],
+    def __init__(self, step: Callable[[Any], Any], save: Callable[[str], None],
                  load: Callable[[str], None], wait: Callable[[], None] = lambda: None) -> None:
         self.step, self.save, self.load, self.wait = step, save, load, wait
+        self.stage_wait: Callable[[], float] = lambda: 0.0
+        # the background save thread of the save just started (async only)
+        self.save_thread: Callable[[], threading.Thread | None] = lambda: None
 
 
 def _dsrun(async_save: bool, fsync: bool = True) -> Callable[[], Subject]:
@@ -90,7 +111,9 @@ def _dsrun(async_save: bool, fsync: bool = True) -> Callable[[], Subject]:
         subject = Subject(tt._engine_step(engine), lambda d: engine.save_checkpoint(d, tag="b"),
                           lambda d: engine.load_checkpoint(d, tag="b"),
                           engine.wait_for_checkpoint)
-        subject.stage_wait = lambda: engine._checkpointer.saver.stage_wait_s  # type: ignore
+        # the engine makes its checkpointer on the first save: looked up then
+        subject.stage_wait = lambda: engine._checkpointer.saver.stage_wait_s
+        subject.save_thread = lambda: engine._checkpointer.saver._thread
         return subject
     return setup
 
@@ -138,7 +161,7 @@ RUNNERS: dict[str, Callable[[], Subject]] = {
 }
 
 
-def _timed(fn: Callable[[], None]) -> float:
+def _timed(fn: Callable[[], Any]) -> float:
     import torch.distributed as dist
 
     dist.barrier()
@@ -147,6 +170,44 @@ def _timed(fn: Callable[[], None]) -> float:
     elapsed = time.perf_counter() - start
     dist.barrier()
     return elapsed
+
+
+def _watch(thread: threading.Thread | None) -> Callable[[], float]:
+    """Start a thread that joins ``thread`` and takes the time it ended;
+    returns a function that waits for that time (perf_counter)."""
+    ended: list[float] = []
+
+    def watch() -> None:
+        if thread is not None:
+            thread.join()
+        ended.append(time.perf_counter())
+
+    watcher = threading.Thread(target=watch, name="bench-save-watcher", daemon=True)
+    watcher.start()
+
+    def when() -> float:
+        watcher.join()
+        return ended[0]
+    return when
+
+
+def _async_save(subject: Subject, directory: str, step: Callable[[], float],
+                facts: dict[str, Any]) -> None:
+    """The async save with one step overlapping it (module docstring)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    subject.save(directory)
+    facts["save_s"] = time.perf_counter() - start
+    ended = _watch(subject.save_thread())
+    dist.barrier()
+    start_step = time.perf_counter()
+    facts["after_save_losses"] = [step()]  # overlaps the background save
+    facts["step_during_save_s"] = time.perf_counter() - start_step
+    facts["stage_wait_s"] = subject.stage_wait()
+    _timed(subject.wait)
+    facts["complete_s"] = ended() - start
 
 
 def worker(runner: str, directory: str, out: str) -> None:
@@ -160,19 +221,28 @@ def worker(runner: str, directory: str, out: str) -> None:
     subject = RUNNERS[runner]()
     tokens = torch.randint(0, tt.VOCAB, (tt.BATCH, tt.SEQ + 1),
                            generator=torch.Generator().manual_seed(rank))
-    subject.step(tokens)
-    step_s = _timed(lambda: subject.step(tokens))  # a step with no save in flight
+    losses: list[float] = []
+
+    def step() -> float:
+        losses.append(float(subject.step(tokens)))
+        return losses[-1]
+
+    step()
+    step_s = _timed(step)  # a step with no save in flight
     before = hwm_mib()
-    facts: dict[str, Any] = {"rank": rank, "step_s": step_s,
-                             "save_s": _timed(lambda: subject.save(directory))}
+    facts: dict[str, Any] = {"rank": rank, "step_s": step_s}
     if runner == "dsrun-async":
-        facts["step_during_save_s"] = _timed(lambda: subject.step(tokens))
-        facts["stage_wait_s"] = subject.stage_wait()  # type: ignore[attr-defined]
-        facts["complete_s"] = facts["save_s"] + facts["step_during_save_s"] + \
-            _timed(subject.wait)
+        _async_save(subject, directory, step, facts)
+    else:
+        facts["save_s"] = _timed(lambda: subject.save(directory))
+        facts["after_save_losses"] = []
     facts["save_hwm_growth_mib"] = hwm_mib() - before
+    while len(facts["after_save_losses"]) < 2:  # the state moves on from the saved one
+        facts["after_save_losses"].append(step())
     facts["load_s"] = _timed(lambda: subject.load(directory))
     facts["peak_rss_mib"] = hwm_mib()
+    facts["after_load_losses"] = [step(), step()]  # must repeat the two after the save
+    facts["losses"] = losses
     Path(out, f"rank{rank}.json").write_text(json.dumps(facts))
 
 
@@ -229,18 +299,22 @@ def print_table(table: dict[str, dict[str, Any]], missing: list[str], args: Any)
     print(f"{'runner':<13}{'save s':>8}{'load s':>8}{'on disk MiB':>13}"
           f"{'peak RSS MiB/rank':>20}{'save raised peak by':>21}")
     for name, row in table.items():
-        rss = " / ".join(f"{m:.0f}" for m in row["peak_rss_mib"])
-        grow = " / ".join(f"{m:.0f}" for m in row["save_growth_mib"])
+        rss = " / ".join(f"{round(m):d}" for m in row["peak_rss_mib"])
+        grow = " / ".join(f"{round(m):d}" for m in row["save_growth_mib"])
         print(f"{name:<13}{row['save_s']:>8.2f}{row['load_s']:>8.2f}{row['bytes'] / MiB:>13.0f}"
               f"{rss:>20}{grow:>21}")
     for name in missing:
         print(f"{name:<13}  DeepSpeed not installed (see bench/train_throughput.py)")
+    if "deepspeed" in table:
+        print("(DeepSpeed's peak RSS includes building the whole model on every rank: it "
+              "runs without zero.Init)")
     sync, done = table.get("dsrun-sync"), table.get("dsrun-async")
     if done:
         print(f"dsrun-async: training blocked {done['blocked_s']:.2f} s (save_checkpoint "
               f"returned after {done['save_s']:.2f} s; the next step waited "
               f"{done['stage_wait_s']:.2f} s for the background copy); committed after "
-              f"{done['complete_s']:.2f} s; the step that ran meanwhile took "
+              f"{done['complete_s']:.2f} s (from the call until the save thread ended); the "
+              "step that ran meanwhile took "
               f"{done['step_during_save_s']:.2f} s, {done['step_s']:.2f} s without a save")
     if sync and done:
         print(f"async blocked / sync save = {done['blocked_s'] / sync['save_s']:.3f} "
@@ -287,8 +361,32 @@ def main() -> None:
                   file=sys.stderr, flush=True)
     table = summarise(runs)
     print_table(table, missing, args)
+    found = check_losses(runs)
     if args.json:
-        Path(args.json).write_text(json.dumps({"table": table, "missing": missing}, indent=1))
+        Path(args.json).write_text(json.dumps({"table": table, "missing": missing,
+                                               "loss_mismatches": found}, indent=1))
+    losscheck.exit_on(found)
+
+
+def check_losses(runs: dict[str, list[list[dict[str, Any]]]]) -> list[str]:
+    """Every run's two steps after the load against its two after the save,
+    then every run's losses across runners (module docstring)."""
+    found = []
+    for name, rounds in runs.items():
+        for i, ranks in enumerate(rounds):
+            for fact in ranks:
+                found += losscheck.mismatches({
+                    f"{name} round {i + 1} rank {fact['rank']} after the save":
+                        fact["after_save_losses"],
+                    "after the load": fact["after_load_losses"]})
+    print(f"load restored the saved state: {'MISMATCH' if found else 'yes'} (the two steps "
+          "after the load repeat the two after the save, every run and rank)")
+    for line in found:
+        print(f"  {line}")
+    return found + losscheck.check(
+        {f"{name} round {i + 1}": [v for fact in ranks for v in fact["losses"]]
+         for name, rounds in runs.items() for i, ranks in enumerate(rounds)},
+        "losses across runners (every rank, every step)")
 
 
 if __name__ == "__main__":

@@ -32,9 +32,17 @@ Each round runs every runner once, in rotating order; a run does
 median step time on rank 0. Reported: the median over rounds, ratios to
 DeepSpeed's pipeline and to DDP, and dsrun's **measured bubble**: per stage,
 the time spent in forward and backward passes over the time from the batch
-start to its last pass (``wall_clock_breakdown``), against the 1F1B ideal
-``m / (m + s - 1)`` for ``m`` micro-batches and ``s`` stages (equal stages
-and free communication assumed by the ideal).
+start to its last pass (``engine.last_batch_timing``, which dsrun's engine
+fills on every batch: no ``wall_clock_breakdown``, which neither engine has
+on here), against the 1F1B ideal ``m / (m + s - 1)`` for ``m`` micro-batches
+and ``s`` stages (equal stages and free communication assumed by the ideal).
+
+Every runner starts from the same weights (those of ``whole_model()``,
+copied into the pipeline stages' layers before the engine is built) and
+trains on the same micro-batches, so each step's loss (the mean over the
+global batch) must agree across runners: the bench compares them
+(bench/losscheck.py, relative tolerance 1e-4), prints the verdict and exits
+non-zero naming the runners that differ.
 
 DeepSpeed runs from the interpreter ``--ds-python`` (default
 ``bench/.venv-ds/bin/python``), set up as bench/train_throughput.py's
@@ -58,6 +66,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
+import losscheck  # noqa: E402 - the runners' losses compared
 import train_throughput as tt  # noqa: E402 - the bench GPT's block
 
 DS_PYTHON = tt.DS_PYTHON
@@ -127,9 +136,28 @@ def whole_model() -> Any:
     return GPT()
 
 
+def load_reference(module: Any) -> None:
+    """Give a pipeline module (dsrun's or DeepSpeed's: layer ``i`` is the
+    submodule named ``str(i)``, the tied embedding ``tied_modules["embed"]``)
+    the weights ``whole_model()`` starts with, for the layers this stage holds,
+    so that every runner starts from the same weights."""
+    import torch
+
+    ref = whole_model()
+    layers = {1: ref.pos, **{2 + i: block for i, block in enumerate(ref.blocks)},
+              2 + LAYERS: ref.ln_f}
+    with torch.no_grad():
+        for index, layer in layers.items():
+            mine = getattr(module, str(index), None)
+            if mine is not None:
+                mine.load_state_dict(layer.state_dict())
+        if "embed" in module.tied_modules:
+            module.tied_modules["embed"].load_state_dict(ref.wte.state_dict())
+
+
 # ------------------------------------------------------------------- runners (rank side)
 
-Step = Callable[[list[Any]], None]
+Step = Callable[[list[Any]], Any]  # micro-batches -> the step's mean loss
 
 
 def _config(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
@@ -151,11 +179,11 @@ def _dsrun_pipe(args: argparse.Namespace, method: str = "type:Block") -> tuple[S
     module = dsrun.pipe.PipelineModule(pipeline_layers(dsrun.pipe), num_stages=STAGES,
                                        loss_fn=c["lm_loss"], partition_method=method,
                                        example_inputs=example, example_labels=example)
-    engine, _, _, _ = dsrun.initialize(model=module,
-                                       config=_config(args, wall_clock_breakdown=True))
+    load_reference(module)
+    engine, _, _, _ = dsrun.initialize(model=module, config=_config(args))
 
-    def step(micro: list[Any]) -> None:
-        engine.train_batch(iter(micro))
+    def step(micro: list[Any]) -> Any:
+        return engine.train_batch(iter(micro))
     return step, engine
 
 
@@ -171,11 +199,12 @@ def _deepspeed_pipe(args: argparse.Namespace) -> tuple[Step, Any]:
     deepspeed.init_distributed()
     module = deepspeed.pipe.PipelineModule(pipeline_layers(deepspeed.pipe), num_stages=STAGES,
                                            loss_fn=c["lm_loss"], partition_method="type:Block")
+    load_reference(module)
     engine, _, _, _ = deepspeed.initialize(model=module, config=_config(args),
                                            model_parameters=module.parameters())
 
-    def step(micro: list[Any]) -> None:
-        engine.train_batch(iter(micro))
+    def step(micro: list[Any]) -> Any:
+        return engine.train_batch(iter(micro))
     return step, None
 
 
@@ -188,14 +217,18 @@ def _ddp(args: argparse.Namespace) -> tuple[Step, Any]:
     opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.0)
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    def step(micro: list[Any]) -> None:
+    def step(micro: list[Any]) -> Any:
         mine = micro[rank::world]  # this rank's half of the global batch
+        total = torch.zeros(())
         for i, (tokens, targets) in enumerate(mine):
             last = i == len(mine) - 1
             with (ddp.no_sync() if not last else torch.enable_grad()):
-                (ddp(tokens, targets) / len(mine)).backward()
+                loss = ddp(tokens, targets) / len(mine)
+                loss.backward()
+            total += loss.detach()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return total  # this rank's half: worker() averages the ranks' after the timer
     return step, None
 
 
@@ -222,21 +255,33 @@ def worker(args: argparse.Namespace) -> None:
     for _ in range(args.micro_batches):
         tokens = torch.randint(0, VOCAB, (args.micro_batch, SEQ + 1), generator=gen)
         micro.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
-    for _ in range(args.warmup):
-        step(micro)
+    losses = [global_loss(args.worker, step(micro)) for _ in range(args.warmup)]
     dist.barrier()
     times, timings = [], []
     for _ in range(args.steps):
         start = time.perf_counter()
-        step(micro)
+        loss = step(micro)
         times.append(time.perf_counter() - start)
+        losses.append(global_loss(args.worker, loss))  # outside the timed step
         if engine is not None:
             timings.append(engine.last_batch_timing)
     dist.barrier()
     parts = list(engine.module.parts) if engine is not None else None
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(
         {"rank": rank, "times": times, "timings": timings, "threads": torch.get_num_threads(),
-         "parts": parts}))
+         "parts": parts, "losses": losses}))
+
+
+def global_loss(runner: str, loss: Any) -> float:
+    """The step's mean loss over the global batch: a pipeline engine returns
+    it on every rank; DDP's ranks each hold their half's, averaged here."""
+    import torch.distributed as dist
+
+    if runner == "ddp":
+        loss = loss.clone()
+        dist.all_reduce(loss)
+        loss /= dist.get_world_size()
+    return float(loss)
 
 
 # -------------------------------------------------------------- orchestration (driver)
@@ -357,8 +402,12 @@ def main() -> None:
                   f" s/step ({runs[name][-1][0]['threads']} thread(s) per rank)",
                   file=sys.stderr, flush=True)
     result = report(runs, missing, args)
+    result["loss_mismatches"] = losscheck.check(
+        {f"{name} round {i + 1}": ranks[0]["losses"] for name, rounds in runs.items()
+         for i, ranks in enumerate(rounds)}, "losses (global batch mean, every step)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
+    losscheck.exit_on(result["loss_mismatches"])
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
         [--runners ddp,dsrun-stage0] [--model small|large] [--json results.json]
 
 A fixed GPT-like model (vocab 8192, width 512, 6 layers, 8 heads, sequence
-128, tied embeddings: 23.3M parameters), fp32, AdamW, 4 sequences per rank,
+128, tied embeddings: 23.2M parameters), fp32, AdamW, 4 sequences per rank,
 2 CPU ranks with gloo started by ``dsrun --num_gpus 2`` (so every runner gets
 the same process group, OMP_NUM_THREADS and launch path). Each round runs
 every runner once, in rotating order (interleaved, so machine noise hits all
@@ -13,6 +13,16 @@ its speed is 1 / the median of its step times on rank 0 (a median, because
 this machine's cores are shared and single steps can stall). Reported: the
 median over rounds of steps/s (and s/step), the ratio to DDP's s/step, and
 each rank's peak RSS (``ru_maxrss``, the largest over rounds).
+
+Every runner starts from the same weights (``build_model`` seeds them) and
+each rank sees the same tokens, so every runner's losses must be the same
+step by step: each run records its ranks' losses (warm-up steps included),
+and the bench compares them across runners and rounds (bench/losscheck.py:
+relative tolerance 1e-4), prints the verdict and exits non-zero naming the
+runners whose losses differ.
+
+``--model gpu`` is gpu_step.py's model: untied output head, 217.2M
+parameters (the other sizes tie the head to the embedding).
 
 Runners are entries of ``RUNNERS``: a function that, inside a rank, wraps the
 model and returns ``step(tokens)``. ``dsrun-stage0..3``,
@@ -55,17 +65,24 @@ from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import losscheck  # noqa: E402 - the runners' losses compared
+
 DS_PYTHON = HERE / ".venv-ds" / "bin" / "python"
 # (vocab, width, layers, heads, sequence, sequences per rank)
 MODELS = {"small": (8192, 512, 6, 8, 128, 4),    # 23.2M parameters
           "large": (8192, 1024, 12, 16, 128, 2),  # 160M: model state dominates memory
-          "gpu": (32000, 1024, 12, 16, 512, 8)}   # 217M with an untied head (gpu_step.py)
+          "gpu": (32000, 1024, 12, 16, 512, 8)}   # 217.2M, untied head (as gpu_step.py)
+UNTIED = {"gpu"}  # models whose output head is not the embedding (the rest: GPT-2's tying)
 VOCAB, WIDTH, LAYERS, HEADS, SEQ, BATCH = MODELS["small"]
+TIED = True
 
 
 def use_model(name: str) -> None:
-    global VOCAB, WIDTH, LAYERS, HEADS, SEQ, BATCH
+    global VOCAB, WIDTH, LAYERS, HEADS, SEQ, BATCH, TIED
     VOCAB, WIDTH, LAYERS, HEADS, SEQ, BATCH = MODELS[name]
+    TIED = name not in UNTIED
 LR = 3e-4
 REUSE_ALL = 2_000_000_000  # elements: above both bench models, so nothing is released
 
@@ -97,8 +114,9 @@ def block_class(width: int, heads: int) -> Any:
     return Block
 
 
-def build_model(tied: bool = True) -> Any:
-    """The bench GPT; ``tied``: the output head shares the embedding (GPT-2)."""
+def build_model(tied: bool | None = None) -> Any:
+    """The bench GPT; ``tied``: the output head shares the embedding (GPT-2);
+    None: as the model chosen by :func:`use_model` (untied for ``gpu``)."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -112,7 +130,7 @@ def build_model(tied: bool = True) -> Any:
             self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
             self.ln_f = nn.LayerNorm(WIDTH)
             self.head = nn.Linear(WIDTH, VOCAB, bias=False)
-            if tied:
+            if TIED if tied is None else tied:
                 self.head.weight = self.wte.weight  # as GPT-2
 
         def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -128,7 +146,7 @@ def build_model(tied: bool = True) -> Any:
 
 # ------------------------------------------------------------------- runners (rank side)
 
-Step = Callable[[Any], None]
+Step = Callable[[Any], Any]  # tokens -> the step's loss (a tensor)
 Builder = Callable[[], Any]
 
 
@@ -141,11 +159,12 @@ def _ddp(build: Builder) -> Step:
 
 
 def _plain_step(module: Any, opt: Any) -> Step:
-    def step(tokens: Any) -> None:
+    def step(tokens: Any) -> Any:
         loss = module(tokens)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        return loss.detach()
     return step
 
 
@@ -158,10 +177,11 @@ def _ds_config(stage: int) -> dict[str, Any]:
 
 
 def _engine_step(engine: Any) -> Step:
-    def step(tokens: Any) -> None:
+    def step(tokens: Any) -> Any:
         loss = engine(tokens)
         engine.backward(loss)
         engine.step()
+        return loss.detach()
     return step
 
 
@@ -262,16 +282,16 @@ def worker(runner: str, steps: int, warmup: int, out: str) -> None:
     model = built[0]
     gen = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
-    for _ in range(warmup):
-        step(tokens)
+    losses = [float(step(tokens)) for _ in range(warmup)]
     dist.barrier()
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        step(tokens)
+        loss = step(tokens)
         times.append(time.perf_counter() - start)
+        losses.append(float(loss))  # after the timer: CPU ranks have the value already
     dist.barrier()
-    facts = {"rank": rank, "times": times, "maxrss_mib": resource.getrusage(
+    facts = {"rank": rank, "times": times, "losses": losses, "maxrss_mib": resource.getrusage(
         resource.RUSAGE_SELF).ru_maxrss / 1024, "params": sum(
         p.numel() for p in {id(p): p for p in model.parameters()}.values())}
     Path(out, f"rank{rank}.json").write_text(json.dumps(facts))
@@ -364,8 +384,17 @@ def main() -> None:
                   f"{sum(runs[name][-1][0]['times']):.1f}s", file=sys.stderr, flush=True)
     table = summarise(runs)
     print_table(table, missing, args)
+    found = losscheck.check(run_losses(runs), "losses (every rank, every step)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"table": table, "missing": missing}, indent=1))
+        Path(args.json).write_text(json.dumps({"table": table, "missing": missing,
+                                               "loss_mismatches": found}, indent=1))
+    losscheck.exit_on(found)
+
+
+def run_losses(runs: dict[str, list[list[dict[str, Any]]]]) -> dict[str, list[float]]:
+    """Each run's losses, its ranks' one after the other, by "runner round N"."""
+    return {f"{name} round {i + 1}": [v for rank in ranks for v in rank["losses"]]
+            for name, rounds in runs.items() for i, ranks in enumerate(rounds)}
 
 
 if __name__ == "__main__":

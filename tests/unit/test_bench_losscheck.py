@@ -1,0 +1,45 @@
+"""bench/losscheck.py: the benches' check that every runner trained the same thing."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+PATH = Path(__file__).resolve().parents[2] / "bench" / "losscheck.py"
+spec = importlib.util.spec_from_file_location("bench_losscheck", PATH)
+assert spec is not None and spec.loader is not None
+losscheck = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(losscheck)
+
+SAME = [42.904667, 42.369461, 41.830467]
+
+
+def test_equal_losses_and_reduction_order_noise_agree():
+    noisy = [v * (1 + 3e-7) for v in SAME]  # fp32 reduction-order differences
+    assert losscheck.mismatches({"ddp": SAME, "dsrun-stage3": noisy}) == []
+
+
+def test_a_runner_whose_losses_differ_is_named_with_the_step():
+    other = [SAME[0], SAME[1] + 0.05, SAME[2]]  # one step trained differently
+    found = losscheck.mismatches({"ddp": SAME, "dsrun-stage0": SAME, "dsrun-stage3": other})
+    assert len(found) == 1
+    assert "dsrun-stage3 step 1" in found[0] and "ddp" in found[0]
+
+
+def test_missing_steps_and_nan_are_differences():
+    found = losscheck.mismatches({"a": SAME, "b": SAME[:2], "c": [SAME[0], math.nan, SAME[2]]})
+    assert [line.split()[0].rstrip(":") for line in found] == ["b", "c"]
+
+
+def test_check_prints_the_verdict_and_exit_on_names_the_runners(capsys):
+    found = losscheck.check({"ddp": SAME, "fsdp2": [1.0, 2.0, 3.0]}, "train losses")
+    out = capsys.readouterr().out
+    assert "MISMATCH" in out and "relative tolerance 0.0001" in out and "fsdp2" in out
+    with pytest.raises(SystemExit, match="fsdp2"):
+        losscheck.exit_on(found)
+    assert losscheck.check({"ddp": SAME, "fsdp2": SAME}) == []
+    assert "all agree" in capsys.readouterr().out
+    losscheck.exit_on([])  # nothing differs: no exit
