@@ -124,7 +124,9 @@ Host cmd
 
 def test_connect_timeout_applies_unless_ssh_timeout_is_given():
     config = {"connecttimeout": "3"}
-    assert resolve_target("h", SshOptions(), config, "me").timeout == 3
+    from_config = resolve_target("h", SshOptions(), config, "me")
+    assert from_config.timeout == 3
+    assert from_config.timeout_from == "ConnectTimeout in ssh config"
     assert resolve_target("h", SshOptions(timeout=7), config, "me").timeout == 7
     assert resolve_target("h", SshOptions(), {}, "me").timeout == DEFAULT_SSH_TIMEOUT
     with pytest.raises(DsrunUsageError, match="bad ConnectTimeout 'x' for host h"):

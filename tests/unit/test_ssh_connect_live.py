@@ -96,6 +96,13 @@ class SshServer:
 
 
 def _relay(chan: paramiko.Channel, destination: tuple[str, int]) -> None:
+    try:
+        _pump(chan, destination)
+    except (OSError, EOFError, paramiko.SSHException):
+        pass  # the client closed the jump connection first
+
+
+def _pump(chan: paramiko.Channel, destination: tuple[str, int]) -> None:
     with socket.create_connection(destination) as sock:
         while True:
             ready, _, _ = select.select([chan, sock], [], [], 5)
@@ -305,3 +312,16 @@ def test_proxy_jump_opens_a_direct_tcpip_channel(server, home):
             break
         threading.Event().wait(0.05)
     assert not jump_transport.is_active(), "the jump host's connection stayed open"
+
+
+def test_connect_timeout_bounds_a_silent_server(home):
+    """ConnectTimeout in ssh_config was ignored: dsrun waited --ssh_timeout's
+    default (10 s) and said so."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
+        port = silent.getsockname()[1]
+        target = resolve_target("n1", SshOptions(), {
+            "hostname": "127.0.0.1", "port": str(port), "connecttimeout": "1",
+            "identityfile": [str(home / "id_client")], "identitiesonly": "yes"}, "me")
+        with pytest.raises(SshConnectError,
+                           match=r"within 1s \(ConnectTimeout in ssh config\)"):
+            _connects(target)

@@ -79,6 +79,7 @@ class SshTarget:
     proxy_command: str | None = None  # with its %-tokens (ssh_proxy.py)
     host_key_alias: str | None = None
     notes: tuple[str, ...] = ()  # ssh_config dsrun does not honour, for errors
+    timeout_from: str = "--ssh_timeout"  # where ``timeout`` came from, for errors
 
     @property
     def address(self) -> str:
@@ -107,13 +108,13 @@ def default_user() -> str:
         return getpass.getuser()
 
 
-def _timeout(options: SshOptions, config: Mapping[str, Any], host: str) -> float:
-    """--ssh_timeout, else ssh_config's ConnectTimeout, else the default.
-    The option's default is a plain number (spec.DEFAULT_SSH_TIMEOUT): a
-    --ssh_timeout equal to it counts as not given."""
+def _timeout(options: SshOptions, config: Mapping[str, Any], host: str) -> float | None:
+    """ssh_config's ConnectTimeout, unless --ssh_timeout is given (None:
+    use the option). The option's default is a plain number
+    (spec.DEFAULT_SSH_TIMEOUT): a --ssh_timeout equal to it counts as not given."""
     text = config.get("connecttimeout")
     if options.timeout != DEFAULT_SSH_TIMEOUT or text is None or str(text).lower() == "none":
-        return options.timeout
+        return None
     try:
         seconds = float(str(text))
     except ValueError:
@@ -153,11 +154,14 @@ def resolve_target(host: str, options: SshOptions, config: Mapping[str, Any],
     if command and jumps:
         raise DsrunUsageError(f"ssh config sets both ProxyCommand and ProxyJump for host "
                               f"{host}; dsrun cannot tell which comes first: keep one")
+    connect_timeout = _timeout(options, config, host)
     target = SshTarget(
         host=host, hostname=str(config.get("hostname", host)), port=port,
         user=options.user or str(config.get("user") or default_user), keys=keys,
         identities_only=only, known_hosts=known, host_keys=_host_key_mode(options, config),
-        timeout=_timeout(options, config, host), proxy_command=command,
+        timeout=options.timeout if connect_timeout is None else connect_timeout,
+        timeout_from="--ssh_timeout" if connect_timeout is None else
+        "ConnectTimeout in ssh config", proxy_command=command,
         host_key_alias=_setting(config, "hostkeyalias"),
         notes=(*config.get(NOTES_KEY, ()), *unused_settings(config)),
     )
@@ -366,7 +370,7 @@ def _open_socket(target: SshTarget) -> socket.socket:
         return socket.create_connection((target.hostname, target.port), timeout=t)
     except socket.timeout:
         raise SshConnectError(f"{target.host}: no answer from {target.address} within "
-                              f"{t:g}s (--ssh_timeout)") from None
+                              f"{t:g}s ({target.timeout_from})") from None
     except ConnectionRefusedError:
         raise SshConnectError(f"{target.host}: connection refused by {target.address} "
                               f"(is sshd running there?)") from None
@@ -439,5 +443,5 @@ def _connect_error(target: SshTarget, exc: Exception, tried: list[str] | None = 
     if isinstance(exc, (socket.timeout, TimeoutError)) or "banner" in text \
             or "No existing session" in text:
         return (f"{target.host}: no SSH answer from {target.address} within "
-                f"{target.timeout:g}s (--ssh_timeout)")
+                f"{target.timeout:g}s ({target.timeout_from})")
     return f"{target.host}: SSH to {target.address} failed: {exc or type(exc).__name__}"
