@@ -184,8 +184,11 @@ def test_a_host_known_only_through_a_ca_says_so(server, home):
 def test_a_non_default_port_falls_back_to_the_portless_entry(server, home):
     """ssh accepts `ssh -p 2222 host` when only `host KEY` is known."""
     _connects(_target(home, server.port, _line("127.0.0.1", HOST_KEY)))
-    with pytest.raises(SshConnectError, match="does NOT match known_hosts"):
+    with pytest.raises(SshConnectError) as info:
         _connects(_target(home, server.port, _line("127.0.0.1", OTHER_KEY)))
+    assert f"is not in known_hosts for port {server.port} and does NOT match the " \
+           f"port-less entry {home / 'kh'}:1" in str(info.value)
+    assert f"ssh-keyscan -H -p {server.port} 127.0.0.1" in str(info.value)
 
 
 def test_strict_no_warns_about_a_changed_key_then_connects(server, home, capsys):

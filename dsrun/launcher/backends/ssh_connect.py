@@ -238,9 +238,11 @@ class _UnknownHostKey(paramiko.SSHException):
 class _RejectedHostKey(paramiko.SSHException):
     """A changed (``kind == "changed"``) or @revoked host key."""
 
-    def __init__(self, kind: str, key: paramiko.PKey, entry: KnownKey, name: str) -> None:
+    def __init__(self, kind: str, key: paramiko.PKey, entry: KnownKey, name: str,
+                 portless: bool = False) -> None:
         super().__init__(f"{kind} host key")
         self.kind, self.key, self.entry, self.name = kind, key, entry, name
+        self.portless = portless
 
 
 class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
@@ -263,7 +265,8 @@ class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
         if verdict.kind == "revoked" or (verdict.kind == "changed" and
                                          target.host_keys != "no"):
             assert verdict.entry is not None
-            raise _RejectedHostKey(verdict.kind, key, verdict.entry, verdict.name)
+            raise _RejectedHostKey(verdict.kind, key, verdict.entry, verdict.name,
+                                   verdict.portless)
         if verdict.kind == "changed":  # StrictHostKeyChecking no: warn, as ssh does
             assert verdict.entry is not None
             warn_stderr(f"{target.host}: host key of {target.address} does NOT match "
@@ -346,6 +349,15 @@ def _bad_key_message(target: SshTarget, name: str, where: str | None = None) -> 
 
 
 def _rejected_message(target: SshTarget, exc: _RejectedHostKey) -> str:
+    if exc.kind == "changed" and exc.portless:
+        # OpenSSH takes this for an unknown key ([host]:port has no entry):
+        # an sshd on another port (a container) may well have keys of its own.
+        return (f"{target.host}: host key of {target.address} is not in known_hosts for "
+                f"port {target.port} and does NOT match the port-less entry "
+                f"{exc.entry.where}; if the sshd on port {target.port} has keys of its own "
+                f"and its fingerprint {exc.key.fingerprint} is right, add it with "
+                f"`ssh-keyscan -H -p {target.port} {target.hostname} >> "
+                f"{_user_file(target)}`, or pass --ssh_insecure to skip host key checks")
     if exc.kind == "changed":
         return _bad_key_message(target, exc.name, exc.entry.path)
     return (f"{target.host}: host key of {target.address} ({exc.key.fingerprint}) is "

@@ -155,6 +155,7 @@ class Verdict:
     kind: str
     entry: KnownKey | None = None
     name: str = ""  # the name the entry was found under
+    portless: bool = False  # found through the port-less fallback
 
 
 def check_key(known: KnownHosts, names: Sequence[str], fallback: Sequence[str],
@@ -166,15 +167,15 @@ def check_key(known: KnownHosts, names: Sequence[str], fallback: Sequence[str],
     for entry in known.find([*names, *fallback], "revoked"):
         if entry.same_key(keytype, blob):
             return Verdict("revoked", entry)
-    for group in (names, fallback):
+    for group, portless in ((names, False), (fallback, True)):
         plain = known.find(group)
         if not plain:
             continue
         for entry in plain:
             if entry.same_key(keytype, blob):
-                return Verdict("ok", entry, _matched(entry, group))
+                return Verdict("ok", entry, _matched(entry, group), portless)
         same_type = [e for e in plain if e.keytype == keytype] or plain
-        return Verdict("changed", same_type[0], _matched(same_type[0], group))
+        return Verdict("changed", same_type[0], _matched(same_type[0], group), portless)
     authorities = known.find([*names, *fallback], "cert-authority")
     return Verdict("unknown", authorities[0] if authorities else None)
 
