@@ -253,9 +253,12 @@ class _Probe:
             else:
                 self._lost(index, node)
             del by_channel[index]
-        for node in by_channel.values():
+        for index, node in by_channel.items():
+            # What the host printed instead (a forced command's refusal, a
+            # login shell's prompt) is usually why it did not answer.
             self.errors[node] = (f"the node agent on {self.cluster.hosts[node]} did not answer "
-                                 f"within {self.timeout:g}s (--ssh_timeout)")
+                                 f"within {self.timeout:g}s (--ssh_timeout)"
+                                 f"{self.handle.printed(index)}")
 
     def requeue(self) -> None:
         for item in self.deferred:

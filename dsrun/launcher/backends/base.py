@@ -25,11 +25,20 @@ is stamped with ``_recv``, the launcher's ``time.monotonic()`` when it was
 read (the supervisor orders failures by it), and each channel's last such
 time is kept (:attr:`JobHandle.last_seen`: the heartbeat check). The handle
 sends heartbeats (protocol.py) to every agent once told the timeout.
+
+What else an agent's stdout carries - a remote login shell's greeting, a
+forced command's or ``nologin``'s refusal - is kept, not dropped: each such
+line is a ``garbage`` event and joins the channel's last lines
+(:attr:`JobHandle.tails`, with its stderr), which the messages about an
+agent that exited or never answered quote. Text without a final newline
+before the agent's first message (``printf 'Welcome'`` in a ``.bashrc``)
+is split off that message (:func:`split_glued`), which is read as usual.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import os
 import queue
 import sys
@@ -53,6 +62,7 @@ if TYPE_CHECKING:
     from dsrun.launcher.cluster import Cluster
 
 AGENT_MODULE = "dsrun.launcher.agent"
+#: How many of an agent's last non-protocol lines (stdout and stderr) are kept.
 STDERR_TAIL = 20
 
 # (host, rank, fd, line) -> None; rank AGENT_LINE: the agent itself, TOOL_LINE:
@@ -199,8 +209,12 @@ class AgentChannel(ABC):
         return self.exit_message(code, err_tail)
 
     def exit_message(self, code: int | None, err_tail: Sequence[str]) -> str:
-        """Why the agent went away, from its exit status and last lines."""
-        return f"node agent exited unexpectedly (status {code})"
+        """Why the agent went away, from its exit status and the last lines
+        its host printed (``err_tail``: stdout text that was no message, and
+        stderr)."""
+        message = f"node agent on {self.host} exited unexpectedly (status {code})"
+        last = last_line(err_tail)
+        return f"{message}: {last}" if last else message
 
     def close(self) -> None:  # noqa: B027 - most channels hold nothing to release
         """Release the transport once the agent is gone (or given up on)."""
@@ -210,8 +224,9 @@ class JobHandle:
     """The launcher's view of a running job: agents and their events.
 
     Besides the agents' own messages, the queue carries ``eof`` when an
-    agent's output ends and ``agent_err`` for each line an agent writes on a
-    relayed stderr (the last lines are kept for error messages).
+    agent's output ends, ``agent_err`` for each line an agent writes on a
+    relayed stderr and ``garbage`` for each stdout line that is no message;
+    the last of both are kept in ``tails`` for error messages.
     ``leaders[n]`` is the channel of node n's first agent (the one probed).
     """
 
@@ -220,7 +235,8 @@ class JobHandle:
         self.channels = channels
         self.leaders = list(range(len(channels)) if leaders is None else leaders)
         self.events: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
-        self.err_tails = [collections.deque(maxlen=STDERR_TAIL) for _ in channels]
+        self.tails: list[collections.deque[str]] = [
+            collections.deque(maxlen=STDERR_TAIL) for _ in channels]
         now = time.monotonic()
         self.last_seen = [now] * len(channels)
         self._locks = [threading.Lock() for _ in channels]
@@ -292,6 +308,7 @@ class JobHandle:
 
     def _pump(self, index: int, channel: AgentChannel) -> None:
         stream = channel.stdout()
+        synced = False  # a message was read: nothing glued to one from here on
         try:
             for line in iter(stream.readline, b""):
                 now = time.monotonic()
@@ -299,7 +316,13 @@ class JobHandle:
                 try:
                     msg = protocol.decode(line)
                 except ValueError:
-                    msg = {"ev": "garbage", "line": line.decode("utf-8", "replace").rstrip()}
+                    glued = None if synced else split_glued(line)
+                    if glued is None:
+                        self._garbage(index, line.decode("utf-8", "replace").rstrip(), now)
+                        continue
+                    self._garbage(index, glued[0].rstrip(), now)
+                    msg = glued[1]
+                synced = True
                 msg["_recv"] = now
                 self.events.put((index, msg))
         except (OSError, EOFError, ValueError):
@@ -310,17 +333,29 @@ class JobHandle:
             err_pump.join(timeout=0.5)
         self.events.put((index, {"ev": "eof", "_recv": time.monotonic()}))
 
+    def _garbage(self, index: int, line: str, now: float) -> None:
+        """A stdout line that is no message (a login shell's or a forced
+        command's text): shown, and kept for the messages about the agent."""
+        self.tails[index].append(line)
+        self.events.put((index, {"ev": "garbage", "line": line, "_recv": now}))
+
     def _pump_err(self, index: int, stream: IO[bytes]) -> None:
         try:
             for raw in iter(stream.readline, b""):
                 line = raw.decode("utf-8", "replace").rstrip("\n")
-                self.err_tails[index].append(line)
+                self.tails[index].append(line)
                 self.events.put((index, {"ev": "agent_err", "line": line}))
         except (OSError, EOFError, ValueError):
             pass
 
     def exit_message(self, index: int, code: int | None) -> str:
-        return self.channels[index].exit_reason(code, tuple(self.err_tails[index]))
+        return self.channels[index].exit_reason(code, tuple(self.tails[index]))
+
+    def printed(self, index: int) -> str:
+        """`` (it printed: LAST LINES)``: what agent ``index``'s host printed
+        besides messages (stdout and stderr), or an empty string."""
+        lines = [ln.strip() for ln in self.tails[index] if ln.strip()][-PRINTED_LINES:]
+        return f" (it printed: {' | '.join(lines)})" if lines else ""
 
     @staticmethod
     def _send(channel: AgentChannel, obj: dict[str, Any]) -> None:
@@ -355,6 +390,35 @@ class JobHandle:
             t.start()
         for t in threads:
             t.join()
+
+
+#: How many of an agent's last lines a "did not answer" message quotes.
+PRINTED_LINES = 3
+_DECODER = json.JSONDecoder()
+
+
+def last_line(lines: Sequence[str]) -> str:
+    """The last non-blank line of ``lines``, stripped (empty if none)."""
+    return next((ln.strip() for ln in reversed(lines) if ln.strip()), "")
+
+
+def split_glued(line: bytes) -> tuple[str, dict[str, Any]] | None:
+    """``(text, message)`` when ``line`` is text without a newline followed
+    by a whole protocol message (an object with ``ev``) up to its end, as
+    when a login shell prints ``Welcome`` with no newline before the agent
+    starts; else None. The message is the first (outermost) object that
+    decodes to the end of the line, so braces in the text do not matter."""
+    text = line.decode("utf-8", "replace").rstrip("\r\n")
+    start = text.find('{"', 1) if text.endswith("}") else -1
+    while start > 0:
+        try:
+            obj, end = _DECODER.raw_decode(text, start)
+        except ValueError:
+            obj, end = None, -1
+        if end == len(text) and isinstance(obj, dict) and "ev" in obj:
+            return text[:start], obj
+        start = text.find('{"', start + 1)
+    return None
 
 
 def _wait_and_close(channel: AgentChannel, timeout: float) -> None:
