@@ -3,8 +3,9 @@
 A hostfile lists one host per line as ``hostname slots=N``; ``#`` starts a
 comment (whole-line or trailing) and blank lines are ignored. Hosts are
 RFC 1123 host names (also with '_', as ssh_config aliases and /etc/hosts
-names may have), IPv4 or IPv6 addresses (:func:`host_problem`), compared
-by :func:`host_key`. Every line is parsed into a :class:`_Line`, and every
+names may have, and absolute with a trailing '.'), IPv4 or IPv6 addresses
+(an IPv6 scope id only an interface name or number; :func:`host_problem`),
+compared by :func:`host_key`. Every line is parsed into a :class:`_Line`, and every
 problem of a text is collected at once as a :class:`HostfileProblem`
 (``path:line:col: message``). Everything here is pure;
 :mod:`dsrun.launcher.hostfile` builds :class:`~dsrun.launcher.hostfile.Hostfile`
@@ -28,6 +29,11 @@ _DIGITS = re.compile(r"[0-9]+", re.ASCII)
 # /etc/hosts entries often hold one, and DeepSpeed accepts them.
 _LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]*[A-Za-z0-9_])?", re.ASCII)
 _DOTTED_NUMBERS = re.compile(r"[0-9.]+", re.ASCII)
+# An IPv6 scope id: an interface name (Linux allows up to 15 bytes, any but
+# '/', ':' and whitespace; these are the characters real names use) or an
+# interface index. ipaddress takes any text after '%', so 'fe80::1%eth0 '
+# or one holding a newline or '#' would pass and break the hostfile line.
+_SCOPE_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}", re.ASCII)
 _SLOTS_PREFIX = "slots="
 #: The most slots (ranks) one host may have. The largest GPU boards hold 8 to
 #: 16 GPUs (DGX/HGX), and a CPU host's slots count CPU ranks, one per core at
@@ -66,20 +72,37 @@ def host_problem(host: str) -> str | None:
         return (f"HOST:PORT is not supported (put the port in ssh_config: "
                 f"'Host {name}' / 'Port {port}', or pass --ssh_port)")
     if ":" in host:
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError:
-            return "not a valid IPv6 address"
-        return None
+        return _ipv6_problem(host)
     if "." in host and _DOTTED_NUMBERS.fullmatch(host):
         try:
             ipaddress.IPv4Address(host)
         except ValueError:
             return "not a valid IPv4 address"
         return None
-    if len(host) > 253:
+    return _name_problem(host)
+
+
+def _ipv6_problem(host: str) -> str | None:
+    """Why ``host`` (it holds a ':') is not an IPv6 address, or None."""
+    address, percent, scope = host.partition("%")
+    if percent and not _SCOPE_ID.fullmatch(scope):
+        return (f"scope id {scope!r} of IPv6 address {address!r} is not an interface name "
+                f"or number (letters, digits, '_', '.' and '-')")
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        return "not a valid IPv6 address"
+    return None
+
+
+def _name_problem(host: str) -> str | None:
+    """Why ``host`` is not a host name, or None. One trailing '.' (an
+    absolute DNS name, ``node1.example.org.``) is allowed, as ssh and
+    DeepSpeed allow it."""
+    name = host[:-1] if host.endswith(".") and host != "." else host
+    if len(name) > 253:
         return "longer than 253 characters"
-    for label in host.split("."):
+    for label in name.split("."):
         if not label:
             return "empty label (leading, trailing or doubled '.')"
         if len(label) > 63:
@@ -102,11 +125,13 @@ def slots_problem(slots: object) -> str | None:
 
 
 def host_key(host: str) -> str:
-    """Identity of a host: lower-case name or normalised address."""
+    """Identity of a host: lower-case name or normalised address. An
+    absolute name is the same host as its relative spelling (``beta.`` and
+    ``beta``: one DNS host), so the two are duplicates."""
     try:
         return str(ipaddress.ip_address(host))
     except ValueError:
-        return host.lower()
+        return host.lower().removesuffix(".") if host != "." else host
 
 
 def is_loopback_spelling(host: str) -> bool:

@@ -92,7 +92,7 @@ INVALID = [
     pytest.param("bad!host slots=1\n", [(1, 1, "invalid host 'bad!host'")], id="bang"),
     pytest.param("-a slots=1\n", [(1, 1, "must not start or end with '-'")], id="leading-dash"),
     pytest.param("a..b slots=1\n", [(1, 1, "empty label")], id="empty-label"),
-    pytest.param("a. slots=1\n", [(1, 1, "empty label")], id="trailing-dot"),
+    pytest.param("a.. slots=1\n", [(1, 1, "empty label")], id="two-trailing-dots"),
     pytest.param(f"{'x' * 64} slots=1\n", [(1, 1, "longer than 63")], id="long-label"),
     pytest.param(f"{'abc.' * 64}d slots=1\n", [(1, 1, "longer than 253")], id="long-name"),
     pytest.param("10.0.0.256 slots=1\n", [(1, 1, "not a valid IPv4 address")], id="bad-ipv4"),
