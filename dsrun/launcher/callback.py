@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsrun.launcher import protocol
+from dsrun.launcher.netinfo import host_port
 
 HANDSHAKE_TIMEOUT = 10.0
 MAX_LINE = 65536
@@ -51,7 +52,7 @@ def proof(secret: str, *parts: object) -> str:
 
 
 def format_endpoints(addresses: Sequence[str], port: int) -> str:
-    return " ".join(f"[{a}]:{port}" if ":" in a else f"{a}:{port}" for a in addresses)
+    return " ".join(host_port(a, port) for a in addresses)
 
 
 def parse_endpoints(value: str) -> list[tuple[str, int]]:
@@ -156,7 +157,7 @@ def _dial(endpoints: Sequence[tuple[str, int]], deadline: float) -> socket.socke
             try:
                 return socket.create_connection((host, port), timeout=min(left, 3.0))
             except OSError as exc:
-                errors[f"{host}:{port}"] = exc.strerror or str(exc)
+                errors[host_port(host, port)] = exc.strerror or str(exc)
         time.sleep(0.2)
 
 

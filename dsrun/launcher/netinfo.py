@@ -42,6 +42,13 @@ LOCAL_MASTER = "127.0.0.1"
 # pure
 
 
+def host_port(addr: str, port: int | str) -> str:
+    """``addr:port`` as people and URLs write it: an IPv6 address in
+    brackets (``[fd21::11]:29500``), where ``fd21::11:29500`` would read
+    as one address."""
+    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+
+
 def is_loopback(addr: str) -> bool:
     try:
         return ipaddress.ip_address(addr.split("%")[0]).is_loopback
@@ -259,7 +266,7 @@ def port_problem(addr: str, port: int) -> str | None:
             if exc.errno == errno.EADDRINUSE:
                 return f"--master_port {port} is already in use on {addr}"
             if exc.errno != errno.EADDRNOTAVAIL:  # not an address of this host
-                return f"cannot bind {addr}:{port}: {exc.strerror}"
+                return f"cannot bind {host_port(addr, port)}: {exc.strerror}"
     return None
 
 
@@ -295,9 +302,9 @@ def check_reach(addr: str, port: int, timeout: float) -> str | None:
         with socket.create_connection((addr, port), timeout=timeout):
             return None
     except socket.timeout:
-        return f"no answer from {addr}:{port} within {timeout:g}s"
+        return f"no answer from {host_port(addr, port)} within {timeout:g}s"
     except OSError as exc:
-        return f"cannot connect to {addr}:{port}: {exc.strerror or exc}"
+        return f"cannot connect to {host_port(addr, port)}: {exc.strerror or exc}"
 
 
 def python_version() -> str:

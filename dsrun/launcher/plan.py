@@ -38,6 +38,7 @@ from dsrun.errors import DsrunUsageError
 from dsrun.launcher.cores import format_cpu_list, parse_cpu_list, rank_cpus
 from dsrun.launcher.devices import DeviceId
 from dsrun.launcher.envpolicy import JobEnv
+from dsrun.launcher.netinfo import host_port
 from dsrun.launcher.spec import LaunchSpec
 
 if TYPE_CHECKING:
@@ -335,8 +336,9 @@ def describe(plan: LaunchPlan) -> list[str]:
     first = plan.nodes[0].host
     addr = plan.master_addr or f"<address of {first}, found there at launch>"
     port = plan.master_port or f"<free port chosen on {first} at launch>"
+    master = host_port(addr, port) if plan.master_addr else f"{addr}:{port}"
     lines = [
-        f"world size {plan.world_size} on {len(plan.nodes)} node(s), master {addr}:{port}"
+        f"world size {plan.world_size} on {len(plan.nodes)} node(s), master {master}"
     ]
     for node in plan.nodes:
         ranks = ",".join(str(r.rank) for r in node.ranks)

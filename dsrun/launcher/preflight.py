@@ -26,7 +26,7 @@ from typing import Any
 from dsrun import DSRUN_VERSION
 from dsrun.errors import LaunchError
 from dsrun.launcher.agent_os import dsrun_sources
-from dsrun.launcher.netinfo import package_version
+from dsrun.launcher.netinfo import host_port, package_version
 
 
 class PreflightFailed(LaunchError):
@@ -136,12 +136,12 @@ def evaluate(host: str, facts: dict[str, Any] | None, error: str | None,
         errors.append(master_problem)
     mismatches = _version_mismatches(facts, expect)
     if role == "master" and master is not None:
-        notes.append(f"master {master.addr}:{master.port} (port free, held)")
+        notes.append(f"master {host_port(master.addr, master.port)} (port free, held)")
     reach = facts.get("reach")
     if reach is not None and reach.get("error"):
         mismatches.append(f"cannot reach the master: {reach['error']}")
     elif reach is not None and master is not None:
-        notes.append(f"reaches master {master.addr}:{master.port}")
+        notes.append(f"reaches master {host_port(master.addr, master.port)}")
     if facts.get("ifname"):
         notes.append(f"via {facts['ifname']}")
     if facts.get("log_files"):

@@ -204,7 +204,8 @@ def _job_id_in(store: Any, wait: datetime.timedelta) -> str | None:
 def _foreign_store_error(addr: str, port: int, job_id: str, owner: str | None) -> str:
     whose = f"dsrun job {owner[:SHOWN_ID]}" if owner else \
         "another program (its store holds no dsrun job id)"
-    return (f"the rendezvous store on {addr}:{port} (MASTER_PORT) belongs to {whose}, not to "
+    return (f"the rendezvous store on {netinfo.host_port(addr, port)} (MASTER_PORT) belongs "
+            f"to {whose}, not to "
             f"this job ({job_id[:SHOWN_ID]}): the port was taken after dsrun checked it was "
             f"free, as when two jobs are given the same --master_port at once. This job stops "
             f"before joining it; give each job its own --master_port, or leave it out (dsrun "
@@ -213,7 +214,8 @@ def _foreign_store_error(addr: str, port: int, job_id: str, owner: str | None) -
 
 def _bind_error(addr: str, port: int, reason: str) -> str:
     if "EADDRINUSE" not in reason and "already in use" not in reason:
-        return f"rank 0 cannot open the job's rendezvous store on {addr}:{port}: {reason}"
+        return (f"rank 0 cannot open the job's rendezvous store on "
+                f"{netinfo.host_port(addr, port)}: {reason}")
     owner = _port_owner(addr, port)
     whose = f"dsrun job {owner[:SHOWN_ID]}" if owner else "another program (or another dsrun job)"
     return (f"rank 0 cannot open the job's rendezvous store: port {port} on {addr} "
