@@ -207,3 +207,15 @@ def test_known_hosts_lines_markers_and_malformed(tmp_path):
     assert check_key(known, ["[node1]:2222"], ["node1"], KEY.get_name(), blob).kind == "ok"
     assert check_key(known, ["[node1]:2222"], ["node1"], OTHER.get_name(),
                      OTHER.asbytes()).kind == "changed"
+
+
+def test_a_proxied_hostname_of_loopback_is_not_this_machine():
+    """HostName 127.0.0.1 behind a ProxyJump is the jump host itself, not
+    the launcher's machine: it was run locally, without SSH."""
+    configs = {"behind": {"hostname": "127.0.0.1", "proxyjump": "bastion"},
+               "cmd": {"hostname": "127.0.0.1", "proxycommand": "ssh -W %h:%p bastion"},
+               "plain": {"hostname": "127.0.0.1"}, "bastion": {"hostname": "10.9.9.9"}}
+    backend = SshBackend(HostsSpec(), lookup=lambda host: dict(configs.get(host, {})),
+                         user="me", environ={})
+    assert backend.local_hosts(["behind", "cmd", "plain"], "launcher", ["10.0.0.5"]) == \
+        [False, False, True]

@@ -82,6 +82,11 @@ class SshTarget:
     timeout_from: str = "--ssh_timeout"  # where ``timeout`` came from, for errors
 
     @property
+    def proxied(self) -> bool:
+        """Reached through another host: its HostName means what it means there."""
+        return self.jump is not None or self.proxy_command is not None
+
+    @property
     def address(self) -> str:
         host = f"[{self.hostname}]" if ":" in self.hostname else self.hostname
         return f"{host}:{self.port}"
