@@ -19,8 +19,11 @@ Rank processes use one intra-op thread each (``OMP_NUM_THREADS=1``), as
 dsrun's launcher sets it on a machine with as many cores as ranks.
 
 Usage: ``python bench/collectives.py [--world 2] [--sizes-mb 1 10 100]
-[--repeat 7] [--backend gloo]``. Ranks are started with
-``torch.multiprocessing`` on a free local port; only rank 0 prints.
+[--repeat 7] [--backend gloo|nccl]``. Ranks are started with
+``torch.multiprocessing`` on a free local port; only rank 0 prints. With
+``nccl`` rank ``r`` uses ``cuda:r`` (one GPU per rank: ``--world`` at most
+the number of GPUs, else the bench refuses), its buffers live there and
+every timing synchronises the device; ``gloo`` runs on CPU tensors.
 """
 
 from __future__ import annotations
@@ -45,13 +48,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ops(numel: int, rank: int, world: int) -> dict[str, Op]:
-    """The candidates for one buffer of ``numel`` fp32 elements."""
+def _ops(numel: int, rank: int, world: int, device: torch.device) -> dict[str, Op]:
+    """The candidates for one buffer of ``numel`` fp32 elements on ``device``."""
     shard = numel // world
-    full = torch.randn(shard * world)
+    full = torch.randn(shard * world, device=device)
     out_full = torch.empty_like(full)
-    mine = torch.randn(shard)
-    out_shard = torch.empty(shard)
+    mine = torch.randn(shard, device=device)
+    out_shard = torch.empty(shard, device=device)
     chunks = list(full.chunk(world))
     out_chunks = list(out_full.chunk(world))
     scratch = torch.zeros_like(full)
@@ -91,7 +94,7 @@ def _ops(numel: int, rank: int, world: int) -> dict[str, Op]:
     }
 
 
-def _time_all(ops: dict[str, Op], repeat: int) -> dict[str, float]:
+def _time_all(ops: dict[str, Op], repeat: int, device: torch.device) -> dict[str, float]:
     """Median seconds of every op over ``repeat`` rounds after one warm-up.
 
     Rounds interleave the candidates (a, b, c, a, b, c, ...) so that load
@@ -99,16 +102,23 @@ def _time_all(ops: dict[str, Op], repeat: int) -> dict[str, float]:
     starts from a barrier so that the ranks start together. Each op's value
     is the slowest rank's median: what a training step would wait for.
     """
+    def sync() -> None:  # CUDA collectives return before they finish
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     for op in ops.values():
         op()
     times: dict[str, list[float]] = {name: [] for name in ops}
     for _ in range(repeat):
         for name, op in ops.items():
+            sync()
             dist.barrier()
             start = time.perf_counter()
             op()
+            sync()
             times[name].append(time.perf_counter() - start)
-    medians = torch.tensor([statistics.median(t) for t in times.values()], dtype=torch.float64)
+    medians = torch.tensor([statistics.median(t) for t in times.values()], dtype=torch.float64,
+                           device=device)
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)
     return dict(zip(ops, medians.tolist()))
 
@@ -116,8 +126,13 @@ def _time_all(ops: dict[str, Op], repeat: int) -> dict[str, float]:
 def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
+    device = torch.device("cpu")
+    if args.backend == "nccl":  # one GPU per rank, as a launcher's LOCAL_RANK would pick
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
     dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world)
+                            rank=rank, world_size=world,
+                            **({"device_id": device} if device.type == "cuda" else {}))
     try:
         if rank == 0:
             print(f"torch {torch.__version__}, backend {args.backend}, {world} ranks, fp32, "
@@ -126,7 +141,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> No
             numel = int(size_mb * 1e6) // 4 // world * world
             if rank == 0:
                 print(f"\n{size_mb:g} MB buffer:", flush=True)
-            results = _time_all(_ops(numel, rank, world), args.repeat)
+            results = _time_all(_ops(numel, rank, world, device), args.repeat, device)
             for name, seconds in results.items():
                 if rank == 0:
                     gbps = numel * 4 / seconds / 1e9
@@ -141,8 +156,13 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 10, 100])
     parser.add_argument("--repeat", type=int, default=7)
-    parser.add_argument("--backend", default="gloo")
+    parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     args = parser.parse_args()
+    if args.backend == "nccl":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus < args.world:
+            raise SystemExit(f"--backend nccl needs one CUDA device per rank: --world "
+                             f"{args.world}, {gpus} device(s) here")
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned ranks
     mp.spawn(_rank_main, args=(args.world, _free_port(), args), nprocs=args.world, join=True)
 

@@ -97,7 +97,8 @@ def main() -> None:
     args = parser.parse_args()
     tt.use_model(args.model)
     r = measure(args.repeats)
-    print(f"bench GPT ({args.model}): batch {tt.BATCH} x seq {tt.SEQ}, one forward, 1 thread")
+    print(f"bench GPT ({args.model}): batch {tt.BATCH} x {tt.SEQ - 1} positions (sequences "
+          f"of {tt.SEQ} tokens, shifted by one for the targets), one forward, 1 thread")
     print(f"{'counted by':<40}{'flops':>16}{'MACs':>16}")
     print(f"{'dsrun':<40}{r['flops']:>16,}{r['macs']:>16,}")
     print(f"{'torch FlopCounterMode':<40}{r['torch_flops']:>16,}{'':>16}")

@@ -29,7 +29,12 @@ steps and prints the top operators by self CUDA time and by self CPU time
 (``--trace DIR`` also writes a Chrome trace there).
 
 On a GPU host whose Python has torch with CUDA but not this checkout
-installed: ``PYTHONPATH=$PWD python3 bench/gpu_step.py``.
+installed: ``PYTHONPATH=$PWD python3 bench/gpu_step.py``. The DeepSpeed
+runners start from ``--ds-python`` (default: the interpreter running the
+bench), which must import deepspeed, dsrun and a CUDA torch (a venv set up as
+bench/train_throughput.py's docstring says, or a ``PYTHONPATH`` with DeepSpeed
+on it, as scripts/gpu_checks.sh does); where it cannot import deepspeed they
+are left out, and the output says so.
 """
 
 from __future__ import annotations
@@ -204,8 +209,9 @@ def _profile(step: Step, tokens: Any, trace: str | None) -> None:
 
 
 def run_once(runner: str, precision: str, args: argparse.Namespace) -> dict[str, Any] | str:
+    python = args.ds_python if runner.startswith("ds-") else sys.executable
     with tempfile.TemporaryDirectory() as out:
-        argv = [sys.executable, "-m", "dsrun.launcher.cli", "--num_gpus", "1", __file__,
+        argv = [python, "-m", "dsrun.launcher.cli", "--num_gpus", "1", __file__,
                 "--worker", runner, "--precision", precision, "--steps", str(args.steps),
                 "--warmup", str(args.warmup), "--out", out]
         if args.profile:
@@ -219,8 +225,9 @@ def run_once(runner: str, precision: str, args: argparse.Namespace) -> dict[str,
         return json.loads(Path(out, "facts.json").read_text())
 
 
-def has_deepspeed() -> bool:
-    probe = subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True)
+def has_deepspeed(python: str) -> bool:
+    probe = subprocess.run([python, "-c", "import deepspeed, dsrun"], capture_output=True,
+                           cwd=str(ROOT))
     return probe.returncode == 0
 
 
@@ -256,6 +263,8 @@ def main() -> None:
                              "one (DeepSpeed's where it imports)")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--ds-python", default=sys.executable,
+                        help="the interpreter that runs the ds-* runners (default: this one)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", default=None, metavar="RUNNER")
     parser.add_argument("--trace", default=None, metavar="DIR")
@@ -283,9 +292,11 @@ def main() -> None:
     unknown = [n for n in names if n not in RUNNERS]
     if unknown:
         raise SystemExit(f"unknown runner(s) {unknown}; choose from {list(RUNNERS)}")
-    if not has_deepspeed():
-        names = [n for n in names if not n.startswith("ds-")]
-        print("DeepSpeed does not import here: its runners are left out", file=sys.stderr)
+    left_out = [n for n in names if n.startswith("ds-")]
+    if left_out and not has_deepspeed(args.ds_python):
+        names = [n for n in names if n not in left_out]
+        print(f"DeepSpeed does not import in {args.ds_python} (--ds-python): "
+              f"{', '.join(left_out)} left out", flush=True)
     results: dict[str, dict[str, Any]] = {}
     for precision in precisions:
         rows: dict[str, dict[str, Any] | str] = {}

@@ -6,15 +6,22 @@
 #   STEPS="gpu-tier bench" bash scripts/gpu_checks.sh OUT_DIR   # some steps only
 #
 # The steps' limits add up to more than a device session's 600 s per
-# command: run "gpu-tier bench" in one command and "suite" in another.
+# command: run "gpu-tier bench" in one command and "suite" in another (with
+# DeepSpeed's runners in the bench, its limit is 540 s: "bench" alone then).
 #
 # A host without network access gets what it lacks (paramiko and its
-# dependencies; DeepSpeed 0.19.8 and its for the DeepSpeed anchors) as
-# Python 3.12 wheels in WHEELS (default ./.whl, see the README's "Tests");
-# they are installed into a scratch directory put on PYTHONPATH. Each step
-# has a time limit (GPU_TIER_S, SUITE_S, BENCH_S seconds) so that one run
-# fits a session's device time; every step's output goes to OUT_DIR and a
-# summary line per step to stdout. Exits non-zero when a step failed.
+# dependencies; DeepSpeed 0.19.8 and its dependencies for the DeepSpeed
+# anchors) as wheels for that host's python3 in WHEELS (default ./.whl; how
+# to build them: the README's "Tests"). Every wheel but DeepSpeed's goes into
+# a scratch directory (GPU_SITE) on every step's PYTHONPATH; DeepSpeed's own
+# wheel goes into a second one (GPU_SITE_DS) on the bench step's PYTHONPATH
+# only: with a real deepspeed importable, dsrun's `deepspeed` alias steps
+# aside, and the suite's alias tests would test DeepSpeed instead. The bench
+# step adds DeepSpeed's runners (ds-*) to its list when deepspeed imports
+# there. Each step has a time limit (GPU_TIER_S, SUITE_S, BENCH_S seconds) so
+# that one run fits a session's device time; every step's output goes to
+# OUT_DIR and a summary line per step to stdout. Exits non-zero when a step
+# failed.
 set -u
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-gpu-checks}}
@@ -30,13 +37,33 @@ if ! python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; th
 fi
 wheels=${WHEELS:-.whl}
 site=${GPU_SITE:-/tmp/dsrun-gpu-site}
-if compgen -G "$wheels/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$site" "$wheels"/*.whl > "$out/pip.txt" 2>&1 || echo "gpu-checks: wheel install failed (see $out/pip.txt)"
-    export PYTHONPATH="$site:$PWD"
-else
-    export PYTHONPATH="$PWD"
+site_ds=${GPU_SITE_DS:-$site-deepspeed}
+if [ -d "$site/deepspeed" ]; then  # an older version of this script put it there
+    echo "gpu-checks: $site holds deepspeed, which would reach the suite: remove $site" >&2
+    exit 2
 fi
+install() {  # TARGET WHEEL...: one pip call; if it fails, one per wheel, naming the bad ones
+    local target=$1 wheel
+    shift
+    local pip=(python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir
+               --upgrade --target "$target")
+    "${pip[@]}" "$@" >> "$out/pip.txt" 2>&1 && return 0
+    for wheel in "$@"; do
+        "${pip[@]}" "$wheel" >> "$out/pip.txt" 2>&1 ||
+            echo "gpu-checks: $wheel did not install (see $out/pip.txt)"
+    done
+}
+shopt -s nullglob
+others=() ds_wheels=()
+for wheel in "$wheels"/*.whl; do
+    case ${wheel##*/} in deepspeed-*) ds_wheels+=("$wheel") ;; *) others+=("$wheel") ;; esac
+done
+shopt -u nullglob
+: > "$out/pip.txt"
+[ ${#others[@]} -eq 0 ] || install "$site" "${others[@]}"
+[ ${#ds_wheels[@]} -eq 0 ] || install "$site_ds" "${ds_wheels[@]}"
+export PYTHONPATH="$site:$PWD"
+bench_path="$site_ds:$PYTHONPATH"
 export PYTHONUNBUFFERED=1
 # 8 test workers of 2 threads each on a 16-core host: more oversubscribes it
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
@@ -60,8 +87,14 @@ workers=()
 if python3 -c "import xdist" 2> /dev/null; then workers=(-n "${WORKERS:-8}"); fi
 step suite "${SUITE_S:-300}" python3 -m pytest -q -p no:cacheprovider "${workers[@]}" -rfEs \
     tests/unit tests/proc tests/dist tests/cluster
-step bench "${BENCH_S:-240}" python3 bench/gpu_step.py \
-    --runners "${BENCH_RUNNERS:-torch,torch-fused,dsrun-s0,dsrun-s1,dsrun-s2,dsrun-s3,dsrun-s2-off,dsrun-s3-off}" \
-    --json "$out/bench.json"
+runners=torch,torch-fused,dsrun-s0,dsrun-s1,dsrun-s2,dsrun-s3,dsrun-s2-off,dsrun-s3-off
+bench_s=240
+if [[ $steps == *" bench "* ]] && PYTHONPATH="$bench_path" python3 -c "import deepspeed" 2> /dev/null; then
+    # the cpuadam runners JIT-build DeepSpeedCPUAdam (a C++ compiler and ninja needed)
+    runners+=,ds-s0,ds-s1,ds-s2,ds-s3,ds-s2-off,ds-s3-off,ds-s2-off-cpuadam,ds-s3-off-cpuadam
+    bench_s=540
+fi
+step bench "${BENCH_S:-$bench_s}" env PYTHONPATH="$bench_path" python3 bench/gpu_step.py \
+    --runners "${BENCH_RUNNERS:-$runners}" --json "$out/bench.json"
 [[ $steps == *" bench "* ]] && grep -v "done$" "$out/bench.txt" | tail -20
 exit "$status"
