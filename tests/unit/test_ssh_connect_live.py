@@ -328,3 +328,15 @@ def test_connect_timeout_bounds_a_silent_server(home):
         with pytest.raises(SshConnectError,
                            match=r"within 1s \(ConnectTimeout in ssh config\)"):
             _connects(target)
+
+
+def test_an_encrypted_key_without_ssh_agent_says_to_add_it(server, home):
+    key = home / "id_locked"
+    CLIENT_KEY.write_private_key_file(str(key), password="secret")
+    target = _target(home, server.port, _line(f"[127.0.0.1]:{server.port}", HOST_KEY),
+                     identityfile=[str(key)])
+    with pytest.raises(SshConnectError) as info:
+        _connects(target)
+    message = str(info.value)
+    assert f"{key} (encrypted, and no ssh-agent (SSH_AUTH_SOCK is not set): load it with " \
+           f"`ssh-add {key}`)" in message, message

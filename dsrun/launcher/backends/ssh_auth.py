@@ -131,7 +131,7 @@ def _add_file(plan: KeyPlan, user: str, path: str) -> None:
         plan.tried.append(f"{path} (does not exist)")
         return
     try:
-        key = paramiko.PKey.from_path(path)
+        key = load_key(path)
     except paramiko.PasswordRequiredException:
         where = "ssh-agent does not hold it" if plan.agent is not None else \
             "no ssh-agent (SSH_AUTH_SOCK is not set)"
@@ -142,6 +142,26 @@ def _add_file(plan: KeyPlan, user: str, path: str) -> None:
         return
     plan.sources.append(InMemoryPrivateKey(user, key))
     plan.tried.append(path)
+
+
+def load_key(path: str) -> paramiko.PKey:
+    """The private key in ``path`` (its ``-cert.pub`` certificate loaded
+    too), tried as each key type paramiko's SSHClient tries;
+    PasswordRequiredException when it is encrypted. (PKey.from_path raises
+    a bare TypeError for an encrypted OpenSSH-format key.)"""
+    error: Exception | None = None
+    for kind in (paramiko.RSAKey, paramiko.ECDSAKey, paramiko.Ed25519Key):
+        try:
+            key = kind.from_private_key_file(path)
+        except paramiko.PasswordRequiredException:
+            raise
+        except (paramiko.SSHException, ValueError, TypeError) as exc:
+            error = exc
+            continue
+        if os.path.isfile(f"{path}-cert.pub"):
+            key.load_certificate(f"{path}-cert.pub")
+        return key
+    raise paramiko.SSHException(f"not a key paramiko can use ({error})")
 
 
 def no_key_message(target: SshTarget, plan: KeyPlan) -> str:
