@@ -26,7 +26,8 @@ What a dsrun checkpoint holds and where it comes from here:
   ``optimizer.type`` (else Adam/AdamW from the groups' keys);
 * frozen parameters (``frozen_param_fragments``, or the module's state
   dict at stages 0-1) in the dtype DeepSpeed kept them, and rank 0's
-  persistent buffers; tied names from ``shared_params``;
+  persistent buffers; tied names from ``shared_params`` and the ones it
+  leaves out (:mod:`.from_deepspeed_aliases`);
 * ``engine_state.pt``: the LR scheduler's state dict, the counters
   (``global_steps``, ``global_samples``, ``skipped_steps``), fp16's loss
   scaler in dsrun's form (:func:`loss_scaler_state`) and ``client_state``:
@@ -52,6 +53,7 @@ import torch
 import dsrun
 from dsrun.errors import CheckpointError
 from dsrun.runtime.checkpoint.fragments import ExportedState, Fragment, TensorInfo
+from dsrun.runtime.checkpoint.from_deepspeed_aliases import module_aliases, unresolved
 from dsrun.runtime.checkpoint.from_deepspeed_files import (
     Inventory,
     UnsupportedCheckpoint,
@@ -224,22 +226,6 @@ def _zero3(models: Sequence[dict[str, Any]], optims: Sequence[dict[str, Any]],
     return params, _hyperparameters(groups)
 
 
-def _tied(module: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """Second names of tensors saved under two names (stage 0 records no
-    ``shared_params``): the same storage, offset, shape and strides."""
-    first: dict[tuple[Any, ...], str] = {}
-    out = {}
-    for name, t in module.items():
-        if not isinstance(t, torch.Tensor) or t.numel() == 0:
-            continue
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
-        if key in first:
-            out[name] = first[key]
-        else:
-            first[key] = name
-    return out
-
-
 def _stage0(model: Mapping[str, Any], path: str, aliases: Mapping[str, str]
             ) -> tuple[list[Param], list[dict[str, Any]]]:
     opt = model.get("optimizer")
@@ -267,29 +253,41 @@ def _stage0(model: Mapping[str, Any], path: str, aliases: Mapping[str, str]
     return stage0_params(order, model["module"], opt, path), _hyperparameters(groups)
 
 
-def _plain(stage: int, models: Sequence[dict[str, Any]], trained: set[str],
-           aliases: Mapping[str, str], path: str) -> dict[str, tuple[str, torch.Tensor]]:
-    """Frozen parameters and buffers, each whole, by name."""
+def _frozen(stage: int, models: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The frozen parameters DeepSpeed recorded, each whole (stage 3: its
+    ranks' fragments joined)."""
     model = models[0]
-    module = model["module"]
-    buffers = set(model["buffer_names"])
-    out: dict[str, tuple[str, torch.Tensor]] = {}
-    shapes = model.get("frozen_param_shapes") or {}
-    for name, shape in shapes.items():
+    out = {}
+    for name, shape in (model.get("frozen_param_shapes") or {}).items():
         numel = int(torch.Size(shape).numel())
         pieces = [m["frozen_param_fragments"][name] for m in models] if stage == 3 \
             else [model["frozen_param_fragments"][name]]
-        out[name] = ("param", unpartition(pieces, numel).reshape(tuple(shape)))
-    for name, value in module.items():
-        if name in trained or name in out or name in aliases:
-            continue
+        out[name] = unpartition(pieces, numel).reshape(tuple(shape))
+    return out
+
+
+def _plain(stage: int, models: Sequence[dict[str, Any]], trained: set[str],
+           aliases: Mapping[str, str], path: str) -> dict[str, tuple[str, torch.Tensor]]:
+    """Frozen parameters and buffers, each whole, by name."""
+    module = models[0]["module"]
+    buffers = set(models[0]["buffer_names"])
+    out = {name: ("param", value) for name, value in _frozen(stage, models).items()}
+    left = unresolved(module, trained | set(out), aliases)
+    for name in left:
+        value = module[name]
         if name in buffers:
             out[name] = ("buffer", value)
-        elif stage == 3:
-            raise CheckpointError(f"{path}: parameter {name!r} is in neither the flat groups "
-                                  "nor the frozen parameters")
+        elif stage != 3:
+            out[name] = ("param", value)  # frozen, from the module (stages 0-2)
+        elif value.numel() == 0:  # a second name no match resolved: the model's ties will
+            log.warning("%s: %r is a second name of a parameter that DeepSpeed's shared_params "
+                        "does not name, and which one is ambiguous; it is left out (a load "
+                        "takes it from the model's own ties)", path, name)
         else:
-            out[name] = ("param", value)  # frozen, from the module (stages 0-1)
+            raise CheckpointError(
+                f"{path}: module entry {name!r} ({value.numel()} elements) is in neither the "
+                "flat groups, the frozen parameters nor buffer_names, and shares no storage "
+                "with another entry: the checkpoint is damaged or not one dsrun imports")
     return out
 
 
@@ -384,8 +382,7 @@ def _rebuild(files: Inventory, version: str, models: Sequence[dict[str, Any]],
              optims: Sequence[dict[str, Any]]) -> DeepSpeedCheckpoint:
     model, path = models[0], files.model_files[0]
     config = model.get("ds_config") if isinstance(model.get("ds_config"), Mapping) else {}
-    shared = model.get("shared_params")
-    aliases = dict(shared) if isinstance(shared, Mapping) else _tied(model["module"])
+    module, buffers = model["module"], set(model["buffer_names"])
     if optims:
         osd = _optimizer_dict(optims[0], files.optim_files[0])
         stage = 1 if bf16_optimizer(osd) else int(enum_value(osd["zero_stage"]))
@@ -395,18 +392,21 @@ def _rebuild(files: Inventory, version: str, models: Sequence[dict[str, Any]],
                                   "two saves")
         world = _partition_count(osd, len(optims), files.optim_files[0])
         params, groups = (_zero3 if stage == 3 else _zero12)(models, optims, files)
+        held = {p.name for p in params} | set(model.get("frozen_param_shapes") or {})
+        aliases = module_aliases(module, model.get("shared_params"), held, buffers, stage)
     elif model.get("param_shapes") is not None:
         missing = os.path.join(files.path, "zero_pp_rank_0_mp_rank_00_optim_states.pt")
         raise CheckpointError(f"{missing} is missing: a ZeRO checkpoint without its "
                               "optimizer-states files")
     else:
         stage, world = 0, int(model.get("dp_world_size") or 1)
+        aliases = module_aliases(module, model.get("shared_params"), (), buffers, 0)
         params, groups = _stage0(model, path, aliases)
     plain = _plain(stage, models, {p.name for p in params}, aliases, path)
-    precision = _precision(model, set(model["buffer_names"]))
+    precision = _precision(model, buffers)
     return DeepSpeedCheckpoint(
         files, version, stage, precision, world, params, plain, groups,
-        optimizer_name(config, groups), aliases, list(model["module"]),
+        optimizer_name(config, groups), aliases, list(module),
         _engine_state(model, precision, optims, config), config)
 
 

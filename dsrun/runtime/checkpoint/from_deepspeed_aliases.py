@@ -1,0 +1,119 @@
+"""Second names of one tensor in a DeepSpeed checkpoint (for :mod:`.from_deepspeed`).
+
+A model may reach one parameter or buffer under several names (tied
+embeddings; one submodule held as ``block``, ``blocks["0"]`` and
+``also``). Its saved ``module`` state dict lists every name, its flat
+groups and frozen parameters only the first. DeepSpeed's
+``shared_params`` maps second names to first ones, but not all of them:
+it walks ``named_children()``, which skips a module already seen under the
+same parent (``also`` above), records parameters only, and stage 0
+records none. :func:`module_aliases` finds the rest:
+
+1. ``shared_params``;
+2. entries holding the same storage, offset, shape and strides as an
+   earlier one (``torch.save`` keeps shared storage shared): every tie at
+   stages 0-2, and shared buffers at stage 3;
+3. at stage 3, where a parameter's entry is a 0-element placeholder with
+   storage of its own, a placeholder that no group and no frozen parameter
+   holds: the module path it lies under (deepest first) whose entries are
+   all second names is matched with the paths holding the same entry
+   names; when every match resolves to the same first names (after
+   steps 1-2: ``blocks.0`` is ``block``), and the known second names under
+   it agree, those are its targets.
+
+Every alias maps to a first name (chains are followed). What stays
+unresolved is left to the caller (:func:`unresolved`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["module_aliases"]
+
+
+def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+
+
+def storage_aliases(module: Mapping[str, Any]) -> dict[str, str]:
+    """Later names of a non-empty tensor saved under two names -> the first."""
+    first: dict[tuple[Any, ...], str] = {}
+    out = {}
+    for name, t in module.items():
+        if not isinstance(t, torch.Tensor) or t.numel() == 0:
+            continue
+        key = _storage_key(t)
+        if key in first:
+            out[name] = first[key]
+        else:
+            first[key] = name
+    return out
+
+
+def _root(name: str, aliases: Mapping[str, str]) -> str:
+    seen = {name}
+    while name in aliases and aliases[name] not in seen:
+        name = aliases[name]
+        seen.add(name)
+    return name
+
+
+def _under(prefix: str, names: Collection[str]) -> dict[str, str]:
+    """suffix -> full name of the entries under module path ``prefix``."""
+    return {n[len(prefix):]: n for n in names if n.startswith(prefix)}
+
+
+def _match(name: str, names: Collection[str], owned: Collection[str],
+           aliases: Mapping[str, str]) -> Optional[dict[str, str]]:
+    """The first names of the entries under ``name``'s deepest alias-only
+    module path that one structural match gives (module docstring, 3)."""
+    parts = name.split(".")
+    for depth in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:depth]) + "."
+        mine = _under(prefix, names)
+        if any(n in owned for n in mine.values()):
+            return None  # a module with tensors of its own is no second name
+        found = set()
+        for other in {n[: len(n) - len(s)] for n in names for s in mine if n.endswith("." + s)}:
+            if other == prefix or prefix.startswith(other) or other.startswith(prefix):
+                continue
+            theirs = _under(other, names)
+            if set(theirs) != set(mine):
+                continue
+            targets = {s: _root(n, aliases) for s, n in theirs.items()}
+            if all(t in owned for t in targets.values()):
+                found.add(tuple(sorted(targets.items())))
+        agreed = [dict(f) for f in found
+                  if all(_root(n, aliases) == dict(f)[s] for s, n in mine.items()
+                         if n in aliases)]
+        if len(agreed) == 1 and len(found) == 1:
+            return {mine[s]: t for s, t in agreed[0].items()}
+    return None
+
+
+def module_aliases(module: Mapping[str, Any], shared: Optional[Mapping[str, str]],
+                   held: Collection[str], buffers: Collection[str], stage: int
+                   ) -> dict[str, str]:
+    """Second name -> first name of ``module``'s entries (module docstring);
+    ``held``: the parameters the flat groups and frozen parameters hold
+    (never a second name), ``buffers``: DeepSpeed's ``buffer_names``."""
+    aliases = dict(shared) if isinstance(shared, Mapping) else {}
+    for name, target in storage_aliases(module).items():
+        if name not in held:
+            aliases.setdefault(name, target)
+    owned = set(held) | {n for n in buffers if n not in aliases}
+    if stage == 3:
+        for name in unresolved(module, owned, aliases):
+            if module[name].numel() == 0 and name not in aliases:
+                aliases.update(_match(name, list(module), owned, aliases) or {})
+    return {n: _root(n, aliases) for n in aliases}
+
+
+def unresolved(module: Mapping[str, Any], owned: Collection[str],
+               aliases: Mapping[str, str]) -> list[str]:
+    """The entries that are neither held nor a second name."""
+    return [n for n in module if n not in owned and n not in aliases]
