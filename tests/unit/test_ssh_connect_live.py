@@ -330,9 +330,16 @@ def test_connect_timeout_bounds_a_silent_server(home):
             _connects(target)
 
 
-def test_an_encrypted_key_without_ssh_agent_says_to_add_it(server, home):
+@pytest.mark.parametrize("form", ["pem", "openssh"])
+def test_an_encrypted_key_without_ssh_agent_says_to_add_it(form, server, home):
     key = home / "id_locked"
-    CLIENT_KEY.write_private_key_file(str(key), password="secret")
+    if form == "pem":
+        CLIENT_KEY.write_private_key_file(str(key), password="secret")
+    elif shutil.which("ssh-keygen") is None:
+        pytest.skip("ssh-keygen not installed")
+    else:  # paramiko's PKey.from_path raised TypeError for this one
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "secret", "-f", str(key)],
+                       check=True, stdout=subprocess.DEVNULL)
     target = _target(home, server.port, _line(f"[127.0.0.1]:{server.port}", HOST_KEY),
                      identityfile=[str(key)])
     with pytest.raises(SshConnectError) as info:
