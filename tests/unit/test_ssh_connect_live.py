@@ -227,9 +227,11 @@ def agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
                             stderr=subprocess.DEVNULL)
     try:
         for _ in range(100):
-            if os.path.exists(sock):
+            if os.path.exists(sock) or proc.poll() is not None:
                 break
-            proc.wait(0.05) if proc.poll() is not None else threading.Event().wait(0.05)
+            threading.Event().wait(0.05)
+        if not os.path.exists(sock):
+            pytest.fail(f"ssh-agent did not start (status {proc.poll()})")
         monkeypatch.setenv("SSH_AUTH_SOCK", sock)
         yield sock
     finally:
