@@ -7,7 +7,8 @@
 #
 # The steps' limits add up to more than a device session's 600 s per
 # command: run "gpu-tier bench" in one command and "suite" in another (with
-# DeepSpeed's runners in the bench, its limit is 540 s: "bench" alone then).
+# DeepSpeed's runners in the bench, its limit is 540 s: "bench" in one and
+# "gpu-tier suite" in the other).
 #
 # A host without network access gets what it lacks (paramiko and its
 # dependencies; DeepSpeed 0.19.8 and its dependencies for the DeepSpeed
