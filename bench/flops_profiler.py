@@ -61,8 +61,9 @@ def measure(repeats: int) -> dict[str, Any]:
             prof.stop_profile()
             reported.append(prof.get_total_duration())
     tokens_in = tt.BATCH * (tt.SEQ - 1)
+    # the output head is counted once below, tied (``gpu``: untied) or not
     matmul_params = sum(p.numel() for name, p in model.named_parameters()
-                        if p.dim() == 2 and not name.startswith(("wte", "wpe")))
+                        if p.dim() == 2 and not name.startswith(("wte", "wpe", "head")))
     attention = 2 * 2 * tt.LAYERS * tt.BATCH * (tt.SEQ - 1) ** 2 * tt.WIDTH
     return {"flops": prof.get_total_flops(), "macs": prof.get_total_macs(),
             "torch_flops": torch_counter.get_total_flops(),
