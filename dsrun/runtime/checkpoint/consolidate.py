@@ -49,6 +49,7 @@ import torch
 
 from dsrun.errors import CheckpointError
 from dsrun.runtime.checkpoint.fragments import LoadTarget
+from dsrun.runtime.checkpoint.from_deepspeed_kinds import deepspeed_tag_advice
 from dsrun.runtime.checkpoint.manifest import MANIFEST, VALUE, Manifest, TensorEntry, parse_manifest
 from dsrun.runtime.checkpoint.reader import ChunkReader
 from dsrun.runtime.checkpoint.shards import Shard, index_json, index_name, parse_size, plan_shards
@@ -88,6 +89,9 @@ def open_checkpoint(checkpoint_dir: str, tag: Optional[str] = None) -> tuple[str
     if tag is None and os.path.exists(os.path.join(root, MANIFEST)):
         path = root
     else:
+        advice = deepspeed_tag_advice(root)
+        if advice is not None:
+            raise CheckpointError(advice)
         if tag is None:
             tag = read_latest(root)
             if tag is None:

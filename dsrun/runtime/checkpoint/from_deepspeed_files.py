@@ -41,29 +41,20 @@ from typing import Any, Optional
 import torch
 
 from dsrun.errors import CheckpointError
+from dsrun.runtime.checkpoint.from_deepspeed_kinds import (
+    LATEST,
+    MODEL_STATES,
+    OPTIM_STATES,
+    REFUSED_DIRS,
+    ZERO3_MODEL_STATES,
+    refused_kind,
+)
+from dsrun.runtime.checkpoint.manifest import MANIFEST
 from dsrun.runtime.checkpoint.tags import natural_key
 
-LATEST = "latest"
 # (major, minor) of the DeepSpeed versions whose files this importer reads:
 # the format (flat partitions, paddings, key names) was checked against 0.19.8
 VERSIONS = frozenset({(0, 19)})
-
-MODEL_STATES = re.compile(r"mp_rank_(\d+)_model_states\.pt")
-ZERO3_MODEL_STATES = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt")
-OPTIM_STATES = re.compile(r"(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
-# what the importer refuses, by file name: (pattern, what it is)
-REFUSED_FILES = (
-    (re.compile(r"layer_\d+-model_\d+-model_states\.pt"),
-     "a pipeline-parallel checkpoint (PipelineModule layer files)"),
-    (re.compile(r"(?:layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt"),
-     "a mixture-of-experts checkpoint (expert files)"),
-    (re.compile(r"expp_rank_\d+_mp_rank_\d+_optim_states\.pt"),
-     "a mixture-of-experts checkpoint (expert-parallel optimizer files)"),
-)
-REFUSED_DIRS = {
-    "zero": "a universal checkpoint (ds_to_universal.py output)",
-    "offloaded_tensors": "a checkpoint with NVMe-offloaded optimizer state",
-}
 
 
 class UnsupportedCheckpoint(CheckpointError):
@@ -185,6 +176,7 @@ def resolve_tag(root: str, tag: Optional[str]) -> str:
         with open(latest, encoding="utf-8") as f:
             found = f.read().strip()
     except FileNotFoundError:
+        _not_dsrun(root)
         if any(MODEL_STATES.fullmatch(n) or ZERO3_MODEL_STATES.fullmatch(n)
                for n in os.listdir(root)):
             raise CheckpointError(f"{root} is a DeepSpeed tag directory: pass the directory "
@@ -198,23 +190,22 @@ def resolve_tag(root: str, tag: Optional[str]) -> str:
     return found
 
 
+def _not_dsrun(path: str) -> None:
+    if os.path.exists(os.path.join(path, MANIFEST)):
+        raise CheckpointError(f"{path} is already a dsrun checkpoint (it has a {MANIFEST}), not "
+                              "a DeepSpeed one: there is nothing to import; load it with "
+                              "engine.load_checkpoint() as it is")
+
+
 def _refuse(path: str, names: Sequence[str]) -> None:
-    for name in names:
-        full = os.path.join(path, name)
-        if name in REFUSED_DIRS and os.path.isdir(full):
-            raise UnsupportedCheckpoint(f"{full}: {REFUSED_DIRS[name]}, which dsrun does not "
-                                        "import; import the DeepSpeed checkpoint it came from")
-        for pattern, what in REFUSED_FILES:
-            if pattern.fullmatch(name):
-                raise UnsupportedCheckpoint(f"{full}: {what}, which dsrun does not import "
-                                            "(only data-parallel ZeRO checkpoints are)")
-        match = MODEL_STATES.fullmatch(name) or ZERO3_MODEL_STATES.fullmatch(name) \
-            or OPTIM_STATES.fullmatch(name)
-        if match and int(match.groups()[-1]) != 0:
-            raise UnsupportedCheckpoint(f"{full}: a tensor/model-parallel checkpoint (model-"
-                                        f"parallel rank {int(match.groups()[-1])}), which dsrun "
-                                        "does not import (only data-parallel ZeRO checkpoints "
-                                        "are)")
+    _not_dsrun(path)
+    refused = refused_kind(path, names)
+    if refused is not None:
+        file, what = refused
+        advice = "import the DeepSpeed checkpoint it came from" \
+            if os.path.basename(file) in REFUSED_DIRS else \
+            "only data-parallel ZeRO checkpoints are"
+        raise UnsupportedCheckpoint(f"{file}: {what}, which dsrun does not import ({advice})")
 
 
 def _by_rank(path: str, names: Sequence[str], pattern: re.Pattern[str], what: str

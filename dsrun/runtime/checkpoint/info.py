@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from dsrun.errors import CheckpointError
+from dsrun.runtime.checkpoint.from_deepspeed_kinds import deepspeed_tag_advice
 from dsrun.runtime.checkpoint.manifest import (
     ITEMSIZE,
     MANIFEST,
@@ -126,6 +127,9 @@ def checkpoint_info(checkpoint_dir: str, tag: Optional[str] = None) -> DirInfo:
     if tag is None and os.path.exists(os.path.join(root, MANIFEST)):
         name = os.path.basename(root)
         return DirInfo(os.path.dirname(root), [name], [], None, _tag_info(name, root))
+    advice = deepspeed_tag_advice(root)
+    if advice is not None:
+        raise CheckpointError(advice)
     tags, interrupted = list_tags(root)
     notes = []
     try:

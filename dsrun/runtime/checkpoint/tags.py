@@ -28,12 +28,12 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shlex
 import shutil
 import time
 from typing import Any, Optional
 
 from dsrun.errors import CheckpointError
+from dsrun.runtime.checkpoint.from_deepspeed_kinds import deepspeed_advice, is_deepspeed_tag
 from dsrun.runtime.checkpoint.manifest import (
     DATA_SUFFIX,
     ENGINE_STATE,
@@ -177,24 +177,6 @@ def list_tags(root: str) -> tuple[list[str], list[str]]:
     return complete, partial
 
 
-# files a DeepSpeed save_checkpoint writes into a tag's directory (such a tag is
-# refused with the command that imports it: dsrun checkpoint from-deepspeed)
-DEEPSPEED_FILES = ("mp_rank_", "zero_pp_rank_", "bf16_zero_pp_rank_", "layer_")
-
-
-def import_command(root: str, tag: str) -> str:
-    """The shell command that imports DeepSpeed checkpoint ``root``'s tag
-    ``tag`` into a dsrun checkpoint (``--tag`` only when ``latest`` names
-    another tag)."""
-    try:
-        with open(os.path.join(root, LATEST), encoding="utf-8") as f:
-            latest: Optional[str] = f.read().strip()
-    except OSError:
-        latest = None
-    extra = [] if latest == tag else ["--tag", tag]
-    return shlex.join(["dsrun", "checkpoint", "from-deepspeed", root, "OUT_DIR", *extra])
-
-
 def tag_dir(root: str, tag: str) -> str:
     """The directory of complete tag ``tag`` under ``root``, or an error
     that lists the tags there are."""
@@ -209,11 +191,9 @@ def tag_dir(root: str, tag: str) -> str:
     if tag in partial and not os.path.isdir(path):
         why = (f"its save never finished (only {tag}{TMP_SUFFIX}/ exists: the job stopped "
                "during the save)")
-    elif os.path.isdir(path) and any(n.startswith(DEEPSPEED_FILES) for n in os.listdir(path)):
-        why = (f"{path} is a DeepSpeed checkpoint, which dsrun does not read: import it once "
-               f"with `{import_command(root, tag)}` and load OUT_DIR (weights, optimizer "
-               "state, LR scheduler and counters carry over), or keep the weights only with "
-               "DeepSpeed's zero_to_fp32.py and model.load_state_dict()")
+    elif is_deepspeed_tag(path):
+        raise CheckpointError(f"cannot load tag {tag!r} from {root}: "
+                              f"{deepspeed_advice(root, tag)}")
     elif os.path.isdir(path):
         why = f"{path} has no {MANIFEST}: it is not a dsrun checkpoint"
     else:
