@@ -159,3 +159,21 @@ def test_a_placeholder_of_no_unique_match_is_left_to_the_models_ties(
     assert "'copy.weight' is a second name" in caplog.text
     got = get_fp32_state_dict(str(tmp_path / "out"))
     assert "copy.weight" not in got and "also.lin.weight" in got
+
+
+def test_look_alike_modules_are_told_apart_by_the_second_names_known_under_them() -> None:
+    """Stage 3: ``c`` is ``a``, ``b`` has the same entries; ``c.gain``
+    shares ``a.gain``'s storage, which picks ``a``."""
+    from dsrun.runtime.checkpoint.from_deepspeed_aliases import module_aliases
+
+    gain_a, gain_b = torch.ones(4), torch.zeros(4)
+    module = {}
+    for prefix, gain in (("a", gain_a), ("b", gain_b), ("c", gain_a)):
+        module.update({f"{prefix}.gain": gain, f"{prefix}.lin.weight": torch.empty(0),
+                       f"{prefix}.lin.bias": torch.empty(0)})
+    held = ["a.lin.weight", "a.lin.bias", "b.lin.weight", "b.lin.bias"]
+    aliases = module_aliases(module, {}, held, ["a.gain", "b.gain"], 3)
+    assert aliases == {"c.gain": "a.gain", "c.lin.weight": "a.lin.weight",
+                       "c.lin.bias": "a.lin.bias"}
+    module["c.gain"] = torch.ones(4)  # nothing tells a from b: ambiguous, left unresolved
+    assert module_aliases(module, {}, held, ["a.gain", "b.gain"], 3) == {}

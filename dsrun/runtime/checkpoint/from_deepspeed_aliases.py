@@ -90,7 +90,7 @@ def _match(name: str, names: Collection[str], owned: Collection[str],
         agreed = [dict(f) for f in found
                   if all(_root(n, aliases) == dict(f)[s] for s, n in mine.items()
                          if n in aliases)]
-        if len(agreed) == 1 and len(found) == 1:
+        if len(agreed) == 1:  # the second names known under it tell look-alikes apart
             return {mine[s]: t for s, t in agreed[0].items()}
     return None
 
