@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 from simhosts import SimCluster
-from sshjobs import run
+from sshjobs import WORKERS, run
 
 pytestmark = pytest.mark.cluster
 
@@ -65,6 +65,24 @@ def test_a_rank_runs_on_a_host_behind_another(alias: str, sim_cluster: SimCluste
     while _proxies_of(sim_cluster.ssh_config_path) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _proxies_of(sim_cluster.ssh_config_path) == []
+
+
+def test_allreduce_over_two_hosts_behind_one_jump_host(sim_cluster: SimCluster,
+                                                       tmp_path: Path) -> None:
+    """Both hosts only through node1 (a connection each, as ssh -J makes);
+    the ranks then talk to each other directly, inside the cluster."""
+    common = (f"    ProxyJump node1\n    User root\n    IdentityFile {sim_cluster.key_path}\n"
+              f"    UserKnownHostsFile {sim_cluster.known_hosts_path}\n")
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Include {sim_cluster.ssh_config_path}\n\n"
+                      f"Host b2\n    HostName node2\n{common}\n"
+                      f"Host b3\n    HostName node3\n{common}")
+    (tmp_path / "hostfile").write_text("b2 slots=1\nb3 slots=1\n")
+    res = run(sim_cluster, "-H", str(tmp_path / "hostfile"), "--ssh_config", str(config),
+              str(WORKERS / "allreduce.py"), timeout=120)
+    assert res.returncode == 0, res.stderr
+    for rank, host in [(0, "node2"), (1, "node3")]:
+        assert f"[{host}:{rank}] rank {rank}/2 backend gloo sum 3" in res.stdout, res.stdout
 
 
 def test_an_unreachable_jump_target_is_named(sim_cluster: SimCluster, tmp_path: Path) -> None:
