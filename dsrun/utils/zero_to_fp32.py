@@ -8,6 +8,10 @@ a time::
 
     python -m dsrun.utils.zero_to_fp32 CHECKPOINT_DIR OUTPUT_DIR [-t TAG]
         [--max_shard_size 5GB] [--safe_serialization] [--exclude_frozen_parameters]
+    python -m dsrun.utils.zero_to_torch CHECKPOINT_DIR OUTPUT_DIR --dtype bf16 ...
+
+(:mod:`.zero_to_torch`: the same in fp32, fp16 or bf16, DeepSpeed's
+``zero_to_torch.py``).
 
 ``CHECKPOINT_DIR`` is the directory ``engine.save_checkpoint`` wrote (its
 ``latest`` names the tag unless ``-t`` does) or a tag's directory itself.
@@ -54,9 +58,16 @@ __all__ = [
     "load_state_dict_from_zero_checkpoint", "to_torch_tensor",
 ]
 
+# DeepSpeed 0.19.8's output dtype names (zero_to_torch's --dtype choices)
+OUTPUT_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32,
+                      "float16": torch.float16, "fp16": torch.float16,
+                      "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
 def _output_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
     name = dtype.lower() if isinstance(dtype, str) else None
-    resolved = dtype if name is None else torch_dtype(name) if name in DTYPE_NAMES else None
+    resolved = dtype if name is None else OUTPUT_DTYPE_NAMES.get(name) or (
+        torch_dtype(name) if name in DTYPE_NAMES else None)
     if resolved not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"unsupported output dtype {dtype!r}: use float32, float16 or "
                          "bfloat16 (fp32, fp16, bf16)")
@@ -145,15 +156,16 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir:
     return model
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m dsrun.utils.zero_to_fp32`` (module docstring)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m dsrun.utils.zero_to_fp32",
-        description="Write a dsrun checkpoint's weights as a plain fp32 state dict "
-                    "(DeepSpeed's zero_to_fp32.py).")
+def arguments(prog: str, description: str, dtype: bool = False) -> argparse.ArgumentParser:
+    """The command line of DeepSpeed's ``zero_to_fp32.py`` (``dtype``: and
+    ``zero_to_torch.py``'s required ``--dtype``)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("checkpoint_dir", help="the directory save_checkpoint wrote "
                         "(with 'latest'), or one tag's directory")
     parser.add_argument("output_dir", help="where to write the state dict file(s)")
+    if dtype:
+        parser.add_argument("--dtype", choices=sorted(OUTPUT_DTYPE_NAMES), required=True,
+                            help="the floating-point tensors' dtype (integers keep theirs)")
     parser.add_argument("--max_shard_size", default="5GB",
                         help="largest file before the output is sharded (default 5GB)")
     parser.add_argument("--safe_serialization", action="store_true",
@@ -163,10 +175,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--exclude_frozen_parameters", action="store_true",
                         help="leave out parameters no optimizer param group updated")
     parser.add_argument("-d", "--debug", action="store_true", help="accepted; no effect")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def run(args: argparse.Namespace, dtype: torch.dtype) -> int:
+    """Convert as ``args`` (:func:`arguments`) say, in ``dtype``: 0, or 1
+    with the error on stderr."""
     try:
-        done = convert_zero_checkpoint_to_fp32_state_dict(
-            args.checkpoint_dir, args.output_dir, max_shard_size=args.max_shard_size,
+        done = convert_zero_checkpoint_to_state_dict(
+            args.checkpoint_dir, args.output_dir, dtype, max_shard_size=args.max_shard_size,
             safe_serialization=args.safe_serialization, tag=args.tag,
             exclude_frozen_parameters=args.exclude_frozen_parameters)
     except (DsrunError, ValueError, OSError) as exc:
@@ -177,6 +194,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"wrote {done.tensors} tensors ({done.bytes / 2**20:.1f} MiB) to {args.output_dir}: "
           f"{names}{more}")
     return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m dsrun.utils.zero_to_fp32`` (module docstring)."""
+    parser = arguments("python -m dsrun.utils.zero_to_fp32",
+                       "Write a dsrun checkpoint's weights as a plain fp32 state dict "
+                       "(DeepSpeed's zero_to_fp32.py).")
+    return run(parser.parse_args(argv), torch.float32)
 
 
 if __name__ == "__main__":

@@ -137,7 +137,7 @@ def test_bad_arguments_on_one_rank_fail_on_every_rank_before_anything_is_written
                                            "0, 1: the tag")
         assert "is 250 bytes long (os.fsencode), more than the 246" in fact["tag_text"]
     assert sorted(p.name for p in (runs["ckpt"] / "refused_arguments").iterdir()) == [
-        "latest", "ok", "zero_to_fp32.py"]
+        "latest", "ok", "zero_to_fp32.py", "zero_to_torch.py"]
 
 
 def test_save_on_one_rank_only_fails_after_the_timeout(runs: dict[str, Any]) -> None:
@@ -181,7 +181,7 @@ def test_a_full_disk_on_one_rank_during_an_async_save_fails_fast_naming_the_file
         assert "bad.tmp/rank_00001.bin" in fact["error_text"]
         assert "(the asynchronous save of tag 'bad' failed on rank 1)" in fact["error_text"]
         assert fact["seconds"] < 30, fact
-        assert fact["listing"] == ["good", "latest", "zero_to_fp32.py"]
+        assert fact["listing"] == ["good", "latest", "zero_to_fp32.py", "zero_to_torch.py"]
         assert fact["latest"] == "good"
     assert rank0["error_text"] == rank1["error_text"]
     manifest = runs["ckpt"] / "async_full" / "good" / "manifest.json"

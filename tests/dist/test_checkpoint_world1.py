@@ -197,7 +197,7 @@ def test_a_tag_too_long_for_the_file_system_is_refused_before_anything_is_writte
                            f"{len(tag.encode())} bytes long .*more than the 246"):
             engine.save_checkpoint(root, tag=tag)
     assert sorted(p.name for p in root.iterdir()) == ["global_step2", "latest",
-                                                         "zero_to_fp32.py"]
+                                                         "zero_to_fp32.py", "zero_to_torch.py"]
     assert (root / "latest").read_text() == "global_step2"
     longest = "x" * 246
     engine.save_checkpoint(root, tag=longest)
@@ -213,7 +213,7 @@ def test_a_client_state_that_is_not_a_dict_is_refused_before_anything_is_written
                        r"Mapping\), got list \[1, 2\].*nothing was written"):
         engine.save_checkpoint(root, tag="bad", client_state=[1, 2])
     assert sorted(p.name for p in root.iterdir()) == ["global_step2", "latest",
-                                                         "zero_to_fp32.py"]
+                                                         "zero_to_fp32.py", "zero_to_torch.py"]
 
 
 def test_a_saved_client_state_that_is_not_a_dict_changes_nothing(
@@ -350,7 +350,7 @@ def test_disk_full_is_a_clear_error_and_the_previous_checkpoint_survives(
     monkeypatch.setattr(storage, "write_all", real)
     assert (root / "latest").read_text() == "global_step2"
     assert sorted(p.name for p in root.iterdir()) == ["global_step2", "latest",
-                                                         "zero_to_fp32.py"]
+                                                         "zero_to_fp32.py", "zero_to_torch.py"]
     fresh = engine_for(stage=1, seed=3)
     assert fresh.load_checkpoint(root)[0] == str(root / "global_step2")
 
@@ -381,8 +381,8 @@ def test_a_real_full_file_system_refuses_before_writing(solo: None, small_tmpfs:
                                               r"of data \+ 2% .*\), [\d.]+ KiB are free"):
         big.save_checkpoint(small_tmpfs)
     assert (small_tmpfs / "latest").read_text() == "global_step2"
-    assert sorted(p.name for p in small_tmpfs.iterdir()) == ["global_step2", "latest",
-                                                                "zero_to_fp32.py"]
+    assert sorted(p.name for p in small_tmpfs.iterdir()) == [
+        "global_step2", "latest", "zero_to_fp32.py", "zero_to_torch.py"]
     assert engine_for(stage=0, seed=2).load_checkpoint(small_tmpfs)[0]
 
 
@@ -474,7 +474,8 @@ def test_async_failures_are_raised_by_the_next_save_and_by_destroy(
         engine.destroy()
     monkeypatch.setattr(storage, "write_all", real)
     assert (tmp_path / "latest").read_text() == "next"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "next", "zero_to_fp32.py"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "next", "zero_to_fp32.py",
+                                                          "zero_to_torch.py"]
 
 
 # ------------------------------------------------------- what is loaded
@@ -552,7 +553,7 @@ def test_same_tag_saved_twice_and_save_latest_false(saved: tuple[Any, Path]) -> 
     engine.save_checkpoint(root, tag="side", save_latest=False)
     assert (root / "latest").read_text() == "global_step2"
     assert sorted(p.name for p in root.iterdir()) == ["global_step2", "latest", "side",
-                                                         "zero_to_fp32.py"]
+                                                         "zero_to_fp32.py", "zero_to_torch.py"]
     state = get_fp32_state_dict(str(root))
     assert torch.equal(state["a.weight"], engine.module.a.weight)
 

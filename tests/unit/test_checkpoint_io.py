@@ -164,7 +164,7 @@ def test_a_full_disk_names_the_file_and_keeps_the_previous_checkpoint(
     with pytest.raises(CheckpointError, match=r"no space left .*new\.tmp/rank_00000\.bin.*"
                                               "previous checkpoint is intact"):
         save(tmp_path, DictSource(tensors()), tag="new")
-    assert sorted(os.listdir(tmp_path)) == ["latest", "old", "zero_to_fp32.py"]
+    assert sorted(os.listdir(tmp_path)) == ["latest", "old", "zero_to_fp32.py", "zero_to_torch.py"]
     assert (tmp_path / "latest").read_text() == "old"
 
 
