@@ -17,9 +17,10 @@ records none. :func:`module_aliases` finds the rest:
    storage of its own, a placeholder that no group and no frozen parameter
    holds: the module path it lies under (deepest first) whose entries are
    all second names is matched with the paths holding the same entry
-   names; when every match resolves to the same first names (after
-   steps 1-2: ``blocks.0`` is ``block``), and the known second names under
-   it agree, those are its targets.
+   names; the matches that agree with the second names already known
+   under it (``also.gain`` shares ``block.gain``'s storage: not the
+   look-alike ``other``) must resolve to one set of first names (after
+   steps 1-2: ``blocks.0`` is ``block``), which are its targets.
 
 Every alias maps to a first name (chains are followed). What stays
 unresolved is left to the caller (:func:`unresolved`).
