@@ -9,7 +9,8 @@
   or on a save directory without ``latest``, name the ``from-deepspeed``
   command with its arguments; on a kind ``from-deepspeed`` refuses
   (pipeline, universal) they do not advise it;
-* ``from-deepspeed`` on a dsrun checkpoint says it already is one.
+* ``from-deepspeed`` on a dsrun checkpoint says it already is one;
+* ``info`` of an import names the DeepSpeed version and ranks that saved it.
 
 Layouts are made by adding files to copies of the DeepSpeed fixtures.
 """
@@ -114,3 +115,11 @@ def test_importing_a_dsrun_checkpoint_says_it_already_is_one(tmp_path: Path) -> 
         out = one_error(cli("from-deepspeed", path, tmp_path / "out"), 1)
         assert "is already a dsrun checkpoint" in out and "nothing to import" in out
         assert not (tmp_path / "out").exists()
+
+
+def test_info_of_an_import_says_who_saved_it(tmp_path: Path) -> None:
+    import_deepspeed_checkpoint(str(DATA / "stage2_bf16"), str(tmp_path / "mine"))
+    res = cli("info", tmp_path / "mine")
+    assert res.exit_code == 0, res.output
+    assert "from a DeepSpeed 0.19.8 checkpoint saved by 2 rank(s), ZeRO stage 2" in res.output
+    assert "by 1 rank(s)" not in res.output  # the importer's own single writer

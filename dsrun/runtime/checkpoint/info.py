@@ -64,6 +64,8 @@ class TagInfo:
             "largest_tensor": None if largest is None else
             {"name": largest.name, "shape": list(largest.shape), "elements": largest.numel},
             "files": len(m.files) + 1,
+            "imported_from": m.meta.get("imported_from"),
+            "dp_world_size": m.meta.get("dp_world_size"),
         }
 
 
@@ -168,9 +170,15 @@ def format_info(info: DirInfo) -> list[str]:
     if info.selected is None:
         return lines
     s = info.selected.summary()
-    lines.append(f"tag {s['tag']}: saved {s['created'] or '?'} by {s['world_size']} rank(s), "
-                 f"ZeRO stage {s['zero_stage']}, {s['precision']}, dsrun {s['dsrun_version']}, "
-                 f"torch {s['torch_version']}")
+    source = s["imported_from"]
+    if isinstance(source, dict):  # dsrun checkpoint from-deepspeed: who saved it is DeepSpeed
+        who = (f"imported {s['created'] or '?'} from a DeepSpeed "
+               f"{source.get('deepspeed_version', '?')} checkpoint saved by "
+               f"{s['dp_world_size'] or '?'} rank(s)")
+    else:
+        who = f"saved {s['created'] or '?'} by {s['world_size']} rank(s)"
+    lines.append(f"tag {s['tag']}: {who}, ZeRO stage {s['zero_stage']}, {s['precision']}, "
+                 f"dsrun {s['dsrun_version']}, torch {s['torch_version']}")
     pipe = s["pipeline"]
     if isinstance(pipe, dict):
         lines.append(f"  pipeline: {pipe.get('stages')} stage(s) x {pipe.get('replicas')} "
