@@ -123,3 +123,9 @@ def test_info_of_an_import_says_who_saved_it(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     assert "from a DeepSpeed 0.19.8 checkpoint saved by 2 rank(s), ZeRO stage 2" in res.output
     assert "by 1 rank(s)" not in res.output  # the importer's own single writer
+
+
+def test_a_directory_named_zero_alone_is_no_deepspeed_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "run" / "zero").mkdir(parents=True)
+    out = one_error(cli("info", tmp_path / "run"), 1)
+    assert "holds no dsrun checkpoint" in out and "DeepSpeed" not in out

@@ -71,9 +71,10 @@ def _listing(path: str) -> list[str]:
 
 
 def is_deepspeed_tag(path: str) -> bool:
-    """Whether directory ``path`` holds a DeepSpeed save's files."""
-    return any(n.startswith(DEEPSPEED_FILES) and n.endswith(".pt") or n in REFUSED_DIRS
-               for n in _listing(path)) and not os.path.exists(os.path.join(path, "manifest.json"))
+    """Whether directory ``path`` holds a DeepSpeed save's files (a universal
+    or offloaded one has model states beside its ``zero/`` directory)."""
+    return any(n.startswith(DEEPSPEED_FILES) and n.endswith(".pt") for n in _listing(path)) \
+        and not os.path.exists(os.path.join(path, "manifest.json"))
 
 
 def import_command(root: str, tag: str) -> str:
