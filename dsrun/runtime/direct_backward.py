@@ -93,16 +93,29 @@ def accumulates_into(params: Iterable[torch.nn.Parameter]) -> bool:
     return False
 
 
+def _runs_checkpoint(node: Any) -> bool:
+    """Will the running pass run reentrant checkpoint ``node``'s backward?
+
+    Asked of the node's inputs, not of the node: the pass's root (an engine
+    output that a reentrant checkpoint returned, the loss itself) is never
+    in torch's set of nodes the pass will execute, and a node that
+    ``torch.autograd.grad`` captures a gradient at - its tensor is one of
+    the inputs - counts as executed although its backward never runs. A
+    checkpoint's backward runs exactly when the pass goes on to its inputs
+    (one whose backward ran in a ``torch.autograd.grad`` pass refuses it)."""
+    return any(_will_run(child) for child, _ in node.next_functions if child is not None)
+
+
 def reaches_reentrant_checkpoint(root: Any) -> bool:
-    """Does the running pass run a reentrant checkpoint below ``root`` (its
-    nested pass accumulates the parameters inside)?"""
+    """Does the running pass run a reentrant checkpoint at or below ``root``
+    (its nested pass accumulates the parameters inside)?"""
     seen, todo = set(), [root]
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        if type(node).__name__ in REENTRANT_NODES and _will_run(node):
+        if type(node).__name__ in REENTRANT_NODES and _runs_checkpoint(node):
             return True
         todo.extend(next_node for next_node, _ in node.next_functions)
     return False
