@@ -18,6 +18,27 @@ gets there the way torch DDP's reducer does:
   while autograd keeps computing earlier layers' gradients (NCCL on its
   stream). Launching strictly in bucket order keeps the sequence of
   collectives identical on all ranks even if hooks fire in different orders.
+* **Several gradients in one backward**: a parameter used inside a
+  *reentrant* activation checkpoint (``use_reentrant=True``, HF
+  ``gradient_checkpointing``'s default) gets its gradient in the
+  checkpoint's nested pass, and another one if it is used again outside or
+  in another checkpoint (a shared block, a tied embedding/head). Its slot
+  must hold the sum, as DeepSpeed's stage 0 (which all-reduces after
+  backward) has it. Each parameter expects one gradient per backward until
+  it is seen to get more: a gradient past the expected count is an
+  **extra** one - the slot was filled, perhaps already reduced, with a
+  partial sum - so at the end of backward the final gradients of those
+  parameters are all-reduced again, together (param order, one flat tensor
+  per dtype), over their slots; and the parameter then expects that many,
+  so later backwards fill its slot at its last gradient and send nothing
+  more. Cost: nothing in the common case (a hook counts in a list); the
+  first backward with extra gradients sends those parameters twice, the
+  second time after backward; later ones launch that parameter's bucket,
+  and the buckets after it, only once its last gradient has come - at worst
+  after backward, where DeepSpeed's stage 0 reduces everything. Ranks must
+  run the same graph (as for the buckets' order): the extra reduction is
+  one more collective, which a rank whose graph reused no parameter would
+  not join.
 * **Finish** (after ``loss.backward()`` returns): buckets not yet launched
   are launched in order - a parameter that got no gradient this backward
   contributes the one it accumulated in earlier micro-steps or ``no_sync()``
@@ -60,7 +81,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -108,9 +129,8 @@ class _Bucket:
     indices: list[int]  # into GradSync.params
     offsets: list[int]
     buffer: torch.Tensor
-    pending: int = 0
+    pending: int = 0  # parameters whose slot is not filled yet this backward
     work: Optional[Any] = None
-    ready: set[int] = field(default_factory=set)
 
 
 class GradSync:
@@ -144,6 +164,12 @@ class GradSync:
         self.buckets = [self._make_bucket([order[j] for j in members]) for members in layout]
         self.slot = {i: (b, k) for b, bucket in enumerate(self.buckets)
                      for k, i in enumerate(bucket.indices)}
+        self._bucket_of = [self.slot[i][0] for i in range(len(self.params))]
+        #: per parameter: gradients it got in this synchronising backward, and
+        #: how many it gets per backward (learned, "Several gradients")
+        self._landed = [0] * len(self.params)
+        self._expect = [1] * len(self.params)
+        self._extra: list[int] = []  # parameters given an extra gradient this backward
         self._armed = False
         self._next = 0
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i))
@@ -180,26 +206,55 @@ class GradSync:
         for bucket in self.buckets:
             if bucket.work is not None:
                 raise DsrunError("gradient all-reduce armed again before the last one finished")
-            bucket.pending, bucket.ready = len(bucket.indices), set()
+            bucket.pending = len(bucket.indices)
+        self._landed = [0] * len(self.params)
+        self._extra = []
         self._next = 0
         self._armed = True
 
     def _mark_ready(self, index: int, param: torch.Tensor) -> None:
-        b, _ = self.slot[index]
-        bucket = self.buckets[b]
-        if index in bucket.ready:
-            raise DsrunError(f"parameter {self.names[index]} received gradients twice in one "
-                             "synchronising backward; run one backward per micro-batch, or use "
-                             "engine.no_sync() for the extra ones")
+        """A gradient of ``param`` was accumulated: at the expected count its
+        slot is filled (``param.grad`` holds the sum) and complete buckets
+        launch; before, more are coming; after, it is an extra one."""
+        landed = self._landed[index] + 1
+        self._landed[index] = landed
+        expect = self._expect[index]
+        if landed != expect:
+            if landed > expect:
+                self._extra_gradient(index, param)
+            return
         assert param.grad is not None
         self._fill(index, param.grad)
-        bucket.ready.add(index)
+        bucket = self.buckets[self._bucket_of[index]]
         bucket.pending -= 1
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             self._launch(self._next)
 
+    def _extra_gradient(self, index: int, param: torch.Tensor) -> None:
+        """A gradient past the expected count (module docstring, "Several
+        gradients"): reduced again at the end of backward. Not when autograd
+        accumulated it into the slot itself (``.grad`` still the reduced
+        gradient of an earlier synchronising backward, no zero_grad between):
+        that memory was filled and may be in a reduction."""
+        grad = param.grad
+        buffer = self.buckets[self._bucket_of[index]].buffer
+        if grad is not None and grad.untyped_storage().data_ptr() == \
+                buffer.untyped_storage().data_ptr():
+            raise DsrunError(
+                f"parameter {self.names[index]} received another gradient in this synchronising "
+                "backward after its all-reduce was prepared, while its .grad was still the "
+                "all-reduced gradient of an earlier backward: zero the gradients between "
+                "synchronising backwards (engine.step() does). A second gradient comes from a "
+                "parameter used inside a reentrant activation checkpoint and again outside it "
+                "or in another checkpoint (a shared layer, a tied weight); "
+                "use_reentrant=False avoids it")
+        if self._landed[index] == self._expect[index] + 1:  # its first extra one
+            self._extra.append(index)
+
     def _fill(self, index: int, grad: torch.Tensor) -> None:
-        view = self._view(index)
+        self._scaled_into(self._view(index), grad)
+
+    def _scaled_into(self, view: torch.Tensor, grad: torch.Tensor) -> None:
         # a sparse gradient where none was expected (module docstring): densified
         flat = (grad.to_dense() if grad.is_sparse else grad).reshape(-1)
         if self.pre_scale == 1.0:
@@ -217,12 +272,15 @@ class GradSync:
         if not self._armed:
             return
         self._armed = False
+        landed, expect = self._landed, self._expect
         for b in range(self._next, len(self.buckets)):
             bucket = self.buckets[b]
             for index in bucket.indices:
-                if index in bucket.ready:
-                    continue
-                # no gradient this backward: what earlier micro-steps accumulated, or zeros
+                if landed[index] >= expect[index]:
+                    continue  # filled
+                if landed[index]:  # fewer gradients than the last backward's: expect these
+                    expect[index] = landed[index]
+                # the sum so far, or what earlier micro-steps accumulated, or zeros
                 grad = self.params[index].grad
                 if grad is None:
                     self._view(index).zero_()
@@ -234,6 +292,9 @@ class GradSync:
             work.wait()
             if self.post_scale != 1.0:
                 bucket.buffer.mul_(self.post_scale)
+        if self._extra:
+            self._reduce_extra()
+        for bucket in self.buckets:
             for index in bucket.indices:
                 param = self.params[index]
                 if param.grad is not None or param.requires_grad:
@@ -241,6 +302,28 @@ class GradSync:
         self._reduce_late()
         if self.sparse:
             reduce_sparse(self.sparse, group=self.group, comm_dtype=self.comm_dtype)
+
+    def _reduce_extra(self) -> None:
+        """All-reduce again, over their slots, the final gradients of the
+        parameters that got extra ones (module docstring, "Several
+        gradients"), in param order; from now on they expect that many."""
+        extra, self._extra = sorted(self._extra), []
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for index in extra:
+            self._expect[index] = self._landed[index]
+            by_dtype.setdefault(self._dtype(self.params[index]), []).append(index)
+        for dtype, indices in by_dtype.items():
+            sizes = [self.params[i].numel() for i in indices]
+            flat = torch.empty(sum(sizes), dtype=dtype, device=self.params[indices[0]].device)
+            for i, part in zip(indices, flat.split(sizes)):
+                grad = self.params[i].grad
+                assert grad is not None
+                self._scaled_into(part, grad)
+            collectives.all_reduce(flat, group=self.group)
+            if self.post_scale != 1.0:
+                flat.mul_(self.post_scale)
+            for i, part in zip(indices, flat.split(sizes)):
+                self._view(i).copy_(part)
 
     def _reduce_late(self) -> None:
         """All-reduce the gradients of the late parameters trainable now
@@ -285,6 +368,7 @@ class GradSync:
     def disarm(self) -> None:
         """Backward failed: forget this round (launched reductions are left to finish)."""
         self._armed = False
+        self._extra = []
         for bucket in self.buckets:
             bucket.work = None
 

@@ -169,12 +169,28 @@ class GradReducer:
         b, _ = self.slot[key]
         bucket = self.buckets[b]
         if key in bucket.ready:
-            raise DsrunError("a parameter received gradients twice in one backward pass; ZeRO "
-                             "stage 2 reduces every backward: run one backward per micro-batch")
+            raise DsrunError(self._twice(key))
         bucket.ready.add(key)
         if bucket.opened:
             self._copy_in(key)
         self._launch_complete()
+
+    def _twice(self, key: int) -> str:
+        """The error for a second gradient of one parameter in one round.
+        Each backward pass has its own round, so the second one came from a
+        nested pass inside it: a reentrant checkpoint's recomputation."""
+        source = self.sources[key]
+        return (f"parameter {source.index} of param group {source.group} (shape "
+                f"{tuple(source.param.shape)}) received gradients twice in one backward pass; "
+                "ZeRO stage 2 reduces each gradient once per backward as it arrives. The likely "
+                "cause: a parameter used in several reentrant activation checkpoints, or inside "
+                "one and outside it (a shared layer, a tied embedding/head) - "
+                "torch.utils.checkpoint's use_reentrant=True, Hugging Face "
+                "gradient_checkpointing's default - gets a gradient in each checkpoint's "
+                "nested backward. Use use_reentrant=False (Hugging Face: "
+                "gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                "{'use_reentrant': False})), or ZeRO stage 0, 1 or 3, which add them up "
+                "(DeepSpeed's stage 2 refuses it too)")
 
     def _begin_round(self) -> None:
         self._active = True

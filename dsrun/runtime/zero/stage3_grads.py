@@ -6,11 +6,11 @@ callbacks (:meth:`~Stage3Gradients._on_grad` hands each gradient to the
 :class:`~.reduce3.ShardGradReducer`; one in no param group is dropped), the
 leaf modules' gradients reduced together at the end of backward (zeros where
 this rank's pass used none of a parameter), landing each reduced shard in its
-master slice (a copy in a step's first round, an add after; under offload
-through :class:`~.offload.Landing`), the end of a round, the accumulation
-boundary (:meth:`~Stage3Gradients.reduce_gradients`; at world size 1 the
-flat gradient is the master gradient) and dropping every gradient
-(:meth:`~Stage3Gradients.zero_grad`). It also gives
+master slice (a copy at its first landing in a step's first round, an add
+after; under offload through :class:`~.offload.Landing`), the end of a
+round, the accumulation boundary (:meth:`~Stage3Gradients.reduce_gradients`;
+at world size 1 the flat gradient is the master gradient) and dropping every
+gradient (:meth:`~Stage3Gradients.zero_grad`). It also gives
 :class:`~.masters.MasterGradients` the master slices of each parameter and
 its collectives, announced to the divergence guard.
 
@@ -102,11 +102,16 @@ class Stage3Gradients:
     def _land(self, param: torch.Tensor, values: torch.Tensor) -> None:
         """Reduced gradient ``values`` of ``param``'s shard (a prefix of it
         at world size 1: the unpadded gradient) into its accumulator: a copy
-        in a step's first round (:attr:`_fresh`), an add afterwards."""
-        g, _ = self._slot[param.ds_id]
-        fresh = self._fresh[g]
+        at its first landing in a step's first round (:attr:`_fresh`), an add
+        afterwards. A parameter can land twice in one backward: one used
+        inside a reentrant activation checkpoint lands in the checkpoint's
+        nested pass and again in the outer pass or another checkpoint's
+        (a shared block, a tied embedding); its second landing adds."""
+        key = param.ds_id
+        g, _ = self._slot[key]
+        fresh = self._fresh[g] and key not in self._written
         if fresh:
-            self._written.add(param.ds_id)
+            self._written.add(key)
         target = self._accumulator(param).narrow(0, 0, values.numel())
         self._landing.put(target, values, add=not fresh)
 
