@@ -182,14 +182,14 @@ class GradReducer:
         source = self.sources[key]
         return (f"parameter {source.index} of param group {source.group} (shape "
                 f"{tuple(source.param.shape)}) received gradients twice in one backward pass; "
-                "ZeRO stage 2 reduces each gradient once per backward as it arrives. The likely "
-                "cause: a parameter used in several reentrant activation checkpoints, or inside "
-                "one and outside it (a shared layer, a tied embedding/head) - "
-                "torch.utils.checkpoint's use_reentrant=True, Hugging Face "
-                "gradient_checkpointing's default - gets a gradient in each checkpoint's "
-                "nested backward. Use use_reentrant=False (Hugging Face: "
-                "gradient_checkpointing_enable(gradient_checkpointing_kwargs="
-                "{'use_reentrant': False})), or ZeRO stage 0, 1 or 3, which add them up "
+                "ZeRO stage 2 (and stage 1 without gradient accumulation) reduces each "
+                "gradient once per backward, as it arrives. The likely cause: a parameter used "
+                "in several reentrant activation checkpoints, or inside one and outside it (a "
+                "shared layer, a tied embedding/head) - torch.utils.checkpoint's "
+                "use_reentrant=True, Hugging Face gradient_checkpointing's default - gets a "
+                "gradient in each checkpoint's nested backward. Use use_reentrant=False "
+                "(Hugging Face: gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                "{'use_reentrant': False})), or ZeRO stage 0 or 3, which add them up "
                 "(DeepSpeed's stage 2 refuses it too)")
 
     def _begin_round(self) -> None:
