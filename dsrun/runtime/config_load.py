@@ -6,9 +6,11 @@ and duplicate keys are errors naming the file). The unknown-key escape
 hatch (:func:`_allow_unknown`), keys that older configs used and that mean
 something else now (``REPLACED_KEYS``), dotted top-level keys as TRL adds them
 (:func:`_drop_dotted`), documented DeepSpeed sections that
-dsrun keeps verbatim but does not implement (``PASSTHROUGH_KEYS``) and
-top-level settings it checks but ignores (``INERT_KEYS``,
-:func:`inert_settings`) are decided here. :mod:`dsrun.runtime.config`
+dsrun keeps verbatim but does not implement (``PASSTHROUGH_KEYS``; their
+shape, the keys DeepSpeed 0.19.8 has removed and the Ulysses sizes are
+checked by :mod:`.config_passthrough`) and top-level settings it checks but
+ignores (``INERT_KEYS``, :func:`inert_settings`) are decided here.
+:mod:`dsrun.runtime.config`
 calls these from :func:`~dsrun.runtime.config.resolve` and re-exports them.
 Nothing here imports torch.
 """
@@ -25,6 +27,12 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from dsrun.errors import DsrunConfigError
+from dsrun.runtime.config_passthrough import (
+    PARALLEL_SIZE_KEYS,
+    check_parallel_sizes,
+    check_section,
+    refuse_removed,
+)
 from dsrun.runtime.config_schema import (
     ALLOW_UNKNOWN_ENV,
     DICT_SOURCE,
@@ -47,15 +55,12 @@ from dsrun.runtime.config_sections import (
 if TYPE_CHECKING:
     from dsrun.runtime.config import DsrunConfig
 
-# Documented DeepSpeed sections dsrun accepts but does not act on.
+# Documented DeepSpeed sections dsrun accepts but does not act on (those
+# DeepSpeed 0.19.8 has removed are refused: config_passthrough.REMOVED_KEYS).
 PASSTHROUGH_KEYS = frozenset({
-    "aio", "amp", "autotuning",
-    "compile", "compression_training", "curriculum_learning", "data_efficiency",
-    "datastates_ckpt", "eigenvalue", "elasticity", "expert_parallel",
-    "hybrid_engine", "nebula",
-    "progressive_layer_drop", "quantize_training", "sparse_attention",
-    "tensor_parallel",
-    "use_data_before_expert_parallelism", "weight_quantization",
+    "aio", "autotuning", "compile", "data_efficiency", "datastates_ckpt",
+    "expert_parallel", "hybrid_engine", "tensor_parallel",
+    "use_data_before_expert_parallelism", "weight_quantization", *PARALLEL_SIZE_KEYS,
 })
 
 
@@ -167,7 +172,9 @@ REPLACED_KEYS: Mapping[str, str] = MappingProxyType({
 def _refuse_replaced(raw: Mapping[str, Any], ctx: Ctx) -> Mapping[str, Any]:
     """An unknown key that an older config meant something by: say what it
     is now, instead of listing every valid key; with ``allow_unknown_keys``
-    it is ignored, with that warning. -> ``raw`` without those keys."""
+    it is ignored, with that warning. -> ``raw`` without those keys. Keys
+    DeepSpeed 0.19.8 has removed are refused first (:func:`refuse_removed`)."""
+    refuse_removed(raw, ctx)
     for key in REPLACED_KEYS.keys() & raw.keys():
         text = (f'unknown key "{key}" in {ctx.source}: what it asked for is now '
                 f"{REPLACED_KEYS[key]} (it was {show(raw[key])}; DeepSpeed 0.19.8 ignores it "
@@ -264,8 +271,8 @@ def _switched_on(key: str, value: Any) -> bool:
     """Whether passthrough section ``key`` asks DeepSpeed to do anything:
     sections without an ``enabled`` key are on by their own switch, the
     others by ``enabled`` (false by default; an empty section is off)."""
-    if value is None or value is False:
-        return False
+    if value is None or value is False or key in PARALLEL_SIZE_KEYS:
+        return False  # the sizes: 1, or data_parallel_size equal to the engine's (checked)
     if not isinstance(value, Mapping):
         return True
     if key == "datastates_ckpt":
@@ -283,20 +290,8 @@ def _switched_on(key: str, value: Any) -> bool:
 
 
 def _passthrough(known: Mapping[str, Any], ctx: Ctx) -> dict[str, Any]:
-    kept = {k: v for k, v in known.items() if k in PASSTHROUGH_KEYS}
-    amp = kept.get("amp")
-    if isinstance(amp, Mapping) and amp.get("enabled") is True:
-        # DeepSpeed 0.19.8 refuses it the same way: Apex AMP support is gone
-        raise DsrunConfigError(f'"amp" (NVIDIA Apex AMP) is enabled in {ctx.source}: it is not '
-                               'supported; use "bf16", "fp16" or "torch_autocast" instead')
-    curriculum = kept.get("curriculum_learning")
-    if isinstance(curriculum, Mapping) and curriculum.get("enabled") is True:
-        # DeepSpeed 0.19.8 refuses the key outright (_REMOVED_TOP_LEVEL_CONFIG_KEYS)
-        raise DsrunConfigError(
-            f"{ctx.where(('curriculum_learning',))}: legacy top-level 'curriculum_learning' has "
-            "been removed (DeepSpeed 0.19.8 refuses it); use "
-            "'data_efficiency.data_sampling.curriculum_learning' instead (which dsrun accepts "
-            "but does not implement)")
+    kept = {k: check_section(k, v, ctx) for k, v in known.items() if k in PASSTHROUGH_KEYS}
+    check_parallel_sizes(kept, ctx)
     # "aio" tunes DeepSpeed's NVMe offload I/O, which dsrun does not have (an nvme
     # offload device is refused by name): Lightning writes it into every config
     active = sorted(k for k, v in kept.items() if k != "aio" and _switched_on(k, v))
@@ -307,9 +302,11 @@ def _passthrough(known: Mapping[str, Any], ctx: Ctx) -> dict[str, Any]:
 
 # Top-level keys dsrun parses and checks but whose non-default values it
 # does not act on, with their defaults (one warning names those that are set).
+# (DeepSpeed 0.19.8's removed sparse_gradients and graph_harvesting are refused
+# before parsing: config_passthrough.REMOVED_KEYS)
 INERT_KEYS: Mapping[str, Any] = MappingProxyType({
-    "sparse_gradients": False, "disable_allgather": False, "graph_harvesting": False,
-    "vocabulary_size": None, "seq_parallel_communication_data_type": "fp32"})
+    "disable_allgather": False, "vocabulary_size": None,
+    "seq_parallel_communication_data_type": "fp32"})
 
 
 def inert_settings(config: DsrunConfig) -> list[str]:

@@ -80,7 +80,7 @@ ZERO_AUTO_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size
 
 @dataclass(frozen=True)
 class ZeroConfig:
-    """``zero_optimization``: every key DeepSpeed's DeepSpeedZeroConfig accepts.
+    """``zero_optimization``: every key DeepSpeed 0.19.8's DeepSpeedZeroConfig accepts.
 
     Fields named without the ``stage3_`` prefix accept both spellings, as
     DeepSpeed does. Legacy ``cpu_offload``/``cpu_offload_param`` are folded
@@ -137,9 +137,9 @@ class ZeroConfig:
     zero_quantized_weights: bool = opt("bool", False)
     zero_quantized_nontrainable_weights: bool = opt("bool", False)
     zero_quantized_gradients: bool = opt("bool", False)
-    zeropp_loco_param: Optional[Mapping[str, Any]] = opt("mapping", None)
-    mics_shard_size: int = opt("int", -1)
-    mics_hierarchical_params_gather: bool = opt("bool", False)
+    # (MiCS's mics_shard_size/mics_hierarchical_params_gather and LoCo's
+    # zeropp_loco_param, removed in DeepSpeed 0.19.8, are refused with its
+    # reason before parsing: config_passthrough.REMOVED_ZERO_KEYS)
     memory_efficient_linear: bool = opt("bool", True)
     pipeline_loading_checkpoint: bool = opt("bool", False)
     override_module_apply: bool = opt("bool", True)

@@ -3,10 +3,11 @@ client's model, optimizer and scheduler and the config, as a mixin: the
 stage-0 gradient all-reduce (:class:`~dsrun.runtime.grad_sync.GradSync`),
 the optimizer (the client's object or callable, else the config's; empty
 param groups dropped, frozen parameters tracked), the ZeRO optimizer that
-wraps it at stages 1-3 (ZeRO++/MiCS refused, ``offload_*`` notes), and the
+wraps it at stages 1-3 (ZeRO++ refused, ``offload_*`` notes), and the
 LR scheduler (the client's, or a callable given the torch optimizer that
 steps, else the config's). Also the checks :func:`dsrun.initialize` runs
-before building (:func:`check_zero_stage`, :func:`check_prepartitioned`).
+before building (:func:`check_zero_stage`, :func:`check_prepartitioned`,
+:func:`check_expert_params`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch.optim import Optimizer
 
 from dsrun.errors import DsrunConfigError
+from dsrun.moe.utils import is_moe_param
 from dsrun.runtime.config import DsrunConfig
 from dsrun.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
 from dsrun.runtime.lr_schedules import (
@@ -133,6 +135,29 @@ def check_prepartitioned(module: torch.nn.Module, config: DsrunConfig) -> None:
         raise DsrunConfigError("fp16 is enabled but the model was built under dsrun.zero.Init "
                                "in another dtype: build it under "
                                "dsrun.zero.Init(dtype=torch.float16)")
+
+
+def check_expert_params(module: torch.nn.Module) -> None:
+    """Refuse a model with DeepSpeed expert parameters (``allreduce = False``,
+    DeepSpeed's ``is_moe_param``; its ``MoE`` layers and Megatron's experts
+    tag them so, with ``group_name``): DeepSpeed reduces their gradients
+    over their expert data-parallel group, and dsrun, which has no expert
+    parallelism, would average them over every data-parallel rank like a
+    dense parameter's. DeepSpeed 0.19.8 refuses such a model too when its
+    expert groups are not set up; it checks every parameter, frozen or not."""
+    tagged = [(name, p) for name, p in module.named_parameters() if is_moe_param(p)]
+    if not tagged:
+        return
+    shown = ", ".join(f"{name!r} (expert group {getattr(p, 'group_name', None)!r})"
+                      for name, p in tagged[:4])
+    more = f" and {len(tagged) - 4} more" if len(tagged) > 4 else ""
+    raise DsrunConfigError(
+        f"{len(tagged)} parameter(s) of the model passed to initialize() are DeepSpeed expert "
+        f"parameters (allreduce=False): {shown}{more}. Expert parallelism (DeepSpeed's MoE "
+        "layers, deepspeed.moe and deepspeed.utils.groups' expert groups) is not implemented "
+        "in dsrun, which would average their gradients over every data-parallel rank like a "
+        "dense parameter's. Train them as dense parameters (delete the allreduce attribute, "
+        "or set it True), or train the model with DeepSpeed")
 
 
 def _named(value: Any) -> str:
@@ -274,17 +299,17 @@ class EngineSetup:
         return self.config.gradient_accumulation_steps
 
     def _check_unsupported(self) -> None:
-        """ZeRO++/MiCS features change what is computed: refuse them when on,
-        rather than train without them."""
+        """ZeRO++ features change what is computed: refuse them when on,
+        rather than train without them (MiCS, removed in DeepSpeed 0.19.8,
+        is refused by the config: config_passthrough.REMOVED_ZERO_KEYS)."""
         zc = self.config.zero_optimization
         enabled = [name for name, on in (
             ("zero_quantized_weights", zc.zero_quantized_weights),
             ("zero_quantized_nontrainable_weights", zc.zero_quantized_nontrainable_weights),
             ("zero_quantized_gradients", zc.zero_quantized_gradients),
-            ("zero_hpz_partition_size", zc.zero_hpz_partition_size > 1),
-            ("mics_shard_size", zc.mics_shard_size > 0)) if on]
+            ("zero_hpz_partition_size", zc.zero_hpz_partition_size > 1)) if on]
         if enabled:
-            raise DsrunConfigError(f"zero_optimization.{enabled[0]} (ZeRO++/MiCS) is not "
+            raise DsrunConfigError(f"zero_optimization.{enabled[0]} (ZeRO++) is not "
                                    f"implemented in dsrun ({self.config.source}): remove it")
 
     def _check_offload(self) -> None:

@@ -35,10 +35,11 @@ from torch.optim import Optimizer
 from dsrun.errors import DsrunConfigError
 from dsrun.runtime.config import ConfigInput, DsrunConfig, load_config, resolve
 from dsrun.runtime.config_agree import check_ranks_agree
+from dsrun.runtime.config_passthrough import check_data_parallel_size
 from dsrun.runtime.config_schema import redact_secrets  # also importable from here
 from dsrun.runtime.dist import init_distributed
 from dsrun.runtime.engine import DsrunEngine
-from dsrun.runtime.engine_setup import check_zero_stage
+from dsrun.runtime.engine_setup import check_expert_params, check_zero_stage
 from dsrun.runtime.env import DistEnv
 from dsrun.runtime.pipe import PipelineEngine, PipelineModule
 from dsrun.runtime.pipe.errors import PipeAssertionError
@@ -171,7 +172,10 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
     is ignored (the launcher's MASTER_PORT, or none at world size 1, is used);
     ``dist_init_required=False`` is accepted, but a process group is still
     created when none exists. The optimizer returned is the torch optimizer
-    (over fp32 master weights when fp16 is enabled).
+    (over fp32 master weights when fp16 is enabled). A model with DeepSpeed
+    expert parameters (``allreduce = False``) is refused
+    (:func:`~dsrun.runtime.engine_setup.check_expert_params`), as is a
+    config ``data_parallel_size`` other than the data-parallel size.
     """
     if model is None:
         raise DsrunConfigError("dsrun.initialize() needs model=: the torch.nn.Module to train")
@@ -180,6 +184,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
     if mesh_param is not None:
         raise DsrunConfigError("mesh_param (sequence/data-parallel meshes) is not supported by "
                                "dsrun yet; leave it unset")
+    check_expert_params(model)
     ensure_visible()
     engine_cls: type[DsrunEngine] = DsrunEngine
     if isinstance(model, PipelineModule):
@@ -198,6 +203,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
                        micro_batch_hint=hint, optimizer_hints=_optimizer_hints(optimizer),
                        optimizer_given=optimizer is not None)
     check_zero_stage(resolved)
+    check_data_parallel_size(resolved)
     check_ranks_agree(resolved)
     if model_parameters is not None:
         model_parameters = list(model_parameters)  # a generator is read once

@@ -222,15 +222,16 @@ def _full_state(engine: dsrun.DsrunEngine) -> dict[str, torch.Tensor]:
 
 def test_feature_switches_of_sections_dsrun_does_not_act_on(solo: None) -> None:
     """DeepSpeed's ``*_enabled()`` for autotuning, elasticity and the like
-    answer False even when the (passthrough) section is on (an enabled
-    legacy top-level ``curriculum_learning`` is refused, as DeepSpeed 0.19.8
-    does; ``data_efficiency_enabled()`` reports its section), and tag
+    answer False even when the (passthrough) section is on (sections
+    DeepSpeed 0.19.8 has removed, elasticity and the legacy top-level
+    ``curriculum_learning`` among them, are refused, as DeepSpeed refuses
+    them; ``data_efficiency_enabled()`` reports its section), and tag
     validation always fails on different tags."""
     model = torch.nn.Linear(4, 2)
     engine, _, _, _ = dsrun.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-        "elasticity": {"enabled": True}, "autotuning": {"enabled": True},
+        "hybrid_engine": {"enabled": True}, "autotuning": {"enabled": True},
         "checkpoint": {"tag_validation": "Ignore"}})
     assert not any(getattr(engine, f"{name}_enabled")() for name in (
         "curriculum_learning", "data_efficiency", "random_ltd", "autotuning", "elasticity",

@@ -351,9 +351,9 @@ def test_allow_unknown_keys_from_environment(value: str, allowed: bool) -> None:
 def test_documented_deepspeed_sections_pass_through(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="dsrun.runtime.config"):
         config = res(base(autotuning={"enabled": True, "fast": True},
-                          elasticity={"enabled": False}, zero_allow_untested_optimizer=True))
+                          hybrid_engine={"enabled": False}, zero_allow_untested_optimizer=True))
     assert dict(config.passthrough)["autotuning"]["fast"] is True
-    assert "autotuning" in caplog.text and "elasticity" not in caplog.text
+    assert "autotuning" in caplog.text and "hybrid_engine" not in caplog.text
     assert config.zero_allow_untested_optimizer is True
     assert config.to_dict()["autotuning"] == {"enabled": True, "fast": True}
 
@@ -386,7 +386,7 @@ def test_config_warnings_are_said_by_the_first_rank_only(
             monkeypatch.setenv("RANK", rank)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="dsrun.runtime.config"):
-            res(base(sparse_gradients=True, autotuning={"enabled": True}))
+            res(base(disable_allgather=True, autotuning={"enabled": True}))
         assert caplog.text.count("dsrun accepts but does not") == 2 * said, (rank, caplog.text)
 
 
@@ -395,17 +395,17 @@ def test_inert_settings_are_named_once(caplog: pytest.LogCaptureFixture) -> None
 
     assert inert_settings(res(base())) == []
     with caplog.at_level(logging.WARNING, logger="dsrun.runtime.config"):
-        config = res(base(sparse_gradients=True, vocabulary_size=50257,
+        config = res(base(disable_allgather=True, vocabulary_size=50257,
                           seq_parallel_communication_data_type="bf16",
                           gradient_predivide_factor=4.0,
                           zero_optimization={"stage": 2}))
     notes = inert_settings(config)
-    assert notes[:3] == ["sparse_gradients", "vocabulary_size",
+    assert notes[:3] == ["disable_allgather", "vocabulary_size",
                          "seq_parallel_communication_data_type"]
     assert notes[3].startswith("gradient_predivide_factor (ZeRO stages")
     assert caplog.text.count("does not act on") == 1 and "vocabulary_size" in caplog.text
     # stage 0 applies the predivide factor; defaults set explicitly are not notes
-    assert inert_settings(res(base(gradient_predivide_factor=4.0, sparse_gradients=False))) == []
+    assert inert_settings(res(base(gradient_predivide_factor=4.0, disable_allgather=False))) == []
 
 
 def test_did_you_mean_ignores_case_and_gives_up_on_nonsense() -> None:
@@ -507,7 +507,7 @@ def test_zero_documented_keys_and_stage3_aliases() -> None:
            "stage3_max_live_parameters": 6, "max_reuse_distance": 9,
            "stage3_gather_16bit_weights_on_model_save": True, "elastic_checkpoint": True,
            "ignore_unused_parameters": False, "load_from_fp32_weights": False,
-           "zero_quantized_weights": True, "zeropp_loco_param": {"err_beta": 0.8}}
+           "zero_quantized_weights": True, "leaf_module": {"names": ["experts"]}}
     zero = res(base(zero_optimization=raw)).zero_optimization
     assert (zero.prefetch_bucket_size, zero.param_persistence_threshold,
             zero.max_live_parameters, zero.max_reuse_distance) == (4, 5, 6, 9)
@@ -515,7 +515,7 @@ def test_zero_documented_keys_and_stage3_aliases() -> None:
     assert zero.offload_optimizer == OffloadOptimizerConfig(
         device="nvme", nvme_path="/x", pin_memory=True, buffer_count=8, ratio=0.5)
     assert zero.offload_param is not None and zero.offload_param.max_in_cpu == 7
-    assert zero.zeropp_loco_param == {"err_beta": 0.8}
+    assert zero.leaf_module == {"names": ("experts",)}
     with pytest.raises(DsrunConfigError, match="given twice"):
         res(base(zero_optimization={"stage3_max_reuse_distance": 1, "max_reuse_distance": 2}))
 
@@ -756,9 +756,9 @@ def test_resolve_does_not_mutate_its_input() -> None:
 
 
 def test_nested_mappings_are_frozen_and_predivide_must_be_positive() -> None:
-    zero = res(base(zero_optimization={"zeropp_loco_param": {"err_beta": 0.8}})).zero_optimization
+    checkpoint = res(base(checkpoint={"writer": {"type": "fast"}})).checkpoint
     with pytest.raises(TypeError):
-        zero.zeropp_loco_param["err_beta"] = 0.1  # type: ignore[index]
+        checkpoint.writer["type"] = "slow"  # type: ignore[index]
     with pytest.raises(DsrunConfigError, match="gradient_predivide_factor .* must be > 0"):
         res(base(gradient_predivide_factor=0))
 
@@ -785,7 +785,8 @@ def test_newer_deepspeed_keys_are_taken(extra: dict, attr: str, value: object) -
     ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation false in config "
                                                "dict is not implemented"),
     ({"log_level": "verbose"}, '"log_level" in config dict must be one of'),
-    ({"amp": {"enabled": True}}, r'"amp" \(NVIDIA Apex AMP\) is enabled in config dict'),
+    ({"amp": {"enabled": True}}, '"amp" in config dict: NVIDIA Apex AMP integration has been '
+                                 "removed"),
     # dsrun's old spelling of the key was never DeepSpeed's
     ({"seq_parallel_comm_data_type": "bf16"},
      'did you mean "seq_parallel_communication_data_type"'),
@@ -795,10 +796,10 @@ def test_newer_deepspeed_keys_refused_by_name(extra: dict, message: str) -> None
         res(base(**extra))
 
 
-def test_expert_parallel_and_disabled_amp_pass_through(caplog: pytest.LogCaptureFixture) -> None:
+def test_expert_parallel_and_aio_pass_through(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="dsrun.runtime.config"):
-        config = res(base(expert_parallel={"enabled": True}, amp={"enabled": False}))
-    assert set(config.passthrough) == {"expert_parallel", "amp"}
+        config = res(base(expert_parallel={"enabled": True}))
+    assert set(config.passthrough) == {"expert_parallel"}
     assert "does not implement: expert_parallel" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="dsrun.runtime.config"):

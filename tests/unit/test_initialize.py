@@ -170,7 +170,7 @@ def test_bad_json_reports_line_and_column(tmp_path: Path) -> None:
      "zero_optimization.stage"),
     ({"train_batch_size": 4, "optimizer": {"type": "Adam"},
       "zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
-     r"zero_quantized_weights \(ZeRO\+\+/MiCS\) is not implemented"),
+     r"zero_quantized_weights \(ZeRO\+\+\) is not implemented"),
 ])
 def test_initialize_surfaces_config_errors(solo: None, config: dict, match: str) -> None:
     with pytest.raises(DsrunConfigError, match=match):
