@@ -13,6 +13,7 @@ import importlib
 from typing import Any
 
 from dsrun import _alias
+from dsrun._absent import module_getattr_error
 
 #: dsrun's own release (pyproject, ``dsrun --version``, checkpoints, doctor)
 DSRUN_VERSION = "0.1.0"
@@ -63,7 +64,7 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module(f"dsrun.{name}")
     target = _LAZY.get(name)
     if target is None:
-        raise AttributeError(f"module 'dsrun' has no attribute {name!r}")
+        raise module_getattr_error("dsrun", name)  # init_inference & co: what to do instead
     module_name, attr = target.split(":")
     value = getattr(importlib.import_module(module_name), attr)
     globals()[name] = value

@@ -12,6 +12,13 @@ this package imports torch (``import dsrun`` alone does not).
 
 from __future__ import annotations
 
+from typing import Any
+
+from dsrun._absent import module_getattr_error
 from dsrun.ops import adagrad, adam, lamb, lion
 
 __all__ = ["adagrad", "adam", "lamb", "lion"]
+
+
+def __getattr__(name: str) -> Any:
+    raise module_getattr_error(__name__, name)  # transformer, sparse_attention: instead

@@ -30,6 +30,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from dsrun._absent import module_getattr_error
 from dsrun.utils.logging import get_dist_msg, log_dist, log_dist_once, logger
 
 _LAZY = {name: "dsrun.utils.tensor_fragment" for name in (
@@ -59,7 +60,7 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module(f"dsrun.utils.{name}")
     module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module 'dsrun.utils' has no attribute {name!r}")
+        raise module_getattr_error("dsrun.utils", name)  # groups: what to do instead
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
