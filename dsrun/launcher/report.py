@@ -29,11 +29,14 @@ without ``MPI_Finalize`` (orted signals the agents). Only that close: a
 own (an upload), not the rank that left. The report then names that rank
 as the likely cause, still shows the failure that followed (its traceback
 and output), and the job exits 1, as mpirun does. An early exit further
-back is only mentioned next to a peer loss, never blamed.
+back is only mentioned next to a peer loss, never blamed, unless the
+rank's error names it (:data:`EXITED_PEER`: a checkpoint call that was
+waiting for that rank).
 """
 
 from __future__ import annotations
 
+import re
 import signal as _signal
 import socket
 from collections.abc import Sequence
@@ -62,6 +65,10 @@ PEER_LOSS_MARKS = ("by peer", "broken pipe", "connection was likely closed",
 #: Errors recorded by the runtime that recur on every attempt: a restart
 #: cannot clear them (the same script, arguments, config and world size).
 NOT_RESTARTABLE = ("DsrunConfigError", "DsrunUsageError")
+#: How a rank's error names a peer whose exit it saw (a checkpoint call
+#: waiting for it: runtime/exitmark.py): that exit is the cause, however
+#: long before it came (no EARLY_EXIT_WINDOW).
+EXITED_PEER = re.compile(r"\brank (\d+) exited \(status ")
 
 
 @dataclass(frozen=True)
@@ -251,11 +258,19 @@ def _early_exit_cause(first: RankFailure,
     stamped first)."""
     if not (first.peer_loss or first.signalled):
         return None
+    named = [e for e in early_exits if e.rank in exited_peers(first)]
+    if named:  # its error names them (EXITED_PEER)
+        return min(named, key=_order)
     causes = [e for e in early_exits
               if (_order(e) <= _order(first) and _within(e, first, EARLY_EXIT_WINDOW))
               or (first.peer_loss and _order(e) > _order(first)
                   and _within(first, e, PEER_WINDOW))]
     return min(causes, key=_order) if causes else None
+
+
+def exited_peers(failure: RankFailure) -> set[int]:
+    """The ranks whose exit ``failure``'s error names (EXITED_PEER)."""
+    return {int(r) for r in EXITED_PEER.findall(str((failure.error or {}).get("message") or ""))}
 
 
 def _within(first: RankFailure, later: RankFailure, seconds: float) -> bool:
@@ -335,6 +350,9 @@ def _after_early_exit(cause: RankFailure, trigger: RankFailure, launcher: str) -
         return [f"then{later}, the node agent on host {trigger.host} got "
                 f"{signal_name(trigger.signal or 0)} and stopped its ranks: {why}"]
     kind = (trigger.error or {}).get("exc_type")
+    if cause.rank in exited_peers(trigger):
+        return [f"then{later}, {_who(trigger)} failed{f' ({kind})' if kind else ''}: it was "
+                f"still waiting for rank {cause.rank} (its error says so)"]
     return [f"then{later}, {_who(trigger)} failed{f' ({kind})' if kind else ''}: it lost its "
             f"connection to a peer (a rank that ends while the others still expect it in a "
             f"collective makes them fail)"]
