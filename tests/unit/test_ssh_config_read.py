@@ -219,3 +219,18 @@ def test_a_proxied_hostname_of_loopback_is_not_this_machine():
                          user="me", environ={})
     assert backend.local_hosts(["behind", "cmd", "plain"], "launcher", ["10.0.0.5"]) == \
         [False, False, True]
+
+
+def test_a_proxied_host_is_never_this_machine_by_its_hostfile_name():
+    """Only the HostName was guarded: a hostfile name that is one of this
+    machine's addresses (a LAN range the cluster behind the bastion also
+    uses), its short name, or localhost still ran that host's ranks here."""
+    configs = {"192.168.1.10": {"hostname": "192.168.1.10", "proxyjump": "bastion"},
+               "node1": {"hostname": "10.0.0.7", "proxyjump": "bastion"},
+               "localhost": {"proxycommand": "ssh -W %h:%p bastion"},
+               "bastion": {"hostname": "10.9.9.9"}}
+    backend = SshBackend(HostsSpec(), lookup=lambda host: dict(configs.get(host, {})),
+                         user="me", environ={})
+    hosts = ["192.168.1.10", "node1", "localhost", "192.168.1.11"]
+    assert backend.local_hosts(hosts, "node1.laptop", ["192.168.1.10", "192.168.1.11"]) == \
+        [False, False, False, True]

@@ -282,12 +282,12 @@ class SshBackend(Backend):
 
     def local_hosts(self, hosts: Sequence[str], hostname: str,
                     addresses: Sequence[str]) -> list[bool]:
-        """This machine, also by its ssh_config HostName (unless that is
-        reached through ProxyJump/ProxyCommand: then it names a host as the
-        jump host sees it, 127.0.0.1 being the jump host itself)."""
-        return [is_local_host(h, hostname, addresses) or
-                (not self.target(h).proxied and
-                 is_local_host(h, hostname, addresses, self.target(h).hostname))
+        """This machine, also by its ssh_config HostName. A host reached
+        through ProxyJump/ProxyCommand never is: its names mean what they
+        mean beyond the proxy (a LAN range that the cluster's also uses,
+        127.0.0.1 or localhost being the jump host itself)."""
+        return [not self.target(h).proxied and
+                is_local_host(h, hostname, addresses, self.target(h).hostname)
                 for h in hosts]
 
     def connect_address(self, host: str) -> str | None:
