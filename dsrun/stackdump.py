@@ -13,8 +13,11 @@ until the file stops growing, return what was appended. A rank without the
 file (``--no_python``, or still starting up) is never signalled: the
 default action of the signal would kill it.
 
-The signal is a real-time one, which scripts and libraries do not use
-(SIGUSR1/SIGUSR2 are taken by Slurm requeue handlers, Lightning, ...).
+The signal is SIGRTMIN+4 (:data:`STACK_SIGNAL_NAME`), a real-time one,
+which scripts and libraries do not use (SIGUSR1/SIGUSR2 are taken by
+Slurm requeue handlers, Lightning, ...). A script that ignores it, blocks it
+in every thread or installs a handler of its own for it (one for every
+signal) cannot answer: the agent says which (:func:`deaf`, :func:`silent`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import IO
 STACK_FILE_VAR = "DSRUN_STACK_FILE"
 #: The signal that asks a rank for its stacks.
 STACK_SIGNAL = signal.SIGRTMIN + 4 if hasattr(signal, "SIGRTMIN") else None
+STACK_SIGNAL_NAME = "SIGRTMIN+4"
 
 _installed: IO[str] | None = None  # the open file; faulthandler keeps only its fd
 
@@ -96,3 +100,29 @@ def request(pid: int, path: str, timeout: float = 2.0, settle: float = 0.1) -> s
     except OSError:
         return None
     return without_runtime_frames(text)
+
+
+def deaf(rank: int, pid: int, path: str) -> str | None:
+    """Why the rank ``pid`` (stack file ``path``) cannot get the stack
+    signal - it ignores it, or blocks it in every thread (/proc: SigIgn,
+    SigBlk) - as a line of the answer; None when it can, when /proc cannot
+    say, or when it has no handler to answer with (no file: not signalled)."""
+    if STACK_SIGNAL is None or not os.path.exists(path):
+        return None
+    from dsrun.launcher import procs  # the agent's side only
+
+    what = f"{STACK_SIGNAL_NAME}, dsrun's stack signal"
+    if procs.ignores(pid, STACK_SIGNAL):
+        return (f"(no stack: rank {rank} ignores {what} (SIG_IGN): leave that signal "
+                f"alone in the script)")
+    if procs.blocks(pid, STACK_SIGNAL):
+        return (f"(no stack: rank {rank} blocks {what}, in every thread (pthread_sigmask): "
+                f"leave that signal unblocked in the script)")
+    return None
+
+
+def silent(rank: int, timeout: float = 2.0) -> str:
+    """The answer of a rank that was sent the stack signal and wrote nothing."""
+    return (f"(no answer: rank {rank} did not write its stack within {timeout:g}s; a handler "
+            f"of the script's own for {STACK_SIGNAL_NAME}, dsrun's stack signal - one set "
+            f"for every signal - replaces dsrun's)")

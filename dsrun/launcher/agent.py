@@ -16,7 +16,8 @@ plan means "exit, nothing was started". Guarantees:
   SIGINT to the agent), SIGKILL after ``kill_grace`` seconds. A stop
   command, end of input, a launcher silent past its heartbeat timeout
   (link.py) or a signal to the agent stop the ranks the same way; a kill
-  command, end of input while stopping, or a second signal SIGKILL them at
+  command, end of input while stopping, or a second signal (not the first
+  again within agent_os.REPEAT) SIGKILL them at
   once; ``done`` names the ranks that died of that SIGKILL (agent_stop.py);
 - exited ranks stay unreaped until the teardown is over, so their pids and
   group ids cannot name anyone else's processes meanwhile (procs.py);
@@ -29,8 +30,11 @@ plan means "exit, nothing was started". Guarantees:
   any of its threads - is a ``fail`` event {message, time}: the launcher
   reports the host as failed, the ranks are stopped; never a clean ``done``;
 - a signal to the agent is reported (``signal``) before it stops the ranks,
-  so the launcher blames the signal; later signals only hurry the teardown,
-  never cut it short (orted's SIGTERM on MPI_Abort may come mid-stop);
+  so the launcher takes the job as interrupted by it; later signals only
+  hurry the teardown, never cut it short (orted's SIGTERM on MPI_Abort may
+  come mid-stop);
+- SIGUSR1 and SIGUSR2 never stop the agent: they are passed on to the
+  ranks' process groups, once per delivery (agent_forward.py);
 - if the agent itself is SIGKILLed, its guard (forked before any thread
   starts; guard.py) kills the job, escaped processes included.
 """
@@ -55,9 +59,10 @@ import time
 from typing import IO, Any
 
 from dsrun import deathsig, stackdump
-from dsrun.launcher import procs
+from dsrun.launcher import agent_forward, procs
 from dsrun.launcher.agent_exits import exit_event, own_error, poll_status
 from dsrun.launcher.agent_os import (
+    REPEAT,
     STOP_SIGNALS,
     LogOpenError,
     Stop,
@@ -75,9 +80,11 @@ from dsrun.launcher.agent_os import (
     stopped,
     wait_status,
 )
+from dsrun.launcher.agent_os import exit_now as _exit_now
+from dsrun.launcher.agent_os import open_std_fds as _open_std_fds
 from dsrun.launcher.agent_output import TAIL_LINES, Rank, RankOutput, close_quietly, guarded
 from dsrun.launcher.agent_prelude import ConnectFailed, connect_link, read_payload
-from dsrun.launcher.agent_stop import JobProcesses
+from dsrun.launcher.agent_stop import JobProcesses, leaders
 from dsrun.launcher.envlayers import apply_layers
 from dsrun.launcher.guard import Guard
 from dsrun.launcher.link import END, Link
@@ -116,6 +123,7 @@ class Agent:
         self.stack_lock = threading.Lock()
         self.stop_signal = signal.SIGTERM  # what the launcher's ``stop`` sends first
         self.hurried = False  # a signal during the teardown: SIGKILL now
+        self.signalled: tuple[int, float] | None = None  # the agent's own stop signal, when
         self.failed = False
         self.fail_sent = False
         self.tmpdir = make_tmpdir(f"dsrun-{self.job_id[:8]}-")
@@ -124,7 +132,8 @@ class Agent:
         # below it but the guard is the job's (procs.job_processes).
         spare = frozenset({guard.pid} if guard is not None else ()) if subreaper else None
         self.job = JobProcesses(self.marker, me.started if me is not None else 0.0,
-                                float(payload.get("kill_grace", 5.0)), guard, spare)
+                                float(payload.get("kill_grace", 30.0)), guard, spare)
+        self.forwarder = agent_forward.Forwarder(self._forward)
         if guard is not None:
             guard.set_marker(self.marker, self.job.since)
             guard.set_tmpdir(self.tmpdir)
@@ -149,6 +158,7 @@ class Agent:
             self._start()
             self._loop()
         except Stop as stop:
+            self.signalled = (stop.signum, time.monotonic())
             stop_raising(self._hurry)  # a further signal SIGKILLs, as "kill" does
             # The launcher must blame the signal, not the ranks it stops.
             self.emit({"ev": "signal", "signal": stop.signum, "time": time.time(),
@@ -185,12 +195,16 @@ class Agent:
     def _thread_failed(self, exc: BaseException) -> None:
         self.events.put(("crash", exc))
 
-    def _hurry(self) -> None:
+    def _hurry(self, signum: int) -> None:
         # Only a flag: a signal handler must not take a lock the interrupted
         # code may hold (the event queue's).
+        first = self.signalled
+        if first is not None and first[0] == signum and time.monotonic() - first[1] < REPEAT:
+            return  # the same delivery again (agent_os.REPEAT): the ranks keep their grace
         self.hurried = True
 
     def _start(self) -> None:
+        agent_forward.take()  # before any rank exists: nobody to forward them to
         self.emit({"ev": "hello", "host": hostname(), "pid": os.getpid()})
         try:
             logs = self.output.open_logs(self.payload)
@@ -304,6 +318,7 @@ class Agent:
         """Launcher commands (protocol.COMMANDS) -> what the agent does."""
         return {"stop": self._stop_command,
                 "kill": lambda msg: self.events.put("kill"),
+                "signal": lambda msg: agent_forward.from_launcher(msg.get("signal")),
                 "pause": lambda msg: self.link.pause_output(True),
                 "resume": lambda msg: self.link.pause_output(False),
                 "stack": lambda msg: guarded(self._stacks, self._thread_failed,
@@ -324,7 +339,11 @@ class Agent:
                     self.emit({"ev": "stack", "req": req, "rank": rank.rank,
                                "pid": rank.popen.pid, "text": None, "stopped": True})
                     continue
-                text = stackdump.request(rank.popen.pid, rank.stack_file)
+                # one that ignores or blocks the signal is named, not waited for
+                text = stackdump.deaf(rank.rank, rank.popen.pid, rank.stack_file) or \
+                    stackdump.request(rank.popen.pid, rank.stack_file)
+                if text == "":
+                    text = stackdump.silent(rank.rank)
                 self.emit({"ev": "stack", "req": req, "rank": rank.rank,
                            "pid": rank.popen.pid, "text": text})
             self.emit({"ev": "stack_end", "req": req})
@@ -349,6 +368,7 @@ class Agent:
                 self._begin_stop(self.stop_signal)
             elif event == "eof" or self.link.lost():
                 self._begin_stop()
+            self._forward_pending()
             self._reap()
             now = time.monotonic()
             if now >= self.next_check:
@@ -357,6 +377,19 @@ class Agent:
             self.job.kill_overdue(self.ranks)
             if all(r.reported for r in self.ranks) and not self._late_failures():
                 return
+
+    def _forward_pending(self) -> None:
+        """SIGUSR1/SIGUSR2 to the agent or from the launcher (agent_forward.py)."""
+        for signum, launcher in agent_forward.take():
+            if not self.job.stopping:
+                self.forwarder.note(signum, launcher)
+        if self.job.stopping:
+            self.forwarder.drop()
+        else:
+            self.forwarder.settle()
+
+    def _forward(self, signum: int) -> None:
+        procs.signal_groups(leaders([r for r in self.ranks if r.status is None]), signum)
 
     def _failed_off_main(self, what: str, detail: Any) -> None:
         if what == "crash":
@@ -424,39 +457,13 @@ class Agent:
         return facts
 
 
-def _exit_now(code: int) -> None:
-    """Leave without the interpreter's teardown, which would flush stdout
-    into a dead channel (and could block there)."""
-    for stream in (sys.stderr,):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
-
-
-def _open_std_fds() -> None:
-    """Started with stdin, stdout or stderr closed (``dsrun ... 2>&-``): put
-    /dev/null there first, so no pipe or file of the agent's lands on fds 0-2
-    - the guard puts /dev/null over them, and would lose its pipe."""
-    for fd in (0, 1, 2):
-        try:
-            os.fstat(fd)
-        except OSError:
-            null = os.open(os.devnull, os.O_RDWR)  # the lowest free fd: this one
-            if null != fd:
-                os.dup2(null, fd)
-                os.close(null)
-    if sys.stderr is None:  # Python found fd 2 closed at start-up
-        sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115 - the process's stderr
-
-
 def main(argv: list[str] | None = None) -> int:
     _open_std_fds()
     args = sys.argv[1:] if argv is None else argv
     connect = "--connect" in args
     for sig in STOP_SIGNALS:
         signal.signal(sig, raise_stop)
+    agent_forward.install()  # SIGUSR1/2 never end the agent (its ranks would die with it)
     # Orphans of the job's processes become the agent's (procs.py), before
     # any rank exists.
     subreaper = procs.become_subreaper()

@@ -22,6 +22,11 @@ from typing import IO, Any
 
 #: The signals that stop the agent.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: Seconds within which the same stop signal again is the same delivery,
+#: not a second signal that hurries the stop: under Slurm a time limit or
+#: scancel signals every process of the step, and srun passes the one it
+#: got on to its tasks (the agents) as well.
+REPEAT = 1.0
 
 
 class Stop(Exception):
@@ -36,15 +41,15 @@ def raise_stop(signum: int, frame: object) -> None:
     raise Stop(signum)
 
 
-def stop_raising(then: Callable[[], None] | None = None) -> None:
+def stop_raising(then: Callable[[int], None] | None = None) -> None:
     """From now on the stop signals do not raise Stop: the teardown has
-    begun and must run to its end. ``then`` runs on each one instead."""
+    begun and must run to its end. ``then(signum)`` runs on each one instead."""
     if threading.current_thread() is not threading.main_thread():
         return  # an agent driven by a test's thread: signals are not its own
 
     def on_signal(signum: int, frame: object) -> None:
         if then is not None:
-            then()
+            then(signum)
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, on_signal)
@@ -393,3 +398,30 @@ def read_error_file(path: str) -> dict[str, Any] | None:
             return json.load(f)
     except (OSError, ValueError):
         return None
+
+
+def exit_now(code: int) -> None:
+    """Leave without the interpreter's teardown, which would flush stdout
+    into a dead channel (and could block there)."""
+    for stream in (sys.stderr,):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def open_std_fds() -> None:
+    """Started with stdin, stdout or stderr closed (``dsrun ... 2>&-``): put
+    /dev/null there first, so no pipe or file of the agent's lands on fds 0-2
+    - the guard puts /dev/null over them, and would lose its pipe."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free fd: this one
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    if sys.stderr is None:  # Python found fd 2 closed at start-up
+        sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115 - the process's stderr

@@ -4,7 +4,8 @@ finding and signalling; this is the agent's state around it).
 
 Stopping is the first signal to every process of the job - SIGTERM, or for
 the launcher's Ctrl-C SIGINT to the ranks' groups, as a terminal gives it to
-its foreground group, and SIGTERM to the job's processes outside them - then
+its foreground group (SIGTERM to a rank that ignores SIGINT), and SIGTERM to
+the job's processes outside them - then
 SIGCONT (a stopped process acts on it only once continued). After a SIGINT,
 once every rank has exited, what is still running gets SIGTERM: a helper
 started with ``&`` ignores SIGINT (as every background job of a shell
@@ -112,8 +113,13 @@ class JobProcesses:
         self.first = sig
         self.stop_mono = time.monotonic()
         self.deadline = self.stop_mono + self.grace
+        # A rank that ignores SIGINT (signal.SIG_IGN: a script that leaves
+        # Ctrl-C to rank 0, a SIGTERM-only preemption handler) gets SIGTERM,
+        # as the job's other processes do: it would only sit out the grace.
+        deaf = [r for r in leaders(ranks) if procs.ignores(r.pid, sig)] \
+            if sig == signal.SIGINT else []
         procs.signal_job(leaders(ranks), self.marker, sig, self.since, self.spare,
-                         others=signal.SIGTERM)
+                         others=signal.SIGTERM, deaf=deaf)
         # A stopped process (SIGSTOP, a debugger let go) acts on the signal
         # only once continued: it gets its grace too, as systemd does it.
         procs.signal_job(leaders(ranks), self.marker, signal.SIGCONT, self.since, self.spare)

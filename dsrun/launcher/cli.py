@@ -205,9 +205,9 @@ def host_options(func):
                    "then exit without starting anything.")
 @click.option("--max_restarts", "--max-restarts", "max_restarts", type=int, default=0,
               show_default=True, help="Restart the whole job up to N times after a failure.")
-@click.option("--kill_grace", "--kill-grace", "kill_grace", type=float, default=5.0,
-              show_default=True,
-              help="Seconds between SIGTERM and SIGKILL when stopping ranks.")
+@click.option("--kill_grace", "--kill-grace", "kill_grace", type=float, default=30.0,
+              show_default=True, help="Seconds between SIGTERM (or SIGINT) and SIGKILL "
+              "when stopping ranks (torchrun's --shutdown_timeout).")
 @click.option("--config", "config", default=None,
               type=click.Path(exists=True, dir_okay=False),
               help="A DeepSpeed-style JSON config handed to every rank (DSRUN_CONFIG); "

@@ -262,12 +262,24 @@ DEEPSPEED_ONLY_FLAGS = {
 _EVERY_RANKS_OUTPUT = ("dsrun always shows every rank's stdout and stderr, each line prefixed "
                       "[host:rank]; --log_dir DIR also writes each rank's output to "
                       "DIR/rank_N.log")
-#: torchrun's output flags: dsrun has one way to keep each rank's output.
+_SHUTDOWN = ("dsrun's --kill_grace S (default 30, as torchrun's) is the seconds the ranks get "
+             "between the stop's SIGTERM (SIGINT for a Ctrl-C) and SIGKILL; --timeout S "
+             "would end the whole job after S seconds")
+_SIGNALS_TO_HANDLE = ("dsrun always passes SIGINT, SIGTERM and SIGHUP on to the ranks as a "
+                      "stop (SIGTERM, or SIGINT for a Ctrl-C; --kill_grace S before SIGKILL), "
+                      "and SIGUSR1 and SIGUSR2 to the ranks' process groups without stopping "
+                      "the job")
+#: torchrun's flags with another answer in dsrun (its output flags: dsrun
+#: has one way to keep each rank's output).
 TORCHRUN_FLAGS = {
     "--tee": _EVERY_RANKS_OUTPUT,
     "--redirects": _EVERY_RANKS_OUTPUT,
     "--local-ranks-filter": _EVERY_RANKS_OUTPUT,
     "--local_ranks_filter": _EVERY_RANKS_OUTPUT,
+    "--shutdown_timeout": _SHUTDOWN,
+    "--shutdown-timeout": _SHUTDOWN,
+    "--signals_to_handle": _SIGNALS_TO_HANDLE,
+    "--signals-to-handle": _SIGNALS_TO_HANDLE,
 }
 
 

@@ -2,7 +2,7 @@
 
 Each agent forks one guard before it starts any thread (so the fork is
 safe, and the guard costs no interpreter start): the guard leaves the
-agent's session, ignores the usual signals, lets go of every file the
+agent's session, ignores the usual signals (and SIGUSR1/2), lets go of every file the
 agent holds (so the agent's channel closes when the agent dies) and reads
 a pipe from the agent: ``marker M SINCE`` (the agent's marker and start
 time), ``tmpdir PATH`` (the ranks' error and stack files), then one
@@ -98,7 +98,10 @@ def _detach() -> None:
             f.write("dsrun-guard")
     except OSError:
         pass
-    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE):
+    # SIGUSR1/2 too: one sent to every process of the job (a Slurm requeue
+    # signal) must not end the guard, which would fail the job.
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE,
+                signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):

@@ -1,12 +1,15 @@
 """The launcher's signal handling around a job (launch.py).
 
 While a job runs, SIGINT, SIGTERM and SIGHUP go to the supervisor's latch
-(supervisor.SIGNALS: the first aborts a start, the rest are acted on by the
-supervisor's loop) and SIGTSTP suspends dsrun without its agents taking it
-for lost. After the job, a caller of ``launch.run`` gets its own handlers
-back; the dsrun program (:data:`PROGRAM`, set by cli.main) keeps the latch
-after a job stopped by a signal, so the rest of a signal burst cannot end
-it by SIGINT, yet a third signal since the job ended exits at once.
+(latch.SIGNALS: the first aborts a start, the rest are acted on by the
+supervisor's loop), SIGUSR1 and SIGUSR2 are recorded for the supervisor to
+forward to the ranks (latch.FORWARDS; they never stop the job, nor kill
+dsrun), and SIGTSTP suspends dsrun without its agents taking it for lost.
+After the job, a caller of ``launch.run`` gets its own handlers back; the
+dsrun program (:data:`PROGRAM`, set by cli.main) ignores SIGUSR1/2 from
+then on, and keeps the latch after a job stopped by a signal, so the rest
+of a signal burst cannot end it by SIGINT, yet a third signal since the
+job ended exits at once.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import sys
 from collections.abc import Callable
 
 from dsrun.launcher.backends.base import JobHandle
-from dsrun.launcher.supervisor import SIGNALS
+from dsrun.launcher.latch import FORWARDED, FORWARDS, SIGNALS
 
 
 class _Suspension:
@@ -68,6 +71,10 @@ def release_signals(previous: dict[signal.Signals, object], ended: int) -> None:
     Still, the :data:`EXIT_NOW_AFTER`-th signal since the job ended exits at
     once with 128+signum: a dsrun blocked writing its last output (a
     reader that stopped reading) is never left to SIGKILL."""
+    if PROGRAM.entry:  # nothing is forwarded any more, and dsrun must not die of them
+        for sig in FORWARDED:
+            if signal.getsignal(sig) is FORWARDS:
+                signal.signal(sig, signal.SIG_IGN)
     if SIGNALS.seen and PROGRAM.entry:
         SIGNALS.on_excess = _exit_now
         SIGNALS.exit_at = ended + EXIT_NOW_AFTER
@@ -75,7 +82,8 @@ def release_signals(previous: dict[signal.Signals, object], ended: int) -> None:
         atexit.register(_ignore_job_signals)
         return
     for sig, handler in previous.items():
-        signal.signal(sig, handler)  # type: ignore[arg-type]
+        if not (PROGRAM.entry and sig in FORWARDED):
+            signal.signal(sig, handler)  # type: ignore[arg-type]
 
 
 def _exit_now(signum: int) -> None:
@@ -109,6 +117,7 @@ def _ignore_job_signals() -> None:
 JOB_SIGNALS: dict[signal.Signals, Callable[[int, object], None]] = {
     signal.SIGINT: SIGNALS, signal.SIGTERM: SIGNALS,
     signal.SIGHUP: SIGNALS, signal.SIGTSTP: suspension.on_tstp,
+    signal.SIGUSR1: FORWARDS, signal.SIGUSR2: FORWARDS,
 }
 ALWAYS_HANDLED = frozenset({signal.SIGTERM})
 
@@ -117,6 +126,7 @@ def take_signals() -> dict[signal.Signals, object]:
     """Install the job's signal handlers; return the previous ones (to put
     back) of the signals taken over."""
     SIGNALS.reset()
+    FORWARDS.take()  # of an earlier job of this process
     previous: dict[signal.Signals, object] = {}
     for sig, handler in JOB_SIGNALS.items():
         if sig not in ALWAYS_HANDLED and signal.getsignal(sig) == signal.SIG_IGN:

@@ -355,12 +355,15 @@ def _killpgs(groups: Iterable[int], sig: int) -> None:
 
 def signal_job(leaders: Iterable[Proc], marker: str | None, sig: int,
                since: float = 0.0, spare: frozenset[int] | None = None,
-               others: int | None = None) -> None:
+               others: int | None = None, deaf: Iterable[Proc] = ()) -> None:
     """Send ``sig`` to each group and ``others`` (default: ``sig``) to every
     other process of the job (marked, or below the subreaper: see
-    :func:`job_processes`)."""
+    :func:`job_processes`), and to the groups of the leaders in ``deaf``
+    (ranks that ignore ``sig``)."""
     groups = set(live_groups(leaders))
-    _killpgs(groups, sig)
+    swapped = groups & set(live_groups(deaf))
+    _killpgs(groups - swapped, sig)
+    _killpgs(swapped, sig if others is None else others)
     for proc, pgid in _scan(groups, marker, since, spare):
         if pgid not in groups:  # a group member got its group's signal: once is enough
             send(proc, sig if others is None else others)
@@ -421,3 +424,41 @@ def kill_job(leaders: Iterable[Proc], marker: str | None, rounds: int = 20,
         while time.monotonic() < end and not all(_gone(p) for p in procs):
             time.sleep(0.01)
     return len(killed)
+
+
+def _mask_bit(sig: int) -> int:
+    return 1 << (int(sig) - 1)
+
+
+def _status_masks(path: str, names: tuple[str, ...]) -> dict[str, int]:
+    """The signal masks ``names`` (``SigIgn``, ``SigBlk``, ...) of a
+    ``/proc/.../status`` file; {} if it cannot be read."""
+    found: dict[str, int] = {}
+    try:
+        with open(path, "rb") as f:
+            for line in f:
+                key, _, value = line.partition(b":")
+                if key.decode() in names:
+                    found[key.decode()] = int(value.strip(), 16)
+    except (OSError, ValueError):
+        return {}
+    return found
+
+
+def ignores(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` ignores ``sig`` (SIG_IGN: ``SigIgn`` in
+    /proc; False where it cannot be read)."""
+    return bool(_status_masks(f"/proc/{pid}/status", ("SigIgn",)).get("SigIgn", 0)
+                & _mask_bit(sig))
+
+
+def blocks(pid: int, sig: int) -> bool:
+    """Whether every thread of process ``pid`` blocks ``sig`` (``SigBlk``
+    of each task: a signal sent to the process goes to any thread that
+    does not block it); False where it cannot be read."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    masks = [_status_masks(f"/proc/{pid}/task/{tid}/status", ("SigBlk",)) for tid in tasks]
+    return bool(masks) and all(m.get("SigBlk", 0) & _mask_bit(sig) for m in masks)

@@ -56,6 +56,11 @@ PEER_WINDOW = 5.0
 #: consequence of it (mpirun stops a job at once when a rank ends without
 #: MPI_Finalize; a collective waiting on the rank fails at once).
 EARLY_EXIT_WINDOW = 5.0
+#: Seconds within which a rank that ended of signal N and dsrun's own
+#: signal N are taken for one signal sent to every process of the job
+#: (Slurm's time limit, preemption or scancel reach the launcher, the
+#: agents and the ranks within milliseconds, in any order).
+JOB_WIDE_WINDOW = 2.0
 #: What the error of a rank that lost a peer says (lower case): gloo's
 #: "Connection reset/closed by peer", a write into a closed socket, the c10d
 #: store's "Connection was likely closed" (rank 0, its server, died), NCCL's
@@ -187,8 +192,8 @@ class JobResult:
     no_stacks: tuple[str, ...] = ()
     #: No rank had reported starting (a signal or --timeout during the start).
     starting: bool = False
-    #: A signal that came while a failure was already ending the job: it
-    #: hurried the stop without becoming the cause (no restart after it).
+    #: A signal to dsrun that came while a failure was already ending the
+    #: job: the failure stays the cause; no restart after it.
     hurried: int | None = None
     #: Ranks that exited with status 0 before the job was being stopped
     #: (module docstring: they may be why it was).
@@ -278,6 +283,29 @@ def _within(first: RankFailure, later: RankFailure, seconds: float) -> bool:
     a stamped and an unstamped failure cannot be compared, so they count)."""
     a, b = _order(first), _order(later)
     return a[0] != b[0] or b[1] - a[1] <= seconds
+
+
+def interruption(failures: Sequence[RankFailure], early_exits: Sequence[RankFailure],
+                 own: int | None, own_seen: float | None) -> int | None:
+    """The signal that stopped the job when no failure did, else None.
+
+    That is a stop signal to a node agent, when it is the root cause (no
+    early exit explains it: mpirun's orted signals the agents after one),
+    or dsrun's own signal ``own`` (got at ``own_seen``, the launcher's
+    monotonic clock) when the root cause is a rank that ended of that same
+    signal within :data:`JOB_WIDE_WINDOW` of it: killed by it, or exiting
+    128+N as Python does after a KeyboardInterrupt or a handler that exits
+    so - one signal sent to every process of the job."""
+    cause = root_cause(failures, early_exits)
+    if cause is None or cause.early_exit:
+        return None
+    if cause.signalled:
+        return cause.signal
+    if own is None or own_seen is None or cause.rank is None or cause.seen is None:
+        return None
+    if abs(cause.seen - own_seen) > JOB_WIDE_WINDOW:
+        return None
+    return own if cause.signal == own or cause.code == 128 + own else None
 
 
 def restartable(failure: RankFailure | None) -> bool:

@@ -190,7 +190,7 @@ class LaunchSpec:
     log_dir: str | None = None
     dry_run: bool = False
     max_restarts: int = 0
-    kill_grace: float = 5.0
+    kill_grace: float = 30.0  # as DeepSpeed's launcher, torchrun and Slurm's KillWait
     dist_backend: str | None = None
     backend: str | None = None  # --launcher; None: chosen from the hosts
     extra_env: tuple[tuple[str, str], ...] = field(default=())

@@ -30,8 +30,21 @@ from typing import Any
 
 from dsrun.launcher.backends.base import JobHandle
 from dsrun.launcher.control import NO_ANSWER, StackQuery
-from dsrun.launcher.report import JobResult, RankFailure, RunningRank, SigKilled
+from dsrun.launcher.latch import FORWARDS, SIGNALS, Forwards, Interrupted, SignalLatch
+from dsrun.launcher.report import (
+    JobResult,
+    RankFailure,
+    RunningRank,
+    SigKilled,
+    interruption,
+    root_cause,
+    signal_name,
+)
 from dsrun.launcher.watch import RankState, StackCollection, Stragglers
+
+# SignalLatch, SIGNALS and Interrupted lived here; launch.py and tests import them from here.
+__all__ = ["FORWARDS", "SIGNALS", "Forwards", "Interrupted", "SignalLatch", "Supervisor",
+           "Watch"]
 
 # (host, rank, fd, lines) -> None: the lines of one ``out`` event
 LinesSink = Callable[[str, int, int, list[str]], None]
@@ -48,75 +61,6 @@ QUERY_STACK_WAIT = 10.0
 #: Seconds agents get to confirm a kill (second signal) before their
 #: transports are dropped.
 KILL_WAIT = 3.0
-
-
-class Interrupted(Exception):
-    """Raised by the launcher's signal handlers (SIGINT, SIGTERM, SIGHUP)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-class SignalLatch:
-    """The launcher's handler of SIGINT, SIGTERM and SIGHUP.
-
-    While a job starts (:meth:`arm`) the first signal raises
-    :class:`Interrupted`, which aborts a blocking connect or preflight.
-    Every other signal - the ones after it, and all of them while the job is
-    supervised or stopped (:meth:`hold`) - is only recorded in ``pending``
-    for the supervisor's loop to act on, so none can escape from the middle
-    of stopping the job or of a message to an agent."""
-
-    def __init__(self) -> None:
-        self.pending: list[int] = []
-        self.raising = False
-        self.seen = False  # any signal since reset(): the launcher keeps its handlers
-        self.received = 0  # signals since reset()
-        self.first: int | None = None  # the first of them
-        # Once ``received`` reaches ``exit_at``, ``on_excess(signum)`` (which
-        # must not return: the process is ending and blocked; launch.py).
-        self.exit_at: int | None = None
-        self.on_excess: Callable[[int], None] | None = None
-
-    def __call__(self, signum: int, frame: object) -> None:
-        self.seen = True
-        self.received += 1
-        if self.first is None:
-            self.first = signum
-        if self.exit_at is not None and self.received >= self.exit_at \
-                and self.on_excess is not None:
-            self.on_excess(signum)
-        if self.raising:
-            self.raising = False
-            raise Interrupted(signum)
-        self.pending.append(signum)
-
-    def reset(self) -> None:
-        self.pending.clear()
-        self.raising = False
-        self.seen = False
-        self.received = 0
-        self.first = None
-        self.exit_at = None
-
-    def arm(self) -> None:
-        """Raise from now on; a signal recorded before raises at once."""
-        if self.pending:
-            raise Interrupted(self.pending.pop(0))
-        self.raising = True
-
-    def hold(self) -> None:
-        self.raising = False
-
-    def take(self) -> list[int]:
-        """The signals recorded since the last call, oldest first."""
-        taken, self.pending[:] = list(self.pending), []
-        return taken
-
-
-#: The one latch the launcher's signal handlers are (launch.JOB_SIGNALS).
-SIGNALS = SignalLatch()
 
 
 @dataclass(frozen=True)
@@ -147,8 +91,11 @@ class _State:
     ranks: dict[int, RankState] = field(default_factory=dict)
     stopping: bool = False
     deadline: float = 0.0
-    interrupted: int | None = None
-    hurried: int | None = None  # a signal while the job was already being stopped
+    interrupted: int | None = None  # dsrun's own signal, which began the stop
+    hurried: int | None = None  # dsrun's own signal while something else stopped the job
+    own: int | None = None  # dsrun's first signal, and when (monotonic)
+    own_seen: float | None = None
+    own_count: int = 0  # dsrun's own stop signals: the second one kills at once
     killed: int = 0
     sigkilled: list[SigKilled] = field(default_factory=list)  # per agent's ``done``
     timed_out: float | None = None
@@ -167,14 +114,18 @@ class _State:
 class Supervisor:
     def __init__(self, handle: JobHandle, hosts: list[str], sink: LinesSink,
                  kill_grace: float, watch: Watch | None = None,
-                 signals: SignalLatch = SIGNALS) -> None:
+                 signals: SignalLatch = SIGNALS, forwards: Forwards = FORWARDS) -> None:
         self.handle = handle
         self.signals = signals
+        self.forwards = forwards
         self.sink = sink
         self.output_paused = False
         self.grace = kill_grace
         self.watch = watch or Watch()
         self.state = _State(hosts=list(hosts), open_nodes=set(range(len(hosts))))
+        for signum in forwards.take():  # no rank had its handler yet: it would die of it
+            self.watch.say(f"{signal.Signals(signum).name} while the job was starting: "
+                           f"not forwarded")
         hint = f" (dsrun stack {self.watch.job_id[:12]} shows their Python stacks)" \
             if self.watch.job_id else ""
         self.stragglers = Stragglers(self.watch.straggler_interval or 0.0, hint)
@@ -190,7 +141,8 @@ class Supervisor:
                 self._finish_collection(collection)
         stacks = tuple(st.timeout_stacks.lines) if st.timeout_stacks is not None else ()
         unconfirmed = tuple(st.hosts[i] for i in sorted(st.unconfirmed - st.done))
-        return JobResult(tuple(st.failures), st.interrupted, st.killed,
+        interrupted, failures = self._outcome()
+        return JobResult(failures, interrupted, st.killed,
                          timed_out=st.timed_out, running=st.running_at_timeout, stacks=stacks,
                          unconfirmed=unconfirmed,
                          no_stacks=tuple(st.hosts[i] for i in sorted(st.no_stacks)),
@@ -199,8 +151,9 @@ class Supervisor:
                          kill_grace=self.grace)
 
     def _stop(self, interrupt: bool = False) -> None:
-        """Stop every agent's ranks; ``interrupt``: dsrun got a Ctrl-C, so
-        they get SIGINT first (their KeyboardInterrupt handlers run), not SIGTERM."""
+        """Stop every agent's ranks; ``interrupt``: dsrun (or an agent) got a
+        Ctrl-C, so they get SIGINT first (their KeyboardInterrupt handlers
+        run), not SIGTERM."""
         st = self.state
         if not st.stopping:
             st.stopping = True
@@ -215,6 +168,27 @@ class Supervisor:
         self.handle.send_all({"cmd": "kill"}, only=sorted(st.open_nodes - st.done))
         st.deadline = min(st.deadline, time.monotonic() + KILL_WAIT)
 
+    def _outcome(self) -> tuple[int | None, tuple[RankFailure, ...]]:
+        """The signal that stopped the job, if one did, and the failures.
+
+        A stop signal to a node agent, or one to every process of the job
+        (report.interruption), is an interruption like dsrun's own: the
+        failures it caused are its consequences (during the stop), and
+        the job is not restarted."""
+        st = self.state
+        failures = tuple(st.failures)
+        if st.interrupted is not None or st.timed_out is not None:
+            return st.interrupted, failures
+        signum = interruption(failures, st.early_exits, st.own, st.own_seen)
+        if signum is None:
+            return None, failures
+        cause = root_cause(failures, st.early_exits)
+        if cause is not None and cause.signalled and st.own is None:
+            self.watch.say(f"the node agent on host {cause.host} got {signal_name(signum)} "
+                           f"(not from dsrun, which got none): it stopped its ranks, and "
+                           f"dsrun stopped the job")
+        return signum, tuple(replace(f, during_stop=True) for f in failures)
+
     def _give_up(self) -> None:
         """The stop deadline passed: drop every agent that has not said
         ``done``; whether its ranks are gone is then not known here."""
@@ -224,25 +198,51 @@ class Supervisor:
         st.deadline = float("inf")
 
     def _signalled(self, signum: int) -> None:
+        """A stop signal to dsrun itself. The first one stops the job, or
+        joins the stop already under way (a signal to every process of the
+        job reaches the agents and the ranks too, in any order): the ranks
+        get their --kill_grace either way. Only a second one to dsrun
+        itself kills every rank at once."""
         st = self.state
-        if st.interrupted is not None:  # second signal: no more patience
+        st.own_count += 1
+        name = signal.Signals(signum).name
+        if st.own is None:
+            st.own, st.own_seen = signum, time.monotonic()
+        if st.own_count > 1:  # no more patience
+            if st.interrupted is None and st.hurried is None:
+                st.hurried = signum
             self._kill_now()
             return
         if st.stopping or st.timed_out is not None:
-            # a failure, a lost host or --timeout is ending the job already: it
-            # stays the cause (and the exit code); the signal only hurries it
-            self.watch.say(f"{signal.Signals(signum).name} while the job is being stopped: "
-                           "every rank is killed now")
+            # Something else is ending the job already (a failure, a lost host,
+            # --timeout, a signal to an agent): it stays the cause unless it is
+            # this very signal, sent to the whole job (_outcome); no restart.
             st.hurried = signum
-            self._kill_now()
+            if interruption(st.failures, st.early_exits, signum, st.own_seen) != signum:
+                self.watch.say(f"{name} while the job is being stopped: the ranks still get "
+                               f"--kill_grace {self.grace:g}s; a second signal kills them now")
             return
         st.interrupted = signum
         self._stop(interrupt=signum == signal.SIGINT)
+
+    def _forward(self, signum: int) -> None:
+        """SIGUSR1/SIGUSR2 to dsrun: every agent passes it on to its ranks'
+        process groups (agent.py); the job goes on."""
+        st = self.state
+        name = signal.Signals(signum).name
+        if st.stopping:
+            self.watch.say(f"{name} while the job is being stopped: not forwarded")
+            return
+        self.handle.send_all({"cmd": "signal", "signal": name},
+                             only=sorted(st.open_nodes - st.done))
+        self.watch.say(f"{name}: forwarded to every rank's process group")
 
     def _step(self) -> None:
         st = self.state
         for signum in self.signals.take():
             self._signalled(signum)
+        for signum in self.forwards.take():
+            self._forward(signum)
         try:
             index, msg = self.handle.events.get(timeout=0.2)
         except queue.Empty:
@@ -295,7 +295,7 @@ class Supervisor:
         elif ev == "signal":  # the agent itself was signalled: it stops its ranks
             failure = RankFailure.from_signal_event(host, msg)
             st.failures.append(replace(failure, during_stop=failure.during_stop or st.stopping))
-            self._stop()
+            self._stop(interrupt=failure.signal == signal.SIGINT)
         elif ev in ("stack", "stack_end"):
             self._stack_event(index, host, msg)
         elif ev == "done":

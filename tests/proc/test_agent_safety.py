@@ -295,7 +295,7 @@ def test_a_second_signal_to_the_agent_hurries_the_stop_without_a_traceback(tmp_p
             events.append(json.loads(line))
             if "TERM" in events[-1].get("lines", ()) or events[-1].get("ev") == "exit":
                 break
-        time.sleep(0.3)
+        time.sleep(1.1)  # not the same delivery again (agent_os.REPEAT)
         began = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         left = wait_gone(job, timeout=10)

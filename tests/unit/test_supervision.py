@@ -282,13 +282,15 @@ def test_a_second_signal_tells_every_agent_to_kill_its_ranks_now():
 class _SignalledWhileStopping(_RecordingHandle):
     """A second Ctrl-C arrives while the stop is being sent to the agents."""
 
-    def __init__(self, latch) -> None:
+    def __init__(self, latch, times: int = 1) -> None:
         super().__init__(2)
         self.latch = latch
+        self.times = times
 
     def send_all(self, obj, only=None) -> None:
         if obj["cmd"] == "stop":
-            self.latch(signal.SIGINT, None)  # the handler runs in the middle of the write
+            for _ in range(self.times):  # the handler runs in the middle of the write
+                self.latch(signal.SIGINT, None)
         super().send_all(obj, only)
 
 
@@ -304,22 +306,24 @@ def test_a_signal_while_the_job_is_being_stopped_cannot_escape():
     assert sorted(h.sent) == [(0, "kill"), (0, "stop"), (1, "kill"), (1, "stop")]
 
 
-def test_a_signal_while_a_failure_stops_the_job_hurries_it_and_keeps_the_cause():
-    """Ctrl-C while dsrun waits out the grace after a rank failed: the ranks are
-    killed at once, and the failure stays the cause and the exit code."""
+def test_signals_while_a_failure_stops_the_job_keep_the_cause_and_the_second_hurries():
+    """Ctrl-C twice while dsrun waits out the grace after a rank failed: the
+    first leaves the ranks their grace, the second kills them at once; the
+    failure stays the cause and the exit code."""
     import time
 
     from dsrun.launcher.supervisor import SignalLatch
 
     latch = SignalLatch()
     said: list[str] = []
-    h = _SignalledWhileStopping(latch)
+    h = _SignalledWhileStopping(latch, times=2)
     h.events.put((1, _exit(1, time.time(), time.monotonic(), 0.0) | {"code": 4}))
     result = Supervisor(h, ["a", "b"], lambda *a: None, 30.0,  # type: ignore[arg-type]
                         watch=Watch(say=said.append), signals=latch).run()
     assert result.interrupted is None and result.exit_code == 4
     assert sorted(h.sent) == [(0, "kill"), (0, "stop"), (1, "kill"), (1, "stop")]
-    assert said == ["SIGINT while the job is being stopped: every rank is killed now"]
+    assert said == ["SIGINT while the job is being stopped: the ranks still get "
+                    "--kill_grace 30s; a second signal kills them now"]
     # and --max_restarts does not start another attempt after it
     from dsrun.launcher.launch import JobClock, _no_restart
     from dsrun.launcher.spec import LaunchSpec
