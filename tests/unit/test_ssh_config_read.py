@@ -234,3 +234,27 @@ def test_a_proxied_host_is_never_this_machine_by_its_hostfile_name():
     hosts = ["192.168.1.10", "node1", "localhost", "192.168.1.11"]
     assert backend.local_hosts(hosts, "node1.laptop", ["192.168.1.10", "192.168.1.11"]) == \
         [False, False, False, True]
+
+
+def test_the_hostnames_entry_decides_before_the_hostfile_names():
+    """Entries under the HostName and the hostfile's name were one group:
+    a stale ``gamma K2`` line vouched for whatever presented K2 at
+    10.0.0.5, whose own entry says K1."""
+    from dsrun.launcher.backends.ssh_connect import key_names
+    from dsrun.launcher.backends.ssh_known import KnownHosts, check_key, parse_text
+
+    def verdict(lines, port=22, key=KEY):
+        known = KnownHosts(parse_text("\n".join(lines), "kh"))
+        target = resolve_target("gamma", SshOptions(port=port), {"hostname": "10.0.0.5"}, "me")
+        names, fallback = key_names(target)
+        return known.key_types(names, fallback), \
+            check_key(known, names, fallback, key.get_name(), key.asbytes())
+
+    types, changed = verdict([_line("10.0.0.5", OTHER), _line("gamma", KEY)])
+    assert changed.kind == "changed" and changed.name == "10.0.0.5" and changed.entry.line == 1
+    assert types == [OTHER.get_name()]
+    assert verdict([_line("gamma", KEY)])[1].kind == "ok"  # no HostName entry: the alias's
+    ported = verdict([_line("[10.0.0.5]:2222", OTHER), _line("[gamma]:2222", KEY)], 2222)[1]
+    assert ported.kind == "changed" and not ported.portless
+    portless = verdict([_line("10.0.0.5", OTHER), _line("gamma", KEY)], 2222)[1]
+    assert portless.kind == "changed" and portless.portless and portless.name == "10.0.0.5"

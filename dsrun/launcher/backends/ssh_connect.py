@@ -222,9 +222,11 @@ def config_lookup(path: str | None) -> Lookup:
 
 
 def key_names(target: SshTarget) -> tuple[list[str], list[str]]:
-    """The names a host's key is looked up under, and the port-less ones
-    tried when none of those has an entry. HostKeyAlias replaces them all
-    (as in OpenSSH); otherwise both the HostName and the hostfile's name."""
+    """The names a host's key is looked up under, in order, and the
+    port-less ones tried when none of those has an entry. HostKeyAlias
+    replaces them all (as in OpenSSH); otherwise the HostName, then the
+    hostfile's name, which counts only when the HostName has no entry
+    (ssh_known.check_key)."""
     if target.host_key_alias:
         return [target.host_key_alias], []
     plain = list(dict.fromkeys((target.hostname, target.host)))

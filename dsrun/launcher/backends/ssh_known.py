@@ -140,11 +140,23 @@ class KnownHosts:
     def find(self, names: Sequence[str], marker: str = "") -> list[KnownKey]:
         return [k for k in self.keys if k.marker == marker and any(map(k.matches, names))]
 
+    def first_known(self, names: Sequence[str],
+                    fallback: Sequence[str] = ()) -> tuple[str, list[KnownKey], bool]:
+        """The first of ``names``, then of ``fallback``, that has plain
+        entries: that name, its entries, and whether it is a fallback one
+        (``("", [], False)``: none has any)."""
+        for group, portless in ((names, False), (fallback, True)):
+            for name in group:
+                found = self.find([name])
+                if found:
+                    return name, found, portless
+        return "", [], False
+
     def key_types(self, names: Sequence[str], fallback: Sequence[str] = ()) -> list[str]:
-        """Types of the plain keys known for ``names`` (else ``fallback``),
-        in file order: the host key algorithms to ask the server for first."""
-        keys = self.find(names) or self.find(fallback)
-        return list(dict.fromkeys(k.keytype for k in keys))
+        """Types of the plain keys known under the name the key will be
+        judged by (:func:`check_key`), in file order: the host key
+        algorithms to ask the server for first."""
+        return list(dict.fromkeys(k.keytype for k in self.first_known(names, fallback)[1]))
 
 
 @dataclass(frozen=True)
@@ -160,28 +172,26 @@ class Verdict:
 
 def check_key(known: KnownHosts, names: Sequence[str], fallback: Sequence[str],
               keytype: str, blob: bytes) -> Verdict:
-    """Judge a server's key. ``names``: the names it is looked up under
-    (``[host]:port`` for a port other than 22); ``fallback``: the port-less
-    names tried when none of ``names`` has an entry (as OpenSSH does for a
-    non-default port), where a different key is still a changed key."""
+    """Judge a server's key. ``names``: the names it is looked up under, in
+    order (``[host]:port`` for a port other than 22); ``fallback``: the
+    port-less names tried when none of ``names`` has an entry (as OpenSSH
+    does for a non-default port). The first name with entries decides, as
+    the HostName's entry decides in OpenSSH: a later name's matching entry
+    never outweighs an earlier name's different key (a stale entry under
+    another name must not vouch for this address); a different key is a
+    changed key, also a port-less one."""
     for entry in known.find([*names, *fallback], "revoked"):
         if entry.same_key(keytype, blob):
             return Verdict("revoked", entry)
-    for group, portless in ((names, False), (fallback, True)):
-        plain = known.find(group)
-        if not plain:
-            continue
+    name, plain, portless = known.first_known(names, fallback)
+    if plain:
         for entry in plain:
             if entry.same_key(keytype, blob):
-                return Verdict("ok", entry, _matched(entry, group), portless)
+                return Verdict("ok", entry, name, portless)
         same_type = [e for e in plain if e.keytype == keytype] or plain
-        return Verdict("changed", same_type[0], _matched(same_type[0], group), portless)
+        return Verdict("changed", same_type[0], name, portless)
     authorities = known.find([*names, *fallback], "cert-authority")
     return Verdict("unknown", authorities[0] if authorities else None)
-
-
-def _matched(entry: KnownKey, names: Sequence[str]) -> str:
-    return next((n for n in names if entry.matches(n)), names[0] if names else "")
 
 
 # --------------------------------------------------------------------------
