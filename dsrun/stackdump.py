@@ -123,6 +123,6 @@ def deaf(rank: int, pid: int, path: str) -> str | None:
 
 def silent(rank: int, timeout: float = 2.0) -> str:
     """The answer of a rank that was sent the stack signal and wrote nothing."""
-    return (f"(no answer: rank {rank} did not write its stack within {timeout:g}s; a handler "
-            f"of the script's own for {STACK_SIGNAL_NAME}, dsrun's stack signal - one set "
-            f"for every signal - replaces dsrun's)")
+    return (f"(no answer: rank {rank} did not write its stack within {timeout:g}s; likely "
+            f"a handler of the script's own for {STACK_SIGNAL_NAME}, dsrun's stack signal - "
+            f"one set for every signal - replaced dsrun's)")

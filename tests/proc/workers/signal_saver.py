@@ -4,8 +4,9 @@
 "saves" for --save seconds, writes OUT/saved_RANK and exits 0.
 --usr: SIGUSR1 and SIGUSR2 append a line to OUT/usr_RANK (the job goes on);
 with --until_usr the rank exits 0 once it has been there --settle seconds.
---ignore_int: SIGINT is ignored. --stack ignore|block: the stack signal
-(SIGRTMIN+4) is ignored, or blocked in every thread. Without a flag the rank
+--ignore_int: SIGINT is ignored. --stack ignore|block|handle: the stack
+signal (SIGRTMIN+4) is ignored, blocked in every thread, or taken over by a
+handler of the script's. Without a flag the rank
 exits 0 after --run seconds. Every rank writes its pid to --pid_dir.
 """
 
@@ -24,7 +25,7 @@ p.add_argument("--usr", action="store_true")
 p.add_argument("--until_usr", action="store_true")
 p.add_argument("--settle", type=float, default=1.0)
 p.add_argument("--ignore_int", action="store_true")
-p.add_argument("--stack", choices=["ignore", "block"])
+p.add_argument("--stack", choices=["ignore", "block", "handle"])
 p.add_argument("--run", type=float, default=60.0)
 args = p.parse_args()
 rank = int(os.environ["RANK"])
@@ -51,6 +52,8 @@ if args.stack == "ignore":
     signal.signal(signal.SIGRTMIN + 4, signal.SIG_IGN)
 elif args.stack == "block":
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGRTMIN + 4})
+elif args.stack == "handle":
+    signal.signal(signal.SIGRTMIN + 4, lambda signum, frame: None)
 with open(os.path.join(args.pid_dir, f"rank_{rank}.pid"), "w") as f:
     f.write(str(os.getpid()))
 print(f"rank {rank} ready", flush=True)
