@@ -6,8 +6,11 @@ half: ``KEY.pub``, or the clear public part of an OpenSSH-format key file),
 so a passphrase-protected key unlocked once with ``ssh-add`` works, also
 with ``IdentitiesOnly yes`` (which means "only these identities", not "no
 agent"). Otherwise the file itself is loaded; an encrypted one that the
-agent does not hold is skipped with the reason. Without IdentitiesOnly the
-agent's other keys and the default ``~/.ssh/id_*`` files follow.
+agent does not hold is skipped with the reason. Without IdentityFile the
+configured identities are the default ``~/.ssh/id_*`` files, also with
+IdentitiesOnly; without IdentitiesOnly the agent's other keys and the
+default files follow. An ssh-agent that does not answer is skipped with a
+warning (and named in the error), as ssh skips it.
 
 :func:`key_plan` never connects; with nothing to try it says so, listing
 what it looked at, instead of paramiko's "No authentication methods
@@ -18,7 +21,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
 import os
+import socket
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -33,6 +38,7 @@ if TYPE_CHECKING:
 DEFAULT_KEYS = ("~/.ssh/id_rsa", "~/.ssh/id_ecdsa", "~/.ssh/id_ed25519")
 _OPENSSH_BEGIN = "-----BEGIN OPENSSH PRIVATE KEY-----"
 _OPENSSH_MAGIC = b"openssh-key-v1\x00"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -42,6 +48,8 @@ class KeyPlan:
     sources: list[AuthSource] = field(default_factory=list)
     tried: list[str] = field(default_factory=list)
     agent: paramiko.Agent | None = None
+    agent_note: str = ""  # what became of ssh-agent, for the error messages
+    agent_failed: bool = False  # SSH_AUTH_SOCK is set, but the agent did not answer
 
     def strategy(self) -> AuthStrategy:
         return _Keys(self.sources)
@@ -92,20 +100,61 @@ def public_blob(path: str) -> bytes | None:
         return None
 
 
+class _Agent(paramiko.Agent):
+    """paramiko.Agent on a socket with a timeout (an agent that never
+    answers would hang every connection), that says when it cannot connect
+    (paramiko's takes a dead socket for an agent without keys)."""
+
+    def __init__(self, path: str, timeout: float) -> None:  # no super(): it would connect
+        paramiko.agent.AgentSSH.__init__(self)
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(timeout)
+        try:
+            conn.connect(path)
+            self._connect(conn)
+        except BaseException:
+            conn.close()
+            raise
+
+
+def _open_agent(target: SshTarget, plan: KeyPlan,
+                agent_factory: Callable[[], paramiko.Agent] | None) -> list[paramiko.AgentKey]:
+    """ssh-agent's keys; none, with a warning, when the agent does not
+    answer (a forwarded agent whose far end is gone): as ssh does, the key
+    files are tried without it."""
+    path = os.environ.get("SSH_AUTH_SOCK")
+    if not path and agent_factory is None:
+        plan.agent_note = "no ssh-agent (SSH_AUTH_SOCK is not set)"
+        return []
+    try:
+        plan.agent = agent_factory() if agent_factory else _Agent(str(path), target.timeout)
+        keys = list(plan.agent.get_keys())
+    except (paramiko.SSHException, OSError, EOFError) as exc:
+        plan.close()
+        plan.agent, plan.agent_failed = None, True
+        why = "no answer" if isinstance(exc, socket.timeout) else \
+            getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        plan.agent_note = f"ssh-agent at SSH_AUTH_SOCK={path} did not answer ({why})"
+        log.warning("%s: %s; trying the key files without it", target.host, plan.agent_note)
+        return []
+    plan.agent_note = f"ssh-agent ({len(keys)} keys)"
+    return keys
+
+
 def key_plan(target: SshTarget,
              agent_factory: Callable[[], paramiko.Agent] | None = None) -> KeyPlan:
-    """The keys to offer to ``target``, agent copies first where they exist."""
+    """The keys to offer to ``target``, agent copies first where they exist.
+    The configured identities are ``target.keys``, else (as in ssh, also
+    with IdentitiesOnly) the default ~/.ssh/id_* files."""
     plan = KeyPlan()
-    agent_keys: list[paramiko.AgentKey] = []
-    if os.environ.get("SSH_AUTH_SOCK") or agent_factory is not None:
-        plan.agent = (agent_factory or paramiko.Agent)()
-        agent_keys = list(plan.agent.get_keys())
-        agent_note = f"ssh-agent ({len(agent_keys)} keys)"
-    else:
-        agent_note = "ssh-agent (SSH_AUTH_SOCK is not set)"
+    agent_keys = _open_agent(target, plan, agent_factory)
+    defaults = [os.path.expanduser(p) for p in DEFAULT_KEYS]
+    configured = list(target.keys)
+    if not configured and target.identities_only:
+        configured = [p for p in defaults if os.path.isfile(p)]
     used: set[bytes] = set()
     user = target.user
-    for path in target.keys:
+    for path in configured:
         blob = public_blob(path)
         held = next((k for k in agent_keys if blob is not None and k.asbytes() == blob), None)
         if held is not None:
@@ -114,15 +163,18 @@ def key_plan(target: SshTarget,
             plan.tried.append(f"{path} (from ssh-agent)")
         else:
             _add_file(plan, user, path)
+    if target.identities_only and plan.agent_failed:
+        plan.tried.append(plan.agent_note)
     if not target.identities_only:
         rest = [k for k in agent_keys if k.asbytes() not in used]
         plan.sources.extend(InMemoryPrivateKey(user, k) for k in rest)
-        plan.tried.append(agent_note)
-        for path in (os.path.expanduser(p) for p in DEFAULT_KEYS):
-            if path not in target.keys and os.path.isfile(path):
+        plan.tried.append(plan.agent_note)
+        for path in defaults:
+            if path not in configured and os.path.isfile(path):
                 _add_file(plan, user, path)
-        if not any(os.path.isfile(os.path.expanduser(p)) for p in DEFAULT_KEYS):
-            plan.tried.append(f"{', '.join(DEFAULT_KEYS)} (none exist)")
+    if (not target.keys or not target.identities_only) and \
+            not any(os.path.isfile(p) for p in defaults):
+        plan.tried.append(f"{', '.join(DEFAULT_KEYS)} (none exist)")
     return plan
 
 
@@ -133,8 +185,12 @@ def _add_file(plan: KeyPlan, user: str, path: str) -> None:
     try:
         key = load_key(path)
     except paramiko.PasswordRequiredException:
-        where = "ssh-agent does not hold it" if plan.agent is not None else \
-            "no ssh-agent (SSH_AUTH_SOCK is not set)"
+        if plan.agent is None:
+            where = plan.agent_note
+        elif public_blob(path) is None:  # a PEM key: nothing to match the agent's keys with
+            where = f"no {path}.pub to match ssh-agent's keys against"
+        else:
+            where = "ssh-agent does not hold it"
         plan.tried.append(f"{path} (encrypted, and {where}: load it with `ssh-add {path}`)")
         return
     except (paramiko.SSHException, OSError, ValueError) as exc:

@@ -27,7 +27,7 @@ from typing import Any
 import paramiko
 
 from dsrun.errors import DsrunUsageError
-from dsrun.launcher.backends.ssh_auth import key_plan, no_key_message
+from dsrun.launcher.backends.ssh_auth import KeyPlan, key_plan, no_key_message
 from dsrun.launcher.backends.ssh_configfile import read_config, unused_settings
 from dsrun.launcher.backends.ssh_known import (
     KnownHosts,
@@ -407,8 +407,9 @@ def connect(target: SshTarget) -> paramiko.SSHClient:
     for key in target.keys:
         if target.identities_only and not os.path.isfile(key):
             raise SshConnectError(f"{target.host}: ssh key {key} does not exist")
-    plan = key_plan(target)
+    plan: KeyPlan | None = None
     try:
+        plan = key_plan(target)
         if not plan.sources:
             raise SshConnectError(_noted(target, no_key_message(target, plan)))
         known = _load_known(target)
@@ -433,7 +434,8 @@ def connect(target: SshTarget) -> paramiko.SSHClient:
                     target, exc, plan.tried))) from None
             raise
     finally:
-        plan.close()
+        if plan is not None:
+            plan.close()
 
 
 def _noted(target: SshTarget, message: str) -> str:
