@@ -15,8 +15,9 @@
    filled in (localrank.py). The working directory that ``-m`` put first on
    sys.path is dropped before the bootstrap's own imports, so a json.py
    there cannot stand in for the stdlib's;
-4. at exit destroys the process group and leaves quickly without losing
-   buffered file data (fastexit.py).
+4. at exit tells the other ranks it has left (exitmark.py: a checkpoint
+   call waiting for it fails at once), destroys the process group and
+   leaves quickly without losing buffered file data (fastexit.py).
 
 An uncaught exception is recorded as JSON (rank, host, time, traceback) in
 ``DSRUN_ERROR_FILE`` for the agent's root-cause report - no decorator
@@ -66,6 +67,7 @@ from types import TracebackType
 import dsrun
 from dsrun import deathsig, stackdump
 from dsrun.errors import DsrunError
+from dsrun.runtime import exitmark
 from dsrun.runtime.env import DistEnv
 from dsrun.runtime.fastexit import fast_exit
 
@@ -231,6 +233,7 @@ def main() -> int:
     mode, target, args = sys.argv[1], sys.argv[2], sys.argv[3:]
     env = _prepare_process()
     dist_on = env.backend != "none"
+    status, left_by = 0, None  # how the rank leaves: its peers are told (exitmark.py)
     try:
         unbound = deathsig.bind_cpus(os.environ)  # before torch starts any thread
         if unbound:
@@ -242,9 +245,11 @@ def main() -> int:
             dist.install_compat()
         _run_target(mode, target, args)
     except DsrunError as exc:
+        status, left_by = exc.exit_code or 1, exc
         report_dsrun_error(env, exc)
-        return exc.exit_code or 1
+        return status
     except SystemExit as exc:
+        status, left_by = exit_status(exc), exc
         if exc.code not in (None, 0):  # stamp the time: it may be the first failure
             record_error(env, exc, "", message=f"the script called sys.exit({exc.code!r})",
                          exit_code=exc.code if isinstance(exc.code, int) else 1)
@@ -252,6 +257,7 @@ def main() -> int:
     except BaseException as exc:  # noqa: BLE001 - every uncaught error is reported
         # Python exits 130 (128 + SIGINT) after an uncaught KeyboardInterrupt.
         code = 128 + signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
+        status, left_by = code, exc
         if code != 1 and not _target_started:
             # The job was Ctrl-C'd while this rank was still setting up
             # (imports, rendezvous): the launcher says so once for the job.
@@ -265,8 +271,17 @@ def main() -> int:
         # A forked child holds a copy of the parent's group without its
         # threads: destroying it there waits forever (torch's teardown too).
         if dist_on and "dsrun.runtime.dist" in sys.modules and not forked_child():
+            if env.world_size > 1:  # before the group goes: peers may wait for this rank
+                exitmark.mark_exited(env.rank, status, left_by)
             sys.modules["dsrun.runtime.dist"].shutdown()
     return 0
+
+
+def exit_status(exc: SystemExit) -> int:
+    """The status ``sys.exit(exc.code)`` ends Python with (pure)."""
+    if exc.code is None or isinstance(exc.code, int):
+        return exc.code or 0
+    return 1
 
 
 def _exit_code(exc: SystemExit) -> int:

@@ -24,7 +24,9 @@ ends when the ranks start, and rank 0 binds it only once torch is
 imported: another job given the same ``--master_port`` can take it in
 between. Without the id, ranks of the two jobs would form one group and
 kill both; with it, the job whose rank 0 did not get the port fails with
-one error naming the port and the job that holds it.
+one error naming the port and the job that holds it. The store is kept
+(:func:`current_store`): a rank's exit is posted there (exitmark.py), also
+after the script destroyed its process group.
 
 Multi-host jobs on gloo also check that this host's name does not resolve
 to loopback (gloo would listen there, unreachable from other hosts) unless
@@ -57,6 +59,14 @@ SHOWN_ID = 12
 JOB_KEY_WAIT = datetime.timedelta(seconds=60)
 #: How long rank 0 spends asking the port's holder who it is, after losing the port.
 OWNER_WAIT = datetime.timedelta(seconds=3)
+#: This process's dsrun job store once :func:`job_store` opened it (exitmark.py
+#: posts a rank's exit there, even after the script destroyed its group).
+_job_store: Any = None
+
+
+def current_store() -> Any:
+    """The dsrun job store this process opened, or None."""
+    return _job_store
 
 
 def mpi_comm() -> Any:
@@ -169,6 +179,7 @@ def job_store(env: DistEnv, timeout: datetime.timedelta) -> Any:
     """The TCPStore of a dsrun job at the launcher-given master (module
     docstring): rank 0 hosts it and writes the job id; the others connect
     and refuse a store that holds another job's id."""
+    global _job_store
     import torch.distributed as dist
 
     assert env.master_addr is not None and env.master_port is not None and env.job_id
@@ -184,11 +195,13 @@ def job_store(env: DistEnv, timeout: datetime.timedelta) -> Any:
         except (RuntimeError, OSError) as exc:
             raise DsrunError(_bind_error(addr, port, str(exc))) from None
         store.set(JOB_KEY, env.job_id)
+        _job_store = store
         return store
     store = dist.TCPStore(addr, port, env.world_size, False, **options)
     owner = _job_id_in(store, min(timeout, JOB_KEY_WAIT))
     if owner != env.job_id:
         raise DsrunError(_foreign_store_error(addr, port, env.job_id, owner))
+    _job_store = store
     return store
 
 

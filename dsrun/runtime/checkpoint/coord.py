@@ -9,6 +9,14 @@ asked different things (different tags) get one error naming which rank
 asked what. Keys are numbered by call, so every rank must make its
 checkpoint calls in the same order (as DeepSpeed requires); after a
 timeout the numbering cannot be trusted and every later call fails at once.
+The wait polls the store (:data:`AGREE_POLL_S` backing off to
+:data:`EXIT_POLL_S`) for the keys and for ranks that have exited
+(runtime/exitmark.py): a rank that left before the call, or during it,
+fails the others within about a second (after :data:`EXIT_GRACE_S`) with
+an error naming it and its exit status, not ``checkpoint.timeout`` later;
+so does rank 0 leaving (its store's calls then fail). An exchange that
+fails names a rank that exited the same way ("rank 1 exited (status 0)
+during the save").
 
 :meth:`Coordinator.exchange` (an all-gather of small Python objects) is
 how ranks learn each other's results after the agreement: it runs on a
@@ -53,18 +61,26 @@ import json
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, NoReturn, Optional
 
 import torch.distributed as dist
 
 from dsrun import comm as collectives
 from dsrun.errors import RANK_LOST, CheckpointError
+from dsrun.runtime import exitmark
+from dsrun.runtime.exitmark import STORE_GONE, ExitWatch, describe_exit
 
 log = logging.getLogger("dsrun.runtime.checkpoint")
 
 EXCHANGE_TIMEOUT_S = 3600.0  # once all ranks are in, writing may take long
 KEY_POLL_S = 0.05  # a background thread polls: a blocking store.wait would hold the client
 KEY_POLL_MAX_S = 1.0  # ... backing off to this: every rank polls rank 0's store
+AGREE_POLL_S = 0.01  # an agreement polls for the keys (a timed-out store.wait logs) ...
+EXIT_POLL_S = 0.5  # ... backing off to this; each poll also looks for ranks that exited
+# Having seen a rank that exited, an agreement waits this long before it
+# raises: the exiting rank's process has ended by then and its agent has
+# told the launcher, whose report then names that exit as the cause.
+EXIT_GRACE_S = 1.0
 # a SaveBoard's keys (module docstring)
 COUNT, OUTCOME, REPORTED, ALL_REPORTED = "count", "outcome", "reported", "reported/all"
 _calls = itertools.count()  # process-wide: all engines of a process share the numbering
@@ -84,6 +100,7 @@ class Coordinator:
         self._group: Any = None
         self._broken: Optional[str] = None
         self._last_call: Optional[int] = None
+        self._what = ""  # the call last agreed on (an exchange's error names it)
 
     def _store(self) -> Any:
         try:
@@ -102,19 +119,13 @@ class Coordinator:
         if store is None:  # no store to name the missing ranks with
             return self.exchange(payload)
         prefix = f"dsrun/checkpoint/{call}/"
-        store.set(prefix + str(self.rank), json.dumps(payload))
-        keys = [prefix + str(r) for r in range(self.world)]
+        self._what = what
         try:
-            store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
-        except Exception:  # noqa: BLE001 - the store says "timeout" in its own way
-            missing = [r for r in range(self.world) if not store.check([keys[r]])]
-            present = [r for r in range(self.world) if r not in missing]
-            self._broken = (f"an earlier {what} timed out waiting for "
-                            f"{describe_ranks(missing)}; restart the job")
-            raise CheckpointError(
-                f"{what} was called on {describe_ranks(present)} but {describe_ranks(missing)} "
-                f"did not call it within {self.timeout_s:g} s (checkpoint.timeout): every rank "
-                "must call it, with the same arguments") from None
+            store.set(prefix + str(self.rank), json.dumps(payload))
+        except Exception as exc:  # noqa: BLE001 - torch's store errors vary by version
+            self._store_gone(what, exc)
+        keys = [prefix + str(r) for r in range(self.world)]
+        self._wait_all(store, keys, what)
         out = [json.loads(store.get(k)) for k in keys]
         if call >= 2:  # every rank has read call-2's keys once it posted call-1's
             try:
@@ -122,6 +133,71 @@ class Coordinator:
             except Exception:  # noqa: BLE001 - a store without deletion only keeps them
                 pass
         return out
+
+    def _wait_all(self, store: Any, keys: list[str], what: str) -> None:
+        """Wait until every rank has posted its key of this call, polling
+        (a timed-out ``store.wait`` logs warnings), every :data:`AGREE_POLL_S`
+        at first, then less and less often, up to :data:`EXIT_POLL_S`;
+        between polls, a rank that exited (exitmark.py) or rank 0's store
+        gone ends the wait with an error naming that rank."""
+        deadline = time.monotonic() + self.timeout_s
+        watch, gone = ExitWatch(exitmark.job_store() or store, self.world), 0
+        pause = AGREE_POLL_S
+        while True:
+            try:
+                if store.check(keys):
+                    return
+                exited = watch.poll()
+                if len(exited) > gone:  # a rank that posted before exiting is not missing
+                    gone = len(exited)
+                    missing = [r for r in range(self.world) if not store.check([keys[r]])]
+                    if any(r in exited for r in missing):
+                        time.sleep(EXIT_GRACE_S)
+                    self._exited_before(what, missing, exited)
+            except CheckpointError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - torch's store errors vary by version
+                self._store_gone(what, exc)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._timed_out(store, keys, what)
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, EXIT_POLL_S)
+
+    def _exited_before(self, what: str, missing: list[int],
+                       exited: dict[int, dict[str, Any]]) -> None:
+        """Raise when a rank this call still waits for has exited."""
+        left = [r for r in missing if r in exited]
+        if not left:
+            return
+        causes = "; ".join(
+            describe_exit(r, exited[r]) + (f" during its {what}, before every rank had "
+                                           "reached it" if exited[r].get("during") == what
+                                           else f" before calling {what}") for r in left)
+        present = [r for r in range(self.world) if r not in missing]
+        self._broken = f"{causes}; restart the job"
+        raise CheckpointError(f"{what} failed on {describe_ranks(present)}: {causes} (every "
+                              f"rank must call it; {RANK_LOST} while the others waited for "
+                              "it). Nothing was written; the previous checkpoint and 'latest' "
+                              "are intact")
+
+    def _store_gone(self, what: str, exc: Exception) -> NoReturn:
+        time.sleep(EXIT_GRACE_S)  # as for an exit seen (EXIT_GRACE_S)
+        self._broken = f"{STORE_GONE} during an earlier {what}; restart the job"
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]  # no C++ frames
+        raise CheckpointError(f"{what} failed: {STORE_GONE} ({reason}; {RANK_LOST} while the "
+                              "others waited for it): nothing was written; the previous "
+                              "checkpoint and 'latest' are intact") from None
+
+    def _timed_out(self, store: Any, keys: list[str], what: str) -> NoReturn:
+        missing = [r for r in range(self.world) if not store.check([keys[r]])]
+        present = [r for r in range(self.world) if r not in missing]
+        self._broken = (f"an earlier {what} timed out waiting for "
+                        f"{describe_ranks(missing)}; restart the job")
+        raise CheckpointError(
+            f"{what} was called on {describe_ranks(present)} but {describe_ranks(missing)} "
+            f"did not call it within {self.timeout_s:g} s (checkpoint.timeout): every rank "
+            "must call it, with the same arguments")
 
     def board(self) -> Optional[SaveBoard]:
         """The :class:`SaveBoard` of the save just agreed on; None at world
@@ -145,9 +221,29 @@ class Coordinator:
             collectives.all_gather_object(out, obj, group=self._group)
         except RuntimeError as exc:
             self._broken = f"a checkpoint exchange between ranks failed ({exc})"
+            time.sleep(EXIT_GRACE_S)  # its mark is set; its agent reports it (EXIT_GRACE_S)
+            exited = self._exited_now()
+            if exited:
+                self._broken = f"{exited} during an earlier {self._what}; restart the job"
+                phase = "the load" if "load" in self._what else "the save"
+                raise CheckpointError(f"{self._what} failed: {exited} during {phase} "
+                                      f"({RANK_LOST}; the exchange between ranks failed: "
+                                      f"{exc})") from None
             raise CheckpointError(f"ranks could not exchange checkpoint status: {exc} "
                                   f"({RANK_LOST} during the save or load)") from None
         return out
+
+    def _exited_now(self) -> str:
+        """The ranks that exited (exitmark.py), described, after a failed
+        exchange; rank 0 when its store is gone; "" when none is known."""
+        store = exitmark.job_store() or self._store()
+        if store is None:
+            return ""
+        try:
+            exited = ExitWatch(store, self.world).poll()
+        except Exception:  # noqa: BLE001 - torch's store errors vary by version
+            return STORE_GONE
+        return "; ".join(describe_exit(r, exited[r]) for r in sorted(exited))
 
 
 class Failure(NamedTuple):

@@ -450,7 +450,14 @@ def save_state(request: SaveRequest, exports: Sequence[ExportedState], coord: Co
     """A synchronous save (module docstring); returns the tag's directory.
     Every rank of the default group must call it with the same tag."""
     write, commit = begin_save(request, exports, coord, pause)
-    statuses = coord.exchange(_status(write.run))
+    try:
+        statuses = coord.exchange(_status(write.run))
+    except BaseException:
+        # a rank left (or this one is leaving) during the write: nothing
+        # will commit TAG.tmp/, which rank 0 removes (the next save would)
+        if coord.rank == 0:
+            remove_tree(commit.tmp_dir)
+        raise
     if any(statuses) and coord.rank == 0:
         remove_tree(commit.tmp_dir)
     raise_failures(statuses, f"saving checkpoint {request.tag!r}")
