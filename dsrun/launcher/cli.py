@@ -178,8 +178,10 @@ _HOST_OPTIONS = (
                  help="Accept unknown or changed host keys (never saved). Default: refuse "
                       "hosts whose key is not in known_hosts."),
     click.option("--ssh_timeout", "--ssh-timeout", "ssh_timeout", type=float,
-                 default=DEFAULT_SSH_TIMEOUT, show_default=True,
-                 help="Seconds to wait for a host's SSH connection and its agent's answer."),
+                 default=None,
+                 help="Seconds to wait for a host's SSH connection and its agent's answer "
+                      f"[default: {DEFAULT_SSH_TIMEOUT:g}; for the connection, ssh_config's "
+                      "ConnectTimeout where set]."),
 )
 
 
@@ -316,11 +318,13 @@ def _discard_output() -> None:
 
 
 def _ssh_options(params: dict[str, object]) -> SshOptions:
+    timeout = params.pop("ssh_timeout")  # None: not given (ssh_config's ConnectTimeout may apply)
     return SshOptions(
         port=params.pop("ssh_port"), user=params.pop("ssh_user"),  # type: ignore[arg-type]
         key=params.pop("ssh_key"), config=params.pop("ssh_config"),  # type: ignore[arg-type]
         insecure=bool(params.pop("ssh_insecure")),
-        timeout=params.pop("ssh_timeout"),  # type: ignore[arg-type]
+        timeout=DEFAULT_SSH_TIMEOUT if timeout is None else timeout,  # type: ignore[arg-type]
+        timeout_given=timeout is not None,
     )
 
 

@@ -125,6 +125,9 @@ class SshOptions:
     config: str | None = None  # None: ~/.ssh/config when it exists
     insecure: bool = False  # accept unknown host keys (never saved)
     timeout: float = DEFAULT_SSH_TIMEOUT
+    #: --ssh_timeout was on the command line: then it wins
+    #: over ssh_config's ConnectTimeout, also when it equals the default.
+    timeout_given: bool = False
 
     def __post_init__(self) -> None:
         if self.port is not None and not 1 <= self.port <= 65535:

@@ -111,7 +111,6 @@ Host cmd
 """)
     lookup = config_lookup(config)
     for host, message in [("loop", "ProxyJump loop for host loop"),
-                          ("both", "both ProxyCommand and ProxyJump for host both"),
                           ("bad", "bad ProxyJump 'a:0' for host bad")]:
         with pytest.raises(DsrunUsageError, match=message):
             resolve_target(host, SshOptions(), lookup(host), "me", lookup)
@@ -127,10 +126,76 @@ def test_connect_timeout_applies_unless_ssh_timeout_is_given():
     from_config = resolve_target("h", SshOptions(), config, "me")
     assert from_config.timeout == 3
     assert from_config.timeout_from == "ConnectTimeout in ssh config"
-    assert resolve_target("h", SshOptions(timeout=7), config, "me").timeout == 7
+    assert resolve_target("h", SshOptions(timeout=7, timeout_given=True), config,
+                          "me").timeout == 7
     assert resolve_target("h", SshOptions(), {}, "me").timeout == DEFAULT_SSH_TIMEOUT
-    with pytest.raises(DsrunUsageError, match="bad ConnectTimeout 'x' for host h"):
-        resolve_target("h", SshOptions(), {"connecttimeout": "x"}, "me")
+    for bad in ("x", "1.5", "-3", "1m x"):
+        with pytest.raises(DsrunUsageError, match=f"bad ConnectTimeout '{bad}' for host h"):
+            resolve_target("h", SshOptions(), {"connecttimeout": bad}, "me")
+
+
+@pytest.mark.parametrize(("text", "seconds"), [
+    ("30s", 30), ("1m", 60), ("1M", 60), ("1m30s", 90), ("1h", 3600), ("10S", 10),
+    ("2w", 1209600), ("90", 90), ("0", DEFAULT_SSH_TIMEOUT), ("none", DEFAULT_SSH_TIMEOUT)])
+def test_connect_timeout_takes_openssh_time_formats(text, seconds):
+    """ssh -G -o ConnectTimeout=1m prints 60; dsrun refused every unit, and
+    0 (ssh: the system's TCP timeout) as a bad value."""
+    target = resolve_target("h", SshOptions(), {"connecttimeout": text}, "me")
+    assert target.timeout == seconds
+
+
+def test_an_ssh_timeout_equal_to_the_default_still_wins_over_connect_timeout():
+    """--ssh_timeout 10 (the default's value) counted as not given."""
+    from dsrun.launcher import cli
+
+    spec = cli.parse_spec(["--ssh_timeout", f"{DEFAULT_SSH_TIMEOUT:g}", "t.py"])
+    assert spec.ssh.timeout_given and spec.ssh.timeout == DEFAULT_SSH_TIMEOUT
+    target = resolve_target("h", spec.ssh, {"connecttimeout": "3"}, "me")
+    assert (target.timeout, target.timeout_from) == (DEFAULT_SSH_TIMEOUT, "--ssh_timeout")
+    plain = cli.parse_spec(["t.py"]).ssh
+    assert not plain.timeout_given and plain.timeout == DEFAULT_SSH_TIMEOUT
+    assert resolve_target("h", plain, {"connecttimeout": "3"}, "me").timeout == 3
+
+
+def test_the_first_of_proxycommand_and_proxyjump_wins_none_included(home):
+    """OpenSSH: whichever is specified first prevents later instances of
+    the other. dsrun refused `ProxyCommand none` for the bastion followed by
+    `Host * / ProxyJump bastion` (a "loop", for every host), and refused
+    both in one block."""
+    config = _write(home / ".ssh" / "config", """
+Host bastion
+    HostName 10.0.0.1
+    ProxyCommand none
+Host cmd-first
+    ProxyCommand nc %h %p
+    ProxyJump a
+Host jump-first
+    ProxyJump a
+    ProxyCommand nc %h %p
+Host *
+    ProxyJump bastion
+""")
+    lookup = config_lookup(config)
+
+    def proxy(host):
+        t = resolve_target(host, SshOptions(), lookup(host), "me", lookup)
+        return t.proxy_command, t.jump.host if t.jump else None
+
+    assert proxy("bastion") == (None, None)
+    assert proxy("node1") == (None, "bastion")
+    assert proxy("cmd-first") == ("nc %h %p", None)
+    assert proxy("jump-first") == (None, "a")
+
+
+def test_a_proxy_jump_chain_is_token_expanded_once(home):
+    """The hops before the last were expanded again on the jump host: a
+    scope id (%eth0, from %%eth0) failed as an unknown token."""
+    config = _write(home / ".ssh" / "config",
+                    "Host n1\n    ProxyJump [fe80::1%%eth0]:2222,bastion\n")
+    lookup = config_lookup(config)
+    bastion = resolve_target("n1", SshOptions(), lookup("n1"), "me", lookup).jump
+    assert bastion.host == "bastion"
+    assert (bastion.jump.host, bastion.jump.port) == ("fe80::1%eth0", 2222)
 
 
 def test_host_key_alias_and_port_fallback_names():

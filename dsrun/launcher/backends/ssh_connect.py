@@ -18,6 +18,7 @@ import dataclasses
 import getpass
 import os
 import pwd
+import re
 import shlex
 import socket
 from collections.abc import Callable, Mapping
@@ -44,7 +45,7 @@ from dsrun.launcher.backends.ssh_proxy import (
     parse_jumps,
     proxy_failure,
 )
-from dsrun.launcher.spec import DEFAULT_SSH_TIMEOUT, SshOptions
+from dsrun.launcher.spec import SshOptions
 
 SSH_PORT = 22
 #: Most ProxyJump hops before a target (a longer chain is taken for a loop).
@@ -113,20 +114,43 @@ def default_user() -> str:
         return getpass.getuser()
 
 
+#: sshd_config(5) TIME FORMATS: a sum of numbers with an optional unit each.
+_TIME = re.compile(r"(?:[0-9]+[sSmMhHdDwW]?)+")
+_TIME_PART = re.compile(r"([0-9]+)([sSmMhHdDwW]?)")
+_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_time(text: str) -> int | None:
+    """Seconds of an ssh_config time value (``90``, ``30s``, ``1m30s``), as
+    OpenSSH's convtime reads it; None when it is not one."""
+    if not _TIME.fullmatch(text):
+        return None
+    return sum(int(n) * _UNIT_SECONDS[unit.lower()] for n, unit in _TIME_PART.findall(text))
+
+
 def _timeout(options: SshOptions, config: Mapping[str, Any], host: str) -> float | None:
     """ssh_config's ConnectTimeout, unless --ssh_timeout is given (None:
-    use the option). The option's default is a plain number
-    (spec.DEFAULT_SSH_TIMEOUT): a --ssh_timeout equal to it counts as not given."""
+    use the option). ``0`` (ssh: the system's TCP timeout) and ``none``
+    leave the option's value."""
     text = config.get("connecttimeout")
-    if options.timeout != DEFAULT_SSH_TIMEOUT or text is None or str(text).lower() == "none":
+    if options.timeout_given or text is None or str(text).lower() == "none":
         return None
-    try:
-        seconds = float(str(text))
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise DsrunUsageError(f"ssh config: bad ConnectTimeout {text!r} for host {host}")
-    return seconds
+    seconds = parse_time(str(text))
+    if seconds is None:
+        raise DsrunUsageError(f"ssh config: bad ConnectTimeout {text!r} for host {host} "
+                              f"(seconds, or a time such as 30s, 1m, 1m30s)")
+    return float(seconds) or None
+
+
+def _proxy_settings(config: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """ProxyCommand and ProxyJump as OpenSSH takes them: whichever was
+    obtained first (``none`` included) prevents the other. The lookup's
+    keys are in the order they were first obtained."""
+    first = next((k for k in config if k in ("proxycommand", "proxyjump")), None)
+    if first is None:
+        return None, None
+    value = _setting(config, first)
+    return (value, None) if first == "proxycommand" else (None, value)
 
 
 def _setting(config: Mapping[str, Any], key: str) -> str | None:
@@ -155,10 +179,7 @@ def resolve_target(host: str, options: SshOptions, config: Mapping[str, Any],
         or list(SYSTEM_KNOWN_HOSTS)
     known = tuple(os.path.expanduser(f) for f in (*user_files, *global_files)
                   if f not in ("/dev/null", "none"))
-    command, jumps = _setting(config, "proxycommand"), _setting(config, "proxyjump")
-    if command and jumps:
-        raise DsrunUsageError(f"ssh config sets both ProxyCommand and ProxyJump for host "
-                              f"{host}; dsrun cannot tell which comes first: keep one")
+    command, jumps = _proxy_settings(config)
     connect_timeout = _timeout(options, config, host)
     target = SshTarget(
         host=host, hostname=str(config.get("hostname", host)), port=port,
@@ -189,10 +210,12 @@ def _resolve_jump(target: SshTarget, value: str, options: SshOptions, lookup: Lo
                               f"that sets ProxyJump")
     config = dict(lookup(last.host))
     if len(hops) > 1:
-        config["proxyjump"] = ",".join(h.text() for h in hops[:-1])
         config.pop("proxycommand", None)
+        # already expanded once, on the target: %% keeps a % (a scope id) a %
+        config["proxyjump"] = ",".join(h.text().replace("%", "%%") for h in hops[:-1])
     hop_options = SshOptions(port=last.port, user=last.user, config=options.config,
-                             insecure=options.insecure, timeout=options.timeout)
+                             insecure=options.insecure, timeout=options.timeout,
+                             timeout_given=options.timeout_given)
     return resolve_target(last.host, hop_options, config, user, lookup, depth + 1)
 
 
