@@ -349,3 +349,35 @@ def test_an_encrypted_key_without_ssh_agent_says_to_add_it(form, server, home):
     message = str(info.value)
     assert f"{key} (encrypted, and no ssh-agent (SSH_AUTH_SOCK is not set): load it with " \
            f"`ssh-add {key}`)" in message, message
+
+
+def test_hosts_behind_one_jump_host_share_one_connection_to_it(server, home):
+    """Every host behind a bastion opened its own connection to it, all at
+    once (sshd's MaxStartups drops them from 10 on)."""
+    (home / "kh").write_text(_line(f"[127.0.0.1]:{server.port}", HOST_KEY))
+    common = {"hostname": "127.0.0.1", "port": str(server.port),
+              "identityfile": [str(home / "id_client")], "identitiesonly": "yes",
+              "userknownhostsfile": str(home / "kh")}
+    jumps = {"bastion": {**common, "user": "hop"}}
+    targets = [resolve_target(f"n{i}", SshOptions(timeout=5), {**common, "proxyjump": "bastion"},
+                              "me", lookup=lambda name: jumps.get(name, {})) for i in range(4)]
+    clients: list[paramiko.SSHClient] = []
+    threads = [threading.Thread(target=lambda t=t: clients.append(connect(t))) for t in targets]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert len(clients) == 4 and server.log.count("login hop") == 1, server.log
+    assert server.log.count("login me") == 4
+    jump_transport = server.transports[0]
+    for client in clients[:3]:
+        client.close()
+    assert jump_transport.is_active(), "closed while a host still used it"
+    clients[3].close()
+    for _ in range(50):
+        if not jump_transport.is_active():
+            break
+        threading.Event().wait(0.05)
+    assert not jump_transport.is_active(), "the last user left it open"
+    connect(targets[0]).close()  # a later connection opens a new one
+    assert server.log.count("login hop") == 2

@@ -9,8 +9,9 @@ chain; the host before the target is reached with the hops before it as
 its own ProxyJump, and each jump host's own ssh_config entry applies (the
 --ssh_port/--ssh_user/--ssh_key flags are for the job's hosts, not the
 jump hosts, as with ``ssh -J``). The target is then reached over a
-``direct-tcpip`` channel of the jump host's connection, which closes with
-the target's (:class:`RoutedClient`).
+``direct-tcpip`` channel of the jump host's connection; that connection is
+opened once per jump chain and shared by all hosts behind it (:class:`JumpPool`),
+and it closes with the last of their connections (:class:`RoutedClient`).
 """
 
 from __future__ import annotations
@@ -181,8 +182,93 @@ class RoutedClient(paramiko.SSHClient):
 Connect = Callable[["SshTarget"], paramiko.SSHClient]
 
 
+class _SharedJump:
+    """One connection to a jump host (a jump chain: the target includes its
+    own jumps), opened once for all the hosts reached through it."""
+
+    def __init__(self, jump: SshTarget) -> None:
+        self.jump = jump
+        self.users = 0  # counted under the pool's lock
+        self.opening = threading.Lock()  # the first user opens, the others wait
+        self.client: paramiko.SSHClient | None = None
+        self.error: str | None = None
+
+    def alive(self) -> bool:
+        if self.client is None:
+            return self.error is None  # still being opened
+        transport = self.client.get_transport()
+        return transport is not None and transport.is_active()
+
+    def open(self, connect: Connect) -> paramiko.SSHClient:
+        with self.opening:
+            if self.client is None and self.error is None:
+                try:
+                    self.client = connect(self.jump)
+                except SshConnectError as exc:
+                    self.error = str(exc)  # for every host waiting on it: one try
+            if self.client is None:
+                raise SshConnectError(self.error or f"no connection to {self.jump.host}")
+            return self.client
+
+
+class JumpPool:
+    """The jump host connections of this process: one per distinct jump
+    chain, shared by the connections routed through it (paramiko multiplexes
+    their direct-tcpip channels), closed with the last of them. N hosts
+    behind one bastion made N connections to it at once, which sshd's
+    MaxStartups (10:30:100) starts dropping at 10."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._shared: dict[SshTarget, _SharedJump] = {}
+
+    def use(self, jump: SshTarget, connect: Connect) -> tuple[paramiko.SSHClient, JumpUse]:
+        """The connection to ``jump`` and this user's handle on it (close
+        the handle, not the client); SshConnectError when it cannot be opened."""
+        with self._lock:
+            shared = self._shared.get(jump)
+            if shared is None or not shared.alive():  # new, or its connection died
+                shared = self._shared[jump] = _SharedJump(jump)
+            shared.users += 1
+        handle = JumpUse(self, shared)
+        try:
+            return shared.open(connect), handle
+        except BaseException:
+            handle.close()
+            raise
+
+    def release(self, shared: _SharedJump) -> None:
+        with self._lock:
+            shared.users -= 1
+            if shared.users > 0:
+                return
+            if self._shared.get(shared.jump) is shared:
+                del self._shared[shared.jump]
+        if shared.client is not None:
+            shared.client.close()
+
+
+class JumpUse:
+    """One routed connection's hold on a shared jump connection; closing
+    it (once) closes the jump connection when it is the last."""
+
+    def __init__(self, pool: JumpPool, shared: _SharedJump) -> None:
+        self._pool: JumpPool | None = pool
+        self._shared = shared
+
+    def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.release(self._shared)
+
+
+#: The pool open_route uses unless given another.
+JUMPS = JumpPool()
+
+
 def open_route(target: SshTarget, connect: Connect,
-               direct: Callable[[SshTarget], socket.socket]) -> tuple[Any, list[Any]]:
+               direct: Callable[[SshTarget], socket.socket],
+               jumps: JumpPool = JUMPS) -> tuple[Any, list[Any]]:
     """The socket-like object the SSH session to ``target`` runs over, and
     what must be closed with that session."""
     if target.proxy_command:
@@ -197,7 +283,7 @@ def open_route(target: SshTarget, connect: Connect,
         return direct(target), []
     jump = target.jump
     try:
-        client = connect(jump)
+        client, handle = jumps.use(jump, connect)
     except SshConnectError as exc:
         raise SshConnectError(f"{target.host}: through ProxyJump host {jump.host}: "
                               f"{exc}") from None
@@ -207,7 +293,7 @@ def open_route(target: SshTarget, connect: Connect,
         channel = transport.open_channel("direct-tcpip", (target.hostname, target.port),
                                          ("127.0.0.1", 0), timeout=target.timeout)
     except BaseException as exc:
-        client.close()
+        handle.close()
         if isinstance(exc, paramiko.ChannelException):
             raise SshConnectError(f"{target.host}: ProxyJump host {jump.host} cannot reach "
                                   f"{target.address}: {exc.text}") from None
@@ -216,7 +302,7 @@ def open_route(target: SshTarget, connect: Connect,
                                   f"a connection to {target.address} within "
                                   f"{target.timeout:g}s: {exc}") from None
         raise
-    return channel, [client]
+    return channel, [handle]
 
 
 def proxy_failure(target: SshTarget, carriers: list[Any]) -> str | None:
