@@ -323,3 +323,29 @@ def test_the_hostnames_entry_decides_before_the_hostfile_names():
     assert ported.kind == "changed" and not ported.portless
     portless = verdict([_line("10.0.0.5", OTHER), _line("gamma", KEY)], 2222)[1]
     assert portless.kind == "changed" and portless.portless and portless.name == "10.0.0.5"
+
+
+def test_user_names_with_shell_metacharacters_are_refused():
+    """--ssh_user went unquoted into ProxyCommand's shell as %r:
+    `--ssh_user 'x;cmd'` ran cmd (OpenSSH 9.6 refuses such names)."""
+    config = {"hostname": "10.0.0.1", "proxycommand": "ssh -W %h:%p -l %r bastion"}
+    for bad in ("x;touch /tmp/p", "a b", "$(id)", "-oProxyCommand=x", "x`id`", "u|v"):
+        with pytest.raises(DsrunUsageError, match=r"--ssh_user: bad user name"):
+            resolve_target("n1", SshOptions(user=bad), config, "me")
+    for good in ("alice", "first.last", "DOMAIN\\bob", "bob@corp.example", "host$", "a-b_c"):
+        assert resolve_target("n1", SshOptions(user=good), config, "me").user == good
+    jumps = {"proxyjump": "x;id@bastion"}
+    with pytest.raises(DsrunUsageError, match=r"ProxyJump 'x;id@bastion' for host n1: bad "
+                                              r"user name 'x;id'"):
+        resolve_target("n1", SshOptions(), jumps, "me", lambda name: {})
+
+
+def test_a_proxy_commands_pipes_are_all_closed(monkeypatch):
+    """stderr stayed open (one fd per proxied connection until GC)."""
+    from dsrun.launcher.backends.ssh_proxy import ShellProxyCommand
+
+    monkeypatch.setenv("SHELL", "/bin/sh")
+    proxy = ShellProxyCommand("cat")
+    proxy.close()
+    assert proxy.process.stdin.closed and proxy.process.stdout.closed
+    assert proxy.process.stderr.closed

@@ -40,6 +40,7 @@ from dsrun.launcher.backends.ssh_known import (
 from dsrun.launcher.backends.ssh_proxy import (
     RoutedClient,
     SshConnectError,
+    check_user,
     expand_tokens,
     open_route,
     parse_jumps,
@@ -163,6 +164,8 @@ def resolve_target(host: str, options: SshOptions, config: Mapping[str, Any],
                    _depth: int = 0) -> SshTarget:
     """Where and how to connect to ``host``: flags win over ssh_config.
     ``lookup`` gives the ssh_config of ProxyJump hosts."""
+    if options.user and _depth == 0:  # a jump host's user was checked in its ProxyJump
+        check_user(options.user, "--ssh_user")
     port_text = options.port if options.port is not None else config.get("port", SSH_PORT)
     try:
         port = int(port_text)

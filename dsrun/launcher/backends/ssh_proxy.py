@@ -35,6 +35,9 @@ if TYPE_CHECKING:
     from dsrun.launcher.backends.ssh_connect import SshTarget
 
 _TOKEN = re.compile(r"%(.?)")
+#: A login name that is safe in a shell command (ProxyCommand's %r): POSIX
+#: names, DOMAIN\\user, user@domain, a trailing $ (machine accounts).
+_SAFE_USER = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.@\\-]*\$?")
 #: How long a ProxyCommand may take to exit after its connection closes.
 PROXY_EXIT_S = 2.0
 
@@ -61,6 +64,14 @@ class Hop:
         return f"{user}{host}{f':{self.port}' if self.port else ''}"
 
 
+def check_user(user: str, where: str) -> None:
+    """Refuse a login name with shell metacharacters (as OpenSSH 9.6 does
+    for the command line's): it goes unquoted into ProxyCommand's shell."""
+    if not _SAFE_USER.fullmatch(user):
+        raise DsrunUsageError(f"{where}: bad user name {user!r} (letters, digits, and . _ - @ "
+                              f"\\, a $ at the end; not starting with - or @)")
+
+
 def parse_jumps(value: str, host: str) -> list[Hop]:
     """The hops of a ProxyJump value; DsrunUsageError names a bad one."""
     hops = []
@@ -83,6 +94,8 @@ def parse_jumps(value: str, host: str) -> list[Hop]:
         if not name or any(c.isspace() for c in name):
             raise DsrunUsageError(f"ssh config: bad ProxyJump {value!r} for host {host}: "
                                   f"{part!r} is not [user@]host[:port]")
+        if user:
+            check_user(user, f"ssh config: ProxyJump {value!r} for host {host}")
         hops.append(Hop(name, user or None, port))
     return hops
 
@@ -160,6 +173,8 @@ class ShellProxyCommand(paramiko.ProxyCommand):
                 except OSError:
                     pass
         self._reader.join(PROXY_EXIT_S)
+        if self.process.stderr is not None and not self._reader.is_alive():
+            self.process.stderr.close()  # else the reader still reads it (a child kept it)
 
 
 class RoutedClient(paramiko.SSHClient):
