@@ -6,6 +6,7 @@ ProxyJump (direct-tcpip through the same server)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import shutil
@@ -152,15 +153,16 @@ def _connects(target) -> None:
     client.close()
 
 
-def test_marker_and_malformed_lines_do_not_break_other_hosts(server, home, capsys):
+def test_marker_and_malformed_lines_do_not_break_other_hosts(server, home, caplog):
     """One @cert-authority or @revoked line (for other hosts) made every
     host fail with paramiko's raw ('line', Error('Incorrect padding'))."""
     known = (_line("*.example.org", OTHER_KEY, "@cert-authority")
              + _line("*", OTHER_KEY, "@revoked")
              + "bad-line ssh-ed25519 AAAA-not-base64\n"
              + _line(f"[127.0.0.1]:{server.port}", HOST_KEY))
-    _connects(_target(home, server.port, known))
-    err = capsys.readouterr().err
+    with caplog.at_level(logging.WARNING):
+        _connects(_target(home, server.port, known))
+    err = caplog.text
     assert f"known_hosts {home / 'kh'}:3: the ssh-ed25519 key is not valid base64; " \
            "line skipped" in err
 
@@ -191,11 +193,12 @@ def test_a_non_default_port_falls_back_to_the_portless_entry(server, home):
     assert f"ssh-keyscan -H -p {server.port} 127.0.0.1" in str(info.value)
 
 
-def test_strict_no_warns_about_a_changed_key_then_connects(server, home, capsys):
+def test_strict_no_warns_about_a_changed_key_then_connects(server, home, caplog):
     known = _line(f"[127.0.0.1]:{server.port}", OTHER_KEY)
-    _connects(_target(home, server.port, known, stricthostkeychecking="no"))
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1, err
+    with caplog.at_level(logging.WARNING):
+        _connects(_target(home, server.port, known, stricthostkeychecking="no"))
+    err = "\n".join(r.getMessage() for r in caplog.records)
+    assert len(caplog.records) == 1, err
     assert f"n1: host key of 127.0.0.1:{server.port} does NOT match known_hosts " \
            f"({home / 'kh'}:1); connecting anyway (StrictHostKeyChecking no)" in err
 

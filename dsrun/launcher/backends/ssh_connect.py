@@ -35,7 +35,7 @@ from dsrun.launcher.backends.ssh_known import (
     KnownKey,
     check_key,
     load_file,
-    warn_stderr,
+    warn,
 )
 from dsrun.launcher.backends.ssh_proxy import (
     RoutedClient,
@@ -302,7 +302,7 @@ class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
                                    verdict.portless)
         if verdict.kind == "changed":  # StrictHostKeyChecking no: warn, as ssh does
             assert verdict.entry is not None
-            warn_stderr(f"{target.host}: host key of {target.address} does NOT match "
+            warn(f"{target.host}: host key of {target.address} does NOT match "
                         f"known_hosts ({verdict.entry.where}); connecting anyway "
                         f"(StrictHostKeyChecking no)")
             return

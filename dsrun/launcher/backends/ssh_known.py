@@ -21,21 +21,23 @@ import base64
 import binascii
 import hashlib
 import hmac
+import logging
 import os
 import re
 import struct
-import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
 MARKERS = ("cert-authority", "revoked")
+log = logging.getLogger(__name__)
 Warn = Callable[[str], None]
 
 
-def warn_stderr(text: str) -> None:
-    print(f"dsrun: warning: {text}", file=sys.stderr, flush=True)
+def warn(text: str) -> None:
+    """A warning through logging (only the CLI prints)."""
+    log.warning("%s", text)
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,7 @@ def _blob_type(blob: bytes) -> str | None:
     return blob[4:4 + size].decode("ascii", "replace")
 
 
-def parse_text(text: str, path: str, warn: Warn = warn_stderr) -> tuple[KnownKey, ...]:
+def parse_text(text: str, path: str, warn: Warn = warn) -> tuple[KnownKey, ...]:
     keys = []
     for number, line in enumerate(text.splitlines(), 1):
         try:
@@ -109,7 +111,7 @@ _cache: dict[str, tuple[tuple[int, int, int], tuple[KnownKey, ...]]] = {}
 _cache_lock = threading.Lock()
 
 
-def load_file(path: str, warn: Warn = warn_stderr) -> tuple[KnownKey, ...]:
+def load_file(path: str, warn: Warn = warn) -> tuple[KnownKey, ...]:
     """The entries of one file (none when it does not exist); parsed once
     per version of the file, so its warnings come once for all hosts.
     OSError when it exists but cannot be read."""
@@ -134,7 +136,7 @@ class KnownHosts:
     keys: tuple[KnownKey, ...] = ()
 
     @classmethod
-    def load(cls, paths: Iterable[str], warn: Warn = warn_stderr) -> KnownHosts:
+    def load(cls, paths: Iterable[str], warn: Warn = warn) -> KnownHosts:
         return cls(tuple(k for p in paths for k in load_file(p, warn)))
 
     def find(self, names: Sequence[str], marker: str = "") -> list[KnownKey]:
