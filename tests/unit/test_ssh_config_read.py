@@ -349,3 +349,26 @@ def test_a_proxy_commands_pipes_are_all_closed(monkeypatch):
     proxy.close()
     assert proxy.process.stdin.closed and proxy.process.stdout.closed
     assert proxy.process.stderr.closed
+
+
+def test_match_notes_go_only_to_hosts_the_block_applies_to(home):
+    """Every Match note of the file was attached to every host's errors."""
+    _write(home / ".ssh" / "config.d" / "a", "Host a*\n    User a\n")
+    config = _write(home / ".ssh" / "config", """
+Include config.d/*
+Host gpu-*
+    Port 2222
+Match host gpu-* localnetwork 10.0.0.0/8
+    User netuser
+Match localnetwork 192.168.0.0/16
+    ForwardAgent no
+""")
+    lookup = config_lookup(config)
+
+    def notes(host):
+        return [n.split("`")[1] for n in
+                resolve_target(host, SshOptions(), lookup(host), "me", lookup).notes]
+
+    assert notes("gpu-1") == ["Match localnetwork", "Match localnetwork"]
+    assert notes("cpu-1") == ["Match localnetwork"]
+    assert "config:7" in resolve_target("cpu-1", SshOptions(), lookup("cpu-1"), "me").notes[0]

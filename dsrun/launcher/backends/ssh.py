@@ -15,7 +15,8 @@ Where to connect comes from ssh_config (ssh_connect.py lists the keys read;
 ProxyJump/ProxyCommand and Include too), overridden by ``--ssh_port``,
 ``--ssh_user``, ``--ssh_key``; the default user is this uid's login name,
 as for ssh. Host keys are checked against the known_hosts
-files (under the HostName, or the hostfile's name for the host); an unknown
+files (under the HostKeyAlias, else the HostName, else, when that has no
+entry, the hostfile's name for the host); an unknown
 key is refused with the command that fixes it, unless ``--ssh_insecure``
 (or StrictHostKeyChecking no/accept-new) is given; keys are never saved.
 

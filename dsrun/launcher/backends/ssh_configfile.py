@@ -14,8 +14,8 @@ connection fills them in (ssh_proxy.py).
 
 What dsrun cannot honour is collected as notes that connection errors
 quote: ``Match`` criteria paramiko does not know (it treats them as
-matching), and, per host, settings that change how to connect
-(:func:`unused_settings`).
+matching; noted for the hosts whose lookup applied that block), and, per
+host, settings that change how to connect (:func:`unused_settings`).
 """
 
 from __future__ import annotations
@@ -66,23 +66,48 @@ class ConfigFile:
     """A parsed ssh_config and what in it dsrun cannot evaluate."""
 
     config: paramiko.SSHConfig
-    notes: tuple[str, ...] = ()
+    #: (index of the Match block in paramiko's parsed blocks, its note)
+    match_notes: tuple[tuple[int, str], ...] = ()
 
     def lookup(self, host: str) -> dict[str, Any]:
         return dict(self.config.lookup(host))
+
+    def notes_for(self, host: str, found: dict[str, Any]) -> tuple[str, ...]:
+        """The notes of the Match blocks paramiko applied to ``host`` (its
+        lookup result ``found``): not those of blocks it could not match."""
+        return tuple(note for index, note in self.match_notes
+                     if self._applies(self.config._config[index], host, found))
+
+    def _applies(self, block: dict[str, Any], host: str, found: dict[str, Any]) -> bool:
+        matches = block.get("matches", [])
+        if any(m["type"] == "exec" for m in matches):
+            return True  # not run again here
+        return bool(self.config._does_match(matches, host, False, False, found))
 
 
 def read_config(path: str, base_dir: str = USER_CONFIG_DIR) -> ConfigFile:
     """``path`` parsed with its Includes expanded; DsrunUsageError names the
     file and line of a problem."""
     out: list[str] = []
-    notes: list[str] = []
+    notes: list[tuple[int, str]] = []  # (index in out of the Match line, note)
     _expand(path, os.path.expanduser(base_dir), 0, out, notes)
     try:
         config = _RawProxyConfig.from_text("\n".join(out) + "\n")
     except paramiko.ssh_exception.ConfigParseError as exc:
         raise DsrunUsageError(f"ssh config {path}: {exc}") from None
-    return ConfigFile(config, tuple(notes))
+    return ConfigFile(config, tuple((_block_index(out, line), note) for line, note in notes))
+
+
+def _block_index(lines: list[str], at: int) -> int:
+    """The index, in paramiko's parsed blocks, of the block that starts at
+    ``lines[at]`` (block 0 holds what comes before the first Host/Match)."""
+    return 1 + sum(1 for line in lines[:at] if _header_key(line))
+
+
+def _header_key(raw: str) -> bool:
+    line = raw.strip()
+    match = _LINE.fullmatch(line) if line and not line.startswith("#") else None
+    return match is not None and match.group(1).lower() in ("host", "match")
 
 
 def expand_includes(path: str, base_dir: str = USER_CONFIG_DIR) -> str:
@@ -100,7 +125,8 @@ def _read_lines(path: str) -> list[str]:
         raise DsrunUsageError(f"cannot read ssh config {path}: {exc.strerror or exc}") from None
 
 
-def _expand(path: str, base_dir: str, depth: int, out: list[str], notes: list[str]) -> bool:
+def _expand(path: str, base_dir: str, depth: int, out: list[str],
+            notes: list[tuple[int, str]]) -> bool:
     """Append ``path``'s lines to ``out``; True when it (or a file it
     includes) has Host/Match lines."""
     header: str | None = None  # the Host/Match line of the block we are in
@@ -112,7 +138,8 @@ def _expand(path: str, base_dir: str, depth: int, out: list[str], notes: list[st
         if key in ("host", "match"):
             header, has_blocks = line, True
             if key == "match":
-                notes.extend(_match_notes(match.group(2), f"{path}:{number}"))  # type: ignore[union-attr]
+                notes.extend((len(out), note) for note in  # this line's index in out
+                             _match_notes(match.group(2), f"{path}:{number}"))  # type: ignore[union-attr]
         if key != "include":
             out.append(raw)
             continue

@@ -236,8 +236,9 @@ def config_lookup(path: str | None) -> Lookup:
 
     def lookup(host: str) -> Mapping[str, Any]:
         found = parsed.lookup(host)
-        if parsed.notes:
-            found[NOTES_KEY] = parsed.notes
+        notes = parsed.notes_for(host, found)
+        if notes:
+            found[NOTES_KEY] = notes
         return found
 
     return lookup
