@@ -384,3 +384,23 @@ def test_hosts_behind_one_jump_host_share_one_connection_to_it(server, home):
     assert not jump_transport.is_active(), "the last user left it open"
     connect(targets[0]).close()  # a later connection opens a new one
     assert server.log.count("login hop") == 2
+
+
+def test_connect_timeout_does_not_bound_authentication(server, home, monkeypatch):
+    """ConnectTimeout was also the authentication and channel timeout; ssh
+    applies it to the connection and the handshake only."""
+    check = _Server.check_auth_publickey
+
+    def slow(self, username, key):
+        threading.Event().wait(1.5)
+        return check(self, username, key)
+
+    monkeypatch.setattr(_Server, "check_auth_publickey", slow)
+    (home / "kh").write_text(_line(f"[127.0.0.1]:{server.port}", HOST_KEY))
+    target = resolve_target("n1", SshOptions(), {
+        "hostname": "127.0.0.1", "port": str(server.port), "connecttimeout": "1",
+        "identityfile": [str(home / "id_client")], "identitiesonly": "yes",
+        "userknownhostsfile": str(home / "kh")}, "me")
+    assert target.timeout == 1
+    _connects(target)
+    assert "login me" in server.log

@@ -158,7 +158,7 @@ class SshChannel(AgentChannel):
         transport = client.get_transport()
         assert transport is not None
         watch_exit_signals(transport)
-        self.chan = transport.open_session(timeout=target.timeout)
+        self.chan = transport.open_session(timeout=target.session_timeout or target.timeout)
         self.chan.exec_command(command_bytes(command))
         self._in = self.chan.makefile_stdin("wb")  # close() sends EOF
         self._out = self.chan.makefile("rb")

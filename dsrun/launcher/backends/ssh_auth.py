@@ -127,7 +127,8 @@ def _open_agent(target: SshTarget, plan: KeyPlan,
         plan.agent_note = "no ssh-agent (SSH_AUTH_SOCK is not set)"
         return []
     try:
-        plan.agent = agent_factory() if agent_factory else _Agent(str(path), target.timeout)
+        wait = target.session_timeout or target.timeout
+        plan.agent = agent_factory() if agent_factory else _Agent(str(path), wait)
         keys = list(plan.agent.get_keys())
     except (paramiko.SSHException, OSError, EOFError) as exc:
         plan.close()

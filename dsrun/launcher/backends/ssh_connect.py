@@ -82,6 +82,10 @@ class SshTarget:
     host_key_alias: str | None = None
     notes: tuple[str, ...] = ()  # ssh_config dsrun does not honour, for errors
     timeout_from: str = "--ssh_timeout"  # where ``timeout`` came from, for errors
+    #: for authentication and channels: --ssh_timeout's value where ``timeout``
+    #: is ConnectTimeout, which (as in ssh) bounds only the connection and
+    #: the handshake; None: ``timeout``
+    session_timeout: float | None = None
 
     @property
     def proxied(self) -> bool:
@@ -191,6 +195,7 @@ def resolve_target(host: str, options: SshOptions, config: Mapping[str, Any],
         timeout=options.timeout if connect_timeout is None else connect_timeout,
         timeout_from="--ssh_timeout" if connect_timeout is None else
         "ConnectTimeout in ssh config", proxy_command=command,
+        session_timeout=None if connect_timeout is None else options.timeout,
         host_key_alias=_setting(config, "hostkeyalias"),
         notes=(*config.get(NOTES_KEY, ()), *unused_settings(config)),
     )
@@ -444,10 +449,10 @@ def connect(target: SshTarget) -> paramiko.SSHClient:
         client = RoutedClient(carriers)
         try:
             client.set_missing_host_key_policy(_HostKeyPolicy(target, known))
-            t = target.timeout
+            t, session = target.timeout, target.session_timeout or target.timeout
             client.connect(
                 target.hostname, port=target.port, username=target.user, sock=sock,
-                timeout=t, banner_timeout=t, auth_timeout=t, channel_timeout=t,
+                timeout=t, banner_timeout=t, auth_timeout=session, channel_timeout=session,
                 auth_strategy=plan.strategy(),
                 transport_factory=_transport_factory(known.key_types(*key_names(target))),
             )
