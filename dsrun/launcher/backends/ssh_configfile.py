@@ -198,6 +198,20 @@ def _match_notes(value: str, where: str) -> list[str]:
     return notes
 
 
+#: sshd_config(5) TIME FORMATS: a sum of numbers with an optional unit each.
+_TIME = re.compile(r"(?:[0-9]+[sSmMhHdDwW]?)+")
+_TIME_PART = re.compile(r"([0-9]+)([sSmMhHdDwW]?)")
+_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_time(text: str) -> int | None:
+    """Seconds of an ssh_config time value (``90``, ``30s``, ``1m30s``), as
+    OpenSSH's convtime reads it; None when it is not one."""
+    if not _TIME.fullmatch(text):
+        return None
+    return sum(int(n) * _UNIT_SECONDS[unit.lower()] for n, unit in _TIME_PART.findall(text))
+
+
 def unused_settings(config: Mapping[str, Any]) -> tuple[str, ...]:
     """The settings of one host's lookup that change how OpenSSH connects
     and that dsrun does not use, as ``Key value``."""

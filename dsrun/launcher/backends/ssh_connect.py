@@ -18,7 +18,6 @@ import dataclasses
 import getpass
 import os
 import pwd
-import re
 import shlex
 import socket
 from collections.abc import Callable, Mapping
@@ -29,7 +28,7 @@ import paramiko
 
 from dsrun.errors import DsrunUsageError
 from dsrun.launcher.backends.ssh_auth import KeyPlan, key_plan, no_key_message
-from dsrun.launcher.backends.ssh_configfile import read_config, unused_settings
+from dsrun.launcher.backends.ssh_configfile import parse_time, read_config, unused_settings
 from dsrun.launcher.backends.ssh_known import (
     KnownHosts,
     KnownKey,
@@ -117,20 +116,6 @@ def default_user() -> str:
         return pwd.getpwuid(os.getuid()).pw_name
     except KeyError:  # a uid without a passwd entry (containers)
         return getpass.getuser()
-
-
-#: sshd_config(5) TIME FORMATS: a sum of numbers with an optional unit each.
-_TIME = re.compile(r"(?:[0-9]+[sSmMhHdDwW]?)+")
-_TIME_PART = re.compile(r"([0-9]+)([sSmMhHdDwW]?)")
-_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
-def parse_time(text: str) -> int | None:
-    """Seconds of an ssh_config time value (``90``, ``30s``, ``1m30s``), as
-    OpenSSH's convtime reads it; None when it is not one."""
-    if not _TIME.fullmatch(text):
-        return None
-    return sum(int(n) * _UNIT_SECONDS[unit.lower()] for n, unit in _TIME_PART.findall(text))
 
 
 def _timeout(options: SshOptions, config: Mapping[str, Any], host: str) -> float | None:
