@@ -64,6 +64,9 @@ layers (rankenv.py); then it may write commands (:data:`COMMANDS`):
   stack    {req}                           each running rank's Python stacks
   pause / resume                           hold rank output / send it again (the
                                            launcher's console is behind: link.py)
+  signal   {signal}                        forward "SIGUSR1"/"SIGUSR2" (that the
+                                           launcher got) to every rank's process
+                                           group; the job goes on (agent_forward.py)
 
 The agent writes events:
 
@@ -103,7 +106,7 @@ import json
 from typing import IO, Any
 
 #: Commands the launcher may send once the job runs (and "hb" in every phase).
-COMMANDS = ("stop", "kill", "stack", "pause", "resume")
+COMMANDS = ("stop", "kill", "stack", "pause", "resume", "signal")
 
 #: The launcher's "addr:port" candidates, space-separated (IPv6 as [addr]:port).
 LAUNCHER_VAR = "DSRUN_LAUNCHER"
