@@ -31,9 +31,10 @@ unknown key into a logged warning; such keys are dropped and listed in
 real key (``"zero_optimization.reduce_bucket_size"``, as TRL adds it) is
 ignored with one warning, as DeepSpeed ignores it; any other is unknown.
 Documented DeepSpeed sections that dsrun does not act on
-(``PASSTHROUGH_KEYS``: ``autotuning``, ``elasticity``, ...) are accepted,
+(``PASSTHROUGH_KEYS``: ``autotuning``, ``data_efficiency``, ...) are accepted,
 kept verbatim in ``passthrough`` and reported with one warning when they
-are present and not disabled.
+are present and not disabled; the sections DeepSpeed 0.19.8 removed
+(``elasticity``, ``amp``, ...) are refused (config_passthrough.py).
 
 ``"auto"`` (as HF Trainer/Accelerate configs write it) is resolved here:
 batch sizes from the data-parallel size and a dataloader batch-size hint;
