@@ -94,14 +94,20 @@ def test_a_tag_directory_or_a_save_directory_without_latest_names_the_import(
         command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = copy("stage3_fp32", tmp_path)
 
-    def error(path: Path) -> str:
+    def error(path: Path, *tag: str) -> str:
         if command == "zero_to_fp32":
-            assert zero_to_fp32_main([str(path), str(tmp_path / "w")]) == 1
+            flag = ["-t", *tag] if tag else []
+            assert zero_to_fp32_main([str(path), str(tmp_path / "w"), *flag]) == 1
             return capsys.readouterr().err
         extra = [tmp_path / "w.bin"] if command == "to-fp32" else []
-        return one_error(cli(command, path, *extra), 1)
+        return one_error(cli(command, path, *extra, *(["--tag", *tag] if tag else [])), 1)
 
     assert f"`dsrun checkpoint from-deepspeed {root} OUT_DIR`" in error(root / TAG)
+    # --tag names another tag than latest's: the advice imports that one
+    shutil.copytree(root / TAG, root / "global_step2")
+    assert f"`dsrun checkpoint from-deepspeed {root} OUT_DIR --tag global_step2`" \
+        in error(root, "global_step2")
+    shutil.rmtree(root / "global_step2")
     (root / "latest").unlink()
     for path in (root / TAG, root):
         assert f"`dsrun checkpoint from-deepspeed {root} OUT_DIR --tag {TAG}`" in error(path)

@@ -89,7 +89,7 @@ def open_checkpoint(checkpoint_dir: str, tag: Optional[str] = None) -> tuple[str
     if tag is None and os.path.exists(os.path.join(root, MANIFEST)):
         path = root
     else:
-        advice = deepspeed_tag_advice(root)
+        advice = deepspeed_tag_advice(root, tag)
         if advice is not None:
             raise CheckpointError(advice)
         if tag is None:

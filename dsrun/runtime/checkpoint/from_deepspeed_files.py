@@ -47,10 +47,10 @@ from dsrun.runtime.checkpoint.from_deepspeed_kinds import (
     OPTIM_STATES,
     REFUSED_DIRS,
     ZERO3_MODEL_STATES,
+    natural_key,
     refused_kind,
 )
 from dsrun.runtime.checkpoint.manifest import MANIFEST
-from dsrun.runtime.checkpoint.tags import natural_key
 
 # (major, minor) of the DeepSpeed versions whose files this importer reads:
 # the format (flat partitions, paddings, key names) was checked against 0.19.8

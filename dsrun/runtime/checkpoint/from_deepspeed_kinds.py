@@ -16,9 +16,10 @@ import os
 import re
 import shlex
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
-LATEST = "latest"
+from dsrun.runtime.checkpoint.manifest import LATEST, MANIFEST
+
 MODEL_STATES = re.compile(r"mp_rank_(\d+)_model_states\.pt")
 ZERO3_MODEL_STATES = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt")
 OPTIM_STATES = re.compile(r"(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
@@ -74,7 +75,7 @@ def is_deepspeed_tag(path: str) -> bool:
     """Whether directory ``path`` holds a DeepSpeed save's files (a universal
     or offloaded one has model states beside its ``zero/`` directory)."""
     return any(n.startswith(DEEPSPEED_FILES) and n.endswith(".pt") for n in _listing(path)) \
-        and not os.path.exists(os.path.join(path, "manifest.json"))
+        and not os.path.exists(os.path.join(path, MANIFEST))
 
 
 def import_command(root: str, tag: str) -> str:
@@ -107,19 +108,28 @@ def deepspeed_advice(root: str, tag: str) -> str:
             "zero_to_fp32.py and model.load_state_dict()")
 
 
-def _newest_first(name: str) -> list[tuple[int, int, str]]:
-    return [(0, int(p), p) if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", name) if p]
+def natural_key(name: str) -> list[Any]:
+    """Sort key that orders the numbers in a name by value (``global_step3``
+    before ``global_step12``)."""
+    return [(0, int(part), part) if part.isdigit() else (1, 0, part)
+            for part in re.split(r"(\d+)", name) if part]
 
 
-def deepspeed_tag_advice(path: str) -> Optional[str]:
+def deepspeed_tag_advice(path: str, tag: Optional[str] = None) -> Optional[str]:
     """:func:`deepspeed_advice` when ``path`` (where a dsrun checkpoint was
     expected) is a DeepSpeed tag directory, or a save directory holding
-    DeepSpeed tags (its newest one), else None."""
+    DeepSpeed tags - tag ``tag`` when given (None when ``path/tag`` is no
+    DeepSpeed tag: :func:`~.tags.tag_dir` then says what it is), else the
+    one ``latest`` names, else the newest - otherwise None."""
     path = os.path.abspath(path)
+    if tag is not None and is_deepspeed_tag(os.path.join(path, tag)):
+        return deepspeed_advice(path, tag)
     if is_deepspeed_tag(path):
         return deepspeed_advice(os.path.dirname(path), os.path.basename(path))
+    if tag is not None:
+        return None
     names = _listing(path)
-    if any(os.path.exists(os.path.join(path, n, "manifest.json")) for n in ("", *names)):
+    if any(os.path.exists(os.path.join(path, n, MANIFEST)) for n in ("", *names)):
         return None  # dsrun's own (DeepSpeed tags beside them are not in the way)
     tags = [n for n in names if is_deepspeed_tag(os.path.join(path, n))]
     if not tags:
@@ -129,4 +139,4 @@ def deepspeed_tag_advice(path: str) -> Optional[str]:
             latest = f.read().strip()
     except OSError:
         latest = ""
-    return deepspeed_advice(path, latest if latest in tags else max(tags, key=_newest_first))
+    return deepspeed_advice(path, latest if latest in tags else max(tags, key=natural_key))

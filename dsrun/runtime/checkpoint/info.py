@@ -129,7 +129,7 @@ def checkpoint_info(checkpoint_dir: str, tag: Optional[str] = None) -> DirInfo:
     if tag is None and os.path.exists(os.path.join(root, MANIFEST)):
         name = os.path.basename(root)
         return DirInfo(os.path.dirname(root), [name], [], None, _tag_info(name, root))
-    advice = deepspeed_tag_advice(root)
+    advice = deepspeed_tag_advice(root, tag)
     if advice is not None:
         raise CheckpointError(advice)
     tags, interrupted = list_tags(root)

@@ -33,7 +33,11 @@ import time
 from typing import Any, Optional
 
 from dsrun.errors import CheckpointError
-from dsrun.runtime.checkpoint.from_deepspeed_kinds import deepspeed_advice, is_deepspeed_tag
+from dsrun.runtime.checkpoint.from_deepspeed_kinds import (
+    deepspeed_advice,
+    is_deepspeed_tag,
+    natural_key,
+)
 from dsrun.runtime.checkpoint.manifest import (
     DATA_SUFFIX,
     ENGINE_STATE,
@@ -151,12 +155,6 @@ def read_latest(root: str) -> Optional[str]:
     if tag_problem(tag):
         raise CheckpointError(f"{path} does not hold a valid tag ({tag_problem(tag)})")
     return tag
-
-
-def natural_key(name: str) -> list[Any]:
-    """Sort key that orders the numbers in a name by value."""
-    return [(0, int(part), part) if part.isdigit() else (1, 0, part)
-            for part in re.split(r"(\d+)", name) if part]
 
 
 def list_tags(root: str) -> tuple[list[str], list[str]]:
