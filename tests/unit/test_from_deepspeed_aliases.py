@@ -19,6 +19,7 @@ buffers of their own (stages 1-2) - so that:
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -127,14 +128,15 @@ def test_info_counts_a_dsrun_save_of_the_model_and_dsrun_resumes_on_deepspeeds_c
             (step, losses, want["losses"])
 
 
-def _with(monkeypatch: pytest.MonkeyPatch, entries: dict[str, torch.Tensor]) -> None:
-    """Stage-3 model files read with ``entries`` added to their module dict."""
+def _with(monkeypatch: pytest.MonkeyPatch, entries: dict[str, Any]) -> None:
+    """Model files read with ``entries`` added to their module dict."""
     real = from_deepspeed.load
 
     def load(path: str) -> dict[str, Any]:
         data = real(path)
         if path.endswith("model_states.pt"):
-            data["module"].update({k: v.clone() for k, v in entries.items()})
+            data["module"].update({k: v.clone() if isinstance(v, torch.Tensor) else v
+                                   for k, v in entries.items()})
         return data
 
     monkeypatch.setattr(from_deepspeed, "load", load)
@@ -149,16 +151,69 @@ def test_an_entry_of_no_kind_is_an_error_that_calls_it_no_parameter(
     assert "buffer_names" in str(info.value) and "parameter 'stray'" not in str(info.value)
 
 
-def test_a_placeholder_of_no_unique_match_is_left_to_the_models_ties(
+@pytest.mark.parametrize("name", NAMES)
+def test_extra_state_is_refused_naming_the_entry(name: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module's get_extra_state() (TransformerEngine's fp8 metadata) is in
+    DeepSpeed's module dict; dsrun's checkpoints hold tensors only."""
+    _with(monkeypatch, {"fc1._extra_state": {"fp8": 1}})
+    with pytest.raises(from_deepspeed.UnsupportedCheckpoint) as info:
+        read_deepspeed_checkpoint(str(DATA / name))
+    assert "module entry 'fc1._extra_state' is a dict, not a tensor" in str(info.value)
+    assert "get_extra_state()" in str(info.value) and "damaged" not in str(info.value)
+
+
+def test_a_placeholder_of_no_unique_match_is_left_out_and_named_where_it_is_missing(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
         ) -> None:
     # "copy" looks like fc1, block.lin and fc3 alike: which it is, is unknown
     _with(monkeypatch, {"copy.weight": torch.empty(0), "copy.bias": torch.empty(0)})
     with caplog.at_level("WARNING", logger="dsrun.runtime.checkpoint"):
         import_deepspeed_checkpoint(str(DATA / "alias_stage3_fp32"), str(tmp_path / "out"))
-    assert "'copy.weight' is a second name" in caplog.text
-    got = get_fp32_state_dict(str(tmp_path / "out"))
+    assert "left out 'copy.weight', 'copy.bias'" in caplog.text
+    assert "lacks them" in caplog.text and "strict=False" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dsrun.runtime.checkpoint"):
+        got = get_fp32_state_dict(str(tmp_path / "out"))
+    assert "the state dict lacks 'copy.weight', 'copy.bias'" in caplog.text
     assert "copy.weight" not in got and "also.lin.weight" in got
+    info = checkpoint_info(str(tmp_path / "out")).selected.summary()
+    assert info["unplaced_aliases"] == ["copy.weight", "copy.bias"]
+    # what the warnings say: a strict load misses them, strict=False takes the tie
+    model = make_alias.build()
+    model.copy = model.fc1
+    with pytest.raises(RuntimeError, match="copy.weight"):
+        model.load_state_dict(got)
+    result = model.load_state_dict(got, strict=False)
+    assert sorted(result.missing_keys) == ["copy.bias", "copy.weight"]
+    assert not result.unexpected_keys
+    assert torch.equal(model.state_dict()["copy.weight"], got["fc1.weight"])
+
+
+def test_an_ambiguous_alias_over_hundreds_of_entries_is_settled_fast() -> None:
+    """Two identical towers and a second name of one (``enc`` = ``q``), all
+    stage-3 placeholders: nothing tells the towers apart. Each module path
+    is asked once, not once per placeholder under it (it took 5.7 s)."""
+    from dsrun.runtime.checkpoint.from_deepspeed_aliases import module_aliases
+
+    module, held = {}, []
+    for tower in ("q", "k", "enc"):
+        for layer in range(16):
+            for sub in ("attn.qkv", "attn.out", "mlp.fc", "mlp.proj", "ln1", "ln2"):
+                for leaf in ("weight", "bias"):
+                    name = f"{tower}.layers.{layer}.{sub}.{leaf}"
+                    module[name] = torch.empty(0)
+                    if tower != "enc":
+                        held.append(name)
+    assert len(module) == 576
+    start = time.perf_counter()
+    assert module_aliases(module, {}, held, [], 3) == {}
+    assert time.perf_counter() - start < 1.0
+    module["enc.layers.0.ln1.weight"] = module["q.layers.0.ln1.weight"] = torch.ones(2)
+    held.remove("q.layers.0.ln1.weight")  # a shared buffer now tells q from k
+    found = module_aliases(module, {}, held, ["q.layers.0.ln1.weight"], 3)
+    assert found["enc.layers.15.mlp.fc.bias"] == "q.layers.15.mlp.fc.bias"
+    assert len(found) == 192
 
 
 def test_look_alike_modules_are_told_apart_by_the_second_names_known_under_them() -> None:

@@ -33,6 +33,12 @@ saved (the manifest's ``frozen`` meta; in older checkpoints, the parameters
 in no optimizer param group) and their tied names. Bad input - no checkpoint
 directory, no ``latest`` and no tag, a missing, truncated or corrupt file -
 raises :class:`~dsrun.errors.CheckpointError` naming it.
+
+A DeepSpeed import (:mod:`.from_deepspeed`) may have left out stage-3
+second names it could not place (the manifest's ``unplaced_aliases``
+meta): the state dict then lacks them, as DeepSpeed's own ``zero_to_fp32``
+output does, and a warning names them - a strict ``load_state_dict``
+reports them missing; ``strict=False`` leaves them to the model's ties.
 """
 
 from __future__ import annotations
@@ -100,7 +106,14 @@ def open_checkpoint(checkpoint_dir: str, tag: Optional[str] = None) -> tuple[str
         path = tag_dir(root, str(tag))
     manifest_path = os.path.join(path, MANIFEST)
     text = read_file(manifest_path, "the manifest").decode(errors="replace")
-    return path, parse_manifest(text, manifest_path)
+    manifest = parse_manifest(text, manifest_path)
+    unplaced = manifest.meta.get("unplaced_aliases")
+    if unplaced:
+        log.warning("%s: the state dict lacks %s: second names of parameters that the DeepSpeed "
+                    "import could not place (ambiguous look-alike modules); load it with "
+                    "model.load_state_dict(sd, strict=False), which reports them as missing "
+                    "and leaves them to the model's ties", path, ", ".join(map(repr, unplaced)))
+    return path, manifest
 
 
 def _fp32(entry: TensorEntry, floating: torch.dtype = torch.float32) -> torch.dtype:

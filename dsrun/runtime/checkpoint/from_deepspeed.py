@@ -27,7 +27,9 @@ What a dsrun checkpoint holds and where it comes from here:
 * frozen parameters (``frozen_param_fragments``, or the module's state
   dict at stages 0-1) in the dtype DeepSpeed kept them, and rank 0's
   persistent buffers; tied names from ``shared_params`` and the ones it
-  leaves out (:mod:`.from_deepspeed_aliases`);
+  leaves out (:mod:`.from_deepspeed_aliases`); a stage-3 second name that
+  no match places is left out with a warning and listed in the manifest's
+  ``unplaced_aliases`` meta (a consolidated state dict then lacks it);
 * ``engine_state.pt``: the LR scheduler's state dict, the counters
   (``global_steps``, ``global_samples``, ``skipped_steps``), fp16's loss
   scaler in dsrun's form (:func:`loss_scaler_state`) and ``client_state``:
@@ -35,7 +37,9 @@ What a dsrun checkpoint holds and where it comes from here:
 
 Not carried: RNG states and the dataloader position (DeepSpeed saves
 neither; its curriculum ``data_sampler`` and ``random_ltd`` states are
-dropped with a warning).
+dropped with a warning). A module's extra state (a non-tensor entry from
+``get_extra_state()``) is refused, naming the entry: a dsrun checkpoint
+holds tensors only.
 """
 
 from __future__ import annotations
@@ -106,6 +110,7 @@ class DeepSpeedCheckpoint:
     optimizer: Optional[str]
     aliases: dict[str, str]
     keys: list[str]                                  # the module's state_dict() keys
+    unplaced: list[str] = field(default_factory=list)  # second names no match resolved
     engine_state: dict[str, Any] = field(default_factory=dict)
     config: Mapping[str, Any] = field(default_factory=dict)
 
@@ -238,7 +243,8 @@ def _stage0(model: Mapping[str, Any], path: str, aliases: Mapping[str, str]
             "stage 1 or higher, or in fp32")
     groups = _inner_groups(opt, path)
     buffers = set(model["buffer_names"])
-    names = [k for k in model["module"] if k not in buffers and k not in aliases]
+    names = [k for k, v in model["module"].items()
+             if k not in buffers and k not in aliases and isinstance(v, torch.Tensor)]
     if all("param_names" in g for g in groups):
         order = [list(g["param_names"]) for g in groups]
     elif len(groups) == 1 and len(groups[0]["params"]) == len(names):
@@ -267,28 +273,42 @@ def _frozen(stage: int, models: Sequence[dict[str, Any]]) -> dict[str, torch.Ten
 
 
 def _plain(stage: int, models: Sequence[dict[str, Any]], trained: set[str],
-           aliases: Mapping[str, str], path: str) -> dict[str, tuple[str, torch.Tensor]]:
-    """Frozen parameters and buffers, each whole, by name."""
+           aliases: Mapping[str, str], path: str
+           ) -> tuple[dict[str, tuple[str, torch.Tensor]], list[str]]:
+    """Frozen parameters and buffers, each whole, by name; and the stage-3
+    second names no match placed (left out, with a warning)."""
     module = models[0]["module"]
     buffers = set(models[0]["buffer_names"])
     out = {name: ("param", value) for name, value in _frozen(stage, models).items()}
-    left = unresolved(module, trained | set(out), aliases)
-    for name in left:
+    unplaced = []
+    for name in unresolved(module, trained | set(out), aliases):
         value = module[name]
+        if not isinstance(value, torch.Tensor):
+            raise UnsupportedCheckpoint(
+                f"{path}: module entry {name!r} is a {type(value).__name__}, not a tensor: a "
+                "module's extra state (get_extra_state(), e.g. TransformerEngine's fp8 "
+                "metadata), which DeepSpeed's load_checkpoint hands to set_extra_state() but "
+                "a dsrun checkpoint does not hold, so dsrun does not import it")
         if name in buffers:
             out[name] = ("buffer", value)
         elif stage != 3:
             out[name] = ("param", value)  # frozen, from the module (stages 0-2)
         elif value.numel() == 0:  # a second name no match resolved: the model's ties will
-            log.warning("%s: %r is a second name of a parameter that DeepSpeed's shared_params "
-                        "does not name, and which one is ambiguous; it is left out (a load "
-                        "takes it from the model's own ties)", path, name)
+            unplaced.append(name)
         else:
             raise CheckpointError(
                 f"{path}: module entry {name!r} ({value.numel()} elements) is in neither the "
                 "flat groups, the frozen parameters nor buffer_names, and shares no storage "
                 "with another entry: the checkpoint is damaged or not one dsrun imports")
-    return out
+    if unplaced:
+        log.warning("%s: left out %s: second names of parameters that DeepSpeed's "
+                    "shared_params does not name, whose first names are ambiguous (look-alike "
+                    "modules). engine.load_checkpoint takes them from the model's own ties; a "
+                    "state dict from to-fp32 or zero_to_fp32 lacks them (as DeepSpeed's "
+                    "zero_to_fp32 output does): load it with model.load_state_dict(sd, "
+                    "strict=False), which reports them as missing keys and leaves them to the "
+                    "model's ties", path, ", ".join(map(repr, unplaced)))
+    return out, unplaced
 
 
 def loss_scaler_state(scaler: Any, skipped: int, global_steps: int) -> Optional[dict[str, Any]]:
@@ -402,11 +422,11 @@ def _rebuild(files: Inventory, version: str, models: Sequence[dict[str, Any]],
         stage, world = 0, int(model.get("dp_world_size") or 1)
         aliases = module_aliases(module, model.get("shared_params"), (), buffers, 0)
         params, groups = _stage0(model, path, aliases)
-    plain = _plain(stage, models, {p.name for p in params}, aliases, path)
+    plain, unplaced = _plain(stage, models, {p.name for p in params}, aliases, path)
     precision = _precision(model, buffers)
     return DeepSpeedCheckpoint(
         files, version, stage, precision, world, params, plain, groups,
-        optimizer_name(config, groups), aliases, list(module),
+        optimizer_name(config, groups), aliases, list(module), unplaced,
         _engine_state(model, precision, optims, config), config)
 
 
@@ -434,6 +454,7 @@ def _meta(ckpt: DeepSpeedCheckpoint) -> dict[str, Any]:
             "dsrun_version": dsrun.DSRUN_VERSION, "torch_version": torch.__version__,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "excluded_frozen": [], "frozen": ckpt.frozen, "state_dict_keys": ckpt.keys,
+            "unplaced_aliases": ckpt.unplaced,
             "imported_from": {"format": "deepspeed", "deepspeed_version": ckpt.version,
                               "path": ckpt.files.path, "zero_stage": ckpt.stage}}
 

@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["module_aliases"]
+__all__ = ["module_aliases", "storage_aliases", "unresolved"]
 
 
 def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -63,36 +63,64 @@ def _root(name: str, aliases: Mapping[str, str]) -> str:
     return name
 
 
-def _under(prefix: str, names: Collection[str]) -> dict[str, str]:
-    """suffix -> full name of the entries under module path ``prefix``."""
-    return {n[len(prefix):]: n for n in names if n.startswith(prefix)}
+class _Paths:
+    """The module paths of a module dict's entries, indexed once: the entries
+    under each path (suffix -> full name) and the paths holding the same
+    entry names, so that a structural match (:func:`_match`) costs a look-up,
+    not a scan of every entry against every other; and each path's answer,
+    kept while no alias was added (an ambiguous path is asked again by
+    every placeholder under it)."""
+
+    def __init__(self, names: Collection[str]) -> None:
+        self.under: dict[str, dict[str, str]] = {}
+        for name in names:
+            dots = [i for i, c in enumerate(name) if c == "."]
+            for i in dots:
+                self.under.setdefault(name[: i + 1], {})[name[i + 1:]] = name
+        self.alike: dict[frozenset[str], list[str]] = {}
+        for prefix, entries in self.under.items():
+            self.alike.setdefault(frozenset(entries), []).append(prefix)
+        self.answers: dict[str, tuple[int, Optional[dict[str, str]], bool]] = {}
 
 
-def _match(name: str, names: Collection[str], owned: Collection[str],
+def _match_at(prefix: str, paths: _Paths, owned: Collection[str],
+              aliases: Mapping[str, str]) -> tuple[Optional[dict[str, str]], bool]:
+    """(second name -> first name of every entry under module path
+    ``prefix``, or None; whether to stop looking at shallower paths)."""
+    mine = paths.under[prefix]
+    if any(n in owned for n in mine.values()):
+        return None, True  # a module with tensors of its own is no second name
+    # the second names known under it tell look-alikes apart
+    known = {s: _root(n, aliases) for s, n in mine.items() if n in aliases}
+    agreed: dict[tuple[tuple[str, str], ...], dict[str, str]] = {}
+    for other in paths.alike[frozenset(mine)]:
+        if other == prefix or prefix.startswith(other) or other.startswith(prefix):
+            continue
+        targets = {s: _root(n, aliases) for s, n in paths.under[other].items()}
+        if all(t in owned for t in targets.values()) \
+                and all(targets[s] == t for s, t in known.items()):
+            agreed[tuple(sorted(targets.items()))] = targets
+            if len(agreed) > 1:
+                return None, False  # ambiguous here: a shallower path may tell
+    if agreed:
+        (targets,) = agreed.values()
+        return {mine[s]: t for s, t in targets.items()}, True
+    return None, False
+
+
+def _match(name: str, paths: _Paths, owned: Collection[str],
            aliases: Mapping[str, str]) -> Optional[dict[str, str]]:
     """The first names of the entries under ``name``'s deepest alias-only
     module path that one structural match gives (module docstring, 3)."""
     parts = name.split(".")
     for depth in range(len(parts) - 1, 0, -1):
         prefix = ".".join(parts[:depth]) + "."
-        mine = _under(prefix, names)
-        if any(n in owned for n in mine.values()):
-            return None  # a module with tensors of its own is no second name
-        found = set()
-        for other in {n[: len(n) - len(s)] for n in names for s in mine if n.endswith("." + s)}:
-            if other == prefix or prefix.startswith(other) or other.startswith(prefix):
-                continue
-            theirs = _under(other, names)
-            if set(theirs) != set(mine):
-                continue
-            targets = {s: _root(n, aliases) for s, n in theirs.items()}
-            if all(t in owned for t in targets.values()):
-                found.add(tuple(sorted(targets.items())))
-        agreed = [dict(f) for f in found
-                  if all(_root(n, aliases) == dict(f)[s] for s, n in mine.items()
-                         if n in aliases)]
-        if len(agreed) == 1:  # the second names known under it tell look-alikes apart
-            return {mine[s]: t for s, t in agreed[0].items()}
+        kept = paths.answers.get(prefix)
+        if kept is None or kept[0] != len(aliases):  # aliases only grow: the count dates it
+            kept = (len(aliases), *_match_at(prefix, paths, owned, aliases))
+            paths.answers[prefix] = kept
+        if kept[2]:
+            return kept[1]
     return None
 
 
@@ -101,16 +129,19 @@ def module_aliases(module: Mapping[str, Any], shared: Optional[Mapping[str, str]
                    ) -> dict[str, str]:
     """Second name -> first name of ``module``'s entries (module docstring);
     ``held``: the parameters the flat groups and frozen parameters hold
-    (never a second name), ``buffers``: DeepSpeed's ``buffer_names``."""
+    (never a second name), ``buffers``: DeepSpeed's ``buffer_names``.
+    Entries that are not tensors (extra state) are never aliases."""
     aliases = dict(shared) if isinstance(shared, Mapping) else {}
     for name, target in storage_aliases(module).items():
         if name not in held:
             aliases.setdefault(name, target)
     owned = set(held) | {n for n in buffers if n not in aliases}
     if stage == 3:
+        paths = _Paths(list(module))
         for name in unresolved(module, owned, aliases):
-            if module[name].numel() == 0 and name not in aliases:
-                aliases.update(_match(name, list(module), owned, aliases) or {})
+            value = module[name]
+            if isinstance(value, torch.Tensor) and value.numel() == 0 and name not in aliases:
+                aliases.update(_match(name, paths, owned, aliases) or {})
     return {n: _root(n, aliases) for n in aliases}
 
 

@@ -66,6 +66,7 @@ class TagInfo:
             "files": len(m.files) + 1,
             "imported_from": m.meta.get("imported_from"),
             "dp_world_size": m.meta.get("dp_world_size"),
+            "unplaced_aliases": list(m.meta.get("unplaced_aliases") or ()),
         }
 
 
@@ -179,6 +180,10 @@ def format_info(info: DirInfo) -> list[str]:
         who = f"saved {s['created'] or '?'} by {s['world_size']} rank(s)"
     lines.append(f"tag {s['tag']}: {who}, ZeRO stage {s['zero_stage']}, {s['precision']}, "
                  f"dsrun {s['dsrun_version']}, torch {s['torch_version']}")
+    if s["unplaced_aliases"]:
+        lines.append("  left out by the import (second names of ambiguous look-alike modules; "
+                     "a consolidated state dict lacks them: load it with strict=False): "
+                     + ", ".join(s["unplaced_aliases"]))
     pipe = s["pipeline"]
     if isinstance(pipe, dict):
         lines.append(f"  pipeline: {pipe.get('stages')} stage(s) x {pipe.get('replicas')} "
