@@ -93,6 +93,10 @@ class AsyncSaver:
         self._rank = 0
         self._tmp_dir = ""
         self.stage_wait_s = 0.0  # how long training waited in wait_staged, in all
+        # time.perf_counter() when the last save's thread finished: on rank 0
+        # once the tag is committed (or the failure cleared) and the outcome
+        # posted, on the others once they hold it; None before, and while it runs
+        self.finished_at: Optional[float] = None
 
     @property
     def in_flight(self) -> bool:
@@ -129,6 +133,7 @@ class AsyncSaver:
         self._tag, self._error = tag, None
         self._board, self._rank, self._tmp_dir = board, write.rank, write.tmp_dir
         self._staged.clear()
+        self.finished_at = None
         self._thread = threading.Thread(target=self._run, args=(rest, ready, write, commit),
                                         name=f"dsrun-checkpoint-{tag}", daemon=False)
         _PENDING.add(self)
@@ -142,8 +147,11 @@ class AsyncSaver:
         except BaseException as exc:  # noqa: BLE001 - never lost: wait() raises it
             self._error = self._error or (f"{type(exc).__name__}: {exc} (the asynchronous "
                                           f"save of tag {self._tag!r} failed)")
-        if write.board is not None:
-            self._settle(write.board, commit is not None)
+        try:
+            if write.board is not None:
+                self._settle(write.board, commit is not None)
+        finally:
+            self.finished_at = time.perf_counter()
         if self._error is None:
             _PENDING.discard(self)
 
