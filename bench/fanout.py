@@ -278,14 +278,15 @@ def report(counts: list[int], rows: dict[int, list[Start]], ssh_true: float,
           f"in the root namespace, 1 rank per host, median of {repeat}; load average before "
           f"{load_before[0]:.1f}, after {os.getloadavg()[0]:.1f})")
     vs = f"vs {counts[0]} host{'s' if counts[0] > 1 else ''}"
-    print(f"{'hosts':>5}  {'all first lines':>15}  {vs:>9}  {'dsrun total':>11}  "
+    wide = max(9, len(vs))  # "vs 4 hosts" is 10 characters
+    print(f"{'hosts':>5}  {'all first lines':>15}  {vs:>{wide}}  {'dsrun total':>11}  "
           f"{'launcher CPU/host':>17}  {'dsrun CPU/host':>14}  {'all CPU/cores':>13}")
     base = med[counts[0]]["first_lines"]
     for n in counts:
         m = med[n]
         dsrun_host = (m["hosts_cpu"] - m["ranks_cpu"] + m["launcher_cpu"]) / n
         floor = (m["hosts_cpu"] + m["launcher_cpu"]) / cores
-        print(f"{n:>5}  {m['first_lines']:>14.3f}s  {m['first_lines'] / base:>8.2f}x  "
+        print(f"{n:>5}  {m['first_lines']:>14.3f}s  {m['first_lines'] / base:>{wide - 1}.2f}x  "
               f"{m['total']:>10.3f}s  {m['launcher_cpu'] / n:>16.3f}s  {dsrun_host:>13.3f}s  "
               f"{floor:>12.3f}s")
     print("goals: 4 hosts <= 1.5x, 32 hosts <= 4x the 1-host time; <= 0.15 s of dsrun CPU "

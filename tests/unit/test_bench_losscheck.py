@@ -43,3 +43,22 @@ def test_check_prints_the_verdict_and_exit_on_names_the_runners(capsys):
     assert losscheck.check({"ddp": SAME, "fsdp2": SAME}) == []
     assert "all agree" in capsys.readouterr().out
     losscheck.exit_on([])  # nothing differs: no exit
+
+
+def test_a_broken_first_runner_is_the_one_named():
+    broken = [SAME[0], SAME[1] * 1.2, SAME[2] * 1.5]  # trained something else
+    found = losscheck.mismatches({"ddp round 1": broken, "dsrun round 1": SAME,
+                                  "fsdp2 round 1": SAME})
+    assert len(found) == 1
+    assert found[0].startswith("ddp round 1 step 1:") and "dsrun round 1" in found[0]
+    assert "majority" not in found[0]
+
+
+def test_with_no_majority_the_reference_may_be_the_odd_one(capsys):
+    found = losscheck.mismatches({"a": SAME, "b": [v + 1 for v in SAME],
+                                  "c": [v + 2 for v in SAME]})
+    assert len(found) == 2 and all("a may be the odd one" in line for line in found)
+    assert losscheck.mismatches({"a": SAME, "b": [v + 1 for v in SAME]}) == [
+        f"b step 0: loss {SAME[0] + 1!r}, a: {SAME[0]!r}"]  # two: the line names both
+    losscheck.check({"x": [1.0], "y": SAME, "z": SAME})
+    assert "compared with y" in capsys.readouterr().out
