@@ -246,6 +246,7 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
             raise DsrunError(f"engine.backward(): {NO_OPTIMIZER}")
         sync = (self._grad_sync is not None and self._backward_allreduce
                 and not self._inside_no_sync and self.is_gradient_accumulation_boundary())
+        self._adopt_added_params()  # stage 0: what optimizer.add_param_group put in since
         if self._grad_sync is not None and self._grad_sync.armed:
             self._grad_sync.disarm()  # a failed backward the script started left it armed
         if sync:
@@ -322,6 +323,7 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
         the gradient norm over all its stages here)."""
         if self.zero_stage > 0:
             return zero_step(self.optimizer, self.precision, self.config.gradient_clipping)
+        self._adopt_added_params(at_step=True)
         return self.precision.step(self.optimizer, self.config.gradient_clipping)
 
     def publish_step_state(self, overflow: bool = False) -> None:

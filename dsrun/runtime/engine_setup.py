@@ -2,8 +2,10 @@
 client's model, optimizer and scheduler and the config, as a mixin: the
 stage-0 gradient all-reduce (:class:`~dsrun.runtime.grad_sync.GradSync`),
 the optimizer (the client's object or callable, else the config's; empty
-param groups dropped, frozen parameters tracked), the ZeRO optimizer that
-wraps it at stages 1-3 (ZeRO++ refused, ``offload_*`` notes), and the
+param groups dropped, frozen parameters tracked, at stage 0 parameters
+added later with ``add_param_group`` too: :mod:`added_params`), the ZeRO
+optimizer that wraps it at stages 1-3 (ZeRO++ refused, ``offload_*``
+notes), and the
 LR scheduler (the client's, or a callable given the torch optimizer that
 steps, else the config's). Also the checks :func:`dsrun.initialize` runs
 before building (:func:`check_zero_stage`, :func:`check_prepartitioned`,
@@ -21,6 +23,7 @@ from torch.optim import Optimizer
 
 from dsrun.errors import DsrunConfigError
 from dsrun.moe.utils import is_moe_param
+from dsrun.runtime.added_params import AddedParams
 from dsrun.runtime.config import DsrunConfig
 from dsrun.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
 from dsrun.runtime.lr_schedules import (
@@ -192,6 +195,10 @@ class EngineSetup:
     global_rank: int
     client_lr_scheduler: Any
     mpu: Any
+    _grad_sync: Optional[GradSync]
+    _backward_allreduce: bool
+    #: stage 0: watches the optimizer for parameters added after initialize()
+    _added_params: Optional[AddedParams] = None
 
     def _make_grad_sync(self) -> Optional[GradSync]:
         """The stage-0 reduction: at world size > 1, or at 1 when there are
@@ -237,7 +244,19 @@ class EngineSetup:
             if self.zero_stage == 0:
                 # frozen parameters in the optimizer: they train once unfrozen, as with torch
                 self.precision.track(self.module, built)
+                self._added_params = AddedParams(self, built)
         return built
+
+    def _adopt_added_params(self, at_step: bool = False) -> None:
+        """Stage 0, before a backward and a step: cover parameters put into
+        the optimizer since (:mod:`added_params`); at a step, reduce the
+        gradients of those added after the backward's reduction ran."""
+        if self._added_params is None:
+            return
+        if at_step:
+            self._added_params.before_step(reduce_now=self._backward_allreduce)
+        else:
+            self._added_params.backward_started()
 
     def _link_model_parallel(self) -> None:
         """An mpu of model-parallel size > 1: the stage-0 step reduces its norm

@@ -54,6 +54,8 @@ gets there the way torch DDP's reducer does:
   its gradient (zeros where a rank has none) is all-reduced after the
   buckets, one flat tensor per dtype, in module order - so unfreezing
   one trains it on every rank alike, with no gradient memory before then.
+  Parameters put into the optimizer later (``add_param_group``) join them
+  (:meth:`GradSync.add_late`).
 * **Sparse** parameters (``sparse``: the weights of ``nn.Embedding`` /
   ``nn.EmbeddingBag`` built with ``sparse=True``) have no bucket either:
   after the rest, their sparse gradients are all-gathered and averaged as
@@ -325,10 +327,20 @@ class GradSync:
             for i, part in zip(indices, flat.split(sizes)):
                 self._view(i).copy_(part)
 
-    def _reduce_late(self) -> None:
-        """All-reduce the gradients of the late parameters trainable now
-        (module docstring), one flat tensor per dtype."""
-        live = [p for p in self.late if p.requires_grad]
+    def add_late(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Reduce ``params`` (put into the optimizer after initialize():
+        ``add_param_group``) as late parameters from the next backward on."""
+        self.late.extend(params)
+
+    def reduce_late(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """All-reduce the gradients of late ``params`` now (added after the
+        last synchronising backward, whose reduction did not cover them)."""
+        self._reduce_late(params)
+
+    def _reduce_late(self, params: Optional[Sequence[torch.nn.Parameter]] = None) -> None:
+        """All-reduce the gradients of the late parameters (or of ``params``)
+        trainable now (module docstring), one flat tensor per dtype."""
+        live = [p for p in (self.late if params is None else params) if p.requires_grad]
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
         for p in live:
             by_dtype.setdefault(self._dtype(p), []).append(p)

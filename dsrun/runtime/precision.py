@@ -211,8 +211,37 @@ class FP16Master(FP16Scaling):
                 out.append(self._master(item))
         return out
 
-    def track(self, module: torch.nn.Module, optimizer: Optimizer) -> None:
-        """Nothing to add: :meth:`_master` covered each parameter it gave a master."""
+    def track(self, module: torch.nn.Module, optimizer: Optimizer) -> list[torch.nn.Parameter]:
+        """The model's fp16 parameters put into ``optimizer`` after
+        initialize() (``add_param_group``) are replaced there by their fp32
+        masters, made now for those frozen at initialize(): they join the
+        unscale, overflow check, clipping, norms and all-reduce, as the
+        others (at initialize() :meth:`_master` covered each). -> the
+        parameters newly covered."""
+        masters = {id(m) for m in self.masters}
+        held = {id(t) for g in optimizer.param_groups for t in g["params"]}
+        swaps: list[tuple[list[Any], int, torch.Tensor]] = []
+        swapped: set[int] = set()
+        for g, group in enumerate(optimizer.param_groups):  # checked before anything changes
+            for i, tensor in enumerate(group["params"]):
+                if id(tensor) in masters:
+                    continue
+                where = f"param group {g}, parameter {i} (shape {tuple(tensor.shape)})"
+                if id(tensor) not in self._master_of and id(tensor) not in self._frozen:
+                    raise DsrunConfigError(
+                        f"optimizer.add_param_group: {where} is not a parameter of the model "
+                        "passed to initialize(); with fp16 enabled the optimizer steps fp32 "
+                        "masters of the model's parameters only")
+                master = self._master_of.get(id(tensor))
+                if (master is not None and id(master) in held) or id(tensor) in swapped:
+                    raise DsrunConfigError(f"optimizer.add_param_group: {where} is in the "
+                                           "optimizer already")
+                swapped.add(id(tensor))
+                swaps.append((group["params"], i, tensor))
+        before = len(self.params)
+        for tensors, i, tensor in swaps:
+            tensors[i] = self._master(tensor)
+        return self.params[before:]
 
     def _master(self, param: torch.Tensor) -> torch.Tensor:
         master = self._master_of.get(id(param))

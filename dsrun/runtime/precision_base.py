@@ -151,16 +151,21 @@ class FullPrecision:
         initialize())."""
         return list(source)
 
-    def track(self, module: torch.nn.Module, optimizer: Optimizer) -> None:
+    def track(self, module: torch.nn.Module, optimizer: Optimizer) -> list[torch.nn.Parameter]:
         """Also cover (clipping, norms, gradient all-reduce) the parameters of
-        ``module`` in ``optimizer`` that were frozen when this was built."""
+        ``module`` in ``optimizer`` that were frozen when this was built
+        (at initialize(), and again for a group added later with
+        ``add_param_group``); -> those newly covered."""
         known = {id(p) for p in self.params}
         held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        added = []
         for name, param in module.named_parameters():
             if id(param) in held and id(param) not in known:
                 known.add(id(param))
                 self.params.append(param)
                 self.names.append(name)
+                added.append(param)
+        return added
 
     def adopt(self, optimizer: Optimizer) -> None:
         """Prepare a client-built optimizer (nothing to do in fp32)."""
