@@ -18,6 +18,10 @@ Stage 0 and world size 1 never communicate.
 updates (frozen, or not in the engine's optimizer, or no dsrun engine's),
 for a gradient where none exists since the last step, and for optimizer
 state before the first step; setters do nothing for such a parameter.
+``safe_get_full_grad`` of a parameter no optimizer updates answers its
+``param.grad`` where it has one (DeepSpeed's first test), else None.
+Setting optimizer state before the first step raises
+:class:`~dsrun.errors.DsrunError` naming the parameter.
 
 **When.** Gradients exist between ``engine.backward()`` and
 ``engine.step()`` (the mean over the data-parallel group of what the
@@ -32,7 +36,8 @@ and step use it.
 Differences from DeepSpeed: at stage 0 dsrun answers the parameter (or its
 fp16 master) where DeepSpeed answers None for fp32/fp16 optimizers it has
 not linked; full getters return a new tensor (``safe_get_full_grad`` at
-stage 0: ``param.grad`` itself, as DeepSpeed); an unknown or non-per-element
+stage 0 and for a parameter no optimizer updates: ``param.grad`` itself,
+as DeepSpeed); an unknown or non-per-element
 optimizer state key raises :class:`~dsrun.errors.DsrunError` instead of a
 ``KeyError``/assertion; the local API raises it for a parameter that is not
 a ZeRO stage 3 one (DeepSpeed asserts).
@@ -110,9 +115,7 @@ def safe_get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
     """The full gradient of ``param`` (collective at stages 1-3): after
     ``engine.backward()``, before ``engine.step()``; None when it has none."""
     ps = param_state(param)
-    if ps is None:
-        return None
-    if isinstance(ps, Stage0Param):
+    if ps is None or isinstance(ps, Stage0Param):
         return param.grad  # DeepSpeed's answer whenever param.grad exists
     return _assemble(ps, ps.grad(), "safe_get_full_grad")
 
@@ -142,8 +145,22 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor,
     """Set the per-element optimizer state ``optim_state_key`` of ``param``
     (the full tensor, the same on every rank); the optimizer must have stepped."""
     ps = param_state(param)
-    if ps is not None:
-        ps.set_state(optim_state_key, _full(value, ps, "safe_set_full_optimizer_state"))
+    if ps is None:
+        return
+    full = _full(value, ps, "safe_set_full_optimizer_state")
+    if ps.state(optim_state_key) is None:  # this rank's part; no collective
+        raise DsrunError(f"safe_set_full_optimizer_state: {_param_name(param)} has no optimizer "
+                         f"state {optim_state_key!r} yet: the optimizer has not stepped")
+    ps.set_state(optim_state_key, full)
+
+
+def _param_name(param: torch.Tensor) -> str:
+    """``param``'s name in its engine's module (stage 3 names its parameters
+    ``ds_name``; stages 0-2 do not)."""
+    engine = engine_of(param)
+    names = () if engine is None else engine.module.named_parameters()
+    name = getattr(param, "ds_name", None) or next((n for n, p in names if p is param), None)
+    return name or f"a parameter of shape {tuple(param.shape)}"
 
 
 # --------------------------------------------- DeepSpeed's parameter methods
