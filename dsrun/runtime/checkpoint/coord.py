@@ -9,14 +9,16 @@ asked different things (different tags) get one error naming which rank
 asked what. Keys are numbered by call, so every rank must make its
 checkpoint calls in the same order (as DeepSpeed requires); after a
 timeout the numbering cannot be trusted and every later call fails at once.
-The wait polls the store (:data:`AGREE_POLL_S` backing off to
-:data:`EXIT_POLL_S`) for the keys and for ranks that have exited
-(runtime/exitmark.py): a rank that left before the call, or during it,
-fails the others within about a second (after :data:`EXIT_GRACE_S`) with
-an error naming it and its exit status, not ``checkpoint.timeout`` later;
-so does rank 0 leaving (its store's calls then fail). An exchange that
-fails names a rank that exited the same way ("rank 1 exited (status 0)
-during the save").
+The wait polls the store for the keys (:data:`AGREE_POLL_S` backing off
+to :data:`AGREE_POLL_MAX_S`, so a save whose ranks arrive at different
+times starts at most that much after the last one) and, every
+:data:`EXIT_POLL_S`, for ranks that have exited (runtime/exitmark.py): a
+rank that left before the call, or during it, fails the others within
+about a second (after :data:`EXIT_GRACE_S`) with an error naming it and
+its exit status, not ``checkpoint.timeout`` later; so does rank 0
+leaving (its store's calls then fail). An exchange that fails names a
+rank that exited the same way ("rank 1 exited (status 0) during the
+save").
 
 :meth:`Coordinator.exchange` (an all-gather of small Python objects) is
 how ranks learn each other's results after the agreement: it runs on a
@@ -76,7 +78,8 @@ EXCHANGE_TIMEOUT_S = 3600.0  # once all ranks are in, writing may take long
 KEY_POLL_S = 0.05  # a background thread polls: a blocking store.wait would hold the client
 KEY_POLL_MAX_S = 1.0  # ... backing off to this: every rank polls rank 0's store
 AGREE_POLL_S = 0.01  # an agreement polls for the keys (a timed-out store.wait logs) ...
-EXIT_POLL_S = 0.5  # ... backing off to this; each poll also looks for ranks that exited
+AGREE_POLL_MAX_S = 0.05  # ... backing off to this: the last rank's key is seen this soon
+EXIT_POLL_S = 0.5  # how often it also looks for ranks that exited (two more store calls)
 # Having seen a rank that exited, an agreement waits this long before it
 # raises: the exiting rank's process has ended by then and its agent has
 # told the launcher, whose report then names that exit as the cause.
@@ -137,17 +140,21 @@ class Coordinator:
     def _wait_all(self, store: Any, keys: list[str], what: str) -> None:
         """Wait until every rank has posted its key of this call, polling
         (a timed-out ``store.wait`` logs warnings), every :data:`AGREE_POLL_S`
-        at first, then less and less often, up to :data:`EXIT_POLL_S`;
-        between polls, a rank that exited (exitmark.py) or rank 0's store
-        gone ends the wait with an error naming that rank."""
+        at first, then less and less often, up to :data:`AGREE_POLL_MAX_S`;
+        every :data:`EXIT_POLL_S`, a rank that exited (exitmark.py) or rank
+        0's store gone ends the wait with an error naming that rank."""
         deadline = time.monotonic() + self.timeout_s
         watch, gone = ExitWatch(exitmark.job_store() or store, self.world), 0
-        pause = AGREE_POLL_S
+        pause, next_exit_poll = AGREE_POLL_S, 0.0
         while True:
             try:
                 if store.check(keys):
                     return
-                exited = watch.poll()
+                if time.monotonic() < next_exit_poll:
+                    exited = watch.exited
+                else:  # the exit count costs a store call: less often than the keys
+                    next_exit_poll = time.monotonic() + EXIT_POLL_S
+                    exited = watch.poll()
                 if len(exited) > gone:  # a rank that posted before exiting is not missing
                     gone = len(exited)
                     missing = [r for r in range(self.world) if not store.check([keys[r]])]
@@ -162,7 +169,7 @@ class Coordinator:
             if left <= 0:
                 self._timed_out(store, keys, what)
             time.sleep(min(pause, left))
-            pause = min(pause * 2, EXIT_POLL_S)
+            pause = min(pause * 2, AGREE_POLL_MAX_S)
 
     def _exited_before(self, what: str, missing: list[int],
                        exited: dict[int, dict[str, Any]]) -> None:
