@@ -31,14 +31,26 @@ gets there the way torch DDP's reducer does:
   parameters are all-reduced again, together (param order, one flat tensor
   per dtype), over their slots; and the parameter then expects that many,
   so later backwards fill its slot at its last gradient and send nothing
-  more. Cost: nothing in the common case (a hook counts in a list); the
-  first backward with extra gradients sends those parameters twice, the
-  second time after backward; later ones launch that parameter's bucket,
-  and the buckets after it, only once its last gradient has come - at worst
-  after backward, where DeepSpeed's stage 0 reduces everything. Ranks must
-  run the same graph (as for the buckets' order): the extra reduction is
-  one more collective, which a rank whose graph reused no parameter would
-  not join.
+  more. Ranks may reuse a parameter a different number of times (a
+  data-dependent number of applications of a shared checkpointed block),
+  so whether that reduction runs, and over which parameters, is decided
+  together: the last bucket carries one more element, each rank's "I got
+  extra gradients" flag, and is launched by :meth:`GradSync.finish` (its
+  gradients are backward's last anyway); when the reduced flag says any
+  rank got one, every rank all-reduces (MAX) its per-parameter counts and
+  flags, and reduces the union, a rank without extra gradients for a
+  parameter contributing its final ``.grad`` (zeros if none); the
+  expected counts become the largest. Cost: nothing more in the common
+  case on CPU. On an accelerator reading the flag waits for the reductions
+  (one host sync): done in the first synchronising backward, then only
+  while some rank has had extra gradients (a model that reuses parameters
+  through reentrant checkpoints); otherwise an extra gradient first seen
+  in a later backward is refused with an error, on the rank that got it,
+  since the other ranks no longer look. The first backward with extra
+  gradients sends those parameters twice, the second time after backward;
+  later ones launch that parameter's bucket, and the buckets after it,
+  only once its last gradient has come - at worst after backward, where
+  DeepSpeed's stage 0 reduces everything.
 * **Finish** (after ``loss.backward()`` returns): buckets not yet launched
   are launched in order - a parameter that got no gradient this backward
   contributes the one it accumulated in earlier micro-steps or ``no_sync()``
@@ -163,7 +175,8 @@ class GradSync:
         layout = assign_buckets([self.params[i].numel() for i in order],
                                 [torch.empty((), dtype=d).element_size() for d in dtypes],
                                 dtypes, bucket_bytes)
-        self.buckets = [self._make_bucket([order[j] for j in members]) for members in layout]
+        self.buckets = [self._make_bucket([order[j] for j in members], spare=b == len(layout) - 1)
+                        for b, members in enumerate(layout)]
         self.slot = {i: (b, k) for b, bucket in enumerate(self.buckets)
                      for k, i in enumerate(bucket.indices)}
         self._bucket_of = [self.slot[i][0] for i in range(len(self.params))]
@@ -172,6 +185,11 @@ class GradSync:
         self._landed = [0] * len(self.params)
         self._expect = [1] * len(self.params)
         self._extra: list[int] = []  # parameters given an extra gradient this backward
+        #: whether finish() reads the reduced extra-gradient flag (module
+        #: docstring), and whether it keeps reading it (on CPU it costs nothing)
+        self._probe = bool(self.buckets)
+        self._keep_probing = self._probe and self.buckets[-1].buffer.device.type == "cpu"
+        self._backward = True  # this round is a backward's, not all_reduce_accumulated's
         self._armed = False
         self._next = 0
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i))
@@ -182,13 +200,15 @@ class GradSync:
     def _dtype(self, param: torch.Tensor) -> torch.dtype:
         return self.comm_dtype or param.dtype
 
-    def _make_bucket(self, indices: list[int]) -> _Bucket:
+    def _make_bucket(self, indices: list[int], spare: bool = False) -> _Bucket:
+        """``spare``: one more element, after the slots (the last bucket's
+        extra-gradient flag, module docstring)."""
         offsets, total = [], 0
         for i in indices:
             offsets.append(total)
             total += self.params[i].numel()
         first = self.params[indices[0]]
-        buffer = torch.zeros(total, dtype=self._dtype(first), device=first.device)
+        buffer = torch.zeros(total + int(spare), dtype=self._dtype(first), device=first.device)
         return _Bucket(indices=indices, offsets=offsets, buffer=buffer)
 
     def _hook(self, index: int) -> Any:
@@ -209,6 +229,8 @@ class GradSync:
             if bucket.work is not None:
                 raise DsrunError("gradient all-reduce armed again before the last one finished")
             bucket.pending = len(bucket.indices)
+        if self.buckets:  # the last one waits for finish(), which sets its flag
+            self.buckets[-1].pending += 1
         self._landed = [0] * len(self.params)
         self._extra = []
         self._next = 0
@@ -288,14 +310,16 @@ class GradSync:
                     self._view(index).zero_()
                 else:
                     self._fill(index, grad)
+            if b == len(self.buckets) - 1:
+                bucket.buffer[-1] = 1.0 if self._extra else 0.0
             self._launch(b)
         for bucket in self.buckets:
             work, bucket.work = bucket.work, None
             work.wait()
             if self.post_scale != 1.0:
                 bucket.buffer.mul_(self.post_scale)
-        if self._extra:
-            self._reduce_extra()
+        if self.buckets:
+            self._agree_extra()
         for bucket in self.buckets:
             for index in bucket.indices:
                 param = self.params[index]
@@ -305,21 +329,67 @@ class GradSync:
         if self.sparse:
             reduce_sparse(self.sparse, group=self.group, comm_dtype=self.comm_dtype)
 
-    def _reduce_extra(self) -> None:
+    def _agree_extra(self) -> None:
+        """Decide with the other ranks whether any got extra gradients this
+        backward (the last bucket's reduced flag, module docstring) and if
+        so reduce the union of those parameters on every rank."""
+        local, self._extra = self._extra, []
+        if not self._probe:
+            if local:
+                self._refuse_late_extra(local)
+            return
+        # every rank reads the same reduced flag, so all decide alike
+        anyone = bool(self.buckets[-1].buffer[-1].item() > 0)
+        if anyone:
+            self._keep_probing = True
+        elif self._backward and not self._keep_probing:
+            self._probe = False  # no rank reuses parameters: spare the host sync
+            return
+        if not anyone:
+            return
+        n = len(self.params)
+        counts = torch.zeros(2 * n, dtype=torch.int64, device=self.buckets[-1].buffer.device)
+        counts[:n] = torch.tensor(self._landed, dtype=torch.int64)
+        if local:
+            counts[n + torch.tensor(local, dtype=torch.int64)] = 1
+        collectives.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.group)
+        most, union = counts[:n].tolist(), counts[n:].nonzero().flatten().tolist()
+        for index in union:
+            self._expect[index] = most[index]
+        self._reduce_extra(union)
+
+    def _refuse_late_extra(self, local: list[int]) -> None:
+        names = ", ".join(self.names[i] for i in sorted(local)[:5])
+        raise DsrunError(
+            f"parameter(s) {names} received more than one gradient in this synchronising "
+            "backward (a parameter used inside a reentrant activation checkpoint and again "
+            "outside it or in another checkpoint), but no rank got one in the first "
+            "synchronising backward, so the ranks no longer check for them on this device "
+            "(a host sync per step): reuse them from the first step on, or use "
+            "use_reentrant=False")
+
+    def _reduce_extra(self, extra: list[int]) -> None:
         """All-reduce again, over their slots, the final gradients of the
-        parameters that got extra ones (module docstring, "Several
-        gradients"), in param order; from now on they expect that many."""
-        extra, self._extra = sorted(self._extra), []
+        parameters ``extra`` (the union over the ranks of those that got
+        extra ones, module docstring, "Several gradients"), in param order."""
         by_dtype: dict[torch.dtype, list[int]] = {}
-        for index in extra:
-            self._expect[index] = self._landed[index]
+        for index in sorted(extra):
             by_dtype.setdefault(self._dtype(self.params[index]), []).append(index)
         for dtype, indices in by_dtype.items():
             sizes = [self.params[i].numel() for i in indices]
             flat = torch.empty(sum(sizes), dtype=dtype, device=self.params[indices[0]].device)
             for i, part in zip(indices, flat.split(sizes)):
                 grad = self.params[i].grad
-                assert grad is not None
+                if grad is None:  # unused on this rank
+                    part.zero_()
+                    continue
+                if grad.untyped_storage().data_ptr() == \
+                        self._view(i).untyped_storage().data_ptr():
+                    raise DsrunError(
+                        f"parameter {self.names[i]} got extra gradients on another rank in this "
+                        "synchronising backward, and its .grad here is still the all-reduced "
+                        "gradient of an earlier backward: zero the gradients between "
+                        "synchronising backwards (engine.step() does)")
                 self._scaled_into(part, grad)
             collectives.all_reduce(flat, group=self.group)
             if self.post_scale != 1.0:
@@ -370,7 +440,11 @@ class GradSync:
         """Average every parameter's current ``.grad`` (zeros where None) now,
         outside backward (module docstring)."""
         self.arm()
-        self.finish()
+        self._backward = False
+        try:
+            self.finish()
+        finally:
+            self._backward = True
 
     @property
     def armed(self) -> bool:

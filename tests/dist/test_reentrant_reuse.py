@@ -84,6 +84,19 @@ def test_loss_returned_by_a_reentrant_checkpoint_is_a_training_backward(
     _check_run(job, name)
 
 
+@pytest.mark.parametrize("name", ["s0_varying", "s0_varying_small_buckets"])
+def test_stage0_ranks_reusing_a_block_a_different_number_of_times_agree(
+        job: list[dict[str, Any]], name: str) -> None:
+    """Rank 0 applies the checkpointed block twice and rank 1 once, then the
+    other way round, then both twice (workers/reentrant_reuse.py, REPEATS):
+    the ranks decide together whether to reduce the extra gradients, and
+    train as plain torch does. Before: only the ranks with extra gradients
+    ran the extra all-reduce - rank 0 waited in it until rank 1 exited."""
+    _check_run(job, name)
+    counts = {result["runs"][name].get("extra_reductions") for result in job}
+    assert len(counts) == 1 and counts.pop() >= 1, "the ranks ran different reductions"
+
+
 def test_stage2_names_the_reentrant_checkpoint(job: list[dict[str, Any]]) -> None:
     for result in job:
         error = result["runs"]["s2_shared"].get("error", "")
@@ -121,3 +134,28 @@ def test_stage0_refuses_an_extra_gradient_added_into_a_reduced_slot(solo: None) 
     with pytest.raises(DsrunError, match=r"blk\.l\.\w+ received another gradient .* zero the "
                                          r"gradients .* use_reentrant=False"):
         model(x, y).backward()
+
+
+def test_stage0_off_cpu_refuses_reuse_first_seen_after_the_first_backward(solo: None) -> None:
+    """Off CPU, reading the ranks' extra-gradient flag is a host sync, so
+    after a first synchronising backward in which no rank reused a
+    parameter the ranks stop reading it: a later reuse is refused on the
+    rank that sees it, naming the parameter, instead of one rank running an
+    all-reduce the others do not (simulated here on CPU)."""
+    from dsrun.errors import DsrunError
+    from dsrun.runtime.grad_sync import GradSync
+
+    model = worker.build("varying", worker.reentrant)
+    names, params = zip(*model.named_parameters())
+    sync = GradSync(list(params), names=list(names))
+    sync._keep_probing = False  # as on an accelerator
+    x, y, _ = worker.batch("varying", 0, 0, 0)
+    sync.arm()
+    model(x, y, 1).backward()
+    sync.finish()
+    model.zero_grad(set_to_none=True)
+    sync.arm()
+    model(x, y, 2).backward()
+    with pytest.raises(DsrunError, match=r"blk\.l\.\w+, .*more than one gradient .* first "
+                                         r"synchronising backward.*use_reentrant=False"):
+        sync.finish()

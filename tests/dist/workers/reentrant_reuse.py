@@ -11,7 +11,10 @@ outside - it gets a second one in the same backward:
 * **tied**: an embedding used outside the checkpoint, its tied head inside;
 * **inout**: a Linear used both outside and inside a checkpointed region;
 * **allin**: the whole loss inside one checkpoint (the engine's output is
-  the checkpoint's own output), trained with ``loss.backward()``.
+  the checkpoint's own output), trained with ``loss.backward()``;
+* **varying**: one block applied, each time under its own checkpoint, a
+  number of times that differs by rank and step (:data:`REPEATS`: a
+  data-dependent depth, LayerDrop or early exit over shared layers).
 
 The reference is plain single-process torch without checkpointing: the
 mean over the ranks' batches, summed over the micro-batches, SGD.
@@ -104,7 +107,23 @@ class AllIn(nn.Module):
         return self.ck(self.loss, x.detach().requires_grad_(), y)
 
 
-MODELS = {"shared": Shared, "tied": Tied, "inout": InOut, "allin": AllIn}
+class Varying(nn.Module):
+    def __init__(self, ck: Callable[..., Any]) -> None:
+        super().__init__()
+        self.ck, self.inp, self.blk, self.head = ck, nn.Linear(D, D), Block(), nn.Linear(D, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, repeats: int) -> torch.Tensor:
+        h = self.inp(x)
+        for _ in range(repeats):
+            h = self.ck(self.blk, h)
+        return F.mse_loss(self.head(h).squeeze(-1), y)
+
+
+MODELS = {"shared": Shared, "tied": Tied, "inout": InOut, "allin": AllIn, "varying": Varying}
+#: "varying": how often rank R applies the block in step S's synchronising
+#: (last) micro-batch: different counts at once, then a learned count that
+#: one rank undercuts, then the same count everywhere again
+REPEATS = {(0, 0): 2, (1, 0): 1, (0, 1): 1, (1, 1): 2, (0, 2): 2, (1, 2): 2}
 
 
 def build(case: str, ck: Callable[..., Any]) -> nn.Module:
@@ -112,10 +131,13 @@ def build(case: str, ck: Callable[..., Any]) -> nn.Module:
     return MODELS[case](ck)
 
 
-def batch(case: str, rank: int, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(case: str, rank: int, step: int, micro: int) -> tuple[Any, ...]:
     g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
     if case == "tied":
         return torch.randint(0, 12, (4, 3), generator=g), torch.randint(0, 12, (4,), generator=g)
+    if case == "varying":
+        repeats = REPEATS[rank % 2, step] if micro == GA - 1 else 1 + (rank + step) % 2
+        return torch.randn(4, D, generator=g), torch.randn(4, generator=g), repeats
     return torch.randn(4, D, generator=g), torch.randn(4, generator=g)
 
 
@@ -146,9 +168,9 @@ def train(case: str, stage: int, zero: dict[str, Any], torch_backward: bool = Fa
     reduce_extra = getattr(sync, "_reduce_extra", None)
     if reduce_extra is not None:
 
-        def counted() -> None:
+        def counted(*args: Any) -> None:
             extra[0] += 1
-            reduce_extra()
+            reduce_extra(*args)
         sync._reduce_extra = counted
     rank = dist.get_rank()
     try:
@@ -182,6 +204,8 @@ RUNS: dict[str, tuple[str, int, dict[str, Any], bool]] = {
     "s0_tied_small_buckets": ("tied", 0, SMALL_BUCKETS, False),
     "s0_inout_small_buckets": ("inout", 0, SMALL_BUCKETS, False),
     "s0_allin_torch_backward": ("allin", 0, {}, True),
+    "s0_varying": ("varying", 0, {}, False),
+    "s0_varying_small_buckets": ("varying", 0, SMALL_BUCKETS, False),
     "s3_allin_torch_backward": ("allin", 3, {"stage3_param_persistence_threshold": 0}, True),
     "s2_shared": ("shared", 2, {}, False),
 }
