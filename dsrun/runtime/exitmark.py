@@ -18,13 +18,17 @@ without running Python (``os._exit``, a signal) sets nothing: with a
 non-zero status or a signal the launcher stops the job anyway; an
 ``os._exit(0)`` is still only found at ``checkpoint.timeout``. When rank
 0 itself leaves, the store goes with it and a waiter's store calls fail:
-the waiter names rank 0 (:data:`STORE_GONE`).
+the waiter names rank 0 (:data:`STORE_GONE`). A rank that exits after
+rank 0 posts nothing: it first opens a plain connection to the store's
+port (:func:`store_reachable`, which logs nothing), since a store call
+that finds the server gone has torch write a C++ stack trace to stderr.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import threading
 import traceback
@@ -35,6 +39,8 @@ COUNT_KEY = PREFIX + "count"
 #: The longest an exiting rank spends setting its key (a store that no
 #: longer answers must not hold the exit up).
 MARK_WAIT_S = 2.0
+#: How long :func:`store_reachable` waits for the store's port to answer.
+PROBE_WAIT_S = 0.2
 #: The dsrun entry points a checkpoint call of the script goes through,
 #: by function name, and how an error names them.
 CALLS = {"save_checkpoint": "engine.save_checkpoint()",
@@ -60,6 +66,26 @@ def job_store() -> Any:
         return None
 
 
+def store_reachable(store: Any) -> bool:
+    """False when the TCP store behind ``store`` refuses a plain connection
+    (its host, rank 0, has exited): a store call would then fail, after
+    torch logged a stack trace. True for a store with no address to try,
+    and when the connection is merely slow (a busy host: the store call
+    decides)."""
+    while not hasattr(store, "port") and hasattr(store, "underlying_store"):
+        store = store.underlying_store  # a PrefixStore
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    if not host or not port:
+        return True
+    try:
+        with socket.create_connection((host, port), timeout=PROBE_WAIT_S):
+            return True
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return True
+
+
 def during(exc: Optional[BaseException]) -> Optional[str]:
     """The checkpoint call (:data:`CALLS`) that ``exc`` left through, or None."""
     if exc is None:
@@ -75,7 +101,7 @@ def mark_exited(rank: int, status: int, exc: Optional[BaseException] = None) -> 
     """Post this rank's exit (module docstring); False when no store took it
     within :data:`MARK_WAIT_S`."""
     store = job_store()
-    if store is None:
+    if store is None or not store_reachable(store):
         return False
     value = json.dumps({"status": status, "during": during(exc)})
     done = threading.Event()

@@ -70,7 +70,7 @@ import torch.distributed as dist
 from dsrun import comm as collectives
 from dsrun.errors import RANK_LOST, CheckpointError
 from dsrun.runtime import exitmark
-from dsrun.runtime.exitmark import STORE_GONE, ExitWatch, describe_exit
+from dsrun.runtime.exitmark import STORE_GONE, ExitWatch, describe_exit, store_reachable
 
 log = logging.getLogger("dsrun.runtime.checkpoint")
 
@@ -124,6 +124,7 @@ class Coordinator:
         prefix = f"dsrun/checkpoint/{call}/"
         self._what = what
         try:
+            self._check_reachable(store)
             store.set(prefix + str(self.rank), json.dumps(payload))
         except Exception as exc:  # noqa: BLE001 - torch's store errors vary by version
             self._store_gone(what, exc)
@@ -154,6 +155,7 @@ class Coordinator:
                     exited = watch.exited
                 else:  # the exit count costs a store call: less often than the keys
                     next_exit_poll = time.monotonic() + EXIT_POLL_S
+                    self._check_reachable(store)
                     exited = watch.poll()
                 if len(exited) > gone:  # a rank that posted before exiting is not missing
                     gone = len(exited)
@@ -187,6 +189,14 @@ class Coordinator:
                               f"rank must call it; {RANK_LOST} while the others waited for "
                               "it). Nothing was written; the previous checkpoint and 'latest' "
                               "are intact")
+
+    @staticmethod
+    def _check_reachable(store: Any) -> None:
+        """Raise (for :meth:`_store_gone`) when rank 0's store refuses a plain
+        connection: a store call would fail too, after torch printed a C++
+        stack trace (exitmark.store_reachable)."""
+        if not store_reachable(store):
+            raise ConnectionRefusedError("the store's port refuses connections")
 
     def _store_gone(self, what: str, exc: Exception) -> NoReturn:
         time.sleep(EXIT_GRACE_S)  # as for an exit seen (EXIT_GRACE_S)
