@@ -17,7 +17,8 @@ The signal is SIGRTMIN+4 (:data:`STACK_SIGNAL_NAME`), a real-time one,
 which scripts and libraries do not use (SIGUSR1/SIGUSR2 are taken by
 Slurm requeue handlers, Lightning, ...). A script that ignores it, blocks it
 in every thread or installs a handler of its own for it (one for every
-signal) cannot answer: the agent says which (:func:`deaf`, :func:`silent`).
+signal) cannot answer: the agent says which (:func:`deaf`, :func:`silent`), as
+it says when the rank is in a kernel wait (state D) or stopped.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import IO
+from collections.abc import Iterator
+from typing import IO, Any
 
 #: Environment variable naming the rank's stack file (set by its agent).
 STACK_FILE_VAR = "DSRUN_STACK_FILE"
@@ -121,8 +123,43 @@ def deaf(rank: int, pid: int, path: str) -> str | None:
     return None
 
 
-def silent(rank: int, timeout: float = 2.0) -> str:
-    """The answer of a rank that was sent the stack signal and wrote nothing."""
+def proc_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` (/proc/PID/stat: R running, S
+    sleeping, D uninterruptible sleep, T/t stopped, Z exited); None when it
+    is gone or there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError, UnicodeDecodeError):
+        return None
+
+
+def silent(rank: int, timeout: float = 2.0, state: str | None = None) -> str:
+    """The answer of a rank that was sent the stack signal and wrote nothing;
+    ``state``: its :func:`proc_state` then, which says why when it can."""
+    if state == "D":  # the handler runs only once the kernel call returns
+        return (f"(no answer: rank {rank} is in uninterruptible sleep (a kernel wait: "
+                f"I/O on a hung file system, a driver call); it cannot answer, nor act on "
+                f"any signal but SIGKILL, until that returns)")
+    if state in ("T", "t"):
+        return (f"(no answer: rank {rank} is stopped (SIGSTOP, a debugger): it cannot "
+                f"answer until it is continued)")
     return (f"(no answer: rank {rank} did not write its stack within {timeout:g}s; likely "
             f"a handler of the script's own for {STACK_SIGNAL_NAME}, dsrun's stack signal - "
             f"one set for every signal - replaced dsrun's)")
+
+
+def answers(ranks: list[Any]) -> Iterator[dict[str, Any]]:
+    """The agent's answer for each of its running ``ranks`` (agent_output.Rank):
+    ``{rank, pid, text}``, text None for a rank without a handler, and
+    ``stopped`` for one stopped by a signal, which could not answer."""
+    for rank in ranks:
+        pid = rank.popen.pid
+        if proc_state(pid) in ("T", "t"):  # it could not answer: say why, not wait
+            yield {"rank": rank.rank, "pid": pid, "text": None, "stopped": True}
+            continue
+        # one that ignores or blocks the signal is named, not waited for
+        text = deaf(rank.rank, pid, rank.stack_file) or request(pid, rank.stack_file)
+        if text == "":
+            text = silent(rank.rank, state=proc_state(pid))
+        yield {"rank": rank.rank, "pid": pid, "text": text}

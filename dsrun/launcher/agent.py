@@ -60,7 +60,7 @@ from typing import IO, Any
 
 from dsrun import deathsig, stackdump
 from dsrun.launcher import agent_forward, procs
-from dsrun.launcher.agent_exits import exit_event, own_error, poll_status
+from dsrun.launcher.agent_exits import exit_event, own_error, poll_status, stop_signal_of
 from dsrun.launcher.agent_os import (
     REPEAT,
     STOP_SIGNALS,
@@ -77,7 +77,6 @@ from dsrun.launcher.agent_os import (
     remove_tmpdir,
     start_error,
     stop_raising,
-    stopped,
     wait_status,
 )
 from dsrun.launcher.agent_os import exit_now as _exit_now
@@ -90,6 +89,9 @@ from dsrun.launcher.guard import Guard
 from dsrun.launcher.link import END, Link
 
 __all__ = ["TAIL_LINES", "Agent", "Rank", "main"]
+#: Seconds the agent waits, before ``done``, for a stop signal of its own
+#: after a rank died of one that was not the agent's stop (_await_own_signal).
+LINGER = 0.5
 # Imports are kept to what every agent needs (one agent starts per host and
 # per attempt, all at once): planning modules, dataclasses, tempfile/shutil,
 # psutil and the probe's network helpers are not among them.
@@ -122,8 +124,11 @@ class Agent:
         self.exit_lock = threading.Lock()  # a rank's status and exit time, set once
         self.stack_lock = threading.Lock()
         self.stop_signal = signal.SIGTERM  # what the launcher's ``stop`` sends first
+        self.stop_failure = False  # the launcher's ``stop`` is a failure's (agent_stop.py)
         self.hurried = False  # a signal during the teardown: SIGKILL now
         self.signalled: tuple[int, float] | None = None  # the agent's own stop signal, when
+        self.late_signal = False  # it came after the supervision ended: said before done
+        self.killed_outside = False  # a rank died of a stop signal not of the agent's stop
         self.failed = False
         self.fail_sent = False
         self.tmpdir = make_tmpdir(f"dsrun-{self.job_id[:8]}-")
@@ -150,7 +155,14 @@ class Agent:
                 self._crashed(exc)
         finally:
             stop_raising(self._hurry)  # for good: main() drains the link after this
-            self.emit({"ev": "done", **self._finish()})
+            self._await_own_signal()
+            facts = self._finish()
+            if self.late_signal and self.signalled is not None:
+                # The ranks were gone before the agent's own signal came (a
+                # signal to the whole job that killed them first): still the
+                # launcher's to know, to count their deaths with it.
+                self._emit_signal(self.signalled[0], True, time.monotonic() - self.signalled[1])
+            self.emit({"ev": "done", **facts})
         return 1 if self.failed else 0
 
     def _supervise(self) -> None:
@@ -161,11 +173,23 @@ class Agent:
             self.signalled = (stop.signum, time.monotonic())
             stop_raising(self._hurry)  # a further signal SIGKILLs, as "kill" does
             # The launcher must blame the signal, not the ranks it stops.
-            self.emit({"ev": "signal", "signal": stop.signum, "time": time.time(),
-                       "age": 0.0, "during_stop": self.job.stopping})
+            self._emit_signal(stop.signum, self.job.stopping)
             self._begin_stop(signal.SIGINT if stop.signum == signal.SIGINT
                              else signal.SIGTERM)
             self._loop()
+
+    def _await_own_signal(self) -> None:
+        """A rank died of a stop signal that was not the agent's stop: the
+        same signal sent to the whole job may reach the agent a moment later
+        (after the ranks, whose teardown is quick). Wait up to LINGER for it,
+        so that the launcher counts the rank with it rather than blaming it."""
+        end = time.monotonic() + LINGER
+        while self.killed_outside and self.signalled is None and time.monotonic() < end:
+            time.sleep(0.02)
+
+    def _emit_signal(self, signum: int, during_stop: bool, age: float = 0.0) -> None:
+        self.emit({"ev": "signal", "signal": signum, "time": time.time() - age,
+                   "age": round(age, 6), "during_stop": during_stop})
 
     def _fail(self, message: str) -> None:
         """This host fails (not one rank): the launcher reports ``message``
@@ -174,7 +198,7 @@ class Agent:
             self.fail_sent = True
             self.emit({"ev": "fail", "message": message, "time": time.time()})
         self.failed = True
-        self._begin_stop()
+        self._begin_stop(failure=True)
 
     def _crashed(self, exc: BaseException) -> None:
         """The agent's own code failed: never a clean ``done``. The ranks it
@@ -199,7 +223,9 @@ class Agent:
         # Only a flag: a signal handler must not take a lock the interrupted
         # code may hold (the event queue's).
         first = self.signalled
-        if first is not None and first[0] == signum and time.monotonic() - first[1] < REPEAT:
+        if first is None:  # the first, after the ranks had all ended: _finish hurries
+            self.signalled, self.late_signal = (signum, time.monotonic()), True
+        elif first[0] == signum and time.monotonic() - first[1] < REPEAT:
             return  # the same delivery again (agent_os.REPEAT): the ranks keep their grace
         self.hurried = True
 
@@ -287,7 +313,7 @@ class Agent:
                        "time": time.time(), "age": 0.0, "during_stop": self.job.stopping,
                        "error": {"message": start_error(spec["argv"][0], exc, argv, env)},
                        "tail": []})
-            self._begin_stop()
+            self._begin_stop(failure=True)
             return False
         leader = procs.Leader.of(popen.pid)  # not reaped yet: still this process
         rank = Rank(spec["rank"], spec["local_rank"], popen, leader,
@@ -327,25 +353,14 @@ class Agent:
     def _stop_command(self, msg: dict[str, Any]) -> None:
         if msg.get("signal") == "SIGINT":
             self.stop_signal = signal.SIGINT  # the job was Ctrl-C'd: the ranks are too
+        self.stop_failure = bool(msg.get("failure"))  # a failure elsewhere: a short grace
         self.events.put("stop")
 
     def _stacks(self, req: Any) -> None:
-        """Each running rank's Python stacks (stackdump.py), then ``stack_end``."""
+        """Each running rank's Python stacks (stackdump.answers), then ``stack_end``."""
         with self.stack_lock:
-            for rank in list(self.ranks):
-                if rank.status is not None:
-                    continue
-                if stopped(rank.popen.pid):  # it could not answer: say why
-                    self.emit({"ev": "stack", "req": req, "rank": rank.rank,
-                               "pid": rank.popen.pid, "text": None, "stopped": True})
-                    continue
-                # one that ignores or blocks the signal is named, not waited for
-                text = stackdump.deaf(rank.rank, rank.popen.pid, rank.stack_file) or \
-                    stackdump.request(rank.popen.pid, rank.stack_file)
-                if text == "":
-                    text = stackdump.silent(rank.rank)
-                self.emit({"ev": "stack", "req": req, "rank": rank.rank,
-                           "pid": rank.popen.pid, "text": text})
+            for answer in stackdump.answers([r for r in self.ranks if r.status is None]):
+                self.emit({"ev": "stack", "req": req, **answer})
             self.emit({"ev": "stack_end", "req": req})
 
     # -- supervision ----------------------------------------------------------
@@ -365,7 +380,7 @@ class Agent:
                 self._begin_stop()
                 self.job.hurry()
             elif event == "stop":
-                self._begin_stop(self.stop_signal)
+                self._begin_stop(self.stop_signal, failure=self.stop_failure)
             elif event == "eof" or self.link.lost():
                 self._begin_stop()
             self._forward_pending()
@@ -416,10 +431,12 @@ class Agent:
             self._fail(f"its guard process (pid {self.guard.pid}) {how}: without it the "
                        f"ranks would outlive a killed agent, so the job is stopped")
 
-    def _begin_stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
+    def _begin_stop(self, sig: signal.Signals = signal.SIGTERM, failure: bool = False) -> None:
+        """Stop every rank; ``failure``: a failure began it, so the ranks get
+        agent_stop.FAILURE_GRACE at most."""
         if not self.job.stopping:
             self._poll_exits()  # ranks dead by now did not die of this stop
-        self.job.begin(self.ranks, sig)
+        self.job.begin(self.ranks, sig, failure)
 
     def _reap(self) -> None:
         for rank in self.ranks:
@@ -434,12 +451,17 @@ class Agent:
 
     def _report_exit(self, rank: Rank) -> None:
         error = own_error(rank, read_error_file(rank.error_file))
-        self.emit(exit_event(rank, error, self.job.stopping, self.job.stop_mono))
+        event = exit_event(rank, error, self.job.stopping, self.job.stop_mono, self.signalled)
+        self.emit(event)
         if rank.status != 0:
             if error is not None:
                 self.output.log_error(rank, error)
             self.failed = True
-            self._begin_stop()
+            self.killed_outside |= not event["during_stop"] and \
+                stop_signal_of(rank.status) is not None
+            # Killed by a stop signal from outside: most likely one sent to
+            # the whole job, whose other ranks may be saving (whole grace).
+            self._begin_stop(failure=event["during_stop"] or stop_signal_of(rank.status) is None)
 
     def _finish(self) -> dict[str, Any]:
         """Make sure nothing of the job is left on this host (agent_stop.py);

@@ -5,7 +5,12 @@ failed on its own or of the agent's stop.
 Invariants: the earliest evidence of a failure wins (the rank's own error
 record, stamped when the error was raised, else the moment its exit was
 seen), and a rank already failing on its own when the stop's signal caught
-it in its exit path is reported with its own exit code. A record is the
+it in its exit path is reported with its own exit code. A rank that died
+of the very signal the agent got itself, at most :data:`JOB_WIDE` seconds
+before it, is reported as part of the stop (``during_stop``): one signal
+sent to every process of the job (Slurm's time limit, a preemption,
+``scancel``) kills a rank without a handler before the agent's own handler
+runs, and that rank did not fail on its own. A record is the
 rank's only if the rank's own process wrote it (its ``pid``): a child the
 script forked inherits the record's path, and its error is not the rank's.
 Kept to the standard library: every agent imports it.
@@ -17,8 +22,22 @@ import os
 import time
 from typing import Any
 
-from dsrun.launcher.agent_os import wait_status
+from dsrun.launcher.agent_os import STOP_SIGNALS, wait_status
 from dsrun.launcher.agent_output import Rank
+
+#: Seconds before the agent's own stop signal within which a rank that
+#: ended of that signal ended of the same delivery (report.JOB_WIDE_WINDOW).
+JOB_WIDE = 2.0
+
+
+def stop_signal_of(status: int) -> int | None:
+    """The stop signal (agent_os.STOP_SIGNALS) a rank with exit status
+    ``status`` (as Popen.returncode) ended of - killed by it, or exiting
+    128+N as Python does after a KeyboardInterrupt - or None."""
+    for sig in STOP_SIGNALS:
+        if status in (-sig, 128 + sig):
+            return int(sig)
+    return None
 
 
 def poll_status(pid: int) -> int | None:
@@ -45,11 +64,13 @@ def own_error(rank: Rank, error: dict[str, Any] | None) -> dict[str, Any] | None
 
 
 def exit_event(rank: Rank, error: dict[str, Any] | None, stopping: bool,
-               stop_mono: float) -> dict[str, Any]:
+               stop_mono: float, signalled: tuple[int, float] | None = None
+               ) -> dict[str, Any]:
     """The ``exit`` event of ``rank`` (its status known), with its error
     record ``error``; ``stop_mono``: time.monotonic() when the agent began
-    stopping the job (``stopping``); a record the rank did not write
-    itself is left out (:func:`own_error`)."""
+    stopping the job (``stopping``); ``signalled``: the agent's own stop
+    signal and when it came (time.monotonic()), if it got one; a record the
+    rank did not write itself is left out (:func:`own_error`)."""
     error = own_error(rank, error)
     code = rank.status
     assert code is not None
@@ -62,6 +83,9 @@ def exit_event(rank: Rank, error: dict[str, Any] | None, stopping: bool,
         age = max(age, now_wall - float(error["time"]))
     when_mono = now_mono - age
     during_stop = stopping and when_mono >= stop_mono
+    if signalled is not None and stop_signal_of(code) == signalled[0] \
+            and when_mono >= signalled[1] - JOB_WIDE:
+        during_stop = True  # the agent's own signal killed it too (module docstring)
     if code < 0 and error is not None and when_mono < stop_mono:
         # It was already failing on its own (the record says how) when
         # our SIGTERM caught it in its exit path: report its own code.

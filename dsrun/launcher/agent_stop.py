@@ -37,6 +37,15 @@ from dsrun.launcher.guard import Guard
 #: once the ranks have (a worker still acting on the Ctrl-C, a child a rank
 #: was reaping) before it stops and names those left.
 SETTLE = 0.2
+#: The longest grace of a stop that a failure began (a rank's, the host's,
+#: another host's: the launcher's ``stop`` says ``failure``): the ranks left
+#: are usually blocked in a collective with the one that died, where no
+#: handler runs and no save can complete, so --kill_grace would only delay
+#: the report and every --max_restarts restart. A stop that a signal began
+#: (Ctrl-C, SIGTERM, a scheduler's time limit) or --timeout keeps the whole
+#: --kill_grace, and a signal to the agent during a failure's stop extends
+#: it to that (the same signal reached the ranks, which may be saving).
+FAILURE_GRACE = 5.0
 
 
 def leaders(ranks: list[Rank]) -> list[procs.Leader]:
@@ -64,6 +73,8 @@ class JobProcesses:
         self.stop_mono = float("inf")  # time.monotonic() when stopping began
         self.deadline = 0.0
         self.hard_killed = False
+        self.short = False  # the grace is a failure's (FAILURE_GRACE)
+        self.rushed = False  # hurry() was called: no grace to extend
         self.at_once = False  # SIGKILL came before the grace was over (hurried)
         self.sigkilled: set[int] = set()  # ranks still running when SIGKILL was sent
         # The job's other processes the teardown stopped after the ranks
@@ -103,16 +114,22 @@ class JobProcesses:
                 self.guard.escaped(proc)
 
     # -- stopping -------------------------------------------------------------
-    def begin(self, ranks: list[Rank], sig: signal.Signals) -> None:
+    def begin(self, ranks: list[Rank], sig: signal.Signals, failure: bool = False) -> None:
         """The first signal to every rank's group and every other process of
         the job (once: SIGTERM to those outside the groups after a SIGINT);
-        SIGKILL follows ``grace`` seconds later."""
+        SIGKILL follows ``grace`` seconds later, at most FAILURE_GRACE for a
+        stop a ``failure`` began. A stop that is no failure's, asked for
+        during a failure's, gets the whole grace (from the stop's start)."""
         if self.stopping:
+            if not failure and self.short and not (self.rushed or self.hard_killed):
+                self.short = False
+                self.deadline = max(self.deadline, self.stop_mono + self.grace)
             return
         self.stopping = True
         self.first = sig
         self.stop_mono = time.monotonic()
-        self.deadline = self.stop_mono + self.grace
+        self.short = failure and self.grace > FAILURE_GRACE
+        self.deadline = self.stop_mono + (FAILURE_GRACE if self.short else self.grace)
         # A rank that ignores SIGINT (signal.SIG_IGN: a script that leaves
         # Ctrl-C to rank 0, a SIGTERM-only preemption handler) gets SIGTERM,
         # as the job's other processes do: it would only sit out the grace.
@@ -127,6 +144,7 @@ class JobProcesses:
     def hurry(self) -> None:
         """Nobody waits for the grace any more: SIGKILL at the next check."""
         now = time.monotonic()
+        self.rushed = True
         if not self.hard_killed and self.deadline > now:
             self.at_once = True
         self.deadline = min(self.deadline, now)
@@ -184,7 +202,8 @@ class JobProcesses:
         self.line = leftover_line(self.left, list(self.killed_others.values()), job_ended,
                                   {r.popen.pid: r.rank for r in ranks})
         return {"killed": killed, "sigkilled": cut, "after": self.first.name,
-                "at_once": self.at_once or (bool(cut) and hurried())}
+                "at_once": self.at_once or (bool(cut) and hurried()),
+                "short": self.short}
 
     def _still_running(self, ranks: list[Rank]) -> list[procs.Proc]:
         """The job's processes other than the ranks still running once

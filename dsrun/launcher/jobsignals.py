@@ -70,7 +70,10 @@ def release_signals(previous: dict[signal.Signals, object], ended: int) -> None:
     ignored at exit (Python's finalisation would put their default back).
     Still, the :data:`EXIT_NOW_AFTER`-th signal since the job ended exits at
     once with 128+signum: a dsrun blocked writing its last output (a
-    reader that stopped reading) is never left to SIGKILL."""
+    reader that stopped reading) is never left to SIGKILL. From here a copy
+    of a signal counts again (latch.MERGE is for the job's grace): a second
+    signal ends the wait for dsrun's reader at once."""
+    SIGNALS.merge = False
     if PROGRAM.entry:  # nothing is forwarded any more, and dsrun must not die of them
         for sig in FORWARDED:
             if signal.getsignal(sig) is FORWARDS:
@@ -125,7 +128,7 @@ ALWAYS_HANDLED = frozenset({signal.SIGTERM})
 def take_signals() -> dict[signal.Signals, object]:
     """Install the job's signal handlers; return the previous ones (to put
     back) of the signals taken over."""
-    SIGNALS.reset()
+    SIGNALS.reset(merge=True)  # while the job runs, a copy of a SIGTERM is no second one
     FORWARDS.take()  # of an earlier job of this process
     previous: dict[signal.Signals, object] = {}
     for sig, handler in JOB_SIGNALS.items():

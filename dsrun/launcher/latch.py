@@ -13,7 +13,19 @@ escapes from the middle of stopping the job or of a message to an agent.
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Callable
+
+#: Seconds within which one more copy of the SIGTERM or SIGHUP just taken is
+#: the same delivery, not a second signal: a Slurm batch script's ``trap
+#: 'kill -TERM $pid' TERM`` (or srun) passes on the SIGTERM Slurm sent dsrun
+#: as well, milliseconds later, and must not kill every rank mid-save. Only
+#: one copy is absorbed, so a burst (``timeout`` signalling the group) is
+#: still a second signal. SIGINT is never merged: a terminal sends one per
+#: Ctrl-C pressed, and a second Ctrl-C kills at once, however quick.
+MERGE = 0.25
+#: The signals whose copies are merged (MERGE).
+MERGED = frozenset({signal.SIGTERM, signal.SIGHUP})
 
 
 class Interrupted(Exception):
@@ -32,9 +44,14 @@ class SignalLatch:
     Every other signal - the ones after it, and all of them while the job is
     supervised or stopped (:meth:`hold`) - is only recorded in ``pending``
     for the supervisor's loop to act on, so none can escape from the middle
-    of stopping the job or of a message to an agent."""
+    of stopping the job or of a message to an agent. One copy of a SIGTERM
+    or SIGHUP that comes within :data:`MERGE` of the same signal is dropped."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, merge: bool = True) -> None:
+        self.clock = clock
+        self.merge = merge  # copies are merged (MERGE): while a job runs (jobsignals.py)
+        # the last signal taken, and when, while one copy of it may still come
+        self.copy_of: tuple[int, float] | None = None
         self.pending: list[int] = []
         self.raising = False
         self.seen = False  # any signal since reset(): the launcher keeps its handlers
@@ -53,17 +70,25 @@ class SignalLatch:
         if self.exit_at is not None and self.received >= self.exit_at \
                 and self.on_excess is not None:
             self.on_excess(signum)
+        now, copy_of = self.clock(), self.copy_of
+        if copy_of is not None and copy_of[0] == signum and now - copy_of[1] < MERGE \
+                and signum in MERGED and self.merge:
+            self.copy_of = None  # the same delivery again (MERGE): once
+            return
+        self.copy_of = (signum, now)
         if self.raising:
             self.raising = False
             raise Interrupted(signum)
         self.pending.append(signum)
 
-    def reset(self) -> None:
+    def reset(self, merge: bool = False) -> None:
+        self.merge = merge
         self.pending.clear()
         self.raising = False
         self.seen = False
         self.received = 0
         self.first = None
+        self.copy_of = None
         self.exit_at = None
 
     def arm(self) -> None:

@@ -2,41 +2,21 @@
 
 Every agent reports each rank's exit; the launcher keeps the failures and,
 at the end, names the earliest one that was not caused by the teardown
-itself (ranks killed because another rank failed are consequences).
+itself (ranks killed because another rank failed are consequences). Which
+one that is - the ordering on the launcher's clock, peer losses, early
+exits, signals sent to the whole job - is report_causes.py's; its names are
+re-exported here. When failures came from more than one host, the report
+says which host's clock ordered them.
 
-"Earliest" never compares two hosts' wall clocks, which may be skewed: a
-failure is ordered by :attr:`RankFailure.seen`, the launcher's monotonic
-clock when it read the agent's report, less the delay the agent measured
-on its own monotonic clock between the failure and sending the report
-(``age``). Only the launcher's host's clock is used; the report says which
-host that is when failures came from more than one host.
-
-A rank whose collective failed because a peer died ("Connection reset by
-peer" from gloo, an NCCL remote error, dsrun's "could not exchange" between
-ranks) often looks earlier than the death itself: its record is stamped
-when its error was raised, the death only when its agent woke up to it.
-Such a *peer-loss* failure yields the root cause to any other failure up to
-:data:`PEER_WINDOW` seconds after it (a rank that died without a traceback,
-by a signal, or with an error of its own), and is counted as a consequence.
-
-A rank that ends with status 0 while others still run is no failure by
-itself (``JobResult.early_exits`` keeps them), but it is the likely cause
-when, within :data:`EARLY_EXIT_WINDOW` seconds after it, the job fails only
-by losing a peer (the others still expected it in a collective) or by a
-stop signal to node agents: mpirun stops the job when one of its ranks ends
-without ``MPI_Finalize`` (orted signals the agents). Only that close: a
-"connection reset by peer" an hour later may be any socket of the script's
-own (an upload), not the rank that left. The report then names that rank
-as the likely cause, still shows the failure that followed (its traceback
-and output), and the job exits 1, as mpirun does. An early exit further
-back is only mentioned next to a peer loss, never blamed, unless the
-rank's error names it (:data:`EXITED_PEER`: a checkpoint call that was
-waiting for that rank).
+A rank that ends with status 0 while others still run is the likely cause
+of a peer loss or a stop signal that follows it closely
+(report_causes.EARLY_EXIT_WINDOW): the report then names that rank, still
+shows the failure that followed (its traceback and output), and the job
+exits 1, as mpirun does.
 """
 
 from __future__ import annotations
 
-import re
 import signal as _signal
 import socket
 from collections.abc import Sequence
@@ -44,23 +24,29 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsrun.errors import RANK_LOST
+from dsrun.launcher.agent_stop import FAILURE_GRACE
+from dsrun.launcher.report_causes import (
+    EARLY_EXIT_WINDOW,
+    EXITED_PEER,
+    JOB_WIDE_WINDOW,
+    PEER_WINDOW,
+    ended_of,
+    exited_peers,
+    failed_during_stop,
+    interruption,
+    order,
+    root_cause,
+    signalled_agent,
+)
 
 #: Exit status of a job ended by --timeout (as GNU timeout).
 TIMEOUT_EXIT = 124
+# report_causes' names, for the launcher and the tests that import them here
+__all__ = ["EARLY_EXIT_WINDOW", "EXITED_PEER", "JOB_WIDE_WINDOW", "PEER_WINDOW", "JobResult",
+           "RankFailure", "RunningRank", "SigKilled", "ended_of", "exited_peers",
+           "failed_during_stop", "interruption", "report_lines", "restartable", "root_cause",
+           "signal_name", "signalled_agent", "sigkill_lines", "timeout_lines"]
 
-#: Seconds by which a peer-loss failure may look earlier than the failure
-#: that caused it (the agents' wake-ups on a loaded host, a network hop).
-PEER_WINDOW = 5.0
-#: Seconds after a rank's early exit with status 0 within which a stop
-#: signal to the node agents, or another rank's peer loss, is taken as a
-#: consequence of it (mpirun stops a job at once when a rank ends without
-#: MPI_Finalize; a collective waiting on the rank fails at once).
-EARLY_EXIT_WINDOW = 5.0
-#: Seconds within which a rank that ended of signal N and dsrun's own
-#: signal N are taken for one signal sent to every process of the job
-#: (Slurm's time limit, preemption or scancel reach the launcher, the
-#: agents and the ranks within milliseconds, in any order).
-JOB_WIDE_WINDOW = 2.0
 #: What the error of a rank that lost a peer says (lower case): gloo's
 #: "Connection reset/closed by peer", a write into a closed socket, the c10d
 #: store's "Connection was likely closed" (rank 0, its server, died), NCCL's
@@ -70,10 +56,6 @@ PEER_LOSS_MARKS = ("by peer", "broken pipe", "connection was likely closed",
 #: Errors recorded by the runtime that recur on every attempt: a restart
 #: cannot clear them (the same script, arguments, config and world size).
 NOT_RESTARTABLE = ("DsrunConfigError", "DsrunUsageError")
-#: How a rank's error names a peer whose exit it saw (a checkpoint call
-#: waiting for it: runtime/exitmark.py): that exit is the cause, however
-#: long before it came (no EARLY_EXIT_WINDOW).
-EXITED_PEER = re.compile(r"\brank (\d+) exited \(status ")
 
 
 @dataclass(frozen=True)
@@ -173,6 +155,7 @@ class SigKilled:
     ranks: tuple[int, ...]
     after: str  # the stop's first signal: "SIGTERM", or "SIGINT" for a Ctrl-C
     at_once: bool  # hurried (a further signal) before --kill_grace was over
+    short: bool = False  # a failure's stop: agent_stop.FAILURE_GRACE, not --kill_grace
 
 
 @dataclass(frozen=True)
@@ -232,80 +215,6 @@ def signal_name(num: int) -> str:
         return _signal.Signals(num).name
     except ValueError:
         return f"signal {num}"
-
-
-def _order(failure: RankFailure) -> tuple[int, float]:
-    # Failures the launcher stamped come first in their own order; a failure
-    # without a stamp (built by hand, an old agent) falls back to its wall time.
-    return (0, failure.seen) if failure.seen is not None else (1, failure.time)
-
-
-def root_cause(failures: Sequence[RankFailure],
-               early_exits: Sequence[RankFailure] = ()) -> RankFailure | None:
-    """The earliest failure that was not a consequence of stopping the job,
-    nor of a peer's failure within PEER_WINDOW after it; or the early exit
-    with status 0 that explains it (module docstring)."""
-    if not failures:
-        return None
-    genuine = [f for f in failures if not f.during_stop] or list(failures)
-    first = min(genuine, key=_order)
-    if first.peer_loss:
-        causes = [f for f in genuine if not f.peer_loss and _within(first, f, PEER_WINDOW)]
-        first = min(causes, key=_order) if causes else first
-    return _early_exit_cause(first, early_exits) or first
-
-
-def _early_exit_cause(first: RankFailure,
-                      early_exits: Sequence[RankFailure]) -> RankFailure | None:
-    """The earliest early exit that explains ``first``, or None: one at most
-    EARLY_EXIT_WINDOW before a peer loss or a stop signal to a node agent
-    (for a peer loss also up to PEER_WINDOW after it: the loss may be
-    stamped first)."""
-    if not (first.peer_loss or first.signalled):
-        return None
-    named = [e for e in early_exits if e.rank in exited_peers(first)]
-    if named:  # its error names them (EXITED_PEER)
-        return min(named, key=_order)
-    causes = [e for e in early_exits
-              if (_order(e) <= _order(first) and _within(e, first, EARLY_EXIT_WINDOW))
-              or (first.peer_loss and _order(e) > _order(first)
-                  and _within(first, e, PEER_WINDOW))]
-    return min(causes, key=_order) if causes else None
-
-
-def exited_peers(failure: RankFailure) -> set[int]:
-    """The ranks whose exit ``failure``'s error names (EXITED_PEER)."""
-    return {int(r) for r in EXITED_PEER.findall(str((failure.error or {}).get("message") or ""))}
-
-
-def _within(first: RankFailure, later: RankFailure, seconds: float) -> bool:
-    """``later`` happened at most ``seconds`` after ``first`` (same clock only:
-    a stamped and an unstamped failure cannot be compared, so they count)."""
-    a, b = _order(first), _order(later)
-    return a[0] != b[0] or b[1] - a[1] <= seconds
-
-
-def interruption(failures: Sequence[RankFailure], early_exits: Sequence[RankFailure],
-                 own: int | None, own_seen: float | None) -> int | None:
-    """The signal that stopped the job when no failure did, else None.
-
-    That is a stop signal to a node agent, when it is the root cause (no
-    early exit explains it: mpirun's orted signals the agents after one),
-    or dsrun's own signal ``own`` (got at ``own_seen``, the launcher's
-    monotonic clock) when the root cause is a rank that ended of that same
-    signal within :data:`JOB_WIDE_WINDOW` of it: killed by it, or exiting
-    128+N as Python does after a KeyboardInterrupt or a handler that exits
-    so - one signal sent to every process of the job."""
-    cause = root_cause(failures, early_exits)
-    if cause is None or cause.early_exit:
-        return None
-    if cause.signalled:
-        return cause.signal
-    if own is None or own_seen is None or cause.rank is None or cause.seen is None:
-        return None
-    if abs(cause.seen - own_seen) > JOB_WIDE_WINDOW:
-        return None
-    return own if cause.signal == own or cause.code == 128 + own else None
 
 
 def restartable(failure: RankFailure | None) -> bool:
@@ -389,10 +298,10 @@ def _after_early_exit(cause: RankFailure, trigger: RankFailure, launcher: str) -
 def _earlier_exits(cause: RankFailure, early_exits: Sequence[RankFailure]) -> list[str]:
     """A note on ranks that had exited with status 0 before the peer loss
     ``cause``, too long before to be blamed (module docstring)."""
-    before = [e for e in early_exits if _order(e) <= _order(cause)]
+    before = [e for e in early_exits if order(e) <= order(cause)]
     if not before:
         return []
-    first = min(before, key=_order)
+    first = min(before, key=order)
     ago = f" {cause.seen - first.seen:.1f}s" if cause.seen is not None \
         and first.seen is not None else ""
     return [f"(note: {_who(first)} had exited with status 0{ago} before; if this rank still "
@@ -463,8 +372,10 @@ def sigkill_lines(result: JobResult) -> list[str]:
     a ``finally`` block cut off by it is not taken for one that finished."""
     lines = []
     for at_once in (False, True):
-        for after in sorted({k.after for k in result.sigkilled if k.at_once == at_once}):
-            group = [k for k in result.sigkilled if (k.at_once, k.after) == (at_once, after)]
+        for after, short in sorted({(k.after, k.short and not at_once)
+                                    for k in result.sigkilled if k.at_once == at_once}):
+            group = [k for k in result.sigkilled
+                     if (k.at_once, k.after, k.short and not at_once) == (at_once, after, short)]
             who, count = _ranks_on_hosts(group)
             they, them = ("it", "it") if count == 1 else ("they", "them")
             what = "a save in except KeyboardInterrupt" if after == "SIGINT" else \
@@ -473,6 +384,11 @@ def sigkill_lines(result: JobResult) -> list[str]:
             if at_once:
                 lines.append(f"{who} killed with SIGKILL before --kill_grace ran out, after "
                              f"{after} (a further signal hurried the stop): {cut}")
+            elif any(k.short for k in group):  # a failure's stop (agent_stop.FAILURE_GRACE)
+                lines.append(f"{who} still running {FAILURE_GRACE:g}s after {after}: killed "
+                             f"with SIGKILL ({cut}; a failure's stop gives --kill_grace, at "
+                             f"most {FAILURE_GRACE:g}s: a rank left blocked in a collective "
+                             f"with the one that failed cannot save anything)")
             else:
                 grace = f" {result.kill_grace:g}s" if result.kill_grace is not None else ""
                 # Still running: saving, or blocked in C code (a CUDA call, an

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from dsrun.launcher.agent_stop import FAILURE_GRACE
 from dsrun.launcher.backends.base import JobHandle
 from dsrun.launcher.control import NO_ANSWER, StackQuery
 from dsrun.launcher.latch import FORWARDS, SIGNALS, Forwards, Interrupted, SignalLatch
@@ -36,9 +37,11 @@ from dsrun.launcher.report import (
     RankFailure,
     RunningRank,
     SigKilled,
+    ended_of,
+    failed_during_stop,
     interruption,
-    root_cause,
     signal_name,
+    signalled_agent,
 )
 from dsrun.launcher.watch import RankState, StackCollection, Stragglers
 
@@ -61,6 +64,9 @@ QUERY_STACK_WAIT = 10.0
 #: Seconds agents get to confirm a kill (second signal) before their
 #: transports are dropped.
 KILL_WAIT = 3.0
+#: The signals that stop a job (a rank killed by one was most likely sent it
+#: with the rest of the job: its stop keeps the whole --kill_grace).
+STOP_SIGNALS = frozenset({int(signal.SIGTERM), int(signal.SIGINT), int(signal.SIGHUP)})
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,7 @@ class _State:
     early_exits: list[RankFailure] = field(default_factory=list)  # status 0, not stopping
     ranks: dict[int, RankState] = field(default_factory=dict)
     stopping: bool = False
+    stop_grace: float = 0.0  # the grace the agents were given
     deadline: float = 0.0
     interrupted: int | None = None  # dsrun's own signal, which began the stop
     hurried: int | None = None  # dsrun's own signal while something else stopped the job
@@ -150,15 +157,21 @@ class Supervisor:
                          early_exits=tuple(st.early_exits), sigkilled=tuple(st.sigkilled),
                          kill_grace=self.grace)
 
-    def _stop(self, interrupt: bool = False) -> None:
+    def _stop(self, interrupt: bool = False, failure: bool = False) -> None:
         """Stop every agent's ranks; ``interrupt``: dsrun (or an agent) got a
         Ctrl-C, so they get SIGINT first (their KeyboardInterrupt handlers
-        run), not SIGTERM."""
+        run), not SIGTERM; ``failure``: a failure began the stop, so they
+        get agent_stop.FAILURE_GRACE at most (a signal's stop, or
+        --timeout's, the whole --kill_grace)."""
         st = self.state
         if not st.stopping:
             st.stopping = True
+            st.stop_grace = min(self.grace, FAILURE_GRACE) if failure else self.grace
             st.deadline = time.monotonic() + self.grace + AGENT_SLACK
-            self.handle.stop(interrupt=interrupt)
+            if failure:
+                self.handle.send_all({"cmd": "stop", "failure": True})
+            else:
+                self.handle.stop(interrupt=interrupt)
 
     def _kill_now(self) -> None:
         """A second signal: every agent SIGKILLs its ranks at once; agents
@@ -178,16 +191,26 @@ class Supervisor:
         st = self.state
         failures = tuple(st.failures)
         if st.interrupted is not None or st.timed_out is not None:
+            self._failed_during_stop(failures, st.interrupted)
             return st.interrupted, failures
         signum = interruption(failures, st.early_exits, st.own, st.own_seen)
         if signum is None:
             return None, failures
-        cause = root_cause(failures, st.early_exits)
-        if cause is not None and cause.signalled and st.own is None:
-            self.watch.say(f"the node agent on host {cause.host} got {signal_name(signum)} "
+        agent = signalled_agent(failures, signum)
+        if agent is not None and st.own is None:
+            self.watch.say(f"the node agent on host {agent.host} got {signal_name(signum)} "
                            f"(not from dsrun, which got none): it stopped its ranks, and "
                            f"dsrun stopped the job")
-        return signum, tuple(replace(f, during_stop=True) for f in failures)
+        failures = tuple(replace(f, during_stop=True) for f in failures)
+        self._failed_during_stop(failures, signum)
+        return signum, failures
+
+    def _failed_during_stop(self, failures: tuple[RankFailure, ...], signum: int | None) -> None:
+        """Ranks that failed of their own error while a signal stopped the
+        job are named (report_causes.failed_during_stop)."""
+        if signum is not None:
+            for line in failed_during_stop(failures):
+                self.watch.say(line)
 
     def _give_up(self) -> None:
         """The stop deadline passed: drop every agent that has not said
@@ -213,16 +236,22 @@ class Supervisor:
                 st.hurried = signum
             self._kill_now()
             return
+        again = "Ctrl-C again" if signum == signal.SIGINT else "a second signal"
         if st.stopping or st.timed_out is not None:
             # Something else is ending the job already (a failure, a lost host,
             # --timeout, a signal to an agent): it stays the cause unless it is
             # this very signal, sent to the whole job (_outcome); no restart.
             st.hurried = signum
             if interruption(st.failures, st.early_exits, signum, st.own_seen) != signum:
+                grace = f"--kill_grace {self.grace:g}s" if st.stop_grace >= self.grace else \
+                    f"{st.stop_grace:g}s (a failure's stop: --kill_grace, at most " \
+                    f"{FAILURE_GRACE:g}s)"
                 self.watch.say(f"{name} while the job is being stopped: the ranks still get "
-                               f"--kill_grace {self.grace:g}s; a second signal kills them now")
+                               f"{grace}; {again} kills them now")
             return
         st.interrupted = signum
+        self.watch.say(f"{name}: stopping the job; the ranks get --kill_grace {self.grace:g}s "
+                       f"to end (a handler's save), then are killed; {again} kills them now")
         self._stop(interrupt=signum == signal.SIGINT)
 
     def _forward(self, signum: int) -> None:
@@ -313,7 +342,7 @@ class Supervisor:
         ranks = tuple(int(r) for r in msg.get("sigkilled") or ())
         if ranks:
             st.sigkilled.append(SigKilled(host, ranks, str(msg.get("after") or "SIGTERM"),
-                                          bool(msg.get("at_once"))))
+                                          bool(msg.get("at_once")), bool(msg.get("short"))))
 
     def _exited(self, index: int, host: str, msg: dict[str, Any]) -> None:
         st = self.state
@@ -324,8 +353,11 @@ class Supervisor:
             st.ranks[int(rank)].ended = float(msg.get("_recv", time.monotonic()))
         self.stragglers.exited(time.monotonic())
         if msg.get("code") != 0:
-            st.failures.append(RankFailure.from_event(host, msg))
-            self._stop()
+            failure = RankFailure.from_event(host, msg)
+            st.failures.append(failure)
+            # A rank killed by a stop signal from outside: most likely one sent
+            # to the whole job, whose other ranks may be saving (whole grace).
+            self._stop(failure=failure.during_stop or ended_of(failure) not in STOP_SIGNALS)
         elif not st.stopping and not msg.get("during_stop"):  # may explain a later failure
             st.early_exits.append(RankFailure.from_event(host, msg))
 
@@ -351,7 +383,7 @@ class Supervisor:
                 host=host, rank=None, code=code, signal=sig, time=time.time(),
                 during_stop=st.stopping, message=self.handle.exit_message(index, code),
                 seen=time.monotonic()))
-            self._stop()
+            self._stop(failure=True)
 
     def _agent_failed(self, index: int, host: str, message: str, seen: float) -> None:
         st = self.state
@@ -359,7 +391,7 @@ class Supervisor:
         st.failures.append(RankFailure(host=host, rank=None, code=1, signal=None,
                                        time=time.time(), during_stop=st.stopping,
                                        message=message, seen=seen))
-        self._stop()
+        self._stop(failure=True)
 
     # -- liveness -------------------------------------------------------------
     def _check_liveness(self, now: float) -> None:
@@ -387,7 +419,7 @@ class Supervisor:
             self.handle.drop(index)
             self.watch.say(f"host {host} lost: nothing heard from it for {silent:.1f}s; "
                            f"stopping the job on every other host")
-            self._stop()
+            self._stop(failure=True)
 
     # -- --timeout ------------------------------------------------------------
     def _check_timeout(self, now: float) -> None:

@@ -9,8 +9,10 @@ agent's guard and the ranks. The ranks run tests/proc/workers/signal_saver.py
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -174,3 +176,61 @@ def test_ctrl_c_gives_sigterm_to_a_rank_that_ignores_sigint(pid_dir, tmp_path):
     assert [(out / f"saved_{r}").read_text() for r in (0, 1)] == ["SIGTERM"] * 2
     assert took < 8, took  # not the 10 s grace
     assert wait_gone(job, 5) == []
+
+
+@pytest.mark.parametrize("agent_after", [0.0, 0.05], ids=["together", "50ms"])
+def test_handler_less_ranks_killed_by_a_signal_dsrun_did_not_get_are_no_failure(
+        pid_dir, tmp_path, agent_after):
+    """Ranks without a handler die of SIGTERM at once, often before their
+    agent's own handler has run, and dsrun got no copy (``scancel`` of the
+    steps only, a signal to the steps' cgroup). Still ``stopped by
+    SIGTERM``, and --max_restarts does not start another attempt. The ranks
+    are signalled first, the agent ``agent_after`` seconds later (it waits
+    agent.LINGER for its own copy): the old code took the rank whose exit it
+    saw first for the cause and restarted the job (about one run in three
+    when all were signalled together in any order)."""
+    for attempt in range(2):  # the race is timing-dependent: twice each
+        pids, out = tmp_path / f"pids{attempt}", tmp_path / f"out{attempt}"
+        pids.mkdir()
+        out.mkdir()
+        proc = start_dsrun("--cpu", "--num_gpus", "2", "--dist_backend", "none",
+                           "--max_restarts", "1", SAVER, "--pid_dir", str(pids),
+                           "--out", str(out), "--run", "20")
+        try:
+            ranks = sorted(wait_for_pids(pids, 2).values())
+            time.sleep(0.3)
+            job = [proc.pid, *descendants(proc.pid)]
+            for pid in ranks:
+                os.kill(pid, signal.SIGTERM)
+            time.sleep(agent_after)
+            agent = next(p for p in job[1:] if psutil.Process(p).ppid() == proc.pid)
+            with contextlib.suppress(ProcessLookupError):  # the old agent: gone by then
+                os.kill(agent, signal.SIGTERM)
+            for pid in set(job[1:]) - {agent, *ranks}:  # its guard, if still there
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+            _, err = proc.communicate(timeout=15)  # a restart runs 20 s
+        finally:
+            proc.kill()
+        assert proc.returncode == 128 + signal.SIGTERM, err
+        assert "stopped by SIGTERM; every rank was stopped" in err, err
+        assert "job failed" not in err and "restarting" not in err, err
+        assert "the node agent on host" in err and "dsrun, which got none" in err, err
+        assert wait_gone(job, 5) == []
+
+
+def test_a_failure_s_stop_gives_the_survivors_failure_grace_not_kill_grace(pid_dir):
+    """Rank 0 fails; rank 1 ignores SIGTERM (as one blocked in a collective
+    with the dead rank, where no handler runs): it is SIGKILLed after
+    agent_stop.FAILURE_GRACE (5 s), not --kill_grace 30 - which the old code
+    waited out before the report (and before any --max_restarts restart)."""
+    start = time.monotonic()
+    res = run_dsrun("--cpu", "--num_gpus", "2", "--dist_backend", "none", "--kill_grace", "30",
+                    str(WORKERS / "behave.py"), "--pid_dir", str(pid_dir), "--fail_rank", "0",
+                    "--ignore_term_rank", "1", timeout=60)
+    took = time.monotonic() - start
+    assert res.returncode == 3, res.stderr
+    assert "rank 0 on host" in res.stderr and "failed first" in res.stderr, res.stderr
+    assert "rank 1 on host vm still running 5s after SIGTERM: killed with SIGKILL" \
+        in res.stderr.replace(socket.gethostname(), "vm"), res.stderr
+    assert took < 15, took

@@ -9,6 +9,7 @@ import queue
 import signal
 
 from dsrun.launcher.agent_forward import MERGE, Forwarder
+from dsrun.launcher.latch import MERGE as LATCH_MERGE
 from dsrun.launcher.report import JOB_WIDE_WINDOW, RankFailure, interruption
 from dsrun.launcher.supervisor import Forwards, SignalLatch, Supervisor, Watch
 
@@ -41,15 +42,26 @@ def test_a_rank_ending_of_dsrun_s_own_signal_close_to_it_is_one_job_wide_signal(
     assert interruption([killed], [], None, None) is None
 
 
-class _Handle:
-    """Agents that confirm a stop or a kill at once; what was sent."""
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
 
-    def __init__(self, events: list[dict]) -> None:
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Handle:
+    """Agents that confirm a stop or a kill at once; what was sent.
+    ``on_stop``: runs when the stop goes out (dsrun's own signal arriving
+    after the agent's ``signal`` event began the stop)."""
+
+    def __init__(self, events: list[dict], on_stop=lambda: None) -> None:
         self.events: queue.Queue = queue.Queue()
         self.channels = [None]
         self.last_seen = [0.0]
         self.watched: list[int] = []
         self.sent: list[dict] = []
+        self.on_stop = on_stop
         for event in events:
             self.events.put((0, event))
 
@@ -58,29 +70,69 @@ class _Handle:
 
     def send_all(self, obj, only=None) -> None:
         self.sent.append(obj)
+        if obj["cmd"] == "stop":
+            self.on_stop()
         if obj["cmd"] in ("stop", "kill"):
             self.events.put((0, {"ev": "done", "killed": 0}))
             self.events.put((0, {"ev": "eof"}))
 
     def close(self) -> None: ...
+    def exit_message(self, index, code) -> str: return "gone"
+
+
+def _agent_event() -> dict:
+    import time
+
+    return {"ev": "signal", "signal": TERM, "time": time.time(), "age": 0.0,
+            "_recv": time.monotonic()}
 
 
 def test_dsrun_s_own_signal_joins_an_agent_s_stop_and_only_a_second_one_kills():
-    import time
-
+    """The agent's ``signal`` event begins the stop; dsrun's own copy comes
+    after it (the latch fires when the stop goes out), so the supervisor's
+    "join the stop under way" branch runs: it marks the signal ``hurried``,
+    never ``interrupted`` (the branch of a fresh stop)."""
     for own, kills in ((1, False), (2, True)):
-        latch = SignalLatch()
-        for _ in range(own):
-            latch(TERM, None)
-        h = _Handle([{"ev": "signal", "signal": TERM, "time": time.time(), "age": 0.0,
-                      "_recv": time.monotonic()}])
+        clock = _Clock()
+        latch = SignalLatch(clock)
+
+        def fire(latch=latch, clock=clock, own=own) -> None:
+            for _ in range(own):
+                latch(TERM, None)
+                clock.now += 2 * LATCH_MERGE  # a second signal, not a copy of the first
+
+        h = _Handle([_agent_event()], on_stop=fire)
         said: list[str] = []
-        result = Supervisor(h, ["a"], lambda *a: None, 30.0,  # type: ignore[arg-type]
-                            watch=Watch(say=said.append), signals=latch).run()
+        sup = Supervisor(h, ["a"], lambda *a: None, 30.0,  # type: ignore[arg-type]
+                         watch=Watch(say=said.append), signals=latch)
+        result = sup.run()
+        assert sup.state.own == TERM and sup.state.own_count == own
+        assert sup.state.interrupted is None and sup.state.hurried == TERM  # joined
         assert result.exit_code == 128 + TERM and result.interrupted == TERM
         assert all(f.during_stop for f in result.failures)  # no "job failed" report
         assert ({"cmd": "kill"} in h.sent) is kills
         assert not any("being stopped" in line for line in said), said
+
+
+def test_two_copies_of_one_signal_to_dsrun_are_one_delivery_a_third_kills():
+    """Slurm's SIGTERM and a batch script's ``trap`` passing it on reach dsrun
+    milliseconds apart: one stop, the ranks keep their grace; Ctrl-C pressed
+    again after LATCH_MERGE, or a burst, still kills at once."""
+    for gaps, kills in (((0.01,), False), ((2 * LATCH_MERGE,), True), ((0.01, 0.01), True)):
+        clock = _Clock()
+        latch = SignalLatch(clock)
+        latch(TERM, None)
+        for gap in gaps:
+            clock.now += gap
+            latch(TERM, None)
+        h = _Handle([])
+        said: list[str] = []
+        result = Supervisor(h, ["a"], lambda *a: None, 30.0,  # type: ignore[arg-type]
+                            watch=Watch(say=said.append), signals=latch).run()
+        assert result.interrupted == TERM
+        assert ({"cmd": "kill"} in h.sent) is kills, (gaps, h.sent)
+        assert said[0] == ("SIGTERM: stopping the job; the ranks get --kill_grace 30s to end "
+                           "(a handler's save), then are killed; a second signal kills them now")
 
 
 def test_an_agent_signalled_alone_is_named():
@@ -108,14 +160,6 @@ def test_sigusr1_to_dsrun_is_sent_to_every_agent_and_never_stops_the_job():
     assert h.sent == [{"cmd": "signal", "signal": "SIGUSR2"}] and not sup.state.stopping
     assert said == ["SIGUSR1 while the job was starting: not forwarded",
                     "SIGUSR2: forwarded to every rank's process group"]
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_the_agent_forwards_each_delivery_once():

@@ -322,8 +322,9 @@ def test_signals_while_a_failure_stops_the_job_keep_the_cause_and_the_second_hur
                         watch=Watch(say=said.append), signals=latch).run()
     assert result.interrupted is None and result.exit_code == 4
     assert sorted(h.sent) == [(0, "kill"), (0, "stop"), (1, "kill"), (1, "stop")]
-    assert said == ["SIGINT while the job is being stopped: the ranks still get "
-                    "--kill_grace 30s; a second signal kills them now"]
+    # a failure's stop: the grace is agent_stop.FAILURE_GRACE, not --kill_grace 30
+    assert said == ["SIGINT while the job is being stopped: the ranks still get 5s (a "
+                    "failure's stop: --kill_grace, at most 5s); Ctrl-C again kills them now"]
     # and --max_restarts does not start another attempt after it
     from dsrun.launcher.launch import JobClock, _no_restart
     from dsrun.launcher.spec import LaunchSpec
