@@ -13,7 +13,8 @@ plan means "exit, nothing was started". Guarantees:
   at the first rank that cannot be started;
 - the first rank to fail stops the others: SIGTERM to each group (SIGINT
   for the launcher's Ctrl-C: ``stop`` with ``"signal": "SIGINT"``, or
-  SIGINT to the agent), SIGKILL after ``kill_grace`` seconds. A stop
+  SIGINT to the agent), SIGKILL after ``kill_grace`` seconds (at most
+  agent_stop.FAILURE_GRACE when a failure began the stop). A stop
   command, end of input, a launcher silent past its heartbeat timeout
   (link.py) or a signal to the agent stop the ranks the same way; a kill
   command, end of input while stopping, or a second signal (not the first
@@ -30,7 +31,8 @@ plan means "exit, nothing was started". Guarantees:
   any of its threads - is a ``fail`` event {message, time}: the launcher
   reports the host as failed, the ranks are stopped; never a clean ``done``;
 - a signal to the agent is reported (``signal``) before it stops the ranks,
-  so the launcher takes the job as interrupted by it; later signals only
+  so the launcher takes the job as interrupted by it (also one that came
+  after its ranks had died of it: agent_exits.py, LINGER); later signals only
   hurry the teardown, never cut it short (orted's SIGTERM on MPI_Abort may
   come mid-stop);
 - SIGUSR1 and SIGUSR2 never stop the agent: they are passed on to the
@@ -60,7 +62,13 @@ from typing import IO, Any
 
 from dsrun import deathsig, stackdump
 from dsrun.launcher import agent_forward, procs
-from dsrun.launcher.agent_exits import exit_event, own_error, poll_status, stop_signal_of
+from dsrun.launcher.agent_exits import (
+    exit_event,
+    own_error,
+    poll_exits,
+    record_exit,
+    stop_signal_of,
+)
 from dsrun.launcher.agent_os import (
     REPEAT,
     STOP_SIGNALS,
@@ -258,9 +266,9 @@ class Agent:
                 info = None
             if info is None:
                 mono = time.monotonic()
-                self._exited(rank, rank.popen.wait(), mono)
+                record_exit(self.exit_lock, rank, rank.popen.wait(), mono)
             else:
-                self._exited(rank, wait_status(info), time.monotonic())
+                record_exit(self.exit_lock, rank, wait_status(info), time.monotonic())
             # Its last output before its exit (the pumps may wait while the
             # launcher holds output): here, so the supervision loop never waits.
             for t in rank.readers:
@@ -269,25 +277,6 @@ class Agent:
             self._thread_failed(exc)  # queued before "exit": handled first
         rank.settled = True
         self.events.put("exit")
-
-    def _exited(self, rank: Rank, status: int, mono: float) -> None:
-        """Record a rank's exit, once (its wait thread, or _poll_exits)."""
-        with self.exit_lock:
-            if rank.status is None:
-                rank.exit_mono = mono
-                rank.status = status
-
-    def _poll_exits(self) -> None:
-        """Note the ranks already dead whose wait thread has not woken yet.
-
-        Before a stop begins: a rank that died on its own (``os._exit``, a
-        signal) wakes its peers with a closed connection before its wait
-        thread runs, so the peer's failure can start the stop first, and
-        the dead rank would look like one the stop ended."""
-        for rank in self.ranks:
-            status = poll_status(rank.popen.pid) if rank.status is None else None
-            if status is not None:
-                self._exited(rank, status, time.monotonic())
 
     def _agent_vars(self, rank: int) -> dict[str, str]:
         return {procs.JOB_MARKER: self.marker,
@@ -435,7 +424,7 @@ class Agent:
         """Stop every rank; ``failure``: a failure began it, so the ranks get
         agent_stop.FAILURE_GRACE at most."""
         if not self.job.stopping:
-            self._poll_exits()  # ranks dead by now did not die of this stop
+            poll_exits(self.exit_lock, self.ranks)  # ranks dead by now did not die of this stop
         self.job.begin(self.ranks, sig, failure)
 
     def _reap(self) -> None:
@@ -443,7 +432,7 @@ class Agent:
             if rank.reported or not rank.settled:
                 continue
             if rank.status is None:  # its wait thread failed: poll for the exit
-                self._poll_exits()
+                poll_exits(self.exit_lock, self.ranks)
                 if rank.status is None:
                     continue
             rank.reported = True

@@ -19,6 +19,7 @@ Kept to the standard library: every agent imports it.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
@@ -48,6 +49,27 @@ def poll_status(pid: int) -> int | None:
     except ChildProcessError:
         return None
     return None if info is None else wait_status(info)
+
+
+def record_exit(lock: threading.Lock, rank: Rank, status: int, mono: float) -> None:
+    """Record a rank's exit, once (its wait thread, or :func:`poll_exits`)."""
+    with lock:
+        if rank.status is None:
+            rank.exit_mono = mono
+            rank.status = status
+
+
+def poll_exits(lock: threading.Lock, ranks: list[Rank]) -> None:
+    """Note the ranks already dead whose wait thread has not woken yet.
+
+    Before a stop begins: a rank that died on its own (``os._exit``, a
+    signal) wakes its peers with a closed connection before its wait
+    thread runs, so the peer's failure can start the stop first, and
+    the dead rank would look like one the stop ended."""
+    for rank in ranks:
+        status = poll_status(rank.popen.pid) if rank.status is None else None
+        if status is not None:
+            record_exit(lock, rank, status, time.monotonic())
 
 
 def own_error(rank: Rank, error: dict[str, Any] | None) -> dict[str, Any] | None:

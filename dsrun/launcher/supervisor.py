@@ -225,7 +225,7 @@ class Supervisor:
         joins the stop already under way (a signal to every process of the
         job reaches the agents and the ranks too, in any order): the ranks
         get their --kill_grace either way. Only a second one to dsrun
-        itself kills every rank at once."""
+        itself kills every rank at once (a copy within latch.MERGE is none)."""
         st = self.state
         st.own_count += 1
         name = signal.Signals(signum).name
