@@ -234,3 +234,25 @@ def test_a_failure_s_stop_gives_the_survivors_failure_grace_not_kill_grace(pid_d
     assert "rank 1 on host vm still running 5s after SIGTERM: killed with SIGKILL" \
         in res.stderr.replace(socket.gethostname(), "vm"), res.stderr
     assert took < 15, took
+
+
+def test_a_copy_of_dsrun_s_sigterm_is_no_second_signal(pid_dir, tmp_path):
+    """A batch script's ``trap 'kill -TERM $pid' TERM`` passes on the SIGTERM
+    Slurm sent dsrun as well, milliseconds later: one delivery, the ranks
+    save within their grace. The old code took the copy for a second
+    signal and SIGKILLed every rank mid-save."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = _start(pid_dir, out, "--stop", "SIGTERM", "--save", "0.5")
+    try:
+        job = _job(proc, pid_dir)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM; every rank was stopped" in err and "SIGKILL" not in err, err
+    assert sorted(p.name for p in out.iterdir()) == ["saved_0", "saved_1"], err
+    assert wait_gone(job, 5) == []
