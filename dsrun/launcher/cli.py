@@ -209,7 +209,8 @@ def host_options(func):
               show_default=True, help="Restart the whole job up to N times after a failure.")
 @click.option("--kill_grace", "--kill-grace", "kill_grace", type=float, default=30.0,
               show_default=True, help="Seconds between SIGTERM (or SIGINT) and SIGKILL "
-              "when stopping ranks (torchrun's --shutdown_timeout).")
+              "when stopping ranks (torchrun's --shutdown_timeout); after a rank's "
+              "failure, at most 5.")
 @click.option("--config", "config", default=None,
               type=click.Path(exists=True, dir_okay=False),
               help="A DeepSpeed-style JSON config handed to every rank (DSRUN_CONFIG); "

@@ -56,9 +56,11 @@ values only ever here, never on a command line) and per rank its argv,
 whether it runs the injected runtime (``runtime``) and its environment
 layers (rankenv.py); then it may write commands (:data:`COMMANDS`):
 
-  stop     {signal}                        stop every rank (SIGTERM, grace, SIGKILL;
+  stop     {signal, failure}               stop every rank (SIGTERM, grace, SIGKILL;
                                            "signal": "SIGINT": SIGINT first, for a
-                                           Ctrl-C of the launcher)
+                                           Ctrl-C of the launcher; "failure": true:
+                                           a failure began the stop, so the grace is
+                                           at most FAILURE_GRACE, agent_stop.py)
   kill                                     SIGKILL every rank now (a second Ctrl-C);
                                            end of input while stopping does the same
   stack    {req}                           each running rank's Python stacks
@@ -81,7 +83,9 @@ The agent writes events:
   signal   {signal, time, age, during_stop}
            the agent itself got a stop signal (SIGTERM, SIGINT, SIGHUP:
            an admin, a scheduler, orted); it now stops its ranks, whose
-           exits are consequences of it
+           exits are consequences of it. It may come after those ranks'
+           exit events (the signal reached the ranks first, or after the
+           agent's loop ended), always before done
   fail     {message, time}                 the agent itself failed (a --log_dir file
                                            it cannot open or write, its guard killed,
                                            an error on any of its threads): the host
@@ -91,11 +95,12 @@ The agent writes events:
   stack    {req, rank, pid, text, stopped} a rank's stacks (text null: no handler;
                                            stopped: it is stopped by a signal)
   stack_end {req}                          every running rank answered
-  done     {killed, sigkilled, after, at_once}
+  done     {killed, sigkilled, after, at_once, short}
            every process of the job is gone; killed: how many the final
            sweep SIGKILLed; sigkilled: the ranks that died of the agent's
            SIGKILL, still running after the stop's first signal ``after``
-           ("SIGTERM", "SIGINT") for the kill grace, or hurried (at_once)
+           ("SIGTERM", "SIGINT") for the kill grace, or hurried (at_once);
+           short: the grace was a failure's (at most FAILURE_GRACE)
 
 An agent ignores commands it does not know (from a newer launcher).
 """
