@@ -165,10 +165,12 @@ class Agent:
             stop_raising(self._hurry)  # for good: main() drains the link after this
             self._await_own_signal()
             facts = self._finish()
-            if self.late_signal and self.signalled is not None:
+            if self.late_signal and self.signalled is not None and self.killed_outside:
                 # The ranks were gone before the agent's own signal came (a
                 # signal to the whole job that killed them first): still the
-                # launcher's to know, to count their deaths with it.
+                # launcher's to know, to count their deaths with it. Not when
+                # no rank died of a signal: ranks that all exited on their own
+                # decide the job's outcome, whatever reached the agent after.
                 self._emit_signal(self.signalled[0], True, time.monotonic() - self.signalled[1])
             self.emit({"ev": "done", **facts})
         return 1 if self.failed else 0
