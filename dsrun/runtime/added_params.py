@@ -27,12 +27,15 @@ DeepSpeed 0.19.8).
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any
 
 import torch
 
 from dsrun.runtime.sparse_grads import sparse_grad_params
+
+log = logging.getLogger("dsrun")
 
 
 def _count(optimizer: Any) -> tuple[int, int]:
@@ -47,6 +50,8 @@ class AddedParams:
         self._engine = weakref.ref(engine)  # the engine holds the optimizer, which holds this
         self.optimizer = optimizer
         self._count = _count(optimizer)
+        #: tensors of the groups that are not the module's (initialize() warned of these)
+        self._foreign = _foreign(engine, optimizer)
         #: adopted since the last backward began: its reduction may not have covered them
         self._unreduced: list[torch.nn.Parameter] = []
         original = optimizer.add_param_group
@@ -69,6 +74,7 @@ class AddedParams:
             return
         added = engine.precision.track(engine.module, self.optimizer)
         self._count = _count(self.optimizer)
+        self._warn_foreign(engine)
         sync = engine._grad_sync
         if not added or sync is None:
             return
@@ -78,6 +84,19 @@ class AddedParams:
         if sync.world_size > 1:
             sync.add_late(dense)
             self._unreduced.extend(dense)
+
+    def _warn_foreign(self, engine: Any) -> None:
+        """A group added with tensors that are not the module's parameters
+        (fp16 refuses them in track()): they are stepped with each rank's own
+        gradient, as initialize() warns of such tensors."""
+        foreign = _foreign(engine, self.optimizer)
+        new = foreign - self._foreign
+        self._foreign = foreign
+        if new:
+            log.warning("%d tensor(s) added to the optimizer's param groups are not parameters "
+                        "of the module: they are stepped with each rank's own gradient, not "
+                        "averaged across ranks (as in DeepSpeed); make them module parameters "
+                        "to keep the replicas equal", len(new))
 
     def backward_started(self) -> None:
         """Before a backward: from its reduction on, the late list covers all."""
@@ -93,3 +112,14 @@ class AddedParams:
         if reduce_now and self._unreduced and engine is not None:
             engine._grad_sync.reduce_late(self._unreduced)
         self._unreduced.clear()
+
+
+def _foreign(engine: Any, optimizer: Any) -> set[int]:
+    """ids of the tensors in ``optimizer``'s groups that are neither a
+    parameter of ``engine``'s module nor the tensor its precision steps for
+    one (an fp16 master)."""
+    own: set[int] = set()
+    for param in engine.module.parameters():
+        own.add(id(param))
+        own.add(id(engine.precision.optimizer_tensor(param)))
+    return {id(t) for g in optimizer.param_groups for t in g["params"]} - own

@@ -83,3 +83,21 @@ def test_fp16_refuses_a_foreign_or_repeated_tensor_and_keeps_its_groups(solo: No
     assert [len(g["params"]) for g in opt.param_groups] == [2]
     opt.add_param_group({"params": [m[0].weight]})
     assert [p.dtype for g in opt.param_groups for p in g["params"]] == [torch.float32] * 3
+
+
+def test_fp32_warns_of_an_added_tensor_that_is_not_a_module_parameter(
+        solo: None, caplog: pytest.LogCaptureFixture) -> None:
+    """As initialize() warns of such tensors: each rank steps them with its
+    own gradient. A module parameter added the same way gets no warning."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    m[0].requires_grad_(False)
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    _, opt, *_ = dsrun.initialize(model=m, config=config, model_parameters=m[1].parameters())
+    with caplog.at_level("WARNING", logger="dsrun"):
+        m[0].requires_grad_(True)
+        opt.add_param_group({"params": list(m[0].parameters())})
+        assert "not parameters of the module" not in caplog.text
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    assert "1 tensor(s) added to the optimizer's param groups are not parameters" in caplog.text
