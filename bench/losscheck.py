@@ -16,7 +16,11 @@ moves the loss on the bench models (16-35 % per step with their repeated
 batch at lr 3e-4: 339.2, 284.0, 207.6, 135.7 on the small model) and far
 above the fp32 reduction-order differences seen between runners (identical to
 6 decimals over a few steps). Telling "trains nothing" apart needs at least
-two recorded steps: the first loss is computed before any update.
+two recorded steps: the first loss is computed before any update. So
+:func:`check` also names a runner whose recorded losses never move from
+the first (every runner agreeing on a loss that does not change is no
+evidence of training), and says so when a runner recorded fewer than two
+steps, where neither can be told.
 """
 
 from __future__ import annotations
@@ -71,14 +75,31 @@ def mismatches(losses: dict[str, Sequence[float]], rtol: float = RTOL,
     return found
 
 
+def stalled(losses: dict[str, Sequence[float]], rtol: float = RTOL,
+            atol: float = ATOL) -> list[str]:
+    """One line per entry of ``losses`` with at least two values that all
+    equal its first within the tolerance: it trained nothing (an update at
+    the benches' learning rate moves the loss by percents per step)."""
+    return [f"{name}: the loss never changed over {len(values)} steps ({values[0]!r}): "
+            "nothing was trained"
+            for name, values in losses.items()
+            if len(values) >= 2 and all(math.isclose(v, values[0], rel_tol=rtol, abs_tol=atol)
+                                        for v in values[1:])]
+
+
 def check(losses: dict[str, Sequence[float]], what: str = "losses",
           rtol: float = RTOL) -> list[str]:
     """Print whether ``losses`` agree (the tolerance and the reference's
-    values) and return the mismatches (:func:`mismatches`); the caller exits
-    non-zero on any."""
-    found = mismatches(losses, rtol)
+    values) and return the mismatches (:func:`mismatches`) and the runners
+    that trained nothing (:func:`stalled`); the caller exits non-zero on
+    any."""
+    found = mismatches(losses, rtol) + stalled(losses, rtol)
     if not losses:
         return found
+    short = [name for name, values in losses.items() if len(values) < 2]
+    if short:
+        print(f"{what}: {', '.join(short)} recorded fewer than two steps, so whether "
+              "they trained at all cannot be told (run more steps)")
     ref_name = reference(losses, rtol)[0]
     shown = ", ".join(f"{v:.6f}" for v in losses[ref_name])
     verdict = "MISMATCH" if found else "all agree"

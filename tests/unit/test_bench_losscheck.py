@@ -62,3 +62,16 @@ def test_with_no_majority_the_reference_may_be_the_odd_one(capsys):
         f"b step 0: loss {SAME[0] + 1!r}, a: {SAME[0]!r}"]  # two: the line names both
     losscheck.check({"x": [1.0], "y": SAME, "z": SAME})
     assert "compared with y" in capsys.readouterr().out
+
+
+def test_runners_that_agree_but_never_change_are_named(capsys):
+    flat = [SAME[0]] * 3  # every runner agrees: nobody trained
+    found = losscheck.check({"ddp": flat, "dsrun": [v * (1 + 1e-7) for v in flat]})
+    assert len(found) == 2 and all("nothing was trained" in line for line in found)
+    assert "MISMATCH" in capsys.readouterr().out
+    assert losscheck.stalled({"ddp": SAME, "one step": SAME[:1]}) == []
+
+
+def test_fewer_than_two_steps_is_said(capsys):
+    assert losscheck.check({"ddp": SAME[:1], "dsrun": SAME[:1]}) == []
+    assert "ddp, dsrun recorded fewer than two steps" in capsys.readouterr().out
