@@ -69,6 +69,7 @@ from dsrun.launcher.agent_exits import (
     record_exit,
     stop_signal_of,
 )
+from dsrun.launcher.agent_hold import held_signals
 from dsrun.launcher.agent_os import (
     REPEAT,
     STOP_SIGNALS,
@@ -437,8 +438,9 @@ class Agent:
                 poll_exits(self.exit_lock, self.ranks)
                 if rank.status is None:
                     continue
-            rank.reported = True
-            self._report_exit(rank)
+            with held_signals():  # reported and told, or neither (agent_hold.py)
+                rank.reported = True
+                self._report_exit(rank)
 
     def _report_exit(self, rank: Rank) -> None:
         error = own_error(rank, read_error_file(rank.error_file))
