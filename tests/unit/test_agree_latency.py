@@ -11,29 +11,28 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from dsrun.runtime.checkpoint.coord import Coordinator
+from dsrun.runtime.checkpoint.coord import Coordinator, post_arrival
 
 
 def test_a_late_peer_s_key_is_seen_within_0_2_s() -> None:
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
     coord = Coordinator(timeout_s=10.0)
     coord.world = 2
-    keys = ["dsrun/checkpoint/latency/0", "dsrun/checkpoint/latency/1"]
-    store.set(keys[0], "{}")
     posted: list[float] = []
     delays = []
     for late in (0.35, 0.7):  # past the old back-off's 0.31 s and 0.63 s polls
-        store.delete_key(keys[1])
+        prefix = f"dsrun/checkpoint/latency-{late}/"
+        post_arrival(store, prefix, 0, {})
         posted.clear()
 
         def peer() -> None:
             time.sleep(late)  # noqa: B023 - joined within the iteration
-            store.set(keys[1], "{}")
+            post_arrival(store, prefix, 1, {})  # noqa: B023
             posted.append(time.monotonic())
 
         thread = threading.Thread(target=peer)
         thread.start()
-        coord._wait_all(store, keys, "engine.save_checkpoint()")
+        coord._wait_all(store, prefix, "engine.save_checkpoint()")
         returned = time.monotonic()
         thread.join()
         delays.append(returned - posted[0])
