@@ -87,6 +87,7 @@ def load_config(config: ConfigInput) -> tuple[dict[str, Any], str]:
     """
     if isinstance(config, Mapping):
         refuse_nonfinite(config, (), DICT_SOURCE)
+        refuse_removed(config, Ctx(DICT_SOURCE))
         return dict(config), DICT_SOURCE
     if not isinstance(config, (str, os.PathLike)):
         raise DsrunConfigError(f"config must be a dict or a path to a JSON file, got "
@@ -108,14 +109,33 @@ def load_config(config: ConfigInput) -> tuple[dict[str, Any], str]:
         return out
 
     try:
-        raw = json.loads(text, object_pairs_hook=no_duplicates)
+        raw = json.loads(text, object_pairs_hook=no_duplicates, parse_float=_json_float)
     except json.JSONDecodeError as err:
         raise DsrunConfigError(f"{path}: line {err.lineno}, column {err.colno}: invalid JSON: "
                                f"{err.msg}{json_hint(path, text)}") from None
     if not isinstance(raw, dict):
         raise DsrunConfigError(f"{path} must hold a JSON object, got {show(raw)}")
     refuse_nonfinite(raw, (), path)
+    # as DeepSpeed's DeepSpeedConfig, which zero.Init and checkpointing.configure
+    # build too: every reader of a config refuses them, not only initialize()
+    refuse_removed(raw, Ctx(path))
     return raw, path
+
+
+class _Overflowed(float):
+    """A JSON number too large for a float (``1e400``): infinite, with the
+    text it was written as, for :func:`refuse_nonfinite`'s message."""
+
+    text: str
+
+
+def _json_float(text: str) -> float:
+    value = float(text)
+    if math.isfinite(value):
+        return value
+    out = _Overflowed(value)
+    out.text = text
+    return out
 
 
 # keys where +inf is a setting: Accelerate's DeepSpeedPlugin always writes
@@ -133,6 +153,11 @@ def refuse_nonfinite(value: Any, path: tuple[str, ...], source: str) -> None:
     ``steps_per_print`` (+inf: never print, as Accelerate writes it)."""
     if isinstance(value, float) and not math.isfinite(value) and \
             not (value == math.inf and path in _INF_MEANS_NEVER):
+        if isinstance(value, _Overflowed):
+            raise DsrunConfigError(
+                f'"{".".join(path)}" in {source}: the number {value.text} overflowed (it is '
+                f"beyond the largest float, about 1.8e308, and would be read as infinity); "
+                f"write a finite number")
         raise DsrunConfigError(f'"{".".join(path)}" in {source} must be a finite number, got '
                                f"{show(value)}")
     if isinstance(value, Mapping):
