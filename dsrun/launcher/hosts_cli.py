@@ -123,13 +123,18 @@ def _refuse_special(path: str, writes: bool = True) -> str:
 
 def write_text_atomic(path: str, text: str) -> None:
     """Replace the file at ``path`` (through symlinks) with ``text``
-    atomically (:class:`dsrun.atomicfile.AtomicFile`)."""
+    atomically (:class:`dsrun.atomicfile.AtomicFile`). What was written is
+    read back and parsed by the parser a job uses (:func:`hf.parse_hostfile`)
+    before it replaces the file: a result a launch would refuse is never
+    put in place (HostfileError; the old file is left as it was)."""
     try:
         out = AtomicFile(path)
     except OSError as exc:
         raise HostfileError(f"cannot write hostfile {path!r}: {exc.strerror or exc}") from None
     try:
         out.file.write(text.encode("utf-8"))
+        out.file.flush()
+        _check_written(out.tmp, path)
         out.finish()
     except BaseException as exc:
         out.abort()  # only the temporary file
@@ -137,6 +142,18 @@ def write_text_atomic(path: str, text: str) -> None:
             raise HostfileError(
                 f"cannot write hostfile {path!r}: {exc.strerror or exc}") from None
         raise
+
+
+def _check_written(tmp: str, path: str) -> None:
+    """Parse the temporary file ``tmp`` (to become ``path``) as a job
+    would read ``path``; HostfileError naming both when it does not parse."""
+    try:
+        hf.parse_hostfile(hf.read_hostfile_text(tmp), path)
+    except HostfileError as exc:
+        old = "left unchanged" if os.path.lexists(path) else "not created"
+        raise HostfileError(f"refusing to write hostfile {path!r}: the edited text, read "
+                            f"back, would not parse as a hostfile (a bug in the edit; "
+                            f"{path!r} is {old}):\n{exc}") from None
 
 
 def _lock_file(path: str) -> str:
