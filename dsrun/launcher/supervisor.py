@@ -38,11 +38,11 @@ from dsrun.launcher.report import (
     RunningRank,
     SigKilled,
     ended_of,
-    failed_during_stop,
     interruption,
     signal_name,
     signalled_agent,
 )
+from dsrun.launcher.stop_failures import own_failure_lines
 from dsrun.launcher.watch import RankState, StackCollection, Stragglers
 
 # SignalLatch, SIGNALS and Interrupted lived here; launch.py and tests import them from here.
@@ -206,10 +206,10 @@ class Supervisor:
         return signum, failures
 
     def _failed_during_stop(self, failures: tuple[RankFailure, ...], signum: int | None) -> None:
-        """Ranks that failed of their own error while a signal stopped the
-        job are named (report_causes.failed_during_stop)."""
+        """Ranks that failed of their own (an error, a crash, a status of
+        their own) while a signal stopped the job are named (stop_failures.py)."""
         if signum is not None:
-            for line in failed_during_stop(failures):
+            for line in own_failure_lines(failures, signum, self.state.sigkilled):
                 self.watch.say(line)
 
     def _give_up(self) -> None:
