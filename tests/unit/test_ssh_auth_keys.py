@@ -133,3 +133,29 @@ def test_an_encrypted_pem_key_without_pub_does_not_claim_the_agent_lacks_it(home
     plan = key_plan(target, agent_factory=_Agent)
     assert plan.tried == [f"{key} (encrypted, and no {key}.pub to match ssh-agent's keys "
                           f"against: load it with `ssh-add {key}`)"]
+
+
+def test_an_identity_file_keeps_the_default_files_out(server, home):
+    """OpenSSH adds the default ~/.ssh/id_* files only when no identity file
+    is configured; dsrun offered them after IdentityFile's key too (a
+    server counting failed keys could refuse the login before the right one)."""
+    default = home / ".ssh" / "id_ecdsa"
+    CLIENT_KEY.write_private_key_file(str(default))  # the one the server takes
+    named = home / "id_named"
+    paramiko.ECDSAKey.generate().write_private_key_file(str(named))
+    target = _target(home, server.port, identityfile=[str(named)])
+    assert not target.identities_only
+    assert key_plan(target).tried == [str(named), "no ssh-agent (SSH_AUTH_SOCK is not set)"]
+    with pytest.raises(SshConnectError, match=r"authentication as me@127.0.0.1:\d+ failed"):
+        connect(target)
+    flagged = resolve_target("n1", SshOptions(key=str(named)), {}, "me")
+    assert key_plan(flagged).tried == [str(named)]
+
+
+def test_without_identity_file_the_default_files_are_offered_after_the_agent(server, home):
+    default = home / ".ssh" / "id_ecdsa"
+    CLIENT_KEY.write_private_key_file(str(default))
+    target = _target(home, server.port)
+    assert key_plan(target).tried == ["no ssh-agent (SSH_AUTH_SOCK is not set)", str(default)]
+    connect(target).close()
+    assert "login me" in server.log

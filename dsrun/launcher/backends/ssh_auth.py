@@ -6,11 +6,13 @@ half: ``KEY.pub``, or the clear public part of an OpenSSH-format key file),
 so a passphrase-protected key unlocked once with ``ssh-add`` works, also
 with ``IdentitiesOnly yes`` (which means "only these identities", not "no
 agent"). Otherwise the file itself is loaded; an encrypted one that the
-agent does not hold is skipped with the reason. Without IdentityFile the
-configured identities are the default ``~/.ssh/id_*`` files, also with
-IdentitiesOnly; without IdentitiesOnly the agent's other keys and the
-default files follow. An ssh-agent that does not answer is skipped with a
-warning (and named in the error), as ssh skips it.
+agent does not hold is skipped with the reason. Without IdentityFile (and
+--ssh_key) the configured identities are the default ``~/.ssh/id_*``
+files, also with IdentitiesOnly; with one, the default files are not
+offered at all (OpenSSH adds them only when no identity file is
+configured: readconf.c fill_default_options). Without IdentitiesOnly the
+agent's other keys follow. An ssh-agent that does not answer is skipped
+with a warning (and named in the error), as ssh skips it.
 
 :func:`key_plan` never connects; with nothing to try it says so, listing
 what it looked at, instead of paramiko's "No authentication methods
@@ -146,10 +148,12 @@ def key_plan(target: SshTarget,
              agent_factory: Callable[[], paramiko.Agent] | None = None) -> KeyPlan:
     """The keys to offer to ``target``, agent copies first where they exist.
     The configured identities are ``target.keys``, else (as in ssh, also
-    with IdentitiesOnly) the default ~/.ssh/id_* files."""
+    with IdentitiesOnly) the default ~/.ssh/id_* files; the default files
+    are offered only when ``target.keys`` is empty, as in ssh."""
     plan = KeyPlan()
     agent_keys = _open_agent(target, plan, agent_factory)
-    defaults = [os.path.expanduser(p) for p in DEFAULT_KEYS]
+    # as ssh: the defaults stand in for IdentityFile only when none is configured
+    defaults = [] if target.keys else [os.path.expanduser(p) for p in DEFAULT_KEYS]
     configured = list(target.keys)
     if not configured and target.identities_only:
         configured = [p for p in defaults if os.path.isfile(p)]
@@ -173,8 +177,7 @@ def key_plan(target: SshTarget,
         for path in defaults:
             if path not in configured and os.path.isfile(path):
                 _add_file(plan, user, path)
-    if (not target.keys or not target.identities_only) and \
-            not any(os.path.isfile(p) for p in defaults):
+    if not target.keys and not any(os.path.isfile(p) for p in defaults):
         plan.tried.append(f"{', '.join(DEFAULT_KEYS)} (none exist)")
     return plan
 
