@@ -8,6 +8,12 @@ not exist ignored, at most 16 levels deep. An Include inside a Host or
 Match block applies to that block only; the block's header is written
 again after the included text so that the lines after it stay in it.
 
+Several files are read as OpenSSH reads ~/.ssh/config and then
+/etc/ssh/ssh_config (:func:`read_configs`): one after the other, the first
+value obtained for a key winning, each file's relative Includes taken from
+its own directory (~/.ssh, /etc/ssh), and the lines before a later file's
+first Host/Match applying to every host, as at the top of a file.
+
 ProxyCommand and ProxyJump keep their ``%`` tokens here (paramiko would
 fill in the config's Port and User, not --ssh_port/--ssh_user): the
 connection fills them in (ssh_proxy.py).
@@ -24,7 +30,7 @@ import glob
 import os
 import re
 import shlex
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +41,7 @@ from dsrun.errors import DsrunUsageError
 #: OpenSSH's READCONF_MAX_DEPTH.
 MAX_INCLUDE_DEPTH = 16
 USER_CONFIG_DIR = "~/.ssh"
+SYSTEM_CONFIG_DIR = "/etc/ssh"
 _LINE = re.compile(r"(\w+)(?:\s*=\s*|\s+)(.*)")
 _ENV = re.compile(r"\$\{(\w+)\}")
 #: Match criteria paramiko evaluates; others it treats as matching.
@@ -88,13 +95,24 @@ class ConfigFile:
 def read_config(path: str, base_dir: str = USER_CONFIG_DIR) -> ConfigFile:
     """``path`` parsed with its Includes expanded; DsrunUsageError names the
     file and line of a problem."""
+    return read_configs([(path, base_dir)])
+
+
+def read_configs(files: Sequence[tuple[str, str]]) -> ConfigFile:
+    """The files ``(path, directory of its relative Includes)``, in order,
+    read as one configuration as OpenSSH reads its user and system files
+    (module docstring)."""
     out: list[str] = []
     notes: list[tuple[int, str]] = []  # (index in out of the Match line, note)
-    _expand(path, os.path.expanduser(base_dir), 0, out, notes)
+    for number, (path, base_dir) in enumerate(files):
+        if number:  # a file's lines before its first Host/Match are for every host
+            out.append("Host *")
+        _expand(path, os.path.expanduser(base_dir), 0, out, notes)
     try:
         config = _RawProxyConfig.from_text("\n".join(out) + "\n")
     except paramiko.ssh_exception.ConfigParseError as exc:
-        raise DsrunUsageError(f"ssh config {path}: {exc}") from None
+        names = " and ".join(path for path, _ in files)
+        raise DsrunUsageError(f"ssh config {names}: {exc}") from None
     return ConfigFile(config, tuple((_block_index(out, line), note) for line, note in notes))
 
 

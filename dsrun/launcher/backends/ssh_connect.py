@@ -6,7 +6,9 @@ one error message per way it fails, naming the host and the fix.
 ssh_config keys read: HostName, Port, User, IdentityFile, IdentitiesOnly,
 UserKnownHostsFile, GlobalKnownHostsFile, StrictHostKeyChecking,
 HostKeyAlias, ConnectTimeout, ProxyJump, ProxyCommand (ssh_proxy.py), and
-Include (ssh_configfile.py). Keys that change how ssh connects but are not
+Include (ssh_configfile.py), from ~/.ssh/config and then the system-wide
+/etc/ssh/ssh_config (the first value obtained wins, as in ssh; with
+--ssh_config, as with ``ssh -F``, that file alone). Keys that change how ssh connects but are not
 used here are named in connection errors. StrictHostKeyChecking ``no``
 still checks: a changed key is warned about (one line), then accepted, as
 ssh does; ``accept-new`` accepts unknown keys only.
@@ -28,7 +30,12 @@ import paramiko
 
 from dsrun.errors import DsrunUsageError
 from dsrun.launcher.backends.ssh_auth import KeyPlan, key_plan, no_key_message
-from dsrun.launcher.backends.ssh_configfile import parse_time, read_config, unused_settings
+from dsrun.launcher.backends.ssh_configfile import (
+    USER_CONFIG_DIR,
+    parse_time,
+    read_configs,
+    unused_settings,
+)
 from dsrun.launcher.backends.ssh_known import (
     KnownHosts,
     KnownKey,
@@ -53,6 +60,8 @@ MAX_JUMPS = 8
 #: Key of a lookup result that carries ssh_config notes (no ssh_config key has a space).
 NOTES_KEY = "dsrun notes"
 DEFAULT_CONFIG = "~/.ssh/config"
+#: read after DEFAULT_CONFIG, as ssh reads it; looked up at call time (tests set it)
+SYSTEM_CONFIG = "/etc/ssh/ssh_config"
 USER_KNOWN_HOSTS = ("~/.ssh/known_hosts", "~/.ssh/known_hosts2")
 SYSTEM_KNOWN_HOSTS = ("/etc/ssh/ssh_known_hosts", "/etc/ssh/ssh_known_hosts2")
 
@@ -212,17 +221,23 @@ def _resolve_jump(target: SshTarget, value: str, options: SshOptions, lookup: Lo
     return resolve_target(last.host, hop_options, config, user, lookup, depth + 1)
 
 
-def config_lookup(path: str | None) -> Lookup:
-    """ssh_config lookups from ``path`` (None: ~/.ssh/config when present),
+def config_lookup(path: str | None, system_config: str | None = None) -> Lookup:
+    """ssh_config lookups from ``path`` (--ssh_config: that file alone, as
+    ``ssh -F``), else from ~/.ssh/config and then ``system_config``
+    (default :data:`SYSTEM_CONFIG`), those present, as ssh reads them,
     Includes expanded; what dsrun cannot evaluate rides along as NOTES_KEY."""
     if path is None:
-        default = os.path.expanduser(DEFAULT_CONFIG)
-        if not os.path.isfile(default):
+        system = SYSTEM_CONFIG if system_config is None else system_config
+        candidates = ((os.path.expanduser(DEFAULT_CONFIG), USER_CONFIG_DIR),
+                      (system, os.path.dirname(system)))
+        files = [(f, base) for f, base in candidates if os.path.isfile(f)]
+        if not files:
             return paramiko.SSHConfig().lookup
-        path = default
     elif not os.path.isfile(path):
         raise DsrunUsageError(f"--ssh_config {path} does not exist")
-    parsed = read_config(path)
+    else:
+        files = [(path, USER_CONFIG_DIR)]
+    parsed = read_configs(files)
 
     def lookup(host: str) -> Mapping[str, Any]:
         found = parsed.lookup(host)
