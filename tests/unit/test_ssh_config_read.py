@@ -202,7 +202,8 @@ def test_host_key_alias_and_port_fallback_names():
     from dsrun.launcher.backends.ssh_connect import key_names
 
     t = resolve_target("n1", SshOptions(port=2222), {"hostname": "10.0.0.1"}, "me")
-    assert key_names(t) == (["[10.0.0.1]:2222", "[n1]:2222"], ["10.0.0.1", "n1"])
+    # as OpenSSH: the HostName only, never the hostfile's name (n1)
+    assert key_names(t) == (["[10.0.0.1]:2222"], ["10.0.0.1"])
     alias = resolve_target("n1", SshOptions(), {"hostname": "10.0.0.1",
                                                 "hostkeyalias": "node-one"}, "me")
     assert key_names(alias) == (["node-one"], [])
@@ -318,7 +319,9 @@ def test_the_hostnames_entry_decides_before_the_hostfile_names():
     types, changed = verdict([_line("10.0.0.5", OTHER), _line("gamma", KEY)])
     assert changed.kind == "changed" and changed.name == "10.0.0.5" and changed.entry.line == 1
     assert types == [OTHER.get_name()]
-    assert verdict([_line("gamma", KEY)])[1].kind == "ok"  # no HostName entry: the alias's
+    # no HostName entry: the hostfile name's entry does not vouch for it (OpenSSH
+    # looks up the HostName only)
+    assert verdict([_line("gamma", KEY)])[1].kind == "unknown"
     ported = verdict([_line("[10.0.0.5]:2222", OTHER), _line("[gamma]:2222", KEY)], 2222)[1]
     assert ported.kind == "changed" and not ported.portless
     portless = verdict([_line("10.0.0.5", OTHER), _line("gamma", KEY)], 2222)[1]

@@ -404,3 +404,21 @@ def test_connect_timeout_does_not_bound_authentication(server, home, monkeypatch
     assert target.timeout == 1
     _connects(target)
     assert "login me" in server.log
+
+
+def test_an_entry_under_the_hostfile_name_alone_is_not_used_and_the_error_says_so(
+        server, home):
+    """OpenSSH looks a host key up under HostKeyAlias, else the HostName it
+    connects to; dsrun also took an entry under the hostfile's name (n1),
+    so a stale line for that name vouched for whatever answered at the
+    HostName."""
+    known = _line(f"[n1]:{server.port}", HOST_KEY)
+    with pytest.raises(SshConnectError) as info:
+        _connects(_target(home, server.port, known))
+    message = str(info.value)
+    assert f"n1: host key of 127.0.0.1:{server.port} is not in known_hosts ({home / 'kh'}) " \
+        f"under the name [127.0.0.1]:{server.port} or 127.0.0.1 (the entry " \
+        f"{home / 'kh'}:1 for the hostfile's name n1 is not used" in message
+    assert "set `HostKeyAlias n1`" in message
+    assert f"ssh-keyscan -H -p {server.port} 127.0.0.1" in message
+    _connects(_target(home, server.port, _line("n1", HOST_KEY), hostkeyalias="n1"))

@@ -254,24 +254,37 @@ def config_lookup(path: str | None, system_config: str | None = None) -> Lookup:
 
 
 def key_names(target: SshTarget) -> tuple[list[str], list[str]]:
-    """The names a host's key is looked up under, in order, and the
-    port-less ones tried when none of those has an entry. HostKeyAlias
-    replaces them all (as in OpenSSH); otherwise the HostName, then the
-    hostfile's name, which counts only when the HostName has no entry
-    (ssh_known.check_key)."""
+    """The names a host's key is looked up under, and the port-less ones
+    tried when those have no entry: as OpenSSH, the HostKeyAlias, else the
+    HostName it connects to (``[name]:port`` for a port other than 22),
+    never the hostfile's name for it (an entry under that name is only
+    pointed out in the error: :func:`_hostfile_name_entry`)."""
     if target.host_key_alias:
         return [target.host_key_alias], []
-    plain = list(dict.fromkeys((target.hostname, target.host)))
     if target.port == SSH_PORT:
-        return plain, []
-    return [f"[{name}]:{target.port}" for name in plain], plain
+        return [target.hostname], []
+    return [f"[{target.hostname}]:{target.port}"], [target.hostname]
+
+
+def _hostfile_name_entry(known: KnownHosts, target: SshTarget) -> KnownKey | None:
+    """A known_hosts entry under the hostfile's name of ``target`` where that
+    is not the name looked up (its HostName): ssh does not use it, and the
+    unknown-key error says so, with the fix."""
+    if target.host_key_alias or target.host == target.hostname:
+        return None
+    names = [target.host] if target.port == SSH_PORT else \
+        [f"[{target.host}]:{target.port}", target.host]
+    found = known.find(names)
+    return found[0] if found else None
 
 
 class _UnknownHostKey(paramiko.SSHException):
-    def __init__(self, key: paramiko.PKey, authority: KnownKey | None = None) -> None:
+    def __init__(self, key: paramiko.PKey, authority: KnownKey | None = None,
+                 other_name: KnownKey | None = None) -> None:
         super().__init__("unknown host key")
         self.key = key
         self.authority = authority
+        self.other_name = other_name  # an entry under the hostfile's name, unused
 
 
 class _RejectedHostKey(paramiko.SSHException):
@@ -314,7 +327,7 @@ class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
             return
         if target.host_keys in ("accept-new", "no"):
             return
-        raise _UnknownHostKey(key, verdict.entry)
+        raise _UnknownHostKey(key, verdict.entry, _hostfile_name_entry(self.known, target))
 
 
 def _load_known(target: SshTarget) -> KnownHosts:
@@ -350,8 +363,15 @@ def _user_file(target: SshTarget) -> str:
                 os.path.expanduser(USER_KNOWN_HOSTS[0]))
 
 
+def _looked_up(target: SshTarget) -> str:
+    """The names :func:`key_names` looks a host key up under, for errors."""
+    names, fallback = key_names(target)
+    return " or ".join(names + fallback)
+
+
 def _unknown_key_message(target: SshTarget, key: paramiko.PKey,
-                         authority: KnownKey | None = None) -> str:
+                         authority: KnownKey | None = None,
+                         other_name: KnownKey | None = None) -> str:
     user_file = _user_file(target)
     where = f"({', '.join(target.known_hosts) or 'none'})"
     if target.host_key_alias:
@@ -368,9 +388,15 @@ def _unknown_key_message(target: SshTarget, key: paramiko.PKey,
                 f"certificates; if the host key's fingerprint {key.fingerprint} is right, "
                 f"add the key itself with {fix}, or pass --ssh_insecure to skip host key "
                 f"checks")
+    unused = "" if other_name is None else (
+        f" (the entry {other_name.where} for the hostfile's name {target.host} is not used: "
+        f"as ssh does, dsrun looks the key up under the HostName it connects to, or under "
+        f"HostKeyAlias; set `HostKeyAlias {target.host}` for it in ssh config to use that "
+        f"entry)")
     return (f"{target.host}: host key of {target.address} is not in known_hosts "
-            f"{where}; if its fingerprint {key.fingerprint} is right, add it with {fix}, "
-            f"or pass --ssh_insecure to skip host key checks")
+            f"{where} under the name {_looked_up(target)}{unused}; if its fingerprint "
+            f"{key.fingerprint} is right, add it with {fix}, or pass --ssh_insecure to skip "
+            f"host key checks")
 
 
 def _bad_key_message(target: SshTarget, name: str, where: str | None = None) -> str:
@@ -481,7 +507,7 @@ def _connect_error(target: SshTarget, exc: Exception, tried: list[str] | None = 
     if isinstance(exc, SshConnectError):
         return str(exc)
     if isinstance(exc, _UnknownHostKey):
-        return _unknown_key_message(target, exc.key, exc.authority)
+        return _unknown_key_message(target, exc.key, exc.authority, exc.other_name)
     if isinstance(exc, _RejectedHostKey):
         return _rejected_message(target, exc)
     if isinstance(exc, paramiko.BadHostKeyException):
