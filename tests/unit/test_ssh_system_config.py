@@ -67,3 +67,22 @@ def test_the_backend_reads_the_system_file(home, monkeypatch):
     backend = SshBackend(HostsSpec(ssh=SshOptions()), user="me")
     target = backend.target("n1")
     assert (target.hostname, target.user) == ("10.0.0.7", "siteuser")
+
+
+def test_a_system_file_that_cannot_be_read_is_passed_over(home, monkeypatch):
+    """As ssh does (it skips a default file it cannot open); dsrun would stop
+    every launch with "cannot read ssh config"."""
+    import os
+
+    system = _write(home / "etc" / "ssh_config", "Host n1\n    User bob\n")
+    real_access = os.access
+    monkeypatch.setattr(ssh_connect.os, "access",
+                        lambda path, mode: path != system and real_access(path, mode))
+    assert "user" not in config_lookup(None, system)("n1")
+
+
+@pytest.mark.skipif(__import__("os").getuid() == 0, reason="root reads a mode-000 file")
+def test_a_mode_000_system_file_is_passed_over(home):
+    system = _write(home / "etc" / "ssh_config", "Host n1\n    User bob\n")
+    (home / "etc" / "ssh_config").chmod(0)
+    assert "user" not in config_lookup(None, system)("n1")

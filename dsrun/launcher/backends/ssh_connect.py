@@ -234,7 +234,9 @@ def config_lookup(path: str | None, system_config: str | None = None) -> Lookup:
         system = SYSTEM_CONFIG if system_config is None else system_config
         candidates = ((os.path.expanduser(DEFAULT_CONFIG), USER_CONFIG_DIR),
                       (system, os.path.dirname(system)))
-        files = [(f, base) for f, base in candidates if os.path.isfile(f)]
+        # as ssh: a default file that is absent or cannot be read is passed over
+        files = [(f, base) for f, base in candidates
+                 if os.path.isfile(f) and os.access(f, os.R_OK)]
         if not files:
             return paramiko.SSHConfig().lookup
     elif not os.path.isfile(path):
