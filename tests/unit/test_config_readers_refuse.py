@@ -81,3 +81,10 @@ def test_steps_per_print_may_still_overflow_to_never(tmp_path) -> None:
     path = tmp_path / "ds.json"
     path.write_text('{"steps_per_print": 1e400}')
     assert load_config(str(path))[0]["steps_per_print"] == float("inf")
+
+
+def test_checkpointing_configure_refuses_removed_keys() -> None:
+    import dsrun.checkpointing as checkpointing
+
+    with pytest.raises(DsrunConfigError, match=r'"amp" in config dict: NVIDIA Apex AMP'):
+        checkpointing.configure(None, deepspeed_config={"amp": {"enabled": True}})
