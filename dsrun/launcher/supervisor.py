@@ -30,7 +30,7 @@ from typing import Any
 
 from dsrun.launcher.agent_stop import FAILURE_GRACE
 from dsrun.launcher.backends.base import JobHandle
-from dsrun.launcher.control import NO_ANSWER, StackQuery
+from dsrun.launcher.control import StackQuery
 from dsrun.launcher.latch import FORWARDS, SIGNALS, Forwards, Interrupted, SignalLatch
 from dsrun.launcher.report import (
     JobResult,
@@ -43,11 +43,12 @@ from dsrun.launcher.report import (
     signalled_agent,
 )
 from dsrun.launcher.stop_failures import own_failure_lines
+from dsrun.launcher.supervisor_stacks import QUERY_STACK_WAIT, StackRequests
 from dsrun.launcher.watch import RankState, StackCollection, Stragglers
 
 # SignalLatch, SIGNALS and Interrupted lived here; launch.py and tests import them from here.
-__all__ = ["FORWARDS", "SIGNALS", "Forwards", "Interrupted", "SignalLatch", "Supervisor",
-           "Watch"]
+__all__ = ["FORWARDS", "QUERY_STACK_WAIT", "SIGNALS", "Forwards", "Interrupted", "SignalLatch",
+           "Supervisor", "Watch"]
 
 # (host, rank, fd, lines) -> None: the lines of one ``out`` event
 LinesSink = Callable[[str, int, int, list[str]], None]
@@ -58,9 +59,9 @@ OUTPUT_LOW = 256 * 1024
 
 # Extra seconds an agent gets beyond the kill grace to report ``done``.
 AGENT_SLACK = 10.0
-#: Seconds agents get to send the stacks of a --timeout / of ``dsrun stack``.
+#: Seconds agents get to send the stacks of a --timeout (``dsrun stack``:
+#: supervisor_stacks.QUERY_STACK_WAIT).
 TIMEOUT_STACK_WAIT = 5.0
-QUERY_STACK_WAIT = 10.0
 #: Seconds agents get to confirm a kill (second signal) before their
 #: transports are dropped.
 KILL_WAIT = 3.0
@@ -118,7 +119,7 @@ class _State:
     next_req: int = 1
 
 
-class Supervisor:
+class Supervisor(StackRequests):
     def __init__(self, handle: JobHandle, hosts: list[str], sink: LinesSink,
                  kill_grace: float, watch: Watch | None = None,
                  signals: SignalLatch = SIGNALS, forwards: Forwards = FORWARDS) -> None:
@@ -421,7 +422,7 @@ class Supervisor:
                            f"stopping the job on every other host")
             self._stop(failure=True)
 
-    # -- --timeout ------------------------------------------------------------
+    # -- --timeout (its stacks: supervisor_stacks.py) --------------------------
     def _check_timeout(self, now: float) -> None:
         st = self.state
         timeout = self.watch.timeout
@@ -439,47 +440,6 @@ class Supervisor:
                        "stacks, then stopping the job")
         st.timeout_asked = now
         st.timeout_stacks = self._ask_stacks(now + TIMEOUT_STACK_WAIT, lambda line: None)
-
-    # -- stacks ---------------------------------------------------------------
-    def _ask_stacks(self, deadline: float, write: Callable[[str], object],
-                    close: Callable[[], None] | None = None) -> StackCollection:
-        st = self.state
-        req = st.next_req
-        st.next_req += 1
-        asked = st.open_nodes - st.done
-        collection = StackCollection(req, set(asked), deadline, write, close)
-        st.collections[req] = collection
-        self.handle.send_all({"cmd": "stack", "req": req}, only=sorted(asked))
-        return collection
-
-    def _serve_queries(self, now: float) -> None:
-        queries = self.watch.queries
-        while queries is not None:
-            try:
-                query = queries.get_nowait()
-            except queue.Empty:
-                return
-            self._ask_stacks(now + QUERY_STACK_WAIT, query.write, query.close)
-
-    def _stack_event(self, index: int, host: str, msg: dict[str, Any]) -> None:
-        collection = self.state.collections.get(msg.get("req"))  # type: ignore[arg-type]
-        if collection is None:
-            return
-        if msg.get("ev") == "stack":
-            collection.answer(host, int(msg.get("rank", -1)), msg.get("text"),
-                              bool(msg.get("stopped")))
-        else:
-            collection.ended([index])
-
-    def _check_collections(self, now: float) -> None:
-        st = self.state
-        for collection in list(st.collections.values()):
-            if collection.complete(now):
-                if collection is st.timeout_stacks:
-                    self._drop_silent(collection.pending)
-                self._finish_collection(collection)
-                if collection is st.timeout_stacks:
-                    self._stop()
 
     def _drop_silent(self, silent: set[int]) -> None:
         """Hosts whose agents sent nothing at all since a --timeout asked for
@@ -499,12 +459,3 @@ class Supervisor:
             hosts = ", ".join(st.hosts[i] for i in sorted(silent))
             self.watch.say(f"no stacks from {hosts} within {TIMEOUT_STACK_WAIT:g}s; "
                            f"not waiting for it to stop")
-
-    def _finish_collection(self, collection: StackCollection) -> None:
-        st = self.state
-        st.collections.pop(collection.req, None)
-        if collection.pending:
-            silent = ", ".join(sorted({st.hosts[i] for i in collection.pending}))
-            collection.write(f"{NO_ANSWER}{silent} (host down or unreachable?)")
-        if collection.close is not None:
-            collection.close()
