@@ -35,6 +35,9 @@ plan means "exit, nothing was started". Guarantees:
   after its ranks had died of it: agent_exits.py, LINGER); later signals only
   hurry the teardown, never cut it short (orted's SIGTERM on MPI_Abort may
   come mid-stop);
+- a rank that exited without posting its exit mark (``os._exit``, a
+  signal: runtime/exitmark.py) has it posted by the agent, so its peers'
+  checkpoint calls name it at once (agent_marks.py);
 - SIGUSR1 and SIGUSR2 never stop the agent: they are passed on to the
   ranks' process groups, once per delivery (agent_forward.py);
 - if the agent itself is SIGKILLed, its guard (forked before any thread
@@ -62,6 +65,7 @@ from typing import IO, Any
 
 from dsrun import deathsig, stackdump
 from dsrun.launcher import agent_forward, procs
+from dsrun.launcher.agent_commands import Commands
 from dsrun.launcher.agent_exits import (
     exit_event,
     own_error,
@@ -70,6 +74,7 @@ from dsrun.launcher.agent_exits import (
     stop_signal_of,
 )
 from dsrun.launcher.agent_hold import held_signals
+from dsrun.launcher.agent_marks import MARKED_VAR, mark_if_unmarked, marked_file, store_address
 from dsrun.launcher.agent_os import (
     REPEAT,
     STOP_SIGNALS,
@@ -92,10 +97,10 @@ from dsrun.launcher.agent_os import exit_now as _exit_now
 from dsrun.launcher.agent_os import open_std_fds as _open_std_fds
 from dsrun.launcher.agent_output import TAIL_LINES, Rank, RankOutput, close_quietly, guarded
 from dsrun.launcher.agent_prelude import ConnectFailed, connect_link, read_payload
-from dsrun.launcher.agent_stop import JobProcesses, leaders
+from dsrun.launcher.agent_stop import JobProcesses
 from dsrun.launcher.envlayers import apply_layers
 from dsrun.launcher.guard import Guard
-from dsrun.launcher.link import END, Link
+from dsrun.launcher.link import Link
 
 __all__ = ["TAIL_LINES", "Agent", "Rank", "main"]
 #: Seconds the agent waits, before ``done``, for a stop signal of its own
@@ -106,7 +111,7 @@ LINGER = 0.5
 # psutil and the probe's network helpers are not among them.
 
 
-class Agent:
+class Agent(Commands):
     """One host's part of a job: starts its ranks (:meth:`run`), relays their
     output and exits, carries out the launcher's commands, and tears the job
     down on this host. Everything that happens off the main thread (rank
@@ -128,6 +133,7 @@ class Agent:
         # a log file that cannot be written, ("crash", exception) a thread's error.
         self.events: queue.Queue[Any] = queue.Queue()
         self.ranks: list[Rank] = []
+        self.stores: dict[int, tuple[str, int] | None] = {}  # rank -> its job's store
         self.output = RankOutput(link, lambda msg: self.events.put(("fail", msg)),
                                  self._thread_failed)
         self.exit_lock = threading.Lock()  # a rank's status and exit time, set once
@@ -285,6 +291,7 @@ class Agent:
         return {procs.JOB_MARKER: self.marker,
                 "DSRUN_ERROR_FILE": os.path.join(self.tmpdir, f"rank_{rank}.json"),
                 stackdump.STACK_FILE_VAR: os.path.join(self.tmpdir, f"stack_{rank}.txt"),
+                MARKED_VAR: marked_file(self.tmpdir, rank),
                 deathsig.AGENT_PID_VAR: str(os.getpid())}
 
     def _spawn(self, spec: dict[str, Any], log: IO[str] | None = None) -> bool:
@@ -316,44 +323,11 @@ class Agent:
         if self.guard is not None and leader is not None:
             self.guard.watch(leader)
         rank.shm_name = deepspeed_shm_name(env, rank.rank)
+        # Only dsrun's runtime opens the job's store there (--no_python: the
+        # port may be a program's own, not a TCPStore)
+        self.stores[rank.rank] = store_address(env) if spec.get("runtime", True) else None
         self.emit({"ev": "started", "rank": rank.rank, "pid": popen.pid})
         return True
-
-    def _read_commands(self) -> None:
-        try:
-            while True:
-                msg = self.link.get(None)
-                if msg is END:
-                    break
-                handler = self.commands.get(str(msg.get("cmd")))
-                if handler is not None:  # unknown commands: from a newer launcher
-                    handler(msg)
-        finally:  # an error here is a crash (guarded), and no command comes any more
-            self.events.put("eof")
-
-    @property
-    def commands(self) -> dict[str, Any]:
-        """Launcher commands (protocol.COMMANDS) -> what the agent does."""
-        return {"stop": self._stop_command,
-                "kill": lambda msg: self.events.put("kill"),
-                "signal": lambda msg: agent_forward.from_launcher(msg.get("signal")),
-                "pause": lambda msg: self.link.pause_output(True),
-                "resume": lambda msg: self.link.pause_output(False),
-                "stack": lambda msg: guarded(self._stacks, self._thread_failed,
-                                             msg.get("req"))}
-
-    def _stop_command(self, msg: dict[str, Any]) -> None:
-        if msg.get("signal") == "SIGINT":
-            self.stop_signal = signal.SIGINT  # the job was Ctrl-C'd: the ranks are too
-        self.stop_failure = bool(msg.get("failure"))  # a failure elsewhere: a short grace
-        self.events.put("stop")
-
-    def _stacks(self, req: Any) -> None:
-        """Each running rank's Python stacks (stackdump.answers), then ``stack_end``."""
-        with self.stack_lock:
-            for answer in stackdump.answers([r for r in self.ranks if r.status is None]):
-                self.emit({"ev": "stack", "req": req, **answer})
-            self.emit({"ev": "stack_end", "req": req})
 
     # -- supervision ----------------------------------------------------------
     def _loop(self) -> None:
@@ -384,19 +358,6 @@ class Agent:
             self.job.kill_overdue(self.ranks)
             if all(r.reported for r in self.ranks) and not self._late_failures():
                 return
-
-    def _forward_pending(self) -> None:
-        """SIGUSR1/SIGUSR2 to the agent or from the launcher (agent_forward.py)."""
-        for signum, launcher in agent_forward.take():
-            if not self.job.stopping:
-                self.forwarder.note(signum, launcher)
-        if self.job.stopping:
-            self.forwarder.drop()
-        else:
-            self.forwarder.settle()
-
-    def _forward(self, signum: int) -> None:
-        procs.signal_groups(leaders([r for r in self.ranks if r.status is None]), signum)
 
     def _failed_off_main(self, what: str, detail: Any) -> None:
         if what == "crash":
@@ -446,6 +407,8 @@ class Agent:
         error = own_error(rank, read_error_file(rank.error_file))
         event = exit_event(rank, error, self.job.stopping, self.job.stop_mono, self.signalled)
         self.emit(event)
+        if not event["during_stop"]:  # its peers may wait for it (agent_marks.py)
+            mark_if_unmarked(self.stores.get(rank.rank), self.tmpdir, rank.rank, rank.status)
         if rank.status != 0:
             if error is not None:
                 self.output.log_error(rank, error)

@@ -14,9 +14,11 @@ count has grown. Nothing of this runs per training step.
 
 The store is the dsrun job's own (rendezvous.py; it outlives a script's
 ``destroy_process_group``), else the default group's. A rank that ends
-without running Python (``os._exit``, a signal) sets nothing: with a
-non-zero status or a signal the launcher stops the job anyway; an
-``os._exit(0)`` is still only found at ``checkpoint.timeout``. When rank
+without running Python (``os._exit``, a signal, a crash) sets nothing
+itself: its node agent, which sees every exit, posts the mark for it
+(launcher/agent_marks.py; ``"by": "agent"``, with ``signal`` for a rank
+killed by one), unless the file :data:`MARKED_VAR` names exists - the
+rank writes it once its own mark is posted. When rank
 0 itself leaves, the store goes with it and a waiter's store calls fail:
 the waiter names rank 0 (:data:`STORE_GONE`). A rank that exits after
 rank 0 posts nothing: it first opens a plain connection to the store's
@@ -46,6 +48,9 @@ PROBE_WAIT_S = 0.2
 CALLS = {"save_checkpoint": "engine.save_checkpoint()",
          "load_checkpoint": "engine.load_checkpoint()",
          "save_16bit_model": "engine.save_16bit_model()"}
+#: The variable (set by the node agent) naming the file a rank writes once
+#: its mark is posted: the agent then posts none for it.
+MARKED_VAR = "DSRUN_EXIT_MARKED"
 #: What a waiter says when rank 0's store cannot be reached any more.
 STORE_GONE = "rank 0 (which holds the job's store) exited or cannot be reached"
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -119,12 +124,27 @@ def mark_exited(rank: int, status: int, exc: Optional[BaseException] = None) -> 
     thread = threading.Thread(target=post, name="dsrun-exit-mark", daemon=True)
     thread.start()
     thread.join(MARK_WAIT_S)
+    if done.is_set():
+        _tell_agent()
     return done.is_set()
 
 
+def _tell_agent() -> None:
+    """Write :data:`MARKED_VAR`'s file: the agent need not post a mark."""
+    path = os.environ.get(MARKED_VAR)
+    if path:
+        try:
+            with open(path, "w"):
+                pass
+        except OSError:  # the agent posts one too, unless it finds this one there
+            pass
+
+
 def describe_exit(rank: int, mark: dict[str, Any]) -> str:
-    """``rank 1 exited (status 0)``."""
-    return f"rank {rank} exited (status {mark.get('status')})"
+    """``rank 1 exited (status 0)``; ``rank 1 exited (status 137: killed by
+    SIGKILL)`` for a mark its agent posted for a rank a signal killed."""
+    killed = f": killed by {mark['signal']}" if mark.get("signal") else ""
+    return f"rank {rank} exited (status {mark.get('status')}{killed})"
 
 
 class ExitWatch:
