@@ -56,6 +56,7 @@ def test_mpirun_golden_uneven_slots_and_forwarded_names():
         "--bind-to", "none", "--allow-run-as-root", "--wdir", "/work",
         "-x", "DSRUN_LAUNCHER", "-x", "DSRUN_LAUNCHER_SECRET", "-x", "DSRUN_LAUNCHER_TIMEOUT",
         "-x", "NCCL_DEBUG", "-x", "SECRET",
+        "--mca", "odls_base_sigkill_timeout", "31",  # --kill_grace 30 + 1 (openmpi.py)
         "--mca", "btl", "self,tcp",
         *AGENT, "--connect")
     assert "s3cr3t" not in " ".join(argv) and "INFO" not in argv  # names only

@@ -12,12 +12,27 @@ spawn fails), ``--bind-to none`` (unless
 launchers, and OMP_NUM_THREADS shares them), ``-x NAME`` for every variable the
 agents need (values in mpirun's environment, never on its command line),
 ``--allow-run-as-root`` only as root, dsrun's SSH options as
-``--mca plm_rsh_args`` (mpirun reaches other hosts over ssh), then
+``--mca plm_rsh_args`` (mpirun reaches other hosts over ssh),
+``--mca odls_base_sigkill_timeout`` (:func:`sigkill_timeout`), then
 ``--launcher_args`` verbatim, then the agent. Each MPI process is an agent
 in connect mode (connect.py): it connects back, is probed and planned like
 an SSH agent, and starts its rank as a child, which inherits the MPI
 variables, so ``MPI_Init`` in the rank joins mpirun's job (mpi4py and
 ``MPI.Comm.Spawn`` work there).
+
+mpirun answers a SIGTERM or SIGINT of its own (``kill`` of its pid; Slurm's
+signal to every process of a batch step) by stopping its processes, the
+agents: SIGCONT at once, SIGTERM after ``odls_base_sigkill_timeout``
+seconds, SIGKILL as long again after that (Open MPI 4.1's odls, measured
+here; its default is 1 s, so a rank saving on SIGTERM was cut off after
+about a second). dsrun sets it to ``--kill_grace`` + 1, rounded up (Open MPI
+takes whole seconds): an agent that gets mpirun's SIGTERM then gives its
+ranks the whole grace before mpirun's SIGKILL, and when every process got
+the signal directly, mpirun's own copy comes after the agent's grace has run
+out, not as a "second signal" that hurries the stop. The price: a signal to
+mpirun alone reaches the ranks that much later. ``--launcher_args "--mca
+odls_base_sigkill_timeout N"`` (or ``OMPI_MCA_odls_base_sigkill_timeout`` in
+the environment) is the user's choice and kept.
 
 Before anything starts (:meth:`OpenMpiBackend.check`): mpirun must be on
 PATH and be Open MPI's, and mpi4py must import and use the same MPI
@@ -38,6 +53,7 @@ command not found``), the error says so and names the directory
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -76,6 +92,8 @@ CONTROLLED = ("-np", "-n", "--n", "-c", "--np", "-N", "-H", "-host", "--host",
 #: Installations whose bin directory every login PATH has (and whose
 #: --prefix would put /usr/bin ahead of a venv: the module docstring).
 SYSTEM_PREFIXES = ("/", "/usr", "/usr/local")
+#: Open MPI's seconds between the steps of its kill sequence (module docstring).
+SIGKILL_TIMEOUT = "odls_base_sigkill_timeout"
 _VERSION = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
 
 
@@ -102,10 +120,24 @@ def env_names(plan: LaunchPlan) -> tuple[str, ...]:
     return (*sorted(AGENT_BOOTSTRAP_VARS), *plan.user_env.passed_as_is())
 
 
+def sigkill_timeout(kill_grace: float) -> int:
+    """``odls_base_sigkill_timeout`` for a job's ``--kill_grace`` (pure): whole
+    seconds, one more than the grace (the module docstring says why)."""
+    return math.ceil(kill_grace) + 1
+
+
+def sets_sigkill_timeout(launcher_args: Sequence[str], environ: Mapping[str, str]) -> bool:
+    """Whether the user chose ``odls_base_sigkill_timeout`` (``--mca``/``-mca``
+    /``--gmca`` in --launcher_args, or Open MPI's environment variable)."""
+    return SIGKILL_TIMEOUT in launcher_args or f"OMPI_MCA_{SIGKILL_TIMEOUT}" in environ
+
+
 def mpirun_argv(plan: LaunchPlan, agent_argv: Sequence[str], *, mpirun: str = "mpirun",
                 launcher_args: Sequence[str] = (), ssh: SshOptions | None = None,
-                as_root: bool = False) -> tuple[str, ...]:
-    """The one mpirun command of a plan (pure)."""
+                as_root: bool = False,
+                environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The one mpirun command of a plan (pure); ``environ``: mpirun's
+    environment, for the user's Open MPI settings."""
     # Open MPI maps its own node first whatever -H's order (--map-by slot), so
     # the sequential mapping gets one -H entry per rank, in rank order (a
     # --map-by in --launcher_args comes later and wins; placement_problem
@@ -125,6 +157,9 @@ def mpirun_argv(plan: LaunchPlan, agent_argv: Sequence[str], *, mpirun: str = "m
     rsh = rsh_args(ssh or SshOptions())
     if rsh:
         argv += ["--mca", "plm_rsh_args", rsh]
+    if not sets_sigkill_timeout(launcher_args, environ or {}):
+        # mpirun's own SIGTERM must leave the agents their --kill_grace.
+        argv += ["--mca", SIGKILL_TIMEOUT, str(sigkill_timeout(plan.kill_grace))]
     argv += launcher_args
     argv += [*agent_argv, "--connect"]
     return tuple(argv)
@@ -246,7 +281,7 @@ class OpenMpiBackend(Backend):
     def argv(self, plan: LaunchPlan) -> tuple[str, ...]:
         return mpirun_argv(plan, self.agent_argv(), mpirun=self.mpirun,
                            launcher_args=self.hosts.launcher_args, ssh=self.hosts.ssh,
-                           as_root=self.as_root)
+                           as_root=self.as_root, environ=self.environ)
 
     def prepare(self, plan: LaunchPlan) -> Request:
         agents = []

@@ -1,0 +1,54 @@
+"""A SIGTERM that reaches mpirun itself under ``--launcher openmpi``: the
+ranks still get --kill_grace, and a save on SIGTERM completes.
+
+mpirun stops its processes (the agents) with SIGCONT, then SIGTERM and
+SIGKILL ``odls_base_sigkill_timeout`` seconds apart; Open MPI's default of
+1 s cut a 1.5 s save off. dsrun sets the timeout from --kill_grace
+(openmpi.py).
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import WORKERS, start_dsrun, wait_for_pids, wait_gone
+
+pytestmark = [pytest.mark.proc,
+              pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")]
+SAVER = str(WORKERS / "signal_saver.py")
+
+
+def _mpirun_of(dsrun_pid: int, timeout: float = 10) -> psutil.Process:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for child in psutil.Process(dsrun_pid).children():
+            if child.name() == "mpirun":
+                return child
+        time.sleep(0.1)
+    raise AssertionError("no mpirun below dsrun")
+
+
+def test_sigterm_to_mpirun_alone_leaves_the_ranks_their_kill_grace(tmp_path, pid_dir):
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = start_dsrun("--launcher", "openmpi", "--cpu", "--num_gpus", "2",
+                       "--dist_backend", "none", "--kill_grace", "4", SAVER,
+                       "--pid_dir", str(pid_dir), "--out", str(out), "--stop", "SIGTERM",
+                       "--save", "1.5")
+    try:
+        pids = wait_for_pids(pid_dir, 2, 30)
+        time.sleep(0.3)  # the ranks' handlers are in place
+        _mpirun_of(proc.pid).send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert wait_gone(list(pids.values()), 10) == []
+    finally:
+        proc.kill()
+    # Open MPI's 1 s default SIGKILLed the agents (and so the ranks) mid-save.
+    assert sorted(p.name for p in out.iterdir()) == ["saved_0", "saved_1"], err
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "got SIGTERM" in err, err
