@@ -12,9 +12,19 @@ launcher too; so a rank gets one copy, not two:
 - the launcher's command is forwarded, unless the agent itself got the
   same signal within :data:`MERGE` seconds before (then everyone got it);
 - the agent's own signal is forwarded only if no command for it follows
-  within :data:`MERGE` seconds (it was sent to the agent alone: ``srun``
-  passing on a signal to its tasks), and not at all if a forward of it went
+  within :data:`MERGE` seconds (it was sent to the agent alone: ``mpirun``
+  passing on a signal to its processes, which are the agents), and not at all if a forward of it went
   out within :data:`MERGE` seconds before (the launcher was quicker).
+
+A task of a Slurm step (srun started the agent: its parent is
+``slurmstepd``) is different: Slurm delivers every signal meant for the
+step - ``scancel --signal``, ``#SBATCH --signal`` without ``B:``, srun
+passing on one it got - to every process of the step, the ranks included.
+There the agent's own copy means the ranks have theirs, so it is never
+forwarded, and the launcher's command waits :data:`MERGE` seconds and is
+dropped if the agent's own copy comes meanwhile. (A signal to every process
+of the batch job also reaches srun, which passes it on once more: that
+second copy is Slurm's, and reaches the ranks whatever the agent does.)
 
 Signals are taken while the job runs; once it is being stopped they are
 dropped. The handler only appends to a list (a signal handler must not
@@ -23,6 +33,7 @@ take a lock the code it interrupted may hold). Standard library only.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -35,6 +46,17 @@ MERGE = 0.5
 
 #: (signum, from the launcher): appended by the handler and the command reader.
 _PENDING: list[tuple[int, bool]] = []
+
+
+def in_slurm_step() -> bool:
+    """Whether this process is a task of a Slurm step: its parent is
+    slurmstepd (Linux; elsewhere, or inside a container whose PID namespace
+    hides the parent, False: the general rule then applies)."""
+    try:
+        with open(f"/proc/{os.getppid()}/comm") as f:
+            return f.read().strip() == "slurmstepd"
+    except OSError:
+        return False
 
 
 def on_signal(signum: int, frame: object) -> None:
@@ -64,16 +86,23 @@ class Forwarder:
     ``send(signum)`` signals the running ranks' groups."""
 
     def __init__(self, send: Callable[[int], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 step: bool | None = None) -> None:
+        """``step``: the agent is a task of a Slurm step (None: find out,
+        :func:`in_slurm_step`)."""
         self.send = send
         self.clock = clock
+        self.step = in_slurm_step() if step is None else step
         self.heard: dict[int, float] = {}  # the agent's own copy, last seen
         self.sent: dict[int, float] = {}  # the last forward
         self.waiting: dict[int, float] = {}  # own copies not yet forwarded
+        self.commands: dict[int, float] = {}  # the launcher's, held (a Slurm step only)
 
     def note(self, signum: int, launcher: bool) -> None:
         now = self.clock()
-        if launcher:
+        if self.step:
+            self._note_in_step(signum, launcher, now)
+        elif launcher:
             if now - self.heard.get(signum, -MERGE - 1) <= MERGE:
                 self.waiting.pop(signum, None)  # sent to every process: the ranks have it
                 return
@@ -82,17 +111,29 @@ class Forwarder:
             self.heard[signum] = now
             self.waiting.setdefault(signum, now)
 
+    def _note_in_step(self, signum: int, launcher: bool, now: float) -> None:
+        """In a Slurm step the agent's own copy says the step, ranks
+        included, got the signal (the module docstring)."""
+        if not launcher:
+            self.heard[signum] = now
+            self.commands.pop(signum, None)  # the ranks have it from Slurm
+        elif now - self.heard.get(signum, -MERGE - 1) > MERGE:
+            self.commands.setdefault(signum, now)
+
     def settle(self) -> None:
-        """Forward the agent's own copies that no command followed."""
+        """Forward the agent's own copies that no command followed (in a
+        Slurm step: the commands no copy of the agent's own followed)."""
         now = self.clock()
-        for signum, at in list(self.waiting.items()):
-            if now - at > MERGE:
-                del self.waiting[signum]
-                self._send(signum, now)
+        for held in (self.waiting, self.commands):
+            for signum, at in list(held.items()):
+                if now - at > MERGE:
+                    del held[signum]
+                    self._send(signum, now)
 
     def drop(self) -> None:
         """The job is being stopped: nothing more is forwarded."""
         self.waiting.clear()
+        self.commands.clear()
 
     def _send(self, signum: int, now: float) -> None:
         self.sent[signum] = now
