@@ -39,6 +39,7 @@ from dsrun.runtime.checkpoint.fragments import (
     split_state,
 )
 from dsrun.runtime.checkpoint.info import checkpoint_info, format_info, human_bytes, size_texts
+from dsrun.runtime.checkpoint.manifest import SAVE_ID
 from dsrun.runtime.checkpoint.reader import LoadRequest, load_state
 from dsrun.runtime.checkpoint.stateformats import SafetensorsWriter, Spec, TorchSaveWriter
 from dsrun.runtime.checkpoint.tags import remove_stale_saves
@@ -233,12 +234,15 @@ def test_a_save_another_rank_refuses_changes_nothing_on_disk(tmp_path: Path,
     coord = TwoRanks(None)
     write, _ = writer.begin_save(SaveRequest(str(tmp_path / "new"), "t"),
                                  [DictSource(tensors()).export_state({})], coord)
-    assert [c[0] for c in coord.calls] == ["agree", "exchange"]
-    assert coord.calls[1][1] is None  # rank 0's room was made: every rank may write
-    assert sorted(os.listdir(tmp_path)) == ["new", "t.tmp"] and not os.listdir(tmp_path / "new")
-    (tmp_path / "new" / "t.tmp").mkdir()  # a stale one goes only once all agreed
+    # rank 0's room was made (with this save's id in TAG.tmp/), then every
+    # rank said whether it sees it: every rank may write
+    assert [c[0] for c in coord.calls] == ["agree", "exchange", "exchange"]
+    assert coord.calls[1][1][0] is None and coord.calls[2][1] is None
+    assert sorted(os.listdir(tmp_path)) == ["new", "t.tmp"]
+    assert os.listdir(tmp_path / "new" / "t.tmp") == [SAVE_ID]
+    (tmp_path / "new" / "t.tmp" / "rank_00000.bin").write_bytes(b"old")
     writer.begin_save(SaveRequest(str(tmp_path / "new"), "t"), [], TwoRanks(None))
-    assert not os.listdir(tmp_path / "new")
+    assert os.listdir(tmp_path / "new" / "t.tmp") == [SAVE_ID]  # the stale save is gone
 
 
 def test_rank_0s_space_check_is_raised_on_every_rank_as_it_is(
@@ -248,7 +252,7 @@ def test_rank_0s_space_check_is_raised_on_every_rank_as_it_is(
     with pytest.raises(CheckpointError, match=r"^not enough space in .*new for checkpoint 't'"):
         writer.begin_save(SaveRequest(str(tmp_path / "new"), "t"),
                           [DictSource(tensors()).export_state({})], coord)
-    assert coord.calls[1][0] == "exchange" and "not enough space" in coord.calls[1][1]
+    assert coord.calls[1][0] == "exchange" and "not enough space" in coord.calls[1][1][0]
     assert not os.listdir(tmp_path)  # the save directory is not made either
     monkeypatch.undo()
     (tmp_path / "file").write_text("")

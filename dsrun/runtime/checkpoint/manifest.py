@@ -44,6 +44,8 @@ LATEST = "latest"
 ENGINE_STATE = "engine_state.pt"
 TMP_SUFFIX = ".tmp"
 REPLACED_SUFFIX = ".replaced"
+# in TAG.tmp/ while a save runs: its id, which every rank reads back (sharing.py)
+SAVE_ID = "save_id"
 VALUE = "value"
 
 ITEMSIZE: Mapping[str, int] = {

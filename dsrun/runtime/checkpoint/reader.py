@@ -4,12 +4,15 @@
 :mod:`.engine_io`)::
 
     1. agree      every rank resolves the same tag (``latest`` when none is
-                  given; no ``latest`` and no tag: nothing to load)
+                  given; no ``latest`` and no tag: nothing to load); ranks
+                  that read different ``latest`` files are named, by host
     2. match      each source's prepare_import() names the ranges this rank
                   needs; the manifest is read and its names and shapes
                   compared with the union of what all ranks declare:
                   strict - one error listing every difference; not strict -
-                  the intersection, with a warning listing what is skipped
+                  the intersection, with a warning listing what is skipped;
+                  ranks that read different manifests (a digest of each:
+                  node-local copies that differ) are refused, by host
     3. read       every file is checked against the sizes the manifest
                   records; each rank reads the chunks that intersect its
                   ranges (whole chunks, so every byte it uses is checked
@@ -34,6 +37,7 @@ import io
 import json
 import logging
 import os
+import socket
 import zlib
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,6 +62,13 @@ from dsrun.runtime.checkpoint.manifest import (
     plan_reads,
     rank_file,
     record_file,
+)
+from dsrun.runtime.checkpoint.sharing import (
+    describe_manifest,
+    different_checkpoints,
+    different_latest,
+    manifest_digest,
+    missing_on_some,
 )
 from dsrun.runtime.checkpoint.storage import read_file, read_into, torch_dtype
 from dsrun.runtime.checkpoint.tags import read_latest, tag_dir
@@ -314,14 +325,18 @@ class _Phase:
     manifest: Optional[Manifest] = None
     plans: list[ImportPlan] = field(default_factory=list)
     declared: dict[str, list[int]] = field(default_factory=dict)
+    digest: str = ""   # of the manifest's bytes: which checkpoint this rank read
+    what: str = ""     # describe_manifest: how to tell it from another
 
 
 def _open(request: LoadRequest, tag: str, sources: Sequence[StateSource],
           names: Mapping[int, str]) -> _Phase:
     phase = _Phase(path=tag_dir(os.path.abspath(request.load_dir), tag))
     manifest_path = os.path.join(phase.path, MANIFEST)
-    phase.manifest = parse_manifest(read_file(manifest_path, "the manifest").decode(
-        errors="replace"), manifest_path)
+    text = read_file(manifest_path, "the manifest")
+    phase.manifest = parse_manifest(text.decode(errors="replace"), manifest_path)
+    phase.digest = manifest_digest(text)
+    phase.what = describe_manifest(phase.path, phase.manifest)
     keys = _state_keys(phase.manifest) if request.optimizer_states else None
     phase.plans = [source.prepare_import(names, keys) for source in sources]
     saved = phase.manifest.optimizer
@@ -352,16 +367,35 @@ def _resolve(request: LoadRequest) -> tuple[Optional[str], Optional[str]]:
         return None, str(exc)
 
 
+def _agree_tag(request: LoadRequest, root: str, coord: Coordinator
+               ) -> tuple[Optional[str], list[str]]:
+    """Step 1: (the tag every rank resolved, every rank's host); ranks that
+    found different ``latest`` files, or the directory on some hosts only,
+    are named with their hosts."""
+    tag, problem = _resolve(request)
+    asked = None if request.tag is None else str(request.tag)
+    everyone = coord.agree("engine.load_checkpoint()", {
+        "tag": tag, "problem": problem, "asked": asked, "host": socket.gethostname(),
+        "found": os.path.isdir(root)})
+    hosts = [e.get("host", "?") for e in everyone]
+    problems = [e["problem"] for e in everyone]
+    _raise_failures(problems, "loading a checkpoint",
+                    missing_on_some(problems, [bool(e.get("found")) for e in everyone],
+                                    hosts, root))
+    tags = [e["tag"] for e in everyone]
+    if any(t != tags[0] for t in tags) and all(e.get("asked") is None for e in everyone):
+        raise CheckpointError(different_latest(tags, hosts, root))
+    check_same(tags, "the checkpoint tag to load")
+    return tag, hosts
+
+
 def load_state(request: LoadRequest, sources: Sequence[StateSource], names: Mapping[int, str],
                coord: Coordinator) -> Optional[Loaded]:
     """A load (module docstring); None when there is nothing to load (no
     tag given and no ``latest``), as DeepSpeed. Every rank must call it."""
-    tag, problem = _resolve(request)
-    everyone = coord.agree("engine.load_checkpoint()", {"tag": tag, "problem": problem})
-    raise_failures([e["problem"] for e in everyone], "loading a checkpoint")
-    check_same([e["tag"] for e in everyone], "the checkpoint tag to load")
+    root = os.path.abspath(request.load_dir)
+    tag, hosts = _agree_tag(request, root, coord)
     if tag is None:
-        root = os.path.abspath(request.load_dir)
         log.warning("no tag given and no 'latest' file in %s%s: nothing loaded", root,
                     "" if os.path.isdir(root) else " (the directory does not exist)")
         return None
@@ -370,8 +404,14 @@ def load_state(request: LoadRequest, sources: Sequence[StateSource], names: Mapp
         phase = _open(request, tag, sources, names)
     except CheckpointError as exc:
         status = str(exc)
-    notes = coord.exchange({"error": status, "declared": phase.declared})
-    raise_failures([n["error"] for n in notes], f"loading checkpoint {tag!r}")
+    notes = coord.exchange({"error": status, "declared": phase.declared,
+                            "digest": phase.digest, "what": phase.what})
+    errors = [n["error"] for n in notes]
+    _raise_failures(errors, f"loading checkpoint {tag!r}",
+                    missing_on_some(errors, [e is None for e in errors], hosts, root))
+    mixed = different_checkpoints(tag, notes, hosts, root)
+    if mixed:
+        raise CheckpointError(mixed)
     declared: dict[str, list[int]] = {}
     for note in notes:
         declared.update(note["declared"])
@@ -410,6 +450,14 @@ def load_state(request: LoadRequest, sources: Sequence[StateSource], names: Mapp
         source.finish_import(plan, groups, request.optimizer_states)
     log.info("loaded checkpoint %s (saved by %d ranks)", phase.path, phase.manifest.world_size)
     return result
+
+
+def _raise_failures(statuses: Sequence[Optional[str]], what: str, hint: str) -> None:
+    """:func:`~.coord.raise_failures`, with ``hint`` (why some ranks only) after it."""
+    try:
+        raise_failures(statuses, what)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc}{hint}") from None
 
 
 def _check(sources: Sequence[StateSource], plans: Sequence[ImportPlan],

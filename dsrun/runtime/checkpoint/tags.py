@@ -47,6 +47,7 @@ from dsrun.runtime.checkpoint.manifest import (
     RANK_PREFIX,
     RECORD_SUFFIX,
     REPLACED_SUFFIX,
+    SAVE_ID,
     TMP_SUFFIX,
 )
 
@@ -59,7 +60,7 @@ def _either(*names: str) -> str:
 
 # the files (and their atomic_write temporaries) a save puts into TAG.tmp/
 SAVE_FILE = re.compile(
-    "(?:" + _either(ENGINE_STATE, MANIFEST) + "|" + re.escape(RANK_PREFIX) + r"\d{5,}"
+    "(?:" + _either(ENGINE_STATE, MANIFEST, SAVE_ID) + "|" + re.escape(RANK_PREFIX) + r"\d{5,}"
     + _either(DATA_SUFFIX, RECORD_SUFFIX, ERROR_SUFFIX) + r")(?:\.tmp\.\d+)?")
 
 

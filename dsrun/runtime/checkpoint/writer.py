@@ -11,8 +11,10 @@ through :mod:`.engine_io`; a pipeline engine with its own sources)::
                   refused here wrote nothing
     2. check      rank 0 removes a TAG.tmp/ left by a crashed save, checks
                   the bytes every rank will write against the free space,
-                  makes SAVE_DIR, and tells every rank how that went
-                  (Coordinator.exchange: no rank writes before)
+                  makes SAVE_DIR and TAG.tmp/ with this save's id, and
+                  tells every rank how that went and the id (no rank
+                  writes before); a rank that cannot read it back fails
+                  the save on every rank: SAVE_DIR is not shared (.sharing)
     3. write      each rank writes rank_RRRRR.bin (its fragments; replicated
                   ones split among their holders), fsyncs it, then its
                   record rank_RRRRR.json (atomically); rank 0 also
@@ -45,6 +47,7 @@ import io
 import json
 import logging
 import os
+import socket
 import time
 import zlib
 from collections.abc import Mapping, Sequence
@@ -84,6 +87,7 @@ from dsrun.runtime.checkpoint.rank_plan import (  # noqa: F401 - Planned, own_sh
 from dsrun.runtime.checkpoint.records import ChunkRecord, RankRecord, merge_records
 from dsrun.runtime.checkpoint.recovery_script import write_recovery_script
 from dsrun.runtime.checkpoint.settings import PausePoint
+from dsrun.runtime.checkpoint.sharing import check_save_shared, remove_mark, write_mark
 from dsrun.runtime.checkpoint.storage import (
     DataFile,
     atomic_write,
@@ -220,6 +224,7 @@ class Commit:
         return os.path.join(self.save_dir, self.tag + TMP_SUFFIX)
 
     def run(self) -> None:
+        remove_mark(self.tmp_dir)
         records, files = [], {}
         for rank in range(self.world):
             path = os.path.join(self.tmp_dir, record_file(rank))
@@ -404,16 +409,24 @@ def check_space(save_dir: str, tag: str, total: int, free: Optional[int]) -> Non
             "the previous checkpoint is intact)")
 
 
-def make_room(save_dir: str, tag: str, total: int) -> None:
+def make_room(save_dir: str, tag: str, total: int) -> str:
     """Step 2, rank 0, once every rank agreed: remove this tag's ``TAG.tmp/``
     left by a crashed save, check the space for ``total`` bytes, make
-    ``save_dir``."""
+    ``save_dir`` and ``TAG.tmp/`` with this save's id (returned) in it."""
+    tmp_dir = os.path.join(save_dir, f"{tag}{TMP_SUFFIX}")
     try:
-        remove_tree(os.path.join(save_dir, f"{tag}{TMP_SUFFIX}"))
+        remove_tree(tmp_dir)
         check_space(save_dir, tag, total, free_bytes(nearest_existing(save_dir)))
         os.makedirs(save_dir, exist_ok=True)
     except OSError as exc:
-        raise CheckpointError(f"cannot save checkpoint {tag!r} in {save_dir}: {exc}") from None
+        raise CheckpointError(f"cannot save checkpoint {tag!r} in {save_dir}: {exc}; "
+                              f"{INTACT}") from None
+    try:
+        return write_mark(tmp_dir)
+    except OSError as exc:  # a file in the way, a read-only file system, a full disk
+        remove_tree(tmp_dir)
+        raise CheckpointError(f"cannot save checkpoint {tag!r}: making {tmp_dir} failed: "
+                              f"{exc}; {INTACT}") from None
 
 
 def begin_save(request: SaveRequest, exports: Sequence[ExportedState], coord: Coordinator,
@@ -429,15 +442,23 @@ def begin_save(request: SaveRequest, exports: Sequence[ExportedState], coord: Co
     except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable client_state
         problem = f"{type(exc).__name__}: {exc}"
     mine = {"tag": str(request.tag), "save_latest": request.save_latest, "bytes": plan.bytes,
-            "problem": problem}
+            "problem": problem, "host": socket.gethostname()}
     everyone = coord.agree("engine.save_checkpoint()", mine)
     check_same([e["tag"] for e in everyone], "the checkpoint tag")
     check_same([e["save_latest"] for e in everyone], "save_latest")
     raise_failures([e["problem"] for e in everyone], f"saving checkpoint {request.tag!r}")
     total = sum(e["bytes"] for e in everyone)
-    room = _status(lambda: make_room(save_dir, request.tag, total)) if coord.rank == 0 else None
-    raise_first(coord.exchange(room), f"saving checkpoint {request.tag!r}")
+    room, save_id = None, None
+    if coord.rank == 0:
+        def room_for_it() -> None:
+            nonlocal save_id
+            save_id = make_room(save_dir, request.tag, total)
+        room = _status(room_for_it)
+    room, save_id = coord.exchange((room, save_id) if coord.rank == 0 else None)[0]
+    raise_first([room], f"saving checkpoint {request.tag!r}")
     tmp_dir = os.path.join(save_dir, f"{request.tag}{TMP_SUFFIX}")
+    check_save_shared(coord, tmp_dir, save_id, save_dir, request.tag,
+                      [e.get("host", "?") for e in everyone])
     write = RankWrite(tmp_dir, coord.rank, plan, request.extra, blob, pause, request.tag,
                       request.durable)
     commit = Commit(save_dir, request.tag, coord.world, request.meta, request.aliases,

@@ -15,12 +15,14 @@ of its own while the save is still in flight.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 
 import torch
 import torch.distributed as dist
 
 import dsrun
+from dsrun.runtime.checkpoint import writer
 
 
 def build(stage: int, **extra: object) -> object:
@@ -69,8 +71,12 @@ def main() -> None:
     if args.mode.startswith("async-fail"):
         engine = build(args.stage, checkpoint={"async": True})
         train(engine, 1)
-        with open(os.path.join(args.ckpt, "doomed.tmp"), "w") as f:
-            f.write("a file where the save's directory must go")
+        # the write fails in the background thread (TAG.tmp/ itself is made,
+        # and checked, before save_checkpoint returns: a failure there is raised by it)
+        def read_only(self: writer.RankWrite) -> None:
+            raise OSError(errno.EROFS, "Read-only file system", self.tmp_dir)
+
+        writer.RankWrite._write = read_only  # type: ignore[method-assign]
         engine.save_checkpoint(args.ckpt, tag="doomed")
         if args.mode == "async-fail-raise":
             raise RuntimeError("the script's own error")
