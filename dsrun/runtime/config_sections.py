@@ -428,9 +428,10 @@ class CheckpointConfig:
     leaves the previous checkpoint intact; an OS crash may not). DeepSpeed's
     ``tag_validation``
     (``Warn``/``Ignore``/``Fail``), ``load_universal``,
-    ``use_node_local_storage``, ``parallel_write``, ``writer`` and
-    ``checkpoint_serialization`` (torch.save's zipfile format in DeepSpeed;
-    dsrun writes its own files) are accepted; dsrun's checkpoints are always
+    ``parallel_write``, ``writer`` and ``checkpoint_serialization``
+    (torch.save's zipfile format in DeepSpeed; dsrun writes its own files)
+    are accepted, ``use_node_local_storage: true`` with a warning (dsrun
+    needs a directory every rank shares); dsrun's checkpoints are always
     universal (any world size and stage) and always written by every rank in
     parallel, and different tags on different ranks are always an error,
     since they would not make one checkpoint.
@@ -451,6 +452,15 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         validate_fields(self)
+        if self.use_node_local_storage:
+            # DeepSpeed then writes each node's files into its own disk; dsrun's
+            # format is one directory every rank shares, so say so now, not at
+            # the first save (which fails, naming the hosts that do not share it)
+            log.warning('"checkpoint": {"use_node_local_storage": true} is not implemented by '
+                        "dsrun: a checkpoint is one directory that every rank writes into and "
+                        "reads from, so save_checkpoint/load_checkpoint need a directory on a "
+                        "file system every host shares (a save into a node-local one fails "
+                        "at its start, naming the hosts); leave the key out")
 
 
 @dataclass(frozen=True)
