@@ -9,9 +9,12 @@ SIGKILL ``odls_base_sigkill_timeout`` seconds apart; Open MPI's default of
 
 from __future__ import annotations
 
+import os
+import random
 import shutil
 import signal
 import time
+import uuid
 
 import psutil
 import pytest
@@ -52,3 +55,45 @@ def test_sigterm_to_mpirun_alone_leaves_the_ranks_their_kill_grace(tmp_path, pid
     assert sorted(p.name for p in out.iterdir()) == ["saved_0", "saved_1"], err
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "got SIGTERM" in err, err
+
+
+def _tagged(tag: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("DSRUN_TEST_TAG") == tag:
+                found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def test_sigterm_to_every_process_under_openmpi_lets_the_ranks_save(tmp_path, pid_dir):
+    """As Slurm's proctrack/cgroup signals a batch step running dsrun: dsrun,
+    mpirun, the agents, their guards and the ranks, in any order. mpirun's
+    own SIGTERM to the agents (1 s later by Open MPI's default) was taken for
+    a second signal and SIGKILLed the ranks mid-save."""
+    out, tag = tmp_path / "out", uuid.uuid4().hex
+    out.mkdir()
+    proc = start_dsrun("--launcher", "openmpi", "--cpu", "--num_gpus", "2",
+                       "--dist_backend", "none", "--kill_grace", "4", SAVER,
+                       "--pid_dir", str(pid_dir), "--out", str(out), "--stop", "SIGTERM",
+                       "--save", "2", env={"DSRUN_TEST_TAG": tag})
+    try:
+        pids = wait_for_pids(pid_dir, 2, 30)
+        time.sleep(0.3)  # the ranks' handlers are in place
+        job = _tagged(tag)
+        assert {p.pid for p in job} >= {proc.pid, *pids.values()}
+        random.shuffle(job)
+        for p in job:
+            try:
+                os.kill(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        _, err = proc.communicate(timeout=60)
+        assert wait_gone(list(pids.values()), 10) == []
+    finally:
+        proc.kill()
+    assert sorted(p.name for p in out.iterdir()) == ["saved_0", "saved_1"], err
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "SIGKILL" not in err, err
