@@ -43,6 +43,10 @@ log = logging.getLogger("dsrun.launcher")
 TOOL_TAIL = 20
 #: Seconds the tool gets to exit after its agents have, before SIGTERM.
 TOOL_EXIT_GRACE = 10.0
+#: srun's line when a signal of its own (SIGTERM, a second Ctrl-C) made it
+#: kill every task of its step at once: the agents' connections then drop
+#: while srun still waits for its step's end.
+FORCED = "forcing job termination"
 
 
 class LaunchTool:
@@ -133,6 +137,7 @@ class ToolOutput:
 
     def __init__(self, keep: int = TOOL_TAIL) -> None:
         self.first_telling: dict[int, str] = {}  # by fd
+        self.forced: str | None = None  # the tool's FORCED line, once it said it
         self.tail: collections.deque[str] = collections.deque(maxlen=keep)
         self.last_box: dict[int, str] = {}  # by fd: the opening paragraph
         self._inside: dict[int, bool] = {}  # by fd: between a box's rules
@@ -144,6 +149,8 @@ class ToolOutput:
         if not stripped or _filler(stripped):
             return
         self.tail.append(stripped)
+        if self.forced is None and FORCED in stripped.lower():
+            self.forced = stripped
         if fd not in self.first_telling and any(w in stripped.lower() for w in _TELLING):
             self.first_telling[fd] = stripped
 
@@ -226,6 +233,9 @@ class SocketChannel(AgentChannel):
         message = f"lost the connection to the agent of rank {self.rank} on {self.host}"
         if not self.tool.alive():
             message += f" ({self.tool.exit_text()})"
+        elif self.tool.output.forced is not None:  # srun still waits for its step's end
+            message += (f" ({self.tool.name} got a signal of its own and killed every task "
+                        f"of its step: {self.tool.output.forced})")
         return message
 
     def close(self) -> None:
