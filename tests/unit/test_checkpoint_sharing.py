@@ -5,6 +5,7 @@ ranks."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -68,3 +69,15 @@ def test_the_mark_is_not_part_of_the_checkpoint_and_stale_marks_are_cleared(tmp_
     os.utime(stale / SAVE_ID, (0, 0))
     os.utime(stale, (0, 0))
     assert remove_stale_saves(str(tmp_path), "t", 1.0) == ["old"]
+
+
+def test_the_load_line_counts_the_saving_ranks_in_english(tmp_path, caplog):
+    from dsrun.runtime.checkpoint.coord import Coordinator
+    from dsrun.runtime.checkpoint.reader import LoadRequest, load_state
+    from tests.unit.test_checkpoint_io import DictSource
+
+    save_alone(SaveRequest(str(tmp_path), "t"), _exports())
+    with caplog.at_level(logging.INFO, logger="dsrun.runtime.checkpoint"):
+        load_state(LoadRequest(str(tmp_path)), [DictSource({"w": torch.zeros(4)})], {},
+                   Coordinator(5))
+    assert f"loaded checkpoint {tmp_path / 't'} (saved by 1 rank)" in caplog.text, caplog.text

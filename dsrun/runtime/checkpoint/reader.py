@@ -448,7 +448,9 @@ def load_state(request: LoadRequest, sources: Sequence[StateSource], names: Mapp
                  len(fresh), _listing(fresh))
     for source, plan in zip(sources, phase.plans):
         source.finish_import(plan, groups, request.optimizer_states)
-    log.info("loaded checkpoint %s (saved by %d ranks)", phase.path, phase.manifest.world_size)
+    saved = phase.manifest.world_size
+    log.info("loaded checkpoint %s (saved by %d rank%s)", phase.path, saved,
+             "" if saved == 1 else "s")
     return result
 
 
