@@ -225,7 +225,7 @@ def test_tags_latest_and_directories(tmp_path: Path) -> None:
 def test_a_failed_write_leaves_no_out_dir(tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     def full_disk(self: RankWrite) -> None:
-        Path(self.tmp_dir).mkdir(parents=True)
+        Path(self.tmp_dir).mkdir(parents=True, exist_ok=True)  # as RankWrite: made by rank 0
         raise CheckpointError("no space left on the device (simulated)")
 
     monkeypatch.setattr(RankWrite, "run", full_disk)
