@@ -13,12 +13,15 @@ import os
 import random
 import shutil
 import signal
+import sys
 import time
 import uuid
 
 import psutil
 import pytest
 
+from dsrun.launcher.backends.connect import LaunchTool
+from dsrun.launcher.backends.openmpi import SIGKILL_TIMEOUT, remove_session_dir, session_dirs
 from tests.conftest import WORKERS, start_dsrun, wait_for_pids, wait_gone
 
 pytestmark = [pytest.mark.proc,
@@ -97,3 +100,29 @@ def test_sigterm_to_every_process_under_openmpi_lets_the_ranks_save(tmp_path, pi
     assert sorted(p.name for p in out.iterdir()) == ["saved_0", "saved_1"], err
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "SIGKILL" not in err, err
+
+
+def test_a_mpirun_sigkilled_in_its_kill_sequence_leaves_no_session_dir(tmp_path):
+    """With the long kill sequence mpirun may outlast dsrun's wait for it (a
+    Ctrl-C while the agents start): SIGKILLed, it cannot remove its session
+    directory, so dsrun does (openmpi.remove_session_dir)."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    tool = LaunchTool("mpirun", ["mpirun", *root, "-np", "1", "--mca", SIGKILL_TIMEOUT, "30",
+                                 sys.executable, "-c", "import time; time.sleep(60)"],
+                      env, str(tmp_path), lambda *a: None,
+                      after_kill=lambda pid: remove_session_dir(pid, env))
+    pid = tool.proc.pid
+    end = time.monotonic() + 20
+    while not session_dirs(pid, env) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert session_dirs(pid, env), sorted(p.name for p in tmp_path.rglob("*"))
+    time.sleep(1)  # its process has started
+    child = psutil.Process(pid).children()
+    try:
+        tool.stop(0)  # SIGTERM: mpirun sleeps out its 30 s sequence, so SIGKILL 5 s later
+        assert tool.proc.returncode == -signal.SIGKILL
+        assert session_dirs(pid, env) == []
+    finally:  # mpirun's process outlives it (a dsrun agent would see its link close)
+        for proc in child:
+            proc.kill()

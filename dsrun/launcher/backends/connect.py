@@ -54,14 +54,17 @@ class LaunchTool:
 
     def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str], cwd: str,
                  sink: OutputSink, executable: str | None = None,
-                 advice: Callable[[str], str] | None = None) -> None:
+                 advice: Callable[[str], str] | None = None,
+                 after_kill: Callable[[int], None] | None = None) -> None:
         """``executable``: the file to run, when ``argv[0]`` is only the name
         it runs under (mpirun must not see its absolute path: openmpi.py);
         ``advice``: the backend's fix for the failure its output summary
-        says (or ""), added to :meth:`exit_text`."""
+        says (or ""), added to :meth:`exit_text`; ``after_kill``: removes
+        what the tool, SIGKILLed by :meth:`stop`, left behind (its pid)."""
         self.name = name
         self.sink = sink
         self.advice = advice
+        self.after_kill = after_kill
         self.output = ToolOutput()
         try:
             # Own session: Ctrl-C reaches the launcher, which stops the job in order.
@@ -107,6 +110,8 @@ class LaunchTool:
                     self.proc.terminate()
         self.proc.kill()
         self.proc.wait()
+        if self.after_kill is not None:  # reaped just now: its pid is no one else's yet
+            self.after_kill(self.proc.pid)
 
 
 # words of a launch tool's line that says what went wrong
@@ -431,9 +436,10 @@ def open_connected(plan: LaunchPlan, name: str, argv: Sequence[str],
                    on_connect: ConnectSink = ignore_connect,
                    executable: str | None = None,
                    advice: Callable[[str], str] | None = None,
-                   options: str | None = None) -> ConnectedHandle:
+                   options: str | None = None,
+                   after_kill: Callable[[int], None] | None = None) -> ConnectedHandle:
     """Start ``argv`` (the tool; ``executable``: the file, when ``argv[0]``
-    is only its name; ``advice``: see :class:`LaunchTool`) and wait for
+    is only its name; ``advice``, ``after_kill``: see :class:`LaunchTool`) and wait for
     every rank's agent; see the module docstring. ``tool_env`` is the tool's
     environment without the callback variables, which are added here;
     ``agent_timeout`` is how long an agent tries to reach the launcher;
@@ -443,7 +449,7 @@ def open_connected(plan: LaunchPlan, name: str, argv: Sequence[str],
            protocol.SECRET_VAR: server.secret, protocol.TIMEOUT_VAR: f"{agent_timeout:g}"}
     tool = None
     try:
-        tool = LaunchTool(name, argv, env, plan.cwd, sink, executable, advice)
+        tool = LaunchTool(name, argv, env, plan.cwd, sink, executable, advice, after_kill)
         server.wait_all(tool, timeout)
         hellos = {r: h for r, (_, h) in server.hellos.items()}
         problem = placement_problem(plan, hellos, name, socket.gethostname(), options)

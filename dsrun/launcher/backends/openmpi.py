@@ -32,7 +32,10 @@ the signal directly, mpirun's own copy comes after the agent's grace has run
 out, not as a "second signal" that hurries the stop. The price: a signal to
 mpirun alone reaches the ranks that much later. ``--launcher_args "--mca
 odls_base_sigkill_timeout N"`` (or ``OMPI_MCA_odls_base_sigkill_timeout`` in
-the environment) is the user's choice and kept.
+the environment) is the user's choice and kept. mpirun's sequence blocks
+its own exit too: a mpirun that dsrun must SIGKILL (a Ctrl-C while the
+agents start, a stop it does not finish in time) leaves its session
+directory on this host, which :func:`remove_session_dir` removes.
 
 Before anything starts (:meth:`OpenMpiBackend.check`): mpirun must be on
 PATH and be Open MPI's, and mpi4py must import and use the same MPI
@@ -53,6 +56,7 @@ command not found``), the error says so and names the directory
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 import re
@@ -130,6 +134,27 @@ def sets_sigkill_timeout(launcher_args: Sequence[str], environ: Mapping[str, str
     """Whether the user chose ``odls_base_sigkill_timeout`` (``--mca``/``-mca``
     /``--gmca`` in --launcher_args, or Open MPI's environment variable)."""
     return SIGKILL_TIMEOUT in launcher_args or f"OMPI_MCA_{SIGKILL_TIMEOUT}" in environ
+
+
+def session_dirs(pid: int, environ: Mapping[str, str]) -> list[str]:
+    """The session directories on this host of the mpirun with ``pid``:
+    ``<tmp>/ompi.<host>.<uid>/pid.<pid>`` (Open MPI 4.1), ``<tmp>`` being
+    ``orte_tmpdir_base`` if set in the environment, else TMPDIR, TEMP, TMP
+    or /tmp (Open MPI's own order)."""
+    bases = (environ.get("OMPI_MCA_orte_tmpdir_base"), environ.get("TMPDIR"),
+             environ.get("TEMP"), environ.get("TMP"), "/tmp")
+    found: list[str] = []
+    for base in dict.fromkeys(b for b in bases if b):
+        found += glob.glob(os.path.join(glob.escape(base), f"ompi.*.{os.getuid()}",
+                                        f"pid.{pid}"))
+    return found
+
+
+def remove_session_dir(pid: int, environ: Mapping[str, str]) -> None:
+    """Remove what a SIGKILLed mpirun (``pid``, just reaped) left on this
+    host; mpirun removes it itself when it exits."""
+    for path in session_dirs(pid, environ):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def mpirun_argv(plan: LaunchPlan, agent_argv: Sequence[str], *, mpirun: str = "mpirun",
@@ -307,4 +332,5 @@ class OpenMpiBackend(Backend):
                               agent_timeout=max(30.0, 3 * self.hosts.ssh.timeout),
                               on_connect=on_connect, executable=self.executable,
                               advice=lambda summary: prefix_advice(summary, self.executable),
+                              after_kill=lambda pid: remove_session_dir(pid, self.environ),
                               options="--launcher_args" if self.hosts.launcher_args else None)
