@@ -71,15 +71,18 @@ def _tagged(tag: str) -> list[psutil.Process]:
     return found
 
 
-def test_sigterm_to_every_process_under_openmpi_lets_the_ranks_save(tmp_path, pid_dir):
+@pytest.mark.parametrize("grace", ["4", "20"])
+def test_sigterm_to_every_process_under_openmpi_lets_the_ranks_save(tmp_path, pid_dir, grace):
     """As Slurm's proctrack/cgroup signals a batch step running dsrun: dsrun,
     mpirun, the agents, their guards and the ranks, in any order. mpirun's
     own SIGTERM to the agents (1 s later by Open MPI's default) was taken for
-    a second signal and SIGKILLed the ranks mid-save."""
+    a second signal and SIGKILLed the ranks mid-save. mpirun then sleeps out
+    its kill sequence (2 x 21 s for --kill_grace 20): dsrun, whose agents
+    have all ended, waits for it only TOOL_EXIT_GRACE, not the grace too."""
     out, tag = tmp_path / "out", uuid.uuid4().hex
     out.mkdir()
     proc = start_dsrun("--launcher", "openmpi", "--cpu", "--num_gpus", "2",
-                       "--dist_backend", "none", "--kill_grace", "4", SAVER,
+                       "--dist_backend", "none", "--kill_grace", grace, SAVER,
                        "--pid_dir", str(pid_dir), "--out", str(out), "--stop", "SIGTERM",
                        "--save", "2", env={"DSRUN_TEST_TAG": tag})
     try:
@@ -88,18 +91,21 @@ def test_sigterm_to_every_process_under_openmpi_lets_the_ranks_save(tmp_path, pi
         job = _tagged(tag)
         assert {p.pid for p in job} >= {proc.pid, *pids.values()}
         random.shuffle(job)
+        sent = time.monotonic()
         for p in job:
             try:
                 os.kill(p.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
         _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
         assert wait_gone(list(pids.values()), 10) == []
     finally:
         proc.kill()
     assert sorted(p.name for p in out.iterdir()) == ["saved_0", "saved_1"], err
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "SIGKILL" not in err, err
+    assert took < 25, f"{took:.1f}s: {err}"  # save 2 s, TOOL_EXIT_GRACE 10 s, SIGKILL 5 s
 
 
 def test_a_mpirun_sigkilled_in_its_kill_sequence_leaves_no_session_dir(tmp_path):

@@ -415,10 +415,14 @@ class ConnectedHandle(JobHandle):
     """A JobHandle over connect-back channels, owning the launching tool."""
 
     def __init__(self, channels: list[AgentChannel], leaders: Sequence[int],
-                 tool: LaunchTool, grace: float) -> None:
+                 tool: LaunchTool, grace: float, ended_wait: float | None = None) -> None:
+        """``ended_wait``: seconds the tool gets to exit when every agent's
+        connection ended (None: as long as when one did not, whose agent may
+        still be stopping its ranks: ``grace`` + TOOL_EXIT_GRACE)."""
         super().__init__(channels, leaders)
         self.tool = tool
         self.grace = grace
+        self.ended_wait = ended_wait
 
     def kill(self) -> None:
         super().kill()
@@ -427,7 +431,9 @@ class ConnectedHandle(JobHandle):
 
     def close(self, timeout: float = 5.0) -> None:
         super().close(timeout)
-        self.tool.stop(self.grace + TOOL_EXIT_GRACE)
+        ended = all(c.wait(0) is not None for c in self.channels)
+        wait = self.ended_wait if ended and self.ended_wait is not None else None
+        self.tool.stop(self.grace + TOOL_EXIT_GRACE if wait is None else wait)
 
 
 def open_connected(plan: LaunchPlan, name: str, argv: Sequence[str],
@@ -437,12 +443,14 @@ def open_connected(plan: LaunchPlan, name: str, argv: Sequence[str],
                    executable: str | None = None,
                    advice: Callable[[str], str] | None = None,
                    options: str | None = None,
-                   after_kill: Callable[[int], None] | None = None) -> ConnectedHandle:
+                   after_kill: Callable[[int], None] | None = None,
+                   ended_wait: float | None = None) -> ConnectedHandle:
     """Start ``argv`` (the tool; ``executable``: the file, when ``argv[0]``
     is only its name; ``advice``, ``after_kill``: see :class:`LaunchTool`) and wait for
     every rank's agent; see the module docstring. ``tool_env`` is the tool's
     environment without the callback variables, which are added here;
     ``agent_timeout`` is how long an agent tries to reach the launcher;
+    ``ended_wait``: see :class:`ConnectedHandle`;
     ``options``: the user's options to the tool, if any (for errors)."""
     server = CallbackServer(plan.world_size, on_connect)
     env = {**tool_env, protocol.LAUNCHER_VAR: server.endpoints(prefer),
@@ -464,7 +472,7 @@ def open_connected(plan: LaunchPlan, name: str, argv: Sequence[str],
     channels: list[AgentChannel] = [SocketChannel(*server.hellos[r], tool)
                                     for r in range(plan.world_size)]
     leaders = [node.ranks[0].rank for node in plan.nodes]
-    return ConnectedHandle(channels, leaders, tool, plan.kill_grace)
+    return ConnectedHandle(channels, leaders, tool, plan.kill_grace, ended_wait)
 
 
 def tool_environment(plan: LaunchPlan, base: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -35,7 +35,11 @@ odls_base_sigkill_timeout N"`` (or ``OMPI_MCA_odls_base_sigkill_timeout`` in
 the environment) is the user's choice and kept. mpirun's sequence blocks
 its own exit too: a mpirun that dsrun must SIGKILL (a Ctrl-C while the
 agents start, a stop it does not finish in time) leaves its session
-directory on this host, which :func:`remove_session_dir` removes.
+directory on this host, which :func:`remove_session_dir` removes. Once
+every agent has ended, mpirun gets only connect.TOOL_EXIT_GRACE to exit (it
+exits at once unless it is sleeping out that sequence: after a signal to
+every process of the job it would hold dsrun's report back twice the
+grace), not the grace a lost agent's ranks may still need.
 
 Before anything starts (:meth:`OpenMpiBackend.check`): mpirun must be on
 PATH and be Open MPI's, and mpi4py must import and use the same MPI
@@ -78,7 +82,7 @@ from dsrun.launcher.backends.base import (
     agent_payload,
     ignore_connect,
 )
-from dsrun.launcher.backends.connect import open_connected, tool_environment
+from dsrun.launcher.backends.connect import TOOL_EXIT_GRACE, open_connected, tool_environment
 from dsrun.launcher.plan import LaunchPlan
 from dsrun.launcher.protocol import AGENT_BOOTSTRAP_VARS
 from dsrun.launcher.spec import HostsSpec, SshOptions
@@ -333,4 +337,5 @@ class OpenMpiBackend(Backend):
                               on_connect=on_connect, executable=self.executable,
                               advice=lambda summary: prefix_advice(summary, self.executable),
                               after_kill=lambda pid: remove_session_dir(pid, self.environ),
+                              ended_wait=TOOL_EXIT_GRACE,
                               options="--launcher_args" if self.hosts.launcher_args else None)
