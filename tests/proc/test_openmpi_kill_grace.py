@@ -108,10 +108,12 @@ def test_sigterm_to_every_process_under_openmpi_lets_the_ranks_save(tmp_path, pi
     assert took < 25, f"{took:.1f}s: {err}"  # save 2 s, TOOL_EXIT_GRACE 10 s, SIGKILL 5 s
 
 
-def test_a_mpirun_sigkilled_in_its_kill_sequence_leaves_no_session_dir(tmp_path):
+@pytest.mark.parametrize("how", ["stop", "kill"])
+def test_a_mpirun_sigkilled_in_its_kill_sequence_leaves_no_session_dir(tmp_path, how):
     """With the long kill sequence mpirun may outlast dsrun's wait for it (a
     Ctrl-C while the agents start): SIGKILLed, it cannot remove its session
-    directory, so dsrun does (openmpi.remove_session_dir)."""
+    directory, so dsrun does (openmpi.remove_session_dir); also after the
+    SIGKILL of a stop dsrun gave up on (ConnectedHandle.kill, then close)."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
     tool = LaunchTool("mpirun", ["mpirun", *root, "-np", "1", "--mca", SIGKILL_TIMEOUT, "30",
@@ -126,6 +128,8 @@ def test_a_mpirun_sigkilled_in_its_kill_sequence_leaves_no_session_dir(tmp_path)
     time.sleep(1)  # its process has started
     child = psutil.Process(pid).children()
     try:
+        if how == "kill":
+            tool.kill()
         tool.stop(0)  # SIGTERM: mpirun sleeps out its 30 s sequence, so SIGKILL 5 s later
         assert tool.proc.returncode == -signal.SIGKILL
         assert session_dirs(pid, env) == []

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import signal
 import socket
 import subprocess
 import threading
@@ -65,6 +66,7 @@ class LaunchTool:
         self.sink = sink
         self.advice = advice
         self.after_kill = after_kill
+        self.killed = False  # SIGKILLed by dsrun (kill, stop)
         self.output = ToolOutput()
         try:
             # Own session: Ctrl-C reaches the launcher, which stops the job in order.
@@ -99,19 +101,26 @@ class LaunchTool:
         fix = self.advice(last) if self.advice is not None and last else ""
         return f"{text}: {last}{f'; {fix}' if fix else ''}" if last else text
 
+    def kill(self) -> None:
+        """SIGKILL it now; :meth:`stop` reaps it and cleans up after it."""
+        self.killed = True
+        self.proc.kill()
+
     def stop(self, grace: float) -> None:
         """Wait ``grace`` seconds for it to exit, then SIGTERM, then SIGKILL."""
         for sig_wait in (grace, 5.0):
             try:
                 self.proc.wait(sig_wait)
-                return
+                break
             except subprocess.TimeoutExpired:
                 if sig_wait == grace:
                     self.proc.terminate()
-        self.proc.kill()
-        self.proc.wait()
-        if self.after_kill is not None:  # reaped just now: its pid is no one else's yet
-            self.after_kill(self.proc.pid)
+        else:
+            self.kill()
+            self.proc.wait()
+        after, self.after_kill = self.after_kill, None
+        if after is not None and self.killed and self.proc.returncode == -signal.SIGKILL:
+            after(self.proc.pid)  # reaped just now: its pid is no one else's yet
 
 
 # words of a launch tool's line that says what went wrong
@@ -427,7 +436,7 @@ class ConnectedHandle(JobHandle):
     def kill(self) -> None:
         super().kill()
         if self.tool.alive():
-            self.tool.proc.kill()
+            self.tool.kill()
 
     def close(self, timeout: float = 5.0) -> None:
         super().close(timeout)
