@@ -22,7 +22,7 @@ step has its gradient all-reduced at that step.
 
 At ZeRO 1-3 the optimizer is dsrun's ZeRO optimizer over fixed flat
 partitions, which has no ``add_param_group`` (an AttributeError, as in
-DeepSpeed 0.19.8).
+DeepSpeed 0.19.8, whose message says why: :mod:`~.zero.unsupported`).
 """
 
 from __future__ import annotations

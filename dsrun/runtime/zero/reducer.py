@@ -36,6 +36,23 @@ One round per backward:
    contribute zeros - and every reduction is waited for and drained; then
    ``on_round_end()``.
 
+**A parameter that gets several gradients in one backward** (used in
+several reentrant activation checkpoints, or inside one and outside it):
+stage 2 refuses it, as DeepSpeed's does. With ``extras`` (stage 1, which
+DeepSpeed trains such a model at) its gradients are summed: one that
+arrives before its bucket is launched is added into its slot (or into
+``param.grad`` while the bucket has no buffer); one that arrives after is
+an **extra** gradient, kept aside. At the end of the round the ranks
+all-reduce (MAX) each parameter's "had extra gradients" flag and gradient
+count, then all-reduce the kept extras of every parameter some rank
+flagged (zeros where a rank has none, pre-divided by N) and add this
+rank's ranges into the accumulators; each parameter then waits for the
+largest count seen before its bucket counts as complete, so later rounds
+send nothing extra. This agreement runs in the first round and, once any
+rank had extra gradients, in every round after (a data-dependent number of
+uses); otherwise an extra gradient first seen in a later round is refused
+on the rank that got it.
+
 A bucket's buffer holds its parameters in flat-buffer order (backward order
 is roughly the reverse), so this rank's share of a bucket is usually one
 contiguous range of its partition: one ``land`` per bucket. Every round
@@ -56,7 +73,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
+from dsrun import comm as collectives
 from dsrun.errors import DsrunError
 from dsrun.runtime.zero.comm import CommStrategy, Pending, start_reduce_to_owners
 from dsrun.runtime.zero.partition import GroupLayout, plan_buckets
@@ -97,8 +116,10 @@ class GradReducer:
                  contiguous: bool, dtype: torch.dtype, land: Land,
                  strategy: Optional[CommStrategy] = None,
                  before_reuse: Callable[[], None] = lambda: None,
-                 on_round_end: Callable[[], None] = lambda: None) -> None:
+                 on_round_end: Callable[[], None] = lambda: None,
+                 add_extra: Optional[Land] = None) -> None:
         self.sources = list(sources)
+        self.layouts = list(layouts)
         self.group = group
         self.rank = rank
         self.scale = 1.0 / world_size
@@ -119,6 +140,14 @@ class GradReducer:
         self._slots: list[Optional[torch.Tensor]] = [None] * self.n_buffers
         self._active = False
         self._next = 0
+        # several gradients of one parameter per backward (module docstring):
+        # ``add_extra`` lands reduced extra gradients (adding); None refuses them
+        self.add_extra = add_extra
+        self._count = [0] * len(self.sources)  # gradients each got this round
+        self._expect = [1] * len(self.sources)  # the largest count seen
+        self._extra: dict[int, torch.Tensor] = {}  # gradients after the bucket was sent
+        self._watch = add_extra is not None  # agree on extras at this round's end
+        self._had_extra = False  # some rank had extra gradients once: watch every round
         self._handles = [s.param.register_post_accumulate_grad_hook(self._hook(key))
                          for key, s in enumerate(self.sources)]
         remove_when_collected(self, self._handles)
@@ -168,12 +197,40 @@ class GradReducer:
             self._begin_round()
         b, _ = self.slot[key]
         bucket = self.buckets[b]
+        self._count[key] += 1
         if key in bucket.ready:
-            raise DsrunError(self._twice(key))
-        bucket.ready.add(key)
-        if bucket.opened:
-            self._copy_in(key)
+            if self.add_extra is None:
+                raise DsrunError(self._twice(key))
+            if b < self._next:  # its bucket was sent: reduced again at the round's end
+                self._keep_extra(key, param)
+                return
+            if bucket.opened:  # else autograd added it into param.grad, not copied yet
+                self._copy_in(key, add=True)
+        else:
+            bucket.ready.add(key)
+            if bucket.opened:
+                self._copy_in(key)
         self._launch_complete()
+
+    def _keep_extra(self, key: int, param: torch.Tensor) -> None:
+        """Keep a gradient that came after its bucket was launched."""
+        if not self._watch:
+            source = self.sources[key]
+            raise DsrunError(
+                f"parameter {source.index} of param group {source.group} (shape "
+                f"{tuple(source.param.shape)}) received gradients twice in one backward pass "
+                "for the first time after the first backward, when the ranks no longer "
+                "agree on extra gradients (ZeRO stage 1 without gradient accumulation); "
+                "use reentrant activation checkpoints with use_reentrant=False, or "
+                "gradient_accumulation_steps > 1")
+        grad = param.grad
+        assert grad is not None, "hooked parameter without a gradient"
+        param.grad = None
+        kept = self._extra.get(key)
+        if kept is None:
+            self._extra[key] = grad.detach().reshape(-1).to(self.dtype, copy=True)
+        else:
+            kept.add_(grad.reshape(-1))
 
     def _twice(self, key: int) -> str:
         """The error for a second gradient of one parameter in one round.
@@ -182,14 +239,14 @@ class GradReducer:
         source = self.sources[key]
         return (f"parameter {source.index} of param group {source.group} (shape "
                 f"{tuple(source.param.shape)}) received gradients twice in one backward pass; "
-                "ZeRO stage 2 (and stage 1 without gradient accumulation) reduces each "
-                "gradient once per backward, as it arrives. The likely cause: a parameter used "
-                "in several reentrant activation checkpoints, or inside one and outside it (a "
+                "ZeRO stage 2 reduces each gradient once per backward, as it arrives. The "
+                "likely cause: a parameter used in several reentrant activation checkpoints, "
+                "or inside one and outside it (a "
                 "shared layer, a tied embedding/head) - torch.utils.checkpoint's "
                 "use_reentrant=True, Hugging Face gradient_checkpointing's default - gets a "
                 "gradient in each checkpoint's nested backward. Use use_reentrant=False "
                 "(Hugging Face: gradient_checkpointing_enable(gradient_checkpointing_kwargs="
-                "{'use_reentrant': False})), or ZeRO stage 0 or 3, which add them up "
+                "{'use_reentrant': False})), or ZeRO stage 0, 1 or 3, which add them up "
                 "(DeepSpeed's stage 2 refuses it too)")
 
     def _begin_round(self) -> None:
@@ -197,6 +254,8 @@ class GradReducer:
         self._next = 0
         for bucket in self.buckets:
             bucket.ready = set()
+        self._count = [0] * len(self.sources)
+        self._extra = {}
         self._open(0)
         torch.autograd.Variable._execution_engine.queue_callback(self.finish)
 
@@ -205,9 +264,13 @@ class GradReducer:
             bucket = self.buckets[self._next]
             if not bucket.opened or len(bucket.ready) < len(bucket.keys):
                 return
+            if self._had_extra and any(self._count[k] < self._expect[k] for k in bucket.keys):
+                return  # a parameter known to get more gradients: wait for them
             self._launch(self._next)
 
-    def _copy_in(self, key: int) -> None:
+    def _copy_in(self, key: int, add: bool = False) -> None:
+        """The parameter's gradient (times 1/N) into its slot; ``add``: onto
+        the one copied there already this round."""
         b, offset = self.slot[key]
         bucket = self.buckets[b]
         param = self.sources[key].param
@@ -215,6 +278,11 @@ class GradReducer:
         assert grad is not None, "hooked parameter without a gradient"
         param.grad = None
         flat = grad.reshape(-1)
+        if add:
+            target = bucket.buffer if bucket.solo else \
+                bucket.buffer.narrow(0, offset, param.numel())  # type: ignore[union-attr]
+            target.add_(flat.to(self.dtype), alpha=self.scale)  # type: ignore[union-attr]
+            return
         if bucket.solo:  # reduce in the gradient's own memory (autograd gave it to us)
             same = flat.dtype == self.dtype and flat.is_contiguous()
             bucket.buffer = flat if same else flat.to(self.dtype)
@@ -297,9 +365,46 @@ class GradReducer:
                 self._launch(b)
             for b in range(len(self.buckets)):
                 self._drain(b)
+            if self._watch:
+                self._reduce_extras()
             self.on_round_end()
         finally:
             self._active = False
+
+    def _reduce_extras(self) -> None:
+        """End of a watched round: agree on which parameters some rank got
+        extra gradients for, reduce those and add this rank's ranges into
+        the accumulators; learn the largest counts (module docstring)."""
+        n = len(self.sources)
+        device = self.sources[0].param.device
+        flags = [1 if k in self._extra else 0 for k in range(n)]
+        agreed = torch.tensor(flags + self._count, dtype=torch.int64, device=device)
+        collectives.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
+        values = agreed.tolist()
+        self._expect = [max(e, c) for e, c in zip(self._expect, values[n:])]
+        union = [k for k in range(n) if values[k]]
+        self._had_extra = self._had_extra or bool(union)
+        self._watch = self._had_extra
+        if not union:
+            return
+        parts = [self._extra.get(k) for k in union]
+        flat = torch.cat([t if t is not None else torch.zeros(
+            self.sources[k].param.numel(), dtype=self.dtype, device=device)
+            for k, t in zip(union, parts)])
+        flat.mul_(self.scale)
+        collectives.all_reduce(flat, group=self.group)
+        start = 0
+        for k in union:
+            source = self.sources[k]
+            layout = self.layouts[source.group]
+            for owner, param_offset, length in layout.param_owners(source.index):
+                if owner == self.rank:
+                    shard = layout.offsets[source.index] + param_offset \
+                        - self.rank * layout.partition_numel  # type: ignore[operator]
+                    self.add_extra(source.group, shard,  # type: ignore[misc]
+                                   flat.narrow(0, start + param_offset, length))
+            start += source.param.numel()
+        self._extra = {}
 
     @property
     def active(self) -> bool:
@@ -316,6 +421,7 @@ class GradReducer:
             bucket.opened = False
         self._active = False
         self._next = 0
+        self._extra = {}
 
     def close(self) -> None:
         """Remove the hooks and free the buffers."""

@@ -38,6 +38,9 @@ is still an overflow, :mod:`~.masters`):
   gradients in buckets during every backward into the accumulators and
   release them at once; under offload the reduced ranges go to the host
   on a side stream while backward goes on (:class:`~.offload.Landing`).
+  At stage 1 a parameter that gets several gradients in one backward (a
+  reentrant activation checkpoint) is summed; stage 2 refuses it, as
+  DeepSpeed's stage 2 does (:mod:`~.reducer`).
 
 :meth:`step` runs the inner optimizer on the masters, then all-gathers the
 updated partitions in place back into the parameters. Every rank must
@@ -106,9 +109,10 @@ from dsrun.runtime.zero.offload import HOST, HostFence, Landing, Placement, pinn
 from dsrun.runtime.zero.partition import GroupLayout, partition_group, windows
 from dsrun.runtime.zero.reducer import GradReducer, GradSource
 from dsrun.runtime.zero.state_io import ShardedStateIO
+from dsrun.runtime.zero.unsupported import RefusesAddParamGroup
 
 
-class ZeroOptimizer(ShardedStateIO, MasterGradients):
+class ZeroOptimizer(RefusesAddParamGroup, ShardedStateIO, MasterGradients):
     """ZeRO stage 1/2 optimizer (module docstring for the interface)."""
 
     def __init__(self, params: Iterable[Any], optimizer_cls: type[Optimizer],
@@ -243,7 +247,10 @@ class ZeroOptimizer(ShardedStateIO, MasterGradients):
             overlap=self.settings.overlap_comm or self.settings.offload_optimizer,
             contiguous=self.settings.contiguous_gradients, dtype=self.comm_dtype,
             land=self._land, strategy=self.strategy,
-            before_reuse=self._landing.before_reuse, on_round_end=self._round_end)
+            before_reuse=self._landing.before_reuse, on_round_end=self._round_end,
+            # stage 1 sums a parameter's gradients of one backward, as
+            # DeepSpeed's does (stage 2 refuses them, as DeepSpeed's)
+            add_extra=self._land_extra if self.stage == 1 else None)
 
     def _grad_sources(self, order: Optional[Sequence[torch.Tensor]]) -> list[GradSource]:
         sources = [GradSource(ps[i], g, i) for g, ps in enumerate(self.param_groups_full)
@@ -267,6 +274,12 @@ class ZeroOptimizer(ShardedStateIO, MasterGradients):
         """A reduced range of group ``g``'s partition, from the reducer."""
         target = self._accumulator(g).narrow(0, start, values.numel())
         self._landing.put(target, values, add=not self._fresh[g])
+
+    def _land_extra(self, g: int, start: int, values: torch.Tensor) -> None:
+        """Reduced extra gradients of a round (reducer.py): added onto what
+        the round landed."""
+        target = self._accumulator(g).narrow(0, start, values.numel())
+        self._landing.put(target, values, add=True)
 
     def _round_end(self) -> None:
         self._fresh = [False] * len(self.masters)

@@ -128,12 +128,13 @@ from dsrun.runtime.zero.stage3_setup import (
     partition_for_optimizer,
 )
 from dsrun.runtime.zero.state_io import Stage3StateIO
+from dsrun.runtime.zero.unsupported import RefusesAddParamGroup
 from dsrun.runtime.zero.weakhooks import remove_when_collected, weak_grad_hook
 from dsrun.runtime.zero.whole_edits import EditTaker, LocalRebind, adopt_full, separate_whole
 from dsrun.utils.z3_leaf_module import apply_zero_leaf_module_config
 
 
-class ZeroStage3(Stage3Gradients, Stage3StateIO, MasterGradients):
+class ZeroStage3(RefusesAddParamGroup, Stage3Gradients, Stage3StateIO, MasterGradients):
     """ZeRO stage 3 over ``module`` (module docstring for the interface);
     the gradients' reduction into the masters is :mod:`~.stage3_grads`."""
 
