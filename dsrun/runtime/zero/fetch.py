@@ -61,6 +61,10 @@ whole (``memory_efficient_linear``, as in DeepSpeed). It decides by the weight,
 so a checkpoint's recomputation - inside a hooked module or not - saves
 what the original forward saved. Other operators that save a view of a
 weight still keep it until backward.
+
+A module compiled before ``initialize()`` in the tree the hooks cover is
+refused when they are installed (:mod:`~.compiled`); a deep copy of a hooked
+module keeps the hooks, which do nothing for it.
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ import torch
 from dsrun.errors import DsrunError
 from dsrun.runtime.zero import linear
 from dsrun.runtime.zero.comm import CommStrategy
+from dsrun.runtime.zero.compiled import refuse_compiled
 from dsrun.runtime.zero.divergence import DivergenceGuard
 from dsrun.runtime.zero.fetch_prefetch import FetchPlanning
 from dsrun.runtime.zero.fetch_walk import external_params, hooked_modules, output_tensors
@@ -173,6 +178,7 @@ class ParamFetcher(FetchPlanning):
         self._end_hooks: list[Callable[[], None]] = []
         self._handles: list[Any] = []
         if self.active or self.leaves:  # leaves: their runs decide what backward reduces
+            refuse_compiled(root, self.modules)
             for index, module in enumerate(self.modules):
                 self._handles.append(module.register_forward_pre_hook(
                     self._pre_hook(index), prepend=True))
@@ -231,14 +237,20 @@ class ParamFetcher(FetchPlanning):
 
     # --------------------------------------------------------------- hooks
 
+    # A copy.deepcopy of a hooked module keeps these hooks (a function is not
+    # copied): they act only for the module they were installed on, so the
+    # copy's forward does not gather (collectively) the original's parameters.
+
     def _pre_hook(self, index: int) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any) -> None:
-            self._pre_forward(index)
+            if module is self.modules[index]:
+                self._pre_forward(index)
         return hook
 
     def _post_hook(self, index: int) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            self._post_forward(index, output)
+            if module is self.modules[index]:
+                self._post_forward(index, output)
         return hook
 
     def _pre_forward(self, index: int) -> None:

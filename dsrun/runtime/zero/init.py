@@ -40,7 +40,10 @@ kept whole - at most ``stage3_param_persistence_threshold`` elements, or
 any at world size 1 - and initialize() takes group rank 0's values of them
 (:mod:`~.whole_edits`); the released ones are empty tensors, so such a write
 does nothing to them: do it under
-``GatheredParameters(params, modifier_rank=0)``.
+``GatheredParameters(params, modifier_rank=0)``. Code there that reshapes,
+views or copies into a released parameter - the old
+``torch.nn.utils.spectral_norm`` applied to a built child - is refused,
+naming the module being built (:mod:`~.released`).
 
 ``GatheredParameters``, ``register_external_parameter`` and
 ``unregister_external_parameter`` live in :mod:`~.gathered` and are
@@ -79,6 +82,7 @@ from dsrun.runtime.zero.partitioned import (
     offload_shard,
     partition_param,
 )
+from dsrun.runtime.zero.released import ReleasedParameterError
 from dsrun.runtime.zero.stage3_plan import is_persistent
 
 __all__ = ["ConfigSettings", "GatheredParameters", "Init", "InitSettings", "partition_module",
@@ -200,6 +204,8 @@ def _partitioning_init(init: Callable[..., None]) -> Callable[..., None]:
         _depth[key] = _depth.get(key, 0) + 1
         try:
             init(self, *args, **kwargs)
+        except ReleasedParameterError as err:
+            raise _built_too_early(self, err) from None
         finally:
             _depth[key] -= 1
             outermost = _depth[key] == 0
@@ -215,6 +221,27 @@ def _partitioning_init(init: Callable[..., None]) -> Callable[..., None]:
 
     wrapper._dsrun_zero_init = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def _built_too_early(module: torch.nn.Module, err: ReleasedParameterError
+                     ) -> ReleasedParameterError:
+    """``err`` (a released parameter's data read in ``module.__init__``, e.g.
+    by the old ``spectral_norm``) with what it means under :class:`Init`,
+    said once (the innermost ``__init__`` that raised it)."""
+    if getattr(err, "_dsrun_init_said", False):
+        return err
+    name = type(module).__name__
+    said = ReleasedParameterError(
+        f"zero.Init: {name}.__init__: {getattr(err, 'what', err)}, which is partitioned "
+        "already: under zero.Init each module's parameters are partitioned - and released, "
+        "this rank keeps only its shard - when that module's own __init__ returns, so code "
+        "that works on a built module's parameters afterwards (the old "
+        "torch.nn.utils.spectral_norm or weight_norm) would see no data. Build "
+        f"{name} outside zero.Init and let initialize() or zero.Init(module=model) partition "
+        "it; torch.nn.utils.parametrizations.spectral_norm is the newer API (to apply "
+        "outside zero.Init as well)")
+    said._dsrun_init_said = True  # type: ignore[attr-defined]
+    return said
 
 
 @torch.no_grad()

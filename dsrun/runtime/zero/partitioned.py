@@ -25,6 +25,9 @@ once it is re-gathered). Unlike DeepSpeed, the parameter's class is switched
 Python-level accessors change: torch operators read the real (empty) C++
 sizes, and ``param.data`` is a plain tensor with its real size - which is how
 code (and tests) see whether a full parameter is held.
+Python methods that would combine the logical shape with the empty data
+(``reshape``, ``view``, ``copy_``, ``copy.deepcopy``...) refuse a released
+parameter with an error that says so (:mod:`~.released`).
 
 Invariants:
 
@@ -84,6 +87,7 @@ from dsrun.runtime.zero.comm import (
     strategy_for,
 )
 from dsrun.runtime.zero.offload import HOST, copy_stream, host_copy, to_device
+from dsrun.runtime.zero.released import ReleasedChecks, released, released_error
 from dsrun.runtime.zero.stage3_plan import ShardSpec
 
 _ids = itertools.count()
@@ -100,8 +104,10 @@ class ZeroParamStatus(enum.Enum):
 _PARAMETER_NEW = torch.nn.Parameter.__new__.__code__
 
 
-class ZeroParameter(torch.nn.Parameter):
-    """A partitioned parameter reporting its logical shape (module docstring)."""
+class ZeroParameter(ReleasedChecks, torch.nn.Parameter):
+    """A partitioned parameter reporting its logical shape (module docstring);
+    reshaping, viewing, copying into or deep-copying it while it is released
+    raises :class:`~.released.ReleasedParameterError`."""
 
     @property  # type: ignore[override]
     def shape(self) -> torch.Size:
@@ -168,6 +174,8 @@ class ZeroParameter(torch.nn.Parameter):
             return plain
         if self.__dict__.get("ds_status") is ZeroParamStatus.INFLIGHT:
             raise DsrunError(f"cannot copy {param_name(self)} while its gather is in flight")
+        if released(self):  # the copy would report the shape and hold no values
+            raise released_error(self, "cannot copy.deepcopy", "deepcopy")
         result = type(self)(self.data.clone(), self.requires_grad)
         memo[id(self)] = result
         for key, value in self.__dict__.items():

@@ -1,0 +1,102 @@
+"""Loud errors for reading a released ZeRO-3 parameter's data.
+
+A released partitioned parameter reports its *logical* shape
+(:class:`~.partitioned.ZeroParameter`) while its ``data`` is empty. Code
+that takes the shape from the parameter and then works on its data would
+otherwise run on the wrong sizes: the old ``torch.nn.utils.spectral_norm``
+under ``zero.Init`` reshaped the empty weight to ``(8, 0)`` and built a
+different model without an error; ``load_state_dict`` after
+``initialize()`` said ``[6, 4]`` did not match ``[6, 4]``; a
+``copy.deepcopy`` of the module held parameters without values.
+
+:class:`ReleasedChecks` (mixed into ``ZeroParameter``) makes the Python
+methods such code calls - ``reshape``, ``view``, ``permute``, ``expand``,
+``copy_`` and ``copy.deepcopy`` - raise :class:`ReleasedParameterError`
+naming the parameter, that it is partitioned, and what to do instead. Only
+these methods are checked (one dict lookup each): torch operators on the
+parameter (``F.linear``) still see the empty data and fail with torch's
+error, and a gathered parameter - inside a module's forward or a
+``GatheredParameters`` - is not affected.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dsrun.errors import DsrunError
+
+__all__ = ["ReleasedChecks", "ReleasedParameterError", "released_error"]
+
+
+class ReleasedParameterError(DsrunError, RuntimeError):
+    """The data of a released ZeRO-3 parameter was read outside a gather
+    (a RuntimeError, as torch's shape errors it replaces)."""
+
+
+_HINTS = {
+    "copy": ("to load weights into the model after initialize(), use "
+             "engine.load_checkpoint(), or call load_state_dict inside "
+             "`with dsrun.zero.GatheredParameters(list(model.parameters()), "
+             "modifier_rank=0):` on every rank"),
+    "deepcopy": ("for a copy with the full values (an EMA or reference model), copy the "
+                 "module inside `with dsrun.zero.GatheredParameters(list(model.parameters())):` "
+                 "on every rank; for full weights on disk, engine.save_16bit_model(); for a "
+                 "second partitioned model, build it under dsrun.zero.Init"),
+    "read": ("read it inside `with dsrun.zero.GatheredParameters([param]):` (every rank), "
+             "or with modifier_rank=0 to change it; full weights on disk: "
+             "engine.save_16bit_model()"),
+}
+
+
+def released(param: torch.Tensor) -> bool:
+    """``param`` is partitioned and its data does not hold its values now."""
+    numel = param.__dict__.get("ds_numel")
+    return bool(numel) and torch.Tensor.numel(param) != numel
+
+
+def released_error(param: torch.Tensor, action: str, hint: str = "read"
+                   ) -> ReleasedParameterError:
+    """The error for ``action`` on released ``param`` (``hint``: a key of
+    ``_HINTS``, the way out); its ``what`` is the action and the parameter,
+    for :mod:`~.init` to say again in its own terms."""
+    name = param.__dict__.get("ds_name") or f"parameter #{param.__dict__.get('ds_id', '?')}"
+    what = f"{action} {name} of shape {tuple(param.__dict__['ds_shape'])}"
+    shard = param.__dict__["ds_tensor"].numel()
+    err = ReleasedParameterError(
+        f"{what}: it is partitioned by ZeRO stage 3 and released on this rank, which holds "
+        f"only a shard of {shard} of its {param.__dict__['ds_numel']} elements (its data is "
+        f"empty outside a gather); {_HINTS[hint]}")
+    err.what = what  # type: ignore[attr-defined]
+    return err
+
+
+class ReleasedChecks:
+    """The methods of ``ZeroParameter`` that refuse a released parameter
+    (module docstring); the others are torch's."""
+
+    def reshape(self, *shape: Any, **kwargs: Any) -> torch.Tensor:
+        if released(self):  # type: ignore[arg-type]
+            raise released_error(self, "cannot reshape")  # type: ignore[arg-type]
+        return torch.Tensor.reshape(self, *shape, **kwargs)  # type: ignore[arg-type]
+
+    def view(self, *shape: Any, **kwargs: Any) -> torch.Tensor:
+        if released(self):  # type: ignore[arg-type]
+            raise released_error(self, "cannot view")  # type: ignore[arg-type]
+        return torch.Tensor.view(self, *shape, **kwargs)  # type: ignore[arg-type]
+
+    def permute(self, *dims: Any, **kwargs: Any) -> torch.Tensor:
+        if released(self):  # type: ignore[arg-type]
+            raise released_error(self, "cannot permute")  # type: ignore[arg-type]
+        return torch.Tensor.permute(self, *dims, **kwargs)  # type: ignore[arg-type]
+
+    def expand(self, *sizes: Any, **kwargs: Any) -> torch.Tensor:
+        if released(self):  # type: ignore[arg-type]
+            raise released_error(self, "cannot expand")  # type: ignore[arg-type]
+        return torch.Tensor.expand(self, *sizes, **kwargs)  # type: ignore[arg-type]
+
+    def copy_(self, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        if released(self):  # type: ignore[arg-type]
+            raise released_error(self, "cannot copy values into", "copy")  # type: ignore
+        return torch.Tensor.copy_(self, src, non_blocking)  # type: ignore[arg-type]

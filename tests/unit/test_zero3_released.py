@@ -1,0 +1,89 @@
+"""A released ZeRO-3 parameter (one rank: ``partition_param`` without
+``persist`` releases it) reports its logical shape with empty data; the
+Python methods that would combine the two - ``reshape``, ``view``,
+``permute``, ``expand``, ``copy_``, ``copy.deepcopy`` - raise
+:class:`ReleasedParameterError` naming it (before: ``reshape(2, -1)`` gave
+a ``(2, 0)`` tensor, ``copy_`` torch's size error, a deep copy a parameter
+without values); gathered, they are torch's.
+
+A module compiled before ``initialize()`` at stage 3 is refused only where
+stage 3 hooks the forward: at world size 1 every parameter is kept whole
+(no hooks) and it trains; with ``offload_param`` it is hooked and refused.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import dsrun
+from dsrun.runtime.zero.compiled import CompiledModuleError
+from dsrun.runtime.zero.partitioned import gather, partition_param, release
+from dsrun.runtime.zero.released import ReleasedParameterError
+
+
+def released_param() -> torch.nn.Parameter:
+    param = torch.nn.Parameter(torch.arange(6.0).view(2, 3))
+    partition_param(param, group=None, persist=False, name="block.weight")
+    assert param.data.numel() == 0 and param.shape == (2, 3)
+    return param
+
+
+USES: dict[str, Callable[[torch.Tensor], Any]] = {
+    "reshape": lambda p: p.reshape(p.size(0), -1),
+    "view": lambda p: p.view(p.shape),
+    "permute": lambda p: p.permute(1, 0),
+    "expand": lambda p: p.expand(2, 3),
+    "copy values into": lambda p: p.copy_(torch.arange(6.0).view(2, 3)),
+    "copy.deepcopy": copy.deepcopy,
+}
+
+
+@pytest.mark.parametrize("action", list(USES))
+def test_using_a_released_parameter_names_it(solo: None, action: str) -> None:
+    param = released_param()
+    with torch.no_grad(), pytest.raises(
+            ReleasedParameterError,
+            match=rf"cannot {action} block\.weight of shape \(2, 3\): it is partitioned by "
+                  r"ZeRO stage 3 and released on this rank, which holds only a shard of 6 "
+                  r"of its 6 elements.*GatheredParameters"):
+        USES[action](param)
+    gather([param])  # gathered: torch's methods
+    with torch.no_grad():
+        result = USES[action](param)
+    assert tuple(result.shape) == ((3, 2) if action == "permute" else (2, 3))
+    if action == "copy.deepcopy":
+        assert torch.equal(result.data, torch.arange(6.0).view(2, 3))
+    release(param)
+
+
+def _mlp() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+
+
+def _config(**zero: Any) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}}
+
+
+def test_a_compiled_model_at_world_size_1_trains(solo: None) -> None:
+    model = _mlp()
+    engine, *_ = dsrun.initialize(model=torch.compile(model, backend="eager"), config=_config(),
+                                  model_parameters=model.parameters())
+    loss = engine(torch.ones(2, 4)).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    assert torch.isfinite(loss)
+
+
+def test_a_compiled_model_hooked_at_world_size_1_is_refused(solo: None) -> None:
+    model = _mlp()
+    with pytest.raises(CompiledModuleError, match=r"the model was compiled before initialize"):
+        dsrun.initialize(model=torch.compile(model, backend="eager"),
+                         config=_config(offload_param={"device": "cpu"}),
+                         model_parameters=model.parameters())
