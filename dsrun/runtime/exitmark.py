@@ -17,8 +17,10 @@ The store is the dsrun job's own (rendezvous.py; it outlives a script's
 without running Python (``os._exit``, a signal, a crash) sets nothing
 itself: its node agent, which sees every exit, posts the mark for it
 (launcher/agent_marks.py; ``"by": "agent"``, with ``signal`` for a rank
-killed by one), unless the file :data:`MARKED_VAR` names exists - the
-rank writes it once its own mark is posted. When rank
+killed by one, and only into a store holding the job's id), unless the
+file :data:`MARKED_VAR` names exists - the rank writes it once its own
+mark is posted (its key set and counted; a key set but not known to be
+counted is counted by the agent). When rank
 0 itself leaves, the store goes with it and a waiter's store calls fail:
 the waiter names rank 0 (:data:`STORE_GONE`). A rank that exits after
 rank 0 posts nothing: it first opens a plain connection to the store's
