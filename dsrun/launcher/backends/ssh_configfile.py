@@ -14,24 +14,38 @@ value obtained for a key winning, each file's relative Includes taken from
 its own directory (~/.ssh, /etc/ssh), and the lines before a later file's
 first Host/Match applying to every host, as at the top of a file.
 
+The system-wide file is the site's, not the user's: what dsrun cannot read
+in it does not stop a launch. A line paramiko cannot parse (or an Include
+dsrun cannot expand) skips that file with one warning naming file:line;
+a Match block whose criteria dsrun cannot evaluate (``localnetwork``,
+``tagged``, ``version``...) is skipped with one warning, as a block that
+does not match, rather than applied to every host. ``Match final all``
+and ``Match canonical all`` (Fedora/RHEL's stock 50-redhat.conf) are read
+as ``Match final`` / ``Match canonical``, which OpenSSH treats the same
+and paramiko parses. A problem in the user's own files stays an error.
+
 ProxyCommand and ProxyJump keep their ``%`` tokens here (paramiko would
 fill in the config's Port and User, not --ssh_port/--ssh_user): the
 connection fills them in (ssh_proxy.py).
 
 What dsrun cannot honour is collected as notes that connection errors
-quote: ``Match`` criteria paramiko does not know (it treats them as
-matching; noted for the hosts whose lookup applied that block), and, per
-host, settings that change how to connect (:func:`unused_settings`).
+quote: ``Match`` criteria paramiko does not know in the user's files (it
+treats them as matching; noted for the hosts whose lookup applied that
+block), and, per host, settings that change how to connect
+(:func:`unused_settings`): listed when the user's files set them, only
+counted when they come from the system-wide file alone (the crypto-policy
+Ciphers, KexAlgorithms, MACs... of RHEL-family hosts).
 """
 
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import re
 import shlex
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import paramiko
@@ -48,6 +62,12 @@ _ENV = re.compile(r"\$\{(\w+)\}")
 PARAMIKO_MATCH = frozenset({"all", "canonical", "final", "host", "originalhost", "user",
                             "localuser", "exec"})
 _NO_PARAM = frozenset({"all", "canonical", "final"})
+#: Key of a lookup result naming the keys that only the system-wide file
+#: set, and that file: ``(path, keys)`` (no ssh_config key has a space).
+SITE_KEYS = "dsrun site keys"
+
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
 
 #: ssh_config keys (lowercase, as paramiko returns them) that change how or
 #: where OpenSSH connects and that dsrun does not use; their spelling.
@@ -68,6 +88,13 @@ class _RawProxyConfig(paramiko.SSHConfig):
                             "proxycommand": [], "proxyjump": []}
 
 
+def _warn_once(text: str) -> None:
+    """A warning through logging, once per process (lookups are per host)."""
+    if text not in _warned:
+        _warned.add(text)
+        log.warning("%s", text)
+
+
 @dataclass(frozen=True)
 class ConfigFile:
     """A parsed ssh_config and what in it dsrun cannot evaluate."""
@@ -75,9 +102,15 @@ class ConfigFile:
     config: paramiko.SSHConfig
     #: (index of the Match block in paramiko's parsed blocks, its note)
     match_notes: tuple[tuple[int, str], ...] = ()
+    #: the system-wide file read after the user's, and the keys only it sets
+    site: str | None = None
+    site_keys: frozenset[str] = frozenset()
 
     def lookup(self, host: str) -> dict[str, Any]:
-        return dict(self.config.lookup(host))
+        found = dict(self.config.lookup(host))
+        if self.site is not None and self.site_keys:
+            found[SITE_KEYS] = (self.site, self.site_keys)
+        return found
 
     def notes_for(self, host: str, found: dict[str, Any]) -> tuple[str, ...]:
         """The notes of the Match blocks paramiko applied to ``host`` (its
@@ -98,22 +131,69 @@ def read_config(path: str, base_dir: str = USER_CONFIG_DIR) -> ConfigFile:
     return read_configs([(path, base_dir)])
 
 
-def read_configs(files: Sequence[tuple[str, str]]) -> ConfigFile:
+def read_configs(files: Sequence[tuple[str, str]],
+                 site: tuple[str, str] | None = None) -> ConfigFile:
     """The files ``(path, directory of its relative Includes)``, in order,
     read as one configuration as OpenSSH reads its user and system files
-    (module docstring)."""
-    out: list[str] = []
-    notes: list[tuple[int, str]] = []  # (index in out of the Match line, note)
+    (module docstring); ``site``, the system-wide file, comes last and
+    what dsrun cannot read in it is skipped with a warning."""
+    out = _Out()
     for number, (path, base_dir) in enumerate(files):
         if number:  # a file's lines before its first Host/Match are for every host
-            out.append("Host *")
-        _expand(path, os.path.expanduser(base_dir), 0, out, notes)
+            out.add("Host *", path)
+        _expand(path, os.path.expanduser(base_dir), 0, out)
+    user = _parse(out)
+    notes = tuple((_block_index(out.lines, line), note) for line, note in out.notes)
+    if site is None:
+        return ConfigFile(user, notes)
+    mark = len(out.lines)
     try:
-        config = _RawProxyConfig.from_text("\n".join(out) + "\n")
+        if files:
+            out.add("Host *", site[0])
+        _expand(site[0], os.path.expanduser(site[1]), 0, out, site=True)
+        config = _parse(out)
+    except DsrunUsageError as exc:
+        _warn_once(f"{exc}; dsrun skips the system-wide {site[0]} (--ssh_config FILE "
+                   f"reads FILE alone)")
+        return ConfigFile(user, notes)
+    start = _block_index(out.lines, mark) if files else 0  # the site file's first block
+    return ConfigFile(config, notes, site[0], _keys(config, start) - _keys(user, 0))
+
+
+def _keys(config: paramiko.SSHConfig, start: int) -> frozenset[str]:
+    """The keys set in parsed blocks ``start`` and after."""
+    return frozenset(k for block in config._config[start:] for k in block["config"])
+
+
+@dataclass
+class _Out:
+    """The expanded text: its lines, where each came from (``file:line``),
+    and the notes of Match lines (index of the line, note)."""
+
+    lines: list[str] = field(default_factory=list)
+    origins: list[str] = field(default_factory=list)
+    notes: list[tuple[int, str]] = field(default_factory=list)
+
+    def add(self, line: str, where: str) -> None:
+        self.lines.append(line)
+        self.origins.append(where)
+
+
+def _parse(out: _Out) -> paramiko.SSHConfig:
+    """paramiko's parse of ``out``; DsrunUsageError names the file and line
+    it refused (paramiko's error does not)."""
+    try:
+        return _RawProxyConfig.from_text("\n".join(out.lines) + "\n")
     except paramiko.ssh_exception.ConfigParseError as exc:
-        names = " and ".join(path for path, _ in files)
-        raise DsrunUsageError(f"ssh config {names}: {exc}") from None
-    return ConfigFile(config, tuple((_block_index(out, line), note) for line, note in notes))
+        low, high = 0, len(out.lines)  # parsing lines[:high] fails, lines[:low] does not
+        while high - low > 1:
+            mid = (low + high) // 2
+            try:
+                _RawProxyConfig.from_text("\n".join(out.lines[:mid]) + "\n")
+                low = mid
+            except paramiko.ssh_exception.ConfigParseError:
+                high = mid
+        raise DsrunUsageError(f"ssh config {out.origins[high - 1]}: {exc}") from None
 
 
 def _block_index(lines: list[str], at: int) -> int:
@@ -130,9 +210,9 @@ def _header_key(raw: str) -> bool:
 
 def expand_includes(path: str, base_dir: str = USER_CONFIG_DIR) -> str:
     """The text of ``path`` with every Include replaced by its files' text."""
-    out: list[str] = []
-    _expand(path, os.path.expanduser(base_dir), 0, out, [])
-    return "\n".join(out) + "\n"
+    out = _Out()
+    _expand(path, os.path.expanduser(base_dir), 0, out)
+    return "\n".join(out.lines) + "\n"
 
 
 def _read_lines(path: str) -> list[str]:
@@ -143,40 +223,61 @@ def _read_lines(path: str) -> list[str]:
         raise DsrunUsageError(f"cannot read ssh config {path}: {exc.strerror or exc}") from None
 
 
-def _expand(path: str, base_dir: str, depth: int, out: list[str],
-            notes: list[tuple[int, str]]) -> bool:
+def _expand(path: str, base_dir: str, depth: int, out: _Out, site: bool = False) -> bool:
     """Append ``path``'s lines to ``out``; True when it (or a file it
-    includes) has Host/Match lines."""
+    includes) has Host/Match lines. ``site``: the system-wide file, whose
+    Match blocks with criteria dsrun cannot evaluate are left out."""
     header: str | None = None  # the Host/Match line of the block we are in
-    has_blocks = False
+    has_blocks = skipping = False
     for number, raw in enumerate(_read_lines(path), 1):
         line = raw.strip()
         match = _LINE.fullmatch(line) if line and not line.startswith("#") else None
         key = match.group(1).lower() if match else ""
-        if key in ("host", "match"):
-            header, has_blocks = line, True
-            if key == "match":
-                notes.extend((len(out), note) for note in  # this line's index in out
-                             _match_notes(match.group(2), f"{path}:{number}"))  # type: ignore[union-attr]
-        if key != "include":
-            out.append(raw)
-            continue
         where = f"{path}:{number}"
+        if key in ("host", "match"):
+            has_blocks, skipping = True, False
+            if key == "match":
+                raw = line = _plain_match(raw, match.group(2))  # type: ignore[union-attr]
+                unknown = _unknown_criteria(match.group(2))  # type: ignore[union-attr]
+                if site and unknown:
+                    skipping = True
+                    _warn_once(f"ssh config {where}: dsrun cannot evaluate `Match "
+                               f"{' '.join(unknown)}`; it skips this block, as one that "
+                               f"does not match")
+                    continue
+                out.notes.extend((len(out.lines), f"`Match {kind}` ({where}) is not "
+                                  f"evaluated by dsrun (its block is applied as if it "
+                                  f"matched)") for kind in unknown)
+            header = line
+        if skipping:
+            continue
+        if key != "include":
+            out.add(raw, where)
+            continue
         for included in _include_paths(match.group(2), base_dir, where):  # type: ignore[union-attr]
             if depth + 1 >= MAX_INCLUDE_DEPTH:
                 raise DsrunUsageError(f"ssh config {where}: Include nested more than "
                                       f"{MAX_INCLUDE_DEPTH} deep (does a file include itself?)")
-            mark = len(out)
-            if _expand(included, base_dir, depth + 1, out, notes):
+            if _expand(included, base_dir, depth + 1, out, site):
                 if header is not None and not _all_hosts(header):
-                    del out[mark:]
                     raise DsrunUsageError(
                         f"ssh config {where}: the Include inside `{header}` brings Host/Match "
                         f"blocks ({included}); dsrun reads Includes with blocks only outside "
                         f"any Host/Match block: move the Include line above the first Host")
                 has_blocks = True
-                out.append(header or "Host *")  # the rest of this block stays in it
+                out.add(header or "Host *", where)  # the rest of this block stays in it
     return has_blocks
+
+
+def _plain_match(raw: str, value: str) -> str:
+    """``raw``, with ``Match final all`` / ``Match canonical all`` written as
+    ``Match final`` / ``Match canonical``: the same to OpenSSH (``all``
+    may follow only those), but paramiko refuses the first form."""
+    words = value.split()
+    if len(words) > 1 and words[-1].lower() == "all" \
+            and all(w.lower() in ("canonical", "final") for w in words[:-1]):
+        return f"Match {' '.join(words[:-1])}"
+    return raw
 
 
 def _all_hosts(header: str) -> bool:
@@ -199,21 +300,21 @@ def _include_paths(value: str, base_dir: str, where: str) -> list[str]:
     return paths
 
 
-def _match_notes(value: str, where: str) -> list[str]:
+def _unknown_criteria(value: str) -> list[str]:
+    """The criteria of a Match line that paramiko does not evaluate."""
     try:
         words = shlex.split(value)
     except ValueError:
         return []  # paramiko reports it
-    notes = []
+    unknown = []
     while words:
         word = words.pop(0)
         kind = word.lstrip("!").lower()
         if kind not in _NO_PARAM and words:
             words.pop(0)
         if kind not in PARAMIKO_MATCH:
-            notes.append(f"`Match {kind}` ({where}) is not evaluated by dsrun "
-                         f"(its block is applied as if it matched)")
-    return notes
+            unknown.append(kind)
+    return unknown
 
 
 #: sshd_config(5) TIME FORMATS: a sum of numbers with an optional unit each.
@@ -232,11 +333,20 @@ def parse_time(text: str) -> int | None:
 
 def unused_settings(config: Mapping[str, Any]) -> tuple[str, ...]:
     """The settings of one host's lookup that change how OpenSSH connects
-    and that dsrun does not use, as ``Key value``."""
-    found = []
+    and that dsrun does not use, as ``Key value``; those that only the
+    system-wide file sets (SITE_KEYS) are counted, not listed."""
+    site, site_keys = config.get(SITE_KEYS, ("", frozenset()))
+    found, from_site = [], 0
     for key, value in config.items():
         name = UNUSED_KEYS.get(key)
         text = " ".join(value) if isinstance(value, list) else str(value)
-        if name is not None and _HARMLESS.get(key) != text.lower():
+        if name is None or _HARMLESS.get(key) == text.lower():
+            continue
+        if key in site_keys:
+            from_site += 1
+        else:
             found.append(f"{name} {text}")
+    if from_site:
+        found.append(f"{from_site} setting{'s' if from_site > 1 else ''} of the system-wide "
+                     f"{site} (not listed)")
     return tuple(sorted(found))

@@ -9,8 +9,10 @@ UserKnownHostsFile, GlobalKnownHostsFile, StrictHostKeyChecking,
 HostKeyAlias, ConnectTimeout, ProxyJump, ProxyCommand (ssh_proxy.py), and
 Include (ssh_configfile.py), from ~/.ssh/config and then the system-wide
 /etc/ssh/ssh_config (the first value obtained wins, as in ssh; with
---ssh_config, as with ``ssh -F``, that file alone). Keys that change how
-ssh connects but are not used here are named in connection errors. StrictHostKeyChecking ``no``
+--ssh_config, as with ``ssh -F``, that file alone; what dsrun cannot read
+in the system file is skipped with a warning: ssh_configfile.py). Keys that
+change how ssh connects but are not used here are named in connection
+errors (counted, when only the system file sets them). StrictHostKeyChecking ``no``
 still checks: a changed key is warned about (one line), then accepted, as
 ssh does; ``accept-new`` accepts unknown keys only.
 """
@@ -230,20 +232,20 @@ def config_lookup(path: str | None, system_config: str | None = None) -> Lookup:
     ``ssh -F``), else from ~/.ssh/config and then ``system_config``
     (default :data:`SYSTEM_CONFIG`), those present, as ssh reads them,
     Includes expanded; what dsrun cannot evaluate rides along as NOTES_KEY."""
+    site: tuple[str, str] | None = None
     if path is None:
         system = SYSTEM_CONFIG if system_config is None else system_config
-        candidates = ((os.path.expanduser(DEFAULT_CONFIG), USER_CONFIG_DIR),
-                      (system, os.path.dirname(system)))
         # as ssh: a default file that is absent or cannot be read is passed over
-        files = [(f, base) for f, base in candidates
-                 if os.path.isfile(f) and os.access(f, os.R_OK)]
-        if not files:
+        user = os.path.expanduser(DEFAULT_CONFIG)
+        files = [(user, USER_CONFIG_DIR)] if _readable(user) else []
+        site = (system, os.path.dirname(system)) if _readable(system) else None
+        if not files and site is None:
             return paramiko.SSHConfig().lookup
     elif not os.path.isfile(path):
         raise DsrunUsageError(f"--ssh_config {path} does not exist")
     else:
         files = [(path, USER_CONFIG_DIR)]
-    parsed = read_configs(files)
+    parsed = read_configs(files, site)
 
     def lookup(host: str) -> Mapping[str, Any]:
         found = parsed.lookup(host)
@@ -253,6 +255,10 @@ def config_lookup(path: str | None, system_config: str | None = None) -> Lookup:
         return found
 
     return lookup
+
+
+def _readable(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.R_OK)
 
 
 # --------------------------------------------------------------------------
