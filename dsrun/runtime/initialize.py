@@ -138,6 +138,21 @@ def _optimizer_hints(optimizer: Any) -> dict[str, Any]:
             for k in _OPTIMIZER_HINT_KEYS if k in group}
 
 
+def _check_loader_batch(loader_batch: Optional[int], micro: int) -> None:
+    """Warn (rank 0, once per initialize) when the script's DataLoader,
+    passed as ``training_data``, has another batch size than the config's
+    micro batch: the engine counts the config's (``global_samples``, the
+    samples the monitors log against and checkpoints record), as DeepSpeed
+    counts it whatever batch the script feeds."""
+    if loader_batch is None or loader_batch == micro or dist.get_rank() != 0:
+        return
+    log.warning("initialize(training_data=...): the DataLoader's batch_size is %d, but "
+                "train_micro_batch_size_per_gpu is %d: the engine counts %d samples per "
+                "micro-batch (global_samples, the monitors' sample counts, checkpoints). "
+                "Give the DataLoader batch_size=%d, or set train_micro_batch_size_per_gpu to %d",
+                loader_batch, micro, micro, micro, loader_batch)
+
+
 def _log_start(config: DsrunConfig, origin: str, engine: DsrunEngine) -> None:
     if engine.global_rank != 0:
         return
@@ -203,6 +218,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None,
                        micro_batch_hint=hint, optimizer_hints=_optimizer_hints(optimizer),
                        optimizer_given=optimizer is not None)
     check_zero_stage(resolved)
+    _check_loader_batch(hint, resolved.train_micro_batch_size_per_gpu)
     check_data_parallel_size(resolved)
     check_ranks_agree(resolved)
     if model_parameters is not None:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Optional
 
 from dsrun.errors import DsrunError
 
@@ -79,6 +79,9 @@ class LossScaler:
     last_overflow_iteration: int = -1
     hysteresis_left: int = field(default=0)
     overflows: int = 0
+    #: called after a script writes :attr:`cur_scale` (stage 0 republishes
+    #: the scale on the client's optimizer, whose ``cur_scale`` is a copy)
+    on_write: Optional[Callable[[], None]] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.scale <= 0 or self.window < 1 or self.hysteresis < 1 or self.scale_factor <= 1:
@@ -96,6 +99,8 @@ class LossScaler:
     @cur_scale.setter
     def cur_scale(self, value: float) -> None:
         self.scale = checked_scale(value, "loss_scaler.cur_scale")
+        if self.on_write is not None:
+            self.on_write()
 
     @property
     def loss_scale(self) -> float:
@@ -202,3 +207,27 @@ class LossScaler:
         self.last_overflow_iteration = int(state["last_overflow_iteration"])
         self.hysteresis_left = int(state["hysteresis_left"])
         self.overflows = int(state.get("overflows", 0))
+
+
+class UnitLossScaler(LossScaler):
+    """What a ZeRO 1-3 optimizer holds as ``loss_scaler`` where nothing is
+    loss-scaled (bf16, fp32): DeepSpeed 0.19.8's ``LossScaler(scale=1.0)``
+    there, so a script that reads ``optimizer.loss_scaler.cur_scale`` gets
+    1.0 instead of failing on None. A write is refused (dsrun scales only
+    fp16 losses; DeepSpeed would scale a bf16 loss by it)."""
+
+    def __init__(self) -> None:
+        super().__init__(scale=1.0, dynamic=False)
+
+    @property
+    def cur_scale(self) -> float:
+        return 1.0
+
+    @cur_scale.setter
+    def cur_scale(self, value: float) -> None:
+        raise DsrunError(f"loss_scaler.cur_scale = {value!r}: this model has no loss scaling "
+                         "(only fp16 scales the loss; the scale here is always 1.0)")
+
+    @property
+    def loss_scale(self) -> float:
+        return 1.0

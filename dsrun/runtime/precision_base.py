@@ -102,8 +102,18 @@ class FullPrecision:
         scale = float(self.loss_scale)
         optimizer.cur_scale = optimizer.loss_scale = scale
         self._mirror, self._mirrored = optimizer, scale
-        if self.scaler is not None and not hasattr(optimizer, "loss_scaler"):
-            optimizer.loss_scaler = self.scaler
+        if self.scaler is not None:
+            # a write to loss_scaler.cur_scale shows on the optimizer at once
+            self.scaler.on_write = self._scale_written
+            if not hasattr(optimizer, "loss_scaler"):
+                optimizer.loss_scaler = self.scaler
+
+    def _scale_written(self) -> None:
+        """The scaler's ``cur_scale`` was written: the stage-0 optimizer's
+        ``cur_scale``/``loss_scale`` show it (the latest write wins over an
+        earlier one to the optimizer's own attributes)."""
+        if self._mirror is not None:
+            self.publish_scale(self._mirror)
 
     def take_written_scale(self) -> None:
         """Before a backward, a step (the engine's, for every step path) or a

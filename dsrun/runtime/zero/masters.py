@@ -73,7 +73,7 @@ import torch.distributed as dist
 
 from dsrun import comm as collectives
 from dsrun.errors import DsrunError
-from dsrun.runtime.loss_scaler import LossScaler, checked_scale
+from dsrun.runtime.loss_scaler import LossScaler, UnitLossScaler, checked_scale
 from dsrun.runtime.norms import CLIP_EPS, ModelParallel, split_squares
 from dsrun.runtime.zero.offload import Placement
 from dsrun.runtime.zero.ownership import Owner
@@ -235,10 +235,11 @@ class MasterGradients(Owner):
         raise NotImplementedError
 
     def _get_scale(self) -> float:
-        return 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
+        scaler = self.loss_scaler
+        return 1.0 if scaler is None or isinstance(scaler, UnitLossScaler) else float(scaler.scale)
 
     def _set_scale(self, value: float, name: str) -> None:
-        if self.loss_scaler is None:
+        if self.loss_scaler is None or isinstance(self.loss_scaler, UnitLossScaler):
             raise DsrunError(f"optimizer.{name} = {value!r}: this model has no loss scaling "
                              "(only fp16 scales the loss; the scale here is always 1.0)")
         self.loss_scaler.scale = checked_scale(value, f"optimizer.{name}")

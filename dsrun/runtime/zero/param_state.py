@@ -61,7 +61,15 @@ class Part(NamedTuple):
 
 
 def _name(param: torch.Tensor) -> str:
-    return getattr(param, "ds_name", None) or f"a parameter of shape {tuple(param.shape)}"
+    """The parameter's name in its engine's module, for messages (stage 3
+    keeps it as ``ds_name``; at stages 0-2 it is looked up - only on the way
+    to an error)."""
+    name = getattr(param, "ds_name", None)
+    if name is None:
+        module = getattr(engine_of(param), "module", None)
+        if isinstance(module, torch.nn.Module):
+            name = next((n for n, p in module.named_parameters() if p is param), None)
+    return name or f"a parameter of shape {tuple(param.shape)}"
 
 
 def _elementwise(value: Any, numel: int, key: str, param: torch.Tensor) -> torch.Tensor:

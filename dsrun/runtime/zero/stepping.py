@@ -28,7 +28,7 @@ from typing import Any, Optional, Union
 import torch
 
 from dsrun.errors import DsrunConfigError
-from dsrun.runtime.loss_scaler import LossScaler
+from dsrun.runtime.loss_scaler import LossScaler, UnitLossScaler
 from dsrun.runtime.norms import ModelParallel
 from dsrun.runtime.precision import FullPrecision, StepResult, skipped
 from dsrun.runtime.zero.comm import CommStrategy, strategy_for
@@ -66,11 +66,13 @@ def wrap_optimizer(optimizer: Optional[torch.optim.Optimizer], zero_config: Any,
     ``comm_dtype``: the config's ``communication_data_type`` (None: the
     parameters' dtype).
     ``loss_scaler``: the precision's (fp16), which the optimizer's
-    ``cur_scale`` / ``loss_scale`` report. ``optimizer`` None (stage 3
+    ``cur_scale`` / ``loss_scale`` report; None (bf16, fp32): a
+    :class:`~dsrun.runtime.loss_scaler.UnitLossScaler`, as DeepSpeed's. ``optimizer`` None (stage 3
     only): partition the module without training it."""
     wrapped = _wrap(optimizer, zero_config, stage, group, module, accumulation, device,
                     comm_dtype)
-    wrapped.loss_scaler = loss_scaler
+    # without loss scaling: DeepSpeed's scale-1.0 scaler, for scripts that read it
+    wrapped.loss_scaler = loss_scaler if loss_scaler is not None else UnitLossScaler()
     wrapped.model_parallel = model_parallel
     # the narrowest trainable dtype bounds what a sum may hold (an fp32
     # parameter first in a float16 model must not turn the range check off)
