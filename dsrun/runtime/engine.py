@@ -48,7 +48,7 @@ import functools
 import gc
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
 import torch
@@ -392,38 +392,6 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
                 raise AttributeError(f"'{type(self).__name__}' object has no attribute "
                                      f"{name!r}, nor has its module "
                                      f"({type(module).__name__})") from None
-
-    def module_state_dict(self, destination: Any = None, prefix: str = "",
-                          keep_vars: bool = False,
-                          exclude_frozen_parameters: bool = False) -> dict[str, Any]:
-        """The module's ``state_dict()`` (DeepSpeed's name), without frozen
-        parameters when asked (at ZeRO stage 3 the parameters hold only
-        this rank's: gather with ``GatheredParameters`` or use ``save_16bit_model``)."""
-        state = self.module.state_dict(destination=destination, prefix=prefix,
-                                       keep_vars=keep_vars)
-        if exclude_frozen_parameters:
-            for name, param in self.module.named_parameters():
-                if not param.requires_grad:
-                    state.pop(prefix + name, None)
-        return state
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients without all-reducing them."""
-        if self.zero_stage > 0 and self.optimizer.backward_hook_installed:
-            why = "stage 1 without gradient accumulation" if self.zero_stage == 1 else \
-                f"stage {self.zero_stage}"
-            raise DsrunError(f"engine.no_sync() is not possible at ZeRO stage "
-                             f"{self.zero_stage} here: gradients are reduced during every "
-                             f"backward ({why}), as in DeepSpeed; use "
-                             "gradient_accumulation_steps > 1 with stage 1, or stage 0, and "
-                             "call engine.step() outside the no_sync() block (a Hugging Face "
-                             "Trainer of transformers < 4.47 calls it inside: upgrade it)")
-        previous, self._inside_no_sync = self._inside_no_sync, True
-        try:
-            yield
-        finally:
-            self._inside_no_sync = previous
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
         """Clear gradients (model and fp16 master weights). At stage 0 model

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import torch
@@ -182,6 +183,20 @@ class EngineControls:
             return int(self.mpu.get_data_parallel_rank())
         return torch.distributed.get_rank(self.data_parallel_group)
 
+    def module_state_dict(self, destination: Any = None, prefix: str = "",
+                          keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False) -> dict[str, Any]:
+        """The module's ``state_dict()`` (DeepSpeed's name), without frozen
+        parameters when asked (at ZeRO stage 3 the parameters hold only
+        this rank's: gather with ``GatheredParameters`` or use ``save_16bit_model``)."""
+        state = self.module.state_dict(destination=destination, prefix=prefix,
+                                       keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            for name, param in self.module.named_parameters():
+                if not param.requires_grad:
+                    state.pop(prefix + name, None)
+        return state
+
     def load_module_state_dict(self, checkpoint: dict[str, Any], strict: bool = True,
                                custom_load_fn: Any = None, fetch_z3_params: bool = False,
                                z3_params_to_fetch: Any = None,
@@ -311,6 +326,24 @@ class EngineControls:
         return super().train(mode)  # type: ignore[misc]  # torch.nn.Module's, next in the MRO
 
     # ------------------------------------------------ accumulation rounds
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients without all-reducing them."""
+        if self.zero_stage > 0 and self.optimizer.backward_hook_installed:
+            why = "stage 1 without gradient accumulation" if self.zero_stage == 1 else \
+                f"stage {self.zero_stage}"
+            raise DsrunError(f"engine.no_sync() is not possible at ZeRO stage "
+                             f"{self.zero_stage} here: gradients are reduced during every "
+                             f"backward ({why}), as in DeepSpeed; use "
+                             "gradient_accumulation_steps > 1 with stage 1, or stage 0, and "
+                             "call engine.step() outside the no_sync() block (a Hugging Face "
+                             "Trainer of transformers < 4.47 calls it inside: upgrade it)")
+        previous, self._inside_no_sync = self._inside_no_sync, True
+        try:
+            yield
+        finally:
+            self._inside_no_sync = previous
 
     @property
     def inside_no_sync_ctxt(self) -> bool:
