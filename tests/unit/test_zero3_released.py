@@ -8,7 +8,9 @@ without values); gathered, they are torch's.
 
 A module compiled before ``initialize()`` at stage 3 is refused only where
 stage 3 hooks the forward: at world size 1 every parameter is kept whole
-(no hooks) and it trains; with ``offload_param`` it is hooked and refused.
+(no hooks) and it trains, also with a forward that calls the checked
+``view`` under ``fullgraph=True``; with ``offload_param`` it is hooked and
+refused.
 """
 
 from __future__ import annotations
@@ -71,14 +73,36 @@ def _config(**zero: Any) -> dict[str, Any]:
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}}
 
 
-def test_a_compiled_model_at_world_size_1_trains(solo: None) -> None:
-    model = _mlp()
-    engine, *_ = dsrun.initialize(model=torch.compile(model, backend="eager"), config=_config(),
+class ViewNet(torch.nn.Module):
+    """A forward that views its own flat weight: dynamo traces the checked
+    ``view`` (it once stopped at the check's ``__dict__`` read)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(12))
+        self.b = torch.nn.Parameter(torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.w.view(3, 4).reshape(3, 4), self.b)
+
+
+def _losses(compiled: bool) -> list[float]:
+    model = ViewNet()
+    wrapped = torch.compile(model, backend="eager", fullgraph=True) if compiled else model
+    engine, *_ = dsrun.initialize(model=wrapped, config=_config(),
                                   model_parameters=model.parameters())
-    loss = engine(torch.ones(2, 4)).pow(2).mean()
-    engine.backward(loss)
-    engine.step()
-    assert torch.isfinite(loss)
+    losses = []
+    for _ in range(2):
+        loss = engine(torch.ones(2, 4)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_compiled_model_at_world_size_1_trains(solo: None) -> None:
+    assert _losses(compiled=True) == _losses(compiled=False)
 
 
 def test_a_compiled_model_hooked_at_world_size_1_is_refused(solo: None) -> None:

@@ -51,7 +51,12 @@ _HINTS = {
 
 
 def released(param: torch.Tensor) -> bool:
-    """``param`` is partitioned and its data does not hold its values now."""
+    """``param`` is partitioned and its data does not hold its values now
+    (not asked while dynamo traces: it cannot read a tensor's ``__dict__``,
+    and a compiled forward of a stage-3 model runs only where every
+    parameter is kept whole, :mod:`~.compiled`)."""
+    if torch.compiler.is_compiling():
+        return False
     numel = param.__dict__.get("ds_numel")
     return bool(numel) and torch.Tensor.numel(param) != numel
 
