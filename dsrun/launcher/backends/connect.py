@@ -106,14 +106,15 @@ class LaunchTool:
         self.killed = True
         self.proc.kill()
 
-    def stop(self, grace: float) -> None:
-        """Wait ``grace`` seconds for it to exit, then SIGTERM, then SIGKILL."""
-        for sig_wait in (grace, 5.0):
+    def stop(self, grace: float, term_wait: float = 5.0) -> None:
+        """Wait ``grace`` seconds for it to exit, then SIGTERM, then SIGKILL
+        ``term_wait`` seconds later."""
+        for step, sig_wait in enumerate((grace, term_wait)):
             try:
                 self.proc.wait(sig_wait)
                 break
             except subprocess.TimeoutExpired:
-                if sig_wait == grace:
+                if step == 0:
                     self.proc.terminate()
         else:
             self.kill()
@@ -424,10 +425,12 @@ class ConnectedHandle(JobHandle):
     """A JobHandle over connect-back channels, owning the launching tool."""
 
     def __init__(self, channels: list[AgentChannel], leaders: Sequence[int],
-                 tool: LaunchTool, grace: float, ended_wait: float | None = None) -> None:
+                 tool: LaunchTool, grace: float,
+                 ended_wait: tuple[float, float] | None = None) -> None:
         """``ended_wait``: seconds the tool gets to exit when every agent's
-        connection ended (None: as long as when one did not, whose agent may
-        still be stopping its ranks: ``grace`` + TOOL_EXIT_GRACE)."""
+        connection ended, and then after a SIGTERM (None: as long as when
+        one did not, whose agent may still be stopping its ranks: ``grace``
+        + TOOL_EXIT_GRACE, and 5 s)."""
         super().__init__(channels, leaders)
         self.tool = tool
         self.grace = grace
@@ -441,8 +444,10 @@ class ConnectedHandle(JobHandle):
     def close(self, timeout: float = 5.0) -> None:
         super().close(timeout)
         ended = all(c.wait(0) is not None for c in self.channels)
-        wait = self.ended_wait if ended and self.ended_wait is not None else None
-        self.tool.stop(self.grace + TOOL_EXIT_GRACE if wait is None else wait)
+        if ended and self.ended_wait is not None:
+            self.tool.stop(*self.ended_wait)
+        else:
+            self.tool.stop(self.grace + TOOL_EXIT_GRACE)
 
 
 def open_connected(plan: LaunchPlan, name: str, argv: Sequence[str],
@@ -453,7 +458,7 @@ def open_connected(plan: LaunchPlan, name: str, argv: Sequence[str],
                    advice: Callable[[str], str] | None = None,
                    options: str | None = None,
                    after_kill: Callable[[int], None] | None = None,
-                   ended_wait: float | None = None) -> ConnectedHandle:
+                   ended_wait: tuple[float, float] | None = None) -> ConnectedHandle:
     """Start ``argv`` (the tool; ``executable``: the file, when ``argv[0]``
     is only its name; ``advice``, ``after_kill``: see :class:`LaunchTool`) and wait for
     every rank's agent; see the module docstring. ``tool_env`` is the tool's

@@ -36,10 +36,11 @@ the environment) is the user's choice and kept. mpirun's sequence blocks
 its own exit too: a mpirun that dsrun must SIGKILL (a Ctrl-C while the
 agents start, a stop it does not finish in time) leaves its session
 directory on this host, which :func:`remove_session_dir` removes. Once
-every agent has ended, mpirun gets only connect.TOOL_EXIT_GRACE to exit (it
-exits at once unless it is sleeping out that sequence: after a signal to
-every process of the job it would hold dsrun's report back twice the
-grace), not the grace a lost agent's ranks may still need.
+every agent has ended, mpirun gets :data:`ENDED_WAIT` to exit, not the
+grace a lost agent's ranks may still need: it exits at once unless it is
+sleeping out that sequence (after a signal to every process of the job, a
+rank's ``MPI_Abort``, an agent's failure), which would hold dsrun's report
+back twice the grace; a SIGTERM does not wake it.
 
 Before anything starts (:meth:`OpenMpiBackend.check`): mpirun must be on
 PATH and be Open MPI's, and mpi4py must import and use the same MPI
@@ -82,7 +83,7 @@ from dsrun.launcher.backends.base import (
     agent_payload,
     ignore_connect,
 )
-from dsrun.launcher.backends.connect import TOOL_EXIT_GRACE, open_connected, tool_environment
+from dsrun.launcher.backends.connect import open_connected, tool_environment
 from dsrun.launcher.plan import LaunchPlan
 from dsrun.launcher.protocol import AGENT_BOOTSTRAP_VARS
 from dsrun.launcher.spec import HostsSpec, SshOptions
@@ -102,6 +103,9 @@ CONTROLLED = ("-np", "-n", "--n", "-c", "--np", "-N", "-H", "-host", "--host",
 SYSTEM_PREFIXES = ("/", "/usr", "/usr/local")
 #: Open MPI's seconds between the steps of its kill sequence (module docstring).
 SIGKILL_TIMEOUT = "odls_base_sigkill_timeout"
+#: Seconds mpirun gets to exit once every agent has ended, then after its
+#: SIGTERM, before SIGKILL (module docstring).
+ENDED_WAIT = (3.0, 2.0)
 _VERSION = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
 
 
@@ -337,5 +341,5 @@ class OpenMpiBackend(Backend):
                               on_connect=on_connect, executable=self.executable,
                               advice=lambda summary: prefix_advice(summary, self.executable),
                               after_kill=lambda pid: remove_session_dir(pid, self.environ),
-                              ended_wait=TOOL_EXIT_GRACE,
+                              ended_wait=ENDED_WAIT,
                               options="--launcher_args" if self.hosts.launcher_args else None)
