@@ -176,7 +176,9 @@ class Coordinator:
         :data:`AGREE_POLL_S` at first, then less and less often, up to
         :data:`AGREE_POLL_MAX_S`; every :data:`EXIT_POLL_S`, a rank that
         exited (exitmark.py) or rank 0's store gone ends the wait with an
-        error naming that rank."""
+        error naming that rank. The missing ranks are named from their
+        keys: when every key is there (a rank died between its key and its
+        count), an exit seen or the deadline ends the wait as a success."""
         keys = [prefix + str(r) for r in range(self.world)]
         deadline = time.monotonic() + self.timeout_s
         watch, gone = ExitWatch(exitmark.job_store() or store, self.world), 0
@@ -193,7 +195,9 @@ class Coordinator:
                     exited = watch.poll()
                 if len(exited) > gone:  # a rank that posted before exiting is not missing
                     gone = len(exited)
-                    missing = [r for r in range(self.world) if not store.check([keys[r]])]
+                    missing = self._missing(store, keys)
+                    if not missing:  # every key is there: one rank left before its add
+                        return
                     if any(r in exited for r in missing):
                         time.sleep(EXIT_GRACE_S)
                     self._exited_before(what, missing, exited)
@@ -203,7 +207,10 @@ class Coordinator:
                 self._store_gone(what, exc)
             left = deadline - time.monotonic()
             if left <= 0:
-                self._timed_out(store, keys, what)
+                missing = self._missing(store, keys)
+                if not missing:  # the last key came after the last poll, or without its add
+                    return
+                self._timed_out(missing, what)
             time.sleep(min(pause, left))
             pause = min(pause * 2, AGREE_POLL_MAX_S)
 
@@ -240,8 +247,13 @@ class Coordinator:
                               "others waited for it): nothing was written; the previous "
                               "checkpoint and 'latest' are intact") from None
 
-    def _timed_out(self, store: Any, keys: list[str], what: str) -> NoReturn:
-        missing = [r for r in range(self.world) if not store.check([keys[r]])]
+    def _missing(self, store: Any, keys: list[str]) -> list[int]:
+        """The ranks whose key is not posted. The counter can be short of
+        them: a rank killed between its ``set`` and its ``add`` (its key is
+        readable, its exit mark tells the next exchange)."""
+        return [r for r in range(self.world) if not store.check([keys[r]])]
+
+    def _timed_out(self, missing: list[int], what: str) -> NoReturn:
         present = [r for r in range(self.world) if r not in missing]
         self._broken = (f"an earlier {what} timed out waiting for "
                         f"{describe_ranks(missing)}; restart the job")
