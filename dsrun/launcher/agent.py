@@ -64,7 +64,7 @@ import time
 from typing import IO, Any
 
 from dsrun import deathsig, stackdump
-from dsrun.launcher import agent_forward, procs
+from dsrun.launcher import agent_forward, agent_stale, procs
 from dsrun.launcher.agent_commands import Commands
 from dsrun.launcher.agent_exits import (
     exit_event,
@@ -147,6 +147,7 @@ class Agent(Commands):
         self.failed = False
         self.fail_sent = False
         self.tmpdir = make_tmpdir(f"dsrun-{self.job_id[:8]}-")
+        agent_stale.claim(self.tmpdir, self.job_id)  # and remove the job's stale ones
         me = procs.Proc.of(os.getpid())
         # The agent is its descendants' subreaper (main()): every process
         # below it but the guard is the job's (procs.job_processes).
