@@ -73,8 +73,15 @@ from dsrun.launcher.agent_exits import (
     record_exit,
     stop_signal_of,
 )
-from dsrun.launcher.agent_hold import held_signals
-from dsrun.launcher.agent_marks import MARKED_VAR, mark_if_unmarked, marked_file, store_address
+from dsrun.launcher.agent_hold import held_signals, take_held
+from dsrun.launcher.agent_marks import (
+    MARKED_VAR,
+    StoreAddress,
+    mark_if_unmarked,
+    marked_file,
+    store_address,
+    wait_for_marks,
+)
 from dsrun.launcher.agent_os import (
     REPEAT,
     STOP_SIGNALS,
@@ -133,7 +140,7 @@ class Agent(Commands):
         # a log file that cannot be written, ("crash", exception) a thread's error.
         self.events: queue.Queue[Any] = queue.Queue()
         self.ranks: list[Rank] = []
-        self.stores: dict[int, tuple[str, int] | None] = {}  # rank -> its job's store
+        self.stores: dict[int, StoreAddress | None] = {}  # rank -> its job's store
         self.output = RankOutput(link, lambda msg: self.events.put(("fail", msg)),
                                  self._thread_failed)
         self.exit_lock = threading.Lock()  # a rank's status and exit time, set once
@@ -190,6 +197,7 @@ class Agent(Commands):
         except Stop as stop:
             self.signalled = (stop.signum, time.monotonic())
             stop_raising(self._hurry)  # a further signal SIGKILLs, as "kill" does
+            self._hurry_held()
             # The launcher must blame the signal, not the ranks it stops.
             self._emit_signal(stop.signum, self.job.stopping)
             self._begin_stop(signal.SIGINT if stop.signum == signal.SIGINT
@@ -209,20 +217,28 @@ class Agent(Commands):
         self.emit({"ev": "signal", "signal": signum, "time": time.time() - age,
                    "age": round(age, 6), "during_stop": during_stop})
 
+    def _hurry_held(self) -> None:
+        """The stop signals held (agent_hold.py) behind one that raised, or
+        over a step that failed: each as one that came now."""
+        for signum in take_held():
+            self._hurry(signum)
+
     def _fail(self, message: str) -> None:
         """This host fails (not one rank): the launcher reports ``message``
         and stops the job everywhere; here every rank is stopped."""
-        if not self.fail_sent:  # the first is the cause; later ones are consequences
-            self.fail_sent = True
-            self.emit({"ev": "fail", "message": message, "time": time.time()})
-        self.failed = True
-        self._begin_stop(failure=True)
+        with held_signals():  # flagged sent and sent, or neither
+            if not self.fail_sent:  # the first is the cause; later ones are consequences
+                self.fail_sent = True
+                self.emit({"ev": "fail", "message": message, "time": time.time()})
+            self.failed = True
+            self._begin_stop(failure=True)
 
     def _crashed(self, exc: BaseException) -> None:
         """The agent's own code failed: never a clean ``done``. The ranks it
         started are stopped by _finish (they are in self.ranks from the moment
         they exist), whether or not their threads run."""
         stop_raising(self._hurry)
+        self._hurry_held()
         if isinstance(exc, OSError) and exc.strerror:
             what = f"[Errno {exc.errno}] {exc.strerror}" + \
                 (f": {exc.filename}" if exc.filename else "")
@@ -333,13 +349,14 @@ class Agent(Commands):
     # -- supervision ----------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            try:
-                event = self.events.get(timeout=0.05)
-            except queue.Empty:
-                event = None
-            if isinstance(event, tuple):  # a failure off the main thread: the host fails
-                self._failed_off_main(*event)
-                continue
+            with held_signals():  # a failure dequeued is handled, or stays queued
+                try:
+                    event = self.events.get(timeout=0.05)
+                except queue.Empty:
+                    event = None
+                if isinstance(event, tuple):  # a failure off the main thread: the host fails
+                    self._failed_off_main(*event)
+                    continue
             if event == "kill" or self.hurried or (event == "eof" and self.job.stopping):
                 # Nobody waits for the grace any more: the launcher (or this
                 # agent) was signalled twice, or went away while the job was
@@ -370,13 +387,14 @@ class Agent(Commands):
         """Failures of threads queued behind the last exit: never lost."""
         found = False
         while True:
-            try:
-                event = self.events.get_nowait()
-            except queue.Empty:
-                return found
-            if isinstance(event, tuple):
-                self._failed_off_main(*event)
-                found = True
+            with held_signals():  # as in _loop
+                try:
+                    event = self.events.get_nowait()
+                except queue.Empty:
+                    return found
+                if isinstance(event, tuple):
+                    self._failed_off_main(*event)
+                    found = True
 
     def _check_guard(self) -> None:
         """Housekeeping (agent_stop.py); fail if the guard died."""
@@ -433,6 +451,7 @@ class Agent(Commands):
         remove_tmpdir(self.tmpdir)
         for rank in self.ranks:
             remove_own_shm(rank.shm_name)
+        wait_for_marks()  # its process may end right after done (agent_marks.py)
         return facts
 
 
