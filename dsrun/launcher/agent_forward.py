@@ -13,8 +13,9 @@ launcher too; so a rank gets one copy, not two:
   same signal within :data:`MERGE` seconds before (then everyone got it);
 - the agent's own signal is forwarded only if no command for it follows
   within :data:`MERGE` seconds (it was sent to the agent alone: ``mpirun``
-  passing on a signal to its processes, which are the agents), and not at all if a forward of it went
-  out within :data:`MERGE` seconds before (the launcher was quicker).
+  passing on a signal to its processes, which are the agents), and not at
+  all if a forward of it went out within :data:`MERGE` seconds before (the
+  launcher was quicker).
 
 A task of a Slurm step (srun started the agent: its parent is
 ``slurmstepd``) is different: Slurm delivers every signal meant for the
