@@ -72,9 +72,16 @@ from dsrun.launcher.netinfo import script_problem
 from dsrun.launcher.output_end import DEFAULT_OUTPUT_WAIT, OUTPUT_WAIT_VAR
 from dsrun.launcher.plan import LaunchPlan, build_plan, describe
 from dsrun.launcher.preflight import HostReport, PreflightFailed
-from dsrun.launcher.rankenv import check_user_env
-from dsrun.launcher.report import JobResult, report_lines, restartable, sigkill_lines
+from dsrun.launcher.rankenv import check_user_env, torchelastic_env
+from dsrun.launcher.report import (
+    JobResult,
+    report_lines,
+    restartable,
+    sigkill_lines,
+    unconfirmed_lines,
+)
 from dsrun.launcher.spec import LaunchSpec, check_seconds, cpu_by_deepspeed_variable
+from dsrun.launcher.stop_failures import stopped_line
 from dsrun.launcher.supervisor import SIGNALS, Interrupted, Supervisor, Watch
 from dsrun.launcher.watch import DEFAULT_STRAGGLER_INTERVAL
 
@@ -190,9 +197,10 @@ def _plan(spec: LaunchSpec, cluster: Cluster, backend: Backend, env: JobEnv, job
     """The plan of an attempt: a draft (nothing probed) or the final one."""
     facts = outcome.node_facts() if outcome is not None else here_facts(cluster)
     master = (outcome.master.addr, outcome.master.port) if outcome is not None else None
-    return build_plan(spec, cluster, env, job_id, facts=facts, python=backend.python,
+    plan = build_plan(spec, cluster, env, job_id, facts=facts, python=backend.python,
                       cwd=os.getcwd(), master=master, restart_count=restart,
                       remote_path=backend.remote_path())
+    return replace(plan, job_env=torchelastic_env(plan.job_env, restart, spec.max_restarts))
 
 
 def cpu_ranks_line(spec: LaunchSpec, cluster: Cluster, draft: LaunchPlan) -> None:
@@ -432,17 +440,35 @@ def _run_attempts(spec: LaunchSpec, attempt: Callable[[int], JobResult],
                          why_not or f"restarting ({restart + 1}/{spec.max_restarts})"))
         if why_not:
             break
+    line = restarts_line(spec, result, restart)
+    if line:
+        say(line)
     # After Ctrl-C, ranks killed by dsrun's own stop are not a failure to report
-    # (but the ranks it had to SIGKILL are said: their save-on-Ctrl-C was cut off).
+    # (but the ranks it had to SIGKILL, or could not confirm stopped, are said:
+    # their save-on-Ctrl-C was cut off, or may have been).
     if result.interrupted is None or any(not f.during_stop for f in result.failures):
         for line in report_lines(result):
             say(line)
-    elif result.sigkilled:
-        for line in sigkill_lines(result):
+    else:
+        for line in sigkill_lines(result) + unconfirmed_lines(result):
             say(line)
     if result.interrupted is not None:
         say(stopped_line(result))
     return result.exit_code
+
+
+def restarts_line(spec: LaunchSpec, result: JobResult, restart: int) -> str:
+    """After restarts, what the last attempt's end means for the job: it
+    succeeded after them, or failed with every restart used ("" otherwise)."""
+    if not restart:
+        return ""
+    if result.exit_code == 0:
+        return f"job succeeded after {restart} restart(s) (attempt {restart + 1})"
+    if result.interrupted is None and result.timed_out is None \
+            and restart == spec.max_restarts:
+        return f"attempt {restart + 1} failed too: all {restart} restart(s) used " \
+            f"(--max_restarts {spec.max_restarts})"
+    return ""
 
 
 def attempt_line(result: JobResult, restart: int, then: str) -> str:
@@ -474,18 +500,3 @@ def _no_restart(spec: LaunchSpec, result: JobResult, clock: JobClock) -> str | N
     if left is not None and left <= 0:
         return f"not restarting: the job's --timeout of {spec.timeout:g}s has passed"
     return None
-
-
-def stopped_line(result: JobResult) -> str:
-    """dsrun's last word after a signal: only what it knows."""
-    name = signal.Signals(result.interrupted or signal.SIGINT).name
-    if result.starting:
-        name += " while the job was starting"
-    if not result.unconfirmed:
-        count = sum(len(k.ranks) for k in result.sigkilled)
-        return f"stopped by {name}; every rank was stopped" + \
-            (f" ({count} of them with SIGKILL)" if count else "")
-    hosts = ", ".join(result.unconfirmed)
-    return (f"stopped by {name}; could not confirm that the ranks on {hosts} stopped "
-            f"(their agents did not answer; an agent stops its ranks when its "
-            f"connection closes)")

@@ -51,6 +51,19 @@ AGENT_VARS = {
 
 Pairs = tuple[tuple[str, str], ...]
 
+#: torchrun's restart variables, which dsrun sets too (the attempt, from 0,
+#: and --max_restarts): a torchrun script reads them to know its attempt.
+#: A value the user gives (--env, an env file) is left alone.
+TORCHELASTIC_VARS = ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
+
+
+def torchelastic_env(job_env: Pairs, restart: int, max_restarts: int) -> Pairs:
+    """``job_env`` (LaunchPlan.job_env) with torchrun's restart variables."""
+    env = dict(job_env)
+    env.update(zip(TORCHELASTIC_VARS, (str(restart), str(max_restarts)), strict=True))
+    return tuple(sorted(env.items()))
+
+
 _SLOTS = "--include/--exclude/--num_nodes/--num_gpus (which slots run)"
 #: What to use instead of giving a variable that dsrun sets for each rank.
 INSTEAD = {
@@ -112,6 +125,9 @@ def rank_env(plan: LaunchPlan, node: NodePlan, slot: RankSlot) -> RankEnv:
         DSRUN_JOB_ID=plan.job_id,
         DSRUN_RESTART_COUNT=str(plan.restart_count),
     )
+    for key in TORCHELASTIC_VARS:
+        if key in plan.user_env.keys():  # the user's value (TORCHELASTIC_VARS)
+            env.pop(key, None)
     if node.has_gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in node.devices)
     threads = omp_threads(node.cpus, len(node.ranks))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import signal as _signal
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +32,6 @@ from dsrun.launcher.report_causes import (
     PEER_WINDOW,
     ended_of,
     exited_peers,
-    failed_during_stop,
     interruption,
     order,
     root_cause,
@@ -43,9 +42,9 @@ from dsrun.launcher.report_causes import (
 TIMEOUT_EXIT = 124
 # report_causes' names, for the launcher and the tests that import them here
 __all__ = ["EARLY_EXIT_WINDOW", "EXITED_PEER", "JOB_WIDE_WINDOW", "PEER_WINDOW", "JobResult",
-           "RankFailure", "RunningRank", "SigKilled", "ended_of", "exited_peers",
-           "failed_during_stop", "interruption", "report_lines", "restartable", "root_cause",
-           "signal_name", "signalled_agent", "sigkill_lines", "timeout_lines"]
+           "RankFailure", "RunningRank", "SigKilled", "Unconfirmed", "ended_of", "exited_peers",
+           "interruption", "ranks_on_hosts", "report_lines", "restartable", "root_cause",
+           "signal_name", "signalled_agent", "sigkill_lines", "timeout_lines", "unconfirmed_lines"]
 
 #: What the error of a rank that lost a peer says (lower case): gloo's
 #: "Connection reset/closed by peer", a write into a closed socket, the c10d
@@ -72,6 +71,9 @@ class RankFailure:
     seen: float | None = None  # launcher's monotonic clock: when it happened, as learned
     lost: bool = False  # the host went silent (heartbeat timeout)
     signalled: bool = False  # the node agent itself got a stop signal (``signal``)
+    #: A node agent's failure where its host has several (mpirun, srun: one
+    #: agent per rank): the ranks that agent ran, which name it.
+    agent_ranks: tuple[int, ...] = ()
 
     @property
     def exit_code(self) -> int:
@@ -159,6 +161,19 @@ class SigKilled:
 
 
 @dataclass(frozen=True)
+class Unconfirmed:
+    """A node agent that never confirmed its ranks' stop (it sent no ``done``)."""
+
+    host: str
+    ranks: tuple[int, ...]  # the ranks it started whose exit it had not reported
+    #: Its connection ended (the agent was killed, or its link dropped);
+    #: False: dsrun gave up on it (lost, or silent past the stop's deadline).
+    ended: bool = False
+    #: srun got a signal of its own and SIGKILLed every task of its step.
+    forced: bool = False
+
+
+@dataclass(frozen=True)
 class JobResult:
     failures: tuple[RankFailure, ...] = ()
     interrupted: int | None = None  # signal that stopped dsrun
@@ -168,9 +183,10 @@ class JobResult:
     running: tuple[RunningRank, ...] = ()  # ranks still running at the timeout
     stacks: tuple[str, ...] = ()  # their Python stacks, "[host:rank] line"
     clock: str = ""  # the launcher's host, whose clock ordered the failures
-    #: Hosts given up on before their agent said ``done`` (lost, or dropped
-    #: at the stop deadline): their ranks could not be confirmed stopped.
-    unconfirmed: tuple[str, ...] = ()
+    #: Agents given up on before they said ``done`` (lost, or dropped at the
+    #: stop deadline), and those that ended without it while the job was
+    #: stopping: their ranks could not be confirmed stopped.
+    unconfirmed: tuple[Unconfirmed, ...] = ()
     #: Hosts that sent no stacks when --timeout asked for them.
     no_stacks: tuple[str, ...] = ()
     #: No rank had reported starting (a signal or --timeout during the start).
@@ -230,7 +246,7 @@ def report_lines(result: JobResult) -> list[str]:
     if cause is None:
         return []
     if cause.lost:
-        lines = [f"job failed: host {cause.host} was lost first: {cause.cause()}"]
+        lines = [f"job failed: {_agent_name(cause)} was lost first: {cause.cause()}"]
     elif cause.signalled:
         lines = [f"job failed: node agent on host {cause.host} {cause.cause()}; it stopped "
                  f"its ranks"]
@@ -266,7 +282,7 @@ def report_lines(result: JobResult) -> list[str]:
                      f", where dsrun runs: when it learned of each, less the delay each "
                      f"agent measured; host clocks are never compared)")
     lines.extend(sigkill_lines(result))
-    lines.extend(_unconfirmed_lines(result))
+    lines.extend(unconfirmed_lines(result))
     lines.append(f"exit code {result.exit_code}")
     return lines
 
@@ -312,6 +328,15 @@ def _who(cause: RankFailure) -> str:
     if cause.rank is not None:
         return f"rank {cause.rank} on host {cause.host}"
     return f"the node agent on host {cause.host}"
+
+
+def _agent_name(failure: RankFailure) -> str:
+    """``host vm``, or ``the agent of rank 1 on host vm`` where the host has
+    one agent per rank (mpirun, srun): the host itself was not lost."""
+    if failure.agent_ranks:
+        return f"the agent of rank {_rank_ranges(list(failure.agent_ranks))} on host " \
+            f"{failure.host}"
+    return f"host {failure.host}"
 
 
 def _error_lines(cause: RankFailure) -> list[str]:
@@ -362,7 +387,7 @@ def timeout_lines(result: JobResult) -> list[str]:
         lines.append(f"no stacks from {', '.join(result.no_stacks)}: its agent did not "
                      f"answer in time (host down or unreachable?)")
     lines.extend(sigkill_lines(result))
-    lines.extend(_unconfirmed_lines(result))
+    lines.extend(unconfirmed_lines(result))
     lines.append(f"exit code {result.exit_code}")
     return lines
 
@@ -376,7 +401,7 @@ def sigkill_lines(result: JobResult) -> list[str]:
                                     for k in result.sigkilled if k.at_once == at_once}):
             group = [k for k in result.sigkilled
                      if (k.at_once, k.after, k.short and not at_once) == (at_once, after, short)]
-            who, count = _ranks_on_hosts(group)
+            who, count = ranks_on_hosts((k.host, k.ranks) for k in group)
             they, them = ("it", "it") if count == 1 else ("they", "them")
             what = "a save in except KeyboardInterrupt" if after == "SIGINT" else \
                 f"a {after} handler"
@@ -401,13 +426,15 @@ def sigkill_lines(result: JobResult) -> list[str]:
     return lines
 
 
-def _ranks_on_hosts(killed: Sequence[SigKilled], shown: int = 8) -> tuple[str, int]:
-    """``rank 0, 1 on host a; rank 4-7 on host b`` and how many ranks that is."""
+def ranks_on_hosts(pairs: Iterable[tuple[str, Iterable[int]]],
+                   shown: int = 8) -> tuple[str, int]:
+    """``rank 0, 1 on host a; rank 4-7 on host b`` for (host, ranks) pairs,
+    and how many ranks that is (a host without ranks: ``the ranks on host c``)."""
     by_host: dict[str, set[int]] = {}
-    for entry in killed:
-        by_host.setdefault(entry.host, set()).update(entry.ranks)
-    parts = [f"rank {_rank_ranges(sorted(ranks))} on host {host}"
-             for host, ranks in list(by_host.items())[:shown]]
+    for host, ranks in pairs:
+        by_host.setdefault(host, set()).update(ranks)
+    parts = [f"rank {_rank_ranges(sorted(ranks))} on host {host}" if ranks else
+             f"the ranks on host {host}" for host, ranks in list(by_host.items())[:shown]]
     if len(by_host) > shown:
         parts.append(f"and ranks on {len(by_host) - shown} more host(s)")
     return "; ".join(parts), sum(len(r) for r in by_host.values())
@@ -425,12 +452,26 @@ def _rank_ranges(ranks: list[int]) -> str:
     return ", ".join(parts)
 
 
-def _unconfirmed_lines(result: JobResult) -> list[str]:
-    if not result.unconfirmed:
-        return []
-    return [f"the ranks on {', '.join(result.unconfirmed)} could not be confirmed stopped "
-            f"(no answer from the agent; it stops them when its connection closes, or "
-            f"when it hears nothing from dsrun for --heartbeat_timeout)"]
+def unconfirmed_lines(result: JobResult) -> list[str]:
+    """The ranks whose stop no agent confirmed, by why (Unconfirmed)."""
+    lines = []
+    silent = [(u.host, u.ranks) for u in result.unconfirmed if not u.ended]
+    if silent:
+        lines.append(f"{ranks_on_hosts(silent)[0]} could not be confirmed stopped (no answer "
+                     f"from the agent; it stops them when its connection closes, or when it "
+                     f"hears nothing from dsrun for --heartbeat_timeout)")
+    forced = [(u.host, u.ranks) for u in result.unconfirmed if u.ended and u.forced]
+    if forced:
+        lines.append(f"{ranks_on_hosts(forced)[0]} killed with SIGKILL by srun, with every "
+                     f"task of its step, before the agent could confirm their stop: what they "
+                     f"still did on the signal (a save) was cut off")
+    ended = [(u.host, u.ranks) for u in result.unconfirmed if u.ended and not u.forced]
+    if ended:
+        lines.append(f"{ranks_on_hosts(ended)[0]} could not be confirmed stopped: the agent "
+                     f"ended before confirming their stop (it was killed, or its connection "
+                     f"dropped, and its ranks die with it): what they still did on the signal "
+                     f"(a save) may not have completed")
+    return lines
 
 
 def _tail_before_traceback(tail: Sequence[str]) -> tuple[str, ...]:

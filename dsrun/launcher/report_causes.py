@@ -158,20 +158,3 @@ def signalled_agent(failures: Sequence[RankFailure], signum: int) -> RankFailure
     found = [f for f in failures if f.signalled and f.signal == signum]
     return min(found, key=order) if found else None
 
-
-def failed_during_stop(failures: Sequence[RankFailure]) -> list[str]:
-    """A line for each rank that failed of an error of its own while a
-    signal stopped the job (a save on SIGTERM that raised, a full disk):
-    the report of an interruption shows no failure, and whether the
-    preemption checkpoint was written must not hang on one streamed
-    traceback among the ranks' output. A rank that ended of a signal, or
-    of the KeyboardInterrupt or SystemExit a stop signal raises, is none."""
-    lines = []
-    for f in sorted(failures, key=lambda f: (f.host, f.rank or 0)):
-        error = f.error or {}
-        if f.rank is None or not f.during_stop or not error or ended_of(f) is not None \
-                or error.get("exc_type") in ("KeyboardInterrupt", "SystemExit"):
-            continue
-        lines.append(f"rank {f.rank} on host {f.host} failed during the stop "
-                     f"({f.cause()}): {f.summary() or error.get('message') or '?'}")
-    return lines

@@ -17,6 +17,11 @@ the end of the grace (the report says those separately), exited 128+N for
 a stop signal N (Python's status after a KeyboardInterrupt, or a handler
 that exits so), or left through ``sys.exit`` or a KeyboardInterrupt (the
 script chose how to end on the signal). Anything else failed of its own.
+
+dsrun's last line after a signal (:func:`stopped_line`) says "every rank
+was stopped" only when every agent confirmed its ranks' stop and no rank
+failed of its own; otherwise it says which ranks it could not confirm, or
+how many failed.
 """
 
 from __future__ import annotations
@@ -24,7 +29,14 @@ from __future__ import annotations
 import signal
 from collections.abc import Sequence
 
-from dsrun.launcher.report import RankFailure, SigKilled, ended_of, signal_name
+from dsrun.launcher.report import (
+    JobResult,
+    RankFailure,
+    SigKilled,
+    ended_of,
+    ranks_on_hosts,
+    signal_name,
+)
 
 #: The signals that stop a job (supervisor.STOP_SIGNALS).
 STOP_SIGNALS = frozenset({int(signal.SIGTERM), int(signal.SIGINT), int(signal.SIGHUP)})
@@ -44,17 +56,22 @@ def failed_of_its_own(failure: RankFailure, ours: frozenset[tuple[str, int]]) ->
     return (failure.error or {}).get("exc_type") not in CHOSEN_EXITS
 
 
+def own_failures(failures: Sequence[RankFailure],
+                 sigkilled: Sequence[SigKilled] = ()) -> list[RankFailure]:
+    """The ranks that failed of their own during the stop, by host and rank."""
+    ours = frozenset((k.host, r) for k in sigkilled for r in k.ranks)
+    return [f for f in sorted(failures, key=lambda f: (f.host, f.rank or 0))
+            if f.during_stop and failed_of_its_own(f, ours)]
+
+
 def own_failure_lines(failures: Sequence[RankFailure], signum: int,
                       sigkilled: Sequence[SigKilled] = ()) -> list[str]:
     """A line for each rank that failed of its own during the stop that
     ``signum`` began (:func:`failed_of_its_own`), then one that says what
     that means for the job; none when no rank did."""
-    ours = frozenset((k.host, r) for k in sigkilled for r in k.ranks)
     name = signal_name(signum)
     lines = []
-    for f in sorted(failures, key=lambda f: (f.host, f.rank or 0)):
-        if not f.during_stop or not failed_of_its_own(f, ours):
-            continue
+    for f in own_failures(failures, sigkilled):
         said = f.summary() or str((f.error or {}).get("message") or "")
         if not said:  # a crash or os._exit: no record, no traceback
             what = "a crash" if f.signal is not None else "an exit"
@@ -66,3 +83,24 @@ def own_failure_lines(failures: Sequence[RankFailure], signum: int,
                      f"(above): whatever they were doing on the signal (a save) may not have "
                      f"completed; the job still ends as stopped by {name}, without a restart")
     return lines
+
+
+def stopped_line(result: JobResult) -> str:
+    """dsrun's last word after a signal: only what it knows (module docstring)."""
+    name = signal.Signals(result.interrupted or signal.SIGINT).name
+    if result.starting:
+        name += " while the job was starting"
+    if result.unconfirmed:
+        who = ranks_on_hosts((u.host, u.ranks) for u in result.unconfirmed)[0]
+        if all(u.forced for u in result.unconfirmed):
+            return f"stopped by {name}; {who} killed with SIGKILL by srun (see above)"
+        return f"stopped by {name}; could not confirm the stop of {who} (their agents did " \
+            f"not confirm it: see above)"
+    killed = sum(len(k.ranks) for k in result.sigkilled)
+    own = len(own_failures(result.failures, result.sigkilled))
+    notes = [f"{killed} of them with SIGKILL"] if killed else []
+    if own:
+        notes.append(f"{own} of them failed of {'its' if own == 1 else 'their'} own during "
+                     f"the stop: above")
+    said = "every rank was stopped" if not own else "every rank ended"
+    return f"stopped by {name}; {said}" + (f" ({'; '.join(notes)})" if notes else "")

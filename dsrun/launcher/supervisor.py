@@ -39,10 +39,12 @@ from dsrun.launcher.report import (
     SigKilled,
     ended_of,
     interruption,
+    root_cause,
     signal_name,
     signalled_agent,
 )
 from dsrun.launcher.stop_failures import own_failure_lines
+from dsrun.launcher.supervisor_ends import forced_line, unconfirmed_agents
 from dsrun.launcher.supervisor_stacks import QUERY_STACK_WAIT, StackRequests
 from dsrun.launcher.watch import RankState, StackCollection, Stragglers
 
@@ -111,6 +113,11 @@ class _State:
     collections: dict[int, StackCollection] = field(default_factory=dict)
     timeout_stacks: StackCollection | None = None
     unconfirmed: set[int] = field(default_factory=set)  # given up on before ``done``
+    # agents whose connection ended without ``done``: its ranks, and whether
+    # the job was stopping then
+    ended: dict[int, tuple[tuple[int, ...], bool]] = field(default_factory=dict)
+    forced: str | None = None  # srun's FORCED line (supervisor_ends.forced_line)
+    dropped: list[RankFailure] = field(default_factory=list)  # connections that ended
     # per agent: the ranks it said ``started`` and has not reported the exit of
     unreported: dict[int, set[int]] = field(default_factory=dict)
     agent_failed: set[int] = field(default_factory=set)  # agents that sent ``fail``
@@ -148,8 +155,9 @@ class Supervisor(StackRequests):
             for collection in list(st.collections.values()):
                 self._finish_collection(collection)
         stacks = tuple(st.timeout_stacks.lines) if st.timeout_stacks is not None else ()
-        unconfirmed = tuple(st.hosts[i] for i in sorted(st.unconfirmed - st.done))
         interrupted, failures = self._outcome()
+        unconfirmed = unconfirmed_agents(st.hosts, st.unconfirmed - st.done, st.unreported,
+                                         st.ended, interrupted is not None, st.forced)
         return JobResult(failures, interrupted, st.killed,
                          timed_out=st.timed_out, running=st.running_at_timeout, stacks=stacks,
                          unconfirmed=unconfirmed,
@@ -190,11 +198,13 @@ class Supervisor(StackRequests):
         failures it caused are its consequences (during the stop), and
         the job is not restarted."""
         st = self.state
+        st.forced = forced_line(self.handle)
         failures = tuple(st.failures)
         if st.interrupted is not None or st.timed_out is not None:
             self._failed_during_stop(failures, st.interrupted)
             return st.interrupted, failures
-        signum = interruption(failures, st.early_exits, st.own, st.own_seen)
+        signum = interruption(failures, st.early_exits, st.own, st.own_seen) or \
+            self._forced_stop(failures)
         if signum is None:
             return None, failures
         agent = signalled_agent(failures, signum)
@@ -205,6 +215,22 @@ class Supervisor(StackRequests):
         failures = tuple(replace(f, during_stop=True) for f in failures)
         self._failed_during_stop(failures, signum)
         return signum, failures
+
+    def _forced_stop(self, failures: tuple[RankFailure, ...]) -> int | None:
+        """SIGTERM when srun, signalled itself (not by dsrun, which got
+        nothing), SIGKILLed every task of its step and that is what ended
+        the job: the first failure is an agent's connection that ended. An
+        interruption, as a signal to mpirun is (its agents get SIGTERM):
+        128+N, no restart. srun does the same on SIGHUP and SIGQUIT, and its
+        line does not say which: SIGTERM is what schedulers and admins send."""
+        st = self.state
+        cause = root_cause(failures, st.early_exits)
+        if st.forced is None or cause is None or not any(cause is f for f in st.dropped):
+            return None
+        self.watch.say(f"srun got a signal (not from dsrun, which got none) and SIGKILLed "
+                       f"every task of its step ({st.forced!r}): taken for SIGTERM (srun "
+                       f"does the same on SIGHUP or SIGQUIT)")
+        return int(signal.SIGTERM)
 
     def _failed_during_stop(self, failures: tuple[RankFailure, ...], signum: int | None) -> None:
         """Ranks that failed of their own (an error, a crash, a status of
@@ -377,13 +403,16 @@ class Supervisor(StackRequests):
                 f"node agent on {host} ended without reporting the exit of rank(s) "
                 f"{','.join(map(str, missing))}"), time.monotonic())
         if index not in st.done:
+            if missing:
+                st.ended[index] = (tuple(missing), st.stopping)
             channel = self.handle.channels[index]
             code = channel.wait(timeout=1)
             sig = channel.exit_signal()
-            st.failures.append(RankFailure(
+            st.dropped.append(RankFailure(
                 host=host, rank=None, code=code, signal=sig, time=time.time(),
                 during_stop=st.stopping, message=self.handle.exit_message(index, code),
                 seen=time.monotonic()))
+            st.failures.append(st.dropped[-1])
             self._stop(failure=True)
 
     def _agent_failed(self, index: int, host: str, message: str, seen: float) -> None:
@@ -405,21 +434,26 @@ class Supervisor(StackRequests):
             if silent <= limit:
                 continue
             host = st.hosts[index]
-            on_host = sorted(r for r, s in st.ranks.items() if s.host == host and not s.ended)
-            ranks = f"; rank(s) {','.join(map(str, on_host))} ran there, and its agent " \
-                f"stops them by itself when it hears nothing from dsrun" if on_host else ""
+            # the ranks this agent runs: with one agent per rank (mpirun, srun)
+            # the host's other agents are not lost
+            mine = sorted(st.unreported.get(index, ()))
+            shared = sum(h == host for h in st.hosts) > 1
+            ranks = f"; rank(s) {','.join(map(str, mine))} ran there, and its agent " \
+                f"stops them by itself when it hears nothing from dsrun" if mine else ""
             st.failures.append(RankFailure(
                 host=host, rank=None, code=None, signal=None, time=time.time(),
                 during_stop=st.stopping, lost=True, seen=self.handle.last_seen[index],
                 message=(f"nothing heard from it for {silent:.1f}s (--heartbeat_timeout "
-                         f"{limit:g}){ranks}")))
+                         f"{limit:g}){ranks}"), agent_ranks=tuple(mine) if shared else ()))
             st.open_nodes.discard(index)
             st.unconfirmed.add(index)
             for collection in st.collections.values():
                 collection.ended([index])
             self.handle.drop(index)
-            self.watch.say(f"host {host} lost: nothing heard from it for {silent:.1f}s; "
-                           f"stopping the job on every other host")
+            who = f"host {host}" if not shared else f"an agent on host {host}" if not mine \
+                else f"the agent of rank {','.join(map(str, mine))} on host {host}"
+            self.watch.say(f"{who} lost: nothing heard from it for {silent:.1f}s; stopping "
+                           f"the job on every other {'agent' if shared else 'host'}")
             self._stop(failure=True)
 
     # -- --timeout (its stacks: supervisor_stacks.py) --------------------------

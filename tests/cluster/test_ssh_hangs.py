@@ -160,4 +160,4 @@ def test_timeout_with_a_host_that_cannot_answer(sim_cluster: SimCluster,
     # node1's stop; the bug waited node2's kill grace and agent slack on top (~20 s)
     assert ended_in < 8 + 5 + 8, ended_in
     assert "[node1:0]" in err and "no stacks from node2" in err
-    assert "the ranks on node2 could not be confirmed stopped" in err
+    assert "rank 1 on host node2 could not be confirmed stopped" in err, err

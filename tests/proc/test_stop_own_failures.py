@@ -46,5 +46,6 @@ def test_a_rank_that_fails_of_its_own_during_a_preemption_is_named(pid_dir, how,
     assert "1 rank(s) failed of their own while SIGTERM stopped the job" in err, err
     assert "rank 0 on host" not in err, err  # its clean exit is the stop's
     assert "restarting" not in err and "job failed" not in err, err
-    assert err.rstrip().endswith("stopped by SIGTERM; every rank was stopped"), err
+    assert err.rstrip().endswith("stopped by SIGTERM; every rank ended (1 of them failed "
+                                 "of its own during the stop: above)"), err
     assert wait_gone(job, 5) == []

@@ -19,9 +19,9 @@ from dsrun.launcher.agent_stop import FAILURE_GRACE, JobProcesses
 from dsrun.launcher.report import (
     JOB_WIDE_WINDOW,
     RankFailure,
-    failed_during_stop,
     interruption,
 )
+from dsrun.launcher.stop_failures import own_failure_lines
 
 TERM, INT = int(signal.SIGTERM), int(signal.SIGINT)
 
@@ -116,8 +116,9 @@ def test_a_rank_that_failed_of_its_own_error_during_an_interrupted_stop_is_named
                 _rank(1.0, code=130, rank=2, during_stop=True,
                       error={"exc_type": "KeyboardInterrupt", "message": ""}),
                 _agent(0.9)]
-    assert failed_during_stop(failures) == [
-        "rank 1 on host a failed during the stop (exit code 1): CheckpointError: disk full"]
+    assert own_failure_lines(failures, TERM)[0] == \
+        "rank 1 on host a failed during the stop (exit code 1): CheckpointError: disk full"
+    assert len(own_failure_lines(failures, TERM)) == 2  # that rank, then the count
 
 
 def test_the_supervisor_names_a_failure_during_a_stop_dsrun_s_signal_began():
