@@ -354,8 +354,10 @@ class DsrunEngine(EngineSetup, EngineInfo, EngineControls, torch.nn.Module):
         self._overflow_log = (now, 0)
         if self.global_rank != 0:
             return
+        # at ZeRO 1-3 the reduced gradients are in the optimizer's partitions
         name = self.precision.first_bad_param() or (
-            "(none in rank 0's gradient partition: another rank holds it)"
+            self.optimizer.first_nonfinite(self.module)
+            or "(none in rank 0's gradient partition: another rank holds it)"
             if self.zero_stage > 0 else "(none found)")
         more = f"; {since} more overflow(s) since the last such line" if since else ""
         if self.precision.scaler is None:

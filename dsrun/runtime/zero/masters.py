@@ -63,7 +63,6 @@ and steps the next piece while that copy runs.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
@@ -75,60 +74,17 @@ from dsrun import comm as collectives
 from dsrun.errors import DsrunError
 from dsrun.runtime.loss_scaler import LossScaler, UnitLossScaler, checked_scale
 from dsrun.runtime.norms import CLIP_EPS, ModelParallel, split_squares
+from dsrun.runtime.zero.inner_impl import (  # noqa: F401 - importable from here, as before
+    FUSED_CLASSES,
+    HOST_PIECE,
+    OFFLOAD_PIECE,
+    fused_devices,
+    inner_kwargs,
+    piece_size,
+    split_master,
+)
 from dsrun.runtime.zero.offload import Placement
 from dsrun.runtime.zero.ownership import Owner
-
-HOST_PIECE = 1 << 20  # elements per piece for non-fused steps in host memory (4 MiB fp32)
-OFFLOAD_PIECE = 1 << 23  # elements per offloaded step-and-copy-back piece (32 MiB fp32)
-# torch classes whose fused kernel is elementwise per tensor (a flat master
-# steps bitwise like its parameters: measured; torch's fused SGD is not)
-FUSED_CLASSES: tuple[type, ...] = (torch.optim.Adam, torch.optim.AdamW)
-
-
-def fused_devices() -> tuple[str, ...]:
-    """Device types torch has fused optimizer kernels for."""
-    try:
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-        return tuple(_get_fused_kernels_supported_devices())
-    except ImportError:  # pragma: no cover - older torch
-        return ("cuda",)
-
-
-def inner_kwargs(optimizer_cls: type, kwargs: Mapping[str, Any], device: torch.device
-                 ) -> dict[str, Any]:
-    """``kwargs`` with the implementation the inner optimizer should use
-    (module docstring): the client's ``fused``/``foreach`` when it set one,
-    else ``fused=True`` for torch's Adam/AdamW on a device with fused
-    kernels, else ``foreach=True`` where the class takes it."""
-    out = dict(kwargs)
-    if out.get("fused") or out.get("foreach") is not None:
-        return out
-    try:
-        accepted = inspect.signature(optimizer_cls.__init__).parameters
-    except (TypeError, ValueError):
-        return out
-    if optimizer_cls in FUSED_CLASSES and "fused" in accepted \
-            and device.type in fused_devices() and not out.get("differentiable"):
-        out["fused"] = True
-        out.pop("foreach", None)
-    elif "foreach" in accepted and not out.get("fused"):
-        out["foreach"] = True
-    return out
-
-
-def piece_size(sub_group_size: Optional[int], kwargs: Mapping[str, Any],
-               device: torch.device, offload: bool = False) -> Optional[int]:
-    """Elements per inner-optimizer piece (None: whole masters): the
-    client's ``sub_group_size``, else :data:`OFFLOAD_PIECE` under offload
-    (each piece's copy back to the GPU overlaps the next piece's step), else
-    :data:`HOST_PIECE` for a non-fused step in host memory (module docstring)."""
-    if sub_group_size is not None:
-        return sub_group_size
-    if offload:
-        return OFFLOAD_PIECE
-    if device.type == "cpu" and not kwargs.get("fused"):
-        return HOST_PIECE
-    return None
 
 
 def overflow_limit(dtype: Optional[torch.dtype]) -> float:
@@ -165,21 +121,6 @@ def reduce_on_device(value: torch.Tensor, op: Any, group: Any, device: torch.dev
     value.copy_(staged)
 
 
-def split_master(master: torch.nn.Parameter, size: Optional[int],
-                 views: bool = False) -> list[torch.nn.Parameter]:
-    """``master`` itself when ``size`` is None or it has at most ``size``
-    elements (unless ``views``), else parameters that are views of
-    consecutive pieces."""
-    if size is not None and size < 1:
-        raise ValueError(f"sub_group_size must be >= 1, got {size}")
-    n = master.numel()
-    if not views and (size is None or n <= size):
-        return [master]
-    size = size or max(n, 1)
-    flat = master.detach()
-    return [torch.nn.Parameter(flat.narrow(0, a, min(size, n - a))) for a in range(0, n, size)]
-
-
 class MasterGradients(Owner):
     masters: list[torch.nn.Parameter]
     # per master: the next reduction writes each element by copy (no
@@ -214,6 +155,9 @@ class MasterGradients(Owner):
     #: stage's ``reduce_gradients`` sets it): without one the inner step
     #: sees none (:meth:`_step_inner`)
     _arrived: bool = True
+    #: the last step was skipped: the next clear zeroes the accumulators
+    #: (:meth:`discard_round`)
+    _discard: bool = False
 
     def step(self, closure: Any = None) -> None:
         """DeepSpeed's ``optimizer.step()``: the owning engine's whole step
@@ -400,6 +344,7 @@ class MasterGradients(Owner):
         """Release the masters' gradients, or keep them (zeroed when
         ``zero``: the next round adds into them; else the next round's
         first write to each element is a copy, :attr:`_fresh`)."""
+        zero = zero or self._discard  # a skipped round's inf/NaN must not stay (discard_round)
         for master, pieces in zip(self.masters, self._pieces):
             if set_to_none or master.grad is None:
                 master.grad = None
@@ -408,6 +353,7 @@ class MasterGradients(Owner):
             elif zero:
                 master.grad.zero_()
         self._fresh = [True] * len(self.masters)
+        self._discard = False
 
     def _new_grad(self, master: torch.Tensor) -> torch.Tensor:
         """A zero gradient accumulator for ``master`` (pinned like it)."""
@@ -485,8 +431,43 @@ class MasterGradients(Owner):
         ``max_norm`` (torch's rule: coefficient ``max_norm / (norm + 1e-6)``
         clamped to 1); returns the norm before clipping."""
         norm = self.grad_norm(norm_type)
-        if max_norm > 0:
-            coefficient = torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0)
-            for master in self.masters:
-                master.grad.mul_(coefficient)  # type: ignore[union-attr]
+        self.clip_to(norm, max_norm)
         return norm
+
+    def clip_to(self, norm: torch.Tensor, max_norm: float) -> None:
+        """Scale the partition gradients by torch's clipping coefficient for
+        the global ``norm`` (:meth:`grad_norm`'s). A NaN norm leaves them
+        as they are (as DeepSpeed's ZeRO clip, whose ``coefficient < 1``
+        test is false for NaN): a NaN coefficient would turn the zero
+        padding of the last partition NaN, which the next round's reduction
+        never overwrites (it writes only real elements), so every later
+        norm would be NaN. Decided on the device, without a host read."""
+        if max_norm <= 0:
+            return
+        coefficient = torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0)
+        coefficient = torch.where(torch.isnan(coefficient),
+                                  torch.ones_like(coefficient), coefficient)
+        for master in self.masters:
+            master.grad.mul_(coefficient)  # type: ignore[union-attr]
+
+    def discard_round(self) -> None:
+        """The step was skipped (a non-finite gradient): the next
+        :meth:`_clear_master_grads` zeroes the accumulators whole, so no
+        inf/NaN of this round - in the padding, which a reduction never
+        writes, or anywhere else - reaches a later one."""
+        self._discard = True
+
+    def first_nonfinite(self, module: torch.nn.Module) -> Optional[str]:
+        """The name in ``module`` of the first parameter whose elements in
+        this rank's partitions hold an inf/NaN (reduced gradients, before
+        ``zero_grad``); None when this rank's partitions are finite. One
+        host read per parameter: for the rate-limited skip warning only."""
+        names = {id(p): n for n, p in module.named_parameters()}
+        for param, g, offset, length in self._param_slices():
+            grad = self.masters[g].grad
+            if grad is None or not length:
+                continue
+            if not bool(torch.isfinite(grad.narrow(0, offset, length)).all()):
+                return names.get(id(param), getattr(param, "ds_name", None)) or \
+                    f"a parameter of shape {tuple(param.shape)}"
+        return None

@@ -7,11 +7,13 @@
   order (the reverse of ``module.parameters()``), and links the
   precision's loss scaler (fp16) for DeepSpeed's ``cur_scale``.
 * :func:`zero_step` is the boundary step: reduce (stage 1), agree on
-  overflow across ranks and unscale by backward's scale (fp16), clip by the global norm computed
-  from all partitions (and, with a model-parallel mpu, over its
+  overflow across ranks and unscale by backward's scale (fp16), compute the
+  global norm from all partitions (and, with a model-parallel mpu, over its
   model-parallel group too) - a non-finite one skips the step in fp32 and
-  bf16 (as DeepSpeed's ZeRO optimizers; the norm is the same on every rank) -,
-  step, all-gather the updated partitions.
+  bf16 (as DeepSpeed's ZeRO optimizers; the norm is the same on every rank),
+  checked before clipping, and the skipped round's accumulators are zeroed
+  at the next ``zero_grad`` (:meth:`~.masters.MasterGradients.discard_round`) -,
+  clip, step, all-gather the updated partitions.
 * :func:`memory_lines` is the one-block report of model-state bytes (the
   paper's formula for this config next to what this rank really holds)
   and of the communication per optimizer step (:func:`comm_volume`).
@@ -176,15 +178,19 @@ def zero_step(zero: Union[ZeroOptimizer, ZeroStage3], precision: FullPrecision,
         # on the scaled sums, in the model dtype's range: one all_reduce, every rank agrees
         overflow = zero.has_overflow()
         if scaler.update(overflow):
+            zero.discard_round()
             # the norm of non-finite gradients, as stage 0 and DeepSpeed's ZeRO report it
             return skipped()
         # by the scale backward used (DeepSpeed's ZeRO divides by the grown one)
         zero.scale_grads_(1.0 / scale)
     # the norm always, as DeepSpeed's ZeRO optimizers: get_global_grad_norm() reports it
-    norm: Optional[torch.Tensor] = zero.clip_grad_norm(max_norm) if max_norm > 0 \
-        else zero.grad_norm()
+    norm: Optional[torch.Tensor] = zero.grad_norm()
+    # checked before clipping, as DeepSpeed: a skipped round's gradients stay
+    # as backward left them (the skip warning names the first bad parameter)
     if precision.skips_nonfinite and not bool(torch.isfinite(norm)):
+        zero.discard_round()
         return skipped()
+    zero.clip_to(norm, max_norm)
     zero.apply_step()
     return StepResult(True, norm)
 
