@@ -51,6 +51,7 @@ Every strategy is valid on every backend, so tests force each one on gloo.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -114,16 +115,33 @@ def strategy_for_config(config: str, device_type: Optional[str] = None) -> CommS
     return STRATEGIES.get(backend, DEFAULT_STRATEGY)
 
 
+# per live process group (weakly held: a destroyed group's entry goes with
+# it), per device type: a group's backends never change, and stage 3 asks for
+# every gradient (the config lookup and parse cost more than the collective
+# bookkeeping around them)
+_strategies: weakref.WeakKeyDictionary[Any, dict[Optional[str], CommStrategy]] = \
+    weakref.WeakKeyDictionary()
+
+
 def strategy_for(group: Any = None, device: Optional[torch.device] = None) -> CommStrategy:
     """The strategy for ``group``'s backend, for tensors on ``device``.
 
     Read from the group's backend config, not its name: a group made with
     no backend (``get_backend()`` says ``"undefined"``) is ``cuda:nccl`` on a
     GPU host, and one with several backends (``"cpu:gloo,cuda:nccl"``) uses
-    nccl's strategy for CUDA tensors and gloo's for the others.
+    nccl's strategy for CUDA tensors and gloo's for the others. Remembered
+    per process group and device type.
     """
-    return strategy_for_config(dist.get_backend_config(group),
-                               device.type if device is not None else None)
+    device_type = device.type if device is not None else None
+    key = group if group is not None else \
+        (dist.group.WORLD if dist.is_initialized() else None)
+    known = _strategies.get(key) if isinstance(key, dist.ProcessGroup) else None
+    if known is not None and device_type in known:
+        return known[device_type]
+    found = strategy_for_config(dist.get_backend_config(group), device_type)
+    if isinstance(key, dist.ProcessGroup):
+        _strategies.setdefault(key, {})[device_type] = found
+    return found
 
 
 class Pending:
