@@ -14,10 +14,16 @@ checkpoints:
   :func:`not_shared`): rank 0 creates ``TAG.tmp/`` with a file
   :data:`~.manifest.SAVE_ID` holding a random id of this save, which it
   sends to every rank; before any rank writes, each one reads it back
-  from its own view of ``SAVE_DIR`` (retrying for :data:`MARK_WAIT_S`, for
-  network file systems that show another client's new file late). A rank
-  that does not find it fails the save on every rank; the commit removes
-  the file.
+  from its own view of ``SAVE_DIR``. A network file system can show
+  another client's new file late (an NFS client trusts its cached entries
+  of a directory for ``acdirmin``, 30 s by default), so a rank that does
+  not find it lists the directories again (which makes an NFS client
+  revalidate them, as ``ls`` does) and retries for :func:`mark_wait_s`
+  (up to :data:`MARK_WAIT_MAX_S`), saying so after :data:`MARK_QUIET_S`.
+  A rank that still does not find it fails the save on every rank; only
+  rank 0, which made ``TAG.tmp/``, removes it (a rank that did not see it
+  may hold a stale view of the shared directory, through which a removal
+  could reach the committed checkpoint). The commit removes the file.
 * **load** (:func:`manifest_digest`, :func:`different_checkpoints`,
   :func:`different_latest`): every rank sends a digest of the manifest it
   read (the manifest holds every chunk's crc32, so equal digests mean
@@ -28,6 +34,7 @@ checkpoints:
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import time
 import uuid
@@ -38,9 +45,18 @@ from dsrun.errors import CheckpointError
 from dsrun.runtime.checkpoint.manifest import LATEST, SAVE_ID, Manifest
 from dsrun.runtime.checkpoint.storage import remove_tree
 
-#: how long a rank looks for rank 0's mark before it calls the directory unshared
-MARK_WAIT_S = 2.0
+log = logging.getLogger("dsrun.runtime.checkpoint")
+
+#: how long a rank looks for rank 0's mark before it says that it waits
+MARK_QUIET_S = 2.0
+#: the most it looks before it calls the directory unshared: NFS clients
+#: trust cached directory entries for acdirmin (30 s by default)
+MARK_WAIT_MAX_S = 30.0
+#: ... and at most this share of checkpoint.timeout, well within the time
+#: rank 0 waits in the exchange that follows
+MARK_WAIT_SHARE = 0.25
 MARK_POLL_S = 0.05
+MARK_POLL_MAX_S = 1.0  # retries slow down to this (each lists two directories)
 MAX_HOSTS = 8  # hosts named in one error; the rest are counted
 UNSUPPORTED = "DeepSpeed's checkpoint.use_node_local_storage is not supported"
 
@@ -54,6 +70,12 @@ def write_mark(tmp_dir: str) -> str:
     return save_id
 
 
+def mark_wait_s(timeout_s: float) -> float:
+    """How long a rank looks for rank 0's mark, for ``checkpoint.timeout``
+    ``timeout_s`` (module docstring)."""
+    return min(MARK_WAIT_MAX_S, timeout_s * MARK_WAIT_SHARE)
+
+
 def _read_mark(tmp_dir: str, save_id: str) -> Optional[str]:
     path = os.path.join(tmp_dir, SAVE_ID)
     try:
@@ -64,18 +86,44 @@ def _read_mark(tmp_dir: str, save_id: str) -> Optional[str]:
                 else f"finds {tmp_dir}/ without {SAVE_ID}")
     except OSError as exc:
         return f"cannot read {path}: {exc}"
+    except ValueError as exc:  # not UTF-8: not a mark dsrun wrote
+        return f"finds an unreadable {path} ({exc})"
     return None if found == save_id else f"finds another save's {path}"
 
 
-def mark_problem(tmp_dir: str, save_id: str, wait_s: float = MARK_WAIT_S) -> Optional[str]:
-    """A non-zero rank: None once it sees rank 0's mark ``save_id``; else
-    what it found instead, after ``wait_s``."""
-    deadline = time.monotonic() + wait_s
+def _revalidate(tmp_dir: str) -> None:
+    """List ``SAVE_DIR`` and ``TAG.tmp/``: an NFS client then checks its
+    cached entries of both with the server (a cached ``TAG.tmp`` may still
+    name the directory an earlier commit renamed to ``TAG``)."""
+    for path in (os.path.dirname(tmp_dir), tmp_dir):
+        try:
+            os.listdir(path)
+        except OSError:
+            pass
+
+
+def mark_problem(tmp_dir: str, save_id: str, wait_s: float = MARK_QUIET_S,
+                 rank: Optional[int] = None) -> Optional[str]:
+    """A non-zero rank (``rank``, named in the note it logs while waiting):
+    None once it sees rank 0's mark ``save_id``; else what it found
+    instead, after ``wait_s``."""
+    start = time.monotonic()
+    deadline, pause, told = start + wait_s, MARK_POLL_S, False
     while True:
         problem = _read_mark(tmp_dir, save_id)
-        if problem is None or time.monotonic() >= deadline:
+        now = time.monotonic()
+        if problem is None or now >= deadline:
             return problem
-        time.sleep(MARK_POLL_S)
+        if not told and now - start >= MARK_QUIET_S:
+            told = True
+            log.warning("rank %s does not see rank 0's %s yet (it %s); waiting up to %.0f s "
+                        "more: a network file system can show another host's new file late, a "
+                        "directory that is not shared between hosts never shows it",
+                        "?" if rank is None else rank, os.path.join(tmp_dir, SAVE_ID), problem,
+                        deadline - now)
+        time.sleep(min(pause, deadline - now))
+        pause = min(pause * 2, MARK_POLL_MAX_S)
+        _revalidate(tmp_dir)
 
 
 def remove_mark(tmp_dir: str) -> None:
@@ -100,16 +148,18 @@ def on_hosts(ranks: Sequence[int], hosts: Sequence[str]) -> str:
 
 
 def not_shared(save_dir: str, tag: str, problems: Sequence[Optional[str]],
-               hosts: Sequence[str]) -> str:
-    """The save's error when some ranks do not see rank 0's ``TAG.tmp/``."""
+               hosts: Sequence[str], wait_s: float = MARK_QUIET_S) -> str:
+    """The save's error when some ranks do not see rank 0's ``TAG.tmp/``
+    within ``wait_s``."""
     blind = [r for r, p in enumerate(problems) if p]
     found = "; ".join(f"rank {r} {problems[r]}" for r in blind[:4])
     if len(blind) > 4:
         found += f"; ... ({len(blind) - 4} more ranks)"
-    return (f"the checkpoint directory {save_dir} is not shared between hosts: "
-            f"{on_hosts(blind, hosts)} cannot see the {tag}.tmp/ that {on_hosts([0], hosts)} "
-            f"created there ({found}). dsrun writes every rank's part of a checkpoint into "
-            "one directory that every rank shares: save to a file system every host mounts "
+    return (f"the checkpoint directory {save_dir} is not shared between hosts, or its file "
+            f"system shows other hosts' files late: {on_hosts(blind, hosts)} cannot see the "
+            f"{tag}.tmp/ that {on_hosts([0], hosts)} created there, within {wait_s:g} s "
+            f"({found}). dsrun writes every rank's part of a checkpoint into one directory "
+            "that every rank shares: save to a file system every host mounts "
             f"({UNSUPPORTED}). Nothing was written; the previous checkpoint is intact")
 
 
@@ -177,15 +227,22 @@ def check_save_shared(coord: Any, tmp_dir: str, save_id: Optional[str], save_dir
                       tag: str, hosts: Sequence[str]) -> None:
     """Step 2 of a save, after rank 0 made ``tmp_dir`` with mark ``save_id``:
     every rank raises :func:`not_shared` when some rank does not see it
-    (collective: ``coord`` is the save's Coordinator). Rank 0 and the ranks
-    that did not see it remove ``tmp_dir`` from their own view first (on
-    another host it is a leftover of an earlier save there)."""
-    problem = None
+    (collective: ``coord`` is the save's Coordinator, and every rank
+    reaches its exchange, whatever its look found). Only rank 0 removes
+    ``tmp_dir``, which it made: a rank that did not see it may look through
+    a stale view of the shared directory (module docstring); on a disk of
+    its own it is a leftover of an earlier save there, which harms
+    nothing."""
+    problem, wait_s = None, mark_wait_s(coord.timeout_s)
     if coord.rank != 0:
-        problem = mark_problem(tmp_dir, save_id or "")
+        try:
+            problem = mark_problem(tmp_dir, save_id or "", wait_s, coord.rank)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised
+            problem = f"cannot check {os.path.join(tmp_dir, SAVE_ID)}: " \
+                      f"{type(exc).__name__}: {exc}"
     problems = coord.exchange(problem)
     if not any(problems):
         return
-    if coord.rank == 0 or problem:
+    if coord.rank == 0:
         remove_tree(tmp_dir)
-    raise CheckpointError(not_shared(save_dir, tag, problems, hosts))
+    raise CheckpointError(not_shared(save_dir, tag, problems, hosts, wait_s))
