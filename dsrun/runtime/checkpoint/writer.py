@@ -30,7 +30,7 @@ steps 3 and 4 through ``Coordinator.exchange`` and all raise the same
 error; an asynchronous save (:mod:`.async_save`) copies the fragments to
 host memory in the caller's thread and runs steps 3-4 in a background
 thread, where rank 0 waits for the other ranks' records on the shared
-file system (no collective runs outside the caller's thread); a rank whose
+file system (:mod:`.record_wait`; no collective runs outside the caller's thread); a rank whose
 part fails posts its error on the save's :class:`~.coord.SaveBoard` (the
 store: a full disk cannot stop it), where rank 0's committer and the
 other ranks' writers see it within a poll and stop.
@@ -62,7 +62,6 @@ from dsrun.runtime.checkpoint.coord import (
     Failure,
     SaveBoard,
     check_same,
-    first_failure,
     raise_failures,
     raise_first,
 )
@@ -83,6 +82,11 @@ from dsrun.runtime.checkpoint.rank_plan import (  # noqa: F401 - Planned, own_sh
     RankPlan,
     own_share,
     plan_rank,
+)
+from dsrun.runtime.checkpoint.record_wait import (  # noqa: F401 - RecordsTimedOut: re-exported
+    RankFailed,
+    RecordsTimedOut,
+    wait_for_records,
 )
 from dsrun.runtime.checkpoint.records import ChunkRecord, RankRecord, merge_records
 from dsrun.runtime.checkpoint.recovery_script import write_recovery_script
@@ -108,22 +112,9 @@ from dsrun.runtime.checkpoint.tags import (
 log = logging.getLogger("dsrun.runtime.checkpoint")
 
 SPACE_MARGIN = 1.02  # records, manifest and file-system overhead
-POLL_S = 0.05
 # what a failure before the commit's rename leaves as it was
 INTACT = "the previous checkpoint is intact"
 BOARD_CHECK_S = 0.2  # how often a writer looks for another rank's failure
-
-
-class RankFailed(CheckpointError):
-    """Another rank's part of an asynchronous save failed (``failure``)."""
-
-    def __init__(self, failure: Failure) -> None:
-        super().__init__(failure.message)
-        self.failure = failure
-
-
-class RecordsTimedOut(CheckpointError):
-    """Rank 0's commit gave up on ranks that wrote nothing for the timeout."""
 
 
 @dataclass
@@ -271,61 +262,9 @@ class Commit:
 
     def wait_for_records(self, timeout_s: float, others_only: bool = False,
                          board: Optional[SaveBoard] = None, settle: bool = False) -> None:
-        """Asynchronous saves: wait until every rank's record is there
-        (``others_only``: every rank but 0's); a rank's failure (on the
-        ``board``, else in its error file) is raised at once as
-        :class:`RankFailed`; ranks that write nothing for ``timeout_s``:
-        :class:`RecordsTimedOut`. ``settle``: wait only until every rank has a
-        record or a failure, raising nothing (then ``TAG.tmp/`` can go).
-        The deadline moves while some rank's data file still grows."""
-        deadline = time.monotonic() + timeout_s
-        sizes: dict[int, int] = {}
-        ranks = range(1 if others_only else 0, self.world)
-        while True:
-            posted = board.posted() if board is not None else {}
-            failed = [posted.get(r) or self._error_file(r) for r in ranks]
-            failed_ranks = {f.rank for f in failed if f is not None}
-            first = first_failure(failed)
-            if first is not None and not settle:
-                raise RankFailed(first)
-            missing = [r for r in ranks if r not in failed_ranks
-                       and not os.path.exists(os.path.join(self.tmp_dir, record_file(r)))]
-            if not missing:
-                return
-            grew = False
-            for rank in missing:
-                size = _size(os.path.join(self.tmp_dir, rank_file(rank)))
-                grew |= size != sizes.get(rank)
-                sizes[rank] = size
-            if grew:
-                deadline = time.monotonic() + timeout_s
-            if time.monotonic() > deadline:
-                if settle:
-                    log.warning("rank(s) %s still have not finished writing to %s; removing it",
-                                ", ".join(map(str, missing)), self.tmp_dir)
-                    return
-                raise RecordsTimedOut(
-                    f"rank(s) {', '.join(map(str, missing))} wrote nothing for {timeout_s:g} s "
-                    f"and left no record in {self.tmp_dir} (a rank died, or the directory is "
-                    "not on a file system every rank shares)")
-            time.sleep(POLL_S)
-
-    def _error_file(self, rank: int) -> Optional[Failure]:
-        """A failure a rank could not post (no store): its error file."""
-        path = os.path.join(self.tmp_dir, error_file(rank))
-        if not os.path.exists(path):
-            return None
-        try:
-            return Failure(rank, read_file(path, "error").decode(errors="replace"))
-        except CheckpointError as exc:
-            return Failure(rank, str(exc))
-
-
-def _size(path: str) -> int:
-    try:
-        return os.stat(path).st_size
-    except OSError:
-        return -1
+        """Asynchronous saves: :func:`.record_wait.wait_for_records` in
+        ``TAG.tmp/``."""
+        wait_for_records(self.tmp_dir, self.world, timeout_s, others_only, board, settle)
 
 
 def replace_dir(tmp: str, final: str) -> None:
