@@ -167,12 +167,17 @@ class DirectBackward:
         self._unhook = weakref.finalize(self, _remove_handles, self._handles)
         self._unhook.atexit = False
 
-    def hook_params(self) -> None:
-        """Hook every trainable parameter not hooked yet (at each forward:
-        the first hooks them all, a later one a parameter unfrozen since)."""
+    def hook_params(self, params: Optional[list[torch.nn.Parameter]] = None) -> None:
+        """Hook every trainable parameter (of ``params``, else of the
+        module) not hooked yet. Called when a script-started training pass
+        begins, before any parameter's gradient exists (a hook added then
+        applies in that pass): the first hooks them all, a later one a
+        parameter unfrozen or added since. Not at each forward, where it
+        would walk the module tree on every micro-step even when every
+        backward is ``engine.backward``'s."""
         if not self._unhook.alive:  # removed: a forward after destroy() hooks nothing
             return
-        for param in self._params():
+        for param in self._params() if params is None else params:
             if param.requires_grad and id(param) not in self._hooked:
                 self._hooked.add(id(param))
                 self._handles.append(param.register_hook(self._division))
@@ -186,7 +191,6 @@ class DirectBackward:
         """Hook the engine forward's output tensors that will get gradients."""
         if not torch.is_grad_enabled():
             return
-        self.hook_params()
         for tensor in output_tensors(output):
             if tensor.requires_grad:
                 tensor.register_hook(functools.partial(self._on_output_grad, tensor.grad_fn))
@@ -206,7 +210,9 @@ class DirectBackward:
         task = _task_id()
         if task != self._task:
             self._task = task
-            if accumulates_into(self._params()) or reaches_reentrant_checkpoint(root):
+            params = list(self._params())
+            if accumulates_into(params) or reaches_reentrant_checkpoint(root):
+                self.hook_params(params)
                 self._begin()
         return grad
 

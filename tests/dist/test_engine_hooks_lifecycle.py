@@ -144,7 +144,10 @@ def test_forward_of_a_destroyed_engine_hooks_nothing(solo: None) -> None:
                                   config=config("0"))
     x, y = batches(1)[0]
     engine(x)
-    assert tensor_hooks(model) == [1, 1, 1, 1]  # hooked at the forward
+    assert tensor_hooks(model) == [0, 0, 0, 0]  # a forward hooks nothing (no module walk)
+    (engine(x) - y).square().mean().backward()
+    assert tensor_hooks(model) == [1, 1, 1, 1]  # hooked as the script's backward began
+    engine.step()
     engine.destroy()
     engine.destroy()  # again: harmless
     (engine(x) - y).square().mean().backward()
