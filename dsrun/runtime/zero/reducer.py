@@ -31,7 +31,10 @@ One round per backward:
    gradient that arrives for a bucket that has no buffer yet stays in
    ``param.grad`` until the bucket gets one.
 4. At the end of backward (an autograd engine callback, queued by the first
-   hook of the round; :meth:`finish` does the same and is idempotent) the
+   hook of the round on the pass it runs in - again by a later hook when
+   that pass was a reentrant checkpoint's nested one, which does not end
+   the round: :meth:`_pass_ended`; :meth:`finish`, which the engine calls
+   after every backward, does the same and is idempotent) the
    remaining buckets are launched - parameters that got no gradient
    contribute zeros - and every reduction is waited for and drained; then
    ``on_round_end()``.
@@ -139,6 +142,7 @@ class GradReducer:
         self.buffer_numel = max((b.numel for b in self.buckets if not b.solo), default=0)
         self._slots: list[Optional[torch.Tensor]] = [None] * self.n_buffers
         self._active = False
+        self._queued = False  # an end-of-pass callback is queued for this round
         self._next = 0
         # several gradients of one parameter per backward (module docstring):
         # ``add_extra`` lands reduced extra gradients (adding); None refuses them
@@ -195,6 +199,8 @@ class GradReducer:
     def _on_grad(self, key: int, param: torch.Tensor) -> None:
         if not self._active:
             self._begin_round()
+        elif not self._queued:
+            self._queue_end()
         b, _ = self.slot[key]
         bucket = self.buckets[b]
         self._count[key] += 1
@@ -257,7 +263,26 @@ class GradReducer:
         self._count = [0] * len(self.sources)
         self._extra = {}
         self._open(0)
-        torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        self._queue_end()
+
+    def _queue_end(self) -> None:
+        """End the round when the backward pass now running ends."""
+        torch.autograd.Variable._execution_engine.queue_callback(self._pass_ended)
+        self._queued = True
+
+    def _pass_ended(self) -> None:
+        """A backward pass that delivered gradients has ended. If it was
+        nested - a reentrant checkpoint's recomputation, run by a node of the
+        enclosing backward, which is still being evaluated - the enclosing
+        backward has more gradients to deliver: the round goes on, and its
+        next gradient queues the end on the pass it arrives in (the
+        outermost one's end finishes the round; gradients that only arrive
+        in nested passes are finished by the engine's :meth:`finish` after
+        backward). Ending it here would start a second round, so a rank's
+        number of collectives would depend on its number of checkpoints."""
+        self._queued = False
+        if torch._C._current_autograd_node() is None:  # torch >= 2.1
+            self.finish()
 
     def _launch_complete(self) -> None:
         while self._next < len(self.buckets):
@@ -419,7 +444,7 @@ class GradReducer:
                 bucket.inflight.wait()
             bucket.inflight, bucket.buffer, bucket.ready = None, None, set()
             bucket.opened = False
-        self._active = False
+        self._active = self._queued = False
         self._next = 0
         self._extra = {}
 

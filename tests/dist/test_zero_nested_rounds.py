@@ -1,0 +1,60 @@
+"""ZeRO stages 1 and 2 reduce gradients during backward in one round per
+backward, ended when the outermost backward pass ends - also when the
+backward's first gradient arrives in a reentrant activation checkpoint's
+nested pass (the head inside the last checkpoint) and the ranks run
+different numbers of checkpoints (workers/zero_nested_rounds.py: one 2-rank
+dsrun job). Parameters within 1e-6 of plain torch; each backward launches
+every bucket once and ends one round, the same on every rank.
+
+Before: the round ended with the first nested pass that delivered a
+gradient, so a backward ran one round per checkpoint after it: every
+bucket sent several times, and ranks with different numbers of
+checkpoints ran different collectives (gloo: "Is there a distributed
+collective mismatch", the job aborted; NCCL: a hang).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.conftest import ROOT, rank_results
+from tests.dist.workers import zero_nested_rounds as worker
+
+pytestmark = pytest.mark.dist
+
+WORKER = ROOT / "tests" / "dist" / "workers" / "zero_nested_rounds.py"
+TOLERANCE = 1e-6
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("zero_nested_rounds")
+    return rank_results(WORKER, out, 2, timeout=240, env={"OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("name", list(worker.RUNS))
+def test_trains_as_plain_torch(job: list[dict[str, Any]], name: str) -> None:
+    case = worker.RUNS[name][0]
+    for result in job:
+        run = result["runs"][name]
+        assert "error" not in run, f"{name}, rank {result['rank']}: {run['error']}"
+        want = result["reference"][case]
+        diff = max(abs(a - b) for n in want
+                   for a, b in zip(run["params"][n], want[n], strict=True))
+        assert diff <= TOLERANCE, f"{name}, rank {result['rank']}: {diff:.3g} from plain torch"
+
+
+@pytest.mark.parametrize("name", list(worker.RUNS))
+def test_one_round_per_backward(job: list[dict[str, Any]], name: str) -> None:
+    """Every bucket launched once per backward, one round end, and the same
+    small all-reduces (the stage-1 extras agreement) on both ranks."""
+    runs = [result["runs"][name] for result in job]
+    for rank, run in enumerate(runs):
+        assert run["buckets"] > 0
+        for step, counts in enumerate(run["per_backward"]):
+            assert (counts["launch"], counts["round"]) == (run["buckets"], 1), \
+                f"{name}, rank {rank}, backward {step}: {counts}"
+    assert [[c["all_reduce"] for c in run["per_backward"]] for run in runs].count(
+        [c["all_reduce"] for c in runs[0]["per_backward"]]) == len(runs)
