@@ -4,7 +4,14 @@ Python methods that would combine the two - ``reshape``, ``view``,
 ``permute``, ``expand``, ``copy_``, ``copy.deepcopy`` - raise
 :class:`ReleasedParameterError` naming it (before: ``reshape(2, -1)`` gave
 a ``(2, 0)`` tensor, ``copy_`` torch's size error, a deep copy a parameter
-without values); gathered, they are torch's.
+without values); gathered, they are torch's. In-place writes (``fill_``,
+``normal_``, ``mul_``...) are refused too (they did nothing).
+
+While a ``zero.Init`` context is open, a deep copy is a partitioned copy
+(new id, its own shard, the same values; it was refused, which broke
+``nn.TransformerEncoder`` under ``zero.Init``) and a write runs on the
+whole parameter: ``constant_``/``normal_`` give what torch gives on a
+plain tensor from the same random state (``constant_`` did nothing).
 
 A module compiled before ``initialize()`` at stage 3 is refused only where
 stage 3 hooks the forward: at world size 1 every parameter is kept whole
@@ -23,6 +30,7 @@ import torch
 
 import dsrun
 from dsrun.runtime.zero.compiled import CompiledModuleError
+from dsrun.runtime.zero.gathered import GatheredParameters
 from dsrun.runtime.zero.partitioned import gather, partition_param, release
 from dsrun.runtime.zero.released import ReleasedParameterError
 
@@ -60,6 +68,59 @@ def test_using_a_released_parameter_names_it(solo: None, action: str) -> None:
     if action == "copy.deepcopy":
         assert torch.equal(result.data, torch.arange(6.0).view(2, 3))
     release(param)
+
+
+WRITES: dict[str, Callable[[torch.Tensor], Any]] = {
+    "fill_": lambda p: torch.nn.init.constant_(p, 0.5),
+    "zero_": torch.nn.init.zeros_,
+    "normal_": torch.nn.init.normal_,
+    "uniform_": lambda p: torch.nn.init.xavier_uniform_(p),
+    "mul_": lambda p: p.mul_(0.9),
+    "add_": lambda p: p.add_(1.0),
+}
+
+
+@pytest.mark.parametrize("action", list(WRITES))
+def test_writing_a_released_parameter_is_refused(solo: None, action: str) -> None:
+    param = released_param()
+    with torch.no_grad(), pytest.raises(
+            ReleasedParameterError,
+            match=rf"cannot {action} block\.weight of shape \(2, 3\): it is partitioned.*"
+                  r"GatheredParameters\(\[param\], modifier_rank=0\)"):
+        WRITES[action](param)
+    gather([param])
+    assert torch.equal(param.data, torch.arange(6.0).view(2, 3))  # unchanged
+    with torch.no_grad():
+        WRITES[action](param)  # gathered: torch's
+    release(param)
+
+
+@pytest.mark.parametrize("action", ["fill_", "normal_", "uniform_", "mul_"])
+def test_under_init_a_write_applies_to_the_whole_parameter(solo: None, action: str) -> None:
+    param = released_param()
+    want = torch.arange(6.0).view(2, 3)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        WRITES[action](want)
+    next_plain = torch.rand(3)  # the random stream goes on as torch's
+    torch.manual_seed(1)
+    with dsrun.zero.Init(), torch.no_grad():
+        WRITES[action](param)
+    assert torch.equal(torch.rand(3), next_plain)
+    assert param.data.numel() == 0  # released again
+    with GatheredParameters([param]):
+        assert torch.equal(param.data, want), (param.data, want)
+
+
+def test_under_init_a_deep_copy_is_partitioned(solo: None) -> None:
+    param = released_param()
+    with dsrun.zero.Init():
+        twin = copy.deepcopy(param)
+    assert twin.ds_id != param.ds_id and twin.data.numel() == 0
+    assert twin.ds_tensor.data_ptr() != param.ds_tensor.data_ptr()
+    with GatheredParameters([param, twin]):
+        assert torch.equal(twin.data, torch.arange(6.0).view(2, 3))
+    assert twin.data.numel() == 0
 
 
 def _mlp() -> torch.nn.Sequential:

@@ -34,16 +34,21 @@ for.
 ``self.apply(init_weights)``, as HF models do after building their children)
 runs ``fn`` on each module with that module's parameters gathered and
 keeps rank 0's result. Other initialisation a parent does to a child's
-parameters after the child's ``__init__`` returned (copying weights in,
-``nn.MultiheadAttention`` zeroing ``out_proj.bias``) writes the parameters
+parameters after the child's ``__init__`` returned writes the parameters
 kept whole - at most ``stage3_param_persistence_threshold`` elements, or
 any at world size 1 - and initialize() takes group rank 0's values of them
-(:mod:`~.whole_edits`); the released ones are empty tensors, so such a write
-does nothing to them: do it under
-``GatheredParameters(params, modifier_rank=0)``. Code there that reshapes,
-views or copies into a released parameter - the old
-``torch.nn.utils.spectral_norm`` applied to a built child - is refused,
-naming the module being built (:mod:`~.released`).
+(:mod:`~.whole_edits`). On a released parameter the ``torch.nn.init``
+writes (``nn.MultiheadAttention`` zeroing ``out_proj.bias``: ``fill_``,
+``zero_``, ``normal_``, ``uniform_``...) run on it gathered, rank 0's result
+kept (:func:`_write_gathered`, :mod:`~.released`), so the model equals
+plain torch's; code that reshapes, views or copies into a released
+parameter - the old ``torch.nn.utils.spectral_norm`` applied to a built
+child, weights copied in (do that under
+``GatheredParameters(params, modifier_rank=0)``) - is refused, naming the
+module being built. A parent that deep-copies a built child
+(``nn.TransformerEncoder`` cloning its layer) gets partitioned copies with
+the child's values, as does ``copy.deepcopy(model)`` in the ``with`` block
+(:mod:`~.param_copy`).
 
 ``GatheredParameters``, ``register_external_parameter`` and
 ``unregister_external_parameter`` live in :mod:`~.gathered` and are
@@ -82,7 +87,7 @@ from dsrun.runtime.zero.partitioned import (
     offload_shard,
     partition_param,
 )
-from dsrun.runtime.zero.released import ReleasedParameterError
+from dsrun.runtime.zero.released import ReleasedParameterError, set_init_write
 from dsrun.runtime.zero.stage3_plan import is_persistent
 
 __all__ = ["ConfigSettings", "GatheredParameters", "Init", "InitSettings", "partition_module",
@@ -308,11 +313,21 @@ def _gathering_apply(original: Callable[..., Any]) -> Callable[..., Any]:
 _original_apply = torch.nn.Module.apply
 
 
+def _write_gathered(param: torch.Tensor, apply: Callable[[], Any]) -> Any:
+    """An in-place write to a released ``param`` while a context is open:
+    ``apply()`` on the whole parameter on every rank, group rank 0's result
+    kept, as :func:`_gathering_apply` does for ``Module.apply(fn)`` (every
+    rank builds the same model, so every rank comes here in the same order)."""
+    with GatheredParameters([param], modifier_rank=0):
+        return apply()
+
+
 def _patch() -> None:
     for cls in _subclasses(torch.nn.Module):
         _wrap_class(cls)
     torch.nn.Module.__init_subclass__ = classmethod(_on_subclass)  # type: ignore[assignment]
     torch.nn.Module.apply = _gathering_apply(_original_apply)  # type: ignore[method-assign]
+    set_init_write(_write_gathered)
     _tags.install()
 
 
@@ -323,6 +338,7 @@ def _unpatch() -> None:
     if "__init_subclass__" in torch.nn.Module.__dict__:
         del torch.nn.Module.__init_subclass__
     torch.nn.Module.apply = _original_apply  # type: ignore[method-assign]
+    set_init_write(None)
     _depth.clear()
     _tags.remove()
 

@@ -26,8 +26,11 @@ Python-level accessors change: torch operators read the real (empty) C++
 sizes, and ``param.data`` is a plain tensor with its real size - which is how
 code (and tests) see whether a full parameter is held.
 Python methods that would combine the logical shape with the empty data
-(``reshape``, ``view``, ``copy_``, ``copy.deepcopy``...) refuse a released
-parameter with an error that says so (:mod:`~.released`).
+(``reshape``, ``view``, ``copy_``...) refuse a released parameter with an
+error that says so, and in-place writes (``fill_``, ``normal_``...) refuse
+it or, while ``zero.Init`` builds, apply to the whole parameter
+(:mod:`~.released`). ``copy.deepcopy`` gives a partitioned copy
+(:mod:`~.param_copy`).
 
 Invariants:
 
@@ -67,7 +70,6 @@ compute stream is done with it.
 
 from __future__ import annotations
 
-import copy
 import enum
 import itertools
 import sys
@@ -87,7 +89,7 @@ from dsrun.runtime.zero.comm import (
     strategy_for,
 )
 from dsrun.runtime.zero.offload import HOST, copy_stream, host_copy, to_device
-from dsrun.runtime.zero.released import ReleasedChecks, released, released_error
+from dsrun.runtime.zero.released import ReleasedChecks
 from dsrun.runtime.zero.stage3_plan import ShardSpec
 
 _ids = itertools.count()
@@ -106,8 +108,8 @@ _PARAMETER_NEW = torch.nn.Parameter.__new__.__code__
 
 class ZeroParameter(ReleasedChecks, torch.nn.Parameter):
     """A partitioned parameter reporting its logical shape (module docstring);
-    reshaping, viewing, copying into or deep-copying it while it is released
-    raises :class:`~.released.ReleasedParameterError`."""
+    reshaping, viewing or copying into it while it is released raises
+    :class:`~.released.ReleasedParameterError`."""
 
     @property  # type: ignore[override]
     def shape(self) -> torch.Size:
@@ -165,28 +167,10 @@ class ZeroParameter(ReleasedChecks, torch.nn.Parameter):
                 f"{self.numel()} elements, requires_grad={self.requires_grad})")
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ZeroParameter:
-        if id(self) in memo:
-            return memo[id(self)]
-        if "ds_id" not in self.__dict__:  # nn.Parameter(p) of a partitioned p: not managed
-            plain = type(self)(self.data.clone(), self.requires_grad)
-            memo[id(self)] = plain
-            plain.__dict__.update(copy.deepcopy(self.__dict__, memo))
-            return plain
-        if self.__dict__.get("ds_status") is ZeroParamStatus.INFLIGHT:
-            raise DsrunError(f"cannot copy {param_name(self)} while its gather is in flight")
-        if released(self):  # the copy would report the shape and hold no values
-            raise released_error(self, "cannot copy.deepcopy", "deepcopy")
-        result = type(self)(self.data.clone(), self.requires_grad)
-        memo[id(self)] = result
-        for key, value in self.__dict__.items():
-            if key == "ds_group":
-                result.__dict__[key] = value  # a process group is shared, not copied
-            elif not key.startswith("_ds_"):
-                result.__dict__[key] = copy.deepcopy(value, memo)
-        result.ds_id, result.ds_pins = next(_ids), 0
-        if self.data.numel() and shard_is_view(self):
-            result.ds_tensor = result.data.view(-1)
-        return result
+        """A partitioned copy with this rank's shard (:mod:`~.param_copy`)."""
+        from dsrun.runtime.zero.param_copy import deepcopy_param  # imports this module
+
+        return deepcopy_param(self, memo)  # type: ignore[return-value]
 
 
 def shard_is_view(param: torch.Tensor, full: Optional[torch.Tensor] = None) -> bool:
