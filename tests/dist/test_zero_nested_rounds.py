@@ -10,7 +10,9 @@ Before: the round ended with the first nested pass that delivered a
 gradient, so a backward ran one round per checkpoint after it: every
 bucket sent several times, and ranks with different numbers of
 checkpoints ran different collectives (gloo: "Is there a distributed
-collective mismatch", the job aborted; NCCL: a hang).
+collective mismatch", the job aborted; NCCL: a hang). ``s1_late_reuse``
+(a block first reused in the second backward, by one rank): refused on
+that rank alone, the other left in the round's collectives.
 """
 
 from __future__ import annotations

@@ -53,8 +53,11 @@ rank's ranges into the accumulators; each parameter then waits for the
 largest count seen before its bucket counts as complete, so later rounds
 send nothing extra. This agreement runs in the first round and, once any
 rank had extra gradients, in every round after (a data-dependent number of
-uses); otherwise an extra gradient first seen in a later round is refused
-on the rank that got it.
+uses); on CPU (gloo), where reading it is no host sync, in every round.
+Otherwise (on an accelerator, after a first round in which no rank had
+extra gradients) an extra gradient first seen in a later round is refused
+on the rank that got it: the others, which do not run the agreement, learn
+of it only when that rank's job fails.
 
 A bucket's buffer holds its parameters in flat-buffer order (backward order
 is roughly the reverse), so this rank's share of a bucket is usually one
@@ -152,6 +155,11 @@ class GradReducer:
         self._extra: dict[int, torch.Tensor] = {}  # gradients after the bucket was sent
         self._watch = add_extra is not None  # agree on extras at this round's end
         self._had_extra = False  # some rank had extra gradients once: watch every round
+        # on CPU reading the agreement is no host sync: watch every round, so
+        # that a reuse first seen in a later round is summed, not refused on
+        # the rank that sees it alone (stage 0's GradSync does the same)
+        self._keep_watching = self._watch and bool(self.sources) \
+            and self.sources[0].param.device.type == "cpu"
         self._handles = [s.param.register_post_accumulate_grad_hook(self._hook(key))
                          for key, s in enumerate(self.sources)]
         remove_when_collected(self, self._handles)
@@ -225,8 +233,9 @@ class GradReducer:
             raise DsrunError(
                 f"parameter {source.index} of param group {source.group} (shape "
                 f"{tuple(source.param.shape)}) received gradients twice in one backward pass "
-                "for the first time after the first backward, when the ranks no longer "
-                "agree on extra gradients (ZeRO stage 1 without gradient accumulation); "
+                "for the first time after a first backward in which no rank had any: the "
+                "ranks no longer agree on extra gradients (ZeRO stage 1 without gradient "
+                "accumulation, on an accelerator, where that agreement is a host sync); "
                 "use reentrant activation checkpoints with use_reentrant=False, or "
                 "gradient_accumulation_steps > 1")
         grad = param.grad
@@ -409,7 +418,7 @@ class GradReducer:
         self._expect = [max(e, c) for e, c in zip(self._expect, values[n:])]
         union = [k for k in range(n) if values[k]]
         self._had_extra = self._had_extra or bool(union)
-        self._watch = self._had_extra
+        self._watch = self._had_extra or self._keep_watching
         if not union:
             return
         parts = [self._extra.get(k) for k in union]

@@ -44,6 +44,13 @@ REUSED: dict[tuple[int, int], Plan] = {
     (0, 2): ((2,), (2,)), (1, 2): ((0,), (0, 2)),
 }
 
+#: no rank reuses a block in the first backward; then rank 1, then rank 0 does
+LATE: dict[tuple[int, int], Plan] = {
+    (0, 0): ((0,), (1,), (2,)), (1, 0): ((0, 1), (2,)),
+    (0, 1): ((0,), (1,), (2,)), (1, 1): ((0,), (1,), (1,), (2,)),
+    (0, 2): ((2,), (2,)), (1, 2): ((0, 1, 2),),
+}
+
 
 def reentrant(fn: Callable[..., Any], *args: Any) -> Any:
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=True)
@@ -77,7 +84,7 @@ class Net(nn.Module):
         return F.cross_entropy(h, y)
 
 
-CASES = {"unshared": (False, UNSHARED), "tied_reused": (True, REUSED)}
+CASES = {"unshared": (False, UNSHARED), "tied_reused": (True, REUSED), "late": (False, LATE)}
 
 
 def build(case: str, ck: Callable[..., Any]) -> nn.Module:
@@ -159,6 +166,9 @@ RUNS: dict[str, tuple[str, int, dict[str, Any]]] = {
     "s1_tied_reused": ("tied_reused", 1, SMALL),
     "s1_tied_reused_default_buckets": ("tied_reused", 1, {}),
     "s1_tied_reused_overlap": ("tied_reused", 1, {**SMALL, "overlap_comm": True}),
+    # on CPU the ranks agree on extra gradients every backward: a reuse first
+    # seen in a later one is summed (before: refused on the rank that saw it)
+    "s1_late_reuse": ("late", 1, SMALL),
     "s2_unshared": ("unshared", 2, SMALL),
     "s2_unshared_default_buckets": ("unshared", 2, {}),
     "s2_unshared_overlap": ("unshared", 2, {**SMALL, "overlap_comm": True}),
