@@ -48,14 +48,15 @@ def test_one_nan_step_is_skipped_and_training_goes_on(job: list[dict[str, Any]],
         assert run["params"] == clean["params"], where
 
 
-def test_the_skip_warning_names_rank_0s_bad_parameter(job: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("fp16", ("", "_fp16"))
+def test_the_skip_warning_names_rank_0s_bad_parameter(job: list[dict[str, Any]],
+                                                      fp16: str) -> None:
     """Linear(6, 1) at 2 ranks: rank 0's partition is 4 of the weight's 6
-    elements; the bias is in rank 1's."""
+    elements; the bias is in rank 1's (fp16: the overflow line)."""
     warnings = job[0]["warnings"]
-    assert len(warnings["weight"]) == 1 and "first non-finite gradient: weight)" \
-        in warnings["weight"][0], warnings
-    assert len(warnings["bias"]) == 1 and "another rank holds it" in warnings["bias"][0], \
-        warnings
+    weight, bias = warnings["weight" + fp16], warnings["bias" + fp16]
+    assert len(weight) == 1 and "first non-finite gradient: weight)" in weight[0], warnings
+    assert len(bias) == 1 and "another rank holds it" in bias[0], warnings
 
 
 @pytest.mark.parametrize("stage", (1, 2, 3))

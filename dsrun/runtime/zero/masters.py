@@ -459,15 +459,17 @@ class MasterGradients(Owner):
 
     def first_nonfinite(self, module: torch.nn.Module) -> Optional[str]:
         """The name in ``module`` of the first parameter whose elements in
-        this rank's partitions hold an inf/NaN (reduced gradients, before
-        ``zero_grad``); None when this rank's partitions are finite. One
-        host read per parameter: for the rate-limited skip warning only."""
+        this rank's partitions hold an inf/NaN, or a sum :meth:`has_overflow`
+        counts as one (reduced gradients, before ``zero_grad``); None when
+        there is none. One host read per parameter: for the rate-limited
+        skip warning only."""
         names = {id(p): n for n, p in module.named_parameters()}
+        limit = overflow_limit(self.grad_dtype)
         for param, g, offset, length in self._param_slices():
             grad = self.masters[g].grad
             if grad is None or not length:
                 continue
-            if not bool(torch.isfinite(grad.narrow(0, offset, length)).all()):
+            if not bool(in_range([grad.narrow(0, offset, length)], limit)):
                 return names.get(id(param), getattr(param, "ds_name", None)) or \
                     f"a parameter of shape {tuple(param.shape)}"
         return None

@@ -43,7 +43,7 @@ class Capture(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def build(stage: int, bf16: bool, ga: int) -> Any:
+def build(stage: int, bf16: bool, ga: int, fp16: bool = False) -> Any:
     torch.manual_seed(0)
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ga,
@@ -52,6 +52,8 @@ def build(stage: int, bf16: bool, ga: int) -> Any:
         "zero_optimization": {"stage": stage}}
     if bf16:
         config["bf16"] = {"enabled": True}
+    if fp16:
+        config["fp16"] = {"enabled": True, "initial_scale_power": 4}
     engine, *_ = dsrun.initialize(model=torch.nn.Linear(6, 1), config=config)
     return engine
 
@@ -68,7 +70,8 @@ def one_step(engine: Any, data: int, poison: Optional[str]) -> float:
     loss = torch.zeros(())
     for micro in range(engine.gradient_accumulation_steps()):
         gen = torch.Generator().manual_seed(1000 * data + 10 * micro + rank)
-        loss = engine(torch.randn(2, 6, generator=gen)).float().pow(2).mean()
+        x = torch.randn(2, 6, generator=gen).to(engine.module.weight.dtype)  # fp16: half
+        loss = engine(x).float().pow(2).mean()
         if poison == "loss":
             loss = loss * float("nan")
         elif poison is not None:
@@ -115,17 +118,22 @@ def kept_after_clear(stage: int, discard: bool) -> bool:
         engine.destroy()
 
 
-def warning_for(poison: str) -> list[str]:
-    """Rank 0's skip warning at stage 2 when only ``poison``'s gradient is NaN."""
+def warning_for(poison: str, fp16: bool) -> list[str]:
+    """Rank 0's skip line at stage 2 when only ``poison``'s gradient is NaN
+    (fp16: the overflow line, at INFO)."""
     capture = Capture()
-    logging.getLogger("dsrun.runtime.engine").addHandler(capture)
-    engine = build(2, False, 1)
+    capture.setLevel(logging.INFO)
+    logger = logging.getLogger("dsrun.runtime.engine")
+    level, logger.level = logger.level, logging.INFO
+    logger.addHandler(capture)
+    engine = build(2, False, 1, fp16)
     try:
         one_step(engine, 0, poison)
     finally:
-        logging.getLogger("dsrun.runtime.engine").removeHandler(capture)
+        logger.removeHandler(capture)
+        logger.level = level
         engine.destroy()
-    return [line for line in capture.lines if "non-finite gradient" in line]
+    return [line for line in capture.lines if "first non-finite gradient" in line]
 
 
 def main() -> None:
@@ -138,7 +146,8 @@ def main() -> None:
     result["kept"] = {f"s{stage}_{discard}": kept_after_clear(stage, discard)
                       for stage in (1, 2, 3) for discard in (False, True)}
     for poison in ("weight", "bias"):
-        result["warnings"][poison] = warning_for(poison)
+        for fp16 in (False, True):
+            result["warnings"][f"{poison}{'_fp16' if fp16 else ''}"] = warning_for(poison, fp16)
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
 
 
