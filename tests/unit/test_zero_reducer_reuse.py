@@ -3,7 +3,8 @@ first used twice in one backward - a block under two reentrant
 checkpoints - in the second backward, after a first without reuse, on a
 one-rank gloo group: on CPU summed (both backwards' gradients land, as
 plain torch computes them); where the agreement on extra gradients is a
-host sync (an accelerator, simulated) refused, naming the parameter.
+host sync (an accelerator, simulated) refused, naming the parameter, when
+the next backward starts (so that every rank refuses it at once).
 
 Before: refused on CPU as well (the ranks stopped agreeing after a first
 backward without extra gradients; in a job, on the rank that saw it
@@ -76,9 +77,12 @@ def test_refused_where_the_agreement_stops_after_the_first_backward(solo: None) 
     x = torch.randn(3, 4)
     _loss(blk, head, x, 1).backward()
     reducer.finish()
+    _loss(blk, head, x, 2).backward()  # noted, not refused: the other ranks go on too
+    reducer.finish()
     with pytest.raises(DsrunError, match=r"parameter 3 of param group 0 \(shape \(4,\)\) "
-                                         r"received gradients twice .* first backward in "
-                                         r"which no rank had any.*use_reentrant=False"):
-        _loss(blk, head, x, 2).backward()
+                                         r"received gradients twice .*in the last backward.* "
+                                         r"first backward in which no rank had any"
+                                         r".*use_reentrant=False"):
+        _loss(blk, head, x, 1).backward()  # refused when the next round starts
     reducer.reset()
     reducer.close()

@@ -55,9 +55,8 @@ send nothing extra. This agreement runs in the first round and, once any
 rank had extra gradients, in every round after (a data-dependent number of
 uses); on CPU (gloo), where reading it is no host sync, in every round.
 Otherwise (on an accelerator, after a first round in which no rank had
-extra gradients) an extra gradient first seen in a later round is refused
-on the rank that got it: the others, which do not run the agreement, learn
-of it only when that rank's job fails.
+extra gradients) an extra gradient first seen in a later round is refused,
+on every rank at the start of the next round (:mod:`~.late_extra`).
 
 A bucket's buffer holds its parameters in flat-buffer order (backward order
 is roughly the reverse), so this rank's share of a bucket is usually one
@@ -84,6 +83,7 @@ import torch.distributed as dist
 from dsrun import comm as collectives
 from dsrun.errors import DsrunError
 from dsrun.runtime.zero.comm import CommStrategy, Pending, start_reduce_to_owners
+from dsrun.runtime.zero.late_extra import LateNotice
 from dsrun.runtime.zero.partition import GroupLayout, plan_buckets
 from dsrun.runtime.zero.weakhooks import remove_when_collected
 
@@ -155,6 +155,8 @@ class GradReducer:
         self._extra: dict[int, torch.Tensor] = {}  # gradients after the bucket was sent
         self._watch = add_extra is not None  # agree on extras at this round's end
         self._had_extra = False  # some rank had extra gradients once: watch every round
+        self._late = -1  # the first parameter with a late extra gradient this round
+        self._notice: Optional[LateNotice] = None
         # on CPU reading the agreement is no host sync: watch every round, so
         # that a reuse first seen in a later round is summed, not refused on
         # the rank that sees it alone (stage 0's GradSync does the same)
@@ -227,20 +229,14 @@ class GradReducer:
         self._launch_complete()
 
     def _keep_extra(self, key: int, param: torch.Tensor) -> None:
-        """Keep a gradient that came after its bucket was launched."""
-        if not self._watch:
-            source = self.sources[key]
-            raise DsrunError(
-                f"parameter {source.index} of param group {source.group} (shape "
-                f"{tuple(source.param.shape)}) received gradients twice in one backward pass "
-                "for the first time after a first backward in which no rank had any: the "
-                "ranks no longer agree on extra gradients (ZeRO stage 1 without gradient "
-                "accumulation, on an accelerator, where that agreement is a host sync); "
-                "use reentrant activation checkpoints with use_reentrant=False, or "
-                "gradient_accumulation_steps > 1")
+        """Keep a gradient that came after its bucket was launched (a late
+        one, while unwatched: noted, refused later: :mod:`~.late_extra`)."""
         grad = param.grad
         assert grad is not None, "hooked parameter without a gradient"
         param.grad = None
+        if not self._watch:  # refused on every rank at the next round's start
+            self._late = key if self._late < 0 else self._late
+            return
         kept = self._extra.get(key)
         if kept is None:
             self._extra[key] = grad.detach().reshape(-1).to(self.dtype, copy=True)
@@ -264,7 +260,24 @@ class GradReducer:
                 "{'use_reentrant': False})), or ZeRO stage 0, 1 or 3, which add them up "
                 "(DeepSpeed's stage 2 refuses it too)")
 
+    def _refuse_late(self) -> None:
+        """Every rank: some rank got a late extra gradient last round."""
+        key = self._notice.take() if self._notice is not None else -1
+        if key < 0:
+            return
+        source = self.sources[key]
+        raise DsrunError(
+            f"parameter {source.index} of param group {source.group} (shape "
+            f"{tuple(source.param.shape)}) received gradients twice in one backward pass (on "
+            "some rank, in the last backward) for the first time after a first backward in "
+            "which no rank had any: the ranks no longer agree on extra gradients (ZeRO stage "
+            "1 without gradient accumulation, on an accelerator, where that agreement is a "
+            "host sync), so that backward's gradients, and the step after it, lacked it; "
+            "use reentrant activation "
+            "checkpoints with use_reentrant=False, or gradient_accumulation_steps > 1")
+
     def _begin_round(self) -> None:
+        self._refuse_late()
         self._active = True
         self._next = 0
         for bucket in self.buckets:
@@ -401,6 +414,11 @@ class GradReducer:
                 self._drain(b)
             if self._watch:
                 self._reduce_extras()
+            elif self.add_extra is not None:
+                if self._notice is None:
+                    self._notice = LateNotice(self.group, self.sources[0].param.device)
+                self._notice.announce(self._late)
+                self._late = -1
             self.on_round_end()
         finally:
             self._active = False
@@ -456,6 +474,7 @@ class GradReducer:
         self._active = self._queued = False
         self._next = 0
         self._extra = {}
+        self._late = -1
 
     def close(self) -> None:
         """Remove the hooks and free the buffers."""

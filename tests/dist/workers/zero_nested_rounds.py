@@ -127,9 +127,13 @@ def train(case: str, stage: int, zero: dict[str, Any]) -> dict[str, Any]:
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "SGD", "params": {"lr": LR}},
               "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0,
-              "zero_optimization": {"stage": stage, **zero}, "steps_per_print": 10**9}
+              "zero_optimization": {"stage": stage,
+                                    **{k: v for k, v in zero.items() if k != "_unwatched"}},
+              "steps_per_print": 10**9}
     engine, *_ = dsrun.initialize(model=build(case, reentrant), config=config)
     reducer = engine.optimizer._reducer
+    if zero.get("_unwatched"):
+        reducer._keep_watching = False  # as on an accelerator
     counts = {"launch": 0, "round": 0, "all_reduce": 0}
     launch, round_end = reducer._launch, reducer.on_round_end
 
@@ -144,7 +148,7 @@ def train(case: str, stage: int, zero: dict[str, Any]) -> dict[str, Any]:
     inner = reducer_module.collectives
     reducer_module.collectives = _Counting(inner, counts)  # type: ignore[assignment]
     rank = dist.get_rank()
-    per_backward = []
+    per_backward: list[dict[str, Any]] = []
     try:
         for step in range(STEPS):
             counts.update(launch=0, round=0, all_reduce=0)
@@ -153,7 +157,7 @@ def train(case: str, stage: int, zero: dict[str, Any]) -> dict[str, Any]:
             engine.step()
         params = {n: p.detach().reshape(-1).tolist() for n, p in engine.module.named_parameters()}
     except DsrunError as err:
-        return {"error": str(err)}
+        return {"error": str(err), "per_backward": per_backward}
     finally:
         reducer_module.collectives = inner
         engine.destroy()
@@ -169,6 +173,8 @@ RUNS: dict[str, tuple[str, int, dict[str, Any]]] = {
     # on CPU the ranks agree on extra gradients every backward: a reuse first
     # seen in a later one is summed (before: refused on the rank that saw it)
     "s1_late_reuse": ("late", 1, SMALL),
+    # where that agreement stops (an accelerator): refused on every rank
+    "s1_late_reuse_unwatched": ("late", 1, {**SMALL, "_unwatched": True}),
     "s2_unshared": ("unshared", 2, SMALL),
     "s2_unshared_default_buckets": ("unshared", 2, {}),
     "s2_unshared_overlap": ("unshared", 2, {**SMALL, "overlap_comm": True}),
