@@ -78,7 +78,7 @@ def test_sigterm_to_every_process_under_openmpi_lets_the_ranks_save(tmp_path, pi
     own SIGTERM to the agents (1 s later by Open MPI's default) was taken for
     a second signal and SIGKILLed the ranks mid-save. mpirun then sleeps out
     its kill sequence (2 x 21 s for --kill_grace 20): dsrun, whose agents
-    have all ended, waits for it only openmpi.ENDED_WAIT, not the grace too."""
+    have all said done, waits for it only openmpi.ENDED_WAIT, not the grace too."""
     out, tag = tmp_path / "out", uuid.uuid4().hex
     out.mkdir()
     proc = start_dsrun("--launcher", "openmpi", "--cpu", "--num_gpus", "2",
@@ -105,7 +105,7 @@ def test_sigterm_to_every_process_under_openmpi_lets_the_ranks_save(tmp_path, pi
     assert sorted(p.name for p in out.iterdir()) == ["saved_0", "saved_1"], err
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "SIGKILL" not in err, err
-    assert took < 15, f"{took:.1f}s: {err}"  # save 2 s, ENDED_WAIT 3 + 2 s
+    assert took < 8, f"{took:.1f}s: {err}"  # save 2 s, then ENDED_WAIT 0.75 s
 
 
 @pytest.mark.parametrize("how", ["stop", "kill"])
@@ -133,35 +133,8 @@ def test_a_mpirun_sigkilled_in_its_kill_sequence_leaves_no_session_dir(tmp_path,
         tool.stop(0)  # SIGTERM: mpirun sleeps out its 30 s sequence, so SIGKILL 5 s later
         assert tool.proc.returncode == -signal.SIGKILL
         assert session_dirs(pid, env) == []
+        # nor the ompi.<host>.<uid> directory above it, empty now
+        assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("ompi.")]
     finally:  # mpirun's process outlives it (a dsrun agent would see its link close)
         for proc in child:
             proc.kill()
-
-
-def test_mpi_abort_ends_the_job_without_waiting_out_mpiruns_kill_sequence(tmp_path):
-    """MPI_Abort makes mpirun stop its processes (the agents) with the kill
-    sequence, now --kill_grace long, during which it cannot exit: dsrun,
-    whose agents have all ended, SIGKILLs it after openmpi.ENDED_WAIT."""
-    pytest.importorskip("mpi4py")
-    script = tmp_path / "abort.py"
-    mark = tmp_path / "aborting"
-    script.write_text(
-        "import time\nfrom mpi4py import MPI\n"
-        "if MPI.COMM_WORLD.Get_rank() == 1:\n"
-        f"    open({str(mark)!r}, 'w').close()\n"
-        "    MPI.COMM_WORLD.Abort(3)\n"
-        "time.sleep(60)\n")
-    proc = start_dsrun("--launcher", "openmpi", "--cpu", "--num_gpus", "2",
-                       "--dist_backend", "none", str(script))
-    try:
-        end = time.monotonic() + 30
-        while not mark.exists() and time.monotonic() < end:
-            time.sleep(0.05)
-        aborted = time.monotonic()
-        _, err = proc.communicate(timeout=90)
-        took = time.monotonic() - aborted
-    finally:
-        proc.kill()
-    assert proc.returncode == 3, err
-    assert "rank 1 " in err, err
-    assert took < 12, f"{took:.1f}s: {err}"  # the grace of 30 s would be 62 s

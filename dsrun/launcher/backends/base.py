@@ -189,6 +189,9 @@ class AgentChannel(ABC):
     def on_eof(self) -> None:  # noqa: B027 - only some channels track it
         """Called once the agent's output has ended."""
 
+    def on_done(self) -> None:  # noqa: B027 - only some channels track it
+        """Called when the agent said ``done``: its ranks' stop is over."""
+
     def end_input(self) -> None:
         """End of the agent's input: it stops its ranks and exits."""
         try:
@@ -324,6 +327,8 @@ class JobHandle:
                     msg = glued[1]
                 synced = True
                 msg["_recv"] = now
+                if msg.get("ev") == "done":
+                    channel.on_done()
                 self.events.put((index, msg))
         except (OSError, EOFError, ValueError):
             pass  # transport gone: same as end of output

@@ -10,14 +10,15 @@ placed the ranks where the plan has them, and returns a
 The tool is supervised with the agents: its output goes to the sink as
 ``[mpirun]``/``[srun]`` lines (and its last lines explain a failure), it
 may not exit before every agent has connected, and closing the handle
-waits for it to exit, then SIGTERMs and finally SIGKILLs it. An agent that
+waits for it to exit, then SIGTERMs and finally SIGKILLs it (mpirun, which
+a SIGTERM only puts to sleep, is SIGKILLed at once, and the agents it
+leaves on this host after it: tool_stop.py). An agent that
 loses its connection stops its ranks, so nothing of the job outlives the
 launcher on any host.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import signal
@@ -30,6 +31,7 @@ from typing import IO, Any
 
 from dsrun.errors import LaunchError
 from dsrun.launcher import callback, netinfo, protocol
+from dsrun.launcher.backends import tool_stop
 from dsrun.launcher.backends.base import (
     TOOL_LINE,
     AgentChannel,
@@ -38,16 +40,17 @@ from dsrun.launcher.backends.base import (
     OutputSink,
     ignore_connect,
 )
+from dsrun.launcher.backends.tool_output import (  # noqa: F401 - importable here too
+    BOX_QUOTE,
+    FORCED,
+    TOOL_TAIL,
+    ToolOutput,
+)
 from dsrun.launcher.plan import LaunchPlan
 
 log = logging.getLogger("dsrun.launcher")
-TOOL_TAIL = 20
 #: Seconds the tool gets to exit after its agents have, before SIGTERM.
 TOOL_EXIT_GRACE = 10.0
-#: srun's line when a signal of its own (SIGTERM, a second Ctrl-C) made it
-#: kill every task of its step at once: the agents' connections then drop
-#: while srun still waits for its step's end.
-FORCED = "forcing job termination"
 
 
 class LaunchTool:
@@ -56,16 +59,21 @@ class LaunchTool:
     def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str], cwd: str,
                  sink: OutputSink, executable: str | None = None,
                  advice: Callable[[str], str] | None = None,
-                 after_kill: Callable[[int], None] | None = None) -> None:
+                 after_kill: Callable[[int], None] | None = None,
+                 secret: str | None = None) -> None:
         """``executable``: the file to run, when ``argv[0]`` is only the name
         it runs under (mpirun must not see its absolute path: openmpi.py);
         ``advice``: the backend's fix for the failure its output summary
         says (or ""), added to :meth:`exit_text`; ``after_kill``: removes
-        what the tool, SIGKILLed by :meth:`stop`, left behind (its pid)."""
+        what the tool, SIGKILLed by :meth:`stop`, left behind (its pid);
+        ``secret``: the agents' callback secret when a SIGTERM does not
+        help (mpirun): :meth:`stop` then SIGKILLs the tool at once and the
+        agents it leaves on this host after it (tool_stop.py)."""
         self.name = name
         self.sink = sink
         self.advice = advice
         self.after_kill = after_kill
+        self.secret = secret
         self.killed = False  # SIGKILLed by dsrun (kill, stop)
         self.output = ToolOutput()
         try:
@@ -106,104 +114,25 @@ class LaunchTool:
         self.killed = True
         self.proc.kill()
 
-    def stop(self, grace: float, term_wait: float = 5.0) -> None:
+    def stop(self, grace: float, term_wait: float = 5.0, early: bool = False) -> None:
         """Wait ``grace`` seconds for it to exit, then SIGTERM, then SIGKILL
-        ``term_wait`` seconds later."""
-        for step, sig_wait in enumerate((grace, term_wait)):
-            try:
-                self.proc.wait(sig_wait)
-                break
-            except subprocess.TimeoutExpired:
-                if step == 0:
-                    self.proc.terminate()
-        else:
-            self.kill()
+        ``term_wait`` seconds later; with a ``secret``, SIGKILL it after
+        ``grace`` (or, ``early``, once no agent is left on this host), then
+        the agents it leaves here."""
+        if self.secret is not None:
+            if not tool_stop.wait_exit(self.proc, grace, self.secret if early else None):
+                self.kill()
+            self.proc.wait()
+            if self.killed:
+                tool_stop.kill_agents(self.secret)
+        elif not tool_stop.wait_exit(self.proc, grace):
+            self.proc.terminate()
+            if not tool_stop.wait_exit(self.proc, term_wait):
+                self.kill()
             self.proc.wait()
         after, self.after_kill = self.after_kill, None
         if after is not None and self.killed and self.proc.returncode == -signal.SIGKILL:
             after(self.proc.pid)  # reaped just now: its pid is no one else's yet
-
-
-# words of a launch tool's line that says what went wrong
-_TELLING = ("error", "unrecognized", "unrecognised", "invalid", "could not", "cannot",
-            "can't", "not found", "no such", "denied", "refused", "failed", "unknown",
-            "unable")
-
-
-#: A rule framing an Open MPI message box (show_help prints one above and below).
-_BOX_RULE = "-" * 20
-#: Characters of a box's opening sentence quoted in a summary.
-BOX_QUOTE = 300
-
-
-class ToolOutput:
-    """A launch tool's output, reduced to the line that best says why it
-    failed (pure): the first line naming a problem - tools say the cause
-    before their summary ("ssh: Could not resolve hostname" before Open
-    MPI's "was unable to reliably start one or more daemons"), and it is
-    kept however much output follows - else the opening paragraph of the
-    last message box Open MPI printed (between rules of dashes: "There are
-    not enough slots available in the system to satisfy the 4 slots that
-    were requested by the application:", not the box's last word), else the
-    last of the kept tail that is neither a rule of dashes or equals signs
-    nor a "Try --help" pointer. Stderr's wins over stdout's at each step:
-    the two pipes are read apart (each by its own thread, so the state is
-    kept per pipe), their order is not known, and the cause goes to stderr."""
-
-    def __init__(self, keep: int = TOOL_TAIL) -> None:
-        self.first_telling: dict[int, str] = {}  # by fd
-        self.forced: str | None = None  # the tool's FORCED line, once it said it
-        self.tail: collections.deque[str] = collections.deque(maxlen=keep)
-        self.last_box: dict[int, str] = {}  # by fd: the opening paragraph
-        self._inside: dict[int, bool] = {}  # by fd: between a box's rules
-        self._para: dict[int, list[str] | None] = {}  # by fd: None once taken
-
-    def add(self, line: str, fd: int = 2) -> None:
-        stripped = line.strip()
-        self._box_line(stripped, fd)
-        if not stripped or _filler(stripped):
-            return
-        self.tail.append(stripped)
-        if self.forced is None and FORCED in stripped.lower():
-            self.forced = stripped
-        if fd not in self.first_telling and any(w in stripped.lower() for w in _TELLING):
-            self.first_telling[fd] = stripped
-
-    def _box_line(self, stripped: str, fd: int) -> None:
-        """Follow Open MPI's boxes: a rule opens one, the next closes it; the
-        box's first paragraph ends at a blank line or at the closing rule."""
-        para = self._para.get(fd)
-        if stripped.startswith(_BOX_RULE) and not stripped.strip("-"):
-            if self._inside.get(fd):
-                if para:
-                    self._keep_box(fd, para)
-                self._inside[fd] = False
-            else:
-                self._inside[fd] = True
-                self._para[fd] = []
-        elif self._inside.get(fd) and para is not None:
-            if stripped:
-                if sum(map(len, para)) <= BOX_QUOTE:  # the quote's length is all it needs
-                    para.append(stripped)
-            elif para:  # blank lines before the text are no paragraph's end
-                self._keep_box(fd, para)
-
-    def _keep_box(self, fd: int, para: list[str]) -> None:
-        text = " ".join(para)
-        self.last_box[fd] = text if len(text) <= BOX_QUOTE else text[:BOX_QUOTE - 3] + "..."
-        self._para[fd] = None
-
-    def summary(self) -> str:
-        telling = self.first_telling.get(2) or self.first_telling.get(1)
-        box = self.last_box.get(2) or self.last_box.get(1)
-        return telling or box or (self.tail[-1] if self.tail else "")
-
-
-def _filler(line: str) -> bool:
-    if not any(ch.isalnum() for ch in line):
-        return True  # "-----", "=====", "***"
-    lower = line.lower()
-    return lower.startswith("try ") and "--help" in lower
 
 
 class SocketChannel(AgentChannel):
@@ -218,6 +147,10 @@ class SocketChannel(AgentChannel):
         self._in = sock.makefile("wb")
         self._out = sock.makefile("rb")
         self._eof = threading.Event()
+        self.confirmed = False  # the agent said done (not only: its link ended)
+
+    def on_done(self) -> None:
+        self.confirmed = True
 
     def stdin(self) -> IO[bytes]:
         return self._in  # type: ignore[return-value]
@@ -344,15 +277,19 @@ class CallbackServer:
         return callback.format_endpoints([*dict.fromkeys([*routed, *others]), "127.0.0.1"],
                                          self.port)
 
-    def close(self, keep: bool) -> None:
-        """Stop listening; close the agents' connections unless ``keep``."""
+    def close(self, keep: bool, listen: bool = False) -> None:
+        """Stop listening (``listen``: go on accepting, only to close each
+        late agent's connection: it then exits at once, where a refused one
+        dials again until its timeout); close the agents' connections
+        unless ``keep``."""
         with self.cond:
             self._closed = True
             conns = [] if keep else [c for c, _ in self.hellos.values()]
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        if not listen:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
         for conn in conns:
             conn.close()
 
@@ -428,9 +365,11 @@ class ConnectedHandle(JobHandle):
                  tool: LaunchTool, grace: float,
                  ended_wait: tuple[float, float] | None = None) -> None:
         """``ended_wait``: seconds the tool gets to exit when every agent's
-        connection ended, and then after a SIGTERM (None: as long as when
-        one did not, whose agent may still be stopping its ranks: ``grace``
-        + TOOL_EXIT_GRACE, and 5 s)."""
+        connection ended, and then after a SIGTERM - for a tool that is
+        SIGKILLed at once (``LaunchTool.secret``), only when every agent also
+        said ``done``. Otherwise (None, or an agent was lost: it may still be
+        stopping its ranks) ``grace`` + TOOL_EXIT_GRACE, and 5 s; a tool with
+        a ``secret`` is SIGKILLed as soon as none of its agents is left here."""
         super().__init__(channels, leaders)
         self.tool = tool
         self.grace = grace
@@ -444,10 +383,11 @@ class ConnectedHandle(JobHandle):
     def close(self, timeout: float = 5.0) -> None:
         super().close(timeout)
         ended = all(c.wait(0) is not None for c in self.channels)
-        if ended and self.ended_wait is not None:
+        confirmed = all(getattr(c, "confirmed", False) for c in self.channels)
+        if self.ended_wait is not None and ended and (confirmed or self.tool.secret is None):
             self.tool.stop(*self.ended_wait)
-        else:
-            self.tool.stop(self.grace + TOOL_EXIT_GRACE)
+        else:  # a lost agent may still be stopping its ranks
+            self.tool.stop(self.grace + TOOL_EXIT_GRACE, early=True)
 
 
 def open_connected(plan: LaunchPlan, name: str, argv: Sequence[str],
@@ -458,29 +398,36 @@ def open_connected(plan: LaunchPlan, name: str, argv: Sequence[str],
                    advice: Callable[[str], str] | None = None,
                    options: str | None = None,
                    after_kill: Callable[[int], None] | None = None,
-                   ended_wait: tuple[float, float] | None = None) -> ConnectedHandle:
+                   ended_wait: tuple[float, float] | None = None,
+                   kill_agents: bool = False) -> ConnectedHandle:
     """Start ``argv`` (the tool; ``executable``: the file, when ``argv[0]``
     is only its name; ``advice``, ``after_kill``: see :class:`LaunchTool`) and wait for
     every rank's agent; see the module docstring. ``tool_env`` is the tool's
     environment without the callback variables, which are added here;
     ``agent_timeout`` is how long an agent tries to reach the launcher;
-    ``ended_wait``: see :class:`ConnectedHandle`;
+    ``ended_wait``: see :class:`ConnectedHandle`; ``kill_agents``: the
+    tool is SIGKILLed, not SIGTERMed, and the agents it leaves here after it
+    (``secret`` of :class:`LaunchTool`);
     ``options``: the user's options to the tool, if any (for errors)."""
     server = CallbackServer(plan.world_size, on_connect)
     env = {**tool_env, protocol.LAUNCHER_VAR: server.endpoints(prefer),
            protocol.SECRET_VAR: server.secret, protocol.TIMEOUT_VAR: f"{agent_timeout:g}"}
     tool = None
     try:
-        tool = LaunchTool(name, argv, env, plan.cwd, sink, executable, advice, after_kill)
+        tool = LaunchTool(name, argv, env, plan.cwd, sink, executable, advice, after_kill,
+                          server.secret if kill_agents else None)
         server.wait_all(tool, timeout)
         hellos = {r: h for r, (_, h) in server.hellos.items()}
         problem = placement_problem(plan, hellos, name, socket.gethostname(), options)
         if problem:
             raise LaunchError(problem)
     except BaseException:
-        server.close(keep=False)
-        if tool is not None:
-            tool.stop(0)
+        server.close(keep=False, listen=True)  # until the tool and its agents are gone
+        try:
+            if tool is not None:
+                tool.stop(0)
+        finally:
+            server.close(keep=False)
         raise
     server.close(keep=True)
     channels: list[AgentChannel] = [SocketChannel(*server.hellos[r], tool)

@@ -31,16 +31,23 @@ ranks the whole grace before mpirun's SIGKILL, and when every process got
 the signal directly, mpirun's own copy comes after the agent's grace has run
 out, not as a "second signal" that hurries the stop. The price: a signal to
 mpirun alone reaches the ranks that much later. ``--launcher_args "--mca
-odls_base_sigkill_timeout N"`` (or ``OMPI_MCA_odls_base_sigkill_timeout`` in
-the environment) is the user's choice and kept. mpirun's sequence blocks
+odls_base_sigkill_timeout N"``, ``OMPI_MCA_odls_base_sigkill_timeout`` in
+the environment, or the key in one of Open MPI's parameter files
+(:func:`param_files`: ``~/.openmpi/mca-params.conf``, the installation's
+``openmpi-mca-params.conf``) is the user's choice and kept; a value from a
+``--tune``/``--am`` file is not seen (dsrun's ``--mca`` wins over it). mpirun's sequence blocks
 its own exit too: a mpirun that dsrun must SIGKILL (a Ctrl-C while the
 agents start, a stop it does not finish in time) leaves its session
-directory on this host, which :func:`remove_session_dir` removes. Once
-every agent has ended, mpirun gets :data:`ENDED_WAIT` to exit, not the
-grace a lost agent's ranks may still need: it exits at once unless it is
-sleeping out that sequence (after a signal to every process of the job, a
-rank's ``MPI_Abort``, an agent's failure), which would hold dsrun's report
-back twice the grace; a SIGTERM does not wake it.
+directory on this host, which :func:`remove_session_dir` removes (and
+its ``ompi.<host>.<uid>`` parent when that is empty). A SIGTERM does not
+wake a mpirun sleeping out its sequence, it only starts one: dsrun never
+sends it one, it SIGKILLs it, then the agents it leaves on this host
+(tool_stop.py). Once every agent has said ``done``, mpirun gets
+:data:`ENDED_WAIT` to exit: it exits at once unless it sleeps out that
+sequence (after a signal to every process of the job, a rank's
+``MPI_Abort``, an agent's failure), which would hold dsrun's report back
+twice the grace. When an agent was lost, mpirun gets ``--kill_grace`` + 10 s,
+and is SIGKILLed as soon as no agent of the job is left on this host.
 
 Before anything starts (:meth:`OpenMpiBackend.check`): mpirun must be on
 PATH and be Open MPI's, and mpi4py must import and use the same MPI
@@ -103,9 +110,9 @@ CONTROLLED = ("-np", "-n", "--n", "-c", "--np", "-N", "-H", "-host", "--host",
 SYSTEM_PREFIXES = ("/", "/usr", "/usr/local")
 #: Open MPI's seconds between the steps of its kill sequence (module docstring).
 SIGKILL_TIMEOUT = "odls_base_sigkill_timeout"
-#: Seconds mpirun gets to exit once every agent has ended, then after its
-#: SIGTERM, before SIGKILL (module docstring).
-ENDED_WAIT = (3.0, 2.0)
+#: Seconds mpirun gets to exit once every agent has said ``done``, before
+#: SIGKILL (no SIGTERM step: module docstring).
+ENDED_WAIT = (0.75, 0.0)
 _VERSION = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
 
 
@@ -144,6 +151,47 @@ def sets_sigkill_timeout(launcher_args: Sequence[str], environ: Mapping[str, str
     return SIGKILL_TIMEOUT in launcher_args or f"OMPI_MCA_{SIGKILL_TIMEOUT}" in environ
 
 
+def param_files(environ: Mapping[str, str], mpirun: str | None) -> list[str]:
+    """Open MPI's MCA parameter files for ``mpirun`` (pure): those
+    ``OMPI_MCA_mca_base_param_files`` names, else the user's
+    ``~/.openmpi/mca-params.conf`` and the installation's
+    ``<prefix>/etc/openmpi-mca-params.conf`` (Debian's /etc/openmpi/ for a
+    mpirun in /usr/bin)."""
+    named = environ.get("OMPI_MCA_mca_base_param_files")
+    if named:
+        return [f for f in re.split(r"[,:]", named) if f]
+    home = environ.get("HOME") or os.path.expanduser("~")
+    files = [os.path.join(home, ".openmpi", "mca-params.conf")]
+    if mpirun:
+        prefix = os.path.dirname(os.path.dirname(mpirun))
+        files.append(os.path.join(prefix, "etc", "openmpi-mca-params.conf"))
+        if prefix in SYSTEM_PREFIXES:
+            files.append("/etc/openmpi/openmpi-mca-params.conf")
+    return files
+
+
+def file_sets_sigkill_timeout(texts: Sequence[str]) -> bool:
+    """Whether one of these parameter files' texts sets
+    ``odls_base_sigkill_timeout`` (``name = value`` lines, ``#`` comments; pure)."""
+    for text in texts:
+        for line in text.splitlines():
+            key = line.split("#", 1)[0].split("=", 1)
+            if len(key) == 2 and key[0].strip() == SIGKILL_TIMEOUT:
+                return True
+    return False
+
+
+def _read_texts(paths: Sequence[str]) -> list[str]:
+    texts = []
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                texts.append(f.read(1_000_000))
+        except OSError:
+            continue
+    return texts
+
+
 def session_dirs(pid: int, environ: Mapping[str, str]) -> list[str]:
     """The session directories on this host of the mpirun with ``pid``:
     ``<tmp>/ompi.<host>.<uid>/pid.<pid>`` (Open MPI 4.1), ``<tmp>`` being
@@ -160,17 +208,23 @@ def session_dirs(pid: int, environ: Mapping[str, str]) -> list[str]:
 
 def remove_session_dir(pid: int, environ: Mapping[str, str]) -> None:
     """Remove what a SIGKILLed mpirun (``pid``, just reaped) left on this
-    host; mpirun removes it itself when it exits."""
+    host, and the ``ompi.<host>.<uid>`` directory above it if nothing else
+    is left there (another mpirun's); mpirun removes both when it exits."""
     for path in session_dirs(pid, environ):
         shutil.rmtree(path, ignore_errors=True)
+        try:
+            os.rmdir(os.path.dirname(path))
+        except OSError:
+            pass  # not empty: in use by another mpirun of this user
 
 
 def mpirun_argv(plan: LaunchPlan, agent_argv: Sequence[str], *, mpirun: str = "mpirun",
                 launcher_args: Sequence[str] = (), ssh: SshOptions | None = None,
-                as_root: bool = False,
-                environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+                as_root: bool = False, environ: Mapping[str, str] | None = None,
+                user_sigkill_timeout: bool = False) -> tuple[str, ...]:
     """The one mpirun command of a plan (pure); ``environ``: mpirun's
-    environment, for the user's Open MPI settings."""
+    environment, for the user's Open MPI settings; ``user_sigkill_timeout``:
+    a parameter file sets it (:func:`file_sets_sigkill_timeout`)."""
     # Open MPI maps its own node first whatever -H's order (--map-by slot), so
     # the sequential mapping gets one -H entry per rank, in rank order (a
     # --map-by in --launcher_args comes later and wins; placement_problem
@@ -190,7 +244,7 @@ def mpirun_argv(plan: LaunchPlan, agent_argv: Sequence[str], *, mpirun: str = "m
     rsh = rsh_args(ssh or SshOptions())
     if rsh:
         argv += ["--mca", "plm_rsh_args", rsh]
-    if not sets_sigkill_timeout(launcher_args, environ or {}):
+    if not user_sigkill_timeout and not sets_sigkill_timeout(launcher_args, environ or {}):
         # mpirun's own SIGTERM must leave the agents their --kill_grace.
         argv += ["--mca", SIGKILL_TIMEOUT, str(sigkill_timeout(plan.kill_grace))]
     argv += launcher_args
@@ -312,9 +366,12 @@ class OpenMpiBackend(Backend):
             raise DsrunUsageError(problem)
 
     def argv(self, plan: LaunchPlan) -> tuple[str, ...]:
+        files = param_files(self.environ, self.executable or shutil.which(
+            self.mpirun, path=self.environ.get("PATH")))
         return mpirun_argv(plan, self.agent_argv(), mpirun=self.mpirun,
                            launcher_args=self.hosts.launcher_args, ssh=self.hosts.ssh,
-                           as_root=self.as_root, environ=self.environ)
+                           as_root=self.as_root, environ=self.environ,
+                           user_sigkill_timeout=file_sets_sigkill_timeout(_read_texts(files)))
 
     def prepare(self, plan: LaunchPlan) -> Request:
         agents = []
@@ -341,5 +398,5 @@ class OpenMpiBackend(Backend):
                               on_connect=on_connect, executable=self.executable,
                               advice=lambda summary: prefix_advice(summary, self.executable),
                               after_kill=lambda pid: remove_session_dir(pid, self.environ),
-                              ended_wait=ENDED_WAIT,
+                              ended_wait=ENDED_WAIT, kill_agents=True,
                               options="--launcher_args" if self.hosts.launcher_args else None)

@@ -61,6 +61,10 @@ if TYPE_CHECKING:
 CONTROLLED = ("-N", "--nodes", "-n", "--ntasks", "--ntasks-per-node", "-w", "--nodelist",
               "-m", "--distribution", "--export", "-D", "--chdir", "-F", "--nodefile")
 PLACEHOLDER = "slurm-node-{}"
+#: Seconds srun gets to exit once every agent's link has ended (an agent
+#: dsrun lost included: srun cannot exit while it hangs), then after its
+#: SIGTERM, which makes srun kill every task of its step, before SIGKILL.
+ENDED_WAIT = (3.0, 10.0)
 _GPUS = re.compile(r"(?:.*:)?(\d+)\Z")
 
 
@@ -190,5 +194,5 @@ class SlurmBackend(Backend):
                               tool_environment(plan, self.environ), sink,
                               [p for p in prefer if p], timeout,
                               agent_timeout=max(30.0, 3 * self.hosts.ssh.timeout),
-                              on_connect=on_connect,
+                              on_connect=on_connect, ended_wait=ENDED_WAIT,
                               options="--slurm_args" if self.hosts.slurm_args else None)
