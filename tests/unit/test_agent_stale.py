@@ -1,6 +1,7 @@
-"""agent_stale.claim: an agent removes only its own job's directories whose
-agent is gone (same boot and pid namespace), never a live agent's, another
-job's, one without an owner file, or a link."""
+"""agent_stale.claim: an agent removes the directories of gone agents of any
+dsrun job of this user (same boot and pid namespace), never a live agent's,
+one without an owner file, or a link; and nothing where /proc is another
+pid namespace's."""
 
 from __future__ import annotations
 
@@ -33,22 +34,23 @@ def _dead() -> str:
     return proc.line()
 
 
-def test_only_the_jobs_directories_of_gone_agents_are_removed(tmp_path: Path):
+def test_only_the_directories_of_gone_agents_are_removed(tmp_path: Path):
     live = Proc.of(os.getppid())
     assert live is not None
     dead = _owned(tmp_path, "dsrun-abcdef12-dead", _dead())
     reused = _owned(tmp_path, "dsrun-abcdef12-reused", f"{live.pid} {live.started + 1!r}")
     alive = _owned(tmp_path, "dsrun-abcdef12-alive", live.line())
-    other_job = _owned(tmp_path, "dsrun-abcdef12-other", _dead(), job="abcdef12" + "1" * 24)
+    # an interrupted job is not restarted: a later job's agent removes its dirs
+    other_job = _owned(tmp_path, "dsrun-99999999-other", _dead(), job="9" * 32)
     no_owner = tmp_path / "dsrun-abcdef12-new"
     no_owner.mkdir()
     (tmp_path / "dsrun-abcdef12-link").symlink_to(dead)
     mine = tmp_path / "dsrun-abcdef12-mine"
     mine.mkdir()
     removed = agent_stale.claim(str(mine), JOB)
-    assert sorted(removed) == sorted([str(dead), str(reused)])
-    assert not dead.exists() and not reused.exists()
-    assert alive.exists() and other_job.exists() and no_owner.exists()
+    assert sorted(removed) == sorted([str(dead), str(reused), str(other_job)])
+    assert not dead.exists() and not reused.exists() and not other_job.exists()
+    assert alive.exists() and no_owner.exists()
     assert (tmp_path / "dsrun-abcdef12-link").is_symlink()
     assert (mine / agent_stale.OWNER).read_text().startswith(JOB + "\n")
 
@@ -60,3 +62,16 @@ def test_another_machine_s_directory_is_left_alone(tmp_path: Path):
     mine = tmp_path / "dsrun-abcdef12-mine"
     mine.mkdir()
     assert agent_stale.claim(str(mine), JOB) == [] and gone.exists()
+
+
+def test_nothing_is_claimed_where_proc_is_another_pid_namespace_s(tmp_path: Path, monkeypatch):
+    """/proc/<our pid> would be another process there (unshare --pid without
+    --mount-proc): its start time would be recorded as ours."""
+    dead = _owned(tmp_path, "dsrun-abcdef12-dead", _dead())
+    mine = tmp_path / "dsrun-abcdef12-mine"
+    mine.mkdir()
+    real = os.readlink
+    monkeypatch.setattr(os, "readlink", lambda p, *a, **kw: str(os.getpid() + 100000)
+                        if p == "/proc/self" else real(p, *a, **kw))
+    assert agent_stale.claim(str(mine), JOB) == []
+    assert dead.exists() and not (mine / agent_stale.OWNER).exists()
