@@ -18,14 +18,19 @@ launcher too; so a rank gets one copy, not two:
   launcher was quicker).
 
 A task of a Slurm step (srun started the agent: its parent is
-``slurmstepd``) is different: Slurm delivers every signal meant for the
+``slurmstepd``) is different where Slurm delivers every signal meant for the
 step - ``scancel --signal``, ``#SBATCH --signal`` without ``B:``, srun
-passing on one it got - to every process of the step, the ranks included.
-There the agent's own copy means the ranks have theirs, so it is never
-forwarded, and the launcher's command waits :data:`MERGE` seconds and is
-dropped if the agent's own copy comes meanwhile. (A signal to every process
-of the batch job also reaches srun, which passes it on once more: that
-second copy is Slurm's, and reaches the ranks whatever the agent does.)
+passing on one it got - to every process of the step, the ranks included:
+with ``ProctrackType=proctrack/cgroup`` (the step's cgroup holds them) or
+``proctrack/linuxproc`` (it tracks the task's descendants)
+(:func:`ranks_get_step_signals`). There the agent's own copy means the
+ranks have theirs, so it is never forwarded, and the launcher's command
+waits :data:`MERGE` seconds and is dropped if the agent's own copy comes
+meanwhile. (A signal to every process of the batch job also reaches srun,
+which passes it on once more: that second copy is Slurm's, and reaches the
+ranks whatever the agent does.) ``proctrack/pgid`` signals only each task's
+process group, the agent's - every rank leads a group of its own - so
+there, and wherever the tracking is not known, the general rule holds.
 
 Signals are taken while the job runs; once it is being stopped they are
 dropped. The handler only appends to a list (a signal handler must not
@@ -60,6 +65,49 @@ def in_slurm_step() -> bool:
         return False
 
 
+#: Where slurm.conf is read when ``SLURM_CONF`` does not say (the
+#: packaged paths, then slurmd's cache of a configless cluster's file).
+SLURM_CONFS = ("/etc/slurm/slurm.conf", "/etc/slurm-llnl/slurm.conf",
+               "/run/slurm/conf/slurm.conf", "/var/spool/slurmd/conf-cache/slurm.conf")
+
+
+def proctrack_of(conf: str) -> str | None:
+    """``ProctrackType`` in a slurm.conf text, lower case (pure)."""
+    found = None
+    for line in conf.splitlines():
+        key, _, value = line.split("#", 1)[0].partition("=")
+        if key.strip().lower() == "proctracktype" and value.strip():
+            found = value.strip().split()[0].lower()
+    return found
+
+
+def in_step_cgroup(cgroups: str) -> bool:
+    """Whether ``/proc/self/cgroup`` text puts this process in a Slurm
+    step's cgroup (``.../job_N/step_M/...``; pure)."""
+    return any("/job_" in line and "/step_" in line for line in cgroups.splitlines())
+
+
+def ranks_get_step_signals(environ: dict[str, str] | None = None) -> bool:
+    """Whether Slurm's signals to this agent's step reach its ranks too:
+    slurm.conf's ProctrackType is not ``proctrack/pgid``, or, where it cannot
+    be read, this process is in a step's cgroup (module docstring)."""
+    env = os.environ if environ is None else environ
+    for path in (env.get("SLURM_CONF"), *SLURM_CONFS):
+        try:
+            if path:
+                with open(path, errors="replace") as f:
+                    kind = proctrack_of(f.read(1_000_000))
+                if kind is not None:
+                    return kind != "proctrack/pgid"
+        except OSError:
+            continue
+    try:
+        with open("/proc/self/cgroup") as f:
+            return in_step_cgroup(f.read())
+    except OSError:
+        return False
+
+
 def on_signal(signum: int, frame: object) -> None:
     """The agent's handler of :data:`FORWARDED` (installed before any thread)."""
     _PENDING.append((int(signum), False))
@@ -89,11 +137,12 @@ class Forwarder:
     def __init__(self, send: Callable[[int], None],
                  clock: Callable[[], float] = time.monotonic,
                  step: bool | None = None) -> None:
-        """``step``: the agent is a task of a Slurm step (None: find out,
-        :func:`in_slurm_step`)."""
+        """``step``: the agent is a task of a Slurm step whose signals reach
+        its ranks too (None: find out, :func:`in_slurm_step` and
+        :func:`ranks_get_step_signals`)."""
         self.send = send
         self.clock = clock
-        self.step = in_slurm_step() if step is None else step
+        self.step = in_slurm_step() and ranks_get_step_signals() if step is None else step
         self.heard: dict[int, float] = {}  # the agent's own copy, last seen
         self.sent: dict[int, float] = {}  # the last forward
         self.waiting: dict[int, float] = {}  # own copies not yet forwarded
