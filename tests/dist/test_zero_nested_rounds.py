@@ -38,7 +38,8 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return rank_results(WORKER, out, 2, timeout=240, env={"OMP_NUM_THREADS": "1"})
 
 
-TRAINED = [name for name in worker.RUNS if not name.endswith("_unwatched")]
+TRAINED = [name for name in worker.RUNS
+           if not name.endswith("_unwatched") and not name.endswith("_refused")]
 
 
 @pytest.mark.parametrize("name", TRAINED)
@@ -78,3 +79,14 @@ def test_late_reuse_refused_on_every_rank_where_unwatched(job: list[dict[str, An
         assert "on some rank, in the last backward" in run["error"]
         assert len(run["per_backward"]) == 2, run["per_backward"]
     assert runs[0]["error"] == runs[1]["error"]
+
+
+def test_stage2_refuses_a_tied_head_inside_the_last_checkpoint(job: list[dict[str, Any]]
+                                                               ) -> None:
+    """Both gradients of the tied weight now fall in one round, so stage 2
+    refuses it as it does with the head outside the checkpoint (before: a
+    second round took the outer gradient, every bucket sent twice)."""
+    for result in job:
+        run = result["runs"]["s2_tied_refused"]
+        assert "received gradients twice in one backward pass" in run.get("error", ""), run
+        assert run["per_backward"] == [], run["per_backward"]

@@ -57,6 +57,11 @@ uses); on CPU (gloo), where reading it is no host sync, in every round.
 Otherwise (on an accelerator, after a first round in which no rank had
 extra gradients) an extra gradient first seen in a later round is refused,
 on every rank at the start of the next round (:mod:`~.late_extra`).
+Costs, once some rank had extra gradients: a bucket holding a reused
+parameter waits for its last gradient, and the buckets after it (launched
+in order) wait too - a shared block early in the order delays their
+reductions to near the end of backward (no overlap with backward); and on
+an accelerator the agreement's read is a host sync at every round's end.
 
 A bucket's buffer holds its parameters in flat-buffer order (backward order
 is roughly the reverse), so this rank's share of a bucket is usually one
@@ -293,15 +298,12 @@ class GradReducer:
         self._queued = True
 
     def _pass_ended(self) -> None:
-        """A backward pass that delivered gradients has ended. If it was
-        nested - a reentrant checkpoint's recomputation, run by a node of the
-        enclosing backward, which is still being evaluated - the enclosing
-        backward has more gradients to deliver: the round goes on, and its
-        next gradient queues the end on the pass it arrives in (the
-        outermost one's end finishes the round; gradients that only arrive
-        in nested passes are finished by the engine's :meth:`finish` after
-        backward). Ending it here would start a second round, so a rank's
-        number of collectives would depend on its number of checkpoints."""
+        """A pass that delivered gradients ended. A nested one (a reentrant
+        checkpoint's, run by a node of the enclosing backward, still being
+        evaluated) does not end the round: the next gradient queues the end
+        on its own pass; the engine's :meth:`finish` after backward covers
+        the rest. Else a rank's number of rounds, so of collectives, would
+        be its number of checkpoints."""
         self._queued = False
         if torch._C._current_autograd_node() is None:  # torch >= 2.1
             self.finish()
