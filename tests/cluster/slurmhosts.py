@@ -103,9 +103,11 @@ def reap_dead_runs(tmpdir: str | None = None) -> list[str]:
 class SlurmCluster:
     """Slurm over an already started SimCluster; see the module docstring."""
 
-    def __init__(self, sim: SimCluster) -> None:
+    def __init__(self, sim: SimCluster, proctrack: str = "proctrack/linuxproc") -> None:
+        """``proctrack``: slurm.conf's ProctrackType (one that needs no cgroup setup)."""
         reap_dead_runs()
         self.sim = sim
+        self.proctrack = proctrack
         self.workdir = Path(tempfile.mkdtemp(prefix="dsrun-slurm-"))
         os.chmod(self.workdir, 0o755)  # munged wants its socket directory reachable
         self.conf = self.workdir / "slurm.conf"
@@ -194,7 +196,7 @@ SlurmdPidFile={w}/slurmd-%n.pid
 SlurmctldLogFile={w}/slurmctld.log
 SlurmdLogFile={w}/slurmd-%n.log
 SlurmdParameters=config_overrides
-ProctrackType=proctrack/linuxproc
+ProctrackType={self.proctrack}
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 SelectType=select/cons_tres
