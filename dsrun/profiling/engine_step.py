@@ -125,7 +125,10 @@ class StepProfiler:
 
     @contextlib.contextmanager
     def forward(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[None]:
-        if not self.active():
+        # a forward with gradients off (an evaluation or generation pass in
+        # the profiled step) is not a training micro-batch: counting it
+        # would add its MACs, samples and time to the step's figures
+        if not self.active() or not torch.is_grad_enabled():
             yield
             return
         if self._micro == 0:

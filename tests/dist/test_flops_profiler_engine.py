@@ -162,3 +162,23 @@ def test_a_one_stage_pipeline_is_profiled(solo: None, tmp_path: Path) -> None:
     assert value(report, "step latency").endswith(("s", "ms", "us"))
     engine.train_batch(batches)  # once only
     assert out.read_text() == report
+
+
+def test_forwards_without_gradients_in_the_profiled_step_are_not_counted(
+        solo: None, tmp_path: Path) -> None:
+    out = tmp_path / "flops.txt"
+    engine = build(0, profile_step=1, output_file=str(out))
+    train(engine, 1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):  # the profiled step, with evaluation passes amid it
+        loss = engine(torch.randn(4, 6, generator=g)).square().mean()
+        with torch.no_grad():
+            engine(torch.randn(5, 6, generator=g))
+        with torch.inference_mode():
+            engine(torch.randn(7, 6, generator=g))
+        engine.backward(loss)
+        engine.step()
+    report = out.read_text()
+    assert value(report, "micro-batches profiled") == "2"
+    assert value(report, "samples per rank") == "8"
+    assert value(report, "fwd MACs per rank") == macs_to_string(2 * FWD_MACS)
