@@ -70,18 +70,25 @@ def _assemble(ps: ParamState, part: Optional[Part], what: str) -> Optional[torch
             return None
         assert (part.start, part.end) == (0, ps.numel), (what, part.start, part.end)
         return part.values.detach().to(torch.float32, copy=True).view(ps.shape)
-    # one extra element counts the ranks that have a part: all of them or none
-    out = torch.zeros(ps.numel + 1, dtype=torch.float32, device=ps.device)
+    # two extra elements count, among the ranks that hold some of the
+    # parameter's elements, those that have a part (all of them or none) and
+    # all of them: a rank whose share of the group is padding alone holds
+    # nothing of it, and may have no gradient at all for its empty share
+    out = torch.zeros(ps.numel + 2, dtype=torch.float32, device=ps.device)
+    holds = ps.holds_elements()
     if part is not None:
         out[part.start:part.end].copy_(part.values)
-        out[ps.numel] = 1.0
+    if holds:
+        out[ps.numel] = float(part is not None)
+        out[ps.numel + 1] = 1.0
     ps.all_reduce(out, what)
-    have = int(round(float(out[ps.numel])))
+    have, holders = (int(round(float(v))) for v in out[ps.numel:])
     if have == 0:
         return None
-    if have != ps.world_size:
-        raise DsrunError(f"{what}: only {have} of {ps.world_size} data-parallel ranks hold "
-                         "this value: the ranks' optimizer states differ")
+    if have != holders:
+        raise DsrunError(f"{what}: only {have} of the {holders} data-parallel ranks that "
+                         "hold parts of this parameter have this value: the ranks' "
+                         "optimizer states differ")
     return out[:ps.numel].view(ps.shape)
 
 

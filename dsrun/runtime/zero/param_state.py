@@ -106,6 +106,11 @@ class ParamState:
     def all_reduce(self, tensor: torch.Tensor, what: str) -> None:
         """Sum ``tensor`` over the data-parallel group (every rank calls it)."""
 
+    def holds_elements(self) -> bool:
+        """True when this rank holds some of the parameter's elements (a
+        rank whose share of a small group is padding alone holds none)."""
+        return True
+
     def value(self) -> Part:
         raise NotImplementedError  # pragma: no cover
 
@@ -203,6 +208,9 @@ class ZeroParam(ParamState):
 
     def _announce(self, what: str, numel: int) -> None:
         """Stage 3 announces every collective to its divergence guard."""
+
+    def holds_elements(self) -> bool:
+        return self.end > self.start
 
     def _master(self, offset: int, length: int) -> torch.Tensor:
         return self.opt.masters[self.group].detach().narrow(0, offset, length)
