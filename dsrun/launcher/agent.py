@@ -154,7 +154,7 @@ class Agent(Commands):
         self.failed = False
         self.fail_sent = False
         self.tmpdir = make_tmpdir(f"dsrun-{self.job_id[:8]}-")
-        agent_stale.claim(self.tmpdir, self.job_id)  # and remove the job's stale ones
+        agent_stale.claim(self.tmpdir, self.job_id)  # and remove dead agents' ones
         me = procs.Proc.of(os.getpid())
         # The agent is its descendants' subreaper (main()): every process
         # below it but the guard is the job's (procs.job_processes).
