@@ -15,6 +15,11 @@ collective mismatch", the job aborted; NCCL: a hang). ``s1_late_reuse``
 that rank alone, the other left in the round's collectives - now summed
 on CPU and, where the ranks stop agreeing on extra gradients (an
 accelerator, simulated), refused on every rank at the next backward.
+
+Also a backward driven outside the engine (``engine.module(x)``, then
+``loss.backward()``) whose gradients all arrive in reentrant checkpoints'
+nested passes: it ends its own round (before: the round stayed open into
+the next micro-step - stage 2: a false "received gradients twice").
 """
 
 from __future__ import annotations
@@ -90,3 +95,23 @@ def test_stage2_refuses_a_tied_head_inside_the_last_checkpoint(job: list[dict[st
         run = result["runs"]["s2_tied_refused"]
         assert "received gradients twice in one backward pass" in run.get("error", ""), run
         assert run["per_backward"] == [], run["per_backward"]
+
+
+@pytest.mark.parametrize("stage,ga", worker.DIRECT)
+def test_backward_outside_the_engine_ends_its_round(job: list[dict[str, Any]], stage: int,
+                                                    ga: int) -> None:
+    """``engine.module(x)`` then ``loss.backward()`` (no engine forward, so
+    no engine ``finish()``), every parameter inside reentrant checkpoints:
+    each backward ends its own round (its gradients all came in nested
+    passes) and trains as plain torch. Before: the round stayed open into
+    the next micro-step; stage 2 at GA 2 raised a false "received gradients
+    twice" there. Stage 1 at GA 2 reduces at the step (no reducer)."""
+    for result in job:
+        run = result["direct"][f"s{stage}_ga{ga}"]
+        assert "error" not in run, f"stage {stage}, rank {result['rank']}: {run['error']}"
+        reducer = None if (stage, ga) == (1, 2) else False
+        assert run["open_after"] == [reducer] * (worker.DIRECT_STEPS * ga), run["open_after"]
+        want = result["direct_reference"][str(ga)]
+        diff = max(abs(a - b) for n in want
+                   for a, b in zip(run["params"][n], want[n], strict=True))
+        assert diff <= TOLERANCE, f"stage {stage}, rank {result['rank']}: {diff:.3g}"

@@ -31,10 +31,10 @@ One round per backward:
    gradient that arrives for a bucket that has no buffer yet stays in
    ``param.grad`` until the bucket gets one.
 4. At the end of backward (an autograd engine callback, queued by the first
-   hook of the round on the pass it runs in - again by a later hook when
-   that pass was a reentrant checkpoint's nested one, which does not end
-   the round: :meth:`_pass_ended`; :meth:`finish`, which the engine calls
-   after every backward, does the same and is idempotent) the
+   hook of the round on the pass it runs in - re-queued on the enclosing
+   pass when that pass was a reentrant checkpoint's nested one, which does
+   not end the round: :meth:`_pass_ended`; :meth:`finish`, which the engine
+   calls after every backward, does the same and is idempotent) the
    remaining buckets are launched - parameters that got no gradient
    contribute zeros - and every reduction is waited for and drained; then
    ``on_round_end()``.
@@ -299,14 +299,23 @@ class GradReducer:
 
     def _pass_ended(self) -> None:
         """A pass that delivered gradients ended. A nested one (a reentrant
-        checkpoint's, run by a node of the enclosing backward, still being
-        evaluated) does not end the round: the next gradient queues the end
-        on its own pass; the engine's :meth:`finish` after backward covers
-        the rest. Else a rank's number of rounds, so of collectives, would
-        be its number of checkpoints."""
+        checkpoint's, run by a node of the enclosing pass, still running)
+        does not end the round - else a rank's number of rounds, so of
+        collectives, would be its number of checkpoints: a one-time hook on
+        that node queues the end on the enclosing pass when the node returns
+        (so a backward whose gradients all came in nested passes, with no
+        engine :meth:`finish` after it, still ends its round)."""
         self._queued = False
-        if torch._C._current_autograd_node() is None:  # torch >= 2.1
-            self.finish()
+        node = torch._C._current_autograd_node()  # torch >= 2.1
+        if node is None:
+            return self.finish()
+
+        def node_done(*_: Any) -> None:
+            handle.remove()
+            if self._active and not self._queued:  # in the enclosing pass
+                self._queue_end()
+        # runs though added while the node runs: torch with pytorch#134728 (2024-09)
+        handle = node.register_hook(node_done)
 
     def _launch_complete(self) -> None:
         while self._next < len(self.buckets):

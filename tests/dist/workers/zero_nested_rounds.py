@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -185,13 +185,78 @@ RUNS: dict[str, tuple[str, int, dict[str, Any]]] = {
 }
 
 
+class AllInside(nn.Module):
+    """Every parameter inside a reentrant checkpoint: each gradient of a
+    backward arrives in a nested pass, none in the outermost one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, 1)
+
+    def forward(self, x: torch.Tensor, ck: Callable[..., Any] = reentrant) -> torch.Tensor:
+        return ck(self.b, torch.tanh(ck(self.a, x)))
+
+
+DIRECT_STEPS = 2
+#: (stage, gradient_accumulation_steps); stage 1 reduces during backward only at GA 1
+DIRECT = ((1, 2), (2, 2), (1, 1))
+
+
+def direct_batch(rank: int, step: int, micro: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + 10 * micro + rank)
+    # requires grad: a reentrant checkpoint's output needs an input that does
+    return torch.randn(4, D, generator=g).requires_grad_()
+
+
+def direct_reference(world: int, ga: int) -> dict[str, list[float]]:
+    """Plain torch: a loss that skips the engine's forward is not divided by
+    the accumulation steps, only averaged over the ranks."""
+    model = AllInside()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(DIRECT_STEPS):
+        opt.zero_grad()
+        for micro in range(ga):
+            for rank in range(world):
+                (model(direct_batch(rank, step, micro), plain).square().mean() / world).backward()
+        opt.step()
+    return {n: p.detach().reshape(-1).tolist() for n, p in model.named_parameters()}
+
+
+def train_direct(stage: int, ga: int) -> dict[str, Any]:
+    """``loss.backward()`` on ``engine.module(x)`` (no engine forward, so no
+    engine ``finish()`` after it): whether the reducer's round is still open
+    after each backward (None: no reducer), and the final parameters."""
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": ga,
+              "optimizer": {"type": "SGD", "params": {"lr": LR}},
+              "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+    engine, *_ = dsrun.initialize(model=AllInside(), config=config)
+    reducer, rank = engine.optimizer._reducer, dist.get_rank()
+    open_after: list[Optional[bool]] = []
+    try:
+        for step in range(DIRECT_STEPS):
+            for micro in range(ga):
+                engine.module(direct_batch(rank, step, micro)).square().mean().backward()
+                open_after.append(None if reducer is None else reducer.active)
+                engine.step()
+        params = {n: p.detach().reshape(-1).tolist() for n, p in engine.module.named_parameters()}
+    except DsrunError as err:
+        return {"error": str(err), "open_after": open_after}
+    finally:
+        engine.destroy()
+    return {"params": params, "open_after": open_after}
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     dsrun.init_distributed(dist_backend="gloo")
     world = dist.get_world_size()
     result = {"rank": dist.get_rank(),
               "reference": {case: reference(case, world) for case in CASES},
-              "runs": {name: train(*run) for name, run in RUNS.items()}}
+              "runs": {name: train(*run) for name, run in RUNS.items()},
+              "direct_reference": {ga: direct_reference(world, ga) for ga in (1, 2)},
+              "direct": {f"s{stage}_ga{ga}": train_direct(stage, ga) for stage, ga in DIRECT}}
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
 
 
