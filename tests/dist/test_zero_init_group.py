@@ -76,8 +76,10 @@ def test_zero_init_starts_a_world_size_one_group_under_plain_python(tmp_path: Pa
 def test_zero_init_takes_the_rank_from_torchruns_environment(tmp_path: Path) -> None:
     script = tmp_path / "init_first.py"
     script.write_text(SCRIPT)
+    # torchrun leaves a torchelastic_* log directory in TMPDIR: keep it in tmp_path
     res = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", "2", str(script), str(tmp_path)], env_without_group())
+               "--nproc_per_node", "2", str(script), str(tmp_path)],
+              env_without_group(TMPDIR=str(tmp_path)))
     assert res.returncode == 0, res.stderr[-3000:]
     # each rank holds half; the bias's shards are 2 and 2 of 3 (padding 1)
     assert facts(tmp_path) == ["0 2 32 16 16 2 1 1", "1 2 32 16 16 2 1 1"]
