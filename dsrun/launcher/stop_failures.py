@@ -80,8 +80,10 @@ def own_failure_lines(failures: Sequence[RankFailure], signum: int,
                      f"({f.cause()}): {said}")
     if lines:
         lines.append(f"{len(lines)} rank(s) failed of their own while {name} stopped the job "
-                     f"(above): whatever they were doing on the signal (a save) may not have "
-                     f"completed; the job still ends as stopped by {name}, without a restart")
+                     f"(above: a crash, an error of their own, or a collective broken by the "
+                     f"other ranks' stop): whatever they were doing on the signal (a save) may "
+                     f"not have completed; the job still ends as stopped by {name}, without a "
+                     f"restart")
     return lines
 
 

@@ -45,7 +45,8 @@ def test_the_lines_name_each_rank_and_what_it_means():
         "rank 1 on host a failed during the stop (killed by signal SIGSEGV): a crash of its "
         "own, not SIGTERM's doing",
         "rank 2 on host a failed during the stop (exit code 1): No space",
-        "2 rank(s) failed of their own while SIGTERM stopped the job (above): whatever they "
+        "2 rank(s) failed of their own while SIGTERM stopped the job (above: a crash, an "
+        "error of their own, or a collective broken by the other ranks' stop): whatever they "
         "were doing on the signal (a save) may not have completed; the job still ends as "
         "stopped by SIGTERM, without a restart"]
     assert own_failure_lines([_rank(0, code=0), _rank(1, sig=TERM)], TERM) == []
